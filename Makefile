@@ -1,0 +1,37 @@
+# Two set-up commands work on a fresh machine: `make test` and `make serve`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.sage-installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install test serve lint clean
+
+install: $(STAMP)
+
+# torch goes in first: without a GPU the CPU build, so pip never pulls CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) install "torch==$(TORCH_VERSION)"; \
+	else \
+		$(PIP) install "torch==$(TORCH_VERSION)" || { echo "could not install the CPU torch $(TORCH_VERSION)"; exit 1; }; \
+	fi
+	$(PIP) install -e '.[dev]'
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] else 1)"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check sage_infer tests bench
+
+serve: install
+	$(VENV)/bin/sage llm serve
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""InferenceBackend adapters (native, lmdeploy, vllm), registered lazily in `registry`."""

@@ -1,0 +1,98 @@
+"""Inference backends by name, imported only when asked for.
+
+Each entry names the adapter module and the third-party package it needs; `status()`
+says whether it can be used here and, if not, why — without importing the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+from sage_infer.errors import NotAvailableError
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    name: str
+    description: str
+    adapter_module: str  # sage_infer module implementing InferenceBackend
+    requires_package: str | None  # distribution that must be installed, None for native
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    name: str
+    description: str
+    available: bool
+    version: str | None
+    reason: str | None
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "available": self.available,
+            "version": self.version,
+            "reason": self.reason,
+        }
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec("native", "sage_infer's own engine: paged KV pool, prefix reuse, tiers",
+                    "sage_infer.backends.native", None),
+        BackendSpec("lmdeploy", "LMDeploy TurboMind / PyTorch engine (Ascend, CUDA)",
+                    "sage_infer.backends.lmdeploy", "lmdeploy"),
+        BackendSpec("vllm", "vLLM engine (CUDA, ROCm, Ascend via vllm-ascend)",
+                    "sage_infer.backends.vllm", "vllm"),
+    )
+}
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def status(name: str) -> BackendStatus:
+    spec = BACKENDS[name]
+    if spec.requires_package is None:
+        from sage_infer import __version__
+
+        version = __version__
+    else:
+        version = _package_version(spec.requires_package)
+        if version is None:
+            return BackendStatus(name, spec.description, False, None,
+                                 f"{spec.requires_package} is not installed (pip install {spec.requires_package})")
+    if not _module_exists(spec.adapter_module):
+        return BackendStatus(name, spec.description, False, version,
+                             f"the {name} adapter is not implemented in this build of sage_infer yet")
+    return BackendStatus(name, spec.description, True, version, None)
+
+
+def list_backends() -> list[BackendStatus]:
+    return [status(name) for name in BACKENDS]
+
+
+def load_backend(name: str):
+    """Import and return the adapter module for `name`, or raise why it cannot be used."""
+    if name not in BACKENDS:
+        raise NotAvailableError(f"unknown backend {name!r}; expected one of: {', '.join(BACKENDS)}")
+    current = status(name)
+    if not current.available:
+        raise NotAvailableError(f"backend {name} is not available: {current.reason}")
+    return importlib.import_module(BACKENDS[name].adapter_module)

@@ -1,0 +1,1 @@
+"""The `sage` CLI: one module per command group, mounted in `main`."""

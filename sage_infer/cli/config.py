@@ -1,0 +1,50 @@
+"""`sage config ...`: show the resolved configuration and where each value came from."""
+
+from __future__ import annotations
+
+import typer
+
+from sage_infer.cli.options import ConfigFileOpt, JsonOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
+from sage_infer.cli.output import emit, table
+
+app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
+
+_SOURCE_STYLE = {"default": "dim", "preset": "cyan", "config": "magenta", "env": "yellow", "cli": "green"}
+
+
+@app.command("show")
+def show(
+    preset: PresetOpt = None,
+    config: ConfigFileOpt = None,
+    kv_transport: KVTransportOpt = None,
+    set_: SetOpt = None,
+    model: ModelOpt = None,
+    hardware: bool = typer.Option(False, "--hardware", help="Also list every hardware preset field."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Print every resolved value with its source (cli > env > config > preset > default)."""
+    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
+    rows = resolved.rows()
+    data = {
+        "hardware_preset": resolved.hardware_preset,
+        "transport_preset": resolved.transport_preset,
+        "fields": rows,
+    }
+
+    def render(console) -> None:
+        shown = [r for r in rows if hardware or not r["field"].startswith("hardware.")]
+        console.print(
+            table(
+                f"Resolved config (hardware preset: {resolved.hardware_preset}, "
+                f"transport preset: {resolved.transport_preset or 'none'})",
+                ["field", "value", "source", "origin"],
+                [
+                    (r["field"], r["value"], f"[{_SOURCE_STYLE[r['source']]}]{r['source']}[/]", r["origin"])
+                    for r in shown
+                ],
+            )
+        )
+        if not hardware:
+            console.print("[dim]hardware.* fields hidden; add --hardware to list them[/dim]")
+
+    emit(data, as_json, render)

@@ -1,0 +1,58 @@
+"""Option aliases shared by every command group (same flag, same help, everywhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+PresetOpt = Annotated[
+    Optional[str],
+    typer.Option("--preset", "-p", help="Hardware preset name or YAML path (default: detect this machine)."),
+]
+ConfigFileOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="YAML file with ServeConfig fields.", dir_okay=False)
+]
+KVTransportOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--kv-transport",
+        help="KV transport key=value, repeatable: preset=high-bw, backend=shm, target-dtype=fp8_e4m3, "
+        "chunk-size=4MiB, max-inflight=16, zero-copy=true ...",
+    ),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Any config field as section.field=value, e.g. kv_pool.block_size=32 (repeatable)."),
+]
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="Local Hugging Face model directory (default: bundled demo).")
+]
+
+
+def resolve_flags(
+    preset: str | None,
+    config_file: Path | None,
+    kv_transport: list[str] | None,
+    sets: list[str] | None,
+    named: dict[str, tuple[str, object]] | None = None,
+):
+    """Resolve the process config from the shared flags.
+
+    `named` maps dotted field -> (flag text, value) for a command's own flags
+    (``{"model.path": ("--model", path)}``); None values are skipped.
+    """
+    from sage_infer.config.overrides import CliLayer, add_kv_transport_flags, add_set_flags
+    from sage_infer.config.resolve import resolve_config
+
+    layer = CliLayer()
+    add_set_flags(layer, sets)
+    add_kv_transport_flags(layer, kv_transport)
+    for dotted, (flag, value) in (named or {}).items():
+        if value is not None:
+            layer.set(dotted, value, flag)
+    return resolve_config(
+        preset=preset, config_file=config_file, cli=layer.values, cli_origins=layer.origins
+    )

@@ -1,0 +1,76 @@
+"""Parse ``key=value`` flags into the nested dict the resolver takes as its CLI layer.
+
+``--kv-transport preset=high-bw --kv-transport target-dtype=fp8_e4m3`` ->
+``{"kv_transport": {"preset": "high-bw", "target_dtype": "fp8_e4m3"}}``. Values stay
+strings; pydantic converts them and reports a bad one with the flag that set it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sage_infer.config.serve import ServeConfig
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.errors import UsageError
+
+KV_TRANSPORT_ALIASES = {
+    "dtype": "target_dtype",
+    "zero_copy": "enable_zero_copy",
+    "compression": "enable_compression",
+    "chunk": "chunk_size",
+    "inflight": "max_inflight",
+}
+
+
+@dataclass(slots=True)
+class CliLayer:
+    """Nested overrides plus the flag text behind each dotted field."""
+
+    values: dict = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def set(self, dotted: str, value: object, origin: str) -> None:
+        node = self.values
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"{origin}: {'.'.join(parts[:-1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+        self.origins[dotted] = origin
+
+
+def _split(flag: str, item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"{flag} {item!r}: expected key=value")
+    if value.strip() == "":
+        raise UsageError(f"{flag} {item}: empty value for {key!r}")
+    return key, value.strip()
+
+
+def add_kv_transport_flags(layer: CliLayer, items: list[str] | None) -> None:
+    """``--kv-transport key=value`` (dashes or underscores; a few short aliases)."""
+    known = set(KVTransportConfig.model_fields)
+    for item in items or []:
+        for part in item.split(","):  # also accept preset=high-bw,backend=shm
+            key, value = _split("--kv-transport", part)
+            name = key.replace("-", "_").lower()
+            name = KV_TRANSPORT_ALIASES.get(name, name)
+            if name not in known:
+                choices = ", ".join(sorted(k.replace("_", "-") for k in known))
+                raise UsageError(f"--kv-transport: unknown key {key!r}; expected one of: {choices}")
+            layer.set(f"kv_transport.{name}", value, f"--kv-transport {key}={value}")
+
+
+def add_set_flags(layer: CliLayer, items: list[str] | None) -> None:
+    """``--set section.field=value`` for any `ServeConfig` field."""
+    for item in items or []:
+        key, value = _split("--set", item)
+        dotted = key.replace("-", "_").lower()
+        if dotted.split(".")[0] not in ServeConfig.model_fields:
+            choices = ", ".join(sorted(ServeConfig.model_fields))
+            raise UsageError(f"--set: unknown section {dotted.split('.')[0]!r}; expected one of: {choices}")
+        layer.set(dotted, value, f"--set {key}={value}")

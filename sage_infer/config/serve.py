@@ -1,0 +1,96 @@
+"""`ServeConfig`: the one resolved configuration of a sage_infer process.
+
+Built once at start-up by `sage_infer.config.resolve.resolve_config` from, highest
+first: CLI flags, ``SAGE_*`` env vars (nested with ``__``, e.g.
+``SAGE_KV_POOL__BLOCK_SIZE=32``), a ``--config`` YAML file, the hardware and transport
+presets, and the defaults below.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ByteSize, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sage_infer.config.hardware import HardwareProfile, Strict
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.interfaces.kv_cache import KVDtype
+
+EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost", "sage")
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(None, description="Local HF model directory; None serves the bundled demo model.")
+    served_name: str | None = Field(None, description="Model id reported by the API (default: directory name).")
+    revision: str = Field("local", description="Part of the prefix-cache key, so caches never mix revisions.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    max_model_len: int | None = Field(None, ge=16, le=1 << 21)
+
+
+class KVPoolConfig(Strict):
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (a power of two).")
+    num_blocks: int | None = Field(None, ge=1, description="Blocks to preallocate; None: from memory_budget.")
+    memory_budget: ByteSize | None = Field(None, description="Bytes for the KV cache, e.g. 2GiB.")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="Device memory share when no budget is set.")
+    kv_dtype: KVDtype | Literal["auto"] = Field("auto", description="auto: the hardware preset's default.")
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, got {value}")
+        return value
+
+
+class TierConfig(Strict):
+    host_bytes: ByteSize = Field(ByteSize(0), description="Host (DDR) KV tier size; 0 disables it.")
+    disk_path: str | None = Field(None, description="Directory of the SSD KV tier; None disables it.")
+    disk_bytes: ByteSize = Field(ByteSize(0))
+    remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0.")
+
+    @field_validator("remote_url")
+    @classmethod
+    def _redis_only(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"remote_url must be a redis://, rediss:// or unix:// URL, got {value!r}")
+        return value
+
+
+class PolicyConfig(Strict):
+    eviction: Literal["lru", "lfu", "arc", "s3fifo", "cost", "sage"] = "lru"
+    admission: Literal["always", "probation"] = "always"
+
+
+class SchedulerConfig(Strict):
+    strategy: Literal["fifo", "priority"] = "fifo"
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once.")
+    max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20, description="Token budget of one step.")
+    enable_chunked_prefill: bool = True
+    max_waiting: int = Field(1024, ge=1, description="Queue length before new requests get 429.")
+
+
+class ServeConfig(BaseSettings):
+    """Everything one serve process needs; frozen after resolution."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SAGE_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    preset: str = Field("auto", description="Hardware preset name or YAML path; auto: detect this machine.")
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: SecretStr | None = Field(None, description="Required bearer token when set.")
+    model: ModelConfig = ModelConfig()
+    kv_pool: KVPoolConfig = KVPoolConfig()
+    tiers: TierConfig = TierConfig()
+    policy: PolicyConfig = PolicyConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kv_transport: KVTransportConfig = KVTransportConfig()
+    hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")
+
+    def resolved_kv_dtype(self) -> KVDtype:
+        if self.kv_pool.kv_dtype != "auto":
+            return KVDtype(self.kv_pool.kv_dtype)
+        return self.hardware.kv.default_dtype if self.hardware else KVDtype.BF16

@@ -1,0 +1,55 @@
+"""`KVTransportConfig`: how KV blocks move between instances, tiers and hosts.
+
+Set from a transport preset (``presets/transport/*.yaml``), a ``--config`` file,
+``SAGE_KV_TRANSPORT__*`` env vars, or ``--kv-transport key=value`` flags.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ByteSize, Field, field_validator
+
+from sage_infer.config.hardware import Strict
+
+TransportBackend = Literal["auto", "shm", "tcp", "torchdist", "rdma"]
+TransportDtype = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+
+MIN_CHUNK = 4 * 1024
+MAX_CHUNK = 1024 * 1024 * 1024
+
+
+class KVTransportConfig(Strict):
+    """Knobs of the KV transport engine. Sizes accept units: ``chunk_size=4MiB``."""
+
+    preset: str | None = Field(None, description="Transport preset these values started from.")
+    backend: TransportBackend = "auto"
+    target_dtype: TransportDtype | None = Field(
+        None, description="Convert KV to this dtype on the wire (None: send as stored)."
+    )
+    chunk_size: ByteSize = Field(ByteSize(4 * 1024 * 1024), description="Bytes per transfer chunk.")
+    overlap_streams: int = Field(2, ge=1, le=16, description="Concurrent copy streams overlapping compute.")
+    prefetch_depth: int = Field(2, ge=0, le=64, description="Layers/chunks fetched ahead of use.")
+    max_inflight: int = Field(8, ge=1, le=1024, description="Chunks in flight per transfer.")
+    enable_zero_copy: bool = Field(False, description="Register buffers and send without staging copies.")
+    enable_compression: bool = Field(False, description="Compress chunks (lossless) on slow links.")
+    timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline for one transfer.")
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk_in_range(cls, value: ByteSize) -> ByteSize:
+        if not MIN_CHUNK <= int(value) <= MAX_CHUNK:
+            raise ValueError(f"chunk_size must be between 4KiB and 1GiB, got {value.human_readable()}")
+        return value
+
+
+class TransportPreset(Strict):
+    """A named bundle of `KVTransportConfig` values (``presets/transport/NAME.yaml``)."""
+
+    name: str
+    description: str = ""
+    kv_transport: KVTransportConfig = Field(description="KVTransportConfig fields this preset sets.")
+
+    def values(self) -> dict:
+        """Only the fields the preset file set (so lower layers keep theirs)."""
+        return self.kv_transport.model_dump(exclude_unset=True, mode="json")
