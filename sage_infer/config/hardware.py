@@ -133,7 +133,7 @@ class HardwareProfile(Strict):
     def _sources_name_real_fields(self) -> HardwareProfile:
         dumped = self.model_dump(exclude={"sources"})
         for path in self.sources:
-            if not _has_path(dumped, path):
+            if not has_path(dumped, path):
                 raise ValueError(f"sources names {path!r}, which is not a field of a hardware preset")
         return self
 
@@ -142,7 +142,7 @@ class HardwareProfile(Strict):
         return source.confidence if source else None
 
 
-def _has_path(tree: object, path: str) -> bool:
+def has_path(tree: object, path: str) -> bool:
     node = tree
     for part in path.split("."):
         if isinstance(node, dict) and part in node:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from sage_infer.config.hardware import HardwareProfile
+from sage_infer.config.hardware import HardwareProfile, has_path
 from sage_infer.config.transport import TransportPreset
 from sage_infer.config.validation import format_validation_error
 from sage_infer.config.yaml_source import load_yaml
@@ -124,6 +124,9 @@ def _drop_stale_sources(merged: dict, origins: dict[str, str], files: list[str])
         return
     rank = {f: i for i, f in enumerate(files)}  # 0 = most derived
     for dotted in list(sources):
+        if not has_path(merged, dotted):  # a derived preset replaced the list it was in
+            del sources[dotted]
+            continue
         value_file = origins.get(dotted, "").rsplit(":", 1)[0]
         source_file = origins.get(f"sources.{dotted}", "").rsplit(":", 1)[0]
         if value_file in rank and source_file in rank and rank[value_file] < rank[source_file]:

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sage_infer.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def sage(capsys, monkeypatch):
+    """Run the `sage` CLI in-process: ``sage("config", "show", "--json")``."""
+    monkeypatch.delenv("SAGE_DEBUG", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(*argv: str) -> CliResult:
+        capsys.readouterr()
+        code = main(list(argv))
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _no_sage_env(monkeypatch):
+    """Tests set the SAGE_* variables they need; none leak in from the shell."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("SAGE_"):
+            monkeypatch.delenv(key)
