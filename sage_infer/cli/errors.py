@@ -10,8 +10,16 @@ import os
 import sys
 
 import click
+import typer
 
 from sage_infer.errors import SageError
+
+# typer >= 0.20 vendors its own copy of click; accept errors from either.
+_typer_click = getattr(getattr(typer, "_click", None), "exceptions", None)
+CLICK_ERRORS: tuple[type[Exception], ...] = tuple(
+    {click.exceptions.ClickException, *([_typer_click.ClickException] if _typer_click else [])}
+)
+ABORTS: tuple[type[BaseException], ...] = tuple({click.exceptions.Abort, typer.Abort, KeyboardInterrupt})
 
 
 def debug_enabled() -> bool:
@@ -34,16 +42,14 @@ def invoke(command: click.Command, argv: list[str]) -> int:
             raise
         report(str(err), err.hint)
         return err.exit_code
-    except click.exceptions.UsageError as err:
+    except CLICK_ERRORS as err:
         if debug_enabled():
             raise
-        context = err.ctx.command_path if err.ctx else "sage"
+        ctx = getattr(err, "ctx", None)
+        context = ctx.command_path if ctx is not None else "sage"
         report(f"{context}: {err.format_message()}", f"{context} --help")
-        return 2
-    except click.exceptions.Abort:
+        return getattr(err, "exit_code", 2) or 2
+    except ABORTS:
         report("aborted")
-        return 130
-    except KeyboardInterrupt:
-        report("interrupted")
         return 130
     return result if isinstance(result, int) else 0

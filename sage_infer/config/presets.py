@@ -99,7 +99,10 @@ def load_preset_source(kind: PresetKind, name_or_path: str, relative_to: Path | 
             break
         if not isinstance(parent, str) or not parent:
             raise ConfigError(f"{doc.where('extends')}: extends: expected a preset name or path, got {parent!r}")
-        path = resolve_preset_path(kind, parent, relative_to=path.parent)
+        try:
+            path = resolve_preset_path(kind, parent, relative_to=path.parent)
+        except ConfigError as err:
+            raise ConfigError(f"{doc.where('extends')}: extends: {err}") from None
 
     merged: dict = {}
     origins: dict[str, str] = {}
@@ -124,11 +127,11 @@ def _drop_stale_sources(merged: dict, origins: dict[str, str], files: list[str])
         return
     rank = {f: i for i, f in enumerate(files)}  # 0 = most derived
     for dotted in list(sources):
-        if not has_path(merged, dotted):  # a derived preset replaced the list it was in
-            del sources[dotted]
-            continue
         value_file = origins.get(dotted, "").rsplit(":", 1)[0]
         source_file = origins.get(f"sources.{dotted}", "").rsplit(":", 1)[0]
+        if not has_path(merged, dotted) and rank.get(source_file, 0) > 0:
+            del sources[dotted]  # a derived preset replaced the list this item was in
+            continue
         if value_file in rank and source_file in rank and rank[value_file] < rank[source_file]:
             sources[dotted] = {"confidence": "placeholder", "ref": f"overridden in {value_file} with no source given"}
 

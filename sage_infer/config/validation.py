@@ -43,6 +43,8 @@ def _expectation(error: dict, model: type[BaseModel], loc: list[str]) -> str:
         text = msg.removeprefix("Value error, ")
     elif msg.startswith("Input should be "):
         text = "expected " + msg.removeprefix("Input should be ")
+        if text.startswith(("expected greater", "expected less")):
+            text = text.replace("expected ", "expected a value ", 1)
     else:
         text = msg[0].lower() + msg[1:]
     value = error.get("input")
