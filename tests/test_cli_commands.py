@@ -1,0 +1,125 @@
+"""The commands users meet first: each works and its --json form is valid JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sage_infer.config.presets import list_presets
+
+
+def test_help_lists_command_groups(sage):
+    result = sage("--help")
+    assert result.code == 0
+    for group in ("infer", "transport", "llm", "config"):
+        assert group in result.out
+
+
+def test_version(sage):
+    from sage_infer import __version__
+
+    result = sage("--version")
+    assert result.code == 0 and __version__ in result.out
+
+
+def test_backends_list_json_reports_each_backend_with_reason(sage):
+    result = sage("infer", "backends:list", "--json")
+    assert result.code == 0
+    backends = {b["name"]: b for b in json.loads(result.out)["backends"]}
+    assert set(backends) == {"native", "lmdeploy", "vllm"}
+    for backend in backends.values():
+        assert isinstance(backend["available"], bool)
+        assert backend["available"] or backend["reason"]
+
+
+def test_backends_list_says_missing_package(sage):
+    result = sage("infer", "backends:list", "--json")
+    vllm = next(b for b in json.loads(result.out)["backends"] if b["name"] == "vllm")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert vllm["available"] is False and "vllm is not installed" in vllm["reason"]
+
+
+def test_backends_list_table(sage):
+    result = sage("infer", "backends:list")
+    assert result.code == 0 and "native" in result.out and "lmdeploy" in result.out
+
+
+def test_presets_list_json_has_every_shipped_preset(sage):
+    result = sage("infer", "presets:list", "--json")
+    assert result.code == 0
+    data = json.loads(result.out)
+    assert [h["name"] for h in data["hardware"]] == list_presets("hardware")
+    assert {t["name"] for t in data["transport"]} == {"high-bw", "low-latency", "low-cost"}
+
+
+def test_config_show_table_and_json_agree(sage):
+    table = sage("config", "show", "--preset", "cpu")
+    as_json = sage("config", "show", "--preset", "cpu", "--json")
+    assert table.code == 0 and as_json.code == 0
+    fields = [r["field"] for r in json.loads(as_json.out)["fields"] if not r["field"].startswith("hardware.")]
+    for field in fields:
+        assert field in table.out
+
+
+def test_transport_probe_json(sage):
+    result = sage("transport", "probe", "--json")
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    assert data["cpu"]["logical_cores"] >= 1
+    assert data["cpu"]["memcpy_gb_s"] > 0
+    assert data["matched_preset"] in list_presets("hardware")
+    assert {v["vendor"] for v in data["vendors"]} == {"nvidia", "hygon", "ascend", "cambricon", "kunlunxin"}
+    for vendor in data["vendors"]:
+        assert vendor["available"] or vendor["reason"]
+    assert data["recommended_kv_transport"]["backend"] in ("shm", "tcp", "torchdist", "rdma")
+
+
+def test_transport_probe_write_round_trips(sage, tmp_path):
+    path = tmp_path / "this-host.yaml"
+    result = sage("transport", "probe", "--write", str(path))
+    assert result.code == 0, result.err
+    written = yaml.safe_load(path.read_text())
+    assert written["name"] == "this-host" and written["extends"]
+    assert sage("infer", "presets:validate", str(path)).code == 0
+    shown = json.loads(sage("config", "show", "--preset", str(path), "--json").out)
+    rows = {r["field"]: r for r in shown["fields"]}
+    assert rows["hardware.name"]["value"] == "this-host"
+    if "bandwidth_gb_s" in written.get("memory", {}):
+        assert rows["hardware.memory.bandwidth_gb_s"]["value"] == written["memory"]["bandwidth_gb_s"]
+
+
+def test_transport_probe_write_rejects_non_yaml_name(sage, tmp_path):
+    result = sage("transport", "probe", "--no-measure", "--write", str(tmp_path / "out.txt"))
+    assert result.code == 2 and ".yaml" in result.err
+
+
+@pytest.mark.skipif(shutil.which("sage") is None and not (Path(sys.executable).parent / "sage").exists(),
+                    reason="console script not installed (run make install)")
+@pytest.mark.parametrize("script", ["sage", "sage-infer"])
+def test_console_scripts_print_valid_json(script):
+    exe = shutil.which(script) or str(Path(sys.executable).parent / script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAGE_")}
+    for argv in (["infer", "backends:list", "--json"], ["infer", "presets:list", "--json"],
+                 ["config", "show", "--json"], ["transport", "probe", "--json", "--no-measure"]):
+        done = subprocess.run([exe, *argv], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        json.loads(done.stdout)
+
+
+def test_import_pulls_no_optional_heavy_module():
+    code = (
+        "import sys, sage_infer, sage_infer.config, sage_infer.interfaces, sage_infer.cli.main;"
+        "bad = [m for m in ('triton', 'torch_npu', 'torch_mlu', 'lmdeploy', 'vllm', 'ray', 'redis') if m in sys.modules];"
+        "print(','.join(bad))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == ""
