@@ -1,0 +1,161 @@
+"""Device detection reads /sys, /proc and vendor tools; every piece is tested on
+captured or constructed inputs, and the real probe runs on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sage_infer.hal import detect
+from sage_infer.hal.cpu import CpuInfo, NumaNode, _compact, read_cpu_model, read_numa_nodes
+from sage_infer.hal.detect import HardwareReport, detect_devices, probe_vendor
+from sage_infer.hal.recommend import match_preset, recommend_transport
+from sage_infer.hal.topology.model import Link, LinkClass, Topology
+from sage_infer.hal.vendors import kunlunxin
+from sage_infer.hal.vendors.common import VendorReport
+from sage_infer.hal.vendors.nvidia import kv_dtypes_for_capability, parse_query_gpu
+from sage_infer.interfaces import AcceleratorDescriptor, KVDtype
+
+CPUINFO = """\
+processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+physical id\t: 0
+core id\t\t: 0
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+physical id\t: 0
+core id\t\t: 1
+
+processor\t: 2
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+physical id\t: 1
+core id\t\t: 0
+
+processor\t: 3
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+physical id\t: 1
+core id\t\t: 0
+"""
+
+QUERY_GPU = """\
+0, NVIDIA H100 80GB HBM3, 81559, 550.54.15
+1, NVIDIA H100 80GB HBM3, 81559, 550.54.15
+"""
+
+
+def _fake_numa(root: Path) -> Path:
+    for node, cpus, kb in [(0, "0-55,112-167", 1056546432), (1, "56-111,168-223", 1056954368)]:
+        d = root / f"node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(f"Node {node} MemTotal:       {kb} kB\nNode {node} MemFree: 1 kB\n")
+    (root / "possible").write_text("0-1\n")
+    return root
+
+
+def test_numa_nodes_from_sysfs(tmp_path):
+    nodes = read_numa_nodes(_fake_numa(tmp_path / "node"))
+    assert [n.node for n in nodes] == [0, 1]
+    assert len(nodes[0].cpus) == 112 and nodes[0].cpus[56] == 112
+    assert nodes[1].memory_bytes == 1056954368 * 1024
+
+
+def test_numa_nodes_missing_sysfs_is_empty(tmp_path):
+    assert read_numa_nodes(tmp_path / "absent") == []
+
+
+def test_cpu_model_counts_physical_cores_and_sockets(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    assert read_cpu_model(path) == ("Intel(R) Xeon(R) Platinum 8480+", 3, 2)
+
+
+def test_cpu_list_compaction_round_trips():
+    assert _compact([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert _compact([]) == ""
+
+
+def test_real_cpu_probe_on_this_machine():
+    report = detect_devices(measure=True)
+    assert report.cpu.logical_cores >= 1
+    assert report.cpu.memcpy_gb_s and report.cpu.memcpy_gb_s > 0
+    assert report.primary_vendor in ("cpu", "nvidia", "hygon", "ascend", "cambricon", "kunlunxin")
+    for vendor in report.vendors:
+        assert vendor.available or vendor.reason
+
+
+def test_nvidia_smi_query_parses_devices():
+    devices = parse_query_gpu(QUERY_GPU)
+    assert [d.index for d in devices] == [0, 1]
+    assert devices[0].name == "NVIDIA H100 80GB HBM3"
+    assert devices[0].memory_bytes == 81559 * 1024 * 1024
+    assert devices[1].driver_version == "550.54.15" and devices[1].torch_device == "cuda:1"
+
+
+def test_nvidia_fp8_kv_needs_ada_or_hopper():
+    assert KVDtype.FP8_E4M3 in kv_dtypes_for_capability(9, 0)
+    assert KVDtype.FP8_E4M3 not in kv_dtypes_for_capability(8, 0)
+    assert KVDtype.BF16 not in kv_dtypes_for_capability(7, 0)
+
+
+def test_kunlunxin_found_by_pci_vendor_id(tmp_path):
+    for address, vendor in [("0000:17:00.0", "0x1d22"), ("0000:18:00.0", "0x10de"), ("0000:3b:00.0", "0x1d22")]:
+        d = tmp_path / address
+        d.mkdir()
+        (d / "vendor").write_text(vendor + "\n")
+    assert kunlunxin.scan_pci(tmp_path) == ["0000:17:00.0", "0000:3b:00.0"]
+    report = kunlunxin.probe(pci_root=tmp_path)
+    assert report.available and [d.torch_device for d in report.devices] == ["xpu:0", "xpu:1"]
+
+
+def test_kunlunxin_absent_says_why(tmp_path):
+    report = kunlunxin.probe(pci_root=tmp_path)
+    assert not report.available and "0x1d22" in report.reason
+
+
+def test_a_crashing_vendor_probe_becomes_a_reason(monkeypatch):
+    monkeypatch.setitem(detect.VENDOR_PROBES, "nvidia", "sage_infer.hal.vendors.does_not_exist")
+    report = probe_vendor("nvidia")
+    assert not report.available and "ModuleNotFoundError" in report.reason
+
+
+def _report(vendor: str, names: list[str], links: list[Link] | None = None, memcpy: float | None = None):
+    cpu = CpuInfo("test cpu", 8, 4, 1, 64 << 30, [NumaNode(0, list(range(8)))], memcpy)
+    devices = [AcceleratorDescriptor(vendor, "cuda", i, n, 80 << 30, (KVDtype.BF16,)) for i, n in enumerate(names)]
+    topology = Topology(vendor, "test", links=links or []) if links is not None else None
+    vendors = [VendorReport(vendor, bool(devices), None if devices else "none", devices, topology)]
+    return HardwareReport(cpu, vendors)
+
+
+@pytest.mark.parametrize(
+    "vendor,name,preset",
+    [
+        ("nvidia", "NVIDIA H200", "nvidia-h200"),
+        ("nvidia", "NVIDIA H100 80GB HBM3", "nvidia-h100"),
+        ("ascend", "Ascend910B3", "ascend-910b"),
+        ("hygon", "K100_AI", "hygon-dcu-k100"),
+    ],
+)
+def test_match_preset_by_device_name(vendor, name, preset):
+    assert match_preset(_report(vendor, [name])) == preset
+
+
+def test_match_preset_without_accelerators_is_cpu():
+    assert match_preset(_report("nvidia", [])) == "cpu"
+
+
+def test_nvlink_machine_gets_high_bandwidth_transport():
+    links = [Link(0, 1, LinkClass.NVLINK, "NV18", 18)]
+    rec = recommend_transport(_report("nvidia", ["NVIDIA H100 80GB HBM3"] * 2, links), "nvidia-h100")
+    assert rec.config.preset == "high-bw" and rec.config.backend == "torchdist"
+    assert int(rec.config.chunk_size) == 16 << 20
+    assert any("nvlink" in reason for reason in rec.reasons)
+
+
+def test_cpu_machine_gets_shm_with_chunks_sized_to_bandwidth():
+    rec = recommend_transport(_report("nvidia", [], memcpy=10.0), "cpu")
+    assert rec.config.backend == "shm"
+    assert int(rec.config.chunk_size) == 8 << 20  # 10 GB/s x 1 ms = 10 MB -> 8 MiB
+    assert "--kv-transport backend=shm" in rec.flags()
