@@ -107,7 +107,7 @@ def test_kunlunxin_found_by_pci_vendor_id(tmp_path):
         (d / "vendor").write_text(vendor + "\n")
     assert kunlunxin.scan_pci(tmp_path) == ["0000:17:00.0", "0000:3b:00.0"]
     report = kunlunxin.probe(pci_root=tmp_path)
-    assert report.available and [d.torch_device for d in report.devices] == ["xpu:0", "xpu:1"]
+    assert report.available and [d.torch_device for d in report.devices] == ["cuda:0", "cuda:1"]
 
 
 def test_kunlunxin_absent_says_why(tmp_path):

@@ -34,24 +34,31 @@ _TOOL = "cnmon topo -m"
 
 _LABELS = {
     LinkClass.SELF: ("X", "SELF", "SLF"),
-    LinkClass.MLU_LINK: ("MLK", "MLU-LINK", "MLULINK", "MLU_LINK", "ML"),
-    LinkClass.PCIE_SWITCH: ("INT", "INTERNAL", "SIN", "SINGLE", "SINGLE_SWITCH", "PIX", "MUL", "MULTIPLE",
-                            "MULTIPLE_SWITCH", "MULTIPLE_SWITCHES", "PXB"),
+    LinkClass.MLU_LINK: ("MLK", "MLU_LINK", "MLULINK", "ML"),
+    LinkClass.PCIE_SWITCH: (
+        "INT",
+        "INTERNAL",
+        "SIN",
+        "SINGLE",
+        "SINGLE_SWITCH",
+        "PIX",
+        "MUL",
+        "MULTIPLE",
+        "MULTIPLE_SWITCH",
+        "MULTIPLE_SWITCHES",
+        "PXB",
+    ),
     LinkClass.PCIE_HOST_BRIDGE: ("HOB", "HOST_BRIDGE", "HOSTBRIDGE", "PHB"),
     LinkClass.PCIE_NUMA: ("CPU", "NODE"),
     LinkClass.PCIE_SYS: ("SYS", "SYSTEM"),
 }
 _BY_WORD = {word: cls for cls, words in _LABELS.items() for word in words}
 _MLK_LANES = re.compile(r"MLK(\d+)")
-_PHRASES = (
-    (r"\bMULTIPLE\s+SWITCH(ES)?\b", "MULTIPLE_SWITCH"),
-    (r"\bSINGLE\s+SWITCH\b", "SINGLE_SWITCH"),
-    (r"\bHOST\s+BRIDGE\b", "HOST_BRIDGE"),
-    (r"\bMLU[\s_-]*LINK\b", "MLU-LINK"),
-)
+_PHRASES = (r"MULTIPLE\s+SWITCH(?:ES)?", r"SINGLE\s+SWITCH", r"HOST\s+BRIDGE", r"MLU\s+LINK")
 
 
 def _classify_word(word: str) -> tuple[LinkClass, int | None]:
+    word = re.sub(r"[\s_-]+", "_", word.strip())
     match = _MLK_LANES.fullmatch(word)
     if match:
         return LinkClass.MLU_LINK, int(match.group(1))

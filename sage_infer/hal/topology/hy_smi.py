@@ -130,6 +130,8 @@ def parse_hy_smi_topo(text: str) -> Topology:
     """
     text = clean_text(text, _TOOL)
     start, end = text.find("{"), text.rfind("}")
+    if text.lstrip().startswith("["):  # JSON, but not the object hy-smi prints
+        start, end = text.find("["), text.rfind("]")
     if start != -1 and end > start and not _TEXT_TABLE.search(text[:start]):
         try:
             data = json.loads(text[start : end + 1])

@@ -74,18 +74,16 @@ def clean_text(text: object, tool: str) -> str:
     return text
 
 
-def parse_matrix(
-    text: object, *, tool: str, device_prefix: str, phrases: Iterable[tuple[str, str]] = ()
-) -> MatrixTable:
+def parse_matrix(text: object, *, tool: str, device_prefix: str, phrases: Iterable[str] = ()) -> MatrixTable:
     """Read the header, rows and NIC legend of an nvidia-smi-style matrix.
 
     The header is the first line whose first word is ``<device_prefix><N>``; its words up
     to ``CPU Affinity`` / ``NUMA ...`` are the link columns. Each row starting with a
     column name gives one cell per column (whitespace separated; tabs and ANSI codes are
-    ignored), then its attribute values. `phrases` are ``(regex, replacement)`` pairs
-    applied to row lines first, to turn multi-word labels (``MULTIPLE SWITCH``) into one
-    word. Raises :class:`TopologyParseError` when the header, a device row, or a cell is
-    missing.
+    ignored), then its attribute values. `phrases` are regexes for multi-word labels
+    (``MULTIPLE\\s+SWITCH``) that count as one cell; the cell keeps the words, joined by
+    one space. Raises :class:`TopologyParseError` when the header, a device row, or a cell
+    is missing.
     """
     lines = clean_text(text, tool).split("\n")
     dev_re = re.compile(rf"{re.escape(device_prefix)}\d+")
@@ -108,13 +106,12 @@ def parse_matrix(
     attr_names = _ATTR_NAMES.findall(attr_text)
     table = MatrixTable(columns=columns, device_columns=[c for c in columns if dev_re.fullmatch(c)])
     known = set(columns)
-    compiled = [(re.compile(p, re.IGNORECASE), r) for p, r in phrases]
-    for line in lines[start + 1 :]:
+    cell_re = re.compile("|".join([rf"\b(?:{p})\b" for p in phrases] + [r"\S+"]), re.IGNORECASE)
+    last = max(i for i, ln in enumerate(lines) if ln.strip())
+    for number, line in enumerate(lines[start + 1 :], start + 1):
         if line.strip().startswith(("Legend", "NIC Legend")):
             break
-        for pattern, repl in compiled:
-            line = pattern.sub(repl, line)
-        words = line.split()
+        words = [" ".join(w.split()) for w in cell_re.findall(line)]
         if not words or words[0] not in known or words[0] in table.rows:
             continue
         cells = words[1 : 1 + len(columns)]
@@ -122,8 +119,11 @@ def parse_matrix(
             raise TopologyParseError(
                 f"{tool}: row {words[0]} has {len(cells)} link cells, expected {len(columns)} (truncated output?)"
             )
+        values = words[1 + len(columns) :]
+        if number == last and words[0] in table.device_columns and len(values) < len(attr_names):
+            raise TopologyParseError(f"{tool}: output ends inside row {words[0]} (truncated output?)")
         table.rows[words[0]] = cells
-        table.attrs[words[0]] = dict(zip(attr_names, words[1 + len(columns) :]))
+        table.attrs[words[0]] = dict(zip(attr_names, values, strict=False))
     missing = [c for c in table.device_columns if c not in table.rows]
     if missing:
         raise TopologyParseError(

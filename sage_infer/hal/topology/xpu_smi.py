@@ -28,13 +28,13 @@ _PCIE = {
     "NODE": LinkClass.PCIE_NUMA,
     "SYS": LinkClass.PCIE_SYS,
 }
-_XPU_LINK = re.compile(r"(?:XL|XPU[-_]?LINK|XLINK)(\d*)")
-_PHRASES = ((r"\bXPU\s+Link\b", "XPU-LINK"),)
+_XPU_LINK = re.compile(r"(?:XL|XPU_?LINK|XLINK)(\d*)")
+_PHRASES = (r"XPU\s+LINK",)
 
 
 def classify_kunlunxin(label: str) -> tuple[LinkClass, int | None]:
     """Map an xpu-smi cell to ``(LinkClass, lanes)``: ``XL`` / ``XPU Link`` -> XPU_LINK."""
-    word = label.strip().upper()
+    word = re.sub(r"[\s_-]+", "_", label.strip().upper())
     match = _XPU_LINK.fullmatch(word)
     if match:
         return LinkClass.XPU_LINK, int(match.group(1)) if match.group(1) else None

@@ -1,7 +1,8 @@
 """Kunlunxin XPUs, found by PCI vendor id 0x1d22 and xpu-smi.
 
 Not Intel's ``torch.xpu``: Kunlunxin devices are recognised by their PCI vendor id
-and their own tool, never by ``torch.xpu.is_available()``.
+and their own tool, never by ``torch.xpu.is_available()``. Kunlunxin's own torch build
+(torch_xmlir, see presets/hardware/kunlunxin-p800.yaml) exposes the devices as ``cuda``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def probe(pci_root: Path = PCI_DEVICES) -> VendorReport:
         return VendorReport("kunlunxin", False, f"no PCI device with vendor id {PCI_VENDOR_ID}; {tool}",
                             topology=topology, tools=tools)
     devices = [
-        AcceleratorDescriptor("kunlunxin", "xpu", i, f"Kunlunxin XPU ({addr})", 0, _DTYPES)
+        AcceleratorDescriptor("kunlunxin", "cuda", i, f"Kunlunxin XPU ({addr})", 0, _DTYPES)
         for i, addr in enumerate(addresses)
     ]
     reason = topo_problem or "memory size unknown without the vendor torch plugin"
