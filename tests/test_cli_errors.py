@@ -76,7 +76,9 @@ def test_extends_cycle_is_rejected(sage, tmp_path):
 
 
 BAD_FLAGS = {
-    "unknown_transport_key": (["--kv-transport", "speed=fast"], ["--kv-transport", "unknown key 'speed'", "chunk-size"]),
+    "unknown_transport_key": (
+        ["--kv-transport", "speed=fast"], ["--kv-transport", "unknown key 'speed'", "chunk-size"]
+    ),
     "bad_chunk_size": (["--kv-transport", "chunk-size=abc"], ["chunk-size=abc", "kv_transport.chunk_size"]),
     "chunk_size_too_small": (["--kv-transport", "chunk-size=1KiB"], ["between 4KiB and 1GiB"]),
     "bad_backend": (["--kv-transport", "backend=ftp"], ["backend=ftp", "'ftp'", "'shm'"]),

@@ -57,7 +57,8 @@ def presets_list(as_json: JsonOpt = False) -> None:
     }
 
     def render(console) -> None:
-        console.print(table("Hardware presets", ["name", "vendor", "HBM GB", "intra-node link", "KV dtype", "description"],
+        columns = ["name", "vendor", "HBM GB", "intra-node link", "KV dtype", "description"]
+        console.print(table("Hardware presets", columns,
                             [(h["name"], h["vendor"], h["hbm_gb"], h["intra_node_link"], h["kv_default_dtype"],
                               h["description"]) for h in data["hardware"]]))
         console.print(table("Transport presets", ["name", "description"],

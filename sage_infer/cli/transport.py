@@ -52,7 +52,8 @@ def probe(
                       f"memcpy {bandwidth}")
         devices = [(d.vendor, d.torch_device, d.name, f"{d.memory_bytes / 2**30:.1f}" if d.memory_bytes else "?")
                    for d in report.accelerators]
-        console.print(table("Accelerators", ["vendor", "device", "name", "memory GiB"], devices or [("-", "cpu", "none", "")]))
+        console.print(table("Accelerators", ["vendor", "device", "name", "memory GiB"],
+                            devices or [("-", "cpu", "none", "")]))
         console.print(table("Vendor probes", ["vendor", "found", "reason"],
                             [(v.vendor, yes_no(v.available), v.reason or "") for v in report.vendors]))
         links = [(v.vendor, link.a, link.b, link.link_class.value, link.label)

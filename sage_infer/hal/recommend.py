@@ -102,5 +102,5 @@ def measured_preset_yaml(report: HardwareReport, base: str, name: str) -> str:
             data["memory"] = memory
     data["description"] = f"{profile.description} (measured on {platform.node()}, {stamp})".strip()
     data["sources"] = sources
-    header = f"# Written by `sage transport probe --write`; edit freely, then: sage infer presets:validate FILE\n"
+    header = "# Written by `sage transport probe --write`; edit freely, then: sage infer presets:validate FILE\n"
     return header + yaml.safe_dump(data, sort_keys=False)
