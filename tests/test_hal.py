@@ -10,7 +10,7 @@ import pytest
 from sage_infer.hal import detect
 from sage_infer.hal.cpu import CpuInfo, NumaNode, _compact, read_cpu_model, read_numa_nodes
 from sage_infer.hal.detect import HardwareReport, detect_devices, probe_vendor
-from sage_infer.hal.recommend import match_preset, recommend_transport
+from sage_infer.hal.recommend import annotate_link_bandwidths, match_preset, recommend_transport
 from sage_infer.hal.topology.model import Link, LinkClass, Topology
 from sage_infer.hal.vendors import kunlunxin
 from sage_infer.hal.vendors.common import VendorReport
@@ -159,3 +159,73 @@ def test_cpu_machine_gets_shm_with_chunks_sized_to_bandwidth():
     assert rec.config.backend == "shm"
     assert int(rec.config.chunk_size) == 8 << 20  # 10 GB/s x 1 ms = 10 MB -> 8 MiB
     assert "--kv-transport backend=shm" in rec.flags()
+
+
+QUERY_GPU_8X = "".join(f"{i}, NVIDIA H100 80GB HBM3, 81559, 550.54.15\n" for i in range(8))
+
+
+def _fake_tool(bin_dir: Path, name: str, outputs: dict[str, Path]) -> None:
+    """A shell script standing in for a vendor tool: prints a captured sample per argv."""
+    bin_dir.mkdir(exist_ok=True)
+    cases = "\n".join(f'  "{args}") cat "{path}" ;;' for args, path in outputs.items())
+    script = bin_dir / name
+    script.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}\n  *) exit 3 ;;\nesac\n')
+    script.chmod(0o755)
+
+
+@pytest.fixture
+def fake_bin(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return bin_dir
+
+
+TOPO = Path(__file__).parent / "data" / "topology"
+
+
+def test_nvidia_probe_through_nvidia_smi_samples(fake_bin, tmp_path):
+    query = tmp_path / "query.csv"
+    query.write_text(QUERY_GPU_8X)
+    _fake_tool(fake_bin, "nvidia-smi", {
+        "--query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits": query,
+        "topo -m": TOPO / "nvidia_smi_topo_dgx_h100.txt",
+    })
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is present; the nvidia-smi fallback path is not taken")
+    report = probe_vendor("nvidia")
+    assert report.available and len(report.devices) == 8
+    assert report.topology is not None and report.topology.link(0, 7).link_class is LinkClass.NVLINK
+    hardware = HardwareReport(detect_devices(measure=False).cpu, [report])
+    assert match_preset(hardware) == "nvidia-h100"
+    assert recommend_transport(hardware, "nvidia-h100").config.preset == "high-bw"
+    annotate_link_bandwidths(hardware, "nvidia-h100")
+    assert report.topology.link(0, 7).bandwidth_gb_s == 18 * 25  # NV18 x 25 GB/s per link per direction
+
+
+def test_ascend_probe_reads_topology_without_torch_npu(fake_bin):
+    _fake_tool(fake_bin, "npu-smi", {"info -t topo": TOPO / "npu_smi_topo_910b_hccs.txt"})
+    report = probe_vendor("ascend")
+    assert not report.available and "torch_npu is not installed" in report.reason
+    assert report.tools == {"npu-smi": True}
+    assert report.topology is not None and LinkClass.HCCS in report.topology.link_classes()
+
+
+def test_garbled_tool_output_is_a_reason_not_a_crash(fake_bin, tmp_path):
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_text("NVRM: API mismatch\n")
+    query = tmp_path / "query.csv"
+    query.write_text(QUERY_GPU_8X)
+    _fake_tool(fake_bin, "nvidia-smi", {
+        "--query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits": query,
+        "topo -m": garbage,
+    })
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is present")
+    report = probe_vendor("nvidia")
+    assert report.available and report.topology is None
+    assert "topology output not understood" in report.reason

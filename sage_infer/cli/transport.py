@@ -22,10 +22,16 @@ def probe(
 ) -> None:
     """Detect devices and links, match a preset, and recommend a KVTransportConfig."""
     from sage_infer.hal.detect import detect_devices
-    from sage_infer.hal.recommend import match_preset, measured_preset_yaml, recommend_transport
+    from sage_infer.hal.recommend import (
+        annotate_link_bandwidths,
+        match_preset,
+        measured_preset_yaml,
+        recommend_transport,
+    )
 
     report = detect_devices(measure=measure)
     preset = match_preset(report)
+    annotate_link_bandwidths(report, preset)
     recommendation = recommend_transport(report, preset)
     written = None
     if write is not None:
@@ -56,10 +62,10 @@ def probe(
                             devices or [("-", "cpu", "none", "")]))
         console.print(table("Vendor probes", ["vendor", "found", "reason"],
                             [(v.vendor, yes_no(v.available), v.reason or "") for v in report.vendors]))
-        links = [(v.vendor, link.a, link.b, link.link_class.value, link.label)
+        links = [(v.vendor, link.a, link.b, link.link_class.value, link.label, link.bandwidth_gb_s)
                  for v in report.vendors if v.topology for link in v.topology.links]
         if links:
-            console.print(table("Links", ["vendor", "a", "b", "class", "label"], links))
+            console.print(table("Links", ["vendor", "a", "b", "class", "label", "GB/s per dir (preset)"], links))
         console.print(f"[bold]matched preset[/bold]: {preset}")
         console.print(table("Recommended KVTransportConfig", ["field", "value"],
                             list(recommendation.config.model_dump(mode="json").items())))

@@ -43,6 +43,27 @@ class TransportRecommendation:
         return " ".join(f"--kv-transport {k.replace('_', '-')}={v}" for k, v in values.items())
 
 
+def annotate_link_bandwidths(report: HardwareReport, preset: str) -> None:
+    """Fill `Link.bandwidth_gb_s` (per direction) from the preset where the tool printed none.
+
+    Device fabrics: per-link GB/s x lanes when the label gives lanes (``NV18``), else the
+    aggregate halved (aggregates count both directions). PCIe paths: the host link.
+    """
+    profile = load_hardware_preset(preset).profile
+    fabric = profile.intra_node_link
+    for vendor in report.vendors:
+        for link in vendor.topology.links if vendor.topology else []:
+            if link.bandwidth_gb_s is not None:
+                continue
+            if link.link_class.is_device_link:
+                if link.lanes and fabric.per_link_gb_s:
+                    link.bandwidth_gb_s = round(link.lanes * fabric.per_link_gb_s, 1)
+                elif fabric.aggregate_gb_s:
+                    link.bandwidth_gb_s = round(fabric.aggregate_gb_s / 2, 1)
+            elif link.link_class.value.startswith("pcie"):
+                link.bandwidth_gb_s = profile.host_link.bandwidth_gb_s
+
+
 def recommend_transport(report: HardwareReport, preset: str) -> TransportRecommendation:
     """Rules, each with its reason: fabric between devices -> high-bw; host only -> shm
     with chunks sized to about 1 ms of measured copy bandwidth."""
