@@ -159,6 +159,7 @@ def test_cpu_machine_gets_shm_with_chunks_sized_to_bandwidth():
     assert rec.config.backend == "shm"
     assert int(rec.config.chunk_size) == 8 << 20  # 10 GB/s x 1 ms = 10 MB -> 8 MiB
     assert "--kv-transport backend=shm" in rec.flags()
+    assert "--kv-transport chunk-size=8MiB" in rec.flags()
 
 
 QUERY_GPU_8X = "".join(f"{i}, NVIDIA H100 80GB HBM3, 81559, 550.54.15\n" for i in range(8))

@@ -40,7 +40,17 @@ class TransportRecommendation:
     def flags(self) -> str:
         """The recommendation as ``--kv-transport`` flags."""
         values = self.config.model_dump(exclude_defaults=True, mode="json")
+        if "chunk_size" in values:
+            values["chunk_size"] = human_bytes(values["chunk_size"])
         return " ".join(f"--kv-transport {k.replace('_', '-')}={v}" for k, v in values.items())
+
+
+def human_bytes(n: int) -> str:
+    """Exact binary units where possible: 16777216 -> ``16MiB`` (parses back as the same size)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def annotate_link_bandwidths(report: HardwareReport, preset: str) -> None:
