@@ -230,3 +230,41 @@ def test_garbled_tool_output_is_a_reason_not_a_crash(fake_bin, tmp_path):
     report = probe_vendor("nvidia")
     assert report.available and report.topology is None
     assert "topology output not understood" in report.reason
+
+
+def test_torch_plugin_probe_lists_plugin_devices(tmp_path, monkeypatch):
+    """The plugin path as torch_npu would drive it; the plugin itself cannot run here, so a
+    stand-in module registers a device API on torch the way torch_npu registers torch.npu."""
+    import sys
+
+    import torch
+
+    from sage_infer.hal.vendors.common import probe_torch_plugin
+
+    (tmp_path / "fake_npu_plugin.py").write_text(
+        "import types, torch\n"
+        "torch.fakenpu = types.SimpleNamespace(device_count=lambda: 2,\n"
+        "    get_device_name=lambda i: 'Ascend910B3',\n"
+        "    get_device_properties=lambda i: types.SimpleNamespace(total_memory=64 * 2**30))\n"
+        "__version__ = '2.1.0.post8'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        report = probe_torch_plugin("ascend", "fake_npu_plugin", "fakenpu", ["npu-smi", "info"], (KVDtype.BF16,))
+    finally:
+        monkeypatch.delattr(torch, "fakenpu", raising=False)
+        sys.modules.pop("fake_npu_plugin", None)
+    assert report.available and report.torch_module == "fake_npu_plugin 2.1.0.post8"
+    assert [d.torch_device for d in report.devices] == ["fakenpu:0", "fakenpu:1"]
+    assert report.tools == {"npu-smi": False}
+    assert match_preset(HardwareReport(detect_devices(measure=False).cpu, [report])) == "ascend-910b"
+
+
+def test_torch_plugin_that_fails_to_load_is_a_reason(tmp_path, monkeypatch):
+    from sage_infer.hal.vendors.common import probe_torch_plugin
+
+    (tmp_path / "broken_plugin.py").write_text("raise OSError('libascendcl.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = probe_torch_plugin("ascend", "broken_plugin", "npu", ["npu-smi", "info"], (KVDtype.BF16,))
+    assert not report.available and "libascendcl.so" in report.reason

@@ -34,7 +34,7 @@ _ATTR_NAMES = re.compile(r"CPU Affinity|NUMA Affinity|[A-Z]+ NUMA ID|NUMA ID")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$", re.MULTILINE)
 _NA = {"", "N/A", "NA", "-", "NONE"}
 
-_NVIDIA_PCIE = {
+PCIE_LABELS = {
     "X": LinkClass.SELF,
     "PIX": LinkClass.PCIE_SWITCH,
     "PXB": LinkClass.PCIE_SWITCH,
@@ -187,7 +187,7 @@ def classify_nvidia(label: str) -> tuple[LinkClass, int | None]:
     match = _NV_LANES.fullmatch(word)
     if match:
         return LinkClass.NVLINK, int(match.group(1))
-    return _NVIDIA_PCIE.get(word, LinkClass.UNKNOWN), None
+    return PCIE_LABELS.get(word, LinkClass.UNKNOWN), None
 
 
 def parse_nvidia_smi_topo(text: str) -> Topology:

@@ -16,18 +16,11 @@ from __future__ import annotations
 import re
 
 from .model import LinkClass, Topology
-from .nvidia_smi import matrix_to_topology, parse_matrix
+from .nvidia_smi import PCIE_LABELS, matrix_to_topology, parse_matrix
 
 _TOOL = "xpu-smi topo -m"
 
-_PCIE = {
-    "X": LinkClass.SELF,
-    "PIX": LinkClass.PCIE_SWITCH,
-    "PXB": LinkClass.PCIE_SWITCH,
-    "PHB": LinkClass.PCIE_HOST_BRIDGE,
-    "NODE": LinkClass.PCIE_NUMA,
-    "SYS": LinkClass.PCIE_SYS,
-}
+_PCIE = {k: v for k, v in PCIE_LABELS.items() if k != "SOC"}  # xpu-smi copies nvidia-smi's labels
 _XPU_LINK = re.compile(r"(?:XL|XPU_?LINK|XLINK)(\d*)")
 _PHRASES = (r"XPU\s+LINK",)
 

@@ -82,3 +82,39 @@ def parse_topology_or_none(vendor: str, text: str | None) -> tuple[Topology | No
         return parse_topology(vendor, text), None
     except TopologyParseError as err:
         return None, f"topology output not understood: {err}"
+
+
+def probe_torch_plugin(
+    vendor: str,
+    plugin: str,
+    device_type: str,
+    tool_argv: list[str],
+    kv_dtypes: tuple,
+) -> VendorReport:
+    """Probe a vendor whose devices come from an out-of-tree torch plugin (torch_npu,
+    torch_mlu): the tool's topology first, then the plugin, imported only here."""
+    import importlib
+
+    tool = tool_argv[0]
+    tools = {tool: tool_present(tool)}
+    topology, topo_problem = parse_topology_or_none(vendor, run_tool(tool_argv))
+    tool_note = f"{tool} found" if tools[tool] else f"{tool} not found"
+    if not module_present(plugin):
+        return VendorReport(vendor, False, f"{plugin} is not installed; {tool_note}", topology=topology, tools=tools)
+    try:
+        import torch
+
+        module = importlib.import_module(plugin)  # registers torch.<device_type>
+        api = getattr(torch, device_type)
+        devices = [
+            AcceleratorDescriptor(vendor, device_type, i, api.get_device_name(i),
+                                  api.get_device_properties(i).total_memory, kv_dtypes)
+            for i in range(api.device_count())
+        ]
+        version = getattr(module, "__version__", "?")
+    except Exception as err:  # noqa: BLE001 - a broken driver stack must not break the probe
+        return VendorReport(vendor, False, f"{plugin} failed to load: {err}", topology=topology, tools=tools)
+    if not devices:
+        return VendorReport(vendor, False, f"{plugin} sees no {device_type.upper()}", topology=topology, tools=tools)
+    return VendorReport(vendor, True, topo_problem, devices=devices, topology=topology, tools=tools,
+                        torch_module=f"{plugin} {version}")
