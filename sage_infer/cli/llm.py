@@ -1,11 +1,14 @@
-"""`sage llm ...`: serve and generate with a model.
+"""`sage llm ...`: generate with a model, or serve it.
 
-The native engine is not built yet; these commands resolve and validate the full
-configuration (so flag and preset mistakes surface now) and then say what is missing.
+`serve` resolves and validates the full configuration, then says the HTTP server is
+not built yet; `generate` runs the native engine.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -36,7 +39,79 @@ def serve(
     }
     resolve_flags(preset, config, kv_transport, set_, named)
     raise NotAvailableError(
-        "sage llm serve: the native engine and the HTTP server are not implemented in this build yet "
-        "(configuration resolved and valid)",
-        hint="sage infer backends:list shows which engines are available",
+        "sage llm serve: the OpenAI-compatible HTTP server is not implemented in this build yet "
+        "(configuration resolved and valid; the engine runs with `sage llm generate`)",
+        hint="sage llm generate --prompt 'ROMEO:'",
     )
+
+
+@app.command("generate")
+def generate(
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text (repeatable).")] = None,
+    prompts_file: Annotated[
+        Optional[Path], typer.Option("--prompts-file", help="One prompt per line, or JSONL with a prompt field.")
+    ] = None,
+    model: ModelOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = -1,
+    seed: Annotated[Optional[int], typer.Option(help="Make sampling reproducible.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message (chat template).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines instead of text.")] = False,
+    preset: PresetOpt = None,
+    config: ConfigFileOpt = None,
+    kv_transport: KVTransportOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Generate text with the native engine (the bundled demo model unless --model)."""
+    from sage_infer.engine.llm import LLM
+    from sage_infer.engine.sampling_params import SamplingParams
+    from sage_infer.errors import UsageError
+
+    texts = list(prompt or []) + (_read_prompts(prompts_file) if prompts_file else [])
+    if not texts:
+        raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
+    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as err:
+        raise UsageError(f"sage llm generate: {err}") from None
+    llm = LLM(config=resolved.config)
+    if chat:
+        outputs = [llm.chat([{"role": "user", "content": t}], params)[0] for t in texts]
+    else:
+        outputs = llm.generate(texts, params, progress=len(texts) > 1 and not as_json and sys.stderr.isatty())
+    for text, out in zip(texts, outputs):
+        completion = out.outputs[0]
+        if as_json:
+            print(json.dumps({"prompt": text, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason, "error": out.error,
+                              "ttft_s": out.metrics.ttft, "cached_tokens": out.metrics.num_cached_tokens}))
+        elif out.error:
+            print(f"error: {out.error}", file=sys.stderr)
+        else:
+            print(text + completion.text if not chat else completion.text)
+            if len(texts) > 1:
+                print("-" * 40)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    from sage_infer.errors import UsageError
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise UsageError(f"--prompts-file {path}: {err.strerror}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" field") from None
+        else:
+            prompts.append(line.replace("\\n", "\n"))
+    return prompts

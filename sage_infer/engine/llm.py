@@ -1,0 +1,156 @@
+"""`LLM`: offline batch generation in a few lines.
+
+    from sage_infer import LLM, SamplingParams
+    llm = LLM()                                   # the bundled demo model
+    out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from itertools import count
+
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, PolicyConfig, SchedulerConfig, ServeConfig
+from sage_infer.engine.build import build_engine
+from sage_infer.engine.llm_engine import LLMEngine, RequestError
+from sage_infer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sage_infer.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A model plus the native engine, for offline use. Keyword arguments map onto
+    `ServeConfig` sections; pass `config=` to use a fully resolved one instead."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory: str | int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        scheduling: str = "fifo",
+        eviction_policy: str = "lru",
+        revision: str = "local",
+        config: ServeConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = ServeConfig(
+                model=ModelConfig(path=model, dtype=dtype, max_model_len=max_model_len, revision=revision),
+                kv_pool=KVPoolConfig(block_size=block_size, num_blocks=num_blocks, memory_budget=kv_memory,
+                                     enable_prefix_caching=enable_prefix_caching),
+                scheduler=SchedulerConfig(strategy=scheduling, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          enable_chunked_prefill=enable_chunked_prefill),
+                policy=PolicyConfig(eviction=eviction_policy),
+            )
+        self.config = config
+        self.engine: LLMEngine = build_engine(config, device)
+        self._ids = count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        A prompt that can never run (empty, longer than the context or the pool) gets an
+        output with finish_reason ``error`` and its message; the others are unaffected.
+        """
+        batch = self._normalize(prompts)
+        params = self._params(sampling_params, len(batch))
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for i, prompt in enumerate(batch):
+            request_id = f"gen-{next(self._ids)}"
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, params[i], cache_salt=cache_salt,
+                                        priority=priority[i] if priority else 0)
+            except RequestError as err:
+                results[request_id] = _failed(request_id, prompt, params[i], str(err))
+        self._run(results, len(order), progress)
+        return [results[request_id] for request_id in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+
+    def _run(self, results: dict[str, RequestOutput], total: int, progress: bool) -> None:
+        if not progress:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[tok_s]} tok/s"))
+        with Progress(*columns, transient=False) as bar:
+            task = bar.add_task("generate", total=total, completed=len(results), tok_s="-")
+            start, tokens = time.monotonic(), 0
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    tokens += sum(len(c.delta_token_ids) for c in output.outputs)
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.advance(task)
+                bar.update(task, tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.1f}")
+
+    def _normalize(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+
+def _failed(request_id: str, prompt: Prompt, params: SamplingParams, message: str) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, finish_reason="error") for i in range(params.n)]
+    return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
+                         [] if isinstance(prompt, str) else list(prompt), outputs,
+                         RequestMetrics(arrival_time=time.monotonic()), finished=True, error=message)

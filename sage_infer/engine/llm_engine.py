@@ -1,0 +1,230 @@
+"""The engine loop: schedule -> run -> sample -> postprocess, one step at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from sage_infer.engine.detokenizer import IncrementalDetokenizer
+from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.engine.sequence import Sequence
+from sage_infer.layers.sampler import Sampler
+from sage_infer.models.tokenizer import Tokenizer
+from sage_infer.prefix_reuse.hashing import make_extra_key
+from sage_infer.scheduler.scheduler import Scheduler
+
+
+class RequestError(ValueError):
+    """A request that can never run (empty, longer than the context or the pool)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    sent_tokens: list[int] = field(default_factory=list)  # per seq: tokens already reported
+    emitted: list[str] = field(default_factory=list)  # per seq: text already reported
+    pending: list[str] = field(default_factory=list)  # per seq: text not yet reported
+
+
+@dataclass(slots=True)
+class EngineParts:
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    scheduler: Scheduler
+    model_id: str
+    revision: str
+    kv_dtype: str
+    max_model_len: int
+    device: torch.device
+
+
+class LLMEngine:
+    def __init__(self, parts: EngineParts) -> None:
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.scheduler = parts.scheduler
+        self.kv = parts.scheduler.kv
+        self.model_id, self.revision, self.kv_dtype = parts.model_id, parts.revision, parts.kv_dtype
+        self.device = parts.device
+        pool_tokens = self.kv.block_manager.num_blocks * self.kv.block_size
+        # a sequence alone always fits, so preemption can never livelock
+        self.max_total_tokens = min(parts.max_model_len, pool_tokens)
+        self.max_model_len = parts.max_model_len
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = count()
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises `RequestError` (and queues nothing) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.max_total_tokens
+        if len(token_ids) >= limit:
+            where = "the model's context" if limit == self.max_model_len else "the KV pool"
+            raise RequestError(
+                f"prompt has {len(token_ids)} tokens but {where} holds {limit} "
+                f"(prompt + at least 1 generated token must fit)"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, "NHD", cache_salt)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), len(token_ids), params,
+                           extra_key, priority=priority, arrival_time=arrival, generator=generator)
+            seqs.append(seq)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, list(token_ids), params))
+        self.requests[request_id] = _Request(request_id, text, list(token_ids), seqs, detoks,
+                                             RequestMetrics(arrival_time=arrival), [0] * params.n,
+                                             [""] * params.n, [""] * params.n)
+        # siblings of an n>1 request start once the first has computed the prompt, so
+        # they take its prompt blocks from the prefix cache instead of recomputing them
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step. Returns an output for every request that changed."""
+        batch = self.scheduler.schedule()
+        changed: dict[str, None] = {}
+        if not batch.seqs:
+            return self._collect(changed)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = seq.num_computed_tokens
+        logits, sampled = self.runner.run(batch.seqs, batch.num_new_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        if sampled:
+            seqs = [batch.seqs[i] for i in sampled]
+            out = self.sampler(
+                logits,
+                [s.params for s in seqs],
+                [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [s.generator for s in seqs],
+            )
+            now = time.monotonic()
+            for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):
+                if out.logprobs is not None and seq.params.logprobs is not None:
+                    seq.logprobs.append((out.logprobs[j], out.top_logprobs[j] if out.top_logprobs else []))
+                self._append(seq, int(token), now)
+                changed[seq.request_id] = None
+        return self._collect(changed)
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        request = self.requests[seq.request_id]
+        seq.token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            for sibling in request.seqs[1:]:
+                if not sibling.is_finished:
+                    self.scheduler.add(sibling)
+        detok = request.detokenizers[seq.index]
+        request.pending[seq.index] += detok.step(token)
+        params = seq.params
+        if detok.stopped_by is not None:
+            self._finish(seq, "stop", detok.stopped_by)
+        elif token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop")
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, "length")
+        elif seq.num_tokens >= self.max_total_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.finish_time = time.monotonic()
+        request = self.requests[seq.request_id]
+        request.pending[seq.index] += request.detokenizers[seq.index].flush()
+        if all(s.is_finished for s in request.seqs):
+            request.metrics.finish_time = seq.finish_time
+            request.metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
+
+    def _collect(self, changed: dict[str, None]) -> list[RequestOutput]:
+        ids = list(changed) + [r for r in self._just_finished() if r not in changed]
+        return [self._output(request_id) for request_id in ids]
+
+    def _just_finished(self) -> list[str]:
+        """Aborted requests with nothing sampled this step still owe a final output."""
+        return [rid for rid, r in self.requests.items() if all(s.is_finished for s in r.seqs)]
+
+    def _output(self, request_id: str) -> RequestOutput:
+        request = self.requests[request_id]
+        completions = []
+        for seq in request.seqs:
+            i = seq.index
+            delta_ids = seq.output_token_ids[request.sent_tokens[i]:]
+            request.sent_tokens[i] = seq.num_output_tokens
+            delta_text, request.pending[i] = request.pending[i], ""
+            request.emitted[i] += delta_text
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=request.emitted[i],
+                    delta_text=delta_text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                    delta_token_ids=delta_ids,
+                )
+            )
+        finished = all(s.is_finished for s in request.seqs)
+        output = RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions,
+                               request.metrics, finished)
+        if finished:
+            del self.requests[request_id]
+        return output

@@ -1,0 +1,83 @@
+"""Turns a scheduled batch into one forward pass over the paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sage_infer.engine.sequence import Sequence
+from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.layers.attention import AttentionMetadata, PrefillSpan
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.block_size = pool.block_size
+        self.kv_caches = list(zip(pool.k_cache, pool.v_cache))
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(
+        self, seqs: list[Sequence], num_new_tokens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the step: (input_ids [T], positions [T], metadata, rows whose logits are needed).
+
+        A sequence with one new token after others is a decode row (batched attention);
+        any other chunk is a prefill span. Built as Python lists, moved to the device once.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        prefills: list[PrefillSpan] = []
+        prefill_slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq, n in zip(seqs, num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq.block_table, start, end))
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(row, n, end, len(prefill_slots)))
+                prefill_slots.extend(self._slots(seq.block_table, 0, end))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping),
+            prefills=prefills,
+            prefill_slots=tensor(prefill_slots) if prefills else None,
+            decode_rows=tensor(decode_rows) if decode_rows else None,
+            decode_block_tables=None,
+            decode_context_lens=tensor(decode_lens) if decode_rows else None,
+        )
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = tensor([t + [0] * (width - len(t)) for t in decode_tables])
+        return tensor(input_ids), tensor(positions), meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
+        into `seqs` of the sequences they belong to (those whose chunk reached their end)."""
+        input_ids, positions, meta, sample_rows = self.prepare(seqs, num_new_tokens)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
+        sampled = [i for i, (seq, n) in enumerate(zip(seqs, num_new_tokens))
+                   if seq.num_computed_tokens + n == seq.num_tokens]
+        return logits, sampled

@@ -1,0 +1,134 @@
+"""Paged attention in pure PyTorch: the oracle every faster path is tested against.
+
+Cache layout per layer (NHD): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at logical position ``i`` of a sequence lives in slot
+``block_table[i // block_size] * block_size + i % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's chunk of queries in the flat token batch.
+
+    Queries are rows ``[q_start, q_start + q_len)``; they attend to the sequence's first
+    ``context_len`` tokens, whose slots are ``AttentionMetadata.prefill_slots[slot_start:slot_start + context_len]``.
+    """
+
+    q_start: int
+    q_len: int
+    context_len: int
+    slot_start: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step metadata, built once on the host and moved to the device once."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    prefills: list[PrefillSpan]
+    prefill_slots: torch.Tensor | None  # [sum(context_len)] long
+    decode_rows: torch.Tensor | None  # [Bd] long: rows of decode queries in the flat batch
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long, padded with 0
+    decode_context_lens: torch.Tensor | None  # [Bd] long
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v: [T, num_kv_heads, head_dim] into the cache slots given by slot_mapping: [T]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def prefill_attention(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence. q: [q_len, H, D]; k_ctx, v_ctx: [ctx_len, KvH, D] with ctx_len >= q_len.
+
+    The queries are the last q_len positions, so the causal mask is aligned to the
+    lower-right corner: query i sees keys j <= i + (ctx_len - q_len).
+    """
+    q_len, ctx_len = q.shape[0], k_ctx.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None]
+    gqa = q.shape[1] != k_ctx.shape[1]
+    if q_len == ctx_len:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)  # [q_len, H, D]
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence, one query. q: [H, D]; k_ctx, v_ctx: [ctx_len, KvH, D] -> [H, D].
+
+    The query heads sharing a KV head are grouped: no K/V repeat.
+    """
+    num_kv_heads = k_ctx.shape[1]
+    qg = q.view(num_kv_heads, -1, q.shape[-1])  # [KvH, G, D]
+    scores = torch.einsum("kgd,tkd->kgt", qg.float(), k_ctx.float()) * scale
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("kgt,tkd->kgd", probs, v_ctx.float()).reshape(q.shape).to(q.dtype)
+
+
+def decode_attention_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """All decode queries at once, padded to the longest context.
+
+    q: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B] -> [B, H, D].
+    Same math as `decode_attention_reference`, per row, with padded keys masked out.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    keys = k_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)  # [B, max_ctx, KvH, D]
+    values = v_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,btkd->bkgt", qg.float(), keys.float()) * scale
+    positions = torch.arange(keys.shape[1], device=q.device)
+    scores.masked_fill_((positions[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, values.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    for span in meta.prefills:
+        slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        out[rows] = prefill_attention(q[rows], flat_k[slots].to(q.dtype), flat_v[slots].to(q.dtype), scale)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = decode_attention_batched(
+            q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    return out
