@@ -96,7 +96,7 @@ def decode_attention_batched(
     Same math as `decode_attention_reference`, per row, with padded keys masked out.
     """
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     keys = k_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)  # [B, max_ctx, KvH, D]
     values = v_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
