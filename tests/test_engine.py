@@ -212,3 +212,16 @@ def test_cli_generate_bad_model_is_one_line_exit_2(sage, tmp_path):
     result = sage("llm", "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert result.code == 2
     assert len(result.err.strip().splitlines()) == 1 and "not found" in result.err
+
+
+def test_identical_prompts_in_one_step_then_eviction_never_orphans(model_dir):
+    """Twins compute the same blocks in one step; the first finishes and its blocks are
+    evicted by pressure; the second keeps growing on a chain that must still be valid."""
+    llm = LLM(str(model_dir), dtype="fp32", num_blocks=10, max_num_seqs=4)
+    prompt = ids(33, seed=11)
+    params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
+    twins = llm.generate([prompt, prompt, ids(40, 12)], [params[0], params[1], params[0]])
+    assert [len(t.outputs[0].token_ids) for t in twins] == [2, 40, 2]
+    assert twins[1].outputs[0].token_ids[:2] == twins[0].outputs[0].token_ids
+    llm.engine.kv.block_manager.check_invariants()

@@ -51,9 +51,12 @@ class KVCacheManager:
         if self.index is not None:
             for i in range(len(seq.block_hashes), full):
                 parent = seq.block_hashes[i - 1] if i else None
-                block_hash, _ = self.index.insert(
+                # a twin computed in the same step may already own this hash: then we move
+                # onto its block, so our chain never hangs off an evictable copy
+                block_id, block_hash = self.block_manager.cache_block(
                     seq.block_table[i], parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key
                 )
+                seq.block_table[i] = block_id
                 seq.block_hashes.append(block_hash)
         for i in range(max(0, full - 1), len(seq.block_table)):
             filled = min(bs, max(0, seq.num_computed_tokens - i * bs))

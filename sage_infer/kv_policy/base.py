@@ -1,0 +1,75 @@
+"""`EvictionPolicy`: the object that decides which cached KV block goes first.
+
+One policy instance orders the blocks of one prefix index. The same classes run inside
+the engine and inside the trace replay simulator, so what `sage kv replay` measures is
+exactly what serving does. Keys are block hashes (bytes), never block ids: a hash names
+the content, so a replayed trace and a live pool speak of the same block.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+
+class EvictionPolicy(ABC):
+    """Orders cached blocks for eviction. Keys are block hashes (bytes).
+
+    Hooks, in the order a block sees them: `on_insert` when its KV is registered,
+    `on_hit` when a request reuses it, `on_release` when the last request using it
+    lets go (it becomes evictable), `on_remove` when it leaves the cache.
+    """
+
+    __slots__ = ()
+    name: ClassVar[str]
+
+    @abstractmethod
+    def on_insert(self, key: bytes) -> None:
+        """A block entered the cache."""
+
+    @abstractmethod
+    def on_hit(self, key: bytes) -> None:
+        """A request matched this cached block."""
+
+    def on_release(self, key: bytes) -> None:  # noqa: B027 - optional hook, most policies ignore it
+        """The last request holding this block released it. Default: no effect."""
+
+    @abstractmethod
+    def on_remove(self, key: bytes) -> None:
+        """The block left the cache (evicted or dropped); forget it."""
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        """Best key to evict among keys for which `evictable(key)` is True; None if none.
+
+        Does not remove the key: the caller evicts it and then calls `on_remove`.
+        """
+
+
+P = TypeVar("P", bound=type[EvictionPolicy])
+
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator: make a policy constructible by `make_policy(name)`."""
+
+    def register(cls: P) -> P:
+        if name in POLICIES:
+            raise ValueError(f"eviction policy {name!r} is already registered by {POLICIES[name].__name__}")
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return register
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy instance by registered name; unknown names raise ValueError naming the known ones."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        known = ", ".join(sorted(POLICIES)) or "none"
+        raise ValueError(f"unknown eviction policy {name!r}; known: {known}") from None
+    return cls()

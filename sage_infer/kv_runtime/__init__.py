@@ -1,0 +1,34 @@
+"""KV runtime: the paged KV pool and the ref-counted blocks on top of it.
+
+`BlockManager` needs no torch; `KVPool` (which does) is imported lazily, so importing
+the block manager stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sage_infer.kv_runtime.block_manager import BlockInfo, BlockManager, BlockState, NoFreeBlocksError
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool, KVPoolSizeError, KVQuantizationNotImplemented
+
+__all__ = [
+    "BlockInfo",
+    "BlockManager",
+    "BlockState",
+    "KVPool",
+    "KVPoolSizeError",
+    "KVQuantizationNotImplemented",
+    "NoFreeBlocksError",
+]
+
+_LAZY = {"KVPool", "KVPoolSizeError", "KVQuantizationNotImplemented"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from sage_infer.kv_runtime import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,265 @@
+"""`BlockManager`: ref-counted blocks of one KV pool, with prefix caching on top.
+
+A block is *free* (on the free list), *in use* (ref count > 0) or *cached* (ref 0,
+registered in the prefix index, evictable). Freed blocks that hold a registered full
+block stay cached; `allocate` takes free blocks first and evicts cached leaves only when
+the free list runs short.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sage_infer.prefix_reuse.index import PrefixReuseIndex
+
+
+class BlockState(str, enum.Enum):
+    FREE = "free"
+    IN_USE = "in_use"
+    CACHED = "cached"
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    block_id: int
+    ref_count: int
+    state: BlockState
+    block_hash: bytes | None
+    num_tokens: int
+
+
+class NoFreeBlocksError(RuntimeError):
+    """More blocks were asked for than free plus evictable cached blocks; nothing was changed."""
+
+
+class BlockManager:
+    """Ref-counted blocks of one KVPool. A block is free, in use (ref > 0) or cached (ref 0, registered, evictable).
+
+    `index` None turns prefix caching off: freed blocks always go back on the free list.
+    A given index is bound to this manager: it learns from `acquire`/`free` which
+    registered blocks are in use, so `num_available_blocks` is exact. Register blocks
+    while they are in use (`cache_block`); evict only through `allocate` or
+    `reset_prefix_cache`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, index: PrefixReuseIndex | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        if index is not None and index.block_size != block_size:
+            raise ValueError(f"prefix index block_size {index.block_size} != block manager's {block_size}")
+        self.index = index
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.num_tokens: list[int] = [0] * num_blocks  # filled slots of each block
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self._num_in_use = 0
+        self._num_filled_in_use = 0  # sum of num_tokens over in-use blocks
+        if index is not None:
+            index.bind_in_use(self._is_in_use)
+
+    def _is_in_use(self, block_id: int) -> bool:
+        return self.ref_counts[block_id] > 0
+
+    def _is_unreferenced(self, block_id: int) -> bool:
+        return self.ref_counts[block_id] == 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list (hold nothing worth keeping)."""
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref count > 0."""
+        return self._num_in_use
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with ref count 0 that stay registered in the prefix index."""
+        return self.num_blocks - self.num_free_blocks - self._num_in_use
+
+    @property
+    def num_available_blocks(self) -> int:
+        """What `allocate` can hand out: free blocks plus cached blocks eviction can reach.
+
+        A cached block with an in-use block below it in the prefix tree is not counted
+        until that block is released.
+        """
+        return self.num_free_blocks + self.num_evictable_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks that eviction can reach (none without a prefix index)."""
+        return self.index.num_evictable if self.index is not None else 0
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_available_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` blocks with ref 1 and no tokens: free blocks first (in free-list order), then evicted cached leaves.
+
+        Raises `NoFreeBlocksError`, changing nothing, when `n > num_available_blocks`.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"need {n} KV blocks, only {self.num_available_blocks} available "
+                f"({self.num_free_blocks} free, {self.num_evictable_blocks} evictable cached)"
+            )
+        block_ids: list[int] = []
+        while len(block_ids) < n and self.free_block_ids:
+            block_ids.append(self.free_block_ids.popleft())
+        while len(block_ids) < n:
+            assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
+            block_id = self.index.evict(self._is_unreferenced)
+            assert block_id is not None, "num_available_blocks promised an evictable block"
+            self.num_tokens[block_id] = 0
+            block_ids.append(block_id)
+        for block_id in block_ids:
+            self.ref_counts[block_id] = 1
+        self._num_in_use += n
+        return block_ids
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each block (a prefix hit takes a cached block back in use).
+
+        Pass a match's blocks in chain order (root first).
+        """
+        index = self.index
+        for block_id in block_ids:
+            if self.ref_counts[block_id]:
+                self.ref_counts[block_id] += 1
+                continue
+            assert index is not None and index.is_registered(block_id), f"acquire of block {block_id}, which is free"
+            self.ref_counts[block_id] = 1
+            self.num_tokens[block_id] = self.block_size  # registered blocks are full
+            self._num_filled_in_use += self.block_size
+            self._num_in_use += 1
+            index.set_in_use(block_id, True)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block, in the given order.
+
+        At ref 0 a registered block becomes cached, any other goes back on the free list.
+        Pass a sequence's blocks in reverse so children are released before parents
+        (the policy then sees parents as more recent).
+        """
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"free of block {block_id}, whose ref count is already 0"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id]:
+                continue
+            self._num_in_use -= 1
+            self._num_filled_in_use -= self.num_tokens[block_id]
+            if self.index is not None and self.index.is_registered(block_id):
+                self.index.set_in_use(block_id, False)
+            else:
+                self.num_tokens[block_id] = 0
+                self.free_block_ids.append(block_id)
+
+    def cache_block(
+        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes
+    ) -> tuple[int, bytes]:
+        """Register an in-use full block for reuse; returns `(block_id to keep, block hash)`.
+
+        When the same KV is already registered under another block (two requests
+        computed the same prefix at once), this reference moves to that block and the
+        caller's copy is freed: the caller must put the returned id in its block table.
+        Holding the registered block keeps the chain alive, so the next block's
+        `parent_hash` can never be an evicted (orphan) parent.
+        """
+        if self.index is None:
+            raise RuntimeError("cache_block needs a prefix index; this block manager has prefix caching off")
+        assert self.ref_counts[block_id] > 0, f"cache_block on block {block_id}, which is not in use"
+        block_hash, registered = self.index.insert(block_id, parent_hash, token_ids, extra_key)
+        if registered:
+            return block_id, block_hash
+        existing = self.index.lookup(parent_hash, token_ids, extra_key)
+        if existing is None or existing == block_id:
+            return block_id, block_hash  # already ours, or a hash collision: keep our own copy
+        self.acquire([existing])
+        self.free([block_id])
+        return existing, block_hash
+
+    def set_num_tokens(self, block_id: int, n: int) -> None:
+        """Record that `n` slots of an in-use block are filled (drives `get_fragmentation`)."""
+        if not 0 <= n <= self.block_size:
+            raise ValueError(f"num_tokens must be in [0, {self.block_size}], got {n}")
+        assert self.ref_counts[block_id] > 0, f"set_num_tokens on block {block_id}, which is not in use"
+        self._num_filled_in_use += n - self.num_tokens[block_id]
+        self.num_tokens[block_id] = n
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every evictable cached block onto the free list; returns how many."""
+        evicted = 0
+        while self.index is not None and (block_id := self.index.evict(self._is_unreferenced)) is not None:
+            self.num_tokens[block_id] = 0
+            self.free_block_ids.append(block_id)
+            evicted += 1
+        return evicted
+
+    def get_utilization(self) -> float:
+        """Blocks in use / num_blocks."""
+        return self._num_in_use / self.num_blocks
+
+    def get_fragmentation(self) -> float:
+        """Internal fragmentation: 1 - filled slots / (in-use blocks * block_size); 0.0 if none in use."""
+        if not self._num_in_use:
+            return 0.0
+        return 1.0 - self._num_filled_in_use / (self._num_in_use * self.block_size)
+
+    def get_block_info(self, block_id: int) -> BlockInfo:
+        ref = self.ref_counts[block_id]
+        block_hash = self.index.hash_of(block_id) if self.index is not None else None
+        if ref > 0:
+            state = BlockState.IN_USE
+        elif block_hash is not None:
+            state = BlockState.CACHED
+        else:
+            state = BlockState.FREE
+        return BlockInfo(block_id, ref, state, block_hash, self.num_tokens[block_id])
+
+    def check_invariants(self) -> None:
+        """Assert every block is in exactly one of free / in use / cached, and the index is consistent."""
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids), "free list holds a block twice"
+        in_use = filled = 0
+        for block_id, ref in enumerate(self.ref_counts):
+            assert ref >= 0, f"block {block_id} has ref count {ref}"
+            registered = self._is_registered(block_id)
+            if ref > 0:
+                assert block_id not in free, f"in-use block {block_id} is on the free list"
+                in_use += 1
+                filled += self.num_tokens[block_id]
+            elif block_id in free:
+                assert not registered, f"free block {block_id} is registered in the prefix index"
+                assert self.num_tokens[block_id] == 0, f"free block {block_id} has tokens"
+            else:
+                assert registered, f"block {block_id} is neither free, in use nor cached (leaked)"
+        assert in_use == self._num_in_use, "in-use count is wrong"
+        assert filled == self._num_filled_in_use, "filled-slot count is wrong"
+        assert all(0 <= b < self.num_blocks for b in free), "free list holds an unknown block id"
+        if self.index is not None:
+            self.index.check_invariants()
+
+    def _is_registered(self, block_id: int) -> bool:
+        return self.index is not None and self.index.is_registered(block_id)
+
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_free_blocks": self.num_free_blocks,
+            "num_used_blocks": self.num_used_blocks,
+            "num_cached_blocks": self.num_cached_blocks,
+            "num_evictable_blocks": self.num_evictable_blocks,
+            "num_available_blocks": self.num_available_blocks,
+            "utilization": self.get_utilization(),
+            "fragmentation": self.get_fragmentation(),
+            "prefix_reuse": self.index.metrics.to_dict() if self.index is not None else None,
+        }

@@ -1,0 +1,81 @@
+"""Chained block hashes: the names under which KV blocks are found again.
+
+A block's hash covers its parent's hash, its token ids and an *extra key* (model,
+revision, KV dtype/layout, tenant salt), so equal hashes mean equal KV. The bytes fed to
+sha256 are a fixed, length-prefixed little-endian encoding: the same block hashes the
+same in every process and on every host (no Python `hash()`, no seed), which lets one
+instance or tier find a block another one wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+HASH_BYTES = 32  # full sha256 digest
+_DOMAIN = b"sage-kv-block/v1"
+_EXTRA_DOMAIN = b"sage-kv-extra/v1"
+_LEN = struct.Struct("<q")  # every variable-length field is preceded by its length
+
+
+def _field(data: bytes) -> bytes:
+    return _LEN.pack(len(data)) + data
+
+
+def _text(value: object) -> str:
+    """Enum members (e.g. `KVDtype.BF16`) hash by value, so `"bf16"` and `KVDtype.BF16` agree."""
+    return str(getattr(value, "value", value))
+
+
+def make_extra_key(
+    model_id: str, revision: str, kv_dtype: str, layout: str = "NHD", cache_salt: str | None = None
+) -> bytes:
+    """Everything besides tokens that decides a block's KV, as a 32-byte digest.
+
+    `cache_salt` isolates tenants: blocks hashed under different salts never match. A
+    missing salt and an empty salt are different keys.
+    """
+    parts = [_EXTRA_DOMAIN]
+    for value in (model_id, revision, kv_dtype, layout):
+        parts.append(_field(_text(value).encode("utf-8")))
+    if cache_salt is None:
+        parts.append(_LEN.pack(-1))
+    else:
+        parts.append(_field(cache_salt.encode("utf-8")))
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes) -> bytes:
+    """sha256 of (parent hash, extra key, token ids) -> 32 bytes.
+
+    Encoding: domain tag, then parent (length -1 for the first block of a sequence),
+    extra key, and the token count followed by the ids packed as little-endian int64.
+    """
+    n = len(token_ids)
+    try:
+        tokens = struct.pack(f"<{n}q", *token_ids)
+    except struct.error as err:
+        raise ValueError(f"token ids must be integers in int64 range: {err}") from None
+    digest = hashlib.sha256(_DOMAIN)
+    digest.update(_LEN.pack(-1) if parent is None else _field(parent))
+    digest.update(_field(extra_key))
+    digest.update(_LEN.pack(n))
+    digest.update(tokens)
+    return digest.digest()
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, extra_key: bytes, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids` (a trailing partial block has none).
+
+    `parent` continues a chain (the hash of the block before `token_ids[0]`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_key)
+        hashes.append(parent)
+    return hashes
