@@ -170,14 +170,17 @@ class LLMEngine:
                 if not sibling.is_finished:
                     self.scheduler.add(sibling)
         detok = request.detokenizers[seq.index]
-        request.pending[seq.index] += detok.step(token)
         params = seq.params
+        is_stop_token = token in params.stop_token_ids
+        if is_stop_token or (not params.ignore_eos and token in self.eos_token_ids):
+            # the ending token stays in token_ids; its text only when asked for (as vLLM)
+            if params.include_stop_str_in_output:
+                request.pending[seq.index] += detok.step(token)
+            self._finish(seq, "stop", token if is_stop_token else None)
+            return
+        request.pending[seq.index] += detok.step(token)
         if detok.stopped_by is not None:
             self._finish(seq, "stop", detok.stopped_by)
-        elif token in params.stop_token_ids:
-            self._finish(seq, "stop", token)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, "stop")
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length")
         elif seq.num_tokens >= self.max_total_tokens:

@@ -45,7 +45,7 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: [batch, vocab] in any float dtype (computed in float32); the other
         arguments have one entry per row."""
-        batch, vocab = logits.shape
+        batch = logits.shape[0]
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators) == batch
         device = logits.device
         logits = logits.to(torch.float32, copy=True)  # never edit the caller's tensor in place
@@ -58,12 +58,8 @@ class Sampler:
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
-            temperature = torch.tensor(
-                [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)],
-                dtype=torch.float32,
-                device=device,
-            )
-            scaled = apply_top_k_top_p(logits / temperature.unsqueeze(1), params)
+            temperature = [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+            scaled = apply_top_k_top_p(logits / _row_values(temperature, device), params)
             probs = apply_min_p(torch.softmax(scaled, dim=-1), params)
             sampled = sample_from_probs(probs, generators, greedy)
             greedy_mask = torch.tensor(greedy, device=device)
@@ -118,7 +114,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     use_p = any(p.top_p < 1.0 for p in params)
     if not use_k and not use_p:
         return logits
-    batch, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     truncated = max(k) < vocab
@@ -147,8 +143,7 @@ def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     probs: [batch, vocab]; the result is left unnormalised (sampling does not need it)."""
     if not any(p.min_p > 0.0 for p in params):
         return probs
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=probs.device).unsqueeze(1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    threshold = probs.amax(dim=-1, keepdim=True) * _row_values([p.min_p for p in params], probs.device)
     return probs.masked_fill(probs < threshold, 0.0)
 
 
