@@ -1,7 +1,7 @@
 """`sage llm ...`: generate with a model, or serve it.
 
-`serve` resolves and validates the full configuration, then says the HTTP server is
-not built yet; `generate` runs the native engine.
+`serve` runs the OpenAI-compatible server, `generate` runs prompts offline, `bench`
+drives a running server with a workload.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Annotated, Optional
 import typer
 
 from sage_infer.cli.options import ConfigFileOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
-from sage_infer.errors import NotAvailableError
 
 app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
 
@@ -37,12 +36,10 @@ def serve(
         "port": ("--port", port),
         "api_key": ("--api-key", api_key),
     }
-    resolve_flags(preset, config, kv_transport, set_, named)
-    raise NotAvailableError(
-        "sage llm serve: the OpenAI-compatible HTTP server is not implemented in this build yet "
-        "(configuration resolved and valid; the engine runs with `sage llm generate`)",
-        hint="sage llm generate --prompt 'ROMEO:'",
-    )
+    resolved = resolve_flags(preset, config, kv_transport, set_, named)
+    from sage_infer.server.launch import serve as run_server
+
+    raise typer.Exit(run_server(resolved.config))
 
 
 @app.command("generate")

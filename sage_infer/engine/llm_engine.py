@@ -123,6 +123,10 @@ class LLMEngine:
                 self._finish(seq, "abort")
         return True
 
+    def drain_finished(self) -> list[RequestOutput]:
+        """Final outputs of requests that ended outside a step (aborts while idle)."""
+        return self._collect({})
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server and Prometheus metrics over the native engine."""

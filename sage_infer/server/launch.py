@@ -1,0 +1,75 @@
+"""`sage llm serve`: build the engine, start uvicorn on loopback, drain on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+from sage_infer.config.serve import ServeConfig
+
+DRAIN_SECONDS = 30
+
+
+def ready_message(host: str, port: int, model_name: str, api_key: bool) -> str:
+    url = f"http://{host}:{port}"
+    auth = ' -H "Authorization: Bearer $SAGE_API_KEY"' if api_key else ""
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Speak, friend."}],
+                       "max_tokens": 32})
+    return (f"sage_infer serving {model_name} at {url}/v1\n"
+            f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
+    """Engine + app + a uvicorn.Server that has not started yet."""
+    import uvicorn
+
+    from sage_infer.engine.build import build_engine
+    from sage_infer.server.api import build_app
+    from sage_infer.server.async_engine import AsyncEngine
+
+    engine = build_engine(config)
+    model_name = engine.model_id
+    async_engine = AsyncEngine(engine, config.scheduler.max_waiting)
+    api_key = config.api_key.get_secret_value() if config.api_key else None
+    app = build_app(async_engine, model_name, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        async_engine.start()
+        yield
+        app.state.accepting = False
+        await asyncio.to_thread(async_engine.shutdown, 5.0)
+
+    app.router.lifespan_context = lifespan
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                               timeout_graceful_shutdown=drain_seconds, access_log=False)
+    return uvicorn.Server(uv_config), async_engine, model_name
+
+
+def serve(config: ServeConfig) -> int:
+    """Run until SIGINT/SIGTERM; in-flight requests get `DRAIN_SECONDS` to finish. Exit code 0."""
+    server, _, model_name = build_server(config)
+    # uvicorn re-raises the signal it caught after its graceful shutdown; with these
+    # handlers in place that re-raise is a no-op and the process exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+        print(ready_message(config.host, port, model_name, config.api_key is not None), flush=True)
+
+    async def main() -> None:
+        announcer = asyncio.create_task(announce())
+        await server.serve()
+        announcer.cancel()
+
+    asyncio.run(main())
+    if not server.started:
+        print(f"sage: error: could not listen on {config.host}:{config.port}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,83 @@
+"""Prometheus metrics named like vLLM's, under ``sage:``, each with a ``model_name`` label.
+
+Gauges and the prefix-cache counters are read from the engine at scrape time; request
+counters and latency histograms are recorded by the API layer as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sage_infer.server.async_engine import AsyncEngine
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineCollector:
+    """Reads live engine state on every scrape (no background polling)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        labels = ["model_name"]
+        value = [self.model_name]
+        running = GaugeMetricFamily("sage:num_requests_running", "Requests in the running batch.", labels=labels)
+        running.add_metric(value, self.engine.num_running)
+        waiting = GaugeMetricFamily("sage:num_requests_waiting", "Requests waiting to be scheduled.", labels=labels)
+        waiting.add_metric(value, self.engine.num_waiting)
+        manager = self.engine.engine.kv.block_manager
+        usage = GaugeMetricFamily("sage:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", labels=labels)
+        usage.add_metric(value, manager.get_utilization())
+        index = self.engine.engine.kv.index
+        queries = CounterMetricFamily("sage:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("sage:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=labels)
+        queries.add_metric(value, index.metrics.query_tokens if index else 0)
+        hits.add_metric(value, index.metrics.hit_tokens if index else 0)
+        yield from (running, waiting, usage, queries, hits)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("sage:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("sage:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.request_success = Counter("sage:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("sage:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sage:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("sage:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("sage:request_queue_time_seconds", "Arrival to first scheduling.", labels,
+                                    buckets=REQUEST_BUCKETS, registry=r)
+
+    def record_tokens(self, itl_gaps: list[float]) -> None:
+        for gap in itl_gaps:
+            self.itl.labels(self.model_name).observe(gap)
+
+    def record_finished(self, output) -> None:
+        """One finished request: token counts, finish reason per completion, latencies."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self.generation_tokens.labels(name).inc(len(completion.token_ids))
+            self.request_success.labels(name, completion.finish_reason or "unknown").inc()
+        metrics = output.metrics
+        if metrics.ttft is not None:
+            self.ttft.labels(name).observe(metrics.ttft)
+        if metrics.e2e_latency is not None:
+            self.e2e.labels(name).observe(metrics.e2e_latency)
+        if metrics.queue_time is not None:
+            self.queue_time.labels(name).observe(metrics.queue_time)

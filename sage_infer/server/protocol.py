@@ -1,0 +1,121 @@
+"""Request bodies of the OpenAI-compatible API (pydantic at the boundary).
+
+Unknown fields are ignored, as OpenAI clients add their own; known fields are
+validated strictly and a bad one is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI + this product's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # beyond OpenAI: what this product is about, plus common vLLM sampling extras
+    cache_salt: str | None = Field(None, max_length=256, description="Tenant isolation of cached prefixes.")
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Lower is served first (priority mode).")
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, value):
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    logit_bias: dict | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "".join(part.text for part in self.content)
+        return data
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

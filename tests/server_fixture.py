@@ -1,0 +1,45 @@
+"""Start the real server (uvicorn on a free loopback port) in a thread, for tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig
+from sage_infer.server.launch import build_server
+
+
+@dataclass
+class RunningServer:
+    url: str
+    model: str
+    engine: object  # AsyncEngine
+    app: object
+
+
+@contextmanager
+def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 128, max_num_seqs: int = 64,
+                   max_waiting: int = 1024, drain_seconds: int = 5):
+    config = ServeConfig(
+        model=ModelConfig(path=str(model_dir), dtype="fp32"),
+        kv_pool=KVPoolConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        port=0,
+        api_key=api_key,
+    )
+    server, async_engine, model_name = build_server(config, drain_seconds=drain_seconds)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", model_name, async_engine, server.config.app)
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,262 @@
+"""The real server on a loopback port, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_fixture import running_server
+from tests.tiny_models import make_tiny_model
+
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("server") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            key = sample.name + json.dumps({k: v for k, v in sample.labels.items() if k != "model_name"},
+                                           sort_keys=True)
+            out[key] = sample.value
+    return out
+
+
+def wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    manager = server.engine.engine.kv.block_manager
+    while time.monotonic() < deadline:
+        if server.engine.num_in_flight == 0 and manager.get_utilization() == 0.0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("server did not go idle: blocks still in use")
+
+
+def test_models_lists_the_served_model(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model] == ["tiny-llama"]
+
+
+def test_completion_usage_and_length(client, server):
+    r = client.completions.create(model=server.model, prompt="To be, or not", max_tokens=7, temperature=0,
+                                  extra_body=IGNORE_EOS)
+    prompt_tokens = len(server.engine.engine.tokenizer.encode("To be, or not"))
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == prompt_tokens + 7
+    assert r.choices[0].finish_reason == "length"
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+
+
+def test_streaming_completion_equals_non_streaming(client, server):
+    kwargs = dict(model=server.model, prompt="All the world", max_tokens=10, temperature=0, extra_body=IGNORE_EOS)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming_and_non_streaming_agree(client, server):
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Speak, friend."}], max_tokens=9,
+                  temperature=0, extra_body=IGNORE_EOS)
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 9
+
+
+def test_stop_string_cuts_the_text(client, server):
+    base = client.completions.create(model=server.model, prompt="Now is the winter", max_tokens=12, temperature=0,
+                                     extra_body=IGNORE_EOS).choices[0].text
+    pairs = [base[i : i + 2] for i in range(1, len(base) - 1)]
+    stop = next(p for p in pairs if p.isascii() and p.isalpha())
+    r = client.completions.create(model=server.model, prompt="Now is the winter", max_tokens=12, temperature=0,
+                                  stop=[stop], extra_body=IGNORE_EOS)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[: base.index(stop)]
+
+
+def test_seed_reproduces_sampling(client, server):
+    kwargs = dict(model=server.model, prompt="Whether tis nobler", max_tokens=12, temperature=1.0,
+                  extra_body=IGNORE_EOS)
+    a = client.completions.create(seed=42, **kwargs).choices[0].text
+    b = client.completions.create(seed=42, **kwargs).choices[0].text
+    c = client.completions.create(seed=7, **kwargs).choices[0].text
+    assert a == b and a != c
+
+
+def test_n_returns_n_choices(client, server):
+    r = client.completions.create(model=server.model, prompt="Hark", max_tokens=5, temperature=1.0, n=3, seed=1,
+                                  extra_body=IGNORE_EOS)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 15
+
+
+def test_cached_tokens_rise_on_a_repeated_prefix(client, server):
+    prefix = list(range(100, 164))  # four full 16-token blocks
+    first = client.completions.create(model=server.model, prompt=prefix + [7, 8], max_tokens=2, temperature=0,
+                                      extra_body=IGNORE_EOS)
+    second = client.completions.create(model=server.model, prompt=prefix + [9, 10, 11], max_tokens=2,
+                                       temperature=0, extra_body=IGNORE_EOS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+
+
+def test_cache_salt_isolates_tenants(client, server):
+    prompt = list(range(200, 240))
+    body = dict(model=server.model, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(extra_body={"cache_salt": "alice", **IGNORE_EOS}, **body)
+    alice = client.completions.create(extra_body={"cache_salt": "alice", **IGNORE_EOS}, **body)
+    bob = client.completions.create(extra_body={"cache_salt": "bob", **IGNORE_EOS}, **body)
+    assert alice.usage.prompt_tokens_details.cached_tokens == 32
+    assert bob.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_logprobs(client, server):
+    r = client.completions.create(model=server.model, prompt="Out, out", max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body=IGNORE_EOS)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)  # distinct token texts may collide
+
+
+def test_chat_logprobs(client, server):
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body=IGNORE_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def _raw(server, path, content, headers=None):
+    return httpx.post(f"{server.url}{path}", content=content,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def _is_openai_error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["code"] == status
+    assert "Traceback" not in response.text
+    return error["message"]
+
+
+def test_malformed_json_is_400(server):
+    _is_openai_error(_raw(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400)
+
+
+def test_wrong_field_type_is_400_naming_it(server):
+    body = json.dumps({"model": server.model, "prompt": "x", "max_tokens": "lots"})
+    assert "max_tokens" in _is_openai_error(_raw(server, "/v1/completions", body), 400)
+
+
+def test_missing_messages_is_400(server):
+    body = json.dumps({"model": server.model})
+    assert "messages" in _is_openai_error(_raw(server, "/v1/chat/completions", body), 400)
+
+
+def test_out_of_range_temperature_is_400(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, prompt="x", temperature=5)
+    assert err.value.status_code == 400
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-5", prompt="x")
+    assert "gpt-5" in str(err.value)
+
+
+def test_context_overflow_is_400_with_the_numbers(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, prompt=[5] * 1000, max_tokens=100)
+    message = str(err.value)
+    assert "1024" in message and "1100" in message and "1000 in the prompt" in message
+
+
+def test_body_too_large_is_413(server):
+    body = json.dumps({"model": server.model, "prompt": "x" * (5 * 1024 * 1024)})
+    _is_openai_error(_raw(server, "/v1/completions", body), 413)
+
+
+def test_bad_token_ids_are_400(server):
+    body = json.dumps({"model": server.model, "prompt": [1, 2, 999999]})
+    _is_openai_error(_raw(server, "/v1/completions", body), 400)
+
+
+def test_health_version_and_metrics_names(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    names = {f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    for name in ("sage:num_requests_running", "sage:num_requests_waiting", "sage:kv_cache_usage_perc",
+                 "sage:prefix_cache_queries", "sage:prefix_cache_hits", "sage:prompt_tokens",
+                 "sage:generation_tokens", "sage:request_success", "sage:time_to_first_token_seconds",
+                 "sage:inter_token_latency_seconds", "sage:e2e_request_latency_seconds",
+                 "sage:request_queue_time_seconds"):
+        assert name in names
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = metrics(server.url).get('sage:request_success_total{"finished_reason": "abort"}', 0)
+    body = {"model": server.model, "prompt": list(range(10, 90)), "max_tokens": 400, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: {") for line in received)
+    wait_idle(server)
+    after = metrics(server.url)['sage:request_success_total{"finished_reason": "abort"}']
+    assert after == before + 1
+    server.engine.engine.kv.block_manager.check_invariants()
+
+
+def test_api_key_is_enforced(model_dir):
+    with running_server(model_dir, api_key="sk-test", num_blocks=32) as secured:
+        assert httpx.get(f"{secured.url}/health").status_code == 200
+        missing = httpx.get(f"{secured.url}/v1/models")
+        _is_openai_error(missing, 401)
+        wrong = openai.OpenAI(base_url=f"{secured.url}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{secured.url}/v1", api_key="sk-test", max_retries=0)
+        assert right.completions.create(model=secured.model, prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_queue_full_is_429(model_dir):
+    import concurrent.futures
+
+    with running_server(model_dir, num_blocks=64, max_num_seqs=1, max_waiting=1) as busy:
+        body = {"model": busy.model, "prompt": list(range(10, 40)), "max_tokens": 200, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.post(f"{busy.url}/v1/completions", json=body, timeout=60),
+                                  range(8)))
+        statuses = sorted(r.status_code for r in codes)
+        assert 200 in statuses and 429 in statuses
+        for response in codes:
+            if response.status_code == 429:
+                _is_openai_error(response, 429)
