@@ -145,9 +145,9 @@ def test_sage_debug_shows_the_traceback(tmp_path):
     assert "Traceback" in done.stderr and "ConfigError" in done.stderr
 
 
-def test_serve_validates_config_before_saying_what_is_missing(sage):
+def test_serve_validates_config_before_loading_anything(sage, tmp_path):
     bad = sage("llm", "serve", "--port", "99999")
     assert bad.code == 2 and "port" in _one_line(bad.err)
-    missing = sage("llm", "serve", "--kv-transport", "preset=high-bw")
-    assert missing.code == 1
-    assert "not implemented" in _one_line(missing.err)
+    missing = sage("llm", "serve", "--model", str(tmp_path / "no-such-model"), "--kv-transport", "preset=high-bw")
+    assert missing.code == 2
+    assert "no-such-model" in _one_line(missing.err) and "not found" in missing.err
