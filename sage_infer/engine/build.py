@@ -21,6 +21,7 @@ from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.kv_cache_manager import KVCacheManager
 from sage_infer.scheduler.scheduler import Scheduler
 
+DEMO_MODEL_NAME = "sage-demo"
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KV_DTYPE_OF = {torch.float32: KVDtype.FP32, torch.bfloat16: KVDtype.BF16, torch.float16: KVDtype.FP16}
 
@@ -94,7 +95,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         tokenizer=tokenizer,
         runner=ModelRunner(model, pool, device),
         scheduler=scheduler,
-        model_id=config.model.served_name or directory.name,
+        model_id=config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name),
         revision=config.model.revision,
         kv_dtype=kv_dtype.value,
         max_model_len=max_len,
