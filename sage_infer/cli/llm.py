@@ -112,3 +112,8 @@ def _read_prompts(path: Path) -> list[str]:
         else:
             prompts.append(line.replace("\\n", "\n"))
     return prompts
+
+
+from sage_infer.cli.llm_bench import bench  # noqa: E402  (kept beside the other llm commands)
+
+app.command("bench")(bench)

@@ -1,0 +1,202 @@
+"""`sage llm bench`: load-test an OpenAI-compatible server and report latency, throughput and reuse.
+
+Registered by `sage_infer.cli.llm` as ``app.command("bench")(bench)``. Everything heavy
+(httpx, matplotlib) is imported inside the command, so registering it costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from sage_infer.errors import NotAvailableError, SageError, UsageError
+
+
+class WorkloadKind(str, Enum):
+    random = "random"
+    shared_prefix = "shared-prefix"
+    multi_turn = "multi-turn"
+    trace = "trace"
+
+
+SYNTHETIC = {WorkloadKind.random, WorkloadKind.shared_prefix, WorkloadKind.multi_turn}
+# Which workloads read each optional flag: giving one to another workload is an error, not a no-op.
+APPLIES_TO = {
+    "--input-len": SYNTHETIC,
+    "--output-len": SYNTHETIC,
+    "--prefix-len": {WorkloadKind.shared_prefix},
+    "--turns": {WorkloadKind.multi_turn},
+    "--rate": SYNTHETIC,
+    "--trace-file": {WorkloadKind.trace},
+    "--time-scale": {WorkloadKind.trace},
+    "--length-scale": {WorkloadKind.trace},
+    "--max-input-len": {WorkloadKind.trace},
+}
+DEFAULTS = {"input_len": 256, "output_len": 64, "prefix_len": 256, "turns": 4, "time_scale": 1.0,
+            "length_scale": 1.0, "max_input_len": None}
+
+
+def bench(
+    url: Annotated[str, typer.Option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is ok).")],
+    api_key: Annotated[
+        Optional[str], typer.Option("--api-key", envvar="SAGE_API_KEY", help="Send 'Authorization: Bearer KEY'.")
+    ] = None,
+    model: Annotated[
+        Optional[str], typer.Option("--model", "-m", help="Model id to request (default: first id of /v1/models).")
+    ] = None,
+    workload: Annotated[WorkloadKind, typer.Option("--workload", "-w", help="What to send.")] = WorkloadKind.random,
+    trace_file: Annotated[
+        Optional[Path], typer.Option("--trace-file", dir_okay=False, help="Mooncake JSONL trace (--workload trace).")
+    ] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", "-n", min=1, help="Requests to send.")] = 100,
+    rate: Annotated[
+        Optional[float], typer.Option("--rate", help="Requests/s, Poisson arrivals; inf = all at once. (default inf)")
+    ] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Most requests in flight.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds prompts and arrivals; change it to start cache-cold.")] = 0,
+    input_len: Annotated[
+        Optional[int], typer.Option("--input-len", min=1, help="Prompt tokens (random: up to; shared-prefix: suffix; "
+                                    "multi-turn: new tokens per turn). (default 256)")
+    ] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", min=1, help="max_tokens (default 64).")] = None,
+    prefix_len: Annotated[
+        Optional[int], typer.Option("--prefix-len", min=0, help="Shared prefix tokens. (default 256)")
+    ] = None,
+    turns: Annotated[Optional[int], typer.Option("--turns", min=1, help="Turns per conversation (default 4).")] = None,
+    time_scale: Annotated[
+        Optional[float], typer.Option("--time-scale", min=0.0, help="Multiply trace timestamps (0.1 = 10x faster).")
+    ] = None,
+    length_scale: Annotated[
+        Optional[float], typer.Option("--length-scale", help="Multiply trace prompt/output lengths and block size.")
+    ] = None,
+    max_input_len: Annotated[
+        Optional[int], typer.Option("--max-input-len", min=1, help="Cut trace prompts to this many tokens.")
+    ] = None,
+    vocab_size: Annotated[
+        int, typer.Option("--vocab-size", min=11, help="Prompt token ids are drawn from [10, vocab-size).")
+    ] = 512,
+    json_out: Annotated[
+        Optional[str], typer.Option("--json", metavar="OUT", help="Write all numbers and per-request records to OUT "
+                                    "('-': print them instead of the tables).")
+    ] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", dir_okay=False, help="Save TTFT/TPOT/ITL/E2E histograms as a PNG.")
+    ] = None,
+) -> None:
+    """Benchmark a running OpenAI-compatible server (sage llm serve, vLLM, SGLang ...)."""
+    from sage_infer.serving_bench.report import bench_document, render, require_matplotlib, write_json
+    from sage_infer.serving_bench.stats import summarize
+    from sage_infer.serving_bench.workloads import poisson_arrivals
+
+    chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "turns": turns,
+              "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
+    _check_flags(workload, {**{_flag(k): v for k, v in chosen.items()}, "--rate": rate, "--trace-file": trace_file})
+    if rate is not None and not rate > 0:  # also rejects nan
+        raise UsageError(f"--rate must be > 0 or inf, got {rate}")
+    if length_scale is not None and not length_scale > 0:
+        raise UsageError(f"--length-scale must be > 0, got {length_scale}")
+    if workload is WorkloadKind.trace and trace_file is None:
+        raise UsageError("--workload trace needs --trace-file FILE")
+    for flag, out in (("--json", None if json_out in (None, "-") else Path(json_out)), ("--plot", plot)):
+        if out is not None and not out.parent.is_dir():  # fail now, not after the run
+            raise UsageError(f"{flag} {out}: directory {out.parent} does not exist")
+    if plot is not None:
+        require_matplotlib()
+    runner = _import_runner()
+    from sage_infer.serving_bench.client import normalize_url
+
+    url = normalize_url(url)
+    settings = {k: DEFAULTS[k] if v is None else v for k, v in chosen.items()}
+    load = _build_workload(workload, trace_file, num_requests, vocab_size, seed, settings)
+    arrivals = load.arrivals_s or poisson_arrivals(len(load.conversations), rate or math.inf, seed)
+
+    run = _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency)
+    summary = summarize(run.results, run.duration_s, run.counters_before, run.counters_after)
+    config = {"url": url, "model": run.model, "workload": workload.value, "num_requests": load.num_requests,
+              "rate": "trace" if load.arrivals_s else ("inf" if rate in (None, math.inf) else rate),
+              "concurrency": concurrency, "seed": seed, "vocab_size": vocab_size,
+              **{k: v for k, v in settings.items() if workload in APPLIES_TO[_flag(k)]}, **load.info}
+    document = bench_document(config, summary, run.results)
+
+    if json_out == "-":
+        from sage_infer.cli.output import emit
+
+        emit(document, True, lambda console: None)
+    else:
+        from sage_infer.cli.output import console
+
+        if json_out is not None:
+            write_json(Path(json_out), document)
+        render(console, config, summary, run.results)
+    if plot is not None:
+        from sage_infer.serving_bench.report import plot_latencies
+
+        plot_latencies(plot, run.results, f"{workload.value}: {summary['ok']} requests -> {run.model}")
+    if summary["ok"] == 0:
+        first = next(r.error for r in run.results if r.error)
+        raise SageError(f"all {summary['requests']} requests failed; first error: {first}")
+
+
+def _check_flags(workload: WorkloadKind, given: dict[str, object]) -> None:
+    for flag, value in given.items():
+        if value is not None and workload not in APPLIES_TO[flag]:
+            users = ", ".join(sorted(kind.value for kind in APPLIES_TO[flag]))
+            raise UsageError(f"{flag} does not apply to --workload {workload.value}", hint=f"used by: {users}")
+
+
+def _flag(setting: str) -> str:
+    return "--" + setting.replace("_", "-")
+
+
+def _import_runner():
+    try:
+        from sage_infer.serving_bench import runner
+    except ImportError as err:
+        raise NotAvailableError(f"sage llm bench needs httpx ({err})", hint="pip install httpx") from None
+    return runner
+
+
+def _build_workload(kind: WorkloadKind, trace_file: Path | None, num_requests: int, vocab_size: int, seed: int,
+                    s: dict[str, object]):
+    from sage_infer.serving_bench import workloads
+
+    if kind is WorkloadKind.trace:
+        from sage_infer.serving_bench.trace import load_mooncake_trace
+
+        assert trace_file is not None
+        return load_mooncake_trace(trace_file, num_requests, time_scale=s["time_scale"],
+                                   length_scale=s["length_scale"], max_input_len=s["max_input_len"],
+                                   vocab_size=vocab_size, seed=seed)
+    if kind is WorkloadKind.shared_prefix:
+        return workloads.shared_prefix_workload(num_requests, s["prefix_len"], s["input_len"], s["output_len"],
+                                                vocab_size, seed)
+    if kind is WorkloadKind.multi_turn:
+        return workloads.multi_turn_workload(num_requests, s["turns"], s["input_len"], s["output_len"],
+                                             vocab_size, seed)
+    return workloads.random_workload(num_requests, s["input_len"], s["output_len"], vocab_size, seed)
+
+
+def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency):
+    """Run the workload with a progress bar on stderr (stdout stays clean for --json -)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("[red]{task.fields[errors]} errors"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True,
+                  disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task(f"bench {load.name}", total=load.num_requests, errors=0)
+        errors = 0
+
+        def on_result(result) -> None:
+            nonlocal errors
+            errors += result.error is not None
+            progress.update(task, advance=1, errors=errors)
+
+        return asyncio.run(runner.run_workload(url, api_key, model, load, arrivals, concurrency, on_result))
