@@ -19,9 +19,11 @@ NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "qwen3-tied"])
 def tiny(request, tmp_path_factory):
-    directory = make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", request.param)
+    arch, _, variant = request.param.partition("-")
+    overrides = {"tie_word_embeddings": True} if variant == "tied" else {}
+    directory = make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", arch, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return directory, hf
 

@@ -119,6 +119,8 @@ def load_model(
     with torch.device("meta"):
         model = build_model(cfg)
     model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty materializes shared parameters separately: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
     rotary = model.model.rotary_emb
     rotary.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, cfg.max_position_embeddings).to(device)
     load_weights(model, files, cfg.tie_word_embeddings)
