@@ -1,20 +1,17 @@
-"""`sage llm bench`: workloads, trace replay, statistics, SSE parsing, and runs against a live HTTP server."""
+"""`sage llm bench`: workloads, trace replay, statistics, SSE parsing, and runs against the real server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
-import threading
 from pathlib import Path
 
+import httpx
 import pytest
-import typer
 
-from sage_infer.cli.errors import invoke
-from sage_infer.cli.llm_bench import bench
 from sage_infer.errors import UsageError
-from sage_infer.serving_bench.client import RequestResult, normalize_url
+from sage_infer.serving_bench.client import RequestResult, normalize_url, scrape_prefix_counters
 from sage_infer.serving_bench.sse import SSEDecoder
 from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_QUERIES, percentile, prefix_hit_rate, summarize
 from sage_infer.serving_bench.trace import block_tokens, load_mooncake_trace
@@ -25,6 +22,8 @@ from sage_infer.serving_bench.workloads import (
     random_workload,
     shared_prefix_workload,
 )
+from tests.server_fixture import running_server
+from tests.tiny_models import make_tiny_model
 
 MOONCAKE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
 
@@ -244,239 +243,206 @@ def test_url_is_normalized_to_the_server_root():
         normalize_url("h:8000")
 
 
-# -- end to end against a stand-in server ------------------------------------------------
+def test_scraped_metrics_without_prefix_counters_give_no_hit_rate():
+    """A server that exports other metrics but no sage:prefix_cache_* counters (vLLM, say):
+    the scrape finds nothing and the hit rate is null rather than a made-up 0."""
+    text = ("# HELP vllm:num_requests_running Running requests.\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="m"} 0.0\n')
+
+    async def scrape(status: int, body: str) -> dict[str, float]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, text=body))
+        async with httpx.AsyncClient(transport=transport, base_url="http://metrics.invalid") as client:
+            return await scrape_prefix_counters(client)
+
+    assert asyncio.run(scrape(200, text)) == {}
+    assert asyncio.run(scrape(404, "not found")) == {}
+    assert asyncio.run(scrape(200, "not { prometheus")) == {}
+    assert summarize([], 1.0, before={}, after={})["prefix_hit_rate"] is None
 
 
-class StandInServer:
-    """Stand-in for `sage llm serve` until it lands: streams OpenAI completions in the exact
-    SSE format (text chunks, usage chunk, [DONE]), keeps a 16-token-block prefix cache and
-    exports its prefix-cache counters on /metrics with prometheus_client."""
+# -- end to end against the real server ---------------------------------------------------
 
-    BLOCK = 16
-
-    def __init__(self, api_key: str = "secret") -> None:
-        from prometheus_client import CollectorRegistry, Counter
-
-        self.api_key = api_key
-        self.export_metrics = True
-        self.blocks: set[tuple[int, ...]] = set()
-        self.registry = CollectorRegistry()
-        self.queries = Counter("sage:prefix_cache_queries", "prompt tokens looked up", registry=self.registry)
-        self.hits = Counter("sage:prefix_cache_hits", "prompt tokens found", registry=self.registry)
-
-    def lookup_and_insert(self, prompt: list[int]) -> int:
-        cached, hit = 0, True
-        for end in range(self.BLOCK, len(prompt) + 1, self.BLOCK):
-            key = tuple(prompt[:end])
-            hit = hit and key in self.blocks
-            cached += self.BLOCK if hit else 0
-            self.blocks.add(key)
-        self.queries.inc(len(prompt))
-        self.hits.inc(cached)
-        return cached
-
-    def app(self):
-        from prometheus_client import generate_latest
-        from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, Response, StreamingResponse
-        from starlette.routing import Route
-
-        def error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                                status_code=status)
-
-        def authorized(request) -> bool:
-            return request.headers.get("authorization") == f"Bearer {self.api_key}"
-
-        async def models(request):
-            if not authorized(request):
-                return error(401, "invalid api key")
-            return JSONResponse({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
-
-        async def metrics(request):
-            if not self.export_metrics:
-                return Response("not found", status_code=404)
-            return Response(generate_latest(self.registry), media_type="text/plain")
-
-        async def completions(request):
-            if not authorized(request):
-                return error(401, "invalid api key")
-            body = await request.json()
-            if body["model"] != "stand-in":
-                return error(404, f"The model `{body['model']}` does not exist.")
-            prompt, n = body["prompt"], body["max_tokens"]
-            cached = self.lookup_and_insert(prompt)
-
-            async def stream():
-                for _ in range(n):
-                    await asyncio.sleep(0.001)
-                    yield "data: " + json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "x"}]})
-                    yield "\n\n"  # a separate write, so events arrive split across chunks
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                         "prompt_tokens_details": {"cached_tokens": cached}}
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
-
-            return StreamingResponse(stream(), media_type="text/event-stream")
-
-        return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
-                                 Route("/v1/completions", completions, methods=["POST"])])
+API_KEY = "bench-secret"
+BLOCK = 16  # the server's KV block size (KVPoolConfig default)
 
 
 @pytest.fixture(scope="module")
-def stand_in():
-    import uvicorn
-
-    fake = StandInServer()
-    sock = socket.socket()
-    # uvicorn leaves Nagle on for sockets it is handed: without this, small SSE writes wait
-    # ~40 ms for the client's delayed ACK and arrive in one burst.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("stand-in server did not start")
-        threading.Event().wait(0.01)
-    fake.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield fake
-    server.should_exit = True
-    thread.join(5)
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench") / "tiny-llama", "llama")
 
 
-@pytest.fixture
-def run_bench(capsys, monkeypatch):
-    """Run the `bench` command the way `sage llm bench` will, through the CLI error handler."""
-    monkeypatch.setenv("COLUMNS", "200")
-    app = typer.Typer()
-    app.command()(bench)
-    command = typer.main.get_command(app)
-
-    def run(*argv: str):
-        capsys.readouterr()
-        code = invoke(command, list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir) as running:
+        yield running
 
 
-def test_bench_against_stand_in_server_reports_counts_tokens_and_hit_rate(stand_in, run_bench, tmp_path):
-    stand_in.blocks.clear()
-    stand_in.queries.inc(1000)  # traffic before the run must not count
+@pytest.fixture(scope="module")
+def keyed_server(model_dir):
+    with running_server(model_dir, api_key=API_KEY) as running:
+        yield running
+
+
+def expected_cached(prompt_ids: list[list[int]]) -> list[int]:
+    """Cached tokens the server reports when these prompts are sent one after another: the
+    full blocks shared with an earlier prompt, leaving at least one token to compute."""
+    out = []
+    for k, ids in enumerate(prompt_ids):
+        best = 0
+        for earlier in prompt_ids[:k]:
+            common = next((i for i, (a, b) in enumerate(zip(ids, earlier)) if a != b), min(len(ids), len(earlier)))
+            best = max(best, common)
+        out.append(min(best // BLOCK, (len(ids) - 1) // BLOCK) * BLOCK)
+    return out
+
+
+def bench_json(sage, *argv: str) -> dict:
+    result = sage("llm", "bench", *argv, "--json", "-")
+    assert result.code == 0, result.err
+    return json.loads(result.out)
+
+
+def test_shared_prefix_reports_counts_tokens_and_the_servers_hit_rate(server, sage, tmp_path):
+    # traffic before the run, hits included, must not count towards the run's hit rate
+    for _ in range(2):
+        httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": list(range(300, 340)),
+                                                         "max_tokens": 1}).raise_for_status()
     out = tmp_path / "run.json"
-    code, stdout, _ = run_bench("--url", stand_in.url + "/v1", "--api-key", "secret", "--workload", "shared-prefix",
-                                "--num-requests", "8", "--prefix-len", "64", "--input-len", "16",
-                                "--output-len", "5", "--concurrency", "4", "--json", str(out))
-    assert code == 0, stdout
+    result = sage("llm", "bench", "--url", server.url + "/v1", "--workload", "shared-prefix", "--seed", "11",
+                  "--num-requests", "8", "--prefix-len", "64", "--input-len", "16", "--output-len", "5",
+                  "--concurrency", "1", "--json", str(out))
+    assert result.code == 0, result.err
     data = json.loads(out.read_text())
     summary = data["summary"]
-    assert data["config"]["model"] == "stand-in"
+    assert data["config"]["model"] == server.model == "tiny-llama"
     assert (summary["requests"], summary["ok"], summary["errors"]) == (8, 8, 0)
-    assert summary["total_output_tokens"] == 40 and summary["total_input_tokens"] == 8 * 80
-    # one cold request, then seven that find the 64-token prefix: 7 * 64 of 8 * 80 tokens
-    assert summary["prefix_hit_rate"] == pytest.approx(7 * 64 / (8 * 80))
+    assert summary["total_output_tokens"] == 8 * 5 and summary["total_input_tokens"] == 8 * 80
+    # the server looks up the 4 full blocks of each 80-token prompt; all but the first find the 64-token prefix
+    assert (summary["prefix_cache_queries"], summary["prefix_cache_hits"]) == (8 * 64, 7 * 64)
+    assert summary["prefix_hit_rate"] == pytest.approx(7 / 8)
     assert summary["mean_cached_tokens"] == pytest.approx(7 * 64 / 8)
-    for record in data["requests"]:
-        assert record["ttft_ms"] > 0 and len(record["itl_ms"]) == 4 and record["tpot_ms"] >= 0
-        assert record["e2e_ms"] >= record["ttft_ms"]
-    assert "prefix hit rate (server)" in stdout and "70.0 %" in stdout and "TTFT" in stdout
+    records = sorted(data["requests"], key=lambda r: r["start_ms"])
+    assert [r["cached_tokens"] for r in records] == [0] + [64] * 7
+    for record in records:
+        assert (record["status"], record["error"]) == (200, None)
+        assert record["prompt_tokens"] == 80 and record["output_tokens"] == 5
+        assert record["ttft_ms"] > 0 and record["e2e_ms"] >= record["ttft_ms"] and record["tpot_ms"] >= 0
+        assert 1 <= len(record["itl_ms"]) <= 4
+    assert "prefix hit rate (server)" in result.out and "87.5 %" in result.out and "TTFT" in result.out
 
 
-def test_multi_turn_sends_each_conversations_turns_one_after_another(stand_in, run_bench):
-    stand_in.blocks.clear()
-    code, stdout, _ = run_bench("--url", stand_in.url, "--api-key", "secret", "--workload", "multi-turn",
-                                "--num-requests", "6", "--turns", "3", "--input-len", "16", "--output-len", "3",
-                                "--concurrency", "4", "--json", "-")
-    assert code == 0
-    data = json.loads(stdout)
-    assert data["summary"]["ok"] == 6 and data["summary"]["prefix_hit_rate"] > 0
+def test_multi_turn_sends_each_conversations_turns_one_after_another(server, sage):
+    data = bench_json(sage, "--url", server.url, "--workload", "multi-turn", "--seed", "12", "--num-requests", "9",
+                      "--turns", "3", "--input-len", "16", "--output-len", "3", "--concurrency", "4")
+    assert data["summary"]["ok"] == 9 and data["summary"]["prefix_hit_rate"] > 0
     by_conversation: dict[int, list[dict]] = {}
     for record in data["requests"]:
         by_conversation.setdefault(record["conversation"], []).append(record)
-    assert sorted(by_conversation) == [0, 1]
+    assert sorted(by_conversation) == [0, 1, 2]
     for records in by_conversation.values():
         records.sort(key=lambda r: r["turn"])
+        assert [r["turn"] for r in records] == [0, 1, 2]
+        assert [r["prompt_tokens"] for r in records] == [16, 35, 54]
+        assert records[0]["cached_tokens"] == 0
         for previous, current in zip(records, records[1:]):
             assert current["start_ms"] >= previous["start_ms"] + previous["e2e_ms"]
-            assert current["cached_tokens"] >= previous["prompt_tokens"] // 16 * 16
+            # the previous prompt's full blocks; its answer was generated, not the placeholder tokens
+            assert current["cached_tokens"] == previous["prompt_tokens"] // BLOCK * BLOCK
+    starts = sorted(r["start_ms"] for records in by_conversation.values() for r in records if r["turn"] == 0)
+    assert starts[-1] < min(r["start_ms"] + r["e2e_ms"] for r in data["requests"])  # conversations overlap
 
 
-def test_finite_rate_sends_no_request_before_its_poisson_arrival(stand_in, run_bench):
-    code, stdout, _ = run_bench("--url", stand_in.url, "--api-key", "secret", "-n", "5", "--rate", "50",
-                                "--seed", "3", "--input-len", "8", "--output-len", "2", "--json", "-")
-    assert code == 0
-    starts = [r["start_ms"] for r in json.loads(stdout)["requests"]]
-    for start, arrival in zip(starts, poisson_arrivals(5, 50.0, seed=3)):
+def test_finite_rate_sends_no_request_before_its_poisson_arrival(server, sage):
+    data = bench_json(sage, "--url", server.url, "-n", "8", "--rate", "50", "--seed", "3", "--input-len", "8",
+                      "--output-len", "2")
+    assert data["config"]["rate"] == 50.0 and data["summary"]["ok"] == 8
+    starts = [r["start_ms"] for r in sorted(data["requests"], key=lambda r: r["index"])]
+    arrivals = poisson_arrivals(8, 50.0, seed=3)
+    assert arrivals[-1] > 0.05  # the arrivals really are spread out
+    for start, arrival in zip(starts, arrivals):
         assert start >= arrival * 1000 - 1.0
 
 
-def test_trace_replay_reuses_the_shared_system_block(stand_in, run_bench, trace_path):
-    stand_in.blocks.clear()
-    code, stdout, _ = run_bench("--url", stand_in.url, "--api-key", "secret", "--workload", "trace",
-                                "--trace-file", str(trace_path), "-n", "3", "--length-scale", "0.0625",
-                                "--time-scale", "0.001", "--max-input-len", "200", "--concurrency", "1",
-                                "--json", "-")
-    assert code == 0
-    data = json.loads(stdout)
+TRACE_ROWS = [  # Mooncake format; hash id 0 is the system prompt every request starts with
+    {"timestamp": 0, "input_length": 1500, "output_length": 64, "hash_ids": [0, 1, 2]},
+    {"timestamp": 40, "input_length": 700, "output_length": 48, "hash_ids": [0, 3]},
+    {"timestamp": 90, "input_length": 2000, "output_length": 32, "hash_ids": [0, 1, 2, 4]},
+    {"timestamp": 150, "input_length": 900, "output_length": 64, "hash_ids": [0, 5]},
+    {"timestamp": 210, "input_length": 1200, "output_length": 16, "hash_ids": [0, 6, 7]},
+    {"timestamp": 260, "input_length": 600, "output_length": 48, "hash_ids": [0, 3]},
+    {"timestamp": 330, "input_length": 1800, "output_length": 64, "hash_ids": [0, 8, 9, 10]},
+    {"timestamp": 400, "input_length": 1024, "output_length": 32, "hash_ids": [0, 1]},
+]
+
+
+def test_trace_replay_reuses_the_shared_system_block(server, sage, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in TRACE_ROWS))
+    data = bench_json(sage, "--url", server.url, "--workload", "trace", "--trace-file", str(path), "-n", "8",
+                      "--length-scale", "0.0625", "--time-scale", "0.1", "--max-input-len", "100",
+                      "--concurrency", "1")
     assert data["config"]["block_tokens"] == 32 and data["config"]["rate"] == "trace"
-    assert all(r["prompt_tokens"] <= 200 for r in data["requests"])
-    assert [r["cached_tokens"] >= 32 for r in data["requests"]] == [False, True, True]
+    records = sorted(data["requests"], key=lambda r: r["index"])
+    assert data["summary"]["ok"] == 8
+    ids = prompts(load_mooncake_trace(path, 8, length_scale=0.0625, max_input_len=100))
+    assert [r["prompt_tokens"] for r in records] == [len(p) for p in ids] == [94, 44, 100, 56, 75, 38, 100, 64]
+    cached = [r["cached_tokens"] for r in records]
+    assert cached == expected_cached(ids)
+    assert cached[0] == 0 and all(c >= 32 for c in cached[1:])  # every later request finds the system block
+    queried = sum((len(p) - 1) // BLOCK * BLOCK for p in ids)
+    assert data["summary"]["prefix_hit_rate"] == pytest.approx(sum(cached) / queried)
+    assert data["summary"]["prefix_hit_rate"] > 0
 
 
-def test_server_without_metrics_reports_null_hit_rate(stand_in, run_bench):
-    stand_in.export_metrics = False
-    try:
-        code, stdout, _ = run_bench("--url", stand_in.url, "--api-key", "secret", "-n", "2", "--input-len", "8",
-                                    "--output-len", "2", "--json", "-")
-    finally:
-        stand_in.export_metrics = True
-    assert code == 0
-    assert json.loads(stdout)["summary"]["prefix_hit_rate"] is None
-
-
-def test_openai_error_is_recorded_per_request_and_all_failing_exits_1(stand_in, run_bench, tmp_path):
+def test_openai_error_is_recorded_per_request_and_all_failing_exits_1(server, sage, tmp_path):
     out = tmp_path / "err.json"
-    code, _, err = run_bench("--url", stand_in.url, "--api-key", "secret", "--model", "nope", "-n", "3",
-                             "--input-len", "8", "--output-len", "2", "--json", str(out))
-    assert code == 1
-    assert "all 3 requests failed" in err and "The model `nope` does not exist." in err
+    result = sage("llm", "bench", "--url", server.url, "--model", "no-such-model", "-n", "8", "--input-len", "8",
+                  "--output-len", "2", "--json", str(out))
+    message = "The model `no-such-model` does not exist (this server serves `tiny-llama`)."
+    assert result.code == 1
+    assert result.err.count("\n") == 1 and "all 8 requests failed" in result.err and message in result.err
     data = json.loads(out.read_text())
-    assert data["summary"]["errors"] == 3
+    assert (data["summary"]["ok"], data["summary"]["errors"]) == (0, 8)
     assert {r["status"] for r in data["requests"]} == {404}
-    assert data["errors"] == {"HTTP 404: The model `nope` does not exist.": 3}
+    assert data["errors"] == {f"HTTP 404: {message}": 8}
 
 
-def test_missing_api_key_is_one_line_with_a_hint(stand_in, run_bench):
-    code, _, err = run_bench("--url", stand_in.url, "-n", "1")
-    assert code == 1
-    assert err.count("\n") == 1 and "HTTP 401: invalid api key" in err and "--api-key" in err
+def test_missing_api_key_is_one_line_with_a_hint(keyed_server, sage):
+    result = sage("llm", "bench", "--url", keyed_server.url, "-n", "1")
+    assert result.code == 1
+    assert result.err.count("\n") == 1 and "Traceback" not in result.err
+    assert "HTTP 401: missing or invalid API key" in result.err and "--api-key" in result.err
 
 
-def test_api_key_comes_from_sage_api_key_env(stand_in, run_bench, monkeypatch):
-    monkeypatch.setenv("SAGE_API_KEY", "secret")
-    code, stdout, _ = run_bench("--url", stand_in.url, "-n", "1", "--input-len", "8", "--output-len", "2",
-                                "--json", "-")
-    assert code == 0 and json.loads(stdout)["summary"]["ok"] == 1
+def test_wrong_api_key_fails_every_request(keyed_server, sage):
+    result = sage("llm", "bench", "--url", keyed_server.url, "--api-key", "wrong", "--model", keyed_server.model,
+                  "-n", "2", "--input-len", "8", "--output-len", "2")
+    assert result.code == 1 and "all 2 requests failed" in result.err and "HTTP 401" in result.err
 
 
-def test_plot_writes_a_png(stand_in, run_bench, tmp_path):
+def test_api_key_comes_from_sage_api_key_env(keyed_server, sage, monkeypatch):
+    monkeypatch.setenv("SAGE_API_KEY", API_KEY)
+    data = bench_json(sage, "--url", keyed_server.url, "-n", "8", "--input-len", "40", "--output-len", "2")
+    assert data["config"]["model"] == keyed_server.model and data["summary"]["ok"] == 8
+    assert data["summary"]["prefix_hit_rate"] == 0.0  # independent random prompts share no block
+
+
+def test_plot_writes_a_png(server, sage, tmp_path):
     png = tmp_path / "lat.png"
-    code, _, _ = run_bench("--url", stand_in.url, "--api-key", "secret", "-n", "4", "--input-len", "8",
-                           "--output-len", "4", "--plot", str(png))
-    assert code == 0
+    result = sage("llm", "bench", "--url", server.url, "-n", "8", "--input-len", "8", "--output-len", "4",
+                  "--plot", str(png))
+    assert result.code == 0, result.err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_unreachable_url_is_one_line_exit_1(run_bench):
+def test_unreachable_url_is_one_line_exit_1(sage):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    code, _, err = run_bench("--url", f"http://127.0.0.1:{port}", "--model", "m", "-n", "1")
-    assert code == 1
-    assert err.count("\n") == 1 and "cannot reach" in err and "Traceback" not in err
+    result = sage("llm", "bench", "--url", f"http://127.0.0.1:{port}", "--model", "m", "-n", "1")
+    assert result.code == 1
+    assert result.err.count("\n") == 1 and "cannot reach" in result.err and "Traceback" not in result.err
 
 
 @pytest.mark.parametrize(
@@ -495,12 +461,12 @@ def test_unreachable_url_is_one_line_exit_1(run_bench):
     ids=["unknown-workload", "zero-rate", "rate-not-number", "zero-concurrency", "trace-without-file",
          "prefix-len-on-random", "rate-on-trace", "length-scale-on-random", "json-dir-missing"],
 )
-def test_bad_flag_is_one_line_exit_2(run_bench, argv, fragment):
-    code, _, err = run_bench("--url", "http://127.0.0.1:9", *argv)
-    assert code == 2
-    assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+def test_bad_flag_is_one_line_exit_2(sage, argv, fragment):
+    result = sage("llm", "bench", "--url", "http://127.0.0.1:9", *argv)
+    assert result.code == 2
+    assert result.err.count("\n") == 1 and fragment in result.err and "Traceback" not in result.err
 
 
-def test_url_without_scheme_is_exit_2(run_bench):
-    code, _, err = run_bench("--url", "localhost:8000")
-    assert code == 2 and "http://HOST:PORT" in err
+def test_url_without_scheme_is_exit_2(sage):
+    result = sage("llm", "bench", "--url", "localhost:8000")
+    assert result.code == 2 and "http://HOST:PORT" in result.err
