@@ -85,7 +85,7 @@ def test_paged_attention_writes_through_the_slot_mapping():
     n = 10
     q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)
     slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(n)])
-    meta = AttentionMetadata(slots, [PrefillSpan(0, n, n, 0)], slots, None, None, None)
+    meta = AttentionMetadata(slots, [PrefillSpan(0, n, n, 0)], slots)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5)
     torch.testing.assert_close(k_cache[2, 1], k[5])  # position 5 -> block table[1] = 2, offset 1
     torch.testing.assert_close(out, dense_causal(q, k, v), atol=1e-5, rtol=1e-5)
@@ -93,3 +93,34 @@ def test_paged_attention_writes_through_the_slot_mapping():
         q.transpose(0, 1)[None], k.repeat_interleave(4, 1).transpose(0, 1)[None],
         v.repeat_interleave(4, 1).transpose(0, 1)[None], is_causal=True)[0].transpose(0, 1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_decode_through_paged_attention_matches_reference():
+    """Decode rows split into length-sorted groups give the per-sequence reference result."""
+    from sage_infer.engine.model_runner import ModelRunner
+
+    torch.manual_seed(5)
+    rng = random.Random(5)
+    k_cache, v_cache = _random_pool(200)
+    free = list(range(200))
+    rng.shuffle(free)
+    lens = [rng.randint(1, 30) for _ in range(20)]  # more rows than one group holds
+    tables, contexts = [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // BS))]
+        k, v = torch.randn(n, KVH, D), torch.randn(n, KVH, D)
+        store_kv(k[:-1], v[:-1], k_cache, v_cache,
+                 torch.tensor([table[i // BS] * BS + i % BS for i in range(n - 1)], dtype=torch.long))
+        tables.append(table)
+        contexts.append((k, v))
+    q = torch.randn(len(lens), H, D)
+    new_k = torch.stack([k[-1] for k, _ in contexts])
+    new_v = torch.stack([v[-1] for _, v in contexts])
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
+    groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
+                                        lambda values: torch.tensor(values, dtype=torch.long))
+    assert len(groups) == 2
+    meta = AttentionMetadata(slots, [], None, groups)
+    out = paged_attention(q, new_k, new_v, k_cache, v_cache, meta, D**-0.5)
+    for i, (k, v) in enumerate(contexts):
+        torch.testing.assert_close(out[i], decode_attention_reference(q[i], k, v, D**-0.5), atol=1e-5, rtol=1e-5)

@@ -4,7 +4,6 @@ cancelled as asked, no block leaks, and /metrics agrees with what the clients sa
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -125,4 +124,3 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
-    _ = json  # (kept for debugging dumps)

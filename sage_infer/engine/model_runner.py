@@ -7,7 +7,9 @@ from torch import nn
 
 from sage_infer.engine.sequence import Sequence
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.layers.attention import AttentionMetadata, PrefillSpan
+from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+
+DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded per group of this size
 
 
 class ModelRunner:
@@ -51,7 +53,8 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSpan(row, n, end, len(prefill_slots)))
-                prefill_slots.extend(self._slots(seq.block_table, 0, end))
+                if start > 0:  # only spans with earlier context read keys back from the cache
+                    prefill_slots.extend(self._slots(seq.block_table, 0, end))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
 
@@ -61,15 +64,25 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             prefills=prefills,
-            prefill_slots=tensor(prefill_slots) if prefills else None,
-            decode_rows=tensor(decode_rows) if decode_rows else None,
-            decode_block_tables=None,
-            decode_context_lens=tensor(decode_lens) if decode_rows else None,
+            prefill_slots=tensor(prefill_slots) if prefill_slots else None,
+            decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor),
         )
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = tensor([t + [0] * (width - len(t)) for t in decode_tables])
         return tensor(input_ids), tensor(positions), meta, sample_rows
+
+    @staticmethod
+    def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor) -> list[DecodeGroup]:
+        """Sort decode rows by context length and pad each group only to its own longest."""
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        groups = []
+        for start in range(0, len(order), DECODE_GROUP_ROWS):
+            chosen = order[start : start + DECODE_GROUP_ROWS]
+            width = max(len(tables[i]) for i in chosen)
+            groups.append(DecodeGroup(
+                rows=tensor([rows[i] for i in chosen]),
+                block_tables=tensor([tables[i] + [0] * (width - len(tables[i])) for i in chosen]),
+                context_lens=tensor([lens[i] for i in chosen]),
+            ))
+        return groups
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:

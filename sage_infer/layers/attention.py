@@ -7,7 +7,7 @@ A token at logical position ``i`` of a sequence lives in slot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +28,22 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode queries of similar context length, padded only to the group's longest."""
+
+    rows: torch.Tensor  # [b] long: rows of these queries in the flat batch
+    block_tables: torch.Tensor  # [b, max_blocks_in_group] long, padded with 0
+    context_lens: torch.Tensor  # [b] long
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step metadata, built once on the host and moved to the device once."""
 
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     prefills: list[PrefillSpan]
     prefill_slots: torch.Tensor | None  # [sum(context_len)] long
-    decode_rows: torch.Tensor | None  # [Bd] long: rows of decode queries in the flat batch
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long, padded with 0
-    decode_context_lens: torch.Tensor | None  # [Bd] long
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 def store_kv(
@@ -90,22 +97,21 @@ def decode_attention_batched(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """All decode queries at once, padded to the longest context.
+    """Decode queries at once, padded to the longest context of the batch.
 
     q: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B] -> [B, H, D].
-    Same math as `decode_attention_reference`, per row, with padded keys masked out.
+    Same math as `decode_attention_reference`, per row, with padded keys masked out;
+    SDPA groups the query heads of each KV head itself (``enable_gqa``), no K/V repeat.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys = k_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)  # [B, max_ctx, KvH, D]
-    values = v_cache[block_tables].view(batch, -1, num_kv_heads, head_dim)
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", qg.float(), keys.float()) * scale
-    positions = torch.arange(keys.shape[1], device=q.device)
-    scores.masked_fill_((positions[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, values.float())
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    keys = k_cache[block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KvH, T, D]
+    values = v_cache[block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out[:, :, 0, :]
 
 
 def paged_attention(
@@ -124,11 +130,14 @@ def paged_attention(
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     for span in meta.prefills:
-        slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
         rows = slice(span.q_start, span.q_start + span.q_len)
+        if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
+            continue
+        slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
         out[rows] = prefill_attention(q[rows], flat_k[slots].to(q.dtype), flat_v[slots].to(q.dtype), scale)
-    if meta.decode_rows is not None:
-        out[meta.decode_rows] = decode_attention_batched(
-            q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    for group in meta.decode_groups:
+        out[group.rows] = decode_attention_batched(
+            q[group.rows], k_cache, v_cache, group.block_tables, group.context_lens, scale
         )
     return out

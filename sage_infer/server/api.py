@@ -10,7 +10,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -122,5 +122,4 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
 
-    _ = StreamingResponse  # handlers build the streaming responses
     return app

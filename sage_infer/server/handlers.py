@@ -15,6 +15,7 @@ from sage_infer.engine.outputs import CompletionOutput, RequestOutput
 from sage_infer.engine.sampling_params import SamplingParams
 from sage_infer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from sage_infer.server.errors import APIError, error_body
+from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -27,6 +28,7 @@ class OpenAIHandlers:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.runner.model.config.vocab_size
+        self.logprobs = LogprobFormatter(self.tokenizer)
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -142,30 +144,6 @@ class OpenAIHandlers:
         if num_tokens:
             last_seen[key] = now
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, entries: list, token_ids: list[int], offset: int) -> dict:
-        tokens = [self._token_text(t) for t in token_ids]
-        offsets, position = [], offset
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, top in entries],
-            "text_offset": offsets,
-        }
-
-    def _chat_logprobs(self, entries: list, token_ids: list[int]) -> dict:
-        def item(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
-                            for t, (lp, top) in zip(token_ids, entries)]}
-
     @staticmethod
     def _sse(data: dict | str) -> str:
         return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
@@ -197,7 +175,7 @@ class OpenAIHandlers:
                            entries: list | None, offset: int = 0) -> dict:
         logprobs = None
         if entries is not None:
-            logprobs = self._completion_logprobs(entries, token_ids, offset)
+            logprobs = self.logprobs.completion(entries, token_ids, offset)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _openai_reason(c),
                 "stop_reason": c.stop_reason}
 
@@ -267,7 +245,7 @@ class OpenAIHandlers:
         choices = []
         for c in final.outputs:
             choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": self._chat_logprobs(c.logprobs, c.token_ids) if c.logprobs is not None else None,
+                      "logprobs": self.logprobs.chat(c.logprobs, c.token_ids) if c.logprobs is not None else None,
                       "finish_reason": _openai_reason(c), "stop_reason": c.stop_reason}
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
@@ -292,7 +270,7 @@ class OpenAIHandlers:
                     entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs is not None else None
                     if c.delta_text or c.delta_token_ids:
                         yield chunk([{"index": c.index, "delta": {"content": c.delta_text},
-                                      "logprobs": self._chat_logprobs(entries, c.delta_token_ids)
+                                      "logprobs": self.logprobs.chat(entries, c.delta_token_ids)
                                       if entries is not None else None, "finish_reason": None}])
                 if output.finished:
                     finals.append(output)
