@@ -25,8 +25,13 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def on_insert(self, key: bytes) -> None:
-        """A block entered the cache."""
+    def on_insert(self, key: bytes, depth: int = 0, parent: bytes | None = None) -> None:
+        """A block entered the cache. `depth` is its position in its prefix chain (0 = first
+        block of a prompt), `parent` the key of the block before it (None at depth 0)."""
+
+    def tick(self, now: float) -> None:  # noqa: B027 - optional hook
+        """The clock, in seconds: the engine passes monotonic time before each admission,
+        the replay passes the trace's timestamps. Default: no effect."""
 
     @abstractmethod
     def on_hit(self, key: bytes) -> None:
@@ -65,11 +70,15 @@ def register_policy(name: str) -> Callable[[P], P]:
     return register
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy instance by registered name; unknown names raise ValueError naming the known ones."""
+def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
+    """A fresh policy instance by registered name; unknown names raise ValueError naming the known ones.
+
+    `capacity` (blocks) is passed to policies that size internal queues from it (ARC,
+    S3-FIFO, sage); others ignore it.
+    """
     try:
         cls = POLICIES[name]
     except KeyError:
         known = ", ".join(sorted(POLICIES)) or "none"
         raise ValueError(f"unknown eviction policy {name!r}; known: {known}") from None
-    return cls()
+    return cls(capacity=capacity) if getattr(cls, "uses_capacity", False) else cls()

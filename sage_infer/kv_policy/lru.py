@@ -22,7 +22,7 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
-    def on_insert(self, key: bytes) -> None:
+    def on_insert(self, key: bytes, depth: int = 0, parent: bytes | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 

@@ -35,6 +35,7 @@ class _Node:
     token_ids: tuple[int, ...]
     extra_key: bytes
     num_children: int = 0
+    depth: int = 0  # position in the prefix chain: 0 for a prompt's first block
     in_use: bool = False  # some request holds the block (only tracked once a block manager binds)
     num_active_children: int = 0  # children whose subtree holds an in-use block
 
@@ -158,12 +159,13 @@ class PrefixReuseIndex:
             return block_hash, False
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already registered under another hash")
-        node = _Node(block_id, block_hash, parent, tuple(token_ids), extra_key)
+        node = _Node(block_id, block_hash, parent, tuple(token_ids), extra_key,
+                     depth=parent.depth + 1 if parent is not None else 0)
         self._by_hash[block_hash] = node
         self._by_block[block_id] = node
         if parent is not None:
             parent.num_children += 1
-        self.policy.on_insert(block_hash)
+        self.policy.on_insert(block_hash, node.depth, parent_hash)
         if self._is_in_use is not None and self._is_in_use(block_id):
             self._set_active(node, in_use=True)
         return block_hash, True

@@ -3,6 +3,8 @@ prefix hits on admission, block growth, registration of full blocks, release."""
 
 from __future__ import annotations
 
+import time
+
 from sage_infer.engine.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 
@@ -21,6 +23,7 @@ class KVCacheManager:
         """
         if self.index is None or seq.block_table:
             return 0
+        self.index.policy.tick(time.monotonic())
         max_blocks = (seq.num_tokens - 1) // self.block_size
         match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks)
         if match.block_ids:
