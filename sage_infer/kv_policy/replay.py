@@ -97,7 +97,9 @@ def replay(
     manager = BlockManager(capacity_blocks, 1, index)
     result = ReplayResult(policy.name, capacity_blocks)
     start = time.perf_counter()
-    for request in requests:
+    for i, request in enumerate(requests):
+        if hasattr(policy, "begin_request"):
+            policy.begin_request(i)
         ids = request.hash_ids
         policy.tick(request.timestamp_ms / 1000.0)
         match = index.match(ids, EXTRA_KEY)
