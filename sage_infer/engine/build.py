@@ -85,7 +85,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     index = None
     if config.kv_pool.enable_prefix_caching:
         try:
-            policy = make_policy(config.policy.eviction)
+            policy = make_policy(config.policy.eviction, capacity=pool.num_blocks)
         except ValueError as err:
             raise ConfigError(f"policy.eviction: {err}") from None
         index = PrefixReuseIndex(schema.block_size, policy)
