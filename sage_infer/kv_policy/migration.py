@@ -1,0 +1,125 @@
+"""`MigrationPolicy`: where a block goes when a tier evicts it, and what a lower-tier hit does.
+
+Tiers below the device are exclusive caches of whole blocks, each ordered by its own
+`EvictionPolicy` through the same hooks the device index uses. A block evicted from
+tier k is demoted to tier k+1 when loading it back from there beats recomputing it
+(`CostBenefitModel.worth_loading`), and dropped otherwise; a tier that overflows
+demotes its own victim the same way. A hit in a lower tier promotes the block: it
+leaves that tier and is registered on the device again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sage_infer.kv_policy.base import EvictionPolicy
+from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """What a demotion decision needs to know about a block."""
+
+    depth: int  # position in its prefix chain, 0 = first block of a prompt
+    parent: bytes | None
+    tokens: int  # tokens the block holds (the last block of a prompt may be partial)
+
+
+def _always(_key: bytes) -> bool:
+    return True
+
+
+class LowerTier:
+    """A dict of blocks, capped at `capacity_blocks`, ordered by `policy`.
+
+    No prefix-tree constraint here: a lower tier stores blocks, it does not serve
+    lookups on its own, so any block may be its victim.
+    """
+
+    def __init__(self, name: str, capacity_blocks: int, policy: EvictionPolicy) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"tier {name}: capacity must be at least one block, got {capacity_blocks}")
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.policy = policy
+        self.blocks: dict[bytes, BlockMeta] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def insert(self, key: bytes, meta: BlockMeta) -> list[tuple[bytes, BlockMeta]]:
+        """Store a block; returns the blocks evicted to make room (oldest decision first)."""
+        assert key not in self.blocks, "a block is in at most one tier"
+        evicted = []
+        while len(self.blocks) >= self.capacity_blocks:
+            victim = self.policy.victim(_always)
+            assert victim is not None, f"tier {self.name} is full but its policy names no victim"
+            evicted.append((victim, self.pop(victim)))
+        self.blocks[key] = meta
+        self.policy.on_insert(key, meta.depth, meta.parent)
+        return evicted
+
+    def pop(self, key: bytes) -> BlockMeta:
+        meta = self.blocks.pop(key)
+        self.policy.on_remove(key)
+        return meta
+
+
+class MigrationPolicy:
+    """Demotion and promotion between the device and `tiers` (fastest first).
+
+    Without a cost model every evicted block is demoted (nothing says loading loses).
+    """
+
+    def __init__(self, tiers: list[LowerTier], cost: CostBenefitModel | None = None) -> None:
+        self.tiers = tiers
+        self.cost = cost
+        self.num_demoted = 0
+        self.num_dropped = 0
+
+    def tick(self, now: float) -> None:
+        for tier in self.tiers:
+            tier.policy.tick(now)
+
+    def tier_of(self, key: bytes) -> LowerTier | None:
+        for tier in self.tiers:
+            if key in tier.blocks:
+                return tier
+        return None
+
+    def promote(self, key: bytes) -> LowerTier | None:
+        """A lookup reached `key`: take it out of the lower tier holding it; that tier, or None."""
+        tier = self.tier_of(key)
+        if tier is not None:
+            tier.pop(key)
+        return tier
+
+    def put_back(self, key: bytes, meta: BlockMeta, tier: LowerTier) -> None:
+        """Undo a promotion the device had no room for (a request longer than the device)."""
+        level = self.tiers.index(tier)
+        for victim, victim_meta in tier.insert(key, meta):
+            self.demote(victim, victim_meta, level + 1)
+
+    def discard(self, key: bytes) -> None:
+        """The device computed `key` again: drop any lower-tier copy so tiers stay exclusive."""
+        tier = self.tier_of(key)
+        if tier is not None:
+            tier.pop(key)
+
+    def demote(self, key: bytes, meta: BlockMeta, level: int = 0) -> None:
+        """`key` left tier `level` (0 = device): move it one tier down, or drop it."""
+        pending = [(key, meta, level)]
+        while pending:
+            key, meta, level = pending.pop(0)
+            if level >= len(self.tiers):
+                self.num_dropped += 1
+                continue
+            tier = self.tiers[level]
+            if self.cost is not None and not self.cost.worth_loading(tier.name, meta.tokens, meta.depth):
+                self.num_dropped += 1
+                continue
+            self.num_demoted += 1
+            pending.extend((victim, victim_meta, level + 1) for victim, victim_meta in tier.insert(key, meta))

@@ -1,0 +1,254 @@
+"""Multi-tier trace replay: device HBM through `PrefixReuseIndex` + `BlockManager`, lower
+tiers (host, disk, remote) as exclusive block caches moved by `MigrationPolicy`.
+
+The device tier runs the loop of `replay.replay` step for step (same index, manager,
+policy hooks and call order); with no lower tier the two give identical hits. A
+request's prefix run walks its leading blocks: a block on the device is a device hit,
+else a block in a lower tier is that tier's hit and is promoted, else the run stops.
+`run_capacity` replays every chosen policy at one capacity and returns the document
+`sage kv replay --json` writes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sage_infer.kv_policy.base import POLICIES, make_policy
+from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
+from sage_infer.kv_policy.replay import EXTRA_KEY, TraceRequest, distinct_blocks, ideal_hit_rate, replay
+from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.prefix_reuse.hashing import hash_block
+from sage_infer.prefix_reuse.index import PrefixReuseIndex
+
+TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id
+LOWER_TIERS = ("host", "disk", "remote")
+# Policy modules other engineers add; imported here so `make_policy` knows their names.
+POLICY_MODULES = ("lfu", "arc", "s3fifo", "cost", "sage")
+PREFERRED_ORDER = ("lru", *POLICY_MODULES)
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str  # device, host, disk or remote
+    capacity_blocks: int
+
+
+@dataclass(slots=True)
+class TieredResult:
+    policy: str
+    capacity_blocks: int
+    requests: int = 0
+    accesses: int = 0
+    block_hits: int = 0  # blocks present in some tier when looked up one by one
+    prefix_hits: int = 0  # blocks of each request's leading run found in some tier
+    tier_hits: dict[str, int] = field(default_factory=dict)  # prefix-run hits by the tier that served them
+    seconds: float = 0.0
+    prefill_seconds_saved: float | None = None
+    per_request_prefix_hits: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.block_hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def us_per_access(self) -> float:
+        return self.seconds / self.accesses * 1e6 if self.accesses else 0.0
+
+    def to_json(self) -> dict:
+        return {"policy": self.policy, "hit_rate": self.hit_rate, "prefix_hit_rate": self.prefix_hit_rate,
+                "tier_hits": dict(self.tier_hits), "prefill_seconds_saved": self.prefill_seconds_saved,
+                "us_per_access": self.us_per_access}
+
+
+def block_tokens(request: TraceRequest, k: int) -> int:
+    """Tokens in block `k` of `request`: full blocks, then whatever the last one holds."""
+    return min(TRACE_BLOCK_TOKENS, max(1, request.input_length - k * TRACE_BLOCK_TOKENS))
+
+
+def _seconds_saved(cost: CostBenefitModel | None, served: Counter) -> float | None:
+    """Σ (recompute − load) over hits, given as a Counter of (tier, tokens, depth)."""
+    if cost is None:
+        return None
+    return sum(n * cost.saved_seconds(tier, tokens, depth, context_tokens=depth * TRACE_BLOCK_TOKENS)
+               for (tier, tokens, depth), n in served.items())
+
+
+def replay_device(
+    requests: Sequence[TraceRequest], policy: str, capacity_blocks: int, cost: CostBenefitModel | None = None
+) -> TieredResult:
+    """One device tier: `replay.replay` itself, plus the prefill seconds its hits save."""
+    base = replay(requests, policy, capacity_blocks, keep_per_request=True)
+    served: Counter = Counter()
+    for request, hit in zip(requests, base.per_request_prefix_hits):
+        for k in range(hit):
+            served["device", block_tokens(request, k), k] += 1
+    return TieredResult(base.policy, capacity_blocks, base.requests, base.accesses, base.block_hits,
+                        base.prefix_hits, {"device": base.prefix_hits}, base.seconds, _seconds_saved(cost, served),
+                        base.per_request_prefix_hits)
+
+
+def replay_tiered(
+    requests: Sequence[TraceRequest],
+    policy: str,
+    tiers: Sequence[TierSpec],
+    cost: CostBenefitModel | None = None,
+) -> TieredResult:
+    """Replay through the device (`tiers[0]`) and the lower tiers below it, fastest first."""
+    assert tiers and tiers[0].name == "device", "the first tier is the device"
+    capacity = tiers[0].capacity_blocks
+    if capacity <= 0:
+        raise ValueError(f"capacity must be at least one block, got {capacity}")
+    device_policy = make_policy(policy, capacity=capacity)
+    index = PrefixReuseIndex(block_size=1, policy=device_policy)
+    manager = BlockManager(capacity, 1, index)
+    migration = MigrationPolicy([LowerTier(t.name, t.capacity_blocks, make_policy(policy, capacity=t.capacity_blocks))
+                                 for t in tiers[1:]], cost)
+    holder: dict[int, tuple[bytes, BlockMeta]] = {}  # device block id -> the block it holds
+    result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers})
+    served: Counter = Counter()
+    start = time.perf_counter()
+    for i, request in enumerate(requests):
+        if hasattr(device_policy, "begin_request"):  # as replay() does: OPT reads the request index
+            device_policy.begin_request(i)
+        ids = request.hash_ids
+        now = request.timestamp_ms / 1000.0
+        device_policy.tick(now)
+        migration.tick(now)
+        match = index.match(ids, EXTRA_KEY)
+        hit = len(match.block_ids)
+        chain = match.block_hashes[-1] if hit else None
+        promoted: list[tuple[int, bytes, LowerTier]] = []
+        run = hit
+        while run < len(ids):  # the prefix run goes on through lower tiers
+            key = hash_block(chain, (ids[run],), EXTRA_KEY)
+            tier = migration.promote(key)
+            if tier is None:
+                break
+            promoted.append((run, key, tier))
+            chain, run = key, run + 1
+        present = run
+        for token in ids[run:]:  # block-level counting past the first miss
+            chain = hash_block(chain, (token,), EXTRA_KEY)
+            present += index.block_of(chain) is not None or migration.tier_of(chain) is not None
+
+        manager.acquire(match.block_ids)
+        table = list(match.block_ids)
+        hashes = list(match.block_hashes)
+        wanted = min(len(ids) - hit, manager.num_available_blocks)  # a request longer than the cache keeps its head
+        if wanted > 0:
+            fresh = manager.allocate(wanted)
+            for block_id in fresh:
+                if block_id in holder:  # it held a cached block: evicted from the device
+                    migration.demote(*holder.pop(block_id))
+            table.extend(fresh)
+        for k in range(hit, len(table)):
+            parent = hashes[-1] if hashes else None
+            block_id, block_hash = manager.cache_block(table[k], parent, (ids[k],), EXTRA_KEY)
+            table[k] = block_id
+            hashes.append(block_hash)
+            migration.discard(block_hash)
+            holder[block_id] = (block_hash, BlockMeta(k, parent, block_tokens(request, k)))
+        for k, key, tier in promoted:
+            if k >= len(table):
+                parent = None if k == 0 else hashes[k - 1] if k <= len(hashes) else promoted[k - 1 - hit][1]
+                migration.put_back(key, BlockMeta(k, parent, block_tokens(request, k)), tier)
+        manager.free(list(reversed(table)))
+
+        result.requests += 1
+        result.accesses += len(ids)
+        result.block_hits += present
+        result.prefix_hits += run
+        result.tier_hits["device"] += hit
+        for k in range(hit):
+            served["device", block_tokens(request, k), k] += 1
+        for k, _key, tier in promoted:
+            result.tier_hits[tier.name] += 1
+            served[tier.name, block_tokens(request, k), k] += 1
+        result.per_request_prefix_hits.append(run)
+    result.seconds = time.perf_counter() - start
+    result.prefill_seconds_saved = _seconds_saved(cost, served)
+    return result
+
+
+def load_policy_modules() -> dict[str, str]:
+    """Import the optional policy modules so their names register; module -> why it is unavailable."""
+    missing = {}
+    for name in POLICY_MODULES:
+        module = f"sage_infer.kv_policy.{name}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            missing[name] = "not written yet" if err.name == module else f"needs {err.name}"
+        except Exception as err:  # a policy module being edited must not break the others
+            missing[name] = f"fails to import: {type(err).__name__}: {err}"
+    return missing
+
+
+def all_policies() -> list[str]:
+    """Every registered policy except OPT (it needs the future; it is always reported apart)."""
+    names = [n for n in POLICIES if n != "opt"]
+    rank = {n: i for i, n in enumerate(PREFERRED_ORDER)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def opt_rates(requests: Sequence[TraceRequest], capacity_blocks: int) -> tuple[dict | None, str | None]:
+    """Belady's OPT at this capacity from `kv_policy.opt.replay_opt`: (rates, None) or (None, why not)."""
+    module = "sage_infer.kv_policy.opt"
+    try:
+        replay_opt = importlib.import_module(module).replay_opt
+    except ModuleNotFoundError as err:
+        return None, f"{module} is not available ({'not written yet' if err.name == module else err})"
+    except AttributeError:
+        return None, f"{module} has no replay_opt"
+    except Exception as err:
+        return None, f"{module} fails to import: {type(err).__name__}: {err}"
+    out = replay_opt(requests, capacity_blocks)
+    read = out.get if isinstance(out, dict) else lambda name: getattr(out, name)
+    return {"hit_rate": float(read("hit_rate")), "prefix_hit_rate": float(read("prefix_hit_rate"))}, None
+
+
+def run_capacity(
+    requests: Sequence[TraceRequest],
+    trace: str,
+    capacity_blocks: int,
+    policies: Sequence[str],
+    lower_tiers: Sequence[TierSpec] = (),
+    cost: CostBenefitModel | None = None,
+) -> tuple[dict, list[str]]:
+    """Replay each policy at one device capacity; the `--json` document and notes for people."""
+    notes = []
+    opt, why = opt_rates(requests, capacity_blocks)
+    if why:
+        notes.append(f"OPT not reported: {why}")
+    tiers = [TierSpec("device", capacity_blocks), *lower_tiers]
+    results = []
+    for name in policies:
+        if lower_tiers:
+            results.append(replay_tiered(requests, name, tiers, cost))
+        else:
+            results.append(replay_device(requests, name, capacity_blocks, cost))
+    if opt is not None:
+        beaten = [r.policy for r in results if r.prefix_hit_rate > opt["prefix_hit_rate"] + 0.005]
+        if beaten:  # leaf-only eviction can let a policy edge past Belady, never by much
+            notes.append(f"at {capacity_blocks} blocks OPT's prefix hit rate is below {', '.join(beaten)}: "
+                         "check kv_policy.opt")
+    document = {
+        "trace": trace,
+        "requests": len(requests),
+        "accesses": sum(len(r.hash_ids) for r in requests),
+        "distinct": distinct_blocks(requests),
+        "capacity_blocks": capacity_blocks,
+        "ideal_hit_rate": ideal_hit_rate(requests),
+        "opt": opt,
+        "results": [r.to_json() for r in results],
+    }
+    return document, notes
