@@ -260,3 +260,20 @@ def test_queue_full_is_429(model_dir):
         for response in codes:
             if response.status_code == 429:
                 _is_openai_error(response, 429)
+
+
+def test_engine_failure_fails_requests_with_5xx_and_health_503(model_dir, monkeypatch):
+    """An internal engine error ends in-flight requests with an error instead of hanging,
+    and /health reports it so an orchestrator can restart the process."""
+    with running_server(model_dir, num_blocks=32) as broken:
+        def explode():
+            raise RuntimeError("simulated device fault")
+
+        monkeypatch.setattr(broken.engine.engine, "step", explode)
+        response = httpx.post(f"{broken.url}/v1/completions", json={"model": broken.model, "prompt": "x",
+                                                                     "max_tokens": 4}, timeout=30)
+        assert response.status_code >= 500
+        assert "Traceback" not in response.text and "error" in response.json()
+        assert httpx.get(f"{broken.url}/health").status_code == 503
+        after = httpx.post(f"{broken.url}/v1/completions", json={"model": broken.model, "prompt": "x"}, timeout=30)
+        assert after.status_code == 503
