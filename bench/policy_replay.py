@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from sage_infer.kv_policy.replay import distinct_blocks, ideal_hit_rate, load_mooncake
-from sage_infer.kv_policy.tiered_replay import all_policies, load_policy_modules, opt_rates, replay_device
+from sage_infer.kv_policy.tiered_replay import all_policies, opt_rates, replay_device
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl"
 
@@ -72,10 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.trace.exists():
         sys.exit(f"{args.trace}: trace not found (it ships in ../shared/traces beside the clone)")
-    missing = load_policy_modules()
     policies = all_policies()
-    for name, why in missing.items():
-        print(f"note: policy {name!r} skipped: {why}", file=sys.stderr)
     requests = load_mooncake(args.trace)[: args.max_requests]
     percents = [float(p) for p in args.capacities.split(",")]
     runs = run(requests, percents, policies)

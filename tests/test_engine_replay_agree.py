@@ -35,15 +35,13 @@ import pytest
 from sage_infer import LLM, SamplingParams
 from sage_infer.kv_policy import POLICIES, EvictionPolicy, make_policy
 from sage_infer.kv_policy.replay import TraceRequest, replay
-from sage_infer.kv_policy.tiered_replay import all_policies, load_policy_modules
+from sage_infer.kv_policy.tiered_replay import all_policies
 from sage_infer.scheduler import kv_cache_manager
 from tests.tiny_models import make_tiny_model
 
 BLOCK = 16
 NUM_BLOCKS = 8  # engine pool; the replay gets NUM_BLOCKS - 1
 EXTRA_TOKEN = 3
-
-load_policy_modules()
 
 
 def block_tokens(block_id: int) -> list[int]:

@@ -1,7 +1,7 @@
 """`sage kv replay`: trace replay through the production prefix cache, per policy and per tier.
 
 Hit counts on the small traces are traced by hand in the comments; the CLI is driven
-through `sage_infer.cli.kv.app` exactly as `sage kv` will mount it.
+through the mounted `sage kv` command.
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import typer
 
 from sage_infer.cli import kv
-from sage_infer.cli.errors import invoke
 from sage_infer.config.presets import load_hardware_preset
 from sage_infer.kv_policy import POLICIES
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
@@ -37,27 +34,10 @@ RESULT_KEYS = {"policy", "hit_rate", "prefix_hit_rate", "tier_hits", "prefill_se
 DOC_KEYS = {"trace", "requests", "accesses", "distinct", "capacity_blocks", "ideal_hit_rate", "opt", "results"}
 
 
-@dataclass
-class CliResult:
-    code: int
-    out: str
-    err: str
-
-
 @pytest.fixture
-def sage_kv(capsys, monkeypatch):
-    """Run `sage kv ...` in-process: ``sage_kv("replay", trace, "--capacity", "3")``."""
-    monkeypatch.delenv("SAGE_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "200")
-    command = typer.main.get_command(kv.app)
-
-    def run(*argv: str) -> CliResult:
-        capsys.readouterr()
-        code = invoke(command, [str(a) for a in argv])
-        captured = capsys.readouterr()
-        return CliResult(code, captured.out, captured.err)
-
-    return run
+def sage_kv(sage):
+    """Run `sage kv ...` in-process through the mounted CLI: ``sage_kv("replay", trace, "--capacity", "3")``."""
+    return lambda *argv: sage("kv", *(str(a) for a in argv))
 
 
 def write_trace(path: Path, chains: list[list[int]]) -> Path:

@@ -80,22 +80,19 @@ def parse_tiers(text: str) -> list[tuple[str, str]]:
 def resolve_policies(text: str) -> tuple[list[str], list[str]]:
     """Policy names to replay and notes about skipped ones; unknown names are a UsageError."""
     from sage_infer.kv_policy.base import POLICIES
-    from sage_infer.kv_policy.tiered_replay import all_policies, load_policy_modules
+    from sage_infer.kv_policy.tiered_replay import all_policies
 
-    missing = load_policy_modules()
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     if not names:
         raise UsageError("--policy is empty; give names (lru,arc) or all")
     if "all" in names:
-        notes = [f"policy {name!r} skipped: {why}" for name, why in missing.items() if name not in POLICIES]
-        return all_policies(), notes
+        return all_policies(), []
     for name in names:
         if name == "opt":
             raise UsageError("--policy opt: OPT is always reported next to the policies; it is not a --policy")
         if name not in POLICIES:
             known = ", ".join(all_policies())
-            why = f" ({missing[name]})" if name in missing else ""
-            raise UsageError(f"--policy: unknown eviction policy {name!r}{why}; known: {known}, or all")
+            raise UsageError(f"--policy: unknown eviction policy {name!r}; known: {known}, or all")
     return list(dict.fromkeys(names)), []
 
 

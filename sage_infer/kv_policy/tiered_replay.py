@@ -20,16 +20,21 @@ from dataclasses import dataclass, field
 from sage_infer.kv_policy.base import POLICIES, make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
-from sage_infer.kv_policy.replay import EXTRA_KEY, TraceRequest, distinct_blocks, ideal_hit_rate, replay
+from sage_infer.kv_policy.replay import (
+    EXTRA_KEY,
+    ReplayResult,
+    TraceRequest,
+    distinct_blocks,
+    ideal_hit_rate,
+    replay,
+)
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 
 TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id
 LOWER_TIERS = ("host", "disk", "remote")
-# Policy modules other engineers add; imported here so `make_policy` knows their names.
-POLICY_MODULES = ("lfu", "arc", "s3fifo", "cost", "sage")
-PREFERRED_ORDER = ("lru", *POLICY_MODULES)
+PREFERRED_ORDER = ("lru", "lfu", "arc", "s3fifo", "cost", "sage")  # table order; others follow by name
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,29 +44,11 @@ class TierSpec:
 
 
 @dataclass(slots=True)
-class TieredResult:
-    policy: str
-    capacity_blocks: int
-    requests: int = 0
-    accesses: int = 0
-    block_hits: int = 0  # blocks present in some tier when looked up one by one
-    prefix_hits: int = 0  # blocks of each request's leading run found in some tier
+class TieredResult(ReplayResult):
+    """`ReplayResult` counted over every tier (a hit in any tier is a hit), plus per-tier hits."""
+
     tier_hits: dict[str, int] = field(default_factory=dict)  # prefix-run hits by the tier that served them
-    seconds: float = 0.0
     prefill_seconds_saved: float | None = None
-    per_request_prefix_hits: list[int] = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.block_hits / self.accesses if self.accesses else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.accesses if self.accesses else 0.0
-
-    @property
-    def us_per_access(self) -> float:
-        return self.seconds / self.accesses * 1e6 if self.accesses else 0.0
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "hit_rate": self.hit_rate, "prefix_hit_rate": self.prefix_hit_rate,
@@ -92,8 +79,8 @@ def replay_device(
         for k in range(hit):
             served["device", block_tokens(request, k), k] += 1
     return TieredResult(base.policy, capacity_blocks, base.requests, base.accesses, base.block_hits,
-                        base.prefix_hits, {"device": base.prefix_hits}, base.seconds, _seconds_saved(cost, served),
-                        base.per_request_prefix_hits)
+                        base.prefix_hits, base.seconds, base.per_request_prefix_hits,
+                        tier_hits={"device": base.prefix_hits}, prefill_seconds_saved=_seconds_saved(cost, served))
 
 
 def replay_tiered(
@@ -177,20 +164,6 @@ def replay_tiered(
     result.seconds = time.perf_counter() - start
     result.prefill_seconds_saved = _seconds_saved(cost, served)
     return result
-
-
-def load_policy_modules() -> dict[str, str]:
-    """Import the optional policy modules so their names register; module -> why it is unavailable."""
-    missing = {}
-    for name in POLICY_MODULES:
-        module = f"sage_infer.kv_policy.{name}"
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            missing[name] = "not written yet" if err.name == module else f"needs {err.name}"
-        except Exception as err:  # a policy module being edited must not break the others
-            missing[name] = f"fails to import: {type(err).__name__}: {err}"
-    return missing
 
 
 def all_policies() -> list[str]:
