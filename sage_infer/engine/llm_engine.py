@@ -62,6 +62,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
+        self._finished: set[str] = set()  # requests whose every sequence ended, not yet reported
         self._seq_ids = count()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
@@ -197,16 +198,14 @@ class LLMEngine:
         request = self.requests[seq.request_id]
         request.pending[seq.index] += request.detokenizers[seq.index].flush()
         if all(s.is_finished for s in request.seqs):
+            self._finished.add(seq.request_id)
             request.metrics.finish_time = seq.finish_time
             request.metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
 
     def _collect(self, changed: dict[str, None]) -> list[RequestOutput]:
-        ids = list(changed) + [r for r in self._just_finished() if r not in changed]
+        # aborted requests with nothing sampled this step still owe a final output
+        ids = list(changed) + [r for r in self._finished if r not in changed]
         return [self._output(request_id) for request_id in ids]
-
-    def _just_finished(self) -> list[str]:
-        """Aborted requests with nothing sampled this step still owe a final output."""
-        return [rid for rid, r in self.requests.items() if all(s.is_finished for s in r.seqs)]
 
     def _output(self, request_id: str) -> RequestOutput:
         request = self.requests[request_id]
@@ -234,4 +233,5 @@ class LLMEngine:
                                request.metrics, finished)
         if finished:
             del self.requests[request_id]
+            self._finished.discard(request_id)
         return output

@@ -26,8 +26,9 @@ class ModelRunner:
 
     def prepare(
         self, seqs: list[Sequence], num_new_tokens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the step: (input_ids [T], positions [T], metadata, rows whose logits are needed).
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Flatten the step: (input_ids [T], positions [T], metadata, rows whose logits are needed,
+        indices into `seqs` of the sequences those rows belong to).
 
         A sequence with one new token after others is a decode row (batched attention);
         any other chunk is a prefill span. Built as Python lists, moved to the device once.
@@ -41,7 +42,8 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         sample_rows: list[int] = []
-        for seq, n in zip(seqs, num_new_tokens):
+        sampled: list[int] = []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
@@ -57,6 +59,7 @@ class ModelRunner:
                     prefill_slots.extend(self._slots(seq.block_table, 0, end))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
+                sampled.append(i)
 
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -67,7 +70,7 @@ class ModelRunner:
             prefill_slots=tensor(prefill_slots) if prefill_slots else None,
             decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor),
         )
-        return tensor(input_ids), tensor(positions), meta, sample_rows
+        return tensor(input_ids), tensor(positions), meta, sample_rows, sampled
 
     @staticmethod
     def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor) -> list[DecodeGroup]:
@@ -88,9 +91,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
         into `seqs` of the sequences they belong to (those whose chunk reached their end)."""
-        input_ids, positions, meta, sample_rows = self.prepare(seqs, num_new_tokens)
+        input_ids, positions, meta, sample_rows, sampled = self.prepare(seqs, num_new_tokens)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
-        sampled = [i for i, (seq, n) in enumerate(zip(seqs, num_new_tokens))
-                   if seq.num_computed_tokens + n == seq.num_tokens]
         return logits, sampled

@@ -176,7 +176,7 @@ class OpenAIHandlers:
         logprobs = None
         if entries is not None:
             logprobs = self.logprobs.completion(entries, token_ids, offset)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _openai_reason(c),
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
     async def _collect(self, started) -> list[RequestOutput]:
@@ -246,7 +246,7 @@ class OpenAIHandlers:
         for c in final.outputs:
             choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": self.logprobs.chat(c.logprobs, c.token_ids) if c.logprobs is not None else None,
-                      "finish_reason": _openai_reason(c), "stop_reason": c.stop_reason}
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([final])})
@@ -276,14 +276,10 @@ class OpenAIHandlers:
                     finals.append(output)
                     for c in output.outputs:
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": _openai_reason(c), "stop_reason": c.stop_reason}])
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if include_usage:
                 yield chunk([], self._usage(finals))
         except Exception as err:  # noqa: BLE001 - the status line is already sent: report in-band
             yield self._sse(error_body(500, f"generation failed: {type(err).__name__}: {err}"))
         yield self._sse("[DONE]")
 
-
-def _openai_reason(c: CompletionOutput) -> str | None:
-    """OpenAI knows stop and length; an abort or error is reported as it is."""
-    return c.finish_reason
