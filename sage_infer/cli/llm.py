@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sage_infer.cli.llm_bench import bench
 from sage_infer.cli.options import ConfigFileOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
 
 app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
@@ -114,6 +115,4 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-from sage_infer.cli.llm_bench import bench  # noqa: E402  (kept beside the other llm commands)
-
-app.command("bench")(bench)
+app.command("bench")(bench)  # defined in llm_bench.py; listed after serve and generate

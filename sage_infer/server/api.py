@@ -20,6 +20,7 @@ from sage_infer.server.async_engine import AsyncEngine
 from sage_infer.server.errors import APIError, error_response
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.metrics import ServerMetrics
+from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -33,8 +34,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.state.engine, app.state.metrics, app.state.accepting = engine, metrics, True
 
     async def body_of(request: Request, schema):
-        if request.headers.get("content-length", "0").isdigit() and \
-                int(request.headers.get("content-length", "0")) > max_body_bytes:
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > max_body_bytes:
             raise APIError(413, f"request body over {max_body_bytes} bytes")
         raw = bytearray()
         async for chunk in request.stream():
@@ -108,8 +109,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def completions(request: Request) -> Response:
         authorize(request)
         accepting()
-        from sage_infer.server.protocol import CompletionRequest
-
         body = await body_of(request, CompletionRequest)
         return await handlers.completions(body, f"cmpl-{uuid.uuid4().hex}")
 
@@ -117,8 +116,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         accepting()
-        from sage_infer.server.protocol import ChatCompletionRequest
-
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
 
