@@ -73,12 +73,11 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         raise ConfigError(f"kv_pool.kv_dtype: {kv_dtype.value} KV cache is not implemented yet (use auto, fp16, "
                           "bf16 or fp32)")
     schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.kv_pool.block_size, kv_dtype)
-    torch_kv_dtype = {kv: dt for dt, kv in KV_DTYPE_OF.items()}[kv_dtype]
     available = None
     if config.kv_pool.num_blocks is None and config.kv_pool.memory_budget is None:
         available = _available_kv_bytes(device, schema, config, max_len)
     try:
-        pool = KVPool.from_config(schema, config.kv_pool, device, dtype=torch_kv_dtype, available_bytes=available)
+        pool = KVPool.from_config(schema, config.kv_pool, device, available_bytes=available)
     except ValueError as err:
         raise ConfigError(f"kv_pool: {err}") from None
 
