@@ -13,7 +13,7 @@ from pydantic import ByteSize, Field, field_validator
 from sage_infer.config.hardware import Strict
 
 TransportBackend = Literal["auto", "shm", "tcp", "torchdist", "rdma"]
-TransportDtype = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+TransportDtype = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8", "int4"]
 
 MIN_CHUNK = 4 * 1024
 MAX_CHUNK = 1024 * 1024 * 1024

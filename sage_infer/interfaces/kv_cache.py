@@ -18,6 +18,7 @@ class KVDtype(str, enum.Enum):
     BF16 = "bf16"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+    FP8_E4M3FNUZ = "fp8_e4m3fnuz"  # ROCm-family (Hygon DCU, MI300) fp8
     INT8 = "int8"
     INT4 = "int4"
 
@@ -28,7 +29,7 @@ class KVDtype(str, enum.Enum):
     @property
     def is_quantized(self) -> bool:
         """True when values need a scale to be read back (fp8, int8, int4)."""
-        return self in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2, KVDtype.INT8, KVDtype.INT4)
+        return self in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2, KVDtype.FP8_E4M3FNUZ, KVDtype.INT8, KVDtype.INT4)
 
     @property
     def has_zero_point(self) -> bool:
@@ -42,6 +43,7 @@ _BITS = {
     KVDtype.BF16: 16,
     KVDtype.FP8_E4M3: 8,
     KVDtype.FP8_E5M2: 8,
+    KVDtype.FP8_E4M3FNUZ: 8,
     KVDtype.INT8: 8,
     KVDtype.INT4: 4,
 }

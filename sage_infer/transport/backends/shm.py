@@ -1,0 +1,328 @@
+"""`shm`: KV between processes on one host through a reused shared-memory ring.
+
+The sender creates one anonymous shared-memory file per connection (`memfd_create`),
+sizes and pre-faults it once — first-touch page faults make fresh allocations many
+times slower, so nothing is allocated per transfer — and hands the file descriptor to
+the receiver over a Unix socket (SCM_RIGHTS). No name exists in /dev/shm, so a crash
+leaks nothing and no other process can open the ring.
+
+Per chunk: the sender copies the payload into a free region of the ring, checksums
+it there (cache-hot), and sends the 128-byte header (region offset in `slot`) over
+the Unix socket. The receiver copies the region into the buffer its sink registered,
+verifies the CRC on the destination, and answers ACK (the region is reused) or NACK
+(the sender copies the chunk again from its still-registered source). The socket is
+the only synchronisation (each send/recv is a full barrier), and its EOF is how a
+dead peer is noticed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+import tempfile
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+
+from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
+from sage_infer.transport.errors import (
+    ChecksumError,
+    PeerClosedError,
+    ProtocolError,
+    TransportError,
+    TruncatedError,
+)
+from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind, checksum
+
+DEFAULT_RING_BYTES = 32 * 1024 * 1024
+SCHEME = "shm://"
+
+
+async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from a non-blocking socket; returns bytes read (short only at EOF)."""
+    loop = asyncio.get_running_loop()
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHeader | None:
+    """One header, or None on a clean EOF before its first byte."""
+    got = await recv_exactly(sock, memoryview(buf))
+    if got == 0:
+        return None
+    if got < HEADER_BYTES:
+        raise TruncatedError(f"shm: stream ended inside a header ({got}/{HEADER_BYTES} bytes) while {what}")
+    return ChunkHeader.unpack(buf)
+
+
+def _make_ring(nbytes: int) -> tuple[int, mmap.mmap]:
+    """An anonymous, pre-faulted shared mapping and its file descriptor."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("sage-kv-ring", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux: an unlinked temp file has the same lifetime rules
+        fd, path = tempfile.mkstemp(prefix="sage-kv-ring-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+        ring = mmap.mmap(fd, nbytes)
+    except OSError as err:
+        os.close(fd)
+        raise TransportError(f"shm: cannot create a {nbytes >> 20} MiB shared ring ({err})") from None
+    np.frombuffer(ring, dtype=np.uint8).fill(0)  # first touch now, not on the hot path
+    return fd, ring
+
+
+class _Regions:
+    """Allocator of contiguous byte regions in a ring, freed in any order, reused in FIFO order."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._live: deque[list] = deque()  # [start, end, freed]
+        self._by_start: dict[int, list] = {}
+        self._tail = 0
+
+    def alloc(self, n: int) -> int | None:
+        if not self._live:
+            start = 0 if n <= self.size else None
+        else:
+            head = self._live[0][0]
+            if self._live[-1][0] < head:  # wrapped: free space is [tail, head)
+                start = self._tail if self._tail + n <= head else None
+            else:  # free space is [tail, size) and [0, head)
+                start = self._tail if self._tail + n <= self.size else (0 if n <= head else None)
+        if start is None:
+            return None
+        region = [start, start + n, False]
+        self._live.append(region)
+        self._by_start[start] = region
+        self._tail = start + n
+        return start
+
+    def free(self, start: int) -> None:
+        region = self._by_start.pop(start, None)
+        if region is None:
+            return
+        region[2] = True
+        while self._live and self._live[0][2]:
+            self._live.popleft()
+
+
+class ShmSendChannel(SendChannel):
+    backend = "shm"
+    computes_crc = True
+
+    def __init__(self, sock: socket.socket, ring: mmap.mmap, fd: int, **kw) -> None:
+        super().__init__(**kw)
+        self._sock = sock
+        self._ring = ring
+        self._fd = fd
+        self._ring_np = np.frombuffer(ring, dtype=np.uint8)
+        self._regions = _Regions(len(ring))
+        self._region_of: dict[int, int] = {}
+        self._space = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read_control())
+
+    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+        n = len(payload)
+        if header.kind is not Kind.DATA:
+            await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+            return
+        if n > self._regions.size:
+            raise TransportError(f"shm: a {n}-byte chunk does not fit the {self._regions.size}-byte ring")
+        start = self._region_of.get(header.seq) if header.flags & Flag.RETRY else None
+        while start is None:
+            self._raise_if_failed()
+            start = self._regions.alloc(n)
+            if start is None:
+                self._space.clear()
+                await self._space.wait()
+        self._region_of[header.seq] = start
+        staged = self._ring_np[start : start + n]
+        np.copyto(staged, np.frombuffer(payload, dtype=np.uint8))
+        header = replace(header, slot=start, crc=checksum(staged, header.algorithm))
+        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+
+    def _on_control(self, msg: ChunkHeader) -> None:
+        if msg.kind is Kind.ACK:
+            start = self._region_of.pop(msg.seq, None)
+            if start is not None:
+                self._regions.free(start)
+                self._space.set()
+        super()._on_control(msg)
+
+    def _fail(self, err: TransportError) -> None:
+        super()._fail(err)
+        if hasattr(self, "_space"):
+            self._space.set()
+
+    async def _read_control(self) -> None:
+        buf = bytearray(HEADER_BYTES)
+        try:
+            while True:
+                msg = await read_header(self._sock, buf, "waiting for acknowledgements")
+                if msg is None:
+                    self._on_lost("connection closed")
+                    return
+                self._on_control(msg)
+        except (OSError, TransportError) as err:
+            self._on_lost(str(err))
+
+    async def _close(self) -> None:
+        self._reader.cancel()
+        self._sock.close()
+        os.close(self._fd)
+        del self._ring_np
+        try:
+            self._ring.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            pass
+
+
+class ShmRecvChannel(RecvChannel):
+    backend = "shm"
+
+    def __init__(self, sock: socket.socket, ring: mmap.mmap, **kw) -> None:
+        super().__init__(**kw)
+        self._sock = sock
+        self._ring = ring
+        self._ring_np = np.frombuffer(ring, dtype=np.uint8)
+        self._buf = bytearray(HEADER_BYTES)
+
+    async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
+        loop = asyncio.get_running_loop()
+        while True:
+            header = await before(read_header(self._sock, self._buf, "receiving"), deadline, "waiting for a chunk")
+            if header is None:
+                return None
+            if header.kind is Kind.ABORT:
+                raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
+            if header.kind is not Kind.DATA:
+                raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
+            if header.slot + header.length > len(self._ring_np):
+                raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
+            dest = sink(header)
+            if len(dest) != header.length:
+                raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
+            out = np.frombuffer(dest, dtype=np.uint8)
+            np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
+            try:
+                header.verify(out)
+            except ChecksumError as err:
+                self._note_corrupt(header, err)
+                await loop.sock_sendall(self._sock, header.reply(Kind.NACK).pack())
+                continue
+            await loop.sock_sendall(self._sock, header.reply(Kind.ACK).pack())
+            return header
+
+    async def aclose(self) -> None:
+        self._sock.close()
+        del self._ring_np
+        try:
+            self._ring.close()
+        except BufferError:
+            pass
+
+
+class ShmListener(Listener):
+    def __init__(self, server: socket.socket, path: str, max_retries: int) -> None:
+        self._server = server
+        self._path = path
+        self._max_retries = max_retries
+        self.address = SCHEME + path
+
+    async def accept(self, deadline: float) -> ShmRecvChannel:
+        loop = asyncio.get_running_loop()
+        sock, _ = await before(loop.sock_accept(self._server), deadline, "waiting for a sender to connect")
+        sock.setblocking(True)
+        sock.settimeout(max(0.1, deadline - loop.time()))
+        try:
+            msg, fds, _, _ = await asyncio.to_thread(socket.recv_fds, sock, HEADER_BYTES, 1)
+        except TimeoutError:
+            sock.close()
+            raise PeerClosedError("shm: the sender connected but sent no ring") from None
+        if len(msg) != HEADER_BYTES or len(fds) != 1:
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError("shm: the connection did not start with a HELLO carrying the ring")
+        hello = ChunkHeader.unpack(msg)
+        try:
+            ring = mmap.mmap(fds[0], hello.length)
+        finally:
+            os.close(fds[0])
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, hello.reply(Kind.HELLO).pack())
+        return ShmRecvChannel(sock, ring, max_retries=self._max_retries)
+
+    async def aclose(self) -> None:
+        self._server.close()
+        try:
+            os.unlink(self._path)
+            os.rmdir(os.path.dirname(self._path))
+        except OSError:
+            pass
+
+
+@register_backend
+class ShmBackend(Backend):
+    name = "shm"
+    description = "shared-memory ring between processes on one host (Unix socket for control)"
+
+    def __init__(self, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+        self.ring_bytes = ring_bytes
+
+    async def listen(self, address: str | None = None, *, max_retries: int = 2) -> ShmListener:
+        if address is None:
+            path = os.path.join(tempfile.mkdtemp(prefix="sage-shm-"), "ctl.sock")  # mkdtemp: mode 0700
+        else:
+            path = _path_of(address)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(16)
+        server.setblocking(False)
+        return ShmListener(server, path, max_retries)
+
+    async def connect(
+        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
+    ) -> ShmSendChannel:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await before(loop.sock_connect(sock, _path_of(address)), deadline, f"connecting to {address}")
+        except OSError as err:
+            sock.close()
+            raise PeerClosedError(f"shm: cannot connect to {address}: {err.strerror or err}") from None
+        fd, ring = _make_ring(self.ring_bytes)
+        hello = ChunkHeader(Kind.HELLO, "ring", length=self.ring_bytes)
+        try:
+            sock.setblocking(True)
+            await asyncio.to_thread(socket.send_fds, sock, [hello.pack()], [fd])
+            sock.setblocking(False)
+            reply = await before(read_header(sock, bytearray(HEADER_BYTES), "set-up"), deadline, "waiting for HELLO")
+        except (OSError, TransportError):
+            sock.close()
+            os.close(fd)
+            ring.close()
+            raise
+        if reply is None or reply.kind is not Kind.HELLO:
+            sock.close()
+            os.close(fd)
+            ring.close()
+            raise PeerClosedError(f"shm: {address} closed the connection during set-up")
+        return ShmSendChannel(sock, ring, fd, max_inflight=max_inflight, max_retries=max_retries)
+
+
+def _path_of(address: str) -> str:
+    if not address.startswith(SCHEME):
+        raise ValueError(f"shm address must look like shm:///path/to/socket, got {address!r}")
+    return address[len(SCHEME) :]

@@ -1,0 +1,311 @@
+"""The interface every transport backend implements, and what they share.
+
+A backend moves (header, payload) pairs from a `SendChannel` in one process to a
+`RecvChannel` in another. The sender keeps up to `max_inflight` chunks unacknowledged;
+the receiver writes each payload straight into the buffer its `sink` hands out,
+checks the CRC, and answers ACK (verified) or NACK (send again). The sender resends
+a NACKed chunk from its still-registered source, up to `max_retries` times. Every
+wait has the transfer's deadline, so a dead or stalled peer ends in an error, not a hang.
+
+Backends register by name (`@register_backend`); `get_backend("shm")` builds one and
+`backend_availability()` says, for every known backend, whether it runs here and why not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import ClassVar, TypeVar
+
+from sage_infer.transport.errors import (
+    BackendUnavailable,
+    ChecksumError,
+    PeerClosedError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
+from sage_infer.transport.wire import ChunkHeader, Flag, Kind
+
+T = TypeVar("T")
+
+# Gives the destination for a chunk's payload: a writable memoryview of exactly `header.length` bytes.
+Sink = Callable[[ChunkHeader], memoryview]
+
+
+async def before(aw: Awaitable[T], deadline: float, what: str) -> T:
+    """Await `aw` until the loop-time `deadline`; past it raise `TransferTimeout` naming `what`."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        raise TransferTimeout(f"deadline passed while {what}")
+    try:
+        return await asyncio.wait_for(aw, remaining)
+    except asyncio.TimeoutError:
+        raise TransferTimeout(f"peer stalled: deadline passed while {what}") from None
+
+
+@dataclass(slots=True)
+class _Pending:
+    header: ChunkHeader
+    payload: memoryview
+    sent_at: float
+    acked: asyncio.Future
+    retries: int = 0
+
+
+class SendChannel(ABC):
+    """The sending end of one connection. Subclasses implement `_transmit`, `_close` and
+    feed the peer's ACK/NACK messages to `_on_control` (and call `_on_lost` on EOF)."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, *, max_inflight: int = 8, max_retries: int = 2) -> None:
+        self.max_inflight = max_inflight
+        self.max_retries = max_retries
+        self.retransmits = 0
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = asyncio.Lock()
+        self._error: TransportError | None = None
+        self._closed = False
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    async def send(self, header: ChunkHeader, payload: memoryview, deadline: float) -> asyncio.Future:
+        """Queue one chunk; returns once it is on the wire. The returned future resolves to the
+        seconds from send to verified ACK, or raises the transfer's error."""
+        self._raise_if_failed()
+        await before(self._slots.acquire(), deadline, f"waiting for an in-flight slot ({self.max_inflight} unacked)")
+        self._raise_if_failed()
+        loop = asyncio.get_running_loop()
+        if header.seq in self._pending:
+            self._slots.release()
+            raise ValueError(f"sequence number {header.seq} is already in flight")
+        entry = _Pending(header, payload, loop.time(), loop.create_future())
+        entry.acked.add_done_callback(_consume_exception)
+        self._pending[header.seq] = entry
+        try:
+            await before(self._locked_transmit(header, payload), deadline, f"sending chunk {header.chunk_index}")
+        except TransportError as err:
+            self._fail(err)
+            raise
+        except OSError as err:
+            self._fail(PeerClosedError(f"{self.backend}: send failed, peer gone? ({err})"))
+            raise self._error from None
+        return entry.acked
+
+    async def drain(self, deadline: float) -> None:
+        """Wait until every chunk sent so far is acknowledged."""
+        pending = [p.acked for p in self._pending.values()]
+        if pending:
+            what = f"waiting for the receiver to acknowledge {len(pending)} chunk(s)"
+            try:
+                await before(asyncio.gather(*pending), deadline, what)
+            except TransferTimeout as err:
+                self._fail(err)
+                raise
+        self._raise_if_failed()
+
+    async def abort(self, request_id: str, why: str = "") -> None:
+        """Tell the receiver this transfer is abandoned (best effort)."""
+        try:
+            await self._locked_transmit(ChunkHeader(Kind.ABORT, request_id), memoryview(b""))
+        except (OSError, TransportError):
+            pass
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._close()
+            self._fail(PeerClosedError(f"{self.backend}: channel closed"))
+
+    # -- for subclasses --------------------------------------------------------
+
+    @abstractmethod
+    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+        """Put one header (+ payload) on the wire."""
+
+    @abstractmethod
+    async def _close(self) -> None: ...
+
+    async def _locked_transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+        async with self._send_lock:
+            await self._transmit(header, payload)
+
+    def _on_control(self, msg: ChunkHeader) -> None:
+        entry = self._pending.get(msg.seq)
+        if msg.kind is Kind.ACK:
+            if entry is None:
+                return  # late ACK of a chunk already settled
+            del self._pending[msg.seq]
+            self._slots.release()
+            if not entry.acked.done():
+                entry.acked.set_result(asyncio.get_running_loop().time() - entry.sent_at)
+        elif msg.kind is Kind.NACK:
+            if entry is None:
+                return
+            entry.retries += 1
+            self.retransmits += 1
+            if entry.retries > self.max_retries:
+                self._fail(
+                    ChecksumError(
+                        f"chunk {entry.header.chunk_index} of layer {entry.header.layer} failed its CRC at the "
+                        f"receiver {entry.retries} times; giving up"
+                    )
+                )
+                return
+            resend = replace(entry.header, flags=entry.header.flags | Flag.RETRY)
+            asyncio.get_running_loop().create_task(self._resend(resend, entry.payload))
+        else:
+            self._fail(ProtocolError(f"{self.backend}: unexpected {msg.kind.name} message from the receiver"))
+
+    async def _resend(self, header: ChunkHeader, payload: memoryview) -> None:
+        try:
+            await self._locked_transmit(header, payload)
+        except (OSError, TransportError) as err:
+            self._fail(err if isinstance(err, TransportError) else PeerClosedError(f"{self.backend}: {err}"))
+
+    def _on_lost(self, why: str) -> None:
+        """The connection ended; fail whatever is still unacknowledged."""
+        if self._pending or not self._closed:
+            pending = len(self._pending)
+            why = f"{self.backend}: receiver went away ({why}) with {pending} chunk(s) unacknowledged"
+            self._fail(PeerClosedError(why))
+
+    def _fail(self, err: TransportError) -> None:
+        if self._error is None:
+            self._error = err
+        for entry in self._pending.values():
+            if not entry.acked.done():
+                entry.acked.set_exception(self._error)
+        self._pending.clear()
+        # Wake anyone waiting for a slot; they re-check `_error`.
+        for _ in range(self.max_inflight):
+            self._slots.release()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # mark retrieved: the error is raised from drain()/send()
+
+
+class RecvChannel(ABC):
+    """The receiving end of one connection."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, *, max_retries: int = 2) -> None:
+        self.max_retries = max_retries
+        self.checksum_failures = 0
+        self._failures: dict[tuple[str, int], int] = {}
+
+    @abstractmethod
+    async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
+        """The next verified DATA chunk (its payload now in the view `sink` gave), or None
+        when the sender closed the connection between messages. A corrupt chunk is NACKed
+        and skipped (its resend arrives later); a truncated stream, an ABORT or a deadline
+        raises."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    def _note_corrupt(self, header: ChunkHeader, err: ChecksumError) -> None:
+        """Count a CRC failure; past `max_retries` for one chunk the transfer fails."""
+        key = (header.request_id, header.seq)
+        self.checksum_failures += 1
+        self._failures[key] = self._failures.get(key, 0) + 1
+        if self._failures[key] > self.max_retries:
+            raise ChecksumError(f"{err} — still corrupt after {self.max_retries} resends") from None
+
+
+class Listener(ABC):
+    """Accepts connections; `address` is what a sender passes to `Backend.connect`."""
+
+    address: str
+
+    @abstractmethod
+    async def accept(self, deadline: float) -> RecvChannel: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    name: str
+    available: bool
+    reason: str = ""
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(cls.name, True)
+
+    @abstractmethod
+    async def listen(self, address: str | None = None, *, max_retries: int = 2) -> Listener: ...
+
+    @abstractmethod
+    async def connect(
+        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
+    ) -> SendChannel: ...
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+# Third-party engines: reported, imported only when installed.
+OPTIONAL_BACKENDS = {
+    "mooncake": ("mooncake", "Mooncake Transfer Engine (pip install mooncake-transfer-engine)"),
+    "nixl": ("nixl", "NVIDIA NIXL (pip install nixl)"),
+}
+
+
+def backend_availability() -> list[Availability]:
+    """Every backend this build knows of, whether it can run here, and why not."""
+    _load_builtin()
+    out = [cls.availability() for cls in BACKENDS.values()]
+    for name, (module, what) in OPTIONAL_BACKENDS.items():
+        if importlib.util.find_spec(module) is None:
+            out.append(Availability(name, False, f"{what} is not installed"))
+        else:
+            out.append(Availability(name, False, f"{what} is installed, but sage has no adapter for it yet"))
+    return out
+
+
+def get_backend(name: str) -> Backend:
+    """A backend instance by name; unknown or unavailable names raise with the reason."""
+    _load_builtin()
+    cls = BACKENDS.get(name)
+    if cls is None:
+        why = dict((a.name, a.reason) for a in backend_availability()).get(name)
+        if why:
+            raise BackendUnavailable(f"transport backend {name!r} is not available: {why}")
+        raise BackendUnavailable(f"unknown transport backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    status = cls.availability()
+    if not status.available:
+        raise BackendUnavailable(f"transport backend {name!r} is not available: {status.reason}")
+    return cls()
+
+
+def _load_builtin() -> None:
+    import sage_infer.transport.backends  # noqa: F401  (registers shm, tcp, torchdist)

@@ -1,0 +1,283 @@
+"""`sage transport bench`: real sender and receiver processes on this host, per backend,
+next to the raw baseline measured in the same run.
+
+Baselines (what the backend adds overhead to):
+- shm: one process memcpy of the same bytes, chunk by chunk, into a pre-faulted shared mapping;
+- tcp: a plain blocking socket `sendall` / `recv_into` loop of the same chunks between two processes;
+- torchdist: plain `dist.send` / `dist.recv` of the same chunks (gloo) between two processes.
+
+A transfer's time runs from its first send to the last verified ACK, so it covers the
+receiver's copy-out, CRC check and (when converting) decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.transport.engine import KVReceiveBuffers, TransportEngine
+from sage_infer.transport.telemetry import TransportTelemetry
+
+HEADS, HEAD_DIM = 8, 128
+LAYERS = 8
+BACKENDS = ("shm", "tcp", "torchdist")
+TORCH_OF = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class BenchResult:
+    backend: str
+    chunk_bytes: int
+    dtype: str  # wire dtype
+    gbps: float  # KV bytes (as stored) per second, end to end
+    baseline_gbps: float
+    ratio_to_baseline: float
+    p50_chunk_us: float
+    p99_chunk_us: float
+    convert_share: float  # encode + decode seconds / transfer seconds
+    wire_bytes: int
+    total_bytes: int
+    retransmits: int
+
+
+def kv_layers(total_bytes: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    """`LAYERS` KV tensors [2, tokens, HEADS, HEAD_DIM] adding up to about `total_bytes`."""
+    row = HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size() * 2
+    tokens = max(1, total_bytes // LAYERS // row)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, tokens, HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_dist(rank: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+# -- transport runs --------------------------------------------------------------
+
+
+def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_port: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    if backend == "torchdist":
+        _init_dist(1, dist_port)
+
+    async def main() -> None:
+        engine = TransportEngine(KVTransportConfig(backend=backend), telemetry=_telemetry())
+        listener = await engine.listen(backend, "torchdist://0" if backend == "torchdist" else None)
+        q.put(listener.address)
+        loop = asyncio.get_running_loop()
+        channel = await listener.accept(loop.time() + 60)
+        dest = [torch.zeros_like(t) for t in kv_layers(size, TORCH_OF[src_dtype])]  # zeros: pre-faulted
+        buffers = KVReceiveBuffers()
+        decode = []
+        for i in range(repeats):
+            buffers.register(f"r{i}", dest)
+            stats = await engine.receive(channel, buffers, [f"r{i}"], deadline_s=120)
+            decode.append(stats[f"r{i}"].convert_seconds)
+            buffers.release(f"r{i}")
+        q.put(decode)
+        await channel.aclose()
+        await listener.aclose()
+
+    asyncio.run(main())
+
+
+def _telemetry() -> TransportTelemetry:
+    from prometheus_client import CollectorRegistry
+
+    return TransportTelemetry(CollectorRegistry())
+
+
+def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str = "fp16", repeats: int = 4,
+                  threads: int = 1) -> dict:
+    """Median end-to-end figures of `repeats` transfers (after one warm-up) of `size` bytes."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads))
+    proc.start()
+    try:
+        torch.set_num_threads(threads)
+        if backend == "torchdist":
+            _init_dist(0, port)
+        address = q.get(timeout=60)
+        target = None if wire == src_dtype else wire
+        config = KVTransportConfig(backend=backend, chunk_size=chunk, target_dtype=target, max_inflight=8)
+        engine = TransportEngine(config, telemetry=_telemetry())
+        layers = kv_layers(size, TORCH_OF[src_dtype])
+        runs = []
+
+        async def send() -> None:
+            conn = await engine.connect(address, backend=backend)
+            for i in range(repeats + 1):
+                plan, _ = engine.plan(f"r{i}", layers)
+                runs.append(await engine.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=120))
+            await conn.aclose()
+
+        asyncio.run(send())
+        decode = q.get(timeout=120)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        if backend == "torchdist":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    measured = runs[1:]
+    best = sorted(measured, key=lambda s: s.seconds)[len(measured) // 2]
+    seconds = statistics.median(s.seconds for s in measured)
+    convert = statistics.median(s.convert_seconds + d for s, d in zip(measured, decode[1:]))
+    latencies = np.concatenate([np.asarray(s.chunk_seconds) for s in measured]) * 1e6
+    return {
+        "gbps": best.bytes / seconds / 1e9,
+        "p50_chunk_us": float(np.quantile(latencies, 0.5)),
+        "p99_chunk_us": float(np.quantile(latencies, 0.99)),
+        "convert_share": convert / seconds,
+        "wire_bytes": best.wire_bytes,
+        "total_bytes": best.bytes,
+        "retransmits": sum(s.retransmits for s in measured),
+    }
+
+
+# -- baselines -------------------------------------------------------------------
+
+
+def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
+    """One process copying `size` bytes chunk by chunk into a pre-faulted shared mapping."""
+    src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
+    fd = os.memfd_create("sage-bench") if hasattr(os, "memfd_create") else None
+    if fd is not None:
+        os.ftruncate(fd, size)
+    shm = mmap.mmap(fd if fd is not None else -1, size)
+    dst = np.frombuffer(shm, np.uint8)
+    dst.fill(0)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for off in range(0, size, chunk):
+            np.copyto(dst[off : off + chunk], src[off : off + chunk])
+        times.append(time.perf_counter() - start)
+    del dst
+    shm.close()
+    if fd is not None:
+        os.close(fd)
+    return size / statistics.median(times[1:]) / 1e9
+
+
+def _socket_sink(port_q, size: int, chunk: int, repeats: int) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port_q.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.zeros(size, np.uint8)
+    view = memoryview(buf)
+    for _ in range(repeats + 1):
+        got = 0
+        while got < size:
+            n = conn.recv_into(view[got : got + min(chunk, size - got)])
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+    conn.close()
+
+
+def plain_socket_gbps(size: int, chunk: int, repeats: int = 4) -> float:
+    """A blocking `sendall` / `recv_into` loop of the same chunks over loopback TCP."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_socket_sink, args=(q, size, chunk, repeats))
+    proc.start()
+    src = memoryview(np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8))
+    times = []
+    with socket.create_connection(("127.0.0.1", q.get(timeout=30))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for off in range(0, size, chunk):
+                sock.sendall(src[off : off + chunk])
+            sock.recv(1)
+            times.append(time.perf_counter() - start)
+    proc.join(timeout=30)
+    return size / statistics.median(times[1:]) / 1e9
+
+
+def _dist_sink(port: int, size: int, chunk: int, repeats: int) -> None:
+    import torch.distributed as dist
+
+    _init_dist(1, port)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        for off in range(0, size, chunk):
+            dist.recv(buf[off : off + chunk], src=0)
+        dist.send(torch.ones(1, dtype=torch.uint8), dst=0)
+    dist.destroy_process_group()
+
+
+def plain_dist_gbps(size: int, chunk: int, repeats: int = 4) -> float:
+    """Plain `dist.send` / `dist.recv` of the same chunks (gloo)."""
+    import torch.distributed as dist
+
+    port = _free_port()
+    proc = mp.get_context("spawn").Process(target=_dist_sink, args=(port, size, chunk, repeats))
+    proc.start()
+    _init_dist(0, port)
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for off in range(0, size, chunk):
+            dist.send(src[off : off + chunk], dst=1)
+        dist.recv(ack, src=1)
+        times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    proc.join(timeout=30)
+    return size / statistics.median(times[1:]) / 1e9
+
+
+BASELINES = {"shm": memcpy_to_shm_gbps, "tcp": plain_socket_gbps, "torchdist": plain_dist_gbps}
+BASELINE_NAMES = {"shm": "memcpy into shared memory", "tcp": "plain socket sendall/recv_into",
+                  "torchdist": "plain dist.send/recv"}
+
+
+def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", repeats: int = 4,
+              threads: int = 1, progress=None) -> list[BenchResult]:
+    results = []
+    for backend in backends:
+        for chunk in chunks:
+            baseline = BASELINES[backend](size, chunk, repeats)
+            for wire in dtypes:
+                if progress:
+                    progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}")
+                r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads)
+                results.append(BenchResult(
+                    backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
+                    r["p99_chunk_us"], r["convert_share"], r["wire_bytes"], r["total_bytes"], r["retransmits"],
+                ))  # fmt: skip
+    return results
+
+
+def results_json(results: list[BenchResult]) -> dict:
+    return {"results": [asdict(r) for r in results]}

@@ -1,0 +1,413 @@
+"""TransportEngine over the shm backend: real processes, real shared memory, real failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.transport import base
+from sage_infer.transport.backends import shm
+from sage_infer.transport.engine import KVReceiveBuffers, Priority
+from sage_infer.transport.errors import (
+    BackendUnavailable,
+    ChecksumError,
+    PeerClosedError,
+    TransferTimeout,
+    TransportError,
+    TruncatedError,
+)
+from sage_infer.transport.format import converter
+from sage_infer.transport.planner import TransferPlanner
+from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Kind
+from tests.transport_util import SPAWN, digest, engine, kv, receiver_main
+
+SHAPE = dict(layers=3, tokens=700, heads=4, head_dim=64)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def pair(eng, *, max_inflight=None):
+    """A connected (Connection, RecvChannel, Listener) over shm inside this process."""
+    if max_inflight:
+        eng.config = eng.config.model_copy(update={"max_inflight": max_inflight})
+    listener = await eng.listen("shm")
+    accepting = asyncio.create_task(listener.accept(asyncio.get_running_loop().time() + 10))
+    conn = await eng.connect(listener.address)
+    return conn, await accepting, listener
+
+
+# -- across processes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kv_arrives_bit_exact_in_another_process(dtype):
+    q = SPAWN.Queue()
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    child = SPAWN.Process(target=receiver_main, args=(q, "shm", ["a", "b"], SHAPE, names[dtype]))
+    child.start()
+    try:
+        address = q.get(timeout=60)
+        eng = engine(backend="shm", chunk_size="64KiB", max_inflight=4)
+        src = {rid: kv(0 if rid == "a" else 0, dtype=dtype, **SHAPE) for rid in "ab"}
+        src["b"] = [t.neg().contiguous() for t in src["b"]]  # a different payload for b
+
+        async def send():
+            conn = await eng.connect(address)
+            sent = []
+            for rid in "ab":
+                plan, choice = eng.plan(rid, src[rid])
+                assert choice.chunk_bytes <= 64 * 1024 and len(plan.chunks) > 3 * SHAPE["layers"]
+                sent.append(await eng.stream_pipeline(conn, plan.chunks, plan, src[rid]))
+            await conn.aclose()
+            return sent
+
+        sent = run(send())
+        got = q.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    # b's destination was registered with the zeros of kv(0); it must now hold -kv(0).
+    assert got["a"] == (digest(src["a"]), sent[0].chunks, True)
+    assert got["b"] == (digest(src["b"]), sent[1].chunks, True)
+    assert sent[0].bytes == sum(t.numel() * t.element_size() for t in src["a"]) == sent[0].wire_bytes
+    assert len(sent[0].chunk_seconds) == sent[0].chunks
+
+
+def test_killed_receiver_fails_the_sender_promptly():
+    q = SPAWN.Queue()
+    child = SPAWN.Process(target=receiver_main, args=(q, "shm", ["a"], SHAPE, "float16", 3))
+    child.start()
+    try:
+        address = q.get(timeout=60)
+        eng = engine(backend="shm", chunk_size="16KiB", max_inflight=2, timeout_s=20)
+        layers = kv(0, **SHAPE)
+
+        async def send():
+            conn = await eng.connect(address)
+            plan, _ = eng.plan("a", layers)
+            try:
+                await eng.stream_pipeline(conn, plan.chunks, plan, layers)
+            finally:
+                await conn.aclose()
+
+        start = time.monotonic()
+        with pytest.raises(PeerClosedError, match="receiver went away|send failed"):
+            run(send())
+        assert time.monotonic() - start < 15  # failed on EOF, not at the 20 s deadline
+        assert q.get(timeout=10) == "dying"
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == -signal.SIGKILL
+
+
+# -- in one process (two event-loop tasks, real sockets and shared memory) -------------
+
+
+def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):
+    corrupt = {"left": 1}
+    real = shm.checksum
+
+    def checksum_then_flip(data, algorithm):
+        crc = real(data, algorithm)
+        if corrupt["left"]:
+            corrupt["left"] -= 1
+            data[len(data) // 2] ^= 0x5A  # the ring bytes change after the CRC was taken
+        return crc
+
+    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    eng = engine(backend="shm", chunk_size="32KiB")
+    layers = kv(1, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = eng.plan("a", layers)
+        sent, got = await asyncio.gather(
+            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"])
+        )
+        await conn.aclose()
+        await listener.aclose()
+        return sent, channel
+
+    sent, channel = run(go())
+    assert sent.retransmits == 1 and channel.checksum_failures == 1
+    assert digest(dest) == digest(layers)
+
+
+def test_always_corrupt_fails_both_sides_and_marks_nothing(monkeypatch):
+    real = shm.checksum
+
+    def checksum_then_flip(data, algorithm):
+        crc = real(data, algorithm)
+        data[0] ^= 0xFF
+        return crc
+
+    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    eng = engine(backend="shm", chunk_size="32KiB", timeout_s=5)
+    layers = kv(1, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros_like(t) for t in layers])
+        plan, _ = eng.plan("a", layers)
+        results = await asyncio.gather(
+            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"]),
+            return_exceptions=True,
+        )
+        await conn.aclose()
+        await listener.aclose()
+        return results, buffers
+
+    (sent, got), buffers = run(go())
+    assert isinstance(got, ChecksumError) and "still corrupt after 2 resends" in str(got)
+    assert isinstance(sent, (ChecksumError, PeerClosedError, TransportError))
+    assert buffers.delivered("a") == 0 and not buffers.complete("a")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(eng.telemetry.registry).decode())}
+    reasons = {s.labels["reason"]: s.value for s in families["sage:kv_transfer_failures"].samples
+               if s.name.endswith("_total")}
+    assert reasons.get("checksum", 0) >= 1
+
+
+def test_truncated_stream_is_a_clear_error():
+    eng = engine(backend="shm", chunk_size="32KiB")
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        header = ChunkHeader(Kind.DATA, "a", length=16).pack()
+        # Write half a header straight onto the control socket, then hang up.
+        conn.channel._sock.sendall(header[: HEADER_BYTES // 2])
+        conn.channel._sock.shutdown(2)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros(64, dtype=torch.float16)])
+        with pytest.raises(TruncatedError, match="inside a header"):
+            await eng.receive(channel, buffers, ["a"], deadline_s=5)
+        await conn.aclose()
+        await listener.aclose()
+
+    run(go())
+
+
+def test_stalled_receiver_hits_the_senders_deadline():
+    eng = engine(backend="shm", chunk_size="16KiB", timeout_s=1)
+    layers = kv(2, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng, max_inflight=2)  # the receiver never reads
+        plan, _ = eng.plan("a", layers)
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match="stalled"):
+            await eng.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=1)
+        assert time.monotonic() - start < 10
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+
+    run(go())
+
+
+def test_stalled_sender_hits_the_receivers_deadline_and_invalidates():
+    eng = engine(backend="shm", chunk_size="16KiB")
+    layers = kv(3, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        plan, _ = eng.plan("a", layers)
+        loop = asyncio.get_running_loop()
+        for chunk in plan.chunks[:3]:  # then the sender goes silent
+            await eng.send_kv_chunk(conn, chunk, layers[chunk.layer], plan, deadline=loop.time() + 5,
+                                    count=len(plan.chunks))
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros_like(t) for t in layers])
+        with pytest.raises(TransferTimeout):
+            await eng.receive(channel, buffers, ["a"], deadline_s=1)
+        assert buffers.delivered("a") == 0 and not buffers.complete("a")
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize("wire", ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "bf16"])
+def test_converted_transfer_is_within_the_formats_error_bound(wire):
+    eng = engine(backend="shm", chunk_size="32KiB", target_dtype=wire)
+    layers = kv(4, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = eng.plan("a", layers)
+        assert plan.converts
+        sent, got = await asyncio.gather(
+            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"])
+        )
+        await conn.aclose()
+        await listener.aclose()
+        return sent, got["a"], plan
+
+    sent, got, plan = run(go())
+    assert got.bytes == sent.bytes and got.wire_bytes == sent.wire_bytes
+    assert sent.wire_bytes < sent.bytes if wire != "bf16" else sent.wire_bytes == sent.bytes
+    assert sent.convert_seconds > 0 and got.convert_seconds > 0
+    for chunk in plan.chunks:  # the bound holds per chunk (each chunk is quantized on its own)
+        src = layers[chunk.layer].reshape(-1).view(torch.uint8)[chunk.offset : chunk.offset + chunk.length]
+        out = dest[chunk.layer].reshape(-1).view(torch.uint8)[chunk.offset : chunk.offset + chunk.length]
+        x = src.view(torch.float16).view(-1, 64).float()
+        y = out.view(torch.float16).view(-1, 64).float()
+        bound = converter.error_bound(wire, src.view(torch.float16).view(-1, 64))
+        # + one fp16 rounding of the decoded value
+        assert ((x - y).abs() <= bound.float() + y.abs() * 2**-11 + 1e-6).all(), chunk
+
+
+def test_decode_critical_transfer_overtakes_bulk_prefetch():
+    eng = engine(backend="shm", chunk_size="16KiB")
+    bulk = kv(5, layers=2, tokens=2048, heads=4, head_dim=64)
+    urgent = kv(6, layers=1, tokens=128, heads=4, head_dim=64)
+    order: list[str] = []
+
+    async def go():
+        conn, channel, listener = await pair(eng, max_inflight=2)
+        buffers = KVReceiveBuffers()
+        buffers.register("bulk", [torch.zeros_like(t) for t in bulk])
+        buffers.register("urgent", [torch.zeros_like(t) for t in urgent])
+        real_land = buffers.land
+
+        def land(header):
+            order.append(header.request_id)
+            return real_land(header)
+
+        buffers.land = land
+        bulk_plan, _ = eng.plan("bulk", bulk)
+        urgent_plan, _ = eng.plan("urgent", urgent)
+        receiving = asyncio.create_task(eng.receive(channel, buffers, ["bulk", "urgent"]))
+        bulk_task = asyncio.create_task(
+            eng.stream_pipeline(conn, bulk_plan.chunks, bulk_plan, bulk, priority=Priority.PREFETCH)
+        )
+        while len(order) < 4:  # bulk is streaming
+            await asyncio.sleep(0.001)
+        landed_before_urgent = len(order)
+        await eng.stream_pipeline(conn, urgent_plan.chunks, urgent_plan, urgent, priority=Priority.DECODE)
+        bulk_done_when_urgent_done = bulk_task.done()
+        await bulk_task
+        await receiving
+        await conn.aclose()
+        await listener.aclose()
+        return bulk_plan, urgent_plan, bulk_done_when_urgent_done, landed_before_urgent
+
+    bulk_plan, urgent_plan, bulk_done, n0 = run(go())
+    assert not bulk_done and order.count("urgent") == len(urgent_plan.chunks)
+    last_urgent = max(i for i, rid in enumerate(order) if rid == "urgent")
+    overtaken_by = order[n0 : last_urgent + 1].count("bulk")
+    # Only bulk chunks already in flight (2) or being handed to the channel (1) land before
+    # the urgent transfer completes; the rest of the bulk transfer waits.
+    assert overtaken_by <= 3, order[n0 : last_urgent + 1]
+    assert order[last_urgent + 1 :].count("bulk") >= len(bulk_plan.chunks) - n0 - 3
+
+
+def test_telemetry_counts_bytes_and_transfers():
+    eng = engine(backend="shm", chunk_size="32KiB")
+    layers = kv(7, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros_like(t) for t in layers])
+        plan, _ = eng.plan("a", layers)
+        await asyncio.gather(eng.stream_pipeline(conn, plan.chunks, plan, layers),
+                             eng.receive(channel, buffers, ["a"]))
+        await conn.aclose()
+        await listener.aclose()
+
+    run(go())
+    total = sum(t.numel() * t.element_size() for t in layers)
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(eng.telemetry.registry).decode()):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert samples[("sage:kv_transfer_bytes_total", (("backend", "shm"), ("direction", "send")))] == total
+    assert samples[("sage:kv_transfer_bytes_total", (("backend", "shm"), ("direction", "recv")))] == total
+    assert samples[("sage:kv_transfer_seconds_count", (("backend", "shm"), ("direction", "send")))] == 1
+    assert samples[("sage:kv_transfer_inflight_chunks", (("backend", "shm"),))] == 0
+
+
+# -- planner, registry ---------------------------------------------------------------------
+
+
+def test_planner_sizes_cpu_chunks_from_the_hardware_and_respects_explicit_sizes():
+    from sage_infer.config.presets import load_hardware_preset
+
+    cpu = load_hardware_preset("cpu").profile
+    choice = TransferPlanner(KVTransportConfig(), cpu).choose(row_bytes=3 * 128 * 2)
+    assert choice.backend == "shm" and (1 << 20) <= choice.chunk_bytes <= (4 << 20)
+    assert choice.chunk_bytes % (3 * 128 * 2 * 2) == 0
+    assert any("1 ms" in r for r in choice.reasons)
+    explicit = TransferPlanner(KVTransportConfig(chunk_size="64KiB"), cpu).choose()
+    assert explicit.chunk_bytes == 64 * 1024 and any("outside the 1-4 MiB" in r for r in explicit.reasons)
+    assert TransferPlanner().choose(same_host=False).backend == "tcp"
+    with pytest.raises(NotImplementedError, match="rdma"):
+        TransferPlanner(KVTransportConfig(backend="rdma")).choose()
+
+
+def test_plan_covers_every_byte_once():
+    layers = kv(8, layers=2, tokens=333, heads=2, head_dim=64)
+    plan, choice = TransferPlanner(KVTransportConfig(chunk_size="4KiB", backend="tcp")).plan("r", layers)
+    for layer, t in enumerate(layers):
+        chunks = [c for c in plan.chunks if c.layer == layer]
+        assert chunks[0].offset == 0 and chunks[-1].is_last
+        assert sum(c.length for c in chunks) == t.numel() * t.element_size()
+    assert plan.schema.num_layers == 2 and plan.schema.head_dim == 64 and not plan.converts
+
+
+def test_backend_registry_reports_why_optional_engines_are_missing():
+    names = {a.name: a for a in base.backend_availability()}
+    assert {"shm", "tcp", "torchdist", "mooncake", "nixl"} <= set(names)
+    assert names["shm"].available
+    assert not names["mooncake"].available and "mooncake" in names["mooncake"].reason.lower()
+    with pytest.raises(BackendUnavailable, match="not installed"):
+        base.get_backend("nixl")
+    with pytest.raises(BackendUnavailable, match="unknown transport backend 'carrier-pigeon'"):
+        base.get_backend("carrier-pigeon")
+
+
+def test_shm_listener_socket_is_private():
+    async def go():
+        listener = await engine().listen("shm")
+        path = listener.address.removeprefix("shm://")
+        mode = os.stat(os.path.dirname(path)).st_mode & 0o777
+        await listener.aclose()
+        return mode, os.path.exists(path)
+
+    mode, exists = run(go())
+    assert mode == 0o700 and not exists
+
+
+def test_ring_allocator_wraps_and_never_overlaps():
+    regions = shm._Regions(100)
+    a, b, c = regions.alloc(40), regions.alloc(40), regions.alloc(40)
+    assert (a, b, c) == (0, 40, None)
+    regions.free(a)
+    assert regions.alloc(30) == 0  # wraps to the front
+    assert regions.alloc(20) is None  # [30, 40) is too small, [80, 100) is behind the wrap
+    assert regions.alloc(10) == 30
+    regions.free(b)
+    regions.free(0)
+    regions.free(30)
+    assert regions.alloc(100) == 0
