@@ -19,11 +19,17 @@ def probe(
     as_json: JsonOpt = False,
     write: Annotated[Optional[Path], typer.Option("--write", help="Save a hardware preset YAML here.")] = None,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="Measure host copy bandwidth.")] = True,
+    transport_bench: Annotated[
+        Optional[Path],
+        typer.Option("--transport-bench", help="Use the bandwidths measured by `sage transport bench --json FILE`.",
+                     exists=True, dir_okay=False),
+    ] = None,
 ) -> None:
     """Detect devices and links, match a preset, and recommend a KVTransportConfig."""
     from sage_infer.hal.detect import detect_devices
     from sage_infer.hal.recommend import (
         annotate_link_bandwidths,
+        apply_transport_measurements,
         match_preset,
         measured_preset_yaml,
         recommend_transport,
@@ -33,6 +39,8 @@ def probe(
     preset = match_preset(report)
     annotate_link_bandwidths(report, preset)
     recommendation = recommend_transport(report, preset)
+    if transport_bench is not None:
+        recommendation = apply_transport_measurements(recommendation, _bench_results(transport_bench))
     written = None
     if write is not None:
         if write.suffix not in (".yaml", ".yml"):
@@ -76,3 +84,110 @@ def probe(
             console.print(f"wrote {written}; load it with --preset {written}")
 
     emit(data, as_json, render)
+
+
+def _bench_results(path: Path) -> list[dict]:
+    import json
+
+    try:
+        results = json.loads(path.read_text())["results"]
+        for r in results:
+            r["backend"], int(r["chunk_bytes"]), float(r["gbps"]), float(r["ratio_to_baseline"]), r["dtype"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--transport-bench {path}: not a `sage transport bench --json` file ({err})") from None
+    return results
+
+
+def _sizes(flag: str, text: str) -> list[int]:
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            value = int(TypeAdapter(ByteSize).validate_python(part))
+        except ValidationError:
+            raise UsageError(f"{flag} {part}: expected a size like 1MiB or 268435456") from None
+        if value <= 0:
+            raise UsageError(f"{flag} {part}: must be > 0")
+        out.append(value)
+    if not out:
+        raise UsageError(f"{flag}: expected at least one size")
+    return out
+
+
+def _names(flag: str, text: str, valid: tuple[str, ...], all_means: tuple[str, ...]) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if names == ["all"]:
+        return list(all_means)
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise UsageError(f"{flag} {(','.join(bad) or text)!r}: expected a comma list of {', '.join(valid)} or all")
+    return names
+
+
+@app.command("bench")
+def bench(
+    backend: Annotated[str, typer.Option("--backend", help="shm,tcp,torchdist or all.")] = "shm,tcp",
+    size: Annotated[str, typer.Option("--size", help="KV bytes per transfer.")] = "256MiB",
+    chunk: Annotated[str, typer.Option("--chunk", help="Chunk sizes, comma list.")] = "1MiB,4MiB",
+    dtype: Annotated[str, typer.Option("--dtype", help="Wire dtypes, comma list (fp16: as stored).")] = "fp16",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, max=50, help="Measured transfers after a warm-up.")] = 4,
+    threads: Annotated[int, typer.Option("--threads", min=1, max=256, help="torch threads per process.")] = 1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Move KV between real sender and receiver processes on this host, per backend, next to
+    the raw baseline measured in the same run (memcpy into shared memory, plain socket, plain
+    dist.send/recv)."""
+    from rich.console import Console
+
+    from sage_infer.transport.base import backend_availability
+    from sage_infer.transport.bench import BACKENDS, BASELINE_NAMES, results_json, run_bench
+    from sage_infer.transport.format.converter import WIRE_FORMATS
+
+    backends = _names("--backend", backend, BACKENDS, BACKENDS)
+    dtypes = _names("--dtype", dtype, WIRE_FORMATS, ("fp16", "fp8_e4m3", "int8", "int4"))
+    chunks = _sizes("--chunk", chunk)
+    (total,) = _sizes("--size", size)[:1]
+    if any(c > total for c in chunks):
+        raise UsageError(f"--chunk {chunk}: a chunk is larger than --size {size}")
+    available = {a.name: a for a in backend_availability()}
+    for name in backends:
+        if not available[name].available:
+            raise UsageError(f"--backend {name}: not available here: {available[name].reason}")
+    console = Console(stderr=True)
+    results = run_bench(backends, total, chunks, dtypes, repeats=repeats, threads=threads,
+                        progress=lambda what: console.print(f"[dim]running {what}[/dim]"))
+    rows = [
+        (r.backend, f"{r.chunk_bytes >> 10} KiB", r.dtype, f"{r.gbps:.2f}", f"{r.baseline_gbps:.2f}",
+         f"{r.ratio_to_baseline:.2f}", f"{r.p50_chunk_us:.0f}", f"{r.p99_chunk_us:.0f}",
+         f"{100 * r.convert_share:.1f}%")
+        for r in results
+    ]  # fmt: skip
+    out = Console()
+    out.print(table(f"KV transport, {total >> 20} MiB per transfer (GB/s of KV as stored, end to end)",
+                    ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "ratio", "p50 chunk µs",
+                     "p99 chunk µs", "convert"], rows))
+    for name in backends:
+        out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}")
+    if json_out is not None:
+        import json
+
+        data = results_json(results)
+        data["size_bytes"] = total
+        try:
+            json_out.write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as err:
+            raise UsageError(f"--json {json_out}: cannot write: {err.strerror}") from None
+        out.print(f"wrote {json_out}")
+
+
+@app.command("backends")
+def backends(as_json: JsonOpt = False) -> None:
+    """List KV transport backends, whether each can run here, and why not."""
+    from sage_infer.transport.base import backend_availability
+
+    statuses = backend_availability()
+    emit({"transport_backends": [{"name": s.name, "available": s.available, "reason": s.reason} for s in statuses]},
+         as_json,
+         lambda c: c.print(table("Transport backends", ["backend", "available", "reason"],
+                                 [(s.name, yes_no(s.available), s.reason or "-") for s in statuses])))

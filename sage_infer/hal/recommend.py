@@ -135,3 +135,19 @@ def measured_preset_yaml(report: HardwareReport, base: str, name: str) -> str:
     data["sources"] = sources
     header = "# Written by `sage transport probe --write`; edit freely, then: sage infer presets:validate FILE\n"
     return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def apply_transport_measurements(rec: TransportRecommendation, results: list[dict]) -> TransportRecommendation:
+    """Pick the backend and chunk size that measured fastest here (`sage transport bench --json`
+    results, lossless wire dtypes only) and say so in the reasons."""
+    lossless = [r for r in results if r.get("dtype") in ("fp32", "fp16", "bf16")]
+    if not lossless:
+        return rec
+    reasons = list(rec.reasons)
+    for r in sorted(lossless, key=lambda r: (r["backend"], r["chunk_bytes"])):
+        reasons.append(f"measured {r['backend']} with {human_bytes(r['chunk_bytes'])} chunks: {r['gbps']:.2f} GB/s "
+                       f"({r['ratio_to_baseline']:.0%} of its raw baseline)")
+    best = max(lossless, key=lambda r: r["gbps"])
+    reasons.append(f"fastest measured: {best['backend']}, {human_bytes(best['chunk_bytes'])} chunks")
+    config = rec.config.model_copy(update={"backend": best["backend"], "chunk_size": best["chunk_bytes"]})
+    return TransportRecommendation(KVTransportConfig.model_validate(config.model_dump()), reasons)
