@@ -21,7 +21,6 @@ from sage_infer.transport.errors import (
     ChecksumError,
     PeerClosedError,
     TransferTimeout,
-    TransportError,
     TruncatedError,
 )
 from sage_infer.transport.format import converter
@@ -176,7 +175,7 @@ def test_always_corrupt_fails_both_sides_and_marks_nothing(monkeypatch):
 
     (sent, got), buffers = run(go())
     assert isinstance(got, ChecksumError) and "still corrupt after 2 resends" in str(got)
-    assert isinstance(sent, (ChecksumError, PeerClosedError, TransportError))
+    assert isinstance(sent, ChecksumError) and "giving up" in str(sent)
     assert buffers.delivered("a") == 0 and not buffers.complete("a")
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(eng.telemetry.registry).decode())}
     reasons = {s.labels["reason"]: s.value for s in families["sage:kv_transfer_failures"].samples

@@ -73,6 +73,7 @@ class SendChannel(ABC):
         self._send_lock = asyncio.Lock()
         self._error: TransportError | None = None
         self._closed = False
+        self._tasks: set[asyncio.Task] = set()  # resends in flight (referenced so they are not collected)
 
     @property
     def inflight(self) -> int:
@@ -99,6 +100,10 @@ class SendChannel(ABC):
         except OSError as err:
             self._fail(PeerClosedError(f"{self.backend}: send failed, peer gone? ({err})"))
             raise self._error from None
+        except BaseException:
+            self._pending.pop(header.seq, None)
+            self._slots.release()
+            raise
         return entry.acked
 
     async def drain(self, deadline: float) -> None:
@@ -162,7 +167,9 @@ class SendChannel(ABC):
                 )
                 return
             resend = replace(entry.header, flags=entry.header.flags | Flag.RETRY)
-            asyncio.get_running_loop().create_task(self._resend(resend, entry.payload))
+            task = asyncio.get_running_loop().create_task(self._resend(resend, entry.payload))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         else:
             self._fail(ProtocolError(f"{self.backend}: unexpected {msg.kind.name} message from the receiver"))
 
@@ -221,7 +228,8 @@ class RecvChannel(ABC):
     async def aclose(self) -> None: ...
 
     def _note_corrupt(self, header: ChunkHeader, err: ChecksumError) -> None:
-        """Count a CRC failure; past `max_retries` for one chunk the transfer fails."""
+        """Count a CRC failure; past `max_retries` for one chunk the transfer fails. Call it
+        after sending the NACK, so the sender sees the last failure too and fails at once."""
         key = (header.request_id, header.seq)
         self.checksum_failures += 1
         self._failures[key] = self._failures.get(key, 0) + 1

@@ -216,8 +216,8 @@ class ShmRecvChannel(RecvChannel):
             try:
                 header.verify(out)
             except ChecksumError as err:
-                self._note_corrupt(header, err)
                 await loop.sock_sendall(self._sock, header.reply(Kind.NACK).pack())
+                self._note_corrupt(header, err)
                 continue
             await loop.sock_sendall(self._sock, header.reply(Kind.ACK).pack())
             return header
