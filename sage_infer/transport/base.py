@@ -38,15 +38,24 @@ Sink = Callable[[ChunkHeader], memoryview]
 
 async def before(aw: Awaitable[T], deadline: float, what: str) -> T:
     """Await `aw` until the loop-time `deadline`; past it raise `TransferTimeout` naming `what`."""
-    remaining = deadline - asyncio.get_running_loop().time()
-    if remaining <= 0:
-        if asyncio.iscoroutine(aw):
-            aw.close()
-        raise TransferTimeout(f"deadline passed while {what}")
+    if _timeout_at is None:  # Python 3.10
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(aw, max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"peer stalled: deadline passed while {what}") from None
+    scope = _timeout_at(deadline)  # no extra task per await, unlike wait_for
     try:
-        return await asyncio.wait_for(aw, remaining)
-    except asyncio.TimeoutError:
-        raise TransferTimeout(f"peer stalled: deadline passed while {what}") from None
+        async with scope:
+            return await aw
+    except TimeoutError:
+        if scope.expired():
+            raise TransferTimeout(f"peer stalled: deadline passed while {what}") from None
+        raise
+
+
+_timeout_at = getattr(asyncio, "timeout_at", None)
+ABORT_TIMEOUT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -83,7 +92,11 @@ class SendChannel(ABC):
         """Queue one chunk; returns once it is on the wire. The returned future resolves to the
         seconds from send to verified ACK, or raises the transfer's error."""
         self._raise_if_failed()
-        await before(self._slots.acquire(), deadline, f"waiting for an in-flight slot ({self.max_inflight} unacked)")
+        if self._slots.locked():
+            what = f"waiting for an in-flight slot ({self.max_inflight} unacked)"
+            await before(self._slots.acquire(), deadline, what)
+        else:
+            await self._slots.acquire()  # free slot: no timer needed
         self._raise_if_failed()
         loop = asyncio.get_running_loop()
         if header.seq in self._pending:
@@ -119,9 +132,11 @@ class SendChannel(ABC):
         self._raise_if_failed()
 
     async def abort(self, request_id: str, why: str = "") -> None:
-        """Tell the receiver this transfer is abandoned (best effort)."""
+        """Tell the receiver this transfer is abandoned (best effort, bounded: the peer may be
+        the reason it failed). `why` is for logs; the header has no room for text."""
+        deadline = asyncio.get_running_loop().time() + ABORT_TIMEOUT_S
         try:
-            await self._locked_transmit(ChunkHeader(Kind.ABORT, request_id), memoryview(b""))
+            await before(self._locked_transmit(ChunkHeader(Kind.ABORT, request_id), memoryview(b"")), deadline, "abort")
         except (OSError, TransportError):
             pass
 

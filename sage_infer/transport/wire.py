@@ -123,6 +123,8 @@ class ChunkHeader:
         data = bytes(data)
         if len(data) != HEADER_BYTES:
             raise ProtocolError(f"header is {len(data)} bytes, expected {HEADER_BYTES}")
+        if data[:4] != MAGIC:
+            raise ProtocolError(f"bad magic {data[:4]!r} (not a sage KV transport stream)")
         body, crc = data[:-4], int.from_bytes(data[-4:], "little")
         if zlib.crc32(body) != crc:
             raise ChecksumError("chunk header failed its CRC (corrupt header)")

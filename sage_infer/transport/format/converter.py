@@ -1,0 +1,321 @@
+"""KV format conversion: a KV-cache tensor to a compact wire payload and back.
+
+Applied on send (`encode`) and undone on receive (`decode`). The input is a 2-D chunk
+`x: [rows, cols]`, one row being one token's vector for a head or a layer.
+
+Formats: `fp32`, `fp16`, `bf16` are plain casts (no scales). `fp8_e4m3`, `fp8_e5m2`,
+`fp8_e4m3fnuz` (the ROCm-family variant) are symmetric: scale = amax / fp8_max per group
+(scale 1 for an all-zero group). `int8`, `int4` are asymmetric: scale = (max - min) / qmax
+(qmax 255 / 15; scale 1 for a constant group, which then decodes exactly) and
+q = round_half_up((x - min) / scale), stored unsigned.
+
+Granularity: `per_token` has one scale per row, or per (row, `group_size` consecutive
+columns); `per_channel` one per column, or per (`group_size` consecutive rows, column).
+
+Payload: one flat uint8 tensor, contiguous, little-endian, no padding:
+
+    [data][scales: fp32][mins: fp32, int formats only]
+
+- data: the [rows, cols] elements row-major in the wire dtype; int4 packs two per byte,
+  element 2i in the low nibble and 2i+1 in the high nibble (needs rows * cols even).
+- scales, mins: row-major [rows, cols / group_size] for per_token,
+  [rows / group_size, cols] for per_channel.
+
+Everything is vectorized torch, so the CUDA path is this same code. The math runs in an
+fp32 copy of the chunk; fp8 is decoded by moving its bits into fp16 (exact), because the
+CPU float8 cast is ~10x slower. Inputs are assumed finite; casts do not saturate (fp32
+past the fp16 range becomes inf). On CPU, chunks that outgrow the cache (16 MiB) run
+memory-bound at a fraction of the 1 MiB rate (bench/kv_convert.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+assert sys.byteorder == "little", "the wire payload is little-endian"
+
+_CASTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+_INT_QMAX = {"int8": 255, "int4": 15}
+WIRE_FORMATS: tuple[str, ...] = (*_CASTS, *_FP8, *_INT_QMAX)
+GRANULARITIES: tuple[str, ...] = ("per_token", "per_channel")
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32 = torch.finfo(torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """x viewed as [outer, group, inner] has one scale per (outer, inner)."""
+
+    outer: int
+    group: int
+    inner: int
+    data_nbytes: int
+    num_params: int  # fp32 tensors after the data: 0 (casts), 1 (scales), 2 (scales, mins)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_nbytes + 4 * self.num_params * self.outer * self.inner
+
+
+def _layout(fmt: str, rows: int, cols: int, granularity: str, group_size: int | None) -> _Layout:
+    if fmt not in WIRE_FORMATS:
+        raise ValueError(f"unknown wire format {fmt!r}; valid: {', '.join(WIRE_FORMATS)}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"KV chunk must be non-empty, got [{rows}, {cols}]")
+    dim_name, dim = ("cols", cols) if granularity == "per_token" else ("rows", rows)
+    group = dim if group_size is None else group_size
+    if group < 1 or dim % group:
+        raise ValueError(f"group_size {group_size} must be positive and divide {dim_name} ({dim}) for {granularity}")
+    n = rows * cols
+    if fmt == "int4" and n % 2:
+        raise ValueError(f"int4 packs two values per byte: rows * cols must be even, got {rows} * {cols}")
+    if fmt in _CASTS:
+        data_nbytes, num_params = n * _CASTS[fmt].itemsize, 0
+    else:
+        data_nbytes, num_params = (n // 2 if fmt == "int4" else n), (1 if fmt in _FP8 else 2)
+    if granularity == "per_token":
+        return _Layout(n // group, group, 1, data_nbytes, num_params)
+    return _Layout(rows // group, group, cols, data_nbytes, num_params)
+
+
+def is_lossless(fmt: str) -> bool:
+    """True for the plain casts: bit-exact when the source dtype is the wire dtype (or narrower)."""
+    if fmt not in WIRE_FORMATS:
+        raise ValueError(f"unknown wire format {fmt!r}; valid: {', '.join(WIRE_FORMATS)}")
+    return fmt in _CASTS
+
+
+def encoded_nbytes(
+    fmt: str, rows: int, cols: int, granularity: str = "per_token", group_size: int | None = None
+) -> int:
+    """Size in bytes of the payload `encode` makes for a [rows, cols] chunk."""
+    return _layout(fmt, rows, cols, granularity, group_size).nbytes
+
+
+def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 slice viewed as `dtype`; copied first when its offset is not aligned for it."""
+    if buf.storage_offset() % dtype.itemsize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def _check_kv(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in _KV_DTYPES:
+        raise ValueError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+
+
+def _group_params(w3: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and min for int formats) per group of `w3: [outer, group, inner]` fp32."""
+    mx = w3.amax(1, keepdim=True)
+    mn = w3.amin(1, keepdim=True)
+    if fmt in _FP8:
+        amax = torch.maximum(mx, mn.neg_())
+        # clamp keeps 1/scale finite for subnormal amax; it only makes the scale larger
+        scale = (amax / torch.finfo(_FP8[fmt]).max).clamp_min_(_F32.tiny)
+        return torch.where(amax > 0, scale, 1.0), None
+    scale = ((mx - mn) / _INT_QMAX[fmt]).clamp_min_(_F32.tiny)
+    return torch.where(mx > mn, scale, 1.0), mn
+
+
+def encode(
+    x: torch.Tensor,
+    fmt: str,
+    granularity: str = "per_token",
+    group_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode `x: [rows, cols]` (fp32/fp16/bf16, any device) to a 1-D uint8 payload.
+
+    Returns `out` when given (1-D uint8 of exactly `encoded_nbytes`), else a new tensor.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"encode expects a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    _check_kv(x, "x")
+    rows, cols = x.shape
+    lay = _layout(fmt, rows, cols, granularity, group_size)
+    if out is None:
+        out = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.shape != (lay.nbytes,) or out.device != x.device:
+        raise ValueError(
+            f"out must be a 1-D uint8 tensor of {lay.nbytes} bytes on {x.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    elif out.storage_offset() % 4 or not out.is_contiguous():
+        return out.copy_(encode(x, fmt, granularity, group_size))
+
+    data = out[: lay.data_nbytes]
+    if fmt in _CASTS:
+        data.view(_CASTS[fmt]).view(rows, cols).copy_(x)
+        return out
+    work = torch.empty((rows, cols), dtype=torch.float32, device=x.device).copy_(x)
+    w3 = work.view(lay.outer, lay.group, lay.inner)
+    scale, mn = _group_params(w3, fmt)
+    if fmt in _FP8:
+        # |x / scale| <= fp8_max up to fp32 rounding, which the cast rounds back to fp8_max
+        w3.mul_(scale.reciprocal())
+        data.view(_FP8[fmt]).view(rows, cols).copy_(work)
+        params = scale.view(-1)
+    else:
+        # in [0.5, qmax + 0.5]: the truncating cast to uint8 rounds half up, no clamp needed
+        w3.sub_(mn).mul_(scale.reciprocal()).add_(0.5)
+        if fmt == "int8":
+            data.view(rows, cols).copy_(work)
+        else:
+            q = torch.empty(rows * cols, dtype=torch.uint8, device=x.device).copy_(work.view(-1))
+            pairs = q.view(torch.int16)  # little-endian: element 2i is the low byte
+            data.copy_(torch.bitwise_right_shift(pairs, 4).bitwise_or_(pairs))  # low byte = q[2i] | q[2i+1] << 4
+        params = torch.cat([scale.view(-1), mn.view(-1)])
+    out[lay.data_nbytes :].copy_(params.view(torch.uint8))
+    return out
+
+
+def _fp8_as_fp16(data: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """fp8 bytes as fp16 values v, with the factor f such that the fp8 value is v * f (exact).
+
+    The byte moves to the top of an int16 and an arithmetic shift aligns its exponent and
+    mantissa with fp16's (the sign stays at bit 15; its copies are masked off). The bits then
+    read as the fp8 value rebased to fp16's exponent bias, subnormals included. NaN codes
+    map to finite values.
+    """
+    info = torch.finfo(dtype)
+    shift = round(-math.log2(info.eps)) - 2  # the byte's top mantissa bit sits at 8 + mantissa bits - 1, fp16's at 9
+    w = data.to(torch.int16).bitwise_left_shift_(8)
+    if shift:
+        w.bitwise_right_shift_(shift).bitwise_and_(~(((1 << shift) - 1) << (15 - shift)))
+    return w.view(torch.float16), info.tiny / torch.finfo(torch.float16).tiny
+
+
+def _unpack_int4(data: torch.Tensor) -> torch.Tensor:
+    """[n / 2] packed bytes to [n] uint8 values 0..15 (inverse of the packing in `encode`)."""
+    w = data.to(torch.int16)
+    w = torch.bitwise_left_shift(w, 4).bitwise_or_(w).bitwise_and_(0x0F0F)  # q[2i] in byte 0, q[2i+1] in byte 1
+    return w.view(torch.uint8)
+
+
+def decode(
+    payload: torch.Tensor,
+    fmt: str,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    granularity: str = "per_token",
+    group_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode a payload from `encode` to `[rows, cols]` of `dtype` (written into `out` when given)."""
+    lay = _layout(fmt, rows, cols, granularity, group_size)
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+    if payload.numel() != lay.nbytes:
+        raise ValueError(
+            f"payload has {payload.numel()} bytes, {fmt} {granularity} [{rows}, {cols}] needs {lay.nbytes}"
+        )
+    if dtype not in _KV_DTYPES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if out is not None and (out.shape != (rows, cols) or out.dtype != dtype or out.device != payload.device):
+        raise ValueError(
+            f"out must be [{rows}, {cols}] {dtype} on {payload.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out is None or not out.is_contiguous():
+        result = torch.empty((rows, cols), dtype=dtype, device=payload.device)
+    else:
+        result = out
+
+    data = payload[: lay.data_nbytes]
+    if fmt in _CASTS:
+        result.copy_(_typed(data, _CASTS[fmt]).view(rows, cols))
+    else:
+        params = _typed(payload[lay.data_nbytes :], torch.float32).view(lay.num_params, lay.outer, 1, lay.inner)
+        # copy_ converts dtypes vectorized; a mixed-dtype mul/add falls back to a scalar loop on CPU
+        work = result if dtype == torch.float32 else torch.empty_like(result, dtype=torch.float32)
+        w3 = work.view(lay.outer, lay.group, lay.inner)
+        if fmt in _FP8:
+            values, factor = _fp8_as_fp16(data, _FP8[fmt])
+            w3.copy_(values.view(w3.shape)).mul_(params[0] * factor)
+        else:
+            q = data if fmt == "int8" else _unpack_int4(data)
+            w3.copy_(q.view(w3.shape)).mul_(params[0]).add_(params[1])
+        if work is not result:
+            result.copy_(work)
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def error_bound(
+    fmt: str, x: torch.Tensor, granularity: str = "per_token", group_size: int | None = None
+) -> torch.Tensor:
+    """Elementwise worst case of |x - decode(encode(x))| (decoded to x.dtype), fp32 [rows, cols].
+
+    int: scale / 2 per group; fp8: half an fp8 ulp relative to |x| plus half the subnormal
+    step times the scale; casts: half an ulp of the wire dtype (inf past its range, 0 when
+    x.dtype fits in it). Each adds fp32 arithmetic slack and the rounding back to x.dtype.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"error_bound expects a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    _check_kv(x, "x")
+    lay = _layout(fmt, x.shape[0], x.shape[1], granularity, group_size)
+    xf = x.to(torch.float32).abs()
+    if fmt in _CASTS:
+        wire = _CASTS[fmt]
+        if wire == x.dtype or wire == torch.float32:
+            return torch.zeros_like(xf)
+        info = torch.finfo(wire)
+        bound = xf * (info.eps / 2) + info.tiny * info.eps / 2
+        bound = torch.where(xf <= info.max, bound, math.inf)
+    else:
+        w3 = x.to(torch.float32).contiguous().view(lay.outer, lay.group, lay.inner)
+        scale, mn = _group_params(w3, fmt)
+        x3 = xf.view(w3.shape)
+        if fmt in _FP8:
+            info = torch.finfo(_FP8[fmt])
+            bound = x3 * (info.eps / 2 + 2**-20) + scale * (info.tiny * info.eps / 2)
+        else:
+            mx = w3.amax(1, keepdim=True)
+            half_step = torch.where(mx > mn, scale / 2, 0.0)  # a constant group decodes exactly
+            bound = (half_step + torch.maximum(mn.abs(), mx.abs()) * 2**-20).expand_as(x3)
+        bound = bound.reshape(xf.shape)
+    out_info = torch.finfo(x.dtype)
+    return bound + (xf + bound) * (out_info.eps / 2) + out_info.tiny * out_info.eps / 2
+
+
+@dataclass(frozen=True)
+class ReconstructionError:
+    """How far decode(encode(x)) is from x; compression = source bytes / payload bytes."""
+
+    fmt: str
+    granularity: str
+    max_abs: float
+    mean_abs: float
+    rel_rmse: float
+    compression: float
+
+
+def reconstruction_error(
+    x: torch.Tensor, fmt: str, granularity: str = "per_token", group_size: int | None = None
+) -> ReconstructionError:
+    """Round-trip `x` through `fmt` and measure the error (decoding back to x.dtype)."""
+    payload = encode(x, fmt, granularity, group_size)
+    y = decode(payload, fmt, x.shape[0], x.shape[1], x.dtype, granularity, group_size)
+    xf = x.double()
+    err = (y.double() - xf).abs_()
+    ref_rms = xf.square().mean().sqrt().item()
+    err_rms = err.square().mean().sqrt().item()
+    rel = err_rms / ref_rms if ref_rms > 0 else (0.0 if err_rms == 0 else math.inf)
+    return ReconstructionError(
+        fmt=fmt,
+        granularity=granularity,
+        max_abs=err.max().item(),
+        mean_abs=err.mean().item(),
+        rel_rmse=rel,
+        compression=x.numel() * x.element_size() / payload.numel(),
+    )
