@@ -13,19 +13,21 @@ RESULT_KEYS = {"backend": str, "chunk_bytes": int, "dtype": str, "gbps": float, 
 def test_bench_runs_real_processes_and_writes_the_documented_json(sage, tmp_path):
     out = tmp_path / "bench.json"
     result = sage("transport", "bench", "--backend", "shm,tcp", "--size", "8MiB", "--chunk", "1MiB",
-                  "--dtype", "fp16,int4", "--repeats", "1", "--json", str(out))
+                  "--dtype", "fp16,int4", "--repeats", "1", "--zero-copy", "both", "--json", str(out))
     assert result.code == 0, result.err
     assert "memcpy into shared memory" in result.out and "plain socket" in result.out
     data = json.loads(out.read_text())
-    assert [(r["backend"], r["dtype"]) for r in data["results"]] == [
-        ("shm", "fp16"), ("shm", "int4"), ("tcp", "fp16"), ("tcp", "int4")]
+    assert [(r["backend"], r["dtype"], r["zero_copy"]) for r in data["results"]] == [
+        ("shm", "fp16", False), ("shm", "fp16", True), ("shm", "int4", False), ("shm", "int4", True),
+        ("tcp", "fp16", False), ("tcp", "int4", False)]
     for r in data["results"]:
         for key, kind in RESULT_KEYS.items():
             assert isinstance(r[key], kind), key
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["p99_chunk_us"] >= r["p50_chunk_us"] > 0
         assert r["ratio_to_baseline"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
         assert r["total_bytes"] >= 8 * 2**20 - 2**16 and r["retransmits"] == 0
-    fp16, int4 = data["results"][:2]
+        assert 0 < r["receiver_cpu_share"] < 2
+    fp16, int4 = data["results"][0], data["results"][2]
     assert fp16["wire_bytes"] == fp16["total_bytes"] and fp16["convert_share"] == 0
     assert int4["wire_bytes"] < fp16["wire_bytes"] / 3 and int4["convert_share"] > 0
 
@@ -58,6 +60,7 @@ def test_transport_backends_lists_optional_engines_with_reasons(sage):
     (["--chunk", "1XB"], "--chunk 1XB: expected a size like 1MiB"),
     (["--size", "1MiB", "--chunk", "4MiB"], "a chunk is larger than --size"),
     (["--dtype", "fp7"], "--dtype 'fp7': expected a comma list of"),
+    (["--zero-copy", "maybe"], "--zero-copy maybe: expected off, on or both"),
 ])
 def test_bench_bad_flags_are_one_line_exit_2(sage, argv, message):
     result = sage("transport", "bench", *argv)

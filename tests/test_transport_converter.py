@@ -9,6 +9,7 @@ import torch
 
 from sage_infer.transport.format import (
     WIRE_FORMATS,
+    converter,
     decode,
     encode,
     encoded_nbytes,
@@ -146,6 +147,30 @@ def test_fp8_saturates_through_the_scale(fmt):
 def test_fp8_tiny_values_keep_a_finite_scale(fmt):
     x = torch.tensor([[1e-40, -3e-41, 0.0, 1e-39]])  # fp32 subnormals: amax / fp8_max underflows
     assert torch.isfinite(round_trip(x, fmt)).all()
+
+
+@pytest.mark.parametrize("granularity,group_size", [("per_token", None), ("per_token", 32), ("per_channel", 8),
+                                                    ("per_channel", None)])
+@pytest.mark.parametrize("fmt", LOSSY)
+def test_row_blocks_convert_like_one_block(monkeypatch, fmt, granularity, group_size):
+    x = kv_like()
+    whole = encode(x, fmt, granularity, group_size)
+    monkeypatch.setattr(converter, "_CPU_BLOCK_ELEMS", 3 * COLS)  # 3 rows: blocks cut groups unless rounded
+    num_blocks = len(converter._row_blocks(fmt, ROWS, COLS, granularity, group_size, x.device))
+    assert num_blocks == 1 if (granularity, group_size) == ("per_channel", None) else num_blocks > 1
+    assert torch.equal(encode(x, fmt, granularity, group_size), whole)
+    y = decode(whole, fmt, ROWS, COLS, x.dtype, granularity, group_size)
+    monkeypatch.setattr(converter, "_CPU_BLOCK_ELEMS", 1 << 30)
+    assert torch.equal(y, decode(whole, fmt, ROWS, COLS, x.dtype, granularity, group_size))
+
+
+def test_int4_row_blocks_keep_whole_bytes_with_odd_cols(monkeypatch):
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    whole = encode(x, "int4")
+    monkeypatch.setattr(converter, "_CPU_BLOCK_ELEMS", 5)  # one row of 5 values is half a byte short
+    assert converter._row_blocks("int4", 6, 5, "per_token", None, x.device) == [(0, 2), (2, 4), (4, 6)]
+    assert torch.equal(encode(x, "int4"), whole)
+    assert torch.equal(decode(whole, "int4", 6, 5, torch.float32), round_trip(x, "int4"))
 
 
 @pytest.mark.parametrize("granularity,group_size", [("per_token", None), ("per_token", 16), ("per_channel", None),

@@ -21,11 +21,12 @@ from sage_infer.transport.errors import (
     ChecksumError,
     PeerClosedError,
     TransferTimeout,
+    TransportError,
     TruncatedError,
 )
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import TransferPlanner
-from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Kind
+from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind
 from tests.transport_util import SPAWN, digest, engine, kv, receiver_main
 
 SHAPE = dict(layers=3, tokens=700, heads=4, head_dim=64)
@@ -410,3 +411,66 @@ def test_ring_allocator_wraps_and_never_overlaps():
     regions.free(0)
     regions.free(30)
     assert regions.alloc(100) == 0
+
+
+# -- zero-copy receive into a shared arena -------------------------------------------------
+
+
+def test_zero_copy_receive_writes_straight_into_the_arena(monkeypatch):
+    from sage_infer.transport.arena import SharedArena
+
+    corrupt = {"left": 1}
+    real = shm.checksum
+
+    def checksum_then_flip(data, algorithm):
+        crc = real(data, algorithm)
+        if corrupt["left"]:
+            corrupt["left"] -= 1
+            data[7] ^= 0x01  # the destination changes after the CRC was taken
+        return crc
+
+    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    eng = engine(backend="shm", chunk_size="32KiB")
+    layers = kv(9, **SHAPE)
+    arena = SharedArena(8 << 20)
+    dest = [arena.tensor(t.shape, t.dtype) for t in layers]
+    flags = []
+
+    async def go():
+        listener = await eng.listen("shm", arena=arena)
+        accepting = asyncio.create_task(listener.accept(asyncio.get_running_loop().time() + 10))
+        conn = await eng.connect(listener.address)
+        channel = await accepting
+        assert conn.channel.peer_arena is not None and channel.arena is arena
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        real_land = buffers.land
+
+        def land(header):
+            flags.append(header.flags)
+            return real_land(header)
+
+        buffers.land = land
+        receiving = asyncio.create_task(eng.receive(channel, buffers, ["a"]))
+        plan, _ = eng.plan("a", layers)
+        sent = await eng.stream_pipeline(conn, plan.chunks, plan, layers, wait_placement=True)
+        await receiving
+        await conn.aclose()
+        await listener.aclose()
+        return sent, channel
+
+    sent, channel = run(go())
+    assert digest(dest) == digest(layers)
+    assert flags and all(f & Flag.DIRECT for f in flags)
+    assert sent.retransmits == 1 and channel.checksum_failures == 1
+    assert not channel._ring_np.any()  # nothing went through the ring
+    arena.close()
+
+
+def test_zero_copy_needs_the_shm_backend():
+    from sage_infer.transport.arena import SharedArena
+
+    arena = SharedArena(1 << 20)
+    with pytest.raises(TransportError, match="needs the shm backend"):
+        run(engine().listen("tcp", arena=arena))
+    arena.close()

@@ -133,6 +133,9 @@ def bench(
     dtype: Annotated[str, typer.Option("--dtype", help="Wire dtypes, comma list (fp16: as stored).")] = "fp16",
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=50, help="Measured transfers after a warm-up.")] = 4,
     threads: Annotated[int, typer.Option("--threads", min=1, max=256, help="torch threads per process.")] = 1,
+    zero_copy: Annotated[
+        str, typer.Option("--zero-copy", help="shm only: off, on (receiver's shared arena), or both.")
+    ] = "both",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Move KV between real sender and receiver processes on this host, per backend, next to
@@ -150,23 +153,26 @@ def bench(
     (total,) = _sizes("--size", size)[:1]
     if any(c > total for c in chunks):
         raise UsageError(f"--chunk {chunk}: a chunk is larger than --size {size}")
+    if zero_copy not in ("off", "on", "both"):
+        raise UsageError(f"--zero-copy {zero_copy}: expected off, on or both")
     available = {a.name: a for a in backend_availability()}
     for name in backends:
         if not available[name].available:
             raise UsageError(f"--backend {name}: not available here: {available[name].reason}")
     console = Console(stderr=True)
-    results = run_bench(backends, total, chunks, dtypes, repeats=repeats, threads=threads,
+    results = run_bench(backends, total, chunks, dtypes, repeats=repeats, threads=threads, zero_copy=zero_copy,
                         progress=lambda what: console.print(f"[dim]running {what}[/dim]"))
     rows = [
-        (r.backend, f"{r.chunk_bytes >> 10} KiB", r.dtype, f"{r.gbps:.2f}", f"{r.baseline_gbps:.2f}",
+        (r.backend + (" zero-copy" if r.zero_copy else ""), f"{r.chunk_bytes >> 10} KiB", r.dtype, f"{r.gbps:.2f}",
+         f"{r.baseline_gbps:.2f}",
          f"{r.ratio_to_baseline:.2f}", f"{r.p50_chunk_us:.0f}", f"{r.p99_chunk_us:.0f}",
-         f"{100 * r.convert_share:.1f}%")
+         f"{100 * r.convert_share:.1f}%", f"{100 * r.receiver_cpu_share:.0f}%")
         for r in results
     ]  # fmt: skip
     out = Console()
     out.print(table(f"KV transport, {total >> 20} MiB per transfer (GB/s of KV as stored, end to end)",
                     ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "ratio", "p50 chunk µs",
-                     "p99 chunk µs", "convert"], rows))
+                     "p99 chunk µs", "convert", "receiver CPU"], rows))
     for name in backends:
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}")
     if json_out is not None:

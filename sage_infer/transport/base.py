@@ -131,6 +131,11 @@ class SendChannel(ABC):
                 raise
         self._raise_if_failed()
 
+    async def wait_placed(self, request_id: str) -> None:
+        """Wait until the receiver has placed `request_id` in registered memory (zero-copy
+        backends); others have nothing to wait for."""
+        return None
+
     async def abort(self, request_id: str, why: str = "") -> None:
         """Tell the receiver this transfer is abandoned (best effort, bounded: the peer may be
         the reason it failed). `why` is for logs; the header has no room for text."""
@@ -227,6 +232,8 @@ class RecvChannel(ABC):
 
     backend: ClassVar[str]
 
+    arena = None  # a SharedArena when the backend delivers straight into registered memory (shm)
+
     def __init__(self, *, max_retries: int = 2) -> None:
         self.max_retries = max_retries
         self.checksum_failures = 0
@@ -241,6 +248,10 @@ class RecvChannel(ABC):
 
     @abstractmethod
     async def aclose(self) -> None: ...
+
+    async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
+        """Tell the sender where `request_id`'s layers lie in `arena` (zero-copy backends only)."""
+        raise TransportError(f"{self.backend}: this backend does not deliver into registered memory")
 
     def _note_corrupt(self, header: ChunkHeader, err: ChecksumError) -> None:
         """Count a CRC failure; past `max_retries` for one chunk the transfer fails. Call it
@@ -315,8 +326,9 @@ def backend_availability() -> list[Availability]:
     return out
 
 
-def get_backend(name: str) -> Backend:
-    """A backend instance by name; unknown or unavailable names raise with the reason."""
+def get_backend(name: str, **options) -> Backend:
+    """A backend instance by name (`options` go to its constructor); unknown or unavailable
+    names raise with the reason."""
     _load_builtin()
     cls = BACKENDS.get(name)
     if cls is None:
@@ -327,7 +339,7 @@ def get_backend(name: str) -> Backend:
     status = cls.availability()
     if not status.available:
         raise BackendUnavailable(f"transport backend {name!r} is not available: {status.reason}")
-    return cls()
+    return cls(**options)
 
 
 def _load_builtin() -> None:

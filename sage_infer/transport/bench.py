@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.transport.arena import ALIGN, SharedArena
 from sage_infer.transport.engine import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.telemetry import TransportTelemetry
 
@@ -45,9 +46,11 @@ class BenchResult:
     p50_chunk_us: float
     p99_chunk_us: float
     convert_share: float  # encode + decode seconds / transfer seconds
+    receiver_cpu_share: float  # receiver thread CPU seconds / transfer seconds (what is left for its own work)
     wire_bytes: int
     total_bytes: int
     retransmits: int
+    zero_copy: bool = False
 
 
 def kv_layers(total_bytes: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -76,26 +79,35 @@ def _init_dist(rank: int, port: int) -> None:
 # -- transport runs --------------------------------------------------------------
 
 
-def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_port: int, threads: int) -> None:
+def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_port: int, threads: int,
+              zero_copy: bool = False) -> None:
     torch.set_num_threads(threads)
     if backend == "torchdist":
         _init_dist(1, dist_port)
 
     async def main() -> None:
         engine = TransportEngine(KVTransportConfig(backend=backend), telemetry=_telemetry())
-        listener = await engine.listen(backend, "torchdist://0" if backend == "torchdist" else None)
+        shapes = [t.shape for t in kv_layers(size, TORCH_OF[src_dtype])]
+        dtype = TORCH_OF[src_dtype]
+        arena = SharedArena(size + len(shapes) * ALIGN + (1 << 20)) if zero_copy else None
+        listener = await engine.listen(backend, "torchdist://0" if backend == "torchdist" else None, arena=arena)
         q.put(listener.address)
         loop = asyncio.get_running_loop()
         channel = await listener.accept(loop.time() + 60)
-        dest = [torch.zeros_like(t) for t in kv_layers(size, TORCH_OF[src_dtype])]  # zeros: pre-faulted
+        if arena is not None:
+            dest = [arena.tensor(shape, dtype) for shape in shapes]  # pre-faulted by the arena
+        else:
+            dest = [torch.zeros(shape, dtype=dtype) for shape in shapes]  # zeros: pre-faulted
         buffers = KVReceiveBuffers()
-        decode = []
+        decode, cpu = [], []
         for i in range(repeats):
             buffers.register(f"r{i}", dest)
+            before_cpu = time.thread_time()
             stats = await engine.receive(channel, buffers, [f"r{i}"], deadline_s=120)
+            cpu.append((time.thread_time() - before_cpu) / max(stats[f"r{i}"].seconds, 1e-9))
             decode.append(stats[f"r{i}"].convert_seconds)
             buffers.release(f"r{i}")
-        q.put(decode)
+        q.put((decode, cpu))
         await channel.aclose()
         await listener.aclose()
 
@@ -109,12 +121,12 @@ def _telemetry() -> TransportTelemetry:
 
 
 def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str = "fp16", repeats: int = 4,
-                  threads: int = 1) -> dict:
+                  threads: int = 1, zero_copy: bool = False) -> dict:
     """Median end-to-end figures of `repeats` transfers (after one warm-up) of `size` bytes."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads))
+    proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads, zero_copy))
     proc.start()
     try:
         torch.set_num_threads(threads)
@@ -131,11 +143,12 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
             conn = await engine.connect(address, backend=backend)
             for i in range(repeats + 1):
                 plan, _ = engine.plan(f"r{i}", layers)
-                runs.append(await engine.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=120))
+                runs.append(await engine.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=120,
+                                                         wait_placement=zero_copy))
             await conn.aclose()
 
         asyncio.run(send())
-        decode = q.get(timeout=120)
+        decode, receiver_cpu = q.get(timeout=120)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -157,6 +170,7 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
         "wire_bytes": best.wire_bytes,
         "total_bytes": best.bytes,
         "retransmits": sum(s.retransmits for s in measured),
+        "receiver_cpu_share": statistics.median(receiver_cpu[1:]),
     }
 
 
@@ -263,19 +277,24 @@ BASELINE_NAMES = {"shm": "memcpy into shared memory", "tcp": "plain socket senda
 
 
 def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", repeats: int = 4,
-              threads: int = 1, progress=None) -> list[BenchResult]:
+              threads: int = 1, zero_copy: str = "both", progress=None) -> list[BenchResult]:
+    """`zero_copy`: off, on or both — applies to shm (the one backend that delivers into a
+    registered shared arena); the others always run without."""
     results = []
     for backend in backends:
+        modes = {"off": [False], "on": [True], "both": [False, True]}[zero_copy] if backend == "shm" else [False]
         for chunk in chunks:
             baseline = BASELINES[backend](size, chunk, repeats)
             for wire in dtypes:
-                if progress:
-                    progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}")
-                r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads)
-                results.append(BenchResult(
-                    backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
-                    r["p99_chunk_us"], r["convert_share"], r["wire_bytes"], r["total_bytes"], r["retransmits"],
-                ))  # fmt: skip
+                for zc in modes:
+                    if progress:
+                        progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}" + (" zero-copy" if zc else ""))
+                    r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads, zc)
+                    results.append(BenchResult(
+                        backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
+                        r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
+                        r["total_bytes"], r["retransmits"], zc,
+                    ))  # fmt: skip
     return results
 
 

@@ -7,14 +7,14 @@ straight into the buffer registered for (request, layer, offset)::
     magic "SKVT" | version u8 | kind u8 | flags u16 | wire_dtype u8 | src_dtype u8
     granularity u8 | checksum algorithm u8 | layer u32 | chunk_index u32
     seq u64 | offset u64 | length u64 | raw_length u64
-    cols u32 | group_size u32 | slot u32 | count u32 | payload crc u32
-    request_id 48 bytes (utf-8, NUL padded) | 4 reserved | header crc u32
+    cols u32 | group_size u32 | slot u64 | count u32 | payload crc u32
+    request_id 48 bytes (utf-8, NUL padded) | header crc u32
 
 `length` is the payload on the wire; `raw_length` its size after the receiver undoes
 a format conversion (equal when none). `count` is the number of chunks in the whole
 transfer, so a receiver knows when it is complete. The header CRC covers the 124
 bytes before it: a flipped bit in a length or offset is caught before any payload
-is read. Control messages (ACK, NACK, HELLO, ABORT) reuse the same header with no payload.
+is read. Control messages (ACK, NACK, HELLO, ABORT, PLACE) reuse the same header; only PLACE has a payload.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sage_infer.transport.errors import ChecksumError, ProtocolError
 
 MAGIC = b"SKVT"
 VERSION = 1
-_FORMAT = struct.Struct("<4sBBHBBBBIIQQQQIIIII48s4x")
+_FORMAT = struct.Struct("<4sBBHBBBBIIQQQQIIQII48s")
 HEADER_BYTES = _FORMAT.size + 4
 assert HEADER_BYTES == 128, HEADER_BYTES
 MAX_REQUEST_ID = 48
@@ -42,6 +42,7 @@ class Kind(enum.IntEnum):
     NACK = 3  # chunk `seq` failed its checksum: send it again
     HELLO = 4  # connection set-up (backend-specific fields)
     ABORT = 5  # the sender gives up on transfer `request_id`
+    PLACE = 6  # receiver -> sender: where each layer of `request_id` lives in the shared arena (payload)
 
 
 class Flag(enum.IntFlag):
@@ -49,6 +50,7 @@ class Flag(enum.IntFlag):
     LAST = 1  # last chunk of its layer
     CONVERTED = 2  # payload is in `wire_dtype`; decode to `src_dtype`
     RETRY = 4  # a resend after a NACK
+    DIRECT = 8  # written by the sender straight into the receiver's registered buffer (shm arena offset in `slot`)
 
 
 class Checksum(enum.IntEnum):

@@ -13,6 +13,11 @@ verifies the CRC on the destination, and answers ACK (the region is reused) or N
 (the sender copies the chunk again from its still-registered source). The socket is
 the only synchronisation (each send/recv is a full barrier), and its EOF is how a
 dead peer is noticed at once.
+
+Zero-copy: a receiver listening with a `SharedArena` hands its descriptor to the sender
+in the HELLO reply and, per request, PLACEs where each layer's destination lies in it.
+The sender then copies chunks of placed requests straight into the destination (flag
+DIRECT, arena offset in `slot`) and the receiver only verifies the CRC in place.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
 from sage_infer.transport.errors import (
     ChecksumError,
@@ -37,7 +43,7 @@ from sage_infer.transport.errors import (
 )
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind, checksum
 
-DEFAULT_RING_BYTES = 32 * 1024 * 1024
+DEFAULT_RING_BYTES = 8 * 1024 * 1024
 SCHEME = "shm://"
 
 
@@ -119,11 +125,15 @@ class ShmSendChannel(SendChannel):
     backend = "shm"
     computes_crc = True
 
-    def __init__(self, sock: socket.socket, ring: mmap.mmap, fd: int, **kw) -> None:
+    def __init__(self, sock: socket.socket, ring: mmap.mmap, fd: int, peer_arena: SharedArena | None = None,
+                 **kw) -> None:
         super().__init__(**kw)
         self._sock = sock
         self._ring = ring
         self._fd = fd
+        self.peer_arena = peer_arena
+        self._placements: dict[str, np.ndarray] = {}  # request -> [layers, 2] (arena offset, bytes)
+        self._placed: dict[str, asyncio.Event] = {}
         self._ring_np = np.frombuffer(ring, dtype=np.uint8)
         self._regions = _Regions(len(ring))
         self._region_of: dict[int, int] = {}
@@ -134,6 +144,10 @@ class ShmSendChannel(SendChannel):
         n = len(payload)
         if header.kind is not Kind.DATA:
             await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+            return
+        place = self._placements.get(header.request_id)
+        if place is not None and not header.converted:
+            await self._transmit_direct(header, payload, place)
             return
         if n > self._regions.size:
             raise TransportError(f"shm: a {n}-byte chunk does not fit the {self._regions.size}-byte ring")
@@ -148,6 +162,18 @@ class ShmSendChannel(SendChannel):
         staged = self._ring_np[start : start + n]
         np.copyto(staged, np.frombuffer(payload, dtype=np.uint8))
         header = replace(header, slot=start, crc=checksum(staged, header.algorithm))
+        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+
+    async def _transmit_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray) -> None:
+        n = len(payload)
+        if header.layer >= len(place) or header.offset + n > place[header.layer, 1]:
+            raise ProtocolError(
+                f"shm: chunk {header.chunk_index} of layer {header.layer} falls outside the buffer the receiver placed"
+            )
+        start = int(place[header.layer, 0]) + header.offset
+        dest = self.peer_arena.array[start : start + n]
+        np.copyto(dest, np.frombuffer(payload, dtype=np.uint8))
+        header = replace(header, slot=start, flags=header.flags | Flag.DIRECT, crc=checksum(dest, header.algorithm))
         await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
 
     def _on_control(self, msg: ChunkHeader) -> None:
@@ -171,13 +197,37 @@ class ShmSendChannel(SendChannel):
                 if msg is None:
                     self._on_lost("connection closed")
                     return
+                if msg.kind is Kind.PLACE:
+                    self._on_place(msg, await self._read_payload(msg.length))
+                    continue
                 self._on_control(msg)
         except (OSError, TransportError) as err:
             self._on_lost(str(err))
 
+    async def _read_payload(self, n: int) -> bytearray:
+        data = bytearray(n)
+        if await recv_exactly(self._sock, memoryview(data)) != n:
+            raise TruncatedError("shm: stream ended inside a PLACE message")
+        return data
+
+    def _on_place(self, msg: ChunkHeader, data: bytearray) -> None:
+        if self.peer_arena is None:
+            raise ProtocolError("shm: the receiver placed buffers but shared no arena")
+        place = np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.int64)
+        if (place[:, 0] + place[:, 1] > self.peer_arena.nbytes).any():
+            raise ProtocolError(f"shm: placement of {msg.request_id!r} lies outside the receiver's arena")
+        self._placements[msg.request_id] = place
+        self._placed.setdefault(msg.request_id, asyncio.Event()).set()
+
+    async def wait_placed(self, request_id: str) -> None:
+        if self.peer_arena is not None and request_id not in self._placements:
+            await self._placed.setdefault(request_id, asyncio.Event()).wait()
+
     async def _close(self) -> None:
         self._reader.cancel()
         self._sock.close()
+        if self.peer_arena is not None:
+            self.peer_arena.close()
         os.close(self._fd)
         del self._ring_np
         try:
@@ -189,15 +239,26 @@ class ShmSendChannel(SendChannel):
 class ShmRecvChannel(RecvChannel):
     backend = "shm"
 
-    def __init__(self, sock: socket.socket, ring: mmap.mmap, **kw) -> None:
+    def __init__(self, sock: socket.socket, ring: mmap.mmap, arena: SharedArena | None = None, **kw) -> None:
         super().__init__(**kw)
         self._sock = sock
         self._ring = ring
         self._ring_np = np.frombuffer(ring, dtype=np.uint8)
         self._buf = bytearray(HEADER_BYTES)
+        self.arena = arena
+        self._send_lock = asyncio.Lock()
+
+    async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
+        """Tell the sender where each layer of `request_id` lies in the arena (offset, bytes)."""
+        payload = np.asarray(regions, dtype="<u8").tobytes()
+        header = ChunkHeader(Kind.PLACE, request_id, length=len(payload), count=len(regions))
+        await self._send(header.pack() + payload)
+
+    async def _send(self, data: bytes) -> None:
+        async with self._send_lock:
+            await asyncio.get_running_loop().sock_sendall(self._sock, data)
 
     async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
-        loop = asyncio.get_running_loop()
         while True:
             header = await before(read_header(self._sock, self._buf, "receiving"), deadline, "waiting for a chunk")
             if header is None:
@@ -206,20 +267,24 @@ class ShmRecvChannel(RecvChannel):
                 raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
             if header.kind is not Kind.DATA:
                 raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
-            if header.slot + header.length > len(self._ring_np):
-                raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
             dest = sink(header)
             if len(dest) != header.length:
                 raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
             out = np.frombuffer(dest, dtype=np.uint8)
-            np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
+            if header.flags & Flag.DIRECT:  # already in place: only check where and what
+                if self.arena is None or self.arena.offset_of(out) != header.slot:
+                    raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
+            else:
+                if header.slot + header.length > len(self._ring_np):
+                    raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
+                np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
             try:
                 header.verify(out)
             except ChecksumError as err:
-                await loop.sock_sendall(self._sock, header.reply(Kind.NACK).pack())
+                await self._send(header.reply(Kind.NACK).pack())
                 self._note_corrupt(header, err)
                 continue
-            await loop.sock_sendall(self._sock, header.reply(Kind.ACK).pack())
+            await self._send(header.reply(Kind.ACK).pack())
             return header
 
     async def aclose(self) -> None:
@@ -232,10 +297,11 @@ class ShmRecvChannel(RecvChannel):
 
 
 class ShmListener(Listener):
-    def __init__(self, server: socket.socket, path: str, max_retries: int) -> None:
+    def __init__(self, server: socket.socket, path: str, max_retries: int, arena: SharedArena | None) -> None:
         self._server = server
         self._path = path
         self._max_retries = max_retries
+        self._arena = arena
         self.address = SCHEME + path
 
     async def accept(self, deadline: float) -> ShmRecvChannel:
@@ -258,9 +324,18 @@ class ShmListener(Listener):
             ring = mmap.mmap(fds[0], hello.length)
         finally:
             os.close(fds[0])
+        try:
+            if self._arena is not None:  # zero-copy: the sender maps our arena
+                reply = replace(hello.reply(Kind.HELLO), length=self._arena.nbytes, flags=Flag.DIRECT)
+                await asyncio.to_thread(socket.send_fds, sock, [reply.pack()], [self._arena.fd])
+            else:
+                sock.sendall(hello.reply(Kind.HELLO).pack())
+        except OSError as err:
+            sock.close()
+            ring.close()
+            raise PeerClosedError(f"shm: the sender went away during set-up ({err})") from None
         sock.setblocking(False)
-        await loop.sock_sendall(sock, hello.reply(Kind.HELLO).pack())
-        return ShmRecvChannel(sock, ring, max_retries=self._max_retries)
+        return ShmRecvChannel(sock, ring, self._arena, max_retries=self._max_retries)
 
     async def aclose(self) -> None:
         self._server.close()
@@ -277,9 +352,11 @@ class ShmBackend(Backend):
     description = "shared-memory ring between processes on one host (Unix socket for control)"
 
     def __init__(self, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
-        self.ring_bytes = ring_bytes
+        self.ring_bytes = ring_bytes  # the engine sizes it to hold at least two chunks
 
-    async def listen(self, address: str | None = None, *, max_retries: int = 2) -> ShmListener:
+    async def listen(
+        self, address: str | None = None, *, max_retries: int = 2, arena: SharedArena | None = None
+    ) -> ShmListener:
         if address is None:
             path = os.path.join(tempfile.mkdtemp(prefix="sage-shm-"), "ctl.sock")  # mkdtemp: mode 0700
         else:
@@ -288,7 +365,7 @@ class ShmBackend(Backend):
         server.bind(path)
         server.listen(16)
         server.setblocking(False)
-        return ShmListener(server, path, max_retries)
+        return ShmListener(server, path, max_retries, arena)
 
     async def connect(
         self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
@@ -306,20 +383,27 @@ class ShmBackend(Backend):
         hello = ChunkHeader(Kind.HELLO, "ring", length=self.ring_bytes)
         try:
             sock.setblocking(True)
+            sock.settimeout(max(0.1, deadline - loop.time()))
             await asyncio.to_thread(socket.send_fds, sock, [hello.pack()], [fd])
+            msg, fds, _, _ = await asyncio.to_thread(socket.recv_fds, sock, HEADER_BYTES, 1)
+            if 0 < len(msg) < HEADER_BYTES:
+                msg += await asyncio.to_thread(sock.recv, HEADER_BYTES - len(msg), socket.MSG_WAITALL)
             sock.setblocking(False)
-            reply = await before(read_header(sock, bytearray(HEADER_BYTES), "set-up"), deadline, "waiting for HELLO")
-        except (OSError, TransportError):
+        except (OSError, TransportError) as err:
             sock.close()
             os.close(fd)
             ring.close()
-            raise
+            raise PeerClosedError(f"shm: set-up with {address} failed ({err})") from None
+        reply = ChunkHeader.unpack(msg) if len(msg) == HEADER_BYTES else None
         if reply is None or reply.kind is not Kind.HELLO:
             sock.close()
             os.close(fd)
             ring.close()
+            for extra in fds:
+                os.close(extra)
             raise PeerClosedError(f"shm: {address} closed the connection during set-up")
-        return ShmSendChannel(sock, ring, fd, max_inflight=max_inflight, max_retries=max_retries)
+        peer_arena = SharedArena(reply.length, fd=fds[0]) if reply.flags & Flag.DIRECT and fds else None
+        return ShmSendChannel(sock, ring, fd, peer_arena, max_inflight=max_inflight, max_retries=max_retries)
 
 
 def _path_of(address: str) -> str:
