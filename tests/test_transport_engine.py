@@ -84,6 +84,42 @@ def test_kv_arrives_bit_exact_in_another_process(dtype):
     assert len(sent[0].chunk_seconds) == sent[0].chunks
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_converted_kv_crosses_processes_within_the_error_bound(backend):
+    q = SPAWN.Queue()
+    child = SPAWN.Process(target=receiver_main, args=(q, backend, ["i4", "f8"], SHAPE, "float16", None, True))
+    child.start()
+    try:
+        address = q.get(timeout=60)
+        src = kv(0, **SHAPE)
+
+        async def send():
+            stats = {}
+            eng = engine(backend=backend)
+            conn = await eng.connect(address)
+            for rid, wire in (("i4", "int4"), ("f8", "fp8_e4m3")):  # the plan carries the wire format
+                plan, _ = engine(backend=backend, chunk_size="64KiB", target_dtype=wire).plan(rid, src)
+                stats[rid] = (await eng.stream_pipeline(conn, plan.chunks, plan, src), plan)
+            await conn.aclose()
+            return stats
+
+        stats = run(send())
+        summary = q.get(timeout=60)
+        received = q.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    for rid, wire in (("i4", "int4"), ("f8", "fp8_e4m3")):
+        sent, plan = stats[rid]
+        assert summary[rid][1:] == (sent.chunks, True) and sent.wire_bytes < sent.bytes / 1.8
+        for chunk in plan.chunks:
+            x = src[chunk.layer].reshape(-1)[chunk.offset // 2 : (chunk.offset + chunk.length) // 2].view(-1, 64)
+            y = torch.from_numpy(received[rid][chunk.layer]).reshape(-1)[chunk.offset // 2 : (chunk.offset + chunk.length) // 2]
+            bound = converter.error_bound(wire, x).float() + y.float().abs().view(-1, 64) * 2**-11 + 1e-6
+            assert ((x.float() - y.float().view(-1, 64)).abs() <= bound).all(), (rid, chunk)
+
+
 def test_killed_receiver_fails_the_sender_promptly():
     q = SPAWN.Queue()
     child = SPAWN.Process(target=receiver_main, args=(q, "shm", ["a"], SHAPE, "float16", 3))
