@@ -47,6 +47,15 @@ def test_probe_uses_measured_transport_bandwidths(sage, tmp_path):
     assert any("measured shm with 4MiB chunks: 6.00 GB/s (70%" in r for r in data["recommendation_reasons"])
 
 
+def test_probe_can_measure_transport_itself(sage):
+    result = sage("transport", "probe", "--json", "--no-measure", "--measure-transport")
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    measured = [r for r in data["recommendation_reasons"] if r.startswith("measured ")]
+    assert len(measured) == 4  # shm and tcp at 1 and 4 MiB
+    assert data["recommended_kv_transport"]["backend"] in ("shm", "tcp")
+
+
 def test_transport_backends_lists_optional_engines_with_reasons(sage):
     result = sage("transport", "backends", "--json")
     assert result.code == 0

@@ -24,6 +24,9 @@ def probe(
         typer.Option("--transport-bench", help="Use the bandwidths measured by `sage transport bench --json FILE`.",
                      exists=True, dir_okay=False),
     ] = None,
+    measure_transport: Annotated[
+        bool, typer.Option("--measure-transport", help="Run a short shm + tcp transport bench (32 MiB) and use it.")
+    ] = False,
 ) -> None:
     """Detect devices and links, match a preset, and recommend a KVTransportConfig."""
     from sage_infer.hal.detect import detect_devices
@@ -41,6 +44,13 @@ def probe(
     recommendation = recommend_transport(report, preset)
     if transport_bench is not None:
         recommendation = apply_transport_measurements(recommendation, _bench_results(transport_bench))
+    if measure_transport:
+        from dataclasses import asdict
+
+        from sage_infer.transport.bench import run_bench
+
+        measured = run_bench(["shm", "tcp"], 32 << 20, [1 << 20, 4 << 20], ["fp16"], repeats=2, zero_copy="off")
+        recommendation = apply_transport_measurements(recommendation, [asdict(r) for r in measured])
     written = None
     if write is not None:
         if write.suffix not in (".yaml", ".yml"):
