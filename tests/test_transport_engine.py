@@ -114,8 +114,9 @@ def test_converted_kv_crosses_processes_within_the_error_bound(backend):
         sent, plan = stats[rid]
         assert summary[rid][1:] == (sent.chunks, True) and sent.wire_bytes < sent.bytes / 1.8
         for chunk in plan.chunks:
-            x = src[chunk.layer].reshape(-1)[chunk.offset // 2 : (chunk.offset + chunk.length) // 2].view(-1, 64)
-            y = torch.from_numpy(received[rid][chunk.layer]).reshape(-1)[chunk.offset // 2 : (chunk.offset + chunk.length) // 2]
+            elems = slice(chunk.offset // 2, (chunk.offset + chunk.length) // 2)  # fp16: 2 bytes each
+            x = src[chunk.layer].reshape(-1)[elems].view(-1, 64)
+            y = torch.from_numpy(received[rid][chunk.layer]).reshape(-1)[elems]
             bound = converter.error_bound(wire, x).float() + y.float().abs().view(-1, 64) * 2**-11 + 1e-6
             assert ((x.float() - y.float().view(-1, 64)).abs() <= bound).all(), (rid, chunk)
 
@@ -152,18 +153,25 @@ def test_killed_receiver_fails_the_sender_promptly():
 # -- in one process (two event-loop tasks, real sockets and shared memory) -------------
 
 
-def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):
-    corrupt = {"left": 1}
+def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
+    """Make the shm sender flip one staged byte right after taking its CRC (`times` chunks,
+    or every chunk when None): the receiver then sees a chunk that fails its check."""
+    left = {"n": times}
     real = shm.checksum
 
     def checksum_then_flip(data, algorithm):
         crc = real(data, algorithm)
-        if corrupt["left"]:
-            corrupt["left"] -= 1
-            data[len(data) // 2] ^= 0x5A  # the ring bytes change after the CRC was taken
+        if left["n"] is None or left["n"] > 0:
+            if left["n"] is not None:
+                left["n"] -= 1
+            data[len(data) // 2] ^= 0x5A
         return crc
 
     monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+
+
+def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):
+    corrupt_after_checksum(monkeypatch)
     eng = engine(backend="shm", chunk_size="32KiB")
     layers = kv(1, **SHAPE)
     dest = [torch.zeros_like(t) for t in layers]
@@ -186,14 +194,7 @@ def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):
 
 
 def test_always_corrupt_fails_both_sides_and_marks_nothing(monkeypatch):
-    real = shm.checksum
-
-    def checksum_then_flip(data, algorithm):
-        crc = real(data, algorithm)
-        data[0] ^= 0xFF
-        return crc
-
-    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    corrupt_after_checksum(monkeypatch, times=None)
     eng = engine(backend="shm", chunk_size="32KiB", timeout_s=5)
     layers = kv(1, **SHAPE)
 
@@ -455,17 +456,7 @@ def test_ring_allocator_wraps_and_never_overlaps():
 def test_zero_copy_receive_writes_straight_into_the_arena(monkeypatch):
     from sage_infer.transport.arena import SharedArena
 
-    corrupt = {"left": 1}
-    real = shm.checksum
-
-    def checksum_then_flip(data, algorithm):
-        crc = real(data, algorithm)
-        if corrupt["left"]:
-            corrupt["left"] -= 1
-            data[7] ^= 0x01  # the destination changes after the CRC was taken
-        return crc
-
-    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    corrupt_after_checksum(monkeypatch)  # in the receiver's arena this time
     eng = engine(backend="shm", chunk_size="32KiB")
     layers = kv(9, **SHAPE)
     arena = SharedArena(8 << 20)
