@@ -159,8 +159,8 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
     left = {"n": times}
     real = shm.checksum
 
-    def checksum_then_flip(data, algorithm):
-        crc = real(data, algorithm)
+    def checksum_then_flip(data, algorithm, value=0):
+        crc = real(data, algorithm, value)
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1

@@ -74,11 +74,12 @@ DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 GRANULARITIES = ("per_token", "per_channel")
 
 
-def checksum(data, algorithm: Checksum = Checksum.CRC32C) -> int:
-    """CRC of a bytes-like object (bytes, memoryview, numpy array), unsigned 32-bit."""
+def checksum(data, algorithm: Checksum = Checksum.CRC32C, value: int = 0) -> int:
+    """CRC of a bytes-like object (bytes, memoryview, numpy array), unsigned 32-bit;
+    `value` continues a CRC over earlier bytes."""
     if algorithm is Checksum.CRC32C:
-        return _crc32c.crc32c(data)
-    return zlib.crc32(data)
+        return _crc32c.crc32c(data, value)
+    return zlib.crc32(data, value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,20 @@ async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHe
     return ChunkHeader.unpack(buf)
 
 
+PIECE = 256 * 1024  # copy, then checksum while the piece is still in L2
+
+
+def copy_and_checksum(dest: np.ndarray, payload: memoryview, algorithm) -> int:
+    """Copy `payload` into `dest` piece by piece, checksumming each piece of `dest` right after."""
+    src = np.frombuffer(payload, dtype=np.uint8)
+    crc = 0
+    for start in range(0, len(src), PIECE):
+        piece = dest[start : start + PIECE]
+        np.copyto(piece, src[start : start + PIECE])
+        crc = checksum(piece, algorithm, crc)
+    return crc
+
+
 def _make_ring(nbytes: int) -> tuple[int, mmap.mmap]:
     """An anonymous, pre-faulted shared mapping and its file descriptor."""
     if hasattr(os, "memfd_create"):
@@ -159,9 +173,8 @@ class ShmSendChannel(SendChannel):
                 self._space.clear()
                 await self._space.wait()
         self._region_of[header.seq] = start
-        staged = self._ring_np[start : start + n]
-        np.copyto(staged, np.frombuffer(payload, dtype=np.uint8))
-        header = replace(header, slot=start, crc=checksum(staged, header.algorithm))
+        crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm)
+        header = replace(header, slot=start, crc=crc)
         await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
 
     async def _transmit_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray) -> None:
@@ -171,9 +184,8 @@ class ShmSendChannel(SendChannel):
                 f"shm: chunk {header.chunk_index} of layer {header.layer} falls outside the buffer the receiver placed"
             )
         start = int(place[header.layer, 0]) + header.offset
-        dest = self.peer_arena.array[start : start + n]
-        np.copyto(dest, np.frombuffer(payload, dtype=np.uint8))
-        header = replace(header, slot=start, flags=header.flags | Flag.DIRECT, crc=checksum(dest, header.algorithm))
+        crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm)
+        header = replace(header, slot=start, flags=header.flags | Flag.DIRECT, crc=crc)
         await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
 
     def _on_control(self, msg: ChunkHeader) -> None:
