@@ -403,6 +403,20 @@ def test_planner_sizes_cpu_chunks_from_the_hardware_and_respects_explicit_sizes(
         TransferPlanner(KVTransportConfig(backend="rdma")).choose()
 
 
+def test_planner_converts_only_for_slow_links_between_hosts():
+    from sage_infer.config.presets import load_hardware_preset
+
+    h100 = load_hardware_preset("nvidia-h100").profile
+    slow = h100.model_copy(update={"inter_node_nics": [h100.inter_node_nics[0].model_copy(
+        update={"count": 1, "gbit_s": 25})]})
+    choice = TransferPlanner(KVTransportConfig(), slow).choose(same_host=False)
+    assert choice.wire_dtype == "fp8_e4m3" and any("3.125 GB/s" in r for r in choice.reasons)
+    assert TransferPlanner(KVTransportConfig(), slow).choose(same_host=True).wire_dtype is None
+    assert TransferPlanner(KVTransportConfig(), h100).choose(same_host=False).wire_dtype is None  # 8x400G
+    explicit = TransferPlanner(KVTransportConfig(target_dtype="int4"), h100).choose(same_host=True)
+    assert explicit.wire_dtype == "int4"
+
+
 def test_plan_covers_every_byte_once():
     layers = kv(8, layers=2, tokens=333, heads=2, head_dim=64)
     plan, choice = TransferPlanner(KVTransportConfig(chunk_size="4KiB", backend="tcp")).plan("r", layers)

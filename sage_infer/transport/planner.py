@@ -22,6 +22,8 @@ MIB = 1024 * 1024
 # below 1 MiB it starts to show; above 4 MiB the pipeline has too few chunks to overlap.
 CPU_CHUNK_RANGE = (1 * MIB, 4 * MIB)
 
+SLOW_LINK_GB_S = 4.0  # below this per host, converting KV on the wire saves more time than it costs
+
 WIRE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -84,7 +86,25 @@ class TransferPlanner:
         if self.hardware:
             align = math.lcm(align, self.hardware.transport.dma_alignment_bytes)
         chunk = max(align, chunk // align * align)
-        return PlannedTransfer(backend, chunk, cfg.max_inflight, cfg.target_dtype, reasons=reasons)
+        return PlannedTransfer(backend, chunk, cfg.max_inflight, self._wire_dtype(same_host, reasons), reasons=reasons)
+
+    def _wire_dtype(self, same_host: bool, reasons: list[str]) -> str | None:
+        """The config's `target_dtype`, else fp8/int8 across hosts whose NICs are slower than
+        the converter (~3-5 GB/s per CPU core, faster on devices), else as stored."""
+        if self.config.target_dtype is not None:
+            reasons.append(f"wire dtype {self.config.target_dtype} set in the transport config")
+            return self.config.target_dtype
+        if same_host or self.hardware is None or not self.hardware.inter_node_nics:
+            return None
+        nic_gb_s = sum(n.count * n.gbit_s for n in self.hardware.inter_node_nics) / 8
+        if nic_gb_s >= SLOW_LINK_GB_S:
+            return None
+        supported = [d.value for d in self.hardware.kv.dtypes]
+        for candidate in ("fp8_e4m3", "int8"):
+            if candidate in supported:
+                reasons.append(f"NICs give {nic_gb_s:g} GB/s, below {SLOW_LINK_GB_S:g}: {candidate} halves the bytes")
+                return candidate
+        return None
 
     def plan(
         self,
