@@ -30,6 +30,7 @@ def test_bench_runs_real_processes_and_writes_the_documented_json(sage, tmp_path
     fp16, int4 = data["results"][0], data["results"][2]
     assert fp16["wire_bytes"] == fp16["total_bytes"] and fp16["convert_share"] == 0
     assert int4["wire_bytes"] < fp16["wire_bytes"] / 3 and int4["convert_share"] > 0
+    assert fp16["rel_rmse"] == 0 and 0 < int4["rel_rmse"] < 0.5
 
 
 def test_probe_uses_measured_transport_bandwidths(sage, tmp_path):

@@ -176,13 +176,14 @@ def bench(
         (r.backend + (" zero-copy" if r.zero_copy else ""), f"{r.chunk_bytes >> 10} KiB", r.dtype, f"{r.gbps:.2f}",
          f"{r.baseline_gbps:.2f}",
          f"{r.ratio_to_baseline:.2f}", f"{r.p50_chunk_us:.0f}", f"{r.p99_chunk_us:.0f}",
-         f"{100 * r.convert_share:.1f}%", f"{100 * r.receiver_cpu_share:.0f}%")
+         f"{100 * r.convert_share:.1f}%", f"{r.rel_rmse:.1e}" if r.rel_rmse else "0",
+         f"{100 * r.receiver_cpu_share:.0f}%")
         for r in results
     ]  # fmt: skip
     out = Console()
     out.print(table(f"KV transport, {total >> 20} MiB per transfer (GB/s of KV as stored, end to end)",
                     ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "ratio", "p50 chunk µs",
-                     "p99 chunk µs", "convert", "receiver CPU"], rows))
+                     "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU"], rows))
     for name in backends:
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}")
     if json_out is not None:

@@ -51,6 +51,7 @@ class BenchResult:
     total_bytes: int
     retransmits: int
     zero_copy: bool = False
+    rel_rmse: float = 0.0  # reconstruction error of the wire format on this KV (0: as stored)
 
 
 def kv_layers(total_bytes: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -271,6 +272,16 @@ def plain_dist_gbps(size: int, chunk: int, repeats: int = 4) -> float:
     return size / statistics.median(times[1:]) / 1e9
 
 
+def reconstruction_rmse(wire: str, src_dtype: str) -> float:
+    """Relative RMSE of sending this bench's KV as `wire` (one 8 MiB sample; 0 when lossless)."""
+    if wire == src_dtype:
+        return 0.0
+    from sage_infer.transport.format.converter import reconstruction_error
+
+    sample = kv_layers(8 << 20, TORCH_OF[src_dtype])[0]
+    return reconstruction_error(sample.view(-1, HEAD_DIM), wire).rel_rmse
+
+
 BASELINES = {"shm": memcpy_to_shm_gbps, "tcp": plain_socket_gbps, "torchdist": plain_dist_gbps}
 BASELINE_NAMES = {"shm": "memcpy into shared memory", "tcp": "plain socket sendall/recv_into",
                   "torchdist": "plain dist.send/recv"}
@@ -290,10 +301,11 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                     if progress:
                         progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}" + (" zero-copy" if zc else ""))
                     r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads, zc)
+                    r["rel_rmse"] = reconstruction_rmse(wire, src_dtype)
                     results.append(BenchResult(
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
-                        r["total_bytes"], r["retransmits"], zc,
+                        r["total_bytes"], r["retransmits"], zc, r["rel_rmse"],
                     ))  # fmt: skip
     return results
 
