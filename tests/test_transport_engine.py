@@ -13,9 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.transport import base
+from sage_infer.transport import KVReceiveBuffers, Priority, base
 from sage_infer.transport.backends import shm
-from sage_infer.transport.engine import KVReceiveBuffers, Priority
 from sage_infer.transport.errors import (
     BackendUnavailable,
     ChecksumError,

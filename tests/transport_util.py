@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.transport.engine import KVReceiveBuffers, TransportEngine
+from sage_infer.transport import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.telemetry import TransportTelemetry
 
 SPAWN = mp.get_context("spawn")

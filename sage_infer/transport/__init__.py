@@ -4,3 +4,10 @@
 `torchdist`; see base.py for the interface), converting the KV format on the way when
 asked (format/converter.py). Every chunk carries the fixed header of wire.py.
 """
+
+from sage_infer.transport.arena import SharedArena
+from sage_infer.transport.buffers import KVReceiveBuffers
+from sage_infer.transport.engine import TransportEngine
+from sage_infer.transport.stats import Priority, TransferStats
+
+__all__ = ["KVReceiveBuffers", "Priority", "SharedArena", "TransferStats", "TransportEngine"]

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.transport import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.arena import ALIGN, SharedArena
-from sage_infer.transport.engine import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.telemetry import TransportTelemetry
 
 HEADS, HEAD_DIM = 8, 128

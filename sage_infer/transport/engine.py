@@ -25,244 +25,26 @@ at the next chunk boundary.
 from __future__ import annotations
 
 import asyncio
-import enum
-import heapq
-import itertools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from sage_infer.config.hardware import HardwareProfile
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
 from sage_infer.transport.arena import SharedArena
-from sage_infer.transport.base import Listener, RecvChannel, SendChannel, before, get_backend
-from sage_infer.transport.errors import PeerClosedError, ProtocolError, TransportError
+from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
+from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
+from sage_infer.transport.connection import Connection, Prepared
+from sage_infer.transport.errors import PeerClosedError, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
+from sage_infer.transport.stats import Priority, TransferStats
 from sage_infer.transport.telemetry import TransportTelemetry
 from sage_infer.transport.wire import ChunkHeader, Flag, Kind, checksum
 
-TORCH_OF = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHM_RING_BYTES = 8 * 1024 * 1024  # small enough to stay in the last-level cache (measured best of 4-32 MiB)
-
-
-class Priority(enum.IntEnum):
-    """Lower goes first."""
-
-    DECODE = 0  # a decode step is waiting for this KV
-    PREFILL = 5
-    PREFETCH = 10  # bulk, speculative
-
-
-@dataclass(slots=True)
-class TransferStats:
-    request_id: str
-    backend: str
-    direction: str  # send / recv
-    chunks: int = 0
-    bytes: int = 0  # KV bytes as stored
-    wire_bytes: int = 0  # bytes on the wire (smaller when converted)
-    seconds: float = 0.0
-    convert_seconds: float = 0.0
-    retransmits: int = 0
-    chunk_seconds: list[float] = field(default_factory=list)  # send → verified ACK, per chunk
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def chunk_us(self, q: float) -> float:
-        return float(np.quantile(self.chunk_seconds, q)) * 1e6 if self.chunk_seconds else 0.0
-
-
-@dataclass(slots=True)
-class _Prepared:
-    fields: dict
-    flags: Flag
-    payload: memoryview
-    crc: int
-    convert_seconds: float
-
-
-@dataclass(order=True, slots=True)
-class _Job:
-    priority: int
-    deadline: float
-    arrival: int
-    chunk: KVChunk = field(compare=False)
-    layer: torch.Tensor = field(compare=False)
-    plan: TransportPlan = field(compare=False)
-    count: int = field(compare=False)
-    stats: TransferStats = field(compare=False)
-    done: asyncio.Future = field(compare=False)  # -> seconds from send to verified ACK
-
-
-class Connection:
-    """The sending side of one peer connection, shared by every transfer to that peer.
-
-    Transfers queue their chunks here; one pump sends them in (priority, deadline,
-    arrival) order as the in-flight window allows, so chunks of a decode-critical
-    transfer go out before any bulk chunk still waiting, whenever they arrive."""
-
-    def __init__(self, engine: TransportEngine, channel: SendChannel, address: str, backend: str) -> None:
-        self.engine = engine
-        self.channel = channel
-        self.address = address
-        self.backend = backend
-        self.seq = itertools.count()
-        self._arrivals = itertools.count()
-        self._queue: list[_Job] = []
-        self._ready = asyncio.Event()
-        self._pump = asyncio.get_running_loop().create_task(self._run())
-
-    def submit(self, priority: int, deadline: float, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
-               count: int, stats: TransferStats) -> asyncio.Future:
-        done = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, _Job(priority, deadline, next(self._arrivals), chunk, layer, plan, count,
-                                         stats, done))
-        self._ready.set()
-        return done
-
-    async def _run(self) -> None:
-        # (Preparing the next chunk's CRC on a worker thread while this one is on the wire was
-        # tried and measured: no gain on 2 vCPUs, so the pump stays one simple loop.)
-        while True:
-            job = self._pop_live()
-            if job is None:
-                self._ready.clear()
-                await self._ready.wait()
-                continue
-            try:
-                acked = await self.engine.send_kv_chunk(self, job.chunk, job.layer, job.plan, deadline=job.deadline,
-                                                        count=job.count, stats=job.stats)
-            except (TransportError, ValueError) as err:
-                if not job.done.done():
-                    job.done.set_exception(err)
-                continue
-            acked.add_done_callback(lambda ack, done=job.done: _settle(done, ack))
-
-    def _pop_live(self) -> _Job | None:
-        while self._queue:
-            job = heapq.heappop(self._queue)
-            if not job.done.done():  # skip chunks of transfers that gave up
-                return job
-        return None
-
-    async def aclose(self) -> None:
-        self._pump.cancel()
-        for job in self._queue:
-            job.done.cancel()
-        await self.channel.aclose()
-
-
-def _settle(done: asyncio.Future, ack: asyncio.Future) -> None:
-    if done.done():
-        return
-    if ack.cancelled():
-        done.cancel()
-    elif ack.exception() is not None:
-        done.set_exception(ack.exception())
-    else:
-        done.set_result(ack.result())
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor."""
-    if not tensor.is_contiguous():
-        raise ValueError("KV tensors must be contiguous to be sent or received in place")
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _host_view(u8: torch.Tensor) -> memoryview:
-    if u8.device.type != "cpu":  # socket/shm backends stage device KV through host memory
-        u8 = u8.to("cpu")
-    return memoryview(u8.numpy())
-
-
-class KVReceiveBuffers:
-    """Destination tensors registered per request; tracks which chunks are verified in place."""
-
-    def __init__(self) -> None:
-        self._layers: dict[str, list[torch.Tensor]] = {}
-        self._bytes: dict[str, list[torch.Tensor]] = {}
-        self._done: dict[str, set[int]] = {}
-        self._expected: dict[str, int] = {}
-        self._staging = torch.empty(0, dtype=torch.uint8)
-
-    def register(self, request_id: str, layers: Sequence[torch.Tensor]) -> None:
-        self._layers[request_id] = list(layers)
-        self._bytes[request_id] = [as_bytes(t) for t in layers]
-        self._done[request_id] = set()
-        self._expected.pop(request_id, None)
-
-    def release(self, request_id: str) -> None:
-        for table in (self._layers, self._bytes, self._done, self._expected):
-            table.pop(request_id, None)
-
-    def sink(self, header: ChunkHeader) -> memoryview:
-        """Where this chunk's payload goes: straight into the layer, or a staging buffer
-        when it must be decoded first."""
-        if header.request_id not in self._bytes:
-            raise ProtocolError(f"no receive buffers registered for request {header.request_id!r}")
-        if header.converted:
-            if self._staging.numel() < header.length:
-                self._staging = torch.empty(header.length, dtype=torch.uint8)
-            return memoryview(self._staging[: header.length].numpy())
-        return memoryview(self._region(header, header.length).numpy())
-
-    def _region(self, header: ChunkHeader, length: int) -> torch.Tensor:
-        layers = self._bytes[header.request_id]
-        if header.layer >= len(layers):
-            raise ProtocolError(f"chunk for layer {header.layer}, but request {header.request_id!r} has {len(layers)}")
-        dest = layers[header.layer]
-        if header.offset + length > dest.numel():
-            raise ProtocolError(
-                f"chunk {header.chunk_index} of layer {header.layer} ends at byte {header.offset + length}, "
-                f"past the {dest.numel()}-byte destination"
-            )
-        return dest[header.offset : header.offset + length]
-
-    def land(self, header: ChunkHeader) -> float:
-        """Decode a verified converted chunk into place (returns seconds spent); mark it delivered."""
-        spent = 0.0
-        if header.converted:
-            start = time.perf_counter()
-            region = self._region(header, header.raw_length)
-            dtype = TORCH_OF[header.src_dtype]
-            out = region.view(dtype).view(-1, header.cols)
-            converter.decode(self._staging[: header.length], header.wire_dtype, out.shape[0], header.cols, dtype,
-                             header.granularity, header.group_size or None, out=out)
-            spent = time.perf_counter() - start
-        self._expected[header.request_id] = header.count
-        self._done[header.request_id].add(header.seq)
-        return spent
-
-    def placement(self, request_id: str, arena: SharedArena) -> list[tuple[int, int]] | None:
-        """(arena offset, bytes) of every layer of `request_id`, or None unless all live in `arena`."""
-        regions = []
-        for layer in self._bytes.get(request_id, ()):
-            offset = arena.offset_of(layer)
-            if offset is None:
-                return None
-            regions.append((offset, layer.numel()))
-        return regions or None
-
-    def delivered(self, request_id: str) -> int:
-        return len(self._done.get(request_id, ()))
-
-    def complete(self, request_id: str) -> bool:
-        expected = self._expected.get(request_id)
-        return expected is not None and len(self._done[request_id]) >= expected
-
-    def invalidate(self, request_id: str) -> None:
-        """Forget every delivered chunk of a failed transfer: none of its bytes may be used."""
-        if request_id in self._done:
-            self._done[request_id].clear()
-            self._expected.pop(request_id, None)
 
 
 class TransportEngine:
@@ -308,7 +90,7 @@ class TransportEngine:
     # -- sending -----------------------------------------------------------------
 
     def prepare_chunk(self, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
-                      checksummed: bool = True) -> _Prepared:
+                      checksummed: bool = True) -> Prepared:
         """Payload (converted if the plan says so) and CRC of one chunk."""
         raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
         src = wire_name(layer.dtype)
@@ -327,14 +109,14 @@ class TransportEngine:
             flags |= Flag.CONVERTED
         else:
             payload_t = raw
-        payload = _host_view(payload_t)
-        return _Prepared(fields, flags, payload, checksum(payload) if checksummed else 0, spent)
+        payload = host_view(payload_t)
+        return Prepared(fields, flags, payload, checksum(payload) if checksummed else 0, spent)
 
     async def send_prepared(
         self,
         conn: Connection,
         chunk: KVChunk,
-        prepared: _Prepared,
+        prepared: Prepared,
         *,
         deadline: float,
         count: int = 1,

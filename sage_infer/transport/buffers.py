@@ -1,0 +1,110 @@
+"""`KVReceiveBuffers`: where received chunks land, and which of them are verified."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from sage_infer.transport.arena import SharedArena
+from sage_infer.transport.errors import ProtocolError
+from sage_infer.transport.format import converter
+from sage_infer.transport.wire import ChunkHeader
+
+TORCH_OF = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    if not tensor.is_contiguous():
+        raise ValueError("KV tensors must be contiguous to be sent or received in place")
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def host_view(u8: torch.Tensor) -> memoryview:
+    if u8.device.type != "cpu":  # socket/shm backends stage device KV through host memory
+        u8 = u8.to("cpu")
+    return memoryview(u8.numpy())
+
+
+class KVReceiveBuffers:
+    """Destination tensors registered per request; tracks which chunks are verified in place."""
+
+    def __init__(self) -> None:
+        self._layers: dict[str, list[torch.Tensor]] = {}
+        self._bytes: dict[str, list[torch.Tensor]] = {}
+        self._done: dict[str, set[int]] = {}
+        self._expected: dict[str, int] = {}
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def register(self, request_id: str, layers: Sequence[torch.Tensor]) -> None:
+        self._layers[request_id] = list(layers)
+        self._bytes[request_id] = [as_bytes(t) for t in layers]
+        self._done[request_id] = set()
+        self._expected.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        for table in (self._layers, self._bytes, self._done, self._expected):
+            table.pop(request_id, None)
+
+    def sink(self, header: ChunkHeader) -> memoryview:
+        """Where this chunk's payload goes: straight into the layer, or a staging buffer
+        when it must be decoded first."""
+        if header.request_id not in self._bytes:
+            raise ProtocolError(f"no receive buffers registered for request {header.request_id!r}")
+        if header.converted:
+            if self._staging.numel() < header.length:
+                self._staging = torch.empty(header.length, dtype=torch.uint8)
+            return memoryview(self._staging[: header.length].numpy())
+        return memoryview(self._region(header, header.length).numpy())
+
+    def _region(self, header: ChunkHeader, length: int) -> torch.Tensor:
+        layers = self._bytes[header.request_id]
+        if header.layer >= len(layers):
+            raise ProtocolError(f"chunk for layer {header.layer}, but request {header.request_id!r} has {len(layers)}")
+        dest = layers[header.layer]
+        if header.offset + length > dest.numel():
+            raise ProtocolError(
+                f"chunk {header.chunk_index} of layer {header.layer} ends at byte {header.offset + length}, "
+                f"past the {dest.numel()}-byte destination"
+            )
+        return dest[header.offset : header.offset + length]
+
+    def land(self, header: ChunkHeader) -> float:
+        """Decode a verified converted chunk into place (returns seconds spent); mark it delivered."""
+        spent = 0.0
+        if header.converted:
+            start = time.perf_counter()
+            region = self._region(header, header.raw_length)
+            dtype = TORCH_OF[header.src_dtype]
+            out = region.view(dtype).view(-1, header.cols)
+            converter.decode(self._staging[: header.length], header.wire_dtype, out.shape[0], header.cols, dtype,
+                             header.granularity, header.group_size or None, out=out)
+            spent = time.perf_counter() - start
+        self._expected[header.request_id] = header.count
+        self._done[header.request_id].add(header.seq)
+        return spent
+
+    def placement(self, request_id: str, arena: SharedArena) -> list[tuple[int, int]] | None:
+        """(arena offset, bytes) of every layer of `request_id`, or None unless all live in `arena`."""
+        regions = []
+        for layer in self._bytes.get(request_id, ()):
+            offset = arena.offset_of(layer)
+            if offset is None:
+                return None
+            regions.append((offset, layer.numel()))
+        return regions or None
+
+    def delivered(self, request_id: str) -> int:
+        return len(self._done.get(request_id, ()))
+
+    def complete(self, request_id: str) -> bool:
+        expected = self._expected.get(request_id)
+        return expected is not None and len(self._done[request_id]) >= expected
+
+    def invalidate(self, request_id: str) -> None:
+        """Forget every delivered chunk of a failed transfer: none of its bytes may be used."""
+        if request_id in self._done:
+            self._done[request_id].clear()
+            self._expected.pop(request_id, None)
