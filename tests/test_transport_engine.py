@@ -250,6 +250,9 @@ def test_stalled_receiver_hits_the_senders_deadline():
         with pytest.raises(TransferTimeout, match="stalled"):
             await eng.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=1)
         assert time.monotonic() - start < 10
+        with pytest.raises(TransferTimeout):  # the connection is broken now: fail fast, do not stall
+            await eng.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=30)
+        assert time.monotonic() - start < 10
         await conn.aclose()
         await channel.aclose()
         await listener.aclose()

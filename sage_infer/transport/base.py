@@ -206,6 +206,10 @@ class SendChannel(ABC):
             why = f"{self.backend}: receiver went away ({why}) with {pending} chunk(s) unacknowledged"
             self._fail(PeerClosedError(why))
 
+    def fail(self, err: TransportError) -> None:
+        """Mark the channel broken: pending and later sends raise `err`."""
+        self._fail(err)
+
     def _fail(self, err: TransportError) -> None:
         if self._error is None:
             self._error = err

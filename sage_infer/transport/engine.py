@@ -37,7 +37,7 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
 from sage_infer.transport.connection import Connection, Prepared
-from sage_infer.transport.errors import PeerClosedError, TransportError
+from sage_infer.transport.errors import PeerClosedError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
 from sage_infer.transport.stats import Priority, TransferStats
@@ -185,6 +185,10 @@ class TransportEngine:
         except TransportError as err:
             self.telemetry.failures.labels(err.reason).inc()
             await conn.channel.abort(plan.request_id, str(err))
+            if isinstance(err, TransferTimeout):
+                # Its chunks still hold in-flight slots that no ACK will free: the connection
+                # is unusable, and later transfers on it fail at once instead of stalling.
+                conn.channel.fail(err)
             raise
         finally:
             for ack in acks:
