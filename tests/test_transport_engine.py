@@ -517,3 +517,22 @@ def test_zero_copy_needs_the_shm_backend():
     with pytest.raises(TransportError, match="needs the shm backend"):
         run(engine().listen("tcp", arena=arena))
     arena.close()
+
+
+def test_receive_buffers_reject_what_does_not_fit_before_allocating():
+    from sage_infer.transport.errors import ProtocolError
+
+    buffers = KVReceiveBuffers()
+    buffers.register("a", [torch.zeros(2, 16, 4, 64, dtype=torch.float16)])  # 16 KiB
+    good = ChunkHeader(Kind.DATA, "a", layer=0, offset=0, length=64 * 64 + 64 * 8, raw_length=8192,
+                       flags=Flag.CONVERTED, wire_dtype="int8", src_dtype="fp16", cols=64)
+    assert len(buffers.sink(good)) == good.length  # 64 rows of 64 int8 + a scale and a min per row
+    huge = ChunkHeader(Kind.DATA, "a", length=1 << 40, raw_length=8192, flags=Flag.CONVERTED,
+                       wire_dtype="int8", src_dtype="fp16", cols=64)
+    with pytest.raises(ProtocolError, match="carries 1099511627776 bytes"):
+        buffers.sink(huge)
+    past_end = ChunkHeader(Kind.DATA, "a", offset=16384 - 100, length=200)
+    with pytest.raises(ProtocolError, match="past the 16384-byte destination"):
+        buffers.sink(past_end)
+    with pytest.raises(ProtocolError, match="no receive buffers registered for request 'b'"):
+        buffers.sink(ChunkHeader(Kind.DATA, "b", length=8))

@@ -54,10 +54,29 @@ class KVReceiveBuffers:
         if header.request_id not in self._bytes:
             raise ProtocolError(f"no receive buffers registered for request {header.request_id!r}")
         if header.converted:
+            self._check_encoded_size(header)
             if self._staging.numel() < header.length:
                 self._staging = torch.empty(header.length, dtype=torch.uint8)
             return memoryview(self._staging[: header.length].numpy())
         return memoryview(self._region(header, header.length).numpy())
+
+    def _check_encoded_size(self, header: ChunkHeader) -> None:
+        """A converted chunk must decode into its destination exactly: checked before any
+        staging memory is sized from what the peer claims."""
+        region = self._region(header, header.raw_length)
+        dtype = TORCH_OF.get(header.src_dtype)
+        row = header.cols * (dtype.itemsize if dtype is not None else 0)
+        if dtype is None or row == 0 or region.numel() % row:
+            raise ProtocolError(f"converted chunk {header.chunk_index}: {header.raw_length} bytes of "
+                                f"{header.src_dtype} do not form rows of {header.cols} values")
+        try:
+            expected = converter.encoded_nbytes(header.wire_dtype, region.numel() // row, header.cols,
+                                                header.granularity, header.group_size or None)
+        except ValueError as err:
+            raise ProtocolError(f"converted chunk {header.chunk_index}: {err}") from None
+        if header.length != expected:
+            raise ProtocolError(f"converted chunk {header.chunk_index} carries {header.length} bytes; "
+                                f"{header.wire_dtype} of that shape is {expected}")
 
     def _region(self, header: ChunkHeader, length: int) -> torch.Tensor:
         layers = self._bytes[header.request_id]
