@@ -45,6 +45,7 @@ from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind, che
 
 DEFAULT_RING_BYTES = 8 * 1024 * 1024
 SCHEME = "shm://"
+MAX_PLACED_LAYERS = 4096  # a PLACE lists (offset, bytes) per layer: 16 bytes each
 
 
 async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
@@ -210,6 +211,8 @@ class ShmSendChannel(SendChannel):
                     self._on_lost("connection closed")
                     return
                 if msg.kind is Kind.PLACE:
+                    if msg.length != 16 * msg.count or msg.count > MAX_PLACED_LAYERS:
+                        raise ProtocolError(f"shm: malformed PLACE for {msg.request_id!r} ({msg.length} bytes)")
                     self._on_place(msg, await self._read_payload(msg.length))
                     continue
                 self._on_control(msg)
