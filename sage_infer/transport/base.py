@@ -211,15 +211,16 @@ class SendChannel(ABC):
         self._fail(err)
 
     def _fail(self, err: TransportError) -> None:
-        if self._error is None:
+        first = self._error is None
+        if first:
             self._error = err
         for entry in self._pending.values():
             if not entry.acked.done():
                 entry.acked.set_exception(self._error)
         self._pending.clear()
-        # Wake anyone waiting for a slot; they re-check `_error`.
-        for _ in range(self.max_inflight):
-            self._slots.release()
+        if first:  # wake anyone waiting for a slot; they re-check `_error`
+            for _ in range(self.max_inflight):
+                self._slots.release()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
