@@ -152,6 +152,26 @@ def test_killed_receiver_fails_the_sender_promptly():
 # -- in one process (two event-loop tasks, real sockets and shared memory) -------------
 
 
+def transfer_once(eng, layers, dest, *, return_exceptions=False):
+    """One request sent and received over a fresh in-process shm pair: (sent, received
+    stats or errors), the buffers, the plan and the receiving channel."""
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = eng.plan("a", layers)
+        sent, got = await asyncio.gather(
+            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"]),
+            return_exceptions=return_exceptions,
+        )
+        await conn.aclose()
+        await listener.aclose()
+        return sent, got, buffers, plan, channel
+
+    return run(go())
+
+
 def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
     """Make the shm sender flip one staged byte right after taking its CRC (`times` chunks,
     or every chunk when None): the receiver then sees a chunk that fails its check."""
@@ -171,23 +191,9 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
 
 def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):
     corrupt_after_checksum(monkeypatch)
-    eng = engine(backend="shm", chunk_size="32KiB")
     layers = kv(1, **SHAPE)
     dest = [torch.zeros_like(t) for t in layers]
-
-    async def go():
-        conn, channel, listener = await pair(eng)
-        buffers = KVReceiveBuffers()
-        buffers.register("a", dest)
-        plan, _ = eng.plan("a", layers)
-        sent, got = await asyncio.gather(
-            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"])
-        )
-        await conn.aclose()
-        await listener.aclose()
-        return sent, channel
-
-    sent, channel = run(go())
+    sent, _, _, _, channel = transfer_once(engine(backend="shm", chunk_size="32KiB"), layers, dest)
     assert sent.retransmits == 1 and channel.checksum_failures == 1
     assert digest(dest) == digest(layers)
 
@@ -196,21 +202,8 @@ def test_always_corrupt_fails_both_sides_and_marks_nothing(monkeypatch):
     corrupt_after_checksum(monkeypatch, times=None)
     eng = engine(backend="shm", chunk_size="32KiB", timeout_s=5)
     layers = kv(1, **SHAPE)
-
-    async def go():
-        conn, channel, listener = await pair(eng)
-        buffers = KVReceiveBuffers()
-        buffers.register("a", [torch.zeros_like(t) for t in layers])
-        plan, _ = eng.plan("a", layers)
-        results = await asyncio.gather(
-            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"]),
-            return_exceptions=True,
-        )
-        await conn.aclose()
-        await listener.aclose()
-        return results, buffers
-
-    (sent, got), buffers = run(go())
+    sent, got, buffers, _, _ = transfer_once(eng, layers, [torch.zeros_like(t) for t in layers],
+                                             return_exceptions=True)
     assert isinstance(got, ChecksumError) and "still corrupt after 2 resends" in str(got)
     assert isinstance(sent, ChecksumError) and "giving up" in str(sent)
     assert buffers.delivered("a") == 0 and not buffers.complete("a")
@@ -288,21 +281,9 @@ def test_converted_transfer_is_within_the_formats_error_bound(wire):
     eng = engine(backend="shm", chunk_size="32KiB", target_dtype=wire)
     layers = kv(4, **SHAPE)
     dest = [torch.zeros_like(t) for t in layers]
-
-    async def go():
-        conn, channel, listener = await pair(eng)
-        buffers = KVReceiveBuffers()
-        buffers.register("a", dest)
-        plan, _ = eng.plan("a", layers)
-        assert plan.converts
-        sent, got = await asyncio.gather(
-            eng.stream_pipeline(conn, plan.chunks, plan, layers), eng.receive(channel, buffers, ["a"])
-        )
-        await conn.aclose()
-        await listener.aclose()
-        return sent, got["a"], plan
-
-    sent, got, plan = run(go())
+    sent, got, _, plan, _ = transfer_once(eng, layers, dest)
+    got = got["a"]
+    assert plan.converts
     assert got.bytes == sent.bytes and got.wire_bytes == sent.wire_bytes
     assert sent.wire_bytes < sent.bytes if wire != "bf16" else sent.wire_bytes == sent.bytes
     assert sent.convert_seconds > 0 and got.convert_seconds > 0
@@ -364,18 +345,7 @@ def test_decode_critical_transfer_overtakes_bulk_prefetch():
 def test_telemetry_counts_bytes_and_transfers():
     eng = engine(backend="shm", chunk_size="32KiB")
     layers = kv(7, **SHAPE)
-
-    async def go():
-        conn, channel, listener = await pair(eng)
-        buffers = KVReceiveBuffers()
-        buffers.register("a", [torch.zeros_like(t) for t in layers])
-        plan, _ = eng.plan("a", layers)
-        await asyncio.gather(eng.stream_pipeline(conn, plan.chunks, plan, layers),
-                             eng.receive(channel, buffers, ["a"]))
-        await conn.aclose()
-        await listener.aclose()
-
-    run(go())
+    transfer_once(eng, layers, [torch.zeros_like(t) for t in layers])
     total = sum(t.numel() * t.element_size() for t in layers)
     samples = {}
     for family in text_string_to_metric_families(generate_latest(eng.telemetry.registry).decode()):
