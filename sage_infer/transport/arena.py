@@ -1,5 +1,7 @@
 """`SharedArena`: host memory that another local process can map, handed out as tensors.
 
+The shm backend's ring is one too (the sender's), mapped by the receiver.
+
 A receiver that allocates its KV destination here (`arena.tensor(...)`) and listens on
 the `shm` backend with it gets zero-copy delivery: the sender maps the same pages (the
 file descriptor travels once, at connection set-up) and copies each chunk straight into
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 
 import numpy as np
 import torch
@@ -18,6 +21,16 @@ import torch
 from sage_infer.transport.errors import TransportError
 
 ALIGN = 4096  # page-aligned tensors: no chunk straddles a cache line another tensor uses
+
+
+def _anonymous_file() -> int:
+    """A file with no name: it lives while some process holds its descriptor or a mapping."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("sage-kv-shm", os.MFD_CLOEXEC)
+    # pragma: no cover - non-Linux: an unlinked temp file has the same lifetime rules
+    fd, path = tempfile.mkstemp(prefix="sage-kv-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.unlink(path)
+    return fd
 
 
 class SharedArena:
@@ -28,14 +41,16 @@ class SharedArena:
         self.nbytes = nbytes
         self.owner = fd is None
         if fd is None:
-            fd = os.memfd_create("sage-kv-arena", os.MFD_CLOEXEC)
+            fd = _anonymous_file()
             try:
                 os.ftruncate(fd, nbytes)
+                self.map = mmap.mmap(fd, nbytes)
             except OSError as err:
                 os.close(fd)
                 raise TransportError(f"cannot create a {nbytes >> 20} MiB shared arena ({err})") from None
+        else:
+            self.map = mmap.mmap(fd, nbytes)
         self.fd = fd
-        self.map = mmap.mmap(fd, nbytes)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         if self.owner:
             self.array.fill(0)  # first touch now, not during a transfer

@@ -72,6 +72,7 @@ class SendChannel(ABC):
     feed the peer's ACK/NACK messages to `_on_control` (and call `_on_lost` on EOF)."""
 
     backend: ClassVar[str]
+    computes_crc: ClassVar[bool] = False  # True: the channel fills in the CRC where it stages the payload
 
     def __init__(self, *, max_inflight: int = 8, max_retries: int = 2) -> None:
         self.max_inflight = max_inflight

@@ -13,7 +13,6 @@ receiver's copy-out, CRC check and (when converting) decode.
 from __future__ import annotations
 
 import asyncio
-import mmap
 import multiprocessing as mp
 import os
 import socket
@@ -27,12 +26,12 @@ import torch
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.transport import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.arena import ALIGN, SharedArena
+from sage_infer.transport.planner import TORCH_OF
 from sage_infer.transport.telemetry import TransportTelemetry
 
 HEADS, HEAD_DIM = 8, 128
 LAYERS = 8
 BACKENDS = ("shm", "tcp", "torchdist")
-TORCH_OF = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -54,12 +53,16 @@ class BenchResult:
     rel_rmse: float = 0.0  # reconstruction error of the wire format on this KV (0: as stored)
 
 
+def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """Shape of one of `LAYERS` KV tensors [2, tokens, HEADS, HEAD_DIM] adding up to about `total_bytes`."""
+    row = HEADS * HEAD_DIM * dtype.itemsize * 2
+    return (2, max(1, total_bytes // LAYERS // row), HEADS, HEAD_DIM)
+
+
 def kv_layers(total_bytes: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
-    """`LAYERS` KV tensors [2, tokens, HEADS, HEAD_DIM] adding up to about `total_bytes`."""
-    row = HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size() * 2
-    tokens = max(1, total_bytes // LAYERS // row)
+    """`LAYERS` random KV tensors of `kv_shape`."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, tokens, HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
+    return [torch.randn(kv_shape(total_bytes, dtype), generator=g).to(dtype) for _ in range(LAYERS)]
 
 
 def _free_port() -> int:
@@ -88,17 +91,17 @@ def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_por
 
     async def main() -> None:
         engine = TransportEngine(KVTransportConfig(backend=backend), telemetry=_telemetry())
-        shapes = [t.shape for t in kv_layers(size, TORCH_OF[src_dtype])]
         dtype = TORCH_OF[src_dtype]
-        arena = SharedArena(size + len(shapes) * ALIGN + (1 << 20)) if zero_copy else None
+        shape = kv_shape(size, dtype)
+        arena = SharedArena(size + LAYERS * ALIGN + (1 << 20)) if zero_copy else None
         listener = await engine.listen(backend, "torchdist://0" if backend == "torchdist" else None, arena=arena)
         q.put(listener.address)
         loop = asyncio.get_running_loop()
         channel = await listener.accept(loop.time() + 60)
         if arena is not None:
-            dest = [arena.tensor(shape, dtype) for shape in shapes]  # pre-faulted by the arena
+            dest = [arena.tensor(shape, dtype) for _ in range(LAYERS)]  # pre-faulted by the arena
         else:
-            dest = [torch.zeros(shape, dtype=dtype) for shape in shapes]  # zeros: pre-faulted
+            dest = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]  # zeros: pre-faulted
         buffers = KVReceiveBuffers()
         decode, cpu = [], []
         for i in range(repeats):
@@ -181,12 +184,8 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
 def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
     """One process copying `size` bytes chunk by chunk into a pre-faulted shared mapping."""
     src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
-    fd = os.memfd_create("sage-bench") if hasattr(os, "memfd_create") else None
-    if fd is not None:
-        os.ftruncate(fd, size)
-    shm = mmap.mmap(fd if fd is not None else -1, size)
-    dst = np.frombuffer(shm, np.uint8)
-    dst.fill(0)
+    shm = SharedArena(size)  # pre-faulted, like the transport's ring
+    dst = shm.array
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -195,8 +194,6 @@ def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
         times.append(time.perf_counter() - start)
     del dst
     shm.close()
-    if fd is not None:
-        os.close(fd)
     return size / statistics.median(times[1:]) / 1e9
 
 
@@ -292,6 +289,7 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
     """`zero_copy`: off, on or both — applies to shm (the one backend that delivers into a
     registered shared arena); the others always run without."""
     results = []
+    rel_rmse = {wire: reconstruction_rmse(wire, src_dtype) for wire in dtypes}
     for backend in backends:
         modes = {"off": [False], "on": [True], "both": [False, True]}[zero_copy] if backend == "shm" else [False]
         for chunk in chunks:
@@ -301,11 +299,10 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                     if progress:
                         progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}" + (" zero-copy" if zc else ""))
                     r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads, zc)
-                    r["rel_rmse"] = reconstruction_rmse(wire, src_dtype)
                     results.append(BenchResult(
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
-                        r["total_bytes"], r["retransmits"], zc, r["rel_rmse"],
+                        r["total_bytes"], r["retransmits"], zc, rel_rmse[wire],
                     ))  # fmt: skip
     return results
 

@@ -10,9 +10,8 @@ import torch
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.errors import ProtocolError
 from sage_infer.transport.format import converter
+from sage_infer.transport.planner import TORCH_OF
 from sage_infer.transport.wire import ChunkHeader
-
-TORCH_OF = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

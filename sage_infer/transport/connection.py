@@ -14,21 +14,9 @@ from sage_infer.interfaces.transport import KVChunk, TransportPlan
 from sage_infer.transport.base import SendChannel
 from sage_infer.transport.errors import TransportError
 from sage_infer.transport.stats import TransferStats
-from sage_infer.transport.wire import Flag
 
 if TYPE_CHECKING:
     from sage_infer.transport.engine import TransportEngine
-
-
-@dataclass(slots=True)
-class Prepared:
-    """One chunk ready for the wire: header fields, payload and its CRC."""
-
-    fields: dict
-    flags: Flag
-    payload: memoryview
-    crc: int
-    convert_seconds: float
 
 
 @dataclass(order=True, slots=True)

@@ -36,7 +36,7 @@ from sage_infer.interfaces.transport import KVChunk, TransportPlan
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
-from sage_infer.transport.connection import Connection, Prepared
+from sage_infer.transport.connection import Connection
 from sage_infer.transport.errors import PeerClosedError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
@@ -89,54 +89,6 @@ class TransportEngine:
 
     # -- sending -----------------------------------------------------------------
 
-    def prepare_chunk(self, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
-                      checksummed: bool = True) -> Prepared:
-        """Payload (converted if the plan says so) and CRC of one chunk."""
-        raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
-        src = wire_name(layer.dtype)
-        fields = dict(wire_dtype=src, src_dtype=src, raw_length=chunk.length)
-        flags = Flag.LAST if chunk.is_last else Flag.NONE
-        spent = 0.0
-        if plan.converts and plan.wire_dtype.value != src:
-            if src == "raw":
-                raise ValueError(f"cannot convert {layer.dtype} KV to {plan.wire_dtype.value}")
-            start = time.perf_counter()
-            cols = layer.shape[-1]
-            payload_t = converter.encode(raw.view(layer.dtype).view(-1, cols), plan.wire_dtype.value,
-                                         self.granularity)
-            spent = time.perf_counter() - start
-            fields.update(wire_dtype=plan.wire_dtype.value, cols=cols, granularity=self.granularity)
-            flags |= Flag.CONVERTED
-        else:
-            payload_t = raw
-        payload = host_view(payload_t)
-        return Prepared(fields, flags, payload, checksum(payload) if checksummed else 0, spent)
-
-    async def send_prepared(
-        self,
-        conn: Connection,
-        chunk: KVChunk,
-        prepared: Prepared,
-        *,
-        deadline: float,
-        count: int = 1,
-        stats: TransferStats | None = None,
-    ) -> asyncio.Future:
-        payload = prepared.payload
-        header = ChunkHeader(
-            Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
-            offset=chunk.offset, length=len(payload), count=count, flags=prepared.flags, crc=prepared.crc,
-            **prepared.fields,
-        )  # fmt: skip
-        acked = await conn.channel.send(header, payload, deadline)
-        self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
-        if stats is not None:
-            stats.chunks += 1
-            stats.bytes += chunk.length
-            stats.wire_bytes += len(payload)
-            stats.convert_seconds += prepared.convert_seconds
-        return acked
-
     async def send_kv_chunk(
         self,
         conn: Connection,
@@ -150,9 +102,37 @@ class TransportEngine:
     ) -> asyncio.Future:
         """Put one chunk on the wire (converted if the plan says so). Returns a future that
         resolves to the chunk's send→ACK seconds once the receiver verified it."""
-        checksummed = not getattr(conn.channel, "computes_crc", False)
-        prepared = self.prepare_chunk(chunk, layer, plan, checksummed)
-        return await self.send_prepared(conn, chunk, prepared, deadline=deadline, count=count, stats=stats)
+        raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
+        src = wire_name(layer.dtype)
+        fields = dict(wire_dtype=src, src_dtype=src, raw_length=chunk.length)
+        flags = Flag.LAST if chunk.is_last else Flag.NONE
+        convert_seconds = 0.0
+        if plan.converts and plan.wire_dtype.value != src:
+            if src == "raw":
+                raise ValueError(f"cannot convert {layer.dtype} KV to {plan.wire_dtype.value}")
+            start = time.perf_counter()
+            cols = layer.shape[-1]
+            payload_t = converter.encode(raw.view(layer.dtype).view(-1, cols), plan.wire_dtype.value,
+                                         self.granularity)
+            convert_seconds = time.perf_counter() - start
+            fields.update(wire_dtype=plan.wire_dtype.value, cols=cols, granularity=self.granularity)
+            flags |= Flag.CONVERTED
+        else:
+            payload_t = raw
+        payload = host_view(payload_t)
+        crc = 0 if conn.channel.computes_crc else checksum(payload)
+        header = ChunkHeader(
+            Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
+            offset=chunk.offset, length=len(payload), count=count, flags=flags, crc=crc, **fields,
+        )  # fmt: skip
+        acked = await conn.channel.send(header, payload, deadline)
+        self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
+        if stats is not None:
+            stats.chunks += 1
+            stats.bytes += chunk.length
+            stats.wire_bytes += len(payload)
+            stats.convert_seconds += convert_seconds
+        return acked
 
     async def stream_pipeline(
         self,

@@ -16,6 +16,7 @@ from sage_infer.config.hardware import HardwareProfile
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
+from sage_infer.kv_runtime.pool import TORCH_DTYPES
 
 MIB = 1024 * 1024
 # On a CPU loopback the per-chunk cost (a syscall, a wake-up, an ACK) is tens of µs:
@@ -24,7 +25,9 @@ CPU_CHUNK_RANGE = (1 * MIB, 4 * MIB)
 
 SLOW_LINK_GB_S = 4.0  # below this per host, converting KV on the wire saves more time than it costs
 
-WIRE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Unquantized KV dtypes by wire name ("fp16") and back: the pool's own mapping, not a second one.
+TORCH_OF = {kv.value: dtype for kv, dtype in TORCH_DTYPES.items()}
+WIRE_NAMES = {dtype: name for name, dtype in TORCH_OF.items()}
 
 
 def wire_name(dtype: torch.dtype) -> str:

@@ -23,7 +23,6 @@ DIRECT, arena offset in `slot`) and the receiver only verifies the CRC in place.
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import socket
 import tempfile
@@ -84,23 +83,6 @@ def copy_and_checksum(dest: np.ndarray, payload: memoryview, algorithm) -> int:
     return crc
 
 
-def _make_ring(nbytes: int) -> tuple[int, mmap.mmap]:
-    """An anonymous, pre-faulted shared mapping and its file descriptor."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("sage-kv-ring", os.MFD_CLOEXEC)
-    else:  # pragma: no cover - non-Linux: an unlinked temp file has the same lifetime rules
-        fd, path = tempfile.mkstemp(prefix="sage-kv-ring-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.unlink(path)
-    try:
-        os.ftruncate(fd, nbytes)
-        ring = mmap.mmap(fd, nbytes)
-    except OSError as err:
-        os.close(fd)
-        raise TransportError(f"shm: cannot create a {nbytes >> 20} MiB shared ring ({err})") from None
-    np.frombuffer(ring, dtype=np.uint8).fill(0)  # first touch now, not on the hot path
-    return fd, ring
-
-
 class _Regions:
     """Allocator of contiguous byte regions in a ring, freed in any order, reused in FIFO order."""
 
@@ -140,17 +122,16 @@ class ShmSendChannel(SendChannel):
     backend = "shm"
     computes_crc = True
 
-    def __init__(self, sock: socket.socket, ring: mmap.mmap, fd: int, peer_arena: SharedArena | None = None,
+    def __init__(self, sock: socket.socket, ring: SharedArena, peer_arena: SharedArena | None = None,
                  **kw) -> None:
         super().__init__(**kw)
         self._sock = sock
         self._ring = ring
-        self._fd = fd
         self.peer_arena = peer_arena
         self._placements: dict[str, np.ndarray] = {}  # request -> [layers, 2] (arena offset, bytes)
         self._placed: dict[str, asyncio.Event] = {}
-        self._ring_np = np.frombuffer(ring, dtype=np.uint8)
-        self._regions = _Regions(len(ring))
+        self._ring_np = ring.array
+        self._regions = _Regions(ring.nbytes)
         self._region_of: dict[int, int] = {}
         self._space = asyncio.Event()
         self._reader = asyncio.get_running_loop().create_task(self._read_control())
@@ -243,22 +224,18 @@ class ShmSendChannel(SendChannel):
         self._sock.close()
         if self.peer_arena is not None:
             self.peer_arena.close()
-        os.close(self._fd)
         del self._ring_np
-        try:
-            self._ring.close()
-        except BufferError:  # a caller still holds a view; the mapping goes when it does
-            pass
+        self._ring.close()
 
 
 class ShmRecvChannel(RecvChannel):
     backend = "shm"
 
-    def __init__(self, sock: socket.socket, ring: mmap.mmap, arena: SharedArena | None = None, **kw) -> None:
+    def __init__(self, sock: socket.socket, ring: SharedArena, arena: SharedArena | None = None, **kw) -> None:
         super().__init__(**kw)
         self._sock = sock
         self._ring = ring
-        self._ring_np = np.frombuffer(ring, dtype=np.uint8)
+        self._ring_np = ring.array
         self._buf = bytearray(HEADER_BYTES)
         self.arena = arena
         self._send_lock = asyncio.Lock()
@@ -305,10 +282,7 @@ class ShmRecvChannel(RecvChannel):
     async def aclose(self) -> None:
         self._sock.close()
         del self._ring_np
-        try:
-            self._ring.close()
-        except BufferError:
-            pass
+        self._ring.close()
 
 
 class ShmListener(Listener):
@@ -335,10 +309,7 @@ class ShmListener(Listener):
                 os.close(fd)
             raise ProtocolError("shm: the connection did not start with a HELLO carrying the ring")
         hello = ChunkHeader.unpack(msg)
-        try:
-            ring = mmap.mmap(fds[0], hello.length)
-        finally:
-            os.close(fds[0])
+        ring = SharedArena(hello.length, fd=fds[0])  # the sender's ring; the arena owns the fd now
         try:
             if self._arena is not None:  # zero-copy: the sender maps our arena
                 reply = replace(hello.reply(Kind.HELLO), length=self._arena.nbytes, flags=Flag.DIRECT)
@@ -394,31 +365,29 @@ class ShmBackend(Backend):
         except OSError as err:
             sock.close()
             raise PeerClosedError(f"shm: cannot connect to {address}: {err.strerror or err}") from None
-        fd, ring = _make_ring(self.ring_bytes)
+        ring = SharedArena(self.ring_bytes)  # pre-faulted once: nothing is allocated per transfer
         hello = ChunkHeader(Kind.HELLO, "ring", length=self.ring_bytes)
         try:
             sock.setblocking(True)
             sock.settimeout(max(0.1, deadline - loop.time()))
-            await asyncio.to_thread(socket.send_fds, sock, [hello.pack()], [fd])
+            await asyncio.to_thread(socket.send_fds, sock, [hello.pack()], [ring.fd])
             msg, fds, _, _ = await asyncio.to_thread(socket.recv_fds, sock, HEADER_BYTES, 1)
             if 0 < len(msg) < HEADER_BYTES:
                 msg += await asyncio.to_thread(sock.recv, HEADER_BYTES - len(msg), socket.MSG_WAITALL)
             sock.setblocking(False)
         except (OSError, TransportError) as err:
             sock.close()
-            os.close(fd)
             ring.close()
             raise PeerClosedError(f"shm: set-up with {address} failed ({err})") from None
         reply = ChunkHeader.unpack(msg) if len(msg) == HEADER_BYTES else None
         if reply is None or reply.kind is not Kind.HELLO:
             sock.close()
-            os.close(fd)
             ring.close()
             for extra in fds:
                 os.close(extra)
             raise PeerClosedError(f"shm: {address} closed the connection during set-up")
         peer_arena = SharedArena(reply.length, fd=fds[0]) if reply.flags & Flag.DIRECT and fds else None
-        return ShmSendChannel(sock, ring, fd, peer_arena, max_inflight=max_inflight, max_retries=max_retries)
+        return ShmSendChannel(sock, ring, peer_arena, max_inflight=max_inflight, max_retries=max_retries)
 
 
 def _path_of(address: str) -> str:
