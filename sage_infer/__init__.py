@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from sage_infer.core.sampling_params import SamplingParams
     from sage_infer.engine.llm import LLM
-    from sage_infer.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from sage_infer.engine.sampling_params import SamplingParams
+        from sage_infer.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'sage_infer' has no attribute {name!r}")

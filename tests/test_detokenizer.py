@@ -5,8 +5,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
-from sage_infer.engine.sampling_params import SamplingParams
 from sage_infer.models.tokenizer import Tokenizer
 
 CORPUS = [

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sage_infer.config.serve import KVPoolConfig
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, KVLayout, ScaleLayout
 from sage_infer.errors import ConfigError, NotAvailableError
-from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype, KVLayout, ScaleLayout
 from sage_infer.kv_runtime import KVPool
 
 SCHEMA = KVCacheSchema(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=KVDtype.FP16)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import sage_infer.prefix_reuse.index as index_module
-from sage_infer.interfaces.kv_cache import KVDtype
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.kv_policy import LRUPolicy
 from sage_infer.prefix_reuse import (
     PrefixReuseIndex,

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.layers.sampler import Sampler, apply_penalties, apply_top_k_top_p
 
 VOCAB = 32

@@ -1,6 +1,6 @@
 import pytest
 
-from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.core.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_not_greedy():

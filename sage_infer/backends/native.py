@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.kv_schema import KVDtype
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.build import build_engine
 from sage_infer.engine.llm_engine import LLMEngine
-from sage_infer.engine.sampling_params import SamplingParams
 from sage_infer.interfaces.backend import GenerateOutput, GenerateRequest, KVStats
 from sage_infer.interfaces.capability import AcceleratorDescriptor, CapabilityDescriptor
-from sage_infer.interfaces.kv_cache import KVDtype
 
 
 class NativeBackend:

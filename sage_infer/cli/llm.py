@@ -63,8 +63,8 @@ def generate(
     set_: SetOpt = None,
 ) -> None:
     """Generate text with the native engine (the bundled demo model unless --model)."""
+    from sage_infer.core.sampling_params import SamplingParams
     from sage_infer.engine.llm import LLM
-    from sage_infer.engine.sampling_params import SamplingParams
     from sage_infer.errors import UsageError
 
     texts = list(prompt or []) + (_read_prompts(prompts_file) if prompts_file else [])

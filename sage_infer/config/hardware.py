@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sage_infer.interfaces.kv_cache import KVDtype
+from sage_infer.core.kv_schema import KVDtype
 
 
 class Strict(BaseModel):

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sage_infer.config.hardware import HardwareProfile, Strict
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.interfaces.kv_cache import KVDtype
+from sage_infer.core.kv_schema import KVDtype
 
 EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost", "sage")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
-from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.pool import KVPool

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.models.tokenizer import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"

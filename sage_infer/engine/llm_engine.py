@@ -8,11 +8,11 @@ from itertools import count
 
 import torch
 
+from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from sage_infer.engine.sampling_params import SamplingParams
-from sage_infer.engine.sequence import Sequence
 from sage_infer.layers.sampler import Sampler
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key

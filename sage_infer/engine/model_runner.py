@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sage_infer.engine.sequence import Sequence
+from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sage_infer.interfaces.kv_cache import KVDtype
+from sage_infer.core.kv_schema import KVDtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from sage_infer.interfaces.kv_cache import KVDtype, ScaleLayout
+from sage_infer.core.kv_schema import KVDtype, ScaleLayout
 
 
 class WeightQuant(str, enum.Enum):

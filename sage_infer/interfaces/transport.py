@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 
 
 @dataclass(frozen=True, slots=True)

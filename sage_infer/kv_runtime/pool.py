@@ -5,14 +5,9 @@ from __future__ import annotations
 import torch
 
 from sage_infer.config.serve import KVPoolConfig
+from sage_infer.core.dtypes import TORCH_DTYPES
+from sage_infer.core.kv_schema import KVCacheSchema, KVLayout
 from sage_infer.errors import ConfigError, NotAvailableError
-from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype, KVLayout
-
-TORCH_DTYPES: dict[KVDtype, torch.dtype] = {
-    KVDtype.FP32: torch.float32,
-    KVDtype.FP16: torch.float16,
-    KVDtype.BF16: torch.bfloat16,
-}
 
 
 class KVPoolSizeError(ConfigError, ValueError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.core.sampling_params import SamplingParams
 
 # Below this a temperature's distribution is a one-hot in float32 anyway; dividing by it
 # would only overflow the logits to inf.

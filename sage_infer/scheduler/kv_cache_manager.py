@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from sage_infer.engine.sequence import Sequence
+from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 
 

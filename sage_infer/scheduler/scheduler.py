@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from sage_infer.config.serve import SchedulerConfig
-from sage_infer.engine.sequence import Sequence, SequenceStatus
+from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.scheduler.kv_cache_manager import KVCacheManager
 
 

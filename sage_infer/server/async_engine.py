@@ -15,9 +15,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.llm_engine import LLMEngine
 from sage_infer.engine.outputs import RequestOutput
-from sage_infer.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("sage_infer.server")
 

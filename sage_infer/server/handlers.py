@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.llm_engine import RequestError
 from sage_infer.engine.outputs import CompletionOutput, RequestOutput
-from sage_infer.engine.sampling_params import SamplingParams
 from sage_infer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter

@@ -14,9 +14,9 @@ import torch
 
 from sage_infer.config.hardware import HardwareProfile
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.interfaces.kv_cache import KVCacheSchema, KVDtype
+from sage_infer.core.dtypes import TORCH_DTYPES
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
-from sage_infer.kv_runtime.pool import TORCH_DTYPES
 
 MIB = 1024 * 1024
 # On a CPU loopback the per-chunk cost (a syscall, a wake-up, an ACK) is tens of µs:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.hal.vendors.common import VendorReport, probe_torch_plugin
-from sage_infer.interfaces.kv_cache import KVDtype
 
 # no fp8 on 910B; int8 KV is supported by the CANN attention kernels
 KV_DTYPES = (KVDtype.FP32, KVDtype.FP16, KVDtype.BF16, KVDtype.INT8)

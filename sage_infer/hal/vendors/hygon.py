@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.hal.vendors.common import VendorReport, parse_topology_or_none, run_tool, tool_present
 from sage_infer.interfaces.capability import AcceleratorDescriptor
-from sage_infer.interfaces.kv_cache import KVDtype
 
 _DTYPES = (KVDtype.FP32, KVDtype.FP16, KVDtype.BF16, KVDtype.INT8, KVDtype.INT4)
 

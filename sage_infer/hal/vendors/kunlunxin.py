@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.hal.vendors.common import VendorReport, parse_topology_or_none, run_tool, tool_present
 from sage_infer.interfaces.capability import AcceleratorDescriptor
-from sage_infer.interfaces.kv_cache import KVDtype
 
 PCI_VENDOR_ID = "0x1d22"
 PCI_DEVICES = Path("/sys/bus/pci/devices")

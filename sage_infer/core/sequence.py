@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sage_infer.engine.sampling_params import SamplingParams
+from sage_infer.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
