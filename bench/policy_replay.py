@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from sage_infer.kv_policy.replay import distinct_blocks, ideal_hit_rate, load_mooncake
-from sage_infer.kv_policy.tiered_replay import all_policies, opt_rates, replay_device
+from sage_infer.sim.replay import distinct_blocks, ideal_hit_rate, load_mooncake
+from sage_infer.sim.tiered import all_policies, opt_rates, replay_device
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl"
 

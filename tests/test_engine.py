@@ -87,7 +87,7 @@ def test_stop_token_id_ends_generation(llm):
 def test_eos_stops_unless_ignored(llm, monkeypatch):
     first = llm.generate([ids(9)], GREEDY)[0].outputs[0].token_ids
     # a random model rarely emits the tokenizer's EOS, so declare its 3rd greedy token to be EOS
-    monkeypatch.setattr(llm.engine, "eos_token_ids", {first[2]})
+    monkeypatch.setattr(llm.engine.scheduler, "eos_token_ids", frozenset({first[2]}))
     stopped = llm.generate([ids(9)], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     ignored = llm.generate([ids(9)], GREEDY)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None

@@ -34,9 +34,8 @@ import pytest
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.kv_policy import POLICIES, EvictionPolicy, make_policy
-from sage_infer.kv_policy.replay import TraceRequest, replay
-from sage_infer.kv_policy.tiered_replay import all_policies
-from sage_infer.scheduler import kv_cache_manager
+from sage_infer.sim.replay import TraceRequest, replay
+from sage_infer.sim.tiered import all_policies
 from tests.tiny_models import make_tiny_model
 
 BLOCK = 16
@@ -74,11 +73,12 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("agree") / "model", "llama")
 
 
-def engine_hits(model_dir, policy: str, sequence: list[list[int]], monkeypatch) -> tuple[list[int], int | None]:
+def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list[int], int | None]:
     """Per-request prefix hits in blocks, and the capacity the engine sized its policy with."""
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(kv_cache_manager, "time", SimpleNamespace(monotonic=lambda: clock.now))
+
     llm = LLM(str(model_dir), dtype="fp32", num_blocks=NUM_BLOCKS, max_num_seqs=1, eviction_policy=policy)
+    llm.engine.kv.clock = lambda: clock.now
     params = SamplingParams(max_tokens=1, temperature=0)
     hits = []
     for i, chain in enumerate(sequence):
@@ -104,9 +104,9 @@ def test_sequence_exercises_hits_and_evictions():
 
 
 @pytest.mark.parametrize("policy", all_policies())
-def test_engine_and_replay_hit_the_same_blocks(model_dir, monkeypatch, policy):
+def test_engine_and_replay_hit_the_same_blocks(model_dir, policy):
     sequence = chains()
-    hits, sized_for = engine_hits(model_dir, policy, sequence, monkeypatch)
+    hits, sized_for = engine_hits(model_dir, policy, sequence)
     # a capacity-aware policy (ARC, S3-FIFO) is sized as the engine sized its own: by the
     # whole pool, N, though the replay's block manager holds N - 1 (see the module docstring)
     assert hits == replay_hits(make_policy(policy, capacity=sized_for), sequence, NUM_BLOCKS - 1)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-import sage_infer.kv_policy.replay as replay_module
+import sage_infer.sim.replay as replay_module
 from sage_infer.kv_policy import (
     ARCPolicy,
     CostModel,
@@ -20,10 +20,11 @@ from sage_infer.kv_policy import (
     S3FIFOPolicy,
     make_policy,
 )
-from sage_infer.kv_policy.opt import NEVER, replay_opt
-from sage_infer.kv_policy.replay import TraceRequest, ideal_hit_rate, replay
+from sage_infer.kv_policy.opt import NEVER
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.prefix_reuse import PrefixReuseIndex
+from sage_infer.sim.opt import future_of, replay_opt
+from sage_infer.sim.replay import TraceRequest, ideal_hit_rate, replay
 
 ONLINE = ("lru", "lfu", "arc", "s3fifo", "cost")
 
@@ -84,7 +85,7 @@ def synthetic_trace(n: int = 150, seed: int = 0, max_len: int = 30) -> list[Trac
 
 def build(name: str, capacity: int, requests: list[TraceRequest] | None = None) -> EvictionPolicy:
     if name == "opt":
-        return OPTPolicy(FutureIndex.from_requests(requests) if requests else FutureIndex({}))
+        return OPTPolicy(future_of(requests) if requests else FutureIndex({}))
     return make_policy(name, capacity=capacity)
 
 

@@ -17,8 +17,8 @@ from sage_infer.cli import kv
 from sage_infer.config.presets import load_hardware_preset
 from sage_infer.kv_policy import POLICIES
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
-from sage_infer.kv_policy.replay import TraceRequest, replay
-from sage_infer.kv_policy.tiered_replay import TierSpec, all_policies, replay_tiered
+from sage_infer.sim.replay import TraceRequest, replay
+from sage_infer.sim.tiered import TierSpec, all_policies, replay_tiered
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl"
 
@@ -175,16 +175,16 @@ def test_preset_prices_hits_in_prefill_seconds(sage_kv, hand_trace):
 
 
 def test_opt_missing_is_reported_as_null_with_a_reason(sage_kv, hand_trace, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sage_infer.kv_policy.opt", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "sage_infer.sim.opt", None)  # import now fails
     result = sage_kv("replay", hand_trace, "--capacity", "3", "--json", "-")
     assert result.code == 0, result.err
     assert json.loads(result.out)["opt"] is None
-    assert "OPT not reported: sage_infer.kv_policy.opt" in result.err
+    assert "OPT not reported: sage_infer.sim.opt" in result.err
 
 
 @pytest.mark.skipif("opt" not in POLICIES, reason="kv_policy.opt is not written yet")
 def test_opt_is_reported_from_replay_opt(sage_kv, hand_trace):
-    from sage_infer.kv_policy.opt import replay_opt
+    from sage_infer.sim.opt import replay_opt
 
     doc = replay_json(sage_kv, hand_trace, "--capacity", "3")
     expected = replay_opt(requests_of(HAND_TRACE), 3)

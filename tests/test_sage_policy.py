@@ -150,7 +150,7 @@ def test_victim_only_offers_leaves():
 def test_sage_replay_is_deterministic_and_beats_lru_on_real_trace():
     if not TRACE.exists():
         pytest.skip(f"Mooncake trace not found at {TRACE} (shared traces are not checked out)")
-    from sage_infer.kv_policy.replay import distinct_blocks, load_mooncake, replay
+    from sage_infer.sim.replay import distinct_blocks, load_mooncake, replay
 
     requests = load_mooncake(TRACE)[:2000]
     capacity = max(1, distinct_blocks(requests) * 5 // 100)

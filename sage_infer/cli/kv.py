@@ -33,7 +33,7 @@ def _kv() -> None:
 
 def capacity_blocks(spec: str, distinct: int, block_bytes: int, flag: str = "--capacity") -> int:
     """Blocks for one capacity: `5%` of distinct blocks, `9000` blocks, `4.6Mtok` tokens or `2GiB` bytes."""
-    from sage_infer.kv_policy.tiered_replay import TRACE_BLOCK_TOKENS
+    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS
 
     match = _SPEC.fullmatch(spec.strip().lower())
     if match is None:
@@ -80,7 +80,7 @@ def parse_tiers(text: str) -> list[tuple[str, str]]:
 def resolve_policies(text: str) -> tuple[list[str], list[str]]:
     """Policy names to replay and notes about skipped ones; unknown names are a UsageError."""
     from sage_infer.kv_policy.base import POLICIES
-    from sage_infer.kv_policy.tiered_replay import all_policies
+    from sage_infer.sim.tiered import all_policies
 
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     if not names:
@@ -125,8 +125,8 @@ def replay_command(
 ) -> None:
     """Replay a trace through the prefix cache with each policy, next to OPT and the ideal."""
     from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
-    from sage_infer.kv_policy.replay import distinct_blocks, load_mooncake
-    from sage_infer.kv_policy.tiered_replay import TRACE_BLOCK_TOKENS, TierSpec, run_capacity
+    from sage_infer.sim.replay import distinct_blocks, load_mooncake
+    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS, TierSpec, run_capacity
 
     tier_specs = parse_tiers(tiers) if tiers is not None else []
     if tier_specs and tier_specs[0][0] == "device" and capacity is not None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from rich.console import Console
-from rich.table import Table
+
+from sage_infer.tables import table
+
+__all__ = ["console", "emit", "table", "yes_no"]
 
 console = Console()
 
@@ -18,15 +21,6 @@ def emit(data: object, as_json: bool, render: Callable[[Console], None]) -> None
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     else:
         render(console)
-
-
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
-    out = Table(title=title, title_justify="left")
-    for column in columns:
-        out.add_column(column)
-    for row in rows:
-        out.add_row(*("" if cell is None else str(cell) for cell in row))
-    return out
 
 
 def yes_no(flag: bool) -> str:

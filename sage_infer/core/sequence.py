@@ -45,7 +45,7 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)
-    scheduled_once: bool = False
+    admitted_once: bool = False  # the prefix query is counted on the first admission only
 
     @property
     def num_tokens(self) -> int:

@@ -14,11 +14,11 @@ from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.models.loader import ModelLoadError, load_model
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
-from sage_infer.scheduler.kv_cache_manager import KVCacheManager
 from sage_infer.scheduler.scheduler import Scheduler
 
 DEMO_MODEL_NAME = "sage-demo"
@@ -89,7 +89,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
             raise ConfigError(f"policy.eviction: {err}") from None
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
-    scheduler = Scheduler(config.scheduler, KVCacheManager(block_manager))
+    scheduler = Scheduler(config.scheduler, KVCacheManager(block_manager), max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=ModelRunner(model, pool, device),

@@ -56,15 +56,12 @@ class LLMEngine:
         self.kv = parts.scheduler.kv
         self.model_id, self.revision, self.kv_dtype = parts.model_id, parts.revision, parts.kv_dtype
         self.device = parts.device
-        pool_tokens = self.kv.block_manager.num_blocks * self.kv.block_size
-        # a sequence alone always fits, so preemption can never livelock
-        self.max_total_tokens = min(parts.max_model_len, pool_tokens)
+        self.max_total_tokens = parts.scheduler.max_total_tokens  # a sequence alone always fits the pool
         self.max_model_len = parts.max_model_len
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # requests whose every sequence ended, not yet reported
         self._seq_ids = count()
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -110,9 +107,7 @@ class LLMEngine:
         self.requests[request_id] = _Request(request_id, text, list(token_ids), seqs, detoks,
                                              RequestMetrics(arrival_time=arrival), [0] * params.n,
                                              [""] * params.n, [""] * params.n)
-        # siblings of an n>1 request start once the first has computed the prompt, so
-        # they take its prompt blocks from the prefix cache instead of recomputing them
-        self.scheduler.add(seqs[0])
+        self.scheduler.add_request(seqs)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if unknown or already finished."""
@@ -121,7 +116,8 @@ class LLMEngine:
             return False
         for seq in request.seqs:
             if not seq.is_finished:
-                self._finish(seq, "abort")
+                self.scheduler.finish(seq, "abort")
+                self._on_finished(seq)
         return True
 
     def drain_finished(self) -> list[RequestOutput]:
@@ -134,67 +130,59 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step. Returns an output for every request that changed."""
+        """One step: schedule -> run -> sample -> postprocess. Returns an output for every request that changed."""
         batch = self.scheduler.schedule()
-        changed: dict[str, None] = {}
         if not batch.seqs:
-            return self._collect(changed)
+            return self._collect({})
         now = time.monotonic()
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-                metrics.num_cached_tokens = seq.num_computed_tokens
-        logits, sampled = self.runner.run(batch.seqs, batch.num_new_tokens)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
+                metrics.num_cached_tokens = seq.num_cached_tokens
+        logits, sampled_rows = self.runner.run(batch.seqs, batch.num_new_tokens)
+        sampled = [batch.seqs[i] for i in sampled_rows]
+        tokens: list[int] = []
         if sampled:
-            seqs = [batch.seqs[i] for i in sampled]
             out = self.sampler(
                 logits,
-                [s.params for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs],
-                [s.generator for s in seqs],
+                [s.params for s in sampled],
+                [s.prompt_token_ids for s in sampled],
+                [s.output_token_ids for s in sampled],
+                [s.generator for s in sampled],
             )
-            now = time.monotonic()
-            for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):
+            tokens = [int(t) for t in out.token_ids]
+            for j, seq in enumerate(sampled):
                 if out.logprobs is not None and seq.params.logprobs is not None:
                     seq.logprobs.append((out.logprobs[j], out.top_logprobs[j] if out.top_logprobs else []))
-                self._append(seq, int(token), now)
-                changed[seq.request_id] = None
-        return self._collect(changed)
+        self.scheduler.postprocess(batch, sampled, tokens)
+        return self._collect(self._process_outputs(sampled, tokens))
 
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
-        request = self.requests[seq.request_id]
-        seq.token_ids.append(token)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-            for sibling in request.seqs[1:]:
-                if not sibling.is_finished:
-                    self.scheduler.add(sibling)
-        detok = request.detokenizers[seq.index]
-        params = seq.params
-        is_stop_token = token in params.stop_token_ids
-        if is_stop_token or (not params.ignore_eos and token in self.eos_token_ids):
+    def _process_outputs(self, seqs: list[Sequence], tokens: list[int]) -> dict[str, None]:
+        """Detokenize the sampled tokens, end sequences on stop strings, close finished requests."""
+        changed: dict[str, None] = {}
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens):
+            request = self.requests[seq.request_id]
+            changed[seq.request_id] = None
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            detok = request.detokenizers[seq.index]
+            ended_by_token = seq.is_finished and seq.finish_reason == "stop"
             # the ending token stays in token_ids; its text only when asked for (as vLLM)
-            if params.include_stop_str_in_output:
+            if not ended_by_token or seq.params.include_stop_str_in_output:
                 request.pending[seq.index] += detok.step(token)
-            self._finish(seq, "stop", token if is_stop_token else None)
-            return
-        request.pending[seq.index] += detok.step(token)
-        if detok.stopped_by is not None:
-            self._finish(seq, "stop", detok.stopped_by)
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            self._finish(seq, "length")
-        elif seq.num_tokens >= self.max_total_tokens:
-            self._finish(seq, "length")
+            if detok.stopped_by is not None and not ended_by_token:
+                if seq.is_finished:  # a stop string on the last allowed token: it is a stop, not a length end
+                    seq.finish_reason, seq.stop_reason = "stop", detok.stopped_by
+                else:
+                    self.scheduler.finish(seq, "stop", detok.stopped_by)
+            if seq.is_finished:
+                self._on_finished(seq)
+        return changed
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        self.scheduler.finish(seq)
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        seq.finish_time = time.monotonic()
+    def _on_finished(self, seq: Sequence) -> None:
+        """A sequence ended (stop, length, abort): flush its text; close the request when all ended."""
         request = self.requests[seq.request_id]
         request.pending[seq.index] += request.detokenizers[seq.index].flush()
         if all(s.is_finished for s in request.seqs):

@@ -3,27 +3,23 @@ computer", IBM Systems Journal, 1966): evict the block whose next use is farthes
 future. It needs the future, so it only runs in trace replay, as the upper bound online
 policies are measured against.
 
-`FutureIndex` precomputes, for every block key of a trace (the chained block hash, made
-exactly as `replay.replay` makes it), the sorted request indices where it appears. The
+`FutureIndex` holds, for every block key of a trace (the chained block hash, made exactly
+as the replay makes it: `sage_infer.sim.opt.future_of`), the sorted request indices where it appears. The
 replay calls `begin_request(i)` before each request; a key's next use is then the first
 index after the request that last used it. Blocks never used again go first; ties go
 to the deeper block, so children leave before their parents. Registered as "opt", but
-`make_policy("opt")` raises: build it with `OPTPolicy(FutureIndex.from_requests(...))`
-or call `replay_opt`.
+`make_policy("opt")` raises: build it with `OPTPolicy(sim.opt.future_of(requests))`
+or call `sim.opt.replay_opt`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from sage_infer.kv_policy.base import EvictionPolicy, register_policy
 from sage_infer.kv_policy.lfu import LeafHeap
-
-if TYPE_CHECKING:
-    from sage_infer.kv_policy.replay import ReplayResult, TraceRequest
 
 NEVER = float("inf")
 
@@ -33,22 +29,6 @@ class FutureIndex:
     """Block key -> sorted indices of the requests that use it."""
 
     uses: dict[bytes, list[int]]
-
-    @classmethod
-    def from_requests(cls, requests: Sequence[TraceRequest]) -> FutureIndex:
-        """Hash every request's chain as the replay does: `hash_block(parent, (hash_id,), EXTRA_KEY)`."""
-        from sage_infer.kv_policy.replay import EXTRA_KEY  # replay imports the index, which imports us
-        from sage_infer.prefix_reuse.hashing import hash_block
-
-        uses: dict[bytes, list[int]] = {}
-        for i, request in enumerate(requests):
-            parent = None
-            for hash_id in request.hash_ids:
-                parent = hash_block(parent, (hash_id,), EXTRA_KEY)
-                seen = uses.setdefault(parent, [])
-                if not seen or seen[-1] != i:
-                    seen.append(i)
-        return cls(uses)
 
     def next_use(self, key: bytes, after: int) -> float:
         """The first request index > `after` that uses `key`; `NEVER` if none."""
@@ -67,8 +47,8 @@ class OPTPolicy(EvictionPolicy):
 
     def __init__(self, future: FutureIndex | None = None) -> None:
         if future is None:
-            raise ValueError("the 'opt' policy needs the trace's future: use kv_policy.opt.replay_opt(requests, "
-                             "capacity) or OPTPolicy(FutureIndex.from_requests(requests))")
+            raise ValueError("the 'opt' policy needs the trace's future: use sage_infer.sim.opt.replay_opt(requests, "
+                             "capacity) or OPTPolicy(sage_infer.sim.opt.future_of(requests))")
         self.future = future
         self.now = -1  # index of the request being replayed
         self._heap = LeafHeap()  # min-heap on (-next use, -depth)
@@ -102,10 +82,3 @@ class OPTPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._depth)
-
-
-def replay_opt(requests: Sequence[TraceRequest], capacity_blocks: int) -> ReplayResult:
-    """Replay `requests` under Belady's OPT: the best hit rate any policy reaches at this capacity."""
-    from sage_infer.kv_policy.replay import replay
-
-    return replay(requests, OPTPolicy(FutureIndex.from_requests(requests)), capacity_blocks)

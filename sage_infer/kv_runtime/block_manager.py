@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from sage_infer.prefix_reuse.index import EvictedBlock, PrefixReuseIndex
 
 
 class BlockState(str, enum.Enum):
@@ -43,9 +43,18 @@ class BlockManager:
     registered blocks are in use, so `num_available_blocks` is exact. Register blocks
     while they are in use (`cache_block`); evict only through `allocate` or
     `reset_prefix_cache`.
+
+    `on_evict`, when set, sees every cached block eviction takes, before its slot is handed
+    out again: the hook a lower tier uses to demote the block instead of dropping it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, index: PrefixReuseIndex | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        index: PrefixReuseIndex | None = None,
+        on_evict: Callable[[EvictedBlock], None] | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -58,6 +67,7 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self._num_in_use = 0
         self._num_filled_in_use = 0  # sum of num_tokens over in-use blocks
+        self.on_evict = on_evict
         if index is not None:
             index.bind_in_use(self._is_in_use)
 
@@ -115,11 +125,7 @@ class BlockManager:
         while len(block_ids) < n and self.free_block_ids:
             block_ids.append(self.free_block_ids.popleft())
         while len(block_ids) < n:
-            assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
-            block_id = self.index.evict(self._is_unreferenced)
-            assert block_id is not None, "num_available_blocks promised an evictable block"
-            self.num_tokens[block_id] = 0
-            block_ids.append(block_id)
+            block_ids.append(self._evict_one())
         for block_id in block_ids:
             self.ref_counts[block_id] = 1
         self._num_in_use += n
@@ -197,11 +203,20 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block onto the free list; returns how many."""
         evicted = 0
-        while self.index is not None and (block_id := self.index.evict(self._is_unreferenced)) is not None:
-            self.num_tokens[block_id] = 0
-            self.free_block_ids.append(block_id)
+        while self.num_evictable_blocks:
+            self.free_block_ids.append(self._evict_one())
             evicted += 1
         return evicted
+
+    def _evict_one(self) -> int:
+        """Unregister the policy's victim, let `on_evict` copy it out, and return its (now empty) block id."""
+        assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
+        evicted = self.index.evict_block(self._is_unreferenced)
+        assert evicted is not None, "num_evictable_blocks promised an evictable block"
+        if self.on_evict is not None:
+            self.on_evict(evicted)
+        self.num_tokens[evicted.block_id] = 0
+        return evicted.block_id
 
     def get_utilization(self) -> float:
         """Blocks in use / num_blocks."""

@@ -25,6 +25,19 @@ class PrefixMatch:
     block_ids: list[int]
     block_hashes: list[bytes]
     num_tokens: int
+    num_query_blocks: int = 0  # full blocks the lookup asked for (what metrics count as queried)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """A cached block leaving the index: enough to demote it to a lower tier before its slot is reused."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    extra_key: bytes
+    depth: int
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +88,7 @@ class PrefixReuseIndex:
 
         Counts one query in `metrics` and marks the matched blocks as hit, deepest
         first, so a parent is always more recent than its children. `record=False`
-        is a dry run: no metrics, no recency change.
+        is a dry run: no metrics, no recency change (`record_hit` records it later).
         """
         num_blocks = len(token_ids) // self.block_size
         if max_blocks is not None:
@@ -92,15 +105,27 @@ class PrefixReuseIndex:
                 break  # a hash collision: recompute rather than return another prompt's KV
             nodes.append(node)
             parent = node
-        if record:
-            self.metrics.record(num_blocks, len(nodes), self.block_size)
-            for node in reversed(nodes):
-                self.policy.on_hit(node.block_hash)
-        return PrefixMatch(
+        match = PrefixMatch(
             block_ids=[n.block_id for n in nodes],
             block_hashes=[n.block_hash for n in nodes],
             num_tokens=len(nodes) * self.block_size,
+            num_query_blocks=num_blocks,
         )
+        if record:
+            self.record_hit(match)
+        return match
+
+    def record_hit(self, match: PrefixMatch, *, count_query: bool = True) -> None:
+        """What a recorded `match` does: count the query (unless `count_query` is False) and
+        mark its blocks as hit, deepest first, so a parent is always more recent than its children."""
+        if count_query:
+            self.metrics.record(match.num_query_blocks, len(match.block_ids), self.block_size)
+        for block_hash in reversed(match.block_hashes):
+            self.policy.on_hit(block_hash)
+
+    def num_evictable_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these registered blocks eviction could reach now (none in use, none above an in-use one)."""
+        return sum(1 for block_id in block_ids if not self._by_block[block_id].active)
 
     def lookup(self, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes) -> int | None:
         """The registered block holding exactly these tokens after `parent_hash` (verified), or None."""
@@ -172,6 +197,11 @@ class PrefixReuseIndex:
 
     def evict(self, is_unreferenced: Callable[[int], bool]) -> int | None:
         """Unregister the policy's victim among unreferenced leaves; its block id, or None if none."""
+        evicted = self.evict_block(is_unreferenced)
+        return evicted.block_id if evicted is not None else None
+
+    def evict_block(self, is_unreferenced: Callable[[int], bool]) -> EvictedBlock | None:
+        """Unregister the policy's victim among unreferenced leaves and describe it; None if none."""
 
         def evictable(block_hash: bytes) -> bool:
             node = self._by_hash[block_hash]
@@ -182,7 +212,8 @@ class PrefixReuseIndex:
             return None
         node = self._by_hash[victim]
         self._unlink(node)
-        return node.block_id
+        return EvictedBlock(node.block_id, node.block_hash, node.parent.block_hash if node.parent else None,
+                            node.token_ids, node.extra_key, node.depth)
 
     def remove(self, block_id: int) -> None:
         """Unregister one leaf block (ValueError if it is unknown or has children)."""

@@ -1,18 +1,25 @@
-"""Continuous batching under a per-step token budget.
+"""Continuous batching under a per-step token budget, and the bookkeeping after each step.
 
-Each step: running sequences first (decodes and unfinished prefill chunks), preempting
+`schedule()`: running sequences first (decodes and unfinished prefill chunks), preempting
 the lowest-priority running sequence by recompute when the pool is short; then waiting
 sequences are admitted (prefix hits first) while budget, seats and blocks last.
+
+`postprocess()`: after the model ran and tokens were sampled, account the computed KV
+(registering full blocks for reuse), append the sampled tokens, finish sequences that hit
+a stop token or a length limit, and start the siblings of an `n > 1` request once its
+first sequence has computed the shared prompt.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sage_infer.config.serve import SchedulerConfig
 from sage_infer.core.sequence import Sequence, SequenceStatus
-from sage_infer.scheduler.kv_cache_manager import KVCacheManager
+from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -31,11 +38,29 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Decides what runs each step and keeps sequence state consistent after it ran.
+
+    `max_model_len` and the pool bound how long a sequence may grow: a sequence alone
+    always fits, so preemption can never livelock. `eos_token_ids` end a sequence unless
+    its request sets `ignore_eos`.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len
+        pool_tokens = kv.block_manager.num_blocks * kv.block_size
+        self.max_total_tokens = min(max_model_len, pool_tokens)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # kept in service order
         self.running: list[Sequence] = []  # kept in service order; the last is preempted first
+        self._siblings: dict[str, list[Sequence]] = {}  # request id -> sequences waiting for its prompt
 
     def _order(self, seq: Sequence) -> tuple:
         """Lower sorts first. fifo: arrival; priority: (priority, arrival) — lower value is served first."""
@@ -46,6 +71,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._order)
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences. Siblings of an n>1 request start once the first has
+        computed the prompt, so they take its prompt blocks from the prefix cache."""
+        self.add(seqs[0])
+        if len(seqs) > 1:
+            self._siblings[seqs[0].request_id] = list(seqs[1:])
 
     @property
     def num_running(self) -> int:
@@ -58,6 +90,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- schedule -------------------------------------------------------------------------
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free its blocks (registered ones stay cached) and queue it again."""
         self.kv.free(seq)
@@ -65,8 +99,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.add(seq)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_uncomputed_tokens
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of `remaining` to compute this step under `budget` (0: not this step)."""
         if remaining <= budget:
             return remaining
         if self.config.enable_chunked_prefill:
@@ -81,7 +115,7 @@ class Scheduler:
         self.running = []
         while queue:
             seq = queue.pop(0)
-            num_new = self._chunk(seq, budget)
+            num_new = self._chunk(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 self.running.append(seq)
                 continue
@@ -99,11 +133,9 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self.kv.match_prefix(seq)
-            num_new = self._chunk(seq, budget)
-            if num_new == 0 or not self.kv.allocate(seq, num_new):
-                self.kv.free(seq)  # give matched blocks back (they stay cached)
-                seq.num_computed_tokens = 0
+            match = self.kv.match(seq)  # records nothing: a request that must wait is not counted again
+            num_new = self._chunk(seq.num_tokens - match.num_tokens, budget)
+            if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -112,11 +144,47 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out and release its blocks."""
+    # -- after the step -------------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int]) -> None:
+        """Account this step's KV for every scheduled sequence, then append each sampled token.
+
+        A sequence ends here on a stop token (`stop_token_ids`, or EOS unless `ignore_eos`)
+        or a length limit (`max_tokens`, the context or the pool); stop strings need the
+        text, so the engine's output processing ends those with `finish`.
+        """
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        for seq, token in zip(sampled, token_ids):
+            seq.token_ids.append(token)
+            siblings = self._siblings.pop(seq.request_id, None)
+            if siblings:
+                for sibling in siblings:
+                    self.add(sibling)
+            params = seq.params
+            if token in params.stop_token_ids:
+                self.finish(seq, "stop", token)
+            elif not params.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop")
+            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+                self.finish(seq, "length")
+            elif seq.num_tokens >= self.max_total_tokens:
+                self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Take a finished or aborted sequence out, release its blocks and record why it ended."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            siblings = self._siblings.get(seq.request_id)
+            if siblings and seq in siblings:
+                siblings.remove(seq)
+                if not siblings:
+                    del self._siblings[seq.request_id]
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.finish_time = time.monotonic()

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from sage_infer.cli.output import table
 from sage_infer.errors import NotAvailableError, UsageError
 from sage_infer.serving_bench.stats import PERCENTILES, percentile
+from sage_infer.tables import table
 
 if TYPE_CHECKING:
     from sage_infer.serving_bench.client import RequestResult

@@ -20,17 +20,16 @@ from dataclasses import dataclass, field
 from sage_infer.kv_policy.base import POLICIES, make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
-from sage_infer.kv_policy.replay import (
+from sage_infer.prefix_reuse.hashing import hash_block
+from sage_infer.sim.replay import (
     EXTRA_KEY,
     ReplayResult,
+    TraceCache,
     TraceRequest,
     distinct_blocks,
     ideal_hit_rate,
     replay,
 )
-from sage_infer.kv_runtime.block_manager import BlockManager
-from sage_infer.prefix_reuse.hashing import hash_block
-from sage_infer.prefix_reuse.index import PrefixReuseIndex
 
 TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id
 LOWER_TIERS = ("host", "disk", "remote")
@@ -89,28 +88,26 @@ def replay_tiered(
     tiers: Sequence[TierSpec],
     cost: CostBenefitModel | None = None,
 ) -> TieredResult:
-    """Replay through the device (`tiers[0]`) and the lower tiers below it, fastest first."""
+    """Replay through the device (`tiers[0]`) and the lower tiers below it, fastest first.
+
+    The device is `replay.replay`'s `TraceCache`; a block its eviction reclaims reaches the
+    `KVCacheManager`'s `on_evict` hook, which hands it to `MigrationPolicy.demote`.
+    """
     assert tiers and tiers[0].name == "device", "the first tier is the device"
     capacity = tiers[0].capacity_blocks
-    if capacity <= 0:
-        raise ValueError(f"capacity must be at least one block, got {capacity}")
     device_policy = make_policy(policy, capacity=capacity)
-    index = PrefixReuseIndex(block_size=1, policy=device_policy)
-    manager = BlockManager(capacity, 1, index)
+    cache = TraceCache(device_policy, capacity)
     migration = MigrationPolicy([LowerTier(t.name, t.capacity_blocks, make_policy(policy, capacity=t.capacity_blocks))
                                  for t in tiers[1:]], cost)
-    holder: dict[int, tuple[bytes, BlockMeta]] = {}  # device block id -> the block it holds
+    meta: dict[bytes, BlockMeta] = {}  # what each block on the device is, for its demotion
+    cache.kv.on_evict = lambda block: migration.demote(block.block_hash, meta.pop(block.block_hash))
     result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers})
     served: Counter = Counter()
     start = time.perf_counter()
     for i, request in enumerate(requests):
-        if hasattr(device_policy, "begin_request"):  # as replay() does: OPT reads the request index
-            device_policy.begin_request(i)
+        seq, match = cache.begin(i, request)
+        migration.tick(cache.now)
         ids = request.hash_ids
-        now = request.timestamp_ms / 1000.0
-        device_policy.tick(now)
-        migration.tick(now)
-        match = index.match(ids, EXTRA_KEY)
         hit = len(match.block_ids)
         chain = match.block_hashes[-1] if hit else None
         promoted: list[tuple[int, bytes, LowerTier]] = []
@@ -125,30 +122,18 @@ def replay_tiered(
         present = run
         for token in ids[run:]:  # block-level counting past the first miss
             chain = hash_block(chain, (token,), EXTRA_KEY)
-            present += index.block_of(chain) is not None or migration.tier_of(chain) is not None
+            present += cache.index.block_of(chain) is not None or migration.tier_of(chain) is not None
 
-        manager.acquire(match.block_ids)
-        table = list(match.block_ids)
-        hashes = list(match.block_hashes)
-        wanted = min(len(ids) - hit, manager.num_available_blocks)  # a request longer than the cache keeps its head
-        if wanted > 0:
-            fresh = manager.allocate(wanted)
-            for block_id in fresh:
-                if block_id in holder:  # it held a cached block: evicted from the device
-                    migration.demote(*holder.pop(block_id))
-            table.extend(fresh)
-        for k in range(hit, len(table)):
-            parent = hashes[-1] if hashes else None
-            block_id, block_hash = manager.cache_block(table[k], parent, (ids[k],), EXTRA_KEY)
-            table[k] = block_id
-            hashes.append(block_hash)
-            migration.discard(block_hash)
-            holder[block_id] = (block_hash, BlockMeta(k, parent, block_tokens(request, k)))
+        cache.admit_and_compute(seq, match)
+        hashes = seq.block_hashes
+        for k in range(hit, len(hashes)):
+            migration.discard(hashes[k])
+            meta[hashes[k]] = BlockMeta(k, hashes[k - 1] if k else None, block_tokens(request, k))
         for k, key, tier in promoted:
-            if k >= len(table):
+            if k >= len(hashes):  # the device had no room for it: back where it came from
                 parent = None if k == 0 else hashes[k - 1] if k <= len(hashes) else promoted[k - 1 - hit][1]
                 migration.put_back(key, BlockMeta(k, parent, block_tokens(request, k)), tier)
-        manager.free(list(reversed(table)))
+        cache.kv.free(seq)
 
         result.requests += 1
         result.accesses += len(ids)
@@ -174,8 +159,8 @@ def all_policies() -> list[str]:
 
 
 def opt_rates(requests: Sequence[TraceRequest], capacity_blocks: int) -> tuple[dict | None, str | None]:
-    """Belady's OPT at this capacity from `kv_policy.opt.replay_opt`: (rates, None) or (None, why not)."""
-    module = "sage_infer.kv_policy.opt"
+    """Belady's OPT at this capacity from `sim.opt.replay_opt`: (rates, None) or (None, why not)."""
+    module = "sage_infer.sim.opt"
     try:
         replay_opt = importlib.import_module(module).replay_opt
     except ModuleNotFoundError as err:
@@ -213,7 +198,7 @@ def run_capacity(
         beaten = [r.policy for r in results if r.prefix_hit_rate > opt["prefix_hit_rate"] + 0.005]
         if beaten:  # leaf-only eviction can let a policy edge past Belady, never by much
             notes.append(f"at {capacity_blocks} blocks OPT's prefix hit rate is below {', '.join(beaten)}: "
-                         "check kv_policy.opt")
+                         "check sim.opt")
     document = {
         "trace": trace,
         "requests": len(requests),

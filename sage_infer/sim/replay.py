@@ -1,5 +1,5 @@
-"""Trace replay through the production cache code: `PrefixReuseIndex` + `BlockManager` +
-an `EvictionPolicy`, exactly as the engine drives them.
+"""Trace replay through the production cache code: the engine's `KVCacheManager` (match ->
+admit -> commit -> free) over `PrefixReuseIndex` + `BlockManager` + an `EvictionPolicy`.
 
 A trace block (512 tokens in Mooncake traces) is replayed as a one-token block whose token
 id is the trace's hash id: hash ids are already prefix-chained, so chaining them again
@@ -14,11 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.sequence import Sequence as EngineSequence
 from sage_infer.errors import UsageError
 from sage_infer.kv_policy.base import EvictionPolicy, make_policy
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.prefix_reuse.hashing import hash_block
-from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from sage_infer.prefix_reuse.index import PrefixMatch, PrefixReuseIndex
 
 
 @dataclass(slots=True)
@@ -80,6 +83,47 @@ class ReplayResult:
 
 
 EXTRA_KEY = b"replay"
+_PARAMS = SamplingParams(max_tokens=1)
+
+
+class TraceCache:
+    """One device cache of `capacity_blocks` one-token blocks, driven like the engine drives its pool.
+
+    `clock` is the trace's time, so time-aware policies see request timestamps.
+    """
+
+    def __init__(self, policy: EvictionPolicy, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity must be at least one block, got {capacity_blocks}")
+        self.policy = policy
+        self.index = PrefixReuseIndex(block_size=1, policy=policy)
+        self.now = 0.0
+        self.kv = KVCacheManager(BlockManager(capacity_blocks, 1, self.index), clock=lambda: self.now)
+
+    def begin(self, i: int, request: TraceRequest) -> tuple[EngineSequence, PrefixMatch]:
+        """Stamp the clock and look the request up (nothing recorded yet)."""
+        if hasattr(self.policy, "begin_request"):  # OPT reads the request index
+            self.policy.begin_request(i)
+        self.now = request.timestamp_ms / 1000.0
+        seq = EngineSequence(i, str(i), 0, request.hash_ids, len(request.hash_ids), _PARAMS, EXTRA_KEY)
+        return seq, self.kv.match(seq, keep_last_token=False)
+
+    def blocks_present(self, seq: EngineSequence, match: PrefixMatch) -> int:
+        """Blocks of the request cached when looked up one by one (past the first miss too)."""
+        present = hit = len(match.block_ids)
+        chain = match.block_hashes[-1] if hit else None
+        for token in seq.token_ids[hit:]:
+            chain = hash_block(chain, (token,), EXTRA_KEY)
+            present += self.index.block_of(chain) is not None
+        return present
+
+    def admit_and_compute(self, seq: EngineSequence, match: PrefixMatch) -> None:
+        """Admit the request and register every block it computed: a request longer than the cache keeps its head."""
+        num_new = min(seq.num_tokens - match.num_tokens, self.kv.available_after(match))
+        admitted = self.kv.admit(seq, match, num_new)
+        assert admitted, "available_after promised room"
+        seq.num_computed_tokens += num_new
+        self.kv.commit(seq)
 
 
 def replay(
@@ -89,41 +133,19 @@ def replay(
     *,
     keep_per_request: bool = False,
 ) -> ReplayResult:
-    """Run every request through match -> acquire -> allocate (evicting) -> register -> free."""
-    if capacity_blocks <= 0:
-        raise ValueError(f"capacity must be at least one block, got {capacity_blocks}")
+    """Run every request through the engine's admission path: match -> admit (evicting) -> commit -> free."""
     policy = make_policy(policy, capacity=capacity_blocks) if isinstance(policy, str) else policy
-    index = PrefixReuseIndex(block_size=1, policy=policy)
-    manager = BlockManager(capacity_blocks, 1, index)
+    cache = TraceCache(policy, capacity_blocks)
     result = ReplayResult(policy.name, capacity_blocks)
     start = time.perf_counter()
     for i, request in enumerate(requests):
-        if hasattr(policy, "begin_request"):
-            policy.begin_request(i)
-        ids = request.hash_ids
-        policy.tick(request.timestamp_ms / 1000.0)
-        match = index.match(ids, EXTRA_KEY)
+        seq, match = cache.begin(i, request)
+        present = cache.blocks_present(seq, match)
+        cache.admit_and_compute(seq, match)
+        cache.kv.free(seq)
         hit = len(match.block_ids)
-        present = hit
-        parent = match.block_hashes[-1] if hit else None
-        # blocks after the first miss may still be cached (block-level counting)
-        chain = parent
-        for token in ids[hit:]:
-            chain = hash_block(chain, (token,), EXTRA_KEY)
-            present += index.block_of(chain) is not None
-        manager.acquire(match.block_ids)
-        table = list(match.block_ids)
-        hashes = list(match.block_hashes)
-        wanted = min(len(ids) - hit, manager.num_available_blocks)  # a request longer than the cache keeps its head
-        if wanted > 0:
-            table.extend(manager.allocate(wanted))
-        for k in range(hit, len(table)):
-            block_id, block_hash = manager.cache_block(table[k], hashes[-1] if hashes else None, (ids[k],), EXTRA_KEY)
-            table[k] = block_id
-            hashes.append(block_hash)
-        manager.free(list(reversed(table)))
         result.requests += 1
-        result.accesses += len(ids)
+        result.accesses += seq.num_tokens
         result.block_hits += present
         result.prefix_hits += hit
         if keep_per_request:

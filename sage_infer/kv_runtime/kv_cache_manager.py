@@ -1,0 +1,148 @@
+"""`KVCacheManager`: the one admission path for KV blocks, used by the engine and the replay alike.
+
+A request's KV goes through four calls, in this order:
+
+1. ``match(seq)``: the longest cached prefix of its tokens. Side-effect free: nothing is
+   counted, no policy sees it, so a request that waits for room can be looked up every
+   step without skewing metrics or recency.
+2. ``admit(seq, match, num_new_tokens)``: take the matched blocks and allocate the rest,
+   or change nothing and return False when the pool is short. This is where the query
+   is counted (once per prompt) and the eviction policy sees the hit.
+3. ``commit(seq)``: after a step computed KV, register newly full blocks for reuse.
+4. ``free(seq)``: release its blocks, children before parents.
+
+``allocate`` grows a running sequence; ``on_evict`` is called with every cached block
+eviction reclaims, before the slot is reused (the tiers demote instead of dropping).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sage_infer.core.sequence import Sequence
+from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
+
+NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
+
+
+class KVCacheManager:
+    """Sequence-level KV bookkeeping over a `BlockManager` and its prefix index (None: prefix caching off).
+
+    `clock` stamps admissions for time-aware eviction policies (the replay passes trace time).
+    """
+
+    def __init__(self, block_manager: BlockManager, clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_manager = block_manager
+        self.index = block_manager.index
+        self.block_size = block_manager.block_size
+        self.clock = clock
+
+    # -- the eviction hook ------------------------------------------------------------------
+
+    @property
+    def on_evict(self) -> Callable[[EvictedBlock], None] | None:
+        return self.block_manager.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: Callable[[EvictedBlock], None] | None) -> None:
+        self.block_manager.on_evict = hook
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def match(self, seq: Sequence, *, keep_last_token: bool = True) -> PrefixMatch:
+        """The longest cached prefix of `seq` in full blocks, token ids verified. Records nothing.
+
+        With `keep_last_token` (the engine) at least one token is left to compute, since its
+        logits are needed; the replay matches whole chains.
+        """
+        if self.index is None or seq.block_table:
+            return NO_MATCH
+        max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
+        return self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
+        """New blocks `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
+        computed = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        return max(0, -(-(computed + num_new_tokens) // self.block_size) - len(seq.block_table))
+
+    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Whether `admit` would succeed, without changing anything.
+
+        Matched blocks that are cached now count as available until `admit` takes them, so
+        they are subtracted from what the pool can hand out.
+        """
+        needed = self.blocks_needed(seq, num_new_tokens, match.num_tokens) - len(match.block_ids)
+        return needed <= 0 or needed <= self.available_after(match)
+
+    def available_after(self, match: PrefixMatch) -> int:
+        """Blocks the pool could still hand out once `match`'s blocks are taken (they stop being evictable)."""
+        taken = self.index.num_evictable_among(match.block_ids) if match.block_ids else 0
+        return self.block_manager.num_available_blocks - taken
+
+    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Take `match`'s blocks and allocate room for `num_new_tokens` after them; False, changing nothing, if short.
+
+        The prefix query is counted on the sequence's first admission only (a preempted
+        sequence coming back is the same prompt), while the policy sees every reuse.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} is already admitted")
+        if not self.can_admit(seq, match, num_new_tokens):
+            return False
+        if self.index is not None:
+            self.index.policy.tick(self.clock())
+            self.index.record_hit(match, count_query=not seq.admitted_once)
+            self.block_manager.acquire(match.block_ids)
+        seq.block_table = list(match.block_ids)
+        seq.block_hashes = list(match.block_hashes)
+        seq.num_computed_tokens = match.num_tokens
+        if not seq.admitted_once:
+            seq.num_cached_tokens = match.num_tokens
+            seq.admitted_once = True
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed:
+            seq.block_table.extend(self.block_manager.allocate(needed))
+        return True
+
+    @property
+    def num_available_blocks(self) -> int:
+        return self.block_manager.num_available_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow a running `seq`'s block table to hold `num_new_tokens` more; False if the pool is short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed == 0:
+            return True
+        if not self.block_manager.can_allocate(needed):
+            return False
+        seq.block_table.extend(self.block_manager.allocate(needed))
+        return True
+
+    # -- after a step -----------------------------------------------------------------------
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed KV: register newly full blocks so later requests can hit them."""
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        if self.index is not None:
+            for i in range(len(seq.block_hashes), full):
+                parent = seq.block_hashes[i - 1] if i else None
+                # a twin computed in the same step may already own this hash: then we move
+                # onto its block, so our chain never hangs off an evictable copy
+                block_id, block_hash = self.block_manager.cache_block(
+                    seq.block_table[i], parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key
+                )
+                seq.block_table[i] = block_id
+                seq.block_hashes.append(block_hash)
+        for i in range(max(0, full - 1), len(seq.block_table)):
+            filled = min(bs, max(0, seq.num_computed_tokens - i * bs))
+            self.block_manager.set_num_tokens(seq.block_table[i], filled)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`, children before parents (leaves age first)."""
+        if seq.block_table:
+            self.block_manager.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.block_hashes = []
