@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from sage_infer.config.recommend import annotate_link_bandwidths, match_preset, recommend_transport
 from sage_infer.hal import detect
 from sage_infer.hal.cpu import CpuInfo, NumaNode, _compact, read_cpu_model, read_numa_nodes
 from sage_infer.hal.detect import HardwareReport, detect_devices, probe_vendor
-from sage_infer.hal.recommend import annotate_link_bandwidths, match_preset, recommend_transport
 from sage_infer.hal.topology.model import Link, LinkClass, Topology
 from sage_infer.hal.vendors import kunlunxin
 from sage_infer.hal.vendors.common import VendorReport
