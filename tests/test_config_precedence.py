@@ -171,7 +171,8 @@ def test_config_show_json_lists_sources(sage, tmp_path, monkeypatch):
     assert rows["kv_transport.backend"]["source"] == "cli"
     assert rows["kv_transport.preset"]["value"] == "high-bw"
     assert rows["kv_transport.chunk_size"]["source"] == "preset"
-    assert rows["host"] == {"field": "host", "value": "127.0.0.1", "source": "default", "origin": ""}
+    assert rows["host"] == {"field": "host", "value": "127.0.0.1", "source": "default", "origin": "",
+                            "active": True, "inactive_reason": None}
     assert data["hardware_preset"] == "cpu"
 
 
