@@ -88,7 +88,7 @@ def select_device(
     backend = getattr(torch, device_type, None)
     count = _device_count(backend)
     if count == 0:
-        raise DeviceNotAvailableError(f"{requested_by} needs a {label} (torch device {device_type!r}): "
+        raise DeviceNotAvailableError(f"{requested_by} needs torch device {device_type!r} ({label}): "
                                       f"{_why_none(device_type, module)}")
     return torch.device(device_type, 0)
 
