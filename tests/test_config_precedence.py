@@ -171,7 +171,8 @@ def test_config_show_json_lists_sources(sage, tmp_path, monkeypatch):
     assert rows["kv_transport.backend"]["source"] == "cli"
     assert rows["kv_transport.preset"]["value"] == "high-bw"
     assert rows["kv_transport.chunk_size"]["source"] == "preset"
-    assert rows["host"] == {"field": "host", "value": "127.0.0.1", "source": "default", "origin": ""}
+    assert rows["host"] == {"field": "host", "value": "127.0.0.1", "source": "default", "origin": "",
+                            "active": True, "inactive_reason": None}
     assert data["hardware_preset"] == "cpu"
 
 
@@ -182,3 +183,17 @@ def test_api_key_is_never_printed(sage, monkeypatch):
     assert "sk-very-secret" not in result.out
     rows = {r["field"]: r for r in json.loads(result.out)["fields"]}
     assert rows["api_key"]["source"] == "env"
+
+
+def test_explicit_env_dict_is_the_only_env_read(monkeypatch):
+    """`resolve_config(env={...})` reads that dict, never the process env behind it."""
+    monkeypatch.setenv("SAGE_PORT", "9001")
+    monkeypatch.setenv("SAGE_KV_POOL__BLOCK_SIZE", "32")
+    isolated = resolve_config(preset="cpu", env={})
+    assert (isolated.config.port, isolated.config.kv_pool.block_size) == (8000, 16)
+    assert "port" not in isolated.sources
+    given = resolve_config(preset="cpu", env={"SAGE_PORT": "7000"})
+    assert (given.config.port, given.config.kv_pool.block_size) == (7000, 16)
+    assert (given.sources["port"], given.origins["port"]) == ("env", "env SAGE_PORT")
+    process = resolve_config(preset="cpu")  # no env argument: os.environ
+    assert (process.config.port, process.sources["port"]) == (9001, "env")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from sage_infer.config.recommend import annotate_link_bandwidths, match_preset, recommend_transport
 from sage_infer.hal import detect
 from sage_infer.hal.cpu import CpuInfo, NumaNode, _compact, read_cpu_model, read_numa_nodes
 from sage_infer.hal.detect import HardwareReport, detect_devices, probe_vendor
-from sage_infer.hal.recommend import annotate_link_bandwidths, match_preset, recommend_transport
 from sage_infer.hal.topology.model import Link, LinkClass, Topology
 from sage_infer.hal.vendors import kunlunxin
 from sage_infer.hal.vendors.common import VendorReport
@@ -268,3 +268,128 @@ def test_torch_plugin_that_fails_to_load_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     report = probe_torch_plugin("ascend", "broken_plugin", "npu", ["npu-smi", "info"], (KVDtype.BF16,))
     assert not report.available and "libascendcl.so" in report.reason
+
+
+# --- hal/device.py: a preset's device type becomes a torch device, or one line --------
+
+
+def test_select_device_cpu_needs_nothing():
+    import torch
+
+    from sage_infer.hal.device import select_device
+
+    assert select_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "xpu"])
+def test_select_device_maps_to_device_zero_when_present(monkeypatch, device_type):
+    # no such hardware here: pretend torch sees one device of the type
+    import torch
+
+    from sage_infer.hal.device import select_device
+
+    backend = getattr(torch, device_type)
+    monkeypatch.setattr(backend, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "device_count", lambda: 1)
+    assert select_device(device_type) == torch.device(device_type, 0)
+
+
+def test_hygon_and_kunlunxin_presets_are_torch_cuda(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
+    from sage_infer.config.auto import resolve_device
+    from sage_infer.config.resolve import resolve_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setitem(sys.modules, "torch_xmlir", types.ModuleType("torch_xmlir"))  # Kunlunxin's plugin
+    for preset in ("hygon-dcu-k100", "kunlunxin-p800", "nvidia-h100"):
+        device = resolve_device(resolve_config(preset=preset, env={}).config)
+        assert device.value == torch.device("cuda", 0), preset
+
+
+@pytest.mark.parametrize(("preset", "line"), [
+    ("ascend-910b", "preset ascend-910b needs torch_npu (Ascend NPU): not installed"),
+    ("cambricon-mlu590", "preset cambricon-mlu590 needs torch_mlu (Cambricon MLU): not installed"),
+    ("kunlunxin-p800", "preset kunlunxin-p800 needs torch_xmlir (Kunlunxin XPU): not installed"),
+])
+def test_missing_vendor_plugin_is_one_line(monkeypatch, preset, line):
+    import builtins
+
+    from sage_infer.config.auto import resolve_device
+    from sage_infer.config.resolve import resolve_config
+    from sage_infer.errors import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_vendor_plugins(name, *args, **kwargs):  # even where a plugin happens to be installed
+        if name.split(".")[0] in ("torch_npu", "torch_mlu", "torch_xmlir"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vendor_plugins)
+    with pytest.raises(ConfigError) as err:
+        resolve_device(resolve_config(preset=preset, env={}).config)
+    assert str(err.value) == line and err.value.exit_code == 2
+
+
+def test_plugin_without_a_device_is_one_line(monkeypatch):
+    import sys
+    import types
+
+    from sage_infer.hal.device import DeviceNotAvailableError, select_device
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # installed, registers nothing
+    with pytest.raises(DeviceNotAvailableError) as err:
+        select_device("npu", "torch_npu", requested_by="preset ascend-910b", vendor="ascend")
+    assert str(err.value) == ("preset ascend-910b needs torch device 'npu' (Ascend NPU): "
+                              "torch_npu is installed but sees no device")
+
+
+def test_cuda_preset_on_a_cpu_torch_is_one_line(monkeypatch):
+    import torch
+
+    from sage_infer.hal.device import DeviceNotAvailableError, select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceNotAvailableError, match=r"^preset nvidia-h100 needs torch device 'cuda' \(NVIDIA GPU\)"):
+        select_device("cuda", "torch.cuda", requested_by="preset nvidia-h100", vendor="nvidia")
+
+
+def test_unknown_device_type_is_one_line():
+    from sage_infer.hal.device import DeviceNotAvailableError, select_device
+
+    with pytest.raises(DeviceNotAvailableError, match="asks for torch device type 'tpu', which sage_infer does not"):
+        select_device("tpu", requested_by="preset mine")
+
+
+def test_cpu_bf16_fact_comes_from_cpu_flags(tmp_path, monkeypatch):
+    import torch
+
+    from sage_infer.hal import device as hal_device
+
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("flags\t\t: fpu sse2 avx512f avx512_bf16\n")
+    read_flags = hal_device._cpu_flags
+    monkeypatch.setattr(hal_device, "_cpu_flags", lambda: read_flags(str(flags)))
+    assert hal_device.device_facts(torch.device("cpu")).native_bf16 is True
+    flags.write_text("flags\t\t: fpu sse2 avx2\n")
+    assert hal_device.device_facts(torch.device("cpu")).native_bf16 is False
+
+
+def test_hal_is_below_config():
+    """hal imports sage_infer.core, .errors and .interfaces (contracts on core) only: never config."""
+    import ast
+
+    hal = Path(__file__).resolve().parents[1] / "sage_infer" / "hal"
+    allowed = ("sage_infer.hal", "sage_infer.core", "sage_infer.errors", "sage_infer.interfaces")
+    for path in hal.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.startswith("sage_infer"):
+                    assert name.startswith(allowed), f"{path.name} imports {name}"

@@ -63,7 +63,7 @@ def test_own_preset_drives_the_serve_config(tmp_path):
     path = _write(tmp_path, "mine.yaml", "extends: ascend-910b\nname: mine\n")
     resolved = resolve_config(preset=str(path), env={})
     assert resolved.config.hardware.name == "mine"
-    assert resolved.config.resolved_kv_dtype().value == "bf16"
+    assert resolved.config.preset_kv_dtype().value == "bf16"
 
 
 def test_presets_show_lists_confidence_per_number(sage):

@@ -6,6 +6,7 @@ import typer
 
 from sage_infer.cli.options import ConfigFileOpt, JsonOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
 from sage_infer.cli.output import emit, table
+from sage_infer.config.inactive import section_of
 
 app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
 
@@ -22,7 +23,8 @@ def show(
     hardware: bool = typer.Option(False, "--hardware", help="Also list every hardware preset field."),
     as_json: JsonOpt = False,
 ) -> None:
-    """Print every resolved value with its source (cli > env > config > preset > default)."""
+    """Print every resolved value with its source (cli > env > config > preset > default);
+    fields the serve process does not use yet are marked INACTIVE with the reason."""
     resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
     rows = resolved.rows()
     data = {
@@ -37,13 +39,17 @@ def show(
             table(
                 f"Resolved config (hardware preset: {resolved.hardware_preset}, "
                 f"transport preset: {resolved.transport_preset or 'none'})",
-                ["field", "value", "source", "origin"],
+                ["field", "value", "source", "origin", "used"],
                 [
-                    (r["field"], r["value"], f"[{_SOURCE_STYLE[r['source']]}]{r['source']}[/]", r["origin"])
+                    (r["field"], r["value"], f"[{_SOURCE_STYLE[r['source']]}]{r['source']}[/]", r["origin"],
+                     "yes" if r["active"] else "[red]INACTIVE[/]")
                     for r in shown
                 ],
             )
         )
+        for section, reason in sorted({section_of(r["field"]): r["inactive_reason"]
+                                       for r in shown if not r["active"]}.items()):
+            console.print(f"[red]INACTIVE[/] {section}: {reason}")
         if not hardware:
             console.print("[dim]hardware.* fields hidden; add --hardware to list them[/dim]")
 

@@ -7,6 +7,7 @@ drives a running server with a workload.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -38,6 +39,7 @@ def serve(
         "api_key": ("--api-key", api_key),
     }
     resolved = resolve_flags(preset, config, kv_transport, set_, named)
+    _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
@@ -71,6 +73,7 @@ def generate(
     if not texts:
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
     resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
+    _announce_startup(resolved)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as err:
@@ -92,6 +95,34 @@ def generate(
             print(text + completion.text if not chat else completion.text)
             if len(texts) > 1:
                 print("-" * 40)
+
+
+def _announce_startup(resolved) -> None:
+    """On stderr, once the engine starts building: one warning naming the inactive fields
+    the user set, then one line per value `config.auto` decided, with its reason. Held
+    back until then so a config or model error stays the one line it is."""
+    from sage_infer.config.inactive import inactive_warning
+
+    logger = logging.getLogger("sage_infer.auto")
+    handler = next((h for h in logger.handlers if isinstance(h, _StartupLines)), None)
+    if handler is None:  # one per process, however many commands run in it (tests)
+        handler = _StartupLines()
+        logger.addHandler(handler)
+    handler.pending = inactive_warning(resolved.explicit_inactive_fields())
+    logger.setLevel(logging.INFO)
+
+
+class _StartupLines(logging.Handler):
+    """Writes ``sage: resolved <line>`` to the current sys.stderr (looked up per record, so
+    a replaced stderr, as under pytest's capture, still gets them), after `pending`."""
+
+    pending: str | None = None
+
+    def emit(self, record) -> None:
+        if self.pending:
+            print(self.pending, file=sys.stderr)
+            self.pending = None
+        print(f"sage: resolved {record.getMessage()}", file=sys.stderr)
 
 
 def _read_prompts(path: Path) -> list[str]:

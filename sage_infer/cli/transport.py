@@ -29,14 +29,14 @@ def probe(
     ] = False,
 ) -> None:
     """Detect devices and links, match a preset, and recommend a KVTransportConfig."""
-    from sage_infer.hal.detect import detect_devices
-    from sage_infer.hal.recommend import (
+    from sage_infer.config.recommend import (
         annotate_link_bandwidths,
         apply_transport_measurements,
         match_preset,
         measured_preset_yaml,
         recommend_transport,
     )
+    from sage_infer.hal.detect import detect_devices
 
     report = detect_devices(measure=measure)
     preset = match_preset(report)

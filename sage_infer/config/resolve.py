@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_settings import EnvSettingsSource
 
+from sage_infer.config.inactive import inactive_reason
 from sage_infer.config.presets import deep_merge, load_hardware_preset, load_transport_preset
 from sage_infer.config.serve import ServeConfig
 from sage_infer.config.validation import format_validation_error
@@ -23,6 +24,7 @@ from sage_infer.config.yaml_source import load_yaml
 from sage_infer.errors import ConfigError
 
 LAYERS = ("default", "preset", "config", "env", "cli")
+EXPLICIT_LAYERS = ("config", "env", "cli")  # what the user set, as opposed to defaults and presets
 
 
 @dataclass(slots=True)
@@ -36,7 +38,8 @@ class ResolvedConfig:
     transport_preset: str | None
 
     def rows(self) -> list[dict]:
-        """One row per leaf value: field, value (secrets hidden), source, origin."""
+        """One row per leaf value: field, value (secrets hidden), source, origin, and
+        whether the serve process uses it (``active``; else ``inactive_reason`` says why)."""
         rows = []
         for dotted, value in _leaves(self.config.model_dump(mode="json")):
             if dotted.startswith("hardware.sources."):
@@ -44,10 +47,16 @@ class ResolvedConfig:
             if dotted == "api_key" and value is not None:
                 value = "**********"
             layer = _lookup(self.sources, dotted) or "default"
-            rows.append(
-                {"field": dotted, "value": value, "source": layer, "origin": _lookup(self.origins, dotted) or ""}
-            )
+            reason = inactive_reason(dotted)
+            rows.append({
+                "field": dotted, "value": value, "source": layer, "origin": _lookup(self.origins, dotted) or "",
+                "active": reason is None, "inactive_reason": reason,
+            })
         return rows
+
+    def explicit_inactive_fields(self) -> list[str]:
+        """Inactive fields the user set (flag, env var or config file), for the start-up warning."""
+        return [r["field"] for r in self.rows() if not r["active"] and r["source"] in EXPLICIT_LAYERS]
 
 
 @dataclass(slots=True)
@@ -75,7 +84,8 @@ def resolve_config(
 
     `cli` holds CLI overrides as a nested dict (``{"kv_pool": {"block_size": 32}}``);
     `cli_origins` names the flag behind each dotted field for error messages. `env`
-    defaults to ``os.environ``. Any invalid value raises `ConfigError` naming its origin.
+    defaults to ``os.environ``; when given, only that dict is read (the process env is
+    not). Any invalid value raises `ConfigError` naming its origin.
     """
     cli = dict(cli or {})
     cli_origins = cli_origins or {}
@@ -136,8 +146,8 @@ def resolve_config(
 
 def detect_preset_name() -> str:
     """The shipped preset matching this machine's accelerators (``cpu`` when none)."""
+    from sage_infer.config.recommend import match_preset
     from sage_infer.hal.detect import detect_devices
-    from sage_infer.hal.recommend import match_preset
 
     return match_preset(detect_devices(measure=False))
 

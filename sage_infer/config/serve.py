@@ -3,7 +3,11 @@
 Built once at start-up by `sage_infer.config.resolve.resolve_config` from, highest
 first: CLI flags, ``SAGE_*`` env vars (nested with ``__``, e.g.
 ``SAGE_KV_POOL__BLOCK_SIZE=32``), a ``--config`` YAML file, the hardware and transport
-presets, and the defaults below.
+presets, and the defaults below. Constructing it directly reads no env vars.
+
+Every ``auto`` value (model dtype, KV dtype, device, pool size) is decided in
+`sage_infer.config.auto`; sections that nothing uses yet are listed in
+`sage_infer.config.inactive`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class KVPoolConfig(Strict):
     num_blocks: int | None = Field(None, ge=1, description="Blocks to preallocate; None: from memory_budget.")
     memory_budget: ByteSize | None = Field(None, description="Bytes for the KV cache, e.g. 2GiB.")
     memory_utilization: float = Field(0.9, gt=0, le=1, description="Device memory share when no budget is set.")
-    kv_dtype: KVDtype | Literal["auto"] = Field("auto", description="auto: the hardware preset's default.")
+    kv_dtype: KVDtype | Literal["auto"] = Field(
+        "auto", description="auto: the hardware preset's default unless the model or device cannot hold it."
+    )
     enable_prefix_caching: bool = True
 
     @field_validator("block_size")
@@ -60,7 +66,6 @@ class TierConfig(Strict):
 
 class PolicyConfig(Strict):
     eviction: Literal["lru", "lfu", "arc", "s3fifo", "cost", "sage"] = "lru"
-    admission: Literal["always", "probation"] = "always"
 
 
 class SchedulerConfig(Strict):
@@ -78,6 +83,14 @@ class ServeConfig(BaseSettings):
         env_prefix="SAGE_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
     )
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # Only the values passed in: `resolve_config` reads the env itself (from the dict it
+        # is given, recording each variable as an origin), so a ServeConfig built in code
+        # or from `resolve_config(env={})` never picks up SAGE_* behind the caller's back.
+        return (init_settings,)
+
     preset: str = Field("auto", description="Hardware preset name or YAML path; auto: detect this machine.")
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
@@ -90,7 +103,6 @@ class ServeConfig(BaseSettings):
     kv_transport: KVTransportConfig = KVTransportConfig()
     hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")
 
-    def resolved_kv_dtype(self) -> KVDtype:
-        if self.kv_pool.kv_dtype != "auto":
-            return KVDtype(self.kv_pool.kv_dtype)
-        return self.hardware.kv.default_dtype if self.hardware else KVDtype.BF16
+    def preset_kv_dtype(self) -> KVDtype | None:
+        """The hardware preset's default KV dtype (what ``kv_dtype: auto`` starts from)."""
+        return self.hardware.kv.default_dtype if self.hardware else None

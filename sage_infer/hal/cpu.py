@@ -77,6 +77,17 @@ def read_meminfo_total(path: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
+def read_mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes the kernel estimates can be allocated without swapping (``MemAvailable``)."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def read_cpu_model(path: Path = Path("/proc/cpuinfo")) -> tuple[str, int | None, int | None]:
     """(model name, physical cores, sockets) from ``/proc/cpuinfo``."""
     model, cores, sockets = "unknown", set(), set()

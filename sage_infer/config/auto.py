@@ -1,0 +1,186 @@
+"""Every ``auto`` in a `ServeConfig`, decided in one place, each with its reason.
+
+`build_engine` asks this module for the device, the model dtype, the KV dtype, the
+context length and the pool size, and only applies the answers; `sage llm serve` and
+`sage llm generate` print them, one line each, so nothing is chosen silently.
+
+The hardware preset proposes (device type, KV dtype); the model and the device can
+veto with a reason: a quantized preset KV dtype the pool cannot store yet, bf16 on a
+device without native bf16, a 16-bit KV format other than the one the model computes in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sage_infer.config.serve import ServeConfig
+from sage_infer.core.kv_schema import KVDtype
+from sage_infer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from sage_infer.hal.device import DeviceFacts
+
+log = logging.getLogger("sage_infer.auto")
+
+MODEL_DTYPES = ("fp32", "bf16", "fp16")  # what a model can compute in (KVDtype values)
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedValue:
+    """One decided value: the dotted field, what it became, and why."""
+
+    field: str
+    value: object
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.field} = {self.value} ({self.reason})"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What config.json says, read before any weight is loaded."""
+
+    checkpoint_dtype: str  # fp32 | bf16 | fp16
+    max_position_embeddings: int
+    sliding_window: int | None = None
+
+
+@dataclass(slots=True)
+class AutoResolution:
+    device: torch.device
+    model_dtype: str  # fp32 | bf16 | fp16
+    kv_dtype: KVDtype
+    max_model_len: int
+    values: list[ResolvedValue] = field(default_factory=list)
+
+    def log(self) -> None:
+        for value in self.values:
+            log.info("%s", value.line())
+
+
+def resolve_device(config: ServeConfig, explicit: str | torch.device | None = None) -> ResolvedValue:
+    """The torch device: an explicit argument wins, else the hardware preset's device
+    type (through `hal.device.select_device`, which raises one line when it is missing)."""
+    import torch
+
+    from sage_infer.hal.device import select_device
+
+    if explicit is not None:
+        return ResolvedValue("device", torch.device(explicit), "given explicitly (device argument)")
+    hardware = config.hardware
+    if hardware is None:  # a ServeConfig built in code, not by resolve_config
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return ResolvedValue("device", device, "no hardware preset resolved: torch's default device")
+    detected = " (auto-detected)" if config.preset == "auto" else ""
+    device = select_device(hardware.device.torch_device_type, hardware.device.python_module,
+                           requested_by=f"preset {hardware.name}", vendor=hardware.vendor.value)
+    return ResolvedValue("device", device, f"hardware preset {hardware.name}{detected}: "
+                                           f"device.torch_device_type={hardware.device.torch_device_type}")
+
+
+def resolve_auto(config: ServeConfig, model: ModelFacts, device: ResolvedValue, facts: DeviceFacts) -> AutoResolution:
+    """Model dtype, KV dtype and context length for `config` on `device` (see module doc)."""
+    values = [device]
+    model_dtype = _model_dtype(config, model)
+    values.append(model_dtype)
+    kv = _kv_dtype(config, model_dtype.value, facts)
+    values.append(kv)
+    max_len = _max_model_len(config, model)
+    values.append(max_len)
+    return AutoResolution(device.value, model_dtype.value, KVDtype(kv.value), max_len.value, values)
+
+
+def _model_dtype(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
+    if config.model.dtype != "auto":
+        return ResolvedValue("model.dtype", config.model.dtype, "set explicitly")
+    return ResolvedValue("model.dtype", model.checkpoint_dtype, "auto: the checkpoint's dtype in config.json")
+
+
+def _kv_dtype(config: ServeConfig, model_dtype: str, facts: DeviceFacts) -> ResolvedValue:
+    hardware = config.hardware
+    wanted = config.kv_pool.kv_dtype
+    if wanted != "auto":
+        wanted = KVDtype(wanted)
+        if hardware is not None and wanted not in hardware.kv.dtypes:
+            raise ConfigError(f"kv_pool.kv_dtype: {wanted.value} is not supported by preset {hardware.name} "
+                              f"(kv.dtypes: {', '.join(d.value for d in hardware.kv.dtypes)})")
+        if wanted.is_quantized:
+            raise ConfigError(f"kv_pool.kv_dtype: {wanted.value} KV cache is not implemented yet "
+                              "(use auto, fp16, bf16 or fp32)")
+        return ResolvedValue("kv_pool.kv_dtype", wanted.value, "set explicitly")
+
+    def model(reason: str) -> ResolvedValue:
+        return ResolvedValue("kv_pool.kv_dtype", model_dtype, f"auto: the model's dtype; {reason}")
+
+    if hardware is None:
+        return model("no hardware preset resolved")
+    default = hardware.kv.default_dtype
+    source = f"preset {hardware.name} kv.default_dtype={default.value}"
+    if default.is_quantized:
+        return model(f"{source}, but {default.value} KV is not implemented yet")
+    if default == KVDtype.BF16 and not facts.native_bf16:
+        return model(f"{source}, but {facts.bf16_note}")
+    if default.value != model_dtype and {default.value, model_dtype} == {"bf16", "fp16"}:
+        loss = "precision" if model_dtype == "fp16" else "range (fp16 overflows above 65504)"
+        return model(f"{source}, but the model computes in {model_dtype} and {default.value} KV would lose {loss}")
+    if default == KVDtype.FP32 and model_dtype != "fp32":
+        return model(f"{source}, but fp32 KV holds nothing more than the model's {model_dtype}")
+    return ResolvedValue("kv_pool.kv_dtype", default.value, f"auto: {source}")
+
+
+def _max_model_len(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
+    supported, why = model.max_position_embeddings, "max_position_embeddings"
+    if model.sliding_window and model.sliding_window < supported:
+        # attention within the window equals full attention up to it
+        supported, why = model.sliding_window, "sliding_window"
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return ResolvedValue("model.max_model_len", supported, f"auto: the model's {why}")
+    if wanted > supported:
+        raise ConfigError(f"model.max_model_len: {wanted} exceeds what the model supports ({supported})")
+    return ResolvedValue("model.max_model_len", wanted, "set explicitly")
+
+
+def resolve_num_blocks(
+    config: ServeConfig,
+    *,
+    bytes_per_block: int,
+    max_model_len: int,
+    free_device_bytes: int | None,
+    host_available_bytes: int | None,
+) -> ResolvedValue:
+    """Blocks to preallocate when neither num_blocks nor memory_budget is set.
+
+    With a device memory reading (GPU/NPU after the model loaded): memory_utilization of
+    it. Host memory (CPU): enough blocks for every seat at full context, never more than
+    memory_utilization of what the OS reports available.
+    """
+    pool = config.kv_pool
+    if pool.num_blocks is not None:
+        return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, "set explicitly")
+    if pool.memory_budget is not None:
+        blocks = int(pool.memory_budget) // bytes_per_block
+        reason = f"kv_pool.memory_budget={pool.memory_budget.human_readable()} / {bytes_per_block} bytes per block"
+    elif free_device_bytes is not None:
+        blocks = int(free_device_bytes * pool.memory_utilization) // bytes_per_block
+        reason = (f"auto: {pool.memory_utilization} x {free_device_bytes / 2**30:.1f} GiB free device memory "
+                  "after loading the model")
+    else:
+        seats = config.scheduler.max_num_seqs
+        blocks = seats * (max_model_len + pool.block_size) // pool.block_size
+        reason = f"auto: {seats} seats (scheduler.max_num_seqs) x {max_model_len} tokens at full context"
+        if host_available_bytes is not None:
+            cap = int(host_available_bytes * pool.memory_utilization) // bytes_per_block
+            if cap < blocks:
+                blocks = cap
+                reason = (f"auto: {pool.memory_utilization} x {host_available_bytes / 2**30:.1f} GiB available "
+                          "host memory (less than every seat at full context)")
+    if blocks < 1:
+        raise ConfigError(f"kv_pool: the KV budget holds no block of {bytes_per_block} bytes ({reason})",
+                          hint="set kv_pool.num_blocks or a larger kv_pool.memory_budget")
+    return ResolvedValue("kv_pool.num_blocks", blocks, reason)

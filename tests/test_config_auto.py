@@ -1,0 +1,109 @@
+"""`config.auto`: every auto value with its reason; the preset proposes, model and device veto."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sage_infer.config.auto import ModelFacts, ResolvedValue, resolve_auto, resolve_device, resolve_num_blocks
+from sage_infer.config.resolve import resolve_config
+from sage_infer.config.serve import ServeConfig
+from sage_infer.errors import ConfigError
+from sage_infer.hal.device import DeviceFacts
+
+CPU = ResolvedValue("device", torch.device("cpu"), "test")
+NATIVE_BF16 = DeviceFacts("cpu", True, "CPU has amx_bf16")
+NO_BF16 = DeviceFacts("cpu", False, "CPU has no AVX512-BF16/AMX-BF16 (bf16 would be emulated)")
+
+
+def config(preset: str | None = "cpu", **cli) -> ServeConfig:
+    if preset is None:
+        return ServeConfig.model_validate(cli)
+    return resolve_config(preset=preset, cli=cli, env={}).config
+
+
+def kv(cfg: ServeConfig, model_dtype: str = "fp32", facts: DeviceFacts = NATIVE_BF16) -> ResolvedValue:
+    auto = resolve_auto(cfg, ModelFacts(model_dtype, 2048), CPU, facts)
+    return next(v for v in auto.values if v.field == "kv_pool.kv_dtype")
+
+
+def test_kv_auto_follows_the_preset_default():
+    assert kv(config()) == ResolvedValue("kv_pool.kv_dtype", "bf16", "auto: preset cpu kv.default_dtype=bf16")
+
+
+def test_kv_auto_without_native_bf16_keeps_the_model_dtype():
+    value = kv(config(), facts=NO_BF16)
+    assert value.value == "fp32"
+    assert value.reason == ("auto: the model's dtype; preset cpu kv.default_dtype=bf16, but CPU has no "
+                            "AVX512-BF16/AMX-BF16 (bf16 would be emulated)")
+
+
+def test_kv_auto_quantized_preset_default_is_not_implemented_yet():
+    value = kv(config("nvidia-h100", hardware={"kv": {"default_dtype": "fp8_e4m3"}}), model_dtype="bf16")
+    assert value.value == "bf16"
+    assert "fp8_e4m3 KV is not implemented yet" in value.reason
+
+
+def test_kv_auto_does_not_store_a_fp16_model_in_bf16():
+    value = kv(config(), model_dtype="fp16")
+    assert value.value == "fp16" and "would lose precision" in value.reason
+
+
+def test_kv_auto_without_a_preset_uses_the_model_dtype():
+    value = kv(config(None), model_dtype="fp32")
+    assert value == ResolvedValue("kv_pool.kv_dtype", "fp32", "auto: the model's dtype; no hardware preset resolved")
+
+
+def test_explicit_values_say_so():
+    auto = resolve_auto(config(kv_pool={"kv_dtype": "fp16"}, model={"dtype": "bf16", "max_model_len": 128}),
+                        ModelFacts("fp32", 2048), CPU, NO_BF16)
+    reasons = {v.field: (v.value, v.reason) for v in auto.values}
+    assert reasons["kv_pool.kv_dtype"] == ("fp16", "set explicitly")
+    assert reasons["model.dtype"] == ("bf16", "set explicitly")
+    assert reasons["model.max_model_len"] == (128, "set explicitly")
+
+
+def test_explicit_quantized_kv_is_a_config_error():
+    with pytest.raises(ConfigError, match="kv_pool.kv_dtype: int8 KV cache is not implemented yet"):
+        kv(config(kv_pool={"kv_dtype": "int8"}))
+
+
+def test_context_auto_is_the_sliding_window_when_smaller():
+    auto = resolve_auto(config(), ModelFacts("bf16", 32768, sliding_window=4096), CPU, NATIVE_BF16)
+    assert auto.max_model_len == 4096
+    assert auto.values[-1].reason == "auto: the model's sliding_window"
+
+
+def test_device_explicit_wins_and_cpu_preset_gives_cpu():
+    assert resolve_device(config("ascend-910b"), "cpu").value == torch.device("cpu")
+    device = resolve_device(config())
+    assert device.value == torch.device("cpu") and device.reason.startswith("hardware preset cpu")
+
+
+def test_auto_detected_preset_on_this_machine_gives_cpu():
+    cfg = resolve_config(env={}).config
+    assert cfg.preset == "auto" and cfg.hardware.name == "cpu"
+    assert resolve_device(cfg).reason == "hardware preset cpu (auto-detected): device.torch_device_type=cpu"
+
+
+def test_pool_size_on_host_memory_is_capped_by_what_is_available():
+    cfg = config(scheduler={"max_num_seqs": 4})
+    full = resolve_num_blocks(cfg, bytes_per_block=1000, max_model_len=112, free_device_bytes=None,
+                              host_available_bytes=10**9)
+    assert full.value == 4 * (112 + 16) // 16 and "4 seats" in full.reason
+    capped = resolve_num_blocks(cfg, bytes_per_block=1000, max_model_len=112, free_device_bytes=None,
+                                host_available_bytes=10_000)
+    assert capped.value == 9 and "available host memory" in capped.reason  # 0.9 x 10000 // 1000
+
+
+def test_pool_size_on_a_device_is_a_share_of_free_memory():
+    cfg = config(kv_pool={"memory_utilization": 0.5})
+    value = resolve_num_blocks(cfg, bytes_per_block=1 << 20, max_model_len=512, free_device_bytes=8 << 30,
+                               host_available_bytes=None)
+    assert value.value == 4096 and "free device memory" in value.reason
+
+
+def test_pool_budget_below_one_block_is_a_config_error():
+    with pytest.raises(ConfigError, match="holds no block of 4096 bytes"):
+        resolve_num_blocks(config(kv_pool={"memory_budget": 1000}), bytes_per_block=4096, max_model_len=64,
+                           free_device_bytes=None, host_available_bytes=None)
