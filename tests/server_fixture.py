@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from sage_infer.backends.native import NativeBackend
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig
 from sage_infer.server.launch import build_server
 
@@ -15,7 +16,7 @@ from sage_infer.server.launch import build_server
 class RunningServer:
     url: str
     model: str
-    engine: object  # AsyncEngine
+    backend: NativeBackend  # tests read its engine to check for leaked KV blocks
     app: object
 
 
@@ -29,7 +30,7 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         port=0,
         api_key=api_key,
     )
-    server, async_engine, model_name = build_server(config, drain_seconds=drain_seconds)
+    server, backend, model_name = build_server(config, drain_seconds=drain_seconds)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -39,7 +40,7 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", model_name, async_engine, server.config.app)
+        yield RunningServer(f"http://127.0.0.1:{port}", model_name, backend, server.config.app)
     finally:
         server.should_exit = True
         thread.join(30)

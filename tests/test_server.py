@@ -44,9 +44,9 @@ def metrics(url: str) -> dict:
 
 def wait_idle(server, timeout=10.0):
     deadline = time.monotonic() + timeout
-    manager = server.engine.engine.kv.block_manager
+    manager = server.backend.engine.kv.block_manager
     while time.monotonic() < deadline:
-        if server.engine.num_in_flight == 0 and manager.get_utilization() == 0.0:
+        if server.backend.num_in_flight == 0 and manager.get_utilization() == 0.0:
             return
         time.sleep(0.02)
     raise AssertionError("server did not go idle: blocks still in use")
@@ -60,7 +60,7 @@ def test_models_lists_the_served_model(client, server):
 def test_completion_usage_and_length(client, server):
     r = client.completions.create(model=server.model, prompt="To be, or not", max_tokens=7, temperature=0,
                                   extra_body=IGNORE_EOS)
-    prompt_tokens = len(server.engine.engine.tokenizer.encode("To be, or not"))
+    prompt_tokens = len(server.backend.model_info().tokenizer.encode("To be, or not"))
     assert r.usage.prompt_tokens == prompt_tokens
     assert r.usage.completion_tokens == 7 and r.usage.total_tokens == prompt_tokens + 7
     assert r.choices[0].finish_reason == "length"
@@ -232,7 +232,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     wait_idle(server)
     after = metrics(server.url)['sage:request_success_total{"finished_reason": "abort"}']
     assert after == before + 1
-    server.engine.engine.kv.block_manager.check_invariants()
+    server.backend.engine.kv.block_manager.check_invariants()
 
 
 def test_api_key_is_enforced(model_dir):
@@ -269,7 +269,7 @@ def test_engine_failure_fails_requests_with_5xx_and_health_503(model_dir, monkey
         def explode():
             raise RuntimeError("simulated device fault")
 
-        monkeypatch.setattr(broken.engine.engine, "step", explode)
+        monkeypatch.setattr(broken.backend.engine, "step", explode)
         response = httpx.post(f"{broken.url}/v1/completions", json={"model": broken.model, "prompt": "x",
                                                                      "max_tokens": 4}, timeout=30)
         assert response.status_code >= 500

@@ -5,6 +5,7 @@ without importing transformers."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -20,6 +21,12 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# variables `apply_chat_template` sets itself; template kwargs from a request may not replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages; the message is safe to show a client."""
 
 
 class Tokenizer:
@@ -112,13 +119,28 @@ class Tokenizer:
     # --- chat -------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs: Any
+        self, messages: list[dict], /, add_generation_prompt: bool = True, tools: list[dict] | None = None, *,
+        template_kwargs: dict[str, Any] | None = None, **kwargs: Any,
     ) -> str:
         """Renders `messages` (OpenAI-style dicts) the way transformers'
-        `apply_chat_template(tokenize=False)` does. Extra kwargs reach the template."""
-        source = self._template_source(tools)
+        `apply_chat_template(tokenize=False)` does. Extra kwargs, and `template_kwargs` (a
+        request's untrusted ones, passed as a dict so no key can collide with a parameter),
+        reach the template as variables.
+
+        Raises `ChatTemplateError` (a `ValueError`) when there is no template, a kwarg is
+        reserved (`RESERVED_TEMPLATE_VARIABLES`) or the template's code fails on these
+        messages (its text never carries a Python exception); jinja's `TemplateError`
+        (raise_exception(), sandbox refusals) passes through with the template's words."""
+        kwargs = {**(template_kwargs or {}), **kwargs}
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+        if reserved:
+            raise ChatTemplateError(f"chat template arguments cannot set reserved name(s): {', '.join(reserved)}")
+        try:
+            source = self._template_source(tools)
+        except ValueError as err:
+            raise ChatTemplateError(str(err)) from None
         if not messages:
-            raise ValueError("cannot apply the chat template to an empty list of messages")
+            raise ChatTemplateError("cannot apply the chat template to an empty list of messages")
         # transformers drops None values (OpenAI sends content=None next to tool_calls) and
         # copies reasoning under every name templates read it by.
         chat = []
@@ -128,12 +150,44 @@ class Tokenizer:
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
-        if source not in self._compiled:
-            self._compiled[source] = _jinja_env().from_string(source)
-        variables = {**self.special_tokens, "documents": None, **kwargs}
-        return self._compiled[source].render(
-            messages=chat, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-        )
+        try:
+            if source not in self._compiled:
+                self._compiled[source] = _jinja_env().from_string(source)
+            variables = {**self.special_tokens, "documents": None, **kwargs}
+            return self._compiled[source].render(
+                messages=chat, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.exceptions.TemplateError:
+            raise  # raise_exception(), undefined names, sandbox refusals: the template's own words
+        except Exception:  # noqa: BLE001 - template code failed on this input (TypeError...): say so, not how
+            raise ChatTemplateError("the chat template failed to render these messages") from None
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> float | None:
+        """A bound B such that no token covers more than B bytes of the UTF-8 text given to
+        `encode`, so a text of N bytes has at least N / B tokens; None when there is no
+        such bound (the tokenizer may drop or merge unbounded stretches of input).
+
+        Holds for BPE that never leaves input uncovered (byte-level or byte fallback, no
+        fused unknowns) whose pre-tokenizers drop nothing; normalizers that can shrink
+        text (NFC, NFKC, lowercase) multiply the bound by their worst shrink factor."""
+        spec = json.loads(self._tok.to_str())
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE":
+            return None
+        if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None  # one fused unknown token can stand for any amount of text
+        if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+            return None  # such a token swallows any run of whitespace next to it
+        if not _keeps_every_byte(spec.get("pre_tokenizer")):
+            return None
+        factor = _shrink_factor(spec.get("normalizer"))
+        if factor is None:
+            return None
+        longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        if model.get("unk_token"):
+            longest = max(longest, 4)  # an unknown token stands for one character
+        return float(longest * factor)
 
     def _template_source(self, tools: list[dict] | None) -> str:
         template = self.chat_template
@@ -169,6 +223,46 @@ class Tokenizer:
     def _special_id(self, attr: str) -> int | None:
         token = self.special_tokens.get(attr)
         return None if token is None else self._tok.token_to_id(token)
+
+
+# how far each normalizer can shrink UTF-8 text at worst (Hangul jamo compose 9 bytes -> 3,
+# the Kelvin sign lowercases 3 -> 1, mathematical letters NFKC-fold 4 -> 1)
+_SHRINK = {"Prepend": 1, "NFD": 2, "NFC": 3, "Lowercase": 3, "NFKD": 4, "NFKC": 4}
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split")
+
+
+def _shrink_factor(normalizer: dict | None) -> int | None:
+    """Worst-case input bytes per normalized byte; None when unbounded or unknown."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in normalizer.get("normalizers") or []:
+            inner_factor = _shrink_factor(inner)
+            if inner_factor is None:
+                return None
+            factor *= inner_factor
+        return factor
+    if kind == "Replace":
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content")
+        if isinstance(pattern, str) and isinstance(content, str) and len(content.encode()) >= len(pattern.encode()):
+            return 1
+        return None
+    return _SHRINK.get(kind)
+
+
+def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
+    """Whether the pre-tokenizer hands every input byte on (Whitespace and friends drop some)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_byte(p) for p in pre_tokenizer.get("pretokenizers") or [])
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _token_content(value: object) -> str | None:
