@@ -7,6 +7,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
+
 from sage_infer.backends.native import NativeBackend
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig
 from sage_infer.server.launch import build_server
@@ -44,3 +46,18 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def post_raw(server: RunningServer, path: str, content: bytes | str, headers: dict | None = None) -> httpx.Response:
+    """POST a body exactly as given (e.g. malformed JSON the openai client would never send)."""
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> str:
+    """The response is an OpenAI-style JSON error with `status` and no traceback; returns its message."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["code"] == status
+    assert "Traceback" not in response.text
+    return error["message"]
