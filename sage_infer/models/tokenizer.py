@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from sage_infer.models.token_bytes import max_bytes_per_token
+
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # variables `apply_chat_template` sets itself; template kwargs from a request may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
@@ -164,30 +166,10 @@ class Tokenizer:
 
     @functools.cached_property
     def max_bytes_per_token(self) -> float | None:
-        """A bound B such that no token covers more than B bytes of the UTF-8 text given to
-        `encode`, so a text of N bytes has at least N / B tokens; None when there is no
-        such bound (the tokenizer may drop or merge unbounded stretches of input).
-
-        Holds for BPE that never leaves input uncovered (byte-level or byte fallback, no
-        fused unknowns) whose pre-tokenizers drop nothing; normalizers that can shrink
-        text (NFC, NFKC, lowercase) multiply the bound by their worst shrink factor."""
-        spec = json.loads(self._tok.to_str())
-        model = spec.get("model") or {}
-        if model.get("type") != "BPE":
-            return None
-        if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
-            return None  # one fused unknown token can stand for any amount of text
-        if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
-            return None  # such a token swallows any run of whitespace next to it
-        if not _keeps_every_byte(spec.get("pre_tokenizer")):
-            return None
-        factor = _shrink_factor(spec.get("normalizer"))
-        if factor is None:
-            return None
-        longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
-        if model.get("unk_token"):
-            longest = max(longest, 4)  # an unknown token stands for one character
-        return float(longest * factor)
+        """No token covers more than this many bytes of the UTF-8 text given to `encode`, so
+        a text of N bytes has at least N / bound tokens; None when there is no such bound.
+        See `sage_infer.models.token_bytes`."""
+        return max_bytes_per_token(json.loads(self._tok.to_str()), self._tok.get_vocab(with_added_tokens=True))
 
     def _template_source(self, tools: list[dict] | None) -> str:
         template = self.chat_template
@@ -223,46 +205,6 @@ class Tokenizer:
     def _special_id(self, attr: str) -> int | None:
         token = self.special_tokens.get(attr)
         return None if token is None else self._tok.token_to_id(token)
-
-
-# how far each normalizer can shrink UTF-8 text at worst (Hangul jamo compose 9 bytes -> 3,
-# the Kelvin sign lowercases 3 -> 1, mathematical letters NFKC-fold 4 -> 1)
-_SHRINK = {"Prepend": 1, "NFD": 2, "NFC": 3, "Lowercase": 3, "NFKD": 4, "NFKC": 4}
-_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split")
-
-
-def _shrink_factor(normalizer: dict | None) -> int | None:
-    """Worst-case input bytes per normalized byte; None when unbounded or unknown."""
-    if normalizer is None:
-        return 1
-    kind = normalizer.get("type")
-    if kind == "Sequence":
-        factor = 1
-        for inner in normalizer.get("normalizers") or []:
-            inner_factor = _shrink_factor(inner)
-            if inner_factor is None:
-                return None
-            factor *= inner_factor
-        return factor
-    if kind == "Replace":
-        pattern = (normalizer.get("pattern") or {}).get("String")
-        content = normalizer.get("content")
-        if isinstance(pattern, str) and isinstance(content, str) and len(content.encode()) >= len(pattern.encode()):
-            return 1
-        return None
-    return _SHRINK.get(kind)
-
-
-def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
-    """Whether the pre-tokenizer hands every input byte on (Whitespace and friends drop some)."""
-    if pre_tokenizer is None:
-        return True
-    kind = pre_tokenizer.get("type")
-    if kind == "Sequence":
-        return all(_keeps_every_byte(p) for p in pre_tokenizer.get("pretokenizers") or [])
-    if kind == "Split":
-        return pre_tokenizer.get("behavior") != "Removed"
-    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _token_content(value: object) -> str | None:
