@@ -46,15 +46,15 @@ class OpenAIHandlers:
         try:
             for job in jobs:
                 started.append((job.request_id, await self.backend.add_request(job)))
-        except InvalidRequestError as err:
-            self._abort(started)
-            raise APIError(400, str(err)) from None
-        except QueueFullError as err:
-            self._abort(started)
-            raise APIError(429, f"server busy: {err}") from None
-        except EngineDeadError as err:
-            self._abort(started)
-            raise APIError(503, str(err)) from None
+        except BaseException as err:
+            self._abort(started)  # siblings already running must not outlive a refused request
+            if isinstance(err, InvalidRequestError):
+                raise APIError(400, str(err)) from None
+            if isinstance(err, QueueFullError):
+                raise APIError(429, f"server busy: {err}") from None
+            if isinstance(err, EngineDeadError):
+                raise APIError(503, str(err)) from None
+            raise
         return started
 
     def _abort(self, started: Started) -> None:
