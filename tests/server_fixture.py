@@ -7,6 +7,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
+
+from sage_infer.backends.native import NativeBackend
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig
 from sage_infer.server.launch import build_server
 
@@ -15,7 +18,7 @@ from sage_infer.server.launch import build_server
 class RunningServer:
     url: str
     model: str
-    engine: object  # AsyncEngine
+    backend: NativeBackend  # tests read its engine to check for leaked KV blocks
     app: object
 
 
@@ -29,7 +32,7 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         port=0,
         api_key=api_key,
     )
-    server, async_engine, model_name = build_server(config, drain_seconds=drain_seconds)
+    server, backend, model_name = build_server(config, drain_seconds=drain_seconds)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -39,7 +42,22 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", model_name, async_engine, server.config.app)
+        yield RunningServer(f"http://127.0.0.1:{port}", model_name, backend, server.config.app)
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def post_raw(server: RunningServer, path: str, content: bytes | str, headers: dict | None = None) -> httpx.Response:
+    """POST a body exactly as given (e.g. malformed JSON the openai client would never send)."""
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> str:
+    """The response is an OpenAI-style JSON error with `status` and no traceback; returns its message."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["code"] == status
+    assert "Traceback" not in response.text
+    return error["message"]

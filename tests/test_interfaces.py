@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import zlib
+from pathlib import Path
 
 import pytest
 
+import sage_infer.core as core
+import sage_infer.interfaces.backend as backend_module
+import sage_infer.server as server
+from sage_infer.core.messages import AbortRequest, AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.interfaces import (
-    CapabilityDescriptor,
     InferenceBackend,
     KVCacheSchema,
     KVChunk,
     KVDtype,
-    KVStats,
     QuantizationProfile,
     ScaleLayout,
     TransportPlan,
@@ -107,29 +112,71 @@ def test_chunk_rejects_empty_length():
 
 
 class _Complete:
+    """The smallest thing the server can run on: every protocol member, no engine."""
+
     name = "toy"
 
-    def capabilities(self):
-        return CapabilityDescriptor(backend="toy", devices=(), kv_dtypes=(KVDtype.BF16,))
+    def start(self):
+        pass
 
-    def generate(self, requests):
+    def shutdown(self, timeout=10.0):
+        pass
+
+    async def add_request(self, request):
         raise NotImplementedError
 
     def abort(self, request_id):
-        return False
+        pass
 
-    def kv_stats(self):
-        return KVStats(num_blocks=10, num_free_blocks=4, num_cached_blocks=2, block_size=16)
+    def model_info(self):
+        return ModelInfo("toy", tokenizer=None, chat_template=None, vocab_size=8, max_model_len=16)
+
+    def stats(self):
+        return EngineStats(num_running=0, num_waiting=0, kv_usage=0.0)
+
+    def health(self):
+        return HealthStatus(True)
+
+    def on_finished(self, callback):
+        pass
 
 
 class _Incomplete:
     name = "half"
 
-    def capabilities(self):
+    def model_info(self):
         raise NotImplementedError
 
 
 def test_backend_protocol_is_checkable():
     assert isinstance(_Complete(), InferenceBackend)
     assert not isinstance(_Incomplete(), InferenceBackend)
-    assert _Complete().kv_stats().usage == pytest.approx(0.6)
+
+
+def test_front_end_messages_are_slotted_dataclasses():
+    request = AddRequest("r", [1, 2], SamplingParams(stop=["\n"], logprobs=2, n=2, seed=3), priority=-1,
+                         cache_salt="tenant")
+    assert not hasattr(request, "__dict__") and not hasattr(AbortRequest("r"), "__dict__")
+    assert request.params.stop == ["\n"] and request.priority == -1 and request.cache_salt == "tenant"
+
+
+def _sage_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return {name for name in names if name.startswith("sage_infer")}
+
+
+def test_core_imports_nothing_else_of_sage_infer():
+    for path in Path(core.__file__).parent.glob("*.py"):
+        outside = {m for m in _sage_imports(path) if not m.startswith("sage_infer.core")}
+        assert not outside, f"{path.name} imports {outside}"
+
+
+def test_server_and_protocol_do_not_import_the_engine():
+    """Only the registry picks a concrete backend; the server knows the protocol alone."""
+    server_files = [*Path(server.__file__).parent.glob("*.py"), Path(backend_module.__file__)]
+    for path in server_files:
+        engine = {m for m in _sage_imports(path)
+                  if m.startswith(("sage_infer.engine", "sage_infer.backends")) and m != "sage_infer.backends.registry"}
+        assert not engine, f"{path.name} imports {engine}"

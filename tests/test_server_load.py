@@ -74,8 +74,8 @@ def test_200_concurrent_streams_with_cancellations(model_dir):
         assert all(r["reason"] == "length" and r["usage"].completion_tokens == r["max_tokens"] for r in finished)
 
         deadline = time.monotonic() + 30
-        manager = server.engine.engine.kv.block_manager
-        while (server.engine.num_in_flight or manager.get_utilization()) and time.monotonic() < deadline:
+        manager = server.backend.engine.kv.block_manager
+        while (server.backend.num_in_flight or manager.get_utilization()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert manager.get_utilization() == 0.0, "blocks leaked after the load test"
         manager.check_invariants()

@@ -1,68 +1,207 @@
-"""The native backend: sage_infer's own engine behind the `InferenceBackend` protocol."""
+"""The native backend: sage_infer's own `LLMEngine` behind `InferenceBackend`.
+
+The engine runs in its own thread so HTTP requests stream while others are scheduled.
+The event loop never touches engine state: it puts typed commands (`AddRequest`,
+`AbortRequest`) on a queue; the engine thread applies them between steps and hands
+each request's outputs to that request's asyncio queue on the loop it came from.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from sage_infer.config.serve import ServeConfig
-from sage_infer.core.kv_schema import KVDtype
-from sage_infer.core.sampling_params import SamplingParams
-from sage_infer.engine.build import build_engine
-from sage_infer.engine.llm_engine import LLMEngine
-from sage_infer.interfaces.backend import GenerateOutput, GenerateRequest, KVStats
-from sage_infer.interfaces.capability import AcceleratorDescriptor, CapabilityDescriptor
+from sage_infer.core.messages import AbortRequest, AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.outputs import RequestOutput
+from sage_infer.engine.llm_engine import LLMEngine, RequestError
+from sage_infer.interfaces.backend import EngineDeadError, InvalidRequestError, QueueFullError
+
+log = logging.getLogger("sage_infer.server")
+
+_DEAD = "the engine stopped after an internal error; restart the server"
+
+
+@dataclass(slots=True)
+class _Target:
+    """Where the outputs of one request go: its asyncio queue, on the loop that owns it."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    accepted: concurrent.futures.Future  # resolved once the engine took (or refused) the request
 
 
 class NativeBackend:
-    """Runs requests on an `LLMEngine`; one engine step per event-loop turn."""
+    """`InferenceBackend` over an `LLMEngine` stepped by one background thread."""
 
     name = "native"
 
-    def __init__(self, config: ServeConfig | None = None, engine: LLMEngine | None = None) -> None:
-        self.engine = engine if engine is not None else build_engine(config or ServeConfig())
+    def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
+        self._targets: dict[str, _Target] = {}  # every request added and not yet finished
+        self._lock = threading.Lock()  # guards _targets and _pending_adds across the two threads
+        self._pending_adds = 0  # added on the loop, not yet applied by the engine thread
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sage-engine", daemon=True)
+        self._dead: BaseException | None = None
+        self._on_finished: Callable[[RequestOutput], None] | None = None
+        self._model_info = engine.model_info()
 
-    def capabilities(self) -> CapabilityDescriptor:
-        device = self.engine.device
-        pool = self.engine.runner.pool
-        kv_dtype = KVDtype(self.engine.kv_dtype)
-        descriptor = AcceleratorDescriptor(
-            vendor="cpu" if device.type == "cpu" else "nvidia", device_type=device.type, index=device.index or 0,
-            name=str(device), memory_bytes=pool.nbytes, kv_dtypes=(kv_dtype,),
-        )
-        return CapabilityDescriptor(
-            backend=self.name, devices=(descriptor,), kv_dtypes=(kv_dtype,),
-            max_model_len=self.engine.max_model_len, supports_prefix_caching=self.engine.kv.index is not None,
-            supports_chunked_prefill=self.engine.scheduler.config.enable_chunked_prefill,
-        )
+    # -- InferenceBackend ---------------------------------------------------------------
 
-    async def generate(self, requests: Sequence[GenerateRequest]) -> AsyncIterator[GenerateOutput]:
-        for r in requests:
-            params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                    top_k=r.top_k, seed=r.seed, stop_token_ids=list(r.stop_token_ids),
-                                    ignore_eos=r.ignore_eos)
-            self.engine.add_request(r.request_id, r.prompt_token_ids, params, priority=r.priority,
-                                    cache_salt=r.cache_salt)
-        pending = {r.request_id for r in requests}
-        while pending:
-            for out in self.engine.step():
-                if out.request_id not in pending:
-                    continue
-                completion = out.outputs[0]
-                yield GenerateOutput(out.request_id, completion.delta_token_ids, out.finished,
-                                     completion.finish_reason, out.metrics.num_cached_tokens)
-                if out.finished:
-                    pending.discard(out.request_id)
-            await asyncio.sleep(0)
+    def start(self) -> None:
+        self._thread.start()
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort_request(request_id)
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
-    def kv_stats(self) -> KVStats:
-        manager = self.engine.kv.block_manager
-        metrics = self.engine.kv.index.metrics if self.engine.kv.index is not None else None
-        return KVStats(
-            num_blocks=manager.num_blocks, num_free_blocks=manager.num_free_blocks,
-            num_cached_blocks=manager.num_cached_blocks, block_size=manager.block_size,
-            prefix_queries=metrics.queries if metrics else 0, prefix_hit_blocks=metrics.hit_blocks if metrics else 0,
-        )
+    async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(_DEAD)
+        loop = asyncio.get_running_loop()
+        target = _Target(loop, asyncio.Queue(), concurrent.futures.Future())
+        with self._lock:
+            waiting = self.engine.scheduler.num_waiting + self._pending_adds
+            if waiting >= self.max_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting (max {self.max_waiting})")
+            if request.request_id in self._targets:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self._targets[request.request_id] = target
+            self._pending_adds += 1
+        self._commands.put(request)
+        self._wake.set()
+        if self._dead is not None:  # died while we queued: no thread is left to answer
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                target.accepted.set_exception(EngineDeadError(_DEAD))
+        await asyncio.wrap_future(target.accepted)
+        return self._stream(request.request_id, target.outputs)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+        self._wake.set()
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        # requests accepted on the loop but not yet handed to the scheduler wait too
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._pending_adds)
+
+    def health(self) -> HealthStatus:
+        return HealthStatus(True) if self._dead is None else HealthStatus(False, _DEAD)
+
+    def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
+        self._on_finished = callback
+
+    # -- beyond the protocol ------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (tests wait for 0 before checking for leaks)."""
+        return len(self._targets)
+
+    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request; aborts it if the consumer stops before it finished."""
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, AddRequest):
+                self._apply_add(command)
+            elif isinstance(command, AbortRequest):
+                if self.engine.abort_request(command.request_id):
+                    self._deliver(self.engine.drain_finished())
+
+    def _apply_add(self, command: AddRequest) -> None:
+        target = self._targets[command.request_id]
+        try:
+            self.engine.add(command)
+        except RequestError as err:
+            with self._lock:
+                del self._targets[command.request_id]
+            target.accepted.set_exception(InvalidRequestError(str(err)))
+        else:
+            target.accepted.set_result(None)
+        finally:
+            with self._lock:
+                self._pending_adds -= 1
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._targets.get(output.request_id)
+            if target is None:
+                continue
+            if output.finished:
+                with self._lock:
+                    del self._targets[output.request_id]
+                if self._on_finished is not None:
+                    self._on_finished(output)
+            if not _send(target, output) and not output.finished:
+                self.engine.abort_request(output.request_id)  # nobody is left to read it
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                else:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as err:  # noqa: BLE001 - fail every request, never hang them
+            log.exception("engine thread failed")
+            self._dead = err
+            with self._lock:
+                targets = list(self._targets.values())
+                self._targets.clear()
+            for target in targets:
+                failure = EngineDeadError(_DEAD)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    target.accepted.set_exception(failure)
+                _send(target, failure)
+
+
+def _send(target: _Target, item: RequestOutput | BaseException) -> bool:
+    """Hand `item` to the request's loop; False when that loop has closed (its consumer is gone)."""
+    try:
+        target.loop.call_soon_threadsafe(target.outputs.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed": must not take the engine thread down
+        return False
+    return True
+
+
+def create(config: ServeConfig) -> NativeBackend:
+    """Build the engine the config describes and wrap it; the registry calls this."""
+    from sage_infer.engine.build import build_engine
+
+    return NativeBackend(build_engine(config), config.scheduler.max_waiting)

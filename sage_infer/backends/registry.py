@@ -10,8 +10,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sage_infer.errors import NotAvailableError
+from sage_infer.errors import ConfigError, NotAvailableError
+
+if TYPE_CHECKING:
+    from sage_infer.config.serve import ServeConfig
+    from sage_infer.interfaces.backend import InferenceBackend
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +101,19 @@ def load_backend(name: str):
     if not current.available:
         raise NotAvailableError(f"backend {name} is not available: {current.reason}")
     return importlib.import_module(BACKENDS[name].adapter_module)
+
+
+def create_backend(config: ServeConfig) -> InferenceBackend:
+    """The backend `config.backend` names, built from `config`.
+
+    A backend that cannot run here is a configuration mistake: `ConfigError` (exit code
+    2 from the CLI) saying ``backend X is not available: why``.
+    """
+    name = config.backend
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name} is not available: unknown backend (expected one of: {', '.join(BACKENDS)})")
+    try:
+        module = load_backend(name)
+    except NotAvailableError as err:
+        raise ConfigError(str(err)) from None
+    return module.create(config)

@@ -92,6 +92,7 @@ class ServeConfig(BaseSettings):
         return (init_settings,)
 
     preset: str = Field("auto", description="Hardware preset name or YAML path; auto: detect this machine.")
+    backend: str = Field("native", description="Inference backend (sage infer backends:list); native: our engine.")
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(None, description="Required bearer token when set.")

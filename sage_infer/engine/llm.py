@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from itertools import count
 
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, PolicyConfig, SchedulerConfig, ServeConfig
+from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.build import build_engine
 from sage_infer.engine.llm_engine import LLMEngine, RequestError
-from sage_infer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 Prompt = str | list[int]
 

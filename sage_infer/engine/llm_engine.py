@@ -8,11 +8,12 @@ from itertools import count
 
 import torch
 
+from sage_infer.core.messages import AddRequest, EngineStats, ModelInfo
+from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.layers.sampler import Sampler
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -75,17 +76,26 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; raises `RequestError` (and queues nothing) if it can never run."""
+        """Queue a request from text (tokenized here) or token ids (checked against the
+        vocabulary); raises `RequestError` (and queues nothing) if it can never run."""
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise RequestError("the prompt is empty")
         vocab = self.runner.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        self.add(AddRequest(request_id, token_ids, params, prompt=text, priority=priority, cache_salt=cache_salt,
+                            arrival_time=arrival_time))
+
+    def add(self, request: AddRequest) -> None:
+        """Queue a request whose token ids the sender already validated (see `AddRequest`):
+        no tokenizing, no per-token check. Only what the front end cannot know is checked
+        here: a duplicate id, an empty prompt, a prompt the KV pool cannot hold."""
+        request_id, token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise RequestError("the prompt is empty")
         limit = self.max_total_tokens
         if len(token_ids) >= limit:
             where = "the model's context" if limit == self.max_model_len else "the KV pool"
@@ -93,18 +103,18 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but {where} holds {limit} "
                 f"(prompt + at least 1 generated token must fit)"
             )
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, "NHD", cache_salt)
+        arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
+        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, "NHD", request.cache_salt)
         seqs, detoks = [], []
         for i in range(params.n):
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), len(token_ids), params,
-                           extra_key, priority=priority, arrival_time=arrival, generator=generator)
+                           extra_key, priority=request.priority, arrival_time=arrival, generator=generator)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, list(token_ids), params))
-        self.requests[request_id] = _Request(request_id, text, list(token_ids), seqs, detoks,
+        self.requests[request_id] = _Request(request_id, request.prompt, list(token_ids), seqs, detoks,
                                              RequestMetrics(arrival_time=arrival), [0] * params.n,
                                              [""] * params.n, [""] * params.n)
         self.scheduler.add_request(seqs)
@@ -126,6 +136,39 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # -- what front ends read -----------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Load and KV cache counters right now. The one place that reads scheduler and
+        KV internals for reporting, so a front end never reaches into them."""
+        manager = self.kv.block_manager
+        index = self.kv.index
+        metrics = index.metrics if index is not None else None  # not `if index`: an empty index is falsy
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=manager.get_utilization(),
+            num_blocks=manager.num_blocks,
+            num_free_blocks=manager.num_free_blocks,
+            num_cached_blocks=manager.num_cached_blocks,
+            block_size=manager.block_size,
+            prefix_caching=index is not None,
+            prefix_queries=metrics.queries if metrics is not None else 0,
+            prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
+            prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The served model as a front end sees it: name, tokenizer, limits."""
+        return ModelInfo(
+            name=self.model_id,
+            tokenizer=self.tokenizer,
+            chat_template=self.tokenizer.chat_template,
+            vocab_size=self.runner.model.config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_bytes_per_token=self.tokenizer.max_bytes_per_token,
+        )
 
     # -- the loop ---------------------------------------------------------------------
 

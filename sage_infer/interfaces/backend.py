@@ -1,80 +1,77 @@
-"""`InferenceBackend`: the protocol every engine adapter implements.
+"""`InferenceBackend`: what the server needs from an engine, and nothing more.
 
-The native engine is the default; lmdeploy and vllm adapters import lazily and
-implement the same four calls so the server and the CLI never care which runs.
+The native engine is the default; other adapters (lmdeploy, vllm) implement the same
+calls so the HTTP front end never cares which runs. The front end validates and
+tokenizes a request once (against `model_info()`), then hands the backend token ids in
+an `AddRequest` and reads `RequestOutput`s back.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
-from sage_infer.interfaces.capability import CapabilityDescriptor
+from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.outputs import RequestOutput
 
 
-@dataclass(slots=True)
-class GenerateRequest:
-    """One request as a backend sees it: tokens already produced by the tokenizer."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
+class BackendError(Exception):
+    """Base of the errors a backend raises to a front end; `str(err)` is safe to show a client."""
 
 
-@dataclass(slots=True)
-class GenerateOutput:
-    """One streamed step: the tokens added since the last output of this request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    num_cached_tokens: int = 0
+class InvalidRequestError(BackendError, ValueError):
+    """The request can never run here (e.g. longer than the KV pool holds): a client error."""
 
 
-@dataclass(slots=True)
-class KVStats:
-    """A snapshot of a backend's KV cache state."""
+class QueueFullError(BackendError):
+    """More requests wait than the backend accepts; try again later."""
 
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    block_size: int
-    prefix_queries: int = 0
-    prefix_hit_blocks: int = 0
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use or cached (0..1)."""
-        return 0.0 if self.num_blocks == 0 else 1.0 - self.num_free_blocks / self.num_blocks
+class EngineDeadError(BackendError):
+    """The engine stopped after an internal error; nothing more can be served."""
 
 
 @runtime_checkable
 class InferenceBackend(Protocol):
-    """What the server and CLI need from an engine."""
+    """An engine as the server sees it.
+
+    `add_request` returns once the engine accepted the request, so a refusal can still
+    become an HTTP status; the returned stream then yields the request's outputs, the
+    last one with ``finished=True``. Leaving the stream early aborts the request.
+    """
 
     name: str
 
-    def capabilities(self) -> CapabilityDescriptor:
-        """Devices, KV dtypes and features this backend offers as configured."""
+    def start(self) -> None:
+        """Begin serving (e.g. start the engine thread); called once, before any request."""
         ...
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> AsyncIterator[GenerateOutput]:
-        """Stream outputs for `requests`; each request ends with one `finished` output."""
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving; requests still running are left to the caller to drain first."""
         ...
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its KV blocks; False if it was not running."""
+    async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Queue `request`; raises `InvalidRequestError`, `QueueFullError` or `EngineDeadError`."""
         ...
 
-    def kv_stats(self) -> KVStats:
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV; its stream ends with finish_reason ``abort``. No-op if unknown."""
+        ...
+
+    def model_info(self) -> ModelInfo:
+        """Name, tokenizer, chat template, vocabulary size and context length of the served model."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, KV usage and prefix-cache counters, right now."""
+        ...
+
+    def health(self) -> HealthStatus:
+        """Whether the backend can serve; not ok once its engine died."""
+        ...
+
+    def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call `callback` with the final output of every request, aborted ones included
+        (possibly from another thread): the server's request counters need aborts that no
+        client stream is left to see."""
         ...

@@ -5,6 +5,7 @@ without importing transformers."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -19,7 +20,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from sage_infer.models.token_bytes import max_bytes_per_token
+
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# variables `apply_chat_template` sets itself; template kwargs from a request may not replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages; the message is safe to show a client."""
 
 
 class Tokenizer:
@@ -112,13 +121,28 @@ class Tokenizer:
     # --- chat -------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs: Any
+        self, messages: list[dict], /, add_generation_prompt: bool = True, tools: list[dict] | None = None, *,
+        template_kwargs: dict[str, Any] | None = None, **kwargs: Any,
     ) -> str:
         """Renders `messages` (OpenAI-style dicts) the way transformers'
-        `apply_chat_template(tokenize=False)` does. Extra kwargs reach the template."""
-        source = self._template_source(tools)
+        `apply_chat_template(tokenize=False)` does. Extra kwargs, and `template_kwargs` (a
+        request's untrusted ones, passed as a dict so no key can collide with a parameter),
+        reach the template as variables.
+
+        Raises `ChatTemplateError` (a `ValueError`) when there is no template, a kwarg is
+        reserved (`RESERVED_TEMPLATE_VARIABLES`) or the template's code fails on these
+        messages (its text never carries a Python exception); jinja's `TemplateError`
+        (raise_exception(), sandbox refusals) passes through with the template's words."""
+        kwargs = {**(template_kwargs or {}), **kwargs}
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+        if reserved:
+            raise ChatTemplateError(f"chat template arguments cannot set reserved name(s): {', '.join(reserved)}")
+        try:
+            source = self._template_source(tools)
+        except ValueError as err:
+            raise ChatTemplateError(str(err)) from None
         if not messages:
-            raise ValueError("cannot apply the chat template to an empty list of messages")
+            raise ChatTemplateError("cannot apply the chat template to an empty list of messages")
         # transformers drops None values (OpenAI sends content=None next to tool_calls) and
         # copies reasoning under every name templates read it by.
         chat = []
@@ -128,12 +152,24 @@ class Tokenizer:
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
-        if source not in self._compiled:
-            self._compiled[source] = _jinja_env().from_string(source)
-        variables = {**self.special_tokens, "documents": None, **kwargs}
-        return self._compiled[source].render(
-            messages=chat, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-        )
+        try:
+            if source not in self._compiled:
+                self._compiled[source] = _jinja_env().from_string(source)
+            variables = {**self.special_tokens, "documents": None, **kwargs}
+            return self._compiled[source].render(
+                messages=chat, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.exceptions.TemplateError:
+            raise  # raise_exception(), undefined names, sandbox refusals: the template's own words
+        except Exception:  # noqa: BLE001 - template code failed on this input (TypeError...): say so, not how
+            raise ChatTemplateError("the chat template failed to render these messages") from None
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> float | None:
+        """No token covers more than this many bytes of the UTF-8 text given to `encode`, so
+        a text of N bytes has at least N / bound tokens; None when there is no such bound.
+        See `sage_infer.models.token_bytes`."""
+        return max_bytes_per_token(json.loads(self._tok.to_str()), self._tok.get_vocab(with_added_tokens=True))
 
     def _template_source(self, tools: list[dict] | None) -> str:
         template = self.chat_template

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import secrets
 import time
 import uuid
@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sage_infer import __version__
-from sage_infer.server.async_engine import AsyncEngine
+from sage_infer.interfaces.backend import InferenceBackend
+from sage_infer.server.body import parse_body
 from sage_infer.server.errors import APIError, error_response
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.metrics import ServerMetrics
@@ -25,13 +25,20 @@ from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+# bodies above this are scanned and parsed off the event loop, so other streams keep flowing
+PARSE_IN_THREAD_BYTES = 64 * 1024
+
+
+def build_app(backend: InferenceBackend, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app over `backend`; it uses nothing of the backend beyond `InferenceBackend`."""
     app = FastAPI(title="sage_infer", version=__version__, docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, model_name)
-    engine.on_finished = metrics.record_finished
-    handlers = OpenAIHandlers(engine, model_name, metrics)
-    app.state.engine, app.state.metrics, app.state.accepting = engine, metrics, True
+    model = backend.model_info()
+    model_name = model.name
+    metrics = ServerMetrics(backend, model_name)
+    backend.on_finished(metrics.record_finished)
+    handlers = OpenAIHandlers(backend, metrics)
+    app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
 
     async def body_of(request: Request, schema):
         declared = request.headers.get("content-length", "0")
@@ -42,19 +49,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raw.extend(chunk)
             if len(raw) > max_body_bytes:
                 raise APIError(413, f"request body over {max_body_bytes} bytes")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"request body is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            return schema.model_validate(data)
-        except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            field = ".".join(str(p) for p in first["loc"]) or None
-            message = first["msg"].removeprefix("Value error, ")
-            raise APIError(400, f"{field}: {message}" if field else message, field) from None
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(parse_body, bytes(raw), schema)
+        return parse_body(bytes(raw), schema)
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -82,12 +79,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        return error_response(500, f"internal error ({type(err).__name__})")
+        return error_response(500, "internal server error")
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead is not None:
-            return error_response(503, "the engine stopped")
+        health = backend.health()
+        if not health.ok:
+            return error_response(503, health.reason or "the engine stopped")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -102,7 +100,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def models(request: Request) -> JSONResponse:
         authorize(request)
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "sage_infer",
-                "max_model_len": engine.engine.max_model_len}
+                "max_model_len": model.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")

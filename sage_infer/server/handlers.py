@@ -1,4 +1,4 @@
-"""Request handling behind the routes: validate against the model, run on the engine,
+"""Request handling behind the routes: validate against the model, run on the backend,
 shape OpenAI responses (streaming SSE or one JSON body), record metrics."""
 
 from __future__ import annotations
@@ -10,25 +10,28 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sage_infer.core.sampling_params import SamplingParams
-from sage_infer.engine.llm_engine import RequestError
-from sage_infer.engine.outputs import CompletionOutput, RequestOutput
-from sage_infer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from sage_infer.core.messages import AddRequest
+from sage_infer.core.outputs import CompletionOutput, RequestOutput
+from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, InvalidRequestError, QueueFullError
 from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from sage_infer.server.validation import RequestValidator
+
+Started = list[tuple[str, AsyncIterator[RequestOutput]]]  # (request id, its output stream)
 
 
 class OpenAIHandlers:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    """The two generation endpoints over any `InferenceBackend`."""
+
+    def __init__(self, backend: InferenceBackend, metrics: ServerMetrics) -> None:
+        self.backend = backend
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.runner.model.config.vocab_size
-        self.logprobs = LogprobFormatter(self.tokenizer)
+        model = backend.model_info()
+        self.model_name = model.name
+        self.validator = RequestValidator(model)
+        self.logprobs = LogprobFormatter(model.tokenizer)
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -37,77 +40,38 @@ class OpenAIHandlers:
             raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
                            "model")
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        return ids
-
-    def _max_tokens(self, num_prompt: int, requested: int | None) -> int:
-        if num_prompt >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your prompt has {num_prompt} tokens. Please reduce the length.", "prompt")
-        if requested is None:
-            return self.max_model_len - num_prompt
-        if num_prompt + requested > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
-                                f"{requested} in the completion). Please reduce the length.", "max_tokens")
-        return requested
-
-    def _params(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        try:
-            return SamplingParams(
-                n=body.n, max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=-1 if body.top_k is None else body.top_k,
-                min_p=body.min_p or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
-            )
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
-
-    async def _start(self, body: SamplingFields, jobs: list[tuple[str, list[int], SamplingParams]]):
+    async def _start(self, jobs: list[AddRequest]) -> Started:
         """Add every sub-request before any response byte is sent, so errors keep their status."""
-        started = []
+        started: Started = []
         try:
-            for request_id, ids, params in jobs:
-                stream = await self.engine.add(request_id, ids, params, priority=body.priority,
-                                               cache_salt=body.cache_salt)
-                started.append((request_id, stream))
-        except (RequestError, ValueError) as err:
-            self._abort(started)
-            raise APIError(400, str(err)) from None
-        except QueueFullError as err:
-            self._abort(started)
-            raise APIError(429, f"server busy: {err}") from None
-        except EngineDeadError as err:
-            self._abort(started)
-            raise APIError(503, str(err)) from None
+            for job in jobs:
+                started.append((job.request_id, await self.backend.add_request(job)))
+        except BaseException as err:
+            self._abort(started)  # siblings already running must not outlive a refused request
+            if isinstance(err, InvalidRequestError):
+                raise APIError(400, str(err)) from None
+            if isinstance(err, QueueFullError):
+                raise APIError(429, f"server busy: {err}") from None
+            if isinstance(err, EngineDeadError):
+                raise APIError(503, str(err)) from None
+            raise
         return started
 
-    def _abort(self, started) -> None:
+    def _abort(self, started: Started) -> None:
         for request_id, _ in started:
-            self.engine.abort(request_id)
+            self.backend.abort(request_id)
 
-    async def _merged(self, started) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, started: Started) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every sub-request as they come; aborts the rest on exit."""
         merged: asyncio.Queue = asyncio.Queue()
         done = object()
+        finished: set[str] = set()
 
-        async def pump(i: int, request_id: str, stream: asyncio.Queue) -> None:
+        async def pump(i: int, request_id: str, stream: AsyncIterator[RequestOutput]) -> None:
             try:
-                async for output in self.engine.outputs(request_id, stream):
+                async for output in stream:
+                    if output.finished:
+                        finished.add(request_id)
                     await merged.put((i, output))
             except BaseException as err:  # noqa: BLE001 - surfaced to the consumer below
                 await merged.put((i, err))
@@ -128,6 +92,8 @@ class OpenAIHandlers:
         finally:
             for task in tasks:
                 task.cancel()
+            # a pump cancelled before it ever ran never closes its stream: abort here too
+            self._abort([(rid, s) for rid, s in started if rid not in finished])
 
     def _usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
@@ -145,6 +111,15 @@ class OpenAIHandlers:
             last_seen[key] = now
 
     @staticmethod
+    def _stream_error(err: Exception) -> dict:
+        """An in-band error event; only our own typed errors' words reach the client."""
+        if isinstance(err, EngineDeadError):
+            return error_body(503, str(err))
+        if isinstance(err, APIError):
+            return error_body(err.status, err.message, err.param)
+        return error_body(500, "generation failed: internal server error")
+
+    @staticmethod
     def _sse(data: dict | str) -> str:
         return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -154,10 +129,11 @@ class OpenAIHandlers:
         self._check_model(body.model)
         jobs = []
         for i, prompt in enumerate(body.prompts()):
-            ids = self._token_ids(prompt)
-            params = self._params(body, self._max_tokens(len(ids), body.max_tokens), body.logprobs)
-            jobs.append((f"{rid}-{i}", ids, params))
-        started = await self._start(body, jobs)
+            ids = self.validator.token_ids(prompt)
+            params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.max_tokens),
+                                                    body.logprobs)
+            jobs.append(self._job(f"{rid}-{i}", prompt, ids, params, body))
+        started = await self._start(jobs)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -171,6 +147,11 @@ class OpenAIHandlers:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": sorted(choices, key=lambda ch: ch["index"]), "usage": self._usage(finals)})
 
+    @staticmethod
+    def _job(request_id: str, prompt: str | list[int], ids: list[int], params, body: SamplingFields) -> AddRequest:
+        return AddRequest(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                          priority=body.priority, cache_salt=body.cache_salt)
+
     def _completion_choice(self, index: int, c: CompletionOutput, text: str, token_ids: list[int],
                            entries: list | None, offset: int = 0) -> dict:
         logprobs = None
@@ -182,11 +163,14 @@ class OpenAIHandlers:
     async def _collect(self, started) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(started)
         last_seen: dict = {}
-        async for i, output in self._merged(started):
-            for c in output.outputs:
-                self._itl(last_seen, (i, c.index), len(c.delta_token_ids))
-            if output.finished:
-                finals[i] = output
+        try:
+            async for i, output in self._merged(started):
+                for c in output.outputs:
+                    self._itl(last_seen, (i, c.index), len(c.delta_token_ids))
+                if output.finished:
+                    finals[i] = output
+        except EngineDeadError as err:
+            raise APIError(503, str(err)) from None
         if any(f is None for f in finals):
             raise APIError(503, "the engine stopped before the request finished")
         for final in finals:
@@ -217,25 +201,19 @@ class OpenAIHandlers:
                 yield self._sse({"id": rid, "object": "text_completion", "created": created,
                                  "model": self.model_name, "choices": [], "usage": self._usage(finals)})
         except Exception as err:  # noqa: BLE001 - the status line is already sent: report in-band
-            yield self._sse(error_body(500, f"generation failed: {type(err).__name__}: {err}"))
+            yield self._sse(self._stream_error(err))
         yield self._sse("[DONE]")
 
     # -- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, rid: str) -> Response:
         self._check_model(body.model)
-        messages = [m.to_template() for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tools=body.tools, **(body.chat_template_kwargs or {}))
-        except Exception as err:  # noqa: BLE001 - template errors are the caller's messages
-            raise APIError(400, f"cannot apply the chat template: {err}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise APIError(400, "the rendered chat prompt is empty", "messages")
+        text = self.validator.chat_prompt(body)
+        ids = self.validator.token_ids(text, "messages", add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, self._max_tokens(len(ids), body.token_limit), logprobs)
-        started = await self._start(body, [(rid, ids, params)])
+        params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.token_limit),
+                                                logprobs)
+        started = await self._start([self._job(rid, text, ids, params, body)])
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -280,6 +258,6 @@ class OpenAIHandlers:
             if include_usage:
                 yield chunk([], self._usage(finals))
         except Exception as err:  # noqa: BLE001 - the status line is already sent: report in-band
-            yield self._sse(error_body(500, f"generation failed: {type(err).__name__}: {err}"))
+            yield self._sse(self._stream_error(err))
         yield self._sse("[DONE]")
 

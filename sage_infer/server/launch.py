@@ -1,4 +1,4 @@
-"""`sage llm serve`: build the engine, start uvicorn on loopback, drain on SIGINT/SIGTERM."""
+"""`sage llm serve`: build the backend, start uvicorn on loopback, drain on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,30 +23,32 @@ def ready_message(host: str, port: int, model_name: str, api_key: bool) -> str:
 
 
 def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
-    """Engine + app + a uvicorn.Server that has not started yet."""
+    """Backend + app + a uvicorn.Server that has not started yet.
+
+    The backend comes from the registry by `config.backend`; one that cannot run here
+    raises `ConfigError` before anything listens.
+    """
     import uvicorn
 
-    from sage_infer.engine.build import build_engine
+    from sage_infer.backends.registry import create_backend
     from sage_infer.server.api import build_app
-    from sage_infer.server.async_engine import AsyncEngine
 
-    engine = build_engine(config)
-    model_name = engine.model_id
-    async_engine = AsyncEngine(engine, config.scheduler.max_waiting)
+    backend = create_backend(config)
+    model_name = backend.model_info().name
     api_key = config.api_key.get_secret_value() if config.api_key else None
-    app = build_app(async_engine, model_name, api_key)
+    app = build_app(backend, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        async_engine.start()
+        backend.start()
         yield
         app.state.accepting = False
-        await asyncio.to_thread(async_engine.shutdown, 5.0)
+        await asyncio.to_thread(backend.shutdown, 5.0)
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=drain_seconds, access_log=False)
-    return uvicorn.Server(uv_config), async_engine, model_name
+    return uvicorn.Server(uv_config), backend, model_name
 
 
 def serve(config: ServeConfig) -> int:

@@ -1,7 +1,7 @@
 """Prometheus metrics named like vLLM's, under ``sage:``, each with a ``model_name`` label.
 
-Gauges and the prefix-cache counters are read from the engine at scrape time; request
-counters and latency histograms are recorded by the API layer as requests finish.
+Gauges and the prefix-cache counters are read from the backend's `stats()` at scrape
+time; request counters and latency histograms are recorded as requests finish.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sage_infer.server.async_engine import AsyncEngine
+from sage_infer.core.outputs import RequestOutput
+from sage_infer.interfaces.backend import InferenceBackend
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -17,37 +18,36 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 
 
 
 class _EngineCollector:
-    """Reads live engine state on every scrape (no background polling)."""
+    """Reads live backend stats on every scrape (no background polling)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, backend: InferenceBackend, model_name: str) -> None:
+        self.backend = backend
         self.model_name = model_name
 
     def collect(self):
         labels = ["model_name"]
         value = [self.model_name]
+        stats = self.backend.stats()
         running = GaugeMetricFamily("sage:num_requests_running", "Requests in the running batch.", labels=labels)
-        running.add_metric(value, self.engine.num_running)
+        running.add_metric(value, stats.num_running)
         waiting = GaugeMetricFamily("sage:num_requests_waiting", "Requests waiting to be scheduled.", labels=labels)
-        waiting.add_metric(value, self.engine.num_waiting)
-        manager = self.engine.engine.kv.block_manager
+        waiting.add_metric(value, stats.num_waiting)
         usage = GaugeMetricFamily("sage:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", labels=labels)
-        usage.add_metric(value, manager.get_utilization())
-        index = self.engine.engine.kv.index
+        usage.add_metric(value, stats.kv_usage)
         queries = CounterMetricFamily("sage:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       labels=labels)
         hits = CounterMetricFamily("sage:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=labels)
-        queries.add_metric(value, index.metrics.query_tokens if index else 0)
-        hits.add_metric(value, index.metrics.hit_tokens if index else 0)
+        queries.add_metric(value, stats.prefix_query_tokens)
+        hits.add_metric(value, stats.prefix_hit_tokens)
         yield from (running, waiting, usage, queries, hits)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, backend: InferenceBackend, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(backend, model_name))
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("sage:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
@@ -67,7 +67,7 @@ class ServerMetrics:
         for gap in itl_gaps:
             self.itl.labels(self.model_name).observe(gap)
 
-    def record_finished(self, output) -> None:
+    def record_finished(self, output: RequestOutput) -> None:
         """One finished request: token counts, finish reason per completion, latencies."""
         name = self.model_name
         self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))

@@ -1,4 +1,7 @@
-"""What the engine hands back: per-request outputs with per-completion text and metrics."""
+"""What an engine hands back: per-request outputs with per-completion text and metrics.
+
+Here in core (not engine/) so the server and the backend protocol can name these types
+without importing the engine."""
 
 from __future__ import annotations
 

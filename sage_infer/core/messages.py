@@ -1,0 +1,75 @@
+"""Typed messages between the front end (HTTP server, CLI) and an engine.
+
+Commands travel to the engine (`AddRequest`, `AbortRequest`); snapshots come back
+(`EngineStats`, `ModelInfo`, `HealthStatus`). Plain dataclasses with slots, so a
+command queue never carries a bare tuple whose meaning lives in its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sage_infer.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Run one request. `prompt_token_ids` are already validated by the sender: non-empty,
+    every id in ``[0, vocab_size)``, shorter than the model's context. The engine does not
+    tokenize or re-check them token by token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text the ids came from, when there was one (reported back)
+    priority: int = 0  # lower is served first when the scheduler runs in priority mode
+    cache_salt: str | None = None  # isolates cached prefixes between tenants
+    arrival_time: float | None = None  # time.monotonic(); None: when the engine receives it
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Stop a request and free its KV blocks; its final output says finish_reason ``abort``."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of an engine's load and KV cache, read at call time."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests (0..1)
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0  # held by no request, kept for prefix reuse
+    block_size: int = 0
+    prefix_caching: bool = False
+    prefix_queries: int = 0  # prefix lookups since start
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # prompt tokens found there
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end needs to validate and render requests for the served model."""
+
+    name: str
+    tokenizer: Any  # encode/decode/apply_chat_template, as sage_infer.models.tokenizer.Tokenizer
+    chat_template: str | dict[str, str] | None
+    vocab_size: int
+    max_model_len: int
+    # no tokenization of the model yields a token covering more prompt bytes than this, so
+    # ``len(text.encode()) / max_bytes_per_token`` bounds the token count from below;
+    # None when the tokenizer gives no such guarantee
+    max_bytes_per_token: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthStatus:
+    """Whether the engine can serve; `reason` says why not."""
+
+    ok: bool
+    reason: str | None = None

@@ -1,0 +1,145 @@
+"""How the server refuses requests: OpenAI-style JSON errors with a useful message, never a
+Python exception's text, and never after spending seconds on a request that cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server_fixture import assert_openai_error, post_raw, running_server
+from tests.tiny_models import make_tiny_model
+
+# words that only appear when a Python exception leaks into a client-facing message
+PYTHON_ERROR_TEXT = ("Error:", "Exception", "Traceback", "got multiple values", "RuntimeError", "TypeError")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("errors") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def assert_no_python_error_text(text: str) -> None:
+    leaked = [word for word in PYTHON_ERROR_TEXT if word in text]
+    assert not leaked, f"{leaked} in {text!r}"
+
+
+def test_malformed_json_is_400(server):
+    assert_openai_error(post_raw(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400)
+
+
+def test_wrong_field_type_is_400_naming_it(server):
+    body = json.dumps({"model": server.model, "prompt": "x", "max_tokens": "lots"})
+    assert "max_tokens" in assert_openai_error(post_raw(server, "/v1/completions", body), 400)
+
+
+def test_missing_messages_is_400(server):
+    body = json.dumps({"model": server.model})
+    assert "messages" in assert_openai_error(post_raw(server, "/v1/chat/completions", body), 400)
+
+
+def test_out_of_range_temperature_is_400(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, prompt="x", temperature=5)
+    assert err.value.status_code == 400
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-5", prompt="x")
+    assert "gpt-5" in str(err.value)
+
+
+def test_context_overflow_is_400_with_the_numbers(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, prompt=[5] * 1000, max_tokens=100)
+    message = str(err.value)
+    assert "1024" in message and "1100" in message and "1000 in the prompt" in message
+
+
+def test_body_too_large_is_413(server):
+    body = json.dumps({"model": server.model, "prompt": "x" * (5 * 1024 * 1024)})
+    assert_openai_error(post_raw(server, "/v1/completions", body), 413)
+
+
+def test_bad_token_ids_are_400(server):
+    body = json.dumps({"model": server.model, "prompt": [1, 2, 999999]})
+    assert_openai_error(post_raw(server, "/v1/completions", body), 400)
+
+
+def _nested_stop(model: str, depth: int) -> bytes:
+    return f'{{"model": "{model}", "prompt": "x", "stop": {"[" * depth}{"]" * depth}}}'.encode()
+
+
+@pytest.mark.parametrize("depth", [1_000, 10_000])
+def test_deeply_nested_json_is_400(server, depth):
+    message = assert_openai_error(post_raw(server, "/v1/completions", _nested_stop(server.model, depth)), 400)
+    assert "nested too deeply" in message
+
+
+def test_brackets_inside_strings_are_not_nesting(client, server):
+    prompt = "[{" * 150 + '\\"]' + "[" * 100
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    assert r.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("reserved", ["messages", "add_generation_prompt", "tools"])
+def test_chat_template_kwargs_cannot_replace_reserved_arguments(server, reserved):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template_kwargs": {reserved: []}}
+    message = assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400)
+    assert "reserved" in message and reserved in message
+    assert_no_python_error_text(message)
+
+
+def test_chat_template_kwargs_reach_the_template(client, server):
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.completion_tokens == 1
+
+
+HUGE = "All the world's a stage. " * 156_000  # 3.9 MB, under the 4 MiB body limit
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": HUGE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}]}),
+])
+def test_a_prompt_of_megabytes_is_rejected_by_size_without_tokenizing_it(server, monkeypatch, path, body):
+    tokenizer = server.backend.model_info().tokenizer
+    encoded_lengths = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode",
+                        lambda text, *a, **k: encoded_lengths.append(len(text)) or encode(text, *a, **k))
+    response = httpx.post(f"{server.url}{path}", json={"model": server.model, **body}, timeout=60)
+    message = assert_openai_error(response, 400)
+    assert "maximum context length is 1024 tokens" in message and "rejected by size" in message
+    assert all(n < len(HUGE) // 2 for n in encoded_lengths), "the huge prompt was tokenized"
+
+
+def test_a_failure_mid_stream_reports_no_python_exception_text(model_dir, monkeypatch):
+    with running_server(model_dir, num_blocks=32) as broken:
+        def explode():
+            raise RuntimeError("simulated device fault")
+
+        monkeypatch.setattr(broken.backend.engine, "step", explode)
+        body = {"model": broken.model, "prompt": "x", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{broken.url}/v1/completions", json=body, timeout=30) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: {")]
+        errors = [json.loads(line[6:])["error"] for line in events if '"error"' in line]
+        assert errors and errors[-1]["code"] == 503
+        assert_no_python_error_text(errors[-1]["message"])
+        assert "simulated device fault" not in errors[-1]["message"]
