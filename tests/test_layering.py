@@ -25,7 +25,8 @@ LAYERS: list[set[str]] = [
     {"config"},  # pydantic configs, presets, resolution of every `auto`
     {"kv_policy"},  # eviction / migration policies: pure decisions, shared by runtime and simulator
     {"prefix_reuse"},  # chained hashes and the prefix index (drives a policy)
-    {"kv_runtime", "transport"},  # the pool, blocks and admission; KV transport. Neither knows the other
+    {"transport"},  # KV transport engine: moves bytes described by the KV schema; knows no pool or engine
+    {"kv_runtime"},  # the pool, blocks, admission and tiers (tiers may send through the transport)
     {"layers", "sim"},  # attention over the pool API; the trace simulator above the runtime
     {"models"},
     {"scheduler"},
@@ -40,7 +41,7 @@ LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 FORBIDDEN: dict[str, set[str]] = {
     "server": {"engine", "scheduler", "kv_runtime", "models", "layers", "prefix_reuse", "kv_policy", "sim"},
     "serving_bench": {"engine", "scheduler", "kv_runtime", "models", "layers", "backends", "server"},
-    "transport": {"engine", "scheduler", "models", "layers"},
+    "transport": {"engine", "scheduler", "models", "layers", "kv_runtime"},
     "sim": {"layers", "models", "engine"},
 }
 DATA_ONLY = {"demo_model", "presets"}  # folders of files, no Python
