@@ -54,7 +54,8 @@ SHAPES = {
 class LayerMajorPool(KVPool):
     """The previous layout behind the attention API: ``[2, num_layers, num_blocks, block_size, KvH, D]``.
 
-    The attention calls are the old code paths (contiguous per-layer views, flat slot rows).
+    The attention calls are the old code paths (contiguous per-layer views, flat slot rows),
+    gathering into the same workspace as `KVPool` so that only the layout differs.
     """
 
     def __init__(self, schema: KVCacheSchema, num_blocks: int) -> None:
@@ -71,13 +72,13 @@ class LayerMajorPool(KVPool):
 
     def gather_slots(self, layer, slots, dtype):
         shape = (-1, self.num_kv_heads, self.head_dim)
-        return (self._k[layer].view(shape).index_select(0, slots).to(dtype),
-                self._v[layer].view(shape).index_select(0, slots).to(dtype))
+        return (self._select(0, self._k[layer].view(shape), slots).to(dtype),
+                self._select(1, self._v[layer].view(shape), slots).to(dtype))
 
     def gather_blocks(self, layer, block_tables, dtype):
         flat, shape = block_tables.reshape(-1), (block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
-        return (self._k[layer].index_select(0, flat).view(shape).to(dtype),
-                self._v[layer].index_select(0, flat).view(shape).to(dtype))
+        return (self._select(0, self._k[layer], flat).view(shape).to(dtype),
+                self._select(1, self._v[layer], flat).view(shape).to(dtype))
 
 
 def block_first_views(schema: KVCacheSchema, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

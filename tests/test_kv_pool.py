@@ -99,6 +99,20 @@ def test_gather_blocks_lays_out_positions_in_block_table_order():
     assert torch.equal(keys[1, 4:], k[8:].half().repeat(2, 1, 1))  # block 0 twice
 
 
+def test_gathers_above_the_workspace_cap_allocate_their_own_output(monkeypatch):
+    from sage_infer.kv_runtime import pool as pool_module
+
+    pool = KVPool(SCHEMA, num_blocks=4, dtype=torch.float32)
+    k, v = _kv(16, 6)
+    pool.store(0, k, v, torch.arange(16))
+    tables = torch.tensor([[3, 2], [1, 0]])
+    in_workspace = [t.clone() for t in pool.gather_blocks(0, tables, torch.float32)]
+    monkeypatch.setattr(pool_module, "GATHER_SCRATCH_MAX_BYTES", 0)
+    fresh = pool.gather_blocks(0, tables, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(in_workspace, fresh))
+    assert torch.equal(pool.gather_slots(0, torch.tensor([5, 9]), torch.float32)[1], v[[5, 9]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_read_write_blocks_round_trip_is_bit_exact_across_pools(dtype):
     src, dst = KVPool(SCHEMA, 8, dtype=dtype), KVPool(SCHEMA, 5, dtype=dtype)

@@ -7,6 +7,7 @@ storage tensor, so the layout (and later the encoding) can change here alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,8 @@ def bytes_per_block(schema: KVCacheSchema, dtype: torch.dtype | None = None) -> 
 
 
 BlockIds = torch.Tensor | Sequence[int]
+
+GATHER_SCRATCH_MAX_BYTES = 256 << 20  # per K and per V: above this a gather allocates its own output
 
 
 class KVPool:
@@ -86,6 +89,10 @@ class KVPool:
         # s + (s // block_size) * (2 * num_layers - 1) * block_size of layer 0's K.
         self._tiles_per_block = 2 * self.num_layers
         self._slot_skip = (self._tiles_per_block - 1) * self.block_size
+        # Gather workspace, K and V, grown on demand: a fresh multi-MiB output per layer and group
+        # made glibc map and fault in new pages on every call (up to +70% wall on the shared-prefix
+        # bench, docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
+        self._scratch: list[torch.Tensor] = [torch.empty(0, dtype=self.dtype, device=self.device)] * 2
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -154,6 +161,16 @@ class KVPool:
         """Token rows of `slots` ([n] long) relative to a layer's K start: [n] long."""
         return torch.add(slots, torch.div(slots, self.block_size, rounding_mode="floor"), alpha=self._slot_skip)
 
+    def _select(self, which: int, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``source.index_select(0, index)`` into workspace `which` (0: K, 1: V) when it fits the cap."""
+        shape = (index.numel(), *source.shape[1:])
+        numel = math.prod(shape)
+        if numel * source.element_size() > GATHER_SCRATCH_MAX_BYTES:
+            return source.index_select(0, index)
+        if self._scratch[which].numel() < numel:
+            self._scratch[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return torch.index_select(source, 0, index, out=self._scratch[which][:numel].view(shape))
+
     def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the token rows starting at `layer`'s K and at its V, so `_slot_rows` serves every layer."""
         k_start = 2 * layer * self.block_size
@@ -173,11 +190,12 @@ class KVPool:
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` ([n] long), each [n, num_kv_heads, head_dim] in `dtype`.
 
-        What a prefill chunk with cached context attends to.
+        What a prefill chunk with cached context attends to. In the pool's dtype the results are
+        views of a pool-owned workspace, valid until the next `gather_*` call (`.clone()` to keep).
         """
         rows = self._slot_rows(slots)
         k_rows, v_rows = self._layer_rows(layer)
-        return k_rows.index_select(0, rows).to(dtype), v_rows.index_select(0, rows).to(dtype)
+        return self._select(0, k_rows, rows).to(dtype), self._select(1, v_rows, rows).to(dtype)
 
     def gather_blocks(
         self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
@@ -186,14 +204,15 @@ class KVPool:
 
         block_tables: [B, W] long (padding entries may name any valid block; the caller masks
         them) -> keys, values: [B, W * block_size, num_kv_heads, head_dim] in `dtype`, token
-        ``j`` of row ``b`` being position ``j`` of that sequence.
+        ``j`` of row ``b`` being position ``j`` of that sequence. In the pool's dtype the results
+        are views of a pool-owned workspace, valid until the next `gather_*` call.
         """
         batch = block_tables.shape[0]
         tiles = block_tables.reshape(-1) * self._tiles_per_block
         k_tiles, v_tiles = self._tiles[2 * layer:], self._tiles[2 * layer + 1:]
         shape = (batch, -1, self.num_kv_heads, self.head_dim)
-        return (k_tiles.index_select(0, tiles).view(shape).to(dtype),
-                v_tiles.index_select(0, tiles).view(shape).to(dtype))
+        return (self._select(0, k_tiles, tiles).view(shape).to(dtype),
+                self._select(1, v_tiles, tiles).view(shape).to(dtype))
 
     # -- tiers and transport: whole blocks, raw bytes ---------------------------------------
 
