@@ -50,14 +50,13 @@ _BITS = {
 
 
 class KVLayout(str, enum.Enum):
-    """Axis order of one layer's cache tensor.
+    """Axis order of the tokens of one layer's K (or V) in a block.
 
-    - ``NHD``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM/nano-vllm default)
-    - ``HND``: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (head-major, some NPU kernels)
+    - ``NHD``: ``[block_size, num_kv_heads, head_dim]`` (vLLM/nano-vllm default), the only
+      layout the pool and attention implement (head-major ``HND`` was removed: nothing read it).
     """
 
     NHD = "NHD"
-    HND = "HND"
 
 
 class ScaleLayout(str, enum.Enum):
@@ -77,8 +76,8 @@ SCALE_BYTES = 4  # scales and zero points are stored as fp32
 class KVCacheSchema:
     """Shape and encoding of the KV cache of one model, block by block.
 
-    One block holds `block_size` tokens of K and V for every layer:
-    ``k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]`` in ``NHD``.
+    One block holds `block_size` tokens of K and V for every layer; in ``NHD`` its bytes are
+    ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`` (`KVPool.read_blocks`).
     """
 
     num_layers: int

@@ -18,7 +18,6 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
-        self.kv_caches = list(zip(pool.k_cache, pool.v_cache))
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -92,6 +91,6 @@ class ModelRunner:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
         into `seqs` of the sequences they belong to (those whose chunk reached their end)."""
         input_ids, positions, meta, sample_rows, sampled = self.prepare(seqs, num_new_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.pool, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
         return logits, sampled

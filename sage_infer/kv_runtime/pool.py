@@ -1,12 +1,20 @@
-"""`KVPool`: the preallocated paged KV cache every layer reads and writes through block tables."""
+"""`KVPool`: the preallocated paged KV cache, and the only code that knows how its bytes are laid out.
+
+Attention writes and reads K/V through `store` / `gather_slots` / `gather_blocks`; tiers and
+transports move whole blocks through `read_blocks` / `write_blocks`. Nothing else touches the
+storage tensor, so the layout (and later the encoding) can change here alone.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 
 from sage_infer.config.serve import KVPoolConfig
 from sage_infer.core.dtypes import TORCH_DTYPES
-from sage_infer.core.kv_schema import KVCacheSchema, KVLayout
+from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError, NotAvailableError
 
 
@@ -34,14 +42,22 @@ def bytes_per_block(schema: KVCacheSchema, dtype: torch.dtype | None = None) -> 
     return schema.num_layers * schema.elements_per_block_per_layer * itemsize
 
 
+BlockIds = torch.Tensor | Sequence[int]
+
+# torch runs a CPU copy_ of fewer elements than this (at::internal::GRAIN_SIZE) on one thread
+COPY_GRAIN = 32768
+GATHER_SCRATCH_MAX_BYTES = 256 << 20  # per K and per V: above this a gather allocates its own output
+
+
 class KVPool:
     """Preallocated paged KV cache of one model on one device.
 
-    ``kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (NHD) is
-    one allocation; ``k_cache[layer] = kv_cache[0, layer]`` and ``v_cache[layer] =
-    kv_cache[1, layer]`` are contiguous views ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``. An HND schema swaps the block_size and num_kv_heads axes. Slot ``s`` of
-    the cache is token ``s % block_size`` of block ``s // block_size``.
+    Storage is block-major, one allocation
+    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (index 0 of the third
+    axis is K, 1 is V; tokens in NHD order). Block ``b`` is one contiguous byte range of
+    `block_nbytes` holding K and V of every layer, so `read_blocks` / `write_blocks` move a
+    block with one copy (see "KV pool layout" in docs/benchmarks.md for the measurements).
+    Slot ``s`` is token ``s % block_size`` of block ``s // block_size``.
     """
 
     def __init__(
@@ -62,16 +78,25 @@ class KVPool:
         self.head_dim = schema.head_dim
         self.dtype = dtype if dtype is not None else schema_dtype
         self.device = torch.device(device)
-        if schema.layout is KVLayout.NHD:
-            block_shape = (schema.block_size, schema.num_kv_heads, schema.head_dim)
-        else:
-            block_shape = (schema.num_kv_heads, schema.block_size, schema.head_dim)
         # zeros, not empty: unwritten slots must never hold NaN that a masked kernel could still touch
-        self.kv_cache = torch.zeros(
-            (2, schema.num_layers, num_blocks, *block_shape), dtype=self.dtype, device=self.device
-        )
-        self.k_cache: list[torch.Tensor] = [self.kv_cache[0, layer] for layer in range(schema.num_layers)]
-        self.v_cache: list[torch.Tensor] = [self.kv_cache[1, layer] for layer in range(schema.num_layers)]
+        self._kv = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
+        # Two flat views of the same bytes, so every access is one index_select/index_copy_ on
+        # dim 0 of a contiguous tensor (the fast path; fancy indexing was ~3x slower):
+        # token rows [num_blocks * num_layers * 2 * block_size, num_kv_heads, head_dim] ...
+        self._token_rows = self._kv.view(-1, self.num_kv_heads, self.head_dim)
+        # ... and block rows [num_blocks * num_layers * 2, block_size, num_kv_heads, head_dim],
+        # one (block, layer, K|V) tile each.
+        self._tiles = self._kv.view(-1, self.block_size, self.num_kv_heads, self.head_dim)
+        # A block spans 2 * num_layers tiles; slot s sits in token row
+        # s + (s // block_size) * (2 * num_layers - 1) * block_size of layer 0's K.
+        self._tiles_per_block = 2 * self.num_layers
+        self._slot_skip = (self._tiles_per_block - 1) * self.block_size
+        # Gather workspace, K and V, grown on demand: a fresh multi-MiB output per layer and group
+        # made glibc map and fault in new pages on every call (up to +70% wall on the shared-prefix
+        # bench, docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
+        self._scratch: list[torch.Tensor] = [torch.empty(0, dtype=self.dtype, device=self.device)] * 2
+
+    # -- sizing ---------------------------------------------------------------------------
 
     @classmethod
     def from_config(
@@ -118,13 +143,114 @@ class KVPool:
         return num_blocks
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of K and V across all layers and blocks."""
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one block as `read_blocks` returns it: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
+    def block_nbytes(self) -> int:
+        """Bytes of one block (K and V of all layers): the size of one `read_blocks` row."""
+        return self._kv[0].numel() * self._kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V across all layers and blocks."""
+        return self.num_blocks * self.block_nbytes
+
+    # -- attention: one layer, any slots ----------------------------------------------------
+
+    def _slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Token rows of `slots` ([n] long) relative to a layer's K start: [n] long."""
+        return torch.add(slots, torch.div(slots, self.block_size, rounding_mode="floor"), alpha=self._slot_skip)
+
+    def _select(self, which: int, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``source.index_select(0, index)`` into workspace `which` (0: K, 1: V) when it fits the cap."""
+        shape = (index.numel(), *source.shape[1:])
+        numel = math.prod(shape)
+        if numel * source.element_size() > GATHER_SCRATCH_MAX_BYTES:
+            return source.index_select(0, index)
+        if self._scratch[which].numel() < numel:
+            self._scratch[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return torch.index_select(source, 0, index, out=self._scratch[which][:numel].view(shape))
+
+    def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the token rows starting at `layer`'s K and at its V, so `_slot_rows` serves every layer."""
+        k_start = 2 * layer * self.block_size
+        return self._token_rows[k_start:], self._token_rows[k_start + self.block_size:]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's K and V of `layer` into the cache.
+
+        k, v: [T, num_kv_heads, head_dim] (any float dtype; cast to the pool's);
+        slot_mapping: [T] long, the slot of each token.
+        """
+        rows = self._slot_rows(slot_mapping)
+        k_rows, v_rows = self._layer_rows(layer)
+        k_rows.index_copy_(0, rows, k.to(self.dtype))
+        v_rows.index_copy_(0, rows, v.to(self.dtype))
+
+    def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at `slots` ([n] long), each [n, num_kv_heads, head_dim] in `dtype`.
+
+        What a prefill chunk with cached context attends to. In the pool's dtype the results are
+        views of a pool-owned workspace, valid until the next `gather_*` call (`.clone()` to keep).
+        """
+        rows = self._slot_rows(slots)
+        k_rows, v_rows = self._layer_rows(layer)
+        return self._select(0, k_rows, rows).to(dtype), self._select(1, v_rows, rows).to(dtype)
+
+    def gather_blocks(
+        self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for padded block tables, whole blocks at a time.
+
+        block_tables: [B, W] long (padding entries may name any valid block; the caller masks
+        them) -> keys, values: [B, W * block_size, num_kv_heads, head_dim] in `dtype`, token
+        ``j`` of row ``b`` being position ``j`` of that sequence. In the pool's dtype the results
+        are views of a pool-owned workspace, valid until the next `gather_*` call.
+        """
+        batch = block_tables.shape[0]
+        tiles = block_tables.reshape(-1) * self._tiles_per_block
+        k_tiles, v_tiles = self._tiles[2 * layer:], self._tiles[2 * layer + 1:]
+        shape = (batch, -1, self.num_kv_heads, self.head_dim)
+        return (self._select(0, k_tiles, tiles).view(shape).to(dtype),
+                self._select(1, v_tiles, tiles).view(shape).to(dtype))
+
+    # -- tiers and transport: whole blocks, raw bytes ---------------------------------------
+
+    def _ids(self, block_ids: BlockIds) -> torch.Tensor:
+        if isinstance(block_ids, torch.Tensor):
+            return block_ids.to(device=self.device, dtype=torch.long)
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy whole blocks out: [n, *block_shape] in the pool's dtype, row ``i`` = block ``block_ids[i]``.
+
+        Each row is `block_nbytes` contiguous bytes (one copy per block). `out`, if given,
+        must be a contiguous [n, *block_shape] tensor of the pool's dtype and device.
+        """
+        return torch.index_select(self._kv, 0, self._ids(block_ids), out=out)
+
+    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
+        """Copy whole blocks in, bit-exact: ``src: [n, *block_shape]`` in the pool's dtype (any device).
+
+        Block ids must be distinct (the copy order of duplicates is undefined).
+        """
+        ids = self._ids(block_ids)
+        if tuple(src.shape) != (ids.numel(), *self.block_shape):
+            raise ValueError(f"write_blocks: src shape {tuple(src.shape)} is not "
+                             f"[{ids.numel()}, *{self.block_shape}]")
+        if src.dtype != self.dtype:  # a silent cast would not be bit-exact
+            raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
+        src = src.to(self.device)
+        if self.device.type == "cpu" and self._kv[0].numel() >= COPY_GRAIN:
+            # Big blocks: one (multi-threaded) copy_ each beats CPU index_copy_, which moves element by
+            # element (2 MiB blocks: 21 vs 12 GB/s on 2 vCPUs, bench/kv_pool_layout.py). Not on the
+            # decode path, so the host list of ids is fine.
+            for row, block in enumerate(ids.tolist()):
+                self._kv[block].copy_(src[row])
+        else:  # small blocks (a copy_ each would run on one thread) and accelerators (one kernel)
+            self._kv.index_copy_(0, ids, src)
 
     def __repr__(self) -> str:
         return (

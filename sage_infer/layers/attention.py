@@ -1,6 +1,7 @@
 """Paged attention in pure PyTorch: the oracle every faster path is tested against.
 
-Cache layout per layer (NHD): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+K/V live in a `KVPool` and are reached only through its API (`store`, `gather_slots`,
+`gather_blocks`), never as raw cache tensors, so the pool may change how it stores them.
 A token at logical position ``i`` of a sequence lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 """
@@ -8,9 +9,13 @@ A token at logical position ``i`` of a sequence lives in slot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
 
 
 @dataclass(slots=True)
@@ -44,15 +49,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     prefill_slots: torch.Tensor | None  # [sum(context_len)] long
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write k, v: [T, num_kv_heads, head_dim] into the cache slots given by slot_mapping: [T]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def prefill_attention(
@@ -91,27 +87,23 @@ def decode_attention_reference(
 
 def decode_attention_batched(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Decode queries at once, padded to the longest context of the batch.
 
-    q: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B] -> [B, H, D].
-    Same math as `decode_attention_reference`, per row, with padded keys masked out;
-    SDPA groups the query heads of each KV head itself (``enable_gqa``), no K/V repeat.
+    q: [B, H, D]; keys, values: [B, T, KvH, D] (`KVPool.gather_blocks`, T >= every context
+    length); context_lens: [B] -> [B, H, D]. Same math as `decode_attention_reference`, per
+    row, with padded keys masked out; SDPA groups the query heads of each KV head itself
+    (``enable_gqa``), no K/V repeat.
     """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    flat_tables = block_tables.reshape(-1)  # index_select copies whole blocks: ~3x faster than k_cache[tables]
-    keys = k_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=q.device)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[2]
+    positions = torch.arange(keys.shape[1], device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, T]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out[:, :, 0, :]
 
 
@@ -119,27 +111,23 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    pool: KVPool,
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+    pool.store(layer, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
             continue
         slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
-        k_ctx, v_ctx = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
-        out[rows] = prefill_attention(q[rows], k_ctx.to(q.dtype), v_ctx.to(q.dtype), scale)
+        k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
+        out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
     for group in meta.decode_groups:
-        out[group.rows] = decode_attention_batched(
-            q[group.rows], k_cache, v_cache, group.block_tables, group.context_lens, scale
-        )
+        keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)
+        out[group.rows] = decode_attention_batched(q[group.rows], keys, values, group.context_lens, scale)
     return out

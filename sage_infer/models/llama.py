@@ -8,6 +8,8 @@ KvH = KV heads, D = head_dim.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,10 +19,14 @@ from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding
 from sage_infer.models.arch_config import ArchConfig
 
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # which layer's K/V this module stores and reads in the pool
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -37,7 +43,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -48,7 +54,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -64,15 +70,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+    def forward(self, x, positions, rotary, pool, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,7 +86,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
@@ -100,13 +106,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> hidden states [T, hidden]; layer ``i`` stores and reads its K/V
+        as layer ``i`` of `pool`."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.model.rotary_emb, kv, meta)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary_emb, pool, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
