@@ -54,6 +54,10 @@ class KVLayout(str, enum.Enum):
 
     - ``NHD``: ``[block_size, num_kv_heads, head_dim]`` (vLLM/nano-vllm default), the only
       layout the pool and attention implement (head-major ``HND`` was removed: nothing read it).
+
+    A whole block's bytes (what `KVPool.read_blocks` returns and tiers or the transport move)
+    are ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``; the layout value is part
+    of the prefix-cache extra key, so a block is only ever reused under the layout it was written in.
     """
 
     NHD = "NHD"

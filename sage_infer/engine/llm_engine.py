@@ -104,7 +104,8 @@ class LLMEngine:
                 f"(prompt + at least 1 generated token must fit)"
             )
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
-        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, "NHD", request.cache_salt)
+        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
+                                   request.cache_salt)
         seqs, detoks = [], []
         for i in range(params.n):
             generator = None
