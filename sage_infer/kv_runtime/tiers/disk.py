@@ -331,6 +331,9 @@ class DiskTier(BaseTier):
         reclaimed = 0
         with self._append_lock:
             with self._lock:
+                active = self._active
+                if active is not None and active.size and active.dead_bytes / active.size >= min_fragmentation:
+                    self._active = None  # seal it: the live records move to a new segment
                 victims = sorted(
                     (s for s in self._segments.values() if s is not self._active and s.size),
                     key=lambda s: s.dead_bytes / s.size,
