@@ -24,20 +24,29 @@ from sage_infer.kv_runtime.tiers.base import BaseTier
 from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
 from sage_infer.transport.arena import SharedArena
 
+CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
 
-def copy_runs(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` with one `copy_` per run of consecutive rows on both sides.
 
-    A fresh slab hands out ascending slots, so a batch is usually one run: one memcpy.
+def copy_and_crc(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> list[int]:
+    """``dst[dst_rows[i]] = src[src_rows[i]]``; returns the CRC32C of each copied ``dst`` row.
+
+    Rows are copied in runs (consecutive on both sides, so a fresh slab's batch is a few
+    memcpys) of at most ~1 MiB, each checksummed right after its copy while it is still in
+    cache: on this 2-vCPU VM that is ~1.7x faster than one big copy followed by the CRCs.
     """
+    chunk = max(1, CACHE_CHUNK // max(1, dst.shape[1]))
+    dst_np = dst.numpy()
+    crcs: list[int] = []
     i, n = 0, len(dst_rows)
     while i < n:
         j = i + 1
-        while j < n and dst_rows[j] == dst_rows[j - 1] + 1 and src_rows[j] == src_rows[j - 1] + 1:
+        while j < n and j - i < chunk and dst_rows[j] == dst_rows[j - 1] + 1 and src_rows[j] == src_rows[j - 1] + 1:
             j += 1
         d, s = dst_rows[i], src_rows[i]
         dst[d : d + j - i].copy_(src[s : s + j - i])
+        crcs.extend(crc32c.crc32c(dst_np[row]) for row in range(d, d + j - i))
         i = j
+    return crcs
 
 
 class HostTier(BaseTier):
@@ -49,7 +58,6 @@ class HostTier(BaseTier):
         self.arena = SharedArena(self.num_slots * self.bytes_per_block)
         self.slab = self.arena.tensor((self.num_slots, self.bytes_per_block), torch.uint8)
         self.pinned = pin_host_memory(self.slab) if pin else False
-        self._slab_np = self.slab.numpy()
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0, 1, 2, ...
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._crc = np.zeros(self.num_slots, dtype=np.uint32)
@@ -74,9 +82,7 @@ class HostTier(BaseTier):
                 self._stats.dropped += len(new) - self.num_slots
                 new = dict(list(new.items())[: self.num_slots])
             slots = [self._take_slot() for _ in new]
-            copy_runs(self.slab, slots, blocks, list(new.values()))
-            for slot in slots:
-                self._crc[slot] = crc32c.crc32c(self._slab_np[slot])
+            self._crc[slots] = copy_and_crc(self.slab, slots, blocks.cpu(), list(new.values()))
             for key, slot in zip(reversed(list(new)), reversed(slots)):
                 self._slot_of[key] = slot
             for key in reversed(keys):  # the batch's head ends most recently used
@@ -102,10 +108,9 @@ class HostTier(BaseTier):
                     continue
                 rows.append(row)
                 slots.append(slot)
-            copy_runs(out, rows, self.slab, slots)
-            out_np = out.numpy()
-            for row, slot in zip(rows, slots):
-                if crc32c.crc32c(out_np[row]) != int(self._crc[slot]):  # check the copy the caller gets
+            crcs = copy_and_crc(out, rows, self.slab, slots)  # check the copy the caller gets
+            for row, slot, crc in zip(rows, slots, crcs):
+                if crc != int(self._crc[slot]):
                     self._stats.checksum_failures += 1
                     self._drop(keys[row])
                     if prefix:
@@ -142,5 +147,5 @@ class HostTier(BaseTier):
         with self._lock:
             self._slot_of.clear()
             self._free = []
-            del self.slab, self._slab_np
+            del self.slab
             self.arena.close()
