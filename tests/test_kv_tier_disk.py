@@ -122,3 +122,13 @@ def test_the_cap_drops_whole_oldest_segments(tier):
     assert stats.bytes <= stats.capacity_bytes
     assert tier.contains([keys[0], keys[-1]]) == [False, True]
     assert stats.blocks + stats.evictions == 100
+
+
+def test_a_torn_tail_counts_as_dead_bytes_once(tmp_path):
+    keys, blocks = chain(2)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as first:
+        first.put(keys, blocks)
+    segment = next(tmp_path.glob("*.seg"))
+    segment.write_bytes(segment.read_bytes()[: RECORD + 100])
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as tier:
+        assert tier.stats().fragmentation == pytest.approx(100 / (RECORD + 100))

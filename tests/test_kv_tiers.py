@@ -198,6 +198,8 @@ def test_bad_arguments_are_rejected(make_tier, kind):
     keys, blocks = chain(2)
     with pytest.raises(ValueError, match="blocks must be"):
         tier.put(keys, blocks[:1])
+    with pytest.raises(ValueError, match="blocks must be"):
+        tier.put(keys + keys[:1], blocks)  # 3 keys, 2 blocks
     with pytest.raises(ValueError, match="32-byte hash"):
         tier.get([b"short"])
 

@@ -186,7 +186,8 @@ class BaseTier(ABC):
         keys = self._check_keys(keys)
         if blocks.dtype != torch.uint8:
             blocks = blocks.contiguous().view(torch.uint8)
-        blocks = blocks.reshape(len(keys), -1) if blocks.numel() else blocks.reshape(0, self.bytes_per_block)
+        if blocks.numel() == len(keys) * self.bytes_per_block:
+            blocks = blocks.reshape(len(keys), self.bytes_per_block)
         if blocks.shape != (len(keys), self.bytes_per_block):
             raise ValueError(
                 f"blocks must be [{len(keys)}, {self.bytes_per_block}] bytes for {len(keys)} keys, "

@@ -92,9 +92,11 @@ class DiskTier(BaseTier):
             self._segments[seg.id] = seg
             self._next_id = seg.id + 1
             for rec in seg.records():
-                if rec.length < 0 or rec.digest != self.digest or rec.length != self.bytes_per_block:
+                if rec.length < 0:  # torn: `records()` counted the rest of the file as dead
                     self._stats.skipped_records += 1
-                    seg.dead_bytes += max(rec.size, 0)
+                elif rec.digest != self.digest or rec.length != self.bytes_per_block:
+                    self._stats.skipped_records += 1
+                    seg.dead_bytes += rec.size
                 elif not rec.live:
                     seg.dead_bytes += rec.size
                 else:
