@@ -1,0 +1,196 @@
+"""The one protocol every KV tier store speaks, and what they share.
+
+A block is an opaque row of `schema.bytes_per_block` bytes, keyed by its 32-byte chained
+block hash (`prefix_reuse.hashing.hash_block`, which already covers model, revision, KV
+dtype, layout and tenant salt). Calls are batch-first: `blocks` is a
+``[n, bytes_per_block]`` uint8 tensor, one row per key.
+
+Contract, the same for host, disk and remote:
+
+- `put` never fails because the tier is full: the tier evicts its own oldest blocks.
+- Every block carries a CRC32C taken when it was stored and checked when it is read; a
+  mismatch is a miss, is counted in `checksum_failures`, and the bad block is deleted.
+- `get_prefix` returns the longest *verified* prefix of a chain: a miss or a bad checksum
+  at block i means blocks i.. are not returned, which is exactly what a caller loading a
+  chain can use (it recomputes from block i on).
+- A tier that cannot be reached raises `TierError` (it never hangs past its timeout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.kv_runtime.tiers.errors import TierConfigError
+
+KEY_BYTES = 32  # sha256 chained block hash
+SCHEMA_DIGEST_BYTES = 16
+
+
+def schema_digest(schema: KVCacheSchema) -> bytes:
+    """16-byte digest of the schema's canonical JSON: blocks are only read back under the same one."""
+    text = json.dumps(schema.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).digest()[:SCHEMA_DIGEST_BYTES]
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier. Block counts, not calls: a `get` of 8 keys adds 8 to `gets`.
+
+    `misses` = blocks asked for and not returned (a hole in a chain hides the blocks after it).
+    `dropped` = blocks offered to `put` and not stored (bigger than the whole tier, or the
+    disk writer's queue was full). `fragmentation` = dead bytes / segment bytes (disk only).
+    """
+
+    name: str
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+    dropped: int = 0
+    fragmentation: float = 0.0
+    pending_blocks: int = 0  # disk: queued for the writer thread, already readable
+    skipped_records: int = 0  # disk: records ignored at start-up (torn header, other schema)
+
+
+@runtime_checkable
+class KVTier(Protocol):
+    """A bounded store of whole KV blocks below the device pool."""
+
+    name: str
+    bytes_per_block: int
+    capacity_bytes: int
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Store `blocks[i]` (``[n, bytes_per_block]`` uint8) under `keys[i]`; evicts, never fails when full."""
+
+    def get(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Each key's verified block (a ``[bytes_per_block]`` uint8 CPU tensor, the caller's to keep) or None."""
+
+    def get_prefix(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The longest verified prefix of a chain as ``[k, bytes_per_block]`` (``out[:k]`` when given)."""
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (no checksum check: that happens on read)."""
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Forget the keys (absent keys are ignored)."""
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+class BaseTier(ABC):
+    """What the tiers share: argument checks, the get/get_prefix pair over one `_load`, counters.
+
+    Subclasses implement `_load(keys, out, prefix)`: fill ``out[i]`` for each stored and
+    verified key and return which were filled; with `prefix=True` they may stop at the first
+    miss. Counters are updated under `self._lock` (subclasses use the same lock).
+    """
+
+    name: str
+
+    def __init__(self, schema: KVCacheSchema, capacity_bytes: int, name: str) -> None:
+        if capacity_bytes < schema.bytes_per_block:
+            raise TierConfigError(
+                f"{name} tier capacity {capacity_bytes} B is smaller than one KV block ({schema.bytes_per_block} B)"
+            )
+        self.schema = schema
+        self.name = name
+        self.bytes_per_block = schema.bytes_per_block
+        self.capacity_bytes = int(capacity_bytes)
+        self.digest = schema_digest(schema)
+        self._stats = TierStats(name=name, capacity_bytes=self.capacity_bytes)
+        self._lock = threading.RLock()
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Rows of one freshly allocated ``[n, bytes_per_block]`` tensor (None for misses)."""
+        keys = self._check_keys(keys)
+        out = torch.empty((len(keys), self.bytes_per_block), dtype=torch.uint8)
+        found = self._load(keys, out, prefix=False) if keys else []
+        self._count_gets(len(keys), sum(found))
+        return [out[i] if hit else None for i, hit in enumerate(found)]
+
+    def get_prefix(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out[:k]`` where k is the number of leading keys stored and verified.
+
+        `out`: ``[>= n, bytes_per_block]`` uint8 CPU tensor to load into (a pinned staging
+        buffer, say); allocated when None. Rows past k are unspecified.
+        """
+        keys = self._check_keys(keys)
+        if out is None:
+            out = torch.empty((len(keys), self.bytes_per_block), dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < len(keys) or (
+            out.shape[1] != self.bytes_per_block
+        ):
+            raise ValueError(f"out must be uint8 [>={len(keys)}, {self.bytes_per_block}], got {tuple(out.shape)}")
+        found = self._load(keys, out, prefix=True) if keys else []
+        k = 0
+        while k < len(found) and found[k]:
+            k += 1
+        self._count_gets(len(keys), k)
+        return out[:k]
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._refresh_stats()
+            return TierStats(**{f: getattr(self._stats, f) for f in TierStats.__slots__})
+
+    def __enter__(self) -> BaseTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for subclasses -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]: ...
+
+    @abstractmethod
+    def _refresh_stats(self) -> None:
+        """Fill gauges (blocks, bytes, fragmentation) into `self._stats`; called under the lock."""
+
+    def _count_gets(self, asked: int, returned: int) -> None:
+        with self._lock:
+            self._stats.gets += asked
+            self._stats.hits += returned
+            self._stats.misses += asked - returned
+
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+                raise ValueError(f"a block key is a {KEY_BYTES}-byte hash, got {type(key).__name__} {key!r:.40}")
+        return [bytes(k) for k in keys]
+
+    def _check_put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> tuple[list[bytes], torch.Tensor]:
+        """Keys and blocks as ``[n, bytes_per_block]`` uint8 rows (other dtypes are viewed as bytes)."""
+        keys = self._check_keys(keys)
+        if blocks.dtype != torch.uint8:
+            blocks = blocks.contiguous().view(torch.uint8)
+        if blocks.numel() == len(keys) * self.bytes_per_block:
+            blocks = blocks.reshape(len(keys), self.bytes_per_block)
+        if blocks.shape != (len(keys), self.bytes_per_block):
+            raise ValueError(
+                f"blocks must be [{len(keys)}, {self.bytes_per_block}] bytes for {len(keys)} keys, "
+                f"got {tuple(blocks.shape)}"
+            )
+        return keys, blocks

@@ -1,0 +1,385 @@
+"""`DiskTier`: KV blocks in append-only segment files under one directory, with a size cap.
+
+- Writes go through one background writer thread: `put` copies the rows into memory and
+  queues them (bounded by `max_pending_bytes`; a full queue drops the batch's tail and counts
+  it), so the engine never waits for the disk. Queued blocks are readable at once.
+- An in-memory index ``key -> (segment, offset, length, crc)`` is rebuilt at start-up by
+  reading every record header (format in `segment.py`); records of another schema, and a
+  torn record at a segment's end, are skipped and counted in `skipped_records`.
+- Reads are `os.preadv` from a kept-open fd straight into the caller's rows, then CRC32C.
+- Eviction is FIFO by write time, a segment at a time: when the next record would pass the
+  cap, the oldest segment's file is removed (its blocks count as evictions).
+- Deletes mark records dead (on disk too); `compact()` rewrites the live records of the most
+  fragmented segments at the end and removes them. Compacted blocks count as newly written.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
+
+MiB = 1 << 20
+_IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
+
+
+@dataclass(slots=True, eq=False)
+class _Loc:
+    segment: Segment
+    offset: int  # of the record header
+    crc: int
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    row: torch.Tensor  # [bytes_per_block] uint8, our own copy
+
+
+class DiskTier(BaseTier):
+    """A bounded on-disk store of KV blocks that survives restarts."""
+
+    def __init__(
+        self,
+        schema: KVCacheSchema,
+        directory: str | os.PathLike,
+        capacity_bytes: int,
+        *,
+        segment_bytes: int = 64 * MiB,
+        max_pending_bytes: int = 256 * MiB,
+        name: str = "disk",
+    ) -> None:
+        super().__init__(schema, capacity_bytes, name)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.record_bytes = HEADER.size + self.bytes_per_block
+        # at least 4 segments under the cap, so dropping one frees a quarter at most
+        self.segment_bytes = max(min(segment_bytes, self.capacity_bytes // 4), self.record_bytes)
+        self.max_pending_bytes = max(max_pending_bytes, self.record_bytes)
+        self._segments: dict[int, Segment] = {}  # oldest first (insertion order = id order)
+        self._index: dict[bytes, _Loc] = {}
+        self._pending: dict[bytes, _Pending] = {}
+        self._queue: deque[list[tuple[bytes, _Pending]]] = deque()
+        self._queued_bytes = 0
+        self._busy = False  # the writer holds a batch
+        self._closing = False
+        self._cond = threading.Condition(self._lock)
+        self._append_lock = threading.Lock()  # one appender at a time: the writer thread or compact()
+        self._active: Segment | None = None
+        self._next_id = 0
+        self._scan()
+        with self._lock:
+            self._evict_for(0)
+        self._writer = threading.Thread(target=self._write_loop, name=f"sage-{name}-tier-writer", daemon=True)
+        self._writer.start()
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the index from the segment headers; later records of a key win."""
+        for path in segment_paths(self.directory):
+            seg = Segment.open(path)
+            self._segments[seg.id] = seg
+            self._next_id = seg.id + 1
+            for rec in seg.records():
+                if rec.length < 0:  # torn: `records()` counted the rest of the file as dead
+                    self._stats.skipped_records += 1
+                elif rec.digest != self.digest or rec.length != self.bytes_per_block:
+                    self._stats.skipped_records += 1
+                    seg.dead_bytes += rec.size
+                elif not rec.live:
+                    seg.dead_bytes += rec.size
+                else:
+                    old = self._index.get(rec.key)
+                    if old is not None:
+                        self._kill(rec.key, old, mark=False)
+                    self._index[rec.key] = _Loc(seg, rec.offset, rec.crc)
+                    seg.keys.add(rec.key)
+
+    # -- put and the writer thread -------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Copy the new blocks and queue them for the writer; returns without touching the disk."""
+        keys, blocks = self._check_put(keys, blocks)
+        with self._lock:
+            if self._closing:
+                raise TierError(f"{self.name} tier is closed")
+            self._stats.puts += len(keys)
+            rows: dict[bytes, int] = {}
+            for row, key in enumerate(keys):
+                if key not in self._index and key not in self._pending and key not in rows:
+                    rows[key] = row
+            room = (self.max_pending_bytes - self._queued_bytes) // self.record_bytes
+            if len(rows) > room:  # keep a chain's head: the tail is useless without it
+                self._stats.dropped += len(rows) - max(room, 0)
+                rows = dict(list(rows.items())[: max(room, 0)])
+            if not rows:
+                return
+            copy = blocks.index_select(0, torch.tensor(list(rows.values()), device=blocks.device)).cpu()
+            batch = [(key, _Pending(copy[i])) for i, key in enumerate(rows)]
+            self._pending.update(batch)
+            self._queue.append(batch)
+            self._queued_bytes += len(batch) * self.record_bytes
+            self._cond.notify_all()
+
+    def flush(self, sync: bool = False) -> None:
+        """Wait until every queued block is on disk (in the page cache; `sync=True` fsyncs too)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and not self._busy)
+            segments = list(self._segments.values()) if sync else []
+        for seg in segments:
+            os.fsync(seg.fd)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+                self._busy = True
+            try:
+                records = [(key, entry.row, crc32c.crc32c(entry.row.numpy()), entry) for key, entry in batch]
+                with self._append_lock:
+                    self._append(records, self._commit_pending, enforce_cap=True)
+            except Exception:  # a dead disk must not kill the writer; the blocks are lost
+                with self._lock:
+                    self._stats.errors += len(batch)
+                    for key, entry in batch:
+                        if self._pending.get(key) is entry:
+                            del self._pending[key]
+            finally:
+                with self._cond:
+                    self._queued_bytes -= len(batch) * self.record_bytes
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _commit_pending(self, key: bytes, token: object) -> bool:
+        if self._pending.get(key) is not token:
+            return False  # deleted while queued
+        del self._pending[key]
+        return True
+
+    def _append(
+        self,
+        records: list[tuple[bytes, torch.Tensor, int, object]],
+        commit: Callable[[bytes, object], bool],
+        enforce_cap: bool,
+    ) -> None:
+        """Write (key, payload, crc, token) records at the end; index each one `commit` accepts.
+
+        Called with `_append_lock` held. Layout decisions (segment roll, eviction) are made
+        under the tier lock; the pwritev itself is not, so reads go on during writes.
+        """
+        i = 0
+        while i < len(records):
+            with self._lock:
+                seg = self._active
+                if seg is None or seg.size + self.record_bytes > self.segment_bytes:
+                    seg = self._roll()
+                take = min(len(records) - i, (self.segment_bytes - seg.size) // self.record_bytes, _IOV_MAX // 2)
+                if enforce_cap:
+                    self._evict_for(take * self.record_bytes)
+                start = seg.size
+                seg.size += take * self.record_bytes  # reserve: a concurrent read never sees a half record
+            chunk = records[i : i + take]
+            buffers: list = []
+            for key, payload, crc, _ in chunk:
+                buffers.append(encode_header(self.digest, key, self.bytes_per_block, crc))
+                buffers.append(payload.numpy())
+            written = os.pwritev(seg.fd, buffers, start)
+            if written != take * self.record_bytes:
+                raise TierError(f"{self.name} tier: short write to {seg.path} ({written} bytes)")
+            with self._lock:
+                for j, (key, _, crc, token) in enumerate(chunk):
+                    offset = start + j * self.record_bytes
+                    if commit(key, token):
+                        old = self._index.get(key)
+                        if old is not None:
+                            self._kill(key, old, mark=False)
+                        self._index[key] = _Loc(seg, offset, crc)
+                        seg.keys.add(key)
+                    else:
+                        seg.dead_bytes += self.record_bytes
+                        seg.mark_dead(offset)
+            i += take
+
+    def _roll(self) -> Segment:
+        seg = Segment.create(self.directory, self._next_id)
+        self._next_id += 1
+        self._segments[seg.id] = seg
+        self._active = seg
+        return seg
+
+    def _evict_for(self, incoming: int) -> None:
+        """Drop the oldest segments until `incoming` more bytes fit under the cap (never the active one)."""
+        total = sum(seg.size for seg in self._segments.values())
+        for seg in list(self._segments.values()):
+            if total + incoming <= self.capacity_bytes:
+                return
+            if seg is self._active:
+                continue
+            total -= seg.size
+            self._stats.evictions += len(seg.keys)
+            self._drop_segment(seg)
+
+    def _drop_segment(self, seg: Segment) -> None:
+        for key in seg.keys:
+            del self._index[key]
+        seg.keys.clear()
+        del self._segments[seg.id]
+        seg.doomed = True
+        seg.path.unlink(missing_ok=True)
+        if seg.readers == 0:
+            seg.close()
+
+    def _kill(self, key: bytes, loc: _Loc, mark: bool) -> None:
+        """Forget `key`'s record in `loc` (under the lock); `mark` rewrites its magic on disk."""
+        if self._index.get(key) is loc:
+            del self._index[key]
+        loc.segment.keys.discard(key)
+        loc.segment.dead_bytes += self.record_bytes
+        if mark and not loc.segment.doomed:
+            loc.segment.mark_dead(loc.offset)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]:
+        found = [False] * len(keys)
+        reads: list[tuple[int, bytes, _Loc]] = []
+        with self._lock:
+            for row, key in enumerate(keys):
+                entry = self._pending.get(key)
+                if entry is not None:  # still queued: our own copy, in memory
+                    out[row].copy_(entry.row)
+                    found[row] = True
+                    continue
+                loc = self._index.get(key)
+                if loc is None:
+                    if prefix:
+                        break
+                    continue
+                loc.segment.readers += 1  # keeps the fd open if the segment is dropped meanwhile
+                reads.append((row, key, loc))
+        out_np = out.numpy()
+        bad: list[tuple[bytes, _Loc, bool]] = []  # (key, loc, is_io_error)
+        stop = len(keys)
+        for row, key, loc in reads:
+            if row > stop:
+                break
+            try:
+                ok = os.preadv(loc.segment.fd, [out_np[row]], loc.offset + HEADER.size) == self.bytes_per_block
+            except OSError:
+                bad.append((key, loc, True))
+                ok = False
+            else:
+                if not ok or crc32c.crc32c(out_np[row]) != loc.crc:
+                    bad.append((key, loc, False))
+                    ok = False
+            found[row] = ok
+            if not ok and prefix:
+                stop = row
+        with self._lock:
+            for _, _, loc in reads:
+                seg = loc.segment
+                seg.readers -= 1
+                if seg.doomed and seg.readers == 0:
+                    seg.close()
+            for key, loc, io_error in bad:
+                if io_error:
+                    self._stats.errors += 1
+                else:
+                    self._stats.checksum_failures += 1
+                if self._index.get(key) is loc:
+                    self._kill(key, loc, mark=True)
+        if prefix:
+            found[stop:] = [False] * (len(keys) - stop)
+        return found
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = self._check_keys(keys)
+        with self._lock:
+            return [key in self._pending or key in self._index for key in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        keys = self._check_keys(keys)
+        with self._lock:
+            for key in keys:
+                self._pending.pop(key, None)  # the writer marks its record dead when it gets there
+                loc = self._index.get(key)
+                if loc is not None:
+                    self._kill(key, loc, mark=True)
+
+    # -- space ---------------------------------------------------------------------------------
+
+    def compact(self, min_fragmentation: float = 0.5, max_segments: int | None = None) -> int:
+        """Rewrite the live records of segments at least `min_fragmentation` dead (most dead first).
+
+        The live records go to the end of the newest segment and the old files are removed.
+        The cap may be passed by at most one segment's live bytes while this runs. Returns the
+        number of bytes of segment files reclaimed.
+        """
+        self.flush()
+        reclaimed = 0
+        with self._append_lock:
+            with self._lock:
+                active = self._active
+                if active is not None and active.size and active.dead_bytes / active.size >= min_fragmentation:
+                    self._active = None  # seal it: the live records move to a new segment
+                victims = sorted(
+                    (s for s in self._segments.values() if s is not self._active and s.size),
+                    key=lambda s: s.dead_bytes / s.size,
+                    reverse=True,
+                )
+                victims = [s for s in victims if s.dead_bytes / s.size >= min_fragmentation][:max_segments]
+            for seg in victims:
+                with self._lock:
+                    if seg.doomed:
+                        continue
+                    live = [(key, self._index[key]) for key in seg.keys]
+                keys = [key for key, _ in live]
+                rows = torch.empty((len(keys), self.bytes_per_block), dtype=torch.uint8)
+                found = self._load(keys, rows, prefix=False) if keys else []
+                records = [(key, rows[i], loc.crc, loc) for i, (key, loc) in enumerate(live) if found[i]]
+                self._append(records, lambda key, loc: self._index.get(key) is loc, enforce_cap=False)
+                with self._lock:
+                    if not seg.doomed:
+                        reclaimed += seg.size
+                        self._stats.evictions += len(seg.keys)  # deleted while being copied: gone anyway
+                        self._drop_segment(seg)
+                        reclaimed -= len(records) * self.record_bytes
+        return reclaimed
+
+    def _refresh_stats(self) -> None:
+        total = sum(seg.size for seg in self._segments.values())
+        dead = sum(seg.dead_bytes for seg in self._segments.values())
+        self._stats.blocks = len(self._index) + len(self._pending)
+        self._stats.bytes = total
+        self._stats.pending_blocks = len(self._pending)
+        self._stats.fragmentation = dead / total if total else 0.0
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and close the files (they stay for the next start)."""
+        with self._cond:
+            if self._closing:
+                return
+        self.flush()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._writer.join()
+        with self._lock:
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+            self._index.clear()

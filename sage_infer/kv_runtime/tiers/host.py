@@ -1,0 +1,151 @@
+"""`HostTier`: KV blocks in host DRAM, in one preallocated slab.
+
+Layout: ``slab: [num_slots, bytes_per_block]`` uint8, carved once from a `SharedArena`
+(memfd-backed), so the transport can later send a block straight from its slot without a
+copy, and pinned in place when CUDA is present (`pinned.pin_host_memory`). A free-slot
+stack, ``key -> slot`` and one CRC32C per slot are all the bookkeeping: no allocation
+after start-up.
+
+Eviction is LRU by last access (put or hit). Within one batch, later keys count as older,
+so a chain of blocks loses its tail before its head (the head is what every load needs).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import crc32c
+import numpy as np
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
+from sage_infer.transport.arena import SharedArena
+
+CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
+
+
+def copy_and_crc(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> list[int]:
+    """``dst[dst_rows[i]] = src[src_rows[i]]``; returns the CRC32C of each copied ``dst`` row.
+
+    Rows are copied in runs (consecutive on both sides, so a fresh slab's batch is a few
+    memcpys) of at most ~1 MiB, each checksummed right after its copy while it is still in
+    cache: on this 2-vCPU VM that is ~1.7x faster than one big copy followed by the CRCs.
+    """
+    chunk = max(1, CACHE_CHUNK // max(1, dst.shape[1]))
+    dst_np = dst.numpy()
+    crcs: list[int] = []
+    i, n = 0, len(dst_rows)
+    while i < n:
+        j = i + 1
+        while j < n and j - i < chunk and dst_rows[j] == dst_rows[j - 1] + 1 and src_rows[j] == src_rows[j - 1] + 1:
+            j += 1
+        d, s = dst_rows[i], src_rows[i]
+        dst[d : d + j - i].copy_(src[s : s + j - i])
+        crcs.extend(crc32c.crc32c(dst_np[row]) for row in range(d, d + j - i))
+        i = j
+    return crcs
+
+
+class HostTier(BaseTier):
+    """A bounded DRAM store of ``capacity_bytes // bytes_per_block`` KV blocks."""
+
+    def __init__(self, schema: KVCacheSchema, capacity_bytes: int, *, name: str = "host", pin: bool = True) -> None:
+        super().__init__(schema, capacity_bytes, name)
+        self.num_slots = self.capacity_bytes // self.bytes_per_block
+        self.arena = SharedArena(self.num_slots * self.bytes_per_block)
+        self.slab = self.arena.tensor((self.num_slots, self.bytes_per_block), torch.uint8)
+        self.pinned = pin_host_memory(self.slab) if pin else False
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0, 1, 2, ...
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._crc = np.zeros(self.num_slots, dtype=np.uint32)
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slab row holding `key` (for sending from the slab, and tests); valid until the next put/delete."""
+        with self._lock:
+            return self._slot_of.get(key)
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Copy each new block into a slot (evicting LRU blocks when none is free); known keys are only touched."""
+        keys, blocks = self._check_put(keys, blocks)
+        with self._lock:
+            self._stats.puts += len(keys)
+            new: dict[bytes, int] = {}  # key -> row of `blocks`, first occurrence
+            for row, key in enumerate(keys):
+                if key in self._slot_of:
+                    self._slot_of.move_to_end(key)  # protect it from this batch's evictions
+                elif key not in new:
+                    new[key] = row
+            if len(new) > self.num_slots:  # keep a chain's head: the tail is useless without it
+                self._stats.dropped += len(new) - self.num_slots
+                new = dict(list(new.items())[: self.num_slots])
+            slots = [self._take_slot() for _ in new]
+            self._crc[slots] = copy_and_crc(self.slab, slots, blocks.cpu(), list(new.values()))
+            for key, slot in zip(reversed(list(new)), reversed(slots)):
+                self._slot_of[key] = slot
+            for key in reversed(keys):  # the batch's head ends most recently used
+                if key in self._slot_of:
+                    self._slot_of.move_to_end(key)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        _, slot = self._slot_of.popitem(last=False)
+        self._stats.evictions += 1
+        return slot
+
+    def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]:
+        found = [False] * len(keys)
+        with self._lock:
+            rows, slots = [], []
+            for row, key in enumerate(keys):
+                slot = self._slot_of.get(key)
+                if slot is None:
+                    if prefix:
+                        break
+                    continue
+                rows.append(row)
+                slots.append(slot)
+            crcs = copy_and_crc(out, rows, self.slab, slots)  # check the copy the caller gets
+            for row, slot, crc in zip(rows, slots, crcs):
+                if crc != int(self._crc[slot]):
+                    self._stats.checksum_failures += 1
+                    self._drop(keys[row])
+                    if prefix:
+                        break
+                    continue
+                found[row] = True
+            for row in reversed(rows):
+                if found[row]:
+                    self._slot_of.move_to_end(keys[row])
+        return found
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = self._check_keys(keys)
+        with self._lock:
+            return [key in self._slot_of for key in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        keys = self._check_keys(keys)
+        with self._lock:
+            for key in keys:
+                self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _refresh_stats(self) -> None:
+        self._stats.blocks = len(self._slot_of)
+        self._stats.bytes = len(self._slot_of) * self.bytes_per_block
+
+    def close(self) -> None:
+        """Release the slab; tensors returned by `get` are copies and stay valid."""
+        with self._lock:
+            self._slot_of.clear()
+            self._free = []
+            del self.slab
+            self.arena.close()

@@ -1,0 +1,23 @@
+"""Page-locking host memory for fast device copies: the one place that does it.
+
+DESIGN wants every accelerator call in hal/; hal has no pinned-memory helper yet, so this
+small function lives here until it moves there. On a machine with no CUDA it does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pin_host_memory(tensor: torch.Tensor) -> bool:
+    """Page-lock an existing CPU tensor's memory in place (cudaHostRegister) when CUDA is present.
+
+    In place because the host tier's slab lives in a shared (memfd) arena the transport maps;
+    `tensor.pin_memory()` would copy it elsewhere. Returns True when the memory is now pinned.
+    The registration lasts as long as the mapping (the process unmaps it at exit).
+    """
+    if not torch.cuda.is_available() or tensor.numel() == 0:
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    return int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0

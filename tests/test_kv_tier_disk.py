@@ -1,0 +1,134 @@
+"""What only the disk tier promises: restarts, foreign records, compaction, a writer that never blocks put."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.kv_runtime.tiers import DiskTier
+from sage_infer.kv_runtime.tiers.segment import HEADER
+from tests.test_kv_tiers import BPB, SCHEMA, chain
+
+RECORD = HEADER.size + BPB
+
+
+@pytest.fixture
+def tier(tmp_path):
+    tier = DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=8 * RECORD)
+    yield tier
+    tier.close()
+
+
+def test_a_restarted_tier_finds_what_it_wrote(tmp_path):
+    keys, blocks = chain(10)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as first:
+        first.put(keys, blocks)  # close() writes what is still queued
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as second:
+        assert torch.equal(second.get_prefix(keys), blocks)
+        assert second.stats().blocks == 10
+
+
+def test_a_deleted_block_stays_deleted_after_restart(tmp_path):
+    keys, blocks = chain(3)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as first:
+        first.put(keys, blocks)
+        first.flush()
+        first.delete([keys[1]])
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as second:
+        assert second.contains(keys) == [True, False, True]
+
+
+def test_records_of_another_schema_are_skipped_and_counted(tmp_path):
+    other = KVCacheSchema(num_layers=4, num_kv_heads=1, head_dim=8, block_size=4)  # same 512-byte blocks
+    assert other.bytes_per_block == BPB
+    keys, blocks = chain(3)
+    with DiskTier(other, tmp_path, 64 * BPB) as foreign:
+        foreign.put(keys, blocks)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as tier:
+        assert tier.contains(keys) == [False, False, False]
+        assert tier.stats().skipped_records == 3
+
+
+def test_a_torn_record_at_a_segment_end_is_skipped(tmp_path):
+    keys, blocks = chain(3)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as first:
+        first.put(keys, blocks)
+    segment = next(tmp_path.glob("*.seg"))
+    data = segment.read_bytes()
+    segment.write_bytes(data[: 2 * RECORD + HEADER.size + 10])  # the third write was cut short
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as tier:
+        assert tier.contains(keys) == [True, True, False]
+        assert tier.stats().skipped_records == 1
+        assert torch.equal(tier.get_prefix(keys), blocks[:2])
+
+
+def test_put_returns_before_the_disk_write_and_queued_blocks_are_readable(tier):
+    keys, blocks = chain(4)
+    with tier._append_lock:  # the writer thread cannot write while this is held
+        done = threading.Event()
+        threading.Thread(target=lambda: (tier.put(keys, blocks), done.set()), daemon=True).start()
+        assert done.wait(timeout=30), "put waited for the disk"
+        assert tier.stats().pending_blocks == 4
+        assert torch.equal(tier.get_prefix(keys), blocks)
+        assert list(tier.directory.glob("*.seg")) == []
+    tier.flush()
+    assert tier.stats().pending_blocks == 0
+    assert torch.equal(tier.get_prefix(keys), blocks)
+
+
+def test_a_full_write_queue_drops_the_batch_tail_instead_of_blocking(tmp_path):
+    keys, blocks = chain(5)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB, max_pending_bytes=3 * RECORD) as tier:
+        with tier._append_lock:
+            tier.put(keys, blocks)
+            assert tier.stats().dropped == 2
+        tier.flush()
+        assert tier.contains(keys) == [True, True, True, False, False]
+
+
+def test_a_block_deleted_while_queued_is_not_indexed(tier):
+    keys, blocks = chain(2)
+    with tier._append_lock:
+        tier.put(keys, blocks)
+        tier.delete([keys[0]])
+    tier.flush()
+    assert tier.contains(keys) == [False, True]
+    assert tier.stats().fragmentation > 0
+
+
+def test_compaction_reclaims_dead_bytes(tier):
+    keys, blocks = chain(32)
+    tier.put(keys, blocks)
+    tier.flush()
+    tier.delete(keys[::2])
+    before = tier.stats()
+    assert before.fragmentation == pytest.approx(0.5)
+    reclaimed = tier.compact(min_fragmentation=0.4)
+    after = tier.stats()
+    assert reclaimed > 0 and after.bytes == before.bytes - reclaimed
+    assert after.fragmentation < 0.1
+    assert torch.equal(tier.get_prefix(keys[1::2]), blocks[1::2])
+    assert sum(p.stat().st_size for p in tier.directory.glob("*.seg")) == after.bytes
+
+
+def test_the_cap_drops_whole_oldest_segments(tier):
+    keys, blocks = chain(100)
+    tier.put(keys, blocks)
+    tier.flush()
+    stats = tier.stats()
+    assert stats.bytes <= stats.capacity_bytes
+    assert tier.contains([keys[0], keys[-1]]) == [False, True]
+    assert stats.blocks + stats.evictions == 100
+
+
+def test_a_torn_tail_counts_as_dead_bytes_once(tmp_path):
+    keys, blocks = chain(2)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as first:
+        first.put(keys, blocks)
+    segment = next(tmp_path.glob("*.seg"))
+    segment.write_bytes(segment.read_bytes()[: RECORD + 100])
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as tier:
+        assert tier.stats().fragmentation == pytest.approx(100 / (RECORD + 100))
