@@ -3,8 +3,8 @@
 Each test resolves a config the way the CLI does (`resolve_config`), builds a real
 engine (or server) on a tiny random model, and looks at what came out: pool dtype and
 size, block size, scheduler config, eviction policy, device, bind address, API key.
-`tiers` and `kv_transport` act only in modes not built yet: they build the very same
-engine, and `config show` / `llm generate` say so.
+`kv_transport` acts only in a mode not built yet: it builds the very same engine, and
+`config show` / `llm generate` say so. `tiers` builds the lower KV tiers.
 """
 
 from __future__ import annotations
@@ -184,27 +184,48 @@ def test_host_port_api_key_and_max_waiting_reach_the_server(tiny, bf16_cpu):
     assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
-# --- tiers and kv_transport: validated, shown inactive, warned -------------------------
+# --- tiers: the lower KV tiers are built -----------------------------------------------
 
 
-def test_tiers_and_kv_transport_build_the_same_engine(tiny):
+def test_tiers_build_the_lower_kv_tiers(tiny, tmp_path):
+    assert build(tiny, "kv_pool.num_blocks=8").kv.hierarchy is None
+    engine = build(tiny, "kv_pool.num_blocks=8", "tiers.host_bytes=1MiB", f"tiers.disk_path={tmp_path}",
+                   "tiers.disk_bytes=64MiB")
+    stores = engine.kv.hierarchy.stores
+    assert [s.name for s in stores] == ["host", "disk"]
+    assert stores[0].capacity_bytes == 1 << 20 and stores[1].capacity_bytes == 64 << 20
+    assert engine.kv.block_manager.on_evict == engine.kv.hierarchy.on_evict
+
+
+def test_a_disk_tier_without_a_size_is_one_config_error(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="tiers.disk_bytes"):
+        build(tiny, "kv_pool.num_blocks=8", f"tiers.disk_path={tmp_path}")
+
+
+def test_an_unreachable_remote_tier_fails_at_start(tiny):
+    with pytest.raises(ConfigError, match="tiers: .*redis"):
+        build(tiny, "kv_pool.num_blocks=8", "tiers.remote_url=redis://127.0.0.1:1/0")
+
+
+# --- kv_transport: validated, shown inactive, warned -----------------------------------
+
+
+def test_kv_transport_builds_the_same_engine(tiny):
     plain = build(tiny, "kv_pool.num_blocks=8")
-    loaded = build(tiny, "kv_pool.num_blocks=8", "tiers.host_bytes=1GiB", "kv_transport.backend=tcp",
-                   "kv_transport.target_dtype=int4")
+    loaded = build(tiny, "kv_pool.num_blocks=8", "kv_transport.backend=tcp", "kv_transport.target_dtype=int4")
     assert (pool_of(loaded).num_blocks, pool_of(loaded).dtype) == (pool_of(plain).num_blocks, pool_of(plain).dtype)
     assert loaded.scheduler.config == plain.scheduler.config and loaded.device == plain.device
 
 
-def test_config_show_marks_tiers_and_kv_transport_inactive(sage):
+def test_config_show_marks_kv_transport_inactive_and_tiers_active(sage):
     data = json.loads(sage("config", "show", "--preset", "cpu", "--json", "--kv-transport", "backend=tcp").out)
     rows = {r["field"]: r for r in data["fields"]}
-    assert rows["tiers.host_bytes"]["active"] is False
-    assert rows["tiers.host_bytes"]["inactive_reason"].startswith("the tiered KV store")
+    assert rows["tiers.host_bytes"]["active"] is True
     assert rows["kv_transport.backend"]["active"] is False and "prefill/decode" in rows["kv_transport.backend"][
         "inactive_reason"]
     assert rows["kv_pool.block_size"]["active"] is True and rows["kv_pool.block_size"]["inactive_reason"] is None
     table = sage("config", "show", "--preset", "cpu").out
-    assert "INACTIVE tiers: the tiered KV store" in table and "INACTIVE kv_transport:" in table
+    assert "INACTIVE kv_transport:" in table and "INACTIVE tiers" not in table
 
 
 def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
@@ -214,7 +235,7 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
     assert result.code == 0, result.err
     warnings = [line for line in result.err.splitlines() if line.startswith("sage: warning:")]
     assert len(warnings) == 1
-    assert "tiers.host_bytes" in warnings[0] and "kv_transport.target_dtype" in warnings[0]
+    assert "kv_transport.target_dtype" in warnings[0] and "tiers" not in warnings[0]
     assert "kv_transport.chunk_size" not in warnings[0]  # from the transport preset, not set by the user
     resolved = [line for line in result.err.splitlines() if line.startswith("sage: resolved ")]
     assert [line.split()[2] for line in resolved] == ["device", "model.dtype", "kv_pool.kv_dtype",

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 # dotted prefix -> why nothing reads it. The longest matching prefix wins.
 INACTIVE: dict[str, str] = {
-    "tiers": "the tiered KV store (host/SSD/Redis) is not built yet; values are validated but not used",
     "kv_transport": "prefill/decode separation is not built yet, so no KV moves between instances; "
                     "values are validated but not used (sage transport bench/recommend take their own flags)",
     # The hardware preset drives the device (device.torch_device_type, device.python_module),

@@ -55,6 +55,7 @@ class TierConfig(Strict):
     disk_path: str | None = Field(None, description="Directory of the SSD KV tier; None disables it.")
     disk_bytes: ByteSize = Field(ByteSize(0))
     remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0.")
+    remote_bytes: ByteSize = Field(ByteSize(1 << 30), description="Bytes of KV this server keeps in the remote tier.")
 
     @field_validator("remote_url")
     @classmethod

@@ -15,8 +15,10 @@ from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
+from sage_infer.kv_runtime.tiers import DiskTier, HostTier, RedisTier, TierError
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
@@ -60,7 +62,9 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
             raise ConfigError(f"policy.eviction: {err}") from None
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
-    scheduler = Scheduler(config.scheduler, KVCacheManager(block_manager), max_len, tokenizer.eos_token_ids)
+    hierarchy = build_hierarchy(config, pool)
+    kv = KVCacheManager(block_manager, hierarchy=hierarchy)
+    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=ModelRunner(model, pool, device),
@@ -72,3 +76,33 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         device=device,
     )
     return LLMEngine(parts)
+
+
+def build_hierarchy(config: ServeConfig, pool: KVPool) -> HierarchyManager | None:
+    """The lower KV tiers `config.tiers` asks for, fastest first (host, disk, remote); None without any.
+
+    Each tier is placed by the same `MigrationPolicy` the replay simulator uses, ordered by the
+    device's eviction policy; a remote tier that cannot be reached now is a start-up error.
+    """
+    tiers = config.tiers
+    stores = []
+    try:
+        if tiers.host_bytes:
+            stores.append(HostTier(pool.schema, int(tiers.host_bytes)))
+        if tiers.disk_path is not None:
+            if not tiers.disk_bytes:
+                raise ConfigError("tiers.disk_bytes: set a size cap for the disk tier at tiers.disk_path")
+            stores.append(DiskTier(pool.schema, tiers.disk_path, int(tiers.disk_bytes)))
+        if tiers.remote_url is not None:
+            remote = RedisTier(pool.schema, tiers.remote_url, int(tiers.remote_bytes))
+            stores.append(remote)
+            remote.contains([bytes(32)])  # reach it now: a wrong URL fails at start, not on the first eviction
+    except (TierError, OSError) as err:
+        for store in stores:
+            store.close()
+        raise ConfigError(f"tiers: {err}") from None
+    if not stores:
+        return None
+    if not config.kv_pool.enable_prefix_caching:
+        raise ConfigError("tiers: KV tiers need kv_pool.enable_prefix_caching (blocks are found by their hash)")
+    return HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction, capacity=capacity))

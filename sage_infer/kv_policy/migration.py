@@ -10,6 +10,7 @@ leaves that tier and is registered on the device again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sage_infer.kv_policy.base import EvictionPolicy
@@ -72,6 +73,9 @@ class MigrationPolicy:
     """Demotion and promotion between the device and `tiers` (fastest first).
 
     Without a cost model every evicted block is demoted (nothing says loading loses).
+    `listener`, when set, hears every placement a demotion makes, in decision order, as
+    ``(key, from_level, to_level)`` with level 0 the device, ``i + 1`` for ``tiers[i]`` and
+    ``to_level`` None when the block is dropped: what a caller moving the bytes needs.
     """
 
     def __init__(self, tiers: list[LowerTier], cost: CostBenefitModel | None = None) -> None:
@@ -79,6 +83,7 @@ class MigrationPolicy:
         self.cost = cost
         self.num_demoted = 0
         self.num_dropped = 0
+        self.listener: Callable[[bytes, int, int | None], None] | None = None
 
     def tick(self, now: float) -> None:
         for tier in self.tiers:
@@ -114,12 +119,15 @@ class MigrationPolicy:
         pending = [(key, meta, level)]
         while pending:
             key, meta, level = pending.pop(0)
-            if level >= len(self.tiers):
+            if level >= len(self.tiers) or (
+                self.cost is not None and not self.cost.worth_loading(self.tiers[level].name, meta.tokens, meta.depth)
+            ):
                 self.num_dropped += 1
-                continue
-            tier = self.tiers[level]
-            if self.cost is not None and not self.cost.worth_loading(tier.name, meta.tokens, meta.depth):
-                self.num_dropped += 1
+                if self.listener is not None:
+                    self.listener(key, level, None)
                 continue
             self.num_demoted += 1
-            pending.extend((victim, victim_meta, level + 1) for victim, victim_meta in tier.insert(key, meta))
+            victims = self.tiers[level].insert(key, meta)
+            if self.listener is not None:
+                self.listener(key, level, level + 1)
+            pending.extend((victim, victim_meta, level + 1) for victim, victim_meta in victims)

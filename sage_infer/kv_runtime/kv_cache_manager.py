@@ -13,6 +13,11 @@ A request's KV goes through four calls, in this order:
 
 ``allocate`` grows a running sequence; ``on_evict`` is called with every cached block
 eviction reclaims, before the slot is reused (the tiers demote instead of dropping).
+
+With a `HierarchyManager`, `match` also finds the chain's next blocks in the lower tiers,
+`admit` loads them into fresh device blocks (the longest verified prefix; the rest is
+recomputed) and registers them, and `commit` drops lower-tier copies of blocks the device
+computed again, so the tiers stay exclusive.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Callable
 
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.hierarchy import HierarchyManager
+from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
 NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
@@ -33,11 +40,21 @@ class KVCacheManager:
     `clock` stamps admissions for time-aware eviction policies (the replay passes trace time).
     """
 
-    def __init__(self, block_manager: BlockManager, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+        hierarchy: HierarchyManager | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.index = block_manager.index
         self.block_size = block_manager.block_size
         self.clock = clock
+        self.hierarchy = hierarchy
+        if hierarchy is not None:
+            if self.index is None:
+                raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
+            block_manager.on_evict = hierarchy.on_evict
 
     # -- the eviction hook ------------------------------------------------------------------
 
@@ -60,7 +77,22 @@ class KVCacheManager:
         if self.index is None or seq.block_table:
             return NO_MATCH
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
-        return self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
+        match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
+        if self.hierarchy is not None:
+            self._match_lower(seq, match, match.num_query_blocks)
+        return match
+
+    def _match_lower(self, seq: Sequence, match: PrefixMatch, num_blocks: int) -> None:
+        """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap)."""
+        bs = self.block_size
+        parent = match.block_hashes[-1] if match.block_hashes else None
+        keys = []
+        for i in range(len(match.block_ids), num_blocks):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+            keys.append(parent)
+        found = self.hierarchy.lookup(keys)
+        match.lower_block_hashes = keys[:found]
+        match.num_lower_tokens = found * bs
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
         """New blocks `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
@@ -73,7 +105,7 @@ class KVCacheManager:
         Matched blocks that are cached now count as available until `admit` takes them, so
         they are subtracted from what the pool can hand out.
         """
-        needed = self.blocks_needed(seq, num_new_tokens, match.num_tokens) - len(match.block_ids)
+        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens) - len(match.block_ids)
         return needed <= 0 or needed <= self.available_after(match)
 
     def available_after(self, match: PrefixMatch) -> int:
@@ -84,6 +116,9 @@ class KVCacheManager:
     def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Take `match`'s blocks and allocate room for `num_new_tokens` after them; False, changing nothing, if short.
 
+        `num_new_tokens` counts from `match.total_tokens`: blocks found in a lower tier are
+        loaded here. A load that comes back short (miss, corruption, dead tier) leaves the
+        rest to compute: the sequence then needs more steps, never reads wrong KV.
         The prefix query is counted on the sequence's first admission only (a preempted
         sequence coming back is the same prompt), while the policy sees every reuse.
         """
@@ -98,12 +133,18 @@ class KVCacheManager:
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
-        if not seq.admitted_once:
-            seq.num_cached_tokens = match.num_tokens
-            seq.admitted_once = True
-        needed = self.blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_needed(seq, num_new_tokens + match.num_lower_tokens)
         if needed:
             seq.block_table.extend(self.block_manager.allocate(needed))
+        if match.lower_block_hashes:
+            first = len(match.block_ids)
+            targets = seq.block_table[first : first + len(match.lower_block_hashes)]
+            loaded = self.hierarchy.load(match.lower_block_hashes, targets)
+            seq.num_computed_tokens += loaded * self.block_size
+            self.commit(seq)  # register the loaded blocks: they are full and their tokens are known
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
         return True
 
     @property
@@ -126,8 +167,9 @@ class KVCacheManager:
         """After a step computed KV: register newly full blocks so later requests can hit them."""
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        first_new = len(seq.block_hashes)
         if self.index is not None:
-            for i in range(len(seq.block_hashes), full):
+            for i in range(first_new, full):
                 parent = seq.block_hashes[i - 1] if i else None
                 # a twin computed in the same step may already own this hash: then we move
                 # onto its block, so our chain never hangs off an evictable copy
@@ -136,6 +178,8 @@ class KVCacheManager:
                 )
                 seq.block_table[i] = block_id
                 seq.block_hashes.append(block_hash)
+            if self.hierarchy is not None and full > first_new:
+                self.hierarchy.discard(seq.block_hashes[first_new:full])
         for i in range(max(0, full - 1), len(seq.block_table)):
             filled = min(bs, max(0, seq.num_computed_tokens - i * bs))
             self.block_manager.set_num_tokens(seq.block_table[i], filled)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sage_infer.kv_policy import EvictionPolicy, make_policy
 from sage_infer.prefix_reuse.hashing import hash_block
@@ -26,6 +26,14 @@ class PrefixMatch:
     block_hashes: list[bytes]
     num_tokens: int
     num_query_blocks: int = 0  # full blocks the lookup asked for (what metrics count as queried)
+    # the chain's next blocks after `block_hashes` that a lower KV tier holds (filled by the KV cache manager)
+    lower_block_hashes: list[bytes] = field(default_factory=list)
+    num_lower_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens found anywhere: on the device, then in the tiers below it."""
+        return self.num_tokens + self.num_lower_tokens
 
 
 @dataclass(frozen=True, slots=True)

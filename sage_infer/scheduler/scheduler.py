@@ -134,7 +134,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             match = self.kv.match(seq)  # records nothing: a request that must wait is not counted again
-            num_new = self._chunk(seq.num_tokens - match.num_tokens, budget)
+            num_new = self._chunk(seq.num_tokens - match.total_tokens, budget)
             if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
             self.waiting.pop(0)

@@ -1,0 +1,230 @@
+"""`HierarchyManager`: the device pool plus the tiers below it (host DRAM, local disk, remote).
+
+Decisions and bytes are kept apart. *Which* tier holds a block is decided by
+`kv_policy.MigrationPolicy` — the object `sage kv replay --tiers` drives too — over exclusive
+lower tiers sized in blocks like the stores below them. *The bytes* live in the tier stores
+(`kv_runtime/tiers/`), moved here:
+
+- **demote** (`on_evict`, called by the block manager before an evicted slot is reused):
+  the block is copied out of the pool, then the policy's moves are applied deepest first,
+  so every store has made room before a block lands in it;
+- **lookup** (pure): how many blocks of a chain, right after the device's prefix, the lower
+  tiers hold;
+- **load**: those blocks come back into freshly allocated device blocks. A tier returns the
+  longest *verified* prefix (CRC32C per block), so a miss, a corrupt block or a dead backend
+  only shortens the hit: the caller recomputes the rest, never reads wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
+from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.kv_runtime.tiers.base import KVTier
+from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.prefix_reuse.index import EvictedBlock
+
+log = logging.getLogger("sage_infer.kv_runtime")
+RETRY_AFTER_S = 5.0  # a store that failed is skipped this long before it is tried again
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Per-tier traffic the hierarchy caused (the stores keep their own lower-level counters)."""
+
+    demoted_blocks: int = 0  # blocks written into this tier
+    loaded_blocks: int = 0  # blocks read back from this tier into the device
+    errors: int = 0  # calls that raised TierError (unreachable backend)
+
+
+@dataclass(slots=True)
+class HierarchyStats:
+    demoted_blocks: int = 0
+    dropped_blocks: int = 0  # evicted from the device (or a tier) and kept nowhere below
+    loaded_blocks: int = 0
+    load_failures: int = 0  # blocks a lookup found but no tier returned verified: recomputed
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+
+
+class HierarchyManager:
+    """Lower tiers of one device pool, fastest first. `migration.tiers[i]` decides for `stores[i]`."""
+
+    def __init__(self, pool: KVPool, stores: Sequence[KVTier], migration: MigrationPolicy) -> None:
+        if len(stores) != len(migration.tiers):
+            raise ValueError(f"{len(stores)} tier stores for {len(migration.tiers)} migration tiers")
+        for store in stores:
+            if store.bytes_per_block != pool.block_nbytes:
+                raise ValueError(f"tier {store.name} holds {store.bytes_per_block}-byte blocks, the pool's are "
+                                 f"{pool.block_nbytes} bytes")
+        self.pool = pool
+        self.stores = list(stores)
+        self.migration = migration
+        self.level_of = {tier.name: level for level, tier in enumerate(migration.tiers, 1)}
+        self.stats = HierarchyStats(tiers={store.name: TierCounters() for store in stores})
+        self._down_until: dict[str, float] = {}
+
+    @classmethod
+    def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None) -> HierarchyManager:
+        """Size one exclusive `LowerTier` per store by how many blocks the store holds."""
+        tiers = [LowerTier(store.name, max(1, store.capacity_bytes // store.bytes_per_block),
+                           make_policy(max(1, store.capacity_bytes // store.bytes_per_block)))
+                 for store in stores]
+        return cls(pool, stores, MigrationPolicy(tiers, cost))
+
+    def _store(self, level: int) -> KVTier:
+        """The store of migration level `level` (1 = the first tier below the device)."""
+        return self.stores[level - 1]
+
+    # -- demote ---------------------------------------------------------------------------------
+
+    def on_evict(self, block: EvictedBlock) -> None:
+        """The device is about to reuse `block`'s slot: copy it out and let the policy place it."""
+        data = self.pool.read_blocks([block.block_id]).view(torch.uint8).reshape(1, -1)
+        moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
+        self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
+        try:
+            self.migration.demote(block.block_hash, BlockMeta(block.depth, block.parent_hash, self.pool.block_size))
+        finally:
+            self.migration.listener = None
+        # deepest first: a store's victims leave before the block that displaced them arrives
+        for key, src, dst in reversed(moves):
+            self._apply(key, src, dst, data if key == block.block_hash else None)
+
+    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None) -> None:
+        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device."""
+        try:
+            if dst is None:
+                if src > 0:
+                    self._store(src).delete([key])
+                self.stats.dropped_blocks += 1
+                return
+            if data is None:  # between lower tiers: read it from where it is
+                got = self._store(src).get([key])[0]
+                self._store(src).delete([key])
+                if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
+                    self._forget(key, dst)
+                    return
+                data = got.reshape(1, -1)
+            store = self._store(dst)
+            if not self._usable(store):
+                self._forget(key, dst)
+                self.stats.dropped_blocks += 1
+                return
+            store.put([key], data)
+            self.stats.demoted_blocks += 1
+            self.stats.tiers[store.name].demoted_blocks += 1
+        except TierError as err:
+            self._failed(dst if dst is not None else src, err)
+            if dst is not None:
+                self._forget(key, dst)
+
+    def _forget(self, key: bytes, level: int) -> None:
+        """The policy placed `key` at `level` but its bytes are not there: drop the decision too."""
+        tier = self.migration.tiers[level - 1]
+        if key in tier:
+            tier.pop(key)
+
+    def _failed(self, level: int, err: TierError) -> None:
+        """Count a store failure and rest the store for `RETRY_AFTER_S`: its blocks are recomputed meanwhile."""
+        store = self._store(level)
+        self.stats.tiers[store.name].errors += 1
+        self._down_until[store.name] = time.monotonic() + RETRY_AFTER_S
+        log.warning("KV tier %s failed, skipped for %.0f s: %s", store.name, RETRY_AFTER_S, err)
+
+    # -- lookup and load ------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` some lower tier holds (asked of the stores: a restarted disk tier or a
+        Redis another server filled count too). Changes nothing; a failing store counts as empty."""
+        present = [False] * len(keys)
+        for level, store in enumerate(self.stores, 1):
+            missing = [i for i, hit in enumerate(present) if not hit]
+            if not missing or not self._usable(store):
+                continue
+            try:
+                found = store.contains([keys[i] for i in missing])
+            except TierError as err:
+                self._failed(level, err)
+                continue
+            for i, hit in zip(missing, found):
+                present[i] = hit
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Bring `keys` (a chain's next blocks) into device `block_ids`; the number loaded and verified.
+
+        At each position the fastest store holding the rest of the chain answers with its
+        longest verified prefix (one `get_prefix` call); the next store continues where it
+        stopped. When no store has the next block verified, the load ends: the caller
+        recomputes from there.
+        """
+        loaded = 0
+        while loaded < len(keys):
+            progress = 0
+            for level, store in enumerate(self.stores, 1):
+                if not self._usable(store):
+                    continue
+                run = list(keys[loaded:])
+                try:
+                    rows = store.get_prefix(run)
+                except TierError as err:
+                    self._failed(level, err)
+                    continue
+                progress = rows.shape[0]
+                if progress:
+                    blocks = rows.view(self.pool.dtype).reshape(progress, *self.pool.block_shape)
+                    self.pool.write_blocks(list(block_ids[loaded : loaded + progress]), blocks)
+                    self._promoted(store, run[:progress])
+                    break
+            if not progress:
+                break
+            loaded += progress
+        if loaded < len(keys):
+            self.stats.load_failures += len(keys) - loaded
+        return loaded
+
+    def _promoted(self, store: KVTier, keys: list[bytes]) -> None:
+        """`keys` now live on the device: out of the tier (exclusive tiers) and out of the policy's view."""
+        counters = self.stats.tiers[store.name]
+        counters.loaded_blocks += len(keys)
+        self.stats.loaded_blocks += len(keys)
+        for key in keys:
+            self.migration.promote(key)
+        try:
+            store.delete(keys)
+        except TierError as err:
+            self._failed(self.stores.index(store) + 1, err)
+
+    def _usable(self, store: KVTier) -> bool:
+        """False for a while after the store failed, so a dead backend costs one timeout, not one per step."""
+        return time.monotonic() >= self._down_until.get(store.name, 0.0)
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """The device registered `keys` (computed again): forget lower-tier placements so tiers stay exclusive.
+
+        Only placements this process made are dropped; a copy another server put in a shared
+        tier stays (it is theirs too), and a stale copy here is only ever a verified duplicate.
+        """
+        for key in keys:
+            tier = self.migration.tier_of(key)
+            if tier is None:
+                continue
+            self.migration.discard(key)
+            store = self._store(self.level_of[tier.name])
+            try:
+                store.delete([key])
+            except TierError as err:
+                self._failed(self.level_of[tier.name], err)
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()

@@ -1,0 +1,126 @@
+"""Lower KV tiers in the engine: an evicted block is demoted, a later prompt loads it back,
+and whatever goes wrong below (corruption, a dead Redis) costs recompute, never a wrong token.
+
+The device pool holds 8 blocks of 16 tokens; prompt A is 5 full blocks + 1 token. Two other
+prompts of the same size then need the pool, which evicts A's cached blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
+from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
+from tests.redis_fixture import start_redis
+from tests.tiny_models import make_tiny_model
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def prompt(seed: int) -> list[int]:
+    return [5 + (seed * 37 + 11 * j) % 500 for j in range(5 * BLOCK + 1)]
+
+
+A, B, C = prompt(1), prompt(2), prompt(3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiers") / "model", "llama")
+
+
+def make_llm(model_dir, **tiers) -> LLM:
+    config = ServeConfig(
+        model=ModelConfig(path=str(model_dir), dtype="fp32"),
+        kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=8),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+        tiers=TierConfig(**tiers),
+    )
+    return LLM(config=config, device="cpu")
+
+
+def run(llm: LLM, tokens: list[int]):
+    [out] = llm.generate([tokens], GREEDY)
+    return out.outputs[0].token_ids, out.metrics.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir):
+    """A's tokens from an engine that never saw it."""
+    return run(make_llm(model_dir), A)[0]
+
+
+def test_without_tiers_an_evicted_prompt_is_recomputed(model_dir, cold):
+    llm = make_llm(model_dir)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    assert run(llm, A) == (cold, 0)
+
+
+def test_an_evicted_prompt_comes_back_from_the_host_tier(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    hierarchy = llm.engine.kv.hierarchy
+    assert hierarchy.stats.demoted_blocks >= 5
+    tokens, cached = run(llm, A)
+    assert tokens == cold
+    assert cached == 5 * BLOCK
+    assert hierarchy.stats.tiers["host"].loaded_blocks == 5
+    assert hierarchy.stores[0].stats().blocks == hierarchy.stats.demoted_blocks - 5  # exclusive: loaded ones left
+    llm.engine.kv.block_manager.check_invariants()
+
+
+def test_a_corrupt_block_in_the_host_tier_is_recomputed(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    host = llm.engine.kv.hierarchy.stores[0]
+    engine = llm.engine
+    keys = hash_token_blocks(A, BLOCK, make_extra_key(engine.model_id, engine.revision, engine.kv_dtype, "NHD"))
+    host.slab[host.slot_of(keys[2])][100] ^= 0xFF  # A's third block is wrong now
+    tokens, cached = run(llm, A)
+    assert tokens == cold
+    assert cached == 2 * BLOCK  # the verified prefix: blocks 0 and 1
+    assert host.stats().checksum_failures == 1
+    assert llm.engine.kv.hierarchy.stats.load_failures >= 1
+
+
+def test_a_restarted_engine_hits_what_the_disk_tier_wrote(model_dir, cold, tmp_path):
+    first = make_llm(model_dir, disk_path=str(tmp_path), disk_bytes=64 << 20)
+    for tokens in (A, B, C):
+        run(first, tokens)
+    assert first.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks >= 5
+    first.engine.kv.hierarchy.close()
+    second = make_llm(model_dir, disk_path=str(tmp_path), disk_bytes=64 << 20)
+    assert run(second, A) == (cold, 5 * BLOCK)
+
+
+def test_two_engines_share_prefixes_through_redis(model_dir, cold):
+    server = start_redis()
+    try:
+        writer = make_llm(model_dir, remote_url=server.url)
+        for tokens in (A, B, C):
+            run(writer, tokens)
+        reader = make_llm(model_dir, remote_url=server.url)
+        assert run(reader, A) == (cold, 5 * BLOCK)
+    finally:
+        server.kill()
+
+
+def test_a_redis_that_dies_mid_run_costs_recompute_not_requests(model_dir, cold):
+    server = start_redis()
+    try:
+        llm = make_llm(model_dir, remote_url=server.url)
+        for tokens in (A, B):
+            run(llm, tokens)
+        server.kill()
+        for tokens in (C, B):  # evictions now fail to demote
+            run(llm, tokens)
+        assert run(llm, A) == (cold, 0)
+        assert llm.engine.kv.hierarchy.stats.tiers["redis"].errors >= 1
+        llm.engine.kv.block_manager.check_invariants()
+    finally:
+        server.kill()
