@@ -102,7 +102,11 @@ class NativeBackend:
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._pending_adds)
 
     def health(self) -> HealthStatus:
-        return HealthStatus(True) if self._dead is None else HealthStatus(False, _DEAD)
+        """Dead engine: not ok. A lower KV tier that is down degrades (its blocks are recomputed) but serves."""
+        if self._dead is not None:
+            return HealthStatus(False, _DEAD)
+        down = {t.name: t.down_reason or "down" for t in self.engine.stats().tiers if not t.up}
+        return HealthStatus(True, degraded=down)
 
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._on_finished = callback

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from sage_infer.cli.options import ConfigFileOpt, JsonOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
+from sage_infer.cli.options import (
+    ConfigFileOpt,
+    JsonOpt,
+    KVTiersOpt,
+    KVTransportOpt,
+    ModelOpt,
+    PresetOpt,
+    SetOpt,
+    resolve_flags,
+)
 from sage_infer.cli.output import emit, table
 from sage_infer.config.inactive import section_of
 
@@ -18,6 +27,7 @@ def show(
     preset: PresetOpt = None,
     config: ConfigFileOpt = None,
     kv_transport: KVTransportOpt = None,
+    kv_tiers: KVTiersOpt = None,
     set_: SetOpt = None,
     model: ModelOpt = None,
     hardware: bool = typer.Option(False, "--hardware", help="Also list every hardware preset field."),
@@ -25,7 +35,7 @@ def show(
 ) -> None:
     """Print every resolved value with its source (cli > env > config > preset > default);
     fields the serve process does not use yet are marked INACTIVE with the reason."""
-    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
+    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)}, kv_tiers)
     rows = resolved.rows()
     data = {
         "hardware_preset": resolved.hardware_preset,

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from sage_infer.cli.llm_bench import bench
-from sage_infer.cli.options import ConfigFileOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
+from sage_infer.cli.options import ConfigFileOpt, KVTiersOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
 
 app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
 
@@ -29,6 +29,7 @@ def serve(
     preset: PresetOpt = None,
     config: ConfigFileOpt = None,
     kv_transport: KVTransportOpt = None,
+    kv_tiers: KVTiersOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Start the OpenAI-compatible server."""
@@ -38,7 +39,7 @@ def serve(
         "port": ("--port", port),
         "api_key": ("--api-key", api_key),
     }
-    resolved = resolve_flags(preset, config, kv_transport, set_, named)
+    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
@@ -62,6 +63,7 @@ def generate(
     preset: PresetOpt = None,
     config: ConfigFileOpt = None,
     kv_transport: KVTransportOpt = None,
+    kv_tiers: KVTiersOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Generate text with the native engine (the bundled demo model unless --model)."""
@@ -72,7 +74,7 @@ def generate(
     texts = list(prompt or []) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
-    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)})
+    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)}, kv_tiers)
     _announce_startup(resolved)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -23,6 +23,14 @@ KVTransportOpt = Annotated[
         "chunk-size=4MiB, max-inflight=16, zero-copy=true ...",
     ),
 ]
+KVTiersOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--kv-tiers",
+        help="Lower KV tiers, repeatable or comma-separated: host=8GiB, disk=/path:50GiB, "
+        "remote=redis://127.0.0.1:6379/0, remote-bytes=2GiB.",
+    ),
+]
 SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", help="Any config field as section.field=value, e.g. kv_pool.block_size=32 (repeatable)."),
@@ -38,18 +46,20 @@ def resolve_flags(
     kv_transport: list[str] | None,
     sets: list[str] | None,
     named: dict[str, tuple[str, object]] | None = None,
+    kv_tiers: list[str] | None = None,
 ):
     """Resolve the process config from the shared flags.
 
     `named` maps dotted field -> (flag text, value) for a command's own flags
     (``{"model.path": ("--model", path)}``); None values are skipped.
     """
-    from sage_infer.config.overrides import CliLayer, add_kv_transport_flags, add_set_flags
+    from sage_infer.config.overrides import CliLayer, add_kv_tiers_flags, add_kv_transport_flags, add_set_flags
     from sage_infer.config.resolve import resolve_config
 
     layer = CliLayer()
     add_set_flags(layer, sets)
     add_kv_transport_flags(layer, kv_transport)
+    add_kv_tiers_flags(layer, kv_tiers)
     for dotted, (flag, value) in (named or {}).items():
         if value is not None:
             layer.set(dotted, value, flag)

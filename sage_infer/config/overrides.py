@@ -65,6 +65,29 @@ def add_kv_transport_flags(layer: CliLayer, items: list[str] | None) -> None:
             layer.set(f"kv_transport.{name}", value, f"--kv-transport {key}={value}")
 
 
+def add_kv_tiers_flags(layer: CliLayer, items: list[str] | None) -> None:
+    """``--kv-tiers host=8GiB,disk=/path:50GiB,remote=redis://127.0.0.1:6379/0[,remote-bytes=2GiB]``."""
+    for item in items or []:
+        for part in item.split(","):
+            key, value = _split("--kv-tiers", part)
+            name = key.replace("_", "-").lower()
+            origin = f"--kv-tiers {key}={value}"
+            if name == "host":
+                layer.set("tiers.host_bytes", value, origin)
+            elif name == "disk":
+                path, sep, size = value.rpartition(":")
+                if not sep or not path or not size:
+                    raise UsageError(f"{origin}: expected disk=PATH:SIZE, e.g. disk=/var/cache/sage:50GiB")
+                layer.set("tiers.disk_path", path, origin)
+                layer.set("tiers.disk_bytes", size, origin)
+            elif name == "remote":
+                layer.set("tiers.remote_url", value, origin)
+            elif name == "remote-bytes":
+                layer.set("tiers.remote_bytes", value, origin)
+            else:
+                raise UsageError(f"--kv-tiers: unknown tier {key!r}; expected host, disk, remote or remote-bytes")
+
+
 def add_set_flags(layer: CliLayer, items: list[str] | None) -> None:
     """``--set section.field=value`` for any `ServeConfig` field."""
     for item in items or []:

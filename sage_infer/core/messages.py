@@ -7,7 +7,7 @@ command queue never carries a bare tuple whose meaning lives in its position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sage_infer.core.sampling_params import SamplingParams
@@ -36,6 +36,22 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """One lower KV tier (host, disk, remote) as the engine sees it right now."""
+
+    name: str
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    demoted_blocks: int  # blocks moved down into this tier
+    loaded_blocks: int  # blocks moved up from it into the device
+    errors: int  # calls to it that failed (unreachable backend)
+    checksum_failures: int  # blocks read back corrupt (recomputed)
+    up: bool  # False while the tier rests after a failure (its blocks are recomputed meanwhile)
+    down_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of an engine's load and KV cache, read at call time."""
 
@@ -46,10 +62,14 @@ class EngineStats:
     num_free_blocks: int = 0
     num_cached_blocks: int = 0  # held by no request, kept for prefix reuse
     block_size: int = 0
+    block_bytes: int = 0  # bytes of one KV block (all layers, K and V)
     prefix_caching: bool = False
     prefix_queries: int = 0  # prefix lookups since start
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens found there
+    tiers: tuple[TierSnapshot, ...] = ()  # lower KV tiers, fastest first
+    tier_dropped_blocks: int = 0  # evicted blocks no tier kept
+    tier_load_failures: int = 0  # blocks a lookup found below but no tier returned verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +93,4 @@ class HealthStatus:
 
     ok: bool
     reason: str | None = None
+    degraded: dict[str, str] = field(default_factory=dict)  # part -> why (e.g. a KV tier that is down)

@@ -154,11 +154,20 @@ class LLMEngine:
             num_free_blocks=manager.num_free_blocks,
             num_cached_blocks=manager.num_cached_blocks,
             block_size=manager.block_size,
+            block_bytes=self.runner.pool.block_nbytes,
             prefix_caching=index is not None,
             prefix_queries=metrics.queries if metrics is not None else 0,
             prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        hierarchy = self.kv.hierarchy
+        if hierarchy is None:
+            return {}
+        return {"tiers": hierarchy.snapshots(), "tier_dropped_blocks": hierarchy.stats.dropped_blocks,
+                "tier_load_failures": hierarchy.stats.load_failures}
 
     def model_info(self) -> ModelInfo:
         """The served model as a front end sees it: name, tokenizer, limits."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sage_infer.core.messages import TierSnapshot
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.tiers.base import KVTier
@@ -68,6 +69,7 @@ class HierarchyManager:
         self.level_of = {tier.name: level for level, tier in enumerate(migration.tiers, 1)}
         self.stats = HierarchyStats(tiers={store.name: TierCounters() for store in stores})
         self._down_until: dict[str, float] = {}
+        self._down_reason: dict[str, str] = {}
 
     @classmethod
     def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None) -> HierarchyManager:
@@ -135,6 +137,7 @@ class HierarchyManager:
         store = self._store(level)
         self.stats.tiers[store.name].errors += 1
         self._down_until[store.name] = time.monotonic() + RETRY_AFTER_S
+        self._down_reason[store.name] = str(err)
         log.warning("KV tier %s failed, skipped for %.0f s: %s", store.name, RETRY_AFTER_S, err)
 
     # -- lookup and load ------------------------------------------------------------------------
@@ -159,21 +162,24 @@ class HierarchyManager:
             n += 1
         return n
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Bring `keys` (a chain's next blocks) into device `block_ids`; the number loaded and verified.
+    def fetch(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """Take `keys` (a chain's next blocks) out of the tiers: ``[k, block_nbytes]`` uint8, the verified prefix.
 
         At each position the fastest store holding the rest of the chain answers with its
         longest verified prefix (one `get_prefix` call); the next store continues where it
-        stopped. When no store has the next block verified, the load ends: the caller
-        recomputes from there.
+        stopped. When no store has the next block verified, the fetch ends: the caller
+        recomputes from there. Fetched blocks leave the tiers (they are exclusive) before the
+        caller allocates device blocks for them, so the evictions that allocation causes can
+        never push out a block being loaded.
         """
-        loaded = 0
-        while loaded < len(keys):
+        parts: list[torch.Tensor] = []
+        fetched = 0
+        while fetched < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):
                 if not self._usable(store):
                     continue
-                run = list(keys[loaded:])
+                run = list(keys[fetched:])
                 try:
                     rows = store.get_prefix(run)
                 except TierError as err:
@@ -181,16 +187,26 @@ class HierarchyManager:
                     continue
                 progress = rows.shape[0]
                 if progress:
-                    blocks = rows.view(self.pool.dtype).reshape(progress, *self.pool.block_shape)
-                    self.pool.write_blocks(list(block_ids[loaded : loaded + progress]), blocks)
+                    parts.append(rows)
                     self._promoted(store, run[:progress])
                     break
             if not progress:
                 break
-            loaded += progress
-        if loaded < len(keys):
-            self.stats.load_failures += len(keys) - loaded
-        return loaded
+            fetched += progress
+        if fetched < len(keys):
+            self.stats.load_failures += len(keys) - fetched
+        if not parts:
+            return torch.empty((0, self.pool.block_nbytes), dtype=torch.uint8)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def write(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Copy fetched rows (``[k, block_nbytes]`` uint8) into device blocks, bit-exact."""
+        blocks = rows.view(self.pool.dtype).reshape(rows.shape[0], *self.pool.block_shape)
+        self.pool.write_blocks(list(block_ids), blocks)
+
+    def tick(self, now: float) -> None:
+        """Advance the lower tiers' policy clocks (time-aware policies), as the device's is."""
+        self.migration.tick(now)
 
     def _promoted(self, store: KVTier, keys: list[bytes]) -> None:
         """`keys` now live on the device: out of the tier (exclusive tiers) and out of the policy's view."""
@@ -224,6 +240,21 @@ class HierarchyManager:
                 store.delete([key])
             except TierError as err:
                 self._failed(self.level_of[tier.name], err)
+
+    def snapshots(self) -> tuple[TierSnapshot, ...]:
+        """Every tier's state for stats and /metrics (a store's own `stats()` never raises)."""
+        now = time.monotonic()
+        out = []
+        for store in self.stores:
+            own, counters = store.stats(), self.stats.tiers[store.name]
+            down = self._down_until.get(store.name, 0.0) > now
+            out.append(TierSnapshot(
+                name=store.name, blocks=own.blocks, bytes=own.bytes, capacity_bytes=own.capacity_bytes,
+                demoted_blocks=counters.demoted_blocks, loaded_blocks=counters.loaded_blocks,
+                errors=counters.errors, checksum_failures=own.checksum_failures, up=not down,
+                down_reason=self._down_reason.get(store.name) if down else None,
+            ))
+        return tuple(out)
 
     def close(self) -> None:
         for store in self.stores:

@@ -127,20 +127,25 @@ class KVCacheManager:
         if not self.can_admit(seq, match, num_new_tokens):
             return False
         if self.index is not None:
-            self.index.policy.tick(self.clock())
+            now = self.clock()
+            self.index.policy.tick(now)
             self.index.record_hit(match, count_query=not seq.admitted_once)
             self.block_manager.acquire(match.block_ids)
+        staged = None
+        if self.hierarchy is not None:
+            self.hierarchy.tick(now)
+            if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them
+                staged = self.hierarchy.fetch(match.lower_block_hashes)
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
         needed = self.blocks_needed(seq, num_new_tokens + match.num_lower_tokens)
         if needed:
             seq.block_table.extend(self.block_manager.allocate(needed))
-        if match.lower_block_hashes:
+        if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
-            targets = seq.block_table[first : first + len(match.lower_block_hashes)]
-            loaded = self.hierarchy.load(match.lower_block_hashes, targets)
-            seq.num_computed_tokens += loaded * self.block_size
+            self.hierarchy.write(seq.block_table[first : first + staged.shape[0]], staged)
+            seq.num_computed_tokens += staged.shape[0] * self.block_size
             self.commit(seq)  # register the loaded blocks: they are full and their tokens are known
         if not seq.admitted_once:
             seq.num_cached_tokens = seq.num_computed_tokens

@@ -86,6 +86,8 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         health = backend.health()
         if not health.ok:
             return error_response(503, health.reason or "the engine stopped")
+        if health.degraded:  # still serving: what is down costs recompute, not requests
+            return JSONResponse({"status": "degraded", "degraded": health.degraded})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -40,7 +40,48 @@ class _EngineCollector:
                                    labels=labels)
         queries.add_metric(value, stats.prefix_query_tokens)
         hits.add_metric(value, stats.prefix_hit_tokens)
+        yield from self._tiers(stats, labels, value)
         yield from (running, waiting, usage, queries, hits)
+
+    @staticmethod
+    def _tiers(stats, labels: list[str], value: list[str]):
+        """Lower KV tiers (none without `tiers:` config): size, traffic per direction, failures, up/down."""
+        if not stats.tiers:
+            return
+        by_tier = [*labels, "tier"]
+        families = {
+            "blocks": GaugeMetricFamily("sage:kv_tier_blocks", "KV blocks held by the tier.", labels=by_tier),
+            "bytes": GaugeMetricFamily("sage:kv_tier_bytes", "Bytes of KV held by the tier.", labels=by_tier),
+            "capacity": GaugeMetricFamily("sage:kv_tier_capacity_bytes", "Capacity of the tier.", labels=by_tier),
+            "up": GaugeMetricFamily("sage:kv_tier_up", "1 when the tier is used, 0 while it rests after a failure.",
+                                    labels=by_tier),
+            "errors": CounterMetricFamily("sage:kv_tier_errors", "Calls to the tier that failed.", labels=by_tier),
+            "corrupt": CounterMetricFamily("sage:kv_tier_checksum_failures", "Blocks read back with a bad CRC32C.",
+                                           labels=by_tier),
+        }
+        moved = CounterMetricFamily("sage:kv_tier_migrated_blocks", "Blocks moved between the device and a tier.",
+                                    labels=[*by_tier, "direction"])
+        moved_bytes = CounterMetricFamily("sage:kv_tier_migrated_bytes", "Bytes moved between the device and a tier.",
+                                          labels=[*by_tier, "direction"])
+        block_bytes = stats.block_bytes
+        for tier in stats.tiers:
+            at = [*value, tier.name]
+            families["blocks"].add_metric(at, tier.blocks)
+            families["bytes"].add_metric(at, tier.bytes)
+            families["capacity"].add_metric(at, tier.capacity_bytes)
+            families["up"].add_metric(at, 1 if tier.up else 0)
+            families["errors"].add_metric(at, tier.errors)
+            families["corrupt"].add_metric(at, tier.checksum_failures)
+            for direction, blocks in (("demote", tier.demoted_blocks), ("load", tier.loaded_blocks)):
+                moved.add_metric([*at, direction], blocks)
+                moved_bytes.add_metric([*at, direction], blocks * block_bytes)
+        dropped = CounterMetricFamily("sage:kv_tier_dropped_blocks", "Evicted blocks that no tier kept.",
+                                      labels=labels)
+        dropped.add_metric(value, stats.tier_dropped_blocks)
+        failures = CounterMetricFamily("sage:kv_tier_load_failures",
+                                       "Blocks found in a tier but not returned verified (recomputed).", labels=labels)
+        failures.add_metric(value, stats.tier_load_failures)
+        yield from (*families.values(), moved, moved_bytes, dropped, failures)
 
 
 class ServerMetrics:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sage_infer.kv_policy.base import POLICIES, make_policy
+from sage_infer.kv_policy.base import POLICIES, EvictionPolicy, make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
 from sage_infer.prefix_reuse.hashing import hash_block
@@ -84,7 +84,7 @@ def replay_device(
 
 def replay_tiered(
     requests: Sequence[TraceRequest],
-    policy: str,
+    policy: str | EvictionPolicy,
     tiers: Sequence[TierSpec],
     cost: CostBenefitModel | None = None,
 ) -> TieredResult:
@@ -95,10 +95,13 @@ def replay_tiered(
     """
     assert tiers and tiers[0].name == "device", "the first tier is the device"
     capacity = tiers[0].capacity_blocks
-    device_policy = make_policy(policy, capacity=capacity)
-    cache = TraceCache(device_policy, capacity)
-    migration = MigrationPolicy([LowerTier(t.name, t.capacity_blocks, make_policy(policy, capacity=t.capacity_blocks))
+    # a policy object sizes the device as its caller did (the engine sizes by its whole pool);
+    # the lower tiers get the same kind of policy, sized by their own capacity
+    device_policy = make_policy(policy, capacity=capacity) if isinstance(policy, str) else policy
+    migration = MigrationPolicy([LowerTier(t.name, t.capacity_blocks,
+                                           make_policy(device_policy.name, capacity=t.capacity_blocks))
                                  for t in tiers[1:]], cost)
+    cache = TraceCache(device_policy, capacity)
     meta: dict[bytes, BlockMeta] = {}  # what each block on the device is, for its demotion
     cache.kv.on_evict = lambda block: migration.demote(block.block_hash, meta.pop(block.block_hash))
     result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers})

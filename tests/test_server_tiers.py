@@ -1,0 +1,63 @@
+"""KV tiers seen from the server: /metrics reports them, a dead remote tier degrades /health
+but every request still succeeds (by recompute)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sage_infer.config.serve import TierConfig
+from tests.redis_fixture import start_redis
+from tests.server_fixture import running_server
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("server-tiers") / "tiny-llama", "llama")
+
+
+def samples(url: str) -> dict[tuple[str, str, str], float]:
+    """(sample name, tier, direction) -> value for the sage:kv_tier_* families."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name.startswith("sage:kv_tier"):
+                out[s.name, s.labels.get("tier", ""), s.labels.get("direction", "")] = s.value
+    return out
+
+
+def complete(client: openai.OpenAI, model: str, seed: int) -> str:
+    prompt = [5 + (seed * 37 + 11 * j) % 500 for j in range(81)]
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    return out.choices[0].finish_reason
+
+
+def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_dir):
+    redis = start_redis()
+    try:
+        with running_server(model_dir, num_blocks=8, max_num_seqs=1,
+                            tiers=TierConfig(host_bytes=1 << 20, remote_url=redis.url)) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            for seed in (1, 2, 3):
+                assert complete(client, server.model, seed) == "length"
+            before = samples(server.url)
+            assert before["sage:kv_tier_migrated_blocks_total", "host", "demote"] >= 5
+            assert before["sage:kv_tier_capacity_bytes", "host", ""] == 1 << 20
+            assert before["sage:kv_tier_up", "redis", ""] == 1
+            assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+            redis.kill()
+            for seed in (4, 5, 6, 7, 1):  # host overflows into the dead remote tier
+                assert complete(client, server.model, seed) == "length"
+            after = samples(server.url)
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 200 and health.json()["status"] == "degraded"
+            assert "redis" in health.json()["degraded"]
+            assert after["sage:kv_tier_up", "redis", ""] == 0
+            assert after["sage:kv_tier_errors_total", "redis", ""] >= 1
+    finally:
+        redis.kill()
