@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sage_infer import LLM, SamplingParams
+from sage_infer.config.resolve import resolve_config
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from tests.redis_fixture import start_redis
@@ -124,3 +125,18 @@ def test_a_redis_that_dies_mid_run_costs_recompute_not_requests(model_dir, cold)
         llm.engine.kv.block_manager.check_invariants()
     finally:
         server.kill()
+
+
+def test_the_presets_cost_model_drops_blocks_that_load_slower_than_they_recompute(model_dir, tmp_path):
+    slow = tmp_path / "slow-host.yaml"
+    slow.write_text("extends: cpu\nname: slow-host\nhost_link:\n  bandwidth_gb_s: 0.000001\n")
+    resolved = resolve_config(preset=str(slow), env={}, cli={
+        "model": {"path": str(model_dir), "dtype": "fp32"}, "kv_pool": {"block_size": BLOCK, "num_blocks": 8},
+        "scheduler": {"max_num_seqs": 1}, "tiers": {"host_bytes": 1 << 20}})
+    llm = LLM(config=resolved.config, device="cpu")
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    hierarchy = llm.engine.kv.hierarchy
+    assert hierarchy.stats.demoted_blocks == 0 and hierarchy.stats.dropped_blocks >= 5
+    assert "-> drop" in hierarchy.describe()
+    assert run(llm, A)[1] == 0

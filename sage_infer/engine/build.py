@@ -3,6 +3,8 @@ block manager with its prefix index and policy, scheduler."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_num_blocks
@@ -14,6 +16,7 @@ from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
 from sage_infer.kv_policy import make_policy
+from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
@@ -25,6 +28,7 @@ from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.scheduler import Scheduler
 
 DEMO_MODEL_NAME = "sage-demo"
+auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in MODEL_DTYPES.items()}
 
@@ -62,7 +66,10 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
             raise ConfigError(f"policy.eviction: {err}") from None
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
-    hierarchy = build_hierarchy(config, pool)
+    shape = ModelShape(num_layers=arch.num_layers, hidden=arch.hidden_size, num_kv_heads=arch.num_kv_heads,
+                       head_dim=arch.head_dim, dtype_bytes=pool.dtype.itemsize,
+                       num_params=float(sum(p.numel() for p in model.parameters())))
+    hierarchy = build_hierarchy(config, pool, shape)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
@@ -78,11 +85,14 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     return LLMEngine(parts)
 
 
-def build_hierarchy(config: ServeConfig, pool: KVPool) -> HierarchyManager | None:
+def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None) -> HierarchyManager | None:
     """The lower KV tiers `config.tiers` asks for, fastest first (host, disk, remote); None without any.
 
     Each tier is placed by the same `MigrationPolicy` the replay simulator uses, ordered by the
-    device's eviction policy; a remote tier that cannot be reached now is a start-up error.
+    device's eviction policy. With a hardware preset, its `CostBenefitModel` (the preset's link
+    bandwidths and FLOPs, this model's shape) decides whether an evicted block is worth keeping
+    in a tier at all; without one every evicted block is kept. A remote tier that cannot be
+    reached now is a start-up error.
     """
     tiers = config.tiers
     stores = []
@@ -105,4 +115,8 @@ def build_hierarchy(config: ServeConfig, pool: KVPool) -> HierarchyManager | Non
         return None
     if not config.kv_pool.enable_prefix_caching:
         raise ConfigError("tiers: KV tiers need kv_pool.enable_prefix_caching (blocks are found by their hash)")
-    return HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction, capacity=capacity))
+    cost = CostBenefitModel(config.hardware, shape) if config.hardware is not None and shape is not None else None
+    hierarchy = HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction,
+                                                                                  capacity=capacity), cost)
+    auto_log.info("%s", hierarchy.describe())
+    return hierarchy

@@ -32,6 +32,7 @@ from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.prefix_reuse.index import EvictedBlock
 
 log = logging.getLogger("sage_infer.kv_runtime")
+ROLE = {"redis": "remote"}  # store name -> the tier role the cost model prices
 RETRY_AFTER_S = 5.0  # a store that failed is skipped this long before it is tried again
 
 
@@ -74,10 +75,27 @@ class HierarchyManager:
     @classmethod
     def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None) -> HierarchyManager:
         """Size one exclusive `LowerTier` per store by how many blocks the store holds."""
-        tiers = [LowerTier(store.name, max(1, store.capacity_bytes // store.bytes_per_block),
+        tiers = [LowerTier(ROLE.get(store.name, store.name), max(1, store.capacity_bytes // store.bytes_per_block),
                            make_policy(max(1, store.capacity_bytes // store.bytes_per_block)))
                  for store in stores]
         return cls(pool, stores, MigrationPolicy(tiers, cost))
+
+    def describe(self) -> str:
+        """One start-up line: the tiers, their sizes, and what decides a demotion (with the numbers)."""
+        sizes = ", ".join(f"{s.name} {s.capacity_bytes / (1 << 30):.2f} GiB "
+                          f"({s.capacity_bytes // s.bytes_per_block} blocks)" for s in self.stores)
+        cost = self.migration.cost
+        if cost is None:
+            return f"tiers = {sizes} (every evicted block is demoted: no hardware preset to weigh it)"
+        bs, depth = self.pool.block_size, 0
+        verdicts = []
+        for tier in self.migration.tiers:
+            recompute = cost.recompute_seconds(bs, depth) * 1e6
+            load = cost.load_seconds(tier.name, cost.kv_bytes(bs)) * 1e6
+            keep = "demote" if cost.worth_loading(tier.name, bs, depth) else "drop"
+            verdicts.append(f"{tier.name}: load {load:.1f} us vs recompute {recompute:.1f} us -> {keep}")
+        return (f"tiers = {sizes} (a first {bs}-token block, by the preset's cost model: "
+                f"{'; '.join(verdicts)}; deeper blocks cost more to recompute)")
 
     def _store(self, level: int) -> KVTier:
         """The store of migration level `level` (1 = the first tier below the device)."""
