@@ -73,11 +73,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("agree") / "model", "llama")
 
 
-def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list[int], int | None]:
-    """Per-request prefix hits in blocks, and the capacity the engine sized its policy with."""
+def run_chains(llm: LLM, sequence: list[list[int]]) -> list[int]:
+    """Per-request prefix hits in blocks, one request at a time, the policy clock at trace time."""
     clock = SimpleNamespace(now=0.0)
-
-    llm = LLM(str(model_dir), dtype="fp32", num_blocks=NUM_BLOCKS, max_num_seqs=1, eviction_policy=policy)
     llm.engine.kv.clock = lambda: clock.now
     params = SamplingParams(max_tokens=1, temperature=0)
     hits = []
@@ -87,7 +85,13 @@ def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list
         assert out.outputs[0].finish_reason in ("length", "stop")
         assert out.metrics.num_cached_tokens % BLOCK == 0
         hits.append(out.metrics.num_cached_tokens // BLOCK)
-    return hits, getattr(llm.engine.kv.index.policy, "capacity", None)
+    return hits
+
+
+def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list[int], int | None]:
+    """Per-request prefix hits in blocks, and the capacity the engine sized its policy with."""
+    llm = LLM(str(model_dir), dtype="fp32", num_blocks=NUM_BLOCKS, max_num_seqs=1, eviction_policy=policy)
+    return run_chains(llm, sequence), getattr(llm.engine.kv.index.policy, "capacity", None)
 
 
 def replay_hits(policy: str | EvictionPolicy, sequence: list[list[int]], capacity: int) -> list[int]:

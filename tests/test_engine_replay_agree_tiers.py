@@ -9,16 +9,14 @@ run through the device and the tiers. Both place blocks with the same `Migration
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from sage_infer import LLM, SamplingParams
+from sage_infer import LLM
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, PolicyConfig, SchedulerConfig, ServeConfig, TierConfig
 from sage_infer.kv_policy import make_policy
 from sage_infer.sim.replay import TraceRequest
 from sage_infer.sim.tiered import TierSpec, all_policies, replay_tiered
-from tests.test_engine_replay_agree import BLOCK, NUM_BLOCKS, chains, prompt_of
+from tests.test_engine_replay_agree import BLOCK, NUM_BLOCKS, chains, run_chains
 from tests.tiny_models import make_tiny_model
 
 HOST_BLOCKS = 6
@@ -40,14 +38,7 @@ def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list
         tiers=TierConfig(host_bytes=HOST_BLOCKS * block_nbytes),
     )
     llm = LLM(config=config, device="cpu")
-    clock = SimpleNamespace(now=0.0)
-    llm.engine.kv.clock = lambda: clock.now
-    params = SamplingParams(max_tokens=1, temperature=0)
-    hits = []
-    for i, chain in enumerate(sequence):
-        clock.now = float(i)  # request i is stamped i * 1000 ms in the replay
-        [out] = llm.generate([prompt_of(chain)], params)
-        hits.append(out.metrics.num_cached_tokens // BLOCK)
+    hits = run_chains(llm, sequence)
     loaded = llm.engine.kv.hierarchy.stats.tiers["host"].loaded_blocks
     return hits, {"host_loaded": loaded}, getattr(llm.engine.kv.index.policy, "capacity", None)
 
