@@ -230,7 +230,7 @@ def test_config_show_marks_kv_transport_inactive_and_tiers_active(sage):
 
 def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
     result = sage("llm", "generate", "--model", str(tiny), "--prompt", "hi", "--max-tokens", "2", "--temperature",
-                  "0", "--preset", "cpu", "--set", "kv_pool.num_blocks=8", "--set", "tiers.host_bytes=1GiB",
+                  "0", "--preset", "cpu", "--set", "kv_pool.num_blocks=8",
                   "--kv-transport", "preset=high-bw,backend=tcp,target-dtype=int4")
     assert result.code == 0, result.err
     warnings = [line for line in result.err.splitlines() if line.startswith("sage: warning:")]
