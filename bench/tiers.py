@@ -165,21 +165,9 @@ class Stopwatch:
 
 
 def tier_stats(llm: LLM) -> list[dict]:
-    """Per-tier traffic: `EngineStats.tiers` when the engine reports it, else the hierarchy's counters."""
-    snapshots = getattr(llm.engine.stats(), "tiers", None)
-    if snapshots is not None:
-        return [{"tier": s.name, "blocks": s.blocks, "demoted": s.demoted_blocks, "loaded": s.loaded_blocks,
-                 "errors": s.errors, "checksum_failures": s.checksum_failures} for s in snapshots]
-    hierarchy = llm.engine.kv.hierarchy
-    if hierarchy is None:
-        return []
-    rows = []
-    for store in hierarchy.stores:
-        c = hierarchy.stats.tiers[store.name]
-        s = store.stats()
-        rows.append({"tier": store.name, "blocks": s.blocks, "demoted": c.demoted_blocks, "loaded": c.loaded_blocks,
-                     "errors": c.errors, "checksum_failures": getattr(s, "checksum_failures", 0)})
-    return rows
+    """Per-tier traffic from `EngineStats.tiers`."""
+    return [{"tier": s.name, "blocks": s.blocks, "demoted": s.demoted_blocks, "loaded": s.loaded_blocks,
+             "errors": s.errors, "checksum_failures": s.checksum_failures} for s in llm.engine.stats().tiers]
 
 
 def run_setup(setup: Setup, model_dir: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, list]:
@@ -197,7 +185,7 @@ def run_setup(setup: Setup, model_dir: str, prompts: list[list[int]], args: argp
     watch = Stopwatch()
     hierarchy = llm.engine.kv.hierarchy
     if hierarchy is not None:
-        hierarchy.load = watch.wrap("load", hierarchy.load)
+        hierarchy.read = watch.wrap("load", hierarchy.read)  # the reads, on whichever thread runs them
         manager = llm.engine.kv.block_manager
         manager.on_evict = watch.wrap("demote", manager.on_evict)
     outs = []
