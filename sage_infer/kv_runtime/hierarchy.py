@@ -46,6 +46,15 @@ class TierCounters:
 
 
 @dataclass(slots=True)
+class ReadSegment:
+    """What one store returned for a run of a chain: `rows` ``[n, block_nbytes]`` uint8, or the error."""
+
+    level: int
+    rows: torch.Tensor | None
+    error: TierError | None
+
+
+@dataclass(slots=True)
 class HierarchyStats:
     demoted_blocks: int = 0
     dropped_blocks: int = 0  # evicted from the device (or a tier) and kept nowhere below
@@ -183,36 +192,56 @@ class HierarchyManager:
     def fetch(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Take `keys` (a chain's next blocks) out of the tiers: ``[k, block_nbytes]`` uint8, the verified prefix.
 
+        `read` then `claim` on the calling thread; `kv_runtime.loader` runs `read` on its own thread.
+        Fetched blocks leave the tiers (they are exclusive) before the caller allocates device
+        blocks for them, so the evictions that allocation causes never push out a block being loaded.
+        """
+        return self.claim(keys, self.read(keys))
+
+    def read(self, keys: Sequence[bytes]) -> list[ReadSegment]:
+        """The verified prefix of `keys` as segments, one per store that answered; touches only the stores.
+
         At each position the fastest store holding the rest of the chain answers with its
         longest verified prefix (one `get_prefix` call); the next store continues where it
-        stopped. When no store has the next block verified, the fetch ends: the caller
-        recomputes from there. Fetched blocks leave the tiers (they are exclusive) before the
-        caller allocates device blocks for them, so the evictions that allocation causes can
-        never push out a block being loaded.
+        stopped. When no store has the next block verified, the read ends: the caller
+        recomputes from there. Safe on a loader thread: the stores lock themselves, and the
+        placement bookkeeping waits for `claim` on the engine thread.
         """
-        parts: list[torch.Tensor] = []
-        fetched = 0
-        while fetched < len(keys):
+        segments: list[ReadSegment] = []
+        done = 0
+        while done < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):
                 if not self._usable(store):
                     continue
-                run = list(keys[fetched:])
                 try:
-                    rows = store.get_prefix(run)
+                    rows = store.get_prefix(list(keys[done:]))
                 except TierError as err:
-                    self._failed(level, err)
+                    segments.append(ReadSegment(level, None, err))
                     continue
                 progress = rows.shape[0]
                 if progress:
-                    parts.append(rows)
-                    self._promoted(store, run[:progress])
+                    segments.append(ReadSegment(level, rows, None))
                     break
             if not progress:
                 break
-            fetched += progress
-        if fetched < len(keys):
-            self.stats.load_failures += len(keys) - fetched
+            done += progress
+        return segments
+
+    def claim(self, keys: Sequence[bytes], segments: list[ReadSegment]) -> torch.Tensor:
+        """On the engine thread: move what `read` got out of the tiers' books; the rows, ``[k, block_nbytes]``."""
+        parts: list[torch.Tensor] = []
+        done = 0
+        for segment in segments:
+            if segment.error is not None:
+                self._failed(segment.level, segment.error)
+                continue
+            n = segment.rows.shape[0]
+            self._promoted(self._store(segment.level), list(keys[done : done + n]))
+            parts.append(segment.rows)
+            done += n
+        if done < len(keys):
+            self.stats.load_failures += len(keys) - done
         if not parts:
             return torch.empty((0, self.pool.block_nbytes), dtype=torch.uint8)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
