@@ -7,6 +7,8 @@ prompts of the same size then need the pool, which evicts A's cached blocks.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from sage_infer import LLM, SamplingParams
@@ -140,3 +142,64 @@ def test_the_presets_cost_model_drops_blocks_that_load_slower_than_they_recomput
     assert hierarchy.stats.demoted_blocks == 0 and hierarchy.stats.dropped_blocks >= 5
     assert "-> drop" in hierarchy.describe()
     assert run(llm, A)[1] == 0
+
+
+class HeldTier:
+    """A real host tier whose reads wait until the test lets them go (a slow or stuck backend)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.release = threading.Event()
+        self.reads = 0
+
+    def get_prefix(self, keys, out=None):
+        self.reads += 1
+        self.release.wait()
+        return self.store.get_prefix(keys, out)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def hold_host_tier(llm: LLM) -> HeldTier:
+    hierarchy = llm.engine.kv.hierarchy
+    held = HeldTier(hierarchy.stores[0])
+    hierarchy.stores[0] = held
+    return held
+
+
+def test_a_request_loading_from_a_tier_waits_while_others_compute(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    held = hold_host_tier(llm)
+    engine = llm.engine
+    engine.add_request("a", A, GREEDY)  # its prefix is in the host tier: the read starts now and blocks
+    engine.add_request("d", prompt(4), GREEDY)  # nothing cached: computes meanwhile
+    finished: dict[str, object] = {}
+    for _ in range(20):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if "d" in finished:
+            break
+    assert "d" in finished and "a" not in finished
+    assert held.reads == 1 and engine.kv.is_loading(engine.requests["a"].seqs[0])
+    held.release.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["a"].outputs[0].token_ids == cold
+    assert finished["a"].metrics.num_cached_tokens == 5 * BLOCK
+    assert engine.kv.loader.stats.used == 1
+
+
+def test_a_load_past_its_deadline_is_recomputed(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20, load_timeout_s=0.2)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    held = hold_host_tier(llm)
+    try:
+        tokens, cached = run(llm, A)
+    finally:
+        held.release.set()
+    assert tokens == cold and cached == 0
+    assert llm.engine.kv.loader.stats.timeouts == 1
+    assert llm.engine.kv.hierarchy.stats.load_failures == 5

@@ -56,6 +56,8 @@ class TierConfig(Strict):
     disk_bytes: ByteSize = Field(ByteSize(0))
     remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0.")
     remote_bytes: ByteSize = Field(ByteSize(1 << 30), description="Bytes of KV this server keeps in the remote tier.")
+    load_timeout_s: float = Field(5.0, gt=0, le=600, description="Deadline of one lower-tier load; past it the "
+                                  "request recomputes those blocks. Loads run off the engine thread.")
 
     @field_validator("remote_url")
     @classmethod

@@ -70,7 +70,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                        head_dim=arch.head_dim, dtype_bytes=pool.dtype.itemsize,
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape)
-    kv = KVCacheManager(block_manager, hierarchy=hierarchy)
+    kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,

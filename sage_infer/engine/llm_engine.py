@@ -19,6 +19,8 @@ from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
 from sage_infer.scheduler.scheduler import Scheduler
 
+LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
+
 
 class RequestError(ValueError):
     """A request that can never run (empty, longer than the context or the pool)."""
@@ -186,6 +188,7 @@ class LLMEngine:
         """One step: schedule -> run -> sample -> postprocess. Returns an output for every request that changed."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self.kv.wait_for_loads(LOAD_POLL_S)  # everything waiting is loading from a lower tier
             return self._collect({})
         now = time.monotonic()
         for seq in batch.seqs:

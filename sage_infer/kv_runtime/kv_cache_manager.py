@@ -28,6 +28,7 @@ from collections.abc import Callable
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
+from sage_infer.kv_runtime.loader import KVLoader
 from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
@@ -45,6 +46,7 @@ class KVCacheManager:
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
         hierarchy: HierarchyManager | None = None,
+        load_timeout_s: float | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.index = block_manager.index
@@ -55,6 +57,27 @@ class KVCacheManager:
             if self.index is None:
                 raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
             block_manager.on_evict = hierarchy.on_evict
+        # with a deadline, lower-tier reads run off the engine thread (prefetch); without, at admission
+        self.loader = KVLoader(hierarchy, load_timeout_s) if hierarchy is not None and load_timeout_s else None
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def prefetch(self, seq: Sequence) -> None:
+        """A request entered the waiting queue: start reading its lower-tier prefix now."""
+        if self.loader is None or seq.block_table or seq.seq_id in self.loader.pending:
+            return
+        match = self.match(seq)
+        if match.lower_block_hashes:
+            self.loader.start(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
+
+    def is_loading(self, seq: Sequence) -> bool:
+        """Its prefetch is still reading (and within its deadline): admit others meanwhile."""
+        return self.loader is not None and self.loader.is_loading(seq.seq_id)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Nothing else to run: sleep until a load finishes or `timeout` passes."""
+        if self.loader is not None:
+            self.loader.wait(timeout)
 
     # -- the eviction hook ------------------------------------------------------------------
 
@@ -135,7 +158,10 @@ class KVCacheManager:
         if self.hierarchy is not None:
             self.hierarchy.tick(now)
             if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them
-                staged = self.hierarchy.fetch(match.lower_block_hashes)
+                if self.loader is not None:
+                    staged = self.loader.take(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
+                if staged is None:
+                    staged = self.hierarchy.fetch(match.lower_block_hashes)
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
@@ -190,7 +216,9 @@ class KVCacheManager:
             self.block_manager.set_num_tokens(seq.block_table[i], filled)
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq`, children before parents (leaves age first)."""
+        """Release every block of `seq`, children before parents (leaves age first), and any load it had running."""
+        if self.loader is not None:
+            self.loader.drop(seq.seq_id)
         if seq.block_table:
             self.block_manager.free(list(reversed(seq.block_table)))
         seq.block_table = []

@@ -71,6 +71,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._order)
+        self.kv.prefetch(seq)  # a prefix in a lower KV tier starts loading while it waits
 
     def add_request(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences. Siblings of an n>1 request start once the first has
@@ -131,13 +132,17 @@ class Scheduler:
                 budget -= num_new
         if batch.preempted:  # the pool is full: admitting now would only thrash
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        position = 0
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[position]
+            if self.kv.is_loading(seq):  # its prefix is still coming from a lower tier: the others go first
+                position += 1
+                continue
             match = self.kv.match(seq)  # records nothing: a request that must wait is not counted again
             num_new = self._chunk(seq.num_tokens - match.total_tokens, budget)
             if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
