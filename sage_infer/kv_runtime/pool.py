@@ -44,20 +44,23 @@ def bytes_per_block(schema: KVCacheSchema, dtype: torch.dtype | None = None) -> 
 
 BlockIds = torch.Tensor | Sequence[int]
 
-# torch runs a CPU copy_ of fewer elements than this (at::internal::GRAIN_SIZE) on one thread
-COPY_GRAIN = 32768
 GATHER_SCRATCH_MAX_BYTES = 256 << 20  # per K and per V: above this a gather allocates its own output
 
 
 class KVPool:
     """Preallocated paged KV cache of one model on one device.
 
-    Storage is block-major, one allocation
-    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (index 0 of the third
-    axis is K, 1 is V; tokens in NHD order). Block ``b`` is one contiguous byte range of
-    `block_nbytes` holding K and V of every layer, so `read_blocks` / `write_blocks` move a
-    block with one copy (see "KV pool layout" in docs/benchmarks.md for the measurements).
-    Slot ``s`` is token ``s % block_size`` of block ``s // block_size``.
+    Storage is layer-major, one allocation
+    ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of the first
+    axis is K, 1 is V; tokens in NHD order), so each layer's K and V are dense tensors that
+    attention gathers from. A block-major layout (one block = one byte range) copies whole
+    blocks 1.25-1.67x faster but made every decode gather scatter over all layers and cost
+    about 8% of end-to-end decode throughput (docs/benchmarks.md, "KV pool layout"):
+    attention gathers every step, tiers move a block only when it is evicted or reused.
+
+    `read_blocks` / `write_blocks` still speak whole blocks: row ``i`` is block ``i``'s
+    ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (the byte format tiers and the
+    transport store and send). Slot ``s`` is token ``s % block_size`` of block ``s // block_size``.
     """
 
     def __init__(
@@ -79,18 +82,14 @@ class KVPool:
         self.dtype = dtype if dtype is not None else schema_dtype
         self.device = torch.device(device)
         # zeros, not empty: unwritten slots must never hold NaN that a masked kernel could still touch
-        self._kv = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
-        # Two flat views of the same bytes, so every access is one index_select/index_copy_ on
-        # dim 0 of a contiguous tensor (the fast path; fancy indexing was ~3x slower):
-        # token rows [num_blocks * num_layers * 2 * block_size, num_kv_heads, head_dim] ...
-        self._token_rows = self._kv.view(-1, self.num_kv_heads, self.head_dim)
-        # ... and block rows [num_blocks * num_layers * 2, block_size, num_kv_heads, head_dim],
-        # one (block, layer, K|V) tile each.
-        self._tiles = self._kv.view(-1, self.block_size, self.num_kv_heads, self.head_dim)
-        # A block spans 2 * num_layers tiles; slot s sits in token row
-        # s + (s // block_size) * (2 * num_layers - 1) * block_size of layer 0's K.
-        self._tiles_per_block = 2 * self.num_layers
-        self._slot_skip = (self._tiles_per_block - 1) * self.block_size
+        self._kv = torch.zeros((2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                               dtype=self.dtype, device=self.device)
+        # per layer: K and V as [num_blocks, block_size, KvH, D] (whole-block gathers) and as flat
+        # token rows [num_blocks * block_size, KvH, D] (slot writes and slot gathers): every access
+        # is one index_select / index_copy_ on dim 0 of a contiguous tensor (the fast path)
+        self._blocks = [(self._kv[0, layer], self._kv[1, layer]) for layer in range(self.num_layers)]
+        self._rows = [(k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim))
+                      for k, v in self._blocks]
         # Gather workspace, K and V, grown on demand: a fresh multi-MiB output per layer and group
         # made glibc map and fault in new pages on every call (up to +70% wall on the shared-prefix
         # bench, docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
@@ -150,7 +149,7 @@ class KVPool:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block (K and V of all layers): the size of one `read_blocks` row."""
-        return self._kv[0].numel() * self._kv.element_size()
+        return self._kv[:, :, 0].numel() * self._kv.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -158,10 +157,6 @@ class KVPool:
         return self.num_blocks * self.block_nbytes
 
     # -- attention: one layer, any slots ----------------------------------------------------
-
-    def _slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Token rows of `slots` ([n] long) relative to a layer's K start: [n] long."""
-        return torch.add(slots, torch.div(slots, self.block_size, rounding_mode="floor"), alpha=self._slot_skip)
 
     def _select(self, which: int, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``source.index_select(0, index)`` into workspace `which` (0: K, 1: V) when it fits the cap."""
@@ -173,21 +168,15 @@ class KVPool:
             self._scratch[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return torch.index_select(source, 0, index, out=self._scratch[which][:numel].view(shape))
 
-    def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the token rows starting at `layer`'s K and at its V, so `_slot_rows` serves every layer."""
-        k_start = 2 * layer * self.block_size
-        return self._token_rows[k_start:], self._token_rows[k_start + self.block_size:]
-
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K and V of `layer` into the cache.
 
         k, v: [T, num_kv_heads, head_dim] (any float dtype; cast to the pool's);
         slot_mapping: [T] long, the slot of each token.
         """
-        rows = self._slot_rows(slot_mapping)
-        k_rows, v_rows = self._layer_rows(layer)
-        k_rows.index_copy_(0, rows, k.to(self.dtype))
-        v_rows.index_copy_(0, rows, v.to(self.dtype))
+        k_rows, v_rows = self._rows[layer]
+        k_rows.index_copy_(0, slot_mapping, k.to(self.dtype))
+        v_rows.index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` ([n] long), each [n, num_kv_heads, head_dim] in `dtype`.
@@ -195,9 +184,8 @@ class KVPool:
         What a prefill chunk with cached context attends to. In the pool's dtype the results are
         views of a pool-owned workspace, valid until the next `gather_*` call (`.clone()` to keep).
         """
-        rows = self._slot_rows(slots)
-        k_rows, v_rows = self._layer_rows(layer)
-        return self._select(0, k_rows, rows).to(dtype), self._select(1, v_rows, rows).to(dtype)
+        k_rows, v_rows = self._rows[layer]
+        return self._select(0, k_rows, slots).to(dtype), self._select(1, v_rows, slots).to(dtype)
 
     def gather_blocks(
         self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
@@ -209,12 +197,11 @@ class KVPool:
         ``j`` of row ``b`` being position ``j`` of that sequence. In the pool's dtype the results
         are views of a pool-owned workspace, valid until the next `gather_*` call.
         """
-        batch = block_tables.shape[0]
-        tiles = block_tables.reshape(-1) * self._tiles_per_block
-        k_tiles, v_tiles = self._tiles[2 * layer:], self._tiles[2 * layer + 1:]
-        shape = (batch, -1, self.num_kv_heads, self.head_dim)
-        return (self._select(0, k_tiles, tiles).view(shape).to(dtype),
-                self._select(1, v_tiles, tiles).view(shape).to(dtype))
+        flat = block_tables.reshape(-1)
+        k_blocks, v_blocks = self._blocks[layer]
+        shape = (block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+        return (self._select(0, k_blocks, flat).view(shape).to(dtype),
+                self._select(1, v_blocks, flat).view(shape).to(dtype))
 
     # -- tiers and transport: whole blocks, raw bytes ---------------------------------------
 
@@ -226,10 +213,14 @@ class KVPool:
     def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy whole blocks out: [n, *block_shape] in the pool's dtype, row ``i`` = block ``block_ids[i]``.
 
-        Each row is `block_nbytes` contiguous bytes (one copy per block). `out`, if given,
-        must be a contiguous [n, *block_shape] tensor of the pool's dtype and device.
+        Each row is `block_nbytes` contiguous bytes. `out`, if given, must be a contiguous
+        [n, *block_shape] tensor of the pool's dtype and device.
         """
-        return torch.index_select(self._kv, 0, self._ids(block_ids), out=out)
+        picked = self._kv.index_select(2, self._ids(block_ids))  # [2, L, n, bs, KvH, D]
+        rows = picked.permute(2, 1, 0, 3, 4, 5)  # [n, L, 2, bs, KvH, D]
+        if out is None:
+            return rows.contiguous()
+        return out.copy_(rows)
 
     def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
         """Copy whole blocks in, bit-exact: ``src: [n, *block_shape]`` in the pool's dtype (any device).
@@ -242,15 +233,7 @@ class KVPool:
                              f"[{ids.numel()}, *{self.block_shape}]")
         if src.dtype != self.dtype:  # a silent cast would not be bit-exact
             raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
-        src = src.to(self.device)
-        if self.device.type == "cpu" and self._kv[0].numel() >= COPY_GRAIN:
-            # Big blocks: one (multi-threaded) copy_ each beats CPU index_copy_, which moves element by
-            # element (2 MiB blocks: 21 vs 12 GB/s on 2 vCPUs, bench/kv_pool_layout.py). Not on the
-            # decode path, so the host list of ids is fine.
-            for row, block in enumerate(ids.tolist()):
-                self._kv[block].copy_(src[row])
-        else:  # small blocks (a copy_ each would run on one thread) and accelerators (one kernel)
-            self._kv.index_copy_(0, ids, src)
+        self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
 
     def __repr__(self) -> str:
         return (
