@@ -1,13 +1,13 @@
-"""KV pool storage layout: block-major (what `KVPool` stores) against the layer-major layout it replaced.
+"""KV pool storage layout: layer-major (what `KVPool` stores) against block-major.
 
     python bench/kv_pool_layout.py --json out/kv_pool_layout.json
 
 Layouts, same bytes, same API (`store`, `gather_slots`, `gather_blocks`, `read_blocks`,
 `write_blocks`, same row format out of `read_blocks`):
   block-major  ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: one block is one
-               contiguous byte range (`KVPool` itself).
-  layer-major  ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``: the previous pool;
-               one block is 2 x num_layers strided pieces (`LayerMajorPool` below).
+               contiguous byte range (`BlockMajorPool` below).
+  layer-major  ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``: one block is
+               2 x num_layers strided pieces, each layer's K and V dense (`KVPool` itself).
 
 Two measurements per model shape:
   attention  microseconds per engine step of the pool calls attention makes, all layers:
@@ -51,34 +51,47 @@ SHAPES = {
 }
 
 
-class LayerMajorPool(KVPool):
-    """The previous layout behind the attention API: ``[2, num_layers, num_blocks, block_size, KvH, D]``.
+class BlockMajorPool(KVPool):
+    """The block-major layout behind the attention API: ``[num_blocks, num_layers, 2, block_size, KvH, D]``.
 
-    The attention calls are the old code paths (contiguous per-layer views, flat slot rows),
-    gathering into the same workspace as `KVPool` so that only the layout differs.
+    Per-layer access indexes flat (block, layer, K|V) tiles and token rows of the same bytes
+    (slot ``s`` of layer 0's K is token row ``s + (s // block_size) * (2 * num_layers - 1) *
+    block_size``), gathering into the same workspace as `KVPool`, so only the layout differs.
     """
 
     def __init__(self, schema: KVCacheSchema, num_blocks: int) -> None:
         super().__init__(schema, 1)  # the base's own storage is not used
         self.num_blocks = num_blocks
-        self._lm = torch.zeros((2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim),
-                               dtype=self.dtype)
-        self._k = [self._lm[0, layer] for layer in range(self.num_layers)]
-        self._v = [self._lm[1, layer] for layer in range(self.num_layers)]
+        self._bm = torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype)
+        self._token_rows = self._bm.view(-1, self.num_kv_heads, self.head_dim)
+        self._tiles = self._bm.view(-1, self.block_size, self.num_kv_heads, self.head_dim)
+        self._tiles_per_block = 2 * self.num_layers
+        self._slot_skip = (self._tiles_per_block - 1) * self.block_size
+
+    def _slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.add(slots, torch.div(slots, self.block_size, rounding_mode="floor"), alpha=self._slot_skip)
+
+    def _layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_start = 2 * layer * self.block_size
+        return self._token_rows[k_start:], self._token_rows[k_start + self.block_size:]
 
     def store(self, layer, k, v, slot_mapping):
-        self._k[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k.to(self.dtype))
-        self._v[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v.to(self.dtype))
+        rows = self._slot_rows(slot_mapping)
+        k_rows, v_rows = self._layer_rows(layer)
+        k_rows.index_copy_(0, rows, k.to(self.dtype))
+        v_rows.index_copy_(0, rows, v.to(self.dtype))
 
     def gather_slots(self, layer, slots, dtype):
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        return (self._select(0, self._k[layer].view(shape), slots).to(dtype),
-                self._select(1, self._v[layer].view(shape), slots).to(dtype))
+        rows = self._slot_rows(slots)
+        k_rows, v_rows = self._layer_rows(layer)
+        return self._select(0, k_rows, rows).to(dtype), self._select(1, v_rows, rows).to(dtype)
 
     def gather_blocks(self, layer, block_tables, dtype):
-        flat, shape = block_tables.reshape(-1), (block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
-        return (self._select(0, self._k[layer], flat).view(shape).to(dtype),
-                self._select(1, self._v[layer], flat).view(shape).to(dtype))
+        tiles = block_tables.reshape(-1) * self._tiles_per_block
+        k_tiles, v_tiles = self._tiles[2 * layer:], self._tiles[2 * layer + 1:]
+        shape = (block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+        return (self._select(0, k_tiles, tiles).view(shape).to(dtype),
+                self._select(1, v_tiles, tiles).view(shape).to(dtype))
 
 
 def block_first_views(schema: KVCacheSchema, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -164,11 +177,11 @@ def measure_shape(name: str, repeats: int) -> dict:
     out: dict = {"shape": name, "schema": schema.to_dict(), "num_blocks": num_blocks, "block_nbytes": pool.block_nbytes,
                  "copy_blocks": n_copy, "copy_bytes": nbytes, "attention_us": {}, "copy_gb_s": {}}
 
-    pools = {"block-major": pool, "layer-major": LayerMajorPool(schema, num_blocks)}
+    pools = {"block-major": BlockMajorPool(schema, num_blocks), "layer-major": pool}
     for label, p in pools.items():
         steps = attention_step(p, seed=2)
         out["attention_us"][label] = {k: best_seconds(fn, repeats, inner=3) * 1e6 for k, fn in steps.items()}
-    del pools["layer-major"]
+    del pools["block-major"]
 
     rows = torch.randn(n_copy, *pool.block_shape).to(pool.dtype)
     for label, view in block_first_views(schema, num_blocks, pool.dtype).items():

@@ -113,12 +113,8 @@ def test_gathers_above_the_workspace_cap_allocate_their_own_output(monkeypatch):
     assert torch.equal(pool.gather_slots(0, torch.tensor([5, 9]), torch.float32)[1], v[[5, 9]])
 
 
-@pytest.mark.parametrize("grain", [1, 1 << 30])  # per-block copy_ and index_copy_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_read_write_blocks_round_trip_is_bit_exact_across_pools(dtype, grain, monkeypatch):
-    from sage_infer.kv_runtime import pool as pool_module
-
-    monkeypatch.setattr(pool_module, "COPY_GRAIN", grain)
+def test_read_write_blocks_round_trip_is_bit_exact_across_pools(dtype):
     src, dst = KVPool(SCHEMA, 8, dtype=dtype), KVPool(SCHEMA, 5, dtype=dtype)
     for layer in range(2):
         k, v = _kv(32, 10 + layer, dtype)
