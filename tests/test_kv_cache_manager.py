@@ -110,15 +110,17 @@ def test_matched_cached_blocks_do_not_count_as_room_for_the_rest():
     assert kv.can_admit(seq, match, 4) and not kv.can_admit(seq, match, 5)
 
 
-def test_on_evict_sees_the_block_before_its_slot_is_reused():
+def test_on_evict_sees_an_allocations_evictions_in_one_batch_before_the_slots_are_reused():
     kv = manager(num_blocks=2)
     seen = []
-    kv.on_evict = lambda block: seen.append((block.block_id, block.block_hash, block.token_ids, block.depth))
+    batches = []
+    kv.on_evict = lambda blocks: batches.append(len(blocks)) or seen.extend(
+        (block.block_id, block.block_hash, block.token_ids, block.depth) for block in blocks)
     first = compute(kv, list(range(8)))
     hashes = list(first.block_hashes)
     kv.free(first)
     other = compute(kv, list(range(40, 48)), 1)
-    assert sorted(b for b, *_ in seen) == [0, 1]
+    assert sorted(b for b, *_ in seen) == [0, 1] and batches == [2]
     assert {h for _, h, _, _ in seen} == set(hashes)
     assert {(t, d) for _, _, t, d in seen} == {(tuple(range(4)), 0), (tuple(range(4, 8)), 1)}
     assert kv.match(seq_of(list(range(9)), 2)).num_tokens == 0
@@ -128,7 +130,7 @@ def test_on_evict_sees_the_block_before_its_slot_is_reused():
 def test_reset_prefix_cache_reports_every_eviction():
     kv = manager()
     seen = []
-    kv.on_evict = seen.append
+    kv.on_evict = seen.extend
     kv.free(compute(kv, list(range(12))))
     assert kv.block_manager.reset_prefix_cache() == 3
     assert len(seen) == 3

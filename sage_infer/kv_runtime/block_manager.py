@@ -44,8 +44,9 @@ class BlockManager:
     while they are in use (`cache_block`); evict only through `allocate` or
     `reset_prefix_cache`.
 
-    `on_evict`, when set, sees every cached block eviction takes, before its slot is handed
-    out again: the hook a lower tier uses to demote the block instead of dropping it.
+    `on_evict`, when set, sees the cached blocks one `allocate` (or `reset_prefix_cache`) evicts,
+    as one list in eviction order, before their slots are handed out again: the hook a lower
+    tier uses to demote them (in one batch) instead of dropping them.
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         index: PrefixReuseIndex | None = None,
-        on_evict: Callable[[EvictedBlock], None] | None = None,
+        on_evict: Callable[[list[EvictedBlock]], None] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
@@ -124,8 +125,12 @@ class BlockManager:
         block_ids: list[int] = []
         while len(block_ids) < n and self.free_block_ids:
             block_ids.append(self.free_block_ids.popleft())
+        evicted: list[EvictedBlock] = []
         while len(block_ids) < n:
-            block_ids.append(self._evict_one())
+            evicted.append(self._evict_one())
+            block_ids.append(evicted[-1].block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         for block_id in block_ids:
             self.ref_counts[block_id] = 1
         self._num_in_use += n
@@ -202,21 +207,21 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block onto the free list; returns how many."""
-        evicted = 0
+        evicted: list[EvictedBlock] = []
         while self.num_evictable_blocks:
-            self.free_block_ids.append(self._evict_one())
-            evicted += 1
-        return evicted
+            evicted.append(self._evict_one())
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        self.free_block_ids.extend(block.block_id for block in evicted)
+        return len(evicted)
 
-    def _evict_one(self) -> int:
-        """Unregister the policy's victim, let `on_evict` copy it out, and return its (now empty) block id."""
+    def _evict_one(self) -> EvictedBlock:
+        """Unregister the policy's victim; its KV stays in the slot until the caller reuses it."""
         assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
         evicted = self.index.evict_block(self._is_unreferenced)
         assert evicted is not None, "num_evictable_blocks promised an evictable block"
-        if self.on_evict is not None:
-            self.on_evict(evicted)
         self.num_tokens[evicted.block_id] = 0
-        return evicted.block_id
+        return evicted
 
     def get_utilization(self) -> float:
         """Blocks in use / num_blocks."""

@@ -112,46 +112,76 @@ class HierarchyManager:
 
     # -- demote ---------------------------------------------------------------------------------
 
-    def on_evict(self, block: EvictedBlock) -> None:
-        """The device is about to reuse `block`'s slot: copy it out and let the policy place it."""
-        data = self.pool.read_blocks([block.block_id]).view(torch.uint8).reshape(1, -1)
+    def on_evict(self, blocks: list[EvictedBlock]) -> None:
+        """The device is about to reuse these blocks' slots: copy them out (one read) and let the policy
+        place each, in eviction order; the stores then get one `put` per tier for the whole batch."""
+        data = self.pool.read_blocks([b.block_id for b in blocks]).view(torch.uint8).reshape(len(blocks), -1)
+        pending: dict[int, dict[bytes, torch.Tensor]] = {}  # level -> blocks placed there, not yet put
         moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
         self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
         try:
-            self.migration.demote(block.block_hash, BlockMeta(block.depth, block.parent_hash, self.pool.block_size))
+            for i, block in enumerate(blocks):
+                moves.clear()
+                self.migration.demote(block.block_hash,
+                                      BlockMeta(block.depth, block.parent_hash, self.pool.block_size))
+                # deepest first: a tier's victims leave before the block that displaced them arrives
+                for key, src, dst in reversed(moves):
+                    self._apply(key, src, dst, data[i : i + 1] if src == 0 else None, pending)
         finally:
             self.migration.listener = None
-        # deepest first: a store's victims leave before the block that displaced them arrives
-        for key, src, dst in reversed(moves):
-            self._apply(key, src, dst, data if key == block.block_hash else None)
+        for level, placed in pending.items():
+            if placed:
+                self._put(level, placed)
 
-    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None) -> None:
-        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device."""
+    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None,
+               pending: dict[int, dict[bytes, torch.Tensor]]) -> None:
+        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device.
+
+        Placements wait in `pending` for one batched `put` per tier; a block placed and moved on
+        within the same batch never touches the store it passed through.
+        """
+        waiting = pending.get(src, {}) if src > 0 else {}
         try:
             if dst is None:
-                if src > 0:
+                if key in waiting:
+                    del waiting[key]
+                elif src > 0:
                     self._store(src).delete([key])
                 self.stats.dropped_blocks += 1
                 return
-            if data is None:  # between lower tiers: read it from where it is
-                got = self._store(src).get([key])[0]
-                self._store(src).delete([key])
-                if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
-                    self._forget(key, dst)
-                    return
-                data = got.reshape(1, -1)
-            store = self._store(dst)
-            if not self._usable(store):
+            if data is None:  # between lower tiers: take it from where it is
+                if key in waiting:
+                    data = waiting.pop(key)
+                else:
+                    got = self._store(src).get([key])[0]
+                    self._store(src).delete([key])
+                    if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
+                        self._forget(key, dst)
+                        return
+                    data = got.reshape(1, -1)
+            if not self._usable(self._store(dst)):
                 self._forget(key, dst)
                 self.stats.dropped_blocks += 1
                 return
-            store.put([key], data)
-            self.stats.demoted_blocks += 1
-            self.stats.tiers[store.name].demoted_blocks += 1
+            pending.setdefault(dst, {})[key] = data
         except TierError as err:
             self._failed(dst if dst is not None else src, err)
             if dst is not None:
                 self._forget(key, dst)
+
+    def _put(self, level: int, placed: dict[bytes, torch.Tensor]) -> None:
+        """One `put` of every block the batch placed at `level`."""
+        store = self._store(level)
+        keys = list(placed)
+        try:
+            store.put(keys, torch.cat(list(placed.values())))
+        except TierError as err:
+            self._failed(level, err)
+            for key in keys:
+                self._forget(key, level)
+            return
+        self.stats.demoted_blocks += len(keys)
+        self.stats.tiers[store.name].demoted_blocks += len(keys)
 
     def _forget(self, key: bytes, level: int) -> None:
         """The policy placed `key` at `level` but its bytes are not there: drop the decision too."""

@@ -11,8 +11,8 @@ A request's KV goes through four calls, in this order:
 3. ``commit(seq)``: after a step computed KV, register newly full blocks for reuse.
 4. ``free(seq)``: release its blocks, children before parents.
 
-``allocate`` grows a running sequence; ``on_evict`` is called with every cached block
-eviction reclaims, before the slot is reused (the tiers demote instead of dropping).
+``allocate`` grows a running sequence; ``on_evict`` is called with the cached blocks an
+allocation evicts (one list), before their slots are reused (the tiers demote instead of dropping).
 
 With a `HierarchyManager`, `match` also finds the chain's next blocks in the lower tiers,
 `admit` loads them into fresh device blocks (the longest verified prefix; the rest is
@@ -82,11 +82,11 @@ class KVCacheManager:
     # -- the eviction hook ------------------------------------------------------------------
 
     @property
-    def on_evict(self) -> Callable[[EvictedBlock], None] | None:
+    def on_evict(self) -> Callable[[list[EvictedBlock]], None] | None:
         return self.block_manager.on_evict
 
     @on_evict.setter
-    def on_evict(self, hook: Callable[[EvictedBlock], None] | None) -> None:
+    def on_evict(self, hook: Callable[[list[EvictedBlock]], None] | None) -> None:
         self.block_manager.on_evict = hook
 
     # -- admission ----------------------------------------------------------------------------

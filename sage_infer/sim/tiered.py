@@ -103,7 +103,11 @@ def replay_tiered(
                                  for t in tiers[1:]], cost)
     cache = TraceCache(device_policy, capacity)
     meta: dict[bytes, BlockMeta] = {}  # what each block on the device is, for its demotion
-    cache.kv.on_evict = lambda block: migration.demote(block.block_hash, meta.pop(block.block_hash))
+    def demote(blocks) -> None:
+        for block in blocks:
+            migration.demote(block.block_hash, meta.pop(block.block_hash))
+
+    cache.kv.on_evict = demote
     result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers})
     served: Counter = Counter()
     start = time.perf_counter()
