@@ -20,12 +20,13 @@ def model_dir(tmp_path_factory):
 
 
 def samples(url: str) -> dict[tuple[str, str, str], float]:
-    """(sample name, tier, direction) -> value for the sage:kv_tier_* families."""
+    """(sample name, tier, direction or outcome) -> value for the sage:kv_tier_* families."""
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for s in family.samples:
             if s.name.startswith("sage:kv_tier"):
-                out[s.name, s.labels.get("tier", ""), s.labels.get("direction", "")] = s.value
+                label = s.labels.get("direction", s.labels.get("outcome", ""))
+                out[s.name, s.labels.get("tier", ""), label] = s.value
     return out
 
 
@@ -51,6 +52,12 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
             assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
             redis.kill()
+            assert complete(client, server.model, 1) == "length"  # its blocks were demoted: a prefetched hit
+            prefetched = samples(server.url)
+            assert prefetched["sage:kv_tier_prefetch_total", "", "issued"] >= 1
+            assert prefetched["sage:kv_tier_prefetch_total", "", "used"] >= 1
+            assert prefetched["sage:kv_tier_migrated_blocks_total", "host", "load"] >= 1
+
             for seed in (4, 5, 6, 7, 1):  # host overflows into the dead remote tier
                 assert complete(client, server.model, seed) == "length"
             after = samples(server.url)

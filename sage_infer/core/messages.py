@@ -70,6 +70,9 @@ class EngineStats:
     tiers: tuple[TierSnapshot, ...] = ()  # lower KV tiers, fastest first
     tier_dropped_blocks: int = 0  # evicted blocks no tier kept
     tier_load_failures: int = 0  # blocks a lookup found below but no tier returned verified
+    prefetch_issued: int = 0  # lower-tier loads started when a request was queued
+    prefetch_used: int = 0  # of those, claimed at admission with at least one verified block
+    prefetch_timeouts: int = 0  # past the load deadline at admission: recomputed instead
 
 
 @dataclass(frozen=True, slots=True)

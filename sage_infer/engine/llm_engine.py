@@ -168,8 +168,11 @@ class LLMEngine:
         hierarchy = self.kv.hierarchy
         if hierarchy is None:
             return {}
+        loads = self.kv.loader.stats if self.kv.loader is not None else None
         return {"tiers": hierarchy.snapshots(), "tier_dropped_blocks": hierarchy.stats.dropped_blocks,
-                "tier_load_failures": hierarchy.stats.load_failures}
+                "tier_load_failures": hierarchy.stats.load_failures,
+                "prefetch_issued": loads.issued if loads else 0, "prefetch_used": loads.used if loads else 0,
+                "prefetch_timeouts": loads.timeouts if loads else 0}
 
     def model_info(self) -> ModelInfo:
         """The served model as a front end sees it: name, tokenizer, limits."""

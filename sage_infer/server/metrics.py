@@ -81,7 +81,12 @@ class _EngineCollector:
         failures = CounterMetricFamily("sage:kv_tier_load_failures",
                                        "Blocks found in a tier but not returned verified (recomputed).", labels=labels)
         failures.add_metric(value, stats.tier_load_failures)
-        yield from (*families.values(), moved, moved_bytes, dropped, failures)
+        prefetch = CounterMetricFamily("sage:kv_tier_prefetch", "Lower-tier loads started for queued requests, "
+                                       "by outcome (issued, used, timeout).", labels=[*labels, "outcome"])
+        for outcome, count in (("issued", stats.prefetch_issued), ("used", stats.prefetch_used),
+                               ("timeout", stats.prefetch_timeouts)):
+            prefetch.add_metric([*value, outcome], count)
+        yield from (*families.values(), moved, moved_bytes, dropped, failures, prefetch)
 
 
 class ServerMetrics:
