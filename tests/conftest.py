@@ -41,3 +41,29 @@ def _no_sage_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("SAGE_"):
             monkeypatch.delenv(key)
+
+
+# The server every server test module shares by default (one per module: module scope).
+# A module that needs another model or server defines its own `model_dir` / `server`.
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("server") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from tests.server_fixture import running_server
+
+    with running_server(model_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -62,3 +62,4 @@ def assert_openai_error(response: httpx.Response, status: int) -> str:
     assert set(error) >= {"message", "type", "code"} and error["code"] == status
     assert "Traceback" not in response.text
     return error["message"]
+

@@ -11,25 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_fixture import assert_openai_error, running_server
-from tests.tiny_models import make_tiny_model
 
 IGNORE_EOS = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("server") / "tiny-llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(model_dir) as running:
-        yield running
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def metrics(url: str) -> dict:

@@ -10,26 +10,11 @@ import openai
 import pytest
 
 from tests.server_fixture import assert_openai_error, post_raw, running_server
-from tests.tiny_models import make_tiny_model
 
 # words that only appear when a Python exception leaks into a client-facing message
 PYTHON_ERROR_TEXT = ("Error:", "Exception", "Traceback", "got multiple values", "RuntimeError", "TypeError")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("errors") / "tiny-llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(model_dir) as running:
-        yield running
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def assert_no_python_error_text(text: str) -> None:
