@@ -203,3 +203,15 @@ def test_a_load_past_its_deadline_is_recomputed(model_dir, cold):
     assert tokens == cold and cached == 0
     assert llm.engine.kv.loader.stats.timeouts == 1
     assert llm.engine.kv.hierarchy.stats.load_failures == 5
+
+
+def test_remote_bytes_sizes_the_remote_tier(model_dir):
+    server = start_redis()
+    try:
+        llm = make_llm(model_dir, remote_url=server.url, remote_bytes=64 << 10)
+        hierarchy = llm.engine.kv.hierarchy
+        block = llm.engine.runner.pool.block_nbytes
+        assert hierarchy.stores[0].capacity_bytes == 64 << 10
+        assert hierarchy.migration.tiers[0].capacity_blocks == (64 << 10) // block
+    finally:
+        server.kill()

@@ -56,11 +56,17 @@ class ReadSegment:
 
 @dataclass(slots=True)
 class HierarchyStats:
-    demoted_blocks: int = 0
     dropped_blocks: int = 0  # evicted from the device (or a tier) and kept nowhere below
-    loaded_blocks: int = 0
     load_failures: int = 0  # blocks a lookup found but no tier returned verified: recomputed
     tiers: dict[str, TierCounters] = field(default_factory=dict)
+
+    @property
+    def demoted_blocks(self) -> int:
+        return sum(t.demoted_blocks for t in self.tiers.values())
+
+    @property
+    def loaded_blocks(self) -> int:
+        return sum(t.loaded_blocks for t in self.tiers.values())
 
 
 class HierarchyManager:
@@ -84,15 +90,16 @@ class HierarchyManager:
     @classmethod
     def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None) -> HierarchyManager:
         """Size one exclusive `LowerTier` per store by how many blocks the store holds."""
-        tiers = [LowerTier(ROLE.get(store.name, store.name), max(1, store.capacity_bytes // store.bytes_per_block),
-                           make_policy(max(1, store.capacity_bytes // store.bytes_per_block)))
-                 for store in stores]
+        tiers = []
+        for store in stores:
+            blocks = max(1, store.capacity_bytes // store.bytes_per_block)
+            tiers.append(LowerTier(ROLE.get(store.name, store.name), blocks, make_policy(blocks)))
         return cls(pool, stores, MigrationPolicy(tiers, cost))
 
     def describe(self) -> str:
         """One start-up line: the tiers, their sizes, and what decides a demotion (with the numbers)."""
-        sizes = ", ".join(f"{s.name} {s.capacity_bytes / (1 << 30):.2f} GiB "
-                          f"({s.capacity_bytes // s.bytes_per_block} blocks)" for s in self.stores)
+        sizes = ", ".join(f"{s.name} {s.capacity_bytes / (1 << 30):.2f} GiB ({t.capacity_blocks} blocks)"
+                          for s, t in zip(self.stores, self.migration.tiers))
         cost = self.migration.cost
         if cost is None:
             return f"tiers = {sizes} (every evicted block is demoted: no hardware preset to weigh it)"
@@ -180,7 +187,6 @@ class HierarchyManager:
             for key in keys:
                 self._forget(key, level)
             return
-        self.stats.demoted_blocks += len(keys)
         self.stats.tiers[store.name].demoted_blocks += len(keys)
 
     def _forget(self, key: bytes, level: int) -> None:
@@ -267,7 +273,7 @@ class HierarchyManager:
                 self._failed(segment.level, segment.error)
                 continue
             n = segment.rows.shape[0]
-            self._promoted(self._store(segment.level), list(keys[done : done + n]))
+            self._promoted(segment.level, list(keys[done : done + n]))
             parts.append(segment.rows)
             done += n
         if done < len(keys):
@@ -285,17 +291,16 @@ class HierarchyManager:
         """Advance the lower tiers' policy clocks (time-aware policies), as the device's is."""
         self.migration.tick(now)
 
-    def _promoted(self, store: KVTier, keys: list[bytes]) -> None:
+    def _promoted(self, level: int, keys: list[bytes]) -> None:
         """`keys` now live on the device: out of the tier (exclusive tiers) and out of the policy's view."""
-        counters = self.stats.tiers[store.name]
-        counters.loaded_blocks += len(keys)
-        self.stats.loaded_blocks += len(keys)
+        store = self._store(level)
+        self.stats.tiers[store.name].loaded_blocks += len(keys)
         for key in keys:
             self.migration.promote(key)
         try:
             store.delete(keys)
         except TierError as err:
-            self._failed(self.stores.index(store) + 1, err)
+            self._failed(level, err)
 
     def _usable(self, store: KVTier) -> bool:
         """False for a while after the store failed, so a dead backend costs one timeout, not one per step."""
@@ -320,11 +325,10 @@ class HierarchyManager:
 
     def snapshots(self) -> tuple[TierSnapshot, ...]:
         """Every tier's state for stats and /metrics (a store's own `stats()` never raises)."""
-        now = time.monotonic()
         out = []
         for store in self.stores:
             own, counters = store.stats(), self.stats.tiers[store.name]
-            down = self._down_until.get(store.name, 0.0) > now
+            down = not self._usable(store)
             out.append(TierSnapshot(
                 name=store.name, blocks=own.blocks, bytes=own.bytes, capacity_bytes=own.capacity_bytes,
                 demoted_blocks=counters.demoted_blocks, loaded_blocks=counters.loaded_blocks,

@@ -29,7 +29,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.loader import KVLoader
-from sage_infer.prefix_reuse.hashing import hash_block
+from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
 NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
@@ -102,17 +102,14 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
         match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
         if self.hierarchy is not None:
-            self._match_lower(seq, match, match.num_query_blocks)
+            self._match_lower(seq, match)
         return match
 
-    def _match_lower(self, seq: Sequence, match: PrefixMatch, num_blocks: int) -> None:
+    def _match_lower(self, seq: Sequence, match: PrefixMatch) -> None:
         """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap)."""
         bs = self.block_size
-        parent = match.block_hashes[-1] if match.block_hashes else None
-        keys = []
-        for i in range(len(match.block_ids), num_blocks):
-            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
-            keys.append(parent)
+        rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
+        keys = hash_token_blocks(rest, bs, seq.extra_key, match.block_hashes[-1] if match.block_hashes else None)
         found = self.hierarchy.lookup(keys)
         match.lower_block_hashes = keys[:found]
         match.num_lower_tokens = found * bs
