@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 
 from sage_infer.backends.native import NativeBackend
-from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, QuotaConfig, SchedulerConfig, ServeConfig, TierConfig
 from sage_infer.server.launch import build_server
 
 
@@ -24,7 +24,8 @@ class RunningServer:
 
 @contextmanager
 def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 128, max_num_seqs: int = 64,
-                   max_waiting: int = 1024, drain_seconds: int = 5, tiers: TierConfig | None = None):
+                   max_waiting: int = 1024, drain_seconds: int = 5, tiers: TierConfig | None = None,
+                   quota: QuotaConfig | None = None):
     config = ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype="fp32"),
         kv_pool=KVPoolConfig(num_blocks=num_blocks),
@@ -32,6 +33,7 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         port=0,
         api_key=api_key,
         tiers=tiers or TierConfig(),
+        quota=quota or QuotaConfig(),
     )
     server, backend, model_name = build_server(config, drain_seconds=drain_seconds)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sage_infer.config.auto import ModelFacts, ResolvedValue, resolve_auto, resolve_device, resolve_num_blocks
+from sage_infer.config.auto import (
+    ModelFacts,
+    ResolvedValue,
+    resolve_auto,
+    resolve_device,
+    resolve_host_bytes,
+    resolve_num_blocks,
+)
 from sage_infer.config.resolve import resolve_config
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
@@ -107,3 +114,34 @@ def test_pool_budget_below_one_block_is_a_config_error():
     with pytest.raises(ConfigError, match="holds no block of 4096 bytes"):
         resolve_num_blocks(config(kv_pool={"memory_budget": 1000}), bytes_per_block=4096, max_model_len=64,
                            free_device_bytes=None, host_available_bytes=None)
+
+
+# -- tiers.host_bytes: auto from the preset's host DDR ---------------------------------------------
+
+GiB = 1 << 30
+
+
+def test_host_tier_auto_is_a_share_of_the_presets_ddr_per_device():
+    # DGX H100: 2048 GB of DDR for 8 GPUs -> 0.5 x 256 GB for one device's host tier
+    value = resolve_host_bytes(config("nvidia-h100"), "cuda", host_available_bytes=1024 * GiB)
+    assert value.value == 128 * 10**9
+    assert value.reason == "auto: 0.5 x 2048 GB host DDR / 8 devices (preset nvidia-h100)"
+
+
+def test_host_tier_auto_never_takes_more_than_half_of_what_is_available():
+    value = resolve_host_bytes(config("nvidia-h100"), "cuda", host_available_bytes=20 * GiB)
+    assert value.value == 10 * GiB
+    assert value.reason.startswith("auto: 0.5 x 20.0 GiB available host memory")
+
+
+def test_host_tier_auto_is_off_on_a_cpu_and_without_a_ddr_figure():
+    assert resolve_host_bytes(config("cpu"), "cpu", 64 * GiB).value == 0
+    no_ddr = config("nvidia-h100", hardware={"memory": {"host_ddr_gb": None}})
+    value = resolve_host_bytes(no_ddr, "cuda", 64 * GiB)
+    assert value.value == 0 and "memory.host_ddr_gb" in value.reason
+
+
+def test_host_tier_set_explicitly_wins_over_the_preset():
+    value = resolve_host_bytes(config("nvidia-h100", tiers={"host_bytes": "2GiB"}), "cuda", 64 * GiB)
+    assert value == ResolvedValue("tiers.host_bytes", 2 * GiB, "set explicitly")
+    assert resolve_host_bytes(config("nvidia-h100", tiers={"host_bytes": 0}), "cuda", 64 * GiB).value == 0

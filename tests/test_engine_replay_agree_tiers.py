@@ -35,7 +35,8 @@ def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list
         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=1),
         policy=PolicyConfig(eviction=policy),
-        tiers=TierConfig(host_bytes=HOST_BLOCKS * block_nbytes),
+        # the replay does not model hotspot promotion (hot blocks loaded back into free device blocks)
+        tiers=TierConfig(host_bytes=HOST_BLOCKS * block_nbytes, hot_promote_after=0),
     )
     llm = LLM(config=config, device="cpu")
     hits = run_chains(llm, sequence)

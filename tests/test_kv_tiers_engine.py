@@ -88,7 +88,7 @@ def test_a_corrupt_block_in_the_host_tier_is_recomputed(model_dir, cold):
     assert tokens == cold
     assert cached == 2 * BLOCK  # the verified prefix: blocks 0 and 1
     assert host.stats().checksum_failures == 1
-    assert llm.engine.kv.hierarchy.stats.load_failures >= 1
+    assert llm.engine.kv.hierarchy.stats.failures["corrupt"] == 3  # blocks 2..4 were recomputed
 
 
 def test_a_restarted_engine_hits_what_the_disk_tier_wrote(model_dir, cold, tmp_path):
@@ -215,3 +215,36 @@ def test_remote_bytes_sizes_the_remote_tier(model_dir):
         assert hierarchy.migration.tiers[0].capacity_blocks == (64 << 10) // block
     finally:
         server.kill()
+
+
+def test_a_hot_block_is_promoted_into_free_device_blocks_before_it_is_asked_for(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20)  # hot after 2 loads (the default)
+    hierarchy, kv = llm.engine.kv.hierarchy, llm.engine.kv
+    for _ in range(2):  # A comes back from the host tier twice: hot (B and C once each)
+        for tokens in (A, B, C):
+            run(llm, tokens)
+        assert run(llm, A) == (cold, 5 * BLOCK)
+    kv.block_manager.reset_prefix_cache()  # every cached block goes down to the host tier: the pool is free
+    run(llm, [9] * (BLOCK + 1))  # the steps of an unrelated short prompt promote A's chain, top first
+    hot = hierarchy.migrator.stats
+    assert hot.hot_promoted == 5
+    assert [kv.index.block_of(k) is not None for k in hash_token_blocks(A, BLOCK, _extra_key(llm))] == [True] * 5
+    loaded = hierarchy.stats.tiers["host"].loaded_blocks
+    assert run(llm, A) == (cold, 5 * BLOCK)  # every block on the device already: nothing to load
+    assert hierarchy.stats.tiers["host"].loaded_blocks == loaded
+    assert hot.hot_used == 5
+    kv.block_manager.check_invariants()
+
+
+def test_hot_promotion_can_be_turned_off(model_dir, cold):
+    llm = make_llm(model_dir, host_bytes=1 << 20, hot_promote_after=0)
+    for _ in range(3):
+        for tokens in (A, B, C):
+            run(llm, tokens)
+        assert run(llm, A) == (cold, 5 * BLOCK)
+    assert llm.engine.kv.hierarchy.migrator.stats.hot_promoted == 0
+
+
+def _extra_key(llm: LLM) -> bytes:
+    engine = llm.engine
+    return make_extra_key(engine.model_id, engine.revision, engine.kv_dtype, "NHD")

@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sage_infer.config.serve import TierConfig
+from sage_infer.config.serve import QuotaConfig, TierConfig
 from tests.redis_fixture import start_redis
 from tests.server_fixture import running_server
 from tests.tiny_models import make_tiny_model
@@ -25,15 +25,16 @@ def samples(url: str) -> dict[tuple[str, str, str], float]:
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for s in family.samples:
             if s.name.startswith("sage:kv_tier"):
-                label = s.labels.get("direction", s.labels.get("outcome", ""))
+                label = s.labels.get("direction", s.labels.get("outcome", s.labels.get("reason",
+                                                                                        s.labels.get("le", ""))))
                 out[s.name, s.labels.get("tier", ""), label] = s.value
     return out
 
 
-def complete(client: openai.OpenAI, model: str, seed: int) -> str:
+def complete(client: openai.OpenAI, model: str, seed: int, salt: str | None = None) -> str:
     prompt = [5 + (seed * 37 + 11 * j) % 500 for j in range(81)]
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
     return out.choices[0].finish_reason
 
 
@@ -57,6 +58,8 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
             assert prefetched["sage:kv_tier_prefetch_total", "", "issued"] >= 1
             assert prefetched["sage:kv_tier_prefetch_total", "", "used"] >= 1
             assert prefetched["sage:kv_tier_migrated_blocks_total", "host", "load"] >= 1
+            assert prefetched["sage:kv_tier_load_latency_seconds_count", "", ""] >= 1
+            assert prefetched["sage:kv_tier_load_latency_seconds_bucket", "", "+Inf"] >= 1
 
             for seed in (4, 5, 6, 7, 1):  # host overflows into the dead remote tier
                 assert complete(client, server.model, seed) == "length"
@@ -68,3 +71,27 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
             assert after["sage:kv_tier_errors_total", "redis", ""] >= 1
     finally:
         redis.kill()
+
+
+def tenant_samples(url: str) -> dict[tuple, float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name.startswith(("sage:kv_tenant", "sage:kv_quota")):
+                out[(s.name, s.labels["tier"], s.labels["tenant"], *([s.labels["kind"]] if "kind" in s.labels
+                                                                       else []))] = s.value
+    return out
+
+
+def test_metrics_report_tenant_quotas(model_dir):
+    quota = QuotaConfig(tenants=[{"name": "noisy", "cache_salt": "n-salt", "max_share": 0.25},
+                                 {"name": "quiet", "cache_salt": "q-salt", "min_share": 0.5}])
+    with running_server(model_dir, num_blocks=12, max_num_seqs=1, quota=quota) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        complete(client, server.model, 1, salt="q-salt")
+        for seed in (2, 3):
+            complete(client, server.model, seed, salt="n-salt")
+        got = tenant_samples(server.url)
+        assert got["sage:kv_tenant_blocks", "device", "quiet"] == 5
+        assert got["sage:kv_quota_self_evictions_total", "device", "noisy"] >= 4
+        assert "n-salt" not in httpx.get(f"{server.url}/metrics").text  # salts are secrets: names only

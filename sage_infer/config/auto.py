@@ -184,3 +184,34 @@ def resolve_num_blocks(
         raise ConfigError(f"kv_pool: the KV budget holds no block of {bytes_per_block} bytes ({reason})",
                           hint="set kv_pool.num_blocks or a larger kv_pool.memory_budget")
     return ResolvedValue("kv_pool.num_blocks", blocks, reason)
+
+
+HOST_TIER_DDR_SHARE = 0.5  # of the host DDR per device, for the host KV tier by default
+HOST_TIER_AVAILABLE_SHARE = 0.5  # never more than this of what the OS reports available now
+
+
+def resolve_host_bytes(config: ServeConfig, device_type: str, host_available_bytes: int | None) -> ResolvedValue:
+    """Bytes of the host KV tier: as set, or (``auto``) from the preset's host DDR per device.
+
+    The host tier's slab is allocated and touched at start-up, so the default is capped by
+    what the OS has available. On a CPU the device pool is host DRAM already: no host tier
+    by default (a larger pool does the same job without a copy).
+    """
+    value = config.tiers.host_bytes
+    if value != "auto":
+        return ResolvedValue("tiers.host_bytes", int(value), "set explicitly" if value else "set explicitly: off")
+    if device_type == "cpu":
+        return ResolvedValue("tiers.host_bytes", 0, "auto: the KV pool is in host memory already (device cpu)")
+    hw = config.hardware
+    if hw is None or hw.memory.host_ddr_gb is None:
+        return ResolvedValue("tiers.host_bytes", 0, "auto: the hardware preset states no host DDR "
+                             "(memory.host_ddr_gb): set tiers.host_bytes to use a host tier")
+    per_device = hw.memory.host_ddr_gb * 1e9 / hw.device.devices_per_node
+    wanted = int(per_device * HOST_TIER_DDR_SHARE)
+    reason = (f"auto: {HOST_TIER_DDR_SHARE} x {hw.memory.host_ddr_gb:g} GB host DDR / "
+              f"{hw.device.devices_per_node} devices (preset {hw.name})")
+    if host_available_bytes is not None and wanted > host_available_bytes * HOST_TIER_AVAILABLE_SHARE:
+        wanted = int(host_available_bytes * HOST_TIER_AVAILABLE_SHARE)
+        reason = (f"auto: {HOST_TIER_AVAILABLE_SHARE} x {host_available_bytes / 2**30:.1f} GiB available host "
+                  f"memory (less than {HOST_TIER_DDR_SHARE} x the preset's {per_device / 1e9:.0f} GB DDR per device)")
+    return ResolvedValue("tiers.host_bytes", wanted, reason)

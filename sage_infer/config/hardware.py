@@ -60,6 +60,8 @@ class DeviceSection(Strict):
 class MemorySection(Strict):
     hbm_gb: float = Field(gt=0, description="Device memory per device in GB (host DDR for cpu).")
     bandwidth_gb_s: float = Field(gt=0, description="Device memory bandwidth per device, GB/s.")
+    host_ddr_gb: float | None = Field(None, gt=0, description="Host DDR of one node, GB: the default size of the "
+                                      "host KV tier comes from it (tiers.host_bytes: auto).")
 
 
 class HostLinkSection(Strict):

@@ -14,16 +14,15 @@ INACTIVE: dict[str, str] = {
     "kv_transport": "prefill/decode separation is not built yet, so no KV moves between instances; "
                     "values are validated but not used (sage transport bench/recommend take their own flags)",
     # The hardware preset drives the device (device.torch_device_type, device.python_module),
-    # the KV dtype (kv.default_dtype, kv.dtypes) and auto-detection (device.model_names).
+    # the KV dtype (kv.default_dtype, kv.dtypes), auto-detection (device.model_names), the
+    # host tier's default size (memory.host_ddr_gb, device.devices_per_node) and the tiers'
+    # cost model (device.dense_bf16_tflops, host_link, inter_node_nics, devices_per_node).
     # The rest describes the machine for `sage transport recommend/probe` and planning.
     "hardware.device.visible_devices_env": "informational: the serve process uses device 0 of the chosen type",
     "hardware.device.distributed_backend": "used by multi-device serving, which is not built yet",
-    "hardware.device.devices_per_node": "used by multi-device serving, which is not built yet",
-    "hardware.device.dense_bf16_tflops": "informational: not used by the serve process",
-    "hardware.memory": "read by sage transport probe/recommend; pool sizing measures free memory instead",
-    "hardware.host_link": "read by sage transport recommend; used by the tiered KV store, which is not built yet",
+    "hardware.memory.hbm_gb": "read by sage transport probe/recommend; pool sizing measures free memory instead",
+    "hardware.memory.bandwidth_gb_s": "read by sage transport probe/recommend; not used by the serve process",
     "hardware.intra_node_link": "read by sage transport recommend; not used by the serve process",
-    "hardware.inter_node_nics": "used by prefill/decode separation, which is not built yet",
     "hardware.probe_commands": "informational: commands to measure this machine by hand",
     "hardware.transport": "read by sage transport recommend; not used by the serve process",
     "hardware.description": "informational",

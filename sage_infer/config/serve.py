@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ByteSize, Field, SecretStr, field_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sage_infer.config.hardware import HardwareProfile, Strict
@@ -51,13 +51,19 @@ class KVPoolConfig(Strict):
 
 
 class TierConfig(Strict):
-    host_bytes: ByteSize = Field(ByteSize(0), description="Host (DDR) KV tier size; 0 disables it.")
+    host_bytes: ByteSize | Literal["auto"] = Field(
+        "auto", description="Host (DDR) KV tier size; 0 disables it. auto: on an accelerator, a share of the "
+        "preset's host DDR per device (memory.host_ddr_gb), capped by what the OS has available; none on a CPU, "
+        "whose device pool is host DDR already.")
     disk_path: str | None = Field(None, description="Directory of the SSD KV tier; None disables it.")
     disk_bytes: ByteSize = Field(ByteSize(0))
     remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0.")
     remote_bytes: ByteSize = Field(ByteSize(1 << 30), description="Bytes of KV this server keeps in the remote tier.")
     load_timeout_s: float = Field(5.0, gt=0, le=600, description="Deadline of one lower-tier load; past it the "
                                   "request recomputes those blocks. Loads run off the engine thread.")
+    hot_promote_after: int = Field(2, ge=0, le=1000, description="A block loaded back from a lower tier this many "
+                                   "times is hot: while the engine has free blocks and no queue, hot blocks are "
+                                   "promoted to the device ahead of need. 0: off.")
 
     @field_validator("remote_url")
     @classmethod
@@ -65,6 +71,43 @@ class TierConfig(Strict):
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"remote_url must be a redis://, rediss:// or unix:// URL, got {value!r}")
         return value
+
+
+class TenantQuotaConfig(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Label in metrics and logs (the salt itself is never shown).")
+    cache_salt: SecretStr = Field(description="Requests whose cache_salt is this belong to the tenant.")
+    min_share: float = Field(0.0, ge=0, le=1, description="Fraction of each KV tier others cannot evict it below.")
+    max_share: float = Field(1.0, ge=0, le=1, description="Fraction of each KV tier past which it evicts its own "
+                             "blocks first.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TenantQuotaConfig:
+        if self.min_share > self.max_share:
+            raise ValueError(f"tenant {self.name}: min_share {self.min_share} > max_share {self.max_share}")
+        return self
+
+
+class QuotaConfig(Strict):
+    """Per-tenant shares of every KV tier (device, host, disk, remote); off when no tenant is listed."""
+
+    tenants: list[TenantQuotaConfig] = Field(default_factory=list)
+    default_min_share: float = Field(0.0, ge=0, le=1, description="Share of a tenant not listed (or no salt).")
+    default_max_share: float = Field(1.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuotaConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant names repeat: {names}")
+        salts = [t.cache_salt.get_secret_value() for t in self.tenants]
+        if len(set(salts)) != len(salts):
+            raise ValueError("two tenants have the same cache_salt")
+        if self.default_min_share > self.default_max_share:
+            raise ValueError("default_min_share > default_max_share")
+        if sum(t.min_share for t in self.tenants) > 1.0:
+            raise ValueError("the tenants' min_share values add up to more than the whole tier")
+        return self
 
 
 class PolicyConfig(Strict):
@@ -103,6 +146,7 @@ class ServeConfig(BaseSettings):
     kv_pool: KVPoolConfig = KVPoolConfig()
     tiers: TierConfig = TierConfig()
     policy: PolicyConfig = PolicyConfig()
+    quota: QuotaConfig = QuotaConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_transport: KVTransportConfig = KVTransportConfig()
     hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")

@@ -73,6 +73,13 @@ class EngineStats:
     prefetch_issued: int = 0  # lower-tier loads started when a request was queued
     prefetch_used: int = 0  # of those, claimed at admission with at least one verified block
     prefetch_timeouts: int = 0  # past the load deadline at admission: recomputed instead
+    tier_load_failure_reasons: tuple[tuple[str, int], ...] = ()  # (miss|corrupt|error|timeout, blocks)
+    tier_load_latency: tuple[tuple[float, int], ...] = ()  # cumulative (upper bound s, reads), last +Inf
+    tier_load_latency_sum: float = 0.0  # seconds, all reads
+    hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
+    hot_used: int = 0  # of those, hit by a later request
+    quota_blocks: tuple[tuple[str, str, int], ...] = ()  # (tier, tenant, blocks held) with tenant quotas
+    quota_events: tuple[tuple[str, str, str, int], ...] = ()  # (tier, tenant, min|max|self_evict, count)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,11 @@ block manager with its prefix index and policy, scheduler."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_num_blocks
+from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
@@ -17,6 +18,7 @@ from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
+from sage_infer.kv_policy.quota import DEVICE, QuotaManager, TenantShare
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
@@ -24,6 +26,7 @@ from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, RedisTier, TierError
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
+from sage_infer.prefix_reuse.hashing import make_extra_key
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.scheduler import Scheduler
 
@@ -55,6 +58,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(schema), max_model_len=max_len,
                                 free_device_bytes=free_memory_bytes(device), host_available_bytes=read_mem_available())
     auto.values.append(blocks)
+    host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
+    auto.values.append(host_bytes)
     auto.log()
     pool = KVPool(schema, blocks.value, device=device)
 
@@ -66,17 +71,25 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
             raise ConfigError(f"policy.eviction: {err}") from None
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
+    model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
+    quota = build_quota(config, lambda salt: make_extra_key(model_id, config.model.revision, kv_dtype.value,
+                                                             schema.layout.value, salt))
+    if quota is not None:
+        if index is None:
+            raise ConfigError("quota: tenant quotas need kv_pool.enable_prefix_caching (they share cached blocks)")
+        index.quota = quota
+        quota.add_tier(DEVICE, pool.num_blocks)
     shape = ModelShape(num_layers=arch.num_layers, hidden=arch.hidden_size, num_kv_heads=arch.num_kv_heads,
                        head_dim=arch.head_dim, dtype_bytes=pool.dtype.itemsize,
                        num_params=float(sum(p.numel() for p in model.parameters())))
-    hierarchy = build_hierarchy(config, pool, shape)
+    hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=ModelRunner(model, pool, device),
         scheduler=scheduler,
-        model_id=config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name),
+        model_id=model_id,
         revision=config.model.revision,
         kv_dtype=kv_dtype.value,
         max_model_len=max_len,
@@ -85,7 +98,22 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     return LLMEngine(parts)
 
 
-def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None) -> HierarchyManager | None:
+def build_quota(config: ServeConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:
+    """Tenant shares from `config.quota` (None when it lists no tenant and leaves the default whole).
+
+    `tenant_key(salt)` is the prefix-cache extra key a request with that ``cache_salt`` gets.
+    """
+    q = config.quota
+    default = TenantShare("other", q.default_min_share, q.default_max_share)
+    if not q.tenants and default == TenantShare("other"):
+        return None
+    shares = {tenant_key(t.cache_salt.get_secret_value()): TenantShare(t.name, t.min_share, t.max_share)
+              for t in q.tenants}
+    return QuotaManager(shares, default)
+
+
+def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,
+                    quota: QuotaManager | None = None, host_bytes: int | None = None) -> HierarchyManager | None:
     """The lower KV tiers `config.tiers` asks for, fastest first (host, disk, remote); None without any.
 
     Each tier is placed by the same `MigrationPolicy` the replay simulator uses, ordered by the
@@ -95,10 +123,12 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     reached now is a start-up error.
     """
     tiers = config.tiers
+    if host_bytes is None:  # resolved by the caller; here: as set, and auto means none
+        host_bytes = 0 if tiers.host_bytes == "auto" else int(tiers.host_bytes)
     stores = []
     try:
-        if tiers.host_bytes:
-            stores.append(HostTier(pool.schema, int(tiers.host_bytes)))
+        if host_bytes:
+            stores.append(HostTier(pool.schema, host_bytes))
         if tiers.disk_path is not None:
             if not tiers.disk_bytes:
                 raise ConfigError("tiers.disk_bytes: set a size cap for the disk tier at tiers.disk_path")
@@ -117,6 +147,7 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
         raise ConfigError("tiers: KV tiers need kv_pool.enable_prefix_caching (blocks are found by their hash)")
     cost = CostBenefitModel(config.hardware, shape) if config.hardware is not None and shape is not None else None
     hierarchy = HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction,
-                                                                                  capacity=capacity), cost)
+                                                                                  capacity=capacity), cost, quota)
+    hierarchy.migrator.hot_after = tiers.hot_promote_after
     auto_log.info("%s", hierarchy.describe())
     return hierarchy

@@ -162,6 +162,7 @@ class LLMEngine:
             prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
             **self._tier_stats(),
+            **self._quota_stats(),
         )
 
     def _tier_stats(self) -> dict:
@@ -169,10 +170,24 @@ class LLMEngine:
         if hierarchy is None:
             return {}
         loads = self.kv.loader.stats if self.kv.loader is not None else None
-        return {"tiers": hierarchy.snapshots(), "tier_dropped_blocks": hierarchy.stats.dropped_blocks,
-                "tier_load_failures": hierarchy.stats.load_failures,
+        stats, hot = hierarchy.stats, hierarchy.migrator.stats
+        return {"tiers": hierarchy.snapshots(), "tier_dropped_blocks": stats.dropped_blocks,
+                "tier_load_failures": stats.load_failures,
+                "tier_load_failure_reasons": tuple(stats.failures.items()),
+                "tier_load_latency": stats.load_latency.cumulative(), "tier_load_latency_sum": stats.load_latency.total,
+                "hot_promoted": hot.hot_promoted, "hot_used": hot.hot_used,
                 "prefetch_issued": loads.issued if loads else 0, "prefetch_used": loads.used if loads else 0,
                 "prefetch_timeouts": loads.timeouts if loads else 0}
+
+    def _quota_stats(self) -> dict:
+        quota = self.kv.index.quota if self.kv.index is not None else None
+        if quota is None:
+            return {}
+        snap = quota.snapshot()
+        events = [(tier, tenant, kind, n) for (tier, tenant, kind), n in snap["violations"].items()]
+        events += [(tier, tenant, "self_evict", n) for (tier, tenant), n in snap["self_evictions"].items()]
+        return {"quota_blocks": tuple((tier, tenant, n) for (tier, tenant), n in snap["held"].items()),
+                "quota_events": tuple(events)}
 
     def model_info(self) -> ModelInfo:
         """The served model as a front end sees it: name, tokenizer, limits."""

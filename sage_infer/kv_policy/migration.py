@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from sage_infer.kv_policy.base import EvictionPolicy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+from sage_infer.kv_policy.quota import QuotaManager
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class BlockMeta:
     depth: int  # position in its prefix chain, 0 = first block of a prompt
     parent: bytes | None
     tokens: int  # tokens the block holds (the last block of a prompt may be partial)
+    tenant: bytes = b""  # whose block (the prefix-cache extra key, which includes the tenant salt)
 
 
 def _always(_key: bytes) -> bool:
@@ -37,13 +39,17 @@ class LowerTier:
     lookups on its own, so any block may be its victim.
     """
 
-    def __init__(self, name: str, capacity_blocks: int, policy: EvictionPolicy) -> None:
+    def __init__(self, name: str, capacity_blocks: int, policy: EvictionPolicy,
+                 quota: QuotaManager | None = None) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"tier {name}: capacity must be at least one block, got {capacity_blocks}")
         self.name = name
         self.capacity_blocks = capacity_blocks
         self.policy = policy
         self.blocks: dict[bytes, BlockMeta] = {}
+        self.quota = quota
+        if quota is not None:
+            quota.add_tier(name, capacity_blocks)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.blocks
@@ -55,17 +61,32 @@ class LowerTier:
         """Store a block; returns the blocks evicted to make room (oldest decision first)."""
         assert key not in self.blocks, "a block is in at most one tier"
         evicted = []
+        quota = self.quota
+        if quota is not None and len(self.blocks) < self.capacity_blocks and quota.at_max(self.name, meta.tenant):
+            # a cap below the device: a tenant at its maximum makes room from its own blocks even when the tier has some
+            own = self.policy.victim(lambda k: self.blocks[k].tenant == meta.tenant)
+            if own is not None:
+                quota.self_evictions[self.name, quota.share(meta.tenant).name] += 1
+                evicted.append((own, self.pop(own)))
         while len(self.blocks) >= self.capacity_blocks:
-            victim = self.policy.victim(_always)
+            if quota is None:
+                victim = self.policy.victim(_always)
+            else:
+                victim = quota.pick_victim(self.name, meta.tenant, lambda extra: self.policy.victim(extra or _always),
+                                           lambda k: self.blocks[k].tenant)
             assert victim is not None, f"tier {self.name} is full but its policy names no victim"
             evicted.append((victim, self.pop(victim)))
         self.blocks[key] = meta
         self.policy.on_insert(key, meta.depth, meta.parent)
+        if quota is not None:
+            quota.added(self.name, meta.tenant)
         return evicted
 
     def pop(self, key: bytes) -> BlockMeta:
         meta = self.blocks.pop(key)
         self.policy.on_remove(key)
+        if self.quota is not None:
+            self.quota.removed(self.name, meta.tenant)
         return meta
 
 

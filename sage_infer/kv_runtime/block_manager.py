@@ -9,10 +9,11 @@ the free list runs short.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sage_infer.kv_policy.quota import DEVICE, QuotaManager
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixReuseIndex
 
 
@@ -71,6 +72,25 @@ class BlockManager:
         self.on_evict = on_evict
         if index is not None:
             index.bind_in_use(self._is_in_use)
+        self._owner: list[bytes | None] = [None] * num_blocks  # tenant of each block, counted with quotas
+
+    @property
+    def quota(self) -> QuotaManager | None:
+        """Tenant shares of the device, from the prefix index (quotas order its evictions)."""
+        return self.index.quota if self.index is not None else None
+
+    def own(self, block_id: int, tenant: bytes | None) -> None:
+        """Count `block_id` (just allocated) toward `tenant`'s share of the device, with quotas."""
+        quota = self.quota
+        if quota is not None and tenant is not None:
+            self._owner[block_id] = tenant
+            quota.added(DEVICE, tenant)
+
+    def _disown(self, block_id: int) -> None:
+        tenant = self._owner[block_id]
+        if tenant is not None:
+            self._owner[block_id] = None
+            self.quota.removed(DEVICE, tenant)
 
     def _is_in_use(self, block_id: int) -> bool:
         return self.ref_counts[block_id] > 0
@@ -110,8 +130,11 @@ class BlockManager:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_available_blocks
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, tenant: bytes | None = None) -> list[int]:
         """`n` blocks with ref 1 and no tokens: free blocks first (in free-list order), then evicted cached leaves.
+
+        `tenant` (a request's extra key) is whose request needs the room: with tenant quotas
+        it decides whose cached blocks go first.
 
         Raises `NoFreeBlocksError`, changing nothing, when `n > num_available_blocks`.
         """
@@ -125,10 +148,13 @@ class BlockManager:
         block_ids: list[int] = []
         while len(block_ids) < n and self.free_block_ids:
             block_ids.append(self.free_block_ids.popleft())
+            self.own(block_ids[-1], tenant)
         evicted: list[EvictedBlock] = []
-        while len(block_ids) < n:
-            evicted.append(self._evict_one())
+        while len(block_ids) < n:  # each taken block counts for `tenant` before the next victim is chosen
+            evicted.append(self._evict_one(tenant))
             block_ids.append(evicted[-1].block_id)
+            self._disown(block_ids[-1])
+            self.own(block_ids[-1], tenant)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         for block_id in block_ids:
@@ -172,6 +198,7 @@ class BlockManager:
             else:
                 self.num_tokens[block_id] = 0
                 self.free_block_ids.append(block_id)
+                self._disown(block_id)
 
     def cache_block(
         self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes
@@ -212,13 +239,15 @@ class BlockManager:
             evicted.append(self._evict_one())
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
+        for block in evicted:
+            self._disown(block.block_id)
         self.free_block_ids.extend(block.block_id for block in evicted)
         return len(evicted)
 
-    def _evict_one(self) -> EvictedBlock:
+    def _evict_one(self, tenant: bytes | None = None) -> EvictedBlock:
         """Unregister the policy's victim; its KV stays in the slot until the caller reuses it."""
         assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
-        evicted = self.index.evict_block(self._is_unreferenced)
+        evicted = self.index.evict_block(self._is_unreferenced, tenant)
         assert evicted is not None, "num_evictable_blocks promised an evictable block"
         self.num_tokens[evicted.block_id] = 0
         return evicted
@@ -266,6 +295,10 @@ class BlockManager:
         assert all(0 <= b < self.num_blocks for b in free), "free list holds an unknown block id"
         if self.index is not None:
             self.index.check_invariants()
+        if self.quota is not None and DEVICE in self.quota.tiers:
+            owned = Counter(t for b, t in enumerate(self._owner) if t is not None and b not in free)
+            assert all(self._owner[b] is None for b in free), "a free block still counts for a tenant"
+            assert owned == +self.quota.tiers[DEVICE].blocks, "tenant block counts are wrong"
 
     def _is_registered(self, block_id: int) -> bool:
         return self.index is not None and self.index.is_registered(block_id)

@@ -3,11 +3,9 @@
 Decisions and bytes are kept apart. *Which* tier holds a block is decided by
 `kv_policy.MigrationPolicy` — the object `sage kv replay --tiers` drives too — over exclusive
 lower tiers sized in blocks like the stores below them. *The bytes* live in the tier stores
-(`kv_runtime/tiers/`), moved here:
+(`kv_runtime/tiers/`):
 
-- **demote** (`on_evict`, called by the block manager before an evicted slot is reused):
-  the block is copied out of the pool, then the policy's moves are applied deepest first,
-  so every store has made room before a block lands in it;
+- **demote** and **promote ahead of need**: `kv_runtime.migrator.KVMigrator` (`on_evict`);
 - **lookup** (pure): how many blocks of a chain, right after the device's prefix, the lower
   tiers hold;
 - **load**: those blocks come back into freshly allocated device blocks. A tier returns the
@@ -17,7 +15,9 @@ lower tiers sized in blocks like the stores below them. *The bytes* live in the 
 
 from __future__ import annotations
 
+import bisect
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from sage_infer.core.messages import TierSnapshot
-from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
+from sage_infer.kv_policy.migration import LowerTier, MigrationPolicy
+from sage_infer.kv_runtime.migrator import KVMigrator
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.errors import TierError
-from sage_infer.prefix_reuse.index import EvictedBlock
 
 log = logging.getLogger("sage_infer.kv_runtime")
 ROLE = {"redis": "remote"}  # store name -> the tier role the cost model prices
@@ -47,18 +47,58 @@ class TierCounters:
 
 @dataclass(slots=True)
 class ReadSegment:
-    """What one store returned for a run of a chain: `rows` ``[n, block_nbytes]`` uint8, or the error."""
+    """What one store returned for a run of a chain: `rows` ``[n, block_nbytes]`` uint8, or the error.
+
+    `corrupt`: the store found a bad checksum during this read (it ended the run there).
+    """
 
     level: int
     rows: torch.Tensor | None
     error: TierError | None
+    corrupt: bool = False
+
+
+LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+FAILURE_REASONS = ("miss", "corrupt", "error", "timeout")
+
+
+@dataclass(slots=True)
+class LoadLatency:
+    """A histogram of lower-tier read latencies (seconds), filled on the loader thread and the engine's."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))  # last: +Inf
+    total: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(LOAD_BUCKETS, seconds)
+        with self.lock:
+            self.counts[i] += 1
+            self.total += seconds
+
+    def cumulative(self) -> tuple[tuple[float, int], ...]:
+        """``((upper bound, observations <= it), ...)`` ending with +Inf, as Prometheus wants."""
+        with self.lock:
+            counts = list(self.counts)
+        out, running = [], 0
+        for bound, n in zip((*LOAD_BUCKETS, float("inf")), counts):
+            running += n
+            out.append((bound, running))
+        return tuple(out)
 
 
 @dataclass(slots=True)
 class HierarchyStats:
     dropped_blocks: int = 0  # evicted from the device (or a tier) and kept nowhere below
-    load_failures: int = 0  # blocks a lookup found but no tier returned verified: recomputed
+    # blocks a lookup found but no tier returned verified (recomputed), by reason: a miss (gone
+    # meanwhile), corrupt (bad CRC32C), error (the store failed), timeout (past the load deadline)
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     tiers: dict[str, TierCounters] = field(default_factory=dict)
+    load_latency: LoadLatency = field(default_factory=LoadLatency)
+
+    @property
+    def load_failures(self) -> int:
+        return sum(self.failures.values())
 
     @property
     def demoted_blocks(self) -> int:
@@ -86,14 +126,16 @@ class HierarchyManager:
         self.stats = HierarchyStats(tiers={store.name: TierCounters() for store in stores})
         self._down_until: dict[str, float] = {}
         self._down_reason: dict[str, str] = {}
+        self.migrator = KVMigrator(self)
+        self.on_evict = self.migrator.on_evict  # the block manager's eviction hook
 
     @classmethod
-    def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None) -> HierarchyManager:
-        """Size one exclusive `LowerTier` per store by how many blocks the store holds."""
+    def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None, quota=None) -> HierarchyManager:
+        """Size one exclusive `LowerTier` per store by how many blocks the store holds (`quota`: tenant shares)."""
         tiers = []
         for store in stores:
             blocks = max(1, store.capacity_bytes // store.bytes_per_block)
-            tiers.append(LowerTier(ROLE.get(store.name, store.name), blocks, make_policy(blocks)))
+            tiers.append(LowerTier(ROLE.get(store.name, store.name), blocks, make_policy(blocks), quota))
         return cls(pool, stores, MigrationPolicy(tiers, cost))
 
     def describe(self) -> str:
@@ -113,91 +155,13 @@ class HierarchyManager:
         return (f"tiers = {sizes} (a first {bs}-token block, by the preset's cost model: "
                 f"{'; '.join(verdicts)}; deeper blocks cost more to recompute)")
 
-    def _store(self, level: int) -> KVTier:
+    def store(self, level: int) -> KVTier:
         """The store of migration level `level` (1 = the first tier below the device)."""
         return self.stores[level - 1]
 
-    # -- demote ---------------------------------------------------------------------------------
-
-    def on_evict(self, blocks: list[EvictedBlock]) -> None:
-        """The device is about to reuse these blocks' slots: copy them out (one read) and let the policy
-        place each, in eviction order; the stores then get one `put` per tier for the whole batch."""
-        data = self.pool.read_blocks([b.block_id for b in blocks]).view(torch.uint8).reshape(len(blocks), -1)
-        pending: dict[int, dict[bytes, torch.Tensor]] = {}  # level -> blocks placed there, not yet put
-        moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
-        self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
-        try:
-            for i, block in enumerate(blocks):
-                moves.clear()
-                self.migration.demote(block.block_hash,
-                                      BlockMeta(block.depth, block.parent_hash, self.pool.block_size))
-                # deepest first: a tier's victims leave before the block that displaced them arrives
-                for key, src, dst in reversed(moves):
-                    self._apply(key, src, dst, data[i : i + 1] if src == 0 else None, pending)
-        finally:
-            self.migration.listener = None
-        for level, placed in pending.items():
-            if placed:
-                self._put(level, placed)
-
-    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None,
-               pending: dict[int, dict[bytes, torch.Tensor]]) -> None:
-        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device.
-
-        Placements wait in `pending` for one batched `put` per tier; a block placed and moved on
-        within the same batch never touches the store it passed through.
-        """
-        waiting = pending.get(src, {}) if src > 0 else {}
-        try:
-            if dst is None:
-                if key in waiting:
-                    del waiting[key]
-                elif src > 0:
-                    self._store(src).delete([key])
-                self.stats.dropped_blocks += 1
-                return
-            if data is None:  # between lower tiers: take it from where it is
-                if key in waiting:
-                    data = waiting.pop(key)
-                else:
-                    got = self._store(src).get([key])[0]
-                    self._store(src).delete([key])
-                    if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
-                        self._forget(key, dst)
-                        return
-                    data = got.reshape(1, -1)
-            if not self._usable(self._store(dst)):
-                self._forget(key, dst)
-                self.stats.dropped_blocks += 1
-                return
-            pending.setdefault(dst, {})[key] = data
-        except TierError as err:
-            self._failed(dst if dst is not None else src, err)
-            if dst is not None:
-                self._forget(key, dst)
-
-    def _put(self, level: int, placed: dict[bytes, torch.Tensor]) -> None:
-        """One `put` of every block the batch placed at `level`."""
-        store = self._store(level)
-        keys = list(placed)
-        try:
-            store.put(keys, torch.cat(list(placed.values())))
-        except TierError as err:
-            self._failed(level, err)
-            for key in keys:
-                self._forget(key, level)
-            return
-        self.stats.tiers[store.name].demoted_blocks += len(keys)
-
-    def _forget(self, key: bytes, level: int) -> None:
-        """The policy placed `key` at `level` but its bytes are not there: drop the decision too."""
-        tier = self.migration.tiers[level - 1]
-        if key in tier:
-            tier.pop(key)
-
-    def _failed(self, level: int, err: TierError) -> None:
+    def failed(self, level: int, err: TierError) -> None:
         """Count a store failure and rest the store for `RETRY_AFTER_S`: its blocks are recomputed meanwhile."""
-        store = self._store(level)
+        store = self.store(level)
         self.stats.tiers[store.name].errors += 1
         self._down_until[store.name] = time.monotonic() + RETRY_AFTER_S
         self._down_reason[store.name] = str(err)
@@ -211,12 +175,12 @@ class HierarchyManager:
         present = [False] * len(keys)
         for level, store in enumerate(self.stores, 1):
             missing = [i for i, hit in enumerate(present) if not hit]
-            if not missing or not self._usable(store):
+            if not missing or not self.usable(store):
                 continue
             try:
                 found = store.contains([keys[i] for i in missing])
             except TierError as err:
-                self._failed(level, err)
+                self.failed(level, err)
                 continue
             for i, hit in zip(missing, found):
                 present[i] = hit
@@ -243,41 +207,52 @@ class HierarchyManager:
         recomputes from there. Safe on a loader thread: the stores lock themselves, and the
         placement bookkeeping waits for `claim` on the engine thread.
         """
+        start = time.perf_counter()
         segments: list[ReadSegment] = []
         done = 0
         while done < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):
-                if not self._usable(store):
+                if not self.usable(store):
                     continue
+                corrupt_before = getattr(store, "checksum_failures", 0)
                 try:
                     rows = store.get_prefix(list(keys[done:]))
                 except TierError as err:
                     segments.append(ReadSegment(level, None, err))
                     continue
                 progress = rows.shape[0]
+                corrupt = getattr(store, "checksum_failures", 0) > corrupt_before
+                if progress or corrupt:
+                    segments.append(ReadSegment(level, rows, None, corrupt))
                 if progress:
-                    segments.append(ReadSegment(level, rows, None))
                     break
             if not progress:
                 break
             done += progress
+        self.stats.load_latency.observe(time.perf_counter() - start)
         return segments
 
     def claim(self, keys: Sequence[bytes], segments: list[ReadSegment]) -> torch.Tensor:
         """On the engine thread: move what `read` got out of the tiers' books; the rows, ``[k, block_nbytes]``."""
         parts: list[torch.Tensor] = []
         done = 0
+        reason = "miss"
         for segment in segments:
             if segment.error is not None:
-                self._failed(segment.level, segment.error)
+                self.failed(segment.level, segment.error)
+                reason = "error"
                 continue
+            if segment.corrupt:
+                reason = "corrupt"
             n = segment.rows.shape[0]
+            if not n:
+                continue
             self._promoted(segment.level, list(keys[done : done + n]))
             parts.append(segment.rows)
             done += n
         if done < len(keys):
-            self.stats.load_failures += len(keys) - done
+            self.stats.failures[reason] += len(keys) - done
         if not parts:
             return torch.empty((0, self.pool.block_nbytes), dtype=torch.uint8)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -293,16 +268,16 @@ class HierarchyManager:
 
     def _promoted(self, level: int, keys: list[bytes]) -> None:
         """`keys` now live on the device: out of the tier (exclusive tiers) and out of the policy's view."""
-        store = self._store(level)
+        store = self.store(level)
         self.stats.tiers[store.name].loaded_blocks += len(keys)
         for key in keys:
             self.migration.promote(key)
         try:
             store.delete(keys)
         except TierError as err:
-            self._failed(level, err)
+            self.failed(level, err)
 
-    def _usable(self, store: KVTier) -> bool:
+    def usable(self, store: KVTier) -> bool:
         """False for a while after the store failed, so a dead backend costs one timeout, not one per step."""
         return time.monotonic() >= self._down_until.get(store.name, 0.0)
 
@@ -317,18 +292,18 @@ class HierarchyManager:
             if tier is None:
                 continue
             self.migration.discard(key)
-            store = self._store(self.level_of[tier.name])
+            store = self.store(self.level_of[tier.name])
             try:
                 store.delete([key])
             except TierError as err:
-                self._failed(self.level_of[tier.name], err)
+                self.failed(self.level_of[tier.name], err)
 
     def snapshots(self) -> tuple[TierSnapshot, ...]:
         """Every tier's state for stats and /metrics (a store's own `stats()` never raises)."""
         out = []
         for store in self.stores:
             own, counters = store.stats(), self.stats.tiers[store.name]
-            down = not self._usable(store)
+            down = not self.usable(store)
             out.append(TierSnapshot(
                 name=store.name, blocks=own.blocks, bytes=own.bytes, capacity_bytes=own.capacity_bytes,
                 demoted_blocks=counters.demoted_blocks, loaded_blocks=counters.loaded_blocks,

@@ -32,6 +32,9 @@ from sage_infer.kv_runtime.loader import KVLoader
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
+HOT_PROMOTE_PER_STEP = 8  # hot blocks promoted per step at most
+HOT_RESERVE = 0.10  # fraction of the pool kept free: promotion only uses free blocks beyond it
+
 NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
 
 
@@ -69,6 +72,52 @@ class KVCacheManager:
         match = self.match(seq)
         if match.lower_block_hashes:
             self.loader.start(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
+
+    def promote_hot(self, limit: int = HOT_PROMOTE_PER_STEP) -> int:
+        """Load hot lower-tier blocks into free device blocks ahead of need; returns how many.
+
+        Hot = loaded from below at admission at least `migrator.HOT_AFTER_HITS` times. Only
+        free blocks beyond a reserve of `HOT_RESERVE` of the pool are used (promotion never
+        evicts), parents before children, and each promoted block is registered as cached:
+        the next request with that prefix hits the device, and the room stays available to
+        admission like any cached block.
+        """
+        if self.hierarchy is None:
+            return 0
+        manager = self.block_manager
+        room = min(limit, manager.num_free_blocks - int(manager.num_blocks * HOT_RESERVE))
+        if room <= 0:
+            return 0
+        migrator = self.hierarchy.migrator
+        chosen, placed = [], set()
+        for block in migrator.hot_below():
+            if len(chosen) >= room:
+                break
+            if block.parent is None or block.parent in placed or self.index.block_of(block.parent) is not None:
+                chosen.append(block)
+                placed.add(block.key)
+        if not chosen:
+            return 0
+        rows = self.hierarchy.fetch([block.key for block in chosen])
+        chosen = chosen[: rows.shape[0]]
+        if not chosen:
+            return 0
+        block_ids = manager.allocate(len(chosen))
+        self.hierarchy.write(block_ids, rows)
+        for block_id, block in zip(block_ids, chosen):
+            manager.own(block_id, block.extra_key)
+        kept = []
+        for block_id, block in zip(block_ids, chosen):
+            if block.parent is not None and self.index.block_of(block.parent) is None:
+                kept.append(block_id)  # its parent did not come back (a shorter fetch): not reachable
+                continue
+            block_id, _ = manager.cache_block(block_id, block.parent, block.token_ids, block.extra_key)
+            manager.set_num_tokens(block_id, self.block_size)
+            kept.append(block_id)
+            migrator.promoted_ahead.add(block.key)
+        manager.free(list(reversed(kept)))  # children first: they become cached, evictable leaves
+        migrator.stats.hot_promoted += len(chosen)
+        return len(chosen)
 
     def is_loading(self, seq: Sequence) -> bool:
         """Its prefetch is still reading (and within its deadline): admit others meanwhile."""
@@ -151,10 +200,13 @@ class KVCacheManager:
             self.index.policy.tick(now)
             self.index.record_hit(match, count_query=not seq.admitted_once)
             self.block_manager.acquire(match.block_ids)
+            if self.hierarchy is not None:
+                self.hierarchy.migrator.used_on_device(match.block_hashes)
         staged = None
         if self.hierarchy is not None:
             self.hierarchy.tick(now)
             if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them
+                self.hierarchy.migrator.saw_below(match.lower_block_hashes)
                 if self.loader is not None:
                     staged = self.loader.take(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
                 if staged is None:
@@ -164,7 +216,7 @@ class KVCacheManager:
         seq.num_computed_tokens = match.num_tokens
         needed = self.blocks_needed(seq, num_new_tokens + match.num_lower_tokens)
         if needed:
-            seq.block_table.extend(self.block_manager.allocate(needed))
+            seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
             self.hierarchy.write(seq.block_table[first : first + staged.shape[0]], staged)
@@ -186,7 +238,7 @@ class KVCacheManager:
             return True
         if not self.block_manager.can_allocate(needed):
             return False
-        seq.block_table.extend(self.block_manager.allocate(needed))
+        seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         return True
 
     # -- after a step -----------------------------------------------------------------------

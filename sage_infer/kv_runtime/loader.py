@@ -78,7 +78,7 @@ class KVLoader:
         if not load.future.done():
             load.future.cancel()  # a read already running finishes and is ignored
             self.stats.timeouts += 1
-            self.hierarchy.stats.load_failures += len(load.keys)
+            self.hierarchy.stats.failures["timeout"] += len(load.keys)
             return torch.empty((0, self.hierarchy.pool.block_nbytes), dtype=torch.uint8)
         rows = self.hierarchy.claim(load.keys, load.future.result())[: len(keys)]
         self.stats.used += rows.shape[0] > 0

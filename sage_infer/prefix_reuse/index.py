@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sage_infer.kv_policy import EvictionPolicy, make_policy
+from sage_infer.kv_policy.quota import DEVICE, QuotaManager
 from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.metrics import PrefixReuseMetrics
 
@@ -88,6 +89,9 @@ class PrefixReuseIndex:
         self._by_block: dict[int, _Node] = {}
         self._is_in_use: Callable[[int], bool] | None = None
         self._num_active = 0
+        # per-tenant shares of the device ("device" tier), when configured: orders eviction; the
+        # block manager counts what each tenant holds (in use and cached)
+        self.quota: QuotaManager | None = None
 
     def match(
         self, token_ids: Sequence[int], extra_key: bytes, *, max_blocks: int | None = None, record: bool = True
@@ -208,14 +212,24 @@ class PrefixReuseIndex:
         evicted = self.evict_block(is_unreferenced)
         return evicted.block_id if evicted is not None else None
 
-    def evict_block(self, is_unreferenced: Callable[[int], bool]) -> EvictedBlock | None:
-        """Unregister the policy's victim among unreferenced leaves and describe it; None if none."""
+    def evict_block(self, is_unreferenced: Callable[[int], bool], tenant: bytes | None = None) -> EvictedBlock | None:
+        """Unregister the policy's victim among unreferenced leaves and describe it; None if none.
+
+        With a `quota`, the victim also follows the tenants' shares (`tenant`: whose request
+        needs the room; None when unknown).
+        """
 
         def evictable(block_hash: bytes) -> bool:
             node = self._by_hash[block_hash]
             return node.num_children == 0 and not node.in_use and is_unreferenced(node.block_id)
 
-        victim = self.policy.victim(evictable)
+        if self.quota is None:
+            victim = self.policy.victim(evictable)
+        else:
+            victim = self.quota.pick_victim(
+                DEVICE, tenant,
+                lambda extra: self.policy.victim(evictable if extra is None else lambda h: evictable(h) and extra(h)),
+                lambda h: self._by_hash[h].extra_key)
         if victim is None:
             return None
         node = self._by_hash[victim]

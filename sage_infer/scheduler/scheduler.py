@@ -176,6 +176,8 @@ class Scheduler:
                 self.finish(seq, "length")
             elif seq.num_tokens >= self.max_total_tokens:
                 self.finish(seq, "length")
+        if not self.waiting:  # room to spare: bring hot lower-tier blocks back before they are asked for
+            self.kv.promote_hot()
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Take a finished or aborted sequence out, release its blocks and record why it ended."""

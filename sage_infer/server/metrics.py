@@ -7,7 +7,8 @@ time; request counters and latency histograms are recorded as requests finish.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from sage_infer.core.outputs import RequestOutput
 from sage_infer.interfaces.backend import InferenceBackend
@@ -41,6 +42,7 @@ class _EngineCollector:
         queries.add_metric(value, stats.prefix_query_tokens)
         hits.add_metric(value, stats.prefix_hit_tokens)
         yield from self._tiers(stats, labels, value)
+        yield from self._quotas(stats, labels, value)
         yield from (running, waiting, usage, queries, hits)
 
     @staticmethod
@@ -79,14 +81,45 @@ class _EngineCollector:
                                       labels=labels)
         dropped.add_metric(value, stats.tier_dropped_blocks)
         failures = CounterMetricFamily("sage:kv_tier_load_failures",
-                                       "Blocks found in a tier but not returned verified (recomputed).", labels=labels)
-        failures.add_metric(value, stats.tier_load_failures)
+                                       "Blocks found in a tier but not returned verified (recomputed), by reason "
+                                       "(miss, corrupt, error, timeout).", labels=[*labels, "reason"])
+        for reason, count in stats.tier_load_failure_reasons:
+            failures.add_metric([*value, reason], count)
+        latency = HistogramMetricFamily("sage:kv_tier_load_latency_seconds", "Wall time of one lower-tier read "
+                                        "(a request's whole lower-tier prefix).", labels=labels)
+        latency.add_metric(value, [(floatToGoString(bound), n) for bound, n in stats.tier_load_latency],
+                           sum_value=stats.tier_load_latency_sum)
+        hot = CounterMetricFamily("sage:kv_tier_hot_promotions", "Hot blocks loaded back into free device blocks "
+                                  "ahead of need, and those a later request hit.", labels=[*labels, "outcome"])
+        hot.add_metric([*value, "promoted"], stats.hot_promoted)
+        hot.add_metric([*value, "used"], stats.hot_used)
         prefetch = CounterMetricFamily("sage:kv_tier_prefetch", "Lower-tier loads started for queued requests, "
                                        "by outcome (issued, used, timeout).", labels=[*labels, "outcome"])
         for outcome, count in (("issued", stats.prefetch_issued), ("used", stats.prefetch_used),
                                ("timeout", stats.prefetch_timeouts)):
             prefetch.add_metric([*value, outcome], count)
-        yield from (*families.values(), moved, moved_bytes, dropped, failures, prefetch)
+        yield from (*families.values(), moved, moved_bytes, dropped, failures, latency, hot, prefetch)
+
+    @staticmethod
+    def _quotas(stats, labels: list[str], value: list[str]):
+        """Tenant quotas (none configured: nothing): blocks held per tier, violations, self-evictions."""
+        if not stats.quota_blocks and not stats.quota_events:
+            return
+        at = [*labels, "tier", "tenant"]
+        held = GaugeMetricFamily("sage:kv_tenant_blocks", "KV blocks a tenant holds in a tier.", labels=at)
+        for tier, tenant, n in stats.quota_blocks:
+            held.add_metric([*value, tier, tenant], n)
+        violations = CounterMetricFamily("sage:kv_quota_violations", "Evictions that broke a tenant's share: min "
+                                         "(a tenant at its minimum lost a block), max (one over its maximum grew "
+                                         "with none of its own blocks to evict).", labels=[*at, "kind"])
+        own = CounterMetricFamily("sage:kv_quota_self_evictions", "Blocks a tenant over its maximum share evicted "
+                                  "from its own.", labels=at)
+        for tier, tenant, kind, n in stats.quota_events:
+            if kind == "self_evict":
+                own.add_metric([*value, tier, tenant], n)
+            else:
+                violations.add_metric([*value, tier, tenant, kind], n)
+        yield from (held, violations, own)
 
 
 class ServerMetrics:

@@ -148,6 +148,11 @@ class BaseTier(ABC):
         self._count_gets(len(keys), k)
         return out[:k]
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks read back corrupt so far (cheap: no refresh, unlike `stats`)."""
+        return self._stats.checksum_failures
+
     def stats(self) -> TierStats:
         with self._lock:
             self._refresh_stats()

@@ -1,0 +1,138 @@
+"""`QuotaManager`: per-tenant shares of each KV tier (device, host, disk, remote).
+
+A tenant is what a request's ``cache_salt`` selects: its blocks are hashed under their own
+extra key, so they never match another tenant's. Each configured tenant has a minimum and a
+maximum share of every tier, as fractions of the tier's capacity in blocks; every other
+tenant gets the default share. Shares act when a tier picks a victim:
+
+1. a tenant over its maximum that needs room evicts its own blocks first (in the tier's
+   policy order); it keeps growing only when none of its blocks can go, which is counted
+   as a ``max`` violation;
+2. otherwise the victim is a block of a tenant over *its* maximum, if any;
+3. otherwise a block of a tenant above its minimum: a tenant at or below its minimum share
+   is not evicted for someone else;
+4. otherwise (every evictable block belongs to tenants at their minimum) the policy's
+   victim goes anyway, counted as a ``min`` violation.
+
+Lower tiers also hold a tenant at its maximum when the tier is not full (a cap, not only an
+eviction order); the device cannot, since its blocks are in use by running requests.
+`QuotaManager` only counts and orders: the prefix index (device) and `LowerTier` (below)
+ask it for the order and tell it what they hold.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEVICE = "device"  # the tier name of the device pool (lower tiers use their `LowerTier.name`)
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """A tenant's share of every tier, as fractions of the tier's blocks."""
+
+    name: str
+    min_share: float = 0.0
+    max_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_share <= self.max_share <= 1.0:
+            raise ValueError(f"tenant {self.name!r}: need 0 <= min_share <= max_share <= 1, "
+                             f"got {self.min_share} / {self.max_share}")
+
+
+@dataclass(slots=True)
+class TierUsage:
+    capacity_blocks: int
+    blocks: Counter[bytes] = field(default_factory=Counter)  # tenant key -> blocks held
+
+
+class QuotaManager:
+    """Shares keyed by tenant key (the prefix-cache extra key of that tenant's salt)."""
+
+    def __init__(self, shares: dict[bytes, TenantShare], default: TenantShare | None = None) -> None:
+        self.shares = dict(shares)
+        self.default = default if default is not None else TenantShare("other")
+        self.tiers: dict[str, TierUsage] = {}
+        self.violations: Counter[tuple[str, str, str]] = Counter()  # (tier, tenant name, "min"|"max") -> events
+        self.self_evictions: Counter[tuple[str, str]] = Counter()  # (tier, tenant name) -> own blocks it evicted
+
+    def share(self, tenant: bytes) -> TenantShare:
+        return self.shares.get(tenant, self.default)
+
+    def add_tier(self, tier: str, capacity_blocks: int) -> None:
+        self.tiers[tier] = TierUsage(capacity_blocks)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def added(self, tier: str, tenant: bytes) -> None:
+        usage = self.tiers.get(tier)
+        if usage is not None:
+            usage.blocks[tenant] += 1
+
+    def removed(self, tier: str, tenant: bytes) -> None:
+        usage = self.tiers.get(tier)
+        if usage is not None:
+            usage.blocks[tenant] -= 1
+            if usage.blocks[tenant] <= 0:
+                del usage.blocks[tenant]
+
+    def held(self, tier: str, tenant: bytes) -> int:
+        usage = self.tiers.get(tier)
+        return usage.blocks.get(tenant, 0) if usage is not None else 0
+
+    def _limit(self, tier: str, tenant: bytes, which: str) -> float:
+        share = self.share(tenant)
+        return getattr(share, which) * self.tiers[tier].capacity_blocks
+
+    def at_max(self, tier: str, tenant: bytes) -> bool:
+        """Holding another block would take `tenant` past its maximum share of `tier`."""
+        return tier in self.tiers and self.held(tier, tenant) + 1 > self._limit(tier, tenant, "max_share")
+
+    def _over_max(self, tier: str, tenant: bytes) -> bool:
+        return self.held(tier, tenant) > self._limit(tier, tenant, "max_share")
+
+    def _above_min(self, tier: str, tenant: bytes) -> bool:
+        return self.held(tier, tenant) - 1 >= self._limit(tier, tenant, "min_share")
+
+    # -- victim choice ----------------------------------------------------------------------------
+
+    def pick_victim(
+        self,
+        tier: str,
+        incoming: bytes | None,
+        victim: Callable[[Callable[[bytes], bool] | None], bytes | None],
+        tenant_of: Callable[[bytes], bytes],
+    ) -> bytes | None:
+        """The key `tier` should evict to make room for a block of `incoming` (None: unknown tenant).
+
+        `victim(extra)` is the tier's own policy choice among evictable keys that also pass
+        `extra` (None: no extra condition); `tenant_of(key)` names a key's tenant. Follows
+        the order in the module docstring and counts what it does.
+        """
+        if tier not in self.tiers:
+            return victim(None)
+        if incoming is not None and self.at_max(tier, incoming):
+            key = victim(lambda k: tenant_of(k) == incoming)
+            if key is not None:
+                self.self_evictions[tier, self.share(incoming).name] += 1
+                return key
+            self.violations[tier, self.share(incoming).name, "max"] += 1
+        key = victim(lambda k: self._over_max(tier, tenant_of(k)))
+        if key is None:
+            key = victim(lambda k: self._above_min(tier, tenant_of(k)))
+        if key is None:
+            key = victim(None)
+            if key is not None:
+                self.violations[tier, self.share(tenant_of(key)).name, "min"] += 1
+        return key
+
+    def snapshot(self) -> dict:
+        """Blocks per tier and tenant name, violations and self-evictions (for stats and /metrics)."""
+        held: Counter[tuple[str, str]] = Counter()
+        for tier, usage in self.tiers.items():
+            for tenant, n in usage.blocks.items():
+                held[tier, self.share(tenant).name] += n
+        return {"held": dict(held), "violations": dict(self.violations),
+                "self_evictions": dict(self.self_evictions)}

@@ -1,0 +1,183 @@
+"""`KVMigrator`: moves block bytes between the device pool and the tiers, as `MigrationPolicy` decides.
+
+- **demote** (`on_evict`, called by the block manager before an evicted slot is reused):
+  the batch is copied out of the pool with one read, the policy places each block, and the
+  moves are applied deepest first, so every store has made room before a block lands in
+  it; each tier then gets one `put` for the whole batch.
+- **promote ahead of need** (`promote_hot`): blocks a lookup keeps finding below the device
+  (the hotspot set) are loaded into free device blocks while the engine has room, so the
+  next request that wants them hits the device instead of waiting for a load.
+
+Health (a store that failed rests for a while) and counters belong to the `HierarchyManager`
+that owns this migrator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sage_infer.kv_policy.migration import BlockMeta
+from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.prefix_reuse.index import EvictedBlock
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.hierarchy import HierarchyManager
+
+HOT_AFTER_HITS = 2  # default: a block loaded from below this many times is hot, promoted when there is room
+MAX_HOT_KEYS = 4096  # lookups remembered for the hotspot set (least recent forgotten first)
+
+
+@dataclass(frozen=True, slots=True)
+class HotBlock:
+    key: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_key: bytes
+    depth: int
+
+
+@dataclass(slots=True)
+class MigratorStats:
+    hot_promoted: int = 0  # hot blocks loaded into free device blocks ahead of need
+    hot_used: int = 0  # of those, hit on the device by a later request
+    hot_wasted: int = 0  # of those, evicted again before any request hit them
+
+
+class KVMigrator:
+    """Demotion of evicted device blocks and promotion of hot ones, for one `HierarchyManager`."""
+
+    def __init__(self, hierarchy: HierarchyManager, hot_after: int = HOT_AFTER_HITS) -> None:
+        self.hierarchy = hierarchy
+        self.hot_after = hot_after  # 0: no hotspot promotion
+        self.pool = hierarchy.pool
+        self.migration = hierarchy.migration
+        self.stats = MigratorStats()
+        self.promoted_ahead: set[bytes] = set()  # hot blocks promoted and not yet hit on the device
+        self.lower_hits: Counter[bytes] = Counter()  # key -> times admission loaded it from below the device
+        self.hot_meta: dict[bytes, HotBlock] = {}  # hot blocks demoted since: what registering them again needs
+
+    # -- demote ---------------------------------------------------------------------------------
+
+    def on_evict(self, blocks: list[EvictedBlock]) -> None:
+        """The device is about to reuse these blocks' slots: copy them out (one read) and let the policy
+        place each, in eviction order; the stores then get one `put` per tier for the whole batch."""
+        data = self.pool.read_blocks([b.block_id for b in blocks]).view(torch.uint8).reshape(len(blocks), -1)
+        pending: dict[int, dict[bytes, torch.Tensor]] = {}  # level -> blocks placed there, not yet put
+        moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
+        self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
+        try:
+            for i, block in enumerate(blocks):
+                moves.clear()
+                if block.block_hash in self.promoted_ahead:
+                    self.promoted_ahead.discard(block.block_hash)
+                    self.stats.hot_wasted += 1
+                self._remember_if_hot(block)
+                self.migration.demote(block.block_hash, BlockMeta(block.depth, block.parent_hash,
+                                                                  self.pool.block_size, block.extra_key))
+                # deepest first: a tier's victims leave before the block that displaced them arrives
+                for key, src, dst in reversed(moves):
+                    self._apply(key, src, dst, data[i : i + 1] if src == 0 else None, pending)
+        finally:
+            self.migration.listener = None
+        for level, placed in pending.items():
+            if placed:
+                self._put(level, placed)
+
+    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None,
+               pending: dict[int, dict[bytes, torch.Tensor]]) -> None:
+        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device.
+
+        Placements wait in `pending` for one batched `put` per tier; a block placed and moved on
+        within the same batch never touches the store it passed through.
+        """
+        h = self.hierarchy
+        waiting = pending.get(src, {}) if src > 0 else {}
+        try:
+            if dst is None:
+                if key in waiting:
+                    del waiting[key]
+                elif src > 0:
+                    h.store(src).delete([key])
+                h.stats.dropped_blocks += 1
+                self._forget_hot(key)
+                return
+            if data is None:  # between lower tiers: take it from where it is
+                if key in waiting:
+                    data = waiting.pop(key)
+                else:
+                    got = h.store(src).get([key])[0]
+                    h.store(src).delete([key])
+                    if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
+                        self.forget(key, dst)
+                        return
+                    data = got.reshape(1, -1)
+            if not h.usable(h.store(dst)):
+                self.forget(key, dst)
+                h.stats.dropped_blocks += 1
+                return
+            pending.setdefault(dst, {})[key] = data
+        except TierError as err:
+            h.failed(dst if dst is not None else src, err)
+            if dst is not None:
+                self.forget(key, dst)
+
+    def _put(self, level: int, placed: dict[bytes, torch.Tensor]) -> None:
+        """One `put` of every block the batch placed at `level`."""
+        h = self.hierarchy
+        store = h.store(level)
+        keys = list(placed)
+        try:
+            store.put(keys, torch.cat(list(placed.values())))
+        except TierError as err:
+            h.failed(level, err)
+            for key in keys:
+                self.forget(key, level)
+            return
+        h.stats.tiers[store.name].demoted_blocks += len(keys)
+
+    def forget(self, key: bytes, level: int) -> None:
+        """The policy placed `key` at `level` but its bytes are not there: drop the decision too."""
+        tier = self.migration.tiers[level - 1]
+        if key in tier:
+            tier.pop(key)
+        self._forget_hot(key)
+
+    # -- hotspot set ----------------------------------------------------------------------------
+
+    def saw_below(self, keys: list[bytes]) -> None:
+        """Admission loaded `keys` from below the device: count them toward the hotspot set."""
+        if not self.hot_after:
+            return
+        for key in keys:
+            self.lower_hits[key] += 1
+        if len(self.lower_hits) > MAX_HOT_KEYS:  # keep the hottest half
+            for key, _ in self.lower_hits.most_common()[MAX_HOT_KEYS // 2 :]:
+                del self.lower_hits[key]
+                self.hot_meta.pop(key, None)
+
+    def used_on_device(self, keys: list[bytes]) -> None:
+        """Admission hit `keys` on the device: count the ones promoted ahead of need."""
+        if self.promoted_ahead:
+            for key in keys:
+                if key in self.promoted_ahead:
+                    self.promoted_ahead.discard(key)
+                    self.stats.hot_used += 1
+
+    def _remember_if_hot(self, block: EvictedBlock) -> None:
+        """A hot block is leaving the device: keep what registering it again needs (tokens, parent, tenant)."""
+        if self.hot_after and self.lower_hits.get(block.block_hash, 0) >= self.hot_after:
+            self.hot_meta[block.block_hash] = HotBlock(block.block_hash, block.parent_hash, block.token_ids,
+                                                       block.extra_key, block.depth)
+
+    def hot_below(self) -> list[HotBlock]:
+        """Hot blocks that a lower tier holds now, parents before children (so a chain is promoted from its top)."""
+        hot = [b for b in self.hot_meta.values() if self.migration.tier_of(b.key) is not None]
+        hot.sort(key=lambda b: (b.depth, -self.lower_hits.get(b.key, 0)))
+        return hot
+
+    def _forget_hot(self, key: bytes) -> None:
+        self.hot_meta.pop(key, None)
