@@ -2,7 +2,9 @@
 
     python bench/tiers_raw.py --blocks 64 --json out/tiers_raw.json
 
-Host tier put/get vs a raw torch copy of the same bytes; disk tier put/get vs raw
+Host tier put/get vs a raw torch copy of the same bytes (put: what the caller waits for, the
+checksums follow on the tier's own thread; put + checksums: until they are all taken; put, crc
+inline: the tier without its checksum thread); disk tier put/get vs raw
 os.pwrite/os.preadv of the same bytes to a file in the same directory. Both disk sides go
 through the page cache (no fsync, reads of just-written data), so "disk" here is the tier's
 software cost over the kernel's, not the device's speed. CRC32C alone is shown because every
@@ -69,8 +71,15 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
 
     # host tier
     host = HostTier(schema, total)
-    row("host", "put", best_seconds(lambda: host.put(keys, blocks), repeats, setup=lambda: host.delete(keys)),
-        "torch copy", memcpy_s)
+    reset = lambda: (host.drain(), host.delete(keys))  # noqa: E731
+    row("host", "put", best_seconds(lambda: host.put(keys, blocks), repeats, setup=reset), "torch copy", memcpy_s)
+    row("host", "put + checksums", best_seconds(lambda: (host.put(keys, blocks), host.drain()), repeats,
+                                                setup=reset), "torch copy", memcpy_s)
+    inline = HostTier(schema, total, background_crc=False)
+    row("host", "put, crc inline", best_seconds(lambda: inline.put(keys, blocks), repeats,
+                                                setup=lambda: inline.delete(keys)), "torch copy", memcpy_s)
+    inline.close()
+    host.drain()
     row("host", "get_prefix(out=)", best_seconds(lambda: host.get_prefix(keys, out=out), repeats),
         "torch copy", memcpy_s)
     row("host", "get", best_seconds(lambda: host.get(keys), repeats), "torch copy", memcpy_s)

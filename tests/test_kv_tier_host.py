@@ -58,3 +58,46 @@ def test_got_blocks_are_copies_that_outlive_the_slab_slot():
 def test_no_pinning_without_cuda():
     with HostTier(SCHEMA, BPB) as tier:
         assert tier.pinned is torch.cuda.is_available()
+
+
+def test_checksums_are_taken_off_the_putting_thread_and_then_verified():
+    keys, blocks = chain(4)
+    with HostTier(SCHEMA, 8 * BPB) as tier:
+        tier.put(keys, blocks)
+        assert tier.drain(10)
+        assert not tier._pending
+        tier.slab[tier.slot_of(keys[1]), 3] ^= 0x10  # corrupted after its checksum was taken
+        assert torch.equal(tier.get_prefix(keys), blocks[:1])
+        assert tier.stats().checksum_failures == 1
+
+
+def test_a_block_read_before_its_checksum_is_taken_comes_back_whole():
+    keys, blocks = chain(3)
+    with HostTier(SCHEMA, 8 * BPB) as tier:
+        with tier._lock:  # hold the checksum thread off: every slot is still pending when read
+            tier.put(keys, blocks)
+            assert len(tier._pending) == 3
+            assert torch.equal(tier.get_prefix(keys), blocks)
+            assert not tier._pending  # the read took the checksums
+        tier.slab[tier.slot_of(keys[2]), 0] ^= 1  # and later reads verify against them
+        assert torch.equal(tier.get_prefix(keys), blocks[:2])
+
+
+def test_a_slot_rewritten_while_its_checksum_is_pending_gets_the_new_blocks_checksum():
+    keys, blocks = chain(1)
+    next_keys, next_blocks = chain(1, salt="next")
+    with HostTier(SCHEMA, 1 * BPB) as tier:
+        tier.put(keys, blocks)
+        tier.put(next_keys, next_blocks)  # the only slot again, maybe before the first checksum
+        assert tier.drain(10)
+        assert torch.equal(tier.get_prefix(next_keys), next_blocks)
+        assert tier.stats().checksum_failures == 0
+
+
+def test_checksums_in_put_without_the_background_thread():
+    keys, blocks = chain(2)
+    with HostTier(SCHEMA, 4 * BPB, background_crc=False) as tier:
+        tier.put(keys, blocks)
+        assert not tier._pending and tier.drain(0)
+        tier.slab[tier.slot_of(keys[0]), 0] ^= 1
+        assert tier.get_prefix(keys).shape[0] == 0 and tier.stats().checksum_failures == 1

@@ -64,6 +64,7 @@ def settle(tier) -> None:
 def corrupt(tier, key: bytes, payload: torch.Tensor) -> None:
     """Flip one payload bit where the tier keeps the block, through the tier's own storage."""
     if isinstance(tier, HostTier):
+        assert tier.drain(10)  # after its checksum was taken (the checksum thread lags a put by a little)
         tier.slab[tier.slot_of(key), 7] ^= 1
     elif isinstance(tier, DiskTier):
         tier.flush()

@@ -14,6 +14,7 @@ import pytest
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.resolve import resolve_config
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
+from sage_infer.core.sequence import Sequence
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from tests.redis_fixture import start_redis
 from tests.tiny_models import make_tiny_model
@@ -83,6 +84,7 @@ def test_a_corrupt_block_in_the_host_tier_is_recomputed(model_dir, cold):
     host = llm.engine.kv.hierarchy.stores[0]
     engine = llm.engine
     keys = hash_token_blocks(A, BLOCK, make_extra_key(engine.model_id, engine.revision, engine.kv_dtype, "NHD"))
+    assert host.drain(10)
     host.slab[host.slot_of(keys[2])][100] ^= 0xFF  # A's third block is wrong now
     tokens, cached = run(llm, A)
     assert tokens == cold
@@ -109,6 +111,11 @@ def test_two_engines_share_prefixes_through_redis(model_dir, cold):
             run(writer, tokens)
         reader = make_llm(model_dir, remote_url=server.url)
         assert run(reader, A) == (cold, 5 * BLOCK)
+        # the reader loaded A but left it in the shared tier: a third server hits it too
+        third = make_llm(model_dir, remote_url=server.url)
+        assert run(third, A) == (cold, 5 * BLOCK)
+        redis = reader.engine.kv.hierarchy.stores[0]
+        assert all(redis.contains(hash_token_blocks(A, BLOCK, _extra_key(reader))))
     finally:
         server.kill()
 
@@ -248,3 +255,24 @@ def test_hot_promotion_can_be_turned_off(model_dir, cold):
 def _extra_key(llm: LLM) -> bytes:
     engine = llm.engine
     return make_extra_key(engine.model_id, engine.revision, engine.kv_dtype, "NHD")
+
+
+def test_a_waiting_request_asks_the_lower_tiers_once_not_every_step(model_dir):
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    kv = llm.engine.kv
+    host = kv.hierarchy.stores[0]
+    calls = []
+    contains = host.contains
+    host.contains = lambda keys: calls.append(len(keys)) or contains(keys)
+    now = [100.0]
+    kv.clock = lambda: now[0]
+    waiting = Sequence(seq_id=10_000, request_id="w", index=0, token_ids=list(A), num_prompt_tokens=len(A),
+                       params=GREEDY, extra_key=_extra_key(llm))
+    for _ in range(5):  # five scheduling steps while it waits
+        assert len(kv.match(waiting).lower_block_hashes) == 5
+    assert len(calls) == 1
+    now[0] += 1.0  # past LOWER_LOOKUP_TTL_S: asked again
+    assert len(kv.match(waiting).lower_block_hashes) == 5
+    assert len(calls) == 2

@@ -267,11 +267,13 @@ class HierarchyManager:
         self.migration.tick(now)
 
     def _promoted(self, level: int, keys: list[bytes]) -> None:
-        """`keys` now live on the device: out of the tier (exclusive tiers) and out of the policy's view."""
+        """`keys` now live on the device: out of the policy's view, and out of the tier unless it is shared."""
         store = self.store(level)
         self.stats.tiers[store.name].loaded_blocks += len(keys)
         for key in keys:
             self.migration.promote(key)
+        if getattr(store, "shared", False):
+            return
         try:
             store.delete(keys)
         except TierError as err:
@@ -284,8 +286,8 @@ class HierarchyManager:
     def discard(self, keys: Sequence[bytes]) -> None:
         """The device registered `keys` (computed again): forget lower-tier placements so tiers stay exclusive.
 
-        Only placements this process made are dropped; a copy another server put in a shared
-        tier stays (it is theirs too), and a stale copy here is only ever a verified duplicate.
+        Only placements this process made are dropped, and never from a shared tier (another
+        server may want the block there); a stale copy is only ever a verified duplicate.
         """
         for key in keys:
             tier = self.migration.tier_of(key)
@@ -293,6 +295,8 @@ class HierarchyManager:
                 continue
             self.migration.discard(key)
             store = self.store(self.level_of[tier.name])
+            if getattr(store, "shared", False):
+                continue
             try:
                 store.delete([key])
             except TierError as err:

@@ -32,6 +32,7 @@ from sage_infer.kv_runtime.loader import KVLoader
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
+LOWER_LOOKUP_TTL_S = 0.5  # a waiting request's lower-tier lookup is reused this long (see _match_lower)
 HOT_PROMOTE_PER_STEP = 8  # hot blocks promoted per step at most
 HOT_RESERVE = 0.10  # fraction of the pool kept free: promotion only uses free blocks beyond it
 
@@ -60,6 +61,7 @@ class KVCacheManager:
             if self.index is None:
                 raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
             block_manager.on_evict = hierarchy.on_evict
+        self._lower_seen: dict[int, tuple[float, tuple, list[bytes]]] = {}  # seq id -> (when, device prefix, keys)
         # with a deadline, lower-tier reads run off the engine thread (prefetch); without, at admission
         self.loader = KVLoader(hierarchy, load_timeout_s) if hierarchy is not None and load_timeout_s else None
 
@@ -155,13 +157,26 @@ class KVCacheManager:
         return match
 
     def _match_lower(self, seq: Sequence, match: PrefixMatch) -> None:
-        """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap)."""
+        """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap).
+
+        A waiting request is matched every step; its lower-tier answer is reused for
+        `LOWER_LOOKUP_TTL_S` while its device prefix stays the same, so a remote tier sees one
+        lookup per request, not one per step. A stale answer is safe: the load returns the
+        verified prefix it finds, and the rest is computed.
+        """
         bs = self.block_size
-        rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
-        keys = hash_token_blocks(rest, bs, seq.extra_key, match.block_hashes[-1] if match.block_hashes else None)
-        found = self.hierarchy.lookup(keys)
-        match.lower_block_hashes = keys[:found]
-        match.num_lower_tokens = found * bs
+        device = (len(match.block_ids), match.block_hashes[-1] if match.block_hashes else None)
+        now = self.clock()
+        seen = self._lower_seen.get(seq.seq_id)
+        if seen is not None and seen[1] == device and now - seen[0] < LOWER_LOOKUP_TTL_S:
+            keys = seen[2]
+        else:
+            rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
+            keys = hash_token_blocks(rest, bs, seq.extra_key, device[1])
+            keys = keys[: self.hierarchy.lookup(keys)]
+            self._lower_seen[seq.seq_id] = (now, device, keys)
+        match.lower_block_hashes = list(keys)
+        match.num_lower_tokens = len(keys) * bs
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
         """New blocks `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
@@ -195,6 +210,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
         if not self.can_admit(seq, match, num_new_tokens):
             return False
+        self._lower_seen.pop(seq.seq_id, None)
         if self.index is not None:
             now = self.clock()
             self.index.policy.tick(now)
@@ -268,6 +284,7 @@ class KVCacheManager:
         """Release every block of `seq`, children before parents (leaves age first), and any load it had running."""
         if self.loader is not None:
             self.loader.drop(seq.seq_id)
+        self._lower_seen.pop(seq.seq_id, None)
         if seq.block_table:
             self.block_manager.free(list(reversed(seq.block_table)))
         seq.block_table = []

@@ -104,6 +104,9 @@ class BaseTier(ABC):
     """
 
     name: str
+    # True for a store other servers read and write too (remote): a server never deletes from it what
+    # it loads or recomputes (another server may want the block); the store's own capacity bound evicts
+    shared: bool = False
 
     def __init__(self, schema: KVCacheSchema, capacity_bytes: int, name: str) -> None:
         if capacity_bytes < schema.bytes_per_block:

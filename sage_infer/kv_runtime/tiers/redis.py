@@ -45,6 +45,8 @@ VALUE_HEADER = struct.Struct("<4sII")
 class RedisTier(BaseTier):
     """The remote tier: a bounded, checksummed block store in Redis."""
 
+    shared = True
+
     def __init__(
         self,
         schema: KVCacheSchema,
