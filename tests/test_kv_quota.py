@@ -171,3 +171,15 @@ def test_quotas_need_prefix_caching(model_dir):
                          quota=QuotaConfig(tenants=[NOISY]))
     with pytest.raises(ConfigError, match="quota"):
         LLM(config=config, device="cpu")
+
+
+def test_config_show_names_tenants_but_never_prints_a_salt(sage, tmp_path):
+    config = tmp_path / "quota.yaml"
+    config.write_text("quota:\n  tenants:\n    - {name: batch, cache_salt: topsecret, max_share: 0.25}\n")
+    result = sage("config", "show", "--config", str(config), "--preset", "cpu")
+    assert result.code == 0, result.err
+    assert "batch" in result.out and "topsecret" not in result.out + result.err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("quota:\n  tenants:\n    - {name: batch, cache_salt: s, min_share: 0.5, max_share: 0.2}\n")
+    result = sage("config", "show", "--config", str(bad), "--preset", "cpu")
+    assert result.code == 2 and "quota.tenants" in result.err and len(result.err.strip().splitlines()) == 1
