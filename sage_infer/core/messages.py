@@ -14,6 +14,15 @@ from sage_infer.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Prefill/decode separation for one request (`kv_runtime/transfers.py`)."""
+
+    hold: bool = False  # prefill: keep the prompt's KV when the request ends, until it is sent or expires
+    transfer_id: str | None = None  # decode: the prompt's KV arrives as this transfer; compute only the rest
+    schema_digest: str | None = None  # the sender's KV schema (hex); a different one here is an error
+
+
+@dataclass(frozen=True, slots=True)
 class AddRequest:
     """Run one request. `prompt_token_ids` are already validated by the sender: non-empty,
     every id in ``[0, vocab_size)``, shorter than the model's context. The engine does not
@@ -26,6 +35,7 @@ class AddRequest:
     priority: int = 0  # lower is served first when the scheduler runs in priority mode
     cache_salt: str | None = None  # isolates cached prefixes between tenants
     arrival_time: float | None = None  # time.monotonic(); None: when the engine receives it
+    kv_transfer: KVTransferParams | None = None  # prefill/decode separation
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)
     admitted_once: bool = False  # the prefix query is counted on the first admission only
+    hold_kv: bool = False  # prefill/decode: its blocks outlive it, until a decode instance took them
 
     @property
     def num_tokens(self) -> int:

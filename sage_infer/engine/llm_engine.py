@@ -8,12 +8,17 @@ from itertools import count
 
 import torch
 
-from sage_infer.core.messages import AddRequest, EngineStats, ModelInfo
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.core.messages import AddRequest, EngineStats, KVTransferParams, ModelInfo
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.errors import ConfigError
+from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.tiers.base import schema_digest
+from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.sampler import Sampler
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -105,6 +110,9 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but {where} holds {limit} "
                 f"(prompt + at least 1 generated token must fit)"
             )
+        transfer = request.kv_transfer
+        if transfer is not None:
+            self._check_transfer(transfer, params, len(token_ids))
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
                                    request.cache_salt)
@@ -120,7 +128,50 @@ class LLMEngine:
         self.requests[request_id] = _Request(request_id, request.prompt, list(token_ids), seqs, detoks,
                                              RequestMetrics(arrival_time=arrival), [0] * params.n,
                                              [""] * params.n, [""] * params.n)
+        if transfer is not None and transfer.hold:
+            seqs[0].hold_kv = True
         self.scheduler.add_request(seqs)
+        if transfer is not None and transfer.transfer_id is not None:
+            self.kv.transfers.expect(seqs[0], transfer.transfer_id)
+
+    # -- prefill/decode separation ------------------------------------------------------
+
+    def enable_kv_transfer(self, config: KVTransportConfig | None = None, *, backend: str = "shm",
+                           listen: bool = False, hold_timeout_s: float = 30.0) -> str | None:
+        """Let this engine hold and send (prefill) or receive (decode, `listen`) prompt KV; the
+        address senders connect to when listening."""
+        if self.kv.index is None:
+            raise ConfigError("prefill/decode separation needs kv_pool.enable_prefix_caching (received KV is "
+                              "registered under its block hashes)")
+        pool = self.runner.pool
+        connector = KVConnector(pool.schema, config, backend=backend, listen=listen)
+        self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s)
+        return connector.address
+
+    @property
+    def kv_schema_digest(self) -> str:
+        """The KV block format (layers, heads, head dim, block size, dtype, layout) as hex: both ends must agree."""
+        return schema_digest(self.runner.pool.schema).hex()
+
+    def send_kv(self, request_id: str, address: str, transfer_id: str) -> int:
+        """Send a finished, held request's prompt blocks to a decode engine; how many blocks."""
+        if self.kv.transfers is None:
+            raise RequestError("this engine does not transfer KV (enable_kv_transfer was not called)")
+        try:
+            return self.kv.transfers.send(request_id, address, transfer_id)
+        except (KeyError, ValueError) as err:
+            raise RequestError(str(err.args[0]) if err.args else str(err)) from None
+
+    def _check_transfer(self, transfer: KVTransferParams, params: SamplingParams, num_tokens: int) -> None:
+        if self.kv.transfers is None:
+            raise RequestError("kv_transfer: this engine does not transfer KV (no prefill/decode role)")
+        if transfer.schema_digest is not None and transfer.schema_digest != self.kv_schema_digest:
+            raise RequestError(f"kv_transfer: the sender's KV schema {transfer.schema_digest[:12]}... is not this "
+                               f"engine's {self.kv_schema_digest[:12]}... (model, dtype or block size differ)")
+        if transfer.hold and params.n != 1:
+            raise RequestError("kv_transfer: a request that holds its KV for a decode instance must have n=1")
+        if transfer.transfer_id is not None and num_tokens < self.runner.pool.block_size:
+            raise RequestError("kv_transfer: the prompt is shorter than one KV block: there is nothing to receive")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if unknown or already finished."""
@@ -138,7 +189,8 @@ class LLMEngine:
         return self._collect({})
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        transfers = self.kv.transfers
+        return self.scheduler.has_unfinished() or (transfers is not None and transfers.busy)
 
     # -- what front ends read -----------------------------------------------------------
 
@@ -204,6 +256,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> run -> sample -> postprocess. Returns an output for every request that changed."""
+        self.kv.poll_transfers()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             self.kv.wait_for_loads(LOAD_POLL_S)  # everything waiting is loading from a lower tier

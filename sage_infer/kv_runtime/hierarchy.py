@@ -257,11 +257,6 @@ class HierarchyManager:
             return torch.empty((0, self.pool.block_nbytes), dtype=torch.uint8)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def write(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Copy fetched rows (``[k, block_nbytes]`` uint8) into device blocks, bit-exact."""
-        blocks = rows.view(self.pool.dtype).reshape(rows.shape[0], *self.pool.block_shape)
-        self.pool.write_blocks(list(block_ids), blocks)
-
     def tick(self, now: float) -> None:
         """Advance the lower tiers' policy clocks (time-aware policies), as the device's is."""
         self.migration.tick(now)

@@ -29,6 +29,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.loader import KVLoader
+from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
@@ -62,6 +63,7 @@ class KVCacheManager:
                 raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
             block_manager.on_evict = hierarchy.on_evict
         self._lower_seen: dict[int, tuple[float, tuple, list[bytes]]] = {}  # seq id -> (when, device prefix, keys)
+        self.transfers: KVTransfers | None = None  # prefill/decode separation, when this engine has a role
         # with a deadline, lower-tier reads run off the engine thread (prefetch); without, at admission
         self.loader = KVLoader(hierarchy, load_timeout_s) if hierarchy is not None and load_timeout_s else None
 
@@ -105,7 +107,7 @@ class KVCacheManager:
         if not chosen:
             return 0
         block_ids = manager.allocate(len(chosen))
-        self.hierarchy.write(block_ids, rows)
+        self.hierarchy.pool.write_rows(block_ids, rows)
         for block_id, block in zip(block_ids, chosen):
             manager.own(block_id, block.extra_key)
         kept = []
@@ -121,8 +123,19 @@ class KVCacheManager:
         migrator.stats.hot_promoted += len(chosen)
         return len(chosen)
 
+    def hold(self, seq: Sequence) -> None:
+        """A finished sequence whose KV a decode instance will take: keep its blocks (see `KVTransfers`)."""
+        self.transfers.hold(seq)
+
+    def poll_transfers(self) -> None:
+        """Free what prefill/decode transfers finished with, and hand received KV to admission."""
+        if self.transfers is not None:
+            self.transfers.poll(self.free)
+
     def is_loading(self, seq: Sequence) -> bool:
         """Its prefetch is still reading (and within its deadline): admit others meanwhile."""
+        if self.transfers is not None and self.transfers.is_receiving(seq):
+            return True  # its KV is coming from a prefill instance
         return self.loader is not None and self.loader.is_loading(seq.seq_id)
 
     def wait_for_loads(self, timeout: float) -> None:
@@ -152,9 +165,22 @@ class KVCacheManager:
             return NO_MATCH
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
         match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
-        if self.hierarchy is not None:
+        if self.transfers is not None and seq.seq_id in self.transfers.received:
+            self._match_received(seq, match, self.transfers.received[seq.seq_id].shape[0], max_blocks)
+        elif self.hierarchy is not None:
             self._match_lower(seq, match)
         return match
+
+    def _match_received(self, seq: Sequence, match: PrefixMatch, received: int, max_blocks: int | None) -> None:
+        """Extend `match` with the prompt blocks a KV transfer brought (prefill/decode separation)."""
+        bs = self.block_size
+        first = len(match.block_ids)
+        last = min(received, max_blocks) if max_blocks is not None else received
+        if last <= first:
+            return
+        parent = match.block_hashes[-1] if match.block_hashes else None
+        match.lower_block_hashes = hash_token_blocks(seq.token_ids[first * bs : last * bs], bs, seq.extra_key, parent)
+        match.num_lower_tokens = (last - first) * bs
 
     def _match_lower(self, seq: Sequence, match: PrefixMatch) -> None:
         """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap).
@@ -219,7 +245,11 @@ class KVCacheManager:
             if self.hierarchy is not None:
                 self.hierarchy.migrator.used_on_device(match.block_hashes)
         staged = None
-        if self.hierarchy is not None:
+        received = self.transfers.received.pop(seq.seq_id, None) if self.transfers is not None else None
+        if received is not None and match.lower_block_hashes:
+            first = len(match.block_ids)
+            staged = received[first : first + len(match.lower_block_hashes)]
+        elif self.hierarchy is not None:
             self.hierarchy.tick(now)
             if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them
                 self.hierarchy.migrator.saw_below(match.lower_block_hashes)
@@ -235,7 +265,8 @@ class KVCacheManager:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
-            self.hierarchy.write(seq.block_table[first : first + staged.shape[0]], staged)
+            pool = self.transfers.pool if received is not None else self.hierarchy.pool
+            pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             self.commit(seq)  # register the loaded blocks: they are full and their tokens are known
         if not seq.admitted_once:
@@ -285,6 +316,8 @@ class KVCacheManager:
         if self.loader is not None:
             self.loader.drop(seq.seq_id)
         self._lower_seen.pop(seq.seq_id, None)
+        if self.transfers is not None:
+            self.transfers.cancel(seq)
         if seq.block_table:
             self.block_manager.free(list(reversed(seq.block_table)))
         seq.block_table = []

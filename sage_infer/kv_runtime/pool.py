@@ -235,6 +235,10 @@ class KVPool:
             raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
         self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
 
+    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
+        """`write_blocks` from raw rows, ``[n, block_nbytes]`` uint8 (what tiers and transfers carry)."""
+        self.write_blocks(block_ids, rows.view(self.dtype).reshape(rows.shape[0], *self.block_shape))
+
     def __repr__(self) -> str:
         return (
             f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, num_layers={self.num_layers}, "

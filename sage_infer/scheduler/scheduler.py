@@ -191,7 +191,10 @@ class Scheduler:
                 siblings.remove(seq)
                 if not siblings:
                     del self._siblings[seq.request_id]
-        self.kv.free(seq)
+        if seq.hold_kv and reason != "abort":
+            self.kv.hold(seq)  # a decode instance takes its KV; freed once sent (or the hold expires)
+        else:
+            self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finish_time = time.monotonic()

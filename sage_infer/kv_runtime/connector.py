@@ -1,0 +1,270 @@
+"""`KVConnector`: a request's prompt blocks from one engine's pool to another's, over the transport.
+
+The engine runs on one synchronous thread; the transport engine is asyncio. The connector
+runs the transport on an event loop of its own (one thread) and gives the engine thread
+non-blocking calls, in the shape of vLLM's KV-connector API:
+
+- sending side (a prefill instance): ``start_send(transfer_id, address, rows)`` queues the
+  rows (``[n, block_nbytes]`` uint8, whole pool blocks in chain order) for `address`;
+  ``poll_sent()`` returns the transfers that ended since the last call, each verified by
+  the receiver chunk by chunk (CRC32C) or failed with the reason;
+- receiving side (a decode instance): ``address`` is where senders connect;
+  ``expect(transfer_id, num_blocks, deadline_s)`` registers where the rows will land
+  *before* anyone is asked to send them; ``poll_received()`` returns the transfers that
+  completed (their rows) or failed (no rows: the request computes its prompt itself).
+
+Blocks travel as opaque rows, one "layer" per transfer, so whatever the pool stores (a KV
+dtype, a layout) arrives bit-exact; the engines agree on the schema (its digest) and the
+block count before a transfer is expected, and a transfer that does not fill exactly the
+expected rows never completes. A late chunk of a transfer the receiver gave up
+on lands in scratch memory and is dropped, so one failure never breaks the channel for the
+next transfer. No pickle: the wire is the transport's fixed binary header plus raw bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.interfaces.transport import TransportPlan
+from sage_infer.transport.base import RecvChannel
+from sage_infer.transport.buffers import KVReceiveBuffers
+from sage_infer.transport.connection import Connection
+from sage_infer.transport.engine import TransportEngine
+from sage_infer.transport.errors import TransportError
+from sage_infer.transport.wire import ChunkHeader
+
+log = logging.getLogger("sage_infer.kv_runtime")
+IDLE_DEADLINE_S = 10**9  # a receive channel waits for its next chunk this long (transfers have their own)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """One transfer that ended: `rows` (receiving side, on success) or `error` (None: it worked)."""
+
+    transfer_id: str
+    rows: torch.Tensor | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _DroppingBuffers(KVReceiveBuffers):
+    """Receive buffers where a chunk of an unknown transfer (given up on, or never expected) lands in
+    scratch memory instead of failing the channel that carries other transfers too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.dropped_chunks = 0
+
+    def sink(self, header: ChunkHeader) -> memoryview:
+        if header.request_id in self._bytes:
+            return super().sink(header)
+        self.dropped_chunks += 1
+        if self._scratch.numel() < header.length:
+            self._scratch = torch.empty(header.length, dtype=torch.uint8)
+        return memoryview(self._scratch[: header.length].numpy())
+
+    def land(self, header: ChunkHeader) -> float:
+        if header.request_id not in self._bytes:
+            return 0.0
+        return super().land(header)
+
+
+@dataclass(slots=True)
+class _Expected:
+    rows: torch.Tensor  # [n, block_nbytes] uint8, where the transfer lands
+    deadline: float  # loop time
+    started: float
+
+
+class KVConnector:
+    """Send and/or receive whole KV blocks; one event-loop thread, any number of peers."""
+
+    def __init__(self, schema: KVCacheSchema, config: KVTransportConfig | None = None, *, backend: str = "shm",
+                 listen: bool = False, listen_address: str | None = None) -> None:
+        self.schema = schema
+        self.block_nbytes = schema.bytes_per_block
+        self.config = config or KVTransportConfig()
+        self.backend = backend
+        self.transport = TransportEngine(self.config)
+        self.address: str | None = None
+        self._buffers = _DroppingBuffers()
+        self._expected: dict[str, _Expected] = {}
+        self._conns: dict[str, Connection] = {}
+        self._sent: collections.deque[TransferResult] = collections.deque()
+        self._received: collections.deque[TransferResult] = collections.deque()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sage-kv-connector", daemon=True)
+        self._thread.start()
+        self._listener = None
+        if listen:
+            self._call(self._listen(listen_address))
+
+    # -- the engine thread's calls (non-blocking, or a few microseconds on the loop) ---------------
+
+    def start_send(self, transfer_id: str, address: str, rows: torch.Tensor) -> None:
+        """Send `rows` (``[n, block_nbytes]`` uint8) to the receiver at `address`; see `poll_sent`."""
+        rows = rows.contiguous().view(torch.uint8).reshape(-1, self.block_nbytes)
+        asyncio.run_coroutine_threadsafe(self._send(transfer_id, address, rows), self._loop)
+
+    def poll_sent(self) -> list[TransferResult]:
+        return _drain(self._sent)
+
+    def expect(self, transfer_id: str, num_blocks: int, deadline_s: float | None = None) -> None:
+        """Register where `transfer_id`'s `num_blocks` rows land; call it before asking a sender to send."""
+        if self._listener is None:
+            raise RuntimeError("this connector does not receive (listen=False)")
+        if num_blocks <= 0:
+            raise ValueError(f"a transfer carries at least one block, got {num_blocks}")
+        timeout = deadline_s if deadline_s is not None else self.config.timeout_s
+        self._call(self._expect(transfer_id, num_blocks, timeout))
+
+    def cancel(self, transfer_id: str) -> None:
+        """Stop waiting for `transfer_id` (its request ended); late chunks are dropped."""
+        self._call(self._forget(transfer_id))
+
+    def poll_received(self) -> list[TransferResult]:
+        return _drain(self._received)
+
+    @property
+    def dropped_chunks(self) -> int:
+        return self._buffers.dropped_chunks
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._aclose(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+    def _call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # -- on the loop -------------------------------------------------------------------------------
+
+    async def _listen(self, address: str | None) -> None:
+        self._listener = await self.transport.listen(self.backend, address)
+        self.address = self._listener.address
+        self._spawn(self._accept_loop())
+        self._spawn(self._expire_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                channel = await self._listener.accept(loop.time() + IDLE_DEADLINE_S)
+            except TransportError as err:
+                log.warning("KV connector: accept failed: %s", err)
+                await asyncio.sleep(0.05)
+                continue
+            self._spawn(self._receive_loop(channel))
+
+    async def _receive_loop(self, channel: RecvChannel) -> None:
+        """Land chunks from one sender until it hangs up (or its channel breaks)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                got = await self.transport.recv_kv_chunk(channel, self._buffers, deadline=loop.time() + IDLE_DEADLINE_S)
+                if got is None:
+                    return
+                header, _ = got
+                rid = header.request_id
+                if rid in self._expected and self._buffers.complete(rid):
+                    entry = self._expected.pop(rid)
+                    self._buffers.release(rid)
+                    self._received.append(TransferResult(rid, entry.rows, None, loop.time() - entry.started,
+                                                         entry.rows.numel()))
+        except TransportError as err:  # the channel is done; transfers on it fail at their deadline or now
+            log.warning("KV connector: receive channel closed: %s", err)
+        finally:
+            await channel.aclose()
+
+    async def _expect(self, transfer_id: str, num_blocks: int, timeout: float) -> None:
+        if transfer_id in self._expected:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        rows = torch.empty((num_blocks, self.block_nbytes), dtype=torch.uint8)
+        now = asyncio.get_running_loop().time()
+        self._expected[transfer_id] = _Expected(rows, now + timeout, now)
+        self._buffers.register(transfer_id, [rows.reshape(-1)])
+
+    async def _forget(self, transfer_id: str) -> None:
+        if self._expected.pop(transfer_id, None) is not None:
+            self._buffers.release(transfer_id)
+
+    async def _expire_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.05)
+            now = loop.time()
+            for rid in [rid for rid, e in self._expected.items() if now >= e.deadline]:
+                entry = self._expected.pop(rid)
+                self._buffers.release(rid)
+                self._received.append(TransferResult(rid, None, f"no KV arrived within the deadline "
+                                                               f"({now - entry.started:.1f} s)"))
+
+    async def _send(self, transfer_id: str, address: str, rows: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = await self.transport.connect(address, backend=self.backend)
+            flat = rows.reshape(-1)
+            chunk = max(1, int(self.config.chunk_size) // self.block_nbytes) * self.block_nbytes  # whole blocks
+            plan = TransportPlan(transfer_id, "local", address, self.backend, self.schema, self.schema.dtype,
+                                 tuple(TransportPlan.split(transfer_id, 0, flat.numel(), chunk, self.schema.dtype)),
+                                 deadline_s=self.config.timeout_s)
+            stats = await self.transport.stream_pipeline(conn, plan.chunks, plan, [flat])
+        except (TransportError, OSError, ValueError) as err:
+            stale = self._conns.pop(address, None)
+            if stale is not None:
+                await _close_quietly(stale)
+            self._sent.append(TransferResult(transfer_id, None, str(err) or type(err).__name__,
+                                             time.perf_counter() - start))
+            return
+        self._sent.append(TransferResult(transfer_id, None, None, stats.seconds, stats.bytes))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self._conns.values()):
+            await _close_quietly(conn)
+        self._conns.clear()
+        if self._listener is not None:
+            await self._listener.aclose()
+
+
+async def _close_quietly(conn: Connection) -> None:
+    try:
+        await conn.aclose()
+    except (TransportError, OSError):
+        pass
+
+
+def _drain(queue: collections.deque) -> list:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out

@@ -1,0 +1,156 @@
+"""`KVTransfers`: prefill/decode separation, the engine's side of it.
+
+A **prefill** instance runs a request that asks to hold its KV (``KVTransferParams.hold``):
+when it finishes (its first token), its blocks are kept instead of freed, until someone
+asks for them (`send`: the prompt's full blocks go to a decode instance's connector) or the
+hold expires. They are freed once the receiver verified every chunk, or the send failed.
+
+A **decode** instance runs a request that expects its KV from a transfer
+(``KVTransferParams.transfer_id``): the request waits, like one whose prefix is loading
+from a lower tier, while the connector lands the rows; then admission takes them as the
+prompt's prefix — written into fresh blocks and registered under the same chained hashes,
+so later requests hit them too — and computes only the rest (the last, partial block and
+the last token, whose logits give the first token). A transfer that fails or misses its
+deadline costs a recompute, never a wrong token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sage_infer.core.sequence import Sequence
+from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.pool import KVPool
+
+log = logging.getLogger("sage_infer.kv_runtime")
+
+
+@dataclass(slots=True)
+class TransferStats:
+    sent: int = 0  # transfers a receiver verified
+    send_failures: int = 0
+    expired_holds: int = 0  # held KV nobody asked for in time (freed)
+    received: int = 0
+    receive_failures: int = 0  # the request computed its prompt itself
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    send_seconds: float = 0.0
+    receive_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Held:
+    seq: Sequence
+    deadline: float
+    transfer_id: str | None = None  # set once a send started
+
+
+class KVTransfers:
+    """Holds, sends and receives whole prompt blocks through one `KVConnector`."""
+
+    def __init__(self, connector: KVConnector, pool: KVPool, block_size: int, hold_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.connector = connector
+        self.pool = pool
+        self.block_size = block_size
+        self.hold_timeout_s = hold_timeout_s
+        self.clock = clock
+        self.held: dict[str, _Held] = {}  # request id -> its finished sequence, blocks kept
+        self.sending: dict[str, str] = {}  # transfer id -> request id
+        self.expecting: dict[str, Sequence] = {}  # transfer id -> the waiting sequence
+        self.received: dict[int, torch.Tensor] = {}  # seq id -> the prompt's first blocks, [n, block_nbytes]
+        self.stats = TransferStats()
+
+    # -- prefill ----------------------------------------------------------------------------------
+
+    def hold(self, seq: Sequence) -> None:
+        """`seq` finished; keep its blocks for a decode instance (freed by `poll` when sent or expired)."""
+        self.held[seq.request_id] = _Held(seq, self.clock() + self.hold_timeout_s)
+
+    def send(self, request_id: str, address: str, transfer_id: str) -> int:
+        """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks."""
+        entry = self.held.get(request_id)
+        if entry is None:
+            raise KeyError(f"no KV is held for request {request_id!r} (never held, already sent, or expired)")
+        if entry.transfer_id is not None:
+            raise ValueError(f"request {request_id!r} is already being sent as {entry.transfer_id!r}")
+        seq = entry.seq
+        n = seq.num_prompt_tokens // self.block_size
+        if n == 0:
+            raise ValueError(f"request {request_id!r} has no full prompt block to send")
+        rows = self.pool.read_blocks(seq.block_table[:n]).view(torch.uint8).reshape(n, -1)
+        entry.transfer_id = transfer_id
+        self.sending[transfer_id] = request_id
+        self.connector.start_send(transfer_id, address, rows)
+        return n
+
+    # -- decode -----------------------------------------------------------------------------------
+
+    def expect(self, seq: Sequence, transfer_id: str, deadline_s: float | None = None) -> int:
+        """`seq` waits for its prompt's full blocks from `transfer_id`; how many blocks it expects."""
+        n = seq.num_prompt_tokens // self.block_size
+        if n == 0:
+            raise ValueError("the prompt has no full block: there is no KV to receive")
+        self.connector.expect(transfer_id, n, deadline_s)
+        self.expecting[transfer_id] = seq
+        return n
+
+    def is_receiving(self, seq: Sequence) -> bool:
+        return any(s is seq for s in self.expecting.values())
+
+    def cancel(self, seq: Sequence) -> None:
+        """`seq` ended (aborted) while its KV was on its way: stop waiting; late chunks are dropped."""
+        for transfer_id, waiting in list(self.expecting.items()):
+            if waiting is seq:
+                del self.expecting[transfer_id]
+                self.connector.cancel(transfer_id)
+        self.received.pop(seq.seq_id, None)
+
+    # -- both -------------------------------------------------------------------------------------
+
+    def poll(self, free: Callable[[Sequence], None]) -> None:
+        """Take what the connector finished; `free` releases a held sequence's blocks."""
+        for result in self.connector.poll_sent():
+            request_id = self.sending.pop(result.transfer_id, None)
+            entry = self.held.pop(request_id, None) if request_id is not None else None
+            if entry is not None:
+                free(entry.seq)
+            if result.ok:
+                self.stats.sent += 1
+                self.stats.bytes_sent += result.nbytes
+                self.stats.send_seconds += result.seconds
+            else:
+                self.stats.send_failures += 1
+                log.warning("KV transfer %s failed: %s", result.transfer_id, result.error)
+        for result in self.connector.poll_received():
+            seq = self.expecting.pop(result.transfer_id, None)
+            if seq is None:
+                continue
+            if result.ok:
+                self.received[seq.seq_id] = result.rows
+                self.stats.received += 1
+                self.stats.bytes_received += result.nbytes
+                self.stats.receive_seconds += result.seconds
+            else:
+                self.stats.receive_failures += 1
+                log.warning("KV transfer %s did not arrive (the request computes its prompt): %s",
+                            result.transfer_id, result.error)
+        now = self.clock()
+        for request_id, entry in list(self.held.items()):
+            if entry.transfer_id is None and now >= entry.deadline:
+                del self.held[request_id]
+                free(entry.seq)
+                self.stats.expired_holds += 1
+
+    @property
+    def busy(self) -> bool:
+        """Something is in flight or held: the engine should keep stepping."""
+        return bool(self.held or self.expecting)
+
+    def close(self) -> None:
+        self.connector.close()

@@ -1,0 +1,123 @@
+"""Prefill/decode separation at the engine level: a prefill engine computes the prompt and holds its
+KV, a decode engine receives the blocks over a real transport (shm and tcp loopback) and continues.
+
+Greedy output is token-identical to one engine doing both; the decode engine's prompt KV is a
+prefix hit registered under the same chained hashes; the prefill engine frees the blocks once the
+receiver verified them; a transfer that never comes costs a recompute; nothing leaks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, ServeConfig
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.core.messages import AddRequest, KVTransferParams
+from sage_infer.engine.llm_engine import LLMEngine, RequestError
+from tests.tiny_models import make_tiny_model
+
+BLOCK = 16
+PROMPT = [5 + (7 * j) % 300 for j in range(5 * BLOCK + 3)]  # 5 full blocks and 3 tokens
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("pd") / "model", "llama")
+
+
+def make_llm(model_dir) -> LLM:
+    config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
+                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32))
+    return LLM(config=config, device="cpu")
+
+
+def run_until(engine: LLMEngine, done, timeout: float = 20.0) -> list:
+    outputs, deadline = [], time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the engine did not get there in time"
+        outputs += engine.step()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    [out] = make_llm(model_dir).generate([PROMPT], GREEDY)
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir, colocated, backend):
+    prefill, decode = make_llm(model_dir).engine, make_llm(model_dir).engine
+    prefill.enable_kv_transfer(backend=backend)
+    address = decode.enable_kv_transfer(backend=backend, listen=True)
+    digest = prefill.kv_schema_digest
+
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
+    [out] = [o for o in run_until(prefill, lambda: not prefill.scheduler.has_unfinished()) if o.finished]
+    assert out.outputs[0].token_ids == colocated[:1]
+    assert "r1" in prefill.kv.transfers.held  # finished, but its blocks are kept for the decode engine
+
+    decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1",
+                                                                             schema_digest=digest)))
+    assert prefill.send_kv("r1", address, "t-r1") == 5
+    outputs = run_until(decode, lambda: not decode.has_unfinished_requests())
+    [final] = [o for o in outputs if o.finished]
+    assert final.outputs[0].token_ids == colocated
+    assert final.metrics.num_cached_tokens == 5 * BLOCK  # every full prompt block came over the wire
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())  # the send was acknowledged: freed
+    assert prefill.kv.transfers.stats.sent == 1 and not prefill.kv.transfers.held
+    assert prefill.kv.block_manager.num_used_blocks == 0
+    assert decode.kv.transfers.stats.received == 1
+
+    # the received blocks are registered like computed ones: the next request with this prefix hits them
+    decode.add(AddRequest("r2", PROMPT, GREEDY))
+    [second] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    assert second.outputs[0].token_ids == colocated and second.metrics.num_cached_tokens == 5 * BLOCK
+    for engine in (prefill, decode):
+        engine.kv.block_manager.check_invariants()
+        engine.kv.transfers.close()
+
+
+def test_a_transfer_that_never_comes_costs_a_recompute_not_a_wrong_token(model_dir, colocated):
+    decode = make_llm(model_dir).engine
+    decode.enable_kv_transfer(KVTransportConfig(timeout_s=0.3), listen=True)  # the transfer's deadline
+    decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="never")))
+    outputs = run_until(decode, lambda: not decode.has_unfinished_requests())
+    [final] = [o for o in outputs if o.finished]
+    assert final.outputs[0].token_ids == colocated and final.metrics.num_cached_tokens == 0
+    assert decode.kv.transfers.stats.receive_failures == 1
+    decode.kv.block_manager.check_invariants()
+    decode.kv.transfers.close()
+
+
+def test_held_kv_nobody_takes_is_freed_when_the_hold_expires(model_dir):
+    prefill = make_llm(model_dir).engine
+    prefill.enable_kv_transfer(hold_timeout_s=0.2)
+    prefill.add(AddRequest("r1", PROMPT, SamplingParams(max_tokens=1, temperature=0),
+                           kv_transfer=KVTransferParams(hold=True)))
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    assert prefill.kv.transfers.stats.expired_holds == 1 and prefill.kv.block_manager.num_used_blocks == 0
+    with pytest.raises(RequestError, match="no KV is held"):
+        prefill.send_kv("r1", "shm:///nowhere", "t")
+    prefill.kv.block_manager.check_invariants()
+    prefill.kv.transfers.close()
+
+
+def test_a_schema_mismatch_or_an_engine_without_a_role_is_refused(model_dir):
+    plain = make_llm(model_dir).engine
+    with pytest.raises(RequestError, match="does not transfer KV"):
+        plain.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(hold=True)))
+    decode = make_llm(model_dir).engine
+    decode.enable_kv_transfer(listen=True)
+    with pytest.raises(RequestError, match="KV schema"):
+        decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t",
+                                                                                 schema_digest="00" * 16)))
+    with pytest.raises(RequestError, match="n=1"):
+        decode.add(AddRequest("r2", PROMPT, SamplingParams(n=2), kv_transfer=KVTransferParams(hold=True)))
+    assert not decode.has_unfinished_requests()
+    decode.kv.transfers.close()
