@@ -25,7 +25,7 @@ class RunningServer:
 @contextmanager
 def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 128, max_num_seqs: int = 64,
                    max_waiting: int = 1024, drain_seconds: int = 5, tiers: TierConfig | None = None,
-                   quota: QuotaConfig | None = None):
+                   quota: QuotaConfig | None = None, role: str = "both", kv_transport: dict | None = None):
     config = ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype="fp32"),
         kv_pool=KVPoolConfig(num_blocks=num_blocks),
@@ -34,8 +34,17 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         api_key=api_key,
         tiers=tiers or TierConfig(),
         quota=quota or QuotaConfig(),
+        role=role,
+        kv_transport=kv_transport or {},
     )
     server, backend, model_name = build_server(config, drain_seconds=drain_seconds)
+    with serving(server) as url:
+        yield RunningServer(url, model_name, backend, server.config.app)
+
+
+@contextmanager
+def serving(server):
+    """Run a uvicorn.Server in a thread until the block ends; its URL."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -45,10 +54,24 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", model_name, backend, server.config.app)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None):
+    """The prefill/decode router in front of running workers; its URL."""
+    import uvicorn
+
+    from sage_infer.router.app import build_router
+    from sage_infer.router.instances import Instances
+
+    app = build_router(Instances.of(prefill_urls, decode_urls), api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    with serving(server) as url:
+        yield url
 
 
 def post_raw(server: RunningServer, path: str, content: bytes | str, headers: dict | None = None) -> httpx.Response:

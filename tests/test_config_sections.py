@@ -3,8 +3,8 @@
 Each test resolves a config the way the CLI does (`resolve_config`), builds a real
 engine (or server) on a tiny random model, and looks at what came out: pool dtype and
 size, block size, scheduler config, eviction policy, device, bind address, API key.
-`kv_transport` acts only in a mode not built yet: it builds the very same engine, and
-`config show` / `llm generate` say so. `tiers` builds the lower KV tiers.
+`kv_transport` acts only with a prefill/decode `role`: otherwise it builds the very same
+engine, and `config show` / `llm generate` say so. `tiers` builds the lower KV tiers.
 """
 
 from __future__ import annotations
@@ -221,11 +221,40 @@ def test_config_show_marks_kv_transport_inactive_and_tiers_active(sage):
     data = json.loads(sage("config", "show", "--preset", "cpu", "--json", "--kv-transport", "backend=tcp").out)
     rows = {r["field"]: r for r in data["fields"]}
     assert rows["tiers.host_bytes"]["active"] is True
-    assert rows["kv_transport.backend"]["active"] is False and "prefill/decode" in rows["kv_transport.backend"][
+    assert rows["kv_transport.backend"]["active"] is False and "--role" in rows["kv_transport.backend"][
         "inactive_reason"]
     assert rows["kv_pool.block_size"]["active"] is True and rows["kv_pool.block_size"]["inactive_reason"] is None
     table = sage("config", "show", "--preset", "cpu").out
     assert "INACTIVE kv_transport:" in table and "INACTIVE tiers" not in table
+
+
+def test_a_prefill_or_decode_role_makes_kv_transport_active(sage):
+    data = json.loads(sage("config", "show", "--preset", "cpu", "--json", "--set", "role=decode").out)
+    rows = {r["field"]: r for r in data["fields"]}
+    assert rows["kv_transport.backend"]["active"] is True and rows["kv_transport.timeout_s"]["active"] is True
+    assert rows["kv_transport.overlap_streams"]["active"] is False  # not used by the connector yet
+
+
+def test_roles_build_a_kv_connector_from_kv_transport(tiny):
+    prefill = build(tiny, "kv_pool.num_blocks=8", "role=prefill", "kv_transport.backend=tcp")
+    decode = build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.timeout_s=7")
+    try:
+        info = prefill.kv_transfer_info()
+        assert (info.role, info.address) == ("prefill", None) and prefill.kv.transfers.connector.backend == "tcp"
+        info = decode.kv_transfer_info()
+        assert info.role == "decode" and info.address.startswith("shm://")  # auto: one host, shared memory
+        assert decode.kv.transfers.connector.config.timeout_s == 7 and info.schema_digest == prefill.kv_schema_digest
+    finally:
+        prefill.kv.transfers.close()
+        decode.kv.transfers.close()
+    assert build(tiny, "kv_pool.num_blocks=8").kv_transfer_info() is None
+
+
+def test_a_role_with_a_transport_it_cannot_use_is_one_config_error(tiny):
+    with pytest.raises(ConfigError, match="kv_transport.target_dtype"):
+        build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.target_dtype=int8")
+    with pytest.raises(ConfigError, match="kv_transport.backend: torchdist"):
+        build(tiny, "kv_pool.num_blocks=8", "role=prefill", "kv_transport.backend=torchdist")
 
 
 def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):

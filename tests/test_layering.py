@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"backends"},  # InferenceBackend implementations (native wraps the engine)
     {"server", "serving_bench"},  # the HTTP front end sees backends only; the client bench sees nothing below
+    {"router"},  # the prefill/decode router: HTTP to workers, the server's error and body helpers
     {"cli"},  # nothing imports cli
 ]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -41,6 +42,8 @@ LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 FORBIDDEN: dict[str, set[str]] = {
     "server": {"engine", "scheduler", "kv_runtime", "models", "layers", "prefix_reuse", "kv_policy", "sim"},
     "serving_bench": {"engine", "scheduler", "kv_runtime", "models", "layers", "backends", "server"},
+    "router": {"engine", "scheduler", "kv_runtime", "models", "layers", "prefix_reuse", "kv_policy", "sim",
+               "backends", "transport"},
     "transport": {"engine", "scheduler", "models", "layers", "kv_runtime"},
     "sim": {"layers", "models", "engine"},
 }

@@ -19,10 +19,19 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from sage_infer.config.serve import ServeConfig
-from sage_infer.core.messages import AbortRequest, AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    GiveUpKV,
+    HealthStatus,
+    KVTransferInfo,
+    ModelInfo,
+    SendKV,
+)
 from sage_infer.core.outputs import RequestOutput
 from sage_infer.engine.llm_engine import LLMEngine, RequestError
-from sage_infer.interfaces.backend import EngineDeadError, InvalidRequestError, QueueFullError
+from sage_infer.interfaces.backend import BackendError, EngineDeadError, InvalidRequestError, QueueFullError
 
 log = logging.getLogger("sage_infer.server")
 
@@ -46,7 +55,7 @@ class NativeBackend:
     def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # AddRequest, AbortRequest, GiveUpKV, (SendKV, future)
         self._targets: dict[str, _Target] = {}  # every request added and not yet finished
         self._lock = threading.Lock()  # guards _targets and _pending_adds across the two threads
         self._pending_adds = 0  # added on the loop, not yet applied by the engine thread
@@ -56,6 +65,7 @@ class NativeBackend:
         self._dead: BaseException | None = None
         self._on_finished: Callable[[RequestOutput], None] | None = None
         self._model_info = engine.model_info()
+        self._kv_transfer_info = engine.kv_transfer_info()
 
     # -- InferenceBackend ---------------------------------------------------------------
 
@@ -111,6 +121,23 @@ class NativeBackend:
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._on_finished = callback
 
+    # -- KVTransferBackend (prefill/decode roles) ------------------------------------------
+
+    def kv_transfer_info(self) -> KVTransferInfo | None:
+        return self._kv_transfer_info
+
+    async def send_kv(self, command: SendKV) -> int:
+        if self._dead is not None:
+            raise EngineDeadError(_DEAD)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((command, done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    def give_up_kv(self, command: GiveUpKV) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
     # -- beyond the protocol ------------------------------------------------------------
 
     @property
@@ -145,6 +172,25 @@ class NativeBackend:
             elif isinstance(command, AbortRequest):
                 if self.engine.abort_request(command.request_id):
                     self._deliver(self.engine.drain_finished())
+            elif isinstance(command, GiveUpKV):
+                self.engine.give_up_kv(command.transfer_id, command.why)
+            else:
+                self._apply_send(*command)
+
+    def _apply_send(self, send: SendKV, done: concurrent.futures.Future) -> None:
+        """Start the send; `done` resolves (blocks sent, or the failure) when the receiver answered."""
+        blocks = 0
+
+        def finished(result) -> None:
+            if result.ok:
+                done.set_result(blocks)
+            else:
+                done.set_exception(BackendError(f"KV transfer {send.transfer_id} failed: {result.error}"))
+
+        try:
+            blocks = self.engine.send_kv(send.request_id, send.address, send.transfer_id, finished)
+        except RequestError as err:
+            done.set_exception(InvalidRequestError(str(err)))
 
     def _apply_add(self, command: AddRequest) -> None:
         target = self._targets[command.request_id]

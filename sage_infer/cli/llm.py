@@ -110,7 +110,7 @@ def _announce_startup(resolved) -> None:
     if handler is None:  # one per process, however many commands run in it (tests)
         handler = _StartupLines()
         logger.addHandler(handler)
-    handler.pending = inactive_warning(resolved.explicit_inactive_fields())
+    handler.pending = inactive_warning(resolved.explicit_inactive_fields(), resolved.config)
     logger.setLevel(logging.INFO)
 
 

@@ -7,12 +7,21 @@ later issue builds the feature, it deletes its entry here and nothing else chang
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sage_infer.config.serve import ServeConfig
 
 # dotted prefix -> why nothing reads it. The longest matching prefix wins.
 INACTIVE: dict[str, str] = {
-    "kv_transport": "prefill/decode separation is not built yet, so no KV moves between instances; "
-                    "values are validated but not used (sage transport bench/recommend take their own flags)",
+    # kv_transport.backend/chunk_size/max_inflight/timeout_s drive the KV connector of a prefill or
+    # decode instance (CONDITIONAL below); these are not used by it yet
+    "kv_transport.overlap_streams": "not used by prefill/decode transfers yet (one stream per transfer)",
+    "kv_transport.prefetch_depth": "not used by prefill/decode transfers yet",
+    "kv_transport.enable_zero_copy": "not used by prefill/decode transfers yet (shm copies through its ring)",
+    "kv_transport.enable_compression": "not used by prefill/decode transfers yet",
+    "kv_transport.preset": "informational: the transport preset the kv_transport values started from",
     # The hardware preset drives the device (device.torch_device_type, device.python_module),
     # the KV dtype (kv.default_dtype, kv.dtypes), auto-detection (device.model_names), the
     # host tier's default size (memory.host_ddr_gb, device.devices_per_node) and the tiers'
@@ -29,33 +38,49 @@ INACTIVE: dict[str, str] = {
 }
 
 
-def inactive_reason(dotted: str) -> str | None:
-    """Why `dotted` (e.g. ``tiers.host_bytes``) is not used, or None when it is."""
+# dotted prefix -> (is it used under this config?, why not when it is not)
+CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
+    "kv_transport": (lambda config: config.role != "both",
+                     "used only by a prefill or decode instance (--role prefill|decode, or --pd); "
+                     "this one serves both roles, so no KV moves between instances"),
+}
+
+
+def inactive_reason(dotted: str, config: ServeConfig | None = None) -> str | None:
+    """Why `dotted` (e.g. ``tiers.host_bytes``) is not used under `config`, or None when it is.
+
+    Without a config, fields that only some configs use count as used."""
     parts = dotted.split(".")
     while parts:
-        reason = INACTIVE.get(".".join(parts))
+        prefix = ".".join(parts)
+        reason = INACTIVE.get(prefix)
         if reason is not None:
             return reason
+        rule = CONDITIONAL.get(prefix)
+        if rule is not None and config is not None and not rule[0](config):
+            return rule[1]
         parts.pop()
     return None
 
 
 def section_of(dotted: str) -> str:
-    """The registry entry `dotted` falls under (``kv_transport.backend`` -> ``kv_transport``)."""
+    """The registry entry `dotted` falls under (``kv_transport.overlap_streams`` -> itself,
+    ``kv_transport.backend`` -> ``kv_transport``)."""
     parts = dotted.split(".")
     while parts:
-        if ".".join(parts) in INACTIVE:
+        if ".".join(parts) in INACTIVE or ".".join(parts) in CONDITIONAL:
             return ".".join(parts)
         parts.pop()
     return dotted
 
 
-def inactive_warning(fields: Iterable[str]) -> str | None:
+def inactive_warning(fields: Iterable[str], config: ServeConfig | None = None) -> str | None:
     """One warning line naming the explicitly set inactive fields, grouped by section."""
     by_section: dict[str, list[str]] = {}
     for dotted in fields:
         by_section.setdefault(section_of(dotted), []).append(dotted)
     if not by_section:
         return None
-    parts = [f"{', '.join(names)} ({section}: {INACTIVE[section]})" for section, names in by_section.items()]
+    parts = [f"{', '.join(names)} ({section}: {inactive_reason(names[0], config)})"
+             for section, names in by_section.items()]
     return "sage: warning: set but INACTIVE, so ignored: " + "; ".join(parts)

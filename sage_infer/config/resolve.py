@@ -47,7 +47,7 @@ class ResolvedConfig:
             if dotted == "api_key" and value is not None:
                 value = "**********"
             layer = _lookup(self.sources, dotted) or "default"
-            reason = inactive_reason(dotted)
+            reason = inactive_reason(dotted, self.config)
             rows.append({
                 "field": dotted, "value": value, "source": layer, "origin": _lookup(self.origins, dotted) or "",
                 "active": reason is None, "inactive_reason": reason,

@@ -139,6 +139,9 @@ class ServeConfig(BaseSettings):
 
     preset: str = Field("auto", description="Hardware preset name or YAML path; auto: detect this machine.")
     backend: str = Field("native", description="Inference backend (sage infer backends:list); native: our engine.")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="Prefill/decode separation: prefill computes prompts and sends their KV, decode "
+        "receives it and generates; both (default) does everything here. kv_transport.* configures the transfers.")
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(None, description="Required bearer token when set.")

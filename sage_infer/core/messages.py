@@ -39,6 +39,32 @@ class AddRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SendKV:
+    """Prefill role: send a finished, held request's prompt KV to a decode instance's connector."""
+
+    request_id: str
+    address: str  # the decode instance's KV connector (KVTransferInfo.address there)
+    transfer_id: str  # what the decode instance expects it as
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUpKV:
+    """Decode role: the KV a request waits for will not come (its sender failed); compute the prompt."""
+
+    transfer_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferInfo:
+    """What an instance with a prefill/decode role tells its peers."""
+
+    role: str  # prefill | decode
+    address: str | None  # decode: where prefill instances send KV
+    schema_digest: str  # the KV block format (hex); prefill and decode must agree
+
+
+@dataclass(frozen=True, slots=True)
 class AbortRequest:
     """Stop a request and free its KV blocks; its final output says finish_reason ``abort``."""
 

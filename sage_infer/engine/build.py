@@ -95,7 +95,30 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         max_model_len=max_len,
         device=device,
     )
-    return LLMEngine(parts)
+    engine = LLMEngine(parts)
+    if config.role != "both":
+        enable_role(engine, config)
+    return engine
+
+
+PD_BACKENDS = ("shm", "tcp")  # what the KV connector can run on today
+
+
+def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
+    """Give a prefill or decode instance its KV connector, from `config.kv_transport`."""
+    transport = config.kv_transport
+    backend = "shm" if transport.backend == "auto" else transport.backend
+    if backend not in PD_BACKENDS:
+        raise ConfigError(f"kv_transport.backend: {backend} does not carry prefill/decode KV yet; use shm (one "
+                          f"host) or tcp")
+    if transport.target_dtype is not None:
+        raise ConfigError("kv_transport.target_dtype: prefill/decode transfers send KV as the pool stores it; "
+                          "converting it on the wire is not implemented for them")
+    address = engine.enable_kv_transfer(transport, backend=backend, listen=config.role == "decode",
+                                        hold_timeout_s=transport.timeout_s)
+    where = f", receiving at {address}" if address else ""
+    auto_log.info("role = %s (KV over %s, %d KiB chunks, %s s deadline%s)", config.role, backend,
+                  int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
 
 
 def build_quota(config: ServeConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:

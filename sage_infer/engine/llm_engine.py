@@ -9,7 +9,7 @@ from itertools import count
 import torch
 
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.core.messages import AddRequest, EngineStats, KVTransferParams, ModelInfo
+from sage_infer.core.messages import AddRequest, EngineStats, KVTransferInfo, KVTransferParams, ModelInfo
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
@@ -148,19 +148,32 @@ class LLMEngine:
         self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s)
         return connector.address
 
+    def kv_transfer_info(self) -> KVTransferInfo | None:
+        """This engine's prefill/decode role, connector address and schema digest; None without a role."""
+        transfers = self.kv.transfers
+        if transfers is None:
+            return None
+        role = "decode" if transfers.connector.address is not None else "prefill"
+        return KVTransferInfo(role, transfers.connector.address, self.kv_schema_digest)
+
     @property
     def kv_schema_digest(self) -> str:
         """The KV block format (layers, heads, head dim, block size, dtype, layout) as hex: both ends must agree."""
         return schema_digest(self.runner.pool.schema).hex()
 
-    def send_kv(self, request_id: str, address: str, transfer_id: str) -> int:
-        """Send a finished, held request's prompt blocks to a decode engine; how many blocks."""
+    def send_kv(self, request_id: str, address: str, transfer_id: str, on_done=None) -> int:
+        """Send a finished, held request's prompt blocks to a decode engine; how many blocks.
+        `on_done(result)` is called from a later step when the receiver verified them (or it failed)."""
         if self.kv.transfers is None:
             raise RequestError("this engine does not transfer KV (enable_kv_transfer was not called)")
         try:
-            return self.kv.transfers.send(request_id, address, transfer_id)
+            return self.kv.transfers.send(request_id, address, transfer_id, on_done)
         except (KeyError, ValueError) as err:
             raise RequestError(str(err.args[0]) if err.args else str(err)) from None
+
+    def give_up_kv(self, transfer_id: str, why: str) -> bool:
+        """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""
+        return self.kv.transfers is not None and self.kv.transfers.give_up(transfer_id, why)
 
     def _check_transfer(self, transfer: KVTransferParams, params: SamplingParams, num_tokens: int) -> None:
         if self.kv.transfers is None:
@@ -168,7 +181,7 @@ class LLMEngine:
         if transfer.schema_digest is not None and transfer.schema_digest != self.kv_schema_digest:
             raise RequestError(f"kv_transfer: the sender's KV schema {transfer.schema_digest[:12]}... is not this "
                                f"engine's {self.kv_schema_digest[:12]}... (model, dtype or block size differ)")
-        if transfer.hold and params.n != 1:
+        if transfer.hold and params.n != 1:  # (a decode request may have n > 1: its siblings share the prefix)
             raise RequestError("kv_transfer: a request that holds its KV for a decode instance must have n=1")
         if transfer.transfer_id is not None and num_tokens < self.runner.pool.block_size:
             raise RequestError("kv_transfer: the prompt is shorter than one KV block: there is nothing to receive")

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
-from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.messages import (
+    AddRequest,
+    EngineStats,
+    GiveUpKV,
+    HealthStatus,
+    KVTransferInfo,
+    ModelInfo,
+    SendKV,
+)
 from sage_infer.core.outputs import RequestOutput
 
 
@@ -74,4 +82,23 @@ class InferenceBackend(Protocol):
         """Call `callback` with the final output of every request, aborted ones included
         (possibly from another thread): the server's request counters need aborts that no
         client stream is left to see."""
+        ...
+
+
+@runtime_checkable
+class KVTransferBackend(Protocol):
+    """A backend that takes part in prefill/decode separation (`sage llm serve --role`)."""
+
+    def kv_transfer_info(self) -> KVTransferInfo | None:
+        """Role, connector address and KV schema digest; None when this instance has no role."""
+        ...
+
+    async def send_kv(self, command: SendKV) -> int:
+        """Send a held request's prompt KV; the number of blocks, once the receiver verified them.
+        Raises `InvalidRequestError` when nothing is held under that id, `BackendError` when the
+        transfer failed."""
+        ...
+
+    def give_up_kv(self, command: GiveUpKV) -> None:
+        """Decode role: stop waiting for a transfer that will not come (its request computes its prompt)."""
         ...

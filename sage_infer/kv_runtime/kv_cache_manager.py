@@ -139,9 +139,12 @@ class KVCacheManager:
         return self.loader is not None and self.loader.is_loading(seq.seq_id)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing else to run: sleep until a load finishes or `timeout` passes."""
-        if self.loader is not None:
+        """Nothing else to run: sleep until a load finishes or `timeout` passes (or just `timeout`, while only
+        prefill/decode transfers are in flight: the connector's results are polled at the next step)."""
+        if self.loader is not None and self.loader.pending:
             self.loader.wait(timeout)
+        elif self.transfers is not None and self.transfers.busy:
+            time.sleep(timeout)
 
     # -- the eviction hook ------------------------------------------------------------------
 

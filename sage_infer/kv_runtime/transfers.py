@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sage_infer.core.sequence import Sequence
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.connector import KVConnector, TransferResult
 from sage_infer.kv_runtime.pool import KVPool
 
 log = logging.getLogger("sage_infer.kv_runtime")
@@ -48,6 +48,7 @@ class _Held:
     seq: Sequence
     deadline: float
     transfer_id: str | None = None  # set once a send started
+    on_done: Callable[[TransferResult], None] | None = None  # told when the send ended
 
 
 class KVTransfers:
@@ -72,8 +73,11 @@ class KVTransfers:
         """`seq` finished; keep its blocks for a decode instance (freed by `poll` when sent or expired)."""
         self.held[seq.request_id] = _Held(seq, self.clock() + self.hold_timeout_s)
 
-    def send(self, request_id: str, address: str, transfer_id: str) -> int:
-        """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks."""
+    def send(self, request_id: str, address: str, transfer_id: str,
+             on_done: Callable[[TransferResult], None] | None = None) -> int:
+        """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks.
+
+        `on_done` hears the result (verified by the receiver, or the error) from `poll`."""
         entry = self.held.get(request_id)
         if entry is None:
             raise KeyError(f"no KV is held for request {request_id!r} (never held, already sent, or expired)")
@@ -85,6 +89,7 @@ class KVTransfers:
             raise ValueError(f"request {request_id!r} has no full prompt block to send")
         rows = self.pool.read_blocks(seq.block_table[:n]).view(torch.uint8).reshape(n, -1)
         entry.transfer_id = transfer_id
+        entry.on_done = on_done
         self.sending[transfer_id] = request_id
         self.connector.start_send(transfer_id, address, rows)
         return n
@@ -103,6 +108,16 @@ class KVTransfers:
     def is_receiving(self, seq: Sequence) -> bool:
         return any(s is seq for s in self.expecting.values())
 
+    def give_up(self, transfer_id: str, why: str) -> bool:
+        """Stop waiting for `transfer_id` (its sender said it cannot come): the request computes its prompt."""
+        seq = self.expecting.pop(transfer_id, None)
+        if seq is None:
+            return False
+        self.connector.cancel(transfer_id)
+        self.stats.receive_failures += 1
+        log.warning("KV transfer %s will not arrive (the request computes its prompt): %s", transfer_id, why)
+        return True
+
     def cancel(self, seq: Sequence) -> None:
         """`seq` ended (aborted) while its KV was on its way: stop waiting; late chunks are dropped."""
         for transfer_id, waiting in list(self.expecting.items()):
@@ -120,6 +135,8 @@ class KVTransfers:
             entry = self.held.pop(request_id, None) if request_id is not None else None
             if entry is not None:
                 free(entry.seq)
+                if entry.on_done is not None:
+                    entry.on_done(result)
             if result.ok:
                 self.stats.sent += 1
                 self.stats.bytes_sent += result.nbytes

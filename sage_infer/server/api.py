@@ -20,7 +20,7 @@ from sage_infer.server.body import parse_body
 from sage_infer.server.errors import APIError, error_response
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.metrics import ServerMetrics
-from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
+from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVSendRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -37,7 +37,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     model_name = model.name
     metrics = ServerMetrics(backend, model_name)
     backend.on_finished(metrics.record_finished)
-    handlers = OpenAIHandlers(backend, metrics)
+    handlers = OpenAIHandlers(backend, metrics, api_key)
     app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
 
     async def body_of(request: Request, schema):
@@ -118,5 +118,12 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         accepting()
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/kv/send")
+    async def kv_send(request: Request) -> JSONResponse:
+        """Prefill role: send a held request's KV to a decode instance (called by that instance)."""
+        authorize(request)
+        body = await body_of(request, KVSendRequest)
+        return JSONResponse(await handlers.pd.send(body))
 
     return app

@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sage_infer.core.messages import AddRequest
+from sage_infer.core.messages import AddRequest, KVTransferParams
 from sage_infer.core.outputs import CompletionOutput, RequestOutput
 from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, InvalidRequestError, QueueFullError
 from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
+from sage_infer.server.pd import PDRole
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sage_infer.server.validation import RequestValidator
 
@@ -25,9 +26,10 @@ Started = list[tuple[str, AsyncIterator[RequestOutput]]]  # (request id, its out
 class OpenAIHandlers:
     """The two generation endpoints over any `InferenceBackend`."""
 
-    def __init__(self, backend: InferenceBackend, metrics: ServerMetrics) -> None:
+    def __init__(self, backend: InferenceBackend, metrics: ServerMetrics, api_key: str | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.pd = PDRole(backend, api_key)
         model = backend.model_info()
         self.model_name = model.name
         self.validator = RequestValidator(model)
@@ -127,13 +129,15 @@ class OpenAIHandlers:
 
     async def completions(self, body: CompletionRequest, rid: str) -> Response:
         self._check_model(body.model)
+        prompts = body.prompts()
+        transfer = self.pd.params(body, len(prompts), rid)
         jobs = []
-        for i, prompt in enumerate(body.prompts()):
+        for i, prompt in enumerate(prompts):
             ids = self.validator.token_ids(prompt)
             params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.max_tokens),
                                                     body.logprobs)
-            jobs.append(self._job(f"{rid}-{i}", prompt, ids, params, body))
-        started = await self._start(jobs)
+            jobs.append(self._job(f"{rid}-{i}", prompt, ids, params, body, transfer))
+        started = await self._start_pd(jobs, body, transfer)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -144,13 +148,25 @@ class OpenAIHandlers:
         for i, final in enumerate(finals):
             for c in final.outputs:
                 choices.append(self._completion_choice(i * body.n + c.index, c, c.text, c.token_ids, c.logprobs))
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": sorted(choices, key=lambda ch: ch["index"]), "usage": self._usage(finals)})
+        reply = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                 "choices": sorted(choices, key=lambda ch: ch["index"]), "usage": self._usage(finals)}
+        if transfer is not None and transfer.hold:
+            reply["kv_transfer_params"] = self.pd.held_reply(jobs[0].request_id)
+        return JSONResponse(reply)
 
     @staticmethod
-    def _job(request_id: str, prompt: str | list[int], ids: list[int], params, body: SamplingFields) -> AddRequest:
+    def _job(request_id: str, prompt: str | list[int], ids: list[int], params, body: SamplingFields,
+             transfer: KVTransferParams | None = None) -> AddRequest:
         return AddRequest(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
-                          priority=body.priority, cache_salt=body.cache_salt)
+                          priority=body.priority, cache_salt=body.cache_salt, kv_transfer=transfer)
+
+    async def _start_pd(self, jobs: list[AddRequest], body: SamplingFields,
+                        transfer: KVTransferParams | None) -> Started:
+        """`_start`, then, for a decode instance, ask the prefill instance for the request's KV."""
+        started = await self._start(jobs)
+        if transfer is not None and transfer.transfer_id is not None:
+            await self.pd.pull(body, transfer)
+        return started
 
     def _completion_choice(self, index: int, c: CompletionOutput, text: str, token_ids: list[int],
                            entries: list | None, offset: int = 0) -> dict:
@@ -213,7 +229,8 @@ class OpenAIHandlers:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.token_limit),
                                                 logprobs)
-        started = await self._start([self._job(rid, text, ids, params, body)])
+        transfer = self.pd.params(body, 1, rid)
+        started = await self._start_pd([self._job(rid, text, ids, params, body, transfer)], body, transfer)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -226,8 +243,11 @@ class OpenAIHandlers:
                       "logprobs": self.logprobs.chat(c.logprobs, c.token_ids) if c.logprobs is not None else None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             choices.append(choice)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": self._usage([final])})
+        reply = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                 "choices": choices, "usage": self._usage([final])}
+        if transfer is not None and transfer.hold:
+            reply["kv_transfer_params"] = self.pd.held_reply(rid)
+        return JSONResponse(reply)
 
     async def _stream_chat(self, started, rid, created, n, include_usage) -> AsyncIterator[str]:
         def chunk(choices: list, usage: dict | None = None) -> str:

@@ -16,6 +16,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KVTransferFields(BaseModel):
+    """Prefill/decode separation (vLLM's ``kv_transfer_params``); the router sets these, not clients."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_remote_decode: bool = False  # to a prefill instance: hold the prompt's KV for a decode instance
+    remote_url: str | None = Field(None, max_length=512)  # to a decode instance: the prefill instance holding it
+    remote_request_id: str | None = Field(None, max_length=256)
+    schema_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+
+    @model_validator(mode="after")
+    def _one_side(self) -> KVTransferFields:
+        pulls = self.remote_url is not None or self.remote_request_id is not None
+        if pulls and (self.remote_url is None or self.remote_request_id is None):
+            raise ValueError("kv_transfer_params: remote_url and remote_request_id go together")
+        if pulls and self.do_remote_decode:
+            raise ValueError("kv_transfer_params: do_remote_decode (prefill) and remote_url (decode) exclude "
+                             "each other")
+        if pulls and not self.remote_url.startswith(("http://", "https://")):
+            raise ValueError("kv_transfer_params.remote_url must be an http(s) URL")
+        return self
+
+
+class KVSendRequest(BaseModel):
+    """``POST /v1/kv/send`` (prefill role): send a held request's KV to a decode instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(max_length=256)
+    address: str = Field(max_length=512, pattern=r"^(shm|tcp)://")
+    transfer_id: str = Field(max_length=256)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + this product's extras)."""
 
@@ -42,6 +75,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    kv_transfer_params: KVTransferFields | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,1 @@
+"""The prefill/decode router (`sage llm serve --pd xPyD`)."""

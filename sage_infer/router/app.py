@@ -1,0 +1,249 @@
+"""The prefill/decode router: one OpenAI-compatible endpoint in front of prefill and decode workers.
+
+Each generation request goes first to a prefill worker with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}`` (it computes the prompt and holds its KV),
+then to a decode worker with the original body plus ``kv_transfer_params`` naming the held KV;
+the decode worker pulls the blocks and generates, and its answer (a JSON body or an SSE
+stream) goes back to the client unchanged. Requests P/D cannot split (several prompts in one
+completions call) and requests arriving while no prefill worker is up go to a decode worker
+whole: it computes their prompts itself.
+
+Workers are chosen by least outstanding requests among those up; one that fails a call is
+skipped for a few seconds. Errors are OpenAI-style JSON: a worker's own 4xx passes through, an
+unreachable decode worker is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from sage_infer import __version__
+from sage_infer.router.instances import Instance, Instances
+from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
+from sage_infer.server.errors import APIError, error_response
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.routed = Counter("sage:router_requests", "Requests routed, by worker and role.", ["instance", "role"],
+                              registry=r)
+        self.failures = Counter("sage:router_worker_failures", "Calls to a worker that failed.", ["instance", "role"],
+                                registry=r)
+        self.colocated = Counter("sage:router_colocated", "Requests a decode worker computed whole (no split: "
+                                 "several prompts, or no prefill worker up).", registry=r)
+        self.outstanding = Gauge("sage:router_outstanding", "Requests in flight per worker.", ["instance", "role"],
+                                 registry=r)
+
+
+def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
+    """The router app over `instances`; `api_key` is required from clients and sent to workers."""
+    app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None)
+    metrics = RouterMetrics()
+    worker_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    app.state.instances, app.state.metrics = instances, metrics
+    client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app.router.lifespan_context = lifespan
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not token or not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        if json_depth(raw) > MAX_JSON_DEPTH:
+            raise APIError(400, f"request JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        if "kv_transfer_params" in body:
+            raise APIError(400, "kv_transfer_params is set by the router, not by clients", "kv_transfer_params")
+        return body
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        return error_response(500, "internal server error")
+
+    async def call(worker: Instance, path: str, body: dict) -> httpx.Response:
+        """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""
+        try:
+            return await client.post(f"{worker.url}{path}", json=body, headers=worker_headers)
+        except httpx.HTTPError as err:
+            worker.failed(str(err) or type(err).__name__)
+            metrics.failures.labels(worker.url, worker.role).inc()
+            raise APIError(503, f"{worker.role} worker {worker.url} is unreachable") from None
+
+    async def prefill(path: str, body: dict) -> dict | None:
+        """Run the prompt on a prefill worker, holding its KV: the decode worker's kv_transfer_params, or
+        None when no prefill worker could (the decode worker then computes the prompt itself)."""
+        tried: set[str] = set()
+        while (worker := instances.pick("prefill", tried)) is not None:
+            tried.add(worker.url)
+            first = {**body, "stream": False, "n": 1, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": True}}
+            first.pop("stream_options", None)
+            first.pop("max_completion_tokens", None)
+            with track(worker):
+                try:
+                    reply = await call(worker, path, first)
+                except APIError:
+                    continue  # down: try the next prefill worker
+            if reply.status_code >= 500:
+                worker.failed(f"HTTP {reply.status_code}")
+                metrics.failures.labels(worker.url, worker.role).inc()
+                continue
+            if reply.status_code != 200:
+                raise _passthrough(reply)  # the request itself is wrong: the decode worker would say the same
+            held = reply.json().get("kv_transfer_params") or {}
+            return {"remote_url": worker.url, **held}
+        return None
+
+    @contextlib.contextmanager
+    def track(worker: Instance):
+        """Count a request as outstanding at a worker while it runs there."""
+        worker.outstanding += 1
+        worker.routed += 1
+        metrics.routed.labels(worker.url, worker.role).inc()
+        metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+        try:
+            yield
+        finally:
+            worker.outstanding -= 1
+            metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+
+    async def route(path: str, body: dict, splittable: bool) -> Response:
+        params = await prefill(path, body) if splittable else None
+        if params is None:
+            metrics.colocated.inc()
+        worker = instances.pick("decode")
+        if worker is None:
+            raise APIError(503, "no decode worker is up")
+        second = {**body, "kv_transfer_params": params} if params else body
+        if body.get("stream"):
+            return await stream(worker, path, second)
+        with track(worker):
+            reply = await call(worker, path, second)
+        if reply.status_code >= 500:
+            worker.failed(f"HTTP {reply.status_code}")
+        return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+    async def stream(worker: Instance, path: str, body: dict) -> Response:
+        """Relay the decode worker's SSE stream; its status line and errors come through as sent."""
+        tracking = track(worker)
+        tracking.__enter__()
+        try:
+            request = client.build_request("POST", f"{worker.url}{path}", json=body, headers=worker_headers)
+            upstream = await client.send(request, stream=True)
+        except httpx.HTTPError as err:
+            tracking.__exit__(None, None, None)
+            worker.failed(str(err) or type(err).__name__)
+            metrics.failures.labels(worker.url, worker.role).inc()
+            raise APIError(503, f"decode worker {worker.url} is unreachable") from None
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            tracking.__exit__(None, None, None)
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                tracking.__exit__(None, None, None)
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and bool(prompt) and not all(isinstance(p, int) for p in prompt) and \
+            len(prompt) > 1
+        return await route("/v1/completions", body, splittable=not several)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        authorize(request)
+        return await route("/v1/chat/completions", await body_of(request), splittable=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(request)
+        worker = instances.pick("decode")
+        if worker is None:
+            raise APIError(503, "no decode worker is up")
+        try:
+            reply = await client.get(f"{worker.url}/v1/models", headers=worker_headers)
+        except httpx.HTTPError:
+            worker.failed("unreachable")
+            raise APIError(503, f"decode worker {worker.url} is unreachable") from None
+        return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        async def probe(worker: Instance) -> tuple[Instance, bool]:
+            try:
+                reply = await client.get(f"{worker.url}/health", timeout=2.0)
+                return worker, reply.status_code == 200
+            except httpx.HTTPError:
+                return worker, False
+
+        results = await asyncio.gather(*(probe(w) for w in instances.all()))
+        status = {w.url: {"role": w.role, "up": ok} for w, ok in results}
+        for worker, ok in results:
+            if not ok:
+                worker.failed("health check failed")
+        if not any(ok for w, ok in results if w.role == "decode"):
+            return JSONResponse({"status": "down", "workers": status}, status_code=503)
+        degraded = not all(ok for _, ok in results)
+        return JSONResponse({"status": "degraded" if degraded else "ok", "workers": status})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _passthrough(reply: httpx.Response) -> APIError:
+    """A worker's own OpenAI-style error, as this router's answer."""
+    try:
+        error = reply.json()["error"]
+        return APIError(reply.status_code, error.get("message", "request failed"), error.get("param"))
+    except (ValueError, KeyError, TypeError):
+        return APIError(reply.status_code, f"the worker answered HTTP {reply.status_code}")

@@ -1,0 +1,51 @@
+"""The router's view of its workers: which are up, how loaded, and which to pick."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+DOWN_FOR_S = 5.0  # a worker that failed a call is skipped this long, then tried again
+
+
+@dataclass(slots=True)
+class Instance:
+    url: str  # http://host:port, no trailing slash
+    role: str  # prefill | decode
+    outstanding: int = 0  # requests the router has in flight there
+    routed: int = 0  # requests routed there since start
+    failures: int = 0
+    down_until: float = 0.0
+    down_reason: str | None = None
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def failed(self, why: str) -> None:
+        self.failures += 1
+        self.down_until = time.monotonic() + DOWN_FOR_S
+        self.down_reason = why
+
+
+@dataclass(slots=True)
+class Instances:
+    """Prefill and decode workers; picks the least loaded one that is up (ties: the first listed)."""
+
+    prefill: list[Instance] = field(default_factory=list)
+    decode: list[Instance] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, prefill_urls: list[str], decode_urls: list[str]) -> Instances:
+        if not decode_urls:
+            raise ValueError("a prefill/decode router needs at least one decode instance")
+        return cls([Instance(u.rstrip("/"), "prefill") for u in prefill_urls],
+                   [Instance(u.rstrip("/"), "decode") for u in decode_urls])
+
+    def pick(self, role: str, exclude: set[str] | None = None) -> Instance | None:
+        pool = self.prefill if role == "prefill" else self.decode
+        live = [i for i in pool if i.up and (not exclude or i.url not in exclude)]
+        return min(live, key=lambda i: i.outstanding) if live else None
+
+    def all(self) -> list[Instance]:
+        return [*self.prefill, *self.decode]

@@ -1,0 +1,106 @@
+"""Prefill/decode separation at the HTTP boundary (`sage llm serve --role prefill|decode`).
+
+The router drives a request through two instances, as vLLM's disaggregated proxy does:
+
+1. to a **prefill** instance, the request with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}``: it computes the prompt and the first
+   token, *holds* the prompt's KV, and answers with ``kv_transfer_params`` naming the held
+   request and the KV schema;
+2. to a **decode** instance, the original request with ``kv_transfer_params`` =
+   ``{"remote_url": <prefill URL>, "remote_request_id": ..., "schema_digest": ...}``: it
+   queues the request to wait for its KV, registers where the blocks will land, then asks
+   the prefill instance (``POST /v1/kv/send``, with this deployment's API key) to send them
+   to its connector. The blocks arrive over the transport (checksummed chunks), become a
+   prefix hit, and decoding continues. If they never come, the request computes its prompt
+   itself when the transfer's deadline passes: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import httpx
+
+from sage_infer.core.messages import GiveUpKV, KVTransferInfo, KVTransferParams, SendKV
+from sage_infer.interfaces.backend import BackendError, InferenceBackend, InvalidRequestError, KVTransferBackend
+from sage_infer.server.errors import APIError
+from sage_infer.server.protocol import KVSendRequest, SamplingFields
+
+log = logging.getLogger("sage_infer.server")
+PULL_TIMEOUT_S = 60.0  # the prefill instance answers /v1/kv/send when the receiver verified the KV
+
+
+class PDRole:
+    """What a prefill or decode instance does with ``kv_transfer_params``; a no-op without a role."""
+
+    def __init__(self, backend: InferenceBackend, api_key: str | None) -> None:
+        self.backend = backend
+        self.api_key = api_key
+        self.info: KVTransferInfo | None = (backend.kv_transfer_info() if isinstance(backend, KVTransferBackend)
+                                            else None)
+
+    def params(self, body: SamplingFields, num_prompts: int, rid: str) -> KVTransferParams | None:
+        """The engine-side transfer of a request (None: an ordinary request), or a 400."""
+        fields = body.kv_transfer_params
+        if fields is None:
+            return None
+        role = self.info.role if self.info is not None else "both"
+        if num_prompts != 1:
+            raise APIError(400, "kv_transfer_params: prefill/decode separation runs one prompt per request",
+                           "kv_transfer_params")
+        if fields.do_remote_decode:
+            if role != "prefill":
+                raise APIError(400, f"kv_transfer_params.do_remote_decode: this instance's role is {role}, not "
+                               "prefill", "kv_transfer_params")
+            if body.stream or body.n != 1:
+                raise APIError(400, "kv_transfer_params.do_remote_decode: the prefill step runs n=1 and does not "
+                               "stream", "kv_transfer_params")
+            return KVTransferParams(hold=True)
+        if fields.remote_url is not None:
+            if role != "decode":
+                raise APIError(400, f"kv_transfer_params.remote_url: this instance's role is {role}, not decode",
+                               "kv_transfer_params")
+            if fields.schema_digest is not None and fields.schema_digest != self.info.schema_digest:
+                raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV format differs "
+                               "from this one's (model, dtype or block size)", "kv_transfer_params")
+            # the wire header holds 48 bytes of transfer id: a fresh uuid, not the (longer) request id
+            return KVTransferParams(transfer_id=uuid.uuid4().hex, schema_digest=fields.schema_digest)
+        return None
+
+    def held_reply(self, request_id: str) -> dict:
+        """What a prefill instance adds to its response: how the decode instance finds the KV."""
+        return {"remote_request_id": request_id, "schema_digest": self.info.schema_digest}
+
+    async def pull(self, body: SamplingFields, transfer: KVTransferParams) -> None:
+        """Decode side: ask the prefill instance to send the held KV to this instance's connector.
+
+        The prefill instance answers once the blocks were verified here (200) or the send
+        failed; on a failure the request stops waiting at once and computes its prompt itself.
+        """
+        fields = body.kv_transfer_params
+        send = {"request_id": fields.remote_request_id, "address": self.info.address,
+                "transfer_id": transfer.transfer_id}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        why = None
+        try:
+            async with httpx.AsyncClient(timeout=PULL_TIMEOUT_S) as client:
+                reply = await client.post(f"{fields.remote_url.rstrip('/')}/v1/kv/send", json=send, headers=headers)
+            if reply.status_code != 200:
+                why = f"the prefill instance answered {reply.status_code}: {reply.text[:200]}"
+        except httpx.HTTPError as err:
+            why = f"the prefill instance at {fields.remote_url} did not answer: {err or type(err).__name__}"
+        if why is not None:
+            self.backend.give_up_kv(GiveUpKV(transfer.transfer_id, why))
+
+    async def send(self, body: KVSendRequest) -> dict:
+        """Prefill side of ``POST /v1/kv/send``."""
+        if self.info is None or self.info.role != "prefill":
+            raise APIError(404, "this instance holds no KV for others (its role is not prefill)")
+        try:
+            blocks = await self.backend.send_kv(SendKV(body.request_id, body.address, body.transfer_id))
+        except InvalidRequestError as err:
+            raise APIError(404, str(err), "request_id") from None
+        except BackendError as err:
+            raise APIError(503, str(err)) from None
+        return {"request_id": body.request_id, "transfer_id": body.transfer_id, "num_blocks": blocks}

@@ -1,0 +1,158 @@
+"""Prefill/decode separation end to end: a prefill worker, a decode worker and the router, each a real
+server on a loopback port, driven with the official `openai` client.
+
+Greedy outputs through the router equal one colocated server's, streaming or not, completions and
+chat, with stop strings, n > 1 and cache_salt; the decode worker's prompt KV came over the
+transport (cached tokens); both pools are clean afterwards; failures are clear.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_fixture import running_router, running_server
+from tests.tiny_models import make_tiny_model
+
+BLOCK = 16  # the fixture's KVPoolConfig default block size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("pd-router") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    with running_server(model_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def deployment(model_dir):
+    """1P1D over shm, behind the router."""
+    with running_server(model_dir, role="prefill") as prefill, running_server(model_dir, role="decode") as decode:
+        with running_router([prefill.url], [decode.url]) as url:
+            yield prefill, decode, url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+PROMPT = [5 + (13 * j) % 400 for j in range(3 * BLOCK + 5)]  # 3 full blocks and 5 tokens
+
+
+def complete(url: str, model: str, prompt: list[int] = PROMPT, **kw):
+    return client(url).completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, **kw.pop("extra", {})}, **kw)
+
+
+def settle(*servers) -> None:
+    """Wait until no request is in flight and no KV is held, then check both pools for leaks."""
+    deadline = time.monotonic() + 20
+    for server in servers:
+        engine = server.backend.engine
+        while server.backend.num_in_flight or engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "requests or held KV did not drain"
+            time.sleep(0.02)
+        engine.kv.block_manager.check_invariants()
+
+
+def test_completions_through_the_router_equal_colocated_and_reuse_the_prefill_kv(deployment, colocated):
+    prefill, decode, url = deployment
+    want = complete(colocated.url, colocated.model)
+    got = complete(url, decode.model)
+    assert got.choices[0].text == want.choices[0].text
+    assert got.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK  # every full block came from prefill
+    settle(prefill, decode)
+    stats = prefill.backend.engine.kv.transfers.stats
+    assert stats.sent >= 1 and stats.send_failures == 0
+    assert prefill.backend.engine.kv.block_manager.num_used_blocks == 0  # freed after the ack
+
+
+def test_streaming_chat_stop_strings_n_and_salt_match_colocated(deployment, colocated):
+    prefill, decode, url = deployment
+    messages = [{"role": "user", "content": "To be, or not to be, that is the question: whether 'tis nobler"}]
+
+    def chat(target: str, model: str, **kw) -> list[str]:
+        stream = client(target).chat.completions.create(model=model, messages=messages, max_tokens=10,
+                                                        temperature=0, stream=True, **kw)
+        texts: dict[int, str] = {}
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        return [texts[i] for i in sorted(texts)]
+
+    assert chat(url, decode.model) == chat(colocated.url, colocated.model)
+    assert chat(url, decode.model, n=2) == chat(colocated.url, colocated.model, n=2)
+    salted = {"extra_body": {"cache_salt": "tenant-a"}}
+    assert chat(url, decode.model, **salted) == chat(colocated.url, colocated.model, **salted)
+    want = complete(colocated.url, colocated.model, stop=["e"])
+    got = complete(url, decode.model, stop=["e"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want.choices[0].text, want.choices[0].finish_reason)
+    settle(prefill, decode)
+
+
+def test_several_prompts_go_to_the_decode_worker_whole(deployment, colocated):
+    prefill, decode, url = deployment
+    prompts = ["The quality of mercy", "Friends, Romans, countrymen"]
+    kw = dict(prompt=prompts, max_tokens=5, temperature=0)
+    got = client(url).completions.create(model=decode.model, **kw)
+    want = client(colocated.url).completions.create(model=colocated.model, **kw)
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    assert families["sage:router_colocated"].samples[0].value >= 1
+    settle(prefill, decode)
+
+
+def test_clients_cannot_set_kv_transfer_params_and_bad_requests_pass_through(deployment):
+    _, decode, url = deployment
+    with pytest.raises(openai.BadRequestError, match="kv_transfer_params"):
+        complete(url, decode.model, extra={"kv_transfer_params": {"do_remote_decode": True}})
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        complete(url, "no-such-model")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_a_worker_without_the_role_refuses_transfer_params(colocated):
+    with pytest.raises(openai.BadRequestError, match="role is both"):
+        complete(colocated.url, colocated.model, extra={"kv_transfer_params": {"do_remote_decode": True}})
+    reply = httpx.post(f"{colocated.url}/v1/kv/send",
+                       json={"request_id": "x", "address": "shm:///tmp/x", "transfer_id": "t"})
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == 404
+
+
+def test_without_a_prefill_worker_the_decode_worker_computes_the_prompt(model_dir, colocated):
+    with running_server(model_dir, role="decode") as decode:
+        with running_router(["http://127.0.0.1:9"], [decode.url]) as url:  # port 9: nothing listens
+            got = complete(url, decode.model)
+            assert got.choices[0].text == complete(colocated.url, colocated.model).choices[0].text
+            assert got.usage.prompt_tokens_details.cached_tokens == 0
+            health = httpx.get(f"{url}/health").json()
+            assert health["status"] == "degraded" and health["workers"]["http://127.0.0.1:9"]["up"] is False
+        settle(decode)
+
+
+def test_kv_the_prefill_worker_does_not_hold_costs_a_recompute_at_once(deployment, colocated):
+    prefill, decode, _ = deployment
+    failures = decode.backend.engine.kv.transfers.stats.receive_failures
+    params = {"remote_url": prefill.url, "remote_request_id": "cmpl-nobody-0",
+              "schema_digest": prefill.backend.kv_transfer_info().schema_digest}
+    fresh = [7 + (29 * j) % 400 for j in range(3 * BLOCK + 5)]  # not in the decode worker's prefix cache
+    got = complete(decode.url, decode.model, fresh, extra={"kv_transfer_params": params})
+    assert got.choices[0].text == complete(colocated.url, colocated.model, fresh).choices[0].text
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    assert decode.backend.engine.kv.transfers.stats.receive_failures == failures + 1  # gave up on the 404
+    settle(prefill, decode)
+
+
+def test_a_decode_worker_refuses_kv_in_another_format(deployment):
+    prefill, decode, _ = deployment
+    params = {"remote_url": prefill.url, "remote_request_id": "x", "schema_digest": "0" * 32}
+    with pytest.raises(openai.BadRequestError, match="schema_digest"):
+        complete(decode.url, decode.model, extra={"kv_transfer_params": params})
