@@ -61,13 +61,13 @@ def require_mooncake() -> None:
         pytest.skip(str(err))
 
 
-def start_master(*flags: str) -> MooncakeMaster:
-    """Start one master and wait until its RPC port accepts connections."""
+def start_master(*flags: str, port: int | None = None) -> MooncakeMaster:
+    """Start one master (on `port`, else a free one) and wait until its RPC port accepts connections."""
     require_mooncake()
     binary = master_binary()
     if binary is None:
         pytest.skip("the mooncake_master binary is missing from the mooncake package and PATH")
-    port = free_port()
+    port = port or free_port()
     args = [
         binary, f"-rpc_port={port}", "-rpc_address=127.0.0.1", f"-metrics_port={free_port()}",
         "-metrics_host=127.0.0.1", "-enable_metric_reporting=false", "-logtostderr=true", "-minloglevel=2", *flags,

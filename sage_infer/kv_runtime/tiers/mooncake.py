@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from urllib.parse import urlsplit
 
 import crc32c
 import numpy as np
@@ -122,16 +123,34 @@ class MooncakeTier(BaseTier):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-tier")
         self._pending: Future | None = None  # an abandoned call still running on the worker
         self._closed = False
+        self._leaving: threading.Thread | None = None
+        self._joined = False  # setup succeeded: there is something to leave (close() on a store never set up crashes)
         rows = max(1, min(STAGING_BYTES // self.value_bytes, max(self.max_blocks, 1)))
         self._staging = np.zeros((rows, self.value_bytes), dtype=np.uint8)
         self.store = store_class()
         try:
+            self._reachable(min(setup_timeout_s, 5.0))
             self._call("connect", self._setup, timeout=setup_timeout_s)
         except TierError:
             self.close()
             raise
 
     # -- plumbing -----------------------------------------------------------------------------
+
+    def _reachable(self, timeout: float) -> None:
+        """A TCP connect to the master (and an HTTP metadata server): `setup` itself holds the
+        GIL while it retries an absent master for minutes, so it only runs once they answer."""
+        targets = [(self.address.host, self.address.port, "mooncake_master")]
+        meta = urlsplit(self.address.metadata)
+        if meta.scheme in ("http", "https") and meta.hostname:
+            targets.append((meta.hostname, meta.port or (443 if meta.scheme == "https" else 80), "metadata server"))
+        for host, port, what in targets:
+            try:
+                socket.create_connection((host, port), timeout=timeout).close()
+            except OSError as err:
+                with self._lock:
+                    self._stats.errors += 1
+                raise TierError(f"{self.name} tier at {self.address}: no {what} at {host}:{port}: {err}") from None
 
     def _setup(self, call: _Call) -> None:
         a = self.address
@@ -140,6 +159,7 @@ class MooncakeTier(BaseTier):
         )
         if rc != 0:
             raise TierError(f"{self.name} tier at {a}: setup failed with code {rc} (is mooncake_master running?)")
+        self._joined = True
         rc = self.store.register_buffer(self._staging.ctypes.data, self._staging.nbytes)
         if rc != 0:
             raise TierError(f"{self.name} tier at {a}: registering the staging buffer failed with code {rc}")
@@ -309,22 +329,28 @@ class MooncakeTier(BaseTier):
         self._stats.blocks = len(self._lru)
         self._stats.bytes = len(self._lru) * self.bytes_per_block
 
-    def close(self) -> None:
-        """Leave the store. Unmounting can block for many seconds when the master is gone, so
-        it runs on a daemon thread that outlives this call by at most the timeout."""
+    def close(self, wait: bool = False) -> None:
+        """Leave the store in the background: Mooncake's close takes ~2 s even when all is well
+        (and more when the master is gone); its segment is released when that finishes.
+        `wait`: return only then (bounded by 30 s)."""
         if self._closed:
+            if wait and self._leaving is not None:
+                self._leaving.join(timeout=30)
             return
         self._closed = True
         store, staging, worker = self.store, self._staging, self._worker
 
         def leave() -> None:
             worker.shutdown(wait=True)
+            if not self._joined:
+                return
             try:
                 store.unregister_buffer(staging.ctypes.data)
                 store.close()
             except Exception:  # noqa: BLE001, S110 - best effort on the way out
                 pass
 
-        thread = threading.Thread(target=leave, name=f"{self.name}-tier-close", daemon=True)
-        thread.start()
-        thread.join(timeout=max(self.timeout_s, 1.0))
+        self._leaving = threading.Thread(target=leave, name=f"{self.name}-tier-close", daemon=True)
+        self._leaving.start()
+        if wait:
+            self._leaving.join(timeout=30)
