@@ -262,7 +262,7 @@ def test_the_engine_builds_a_mooncake_remote_tier(master, request):
     hierarchy = build_hierarchy(config, KVPool(SCHEMA, num_blocks=4))
     try:
         [store] = hierarchy.stores
-        assert isinstance(store, MooncakeTier) and store.name == "mooncake"
+        assert isinstance(store, MooncakeTier) and store.name == "mooncake" and store.shared
         keys, blocks = salted(request, 2)
         store.put(keys, blocks)
         assert torch.equal(store.get_prefix(keys), blocks)

@@ -96,6 +96,8 @@ class _Call:
 class MooncakeTier(BaseTier):
     """The remote tier over Mooncake Store: a bounded, checksummed block store."""
 
+    shared = True  # other servers read and write it too: loads never delete from it
+
     def __init__(
         self,
         schema: KVCacheSchema,
