@@ -252,24 +252,6 @@ def test_a_missing_mooncake_package_says_how_to_install_it(monkeypatch):
         MooncakeTier(SCHEMA, "mooncake://127.0.0.1:1", 64 * BPB)
 
 
-def test_the_engine_builds_a_mooncake_remote_tier(master, request):
-    from sage_infer.config.serve import ServeConfig
-    from sage_infer.engine.build import build_hierarchy
-    from sage_infer.kv_runtime import KVPool
-    from sage_infer.kv_runtime.tiers.mooncake import MooncakeTier
-
-    config = ServeConfig(tiers=TierConfig(remote_url=master.url, remote_bytes=64 * BPB))
-    hierarchy = build_hierarchy(config, KVPool(SCHEMA, num_blocks=4))
-    try:
-        [store] = hierarchy.stores
-        assert isinstance(store, MooncakeTier) and store.name == "mooncake" and store.shared
-        keys, blocks = salted(request, 2)
-        store.put(keys, blocks)
-        assert torch.equal(store.get_prefix(keys), blocks)
-    finally:
-        hierarchy.close()
-
-
 @pytest.mark.parametrize(
     ("url", "fields"),
     [
@@ -314,3 +296,29 @@ def test_the_config_and_the_kv_tiers_flag_accept_a_mooncake_url(sage):
     result = sage("config", "show", "--preset", "cpu", "--json", "--kv-tiers", f"remote={url},remote-bytes=32MiB")
     assert result.code == 0, result.err
     assert url in result.out
+
+
+def test_two_engines_share_prefixes_through_mooncake(master, tmp_path):
+    """`build_hierarchy` makes a MooncakeTier of a mooncake:// URL; A's blocks, evicted by the
+    writer engine's pool, are loaded by a second engine out of the writer's segment: the same
+    tokens as a cold run, with A's 5 full blocks cached."""
+    from sage_infer.kv_runtime.tiers.mooncake import MooncakeTier
+    from tests.test_kv_tiers_engine import BLOCK, A, B, C, make_llm, run
+    from tests.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", "llama")
+    cold = run(make_llm(model_dir), A)[0]
+    writer = make_llm(model_dir, remote_url=master.url, remote_bytes=64 << 20)
+    reader = None
+    try:
+        [store] = writer.engine.kv.hierarchy.stores
+        assert isinstance(store, MooncakeTier) and store.name == "mooncake" and store.shared
+        for tokens in (A, B, C):
+            run(writer, tokens)
+        reader = make_llm(model_dir, remote_url=master.url, remote_bytes=64 << 20)
+        assert run(reader, A) == (cold, 5 * BLOCK)
+    finally:
+        for llm in (writer, reader):
+            if llm is not None:
+                [store] = llm.engine.kv.hierarchy.stores
+                store.close(wait=True)
