@@ -57,7 +57,8 @@ class TierConfig(Strict):
         "whose device pool is host DDR already.")
     disk_path: str | None = Field(None, description="Directory of the SSD KV tier; None disables it.")
     disk_bytes: ByteSize = Field(ByteSize(0))
-    remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0.")
+    remote_url: str | None = Field(None, description="Remote KV tier, e.g. redis://127.0.0.1:6379/0 "
+                                      "or mooncake://127.0.0.1:50051 (a Mooncake Store master).")
     remote_bytes: ByteSize = Field(ByteSize(1 << 30), description="Bytes of KV this server keeps in the remote tier.")
     load_timeout_s: float = Field(5.0, gt=0, le=600, description="Deadline of one lower-tier load; past it the "
                                   "request recomputes those blocks. Loads run off the engine thread.")
@@ -68,8 +69,8 @@ class TierConfig(Strict):
     @field_validator("remote_url")
     @classmethod
     def _redis_only(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"remote_url must be a redis://, rediss:// or unix:// URL, got {value!r}")
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://", "mooncake://")):
+            raise ValueError(f"remote_url must be a redis://, rediss://, unix:// or mooncake:// URL, got {value!r}")
         return value
 
 

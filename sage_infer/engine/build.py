@@ -23,7 +23,7 @@ from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
-from sage_infer.kv_runtime.tiers import DiskTier, HostTier, RedisTier, TierError
+from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -157,7 +157,8 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
                 raise ConfigError("tiers.disk_bytes: set a size cap for the disk tier at tiers.disk_path")
             stores.append(DiskTier(pool.schema, tiers.disk_path, int(tiers.disk_bytes)))
         if tiers.remote_url is not None:
-            remote = RedisTier(pool.schema, tiers.remote_url, int(tiers.remote_bytes))
+            remote_tier = MooncakeTier if tiers.remote_url.startswith("mooncake://") else RedisTier
+            remote = remote_tier(pool.schema, tiers.remote_url, int(tiers.remote_bytes))
             stores.append(remote)
             remote.contains([bytes(32)])  # reach it now: a wrong URL fails at start, not on the first eviction
     except (TierError, OSError) as err:

@@ -1,7 +1,7 @@
-"""KV tier stores: whole KV blocks below the device pool (host DRAM, local disk, Redis).
+"""KV tier stores: whole KV blocks below the device pool (host DRAM, local disk, Redis, Mooncake Store).
 
 Every store speaks `KVTier` (see `base.py`). The stores import lazily, so
-``import sage_infer.kv_runtime.tiers`` pulls in neither torch-heavy slabs nor the redis client.
+``import sage_infer.kv_runtime.tiers`` pulls in neither torch-heavy slabs nor the redis or mooncake clients.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ if TYPE_CHECKING:
     from sage_infer.kv_runtime.tiers.base import KVTier, TierStats, schema_digest
     from sage_infer.kv_runtime.tiers.disk import DiskTier
     from sage_infer.kv_runtime.tiers.host import HostTier
+    from sage_infer.kv_runtime.tiers.mooncake import MooncakeTier
     from sage_infer.kv_runtime.tiers.redis import RedisTier
 
-__all__ = ["DiskTier", "HostTier", "KVTier", "RedisTier", "TierConfigError", "TierError", "TierStats", "schema_digest"]
+__all__ = [
+    "DiskTier", "HostTier", "KVTier", "MooncakeTier", "RedisTier", "TierConfigError", "TierError", "TierStats",
+    "schema_digest",
+]
 
 _LAZY = {
     "KVTier": "base",
@@ -25,6 +29,7 @@ _LAZY = {
     "HostTier": "host",
     "DiskTier": "disk",
     "RedisTier": "redis",
+    "MooncakeTier": "mooncake",
 }
 
 
