@@ -32,7 +32,7 @@ from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.errors import TierError
 
 log = logging.getLogger("sage_infer.kv_runtime")
-ROLE = {"redis": "remote"}  # store name -> the tier role the cost model prices
+ROLE = {"redis": "remote", "mooncake": "remote"}  # store name -> the tier role the cost model prices
 RETRY_AFTER_S = 5.0  # a store that failed is skipped this long before it is tried again
 
 
