@@ -31,19 +31,49 @@ def serve(
     kv_transport: KVTransportOpt = None,
     kv_tiers: KVTiersOpt = None,
     set_: SetOpt = None,
+    role: Annotated[Optional[str], typer.Option(
+        "--role", help="prefill | decode | both (default): this instance's part in prefill/decode separation.")] = None,
+    pd: Annotated[Optional[str], typer.Option(
+        "--pd", help="Run xPyD here, e.g. 1P1D: x prefill and y decode workers behind one router URL.")] = None,
 ) -> None:
-    """Start the OpenAI-compatible server."""
+    """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment)."""
     named = {
         "model.path": ("--model", model),
         "host": ("--host", host),
         "port": ("--port", port),
         "api_key": ("--api-key", api_key),
+        "role": ("--role", role),
     }
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
+    if pd is not None:
+        raise typer.Exit(_serve_pd(pd, resolved.config, model, preset, config, kv_transport, kv_tiers, set_))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
+
+
+def _serve_pd(spec, resolved, model, preset, config, kv_transport, kv_tiers, sets) -> int:
+    """`--pd xPyD`: the workers get this command's model and config flags (the API key through the
+    environment, not the process list); the router takes its host, port and key."""
+    import os
+
+    from sage_infer.errors import UsageError
+    from sage_infer.router.launch import serve_pd
+
+    if resolved.role != "both":
+        raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
+    args: list[str] = []
+    for flag, value in (("--model", model), ("--preset", preset), ("--config", config)):
+        if value is not None:
+            args += [flag, str(value)]
+    for flag, values in (("--kv-transport", kv_transport), ("--kv-tiers", kv_tiers), ("--set", sets)):
+        for value in values or []:
+            args += [flag, value]
+    key = resolved.api_key.get_secret_value() if resolved.api_key else None
+    if key is not None:
+        os.environ["SAGE_API_KEY"] = key  # inherited by the workers
+    return serve_pd(spec, args, resolved.host, resolved.port, key, resolved.tiers.disk_path)
 
 
 @app.command("generate")

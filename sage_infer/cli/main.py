@@ -44,3 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":  # python -m sage_infer.cli.main (how `--pd` starts its workers)
+    run()

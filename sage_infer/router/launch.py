@@ -1,0 +1,133 @@
+"""`sage llm serve --pd xPyD`: x prefill and y decode workers on this host, behind one router URL.
+
+Each worker is its own `sage llm serve --role prefill|decode --port 0` process, started with
+the same model and config flags as the command; its ready line gives its URL. The router then
+listens on the command's host and port and prints one URL. Stopping the command (SIGINT or
+SIGTERM) stops the router, then the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sage_infer.errors import ConfigError, UsageError
+from sage_infer.router.instances import Instances
+
+READY = re.compile(r"serving (\S+) at (http://\S+)/v1")
+WORKER_START_S = 300.0  # loading a model can take a while on a busy machine
+
+
+def parse_pd(spec: str) -> tuple[int, int]:
+    """``1P1D`` -> (1, 1); ``2p3d`` -> (2, 3)."""
+    match = re.fullmatch(r"(\d+)[pP](\d+)[dD]", spec.strip())
+    if match is None or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise UsageError(f"--pd {spec!r}: expected xPyD with x, y >= 1, e.g. 1P1D or 2P1D")
+    return int(match.group(1)), int(match.group(2))
+
+
+@dataclass
+class Worker:
+    role: str
+    index: int
+    process: subprocess.Popen
+    url: str | None = None
+    model: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    def pump(self) -> None:
+        """Forward the worker's output, prefixed; note its URL when it says it is ready."""
+        for line in self.process.stdout:
+            match = READY.search(line)
+            if match and not self.ready.is_set():
+                self.model, self.url = match.group(1), match.group(2)
+                self.ready.set()
+            print(f"[{self.name}] {line}", end="", file=sys.stderr, flush=True)
+        self.ready.set()  # it exited: whoever waits finds no url
+
+
+def start_workers(num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None) -> list[Worker]:
+    """Start the workers and wait until each says it is serving; ConfigError if one does not."""
+    workers: list[Worker] = []
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(count):
+            args = [sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *worker_args,
+                    "--set", f"role={role}", "--host", "127.0.0.1", "--port", "0"]
+            if disk_path is not None:  # one disk tier directory per worker: they must not share segment files
+                args += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{i}"]
+            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            worker = Worker(role, i, process)
+            threading.Thread(target=worker.pump, name=f"sage-{worker.name}", daemon=True).start()
+            workers.append(worker)
+    deadline = time.monotonic() + WORKER_START_S
+    for worker in workers:
+        worker.ready.wait(max(0.0, deadline - time.monotonic()))
+        if worker.url is None:
+            stop_workers(workers)
+            code = worker.process.poll()
+            raise ConfigError(f"--pd: the {worker.name} worker did not start"
+                              + (f" (exit code {code}; its output is above)" if code is not None else ""))
+    return workers
+
+
+def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        try:
+            worker.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+
+
+def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
+             disk_path: str | None = None) -> int:
+    """Run the deployment until SIGINT/SIGTERM; exit code 0."""
+    import uvicorn
+
+    from sage_infer.router.app import build_router
+
+    num_prefill, num_decode = parse_pd(spec)
+    workers = start_workers(num_prefill, num_decode, worker_args, disk_path)
+    try:
+        instances = Instances.of([w.url for w in workers if w.role == "prefill"],
+                                 [w.url for w in workers if w.role == "decode"])
+        app = build_router(instances, api_key)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+            print(f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
+                  f"({num_prefill} prefill + {num_decode} decode workers: "
+                  f"{', '.join(f'{w.name} {w.url}' for w in workers)})", flush=True)
+
+        async def main() -> None:
+            announcer = asyncio.create_task(announce())
+            with contextlib.suppress(asyncio.CancelledError):
+                await server.serve()
+            announcer.cancel()
+
+        asyncio.run(main())
+        if not server.started:
+            print(f"sage: error: could not listen on {host}:{port}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        stop_workers(workers)

@@ -1,0 +1,73 @@
+"""`sage llm serve --pd 1P1D`: one command starts a router and its workers and prints one URL; the
+answers through it equal one engine's; SIGTERM stops all three processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.router.launch import parse_pd
+from tests.tiny_models import make_tiny_model
+
+PROMPT = [5 + (11 * j) % 400 for j in range(40)]  # 2 full blocks of 16 and 8 tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("pd-launch") / "tiny", "llama")
+
+
+def test_pd_1p1d_serves_one_url_and_stops_its_workers(model_dir):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("SAGE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--pd", "1P1D",
+                             "--port", "0", "--model", str(model_dir), "--set", "model.dtype=fp32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(1 prefill \+ 1 decode workers: prefill-0 (\S+), "
+                          r"decode-0 (\S+)\)", line)
+        assert match, f"unexpected first line: {line!r}"
+        url, workers = match.group(1), [match.group(2), match.group(3)]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        [want] = LLM(str(model_dir), dtype="fp32", num_blocks=64, device="cpu").generate(
+            [PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert got.choices[0].text == want.outputs[0].text
+        assert got.usage.prompt_tokens_details.cached_tokens == 32  # the decode worker got both blocks
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0
+    deadline = time.monotonic() + 30
+    for worker in workers:  # the workers are gone too
+        while True:
+            try:
+                httpx.get(f"{worker}/health", timeout=1)
+            except httpx.HTTPError:
+                break
+            assert time.monotonic() < deadline, f"worker {worker} still answers after the router stopped"
+            time.sleep(0.2)
+
+
+def test_pd_spec_and_flag_mistakes_are_one_line_exit_2(sage):
+    assert parse_pd("2p3d") == (2, 3)
+    for spec in ("1P", "0P1D", "PD", "1D1P"):
+        result = sage("llm", "serve", "--pd", spec)
+        assert result.code == 2 and "--pd" in result.err and len(result.err.strip().splitlines()) == 1
+    result = sage("llm", "serve", "--pd", "1P1D", "--role", "decode")
+    assert result.code == 2 and "leave out --role" in result.err
+    result = sage("llm", "serve", "--role", "middle")
+    assert result.code == 2 and "role" in result.err
