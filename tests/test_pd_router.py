@@ -156,3 +156,24 @@ def test_a_decode_worker_refuses_kv_in_another_format(deployment):
     params = {"remote_url": prefill.url, "remote_request_id": "x", "schema_digest": "0" * 32}
     with pytest.raises(openai.BadRequestError, match="schema_digest"):
         complete(decode.url, decode.model, extra={"kv_transfer_params": params})
+
+
+def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(model_dir, colocated):
+    with running_server(model_dir, role="prefill") as p0, running_server(model_dir, role="prefill") as p1, \
+            running_server(model_dir, role="decode") as decode:
+        prompt = [9 + (17 * j) % 400 for j in range(4 * BLOCK + 2)]
+        complete(p1.url, p1.model, prompt)  # p1 computed this prompt before: its blocks are cached there
+        match = httpx.post(f"{p1.url}/v1/kv/match", json={"prompt": prompt}).json()
+        assert match["cached_tokens"] == 4 * BLOCK and match["prompt_tokens"] == len(prompt)
+        assert httpx.post(f"{p0.url}/v1/kv/match", json={"prompt": prompt}).json()["cached_tokens"] == 0
+        with running_router([p0.url, p1.url], [decode.url]) as url:
+            got = complete(url, decode.model, prompt)
+            assert got.choices[0].text == complete(colocated.url, colocated.model, prompt).choices[0].text
+            assert got.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+            routed = {(s.labels["instance"], s.labels["role"]): s.value
+                      for s in families["sage:router_requests"].samples if s.name.endswith("_total")}
+            assert routed.get((p1.url, "prefill")) == 1 and (p0.url, "prefill") not in routed
+            overlap = families["sage:router_overlap_tokens"].samples[0].value
+            assert overlap == 4 * BLOCK and families["sage:router_prompt_tokens"].samples[0].value == len(prompt)
+        settle(p0, p1, decode)

@@ -134,6 +134,9 @@ class NativeBackend:
         self._wake.set()
         return await asyncio.wrap_future(done)
 
+    def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        return self.engine.prefix_overlap(token_ids, cache_salt)
+
     def give_up_kv(self, command: GiveUpKV) -> None:
         self._commands.put(command)
         self._wake.set()

@@ -171,6 +171,15 @@ class LLMEngine:
         except (KeyError, ValueError) as err:
             raise RequestError(str(err.args[0]) if err.args else str(err)) from None
 
+    def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens whose KV this engine's device cache holds now (for a KV-aware router). Records nothing;
+        safe to call from another thread (dict reads; a concurrent eviction only makes the answer stale)."""
+        if self.kv.index is None or not token_ids:
+            return 0
+        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
+                                   cache_salt)
+        return self.kv.index.match(token_ids, extra_key, record=False).num_tokens
+
     def give_up_kv(self, transfer_id: str, why: str) -> bool:
         """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""
         return self.kv.transfers is not None and self.kv.transfers.give_up(transfer_id, why)

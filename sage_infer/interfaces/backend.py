@@ -102,3 +102,7 @@ class KVTransferBackend(Protocol):
     def give_up_kv(self, command: GiveUpKV) -> None:
         """Decode role: stop waiting for a transfer that will not come (its request computes its prompt)."""
         ...
+
+    def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens whose KV is cached here now (the router's prefix-overlap score)."""
+        ...

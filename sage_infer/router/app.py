@@ -8,8 +8,11 @@ stream) goes back to the client unchanged. Requests P/D cannot split (several pr
 completions call) and requests arriving while no prefill worker is up go to a decode worker
 whole: it computes their prompts itself.
 
-Workers are chosen by least outstanding requests among those up; one that fails a call is
-skipped for a few seconds. Errors are OpenAI-style JSON: a worker's own 4xx passes through, an
+The prefill worker is chosen by prefix overlap: with more than one up, the router asks each
+(``POST /v1/kv/match``, side-effect free) how many of the prompt's tokens it holds cached, and
+sends the request to the one holding most, unless it is much busier than the least loaded one
+(then load wins). Decode workers are chosen by least outstanding requests. A worker that fails
+a call is skipped for a few seconds. Errors are OpenAI-style JSON: a worker's own 4xx passes through, an
 unreachable decode worker is a 503.
 """
 
@@ -32,6 +35,9 @@ from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
 from sage_infer.server.errors import APIError, error_response
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MATCH_TIMEOUT_S = 0.5  # a prefill worker's answer to "how much of this prompt do you hold?"
+BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
+MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 
 
@@ -47,6 +53,10 @@ class RouterMetrics:
                                  "several prompts, or no prefill worker up).", registry=r)
         self.outstanding = Gauge("sage:router_outstanding", "Requests in flight per worker.", ["instance", "role"],
                                  registry=r)
+        self.prompt_tokens = Counter("sage:router_prompt_tokens", "Prompt tokens of requests routed by prefix "
+                                     "overlap.", registry=r)
+        self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
+                                      "prefill worker chosen (overlap hit rate = this / prompt tokens).", registry=r)
 
 
 def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
@@ -105,11 +115,40 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
             metrics.failures.labels(worker.url, worker.role).inc()
             raise APIError(503, f"{worker.role} worker {worker.url} is unreachable") from None
 
+    async def overlap(worker: Instance, question: dict) -> dict | None:
+        try:
+            reply = await client.post(f"{worker.url}/v1/kv/match", json=question, headers=worker_headers,
+                                      timeout=MATCH_TIMEOUT_S)
+        except httpx.HTTPError as err:
+            worker.failed(str(err) or type(err).__name__)
+            metrics.failures.labels(worker.url, worker.role).inc()
+            return None
+        return reply.json() if reply.status_code == 200 else None
+
+    async def choose_prefill(body: dict, tried: set[str]) -> Instance | None:
+        """The prefill worker holding the longest prefix of this prompt, unless it is busier than the least
+        loaded one by more than `BALANCE_SLACK` requests; the least loaded one when none holds any."""
+        live = [w for w in instances.prefill if w.up and w.url not in tried]
+        if len(live) <= 1:
+            return live[0] if live else None
+        question = {k: body[k] for k in MATCH_FIELDS if k in body}
+        answers = await asyncio.gather(*(overlap(w, question) for w in live))
+        scored = [(w, a) for w, a in zip(live, answers) if a is not None]
+        if not scored:
+            return instances.pick("prefill", tried)
+        least = min(scored, key=lambda wa: wa[0].outstanding)
+        best = max(scored, key=lambda wa: (wa[1]["cached_tokens"], -wa[0].outstanding))
+        chosen = best if best[1]["cached_tokens"] and best[0].outstanding <= least[0].outstanding + BALANCE_SLACK \
+            else least
+        metrics.prompt_tokens.inc(chosen[1]["prompt_tokens"])
+        metrics.overlap_tokens.inc(chosen[1]["cached_tokens"])
+        return chosen[0]
+
     async def prefill(path: str, body: dict) -> dict | None:
         """Run the prompt on a prefill worker, holding its KV: the decode worker's kv_transfer_params, or
         None when no prefill worker could (the decode worker then computes the prompt itself)."""
         tried: set[str] = set()
-        while (worker := instances.pick("prefill", tried)) is not None:
+        while (worker := await choose_prefill(body, tried)) is not None:
             tried.add(worker.url)
             first = {**body, "stream": False, "n": 1, "max_tokens": 1,
                      "kv_transfer_params": {"do_remote_decode": True}}

@@ -20,7 +20,7 @@ from sage_infer.server.body import parse_body
 from sage_infer.server.errors import APIError, error_response
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.metrics import ServerMetrics
-from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVSendRequest
+from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVMatchRequest, KVSendRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -125,5 +125,12 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         authorize(request)
         body = await body_of(request, KVSendRequest)
         return JSONResponse(await handlers.pd.send(body))
+
+    @app.post("/v1/kv/match")
+    async def kv_match(request: Request) -> JSONResponse:
+        """How much of a prompt is cached here (asked by a KV-aware router); records nothing."""
+        authorize(request)
+        body = await body_of(request, KVMatchRequest)
+        return JSONResponse(handlers.pd.match(body, handlers.validator))
 
     return app

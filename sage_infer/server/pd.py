@@ -25,7 +25,7 @@ import httpx
 from sage_infer.core.messages import GiveUpKV, KVTransferInfo, KVTransferParams, SendKV
 from sage_infer.interfaces.backend import BackendError, InferenceBackend, InvalidRequestError, KVTransferBackend
 from sage_infer.server.errors import APIError
-from sage_infer.server.protocol import KVSendRequest, SamplingFields
+from sage_infer.server.protocol import KVMatchRequest, KVSendRequest, SamplingFields
 
 log = logging.getLogger("sage_infer.server")
 PULL_TIMEOUT_S = 60.0  # the prefill instance answers /v1/kv/send when the receiver verified the KV
@@ -92,6 +92,18 @@ class PDRole:
             why = f"the prefill instance at {fields.remote_url} did not answer: {err or type(err).__name__}"
         if why is not None:
             self.backend.give_up_kv(GiveUpKV(transfer.transfer_id, why))
+
+    def match(self, body: KVMatchRequest, validator) -> dict:
+        """``POST /v1/kv/match``: prompt tokens cached here and this instance's queue, for a KV-aware router."""
+        if body.messages is not None:
+            ids = validator.token_ids(validator.chat_prompt(body), "messages", add_special_tokens=False)
+        else:
+            ids = validator.token_ids(body.prompt)
+        overlap = self.backend.prefix_overlap(ids, body.cache_salt) if isinstance(self.backend, KVTransferBackend) \
+            else 0
+        stats = self.backend.stats()
+        return {"cached_tokens": overlap, "prompt_tokens": len(ids), "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting, "kv_usage": stats.kv_usage}
 
     async def send(self, body: KVSendRequest) -> dict:
         """Prefill side of ``POST /v1/kv/send``."""

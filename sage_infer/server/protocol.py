@@ -153,3 +153,24 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class KVMatchRequest(BaseModel):
+    """``POST /v1/kv/match``: how much of this prompt is cached here (the router's question)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = Field(None, max_length=256)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> KVMatchRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
