@@ -177,3 +177,20 @@ def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(m
             overlap = families["sage:router_overlap_tokens"].samples[0].value
             assert overlap == 4 * BLOCK and families["sage:router_prompt_tokens"].samples[0].value == len(prompt)
         settle(p0, p1, decode)
+
+
+def test_workers_report_their_transfers_in_metrics(deployment):
+    prefill, decode, url = deployment
+    complete(url, decode.model, [3 + (5 * j) % 400 for j in range(2 * BLOCK + 1)])
+    settle(prefill, decode)
+
+    def samples(server) -> dict:
+        text = httpx.get(f"{server.url}/metrics").text
+        return {(s.name, s.labels.get("direction"), s.labels.get("outcome")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("sage:kv_trans")}
+
+    sent, received = samples(prefill), samples(decode)
+    assert sent["sage:kv_transfers_total", "send", "ok"] >= 1 and sent["sage:kv_transfers_total", "send", "failed"] == 0
+    assert received["sage:kv_transfers_total", "receive", "ok"] >= 1
+    assert sent["sage:kv_transfer_bytes_total", "send", None] == received["sage:kv_transfer_bytes_total", "receive",
+                                                                          None] > 0

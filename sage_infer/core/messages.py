@@ -116,6 +116,10 @@ class EngineStats:
     hot_used: int = 0  # of those, hit by a later request
     quota_blocks: tuple[tuple[str, str, int], ...] = ()  # (tier, tenant, blocks held) with tenant quotas
     quota_events: tuple[tuple[str, str, str, int], ...] = ()  # (tier, tenant, min|max|self_evict, count)
+    kv_transfer_role: str | None = None  # prefill | decode (prefill/decode separation), None otherwise
+    # (direction send|receive, transfers ok, failed, bytes, seconds) of prefill/decode KV transfers
+    kv_transfers: tuple[tuple[str, int, int, int, float], ...] = ()
+    kv_transfer_expired_holds: int = 0  # prefill: held KV no decode instance asked for in time
 
 
 @dataclass(frozen=True, slots=True)

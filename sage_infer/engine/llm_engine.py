@@ -237,7 +237,18 @@ class LLMEngine:
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
             **self._tier_stats(),
             **self._quota_stats(),
+            **self._transfer_stats(),
         )
+
+    def _transfer_stats(self) -> dict:
+        transfers = self.kv.transfers
+        if transfers is None:
+            return {}
+        t = transfers.stats
+        return {"kv_transfer_role": "decode" if transfers.connector.address else "prefill",
+                "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds),
+                                 ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds)),
+                "kv_transfer_expired_holds": t.expired_holds}
 
     def _tier_stats(self) -> dict:
         hierarchy = self.kv.hierarchy
