@@ -77,6 +77,8 @@ class NativeBackend:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.engine.kv.transfers is not None:  # the KV connector's loop thread and sockets
+            self.engine.kv.transfers.close()
 
     async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
@@ -93,6 +95,7 @@ class NativeBackend:
             self._pending_adds += 1
         self._commands.put(request)
         self._wake.set()
+        self.engine.wake()
         if self._dead is not None:  # died while we queued: no thread is left to answer
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 target.accepted.set_exception(EngineDeadError(_DEAD))
@@ -132,6 +135,7 @@ class NativeBackend:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((command, done))
         self._wake.set()
+        self.engine.wake()
         return await asyncio.wrap_future(done)
 
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
@@ -140,6 +144,7 @@ class NativeBackend:
     def give_up_kv(self, command: GiveUpKV) -> None:
         self._commands.put(command)
         self._wake.set()
+        self.engine.wake()
 
     # -- beyond the protocol ------------------------------------------------------------
 

@@ -180,6 +180,11 @@ class LLMEngine:
                                    cache_salt)
         return self.kv.index.match(token_ids, extra_key, record=False).num_tokens
 
+    def wake(self) -> None:
+        """Cut an idle step's wait short (another thread queued work for this engine)."""
+        if self.kv.transfers is not None:
+            self.kv.transfers.wake.set()
+
     def give_up_kv(self, transfer_id: str, why: str) -> bool:
         """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""
         return self.kv.transfers is not None and self.kv.transfers.give_up(transfer_id, why)

@@ -28,6 +28,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,8 @@ class KVConnector:
     """Send and/or receive whole KV blocks; one event-loop thread, any number of peers."""
 
     def __init__(self, schema: KVCacheSchema, config: KVTransportConfig | None = None, *, backend: str = "shm",
-                 listen: bool = False, listen_address: str | None = None) -> None:
+                 listen: bool = False, listen_address: str | None = None,
+                 on_result: Callable[[], None] | None = None) -> None:
         self.schema = schema
         self.block_nbytes = schema.bytes_per_block
         self.config = config or KVTransportConfig()
@@ -105,8 +107,9 @@ class KVConnector:
         self._buffers = _DroppingBuffers()
         self._expected: dict[str, _Expected] = {}
         self._conns: dict[str, Connection] = {}
-        self._sent: collections.deque[TransferResult] = collections.deque()
-        self._received: collections.deque[TransferResult] = collections.deque()
+        self._sent = _Results(self)
+        self._received = _Results(self)
+        self.on_result = on_result  # called on the loop thread whenever a transfer ends
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sage-kv-connector", daemon=True)
@@ -261,6 +264,19 @@ async def _close_quietly(conn: Connection) -> None:
         await conn.aclose()
     except (TransportError, OSError):
         pass
+
+
+class _Results(collections.deque):
+    """Finished transfers, appended on the loop thread; `on_result` wakes an engine waiting for them."""
+
+    def __init__(self, owner: KVConnector) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def append(self, result: TransferResult) -> None:
+        super().append(result)
+        if self.owner.on_result is not None:
+            self.owner.on_result()
 
 
 def _drain(queue: collections.deque) -> list:

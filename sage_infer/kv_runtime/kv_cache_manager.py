@@ -144,7 +144,8 @@ class KVCacheManager:
         if self.loader is not None and self.loader.pending:
             self.loader.wait(timeout)
         elif self.transfers is not None and self.transfers.busy:
-            time.sleep(timeout)
+            self.transfers.wake.wait(timeout)
+            self.transfers.wake.clear()
 
     # -- the eviction hook ------------------------------------------------------------------
 

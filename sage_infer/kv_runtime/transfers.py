@@ -17,6 +17,7 @@ deadline costs a recompute, never a wrong token.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class KVTransfers:
         self.expecting: dict[str, Sequence] = {}  # transfer id -> the waiting sequence
         self.received: dict[int, torch.Tensor] = {}  # seq id -> the prompt's first blocks, [n, block_nbytes]
         self.stats = TransferStats()
+        self.wake = threading.Event()  # set when the connector finished something (or a command came in)
+        connector.on_result = self.wake.set
 
     # -- prefill ----------------------------------------------------------------------------------
 

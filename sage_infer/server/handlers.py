@@ -165,7 +165,7 @@ class OpenAIHandlers:
         """`_start`, then, for a decode instance, ask the prefill instance for the request's KV."""
         started = await self._start(jobs)
         if transfer is not None and transfer.transfer_id is not None:
-            await self.pd.pull(body, transfer)
+            self.pd.pull_soon(body, transfer)  # the request's stream starts now; its tokens follow the KV
         return started
 
     def _completion_choice(self, index: int, c: CompletionOutput, text: str, token_ids: list[int],

@@ -17,6 +17,7 @@ The router drives a request through two instances, as vLLM's disaggregated proxy
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -39,6 +40,8 @@ class PDRole:
         self.api_key = api_key
         self.info: KVTransferInfo | None = (backend.kv_transfer_info() if isinstance(backend, KVTransferBackend)
                                             else None)
+        self._client: httpx.AsyncClient | None = None  # one pooled client for pulls (made on the server's loop)
+        self._pulls: set[asyncio.Task] = set()
 
     def params(self, body: SamplingFields, num_prompts: int, rid: str) -> KVTransferParams | None:
         """The engine-side transfer of a request (None: an ordinary request), or a 400."""
@@ -72,6 +75,12 @@ class PDRole:
         """What a prefill instance adds to its response: how the decode instance finds the KV."""
         return {"remote_request_id": request_id, "schema_digest": self.info.schema_digest}
 
+    def pull_soon(self, body: SamplingFields, transfer: KVTransferParams) -> None:
+        """`pull` in the background (the task is kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(self.pull(body, transfer))
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)
+
     async def pull(self, body: SamplingFields, transfer: KVTransferParams) -> None:
         """Decode side: ask the prefill instance to send the held KV to this instance's connector.
 
@@ -83,9 +92,10 @@ class PDRole:
                 "transfer_id": transfer.transfer_id}
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = None
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=PULL_TIMEOUT_S)
         try:
-            async with httpx.AsyncClient(timeout=PULL_TIMEOUT_S) as client:
-                reply = await client.post(f"{fields.remote_url.rstrip('/')}/v1/kv/send", json=send, headers=headers)
+            reply = await self._client.post(f"{fields.remote_url.rstrip('/')}/v1/kv/send", json=send, headers=headers)
             if reply.status_code != 200:
                 why = f"the prefill instance answered {reply.status_code}: {reply.text[:200]}"
         except httpx.HTTPError as err:
