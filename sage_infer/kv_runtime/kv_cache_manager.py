@@ -264,7 +264,10 @@ class KVCacheManager:
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
-        needed = self.blocks_needed(seq, num_new_tokens + match.num_lower_tokens)
+        # room for what the load returned, not what the lookup promised: a short load's
+        # missing blocks are computed by later chunks, which allocate them then
+        loaded = staged.shape[0] if staged is not None else 0
+        needed = self.blocks_needed(seq, num_new_tokens + loaded * self.block_size)
         if needed:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:

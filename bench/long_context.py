@@ -1,0 +1,431 @@
+"""Long context with the KV tiers engaged: a random model with a 64K context serving mixed
+~64K / ~32K / short prompts through a device pool smaller than the demand, with host and
+disk tiers below it. Checks the pool stays full of real tokens, nothing livelocks, and the
+tiers both take evicted blocks and give them back.
+
+    python bench/long_context.py --baseline --out out/long_context.json
+    python bench/long_context.py --context 4096 --budget 256        # a quick small version
+
+Method
+  Model      a random Llama (tests/tiny_models.py; hidden `--hidden`, `--layers` layers,
+             `--heads` / `--kv-heads` heads, vocab `--vocab`), max_position_embeddings =
+             max_model_len = `--context`, fp32, CPU, built in a subprocess (its transformers
+             import does not count towards the engine's peak RSS).
+  Workload   random token ids. `full` prompts are `--context` - 2 x `--max-tokens` tokens,
+             `half` prompts `--context` / 2, `short` ones 16..`--short-max`. Arrivals are
+             by engine step, in waves `--wave-gap` steps apart (default 1.5 x context /
+             budget, the time of one full prefill): wave 0 full-0 + half-0, wave 1 full-1 +
+             half-1, wave 2 half-2; `--num-short` short prompts spread over the waves. Then
+             two repeats, each arriving once its original has finished and the waves after
+             it were admitted (so its blocks have left the device): `rep-full-0` = full-0's
+             first 3/4 + a new suffix to the same length (the lower-tier prefix hit), and
+             `rep-half-0` = half-0 again, token for token (must give the same greedy output).
+             Greedy, ignore_eos, `--max-tokens` output tokens (`--short-tokens` for shorts).
+  Engine     `build_engine` with max_model_len = `--context`, chunked prefill, a
+             `--budget`-token step budget, `--max-num-seqs` seats, a device pool of
+             `--pool-frac` x context tokens (smaller than the demand: preemption and
+             eviction happen), a host tier of `--host-frac` x context tokens and a disk tier
+             (a temp dir) of `--disk-frac` x context tokens, LRU everywhere.
+  Utilization  after every step, from the running sequences themselves: tokens stored = for
+             every distinct block in their block tables, the KV slots their computed tokens
+             fill; slots allocated = distinct blocks x block size. Reported over the steps
+             where at least one full/half/repeat request is running. The block manager's own
+             in-use count must agree with the distinct blocks (checked every step).
+  Livelock   a step limit (`--max-steps`, default 20 x the steps the workload needs without
+             preemption; steps that only waited for a lower-tier load do not count) and a wall
+             deadline (`--deadline-s`): past either the run stops and the script fails (exit 2),
+             reporting what was still unfinished.
+  Goals      (exit 1 if any fails) utilization min >= 0.90 over long steps; every request
+             finished with its max tokens; tiers engaged: blocks demoted and blocks loaded
+             (all tiers together); no tier errors or checksum failures (blocks that failed to
+             load, e.g. a prefetch past `--load-timeout-s`, are reported); rep-half-0's output ==
+             half-0's. `--baseline` also runs the same workload without tiers and requires
+             identical greedy outputs for every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig  # noqa: E402
+from sage_infer.core.sampling_params import SamplingParams  # noqa: E402
+from sage_infer.engine.build import build_engine  # noqa: E402
+
+FIRST_REGULAR_TOKEN = 5  # tiny models reserve ids 0-4 for special tokens
+GOAL_UTILIZATION = 0.90
+LONG_KINDS = ("full", "half", "rep-full", "rep-half")
+
+
+@dataclass
+class Settings:
+    """Sizes of one run (the CLI flags; the test builds a small one directly)."""
+
+    context: int = 65536
+    block_size: int = 16
+    budget: int = 2048
+    max_num_seqs: int = 8
+    pool_frac: float = 1.125
+    host_frac: float = 1.5
+    disk_frac: float = 4.0
+    num_short: int = 24
+    short_max: int = 256
+    max_tokens: int = 16
+    short_tokens: int = 8
+    wave_gap: int | None = None
+    max_steps: int | None = None
+    deadline_s: float = 3600.0
+    load_timeout_s: float = 5.0  # tiers.load_timeout_s: a prefetch past it is recomputed
+    seed: int = 0
+    vocab: int = 512
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    threads: int = 1
+
+    @property
+    def gap(self) -> int:
+        return self.wave_gap if self.wave_gap is not None else math.ceil(1.5 * self.context / self.budget)
+
+    @property
+    def pool_blocks(self) -> int:
+        return math.ceil(self.pool_frac * self.context / self.block_size)
+
+
+@dataclass
+class Req:
+    name: str
+    kind: str  # full, half, short, rep-full, rep-half
+    tokens: list[int]
+    max_tokens: int
+    arrive_step: int
+    after: str | None = None  # arrives only once this request has finished
+    after_admitted: list[str] = field(default_factory=list)  # ... and these were admitted
+
+
+def build_workload(s: Settings) -> list[Req]:
+    rng = random.Random(s.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(FIRST_REGULAR_TOKEN, s.vocab) for _ in range(n)]
+
+    full_len, half_len = s.context - 2 * s.max_tokens, s.context // 2
+    gap = s.gap
+    reqs = [Req("full-0", "full", ids(full_len), s.max_tokens, 0),
+            Req("half-0", "half", ids(half_len), s.max_tokens, 0),
+            Req("full-1", "full", ids(full_len), s.max_tokens, gap),
+            Req("half-1", "half", ids(half_len), s.max_tokens, gap),
+            Req("half-2", "half", ids(half_len), s.max_tokens, 2 * gap)]
+    last_wave = 3 * gap
+    for i in range(s.num_short):
+        reqs.append(Req(f"short-{i}", "short", ids(rng.randint(16, s.short_max)), s.short_tokens,
+                        i * last_wave // max(1, s.num_short)))
+    full0 = reqs[0].tokens
+    keep = 3 * len(full0) // 4
+    later = ["full-1", "half-1", "half-2"]
+    reqs.append(Req("rep-full-0", "rep-full", full0[:keep] + ids(len(full0) - keep), s.max_tokens, last_wave,
+                    after="full-0", after_admitted=later))
+    reqs.append(Req("rep-half-0", "rep-half", list(reqs[1].tokens), s.max_tokens, last_wave,
+                    after="half-0", after_admitted=later))
+    return reqs
+
+
+def model_shape(s: Settings) -> dict:
+    """`make_tiny_model` overrides for `s`: the context is the model's max_position_embeddings."""
+    return dict(hidden_size=s.hidden, intermediate_size=2 * s.hidden, num_hidden_layers=s.layers,
+                num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=s.context)
+
+
+def make_model(directory: Path, s: Settings) -> Path:
+    """The random model, saved by a subprocess so transformers stays out of this process."""
+    code = ("import sys, json; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+            "from tests.tiny_models import make_tiny_model;"
+            "make_tiny_model(Path(sys.argv[2]), 'llama', vocab_size=int(sys.argv[3]), **json.loads(sys.argv[4]))")
+    subprocess.run([sys.executable, "-c", code, str(REPO), str(directory), str(s.vocab), json.dumps(model_shape(s))],
+                   check=True)
+    return directory
+
+
+def engine_config(model_dir: Path, s: Settings, block_bytes: int, disk_dir: str | None) -> ServeConfig:
+    tiers = {}
+    if disk_dir is not None:
+        tokens = lambda frac: math.ceil(frac * s.context / s.block_size) * block_bytes  # noqa: E731
+        tiers = {"host_bytes": tokens(s.host_frac), "disk_path": disk_dir, "disk_bytes": tokens(s.disk_frac),
+                 "load_timeout_s": s.load_timeout_s}
+    return ServeConfig(
+        model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=s.context),
+        kv_pool=KVPoolConfig(block_size=s.block_size, num_blocks=s.pool_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.budget,
+                                  enable_chunked_prefill=True),
+        tiers=TierConfig(**tiers),
+    )
+
+
+def block_bytes_of(model_dir: Path, s: Settings) -> int:
+    probe = build_engine(ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=s.context),
+                                     kv_pool=KVPoolConfig(block_size=s.block_size, num_blocks=8)), "cpu")
+    return probe.runner.pool.block_nbytes
+
+
+def pool_utilization(engine, kinds: dict[str, str]) -> tuple[int, int, bool]:
+    """(tokens stored, distinct blocks held) by the running sequences, and whether a long one runs.
+
+    A block shared by several sequences (a prefix hit) counts once, with the most slots any
+    of them has computed into it.
+    """
+    bs = engine.kv.block_size
+    filled: dict[int, int] = {}
+    long_running = False
+    for seq in engine.scheduler.running:
+        long_running |= kinds[seq.request_id] in LONG_KINDS
+        computed = seq.num_computed_tokens
+        for i, block in enumerate(seq.block_table):
+            filled[block] = max(filled.get(block, 0), min(bs, max(0, computed - i * bs)))
+    return sum(filled.values()), len(filled), long_running
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+class Livelock(RuntimeError):
+    pass
+
+
+def run_workload(model_dir: Path, s: Settings, reqs: list[Req], *, tiers: bool, work: Path,
+                 log=print) -> dict:
+    """Serve `reqs` on a fresh engine; returns the measurements (outputs per request name included)."""
+    block_bytes = block_bytes_of(model_dir, s)
+    disk_dir = tempfile.mkdtemp(prefix="disk-tier-", dir=work) if tiers else None
+    config = engine_config(model_dir, s, block_bytes, disk_dir)
+    engine = build_engine(config, "cpu")
+    manager = engine.kv.block_manager
+    bs = s.block_size
+    needed_steps = sum(math.ceil(len(r.tokens) / s.budget) + r.max_tokens for r in reqs)
+    max_steps = s.max_steps or 20 * needed_steps
+    pending = sorted(reqs, key=lambda r: r.arrive_step)
+    names = {r.name: r for r in reqs}
+    kinds = {r.name: r.kind for r in reqs}
+    admitted: set[str] = set()
+    finished: dict[str, dict] = {}
+    samples: list[float] = []  # utilization after each step with a long request running
+    occupancy: list[float] = []  # in-use blocks / pool blocks, same steps
+    all_samples: list[float] = []
+    mismatched_counts = 0
+    step = busy_steps = 0
+    start = time.perf_counter()
+    last_log = start
+    while pending or engine.has_unfinished_requests():
+        ready = [r for r in pending if r.arrive_step <= step and (r.after is None or r.after in finished)
+                 and all(a in admitted for a in r.after_admitted)]
+        for r in ready:
+            pending.remove(r)
+            engine.add_request(r.name, r.tokens, SamplingParams(max_tokens=r.max_tokens, temperature=0,
+                                                                ignore_eos=True))
+        elapsed = time.perf_counter() - start
+        if busy_steps >= max_steps or elapsed > s.deadline_s:
+            unfinished = sorted(set(names) - set(finished))
+            raise Livelock(f"step {busy_steps} / {max_steps}, {elapsed:.0f}s / {s.deadline_s:.0f}s: "
+                           f"unfinished {unfinished}, running {engine.scheduler.num_running}, "
+                           f"waiting {engine.scheduler.num_waiting}")
+        outputs = engine.step()
+        step += 1
+        # a step that ran nothing only waited (5 ms) for a lower-tier load: the wall deadline bounds those
+        busy_steps += bool(outputs or engine.scheduler.running)
+        for seq in engine.scheduler.running:
+            admitted.add(seq.request_id)
+        for out in outputs:
+            admitted.add(out.request_id)
+            if out.finished:
+                finished[out.request_id] = {
+                    "tokens": list(out.outputs[0].token_ids), "finish_reason": out.outputs[0].finish_reason,
+                    "error": out.error, "cached_tokens": out.metrics.num_cached_tokens,
+                    "preemptions": out.metrics.num_preemptions, "finish_step": step}
+        stored, blocks, long_running = pool_utilization(engine, kinds)
+        if blocks != manager.num_used_blocks:
+            mismatched_counts += 1
+        if blocks:
+            util = stored / (blocks * bs)
+            all_samples.append(util)
+            if long_running:
+                samples.append(util)
+                occupancy.append(manager.num_used_blocks / manager.num_blocks)
+        now = time.perf_counter()
+        if now - last_log > 30:
+            last_log = now
+            log(f"  step {step}: {len(finished)}/{len(reqs)} finished, running {engine.scheduler.num_running}, "
+                f"waiting {engine.scheduler.num_waiting}, util {samples[-1] if samples else float('nan'):.3f}, "
+                f"{now - start:.0f}s", flush=True)
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    hierarchy = engine.kv.hierarchy
+    result = {
+        "tiers": tiers,
+        "steps": busy_steps,
+        "idle_steps": step - busy_steps,
+        "max_steps": max_steps,
+        "wall_s": wall,
+        "pool_blocks": manager.num_blocks,
+        "block_bytes": block_bytes,
+        "prompt_tokens": sum(len(r.tokens) for r in reqs),
+        "demand_blocks": sum(math.ceil((len(r.tokens) + r.max_tokens) / bs) for r in reqs),
+        "utilization": {"steps": len(samples), "min": min(samples) if samples else None,
+                        "mean": statistics.fmean(samples) if samples else None,
+                        "p10": percentile(samples, 10) if samples else None,
+                        "all_steps_min": min(all_samples) if all_samples else None},
+        "occupancy": {"min": min(occupancy) if occupancy else None,
+                      "mean": statistics.fmean(occupancy) if occupancy else None},
+        "block_count_mismatches": mismatched_counts,
+        "preemptions": sum(f["preemptions"] for f in finished.values()),
+        "requests": {name: {"kind": names[name].kind, "prompt_tokens": len(names[name].tokens), **f}
+                     for name, f in sorted(finished.items())},
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "tier_stats": [{"tier": t.name, "blocks": t.blocks, "capacity_bytes": t.capacity_bytes,
+                        "demoted": t.demoted_blocks, "loaded": t.loaded_blocks, "errors": t.errors,
+                        "checksum_failures": t.checksum_failures} for t in stats.tiers],
+        "tier_dropped_blocks": stats.tier_dropped_blocks,
+        "tier_load_failures": stats.tier_load_failures,
+        "prefetch": {"issued": stats.prefetch_issued, "used": stats.prefetch_used,
+                     "timeouts": stats.prefetch_timeouts},
+    }
+    manager.check_invariants()
+    if hierarchy is not None:
+        hierarchy.close()
+    if disk_dir is not None:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return result
+
+
+def goals(result: dict, reqs: list[Req], baseline: dict | None) -> list[dict]:
+    out = []
+    util = result["utilization"]["min"]
+    out.append({"goal": f"KV pool utilization min over long steps >= {GOAL_UTILIZATION}", "value": util,
+                "met": util is not None and util >= GOAL_UTILIZATION})
+    done = [r.name for r in reqs if r.name in result["requests"]
+            and result["requests"][r.name]["error"] is None
+            and len(result["requests"][r.name]["tokens"]) == r.max_tokens]
+    out.append({"goal": "every request finished with its max tokens (no livelock)",
+                "value": f"{len(done)}/{len(reqs)}", "met": len(done) == len(reqs)})
+    demoted = sum(t["demoted"] for t in result["tier_stats"])
+    loaded = sum(t["loaded"] for t in result["tier_stats"])
+    out.append({"goal": "tiers engaged: blocks demoted and loaded", "value": f"{demoted} demoted / {loaded} loaded",
+                "met": demoted > 0 and loaded > 0})
+    errors = sum(t["errors"] + t["checksum_failures"] for t in result["tier_stats"])
+    out.append({"goal": "no tier errors or checksum failures", "value": errors, "met": errors == 0})
+    out.append({"goal": "block manager in-use count == distinct blocks of running sequences, every step",
+                "value": f"{result['block_count_mismatches']} mismatched steps",
+                "met": result["block_count_mismatches"] == 0})
+    reqs_out = result["requests"]
+    same = reqs_out.get("rep-half-0", {}).get("tokens") == reqs_out.get("half-0", {}).get("tokens")
+    out.append({"goal": "rep-half-0 (half-0 again) gives half-0's greedy tokens", "value": same, "met": same})
+    if baseline is not None:
+        diff = sorted(n for n in reqs_out if reqs_out[n]["tokens"] != baseline["requests"].get(n, {}).get("tokens"))
+        out.append({"goal": "greedy tokens identical with and without tiers", "value": diff or "all identical",
+                    "met": not diff})
+    return out
+
+
+def print_report(report: dict) -> None:
+    s, r = report["settings"], report["result"]
+    print(f"\ncontext {s['context']}, block {s['block_size']}, budget {s['budget']}, seats {s['max_num_seqs']}, "
+          f"pool {r['pool_blocks']} blocks ({r['pool_blocks'] * s['block_size']} tokens) vs demand "
+          f"{r['demand_blocks']} blocks, {r['prompt_tokens']} prompt tokens")
+    print(f"{'request':<12} {'prompt':>7} {'out':>4} {'cached':>7} {'preempt':>7} {'step':>6} finish")
+    for name, q in r["requests"].items():
+        if q["kind"] != "short":
+            print(f"{name:<12} {q['prompt_tokens']:>7} {len(q['tokens']):>4} {q['cached_tokens']:>7} "
+                  f"{q['preemptions']:>7} {q['finish_step']:>6} {q['finish_reason']}")
+    shorts = [q for q in r["requests"].values() if q["kind"] == "short"]
+    print(f"{len(shorts)} short requests: {sum(q['preemptions'] for q in shorts)} preemptions, "
+          f"{sum(q['cached_tokens'] for q in shorts)} cached tokens")
+    u, o = r["utilization"], r["occupancy"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    print(f"\nutilization over {u['steps']} steps with a long request running: min {fmt(u['min'])} "
+          f"p10 {fmt(u['p10'])} mean {fmt(u['mean'])} (all steps min {fmt(u['all_steps_min'])}); "
+          f"pool occupancy min {fmt(o['min'])} mean {fmt(o['mean'])}")
+    print(f"steps {r['steps']} (limit {r['max_steps']}; {r['idle_steps']} idle, waiting for a load), "
+          f"wall {r['wall_s']:.1f}s, preemptions {r['preemptions']}, "
+          f"peak RSS {report['peak_rss_mib']:.0f} MiB")
+    print(f"{'tier':<6} {'blocks':>7} {'demoted':>8} {'loaded':>7} {'errors':>6}")
+    for t in r["tier_stats"]:
+        print(f"{t['tier']:<6} {t['blocks']:>7} {t['demoted']:>8} {t['loaded']:>7} "
+              f"{t['errors'] + t['checksum_failures']:>6}")
+    print(f"dropped {r['tier_dropped_blocks']}, load failures {r['tier_load_failures']}, prefetch {r['prefetch']}, "
+          f"device prefix hit tokens {r['prefix_hit_tokens']}")
+    if report.get("baseline"):
+        b = report["baseline"]
+        print(f"baseline without tiers: wall {b['wall_s']:.1f}s, steps {b['steps']}, preemptions {b['preemptions']}, "
+              f"utilization min {fmt(b['utilization']['min'])}, prefix hit tokens {b['prefix_hit_tokens']}")
+    for g in report["goals"]:
+        print(f"goal {g['goal']}: {g['value']} -> {'met' if g['met'] else 'NOT met'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in asdict(d).items():
+        kind = float if isinstance(default, float) else int
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
+    parser.add_argument("--baseline", action="store_true", help="also run without tiers and compare greedy tokens")
+    parser.add_argument("--dir", type=Path, default=None, help="where the model and disk tier go (default: temp)")
+    parser.add_argument("--out", "--json", type=Path, default=Path("out/long_context.json"))
+    args = parser.parse_args(argv)
+    s = Settings(**{k: getattr(args, k) for k in asdict(d)})
+    torch.set_num_threads(s.threads)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    work = Path(tempfile.mkdtemp(prefix="sage-long-ctx-", dir=args.dir))
+    try:
+        reqs = build_workload(s)
+        model_dir = make_model(work / "model", s)
+        print(f"{len(reqs)} requests, {sum(len(r.tokens) for r in reqs)} prompt tokens; model in {model_dir}",
+              flush=True)
+        baseline = None
+        try:
+            result = run_workload(model_dir, s, reqs, tiers=True, work=work)
+            if args.baseline:
+                baseline = run_workload(model_dir, s, reqs, tiers=False, work=work)
+        except Livelock as err:
+            print(f"LIVELOCK: {err}", file=sys.stderr)
+            return 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {
+        "header": {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+                   "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "started": started,
+                   "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv},
+        "settings": asdict(s),
+        "result": result,
+        "baseline": baseline,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    report["goals"] = goals(result, reqs, baseline)
+    print_report(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0 if all(g["met"] for g in report["goals"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
