@@ -313,10 +313,11 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-# Third-party engines: reported, imported only when installed.
+# Third-party engines: reported, imported only when installed. (package, module whose import proves the
+# engine loads — mooncake's needs libibverbs even for TCP, description)
 OPTIONAL_BACKENDS = {
-    "mooncake": ("mooncake", "Mooncake Transfer Engine (pip install mooncake-transfer-engine)"),
-    "nixl": ("nixl", "NVIDIA NIXL (pip install nixl)"),
+    "mooncake": ("mooncake", "mooncake.engine", "Mooncake Transfer Engine (pip install mooncake-transfer-engine)"),
+    "nixl": ("nixl", "nixl", "NVIDIA NIXL (pip install nixl)"),
 }
 
 
@@ -324,9 +325,14 @@ def backend_availability() -> list[Availability]:
     """Every backend this build knows of, whether it can run here, and why not."""
     _load_builtin()
     out = [cls.availability() for cls in BACKENDS.values()]
-    for name, (module, what) in OPTIONAL_BACKENDS.items():
-        if importlib.util.find_spec(module) is None:
+    for name, (package, module, what) in OPTIONAL_BACKENDS.items():
+        if importlib.util.find_spec(package) is None:
             out.append(Availability(name, False, f"{what} is not installed"))
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - a native library that does not load: say which
+            out.append(Availability(name, False, f"{what} is installed but does not load: {err}"))
         else:
             out.append(Availability(name, False, f"{what} is installed, but sage has no adapter for it yet"))
     return out
