@@ -62,7 +62,7 @@ def test_no_pinning_without_cuda():
 
 def test_checksums_are_taken_off_the_putting_thread_and_then_verified():
     keys, blocks = chain(4)
-    with HostTier(SCHEMA, 8 * BPB) as tier:
+    with HostTier(SCHEMA, 8 * BPB, background_min_bytes=0) as tier:  # every put hands its checksums over
         tier.put(keys, blocks)
         assert tier.drain(10)
         assert not tier._pending
@@ -73,7 +73,7 @@ def test_checksums_are_taken_off_the_putting_thread_and_then_verified():
 
 def test_a_block_read_before_its_checksum_is_taken_comes_back_whole():
     keys, blocks = chain(3)
-    with HostTier(SCHEMA, 8 * BPB) as tier:
+    with HostTier(SCHEMA, 8 * BPB, background_min_bytes=0) as tier:
         with tier._lock:  # hold the checksum thread off: every slot is still pending when read
             tier.put(keys, blocks)
             assert len(tier._pending) == 3
@@ -86,7 +86,7 @@ def test_a_block_read_before_its_checksum_is_taken_comes_back_whole():
 def test_a_slot_rewritten_while_its_checksum_is_pending_gets_the_new_blocks_checksum():
     keys, blocks = chain(1)
     next_keys, next_blocks = chain(1, salt="next")
-    with HostTier(SCHEMA, 1 * BPB) as tier:
+    with HostTier(SCHEMA, 1 * BPB, background_min_bytes=0) as tier:
         tier.put(keys, blocks)
         tier.put(next_keys, next_blocks)  # the only slot again, maybe before the first checksum
         assert tier.drain(10)
@@ -101,3 +101,12 @@ def test_checksums_in_put_without_the_background_thread():
         assert not tier._pending and tier.drain(0)
         tier.slab[tier.slot_of(keys[0]), 0] ^= 1
         assert tier.get_prefix(keys).shape[0] == 0 and tier.stats().checksum_failures == 1
+
+
+def test_a_small_put_checksums_as_it_copies():
+    keys, blocks = chain(2)
+    with HostTier(SCHEMA, 4 * BPB) as tier:  # 2 small blocks: under the 4 MiB hand-over size
+        tier.put(keys, blocks)
+        assert not tier._pending  # checksummed already, in the put
+        tier.slab[tier.slot_of(keys[1]), 0] ^= 1
+        assert torch.equal(tier.get_prefix(keys), blocks[:1]) and tier.stats().checksum_failures == 1

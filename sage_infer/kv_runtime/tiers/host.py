@@ -9,12 +9,14 @@ after start-up.
 Eviction is LRU by last access (put or hit). Within one batch, later keys count as older,
 so a chain of blocks loses its tail before its head (the head is what every load needs).
 
-Checksums are taken off the caller's thread: `put` is one memcpy per run of slots, and a
-checksum thread takes each new slot's CRC32C from the slab right after (`drain` waits for
-it). A read of a slot whose checksum is still pending takes it while copying (the block was
-written microseconds ago, by this process); every other read verifies. The window in which
-a corrupted slab row would go unnoticed is the checksum thread's lag, not the block's life.
-With `background_crc=False` the CRC is taken in `put`, as the copy runs (~1.7x slower put).
+Checksums of a large `put` (4 MiB or more) are taken off the caller's thread: the put is one
+memcpy per run of slots, and a checksum thread takes each new slot's CRC32C from the slab
+right after (`drain` waits for it); a small put checksums each ~1 MiB run as it copies it,
+while it is in cache, which is faster than handing it over. A read of a slot whose checksum
+is still pending takes it while copying (the block was written moments ago, by this
+process); every other read verifies. The window in which a corrupted slab row would go
+unnoticed is the checksum thread's lag, not the block's life. With `background_crc=False`
+every put checksums as it copies.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
 from sage_infer.transport.arena import SharedArena
 
 CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
+# below this much per put, copy + checksum in cache beats handing the checksums to the thread (measured:
+# 64 x 16 KiB puts 7.3 GB/s inline vs 5.7 with the thread; 32 x 2 MiB puts 8.3 inline vs 13.0)
+BACKGROUND_CRC_MIN_BYTES = 4 << 20
 
 
 def copy_and_crc(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> list[int]:
@@ -73,7 +78,7 @@ class HostTier(BaseTier):
     """A bounded DRAM store of ``capacity_bytes // bytes_per_block`` KV blocks."""
 
     def __init__(self, schema: KVCacheSchema, capacity_bytes: int, *, name: str = "host", pin: bool = True,
-                 background_crc: bool = True) -> None:
+                 background_crc: bool = True, background_min_bytes: int = BACKGROUND_CRC_MIN_BYTES) -> None:
         super().__init__(schema, capacity_bytes, name)
         self.num_slots = self.capacity_bytes // self.bytes_per_block
         self.arena = SharedArena(self.num_slots * self.bytes_per_block)
@@ -87,6 +92,7 @@ class HostTier(BaseTier):
         self._work = threading.Condition(self._lock)
         self._closed = False
         self._checksummer = None
+        self.background_min_bytes = background_min_bytes  # smaller puts checksum inline
         if background_crc:
             self._checksummer = threading.Thread(target=self._checksum_loop, name=f"sage-{name}-crc", daemon=True)
             self._checksummer.start()
@@ -111,7 +117,7 @@ class HostTier(BaseTier):
                 self._stats.dropped += len(new) - self.num_slots
                 new = dict(list(new.items())[: self.num_slots])
             slots = [self._take_slot() for _ in new]
-            if self._checksummer is None:
+            if self._checksummer is None or len(slots) * self.bytes_per_block < self.background_min_bytes:
                 self._crc[slots] = copy_and_crc(self.slab, slots, blocks.cpu(), list(new.values()))
             else:
                 copy_rows(self.slab, slots, blocks.cpu(), list(new.values()))
