@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from sage_infer import __version__
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError, error_response
+from sage_infer.server.errors import APIError, error_body, error_response
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a prefill worker's answer to "how much of this prompt do you hold?"
@@ -183,6 +183,8 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
             metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
 
     async def route(path: str, body: dict, splittable: bool) -> Response:
+        if instances.pick("decode") is None:  # before any prefill work that nobody could continue
+            raise APIError(503, "no decode worker is up")
         params = await prefill(path, body) if splittable else None
         if params is None:
             metrics.colocated.inc()
@@ -217,9 +219,17 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
             return Response(content, status_code=upstream.status_code, media_type="application/json")
 
         async def relay() -> AsyncIterator[bytes]:
+            tail = b"\n\n"
             try:
                 async for chunk in upstream.aiter_raw():
+                    tail = (tail + chunk)[-2:]
                     yield chunk
+            except httpx.HTTPError as err:  # the worker died mid-stream: end the stream with an error event
+                worker.failed(str(err) or type(err).__name__)
+                metrics.failures.labels(worker.url, worker.role).inc()
+                message = f"decode worker {worker.url} stopped during the request"
+                cut = b"" if tail == b"\n\n" else b"\n\n"  # close an event the worker left half-sent
+                yield cut + f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await upstream.aclose()
                 tracking.__exit__(None, None, None)
