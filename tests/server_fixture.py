@@ -61,14 +61,14 @@ def serving(server):
 
 
 @contextmanager
-def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None):
+def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None, config=None):
     """The prefill/decode router in front of running workers; its URL."""
     import uvicorn
 
     from sage_infer.router.app import build_router
     from sage_infer.router.instances import Instances
 
-    app = build_router(Instances.of(prefill_urls, decode_urls), api_key)
+    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
     with serving(server) as url:
         yield url

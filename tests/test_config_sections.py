@@ -278,3 +278,15 @@ def test_llm_generate_without_inactive_fields_warns_nothing(sage, tiny):
                   "--set", "kv_pool.num_blocks=8")
     assert result.code == 0, result.err
     assert "warning" not in result.err
+
+
+def test_the_router_section_is_active_only_with_pd(sage):
+    plain = {r["field"]: r for r in json.loads(sage("config", "show", "--preset", "cpu", "--json").out)["fields"]}
+    assert plain["router.strategy"]["active"] is False and "--pd" in plain["router.strategy"]["inactive_reason"]
+    data = json.loads(sage("config", "show", "--preset", "cpu", "--json", "--set", "pd=1P1D",
+                           "--set", "router.strategy=slo").out)
+    rows = {r["field"]: r for r in data["fields"]}
+    assert rows["router.strategy"]["active"] is True and rows["router.strategy"]["value"] == "slo"
+    assert rows["kv_transport.backend"]["active"] is True  # the workers a --pd deployment starts use it
+    bad = sage("config", "show", "--preset", "cpu", "--set", "router.strategy=random")
+    assert bad.code == 2 and "router.strategy" in bad.err

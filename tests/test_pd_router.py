@@ -194,3 +194,42 @@ def test_workers_report_their_transfers_in_metrics(deployment):
     assert received["sage:kv_transfers_total", "receive", "ok"] >= 1
     assert sent["sage:kv_transfer_bytes_total", "send", None] == received["sage:kv_transfer_bytes_total", "receive",
                                                                           None] > 0
+
+
+@pytest.mark.parametrize("strategy, fields, first", [
+    ("priority", ({"priority": 5}, {"priority": 1}), 1),  # lower priority value goes first
+    ("slo", ({"slo_ttft_ms": 60_000}, {"slo_ttft_ms": 1}), 1),  # the tighter TTFT deadline goes first
+    ("fifo", ({"priority": 5}, {"priority": 1}), 0),  # arrival order, whatever else they say
+])
+def test_requests_waiting_for_a_decode_slot_go_in_the_strategys_order(deployment, strategy, fields, first):
+    import threading
+
+    from sage_infer.config.serve import RouterConfig
+
+    prefill, decode, _ = deployment
+    config = RouterConfig(strategy=strategy, max_outstanding_per_worker=1)
+    with running_router([prefill.url], [decode.url], config=config) as url:
+        body = {"model": decode.model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        finished: list[int] = []
+
+        def send(i: int | None, extra: dict, max_tokens: int = 4) -> None:
+            httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={**body, "prompt": [40 + (i or 0)] * 20, "max_tokens": max_tokens, **extra})
+            if i is not None:
+                finished.append(i)
+
+        blocker = threading.Thread(target=send, args=(None, {}, 300))  # holds the only slot for a while
+        blocker.start()
+        deadline = time.monotonic() + 20
+        while decode.backend.num_in_flight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting = []
+        for i, extra in enumerate(fields):
+            waiting.append(threading.Thread(target=send, args=(i, extra)))
+            waiting[-1].start()
+            time.sleep(0.2)  # arrival order: 0 then 1, both while the slot is taken
+        for thread in (blocker, *waiting):
+            thread.join(120)
+        assert finished[0] == first
+    settle(prefill, decode)

@@ -43,26 +43,28 @@ def serve(
         "port": ("--port", port),
         "api_key": ("--api-key", api_key),
         "role": ("--role", role),
+        "pd": ("--pd", pd),
     }
+    if pd is not None and role is not None:
+        from sage_infer.errors import UsageError
+
+        raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
-    if pd is not None:
-        raise typer.Exit(_serve_pd(pd, resolved.config, model, preset, config, kv_transport, kv_tiers, set_))
+    if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
+        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, set_))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
 
 
-def _serve_pd(spec, resolved, model, preset, config, kv_transport, kv_tiers, sets) -> int:
+def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets) -> int:
     """`--pd xPyD`: the workers get this command's model and config flags (the API key through the
-    environment, not the process list); the router takes its host, port and key."""
+    environment, not the process list); the router takes its host, port, key and `router` section."""
     import os
 
-    from sage_infer.errors import UsageError
     from sage_infer.router.launch import serve_pd
 
-    if resolved.role != "both":
-        raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
     args: list[str] = []
     for flag, value in (("--model", model), ("--preset", preset), ("--config", config)):
         if value is not None:
@@ -73,7 +75,7 @@ def _serve_pd(spec, resolved, model, preset, config, kv_transport, kv_tiers, set
     key = resolved.api_key.get_secret_value() if resolved.api_key else None
     if key is not None:
         os.environ["SAGE_API_KEY"] = key  # inherited by the workers
-    return serve_pd(spec, args, resolved.host, resolved.port, key, resolved.tiers.disk_path)
+    return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router)
 
 
 @app.command("generate")

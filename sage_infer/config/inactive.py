@@ -40,7 +40,9 @@ INACTIVE: dict[str, str] = {
 
 # dotted prefix -> (is it used under this config?, why not when it is not)
 CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
-    "kv_transport": (lambda config: config.role != "both",
+    "router": (lambda config: config.pd is not None,
+               "used only by the router of a local prefill/decode deployment (--pd xPyD)"),
+    "kv_transport": (lambda config: config.role != "both" or config.pd is not None,
                      "used only by a prefill or decode instance (--role prefill|decode, or --pd); "
                      "this one serves both roles, so no KV moves between instances"),
 }

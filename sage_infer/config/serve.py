@@ -115,6 +115,18 @@ class PolicyConfig(Strict):
     eviction: Literal["lru", "lfu", "arc", "s3fifo", "cost", "sage"] = "lru"
 
 
+class RouterConfig(Strict):
+    """The prefill/decode router `--pd xPyD` starts (not used by a single server)."""
+
+    strategy: Literal["fifo", "priority", "slo"] = Field(
+        "fifo", description="Order of requests waiting for a free worker slot: fifo (arrival), priority (the "
+        "request's priority, lower first), slo (earliest TTFT deadline: arrival + slo_ttft_ms, or the default).")
+    max_outstanding_per_worker: int = Field(8, ge=1, le=4096, description="Requests in flight at one decode "
+                                            "worker; more wait in the router, ordered by the strategy.")
+    default_slo_ttft_ms: float = Field(1000.0, gt=0, le=3_600_000, description="TTFT target of a request that "
+                                       "names none (strategy slo).")
+
+
 class SchedulerConfig(Strict):
     strategy: Literal["fifo", "priority"] = "fifo"
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once.")
@@ -140,6 +152,8 @@ class ServeConfig(BaseSettings):
 
     preset: str = Field("auto", description="Hardware preset name or YAML path; auto: detect this machine.")
     backend: str = Field("native", description="Inference backend (sage infer backends:list); native: our engine.")
+    pd: str | None = Field(None, pattern=r"^\d+[pP]\d+[dD]$", description="Run xPyD here (e.g. 1P1D): a router "
+                           "and x prefill + y decode workers behind one URL (`--pd`).")
     role: Literal["both", "prefill", "decode"] = Field(
         "both", description="Prefill/decode separation: prefill computes prompts and sends their KV, decode "
         "receives it and generates; both (default) does everything here. kv_transport.* configures the transfers.")
@@ -151,6 +165,7 @@ class ServeConfig(BaseSettings):
     tiers: TierConfig = TierConfig()
     policy: PolicyConfig = PolicyConfig()
     quota: QuotaConfig = QuotaConfig()
+    router: RouterConfig = RouterConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_transport: KVTransportConfig = KVTransportConfig()
     hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")

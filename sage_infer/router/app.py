@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.background import BackgroundTask
 
 from sage_infer import __version__
+from sage_infer.config.serve import RouterConfig
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
 from sage_infer.server.errors import APIError, error_body, error_response
@@ -37,8 +42,52 @@ from sage_infer.server.errors import APIError, error_body, error_response
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a prefill worker's answer to "how much of this prompt do you hold?"
 BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
+ROUTER_FIELDS = ("slo_ttft_ms",)  # read by the router, not sent to workers
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
+
+
+class Admission:
+    """At most `max_outstanding_per_worker` requests in flight per decode worker; the rest wait here, served in
+    the strategy's order: fifo (arrival), priority (the request's ``priority``, lower first, then arrival), slo
+    (earliest TTFT deadline first: arrival + the request's ``slo_ttft_ms``, or the configured default)."""
+
+    def __init__(self, config: RouterConfig, num_decode: int) -> None:
+        self.config = config
+        self.limit = config.max_outstanding_per_worker * num_decode
+        self.in_flight = 0
+        self.waiting: list[tuple[tuple, int, asyncio.Future]] = []
+        self._order = itertools.count()
+
+    def key(self, body: dict, arrival: float) -> tuple:
+        if self.config.strategy == "priority":
+            priority = body.get("priority", 0)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise APIError(400, "priority must be an integer", "priority")
+            return (priority, arrival)
+        if self.config.strategy == "slo":
+            target = body.get("slo_ttft_ms", self.config.default_slo_ttft_ms)
+            if not isinstance(target, int | float) or isinstance(target, bool) or target <= 0:
+                raise APIError(400, "slo_ttft_ms must be a positive number of milliseconds", "slo_ttft_ms")
+            return (arrival + target / 1000.0, arrival)
+        return (arrival,)
+
+    async def enter(self, body: dict) -> None:
+        key = self.key(body, time.monotonic())
+        if self.in_flight < self.limit and not self.waiting:
+            self.in_flight += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self.waiting, (key, next(self._order), turn))
+        await turn  # cancelled (client gone): `leave` skips it
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        while self.waiting and self.in_flight < self.limit:
+            _, _, turn = heapq.heappop(self.waiting)
+            if not turn.done():
+                self.in_flight += 1
+                turn.set_result(None)
 
 
 class RouterMetrics:
@@ -55,14 +104,18 @@ class RouterMetrics:
                                  registry=r)
         self.prompt_tokens = Counter("sage:router_prompt_tokens", "Prompt tokens of requests routed by prefix "
                                      "overlap.", registry=r)
+        self.waiting = Gauge("sage:router_waiting", "Requests waiting in the router for a decode worker slot.",
+                             registry=r)
         self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
                                       "prefill worker chosen (overlap hit rate = this / prompt tokens).", registry=r)
 
 
-def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
+def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
     """The router app over `instances`; `api_key` is required from clients and sent to workers."""
     app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None)
     metrics = RouterMetrics()
+    admission = Admission(config or RouterConfig(), len(instances.decode))
+    metrics.waiting.set_function(lambda: len(admission.waiting))
     worker_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     app.state.instances, app.state.metrics = instances, metrics
     client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
@@ -185,13 +238,26 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
     async def route(path: str, body: dict, splittable: bool) -> Response:
         if instances.pick("decode") is None:  # before any prefill work that nobody could continue
             raise APIError(503, "no decode worker is up")
-        params = await prefill(path, body) if splittable else None
+        await admission.enter(body)
+        try:
+            response = await dispatch(path, body, splittable)
+        except BaseException:
+            admission.leave()
+            raise
+        if isinstance(response, StreamingResponse):
+            return response  # its relay leaves when the stream ends
+        admission.leave()
+        return response
+
+    async def dispatch(path: str, body: dict, splittable: bool) -> Response:
+        forwarded = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
+        params = await prefill(path, forwarded) if splittable else None
         if params is None:
             metrics.colocated.inc()
         worker = instances.pick("decode")
         if worker is None:
             raise APIError(503, "no decode worker is up")
-        second = {**body, "kv_transfer_params": params} if params else body
+        second = {**forwarded, "kv_transfer_params": params} if params else forwarded
         if body.get("stream"):
             return await stream(worker, path, second)
         with track(worker):
@@ -216,7 +282,19 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
             content = await upstream.aread()
             await upstream.aclose()
             tracking.__exit__(None, None, None)
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
+            return Response(content, status_code=upstream.status_code, media_type="application/json")  # (leaves)
+
+        done = False
+
+        async def finish() -> None:
+            """Once, however the stream ends (finished, worker gone, client gone before the first byte)."""
+            nonlocal done
+            if done:
+                return
+            done = True
+            await upstream.aclose()
+            tracking.__exit__(None, None, None)
+            admission.leave()
 
         async def relay() -> AsyncIterator[bytes]:
             tail = b"\n\n"
@@ -231,10 +309,9 @@ def build_router(instances: Instances, api_key: str | None = None) -> FastAPI:
                 cut = b"" if tail == b"\n\n" else b"\n\n"  # close an event the worker left half-sent
                 yield cut + f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
             finally:
-                await upstream.aclose()
-                tracking.__exit__(None, None, None)
+                await finish()
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(finish))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from sage_infer.config.serve import RouterConfig
 from sage_infer.errors import ConfigError, UsageError
 from sage_infer.router.instances import Instances
 
@@ -94,7 +95,7 @@ def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
 
 
 def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
-             disk_path: str | None = None) -> int:
+             disk_path: str | None = None, router: RouterConfig | None = None) -> int:
     """Run the deployment until SIGINT/SIGTERM; exit code 0."""
     import uvicorn
 
@@ -105,7 +106,7 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
     try:
         instances = Instances.of([w.url for w in workers if w.role == "prefill"],
                                  [w.url for w in workers if w.role == "decode"])
-        app = build_router(instances, api_key)
+        app = build_router(instances, api_key, router)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
