@@ -71,7 +71,7 @@ def transfer_metrics(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for s in family.samples:
-            if s.name.startswith(("sage:kv_transfer", "sage:e2e_request_latency_seconds_")):
+            if s.name.startswith(("sage:pd_", "sage:e2e_request_latency_seconds_")):
                 key = s.name + "".join(f"|{v}" for k, v in sorted(s.labels.items()) if k != "model_name")
                 out[key] = s.value
     return out
@@ -136,17 +136,17 @@ def main() -> None:
             stop(proc)
 
     p, d = transfer["prefill"], transfer["decode"]
-    sends = p.get("sage:kv_transfers_total|send|ok", 0)
-    moved = p.get("sage:kv_transfer_bytes_total|send", 0.0)
+    sends = p.get("sage:pd_transfers_total|send|ok", 0)
+    moved = p.get("sage:pd_transfer_bytes_total|send", 0.0)
     # receive side: from registering the expected blocks to the last verified chunk (what decode waits);
     # send side: the transport's own first-chunk-to-last-ACK time (what the bytes took)
-    wait_s = d.get("sage:kv_transfer_seconds_total|receive", 0.0) / max(1, d.get(
-        "sage:kv_transfers_total|receive|ok", 0))
-    transfer_s = p.get("sage:kv_transfer_seconds_total|send", 0.0) / max(1, sends)
+    wait_s = d.get("sage:pd_transfer_seconds_total|receive", 0.0) / max(1, d.get(
+        "sage:pd_transfers_total|receive|ok", 0))
+    transfer_s = p.get("sage:pd_transfer_seconds_total|send", 0.0) / max(1, sends)
     prefill_s = p.get("sage:e2e_request_latency_seconds_sum", 0.0) / max(1, p.get(
         "sage:e2e_request_latency_seconds_count", 0))
     per_transfer = int(moved / max(1, sends))
-    achieved = moved / max(1e-9, p.get("sage:kv_transfer_seconds_total|send", 0.0)) / 1e9
+    achieved = moved / max(1e-9, p.get("sage:pd_transfer_seconds_total|send", 0.0)) / 1e9
     peer_gbps = float(run_transport(args.backend, max(per_transfer, 1 << 16), 4 << 20, "fp32", "fp32",
                                     repeats=3)["gbps"])
     same = results[0]["texts"] == results[1]["texts"]

@@ -187,12 +187,12 @@ def test_workers_report_their_transfers_in_metrics(deployment):
     def samples(server) -> dict:
         text = httpx.get(f"{server.url}/metrics").text
         return {(s.name, s.labels.get("direction"), s.labels.get("outcome")): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("sage:kv_trans")}
+                for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("sage:pd_")}
 
     sent, received = samples(prefill), samples(decode)
-    assert sent["sage:kv_transfers_total", "send", "ok"] >= 1 and sent["sage:kv_transfers_total", "send", "failed"] == 0
-    assert received["sage:kv_transfers_total", "receive", "ok"] >= 1
-    assert sent["sage:kv_transfer_bytes_total", "send", None] == received["sage:kv_transfer_bytes_total", "receive",
+    assert sent["sage:pd_transfers_total", "send", "ok"] >= 1 and sent["sage:pd_transfers_total", "send", "failed"] == 0
+    assert received["sage:pd_transfers_total", "receive", "ok"] >= 1
+    assert sent["sage:pd_transfer_bytes_total", "send", None] == received["sage:pd_transfer_bytes_total", "receive",
                                                                           None] > 0
 
 

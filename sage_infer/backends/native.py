@@ -138,6 +138,10 @@ class NativeBackend:
         self.engine.wake()
         return await asyncio.wrap_future(done)
 
+    def metrics_registries(self) -> list:
+        """Registries besides the server's own that /metrics should serve (the KV connector's transport)."""
+        return self.engine.metrics_registries()
+
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         return self.engine.prefix_overlap(token_ids, cache_salt)
 

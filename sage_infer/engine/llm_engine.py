@@ -180,6 +180,10 @@ class LLMEngine:
                                    cache_salt)
         return self.kv.index.match(token_ids, extra_key, record=False).num_tokens
 
+    def metrics_registries(self) -> list:
+        """Prometheus registries of this engine's parts, for the server's /metrics (the KV connector's transport)."""
+        return [self.kv.transfers.connector.telemetry.registry] if self.kv.transfers is not None else []
+
     def wake(self) -> None:
         """Cut an idle step's wait short (another thread queued work for this engine)."""
         if self.kv.transfers is not None:

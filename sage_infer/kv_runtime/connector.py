@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVCacheSchema
@@ -41,6 +42,7 @@ from sage_infer.transport.buffers import KVReceiveBuffers
 from sage_infer.transport.connection import Connection
 from sage_infer.transport.engine import TransportEngine
 from sage_infer.transport.errors import TransportError
+from sage_infer.transport.telemetry import TransportTelemetry
 from sage_infer.transport.wire import ChunkHeader
 
 log = logging.getLogger("sage_infer.kv_runtime")
@@ -102,7 +104,10 @@ class KVConnector:
         self.block_nbytes = schema.bytes_per_block
         self.config = config or KVTransportConfig()
         self.backend = backend
-        self.transport = TransportEngine(self.config)
+        # the transport's own metrics (chunks in flight, failures by reason, bytes and seconds per backend) on a
+        # registry of this connector's, which the server's /metrics serves next to its own
+        self.telemetry = TransportTelemetry(CollectorRegistry())
+        self.transport = TransportEngine(self.config, telemetry=self.telemetry)
         self.address: str | None = None
         self._buffers = _DroppingBuffers()
         self._expected: dict[str, _Expected] = {}

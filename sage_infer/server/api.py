@@ -94,9 +94,12 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    extra_registries = getattr(backend, "metrics_registries", lambda: [])()  # e.g. the KV connector's transport
+
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(metrics.registry) + b"".join(generate_latest(r) for r in extra_registries)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

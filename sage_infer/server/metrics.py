@@ -127,18 +127,19 @@ def _transfer_families(stats, labels: list[str], value: list[str]):
     """Prefill/decode KV transfers (none without a role): count by outcome, bytes and seconds by direction."""
     if stats.kv_transfer_role is None:
         return
-    count = CounterMetricFamily("sage:kv_transfers", "Prefill/decode KV transfers by direction and outcome.",
+    count = CounterMetricFamily("sage:pd_transfers", "Prefill/decode KV transfers by direction and outcome.",
                                 labels=[*labels, "direction", "outcome"])
-    nbytes = CounterMetricFamily("sage:kv_transfer_bytes", "KV bytes moved by completed transfers.",
+    nbytes = CounterMetricFamily("sage:pd_transfer_bytes", "KV bytes moved by completed prefill/decode transfers.",
                                  labels=[*labels, "direction"])
-    seconds = CounterMetricFamily("sage:kv_transfer_seconds", "Wall time of completed transfers (first chunk "
-                                  "to last verified chunk).", labels=[*labels, "direction"])
+    seconds = CounterMetricFamily("sage:pd_transfer_seconds", "Wall time of completed transfers (send: first "
+                                  "chunk to last verified chunk; receive: from expecting the KV to its last "
+                                  "chunk).", labels=[*labels, "direction"])
     for direction, ok, failed, moved, spent in stats.kv_transfers:
         count.add_metric([*value, direction, "ok"], ok)
         count.add_metric([*value, direction, "failed"], failed)
         nbytes.add_metric([*value, direction], moved)
         seconds.add_metric([*value, direction], spent)
-    expired = CounterMetricFamily("sage:kv_transfer_expired_holds", "Held prefill KV no decode instance took "
+    expired = CounterMetricFamily("sage:pd_expired_holds", "Held prefill KV no decode instance took "
                                   "in time (freed).", labels=labels)
     expired.add_metric(value, stats.kv_transfer_expired_holds)
     yield from (count, nbytes, seconds, expired)
