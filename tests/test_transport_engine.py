@@ -173,20 +173,19 @@ def transfer_once(eng, layers, dest, *, return_exceptions=False):
 
 
 def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
-    """Make the shm sender flip one staged byte right after taking its CRC (`times` chunks,
-    or every chunk when None): the receiver then sees a chunk that fails its check."""
+    """Make the shm sender's copy into the ring come out wrong in one byte (`times` chunks, or every
+    chunk when None); its CRC is of the sender's own bytes, so the receiver sees a chunk that fails."""
     left = {"n": times}
-    real = shm.checksum
+    real = shm.copy_piece
 
-    def checksum_then_flip(data, algorithm, value=0):
-        crc = real(data, algorithm, value)
+    def copy_then_flip(dest, src):
+        real(dest, src)
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1
-            data[len(data) // 2] ^= 0x5A
-        return crc
+            dest[len(dest) // 2] ^= 0x5A
 
-    monkeypatch.setattr(shm, "checksum", checksum_then_flip)
+    monkeypatch.setattr(shm, "copy_piece", copy_then_flip)
 
 
 def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):

@@ -72,13 +72,18 @@ async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHe
 PIECE = 256 * 1024  # copy, then checksum while the piece is still in L2
 
 
+def copy_piece(dest: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dest, src)
+
+
 def copy_and_checksum(dest: np.ndarray, payload: memoryview, algorithm) -> int:
-    """Copy `payload` into `dest` piece by piece, checksumming each piece of `dest` right after."""
+    """Copy `payload` into `dest` piece by piece, checksumming each piece of the *source* right after (it
+    is still in L2): the receiver checks the copy against the sender's bytes, so a bad copy is caught too."""
     src = np.frombuffer(payload, dtype=np.uint8)
     crc = 0
     for start in range(0, len(src), PIECE):
-        piece = dest[start : start + PIECE]
-        np.copyto(piece, src[start : start + PIECE])
+        piece = src[start : start + PIECE]
+        copy_piece(dest[start : start + PIECE], piece)
         crc = checksum(piece, algorithm, crc)
     return crc
 
