@@ -77,6 +77,7 @@ def test_transport_backends_lists_optional_engines_with_reasons(sage):
     (["--size", "1MiB", "--chunk", "4MiB"], "a chunk is larger than --size"),
     (["--dtype", "fp7"], "--dtype 'fp7': expected a comma list of"),
     (["--zero-copy", "maybe"], "--zero-copy maybe: expected off, on or both"),
+    (["--checksum", "md5"], "--checksum md5: expected crc32c or none"),
 ])
 def test_bench_bad_flags_are_one_line_exit_2(sage, argv, message):
     result = sage("transport", "bench", *argv)

@@ -505,3 +505,36 @@ def test_receive_buffers_reject_what_does_not_fit_before_allocating():
         buffers.sink(past_end)
     with pytest.raises(ProtocolError, match="no receive buffers registered for request 'b'"):
         buffers.sink(ChunkHeader(Kind.DATA, "b", length=8))
+
+
+def test_checksum_none_moves_the_bytes_unchecked_when_both_ends_allow_it(monkeypatch):
+    corrupt_after_checksum(monkeypatch)  # a bad copy into the ring ...
+    layers = kv(1, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+    sent, _, _, _, channel = transfer_once(engine(backend="shm", chunk_size="32KiB", checksum="none"), layers, dest)
+    assert sent.retransmits == 0 and channel.checksum_failures == 0  # ... goes unnoticed: that is what none means
+    assert digest(dest) != digest(layers)
+
+
+def test_a_receiver_that_requires_checksums_refuses_a_sender_without(monkeypatch):
+    layers = kv(1, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+    sender, receiver = engine(backend="tcp", checksum="none"), engine(backend="tcp")
+
+    async def go():
+        listener = await receiver.listen("tcp")
+        accepting = asyncio.create_task(listener.accept(asyncio.get_running_loop().time() + 10))
+        conn = await sender.connect(listener.address)
+        channel = await accepting
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = sender.plan("a", layers)
+        got = await asyncio.gather(sender.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=5),
+                                   receiver.receive(channel, buffers, ["a"], deadline_s=5), return_exceptions=True)
+        await conn.aclose()
+        await listener.aclose()
+        return got, buffers
+
+    (_, received), buffers = run(go())
+    assert isinstance(received, TransportError) and "requires one" in str(received)
+    assert not buffers.complete("a")

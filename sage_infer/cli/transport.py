@@ -147,6 +147,8 @@ def bench(
         str, typer.Option("--zero-copy", help="shm only: off, on (receiver's shared arena), or both.")
     ] = "both",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    checksum: Annotated[str, typer.Option("--checksum", help="crc32c (default) or none: the per-chunk checksum.")
+                        ] = "crc32c",
 ) -> None:
     """Move KV between real sender and receiver processes on this host, per backend, next to
     the raw baseline measured in the same run (memcpy into shared memory, plain socket, plain
@@ -170,11 +172,14 @@ def bench(
         if not available[name].available:
             raise UsageError(f"--backend {name}: not available here: {available[name].reason}")
     console = Console(stderr=True)
+    if checksum not in ("crc32c", "none"):
+        raise UsageError(f"--checksum {checksum}: expected crc32c or none")
     results = run_bench(backends, total, chunks, dtypes, repeats=repeats, threads=threads, zero_copy=zero_copy,
+                        checksum=checksum,
                         progress=lambda what: console.print(f"[dim]running {what}[/dim]"))
     rows = [
         (r.backend + (" zero-copy" if r.zero_copy else ""), f"{r.chunk_bytes >> 10} KiB", r.dtype, f"{r.gbps:.2f}",
-         f"{r.baseline_gbps:.2f}",
+         f"{r.baseline_gbps:.2f}", f"{r.crc_baseline_gbps:.2f}" if r.crc_baseline_gbps else "-",
          f"{r.ratio_to_baseline:.2f}", f"{r.p50_chunk_us:.0f}", f"{r.p99_chunk_us:.0f}",
          f"{100 * r.convert_share:.1f}%", f"{r.rel_rmse:.1e}" if r.rel_rmse else "0",
          f"{100 * r.receiver_cpu_share:.0f}%")
@@ -182,10 +187,12 @@ def bench(
     ]  # fmt: skip
     out = Console()
     out.print(table(f"KV transport, {total >> 20} MiB per transfer (GB/s of KV as stored, end to end)",
-                    ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "ratio", "p50 chunk µs",
-                     "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU"], rows))
+                    ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "+ CRC32C GB/s", "ratio",
+                     "p50 chunk µs", "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU"], rows))
     for name in backends:
-        out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}")
+        out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}"
+                  + (" (+ CRC32C: the same with a CRC of every chunk, as kv_transport.checksum=crc32c pays)"
+                     if name == "shm" else ""))
     if json_out is not None:
         import json
 

@@ -34,6 +34,10 @@ class KVTransportConfig(Strict):
     enable_zero_copy: bool = Field(False, description="Register buffers and send without staging copies.")
     enable_compression: bool = Field(False, description="Compress chunks (lossless) on slow links.")
     timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline for one transfer.")
+    checksum: Literal["crc32c", "none"] = Field(
+        "crc32c", description="Per-chunk payload checksum. crc32c (default, every backend): a bad copy, a "
+        "scribbled shared-memory ring or a flipped bit on the wire is caught and the chunk resent, for ~15 GB/s "
+        "of CRC per core. none: trust the link (a receiver accepts it only when it is set to none too).")
 
     @field_validator("chunk_size")
     @classmethod

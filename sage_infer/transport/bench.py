@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import crc32c
 import numpy as np
 import torch
 
@@ -51,6 +52,7 @@ class BenchResult:
     retransmits: int
     zero_copy: bool = False
     rel_rmse: float = 0.0  # reconstruction error of the wire format on this KV (0: as stored)
+    crc_baseline_gbps: float = 0.0  # the baseline with a CRC32C of every chunk (what a checksummed transfer pays)
 
 
 def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -84,13 +86,13 @@ def _init_dist(rank: int, port: int) -> None:
 
 
 def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_port: int, threads: int,
-              zero_copy: bool = False) -> None:
+              zero_copy: bool = False, checksum: str = "crc32c") -> None:
     torch.set_num_threads(threads)
     if backend == "torchdist":
         _init_dist(1, dist_port)
 
     async def main() -> None:
-        engine = TransportEngine(KVTransportConfig(backend=backend), telemetry=_telemetry())
+        engine = TransportEngine(KVTransportConfig(backend=backend, checksum=checksum), telemetry=_telemetry())
         dtype = TORCH_OF[src_dtype]
         shape = kv_shape(size, dtype)
         arena = SharedArena(size + LAYERS * ALIGN + (1 << 20)) if zero_copy else None
@@ -125,12 +127,13 @@ def _telemetry() -> TransportTelemetry:
 
 
 def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str = "fp16", repeats: int = 4,
-                  threads: int = 1, zero_copy: bool = False) -> dict:
+                  threads: int = 1, zero_copy: bool = False, checksum: str = "crc32c") -> dict:
     """Median end-to-end figures of `repeats` transfers (after one warm-up) of `size` bytes."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads, zero_copy))
+    proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads, zero_copy,
+                                               checksum))
     proc.start()
     try:
         torch.set_num_threads(threads)
@@ -138,7 +141,8 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
             _init_dist(0, port)
         address = q.get(timeout=60)
         target = None if wire == src_dtype else wire
-        config = KVTransportConfig(backend=backend, chunk_size=chunk, target_dtype=target, max_inflight=8)
+        config = KVTransportConfig(backend=backend, chunk_size=chunk, target_dtype=target, max_inflight=8,
+                                   checksum=checksum)
         engine = TransportEngine(config, telemetry=_telemetry())
         layers = kv_layers(size, TORCH_OF[src_dtype])
         runs = []
@@ -191,6 +195,23 @@ def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
         start = time.perf_counter()
         for off in range(0, size, chunk):
             np.copyto(dst[off : off + chunk], src[off : off + chunk])
+        times.append(time.perf_counter() - start)
+    del dst
+    shm.close()
+    return size / statistics.median(times[1:]) / 1e9
+
+
+def memcpy_crc_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
+    """`memcpy_to_shm_gbps` plus a CRC32C of each chunk's source right after its copy (as the shm sender does)."""
+    src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
+    shm = SharedArena(size)
+    dst = shm.array
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for off in range(0, size, chunk):
+            np.copyto(dst[off : off + chunk], src[off : off + chunk])
+            crc32c.crc32c(src[off : off + chunk])
         times.append(time.perf_counter() - start)
     del dst
     shm.close()
@@ -285,7 +306,7 @@ BASELINE_NAMES = {"shm": "memcpy into shared memory", "tcp": "plain socket senda
 
 
 def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", repeats: int = 4,
-              threads: int = 1, zero_copy: str = "both", progress=None) -> list[BenchResult]:
+              threads: int = 1, zero_copy: str = "both", progress=None, checksum: str = "crc32c") -> list[BenchResult]:
     """`zero_copy`: off, on or both — applies to shm (the one backend that delivers into a
     registered shared arena); the others always run without."""
     results = []
@@ -294,15 +315,16 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
         modes = {"off": [False], "on": [True], "both": [False, True]}[zero_copy] if backend == "shm" else [False]
         for chunk in chunks:
             baseline = BASELINES[backend](size, chunk, repeats)
+            crc_baseline = memcpy_crc_to_shm_gbps(size, chunk, repeats) if backend == "shm" else 0.0
             for wire in dtypes:
                 for zc in modes:
                     if progress:
                         progress(f"{backend} chunk={chunk >> 10}KiB dtype={wire}" + (" zero-copy" if zc else ""))
-                    r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads, zc)
+                    r = run_transport(backend, size, chunk, wire, src_dtype, repeats, threads, zc, checksum)
                     results.append(BenchResult(
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
-                        r["total_bytes"], r["retransmits"], zc, rel_rmse[wire],
+                        r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline,
                     ))  # fmt: skip
     return results
 

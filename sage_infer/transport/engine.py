@@ -37,12 +37,14 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
 from sage_infer.transport.connection import Connection
-from sage_infer.transport.errors import PeerClosedError, TransferTimeout, TransportError
+from sage_infer.transport.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
 from sage_infer.transport.stats import Priority, TransferStats
 from sage_infer.transport.telemetry import TransportTelemetry
-from sage_infer.transport.wire import ChunkHeader, Flag, Kind, checksum
+from sage_infer.transport.wire import Checksum, ChunkHeader, Flag, Kind, checksum
+
+CHECKSUMS = {"crc32c": Checksum.CRC32C, "none": Checksum.NONE}
 
 SHM_RING_BYTES = 8 * 1024 * 1024  # small enough to stay in the last-level cache (measured best of 4-32 MiB)
 
@@ -120,10 +122,12 @@ class TransportEngine:
         else:
             payload_t = raw
         payload = host_view(payload_t)
-        crc = 0 if conn.channel.computes_crc else checksum(payload)
+        algorithm = CHECKSUMS[self.config.checksum]
+        crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
         header = ChunkHeader(
             Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
-            offset=chunk.offset, length=len(payload), count=count, flags=flags, crc=crc, **fields,
+            offset=chunk.offset, length=len(payload), count=count, flags=flags, crc=crc, algorithm=algorithm,
+            **fields,
         )  # fmt: skip
         acked = await conn.channel.send(header, payload, deadline)
         self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
@@ -190,6 +194,9 @@ class TransportEngine:
         header = await channel.recv(buffers.sink, deadline)
         if header is None:
             return None
+        if header.algorithm is Checksum.NONE and self.config.checksum != "none":
+            raise ProtocolError(f"{channel.backend}: the sender sends chunks without a checksum; this receiver "
+                                "requires one (set kv_transport.checksum=none on both ends to trust the link)")
         return header, buffers.land(header)
 
     async def receive(

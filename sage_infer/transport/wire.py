@@ -54,6 +54,7 @@ class Flag(enum.IntFlag):
 
 
 class Checksum(enum.IntEnum):
+    NONE = 0  # no payload checksum (kv_transport.checksum: none); a receiver accepts it only when it allows none
     CRC32C = 1  # Castagnoli, hardware-accelerated (SSE4.2 / ARMv8 CRC) through the crc32c package
     CRC32 = 2  # IEEE (zlib), for peers without crc32c
 
@@ -79,6 +80,8 @@ def checksum(data, algorithm: Checksum = Checksum.CRC32C, value: int = 0) -> int
     `value` continues a CRC over earlier bytes."""
     if algorithm is Checksum.CRC32C:
         return _crc32c.crc32c(data, value)
+    if algorithm is Checksum.NONE:
+        return 0
     return zlib.crc32(data, value)
 
 
@@ -153,7 +156,9 @@ class ChunkHeader:
         return replace(self, kind=kind, length=0, raw_length=0, crc=0)
 
     def verify(self, payload) -> None:
-        """Raise `ChecksumError` unless `payload` is this chunk's bytes."""
+        """Raise `ChecksumError` unless `payload` is this chunk's bytes (nothing to check without a checksum)."""
+        if self.algorithm is Checksum.NONE:
+            return
         got = checksum(payload, self.algorithm)
         if got != self.crc:
             raise ChecksumError(

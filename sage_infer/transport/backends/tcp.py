@@ -36,7 +36,7 @@ from sage_infer.transport.wire import HEADER_BYTES, Checksum, ChunkHeader, Kind
 
 DEFAULT_HOST = "127.0.0.1"  # a receiver is reachable from other hosts only when asked for
 # Running CRC update functions, (data, crc so far) -> crc, by the header's algorithm.
-_CRC_UPDATE = {Checksum.CRC32C: crc32c.crc32c, Checksum.CRC32: zlib.crc32}
+_CRC_UPDATE = {Checksum.CRC32C: crc32c.crc32c, Checksum.CRC32: zlib.crc32, Checksum.NONE: lambda data, crc: 0}
 
 
 def parse_address(address: str) -> tuple[str, int]:
