@@ -165,8 +165,18 @@ def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(m
         complete(p1.url, p1.model, prompt)  # p1 computed this prompt before: its blocks are cached there
         match = httpx.post(f"{p1.url}/v1/kv/match", json={"prompt": prompt}).json()
         assert match["cached_tokens"] == 4 * BLOCK and match["prompt_tokens"] == len(prompt)
-        assert httpx.post(f"{p0.url}/v1/kv/match", json={"prompt": prompt}).json()["cached_tokens"] == 0
+        hashes = httpx.post(f"{p0.url}/v1/kv/hashes", json={"prompt": prompt}).json()["hashes"]
+        events = httpx.get(f"{p1.url}/v1/kv/events", params={"since": 0}).json()
+        assert [f"+{h}" for h in hashes] == events["events"][:4]  # p1 published those blocks as stored
         with running_router([p0.url, p1.url], [decode.url]) as url:
+            def view() -> dict:
+                families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+                return {s.labels["instance"]: s.value for s in families["sage:router_cached_blocks"].samples}
+
+            deadline = time.monotonic() + 10
+            while view().get(p1.url, 0) < 4:  # the router's view of p1 caught up with its events
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             got = complete(url, decode.model, prompt)
             assert got.choices[0].text == complete(colocated.url, colocated.model, prompt).choices[0].text
             assert got.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK

@@ -142,6 +142,12 @@ class NativeBackend:
         """Registries besides the server's own that /metrics should serve (the KV connector's transport)."""
         return self.engine.metrics_registries()
 
+    def kv_events(self, since: int):
+        return self.engine.kv_events(since)
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        return self.engine.block_hashes(token_ids, cache_salt)
+
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         return self.engine.prefix_overlap(token_ids, cache_salt)
 

@@ -21,7 +21,8 @@ from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.sampler import Sampler
 from sage_infer.models.tokenizer import Tokenizer
-from sage_infer.prefix_reuse.hashing import make_extra_key
+from sage_infer.prefix_reuse.events import short
+from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from sage_infer.scheduler.scheduler import Scheduler
 
 LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
@@ -146,6 +147,8 @@ class LLMEngine:
         pool = self.runner.pool
         connector = KVConnector(pool.schema, config, backend=backend, listen=listen)
         self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s)
+        if not listen:  # a prefill worker: the router follows what its prefix cache holds
+            self.kv.index.enable_events()
         return connector.address
 
     def kv_transfer_info(self) -> KVTransferInfo | None:
@@ -188,6 +191,20 @@ class LLMEngine:
         """Cut an idle step's wait short (another thread queued work for this engine)."""
         if self.kv.transfers is not None:
             self.kv.transfers.wake.set()
+
+    def kv_events(self, since: int):
+        """Stored/removed block hashes since event `since` (an `EventBatch`), or None when not logged."""
+        events = self.kv.index.events if self.kv.index is not None else None
+        return events.since(since) if events is not None else None
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last
+        token), as `kv_events` reports them: a router matches one against the other."""
+        bs = self.runner.pool.block_size
+        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
+                                   cache_salt)
+        usable = (len(token_ids) - 1) // bs * bs
+        return [short(h) for h in hash_token_blocks(token_ids[:usable], bs, extra_key)]
 
     def give_up_kv(self, transfer_id: str, why: str) -> bool:
         """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""

@@ -106,3 +106,12 @@ class KVTransferBackend(Protocol):
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Prompt tokens whose KV is cached here now (the router's prefix-overlap score)."""
         ...
+
+    def kv_events(self, since: int):
+        """Block hashes this instance's prefix cache stored and removed since event `since` (an
+        `EventBatch` with `next`, `reset`, `events`), or None when it does not log them."""
+        ...
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        """The short hashes of a prompt's blocks, as `kv_events` names them."""
+        ...

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sage_infer.kv_policy import EvictionPolicy, make_policy
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager
+from sage_infer.prefix_reuse.events import BlockEvents
 from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.metrics import PrefixReuseMetrics
 
@@ -92,6 +93,7 @@ class PrefixReuseIndex:
         # per-tenant shares of the device ("device" tier), when configured: orders eviction; the
         # block manager counts what each tenant holds (in use and cached)
         self.quota: QuotaManager | None = None
+        self.events: BlockEvents | None = None  # stored/removed hashes for a KV-aware router (`enable_events`)
 
     def match(
         self, token_ids: Sequence[int], extra_key: bytes, *, max_blocks: int | None = None, record: bool = True
@@ -166,6 +168,12 @@ class PrefixReuseIndex:
             raise KeyError(f"block {block_id} is not registered")
         return node.num_children == 0
 
+    def enable_events(self) -> BlockEvents:
+        """Start logging stored/removed hashes (a prefill worker does, for the router)."""
+        if self.events is None:
+            self.events = BlockEvents(lambda: self._by_hash.keys())
+        return self.events
+
     def __len__(self) -> int:
         return len(self._by_block)
 
@@ -203,6 +211,8 @@ class PrefixReuseIndex:
         if parent is not None:
             parent.num_children += 1
         self.policy.on_insert(block_hash, node.depth, parent_hash)
+        if self.events is not None:
+            self.events.stored(block_hash)
         if self._is_in_use is not None and self._is_in_use(block_id):
             self._set_active(node, in_use=True)
         return block_hash, True
@@ -252,6 +262,8 @@ class PrefixReuseIndex:
         assert node.num_children == 0 and not node.active, f"unlinking block {node.block_id} that is not a free leaf"
         del self._by_hash[node.block_hash]
         del self._by_block[node.block_id]
+        if self.events is not None:
+            self.events.removed(node.block_hash)
         if node.parent is not None:
             node.parent.num_children -= 1
         self.policy.on_remove(node.block_hash)

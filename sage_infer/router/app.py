@@ -40,7 +40,9 @@ from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
 from sage_infer.server.errors import APIError, error_body, error_response
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-MATCH_TIMEOUT_S = 0.5  # a prefill worker's answer to "how much of this prompt do you hold?"
+MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
+EVENTS_POLL_S = 0.1  # how often the router asks each prefill worker what its prefix cache stored and removed
+EVENTS_TIMEOUT_S = 2.0
 BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
 ROUTER_FIELDS = ("slo_ttft_ms",)  # read by the router, not sent to workers
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
@@ -104,6 +106,8 @@ class RouterMetrics:
                                  registry=r)
         self.prompt_tokens = Counter("sage:router_prompt_tokens", "Prompt tokens of requests routed by prefix "
                                      "overlap.", registry=r)
+        self.cached_blocks = Gauge("sage:router_cached_blocks", "Blocks a prefill worker's prefix cache holds, "
+                                   "as its events tell the router.", ["instance"], registry=r)
         self.waiting = Gauge("sage:router_waiting", "Requests waiting in the router for a decode worker slot.",
                              registry=r)
         self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
@@ -122,7 +126,10 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        follower = asyncio.create_task(follow_events()) if len(instances.prefill) > 1 else None
         yield
+        if follower is not None:
+            follower.cancel()
         await client.aclose()
 
     app.router.lifespan_context = lifespan
@@ -168,34 +175,48 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             metrics.failures.labels(worker.url, worker.role).inc()
             raise APIError(503, f"{worker.role} worker {worker.url} is unreachable") from None
 
-    async def overlap(worker: Instance, question: dict) -> dict | None:
+    async def follow_events() -> None:
+        """Keep each prefill worker's view of its cached blocks current from its /v1/kv/events."""
+        while True:
+            for worker in instances.prefill:
+                if not worker.up:
+                    continue
+                try:
+                    reply = await client.get(f"{worker.url}/v1/kv/events", params={"since": worker.events_next},
+                                             headers=worker_headers, timeout=EVENTS_TIMEOUT_S)
+                    if reply.status_code == 200:
+                        worker.apply(reply.json())
+                        metrics.cached_blocks.labels(worker.url).set(len(worker.cached))
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass  # a worker that is down is found by the calls that need it; its view waits
+            await asyncio.sleep(EVENTS_POLL_S)
+
+    async def prompt_hashes(worker: Instance, body: dict) -> dict | None:
+        question = {k: body[k] for k in MATCH_FIELDS if k in body}
         try:
-            reply = await client.post(f"{worker.url}/v1/kv/match", json=question, headers=worker_headers,
+            reply = await client.post(f"{worker.url}/v1/kv/hashes", json=question, headers=worker_headers,
                                       timeout=MATCH_TIMEOUT_S)
-        except httpx.HTTPError as err:
-            worker.failed(str(err) or type(err).__name__)
-            metrics.failures.labels(worker.url, worker.role).inc()
+        except httpx.HTTPError:
             return None
         return reply.json() if reply.status_code == 200 else None
 
     async def choose_prefill(body: dict, tried: set[str]) -> Instance | None:
-        """The prefill worker holding the longest prefix of this prompt, unless it is busier than the least
-        loaded one by more than `BALANCE_SLACK` requests; the least loaded one when none holds any."""
+        """The prefill worker whose cache (as its events tell) holds the longest prefix of this prompt, unless
+        it is busier than the least loaded one by more than `BALANCE_SLACK` requests; else the least loaded."""
         live = [w for w in instances.prefill if w.up and w.url not in tried]
         if len(live) <= 1:
             return live[0] if live else None
-        question = {k: body[k] for k in MATCH_FIELDS if k in body}
-        answers = await asyncio.gather(*(overlap(w, question) for w in live))
-        scored = [(w, a) for w, a in zip(live, answers) if a is not None]
-        if not scored:
-            return instances.pick("prefill", tried)
-        least = min(scored, key=lambda wa: wa[0].outstanding)
-        best = max(scored, key=lambda wa: (wa[1]["cached_tokens"], -wa[0].outstanding))
-        chosen = best if best[1]["cached_tokens"] and best[0].outstanding <= least[0].outstanding + BALANCE_SLACK \
-            else least
-        metrics.prompt_tokens.inc(chosen[1]["prompt_tokens"])
-        metrics.overlap_tokens.inc(chosen[1]["cached_tokens"])
-        return chosen[0]
+        least = min(live, key=lambda w: w.outstanding)
+        prompt = await prompt_hashes(least, body)  # any worker hashes a prompt the same way
+        if prompt is None:
+            return least
+        hashes = prompt["hashes"]
+        best = max(live, key=lambda w: (w.overlap(hashes), -w.outstanding))
+        blocks = best.overlap(hashes)
+        chosen = best if blocks and best.outstanding <= least.outstanding + BALANCE_SLACK else least
+        metrics.prompt_tokens.inc(prompt["prompt_tokens"])
+        metrics.overlap_tokens.inc(chosen.overlap(hashes) * prompt["tokens_per_hash"])
+        return chosen
 
     async def prefill(path: str, body: dict) -> dict | None:
         """Run the prompt on a prefill worker, holding its KV: the decode worker's kv_transfer_params, or

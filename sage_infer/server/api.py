@@ -136,4 +136,17 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         body = await body_of(request, KVMatchRequest)
         return JSONResponse(handlers.pd.match(body, handlers.validator))
 
+    @app.post("/v1/kv/hashes")
+    async def kv_hashes(request: Request) -> JSONResponse:
+        """A prompt's block hashes, as /v1/kv/events names them (a KV-aware router's question)."""
+        authorize(request)
+        body = await body_of(request, KVMatchRequest)
+        return JSONResponse(handlers.pd.hashes(body, handlers.validator))
+
+    @app.get("/v1/kv/events")
+    async def kv_events(request: Request, since: int = 0) -> JSONResponse:
+        """Block hashes the prefix cache stored and removed since event `since` (prefill workers)."""
+        authorize(request)
+        return JSONResponse(handlers.pd.events(since))
+
     return app

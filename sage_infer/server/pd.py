@@ -105,15 +105,35 @@ class PDRole:
 
     def match(self, body: KVMatchRequest, validator) -> dict:
         """``POST /v1/kv/match``: prompt tokens cached here and this instance's queue, for a KV-aware router."""
-        if body.messages is not None:
-            ids = validator.token_ids(validator.chat_prompt(body), "messages", add_special_tokens=False)
-        else:
-            ids = validator.token_ids(body.prompt)
+        ids = self.prompt_ids(body, validator)
         overlap = self.backend.prefix_overlap(ids, body.cache_salt) if isinstance(self.backend, KVTransferBackend) \
             else 0
         stats = self.backend.stats()
         return {"cached_tokens": overlap, "prompt_tokens": len(ids), "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting, "kv_usage": stats.kv_usage}
+
+    def prompt_ids(self, body: KVMatchRequest, validator) -> list[int]:
+        if body.messages is not None:
+            return validator.token_ids(validator.chat_prompt(body), "messages", add_special_tokens=False)
+        return validator.token_ids(body.prompt)
+
+    def hashes(self, body: KVMatchRequest, validator) -> dict:
+        """``POST /v1/kv/hashes``: the prompt's block hashes, as ``/v1/kv/events`` names them."""
+        if not isinstance(self.backend, KVTransferBackend):
+            raise APIError(404, "this backend does not report KV block hashes")
+        ids = self.prompt_ids(body, validator)
+        hashes = self.backend.block_hashes(ids, body.cache_salt)
+        block_size = (len(ids) - 1) // len(hashes) if hashes else 0
+        return {"hashes": hashes, "prompt_tokens": len(ids), "tokens_per_hash": block_size}
+
+    def events(self, since: int) -> dict:
+        """``GET /v1/kv/events?since=N``: what the prefix cache stored ("+hash") and removed ("-hash")."""
+        batch = self.backend.kv_events(since) if isinstance(self.backend, KVTransferBackend) else None
+        if batch is None:
+            raise APIError(404, "this instance does not publish KV events (only prefill workers do)")
+        stats = self.backend.stats()
+        return {"next": batch.next, "reset": batch.reset, "events": batch.events,
+                "num_running": stats.num_running, "num_waiting": stats.num_waiting}
 
     async def send(self, body: KVSendRequest) -> dict:
         """Prefill side of ``POST /v1/kv/send``."""
