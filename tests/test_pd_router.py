@@ -243,3 +243,21 @@ def test_requests_waiting_for_a_decode_slot_go_in_the_strategys_order(deployment
             thread.join(120)
         assert finished[0] == first
     settle(prefill, decode)
+
+
+def test_with_an_api_key_the_router_and_the_pull_between_workers_need_it(model_dir, colocated):
+    key = "deployment-key"
+    with running_server(model_dir, role="prefill", api_key=key) as prefill, \
+            running_server(model_dir, role="decode", api_key=key) as decode, \
+            running_router([prefill.url], [decode.url], api_key=key) as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url).completions.create(model=decode.model, prompt=PROMPT, max_tokens=2)
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        got = keyed.completions.create(model=decode.model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        assert got.choices[0].text == complete(colocated.url, colocated.model).choices[0].text
+        assert got.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK  # the keyed pull worked
+        send = httpx.post(f"{prefill.url}/v1/kv/send", json={"request_id": "x", "address": "shm:///x",
+                                                              "transfer_id": "t"})
+        assert send.status_code == 401  # nobody without the key can ask a prefill worker for KV
+        settle(prefill, decode)

@@ -23,7 +23,6 @@ import contextlib
 import heapq
 import itertools
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -37,7 +36,7 @@ from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError, error_body, error_response
+from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
@@ -135,12 +134,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     app.router.lifespan_context = lifespan
 
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not token or not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
+        check_bearer(request.headers.get("authorization", ""), api_key)
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 import uuid
 
@@ -17,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sage_infer import __version__
 from sage_infer.interfaces.backend import InferenceBackend
 from sage_infer.server.body import parse_body
-from sage_infer.server.errors import APIError, error_response
+from sage_infer.server.errors import APIError, check_bearer, error_response
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVMatchRequest, KVSendRequest
@@ -54,12 +53,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         return parse_body(bytes(raw), schema)
 
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not token or not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
+        check_bearer(request.headers.get("authorization", ""), api_key)
 
     def accepting() -> None:
         if not app.state.accepting:

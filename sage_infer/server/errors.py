@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from fastapi.responses import JSONResponse
 
 _TYPES = {
@@ -13,6 +15,15 @@ _TYPES = {
     500: "internal_error",
     503: "service_unavailable",
 }
+
+
+def check_bearer(authorization: str, api_key: str | None) -> None:
+    """Raise a 401 `APIError` unless the ``Authorization`` header carries `api_key` (None: no key needed)."""
+    if api_key is None:
+        return
+    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    if not token or not secrets.compare_digest(token.encode(), api_key.encode()):
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
 
 
 class APIError(Exception):

@@ -185,8 +185,9 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
 # -- baselines -------------------------------------------------------------------
 
 
-def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
-    """One process copying `size` bytes chunk by chunk into a pre-faulted shared mapping."""
+def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4, crc: bool = False) -> float:
+    """One process copying `size` bytes chunk by chunk into a pre-faulted shared mapping (`crc`: and taking a
+    CRC32C of each chunk's source right after its copy, as the shm sender does)."""
     src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
     shm = SharedArena(size)  # pre-faulted, like the transport's ring
     dst = shm.array
@@ -195,23 +196,8 @@ def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
         start = time.perf_counter()
         for off in range(0, size, chunk):
             np.copyto(dst[off : off + chunk], src[off : off + chunk])
-        times.append(time.perf_counter() - start)
-    del dst
-    shm.close()
-    return size / statistics.median(times[1:]) / 1e9
-
-
-def memcpy_crc_to_shm_gbps(size: int, chunk: int, repeats: int = 4) -> float:
-    """`memcpy_to_shm_gbps` plus a CRC32C of each chunk's source right after its copy (as the shm sender does)."""
-    src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
-    shm = SharedArena(size)
-    dst = shm.array
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for off in range(0, size, chunk):
-            np.copyto(dst[off : off + chunk], src[off : off + chunk])
-            crc32c.crc32c(src[off : off + chunk])
+            if crc:
+                crc32c.crc32c(src[off : off + chunk])
         times.append(time.perf_counter() - start)
     del dst
     shm.close()
@@ -315,7 +301,7 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
         modes = {"off": [False], "on": [True], "both": [False, True]}[zero_copy] if backend == "shm" else [False]
         for chunk in chunks:
             baseline = BASELINES[backend](size, chunk, repeats)
-            crc_baseline = memcpy_crc_to_shm_gbps(size, chunk, repeats) if backend == "shm" else 0.0
+            crc_baseline = memcpy_to_shm_gbps(size, chunk, repeats, crc=True) if backend == "shm" else 0.0
             for wire in dtypes:
                 for zc in modes:
                     if progress:
