@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import json
-import time
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
+from sage_infer.router.admission import Admission
 from sage_infer.router.instances import Instance, Instances
+from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
 from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
 
@@ -46,71 +45,6 @@ BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many mo
 ROUTER_FIELDS = ("slo_ttft_ms",)  # read by the router, not sent to workers
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
-
-
-class Admission:
-    """At most `max_outstanding_per_worker` requests in flight per decode worker; the rest wait here, served in
-    the strategy's order: fifo (arrival), priority (the request's ``priority``, lower first, then arrival), slo
-    (earliest TTFT deadline first: arrival + the request's ``slo_ttft_ms``, or the configured default)."""
-
-    def __init__(self, config: RouterConfig, num_decode: int) -> None:
-        self.config = config
-        self.limit = config.max_outstanding_per_worker * num_decode
-        self.in_flight = 0
-        self.waiting: list[tuple[tuple, int, asyncio.Future]] = []
-        self._order = itertools.count()
-
-    def key(self, body: dict, arrival: float) -> tuple:
-        if self.config.strategy == "priority":
-            priority = body.get("priority", 0)
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                raise APIError(400, "priority must be an integer", "priority")
-            return (priority, arrival)
-        if self.config.strategy == "slo":
-            target = body.get("slo_ttft_ms", self.config.default_slo_ttft_ms)
-            if not isinstance(target, int | float) or isinstance(target, bool) or target <= 0:
-                raise APIError(400, "slo_ttft_ms must be a positive number of milliseconds", "slo_ttft_ms")
-            return (arrival + target / 1000.0, arrival)
-        return (arrival,)
-
-    async def enter(self, body: dict) -> None:
-        key = self.key(body, time.monotonic())
-        if self.in_flight < self.limit and not self.waiting:
-            self.in_flight += 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self.waiting, (key, next(self._order), turn))
-        await turn  # cancelled (client gone): `leave` skips it
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        while self.waiting and self.in_flight < self.limit:
-            _, _, turn = heapq.heappop(self.waiting)
-            if not turn.done():
-                self.in_flight += 1
-                turn.set_result(None)
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.routed = Counter("sage:router_requests", "Requests routed, by worker and role.", ["instance", "role"],
-                              registry=r)
-        self.failures = Counter("sage:router_worker_failures", "Calls to a worker that failed.", ["instance", "role"],
-                                registry=r)
-        self.colocated = Counter("sage:router_colocated", "Requests a decode worker computed whole (no split: "
-                                 "several prompts, or no prefill worker up).", registry=r)
-        self.outstanding = Gauge("sage:router_outstanding", "Requests in flight per worker.", ["instance", "role"],
-                                 registry=r)
-        self.prompt_tokens = Counter("sage:router_prompt_tokens", "Prompt tokens of requests routed by prefix "
-                                     "overlap.", registry=r)
-        self.cached_blocks = Gauge("sage:router_cached_blocks", "Blocks a prefill worker's prefix cache holds, "
-                                   "as its events tell the router.", ["instance"], registry=r)
-        self.waiting = Gauge("sage:router_waiting", "Requests waiting in the router for a decode worker slot.",
-                             registry=r)
-        self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
-                                      "prefill worker chosen (overlap hit rate = this / prompt tokens).", registry=r)
 
 
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
