@@ -35,6 +35,10 @@ def serve(
         "--role", help="prefill | decode | both (default): this instance's part in prefill/decode separation.")] = None,
     pd: Annotated[Optional[str], typer.Option(
         "--pd", help="Run xPyD here, e.g. 1P1D: x prefill and y decode workers behind one router URL.")] = None,
+    launcher: Annotated[str, typer.Option(
+        "--launcher", help="With --pd: local (processes of this command) or ray (Ray actors).")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", help="With --launcher ray: the Ray cluster to join (default: start a local one).")] = None,
 ) -> None:
     """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment)."""
     named = {
@@ -45,20 +49,25 @@ def serve(
         "role": ("--role", role),
         "pd": ("--pd", pd),
     }
-    if pd is not None and role is not None:
-        from sage_infer.errors import UsageError
+    from sage_infer.errors import UsageError
 
+    if pd is not None and role is not None:
         raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
+    if (launcher != "local" or ray_address is not None) and pd is None:
+        raise UsageError("--launcher and --ray-address place the workers of --pd xPyD: give --pd too")
+    if launcher not in ("local", "ray"):
+        raise UsageError(f"--launcher {launcher}: expected local or ray")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
-        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, set_))
+        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, set_, launcher,
+                                   ray_address))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
 
 
-def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets) -> int:
+def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None) -> int:
     """`--pd xPyD`: the workers get this command's model and config flags (the API key through the
     environment, not the process list); the router takes its host, port, key and `router` section."""
     import os
@@ -75,7 +84,8 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets) -> 
     key = resolved.api_key.get_secret_value() if resolved.api_key else None
     if key is not None:
         os.environ["SAGE_API_KEY"] = key  # inherited by the workers
-    return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router)
+    return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router,
+                    launcher, ray_address)
 
 
 @app.command("generate")

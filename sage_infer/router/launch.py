@@ -95,14 +95,26 @@ def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
 
 
 def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
-             disk_path: str | None = None, router: RouterConfig | None = None) -> int:
-    """Run the deployment until SIGINT/SIGTERM; exit code 0."""
+             disk_path: str | None = None, router: RouterConfig | None = None, launcher: str = "local",
+             ray_address: str | None = None) -> int:
+    """Run the deployment until SIGINT/SIGTERM; exit code 0. `launcher`: local (subprocesses of this
+    command) or ray (Ray actors, see `router.ray_launch`)."""
     import uvicorn
 
     from sage_infer.router.app import build_router
 
     num_prefill, num_decode = parse_pd(spec)
-    workers = start_workers(num_prefill, num_decode, worker_args, disk_path)
+    if launcher == "ray":
+        from sage_infer.router.ray_launch import RayLauncher
+
+        ray_launcher = RayLauncher(ray_address)
+        workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host)
+        stop = ray_launcher.stop
+    elif launcher == "local":
+        workers = start_workers(num_prefill, num_decode, worker_args, disk_path)
+        stop = lambda: stop_workers(workers)  # noqa: E731
+    else:
+        raise UsageError(f"--launcher {launcher}: expected local or ray")
     try:
         instances = Instances.of([w.url for w in workers if w.role == "prefill"],
                                  [w.url for w in workers if w.role == "decode"])
@@ -131,4 +143,4 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
             return 1
         return 0
     finally:
-        stop_workers(workers)
+        stop()

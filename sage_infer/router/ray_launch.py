@@ -1,0 +1,130 @@
+"""`sage llm serve --pd xPyD --launcher ray`: the workers as Ray actors, placed by Ray's scheduler.
+
+Ray (``pip install 'sage-infer[ray]'``) places one actor per worker on its cluster (a local
+instance unless `--ray-address` names one); each actor runs that worker's `sage llm serve
+--role ...` as its own process and hands back the worker's URL. The router stays in the
+command's process and prints the one URL. Workers bind loopback, like every sage server,
+unless the command itself binds a non-loopback address (an explicit choice to be reachable):
+then they bind all interfaces of their node and report its IP. Stopping the command stops
+the actors (and their workers) and disconnects from Ray.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+from sage_infer.errors import ConfigError, NotAvailableError
+from sage_infer.router.launch import READY
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def ray_missing() -> str | None:
+    """Why Ray cannot be used here, or None."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as err:
+        return f"Ray is not installed (pip install 'sage-infer[ray]'): {err}"
+    return None
+
+
+@dataclass
+class RayWorker:
+    role: str
+    index: int
+    actor: object
+    url: str
+    model: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def _actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0)  # the worker process it starts does the computing; the actor only owns it
+    class ServeActor:
+        def __init__(self) -> None:
+            self.proc: subprocess.Popen | None = None
+            self.lines: list[str] = []
+
+        def start(self, args: list[str], host: str) -> tuple[str, str]:
+            bind = host
+            if host not in LOOPBACK:
+                import ray as _ray
+
+                bind, host = "0.0.0.0", _ray.util.get_node_ip_address()
+            self.proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
+                                          "--host", bind, "--port", "0"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            for line in self.proc.stdout:
+                self.lines = (self.lines + [line])[-40:]
+                match = READY.search(line)
+                if match:
+                    threading.Thread(target=self._drain, daemon=True).start()
+                    port = match.group(2).rsplit(":", 1)[1]
+                    return f"http://{host}:{port}", match.group(1)
+            raise RuntimeError("the worker exited before it served:\n" + "".join(self.lines))
+
+        def _drain(self) -> None:
+            for _ in self.proc.stdout:
+                pass
+
+        def stop(self) -> None:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+
+    return ServeActor
+
+
+class RayLauncher:
+    """Starts and stops the workers of one deployment as Ray actors."""
+
+    def __init__(self, address: str | None = None) -> None:
+        why = ray_missing()
+        if why is not None:
+            raise NotAvailableError(f"--launcher ray: {why}")
+        import ray
+
+        self.ray = ray
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                 configure_logging=False)
+        self.workers: list[RayWorker] = []
+
+    def start(self, num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
+              host: str) -> list[RayWorker]:
+        actor_class = _actor_class()
+        pending = []
+        for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(count):
+                args = [*worker_args, "--set", f"role={role}"]
+                if disk_path is not None:
+                    args += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{i}"]
+                actor = actor_class.remote()
+                pending.append((role, i, actor, actor.start.remote(args, host)))
+        for role, i, actor, started in pending:
+            try:
+                url, model = self.ray.get(started)
+            except Exception as err:  # noqa: BLE001 - a worker that did not start: say which and why
+                self.stop()
+                raise ConfigError(f"--launcher ray: the {role}-{i} worker did not start: {err}") from None
+            self.workers.append(RayWorker(role, i, actor, url, model))
+        return self.workers
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            try:
+                self.ray.get(worker.actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - stopping what is left; the actor may be gone already
+                pass
+        self.workers = []
+        self.ray.shutdown()
