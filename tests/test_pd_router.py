@@ -261,3 +261,14 @@ def test_with_an_api_key_the_router_and_the_pull_between_workers_need_it(model_d
                                                               "transfer_id": "t"})
         assert send.status_code == 401  # nobody without the key can ask a prefill worker for KV
         settle(prefill, decode)
+
+
+def test_kv_events_answers_in_order_and_refuses_a_bad_cursor(deployment):
+    prefill, decode, url = deployment
+    first = httpx.get(f"{prefill.url}/v1/kv/events", params={"since": -1}).json()
+    assert first["reset"] is True  # a reader starting over gets the whole current set
+    later = httpx.get(f"{prefill.url}/v1/kv/events", params={"since": first["next"]}).json()
+    assert later["reset"] is False and later["next"] >= first["next"]
+    bad = httpx.get(f"{prefill.url}/v1/kv/events", params={"since": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+    assert httpx.get(f"{decode.url}/v1/kv/events").status_code == 404  # only prefill workers publish
