@@ -272,3 +272,12 @@ def test_kv_events_answers_in_order_and_refuses_a_bad_cursor(deployment):
     bad = httpx.get(f"{prefill.url}/v1/kv/events", params={"since": "soon"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
     assert httpx.get(f"{decode.url}/v1/kv/events").status_code == 404  # only prefill workers publish
+
+
+def test_a_prompt_shorter_than_one_block_goes_through_the_router_too(deployment, colocated):
+    prefill, decode, url = deployment
+    short_prompt = [7, 8, 9]  # no full KV block: nothing to hold or send, the decode worker computes it
+    got = complete(url, decode.model, short_prompt)
+    assert got.choices[0].text == complete(colocated.url, colocated.model, short_prompt).choices[0].text
+    settle(prefill, decode)
+    assert not prefill.backend.engine.kv.transfers.held

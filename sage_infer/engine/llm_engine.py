@@ -132,8 +132,8 @@ class LLMEngine:
         if transfer is not None and transfer.hold:
             seqs[0].hold_kv = True
         self.scheduler.add_request(seqs)
-        if transfer is not None and transfer.transfer_id is not None:
-            self.kv.transfers.expect(seqs[0], transfer.transfer_id)
+        if transfer is not None and transfer.transfer_id is not None and len(token_ids) >= self.runner.pool.block_size:
+            self.kv.transfers.expect(seqs[0], transfer.transfer_id)  # (a prompt under one block: nothing comes)
 
     # -- prefill/decode separation ------------------------------------------------------
 
@@ -218,8 +218,6 @@ class LLMEngine:
                                f"engine's {self.kv_schema_digest[:12]}... (model, dtype or block size differ)")
         if transfer.hold and params.n != 1:  # (a decode request may have n > 1: its siblings share the prefix)
             raise RequestError("kv_transfer: a request that holds its KV for a decode instance must have n=1")
-        if transfer.transfer_id is not None and num_tokens < self.runner.pool.block_size:
-            raise RequestError("kv_transfer: the prompt is shorter than one KV block: there is nothing to receive")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if unknown or already finished."""

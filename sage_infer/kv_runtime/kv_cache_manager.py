@@ -124,7 +124,11 @@ class KVCacheManager:
         return len(chosen)
 
     def hold(self, seq: Sequence) -> None:
-        """A finished sequence whose KV a decode instance will take: keep its blocks (see `KVTransfers`)."""
+        """A finished sequence whose KV a decode instance will take: keep its blocks (see `KVTransfers`).
+        A prompt shorter than one block has nothing to send: its blocks are freed at once."""
+        if seq.num_prompt_tokens < self.block_size:
+            self.free(seq)
+            return
         self.transfers.hold(seq)
 
     def poll_transfers(self) -> None:
