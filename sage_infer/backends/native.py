@@ -55,7 +55,7 @@ class NativeBackend:
     def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # AddRequest, AbortRequest, GiveUpKV, (SendKV, future)
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest | GiveUpKV] = queue.SimpleQueue()
         self._targets: dict[str, _Target] = {}  # every request added and not yet finished
         self._lock = threading.Lock()  # guards _targets and _pending_adds across the two threads
         self._pending_adds = 0  # added on the loop, not yet applied by the engine thread
@@ -133,9 +133,9 @@ class NativeBackend:
         if self._dead is not None:
             raise EngineDeadError(_DEAD)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((command, done))
-        self._wake.set()
-        self.engine.wake()
+        # started right here, not between two engine steps (a step can take tens of ms): `KVTransfers.send`
+        # is thread-safe; the engine thread frees the blocks when the receiver has verified them
+        await asyncio.to_thread(self._apply_send, command, done)
         return await asyncio.wrap_future(done)
 
     def metrics_registries(self) -> list:
@@ -192,23 +192,39 @@ class NativeBackend:
                     self._deliver(self.engine.drain_finished())
             elif isinstance(command, GiveUpKV):
                 self.engine.give_up_kv(command.transfer_id, command.why)
-            else:
-                self._apply_send(*command)
 
     def _apply_send(self, send: SendKV, done: concurrent.futures.Future) -> None:
-        """Start the send; `done` resolves (blocks sent, or the failure) when the receiver answered."""
-        blocks = 0
+        """Start the send; `done` resolves (blocks sent, or the failure) when the receiver answered.
 
-        def finished(result) -> None:
+        The result may come (on the engine thread) before `send_kv` has returned the block count
+        here: whichever of the two is second resolves `done`.
+        """
+        lock, state = threading.Lock(), {}
+
+        def settle() -> None:
+            result = state["result"]
             if result.ok:
-                done.set_result(blocks)
+                done.set_result(state["blocks"])
             else:
                 done.set_exception(BackendError(f"KV transfer {send.transfer_id} failed: {result.error}"))
+
+        def finished(result) -> None:
+            with lock:
+                state["result"] = result
+                ready = "blocks" in state
+            if ready:
+                settle()
 
         try:
             blocks = self.engine.send_kv(send.request_id, send.address, send.transfer_id, finished)
         except RequestError as err:
             done.set_exception(InvalidRequestError(str(err)))
+            return
+        with lock:
+            state["blocks"] = blocks
+            ready = "result" in state
+        if ready:
+            settle()
 
     def _apply_add(self, command: AddRequest) -> None:
         target = self._targets[command.request_id]

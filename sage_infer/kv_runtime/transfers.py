@@ -68,32 +68,40 @@ class KVTransfers:
         self.received: dict[int, torch.Tensor] = {}  # seq id -> the prompt's first blocks, [n, block_nbytes]
         self.stats = TransferStats()
         self.wake = threading.Event()  # set when the connector finished something (or a command came in)
+        self._held_lock = threading.Lock()  # `send` may run on a server thread
         connector.on_result = self.wake.set
 
     # -- prefill ----------------------------------------------------------------------------------
 
     def hold(self, seq: Sequence) -> None:
         """`seq` finished; keep its blocks for a decode instance (freed by `poll` when sent or expired)."""
-        self.held[seq.request_id] = _Held(seq, self.clock() + self.hold_timeout_s)
+        with self._held_lock:
+            self.held[seq.request_id] = _Held(seq, self.clock() + self.hold_timeout_s)
 
     def send(self, request_id: str, address: str, transfer_id: str,
              on_done: Callable[[TransferResult], None] | None = None) -> int:
         """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks.
 
-        `on_done` hears the result (verified by the receiver, or the error) from `poll`."""
-        entry = self.held.get(request_id)
-        if entry is None:
-            raise KeyError(f"no KV is held for request {request_id!r} (never held, already sent, or expired)")
-        if entry.transfer_id is not None:
-            raise ValueError(f"request {request_id!r} is already being sent as {entry.transfer_id!r}")
-        seq = entry.seq
-        n = seq.num_prompt_tokens // self.block_size
-        if n == 0:
-            raise ValueError(f"request {request_id!r} has no full prompt block to send")
+        `on_done` hears the result (verified by the receiver, or the error) from `poll`.
+
+        Safe to call from a thread other than the engine's (a server answering a pull at once
+        rather than between two steps): a held sequence's blocks are neither written nor freed
+        until its send ends, and the bookkeeping is under a lock.
+        """
+        with self._held_lock:
+            entry = self.held.get(request_id)
+            if entry is None:
+                raise KeyError(f"no KV is held for request {request_id!r} (never held, already sent, or expired)")
+            if entry.transfer_id is not None:
+                raise ValueError(f"request {request_id!r} is already being sent as {entry.transfer_id!r}")
+            seq = entry.seq
+            n = seq.num_prompt_tokens // self.block_size
+            if n == 0:
+                raise ValueError(f"request {request_id!r} has no full prompt block to send")
+            entry.transfer_id = transfer_id  # from here on the hold cannot expire under us
+            entry.on_done = on_done
+            self.sending[transfer_id] = request_id
         rows = self.pool.read_blocks(seq.block_table[:n]).view(torch.uint8).reshape(n, -1)
-        entry.transfer_id = transfer_id
-        entry.on_done = on_done
-        self.sending[transfer_id] = request_id
         self.connector.start_send(transfer_id, address, rows)
         return n
 
@@ -134,8 +142,9 @@ class KVTransfers:
     def poll(self, free: Callable[[Sequence], None]) -> None:
         """Take what the connector finished; `free` releases a held sequence's blocks."""
         for result in self.connector.poll_sent():
-            request_id = self.sending.pop(result.transfer_id, None)
-            entry = self.held.pop(request_id, None) if request_id is not None else None
+            with self._held_lock:
+                request_id = self.sending.pop(result.transfer_id, None)
+                entry = self.held.pop(request_id, None) if request_id is not None else None
             if entry is not None:
                 free(entry.seq)
                 if entry.on_done is not None:
@@ -161,11 +170,12 @@ class KVTransfers:
                 log.warning("KV transfer %s did not arrive (the request computes its prompt): %s",
                             result.transfer_id, result.error)
         now = self.clock()
-        for request_id, entry in list(self.held.items()):
-            if entry.transfer_id is None and now >= entry.deadline:
-                del self.held[request_id]
-                free(entry.seq)
-                self.stats.expired_holds += 1
+        with self._held_lock:
+            expired = [rid for rid, entry in self.held.items() if entry.transfer_id is None and now >= entry.deadline]
+            expired = [self.held.pop(rid) for rid in expired]
+        for entry in expired:
+            free(entry.seq)
+            self.stats.expired_holds += 1
 
     @property
     def busy(self) -> bool:
