@@ -215,14 +215,14 @@ class HierarchyManager:
             for level, store in enumerate(self.stores, 1):
                 if not self.usable(store):
                     continue
-                corrupt_before = getattr(store, "checksum_failures", 0)
+                corrupt_before = store.checksum_failures
                 try:
                     rows = store.get_prefix(list(keys[done:]))
                 except TierError as err:
                     segments.append(ReadSegment(level, None, err))
                     continue
                 progress = rows.shape[0]
-                corrupt = getattr(store, "checksum_failures", 0) > corrupt_before
+                corrupt = store.checksum_failures > corrupt_before
                 if progress or corrupt:
                     segments.append(ReadSegment(level, rows, None, corrupt))
                 if progress:
@@ -267,7 +267,7 @@ class HierarchyManager:
         self.stats.tiers[store.name].loaded_blocks += len(keys)
         for key in keys:
             self.migration.promote(key)
-        if getattr(store, "shared", False):
+        if store.shared:
             return
         try:
             store.delete(keys)
@@ -290,7 +290,7 @@ class HierarchyManager:
                 continue
             self.migration.discard(key)
             store = self.store(self.level_of[tier.name])
-            if getattr(store, "shared", False):
+            if store.shared:
                 continue
             try:
                 store.delete([key])

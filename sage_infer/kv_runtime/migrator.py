@@ -100,7 +100,7 @@ class KVMigrator:
             if dst is None:
                 if key in waiting:
                     del waiting[key]
-                elif src > 0 and not getattr(h.store(src), "shared", False):  # a shared store evicts on its own
+                elif src > 0 and not h.store(src).shared:  # a shared store evicts on its own
                     h.store(src).delete([key])
                 h.stats.dropped_blocks += 1
                 self._forget_hot(key)

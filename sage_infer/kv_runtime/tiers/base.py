@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import crc32c
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
@@ -33,6 +35,29 @@ from sage_infer.kv_runtime.tiers.errors import TierConfigError
 
 KEY_BYTES = 32  # sha256 chained block hash
 SCHEMA_DIGEST_BYTES = 16
+# a block stored as one value in a remote store: magic, payload CRC32C, payload length, then the payload
+VALUE_HEADER = struct.Struct("<4sII")
+
+
+def pack_value_header(into, magic: bytes, payload) -> None:
+    """Write the value header of `payload` at the start of `into` (a writable buffer)."""
+    VALUE_HEADER.pack_into(into, 0, magic, crc32c.crc32c(payload), len(memoryview(payload).cast("B")))
+
+
+def value_header(magic: bytes, payload) -> bytes:
+    """The value header of `payload`, as bytes to prepend."""
+    out = bytearray(VALUE_HEADER.size)
+    pack_value_header(out, magic, payload)
+    return bytes(out)
+
+
+def verify_value(value, magic: bytes, payload_bytes: int) -> bool:
+    """A whole stored value: the right size, magic and length, and a payload whose CRC32C matches."""
+    view = memoryview(value).cast("B")
+    if len(view) != VALUE_HEADER.size + payload_bytes:
+        return False
+    found, crc, length = VALUE_HEADER.unpack_from(view)
+    return found == magic and length == payload_bytes and crc32c.crc32c(view[VALUE_HEADER.size :]) == crc
 
 
 def schema_digest(schema: KVCacheSchema) -> bytes:
@@ -74,6 +99,11 @@ class KVTier(Protocol):
     name: str
     bytes_per_block: int
     capacity_bytes: int
+    shared: bool  # other servers read and write it too: never delete what you load or recompute
+
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks read back corrupt so far, cheaply (no refresh)."""
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Store `blocks[i]` (``[n, bytes_per_block]`` uint8) under `keys[i]`; evicts, never fails when full."""
@@ -188,6 +218,13 @@ class BaseTier(ABC):
             if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
                 raise ValueError(f"a block key is a {KEY_BYTES}-byte hash, got {type(key).__name__} {key!r:.40}")
         return [bytes(k) for k in keys]
+
+    @staticmethod
+    def _batch_head(keys: list[bytes], limit: int) -> tuple[list[bytes], dict[bytes, int]]:
+        """A put's distinct keys in order, at most `limit` (a chain's head, when the batch is bigger than the
+        tier), and the row of each key's first occurrence."""
+        rows = {key: row for row, key in reversed(list(enumerate(keys)))}
+        return list(dict.fromkeys(keys))[:limit], rows
 
     def _check_put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> tuple[list[bytes], torch.Tensor]:
         """Keys and blocks as ``[n, bytes_per_block]`` uint8 rows (other dtypes are viewed as bytes)."""

@@ -27,7 +27,6 @@ or lost (a member left) read as misses. `stats().blocks` counts this server's bl
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -35,18 +34,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from urllib.parse import urlsplit
 
-import crc32c
 import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
-from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, BaseTier, pack_value_header, verify_value
 from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.mooncake_url import MIN_SEGMENT_BYTES, MooncakeAddress, parse_mooncake_url
 
 VALUE_MAGIC = b"SKM1"
-VALUE_HEADER = struct.Struct("<4sII")
 STAGING_BYTES = 64 << 20  # the registered buffer every call goes through
 
 # mooncake ErrorCode values (mooncake-store/include/types.h)
@@ -216,8 +213,7 @@ class MooncakeTier(BaseTier):
             self._stats.puts += len(keys)
         if not keys:
             return
-        unique = list(dict.fromkeys(keys))[: self.max_blocks]  # a chain's head, if the batch is bigger than the tier
-        rows = {key: row for row, key in reversed(list(enumerate(keys)))}
+        unique, rows = self._batch_head(keys, self.max_blocks)
         data = blocks.cpu().numpy()
         base, stride = self._staging.ctypes.data, self.value_bytes
 
@@ -227,8 +223,7 @@ class MooncakeTier(BaseTier):
                 chunk = unique[start:stop]
                 for i, key in enumerate(chunk):
                     payload = data[rows[key]]
-                    crc = crc32c.crc32c(payload)
-                    VALUE_HEADER.pack_into(self._staging[i], 0, VALUE_MAGIC, crc, self.bytes_per_block)
+                    pack_value_header(self._staging[i], VALUE_MAGIC, payload)
                     self._staging[i, VALUE_HEADER.size :] = payload
                 got = self.store.batch_put_from(
                     [self.store_key(k) for k in chunk], [base + i * stride for i in range(len(chunk))],
@@ -271,7 +266,7 @@ class MooncakeTier(BaseTier):
                     if call.abandoned:  # the caller gave up: its `out` is no longer ours to write
                         return found, bad
                     for i, size in enumerate(got):
-                        if size == stride and self._verify(self._staging[i]):
+                        if size == stride and verify_value(self._staging[i], VALUE_MAGIC, self.bytes_per_block):
                             out_np[start + i] = self._staging[i, VALUE_HEADER.size :]
                             found[start + i] = True
                             continue
@@ -292,12 +287,6 @@ class MooncakeTier(BaseTier):
             self.delete(bad)
         return found
 
-    def _verify(self, value: np.ndarray) -> bool:
-        magic, crc, length = VALUE_HEADER.unpack_from(value)
-        return (
-            magic == VALUE_MAGIC and length == self.bytes_per_block
-            and crc32c.crc32c(value[VALUE_HEADER.size :]) == crc
-        )
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = self._check_keys(keys)

@@ -24,22 +24,19 @@ the caller recomputes. `stats()` itself never raises.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Sequence
 
-import crc32c
 import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
-from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, BaseTier, value_header, verify_value
 from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.redis_url import RedisAddress, parse_redis_url
 
 VALUE_MAGIC = b"SKR1"
-VALUE_HEADER = struct.Struct("<4sII")
 
 
 class RedisTier(BaseTier):
@@ -105,14 +102,12 @@ class RedisTier(BaseTier):
             self._stats.puts += len(keys)
         if not keys:
             return
-        unique = list(dict.fromkeys(keys))[: self.max_blocks]  # a chain's head, if the batch is bigger than the tier
-        rows = {key: row for row, key in reversed(list(enumerate(keys)))}
+        unique, rows = self._batch_head(keys, self.max_blocks)
         data = blocks.cpu().numpy()
         values = {}
         for key in unique:
             payload = data[rows[key]]
-            header = VALUE_HEADER.pack(VALUE_MAGIC, crc32c.crc32c(payload), self.bytes_per_block)
-            values[self.redis_key(key)] = b"".join((header, payload.data))
+            values[self.redis_key(key)] = b"".join((value_header(VALUE_MAGIC, payload), payload.data))
 
         def write() -> int:
             pipe = self.client.pipeline(transaction=False)
@@ -154,7 +149,7 @@ class RedisTier(BaseTier):
         found = [False] * len(keys)
         bad = []
         for row, value in enumerate(values):
-            if value is not None and self._verify(value):
+            if value is not None and verify_value(value, VALUE_MAGIC, self.bytes_per_block):
                 out_np[row] = np.frombuffer(value, dtype=np.uint8, offset=VALUE_HEADER.size)
                 found[row] = True
                 continue
@@ -167,13 +162,6 @@ class RedisTier(BaseTier):
                 self._stats.checksum_failures += len(bad)
             self.delete(bad)
         return found
-
-    def _verify(self, value: bytes) -> bool:
-        if len(value) != VALUE_HEADER.size + self.bytes_per_block:
-            return False
-        magic, crc, length = VALUE_HEADER.unpack_from(value)
-        payload = memoryview(value)[VALUE_HEADER.size :]
-        return magic == VALUE_MAGIC and length == self.bytes_per_block and crc32c.crc32c(payload) == crc
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = self._check_keys(keys)
