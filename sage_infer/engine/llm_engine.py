@@ -115,8 +115,7 @@ class LLMEngine:
         if transfer is not None:
             self._check_transfer(transfer, params, len(token_ids))
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
-        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
-                                   request.cache_salt)
+        extra_key = self.extra_key(request.cache_salt)
         seqs, detoks = [], []
         for i in range(params.n):
             generator = None
@@ -174,14 +173,18 @@ class LLMEngine:
         except (KeyError, ValueError) as err:
             raise RequestError(str(err.args[0]) if err.args else str(err)) from None
 
+    def extra_key(self, cache_salt: str | None = None) -> bytes:
+        """The prefix-cache key part of this engine's requests under `cache_salt` (model, revision, KV dtype,
+        layout, tenant): what a request's block hashes are chained under."""
+        return make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
+                              cache_salt)
+
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Prompt tokens whose KV this engine's device cache holds now (for a KV-aware router). Records nothing;
         safe to call from another thread (dict reads; a concurrent eviction only makes the answer stale)."""
         if self.kv.index is None or not token_ids:
             return 0
-        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
-                                   cache_salt)
-        return self.kv.index.match(token_ids, extra_key, record=False).num_tokens
+        return self.kv.index.match(token_ids, self.extra_key(cache_salt), record=False).num_tokens
 
     def metrics_registries(self) -> list:
         """Prometheus registries of this engine's parts, for the server's /metrics (the KV connector's transport)."""
@@ -201,10 +204,8 @@ class LLMEngine:
         """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last
         token), as `kv_events` reports them: a router matches one against the other."""
         bs = self.runner.pool.block_size
-        extra_key = make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
-                                   cache_salt)
         usable = (len(token_ids) - 1) // bs * bs
-        return [short(h) for h in hash_token_blocks(token_ids[:usable], bs, extra_key)]
+        return [short(h) for h in hash_token_blocks(token_ids[:usable], bs, self.extra_key(cache_salt))]
 
     def give_up_kv(self, transfer_id: str, why: str) -> bool:
         """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""

@@ -145,16 +145,20 @@ class BlockManager:
                 f"need {n} KV blocks, only {self.num_available_blocks} available "
                 f"({self.num_free_blocks} free, {self.num_evictable_blocks} evictable cached)"
             )
+        counting = self.quota is not None  # (looked up once: this is every step's allocation path)
         block_ids: list[int] = []
         while len(block_ids) < n and self.free_block_ids:
             block_ids.append(self.free_block_ids.popleft())
-            self.own(block_ids[-1], tenant)
+        if counting:
+            for block_id in block_ids:
+                self.own(block_id, tenant)
         evicted: list[EvictedBlock] = []
         while len(block_ids) < n:  # each taken block counts for `tenant` before the next victim is chosen
             evicted.append(self._evict_one(tenant))
             block_ids.append(evicted[-1].block_id)
-            self._disown(block_ids[-1])
-            self.own(block_ids[-1], tenant)
+            if counting:
+                self._disown(block_ids[-1])
+                self.own(block_ids[-1], tenant)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         for block_id in block_ids:

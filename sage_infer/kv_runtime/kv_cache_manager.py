@@ -86,8 +86,8 @@ class KVCacheManager:
         the next request with that prefix hits the device, and the room stays available to
         admission like any cached block.
         """
-        if self.hierarchy is None:
-            return 0
+        if self.hierarchy is None or not self.hierarchy.migrator.hot_changed:
+            return 0  # (this runs after every step: no scan while nothing new became hot)
         manager = self.block_manager
         room = min(limit, manager.num_free_blocks - int(manager.num_blocks * HOT_RESERVE))
         if room <= 0:
@@ -100,6 +100,7 @@ class KVCacheManager:
             if block.parent is None or block.parent in placed or self.index.block_of(block.parent) is not None:
                 chosen.append(block)
                 placed.add(block.key)
+        migrator.hot_changed = len(chosen) >= room  # a full batch: there may be more for the next step
         if not chosen:
             return 0
         rows = self.hierarchy.fetch([block.key for block in chosen])

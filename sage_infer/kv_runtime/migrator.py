@@ -58,7 +58,9 @@ class KVMigrator:
         self.stats = MigratorStats()
         self.promoted_ahead: set[bytes] = set()  # hot blocks promoted and not yet hit on the device
         self.lower_hits: Counter[bytes] = Counter()  # key -> times admission loaded it from below the device
-        self.hot_meta: dict[bytes, HotBlock] = {}  # hot blocks demoted since: what registering them again needs
+        self.hot_meta: dict[bytes, HotBlock] = {}
+        # a hot block was demoted since promotion last found nothing (more) to place: worth another look
+        self.hot_changed = False  # hot blocks demoted since: what registering them again needs
 
     # -- demote ---------------------------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class KVMigrator:
     def _remember_if_hot(self, block: EvictedBlock) -> None:
         """A hot block is leaving the device: keep what registering it again needs (tokens, parent, tenant)."""
         if self.hot_after and self.lower_hits.get(block.block_hash, 0) >= self.hot_after:
+            self.hot_changed = True
             self.hot_meta[block.block_hash] = HotBlock(block.block_hash, block.parent_hash, block.token_ids,
                                                        block.extra_key, block.depth)
 

@@ -131,9 +131,7 @@ class PDRole:
         batch = self.backend.kv_events(since) if isinstance(self.backend, KVTransferBackend) else None
         if batch is None:
             raise APIError(404, "this instance does not publish KV events (only prefill workers do)")
-        stats = self.backend.stats()
-        return {"next": batch.next, "reset": batch.reset, "events": batch.events,
-                "num_running": stats.num_running, "num_waiting": stats.num_waiting}
+        return {"next": batch.next, "reset": batch.reset, "events": batch.events}
 
     async def send(self, body: KVSendRequest) -> dict:
         """Prefill side of ``POST /v1/kv/send``."""
