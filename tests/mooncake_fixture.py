@@ -13,26 +13,17 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.redis_fixture import free_port
+from tests.redis_fixture import ServerProcess, free_port
 
 MOONCAKE_MISSING = "Mooncake Store not installed (pip install 'sage-infer[mooncake]')"
 
 
-@dataclass
-class MooncakeMaster:
-    url: str
-    port: int
-    process: subprocess.Popen
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+class MooncakeMaster(ServerProcess):
+    pass
 
 
 def master_binary() -> str | None:

@@ -17,7 +17,9 @@ REDIS_MISSING = "redis-server not installed (apt-get install redis-server)"
 
 
 @dataclass
-class RedisServer:
+class ServerProcess:
+    """A server a test started on a loopback port (redis-server, mooncake_master)."""
+
     url: str
     port: int
     process: subprocess.Popen
@@ -27,6 +29,8 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
 
+
+class RedisServer(ServerProcess):
     def client(self):
         import redis
 
