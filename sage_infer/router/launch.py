@@ -8,8 +8,6 @@ SIGTERM) stops the router, then the workers.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import signal
 import subprocess
@@ -102,6 +100,7 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
     import uvicorn
 
     from sage_infer.router.app import build_router
+    from sage_infer.server.launch import run_announced
 
     num_prefill, num_decode = parse_pd(spec)
     if launcher == "ray":
@@ -123,24 +122,8 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
 
-        async def announce() -> None:
-            while not server.started:
-                await asyncio.sleep(0.05)
-            bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
-            print(f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
-                  f"({num_prefill} prefill + {num_decode} decode workers: "
-                  f"{', '.join(f'{w.name} {w.url}' for w in workers)})", flush=True)
-
-        async def main() -> None:
-            announcer = asyncio.create_task(announce())
-            with contextlib.suppress(asyncio.CancelledError):
-                await server.serve()
-            announcer.cancel()
-
-        asyncio.run(main())
-        if not server.started:
-            print(f"sage: error: could not listen on {host}:{port}", file=sys.stderr)
-            return 1
-        return 0
+        return run_announced(server, host, port, lambda bound: (
+            f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 ({num_prefill} prefill + "
+            f"{num_decode} decode workers: {', '.join(f'{w.name} {w.url}' for w in workers)})"))
     finally:
         stop()

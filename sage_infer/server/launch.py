@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable
 
 from sage_infer.config.serve import ServeConfig
 
@@ -59,19 +60,28 @@ def serve(config: ServeConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
 
+    return run_announced(server, config.host, config.port,
+                         lambda port: ready_message(config.host, port, model_name, config.api_key is not None))
+
+
+def run_announced(server, host: str, port: int, ready_line: Callable[[int], str]) -> int:
+    """Run a uvicorn.Server until it stops; once it listens, print ``ready_line(bound port)``.
+    Exit code 0, or 1 (with one line on stderr) when it could not listen."""
+
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
-        print(ready_message(config.host, port, model_name, config.api_key is not None), flush=True)
+        bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+        print(ready_line(bound), flush=True)
 
     async def main() -> None:
         announcer = asyncio.create_task(announce())
-        await server.serve()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server.serve()
         announcer.cancel()
 
     asyncio.run(main())
     if not server.started:
-        print(f"sage: error: could not listen on {config.host}:{config.port}", file=sys.stderr)
+        print(f"sage: error: could not listen on {host}:{port}", file=sys.stderr)
         return 1
     return 0
