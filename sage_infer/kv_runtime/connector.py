@@ -98,8 +98,7 @@ class KVConnector:
     """Send and/or receive whole KV blocks; one event-loop thread, any number of peers."""
 
     def __init__(self, schema: KVCacheSchema, config: KVTransportConfig | None = None, *, backend: str = "shm",
-                 listen: bool = False, listen_address: str | None = None,
-                 on_result: Callable[[], None] | None = None) -> None:
+                 listen: bool = False, listen_address: str | None = None) -> None:
         self.schema = schema
         self.block_nbytes = schema.bytes_per_block
         self.config = config or KVTransportConfig()
@@ -114,7 +113,7 @@ class KVConnector:
         self._conns: dict[str, Connection] = {}
         self._sent = _Results(self)
         self._received = _Results(self)
-        self.on_result = on_result  # called on the loop thread whenever a transfer ends
+        self.on_result: Callable[[], None] | None = None  # called on the loop thread whenever a transfer ends
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sage-kv-connector", daemon=True)
