@@ -281,3 +281,44 @@ def test_a_prompt_shorter_than_one_block_goes_through_the_router_too(deployment,
     assert got.choices[0].text == complete(colocated.url, colocated.model, short_prompt).choices[0].text
     settle(prefill, decode)
     assert not prefill.backend.engine.kv.transfers.held
+
+
+def test_slo_strategy_measures_decode_tpot_and_counts_the_targets_met(deployment):
+    """Under strategy slo the router measures each decode worker's seconds per output token (from the streams
+    it relays and the calls it makes), exports it, and counts which TTFT/TPOT targets requests met."""
+    from sage_infer.config.serve import RouterConfig
+
+    prefill, decode, _ = deployment
+    with running_router([prefill.url], [decode.url], config=RouterConfig(strategy="slo")) as url:
+        for i in range(2):
+            stream = client(url).completions.create(
+                model=decode.model, prompt=[60 + i] * 40, max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "slo_tpot_ms": 60_000, "slo_ttft_ms": 60_000})
+            assert sum(len(c.choices[0].text) > 0 for c in stream if c.choices) >= 1
+        complete(url, decode.model, extra={"slo_tpot_ms": 0.001})  # no worker can meet this: counted as missed
+        bad = httpx.post(f"{url}/v1/completions", json={"model": decode.model, "prompt": [1, 2], "slo_tpot_ms": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "slo_tpot_ms"
+        samples = {(s.name, s.labels.get("target"), s.labels.get("met")): s.value
+                   for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
+    assert samples["sage:router_tpot_seconds", None, None] > 0
+    assert samples["sage:router_slo_requests_total", "ttft", "true"] == 2
+    assert samples["sage:router_slo_requests_total", "tpot", "true"] == 2
+    assert samples["sage:router_slo_requests_total", "tpot", "false"] == 1
+    settle(prefill, decode)
+
+
+def test_a_tpot_target_steers_away_from_a_decode_worker_measured_too_slow():
+    from sage_infer.router.instances import Instances
+
+    workers = Instances.of([], ["http://a", "http://b", "http://c"])
+    a, b, c = workers.decode
+    a.observe_tpot(0.050)
+    b.observe_tpot(0.020)
+    b.outstanding = 3  # c is not measured yet: it may meet the target, and is the least loaded
+    assert workers.pick("decode", tpot_target=0.030) is c
+    c.observe_tpot(0.040)
+    assert workers.pick("decode", tpot_target=0.030) is b  # the only one measured fast enough, though busier
+    assert workers.pick("decode", tpot_target=0.010) is b  # none meets it: the fastest
+    assert workers.pick("decode") is a  # without a target: load alone
+    a.observe_tpot(0.010)  # a moving average: one fast request does not make it fast at once
+    assert 0.010 < a.tpot_s < 0.050

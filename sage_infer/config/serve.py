@@ -120,11 +120,14 @@ class RouterConfig(Strict):
 
     strategy: Literal["fifo", "priority", "slo"] = Field(
         "fifo", description="Order of requests waiting for a free worker slot: fifo (arrival), priority (the "
-        "request's priority, lower first), slo (earliest TTFT deadline: arrival + slo_ttft_ms, or the default).")
+        "request's priority, lower first), slo (earliest TTFT deadline: arrival + slo_ttft_ms, or the default; "
+        "and the decode worker is one whose measured TPOT meets the request's slo_tpot_ms, if any does).")
     max_outstanding_per_worker: int = Field(8, ge=1, le=4096, description="Requests in flight at one decode "
                                             "worker; more wait in the router, ordered by the strategy.")
     default_slo_ttft_ms: float = Field(1000.0, gt=0, le=3_600_000, description="TTFT target of a request that "
                                        "names none (strategy slo).")
+    default_slo_tpot_ms: float = Field(200.0, gt=0, le=3_600_000, description="TPOT target of a request that "
+                                       "names none (strategy slo): decode workers measured slower are avoided.")
 
 
 class SchedulerConfig(Strict):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -31,7 +32,7 @@ from starlette.background import BackgroundTask
 
 from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
-from sage_infer.router.admission import Admission
+from sage_infer.router.admission import Admission, Slo
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
@@ -42,7 +43,7 @@ MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hash
 EVENTS_POLL_S = 0.1  # how often the router asks each prefill worker what its prefix cache stored and removed
 EVENTS_TIMEOUT_S = 2.0
 BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
-ROUTER_FIELDS = ("slo_ttft_ms",)  # read by the router, not sent to workers
+ROUTER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")  # read by the router, not sent to workers
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 
@@ -187,9 +188,10 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     async def route(path: str, body: dict, splittable: bool) -> Response:
         if instances.pick("decode") is None:  # before any prefill work that nobody could continue
             raise APIError(503, "no decode worker is up")
-        await admission.enter(body)
+        slo = admission.slo(body, time.monotonic())
+        await admission.enter(body, slo.arrival)
         try:
-            response = await dispatch(path, body, splittable)
+            response = await dispatch(path, body, splittable, slo)
         except BaseException:
             admission.leave()
             raise
@@ -198,24 +200,35 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         admission.leave()
         return response
 
-    async def dispatch(path: str, body: dict, splittable: bool) -> Response:
+    async def dispatch(path: str, body: dict, splittable: bool, slo: Slo) -> Response:
         forwarded = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
         params = await prefill(path, forwarded) if splittable else None
         if params is None:
             metrics.colocated.inc()
-        worker = instances.pick("decode")
+        worker = instances.pick("decode", tpot_target=slo.tpot_s)
         if worker is None:
             raise APIError(503, "no decode worker is up")
         second = {**forwarded, "kv_transfer_params": params} if params else forwarded
         if body.get("stream"):
-            return await stream(worker, path, second)
+            return await stream(worker, path, second, slo)
+        started = time.monotonic()
         with track(worker):
             reply = await call(worker, path, second)
         if reply.status_code >= 500:
             worker.failed(f"HTTP {reply.status_code}")
+        elif reply.status_code == 200:
+            tokens = _completion_tokens(reply)
+            if tokens > 1:  # an upper bound: the call's time includes the KV pull and the first token
+                observe_tpot(worker, slo, (time.monotonic() - started) / tokens)
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
-    async def stream(worker: Instance, path: str, body: dict) -> Response:
+    def observe_tpot(worker: Instance, slo: Slo, seconds: float) -> None:
+        worker.observe_tpot(seconds)
+        metrics.tpot.labels(worker.url).set(worker.tpot_s)
+        if slo.tpot_s is not None:
+            metrics.slo.labels("tpot", str(seconds <= slo.tpot_s).lower()).inc()
+
+    async def stream(worker: Instance, path: str, body: dict, slo: Slo) -> Response:
         """Relay the decode worker's SSE stream; its status line and errors come through as sent."""
         tracking = track(worker)
         tracking.__enter__()
@@ -247,10 +260,19 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
 
         async def relay() -> AsyncIterator[bytes]:
             tail = b"\n\n"
+            events, first, last = 0, 0.0, 0.0  # SSE events relayed; when the first and the last came
             try:
                 async for chunk in upstream.aiter_raw():
+                    last = time.monotonic()
+                    if not events:
+                        first = last
+                        if slo.ttft_s is not None:  # the client's first token: its TTFT
+                            metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
+                    events += chunk.count(b"data: ")
                     tail = (tail + chunk)[-2:]
                     yield chunk
+                if events > 3:  # about a token an event, then the finish and [DONE] events
+                    observe_tpot(worker, slo, (last - first) / (events - 2))
             except httpx.HTTPError as err:  # the worker died mid-stream: end the stream with an error event
                 worker.failed(str(err) or type(err).__name__)
                 metrics.failures.labels(worker.url, worker.role).inc()
@@ -313,6 +335,13 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _completion_tokens(reply: httpx.Response) -> int:
+    try:
+        return int(reply.json()["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def _passthrough(reply: httpx.Response) -> APIError:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 DOWN_FOR_S = 5.0  # a worker that failed a call is skipped this long, then tried again
+TPOT_WEIGHT = 0.3  # of the newest request in a worker's moving average of seconds per output token
 
 
 @dataclass(slots=True)
@@ -19,6 +20,10 @@ class Instance:
     down_reason: str | None = None
     cached: set[str] = field(default_factory=set)  # short hashes of the blocks its prefix cache holds (events)
     events_next: int = -1  # the next event to ask it for (-1: start from its whole current set)
+    tpot_s: float | None = None  # decode: moving average of seconds per output token the router measured
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot_s = seconds if self.tpot_s is None else TPOT_WEIGHT * seconds + (1 - TPOT_WEIGHT) * self.tpot_s
 
     def apply(self, reply: dict) -> None:
         """Fold one /v1/kv/events answer into `cached`."""
@@ -62,10 +67,19 @@ class Instances:
         return cls([Instance(u.rstrip("/"), "prefill") for u in prefill_urls],
                    [Instance(u.rstrip("/"), "decode") for u in decode_urls])
 
-    def pick(self, role: str, exclude: set[str] | None = None) -> Instance | None:
+    def pick(self, role: str, exclude: set[str] | None = None, tpot_target: float | None = None) -> Instance | None:
+        """The least loaded live worker; with `tpot_target` (seconds), a decode worker whose measured TPOT meets
+        it (or is not measured yet) if any does, else the fastest one."""
         pool = self.prefill if role == "prefill" else self.decode
         live = [i for i in pool if i.up and (not exclude or i.url not in exclude)]
-        return min(live, key=lambda i: i.outstanding) if live else None
+        if not live:
+            return None
+        if tpot_target is not None:
+            meets = [i for i in live if i.tpot_s is None or i.tpot_s <= tpot_target]
+            if not meets:
+                return min(live, key=lambda i: (i.tpot_s, i.outstanding))
+            live = meets
+        return min(live, key=lambda i: i.outstanding)
 
     def all(self) -> list[Instance]:
         return [*self.prefill, *self.decode]

@@ -25,3 +25,8 @@ class RouterMetrics:
                              registry=r)
         self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
                                       "prefill worker chosen (overlap hit rate = this / prompt tokens).", registry=r)
+        self.tpot = Gauge("sage:router_tpot_seconds", "A decode worker's moving average of seconds per output "
+                          "token, as the router measures it (streams: between events; others: call time / tokens, "
+                          "an upper bound).", ["instance"], registry=r)
+        self.slo = Counter("sage:router_slo_requests", "Requests under strategy slo, by target (ttft: streams "
+                           "only; tpot) and whether it was met.", ["target", "met"], registry=r)
