@@ -84,3 +84,83 @@ def test_a_decode_worker_killed_mid_request_ends_it_with_an_error_and_frees_the_
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+RECEIVER = """
+import os, sys, time
+from sage_infer.config.transport import KVTransportConfig
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+from sage_infer.kv_runtime.connector import KVConnector
+schema = KVCacheSchema(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype=KVDtype.FP32)
+connector = KVConnector(schema, KVTransportConfig(), backend="tcp", listen=True)
+print(connector.address, flush=True)
+while connector.dropped_chunks == 0:  # the first chunk of a transfer it never expected: die mid-transfer
+    time.sleep(0.001)
+os._exit(9)
+"""
+
+
+def test_a_receiver_killed_mid_transfer_fails_the_send_and_the_prefill_frees_its_kv(model_dir):
+    """The prefill worker sends in 4 KiB chunks to a receiver process that dies after the first one lands:
+    `/v1/kv/send` answers an error instead of hanging, the held KV is freed, and the worker serves on."""
+    prefill, p_url = worker(model_dir, "prefill", "--kv-transport", "backend=tcp", "--kv-transport",
+                            "chunk-size=4KiB", "--kv-transport", "max-inflight=1", "--kv-transport", "timeout-s=20")
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        address = receiver.stdout.readline().strip()
+        assert address.startswith("tcp://")
+        model = httpx.get(f"{p_url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": [5 + (7 * j) % 400 for j in range(200)], "max_tokens": 1,
+                "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+        held = httpx.post(f"{p_url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+        assert held_blocks(p_url) > 0
+        send = {"request_id": held["remote_request_id"], "address": address, "transfer_id": "killed-mid-transfer"}
+        reply = httpx.post(f"{p_url}/v1/kv/send", json=send, timeout=60)
+        assert receiver.wait(30) == 9  # it did die after a chunk landed, before the transfer finished
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"
+        deadline = time.monotonic() + 30
+        while held_blocks(p_url) > 0:
+            assert time.monotonic() < deadline, "the prefill worker still holds the KV of the failed send"
+            time.sleep(0.1)
+        failed = next(s.value for f in text_string_to_metric_families(httpx.get(f"{p_url}/metrics").text)
+                      for s in f.samples if s.name == "sage:pd_transfers_total"
+                      and (s.labels["direction"], s.labels["outcome"]) == ("send", "failed"))
+        assert failed == 1
+        again = httpx.post(f"{p_url}/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60)
+        assert again.status_code == 200  # the worker serves on
+    finally:
+        for proc in (prefill, receiver):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+
+
+def test_a_request_whose_decode_worker_is_gone_is_retried_on_another_one(model_dir):
+    prefill, p_url = worker(model_dir, "prefill")
+    gone, gone_url = worker(model_dir, "decode")
+    alive, alive_url = worker(model_dir, "decode")
+    try:
+        gone.kill()
+        gone.wait(30)
+        model = httpx.get(f"{alive_url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": [5 + (11 * j) % 400 for j in range(40)], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        want = httpx.post(f"{alive_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        for stream in (False, True):
+            with running_router([p_url], [gone_url, alive_url]) as url:  # a fresh router picks the dead one first
+                reply = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=60)
+                assert reply.status_code == 200
+                if stream:
+                    chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+                    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+                else:
+                    assert reply.json()["choices"][0]["text"] == want
+                samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                           for s in f.samples}
+                assert samples["sage:router_decode_retries_total"] == 1
+                assert samples["sage:router_colocated_total"] == 0  # the prefill worker's KV was used
+    finally:
+        for proc in (prefill, gone, alive):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(30)

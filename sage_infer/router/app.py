@@ -11,9 +11,10 @@ whole: it computes their prompts itself.
 The prefill worker is chosen by prefix overlap: with more than one up, the router asks each
 (``POST /v1/kv/match``, side-effect free) how many of the prompt's tokens it holds cached, and
 sends the request to the one holding most, unless it is much busier than the least loaded one
-(then load wins). Decode workers are chosen by least outstanding requests. A worker that fails
-a call is skipped for a few seconds. Errors are OpenAI-style JSON: a worker's own 4xx passes through, an
-unreachable decode worker is a 503.
+(then load wins). Decode workers are chosen by least outstanding requests (and, under strategy
+slo, measured TPOT). A worker that fails a call is skipped for a few seconds. Errors are
+OpenAI-style JSON: a worker's own 4xx passes through; a decode worker found unreachable before it
+answered is replaced by another one that is up (the request is retried there), else it is a 503.
 """
 
 from __future__ import annotations
@@ -205,15 +206,24 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         params = await prefill(path, forwarded) if splittable else None
         if params is None:
             metrics.colocated.inc()
-        worker = instances.pick("decode", tpot_target=slo.tpot_s)
-        if worker is None:
-            raise APIError(503, "no decode worker is up")
         second = {**forwarded, "kv_transfer_params": params} if params else forwarded
-        if body.get("stream"):
-            return await stream(worker, path, second, slo)
-        started = time.monotonic()
-        with track(worker):
-            reply = await call(worker, path, second)
+        tried: set[str] = set()
+        while True:  # a decode worker found unreachable before it answered: the next one, if any is up
+            worker = instances.pick("decode", exclude=tried, tpot_target=slo.tpot_s)
+            if worker is None:
+                raise APIError(503, "no decode worker is up")
+            tried.add(worker.url)
+            try:
+                if body.get("stream"):
+                    return await stream(worker, path, second, slo)
+                started = time.monotonic()
+                with track(worker):
+                    reply = await call(worker, path, second)
+                break
+            except APIError as err:
+                if err.status != 503 or instances.pick("decode", exclude=tried) is None:
+                    raise
+                metrics.retries.inc()
         if reply.status_code >= 500:
             worker.failed(f"HTTP {reply.status_code}")
         elif reply.status_code == 200:

@@ -30,3 +30,5 @@ class RouterMetrics:
                           "an upper bound).", ["instance"], registry=r)
         self.slo = Counter("sage:router_slo_requests", "Requests under strategy slo, by target (ttft: streams "
                            "only; tpot) and whether it was met.", ["target", "met"], registry=r)
+        self.retries = Counter("sage:router_decode_retries", "Requests sent to another decode worker because the "
+                               "one chosen was unreachable before it answered.", registry=r)
