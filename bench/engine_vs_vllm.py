@@ -21,10 +21,11 @@ process: torch threads = --threads, KV pool = --kv-gib, a fresh `LLM` per run (e
 cache). Both: prefix caching on, each engine's default block size and step token budget, a
 short warm-up on unrelated prompts. Each workload runs --repeats times per engine, the order
 alternating (vLLM first on even repeats); the table shows medians, the JSON every run.
-Output tok/s = generated tokens / generate() wall time. TTFT = a request's first token time
-from the generate() call's start. `cpu` = CPU seconds of the engine's processes / wall seconds
-(about --threads when it had the cores; lower on a busy machine). Greedy agreement: requests
-whose output tokens are identical in both engines (expected all of them in fp32; bf16 drifts).
+Output tok/s = generated tokens / generate() wall time (the JSON adds total tok/s, prompt
+tokens included). TTFT = a request's first token time from the generate() call's start.
+`cpu` = CPU seconds of the engine's processes / wall seconds (about --threads when it had the
+cores; lower on a busy machine). Greedy agreement: requests whose output tokens are identical
+in both engines (expected all of them in fp32; bf16 drifts).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def median_row(runs: list[dict]) -> dict:
-    keys = ("output_tok_s", "wall_s", "ttft_mean_s", "ttft_p50_s", "cpu_util")
+    keys = ("output_tok_s", "total_tok_s", "wall_s", "ttft_mean_s", "ttft_p50_s", "cpu_util")
     return {**{k: statistics.median(r[k] for r in runs) for k in keys}, "min_wall_s": min(r["wall_s"] for r in runs),
             "runs": runs}
 
@@ -174,6 +175,7 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
                 gc.collect()  # free this run's pool before the next one allocates its own
                 if worker:  # vLLM should sit idle meanwhile; its busy-poll would take sage's cores
                     row["vllm_cpu_s_meanwhile"] = tree_cpu_seconds(worker.proc.pid) - idle0
+            row["total_tok_s"] = (row["prompt_tokens"] + row["generated_tokens"]) / row["wall_s"]
             row["loadavg_1m"] = [load0, os.getloadavg()[0]]
             runs[engine].append(row)
             log(f"  run {rep + 1}/{args.repeats} {engine:<5} {row['output_tok_s']:9.1f} tok/s"
