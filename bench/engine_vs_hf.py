@@ -104,6 +104,7 @@ def summarize(name: str, wall: float, cpu: float, generated: int, ttfts: list[fl
         "cpu_util": cpu / wall,
         "generated_tokens": generated,
         "output_tok_s": generated / wall,
+        "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": percentile(ttfts, 99),
         **extra,
@@ -188,11 +189,12 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new: int, pad_id: int
         [list(r.generated_tokens) for r in outs]
 
 
-def sage_generate(model_dir: str, dtype: str, prompts: list[list[int]], max_new: int, num_blocks: int,
-                  warmup: list[list[int]]) -> tuple[dict, list]:
+def sage_generate(model_dir: str, dtype: str, prompts: list[list[int]], max_new: int, num_blocks: int | None,
+                  warmup: list[list[int]], kv_memory: str | None = None) -> tuple[dict, list]:
+    """A fresh `LLM` (empty prefix cache) per call; the pool from `num_blocks` or else `kv_memory`."""
     from sage_infer import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, device="cpu", num_blocks=num_blocks, max_num_seqs=64,
+    llm = LLM(model_dir, dtype=dtype, device="cpu", num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=64,
               max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
     llm.generate(warmup, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

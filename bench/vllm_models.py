@@ -1,0 +1,83 @@
+"""The models bench/engine_vs_vllm.py compares on: the bundled demo model, and random-weight
+Qwen shapes built with `transformers` that carry the demo tokenizer (vocab 4096).
+
+A built model is saved once under the cache directory (fp32 safetensors, tied embeddings) and
+reused; each engine casts it to the dtype of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DIR = REPO / "sage_infer" / "demo_model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+BUILD_VERSION = 1  # bump when a shape or the build changes, so cached copies are rebuilt
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    description: str
+    dtype: str  # the default dtype of a run (the anchor's)
+    arch: str | None = None  # None: the bundled demo model, as shipped
+    shape: dict = field(default_factory=dict)
+
+
+MODELS = {
+    "demo": ModelSpec("demo", "bundled demo model (4M Llama, trained weights)", "bf16"),
+    "qwen3-11m": ModelSpec(
+        "qwen3-11m", "random Qwen3 shape, 11M: hidden 384, 6 layers, 6/2 heads, head_dim 64, inter 1024", "fp32",
+        arch="qwen3", shape=dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                                 head_dim=64, intermediate_size=1024)),
+    "qwen2.5-0.5b-shape": ModelSpec(
+        "qwen2.5-0.5b-shape", "random Qwen2.5-0.5B shape, 362M: hidden 896, 24 layers, 14/2 heads, inter 4864",
+        "bf16", arch="qwen2", shape=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                         num_key_value_heads=2, intermediate_size=4864)),
+}
+
+
+def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
+    """The model's directory: the demo model in place, or a random model built (once) under cache_dir."""
+    if spec.arch is None:
+        return DEMO_DIR
+    directory = cache_dir / f"{spec.name}-seed{seed}-v{BUILD_VERSION}"
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    import transformers
+
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+    config_cls, model_cls = classes[spec.arch]
+    demo = json.loads((DEMO_DIR / "config.json").read_text())
+    config = config_cls(vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
+                        eos_token_id=demo["eos_token_id"], pad_token_id=demo["pad_token_id"],
+                        max_position_embeddings=4096, tie_word_embeddings=True, **spec.shape)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # build next to the target and rename, so an interrupted build never looks finished
+    partial = cache_dir / f".{directory.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_DIR / name, partial / name)
+    partial.rename(directory)
+    return directory
+
+
+def model_facts(model_dir: Path) -> dict:
+    """vocab, context length and parameter count read from the saved model."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    params = 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            params += math.prod(f.get_slice(key).get_shape())
+    return {"vocab_size": config["vocab_size"], "max_position_embeddings": config["max_position_embeddings"],
+            "params": params, "architecture": config["architectures"][0]}
