@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--backend", default="shm", choices=["shm", "tcp"])
+    parser.add_argument("--backend", default="shm", choices=["shm", "tcp", "torchdist"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 

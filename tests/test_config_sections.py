@@ -253,8 +253,8 @@ def test_roles_build_a_kv_connector_from_kv_transport(tiny):
 def test_a_role_with_a_transport_it_cannot_use_is_one_config_error(tiny):
     with pytest.raises(ConfigError, match="kv_transport.target_dtype"):
         build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.target_dtype=int8")
-    with pytest.raises(ConfigError, match="kv_transport.backend: torchdist"):
-        build(tiny, "kv_pool.num_blocks=8", "role=prefill", "kv_transport.backend=torchdist")
+    with pytest.raises(ConfigError, match="kv_transport.backend: rdma"):
+        build(tiny, "kv_pool.num_blocks=8", "role=prefill", "kv_transport.backend=rdma")
 
 
 def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):

@@ -8,7 +8,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -26,15 +28,18 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("pd-launch") / "tiny", "llama")
 
 
-def run_deployment(model_dir, *extra: str) -> None:
+def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], None] | None = None) -> str:
     """`sage llm serve --pd 1P1D ...` in a subprocess: one printed URL, answers equal to one engine's, the
-    prompt's KV through the decode worker; SIGTERM stops it (exit 0) and its workers."""
+    prompt's KV through the decode worker; SIGTERM stops it (exit 0) and its workers. `check_workers(prefill
+    URL, decode URL)` looks at the workers before they stop. Returns what the command wrote to stderr (its
+    workers' output)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SAGE_API_KEY", None)
     argv = ["llm", "serve", "--pd", "1P1D", *extra, "--port", "0", "--model", str(model_dir),
             "--set", "model.dtype=fp32"]
+    stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         line = proc.stdout.readline()
         match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(1 prefill \+ 1 decode workers: prefill-0 (\S+), "
@@ -50,6 +55,8 @@ def run_deployment(model_dir, *extra: str) -> None:
         assert got.choices[0].text == want.outputs[0].text
         assert got.usage.prompt_tokens_details.cached_tokens == 32  # the decode worker got both blocks
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        if check_workers is not None:
+            check_workers(*workers)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(90)
@@ -63,6 +70,8 @@ def run_deployment(model_dir, *extra: str) -> None:
                 break
             assert time.monotonic() < deadline, f"worker {worker} still answers after the router stopped"
             time.sleep(0.2)
+    stderr.seek(0)
+    return stderr.read()
 
 
 def test_pd_1p1d_serves_one_url_and_stops_its_workers(model_dir):

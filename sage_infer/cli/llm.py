@@ -84,8 +84,10 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
     key = resolved.api_key.get_secret_value() if resolved.api_key else None
     if key is not None:
         os.environ["SAGE_API_KEY"] = key  # inherited by the workers
+    transport = resolved.kv_transport
+    group = transport.process_group if transport.backend == "torchdist" else None
     return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router,
-                    launcher, ray_address)
+                    launcher, ray_address, group)
 
 
 @app.command("generate")

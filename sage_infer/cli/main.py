@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    code = main()
+    group = sys.modules.get("sage_infer.transport.process_group")  # loaded only where torchdist was used
+    if group is not None:
+        group.exit_process(code)  # a process that joined a torch.distributed group skips the teardown
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # python -m sage_infer.cli.main (how `--pd` starts its workers)

@@ -45,6 +45,12 @@ CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
     "kv_transport": (lambda config: config.role != "both" or config.pd is not None,
                      "used only by a prefill or decode instance (--role prefill|decode, or --pd); "
                      "this one serves both roles, so no KV moves between instances"),
+    "kv_transport.process_group": (lambda config: config.kv_transport.backend == "torchdist",
+                                   "used only with kv_transport.backend=torchdist (the group its KV moves in)"),
+    **{f"kv_transport.process_group.{name}": (
+        lambda config: config.kv_transport.backend == "torchdist" and config.pd is None,
+        "used by a torchdist worker started on its own (--role); --pd gives each worker its rank and the world size")
+       for name in ("rank", "world_size")},
 }
 
 

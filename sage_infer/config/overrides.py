@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from sage_infer.config.serve import ServeConfig
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.errors import UsageError
@@ -52,17 +54,33 @@ def _split(flag: str, item: str) -> tuple[str, str]:
 
 
 def add_kv_transport_flags(layer: CliLayer, items: list[str] | None) -> None:
-    """``--kv-transport key=value`` (dashes or underscores; a few short aliases)."""
-    known = set(KVTransportConfig.model_fields)
+    """``--kv-transport key=value`` (dashes or underscores; a few short aliases); a field of a nested
+    section as ``section.key=value`` (``process-group.rank=0``)."""
     for item in items or []:
         for part in item.split(","):  # also accept preset=high-bw,backend=shm
             key, value = _split("--kv-transport", part)
-            name = key.replace("-", "_").lower()
-            name = KV_TRANSPORT_ALIASES.get(name, name)
-            if name not in known:
-                choices = ", ".join(sorted(k.replace("_", "-") for k in known))
-                raise UsageError(f"--kv-transport: unknown key {key!r}; expected one of: {choices}")
-            layer.set(f"kv_transport.{name}", value, f"--kv-transport {key}={value}")
+            names = key.replace("-", "_").lower().split(".")
+            names[0] = KV_TRANSPORT_ALIASES.get(names[0], names[0])
+            _check_field_path(KVTransportConfig, names, key)
+            layer.set(f"kv_transport.{'.'.join(names)}", value, f"--kv-transport {key}={value}")
+
+
+def _check_field_path(model: type[BaseModel], names: list[str], key: str) -> None:
+    """`names` leads through `model`'s sections to one value; else a UsageError saying what is there."""
+    for depth, name in enumerate(names):
+        fields = model.model_fields
+        if name not in fields:
+            where = f"in {'.'.join(names[:depth])} ".replace("_", "-") if depth else ""
+            choices = ", ".join(sorted(k.replace("_", "-") for k in fields))
+            raise UsageError(f"--kv-transport: unknown key {key!r}; expected {where}one of: {choices}")
+        annotation = fields[name].annotation
+        section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        last = depth == len(names) - 1
+        if section and last:
+            raise UsageError(f"--kv-transport {key}: {key} is a section; set {key}.KEY=VALUE")
+        if not section and not last:
+            raise UsageError(f"--kv-transport {key}: {'.'.join(names[: depth + 1])} is a value, not a section")
+        model = annotation
 
 
 def add_kv_tiers_flags(layer: CliLayer, items: list[str] | None) -> None:

@@ -19,6 +19,33 @@ MIN_CHUNK = 4 * 1024
 MAX_CHUNK = 1024 * 1024 * 1024
 
 
+class ProcessGroupConfig(Strict):
+    """The torch.distributed process group a prefill/decode worker joins for ``backend: torchdist``.
+
+    Every worker of the deployment joins the same group (gloo for a KV pool on the CPU, the device's
+    backend, e.g. nccl, for one on an accelerator); a decode worker's KV address is its rank.
+    `sage llm serve --pd xPyD` fills in `init_method`, `rank` and `world_size` itself. A process that
+    already has a group (started by torchrun, say) uses it when these are unset.
+    """
+
+    init_method: str | None = Field(None, description="Where the ranks meet: tcp://HOST:PORT (rank 0 listens "
+                                    "there, the others dial it) or file:///PATH on a shared filesystem. --pd: "
+                                    "a free 127.0.0.1 port unless set.")
+    rank: int | None = Field(None, ge=0, description="This worker's rank, 0..world_size-1 (--pd assigns them: "
+                             "prefill workers first, then decode).")
+    world_size: int | None = Field(None, ge=2, le=65536, description="Workers in the group (--pd: x + y).")
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="How long joining waits for every rank to "
+                             "arrive; past it the worker stops with an error instead of hanging.")
+
+    @field_validator("init_method")
+    @classmethod
+    def _rendezvous_url(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("file:///") or
+                                      (value.startswith("tcp://") and value.rpartition(":")[2].isdigit())):
+            raise ValueError(f"init_method must be tcp://HOST:PORT or file:///PATH, got {value!r}")
+        return value
+
+
 class KVTransportConfig(Strict):
     """Knobs of the KV transport engine. Sizes accept units: ``chunk_size=4MiB``."""
 
@@ -38,6 +65,8 @@ class KVTransportConfig(Strict):
         "crc32c", description="Per-chunk payload checksum. crc32c (default, every backend): a bad copy, a "
         "scribbled shared-memory ring or a flipped bit on the wire is caught and the chunk resent, for ~15 GB/s "
         "of CRC per core. none: trust the link (a receiver accepts it only when it is set to none too).")
+    process_group: ProcessGroupConfig = Field(ProcessGroupConfig(), description="The torch.distributed group "
+                                              "of backend torchdist.")
 
     @field_validator("chunk_size")
     @classmethod

@@ -29,6 +29,7 @@ from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.scheduler import Scheduler
+from sage_infer.transport.process_group import join_process_group
 
 DEMO_MODEL_NAME = "sage-demo"
 auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
@@ -101,23 +102,29 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     return engine
 
 
-PD_BACKENDS = ("shm", "tcp")  # what the KV connector can run on today
+PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today
 
 
 def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
-    """Give a prefill or decode instance its KV connector, from `config.kv_transport`."""
+    """Give a prefill or decode instance its KV connector, from `config.kv_transport` (joining the
+    process group first for torchdist)."""
     transport = config.kv_transport
     backend = "shm" if transport.backend == "auto" else transport.backend
     if backend not in PD_BACKENDS:
         raise ConfigError(f"kv_transport.backend: {backend} does not carry prefill/decode KV yet; use shm (one "
-                          f"host) or tcp")
+                          f"host), tcp or torchdist")
     if transport.target_dtype is not None:
         raise ConfigError("kv_transport.target_dtype: prefill/decode transfers send KV as the pool stores it; "
                           "converting it on the wire is not implemented for them")
+    group = ""
+    if backend == "torchdist":
+        joined = join_process_group(transport.process_group, engine.device)
+        group = (f", rank {joined.rank} of {joined.world_size} in a {joined.backend} process group"
+                 + (f" at {joined.init_method}" if joined.init_method else ""))
     address = engine.enable_kv_transfer(transport, backend=backend, listen=config.role == "decode",
                                         hold_timeout_s=transport.timeout_s)
     where = f", receiving at {address}" if address else ""
-    auto_log.info("role = %s (KV over %s, %d KiB chunks, %s s deadline%s)", config.role, backend,
+    auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
 
 

@@ -111,6 +111,9 @@ class KVConnector:
         self._buffers = _DroppingBuffers()
         self._expected: dict[str, _Expected] = {}
         self._conns: dict[str, Connection] = {}
+        # one connect per address at a time: sends started together share one connection, instead of
+        # each opening its own and all but the last leaking (never closed)
+        self._connecting: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._sent = _Results(self)
         self._received = _Results(self)
         self.on_result: Callable[[], None] | None = None  # called on the loop thread whenever a transfer ends
@@ -230,9 +233,10 @@ class KVConnector:
     async def _send(self, transfer_id: str, address: str, rows: torch.Tensor) -> None:
         start = time.perf_counter()
         try:
-            conn = self._conns.get(address)
-            if conn is None:
-                conn = self._conns[address] = await self.transport.connect(address, backend=self.backend)
+            async with self._connecting[address]:
+                conn = self._conns.get(address)
+                if conn is None:
+                    conn = self._conns[address] = await self.transport.connect(address, backend=self.backend)
             flat = rows.reshape(-1)
             chunk = max(1, int(self.config.chunk_size) // self.block_nbytes) * self.block_nbytes  # whole blocks
             plan = TransportPlan(transfer_id, "local", address, self.backend, self.schema, self.schema.dtype,

@@ -3,13 +3,16 @@
 Each worker is its own `sage llm serve --role prefill|decode --port 0` process, started with
 the same model and config flags as the command; its ready line gives its URL. The router then
 listens on the command's host and port and prints one URL. Stopping the command (SIGINT or
-SIGTERM) stops the router, then the workers.
+SIGTERM) stops the router, then the workers. With ``kv_transport.backend: torchdist`` the workers
+form one process group: ranks 0..x-1 are the prefill workers, x..x+y-1 the decode workers, and
+they meet at ``kv_transport.process_group.init_method`` (a free 127.0.0.1 port unless set).
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,10 +20,12 @@ import time
 from dataclasses import dataclass, field
 
 from sage_infer.config.serve import RouterConfig
+from sage_infer.config.transport import ProcessGroupConfig
 from sage_infer.errors import ConfigError, UsageError
 from sage_infer.router.instances import Instances
 
 READY = re.compile(r"serving (\S+) at (http://\S+)/v1")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WORKER_START_S = 300.0  # loading a model can take a while on a busy machine
 
 
@@ -56,15 +61,60 @@ class Worker:
         self.ready.set()  # it exited: whoever waits finds no url
 
 
-def start_workers(num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None) -> list[Worker]:
+@dataclass(frozen=True, slots=True)
+class PDGroup:
+    """The torchdist process group of one deployment: where its ranks meet and how many there are."""
+
+    init_method: str
+    world_size: int
+    num_prefill: int
+
+    def rank(self, role: str, index: int) -> int:
+        return index if role == "prefill" else self.num_prefill + index
+
+
+def pd_group(config: ProcessGroupConfig, num_prefill: int, num_decode: int, launcher: str = "local",
+             host: str = "127.0.0.1") -> PDGroup:
+    """The group `--pd` gives its workers for ``kv_transport.backend: torchdist``; ConfigError for what it
+    cannot do (ranks set by hand, Ray workers that may sit on other nodes)."""
+    for name in ("rank", "world_size"):
+        if getattr(config, name) is not None:
+            raise ConfigError(f"kv_transport.process_group.{name}: --pd assigns every worker its rank and the "
+                              "world size; leave it out")
+    if launcher == "ray" and host not in LOOPBACK:
+        raise ConfigError("kv_transport.backend: torchdist with --launcher ray across nodes is not supported yet "
+                          "(the group's rendezvous would have to be on rank 0's node); use tcp, or bind loopback")
+    init_method = config.init_method or f"tcp://127.0.0.1:{free_port()}"
+    return PDGroup(init_method, num_prefill + num_decode, num_prefill)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (rank 0 binds it once its model is loaded: a small race)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_flags(role: str, index: int, disk_path: str | None, group: PDGroup | None) -> list[str]:
+    """The flags that make a worker `role`-`index` of this deployment (after the command's own)."""
+    flags = ["--set", f"role={role}"]
+    if disk_path is not None:  # one disk tier directory per worker: they must not share segment files
+        flags += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{index}"]
+    if group is not None:
+        for name, value in (("init_method", group.init_method), ("rank", group.rank(role, index)),
+                            ("world_size", group.world_size)):
+            flags += ["--set", f"kv_transport.process_group.{name}={value}"]
+    return flags
+
+
+def start_workers(num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
+                  group: PDGroup | None = None) -> list[Worker]:
     """Start the workers and wait until each says it is serving; ConfigError if one does not."""
     workers: list[Worker] = []
     for role, count in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(count):
             args = [sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *worker_args,
-                    "--set", f"role={role}", "--host", "127.0.0.1", "--port", "0"]
-            if disk_path is not None:  # one disk tier directory per worker: they must not share segment files
-                args += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{i}"]
+                    *worker_flags(role, i, disk_path, group), "--host", "127.0.0.1", "--port", "0"]
             process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
             worker = Worker(role, i, process)
             threading.Thread(target=worker.pump, name=f"sage-{worker.name}", daemon=True).start()
@@ -94,26 +144,28 @@ def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
 
 def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
              disk_path: str | None = None, router: RouterConfig | None = None, launcher: str = "local",
-             ray_address: str | None = None) -> int:
+             ray_address: str | None = None, process_group: ProcessGroupConfig | None = None) -> int:
     """Run the deployment until SIGINT/SIGTERM; exit code 0. `launcher`: local (subprocesses of this
-    command) or ray (Ray actors, see `router.ray_launch`)."""
+    command) or ray (Ray actors, see `router.ray_launch`). `process_group`: the workers' torchdist
+    group settings (None: their KV goes over another backend)."""
     import uvicorn
 
     from sage_infer.router.app import build_router
     from sage_infer.server.launch import run_announced
 
     num_prefill, num_decode = parse_pd(spec)
+    if launcher not in ("local", "ray"):
+        raise UsageError(f"--launcher {launcher}: expected local or ray")
+    group = None if process_group is None else pd_group(process_group, num_prefill, num_decode, launcher, host)
     if launcher == "ray":
         from sage_infer.router.ray_launch import RayLauncher
 
         ray_launcher = RayLauncher(ray_address)
-        workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host)
+        workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host, group)
         stop = ray_launcher.stop
-    elif launcher == "local":
-        workers = start_workers(num_prefill, num_decode, worker_args, disk_path)
-        stop = lambda: stop_workers(workers)  # noqa: E731
     else:
-        raise UsageError(f"--launcher {launcher}: expected local or ray")
+        workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)
+        stop = lambda: stop_workers(workers)  # noqa: E731
     try:
         instances = Instances.of([w.url for w in workers if w.role == "prefill"],
                                  [w.url for w in workers if w.role == "decode"])

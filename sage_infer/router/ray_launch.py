@@ -17,9 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from sage_infer.errors import ConfigError, NotAvailableError
-from sage_infer.router.launch import READY
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from sage_infer.router.launch import LOOPBACK, READY, PDGroup, worker_flags
 
 
 def ray_missing() -> str | None:
@@ -101,14 +99,12 @@ class RayLauncher:
         self.workers: list[RayWorker] = []
 
     def start(self, num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
-              host: str) -> list[RayWorker]:
+              host: str, group: PDGroup | None = None) -> list[RayWorker]:
         actor_class = _actor_class()
         pending = []
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
-                args = [*worker_args, "--set", f"role={role}"]
-                if disk_path is not None:
-                    args += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{i}"]
+                args = [*worker_args, *worker_flags(role, i, disk_path, group)]
                 actor = actor_class.remote()
                 pending.append((role, i, actor, actor.start.remote(args, host)))
         for role, i, actor, started in pending:

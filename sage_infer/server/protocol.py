@@ -45,7 +45,7 @@ class KVSendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     request_id: str = Field(max_length=256)
-    address: str = Field(max_length=512, pattern=r"^(shm|tcp)://")
+    address: str = Field(max_length=512, pattern=r"^(shm|tcp|torchdist)://")
     transfer_id: str = Field(max_length=256)
 
 
