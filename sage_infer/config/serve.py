@@ -30,6 +30,9 @@ class ModelConfig(Strict):
     revision: str = Field("local", description="Part of the prefix-cache key, so caches never mix revisions.")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     max_model_len: int | None = Field(None, ge=16, le=1 << 21)
+    linear: Literal["auto", "packed", "torch"] = Field(
+        "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
+        "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch).")
 
 
 class KVPoolConfig(Strict):

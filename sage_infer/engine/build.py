@@ -24,6 +24,7 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
+from sage_infer.layers.linear import pack_linears, packing_available
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -48,6 +49,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
     device = auto.device
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
+    use_packed_linears(model, config.model.linear, device)
     try:
         tokenizer = Tokenizer.from_dir(directory)
     except (FileNotFoundError, ValueError) as err:
@@ -100,6 +102,27 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if config.role != "both":
         enable_role(engine, config)
     return engine
+
+
+def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device) -> None:
+    """`model.linear`: swap nn.Linear for oneDNN-packed ones where asked for (or auto and possible)."""
+    if choice == "torch":
+        return
+    possible = torch.device(device).type == "cpu" and packing_available()
+    if not possible:
+        if choice == "packed":
+            raise ConfigError(f"model.linear: packed needs a CPU device and a torch with oneDNN (device is "
+                              f"{device}, oneDNN {'present' if packing_available() else 'missing'}); use auto or torch")
+        return
+    try:
+        count = pack_linears(model)
+    except RuntimeError as err:  # oneDNN cannot pack this dtype here (fp16 without AVX512-FP16, say)
+        if choice == "packed":
+            raise ConfigError(f"model.linear: packed: oneDNN cannot pack these weights here: {err}") from None
+        auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
+        return
+    why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
+    auto_log.info("model.linear = packed (%s; %d linear layers prepacked)", why, count)
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today

@@ -1,0 +1,67 @@
+"""Linear layers on oneDNN's prepacked weights (CPU), with `nn.Linear` as the oracle.
+
+`torch.nn.functional.linear` on a CPU tensor re-lays the weight out for oneDNN/MKL on every
+call; a small batch (a decode step: one row per sequence) then pays that for each GEMV. Packing
+each weight once into oneDNN's blocked layout (what Inductor's weight freezing does) removes it:
+measured 1.4–2.6x per bf16 layer at 1–16 rows and no loss at 512 (docs/benchmarks.md "Packed
+linear"). The math is oneDNN's either way, so outputs match `nn.Linear` to rounding.
+
+`pack_linears(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear` (not a
+weight tied to another module: packing would keep a second copy of it). `model.linear:
+torch` keeps plain `nn.Linear`, the reference path the packed one is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out]."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 1) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        # a buffer, not a parameter: the packed layout is opaque to anything that reads weights
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
+                             persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace the `nn.Linear` modules of a CPU model by `PackedLinear`; how many were packed.
+
+    RuntimeError (and the model unchanged) when oneDNN cannot pack its weights on this CPU.
+    """
+    shared = _shared_weights(model)
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+               and module.weight.device.type == "cpu" and id(module.weight) not in shared]
+    packed = [PackedLinear(module) for _, module in targets]  # all first: a failure leaves the model as it was
+    for (name, _), replacement in zip(targets, packed):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, replacement)
+    return len(targets)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """Ids of parameters held by more than one module (a tied lm_head and embedding)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, count in seen.items() if count > 1}

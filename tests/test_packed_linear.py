@@ -1,0 +1,81 @@
+"""`model.linear`: oneDNN-prepacked linear layers against `nn.Linear`, the reference path.
+
+fp32: the same numbers to rounding, and the engine's greedy tokens identical with either path (the
+engine-vs-transformers tests run the packed path too, since auto packs on a CPU). bf16: within bf16
+rounding of the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig
+from sage_infer.engine.build import use_packed_linears
+from sage_infer.errors import ConfigError
+from sage_infer.layers.linear import PackedLinear, pack_linears, packing_available
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN (mkldnn) linear")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_matches_nn_linear(dtype, tol, bias, rows):
+    torch.manual_seed(rows)
+    ref = nn.Linear(96, 160, bias=bias).to(dtype)
+    packed = PackedLinear(ref)
+    x = torch.randn(rows, 96, dtype=dtype)
+    want, got = ref(x), packed(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= tol * scale
+    assert torch.equal(packed(x.view(1, rows, 96)).view(rows, 160), got)  # leading dims are flattened
+
+
+def test_pack_linears_swaps_every_linear_but_a_tied_one():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    assert pack_linears(model) == 1
+    assert isinstance(model.proj, PackedLinear) and isinstance(model.head, nn.Linear)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("packed") / "m", "qwen2")
+
+
+def engine(path, linear: str, dtype: str = "fp32") -> LLM:
+    config = ServeConfig.model_validate({"model": {"path": str(path), "linear": linear, "dtype": dtype},
+                                         "kv_pool": {"num_blocks": 64}})
+    return LLM(config=config)
+
+
+def test_the_engine_gives_the_same_greedy_tokens_packed_or_not(tiny):
+    prompts = [[5 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((3, 17, 40, 64))]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    packed, plain = engine(tiny, "packed"), engine(tiny, "torch")
+    layers = packed.engine.runner.model.model.layers
+    assert isinstance(layers[0].mlp.gate_proj, PackedLinear)
+    assert isinstance(plain.engine.runner.model.model.layers[0].mlp.gate_proj, nn.Linear)
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, greedy)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert got == want
+
+
+def test_auto_packs_on_a_cpu_and_packed_elsewhere_is_a_config_error(tiny):
+    assert isinstance(engine(tiny, "auto").engine.runner.model.lm_head, PackedLinear)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match="model.linear"):
+        use_packed_linears(model, "packed", torch.device("cuda"))
+    use_packed_linears(model, "auto", torch.device("cuda"))  # auto elsewhere: left as it is
+    assert isinstance(model[0], nn.Linear)
