@@ -61,6 +61,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept in service order
         self.running: list[Sequence] = []  # kept in service order; the last is preempted first
         self._siblings: dict[str, list[Sequence]] = {}  # request id -> sequences waiting for its prompt
+        self.deferred = 0  # admissions put off a step because their next prompt block was computed in it
 
     def _order(self, seq: Sequence) -> tuple:
         """Lower sorts first. fifo: arrival; priority: (priority, arrival) — lower value is served first."""
@@ -132,6 +133,7 @@ class Scheduler:
                 budget -= num_new
         if batch.preempted:  # the pool is full: admitting now would only thrash
             return batch
+        computing = [(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
         position = 0
         while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[position]
@@ -139,6 +141,10 @@ class Scheduler:
                 position += 1
                 continue
             match = self.kv.match(seq)  # records nothing: a request that must wait is not counted again
+            if self._computed_this_step(seq, match.total_tokens, computing):
+                self.deferred += 1
+                position += 1  # next step its prefix is cached; the others go first
+                continue
             num_new = self._chunk(seq.num_tokens - match.total_tokens, budget)
             if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
@@ -147,7 +153,24 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+            if num_new > 1:
+                computing.append((seq, num_new))
         return batch
+
+    def _computed_this_step(self, seq: Sequence, cached_tokens: int, computing: list[tuple[Sequence, int]]) -> bool:
+        """Whether the next full block of `seq`'s prompt (past its cached prefix) is one another sequence in
+        this step computes: the same tokens from the start, the same prefix-cache key. Such a request waits
+        one step and then finds that block (and the rest of the shared prefix) cached, instead of computing
+        it a second time in this step (64 requests behind one system prompt would otherwise compute it in
+        every request the first step admits)."""
+        bs = self.kv.block_size
+        end = cached_tokens + bs  # the tokens up to and including that block
+        if self.kv.index is None or not computing or end > seq.num_tokens - 1:
+            return False
+        prefix = seq.token_ids[:end]
+        return any(other.num_computed_tokens <= cached_tokens and other.num_computed_tokens + n >= end
+                   and other.extra_key == seq.extra_key and other.token_ids[:end] == prefix
+                   for other, n in computing)
 
     # -- after the step -------------------------------------------------------------------
 
