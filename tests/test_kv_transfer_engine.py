@@ -121,3 +121,30 @@ def test_a_schema_mismatch_or_an_engine_without_a_role_is_refused(model_dir):
         decode.add(AddRequest("r2", PROMPT, SamplingParams(n=2), kv_transfer=KVTransferParams(hold=True)))
     assert not decode.has_unfinished_requests()
     decode.kv.transfers.close()
+
+
+@pytest.mark.parametrize("same_from", [0, 3])
+def test_blocks_whose_sender_hashes_differ_from_the_prompts_are_not_used(model_dir, colocated, same_from):
+    """The transfer carries each block's chained hash; the decode engine keeps only the leading blocks whose
+    hash equals the one it computes for its prompt. Another tenant's salt differs from the first block on;
+    a prompt that differs from block 3 on keeps blocks 0-2 and computes the rest."""
+    prefill, decode = make_llm(model_dir).engine, make_llm(model_dir).engine
+    prefill.enable_kv_transfer()
+    address = decode.enable_kv_transfer(listen=True)
+    sent = list(PROMPT) if same_from == 0 else PROMPT[: 3 * BLOCK] + [t + 1 for t in PROMPT[3 * BLOCK :]]
+    salt = "other-tenant" if same_from == 0 else None
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill.add(AddRequest("r1", sent, first, cache_salt=salt, kv_transfer=KVTransferParams(hold=True)))
+    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
+    decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
+    assert prefill.send_kv("r1", address, "t-r1") == 5
+    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    assert final.outputs[0].token_ids == colocated
+    assert final.metrics.num_cached_tokens == same_from * BLOCK
+    stats = decode.kv.transfers.stats
+    assert stats.hash_mismatches == 1 and stats.received == (1 if same_from else 0)
+    assert decode.stats().kv_transfer_hash_mismatches == 1
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    for engine in (prefill, decode):
+        engine.kv.block_manager.check_invariants()
+        engine.kv.transfers.close()

@@ -10,6 +10,7 @@ decode worker's KV address is its rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import socket
@@ -48,6 +49,11 @@ def rows_of(sender: int, index: int) -> torch.Tensor:
     return torch.randint(0, 256, (BLOCKS, SCHEMA.bytes_per_block), generator=gen, dtype=torch.uint8)
 
 
+def hashes_of(sender: int, index: int) -> list[bytes]:
+    """The chained block hashes that travel with those rows (any 32 bytes: this receiver registers nothing)."""
+    return [hashlib.sha256(f"{sender}-{index}-{b}".encode()).digest() for b in range(BLOCKS)]
+
+
 def wait_for(poll, count: int, limit_s: float = 60.0) -> list:
     results, deadline = [], time.monotonic() + limit_s
     while len(results) < count and time.monotonic() < deadline:
@@ -76,12 +82,13 @@ def _rank(rank: int, world: int, init_method: str, expecting, results) -> None:
         out["received"] = sorted(r.transfer_id for r in got if r.ok)
         out["errors"] = [r.error for r in got if not r.ok]
         out["bit_exact"] = all(torch.equal(r.rows, rows_of(*map(int, r.transfer_id.split("-")[1:])))
+                               and list(r.block_hashes) == hashes_of(*map(int, r.transfer_id.split("-")[1:]))
                                for r in got if r.ok)
         out["dropped_chunks"] = connector.dropped_chunks
     else:
         expecting.wait(60)
         for i in range(TRANSFERS_PER_SENDER):  # all at once: they share this sender's one channel
-            connector.start_send(f"t-{rank}-{i}", f"torchdist://{world - 1}", rows_of(rank, i))
+            connector.start_send(f"t-{rank}-{i}", f"torchdist://{world - 1}", rows_of(rank, i), hashes_of(rank, i))
         got = wait_for(connector.poll_sent, TRANSFERS_PER_SENDER)
         out["sent"] = sorted(r.transfer_id for r in got if r.ok)
         out["errors"] = [r.error for r in got if not r.ok]
@@ -142,7 +149,7 @@ def test_two_prefill_ranks_send_concurrent_transfers_to_one_decode_rank_bit_exac
         sender = reports[rank]
         assert sender["errors"] == [] and sender["address"] is None
         assert sender["sent"] == [f"t-{rank}-{i}" for i in range(TRANSFERS_PER_SENDER)]
-        assert sender["bytes"] == TRANSFERS_PER_SENDER * BLOCKS * SCHEMA.bytes_per_block
+        assert sender["bytes"] == TRANSFERS_PER_SENDER * BLOCKS * (SCHEMA.bytes_per_block + 32)  # rows + hashes
 
 
 def test_every_rank_closes_its_connector_and_exits_0(two_prefill_one_decode):

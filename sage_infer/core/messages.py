@@ -120,6 +120,7 @@ class EngineStats:
     # (direction send|receive, transfers ok, failed, bytes, seconds) of prefill/decode KV transfers
     kv_transfers: tuple[tuple[str, int, int, int, float], ...] = ()
     kv_transfer_expired_holds: int = 0  # prefill: held KV no decode instance asked for in time
+    kv_transfer_hash_mismatches: int = 0  # decode: transfers whose block hashes differed from the prompt's
 
 
 @dataclass(frozen=True, slots=True)

@@ -273,7 +273,7 @@ class LLMEngine:
         return {"kv_transfer_role": "decode" if transfers.connector.address else "prefill",
                 "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds),
                                  ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds)),
-                "kv_transfer_expired_holds": t.expired_holds}
+                "kv_transfer_expired_holds": t.expired_holds, "kv_transfer_hash_mismatches": t.hash_mismatches}
 
     def _tier_stats(self) -> dict:
         hierarchy = self.kv.hierarchy

@@ -4,17 +4,22 @@ The engine runs on one synchronous thread; the transport engine is asyncio. The 
 runs the transport on an event loop of its own (one thread) and gives the engine thread
 non-blocking calls, in the shape of vLLM's KV-connector API:
 
-- sending side (a prefill instance): ``start_send(transfer_id, address, rows)`` queues the
-  rows (``[n, block_nbytes]`` uint8, whole pool blocks in chain order) for `address`;
+- sending side (a prefill instance): ``start_send(transfer_id, address, rows, block_hashes)``
+  queues the rows (``[n, block_nbytes]`` uint8, whole pool blocks in chain order) and their
+  chained prefix-cache hashes for `address`;
   ``poll_sent()`` returns the transfers that ended since the last call, each verified by
   the receiver chunk by chunk (CRC32C) or failed with the reason;
 - receiving side (a decode instance): ``address`` is where senders connect;
   ``expect(transfer_id, num_blocks, deadline_s)`` registers where the rows will land
   *before* anyone is asked to send them; ``poll_received()`` returns the transfers that
-  completed (their rows) or failed (no rows: the request computes its prompt itself).
+  completed (their rows and the sender's hashes) or failed (no rows: the request computes its
+  prompt itself).
 
-Blocks travel as opaque rows, one "layer" per transfer, so whatever the pool stores (a KV
-dtype, a layout) arrives bit-exact; the engines agree on the schema (its digest) and the
+Blocks travel as opaque rows, "layer" 0 of the transfer, so whatever the pool stores (a KV
+dtype, a layout) arrives bit-exact; "layer" 1 is the manifest: the blocks' 32-byte chained
+hashes, in the same order, which the receiver checks against the hashes it computes for the
+prompt before it registers a block under them. The plan's chunks name the source block ids
+they carry (`KVChunk.block_ids`); the engines agree on the schema (its digest) and the
 block count before a transfer is expected, and a transfer that does not fill exactly the
 expected rows never completes. A late chunk of a transfer the receiver gave up
 on lands in scratch memory and is dropped, so one failure never breaks the channel for the
@@ -28,8 +33,8 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -37,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.interfaces.transport import TransportPlan
+from sage_infer.prefix_reuse.hashing import HASH_BYTES
 from sage_infer.transport.base import RecvChannel
 from sage_infer.transport.buffers import KVReceiveBuffers
 from sage_infer.transport.connection import Connection
@@ -58,6 +64,7 @@ class TransferResult:
     error: str | None = None
     seconds: float = 0.0
     nbytes: int = 0
+    block_hashes: tuple[bytes, ...] = ()  # receiving side: the sender's hash of each row
 
     @property
     def ok(self) -> bool:
@@ -90,6 +97,7 @@ class _DroppingBuffers(KVReceiveBuffers):
 @dataclass(slots=True)
 class _Expected:
     rows: torch.Tensor  # [n, block_nbytes] uint8, where the transfer lands
+    manifest: torch.Tensor  # [n, HASH_BYTES] uint8, the rows' hashes
     deadline: float  # loop time
     started: float
 
@@ -127,10 +135,16 @@ class KVConnector:
 
     # -- the engine thread's calls (non-blocking, or a few microseconds on the loop) ---------------
 
-    def start_send(self, transfer_id: str, address: str, rows: torch.Tensor) -> None:
-        """Send `rows` (``[n, block_nbytes]`` uint8) to the receiver at `address`; see `poll_sent`."""
+    def start_send(self, transfer_id: str, address: str, rows: torch.Tensor, block_hashes: Sequence[bytes],
+                   block_ids: Sequence[int] = ()) -> None:
+        """Send `rows` (``[n, block_nbytes]`` uint8) and their `block_hashes` (n chained prefix-cache hashes) to
+        the receiver at `address`; `block_ids` (the source blocks, for the plan) optional. See `poll_sent`."""
         rows = rows.contiguous().view(torch.uint8).reshape(-1, self.block_nbytes)
-        asyncio.run_coroutine_threadsafe(self._send(transfer_id, address, rows), self._loop)
+        if len(block_hashes) != rows.shape[0] or any(len(h) != HASH_BYTES for h in block_hashes):
+            raise ValueError(f"{rows.shape[0]} rows need as many {HASH_BYTES}-byte hashes, got {len(block_hashes)}")
+        manifest = torch.frombuffer(bytearray(b"".join(block_hashes)), dtype=torch.uint8)
+        asyncio.run_coroutine_threadsafe(self._send(transfer_id, address, rows, manifest, tuple(block_ids)),
+                                         self._loop)
 
     def poll_sent(self) -> list[TransferResult]:
         return _drain(self._sent)
@@ -200,8 +214,10 @@ class KVConnector:
                 if rid in self._expected and self._buffers.complete(rid):
                     entry = self._expected.pop(rid)
                     self._buffers.release(rid)
-                    self._received.append(TransferResult(rid, entry.rows, None, loop.time() - entry.started,
-                                                         entry.rows.numel()))
+                    hashes = entry.manifest.numpy().tobytes()
+                    self._received.append(TransferResult(
+                        rid, entry.rows, None, loop.time() - entry.started, entry.rows.numel() + len(hashes),
+                        tuple(hashes[i : i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES))))
         except TransportError as err:  # the channel is done; transfers on it fail at their deadline or now
             log.warning("KV connector: receive channel closed: %s", err)
         finally:
@@ -211,9 +227,10 @@ class KVConnector:
         if transfer_id in self._expected:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         rows = torch.empty((num_blocks, self.block_nbytes), dtype=torch.uint8)
+        manifest = torch.empty((num_blocks, HASH_BYTES), dtype=torch.uint8)
         now = asyncio.get_running_loop().time()
-        self._expected[transfer_id] = _Expected(rows, now + timeout, now)
-        self._buffers.register(transfer_id, [rows.reshape(-1)])
+        self._expected[transfer_id] = _Expected(rows, manifest, now + timeout, now)
+        self._buffers.register(transfer_id, [rows.reshape(-1), manifest.reshape(-1)])
 
     async def _forget(self, transfer_id: str) -> None:
         if self._expected.pop(transfer_id, None) is not None:
@@ -230,19 +247,16 @@ class KVConnector:
                 self._received.append(TransferResult(rid, None, f"no KV arrived within the deadline "
                                                                f"({now - entry.started:.1f} s)"))
 
-    async def _send(self, transfer_id: str, address: str, rows: torch.Tensor) -> None:
+    async def _send(self, transfer_id: str, address: str, rows: torch.Tensor, manifest: torch.Tensor,
+                    block_ids: tuple[int, ...]) -> None:
         start = time.perf_counter()
         try:
             async with self._connecting[address]:
                 conn = self._conns.get(address)
                 if conn is None:
                     conn = self._conns[address] = await self.transport.connect(address, backend=self.backend)
-            flat = rows.reshape(-1)
-            chunk = max(1, int(self.config.chunk_size) // self.block_nbytes) * self.block_nbytes  # whole blocks
-            plan = TransportPlan(transfer_id, "local", address, self.backend, self.schema, self.schema.dtype,
-                                 tuple(TransportPlan.split(transfer_id, 0, flat.numel(), chunk, self.schema.dtype)),
-                                 deadline_s=self.config.timeout_s)
-            stats = await self.transport.stream_pipeline(conn, plan.chunks, plan, [flat])
+            plan = self._plan(transfer_id, address, rows.shape[0], manifest.numel(), block_ids)
+            stats = await self.transport.stream_pipeline(conn, plan.chunks, plan, [rows.reshape(-1), manifest])
         except (TransportError, OSError, ValueError) as err:
             stale = self._conns.pop(address, None)
             if stale is not None:
@@ -251,6 +265,18 @@ class KVConnector:
                                              time.perf_counter() - start))
             return
         self._sent.append(TransferResult(transfer_id, None, None, stats.seconds, stats.bytes))
+
+    def _plan(self, transfer_id: str, address: str, num_rows: int, manifest_nbytes: int,
+              block_ids: tuple[int, ...]) -> TransportPlan:
+        """Chunks of whole blocks (layer 0, each naming its source block ids when known), then the manifest."""
+        per_chunk = max(1, int(self.config.chunk_size) // self.block_nbytes)
+        dtype = self.schema.dtype
+        rows = TransportPlan.split(transfer_id, 0, num_rows * self.block_nbytes, per_chunk * self.block_nbytes, dtype)
+        if block_ids:
+            rows = [replace(c, block_ids=block_ids[i * per_chunk : (i + 1) * per_chunk]) for i, c in enumerate(rows)]
+        manifest = TransportPlan.split(transfer_id, 1, manifest_nbytes, manifest_nbytes, dtype)
+        return TransportPlan(transfer_id, "local", address, self.backend, self.schema, dtype, (*rows, *manifest),
+                             deadline_s=self.config.timeout_s)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

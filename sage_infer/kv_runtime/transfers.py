@@ -27,6 +27,7 @@ import torch
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.connector import KVConnector, TransferResult
 from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.prefix_reuse.hashing import hash_token_blocks
 
 log = logging.getLogger("sage_infer.kv_runtime")
 
@@ -38,6 +39,7 @@ class TransferStats:
     expired_holds: int = 0  # held KV nobody asked for in time (freed)
     received: int = 0
     receive_failures: int = 0  # the request computed its prompt itself
+    hash_mismatches: int = 0  # received blocks whose sender hashes differed from this prompt's (not used)
     bytes_sent: int = 0
     bytes_received: int = 0
     send_seconds: float = 0.0
@@ -102,7 +104,8 @@ class KVTransfers:
             entry.on_done = on_done
             self.sending[transfer_id] = request_id
         rows = self.pool.read_blocks(seq.block_table[:n]).view(torch.uint8).reshape(n, -1)
-        self.connector.start_send(transfer_id, address, rows)
+        # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
+        self.connector.start_send(transfer_id, address, rows, seq.block_hashes[:n], seq.block_table[:n])
         return n
 
     # -- decode -----------------------------------------------------------------------------------
@@ -160,12 +163,13 @@ class KVTransfers:
             seq = self.expecting.pop(result.transfer_id, None)
             if seq is None:
                 continue
-            if result.ok:
-                self.received[seq.seq_id] = result.rows
+            rows = self._verified_rows(seq, result) if result.ok else None
+            if rows is not None:
+                self.received[seq.seq_id] = rows
                 self.stats.received += 1
                 self.stats.bytes_received += result.nbytes
                 self.stats.receive_seconds += result.seconds
-            else:
+            elif not result.ok:
                 self.stats.receive_failures += 1
                 log.warning("KV transfer %s did not arrive (the request computes its prompt): %s",
                             result.transfer_id, result.error)
@@ -176,6 +180,23 @@ class KVTransfers:
         for entry in expired:
             free(entry.seq)
             self.stats.expired_holds += 1
+
+    def _verified_rows(self, seq: Sequence, result: TransferResult) -> torch.Tensor | None:
+        """The leading rows whose sender hash equals the hash this engine computes for that block of the
+        prompt (same tokens, same model/dtype/salt key); None when not even the first agrees. A disagreement
+        (a prefill instance with another cache_salt or revision, say) is counted and the rest is computed."""
+        n = result.rows.shape[0]
+        own = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size, seq.extra_key, None)
+        agree = next((i for i, (a, b) in enumerate(zip(own, result.block_hashes)) if a != b), n)
+        if agree == n and len(result.block_hashes) == n:
+            return result.rows
+        self.stats.hash_mismatches += 1
+        log.warning("KV transfer %s: the sender's block hashes differ from this prompt's from block %d of %d; "
+                    "the request computes the rest", result.transfer_id, agree, n)
+        if agree == 0:
+            self.stats.receive_failures += 1
+            return None
+        return result.rows[:agree]
 
     @property
     def busy(self) -> bool:

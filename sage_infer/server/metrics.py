@@ -142,7 +142,11 @@ def _transfer_families(stats, labels: list[str], value: list[str]):
     expired = CounterMetricFamily("sage:pd_expired_holds", "Held prefill KV no decode instance took "
                                   "in time (freed).", labels=labels)
     expired.add_metric(value, stats.kv_transfer_expired_holds)
-    yield from (count, nbytes, seconds, expired)
+    mismatched = CounterMetricFamily("sage:pd_hash_mismatches", "Received transfers whose blocks' hashes differed "
+                                     "from this prompt's (another salt, revision or prompt): the rest was "
+                                     "computed.", labels=labels)
+    mismatched.add_metric(value, stats.kv_transfer_hash_mismatches)
+    yield from (count, nbytes, seconds, expired, mismatched)
 
 
 class ServerMetrics:
