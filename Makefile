@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint clean vllm-venv
+.PHONY: install test serve lint clean vllm-venv bench-gate
 
 install: $(STAMP)
 
@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+bench-gate: install
+	$(PY) bench/gate.py
 
 lint: install
 	$(VENV)/bin/ruff check sage_infer tests bench
