@@ -14,7 +14,7 @@ from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.core.sampling_params import SamplingParams as Params
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefix
+from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, MIN_SHARED_BLOCKS, find_shared_prefix
 from sage_infer.kv_runtime import KVPool
 from sage_infer.layers.attention import (
     attention_with_lse,
@@ -47,6 +47,9 @@ def test_no_shared_prefix_below_the_minimums():
     assert find_shared_prefix([short + [9], short + [8]]) == ([], 0)  # too few shared blocks
     assert find_shared_prefix([list(range(40)), list(range(100, 140))]) == ([], 0)  # nothing shared
     assert find_shared_prefix([list(range(40))]) == ([], 0)  # one sequence
+    tables = [list(range(10))] * 3  # 3 sequences share 10 blocks: attending them once saves 2 * 10 reads
+    assert find_shared_prefix(tables, min_saved_blocks=20) == ([0, 1, 2], 10)
+    assert find_shared_prefix(tables, min_saved_blocks=21) == ([], 0)
 
 
 def test_flash_kernel_with_lse_matches_plain_ops():
@@ -74,6 +77,13 @@ def test_merging_two_halves_by_lse_equals_attention_over_both():
 
 def _slots(table: list[int], start: int, end: int) -> torch.Tensor:
     return torch.tensor([table[p // BS] * BS + p % BS for p in range(start, end)], dtype=torch.long)
+
+
+def _runner(pool: KVPool, cascade: bool = True) -> ModelRunner:
+    """A runner that takes the cascade path for any shared prefix of `MIN_SHARED_BLOCKS`, however small."""
+    runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade)
+    runner.cascade_min_saved_tokens = 0
+    return runner
 
 
 def _step(dtype: torch.dtype, seed: int = 0):
@@ -123,9 +133,8 @@ def _step(dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cascade_equals_the_reference_path_for_decode_rows_and_prefill_chunks(dtype, tol):
     pool, seqs, num_new, q, k, v = _step(dtype)
-    _, _, cascade_meta, _, _ = ModelRunner(None, pool, torch.device("cpu")).prepare(seqs, num_new)
-    _, _, plain_meta, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
-        seqs, num_new)
+    _, _, cascade_meta, _, _ = _runner(pool).prepare(seqs, num_new)
+    _, _, plain_meta, _, _ = _runner(pool, cascade=False).prepare(seqs, num_new)
     shared = cascade_meta.shared
     assert plain_meta.shared is None and shared is not None
     assert shared.num_tokens == SHARED_BLOCKS * BS and len(shared.block_ids) == SHARED_BLOCKS
@@ -138,15 +147,16 @@ def test_cascade_equals_the_reference_path_for_decode_rows_and_prefill_chunks(dt
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def _sharing(computed_and_new: list[tuple[int, int]]) -> list[int]:
+def _sharing(computed_and_new: list[tuple[int, int]], runner: ModelRunner | None = None) -> list[int]:
     """The shared block ids `prepare` picks for sequences with one table [0..7] and these positions."""
     pool = KVPool(KVCacheSchema(LAYERS, KVH, D, BS, KVDtype.FP32), 64)
+    runner = runner or _runner(pool)
     seqs = []
     for i, (computed, _) in enumerate(computed_and_new):
         seq = Sequence(i, f"r{i}", 0, list(range(8 * BS)), 8 * BS, Params(), b"")
         seq.block_table, seq.num_computed_tokens = list(range(8)), computed
         seqs.append(seq)
-    _, _, meta, _, _ = ModelRunner(None, pool, torch.device("cpu")).prepare(seqs, [n for _, n in computed_and_new])
+    _, _, meta, _, _ = runner.prepare(seqs, [n for _, n in computed_and_new])
     return [] if meta.shared is None else meta.shared.block_ids.tolist()
 
 
@@ -154,6 +164,16 @@ def test_only_blocks_wholly_before_every_participants_first_query_are_shared():
     assert _sharing([(6 * BS, 1), (6 * BS + 2, 1)]) == list(range(6))  # not block 6, which holds a new token
     assert _sharing([(6 * BS, 1), (6 * BS + 2, 1), (5 * BS + 2, 3)]) == list(range(5))  # a chunk from block 5 on
     assert _sharing([(6 * BS, 1), (0, 5 * BS)]) == []  # a first chunk has no cached blocks
+
+
+def test_the_break_even_depends_on_the_dtype_attention_runs_in():
+    pool = KVPool(KVCacheSchema(LAYERS, KVH, D, BS, KVDtype.FP32), 64)
+    fp32, bf16 = (ModelRunner(torch.nn.Linear(2, 2, dtype=dtype), pool, torch.device("cpu"))
+                  for dtype in (torch.float32, torch.bfloat16))
+    assert fp32.cascade_min_saved_tokens == MIN_SAVED_TOKENS[torch.float32] > bf16.cascade_min_saved_tokens
+    two_decodes = [(6 * BS, 1), (6 * BS + 2, 1)]  # 6 shared blocks of 4 tokens: 24 key reads saved
+    fp32.cascade_min_saved_tokens, bf16.cascade_min_saved_tokens = 25, 24
+    assert _sharing(two_decodes, fp32) == [] and _sharing(two_decodes, bf16) == list(range(6))
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -175,8 +195,10 @@ def engine(path, cascade: bool) -> LLM:
 
 def test_the_engine_gives_the_same_greedy_tokens_with_cascade_on_or_off(tiny):
     rng = random.Random(0)
-    system = [rng.randrange(5, 500) for _ in range(6 * BLOCK + 3)]  # 6 full shared blocks
-    prompts = [system + [rng.randrange(5, 500) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    system = [rng.randrange(5, 500) for _ in range(41 * BLOCK + 3)]  # 41 full shared blocks
+    # 16 requests behind it: attending it once saves 15 * 41 * 16 key reads, past the fp32 break-even
+    assert 15 * 41 * BLOCK >= MIN_SAVED_TOKENS[torch.float32]
+    prompts = [system + [rng.randrange(5, 500) for _ in range(rng.randint(1, 40))] for _ in range(16)]
     prompts += [[rng.randrange(5, 500) for _ in range(n)] for n in (20, 70)]  # unrelated requests
     on, off = engine(tiny, True), engine(tiny, False)
     got = [o.outputs[0].token_ids for o in on.generate(prompts, GREEDY)]

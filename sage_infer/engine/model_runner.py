@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
-from sage_infer.engine.shared_prefix import find_shared_prefix
+from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, SharedPrefix
 
@@ -15,8 +15,9 @@ DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded pe
 
 class ModelRunner:
     """`cascade_attention`: let sequences that share leading KV blocks attend to them once,
-    together (`SharedPrefix`); off, every sequence reads its whole context (the reference path).
-    `cascade_steps` counts the steps that used it."""
+    together (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads
+    (by the dtype attention runs in, the model's); off, every sequence reads its whole context
+    (the reference path). `cascade_steps` counts the steps that used it."""
 
     def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, cascade_attention: bool = True) -> None:
         self.model = model
@@ -24,6 +25,8 @@ class ModelRunner:
         self.device = device
         self.block_size = pool.block_size
         self.cascade_attention = cascade_attention
+        dtype = next(model.parameters()).dtype if model is not None else pool.dtype
+        self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
         self.cascade_steps = 0
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
@@ -117,7 +120,7 @@ class ModelRunner:
         if not self.cascade_attention or len(seqs) < 2:
             return frozenset(), 0
         cached = [seq.block_table[: seq.num_computed_tokens // self.block_size] for seq in seqs]
-        chosen, num_blocks = find_shared_prefix(cached)
+        chosen, num_blocks = find_shared_prefix(cached, -(-self.cascade_min_saved_tokens // self.block_size))
         return frozenset(chosen), num_blocks
 
     @staticmethod

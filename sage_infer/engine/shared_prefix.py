@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 MIN_SHARED_SEQS = 2  # fewer participants: nothing is attended once instead of several times
-MIN_SHARED_BLOCKS = 4  # a shorter prefix saves less than the extra kernel calls and merge cost
+MIN_SHARED_BLOCKS = 4
+# Cascade attention costs a fixed extra per layer (a second kernel call per decode group, the
+# merge), so it pays off only once the key reads it saves, (participants - 1) x shared tokens,
+# pass a break-even. Measured with `bench/cascade_attention.py --kernel` (decode rows, 6/2
+# heads, head_dim 64, 2 AVX-512 cores): about 7-12K tokens in float32, 250-450 in bf16 and
+# fp16, where the reference path's masked SDPA is 2.5-4x slower than in float32.
+MIN_SAVED_TOKENS = {torch.float32: 8192, torch.bfloat16: 512, torch.float16: 512}
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -25,13 +33,13 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def find_shared_prefix(tables: list[list[int]]) -> tuple[list[int], int]:
+def find_shared_prefix(tables: list[list[int]], min_saved_blocks: int = 0) -> tuple[list[int], int]:
     """The sequences to attend a shared prefix together, and how many leading blocks they share.
 
     tables: per sequence, the block ids that may be shared (those wholly before its first query
     of the step; empty if none) -> (indices into `tables`, number of shared blocks), or
-    ``([], 0)`` when no prefix of at least `MIN_SHARED_BLOCKS` blocks is shared by at least
-    `MIN_SHARED_SEQS` sequences.
+    ``([], 0)`` unless at least `MIN_SHARED_SEQS` sequences share at least `MIN_SHARED_BLOCKS`
+    blocks and attending them once saves at least `min_saved_blocks` block reads.
 
     Starting from the largest group with the same first block, the group follows its majority
     one divergence at a time (the sequences that agree on the next block after the common
@@ -56,4 +64,4 @@ def find_shared_prefix(tables: list[list[int]]) -> tuple[list[int], int]:
             if len(tables[i]) > depth:
                 by_block[tables[i][depth]].append(i)
         group = max(by_block.values(), key=len, default=[])
-    return best
+    return best if (len(best[0]) - 1) * best[1] >= min_saved_blocks else ([], 0)

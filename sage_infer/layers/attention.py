@@ -164,9 +164,7 @@ def attention_with_lse(
     computed in q's dtype there, the log-sum-exp in float32; both come back float32."""
     if q.device.type != "cpu":
         return attention_with_lse_reference(q, k, v, scale, mask)
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                            scale=scale)
     return out.float(), lse
@@ -177,11 +175,11 @@ def merge_attention(
 ) -> torch.Tensor:
     """Attention over the union of two disjoint key sets from attention over each.
 
-    out_*: [N, H, D], lse_*: [N, H], float32 -> [N, H, D] float32. Each part is weighted by its
-    share of the softmax denominator, ``exp(lse_part - lse_union)``.
+    out_*: [N, H, D], lse_*: [N, H], float32 -> [N, H, D] float32. Part ``a`` weighs its share of
+    the union's softmax denominator, ``exp(lse_a) / (exp(lse_a) + exp(lse_b)) = sigmoid(lse_a - lse_b)``.
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+    weight_a = torch.sigmoid(lse_a - lse_b)[..., None]
+    return out_b + (out_a - out_b) * weight_a
 
 
 def _rows_attention_lse(
@@ -216,14 +214,15 @@ def cascade_attention(
     mask for prefill chunks); the two are merged by their log-sum-exp.
     """
     shared = meta.shared
-    q_rows, k_rows, v_rows = q[shared.rows], k[shared.rows], v[shared.rows]
+    q_rows = q[shared.rows]
     keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
     prefix_out, prefix_lse = _rows_attention_lse(q_rows, keys[0], values[0], scale)  # before the next gather
     suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
     for span in shared.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.context_len == span.q_len:  # the suffix is this step's own tokens
-            k_ctx, v_ctx = k_rows[rows], v_rows[rows]
+            own = shared.rows[rows]
+            k_ctx, v_ctx = k[own], v[own]
         else:
             slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
             k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
