@@ -61,6 +61,11 @@ def test_flash_kernel_with_lse_matches_plain_ops():
         ref_out, ref_lse = attention_with_lse_reference(q, k, v, D**-0.5, m)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    k, v = k[:, :, :12], v[:, :, :12]
+    out, lse = attention_with_lse(q, k, v, D**-0.5, causal=True)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, v, D**-0.5, torch.ones(12, 12, dtype=torch.bool).tril())
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_merging_two_halves_by_lse_equals_attention_over_both():

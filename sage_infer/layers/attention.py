@@ -139,16 +139,19 @@ def decode_attention_batched(
 
 
 def attention_with_lse_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns each query's log-sum-exp, in plain ops, float32.
 
-    q: [B, KvH, M, D] (the M query rows of each KV head: its grouped query heads, so K/V are
-    never repeated); k, v: [B, KvH, T, D]; mask: bool broadcastable to [B, KvH, M, T] (True:
-    attend; every row must attend to at least one key) or None -> out [B, KvH, M, D],
-    lse [B, KvH, M], both float32.
+    q: [B, KvH, M, D]; k, v: [B, KvH, T, D] (B may be a stride-0 expand); mask: bool
+    broadcastable to [B, KvH, M, T] (True: attend; every row must attend to at least one key)
+    or None; causal (M == T): query i sees keys j <= i -> out [B, KvH, M, D], lse [B, KvH, M],
+    both float32.
     """
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -156,16 +159,17 @@ def attention_with_lse_reference(
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_with_lse_reference`, on a CPU through PyTorch's flash kernel, which returns the
-    log-sum-exp itself (0.5-0.6x the time of the plain ops for 64 x 1,024-key decodes, 2-4x less
-    at 2,000 queries; it takes the mask only as an additive bias of q's dtype). The output is
-    computed in q's dtype there, the log-sum-exp in float32; both come back float32."""
+    log-sum-exp itself (about half the time of the plain ops for 64 decode queries over 1,024
+    keys; it takes a mask only as an additive bias of q's dtype). The output is computed in q's
+    dtype there, the log-sum-exp in float32; both come back float32."""
     if q.device.type != "cpu":
-        return attention_with_lse_reference(q, k, v, scale, mask)
+        return attention_with_lse_reference(q, k, v, scale, mask, causal)
     bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(q.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
                                                                            scale=scale)
     return out.float(), lse
 
@@ -182,24 +186,46 @@ def merge_attention(
     return out_b + (out_a - out_b) * weight_a
 
 
-def _rows_attention_lse(
-    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+def _shared_keys_attention_lse(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries of one key set. q: [N, H, D]; k_ctx, v_ctx: [C, KvH, D]; mask: [N, C] bool or None
-    -> out [N, H, D], lse [N, H] (float32).
+    """Queries that all see every key. q: [N, H, D]; k_ctx, v_ctx: [C, KvH, D] -> out [N, H, D],
+    lse [N, H] (float32).
 
     The G query heads of each KV head are folded into its query rows ([1, KvH, N * G, D]), so
-    one kernel call covers every query and head, with no K/V repeat.
+    one kernel call covers every query and head as one long query block per KV head.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_ctx.shape[1]
     groups = num_heads // num_kv_heads
     folded = q.view(n, num_kv_heads, groups, head_dim).transpose(0, 1).reshape(1, num_kv_heads, n * groups, head_dim)
-    if mask is not None:
-        mask = mask[:, None, :].expand(n, groups, mask.shape[1]).reshape(1, 1, n * groups, mask.shape[1])
-    out, lse = attention_with_lse(folded, k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None], scale, mask)
+    out, lse = attention_with_lse(folded, k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None], scale)
     out = out.view(num_kv_heads, n, groups, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
     return out, lse.view(num_kv_heads, n, groups).transpose(0, 1).reshape(n, num_heads)
+
+
+def _chunk_attention_lse(
+    q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefill_attention` with the log-sum-exp: the queries are the last q_len of ctx_len
+    positions (lower-right causal). q: [q_len, H, D]; k_ctx, v_ctx: [ctx_len, KvH, D] ->
+    out [q_len, H, D], lse [q_len, H] (float32).
+
+    The G query heads of a KV head are a batch dimension ([G, KvH, q_len, D]) over K/V
+    expanded without a copy, so the mask stays [q_len, ctx_len] (none when ctx_len == q_len).
+    """
+    q_len, num_heads, head_dim = q.shape
+    ctx_len, num_kv_heads = k_ctx.shape[:2]
+    groups = num_heads // num_kv_heads
+    batched = q.view(q_len, num_kv_heads, groups, head_dim).permute(2, 1, 0, 3)  # [G, KvH, q_len, D]
+    keys = k_ctx.transpose(0, 1)[None].expand(groups, num_kv_heads, ctx_len, head_dim)
+    values = v_ctx.transpose(0, 1)[None].expand(groups, num_kv_heads, ctx_len, head_dim)
+    mask = None
+    if ctx_len != q_len:
+        visible = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= visible
+    out, lse = attention_with_lse(batched, keys, values, scale, mask, causal=ctx_len == q_len)
+    return out.permute(2, 1, 0, 3).reshape(q_len, num_heads, head_dim), lse.permute(2, 1, 0).reshape(q_len, num_heads)
 
 
 def cascade_attention(
@@ -216,7 +242,7 @@ def cascade_attention(
     shared = meta.shared
     q_rows = q[shared.rows]
     keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
-    prefix_out, prefix_lse = _rows_attention_lse(q_rows, keys[0], values[0], scale)  # before the next gather
+    prefix_out, prefix_lse = _shared_keys_attention_lse(q_rows, keys[0], values[0], scale)  # before the next gather
     suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
     for span in shared.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -226,9 +252,7 @@ def cascade_attention(
         else:
             slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
             k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-        visible = torch.arange(span.q_len, device=q.device)[:, None] + (span.context_len - span.q_len)
-        mask = torch.arange(span.context_len, device=q.device)[None, :] <= visible
-        suffix_out[rows], suffix_lse[rows] = _rows_attention_lse(q_rows[rows], k_ctx, v_ctx, scale, mask)
+        suffix_out[rows], suffix_lse[rows] = _chunk_attention_lse(q_rows[rows], k_ctx, v_ctx, scale)
     for group in shared.decode_groups:
         keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)  # [b, W, KvH, D]
         b, num_heads, head_dim = len(group.rows), q.shape[1], q.shape[2]
