@@ -17,9 +17,12 @@ class ModelRunner:
     """`cascade_attention`: let sequences that share leading KV blocks attend to them once,
     together (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads
     (by the dtype attention runs in, the model's); off, every sequence reads its whole context
-    (the reference path). `cascade_steps` counts the steps that used it."""
+    (the reference path). `cascade_steps` counts the steps that used it. Without a `model` the
+    runner only builds metadata (`prepare`), for the pool's dtype."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, cascade_attention: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
