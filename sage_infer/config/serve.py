@@ -33,6 +33,9 @@ class ModelConfig(Strict):
     linear: Literal["auto", "packed", "torch"] = Field(
         "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
         "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch).")
+    cascade_attention: bool = Field(
+        True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
+        "cache) attend to them once, together; false: each reads its whole context (the reference path).")
 
 
 class KVPoolConfig(Strict):

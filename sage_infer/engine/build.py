@@ -90,7 +90,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,
-        runner=ModelRunner(model, pool, device),
+        runner=ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention),
         scheduler=scheduler,
         model_id=model_id,
         revision=config.model.revision,

@@ -6,18 +6,31 @@ import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
+from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, SharedPrefix
 
 DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded per group of this size
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: KVPool, device: torch.device) -> None:
+    """`cascade_attention`: let sequences that share leading KV blocks attend to them once,
+    together (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads
+    (by the dtype attention runs in, the model's); off, every sequence reads its whole context
+    (the reference path). `cascade_steps` counts the steps that used it. Without a `model` the
+    runner only builds metadata (`prepare`), for the pool's dtype."""
+
+    def __init__(
+        self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
+        self.cascade_attention = cascade_attention
+        dtype = next(model.parameters()).dtype if model is not None else pool.dtype
+        self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
+        self.cascade_steps = 0
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -30,8 +43,17 @@ class ModelRunner:
         indices into `seqs` of the sequences those rows belong to).
 
         A sequence with one new token after others is a decode row (batched attention);
-        any other chunk is a prefill span. Built as Python lists, moved to the device once.
+        any other chunk is a prefill span. Sequences that share leading blocks of their cached
+        context go to `AttentionMetadata.shared` instead, with their suffixes. Built as Python
+        lists, moved to the device once.
         """
+        participants, num_shared = self._shared_prefix(seqs)
+        shared_tokens = num_shared * self.block_size
+        shared_rows: list[int] = []  # participants' query rows, prefill spans' first
+        shared_prefills: list[PrefillSpan] = []
+        shared_decode_rows: list[int] = []
+        shared_decode_tables: list[list[int]] = []
+        shared_decode_lens: list[int] = []
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -48,7 +70,17 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if n == 1 and start > 0:
+            if i in participants:  # the context after the shared blocks is this sequence's suffix
+                if n == 1:
+                    shared_decode_rows.append(row)
+                    shared_decode_tables.append(seq.block_table[num_shared:])
+                    shared_decode_lens.append(end - shared_tokens)
+                else:
+                    shared_prefills.append(PrefillSpan(len(shared_rows), n, end - shared_tokens, len(prefill_slots)))
+                    shared_rows.extend(range(row, row + n))
+                    if start > shared_tokens:
+                        prefill_slots.extend(self._slots(seq.block_table, shared_tokens, end))
+            elif n == 1 and start > 0:
                 decode_rows.append(row)
                 decode_tables.append(seq.block_table)
                 decode_lens.append(end)
@@ -69,7 +101,30 @@ class ModelRunner:
             prefill_slots=tensor(prefill_slots) if prefill_slots else None,
             decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor),
         )
+        if participants:
+            local = list(range(len(shared_rows), len(shared_rows) + len(shared_decode_rows)))
+            shared_rows.extend(shared_decode_rows)
+            meta.shared = SharedPrefix(
+                block_ids=tensor(seqs[min(participants)].block_table[:num_shared]),
+                num_tokens=shared_tokens,
+                rows=tensor(shared_rows),
+                prefills=shared_prefills,
+                decode_groups=self._decode_groups(local, shared_decode_tables, shared_decode_lens, tensor),
+            )
+            self.cascade_steps += 1
         return tensor(input_ids), tensor(positions), meta, sample_rows, sampled
+
+    def _shared_prefix(self, seqs: list[Sequence]) -> tuple[frozenset[int], int]:
+        """Indices of the sequences that attend a shared prefix together, and its length in blocks.
+
+        Only blocks wholly before a sequence's first query of the step can be shared: they hold
+        keys computed before this step (a decode row's own new token is in a later block).
+        """
+        if not self.cascade_attention or len(seqs) < 2:
+            return frozenset(), 0
+        cached = [seq.block_table[: seq.num_computed_tokens // self.block_size] for seq in seqs]
+        chosen, num_blocks = find_shared_prefix(cached, -(-self.cascade_min_saved_tokens // self.block_size))
+        return frozenset(chosen), num_blocks
 
     @staticmethod
     def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor) -> list[DecodeGroup]:
