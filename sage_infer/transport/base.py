@@ -291,6 +291,8 @@ class Availability:
 class Backend(ABC):
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    # True: listen() takes token / setup_timeout_s / on_refused and connect() takes token (auth.py)
+    authenticates: ClassVar[bool] = False
 
     @classmethod
     def availability(cls) -> Availability:

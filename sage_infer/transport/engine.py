@@ -37,7 +37,7 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
 from sage_infer.transport.connection import Connection
-from sage_infer.transport.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
+from sage_infer.transport.errors import AuthError, PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
 from sage_infer.transport.stats import Priority, TransferStats
@@ -71,23 +71,42 @@ class TransportEngine:
         return self.planner.plan(request_id, layers, **kw)
 
     async def connect(self, address: str, *, backend: str | None = None) -> Connection:
+        """A connection to the listener at `address`; with `kv_transport.auth_token` (shm, tcp) it first
+        proves it holds the token and checks that the listener does (`AuthError` otherwise)."""
         name = backend or address.split("://", 1)[0]
         # The shm ring holds at least two chunks, so one is copied in while the other is read out.
         options = {"ring_bytes": max(SHM_RING_BYTES, 2 * int(self.config.chunk_size))} if name == "shm" else {}
-        channel = await get_backend(name, **options).connect(
-            address, max_inflight=self.config.max_inflight, max_retries=self.max_retries,
-            timeout_s=self.config.timeout_s,
-        )  # fmt: skip
+        peer = get_backend(name, **options)
+        auth = {"token": self._token()} if peer.authenticates else {}
+        try:
+            channel = await peer.connect(
+                address, max_inflight=self.config.max_inflight, max_retries=self.max_retries,
+                timeout_s=self.config.timeout_s, **auth,
+            )  # fmt: skip
+        except AuthError as err:
+            self.telemetry.failures.labels(err.reason).inc()
+            raise
         return Connection(self, channel, address, name)
 
     async def listen(self, backend: str, address: str | None = None, *, arena: SharedArena | None = None) -> Listener:
-        """Accept senders. With `arena` (shm only) senders write straight into destination
-        buffers allocated from it (zero-copy receive)."""
-        if arena is None:
-            return await get_backend(backend).listen(address, max_retries=self.max_retries)
-        if backend != "shm":
+        """Accept senders. With `kv_transport.auth_token` (shm, tcp) only senders that prove they
+        hold it; every connection turned away is logged and counted in the failures metric. With
+        `arena` (shm only) senders write straight into destination buffers allocated from it
+        (zero-copy receive)."""
+        if arena is not None and backend != "shm":
             raise TransportError(f"zero-copy receive into a shared arena needs the shm backend, not {backend}")
-        return await get_backend(backend).listen(address, max_retries=self.max_retries, arena=arena)
+        peer = get_backend(backend)
+        options = {"arena": arena} if arena is not None else {}
+        if peer.authenticates:
+            options.update(token=self._token(), setup_timeout_s=self.config.timeout_s, on_refused=self._refused)
+        return await peer.listen(address, max_retries=self.max_retries, **options)
+
+    def _token(self) -> bytes | None:
+        token = self.config.auth_token
+        return token.get_secret_value().encode() if token is not None else None
+
+    def _refused(self, err: TransportError) -> None:
+        self.telemetry.failures.labels(err.reason).inc()
 
     # -- sending -----------------------------------------------------------------
 

@@ -14,7 +14,8 @@ straight into the buffer registered for (request, layer, offset)::
 a format conversion (equal when none). `count` is the number of chunks in the whole
 transfer, so a receiver knows when it is complete. The header CRC covers the 124
 bytes before it: a flipped bit in a length or offset is caught before any payload
-is read. Control messages (ACK, NACK, HELLO, ABORT, PLACE) reuse the same header; only PLACE has a payload.
+is read. Control messages (ACK, NACK, HELLO, ABORT, PLACE, AUTH) reuse the same header; only PLACE and
+AUTH have a payload.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import crc32c as _crc32c
 from sage_infer.transport.errors import ChecksumError, ProtocolError
 
 MAGIC = b"SKVT"
-VERSION = 1
+VERSION = 2  # 2: AUTH opens every shm/tcp connection
 _FORMAT = struct.Struct("<4sBBHBBBBIIQQQQIIQII48s")
 HEADER_BYTES = _FORMAT.size + 4
 assert HEADER_BYTES == 128, HEADER_BYTES
@@ -43,6 +44,7 @@ class Kind(enum.IntEnum):
     HELLO = 4  # connection set-up (backend-specific fields)
     ABORT = 5  # the sender gives up on transfer `request_id`
     PLACE = 6  # receiver -> sender: where each layer of `request_id` lives in the shared arena (payload)
+    AUTH = 7  # connection set-up: the shared-token challenge, answer and proof (auth.py; payload)
 
 
 class Flag(enum.IntFlag):

@@ -6,6 +6,9 @@ times slower, so nothing is allocated per transfer — and hands the file descri
 the receiver over a Unix socket (SCM_RIGHTS). No name exists in /dev/shm, so a crash
 leaks nothing and no other process can open the ring.
 
+The listener opens every connection (auth.py: the shared-token challenge when it has one)
+before it takes the ring, so an unauthenticated peer never maps a receiver's arena.
+
 Per chunk: the sender copies the payload into a free region of the ring, checksums
 it there (cache-hot), and sends the 128-byte header (region offset in `slot`) over
 the Unix socket. The receiver copies the region into the buffer its sink registered,
@@ -25,14 +28,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import struct
 import tempfile
 from collections import deque
 from dataclasses import replace
 
 import numpy as np
 
+from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.arena import SharedArena
-from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
+from sage_infer.transport.auth import answer_challenge, socket_io
+from sage_infer.transport.base import Backend, RecvChannel, SendChannel, Sink, before, register_backend
 from sage_infer.transport.errors import (
     ChecksumError,
     PeerClosedError,
@@ -293,30 +299,39 @@ class ShmRecvChannel(RecvChannel):
         self._ring.close()
 
 
-class ShmListener(Listener):
-    def __init__(self, server: socket.socket, path: str, max_retries: int, arena: SharedArena | None) -> None:
-        self._server = server
+class ShmListener(AcceptingListener):
+    def __init__(self, server: socket.socket, path: str, max_retries: int, arena: SharedArena | None,
+                 **kw) -> None:
         self._path = path
         self._max_retries = max_retries
         self._arena = arena
-        self.address = SCHEME + path
+        super().__init__(server, SCHEME + path, **kw)
 
-    async def accept(self, deadline: float) -> ShmRecvChannel:
+    def _peer_of(self, sock: socket.socket) -> str:
+        try:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except (OSError, AttributeError):  # no SO_PEERCRED off Linux
+            return "a local process"
+        return f"pid {pid}"
+
+    async def _set_up(self, sock: socket.socket, deadline: float) -> ShmRecvChannel:
+        """Take the sender's ring (HELLO + its fd) and answer, with our arena's fd when zero-copy."""
         loop = asyncio.get_running_loop()
-        sock, _ = await before(loop.sock_accept(self._server), deadline, "waiting for a sender to connect")
         sock.setblocking(True)
         sock.settimeout(max(0.1, deadline - loop.time()))
         try:
             msg, fds, _, _ = await asyncio.to_thread(socket.recv_fds, sock, HEADER_BYTES, 1)
         except TimeoutError:
-            sock.close()
             raise PeerClosedError("shm: the sender connected but sent no ring") from None
         if len(msg) != HEADER_BYTES or len(fds) != 1:
-            sock.close()
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError("shm: the connection did not start with a HELLO carrying the ring")
-        hello = ChunkHeader.unpack(msg)
+            raise ProtocolError("shm: the connection did not go on with a HELLO carrying the ring")
+        try:
+            hello = ChunkHeader.unpack(msg)
+        except TransportError:
+            os.close(fds[0])
+            raise
         ring = SharedArena(hello.length, fd=fds[0])  # the sender's ring; the arena owns the fd now
         try:
             if self._arena is not None:  # zero-copy: the sender maps our arena
@@ -325,14 +340,13 @@ class ShmListener(Listener):
             else:
                 sock.sendall(hello.reply(Kind.HELLO).pack())
         except OSError as err:
-            sock.close()
             ring.close()
             raise PeerClosedError(f"shm: the sender went away during set-up ({err})") from None
         sock.setblocking(False)
         return ShmRecvChannel(sock, ring, self._arena, max_retries=self._max_retries)
 
     async def aclose(self) -> None:
-        self._server.close()
+        await super().aclose()
         try:
             os.unlink(self._path)
             os.rmdir(os.path.dirname(self._path))
@@ -344,13 +358,17 @@ class ShmListener(Listener):
 class ShmBackend(Backend):
     name = "shm"
     description = "shared-memory ring between processes on one host (Unix socket for control)"
+    authenticates = True
 
     def __init__(self, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
         self.ring_bytes = ring_bytes  # the engine sizes it to hold at least two chunks
 
     async def listen(
-        self, address: str | None = None, *, max_retries: int = 2, arena: SharedArena | None = None
+        self, address: str | None = None, *, max_retries: int = 2, arena: SharedArena | None = None,
+        token: bytes | None = None, setup_timeout_s: float = 30.0, on_refused: OnRefused | None = None,
     ) -> ShmListener:
+        """`token`: connections must pass the shared-token handshake (auth.py); `setup_timeout_s` bounds
+        each connection's handshake and set-up; `on_refused` hears of every connection turned away."""
         if address is None:
             path = os.path.join(tempfile.mkdtemp(prefix="sage-shm-"), "ctl.sock")  # mkdtemp: mode 0700
         else:
@@ -359,10 +377,12 @@ class ShmBackend(Backend):
         server.bind(path)
         server.listen(16)
         server.setblocking(False)
-        return ShmListener(server, path, max_retries, arena)
+        return ShmListener(server, path, max_retries, arena, token=token, setup_timeout_s=setup_timeout_s,
+                           on_refused=on_refused)
 
     async def connect(
-        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
+        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0,
+        token: bytes | None = None,
     ) -> ShmSendChannel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -370,9 +390,14 @@ class ShmBackend(Backend):
         sock.setblocking(False)
         try:
             await before(loop.sock_connect(sock, _path_of(address)), deadline, f"connecting to {address}")
+            await before(answer_challenge(*socket_io(sock), token, f"shm: {address}"), deadline,
+                         f"opening the connection to {address}")
         except OSError as err:
             sock.close()
             raise PeerClosedError(f"shm: cannot connect to {address}: {err.strerror or err}") from None
+        except BaseException:
+            sock.close()
+            raise
         ring = SharedArena(self.ring_bytes)  # pre-faulted once: nothing is allocated per transfer
         hello = ChunkHeader(Kind.HELLO, "ring", length=self.ring_bytes)
         try:
