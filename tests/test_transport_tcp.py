@@ -171,13 +171,13 @@ class CorruptingChannel(TcpSendChannel):
         super().__init__(sock, address, **kwargs)
         self.seq, self.times_left = seq, times
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is Kind.DATA and header.seq == self.seq and self.times_left:
             self.times_left -= 1
             bad = bytearray(payload)
             bad[len(bad) // 2] ^= 0x01
             payload = memoryview(bad)
-        await super()._transmit(header, payload)
+        await super()._transmit(header, payload, deadline)
 
 
 async def corrupting_channel(address: str, *, seq: int, times: int) -> CorruptingChannel:

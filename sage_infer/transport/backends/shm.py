@@ -51,6 +51,8 @@ from sage_infer.transport.wire import HEADER_BYTES, Checksum, ChunkHeader, Flag,
 DEFAULT_RING_BYTES = 8 * 1024 * 1024
 SCHEME = "shm://"
 MAX_PLACED_LAYERS = 4096  # a PLACE lists (offset, bytes) per layer: 16 bytes each
+ACK_EVERY = 4  # at most this many verified chunks share one ACK (the sender's window is max_inflight, 8 by default)
+ACK_DELAY_S = 0.001  # the longest a verified chunk waits for its ACK when its sender asked for none (ACK_NOW)
 
 
 async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
@@ -106,7 +108,21 @@ class _Regions:
         self._by_start: dict[int, list] = {}
         self._tail = 0
 
+    def fits(self, n: int) -> bool:
+        """Whether `alloc(n)` would succeed now."""
+        return self._start_for(n) is not None
+
     def alloc(self, n: int) -> int | None:
+        start = self._start_for(n)
+        if start is None:
+            return None
+        region = [start, start + n, False]
+        self._live.append(region)
+        self._by_start[start] = region
+        self._tail = start + n
+        return start
+
+    def _start_for(self, n: int) -> int | None:
         if not self._live:
             start = 0 if n <= self.size else None
         else:
@@ -115,12 +131,6 @@ class _Regions:
                 start = self._tail if self._tail + n <= head else None
             else:  # free space is [tail, size) and [0, head)
                 start = self._tail if self._tail + n <= self.size else (0 if n <= head else None)
-        if start is None:
-            return None
-        region = [start, start + n, False]
-        self._live.append(region)
-        self._by_start[start] = region
-        self._tail = start + n
         return start
 
     def free(self, start: int) -> None:
@@ -147,18 +157,28 @@ class ShmSendChannel(SendChannel):
         self._ring_np = ring.array
         self._regions = _Regions(ring.nbytes)
         self._region_of: dict[int, int] = {}
+        self._largest = 0  # the largest chunk staged in the ring so far
         self._space = asyncio.Event()
-        self._reader = asyncio.get_running_loop().create_task(self._read_control())
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read_control())
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
-        n = len(payload)
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is not Kind.DATA:
-            await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+            await self._send(header.pack(), deadline)
             return
+        flags = header.flags
+        if len(self._pending) >= self.max_inflight or flags & Flag.RETRY:  # we wait for ACKs next
+            flags |= Flag.ACK_NOW
         place = self._placements.get(header.request_id)
-        if place is not None and not header.converted:
-            await self._transmit_direct(header, payload, place)
-            return
+        if place is not None and not flags & Flag.CONVERTED:
+            packed = self._stage_direct(header, payload, place, flags)
+        else:
+            packed = await self._stage_in_ring(header, payload, deadline, flags)
+        await self._send(packed, deadline)
+
+    async def _stage_in_ring(self, header: ChunkHeader, payload: memoryview, deadline: float, flags: Flag) -> bytes:
+        """Copy (and checksum) the payload into a free region of the ring; returns its packed header."""
+        n = len(payload)
         if n > self._regions.size:
             raise TransportError(f"shm: a {n}-byte chunk does not fit the {self._regions.size}-byte ring")
         start = self._region_of.get(header.seq) if header.flags & Flag.RETRY else None
@@ -167,13 +187,16 @@ class ShmSendChannel(SendChannel):
             start = self._regions.alloc(n)
             if start is None:
                 self._space.clear()
-                await self._space.wait()
+                await before(self._space.wait(), deadline, "waiting for room in the shm ring (receiver behind)")
         self._region_of[header.seq] = start
         crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm)
-        header = replace(header, slot=start, crc=crc)
-        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+        self._largest = max(self._largest, n)
+        if not self._regions.fits(self._largest):  # the next chunk may wait for room: regions must come back
+            flags |= Flag.ACK_NOW
+        return header.pack(slot=start, crc=crc, flags=flags)
 
-    async def _transmit_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray) -> None:
+    def _stage_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray, flags: Flag) -> bytes:
+        """Copy (and checksum) the payload straight into the receiver's placed buffer; its packed header."""
         n = len(payload)
         if header.layer >= len(place) or header.offset + n > place[header.layer, 1]:
             raise ProtocolError(
@@ -181,16 +204,23 @@ class ShmSendChannel(SendChannel):
             )
         start = int(place[header.layer, 0]) + header.offset
         crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm)
-        header = replace(header, slot=start, flags=header.flags | Flag.DIRECT, crc=crc)
-        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+        return header.pack(slot=start, crc=crc, flags=flags | Flag.DIRECT)
 
-    def _on_control(self, msg: ChunkHeader) -> None:
-        if msg.kind is Kind.ACK:
-            start = self._region_of.pop(msg.seq, None)
-            if start is not None:
-                self._regions.free(start)
-                self._space.set()
-        super()._on_control(msg)
+    async def _send(self, data: bytes, deadline: float) -> None:
+        """Write a message on the control socket; only a full socket buffer makes it wait (until `deadline`)."""
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            rest = memoryview(data)[sent:]
+            await before(self._loop.sock_sendall(self._sock, rest), deadline, "sending (the receiver reads nothing)")
+
+    def _acked(self, seq: int) -> None:
+        start = self._region_of.pop(seq, None)
+        if start is not None:
+            self._regions.free(start)
+            self._space.set()
 
     def _fail(self, err: TransportError) -> None:
         super()._fail(err)
@@ -243,6 +273,11 @@ class ShmSendChannel(SendChannel):
 
 
 class ShmRecvChannel(RecvChannel):
+    """Acknowledges verified chunks in runs: one ACK covers up to `ACK_EVERY` consecutive chunks, or
+    what holds half the ring. A chunk whose sender waits for acknowledgements after it (flag ACK_NOW:
+    its window is full, its ring has no room for another chunk, it has nothing more queued, or it is
+    a resend) ends the run at once; otherwise a run waits at most `ACK_DELAY_S`."""
+
     backend = "shm"
 
     def __init__(self, sock: socket.socket, ring: SharedArena, arena: SharedArena | None = None, **kw) -> None:
@@ -251,49 +286,136 @@ class ShmRecvChannel(RecvChannel):
         self._ring = ring
         self._ring_np = ring.array
         self._buf = bytearray(HEADER_BYTES)
+        self._view = memoryview(self._buf)
         self.arena = arena
-        self._send_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._run: list[int] | None = None  # [first seq, last seq, ring bytes] verified, not yet acknowledged
+        self._timer: asyncio.TimerHandle | None = None  # flushes a run nobody asked to end
+        self._out = bytearray()  # control messages the socket has not taken yet, in order
 
     async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
         """Tell the sender where each layer of `request_id` lies in the arena (offset, bytes)."""
         payload = np.asarray(regions, dtype="<u8").tobytes()
         header = ChunkHeader(Kind.PLACE, request_id, length=len(payload), count=len(regions))
-        await self._send(header.pack() + payload)
-
-    async def _send(self, data: bytes) -> None:
-        async with self._send_lock:
-            await asyncio.get_running_loop().sock_sendall(self._sock, data)
+        self._write(header.pack() + payload)
 
     async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
-        while True:
-            header = await before(read_header(self._sock, self._buf, "receiving"), deadline, "waiting for a chunk")
-            if header is None:
+        try:
+            while True:
+                header = await self._next_header(deadline)
+                if header is None:
+                    return None
+                if header.kind is Kind.ABORT:
+                    raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
+                if header.kind is not Kind.DATA:
+                    raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
+                dest = sink(header)
+                if len(dest) != header.length:
+                    raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
+                out = np.frombuffer(dest, dtype=np.uint8)
+                if header.flags & Flag.DIRECT:  # already in place: only check where and what
+                    if self.arena is None or self.arena.offset_of(out) != header.slot:
+                        raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
+                else:
+                    if header.slot + header.length > len(self._ring_np):
+                        raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
+                    np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
+                try:
+                    header.verify(out)
+                except ChecksumError as err:
+                    self._write(header.reply(Kind.NACK).pack())
+                    self._note_corrupt(header, err)
+                    continue
+                self._acknowledge(header)
+                return header
+        except BaseException:
+            self._flush_acks()  # what was verified stays verified
+            raise
+
+    async def _next_header(self, deadline: float) -> ChunkHeader | None:
+        """The next header, or None at a clean EOF. The timer is armed only when it is not here yet."""
+        try:
+            got = self._sock.recv_into(self._view)
+            if got == 0:
                 return None
-            if header.kind is Kind.ABORT:
-                raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
-            if header.kind is not Kind.DATA:
-                raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
-            dest = sink(header)
-            if len(dest) != header.length:
-                raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
-            out = np.frombuffer(dest, dtype=np.uint8)
-            if header.flags & Flag.DIRECT:  # already in place: only check where and what
-                if self.arena is None or self.arena.offset_of(out) != header.slot:
-                    raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
-            else:
-                if header.slot + header.length > len(self._ring_np):
-                    raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
-                np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
+        except (BlockingIOError, InterruptedError):
+            got = 0
+        except OSError as err:
+            raise PeerClosedError(f"shm: the sender's connection broke ({err})") from None
+        if got < HEADER_BYTES:
             try:
-                header.verify(out)
-            except ChecksumError as err:
-                await self._send(header.reply(Kind.NACK).pack())
-                self._note_corrupt(header, err)
-                continue
-            await self._send(header.reply(Kind.ACK).pack())
-            return header
+                more = await before(recv_exactly(self._sock, self._view[got:]), deadline, "waiting for a chunk")
+            except OSError as err:
+                raise PeerClosedError(f"shm: the sender's connection broke ({err})") from None
+            if got + more == 0:
+                return None
+            if got + more < HEADER_BYTES:
+                raise TruncatedError(f"shm: stream ended inside a header ({got + more}/{HEADER_BYTES} bytes)")
+        return ChunkHeader.unpack(self._buf)
+
+    def _acknowledge(self, header: ChunkHeader) -> None:
+        ring = 0 if header.flags & Flag.DIRECT else header.length
+        run = self._run
+        if run is not None and header.seq == run[1] + 1:
+            run[1] = header.seq
+            run[2] += ring
+        else:
+            self._flush_acks()
+            run = self._run = [header.seq, header.seq, ring]
+        if header.flags & Flag.ACK_NOW or run[1] - run[0] + 1 >= ACK_EVERY or 2 * run[2] >= len(self._ring_np):
+            self._flush_acks()
+        elif self._timer is None:
+            self._timer = self._loop.call_later(ACK_DELAY_S, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._flush_acks()
+
+    def _flush_acks(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            self._write(ChunkHeader.ack(run[0], run[1]))
+
+    def _write(self, data: bytes) -> None:
+        """Send a control message now, or queue it behind those the socket has not taken yet."""
+        if self._sock.fileno() == -1:
+            return
+        if not self._out:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                return  # the sender is gone; the next read says so
+            if sent == len(data):
+                return
+            data = data[sent:]
+            self._loop.add_writer(self._sock.fileno(), self._drain)
+        self._out += data
+
+    def _drain(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            sent = len(self._out)
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self._sock.fileno())
 
     async def aclose(self) -> None:
+        if self._sock.fileno() == -1:
+            return
+        self._flush_acks()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._out:
+            self._loop.remove_writer(self._sock.fileno())
+            try:
+                self._sock.send(self._out)  # best effort: the sender may stop reading at any time
+            except OSError:
+                pass
         self._sock.close()
         del self._ring_np
         self._ring.close()

@@ -262,7 +262,7 @@ class TcpSendChannel(SendChannel):
         self._writable: asyncio.Future | None = None
         self._reader = self._loop.create_task(self._read_control())
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if self._closed:
             raise PeerClosedError(f"tcp: channel to {self.address} is closed")
         if payload.format != "B" or payload.ndim != 1:
@@ -282,7 +282,7 @@ class TcpSendChannel(SendChannel):
                     sent = 0
             if not buffers:
                 return
-            await self._wait_writable()
+            await before(self._wait_writable(), deadline, f"sending to {self.address} (its socket buffer is full)")
 
     async def _wait_writable(self) -> None:
         self._writable = waiter = self._loop.create_future()
