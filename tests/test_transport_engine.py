@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.transport import KVReceiveBuffers, Priority, base
 from sage_infer.transport.backends import shm
+from sage_infer.transport.base import before
 from sage_infer.transport.errors import (
     BackendUnavailable,
     ChecksumError,
@@ -433,6 +434,76 @@ def test_ring_allocator_wraps_and_never_overlaps():
     regions.free(0)
     regions.free(30)
     assert regions.alloc(100) == 0
+
+
+def test_shm_acknowledges_runs_of_chunks_with_one_message_each():
+    eng = engine(backend="shm", chunk_size="16KiB")
+    layers = kv(5, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+    acks = []
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        on_control = conn.channel._on_control
+        conn.channel._on_control = lambda msg: (acks.append(msg.count), on_control(msg))  # count what arrives
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = eng.plan("a", layers)
+        sent, _ = await asyncio.gather(eng.stream_pipeline(conn, plan.chunks, plan, layers),
+                                       eng.receive(channel, buffers, ["a"]))
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return sent
+
+    sent = run(go())
+    assert digest(dest) == digest(layers) and len(sent.chunk_seconds) == sent.chunks > 16
+    assert sum(acks) == sent.chunks  # every chunk acknowledged exactly once ...
+    assert len(acks) <= sent.chunks // 2  # ... by fewer messages than chunks
+
+
+def test_an_ack_settles_exactly_the_chunks_in_flight_it_covers():
+    async def go():
+        conn, channel, listener = await pair(engine(backend="shm"))  # the receiver never reads
+        loop = asyncio.get_running_loop()
+        payload = memoryview(bytearray(64))
+        acked = [await conn.channel.send(ChunkHeader(Kind.DATA, "a", seq=seq, length=64), payload, loop.time() + 5)
+                 for seq in range(3)]
+        conn.channel._on_control(ChunkHeader.unpack(ChunkHeader.ack(0, 1)))  # chunks 0 and 1
+        settled = [f.done() for f in acked]
+        conn.channel._on_control(ChunkHeader(Kind.ACK, "", seq=2, count=2**32 - 1))  # a bogus count: only 2 is left
+        left = conn.channel.inflight
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return settled, left, acked[2].done()
+
+    settled, left, last = run(go())
+    assert settled == [True, True, False] and left == 0 and last
+
+
+def test_a_chunk_sent_without_ack_now_is_still_acknowledged():
+    """The receiver may hold an ACK back for more chunks; when none come, it sends it anyway."""
+    eng = engine(backend="shm", chunk_size="16KiB")
+    layers = kv(6, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        plan, _ = eng.plan("a", layers)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros_like(t) for t in layers])
+        loop = asyncio.get_running_loop()
+        acked = await eng.send_kv_chunk(conn, plan.chunks[0], layers[0], plan, deadline=loop.time() + 10,
+                                        count=len(plan.chunks), ack_now=False)
+        got = await eng.recv_kv_chunk(channel, buffers, deadline=loop.time() + 10)
+        seconds = await before(acked, loop.time() + 10, "waiting for the held-back ACK")
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return got, seconds
+
+    got, seconds = run(go())
+    assert got[0].seq == 0 and seconds >= 0
 
 
 # -- zero-copy receive into a shared arena -------------------------------------------------

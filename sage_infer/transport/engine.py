@@ -120,36 +120,42 @@ class TransportEngine:
         deadline: float,
         count: int = 1,
         stats: TransferStats | None = None,
+        source: memoryview | None = None,
+        acked: asyncio.Future | None = None,
+        ack_now: bool = True,
     ) -> asyncio.Future:
-        """Put one chunk on the wire (converted if the plan says so). Returns a future that
-        resolves to the chunk's send→ACK seconds once the receiver verified it."""
-        raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
+        """Put one chunk on the wire (converted if the plan says so). Returns a future (`acked`, when
+        given) that resolves to the chunk's send→ACK seconds once the receiver verified it. `source`:
+        the layer's bytes as a host view, made once per transfer (else taken from `layer` per chunk).
+        `ack_now=False` lets the receiver acknowledge this chunk together with the next ones (more follow)."""
         src = wire_name(layer.dtype)
-        fields = dict(wire_dtype=src, src_dtype=src, raw_length=chunk.length)
         flags = Flag.LAST if chunk.is_last else Flag.NONE
+        if ack_now:
+            flags |= Flag.ACK_NOW
         convert_seconds = 0.0
+        wire, cols, granularity = src, 0, "per_token"
         if plan.converts and plan.wire_dtype.value != src:
             if src == "raw":
                 raise ValueError(f"cannot convert {layer.dtype} KV to {plan.wire_dtype.value}")
             start = time.perf_counter()
-            cols = layer.shape[-1]
-            payload_t = converter.encode(raw.view(layer.dtype).view(-1, cols), plan.wire_dtype.value,
-                                         self.granularity)
+            raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
+            wire, cols, granularity = plan.wire_dtype.value, layer.shape[-1], self.granularity
+            payload = host_view(converter.encode(raw.view(layer.dtype).view(-1, cols), wire, granularity))
             convert_seconds = time.perf_counter() - start
-            fields.update(wire_dtype=plan.wire_dtype.value, cols=cols, granularity=self.granularity)
             flags |= Flag.CONVERTED
+        elif source is not None:
+            payload = source[chunk.offset : chunk.offset + chunk.length]
         else:
-            payload_t = raw
-        payload = host_view(payload_t)
+            payload = host_view(as_bytes(layer)[chunk.offset : chunk.offset + chunk.length])
         algorithm = CHECKSUMS[self.config.checksum]
         crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
         header = ChunkHeader(
             Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
-            offset=chunk.offset, length=len(payload), count=count, flags=flags, crc=crc, algorithm=algorithm,
-            **fields,
+            offset=chunk.offset, length=len(payload), raw_length=chunk.length, count=count, flags=flags,
+            wire_dtype=wire, src_dtype=src, granularity=granularity, cols=cols, crc=crc, algorithm=algorithm,
         )  # fmt: skip
-        acked = await conn.channel.send(header, payload, deadline)
-        self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
+        acked = await conn.channel.send(header, payload, deadline, acked)
+        conn.inflight_gauge.set(conn.channel.inflight)
         if stats is not None:
             stats.chunks += 1
             stats.bytes += chunk.length
@@ -180,8 +186,9 @@ class TransportEngine:
         if wait_placement:  # zero-copy: the receiver says where the KV goes before any byte moves
             what = f"waiting for the receiver to place {plan.request_id!r}"
             await before(conn.channel.wait_placed(plan.request_id), deadline, what)
-        acks = [conn.submit(priority, deadline, chunk, layers[chunk.layer], plan, len(chunks), stats)
-                for chunk in chunks]
+        sources = _host_sources(layers, plan)
+        acks = [conn.submit(priority, deadline, chunk, layers[chunk.layer], plan, len(chunks), stats,
+                            sources[chunk.layer]) for chunk in chunks]
         try:
             what = f"waiting for the receiver to verify {plan.request_id!r}"
             stats.chunk_seconds = list(await before(asyncio.gather(*acks), deadline, what))
@@ -197,7 +204,7 @@ class TransportEngine:
             for ack in acks:
                 if not ack.done():
                     ack.cancel()
-            self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
+            conn.inflight_gauge.set(conn.channel.inflight)
         stats.seconds = loop.time() - start
         stats.retransmits = conn.channel.retransmits - retransmits
         self._record(stats)
@@ -269,3 +276,12 @@ class TransportEngine:
     def _record(self, stats: TransferStats) -> None:
         self.telemetry.bytes.labels(stats.backend, stats.direction).inc(stats.bytes)
         self.telemetry.seconds.labels(stats.backend, stats.direction).observe(stats.seconds)
+
+
+def _host_sources(layers: Sequence[torch.Tensor], plan: TransportPlan) -> list[memoryview | None]:
+    """Each host layer's bytes as one view, made once per transfer so chunks are slices of it (None:
+    the chunk is made per chunk — a device layer is staged through the host chunk by chunk, a
+    converted one is encoded)."""
+    if plan.converts:
+        return [None] * len(layers)
+    return [host_view(as_bytes(t)) if t.device.type == "cpu" else None for t in layers]
