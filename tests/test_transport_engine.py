@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -504,6 +505,46 @@ def test_a_chunk_sent_without_ack_now_is_still_acknowledged():
 
     got, seconds = run(go())
     assert got[0].seq == 0 and seconds >= 0
+
+
+def test_shm_control_messages_queue_in_order_when_the_senders_socket_is_full():
+    """PLACE messages (up to 64 KiB each) to a sender that is not reading: the receiver never blocks on
+    them, and once the sender reads, every message arrives whole and in order."""
+    import socket
+
+    from sage_infer.transport.arena import SharedArena
+
+    async def go():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        channel = shm.ShmRecvChannel(ours, SharedArena(4096))
+        regions = [[(i * 4096 + layer, 4096) for layer in range(4096)] for i in range(12)]
+        for i, places in enumerate(regions):  # ~12 x 64 KiB: far more than a socket buffer holds
+            await channel.publish(f"r{i}", places)
+        backlog = len(channel._out)
+        received = bytearray()
+        theirs.setblocking(False)
+        give_up = asyncio.get_running_loop().time() + 60  # a hang guard, not a timing check
+        while len(received) < 12 * (HEADER_BYTES + 16 * 4096):
+            try:
+                received += theirs.recv(1 << 20)
+            except BlockingIOError:
+                await asyncio.sleep(0.01)  # the receiver's loop drains its queue as the socket frees up
+            assert asyncio.get_running_loop().time() < give_up, f"{len(received)} bytes arrived, then nothing"
+        await channel.aclose()
+        theirs.close()
+        return backlog, bytes(received), regions
+
+    backlog, received, regions = run(go())
+    assert backlog > 0  # the socket did fill up
+    offset = 0
+    for i, places in enumerate(regions):
+        header = ChunkHeader.unpack(received[offset : offset + HEADER_BYTES])
+        payload = received[offset + HEADER_BYTES : offset + HEADER_BYTES + header.length]
+        assert (header.kind, header.request_id, header.count) == (Kind.PLACE, f"r{i}", 4096)
+        assert payload == np.asarray(places, dtype="<u8").tobytes()
+        offset += HEADER_BYTES + header.length
+    assert offset == len(received)
 
 
 # -- zero-copy receive into a shared arena -------------------------------------------------
