@@ -193,6 +193,10 @@ def bench(
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}"
                   + (" (+ CRC32C: the same with a CRC of every chunk, as kv_transport.checksum=crc32c pays)"
                      if name == "shm" else ""))
+    kv_memcpy = {r.chunk_bytes: r.kv_memcpy_gbps for r in results if r.kv_memcpy_gbps}
+    if kv_memcpy:
+        out.print("  the same memcpy from the transfer's own KV tensors (torch memory, no transparent huge pages): "
+                  + ", ".join(f"{gbps:.2f} GB/s at {chunk >> 10} KiB" for chunk, gbps in kv_memcpy.items()))
     if json_out is not None:
         import json
 
