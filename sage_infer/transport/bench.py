@@ -7,7 +7,9 @@ Baselines (what the backend adds overhead to):
 - torchdist: plain `dist.send` / `dist.recv` of the same chunks (gloo) between two processes.
 
 A transfer's time runs from its first send to the last verified ACK, so it covers the
-receiver's copy-out, CRC check and (when converting) decode.
+receiver's copy-out, CRC check and (when converting) decode. Next to it: each side's
+event-loop thread CPU per chunk (torchdist waits on its works in other threads, so its
+figures leave those out).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class BenchResult:
     # arrays with transparent huge pages where the kernel offers them (madvise), torch does not: context for the
     # ratio, which stays against the baseline
     kv_memcpy_gbps: float = 0.0
+    # CPU time of each side's event-loop thread per chunk (copy and checksum included): what a chunk costs, which
+    # a busy machine disturbs far less than it disturbs GB/s
+    sender_cpu_us_per_chunk: float = 0.0
+    receiver_cpu_us_per_chunk: float = 0.0
 
 
 def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -109,15 +115,17 @@ def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_por
         else:
             dest = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]  # zeros: pre-faulted
         buffers = KVReceiveBuffers()
-        decode, cpu = [], []
+        decode, cpu, cpu_per_chunk = [], [], []
         for i in range(repeats):
             buffers.register(f"r{i}", dest)
             before_cpu = time.thread_time()
             stats = await engine.receive(channel, buffers, [f"r{i}"], deadline_s=120)
-            cpu.append((time.thread_time() - before_cpu) / max(stats[f"r{i}"].seconds, 1e-9))
+            spent = time.thread_time() - before_cpu
+            cpu.append(spent / max(stats[f"r{i}"].seconds, 1e-9))
+            cpu_per_chunk.append(spent / max(stats[f"r{i}"].chunks, 1))
             decode.append(stats[f"r{i}"].convert_seconds)
             buffers.release(f"r{i}")
-        q.put((decode, cpu))
+        q.put((decode, cpu, cpu_per_chunk))
         await channel.aclose()
         await listener.aclose()
 
@@ -149,18 +157,20 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
                                    checksum=checksum)
         engine = TransportEngine(config, telemetry=_telemetry())
         layers = kv_layers(size, TORCH_OF[src_dtype])
-        runs = []
+        runs, sender_cpu = [], []
 
         async def send() -> None:
             conn = await engine.connect(address, backend=backend)
             for i in range(repeats + 1):
                 plan, _ = engine.plan(f"r{i}", layers)
+                before_cpu = time.thread_time()
                 runs.append(await engine.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=120,
                                                          wait_placement=zero_copy))
+                sender_cpu.append((time.thread_time() - before_cpu) / max(runs[-1].chunks, 1))
             await conn.aclose()
 
         asyncio.run(send())
-        decode, receiver_cpu = q.get(timeout=120)
+        decode, receiver_cpu, receiver_cpu_per_chunk = q.get(timeout=120)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -183,6 +193,8 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
         "total_bytes": best.bytes,
         "retransmits": sum(s.retransmits for s in measured),
         "receiver_cpu_share": statistics.median(receiver_cpu[1:]),
+        "sender_cpu_us_per_chunk": statistics.median(sender_cpu[1:]) * 1e6,
+        "receiver_cpu_us_per_chunk": statistics.median(receiver_cpu_per_chunk[1:]) * 1e6,
     }
 
 
@@ -328,6 +340,7 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
                         r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline, kv_memcpy,
+                        r["sender_cpu_us_per_chunk"], r["receiver_cpu_us_per_chunk"],
                     ))  # fmt: skip
     return results
 
