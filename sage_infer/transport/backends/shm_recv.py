@@ -5,8 +5,12 @@ into the buffer its sink gives (or, for a DIRECT chunk the sender already wrote 
 receiver's arena, only checks where it landed), verifies the CRC there, and acknowledges.
 ACKs go in runs: one covers up to `ACK_EVERY` consecutive verified chunks, or what holds half
 the ring; a chunk flagged ACK_NOW (its sender waits for acknowledgements next) ends the run at
-once, and a run nobody ends goes out within `ACK_DELAY_S`. Control messages (ACK, NACK, PLACE)
-leave through one ordered, non-blocking outbox.
+once, and so does running out of headers to read (the run goes before the channel waits, or
+whenever its task yields). So runs form only while the receiver is behind, when they save the
+sender one ACK to process per chunk; a receiver that keeps up acknowledges each chunk as it
+goes idle, at no extra wake-up (a timer that held ACKs back for more chunks was tried: its
+wake-ups cost more than the ACKs it saved, see benchmarks.md). Control messages (ACK, NACK,
+PLACE) leave through one ordered, non-blocking outbox.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from sage_infer.transport.errors import ChecksumError, PeerClosedError, Protocol
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind
 
 ACK_EVERY = 4  # at most this many verified chunks share one ACK (the sender's window is max_inflight, 8 by default)
-ACK_DELAY_S = 0.001  # the longest a verified chunk waits for its ACK when its sender asked for none (ACK_NOW)
 
 
 async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
@@ -41,7 +44,7 @@ class ShmRecvChannel(RecvChannel):
     """Acknowledges verified chunks in runs: one ACK covers up to `ACK_EVERY` consecutive chunks, or
     what holds half the ring. A chunk whose sender waits for acknowledgements after it (flag ACK_NOW:
     its window is full, its ring has no room for another chunk, it has nothing more queued, or it is
-    a resend) ends the run at once; otherwise a run waits at most `ACK_DELAY_S`."""
+    a resend) ends the run at once, and so does having no next header to read."""
 
     backend = "shm"
 
@@ -55,7 +58,7 @@ class ShmRecvChannel(RecvChannel):
         self.arena = arena
         self._loop = asyncio.get_running_loop()
         self._run: list[int] | None = None  # [first seq, last seq, ring bytes] verified, not yet acknowledged
-        self._timer: asyncio.TimerHandle | None = None  # flushes a run nobody asked to end
+        self._flush_scheduled = False  # a flush waits for this task to yield
         self._out = bytearray()  # control messages the socket has not taken yet, in order
 
     async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
@@ -108,6 +111,7 @@ class ShmRecvChannel(RecvChannel):
         except OSError as err:
             raise PeerClosedError(f"shm: the sender's connection broke ({err})") from None
         if got < HEADER_BYTES:
+            self._flush_acks()  # about to wait: what is verified goes now
             try:
                 more = await before(recv_exactly(self._sock, self._view[got:]), deadline, "waiting for a chunk")
             except OSError as err:
@@ -129,11 +133,12 @@ class ShmRecvChannel(RecvChannel):
             run = self._run = [header.seq, header.seq, ring]
         if header.flags & Flag.ACK_NOW or run[1] - run[0] + 1 >= ACK_EVERY or 2 * run[2] >= len(self._ring_np):
             self._flush_acks()
-        elif self._timer is None:
-            self._timer = self._loop.call_later(ACK_DELAY_S, self._on_timer)
+        elif not self._flush_scheduled:  # in case nobody calls recv() again: when this task next yields
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_when_idle)
 
-    def _on_timer(self) -> None:
-        self._timer = None
+    def _flush_when_idle(self) -> None:
+        self._flush_scheduled = False
         self._flush_acks()
 
     def _flush_acks(self) -> None:
@@ -173,8 +178,6 @@ class ShmRecvChannel(RecvChannel):
         if self._sock.fileno() == -1:
             return
         self._flush_acks()
-        if self._timer is not None:
-            self._timer.cancel()
         if self._out:
             self._loop.remove_writer(self._sock.fileno())
             try:
