@@ -28,7 +28,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("pd-launch") / "tiny", "llama")
 
 
-def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], None] | None = None) -> str:
+def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], None] | None = None,
+                   inspect=None) -> str:
     """`sage llm serve --pd 1P1D ...` in a subprocess: one printed URL, answers equal to one engine's, the
     prompt's KV through the decode worker; SIGTERM stops it (exit 0) and its workers. `check_workers(prefill
     URL, decode URL)` looks at the workers before they stop. Returns what the command wrote to stderr (its
@@ -57,6 +58,8 @@ def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], N
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
         if check_workers is not None:
             check_workers(*workers)
+        if inspect is not None:
+            inspect(proc)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(90)
@@ -76,6 +79,38 @@ def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], N
 
 def test_pd_1p1d_serves_one_url_and_stops_its_workers(model_dir):
     run_deployment(model_dir)
+
+
+def worker_processes(parent: int) -> list[tuple[str, dict[str, str]]]:
+    """(command line, environment) of the processes `parent` started."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        found.append((cmdline, env))
+    return found
+
+
+def test_pd_passes_the_transport_token_to_its_workers_by_environment_only(model_dir):
+    token = "pd-shared-token-0123456789"
+
+    def inspect(proc) -> None:
+        workers = [(cmd, env) for cmd, env in worker_processes(proc.pid) if "llm serve" in cmd]
+        assert len(workers) == 2
+        for cmd, env in workers:
+            assert token not in cmd and env.get("SAGE_KV_TRANSPORT__AUTH_TOKEN") == token
+
+    # the KV still crosses (run_deployment checks both prompt blocks reached the decode worker)
+    run_deployment(model_dir, "--kv-transport", f"backend=shm,auth-token={token}", inspect=inspect)
 
 
 def test_pd_with_the_ray_launcher_places_workers_as_actors(model_dir):

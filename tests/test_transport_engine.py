@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.transport import KVReceiveBuffers, Priority, base
 from sage_infer.transport.backends import shm
+from sage_infer.transport.base import before
 from sage_infer.transport.errors import (
     BackendUnavailable,
     ChecksumError,
@@ -433,6 +435,116 @@ def test_ring_allocator_wraps_and_never_overlaps():
     regions.free(0)
     regions.free(30)
     assert regions.alloc(100) == 0
+
+
+def test_shm_acknowledges_runs_of_chunks_with_one_message_each():
+    eng = engine(backend="shm", chunk_size="16KiB")
+    layers = kv(5, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+    acks = []
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        on_control = conn.channel._on_control
+        conn.channel._on_control = lambda msg: (acks.append(msg.count), on_control(msg))  # count what arrives
+        buffers = KVReceiveBuffers()
+        buffers.register("a", dest)
+        plan, _ = eng.plan("a", layers)
+        sent, _ = await asyncio.gather(eng.stream_pipeline(conn, plan.chunks, plan, layers),
+                                       eng.receive(channel, buffers, ["a"]))
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return sent
+
+    sent = run(go())
+    assert digest(dest) == digest(layers) and len(sent.chunk_seconds) == sent.chunks > 16
+    assert sum(acks) == sent.chunks  # every chunk acknowledged exactly once ...
+    assert len(acks) <= sent.chunks // 2  # ... by fewer messages than chunks
+
+
+def test_an_ack_settles_exactly_the_chunks_in_flight_it_covers():
+    async def go():
+        conn, channel, listener = await pair(engine(backend="shm"))  # the receiver never reads
+        loop = asyncio.get_running_loop()
+        payload = memoryview(bytearray(64))
+        acked = [await conn.channel.send(ChunkHeader(Kind.DATA, "a", seq=seq, length=64), payload, loop.time() + 5)
+                 for seq in range(3)]
+        conn.channel._on_control(ChunkHeader.unpack(ChunkHeader.ack(0, 1)))  # chunks 0 and 1
+        settled = [f.done() for f in acked]
+        conn.channel._on_control(ChunkHeader(Kind.ACK, "", seq=2, count=2**32 - 1))  # a bogus count: only 2 is left
+        left = conn.channel.inflight
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return settled, left, acked[2].done()
+
+    settled, left, last = run(go())
+    assert settled == [True, True, False] and left == 0 and last
+
+
+def test_a_chunk_sent_without_ack_now_is_still_acknowledged():
+    """The receiver may hold an ACK back for more chunks; when none come, it sends it anyway."""
+    eng = engine(backend="shm", chunk_size="16KiB")
+    layers = kv(6, **SHAPE)
+
+    async def go():
+        conn, channel, listener = await pair(eng)
+        plan, _ = eng.plan("a", layers)
+        buffers = KVReceiveBuffers()
+        buffers.register("a", [torch.zeros_like(t) for t in layers])
+        loop = asyncio.get_running_loop()
+        acked = await eng.send_kv_chunk(conn, plan.chunks[0], layers[0], plan, deadline=loop.time() + 10,
+                                        count=len(plan.chunks), ack_now=False)
+        got = await eng.recv_kv_chunk(channel, buffers, deadline=loop.time() + 10)
+        seconds = await before(acked, loop.time() + 10, "waiting for the held-back ACK")
+        await conn.aclose()
+        await channel.aclose()
+        await listener.aclose()
+        return got, seconds
+
+    got, seconds = run(go())
+    assert got[0].seq == 0 and seconds >= 0
+
+
+def test_shm_control_messages_queue_in_order_when_the_senders_socket_is_full():
+    """PLACE messages (up to 64 KiB each) to a sender that is not reading: the receiver never blocks on
+    them, and once the sender reads, every message arrives whole and in order."""
+    import socket
+
+    from sage_infer.transport.arena import SharedArena
+
+    async def go():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        channel = shm.ShmRecvChannel(ours, SharedArena(4096))
+        regions = [[(i * 4096 + layer, 4096) for layer in range(4096)] for i in range(12)]
+        for i, places in enumerate(regions):  # ~12 x 64 KiB: far more than a socket buffer holds
+            await channel.publish(f"r{i}", places)
+        backlog = len(channel._out)
+        received = bytearray()
+        theirs.setblocking(False)
+        give_up = asyncio.get_running_loop().time() + 60  # a hang guard, not a timing check
+        while len(received) < 12 * (HEADER_BYTES + 16 * 4096):
+            try:
+                received += theirs.recv(1 << 20)
+            except BlockingIOError:
+                await asyncio.sleep(0.01)  # the receiver's loop drains its queue as the socket frees up
+            assert asyncio.get_running_loop().time() < give_up, f"{len(received)} bytes arrived, then nothing"
+        await channel.aclose()
+        theirs.close()
+        return backlog, bytes(received), regions
+
+    backlog, received, regions = run(go())
+    assert backlog > 0  # the socket did fill up
+    offset = 0
+    for i, places in enumerate(regions):
+        header = ChunkHeader.unpack(received[offset : offset + HEADER_BYTES])
+        payload = received[offset + HEADER_BYTES : offset + HEADER_BYTES + header.length]
+        assert (header.kind, header.request_id, header.count) == (Kind.PLACE, f"r{i}", 4096)
+        assert payload == np.asarray(places, dtype="<u8").tobytes()
+        offset += HEADER_BYTES + header.length
+    assert offset == len(received)
 
 
 # -- zero-copy receive into a shared arena -------------------------------------------------

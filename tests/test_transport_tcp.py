@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.backends.tcp import TcpSendChannel, parse_address
 from sage_infer.transport.base import get_backend
 from sage_infer.transport.errors import (
@@ -23,7 +24,7 @@ from sage_infer.transport.errors import (
     TransportError,
     TruncatedError,
 )
-from sage_infer.transport.wire import ChunkHeader, Kind, checksum
+from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Kind, checksum
 
 SPAWN = mp.get_context("spawn")
 CHUNK = 256 << 10
@@ -170,18 +171,19 @@ class CorruptingChannel(TcpSendChannel):
         super().__init__(sock, address, **kwargs)
         self.seq, self.times_left = seq, times
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is Kind.DATA and header.seq == self.seq and self.times_left:
             self.times_left -= 1
             bad = bytearray(payload)
             bad[len(bad) // 2] ^= 0x01
             payload = memoryview(bad)
-        await super()._transmit(header, payload)
+        await super()._transmit(header, payload, deadline)
 
 
 async def corrupting_channel(address: str, *, seq: int, times: int) -> CorruptingChannel:
     sock = socket.create_connection(parse_address(address), timeout=DEADLINE_S)
     sock.setblocking(False)
+    await answer_challenge(*socket_io(sock), None, address)  # the listener's opening message (no token)
     return CorruptingChannel(sock, address, seq=seq, times=times)
 
 
@@ -250,11 +252,19 @@ def test_chunk_corrupt_on_every_send_fails_on_both_sides(receiver):
     assert kind == "ChecksumError" and "still corrupt after 2 resends" in message
 
 
+def raw_connection(address: str) -> socket.socket:
+    """A plain socket to the listener, past its opening message (so closing it sends no reset)."""
+    raw = socket.create_connection(parse_address(address), timeout=DEADLINE_S)
+    opening = ChunkHeader.unpack(raw.recv(HEADER_BYTES, socket.MSG_WAITALL))
+    assert (opening.kind, opening.length) == (Kind.AUTH, 0)  # open: this listener checks no token
+    return raw
+
+
 def test_corrupted_header_is_rejected_before_any_payload_is_read(receiver):
     payload = memoryview(os.urandom(CHUNK))
     header = bytearray(chunk_headers(payload)[0].pack())
     header[40] ^= 0x10  # inside the offset field
-    with socket.create_connection(parse_address(receiver.address)) as raw:
+    with raw_connection(receiver.address) as raw:
         raw.sendall(bytes(header) + bytes(payload))
         kind, message = error_of(receiver.result())
     assert kind == "ChecksumError" and "corrupt header" in message
@@ -262,7 +272,7 @@ def test_corrupted_header_is_rejected_before_any_payload_is_read(receiver):
 
 def test_stream_cut_inside_a_payload_is_truncated(receiver):
     payload = memoryview(os.urandom(CHUNK))
-    with socket.create_connection(parse_address(receiver.address)) as raw:
+    with raw_connection(receiver.address) as raw:
         raw.sendall(chunk_headers(payload)[0].pack() + bytes(payload[: CHUNK // 2]))
     kind, message = error_of(receiver.result())
     assert kind == "TruncatedError" and f"{CHUNK // 2} of {CHUNK} bytes" in message

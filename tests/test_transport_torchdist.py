@@ -87,19 +87,19 @@ class KVSink:
 class CorruptFirstTry(TorchDistSendChannel):
     """Flips one payload byte of chunk 3's first transmission; the resend is clean."""
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is Kind.DATA and header.seq == 3 and not header.flags & Flag.RETRY:
             payload = _flipped(payload)
-        await super()._transmit(header, payload)
+        await super()._transmit(header, payload, deadline)
 
 
 class CorruptAlways(TorchDistSendChannel):
     """Flips one payload byte of chunk 2 on every transmission."""
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is Kind.DATA and header.seq == 2:
             payload = _flipped(payload)
-        await super()._transmit(header, payload)
+        await super()._transmit(header, payload, deadline)
 
 
 def _flipped(payload: memoryview) -> memoryview:

@@ -68,26 +68,32 @@ def serve(
 
 
 def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None) -> int:
-    """`--pd xPyD`: the workers get this command's model and config flags (the API key through the
-    environment, not the process list); the router takes its host, port, key and `router` section."""
+    """`--pd xPyD`: the workers get this command's model and config flags (the API key and the transport's
+    shared token through the environment, not the process list); the router takes its host, port, key and
+    `router` section."""
     import os
 
+    from sage_infer.config.overrides import without_secrets
     from sage_infer.router.launch import serve_pd
 
     args: list[str] = []
     for flag, value in (("--model", model), ("--preset", preset), ("--config", config)):
         if value is not None:
             args += [flag, str(value)]
-    for flag, values in (("--kv-transport", kv_transport), ("--kv-tiers", kv_tiers), ("--set", sets)):
+    for flag, values in (("--kv-transport", without_secrets("--kv-transport", kv_transport)), ("--kv-tiers", kv_tiers),
+                         ("--set", without_secrets("--set", sets))):
         for value in values or []:
             args += [flag, value]
     key = resolved.api_key.get_secret_value() if resolved.api_key else None
-    if key is not None:
-        os.environ["SAGE_API_KEY"] = key  # inherited by the workers
+    secrets = {"SAGE_API_KEY": key}
+    if resolved.kv_transport.auth_token is not None:
+        secrets["SAGE_KV_TRANSPORT__AUTH_TOKEN"] = resolved.kv_transport.auth_token.get_secret_value()
+    secrets = {name: value for name, value in secrets.items() if value is not None}
+    os.environ.update(secrets)  # inherited by local workers; Ray workers get them passed
     transport = resolved.kv_transport
     group = transport.process_group if transport.backend == "torchdist" else None
     return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router,
-                    launcher, ray_address, group)
+                    launcher, ray_address, group, secrets)
 
 
 @app.command("generate")

@@ -182,17 +182,22 @@ def bench(
          f"{r.baseline_gbps:.2f}", f"{r.crc_baseline_gbps:.2f}" if r.crc_baseline_gbps else "-",
          f"{r.ratio_to_baseline:.2f}", f"{r.p50_chunk_us:.0f}", f"{r.p99_chunk_us:.0f}",
          f"{100 * r.convert_share:.1f}%", f"{r.rel_rmse:.1e}" if r.rel_rmse else "0",
-         f"{100 * r.receiver_cpu_share:.0f}%")
+         f"{100 * r.receiver_cpu_share:.0f}%", f"{r.sender_cpu_us_per_chunk:.0f} / {r.receiver_cpu_us_per_chunk:.0f}")
         for r in results
     ]  # fmt: skip
     out = Console()
     out.print(table(f"KV transport, {total >> 20} MiB per transfer (GB/s of KV as stored, end to end)",
                     ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "+ CRC32C GB/s", "ratio",
-                     "p50 chunk µs", "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU"], rows))
+                     "p50 chunk µs", "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU",
+                     "CPU µs/chunk send / recv"], rows))
     for name in backends:
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}"
                   + (" (+ CRC32C: the same with a CRC of every chunk, as kv_transport.checksum=crc32c pays)"
                      if name == "shm" else ""))
+    kv_memcpy = {r.chunk_bytes: r.kv_memcpy_gbps for r in results if r.kv_memcpy_gbps}
+    if kv_memcpy:
+        out.print("  the same memcpy from the transfer's own KV tensors (torch memory, no transparent huge pages): "
+                  + ", ".join(f"{gbps:.2f} GB/s at {chunk >> 10} KiB" for chunk, gbps in kv_memcpy.items()))
     if json_out is not None:
         import json
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from sage_infer.config.serve import ServeConfig
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.config.validation import is_secret
 from sage_infer.errors import UsageError
 
 KV_TRANSPORT_ALIASES = {
@@ -62,7 +63,8 @@ def add_kv_transport_flags(layer: CliLayer, items: list[str] | None) -> None:
             names = key.replace("-", "_").lower().split(".")
             names[0] = KV_TRANSPORT_ALIASES.get(names[0], names[0])
             _check_field_path(KVTransportConfig, names, key)
-            layer.set(f"kv_transport.{'.'.join(names)}", value, f"--kv-transport {key}={value}")
+            dotted = f"kv_transport.{'.'.join(names)}"
+            layer.set(dotted, value, f"--kv-transport {key}={_shown(dotted, value)}")
 
 
 def _check_field_path(model: type[BaseModel], names: list[str], key: str) -> None:
@@ -114,4 +116,27 @@ def add_set_flags(layer: CliLayer, items: list[str] | None) -> None:
         if dotted.split(".")[0] not in ServeConfig.model_fields:
             choices = ", ".join(sorted(ServeConfig.model_fields))
             raise UsageError(f"--set: unknown section {dotted.split('.')[0]!r}; expected one of: {choices}")
-        layer.set(dotted, value, f"--set {key}={value}")
+        layer.set(dotted, value, f"--set {key}={_shown(dotted, value)}")
+
+
+def without_secrets(flag: str, items: list[str] | None) -> list[str]:
+    """`items` of a ``--kv-transport`` or ``--set`` flag minus the ones that set a secret (to pass the
+    rest on to a worker's command line; the secrets go through its environment)."""
+    kept = []
+    for item in items or []:
+        parts = [part for part in item.split(",") if not is_secret(ServeConfig, _dotted(flag, part))]
+        if parts:
+            kept.append(",".join(parts))
+    return kept
+
+
+def _dotted(flag: str, part: str) -> list[str]:
+    key = part.partition("=")[0].strip().replace("-", "_").lower()
+    if flag == "--kv-transport":
+        return ["kv_transport", KV_TRANSPORT_ALIASES.get(key, key)]
+    return key.split(".")
+
+
+def _shown(dotted: str, value: str) -> str:
+    """How a flag's value appears in origins and error messages: secrets never do."""
+    return "***" if is_secret(ServeConfig, dotted.split(".")) else value

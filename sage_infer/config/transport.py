@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator
 
 from sage_infer.config.hardware import Strict
 
@@ -17,6 +17,7 @@ TransportDtype = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4
 
 MIN_CHUNK = 4 * 1024
 MAX_CHUNK = 1024 * 1024 * 1024
+MIN_TOKEN = 16
 
 
 class ProcessGroupConfig(Strict):
@@ -67,6 +68,21 @@ class KVTransportConfig(Strict):
         "of CRC per core. none: trust the link (a receiver accepts it only when it is set to none too).")
     process_group: ProcessGroupConfig = Field(ProcessGroupConfig(), description="The torch.distributed group "
                                               "of backend torchdist.")
+
+    auth_token: SecretStr | None = Field(
+        None, description="The deployment's shared token (at least 16 characters; never printed). Set: every shm "
+        "or tcp connection starts with an HMAC-SHA256 challenge-response both ways, and a peer without the same "
+        "token is refused before any KV moves. None: no check (shm sockets are private to the user, tcp binds "
+        "loopback unless told otherwise). torchdist has no handshake: membership of the process group is its "
+        "boundary. Pass it as SAGE_KV_TRANSPORT__AUTH_TOKEN or in a config file rather than on the command line.")
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_TOKEN:
+            raise ValueError(f"auth_token must be at least {MIN_TOKEN} characters (e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))')")
+        return value
 
     @field_validator("chunk_size")
     @classmethod

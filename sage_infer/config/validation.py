@@ -9,7 +9,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 
 def format_validation_error(
@@ -48,9 +48,26 @@ def _expectation(error: dict, model: type[BaseModel], loc: list[str]) -> str:
     else:
         text = msg[0].lower() + msg[1:]
     value = error.get("input")
+    if is_secret(model, loc):
+        return text  # a mistyped secret is still a secret
     if kind != "value_error" and not isinstance(value, (dict, list)) and value is not None:
         text += f", got {value!r}"
     return text
+
+
+def is_secret(model: type[BaseModel], loc: list[str]) -> bool:
+    """Whether the field at `loc` holds a `SecretStr` (its value is never echoed)."""
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if current is None or part.isdigit():
+            continue
+        info = current.model_fields.get(part)
+        if info is None:
+            return False
+        if SecretStr in (info.annotation, *typing.get_args(info.annotation)):
+            return True
+        current = _model_in(info.annotation)
+    return False
 
 
 def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:

@@ -144,10 +144,12 @@ def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
 
 def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
              disk_path: str | None = None, router: RouterConfig | None = None, launcher: str = "local",
-             ray_address: str | None = None, process_group: ProcessGroupConfig | None = None) -> int:
+             ray_address: str | None = None, process_group: ProcessGroupConfig | None = None,
+             secrets: dict[str, str] | None = None) -> int:
     """Run the deployment until SIGINT/SIGTERM; exit code 0. `launcher`: local (subprocesses of this
-    command) or ray (Ray actors, see `router.ray_launch`). `process_group`: the workers' torchdist
-    group settings (None: their KV goes over another backend)."""
+    command, which inherit its environment) or ray (Ray actors, see `router.ray_launch`, whose workers
+    get `secrets` as environment variables). `process_group`: the workers' torchdist group settings
+    (None: their KV goes over another backend)."""
     import uvicorn
 
     from sage_infer.router.app import build_router
@@ -161,7 +163,7 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
         from sage_infer.router.ray_launch import RayLauncher
 
         ray_launcher = RayLauncher(ray_address)
-        workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host, group)
+        workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host, group, secrets)
         stop = ray_launcher.stop
     else:
         workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)

@@ -11,6 +11,7 @@ the actors (and their workers) and disconnects from Ray.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -51,7 +52,7 @@ def _actor_class():
             self.proc: subprocess.Popen | None = None
             self.lines: list[str] = []
 
-        def start(self, args: list[str], host: str) -> tuple[str, str]:
+        def start(self, args: list[str], host: str, env: dict[str, str]) -> tuple[str, str]:
             bind = host
             if host not in LOOPBACK:
                 import ray as _ray
@@ -59,7 +60,8 @@ def _actor_class():
                 bind, host = "0.0.0.0", _ray.util.get_node_ip_address()
             self.proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
                                           "--host", bind, "--port", "0"],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                         env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, bufsize=1)
             for line in self.proc.stdout:
                 self.lines = (self.lines + [line])[-40:]
                 match = READY.search(line)
@@ -99,14 +101,16 @@ class RayLauncher:
         self.workers: list[RayWorker] = []
 
     def start(self, num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
-              host: str, group: PDGroup | None = None) -> list[RayWorker]:
+              host: str, group: PDGroup | None = None, secrets: dict[str, str] | None = None) -> list[RayWorker]:
+        """`secrets` (the API key, the transport token) reach the workers as environment variables,
+        not on their command lines."""
         actor_class = _actor_class()
         pending = []
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
                 args = [*worker_args, *worker_flags(role, i, disk_path, group)]
                 actor = actor_class.remote()
-                pending.append((role, i, actor, actor.start.remote(args, host)))
+                pending.append((role, i, actor, actor.start.remote(args, host, secrets or {})))
         for role, i, actor, started in pending:
             try:
                 url, model = self.ray.get(started)

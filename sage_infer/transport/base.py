@@ -63,6 +63,7 @@ class _Pending:
     header: ChunkHeader
     payload: memoryview
     sent_at: float
+    deadline: float
     acked: asyncio.Future
     retries: int = 0
 
@@ -89,9 +90,11 @@ class SendChannel(ABC):
     def inflight(self) -> int:
         return len(self._pending)
 
-    async def send(self, header: ChunkHeader, payload: memoryview, deadline: float) -> asyncio.Future:
-        """Queue one chunk; returns once it is on the wire. The returned future resolves to the
-        seconds from send to verified ACK, or raises the transfer's error."""
+    async def send(self, header: ChunkHeader, payload: memoryview, deadline: float,
+                   acked: asyncio.Future | None = None) -> asyncio.Future:
+        """Queue one chunk; returns once it is on the wire. The returned future (`acked`, when the
+        caller brings one) resolves to the seconds from send to verified ACK, or raises the transfer's
+        error. A timer is armed only while something has to wait (a slot, room, the socket), not per chunk."""
         self._raise_if_failed()
         if self._slots.locked():
             what = f"waiting for an in-flight slot ({self.max_inflight} unacked)"
@@ -103,11 +106,11 @@ class SendChannel(ABC):
         if header.seq in self._pending:
             self._slots.release()
             raise ValueError(f"sequence number {header.seq} is already in flight")
-        entry = _Pending(header, payload, loop.time(), loop.create_future())
+        entry = _Pending(header, payload, loop.time(), deadline, acked if acked is not None else loop.create_future())
         entry.acked.add_done_callback(_consume_exception)
         self._pending[header.seq] = entry
         try:
-            await before(self._locked_transmit(header, payload), deadline, f"sending chunk {header.chunk_index}")
+            await self._locked_transmit(header, payload, deadline)
         except TransportError as err:
             self._fail(err)
             raise
@@ -142,7 +145,8 @@ class SendChannel(ABC):
         the reason it failed). `why` is for logs; the header has no room for text."""
         deadline = asyncio.get_running_loop().time() + ABORT_TIMEOUT_S
         try:
-            await before(self._locked_transmit(ChunkHeader(Kind.ABORT, request_id), memoryview(b"")), deadline, "abort")
+            abort = self._locked_transmit(ChunkHeader(Kind.ABORT, request_id), memoryview(b""), deadline)
+            await before(abort, deadline, "abort")  # the send lock may be held by a stuck send: bounded too
         except (OSError, TransportError):
             pass
 
@@ -155,26 +159,39 @@ class SendChannel(ABC):
     # -- for subclasses --------------------------------------------------------
 
     @abstractmethod
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
-        """Put one header (+ payload) on the wire."""
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
+        """Put one header (+ payload) on the wire; any wait (room, a full socket) ends at `deadline`."""
 
     @abstractmethod
     async def _close(self) -> None: ...
 
-    async def _locked_transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _locked_transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         async with self._send_lock:
-            await self._transmit(header, payload)
+            await self._transmit(header, payload, deadline)
+
+    def _acked(self, seq: int) -> None:
+        """Hook: chunk `seq` is verified at the receiver (shm frees its ring region)."""
+        return None
 
     def _on_control(self, msg: ChunkHeader) -> None:
+        if msg.kind is Kind.ACK:  # chunks msg.seq - count + 1 .. msg.seq
+            first = msg.seq - max(msg.count, 1) + 1
+            if msg.count > len(self._pending):  # (a bogus count must not make this loop long)
+                seqs = [seq for seq in self._pending if first <= seq <= msg.seq]
+            else:
+                seqs = range(first, msg.seq + 1)
+            now = asyncio.get_running_loop().time()
+            for seq in seqs:
+                entry = self._pending.pop(seq, None)
+                if entry is None:
+                    continue  # late ACK of a chunk already settled
+                self._acked(seq)
+                self._slots.release()
+                if not entry.acked.done():
+                    entry.acked.set_result(now - entry.sent_at)
+            return
         entry = self._pending.get(msg.seq)
-        if msg.kind is Kind.ACK:
-            if entry is None:
-                return  # late ACK of a chunk already settled
-            del self._pending[msg.seq]
-            self._slots.release()
-            if not entry.acked.done():
-                entry.acked.set_result(asyncio.get_running_loop().time() - entry.sent_at)
-        elif msg.kind is Kind.NACK:
+        if msg.kind is Kind.NACK:
             if entry is None:
                 return
             entry.retries += 1
@@ -188,15 +205,15 @@ class SendChannel(ABC):
                 )
                 return
             resend = replace(entry.header, flags=entry.header.flags | Flag.RETRY)
-            task = asyncio.get_running_loop().create_task(self._resend(resend, entry.payload))
+            task = asyncio.get_running_loop().create_task(self._resend(resend, entry.payload, entry.deadline))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
             self._fail(ProtocolError(f"{self.backend}: unexpected {msg.kind.name} message from the receiver"))
 
-    async def _resend(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _resend(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         try:
-            await self._locked_transmit(header, payload)
+            await self._locked_transmit(header, payload, deadline)
         except (OSError, TransportError) as err:
             self._fail(err if isinstance(err, TransportError) else PeerClosedError(f"{self.backend}: {err}"))
 
@@ -291,6 +308,8 @@ class Availability:
 class Backend(ABC):
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    # True: listen() takes token / setup_timeout_s / on_refused and connect() takes token (auth.py)
+    authenticates: ClassVar[bool] = False
 
     @classmethod
     def availability(cls) -> Availability:

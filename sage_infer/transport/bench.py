@@ -7,7 +7,9 @@ Baselines (what the backend adds overhead to):
 - torchdist: plain `dist.send` / `dist.recv` of the same chunks (gloo) between two processes.
 
 A transfer's time runs from its first send to the last verified ACK, so it covers the
-receiver's copy-out, CRC check and (when converting) decode.
+receiver's copy-out, CRC check and (when converting) decode. Next to it: each side's
+event-loop thread CPU per chunk (torchdist waits on its works in other threads, so its
+figures leave those out).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class BenchResult:
     zero_copy: bool = False
     rel_rmse: float = 0.0  # reconstruction error of the wire format on this KV (0: as stored)
     crc_baseline_gbps: float = 0.0  # the baseline with a CRC32C of every chunk (what a checksummed transfer pays)
+    # shm: the baseline's memcpy, from this transfer's own KV tensors instead of a numpy buffer. numpy backs large
+    # arrays with transparent huge pages where the kernel offers them (madvise), torch does not: context for the
+    # ratio, which stays against the baseline
+    kv_memcpy_gbps: float = 0.0
+    # CPU time of each side's event-loop thread per chunk (copy and checksum included): what a chunk costs, which
+    # a busy machine disturbs far less than it disturbs GB/s
+    sender_cpu_us_per_chunk: float = 0.0
+    receiver_cpu_us_per_chunk: float = 0.0
 
 
 def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -105,15 +115,17 @@ def _receiver(q, backend: str, size: int, src_dtype: str, repeats: int, dist_por
         else:
             dest = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]  # zeros: pre-faulted
         buffers = KVReceiveBuffers()
-        decode, cpu = [], []
+        decode, cpu, cpu_per_chunk = [], [], []
         for i in range(repeats):
             buffers.register(f"r{i}", dest)
             before_cpu = time.thread_time()
             stats = await engine.receive(channel, buffers, [f"r{i}"], deadline_s=120)
-            cpu.append((time.thread_time() - before_cpu) / max(stats[f"r{i}"].seconds, 1e-9))
+            spent = time.thread_time() - before_cpu
+            cpu.append(spent / max(stats[f"r{i}"].seconds, 1e-9))
+            cpu_per_chunk.append(spent / max(stats[f"r{i}"].chunks, 1))
             decode.append(stats[f"r{i}"].convert_seconds)
             buffers.release(f"r{i}")
-        q.put((decode, cpu))
+        q.put((decode, cpu, cpu_per_chunk))
         await channel.aclose()
         await listener.aclose()
 
@@ -145,18 +157,20 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
                                    checksum=checksum)
         engine = TransportEngine(config, telemetry=_telemetry())
         layers = kv_layers(size, TORCH_OF[src_dtype])
-        runs = []
+        runs, sender_cpu = [], []
 
         async def send() -> None:
             conn = await engine.connect(address, backend=backend)
             for i in range(repeats + 1):
                 plan, _ = engine.plan(f"r{i}", layers)
+                before_cpu = time.thread_time()
                 runs.append(await engine.stream_pipeline(conn, plan.chunks, plan, layers, deadline_s=120,
                                                          wait_placement=zero_copy))
+                sender_cpu.append((time.thread_time() - before_cpu) / max(runs[-1].chunks, 1))
             await conn.aclose()
 
         asyncio.run(send())
-        decode, receiver_cpu = q.get(timeout=120)
+        decode, receiver_cpu, receiver_cpu_per_chunk = q.get(timeout=120)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -179,25 +193,38 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
         "total_bytes": best.bytes,
         "retransmits": sum(s.retransmits for s in measured),
         "receiver_cpu_share": statistics.median(receiver_cpu[1:]),
+        "sender_cpu_us_per_chunk": statistics.median(sender_cpu[1:]) * 1e6,
+        "receiver_cpu_us_per_chunk": statistics.median(receiver_cpu_per_chunk[1:]) * 1e6,
     }
 
 
 # -- baselines -------------------------------------------------------------------
 
 
-def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4, crc: bool = False) -> float:
+def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4, crc: bool = False,
+                       layers: list[torch.Tensor] | None = None) -> float:
     """One process copying `size` bytes chunk by chunk into a pre-faulted shared mapping (`crc`: and taking a
-    CRC32C of each chunk's source right after its copy, as the shm sender does)."""
-    src = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size].copy()
+    CRC32C of each chunk's source right after its copy, as the shm sender does). The source is one numpy
+    buffer, or with `layers` those tensors' bytes, layer by layer."""
+    if layers is None:
+        one = np.frombuffer(os.urandom(min(size, 1 << 20)) * (size // min(size, 1 << 20) + 1), np.uint8)[:size]
+        sources = [one.copy()]
+    else:
+        sources = [t.reshape(-1).view(torch.uint8).numpy() for t in layers]
+    size = sum(len(s) for s in sources)
     shm = SharedArena(size)  # pre-faulted, like the transport's ring
     dst = shm.array
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        for off in range(0, size, chunk):
-            np.copyto(dst[off : off + chunk], src[off : off + chunk])
-            if crc:
-                crc32c.crc32c(src[off : off + chunk])
+        base = 0
+        for src in sources:
+            for off in range(0, len(src), chunk):
+                piece = src[off : off + chunk]
+                np.copyto(dst[base + off : base + off + len(piece)], piece)
+                if crc:
+                    crc32c.crc32c(piece)
+            base += len(src)
         times.append(time.perf_counter() - start)
     del dst
     shm.close()
@@ -302,6 +329,8 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
         for chunk in chunks:
             baseline = BASELINES[backend](size, chunk, repeats)
             crc_baseline = memcpy_to_shm_gbps(size, chunk, repeats, crc=True) if backend == "shm" else 0.0
+            kv_memcpy = (memcpy_to_shm_gbps(size, chunk, repeats, layers=kv_layers(size, TORCH_OF[src_dtype]))
+                         if backend == "shm" else 0.0)
             for wire in dtypes:
                 for zc in modes:
                     if progress:
@@ -310,7 +339,8 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                     results.append(BenchResult(
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
-                        r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline,
+                        r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline, kv_memcpy,
+                        r["sender_cpu_us_per_chunk"], r["receiver_cpu_us_per_chunk"],
                     ))  # fmt: skip
     return results
 

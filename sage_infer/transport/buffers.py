@@ -33,6 +33,7 @@ class KVReceiveBuffers:
     def __init__(self) -> None:
         self._layers: dict[str, list[torch.Tensor]] = {}
         self._bytes: dict[str, list[torch.Tensor]] = {}
+        self._arrays: dict[str, list] = {}  # the same bytes as numpy arrays (host layers): cheap per-chunk slices
         self._done: dict[str, set[int]] = {}
         self._expected: dict[str, int] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
@@ -40,11 +41,12 @@ class KVReceiveBuffers:
     def register(self, request_id: str, layers: Sequence[torch.Tensor]) -> None:
         self._layers[request_id] = list(layers)
         self._bytes[request_id] = [as_bytes(t) for t in layers]
+        self._arrays[request_id] = [b.numpy() if b.device.type == "cpu" else None for b in self._bytes[request_id]]
         self._done[request_id] = set()
         self._expected.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
-        for table in (self._layers, self._bytes, self._done, self._expected):
+        for table in (self._layers, self._bytes, self._arrays, self._done, self._expected):
             table.pop(request_id, None)
 
     def sink(self, header: ChunkHeader) -> memoryview:
@@ -57,7 +59,11 @@ class KVReceiveBuffers:
             if self._staging.numel() < header.length:
                 self._staging = torch.empty(header.length, dtype=torch.uint8)
             return memoryview(self._staging[: header.length].numpy())
-        return memoryview(self._region(header, header.length).numpy())
+        arrays = self._arrays[header.request_id]
+        end = header.offset + header.length
+        if header.layer < len(arrays) and arrays[header.layer] is not None and end <= len(arrays[header.layer]):
+            return memoryview(arrays[header.layer][header.offset : end])  # the common case, without torch slicing
+        return memoryview(self._region(header, header.length).numpy())  # raises with what does not fit
 
     def _check_encoded_size(self, header: ChunkHeader) -> None:
         """A converted chunk must decode into its destination exactly: checked before any

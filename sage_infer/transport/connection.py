@@ -29,6 +29,7 @@ class _Job:
     plan: TransportPlan = field(compare=False)
     count: int = field(compare=False)
     stats: TransferStats = field(compare=False)
+    source: memoryview | None = field(compare=False)  # the layer's bytes on the host (None: made per chunk)
     done: asyncio.Future = field(compare=False)  # -> seconds from send to verified ACK
 
 
@@ -44,6 +45,7 @@ class Connection:
         self.channel = channel
         self.address = address
         self.backend = backend
+        self.inflight_gauge = engine.telemetry.inflight.labels(backend)
         self.seq = itertools.count()
         self._arrivals = itertools.count()
         self._queue: list[_Job] = []
@@ -51,10 +53,10 @@ class Connection:
         self._pump = asyncio.get_running_loop().create_task(self._run())
 
     def submit(self, priority: int, deadline: float, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
-               count: int, stats: TransferStats) -> asyncio.Future:
+               count: int, stats: TransferStats, source: memoryview | None = None) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, _Job(priority, deadline, next(self._arrivals), chunk, layer, plan, count,
-                                         stats, done))
+                                         stats, source, done))
         self._ready.set()
         return done
 
@@ -67,14 +69,13 @@ class Connection:
                 self._ready.clear()
                 await self._ready.wait()
                 continue
-            try:
-                acked = await self.engine.send_kv_chunk(self, job.chunk, job.layer, job.plan, deadline=job.deadline,
-                                                        count=job.count, stats=job.stats)
+            try:  # the channel settles job.done itself when the receiver acknowledges the chunk
+                await self.engine.send_kv_chunk(self, job.chunk, job.layer, job.plan, deadline=job.deadline,
+                                                count=job.count, stats=job.stats, source=job.source, acked=job.done,
+                                                ack_now=not self._queue)  # nothing queued: we wait for ACKs next
             except (TransportError, ValueError) as err:
                 if not job.done.done():
                     job.done.set_exception(err)
-                continue
-            acked.add_done_callback(lambda ack, done=job.done: _settle(done, ack))
 
     def _pop_live(self) -> _Job | None:
         while self._queue:
@@ -89,13 +90,3 @@ class Connection:
             job.done.cancel()
         await self.channel.aclose()
 
-
-def _settle(done: asyncio.Future, ack: asyncio.Future) -> None:
-    if done.done():
-        return
-    if ack.cancelled():
-        done.cancel()
-    elif ack.exception() is not None:
-        done.set_exception(ack.exception())
-    else:
-        done.set_result(ack.result())

@@ -37,7 +37,7 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
 from sage_infer.transport.connection import Connection
-from sage_infer.transport.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
+from sage_infer.transport.errors import AuthError, PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
 from sage_infer.transport.stats import Priority, TransferStats
@@ -71,23 +71,42 @@ class TransportEngine:
         return self.planner.plan(request_id, layers, **kw)
 
     async def connect(self, address: str, *, backend: str | None = None) -> Connection:
+        """A connection to the listener at `address`; with `kv_transport.auth_token` (shm, tcp) it first
+        proves it holds the token and checks that the listener does (`AuthError` otherwise)."""
         name = backend or address.split("://", 1)[0]
         # The shm ring holds at least two chunks, so one is copied in while the other is read out.
         options = {"ring_bytes": max(SHM_RING_BYTES, 2 * int(self.config.chunk_size))} if name == "shm" else {}
-        channel = await get_backend(name, **options).connect(
-            address, max_inflight=self.config.max_inflight, max_retries=self.max_retries,
-            timeout_s=self.config.timeout_s,
-        )  # fmt: skip
+        peer = get_backend(name, **options)
+        auth = {"token": self._token()} if peer.authenticates else {}
+        try:
+            channel = await peer.connect(
+                address, max_inflight=self.config.max_inflight, max_retries=self.max_retries,
+                timeout_s=self.config.timeout_s, **auth,
+            )  # fmt: skip
+        except AuthError as err:
+            self.telemetry.failures.labels(err.reason).inc()
+            raise
         return Connection(self, channel, address, name)
 
     async def listen(self, backend: str, address: str | None = None, *, arena: SharedArena | None = None) -> Listener:
-        """Accept senders. With `arena` (shm only) senders write straight into destination
-        buffers allocated from it (zero-copy receive)."""
-        if arena is None:
-            return await get_backend(backend).listen(address, max_retries=self.max_retries)
-        if backend != "shm":
+        """Accept senders. With `kv_transport.auth_token` (shm, tcp) only senders that prove they
+        hold it; every connection turned away is logged and counted in the failures metric. With
+        `arena` (shm only) senders write straight into destination buffers allocated from it
+        (zero-copy receive)."""
+        if arena is not None and backend != "shm":
             raise TransportError(f"zero-copy receive into a shared arena needs the shm backend, not {backend}")
-        return await get_backend(backend).listen(address, max_retries=self.max_retries, arena=arena)
+        peer = get_backend(backend)
+        options = {"arena": arena} if arena is not None else {}
+        if peer.authenticates:
+            options.update(token=self._token(), setup_timeout_s=self.config.timeout_s, on_refused=self._refused)
+        return await peer.listen(address, max_retries=self.max_retries, **options)
+
+    def _token(self) -> bytes | None:
+        token = self.config.auth_token
+        return token.get_secret_value().encode() if token is not None else None
+
+    def _refused(self, err: TransportError) -> None:
+        self.telemetry.failures.labels(err.reason).inc()
 
     # -- sending -----------------------------------------------------------------
 
@@ -101,36 +120,42 @@ class TransportEngine:
         deadline: float,
         count: int = 1,
         stats: TransferStats | None = None,
+        source: memoryview | None = None,
+        acked: asyncio.Future | None = None,
+        ack_now: bool = True,
     ) -> asyncio.Future:
-        """Put one chunk on the wire (converted if the plan says so). Returns a future that
-        resolves to the chunk's send→ACK seconds once the receiver verified it."""
-        raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
+        """Put one chunk on the wire (converted if the plan says so). Returns a future (`acked`, when
+        given) that resolves to the chunk's send→ACK seconds once the receiver verified it. `source`:
+        the layer's bytes as a host view, made once per transfer (else taken from `layer` per chunk).
+        `ack_now=False` lets the receiver acknowledge this chunk together with the next ones (more follow)."""
         src = wire_name(layer.dtype)
-        fields = dict(wire_dtype=src, src_dtype=src, raw_length=chunk.length)
         flags = Flag.LAST if chunk.is_last else Flag.NONE
+        if ack_now:
+            flags |= Flag.ACK_NOW
         convert_seconds = 0.0
+        wire, cols, granularity = src, 0, "per_token"
         if plan.converts and plan.wire_dtype.value != src:
             if src == "raw":
                 raise ValueError(f"cannot convert {layer.dtype} KV to {plan.wire_dtype.value}")
             start = time.perf_counter()
-            cols = layer.shape[-1]
-            payload_t = converter.encode(raw.view(layer.dtype).view(-1, cols), plan.wire_dtype.value,
-                                         self.granularity)
+            raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
+            wire, cols, granularity = plan.wire_dtype.value, layer.shape[-1], self.granularity
+            payload = host_view(converter.encode(raw.view(layer.dtype).view(-1, cols), wire, granularity))
             convert_seconds = time.perf_counter() - start
-            fields.update(wire_dtype=plan.wire_dtype.value, cols=cols, granularity=self.granularity)
             flags |= Flag.CONVERTED
+        elif source is not None:
+            payload = source[chunk.offset : chunk.offset + chunk.length]
         else:
-            payload_t = raw
-        payload = host_view(payload_t)
+            payload = host_view(as_bytes(layer)[chunk.offset : chunk.offset + chunk.length])
         algorithm = CHECKSUMS[self.config.checksum]
         crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
         header = ChunkHeader(
             Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
-            offset=chunk.offset, length=len(payload), count=count, flags=flags, crc=crc, algorithm=algorithm,
-            **fields,
+            offset=chunk.offset, length=len(payload), raw_length=chunk.length, count=count, flags=flags,
+            wire_dtype=wire, src_dtype=src, granularity=granularity, cols=cols, crc=crc, algorithm=algorithm,
         )  # fmt: skip
-        acked = await conn.channel.send(header, payload, deadline)
-        self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
+        acked = await conn.channel.send(header, payload, deadline, acked)
+        conn.inflight_gauge.set(conn.channel.inflight)
         if stats is not None:
             stats.chunks += 1
             stats.bytes += chunk.length
@@ -161,8 +186,9 @@ class TransportEngine:
         if wait_placement:  # zero-copy: the receiver says where the KV goes before any byte moves
             what = f"waiting for the receiver to place {plan.request_id!r}"
             await before(conn.channel.wait_placed(plan.request_id), deadline, what)
-        acks = [conn.submit(priority, deadline, chunk, layers[chunk.layer], plan, len(chunks), stats)
-                for chunk in chunks]
+        sources = _host_sources(layers, plan)
+        acks = [conn.submit(priority, deadline, chunk, layers[chunk.layer], plan, len(chunks), stats,
+                            sources[chunk.layer]) for chunk in chunks]
         try:
             what = f"waiting for the receiver to verify {plan.request_id!r}"
             stats.chunk_seconds = list(await before(asyncio.gather(*acks), deadline, what))
@@ -178,7 +204,7 @@ class TransportEngine:
             for ack in acks:
                 if not ack.done():
                     ack.cancel()
-            self.telemetry.inflight.labels(conn.backend).set(conn.channel.inflight)
+            conn.inflight_gauge.set(conn.channel.inflight)
         stats.seconds = loop.time() - start
         stats.retransmits = conn.channel.retransmits - retransmits
         self._record(stats)
@@ -250,3 +276,12 @@ class TransportEngine:
     def _record(self, stats: TransferStats) -> None:
         self.telemetry.bytes.labels(stats.backend, stats.direction).inc(stats.bytes)
         self.telemetry.seconds.labels(stats.backend, stats.direction).observe(stats.seconds)
+
+
+def _host_sources(layers: Sequence[torch.Tensor], plan: TransportPlan) -> list[memoryview | None]:
+    """Each host layer's bytes as one view, made once per transfer so chunks are slices of it (None:
+    the chunk is made per chunk — a device layer is staged through the host chunk by chunk, a
+    converted one is encoded)."""
+    if plan.converts:
+        return [None] * len(layers)
+    return [host_view(as_bytes(t)) if t.device.type == "cpu" else None for t in layers]

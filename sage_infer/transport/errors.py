@@ -41,6 +41,13 @@ class ProtocolError(TransportError):
     reason = "protocol"
 
 
+class AuthError(TransportError):
+    """A connection failed the shared-token handshake (`kv_transport.auth_token`): wrong token,
+    a token on one end only, no answer in time, or not a sage peer at all."""
+
+    reason = "auth"
+
+
 class BackendUnavailable(TransportError):
     """The backend cannot run here (module missing, no device); the message says why."""
 

@@ -12,9 +12,12 @@ straight into the buffer registered for (request, layer, offset)::
 
 `length` is the payload on the wire; `raw_length` its size after the receiver undoes
 a format conversion (equal when none). `count` is the number of chunks in the whole
-transfer, so a receiver knows when it is complete. The header CRC covers the 124
+transfer, so a receiver knows when it is complete; in an ACK it is the number of
+consecutive sequence numbers the ACK covers, ending at `seq` (a receiver may acknowledge
+a run of verified chunks with one message). The header CRC covers the 124
 bytes before it: a flipped bit in a length or offset is caught before any payload
-is read. Control messages (ACK, NACK, HELLO, ABORT, PLACE) reuse the same header; only PLACE has a payload.
+is read. Control messages (ACK, NACK, HELLO, ABORT, PLACE, AUTH) reuse the same header; only PLACE and
+AUTH have a payload.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import crc32c as _crc32c
 from sage_infer.transport.errors import ChecksumError, ProtocolError
 
 MAGIC = b"SKVT"
-VERSION = 1
+VERSION = 2  # 2: AUTH opens every shm/tcp connection; an ACK covers `count` sequence numbers
 _FORMAT = struct.Struct("<4sBBHBBBBIIQQQQIIQII48s")
 HEADER_BYTES = _FORMAT.size + 4
 assert HEADER_BYTES == 128, HEADER_BYTES
@@ -38,11 +41,12 @@ MAX_REQUEST_ID = 48
 
 class Kind(enum.IntEnum):
     DATA = 1
-    ACK = 2  # chunk `seq` arrived and verified
+    ACK = 2  # chunks `seq - count + 1` .. `seq` arrived and verified
     NACK = 3  # chunk `seq` failed its checksum: send it again
     HELLO = 4  # connection set-up (backend-specific fields)
     ABORT = 5  # the sender gives up on transfer `request_id`
     PLACE = 6  # receiver -> sender: where each layer of `request_id` lives in the shared arena (payload)
+    AUTH = 7  # connection set-up: the shared-token challenge, answer and proof (auth.py; payload)
 
 
 class Flag(enum.IntFlag):
@@ -51,6 +55,7 @@ class Flag(enum.IntFlag):
     CONVERTED = 2  # payload is in `wire_dtype`; decode to `src_dtype`
     RETRY = 4  # a resend after a NACK
     DIRECT = 8  # written by the sender straight into the receiver's registered buffer (shm arena offset in `slot`)
+    ACK_NOW = 16  # the sender waits for acknowledgements after this chunk: do not hold its ACK back
 
 
 class Checksum(enum.IntEnum):
@@ -73,6 +78,15 @@ DTYPE_CODES = {
 }
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 GRANULARITIES = ("per_token", "per_channel")
+# Wire code -> member, looked up once per message instead of calling the enum (unpack is per chunk).
+_KINDS = {int(k): k for k in Kind}
+_FLAGS = {bits: Flag(bits) for bits in range(1 << len(Flag))}
+_CHECKSUMS = {int(c): c for c in Checksum}
+
+
+def _ack_body(seq: int, count: int) -> bytes:
+    body = _FORMAT.pack(MAGIC, VERSION, Kind.ACK, 0, 0, 0, 0, 0, 0, 0, seq, 0, 0, 0, 0, 0, 0, count, 0, b"")
+    return body + zlib.crc32(body).to_bytes(4, "little")
 
 
 def checksum(data, algorithm: Checksum = Checksum.CRC32C, value: int = 0) -> int:
@@ -110,50 +124,54 @@ class ChunkHeader:
     def converted(self) -> bool:
         return bool(self.flags & Flag.CONVERTED)
 
-    def pack(self) -> bytes:
+    def pack(self, *, slot: int | None = None, crc: int | None = None, flags: Flag | None = None) -> bytes:
+        """The 128 wire bytes. `slot`, `crc` and `flags` override this header's: a channel that stages the
+        payload fills in where it lies and its CRC as it packs, without building another header."""
         rid = self.request_id.encode()
         if len(rid) > MAX_REQUEST_ID:
             raise ValueError(f"request id is {len(rid)} bytes; the wire header holds at most {MAX_REQUEST_ID}")
         body = _FORMAT.pack(
-            MAGIC, VERSION, int(self.kind), int(self.flags),
+            MAGIC, VERSION, int(self.kind), int(self.flags if flags is None else flags),
             DTYPE_CODES[self.wire_dtype], DTYPE_CODES[self.src_dtype],
             GRANULARITIES.index(self.granularity), int(self.algorithm),
             self.layer, self.chunk_index, self.seq, self.offset, self.length, self.raw_length,
-            self.cols, self.group_size, self.slot, self.count, self.crc, rid,
+            self.cols, self.group_size, self.slot if slot is None else slot, self.count,
+            self.crc if crc is None else crc, rid,
         )  # fmt: skip
         return body + zlib.crc32(body).to_bytes(4, "little")
 
     @classmethod
     def unpack(cls, data) -> ChunkHeader:
-        """Parse and check one header; a bad magic/version/CRC raises with what was wrong."""
-        data = bytes(data)
+        """Parse and check one header (any buffer of `HEADER_BYTES`); a bad magic/version/CRC raises with
+        what was wrong."""
         if len(data) != HEADER_BYTES:
             raise ProtocolError(f"header is {len(data)} bytes, expected {HEADER_BYTES}")
-        if data[:4] != MAGIC:
-            raise ProtocolError(f"bad magic {data[:4]!r} (not a sage KV transport stream)")
-        body, crc = data[:-4], int.from_bytes(data[-4:], "little")
-        if zlib.crc32(body) != crc:
-            raise ChecksumError("chunk header failed its CRC (corrupt header)")
-        fields = _FORMAT.unpack(body)
+        fields = _FORMAT.unpack_from(data)
         magic, version, kind, flags, wire, src, gran, algo = fields[:8]
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r} (not a sage KV transport stream)")
+        if zlib.crc32(memoryview(data)[:-4]) != int.from_bytes(data[-4:], "little"):
+            raise ChecksumError("chunk header failed its CRC (corrupt header)")
         if version != VERSION:
             raise ProtocolError(f"wire version {version} is not supported (this side speaks {VERSION})")
         try:
+            flag = _FLAGS[flags] if flags in _FLAGS else Flag(flags)
             return cls(
-                kind=Kind(kind), flags=Flag(flags), wire_dtype=DTYPE_NAMES[wire], src_dtype=DTYPE_NAMES[src],
-                granularity=GRANULARITIES[gran], algorithm=Checksum(algo),
-                layer=fields[8], chunk_index=fields[9], seq=fields[10], offset=fields[11], length=fields[12],
-                raw_length=fields[13], cols=fields[14], group_size=fields[15], slot=fields[16], count=fields[17],
-                crc=fields[18], request_id=fields[19].rstrip(b"\0").decode(),
-            )  # fmt: skip
+                _KINDS[kind], fields[19].rstrip(b"\0").decode(), fields[10], fields[8], fields[9], fields[11],
+                fields[12], fields[13], fields[17], flag, DTYPE_NAMES[wire], DTYPE_NAMES[src], GRANULARITIES[gran],
+                fields[14], fields[15], fields[16], fields[18], _CHECKSUMS[algo],
+            )  # positional, in field order: this runs once per chunk and per ACK
         except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
             raise ProtocolError(f"malformed header field: {err}") from None
 
     def reply(self, kind: Kind) -> ChunkHeader:
-        """An ACK/NACK for this chunk: same identity, no payload."""
-        return replace(self, kind=kind, length=0, raw_length=0, crc=0)
+        """An ACK/NACK for this chunk alone: same identity, no payload."""
+        return replace(self, kind=kind, length=0, raw_length=0, crc=0, count=1)
+
+    @staticmethod
+    def ack(first_seq: int, last_seq: int) -> bytes:
+        """The packed ACK of the verified run `first_seq` .. `last_seq` (consecutive sequence numbers)."""
+        return _ack_body(last_seq, last_seq - first_seq + 1)
 
     def verify(self, payload) -> None:
         """Raise `ChecksumError` unless `payload` is this chunk's bytes (nothing to check without a checksum)."""

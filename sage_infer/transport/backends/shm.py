@@ -6,13 +6,16 @@ times slower, so nothing is allocated per transfer — and hands the file descri
 the receiver over a Unix socket (SCM_RIGHTS). No name exists in /dev/shm, so a crash
 leaks nothing and no other process can open the ring.
 
+The listener opens every connection (auth.py: the shared-token challenge when it has one)
+before it takes the ring, so an unauthenticated peer never maps a receiver's arena.
+
 Per chunk: the sender copies the payload into a free region of the ring, checksums
 it there (cache-hot), and sends the 128-byte header (region offset in `slot`) over
-the Unix socket. The receiver copies the region into the buffer its sink registered,
-verifies the CRC on the destination, and answers ACK (the region is reused) or NACK
-(the sender copies the chunk again from its still-registered source). The socket is
-the only synchronisation (each send/recv is a full barrier), and its EOF is how a
-dead peer is noticed at once.
+the Unix socket. The receiver (shm_recv.py) copies the region into the buffer its sink
+registered, verifies the CRC on the destination, and answers ACK (the region is reused;
+one ACK may cover a run of chunks) or NACK (the sender copies the chunk again from its
+still-registered source). The socket is the only synchronisation (each send/recv is a
+full barrier), and its EOF is how a dead peer is noticed at once.
 
 Zero-copy: a receiver listening with a `SharedArena` hands its descriptor to the sender
 in the HELLO reply and, per request, PLACEs where each layer's destination lies in it.
@@ -25,16 +28,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import struct
 import tempfile
 from collections import deque
 from dataclasses import replace
 
 import numpy as np
 
+from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.arena import SharedArena
-from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
+from sage_infer.transport.auth import answer_challenge, socket_io
+from sage_infer.transport.backends.shm_recv import ShmRecvChannel, recv_exactly
+from sage_infer.transport.base import Backend, SendChannel, before, register_backend
 from sage_infer.transport.errors import (
-    ChecksumError,
     PeerClosedError,
     ProtocolError,
     TransportError,
@@ -45,18 +51,6 @@ from sage_infer.transport.wire import HEADER_BYTES, Checksum, ChunkHeader, Flag,
 DEFAULT_RING_BYTES = 8 * 1024 * 1024
 SCHEME = "shm://"
 MAX_PLACED_LAYERS = 4096  # a PLACE lists (offset, bytes) per layer: 16 bytes each
-
-
-async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
-    """Fill `view` from a non-blocking socket; returns bytes read (short only at EOF)."""
-    loop = asyncio.get_running_loop()
-    got = 0
-    while got < len(view):
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHeader | None:
@@ -100,7 +94,21 @@ class _Regions:
         self._by_start: dict[int, list] = {}
         self._tail = 0
 
+    def fits(self, n: int) -> bool:
+        """Whether `alloc(n)` would succeed now."""
+        return self._start_for(n) is not None
+
     def alloc(self, n: int) -> int | None:
+        start = self._start_for(n)
+        if start is None:
+            return None
+        region = [start, start + n, False]
+        self._live.append(region)
+        self._by_start[start] = region
+        self._tail = start + n
+        return start
+
+    def _start_for(self, n: int) -> int | None:
         if not self._live:
             start = 0 if n <= self.size else None
         else:
@@ -109,12 +117,6 @@ class _Regions:
                 start = self._tail if self._tail + n <= head else None
             else:  # free space is [tail, size) and [0, head)
                 start = self._tail if self._tail + n <= self.size else (0 if n <= head else None)
-        if start is None:
-            return None
-        region = [start, start + n, False]
-        self._live.append(region)
-        self._by_start[start] = region
-        self._tail = start + n
         return start
 
     def free(self, start: int) -> None:
@@ -141,18 +143,28 @@ class ShmSendChannel(SendChannel):
         self._ring_np = ring.array
         self._regions = _Regions(ring.nbytes)
         self._region_of: dict[int, int] = {}
+        self._largest = 0  # the largest chunk staged in the ring so far
         self._space = asyncio.Event()
-        self._reader = asyncio.get_running_loop().create_task(self._read_control())
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read_control())
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
-        n = len(payload)
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if header.kind is not Kind.DATA:
-            await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+            await self._send(header.pack(), deadline)
             return
+        flags = header.flags
+        if len(self._pending) >= self.max_inflight or flags & Flag.RETRY:  # we wait for ACKs next
+            flags |= Flag.ACK_NOW
         place = self._placements.get(header.request_id)
-        if place is not None and not header.converted:
-            await self._transmit_direct(header, payload, place)
-            return
+        if place is not None and not flags & Flag.CONVERTED:
+            packed = self._stage_direct(header, payload, place, flags)
+        else:
+            packed = await self._stage_in_ring(header, payload, deadline, flags)
+        await self._send(packed, deadline)
+
+    async def _stage_in_ring(self, header: ChunkHeader, payload: memoryview, deadline: float, flags: Flag) -> bytes:
+        """Copy (and checksum) the payload into a free region of the ring; returns its packed header."""
+        n = len(payload)
         if n > self._regions.size:
             raise TransportError(f"shm: a {n}-byte chunk does not fit the {self._regions.size}-byte ring")
         start = self._region_of.get(header.seq) if header.flags & Flag.RETRY else None
@@ -161,13 +173,16 @@ class ShmSendChannel(SendChannel):
             start = self._regions.alloc(n)
             if start is None:
                 self._space.clear()
-                await self._space.wait()
+                await before(self._space.wait(), deadline, "waiting for room in the shm ring (receiver behind)")
         self._region_of[header.seq] = start
         crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm)
-        header = replace(header, slot=start, crc=crc)
-        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+        self._largest = max(self._largest, n)
+        if not self._regions.fits(self._largest):  # the next chunk may wait for room: regions must come back
+            flags |= Flag.ACK_NOW
+        return header.pack(slot=start, crc=crc, flags=flags)
 
-    async def _transmit_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray) -> None:
+    def _stage_direct(self, header: ChunkHeader, payload: memoryview, place: np.ndarray, flags: Flag) -> bytes:
+        """Copy (and checksum) the payload straight into the receiver's placed buffer; its packed header."""
         n = len(payload)
         if header.layer >= len(place) or header.offset + n > place[header.layer, 1]:
             raise ProtocolError(
@@ -175,16 +190,23 @@ class ShmSendChannel(SendChannel):
             )
         start = int(place[header.layer, 0]) + header.offset
         crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm)
-        header = replace(header, slot=start, flags=header.flags | Flag.DIRECT, crc=crc)
-        await asyncio.get_running_loop().sock_sendall(self._sock, header.pack())
+        return header.pack(slot=start, crc=crc, flags=flags | Flag.DIRECT)
 
-    def _on_control(self, msg: ChunkHeader) -> None:
-        if msg.kind is Kind.ACK:
-            start = self._region_of.pop(msg.seq, None)
-            if start is not None:
-                self._regions.free(start)
-                self._space.set()
-        super()._on_control(msg)
+    async def _send(self, data: bytes, deadline: float) -> None:
+        """Write a message on the control socket; only a full socket buffer makes it wait (until `deadline`)."""
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            rest = memoryview(data)[sent:]
+            await before(self._loop.sock_sendall(self._sock, rest), deadline, "sending (the receiver reads nothing)")
+
+    def _acked(self, seq: int) -> None:
+        start = self._region_of.pop(seq, None)
+        if start is not None:
+            self._regions.free(start)
+            self._space.set()
 
     def _fail(self, err: TransportError) -> None:
         super()._fail(err)
@@ -236,87 +258,39 @@ class ShmSendChannel(SendChannel):
         self._ring.close()
 
 
-class ShmRecvChannel(RecvChannel):
-    backend = "shm"
-
-    def __init__(self, sock: socket.socket, ring: SharedArena, arena: SharedArena | None = None, **kw) -> None:
-        super().__init__(**kw)
-        self._sock = sock
-        self._ring = ring
-        self._ring_np = ring.array
-        self._buf = bytearray(HEADER_BYTES)
-        self.arena = arena
-        self._send_lock = asyncio.Lock()
-
-    async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
-        """Tell the sender where each layer of `request_id` lies in the arena (offset, bytes)."""
-        payload = np.asarray(regions, dtype="<u8").tobytes()
-        header = ChunkHeader(Kind.PLACE, request_id, length=len(payload), count=len(regions))
-        await self._send(header.pack() + payload)
-
-    async def _send(self, data: bytes) -> None:
-        async with self._send_lock:
-            await asyncio.get_running_loop().sock_sendall(self._sock, data)
-
-    async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
-        while True:
-            header = await before(read_header(self._sock, self._buf, "receiving"), deadline, "waiting for a chunk")
-            if header is None:
-                return None
-            if header.kind is Kind.ABORT:
-                raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
-            if header.kind is not Kind.DATA:
-                raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
-            dest = sink(header)
-            if len(dest) != header.length:
-                raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
-            out = np.frombuffer(dest, dtype=np.uint8)
-            if header.flags & Flag.DIRECT:  # already in place: only check where and what
-                if self.arena is None or self.arena.offset_of(out) != header.slot:
-                    raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
-            else:
-                if header.slot + header.length > len(self._ring_np):
-                    raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
-                np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
-            try:
-                header.verify(out)
-            except ChecksumError as err:
-                await self._send(header.reply(Kind.NACK).pack())
-                self._note_corrupt(header, err)
-                continue
-            await self._send(header.reply(Kind.ACK).pack())
-            return header
-
-    async def aclose(self) -> None:
-        self._sock.close()
-        del self._ring_np
-        self._ring.close()
-
-
-class ShmListener(Listener):
-    def __init__(self, server: socket.socket, path: str, max_retries: int, arena: SharedArena | None) -> None:
-        self._server = server
+class ShmListener(AcceptingListener):
+    def __init__(self, server: socket.socket, path: str, max_retries: int, arena: SharedArena | None,
+                 **kw) -> None:
         self._path = path
         self._max_retries = max_retries
         self._arena = arena
-        self.address = SCHEME + path
+        super().__init__(server, SCHEME + path, **kw)
 
-    async def accept(self, deadline: float) -> ShmRecvChannel:
+    def _peer_of(self, sock: socket.socket) -> str:
+        try:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except (OSError, AttributeError):  # no SO_PEERCRED off Linux
+            return "a local process"
+        return f"pid {pid}"
+
+    async def _set_up(self, sock: socket.socket, deadline: float) -> ShmRecvChannel:
+        """Take the sender's ring (HELLO + its fd) and answer, with our arena's fd when zero-copy."""
         loop = asyncio.get_running_loop()
-        sock, _ = await before(loop.sock_accept(self._server), deadline, "waiting for a sender to connect")
         sock.setblocking(True)
         sock.settimeout(max(0.1, deadline - loop.time()))
         try:
             msg, fds, _, _ = await asyncio.to_thread(socket.recv_fds, sock, HEADER_BYTES, 1)
         except TimeoutError:
-            sock.close()
             raise PeerClosedError("shm: the sender connected but sent no ring") from None
         if len(msg) != HEADER_BYTES or len(fds) != 1:
-            sock.close()
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError("shm: the connection did not start with a HELLO carrying the ring")
-        hello = ChunkHeader.unpack(msg)
+            raise ProtocolError("shm: the connection did not go on with a HELLO carrying the ring")
+        try:
+            hello = ChunkHeader.unpack(msg)
+        except TransportError:
+            os.close(fds[0])
+            raise
         ring = SharedArena(hello.length, fd=fds[0])  # the sender's ring; the arena owns the fd now
         try:
             if self._arena is not None:  # zero-copy: the sender maps our arena
@@ -325,14 +299,13 @@ class ShmListener(Listener):
             else:
                 sock.sendall(hello.reply(Kind.HELLO).pack())
         except OSError as err:
-            sock.close()
             ring.close()
             raise PeerClosedError(f"shm: the sender went away during set-up ({err})") from None
         sock.setblocking(False)
         return ShmRecvChannel(sock, ring, self._arena, max_retries=self._max_retries)
 
     async def aclose(self) -> None:
-        self._server.close()
+        await super().aclose()
         try:
             os.unlink(self._path)
             os.rmdir(os.path.dirname(self._path))
@@ -344,13 +317,17 @@ class ShmListener(Listener):
 class ShmBackend(Backend):
     name = "shm"
     description = "shared-memory ring between processes on one host (Unix socket for control)"
+    authenticates = True
 
     def __init__(self, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
         self.ring_bytes = ring_bytes  # the engine sizes it to hold at least two chunks
 
     async def listen(
-        self, address: str | None = None, *, max_retries: int = 2, arena: SharedArena | None = None
+        self, address: str | None = None, *, max_retries: int = 2, arena: SharedArena | None = None,
+        token: bytes | None = None, setup_timeout_s: float = 30.0, on_refused: OnRefused | None = None,
     ) -> ShmListener:
+        """`token`: connections must pass the shared-token handshake (auth.py); `setup_timeout_s` bounds
+        each connection's handshake and set-up; `on_refused` hears of every connection turned away."""
         if address is None:
             path = os.path.join(tempfile.mkdtemp(prefix="sage-shm-"), "ctl.sock")  # mkdtemp: mode 0700
         else:
@@ -359,10 +336,12 @@ class ShmBackend(Backend):
         server.bind(path)
         server.listen(16)
         server.setblocking(False)
-        return ShmListener(server, path, max_retries, arena)
+        return ShmListener(server, path, max_retries, arena, token=token, setup_timeout_s=setup_timeout_s,
+                           on_refused=on_refused)
 
     async def connect(
-        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
+        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0,
+        token: bytes | None = None,
     ) -> ShmSendChannel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -370,9 +349,14 @@ class ShmBackend(Backend):
         sock.setblocking(False)
         try:
             await before(loop.sock_connect(sock, _path_of(address)), deadline, f"connecting to {address}")
+            await before(answer_challenge(*socket_io(sock), token, f"shm: {address}"), deadline,
+                         f"opening the connection to {address}")
         except OSError as err:
             sock.close()
             raise PeerClosedError(f"shm: cannot connect to {address}: {err.strerror or err}") from None
+        except BaseException:
+            sock.close()
+            raise
         ring = SharedArena(self.ring_bytes)  # pre-faulted once: nothing is allocated per transfer
         hello = ChunkHeader(Kind.HELLO, "ring", length=self.ring_bytes)
         try:

@@ -8,6 +8,7 @@ one message per `recv()` and pauses in between, so it never reads a byte it has 
 The payload CRC is computed piece by piece as each read lands, while those bytes are still in
 cache, instead of re-reading the whole chunk from memory afterwards.
 ACK/NACK flow back on the same connection; the sender keeps `max_inflight` chunks unacked.
+The listener opens every connection first (auth.py: the shared-token challenge when it has one).
 
     listener = await backend.listen()  # tcp://127.0.0.1:<ephemeral> unless told otherwise
     channel = await backend.connect(listener.address)  # on the sending host
@@ -19,10 +20,11 @@ import asyncio
 import ipaddress
 import socket
 import zlib
-from collections.abc import Callable
 
 import crc32c
 
+from sage_infer.transport.accept import AcceptingListener, OnRefused
+from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
 from sage_infer.transport.errors import (
     ChecksumError,
@@ -63,8 +65,7 @@ class _ChunkReader(asyncio.BufferedProtocol):
     Reading is paused whenever no `read_message()` is waiting, so the kernel buffers the rest.
     """
 
-    def __init__(self, on_connected: Callable[[_ChunkReader], None]) -> None:
-        self._on_connected = on_connected
+    def __init__(self) -> None:
         self._header_buf = memoryview(bytearray(HEADER_BYTES))
         self._header: ChunkHeader | None = None
         self._payload: memoryview | None = None  # set while a DATA payload is being read
@@ -118,7 +119,6 @@ class _ChunkReader(asyncio.BufferedProtocol):
         transport.pause_reading()  # until the first recv(): no sink to read into yet
         peer = transport.get_extra_info("peername")
         self.peer = format_address(peer[0], peer[1]) if peer else "?"
-        self._on_connected(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._payload is None:
@@ -262,7 +262,7 @@ class TcpSendChannel(SendChannel):
         self._writable: asyncio.Future | None = None
         self._reader = self._loop.create_task(self._read_control())
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if self._closed:
             raise PeerClosedError(f"tcp: channel to {self.address} is closed")
         if payload.format != "B" or payload.ndim != 1:
@@ -282,7 +282,7 @@ class TcpSendChannel(SendChannel):
                     sent = 0
             if not buffers:
                 return
-            await self._wait_writable()
+            await before(self._wait_writable(), deadline, f"sending to {self.address} (its socket buffer is full)")
 
     async def _wait_writable(self) -> None:
         self._writable = waiter = self._loop.create_future()
@@ -338,22 +338,22 @@ def _set_result(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-class TcpListener(Listener):
-    def __init__(self, server: asyncio.Server, address: str, accepted: asyncio.Queue, max_retries: int) -> None:
-        self.address = address
-        self._server = server
-        self._accepted = accepted
+class TcpListener(AcceptingListener):
+    def __init__(self, server: socket.socket, address: str, max_retries: int, **kw) -> None:
         self._max_retries = max_retries
+        super().__init__(server, address, **kw)
 
-    async def accept(self, deadline: float) -> RecvChannel:
-        what = f"waiting for a sender to connect to {self.address}"
-        reader = await before(self._accepted.get(), deadline, what)
+    def _peer_of(self, sock: socket.socket) -> str:
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            return "?"
+        return format_address(peer[0], peer[1])
+
+    async def _set_up(self, sock: socket.socket, deadline: float) -> RecvChannel:
+        reader = _ChunkReader()
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: reader, sock=sock)
         return TcpRecvChannel(reader, max_retries=self._max_retries)
-
-    async def aclose(self) -> None:
-        self._server.close()  # not wait_closed(): since 3.12 it also waits for accepted channels to close
-        while not self._accepted.empty():
-            self._accepted.get_nowait().close(PeerClosedError("tcp: listener closed"))
 
 
 @register_backend
@@ -362,8 +362,14 @@ class TcpBackend(Backend):
 
     name = "tcp"
     description = "TCP sockets between hosts (asyncio, zero-copy sendmsg / recv_into)"
+    authenticates = True
 
-    async def listen(self, address: str | None = None, *, max_retries: int = 2) -> Listener:
+    async def listen(
+        self, address: str | None = None, *, max_retries: int = 2, token: bytes | None = None,
+        setup_timeout_s: float = 30.0, on_refused: OnRefused | None = None,
+    ) -> Listener:
+        """`token`: connections must pass the shared-token handshake (auth.py); `setup_timeout_s` bounds
+        each connection's handshake; `on_refused` hears of every connection turned away."""
         host, port = parse_address(address) if address else (DEFAULT_HOST, 0)
         loop = asyncio.get_running_loop()
         try:
@@ -375,17 +381,18 @@ class TcpBackend(Backend):
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sockaddr)
+            sock.listen(128)
             sock.setblocking(False)
-            accepted: asyncio.Queue[_ChunkReader] = asyncio.Queue()
-            server = await loop.create_server(lambda: _ChunkReader(accepted.put_nowait), sock=sock)
         except OSError as err:
             sock.close()
             raise TransportError(f"tcp: cannot listen on {format_address(host, port)}: {err}") from None
         bound = sock.getsockname()
-        return TcpListener(server, format_address(bound[0], bound[1]), accepted, max_retries)
+        return TcpListener(sock, format_address(bound[0], bound[1]), max_retries, token=token,
+                           setup_timeout_s=setup_timeout_s, on_refused=on_refused)
 
     async def connect(
-        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0
+        self, address: str, *, max_inflight: int = 8, max_retries: int = 2, timeout_s: float = 30.0,
+        token: bytes | None = None,
     ) -> SendChannel:
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
@@ -411,6 +418,15 @@ class TcpBackend(Backend):
                 sock.close()
                 errors.append(err)
                 continue
+            except BaseException:
+                sock.close()
+                raise
+            try:
+                await before(answer_challenge(*socket_io(sock), token, f"tcp: {address}"), deadline,
+                             f"opening the connection to {address}")
+            except TransferTimeout:
+                sock.close()
+                raise TransferTimeout(timed_out) from None
             except BaseException:
                 sock.close()
                 raise

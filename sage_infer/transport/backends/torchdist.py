@@ -95,7 +95,7 @@ class TorchDistSendChannel(SendChannel):
         self._controls = _Waiter(loop, f"torchdist-ctrl-{peer}-{channel}", self._device)
         self._reader: asyncio.Task | None = None
 
-    async def _transmit(self, header: ChunkHeader, payload: memoryview) -> None:
+    async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         tag = _data_tag(self.channel)
         tensors = [_header_tensor(header, self._device)]
         if header.length:
