@@ -75,7 +75,7 @@ def build_workloads(vocab: int, context_len: int, seed: int = 0) -> dict[str, tu
 
 
 def vllm_python(venv: Path) -> Path:
-    python = venv / "bin" / "python"
+    python = venv.absolute() / "bin" / "python"  # the worker runs in another directory
     if not python.exists():
         raise MissingVenv(f"no vLLM virtualenv at {venv}: create it with `make vllm-venv` (about 3.4 GB, a few "
                           f"minutes), point --vllm-venv at one, or run sage alone with --sage-only")
