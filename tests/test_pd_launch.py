@@ -113,6 +113,15 @@ def test_pd_passes_the_transport_token_to_its_workers_by_environment_only(model_
     run_deployment(model_dir, "--kv-transport", f"backend=shm,auth-token={token}", inspect=inspect)
 
 
+def test_pd_without_a_token_gives_its_workers_a_fresh_shared_one(model_dir):
+    def inspect(proc) -> None:
+        tokens = {env.get("SAGE_KV_TRANSPORT__AUTH_TOKEN") for cmd, env in worker_processes(proc.pid)
+                  if "llm serve" in cmd}
+        assert len(tokens) == 1 and None not in tokens and len(tokens.pop()) >= 32  # one, random, for both
+
+    run_deployment(model_dir, inspect=inspect)  # and the KV crosses with it
+
+
 def test_pd_with_the_ray_launcher_places_workers_as_actors(model_dir):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'sage-infer[ray]'): --launcher ray untested")
     run_deployment(model_dir, "--launcher", "ray")

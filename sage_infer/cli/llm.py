@@ -69,9 +69,11 @@ def serve(
 
 def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None) -> int:
     """`--pd xPyD`: the workers get this command's model and config flags (the API key and the transport's
-    shared token through the environment, not the process list); the router takes its host, port, key and
+    shared token, a fresh random one unless set, through the environment, not the process
+    list); the router takes its host, port, key and
     `router` section."""
     import os
+    import secrets as pysecrets
 
     from sage_infer.config.overrides import without_secrets
     from sage_infer.router.launch import serve_pd
@@ -85,9 +87,10 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
         for value in values or []:
             args += [flag, value]
     key = resolved.api_key.get_secret_value() if resolved.api_key else None
-    secrets = {"SAGE_API_KEY": key}
-    if resolved.kv_transport.auth_token is not None:
-        secrets["SAGE_KV_TRANSPORT__AUTH_TOKEN"] = resolved.kv_transport.auth_token.get_secret_value()
+    token = resolved.kv_transport.auth_token
+    # the channel between the workers always checks a shared token: the one set, else a fresh one for this run
+    secrets = {"SAGE_API_KEY": key, "SAGE_KV_TRANSPORT__AUTH_TOKEN": token.get_secret_value() if token is not None
+               else pysecrets.token_urlsafe(32)}
     secrets = {name: value for name, value in secrets.items() if value is not None}
     os.environ.update(secrets)  # inherited by local workers; Ray workers get them passed
     transport = resolved.kv_transport
