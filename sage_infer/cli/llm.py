@@ -68,10 +68,9 @@ def serve(
 
 
 def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None) -> int:
-    """`--pd xPyD`: the workers get this command's model and config flags (the API key and the transport's
-    shared token, a fresh random one unless set, through the environment, not the process
-    list); the router takes its host, port, key and
-    `router` section."""
+    """`--pd xPyD`: the workers get this command's model and config flags, and through the environment (not
+    the process list) the API key and the transport's shared token (a fresh random one unless set); the
+    router takes its host, port, key and `router` section."""
     import os
     import secrets as pysecrets
 
