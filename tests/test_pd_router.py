@@ -322,3 +322,15 @@ def test_a_tpot_target_steers_away_from_a_decode_worker_measured_too_slow():
     assert workers.pick("decode") is a  # without a target: load alone
     a.observe_tpot(0.010)  # a moving average: one fast request does not make it fast at once
     assert 0.010 < a.tpot_s < 0.050
+
+
+def test_slo_targets_come_from_the_request_or_the_router_defaults():
+    from sage_infer.config.serve import RouterConfig
+    from sage_infer.router.admission import Admission
+
+    slo = Admission(RouterConfig(strategy="slo", default_slo_ttft_ms=500, default_slo_tpot_ms=40), 1)
+    assert slo.slo({}, 10.0) == slo.slo({"slo_ttft_ms": 500, "slo_tpot_ms": 40}, 10.0)
+    assert (slo.slo({}, 10.0).ttft_s, slo.slo({}, 10.0).tpot_s) == (0.5, 0.04)
+    assert slo.slo({"slo_tpot_ms": 25}, 10.0).tpot_s == 0.025
+    fifo = Admission(RouterConfig(), 1)
+    assert fifo.slo({"slo_tpot_ms": 25}, 10.0).tpot_s is None  # targets apply under strategy slo only
