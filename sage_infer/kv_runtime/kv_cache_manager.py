@@ -175,21 +175,20 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
         match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
         if self.transfers is not None and seq.seq_id in self.transfers.received:
-            self._match_received(seq, match, self.transfers.received[seq.seq_id].shape[0], max_blocks)
+            self._match_received(match, self.transfers.received[seq.seq_id].block_hashes, max_blocks)
         elif self.hierarchy is not None:
             self._match_lower(seq, match)
         return match
 
-    def _match_received(self, seq: Sequence, match: PrefixMatch, received: int, max_blocks: int | None) -> None:
-        """Extend `match` with the prompt blocks a KV transfer brought (prefill/decode separation)."""
-        bs = self.block_size
+    def _match_received(self, match: PrefixMatch, hashes: list[bytes], max_blocks: int | None) -> None:
+        """Extend `match` with the prompt blocks a KV transfer brought (prefill/decode separation); `hashes`
+        are theirs, the prompt's chain from its first block (computed once, when the transfer was verified)."""
         first = len(match.block_ids)
-        last = min(received, max_blocks) if max_blocks is not None else received
+        last = min(len(hashes), max_blocks) if max_blocks is not None else len(hashes)
         if last <= first:
             return
-        parent = match.block_hashes[-1] if match.block_hashes else None
-        match.lower_block_hashes = hash_token_blocks(seq.token_ids[first * bs : last * bs], bs, seq.extra_key, parent)
-        match.num_lower_tokens = (last - first) * bs
+        match.lower_block_hashes = hashes[first:last]
+        match.num_lower_tokens = (last - first) * self.block_size
 
     def _match_lower(self, seq: Sequence, match: PrefixMatch) -> None:
         """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap).
@@ -257,7 +256,7 @@ class KVCacheManager:
         received = self.transfers.received.pop(seq.seq_id, None) if self.transfers is not None else None
         if received is not None and match.lower_block_hashes:
             first = len(match.block_ids)
-            staged = received[first : first + len(match.lower_block_hashes)]
+            staged = received.rows[first : first + len(match.lower_block_hashes)]
         elif self.hierarchy is not None:
             self.hierarchy.tick(now)
             if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them

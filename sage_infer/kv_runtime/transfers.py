@@ -46,6 +46,14 @@ class TransferStats:
     receive_seconds: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReceivedKV:
+    """A waiting request's prompt blocks that arrived, and their chained hashes (checked equal to the sender's)."""
+
+    rows: torch.Tensor  # [n, block_nbytes] uint8
+    block_hashes: list[bytes]  # n of them, from the prompt's first block
+
+
 @dataclass(slots=True)
 class _Held:
     seq: Sequence
@@ -67,7 +75,7 @@ class KVTransfers:
         self.held: dict[str, _Held] = {}  # request id -> its finished sequence, blocks kept
         self.sending: dict[str, str] = {}  # transfer id -> request id
         self.expecting: dict[str, Sequence] = {}  # transfer id -> the waiting sequence
-        self.received: dict[int, torch.Tensor] = {}  # seq id -> the prompt's first blocks, [n, block_nbytes]
+        self.received: dict[int, ReceivedKV] = {}  # seq id -> the prompt's first blocks
         self.stats = TransferStats()
         self.wake = threading.Event()  # set when the connector finished something (or a command came in)
         self._held_lock = threading.Lock()  # `send` may run on a server thread
@@ -163,9 +171,9 @@ class KVTransfers:
             seq = self.expecting.pop(result.transfer_id, None)
             if seq is None:
                 continue
-            rows = self._verified_rows(seq, result) if result.ok else None
-            if rows is not None:
-                self.received[seq.seq_id] = rows
+            received = self._verified(seq, result) if result.ok else None
+            if received is not None:
+                self.received[seq.seq_id] = received
                 self.stats.received += 1
                 self.stats.bytes_received += result.nbytes
                 self.stats.receive_seconds += result.seconds
@@ -181,22 +189,23 @@ class KVTransfers:
             free(entry.seq)
             self.stats.expired_holds += 1
 
-    def _verified_rows(self, seq: Sequence, result: TransferResult) -> torch.Tensor | None:
+    def _verified(self, seq: Sequence, result: TransferResult) -> ReceivedKV | None:
         """The leading rows whose sender hash equals the hash this engine computes for that block of the
-        prompt (same tokens, same model/dtype/salt key); None when not even the first agrees. A disagreement
-        (a prefill instance with another cache_salt or revision, say) is counted and the rest is computed."""
+        prompt (same tokens, same model/dtype/salt key), with those hashes; None when not even the first
+        agrees. A disagreement (a prefill instance with another cache_salt or revision, say) is counted and
+        the rest is computed."""
         n = result.rows.shape[0]
         own = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size, seq.extra_key, None)
         agree = next((i for i, (a, b) in enumerate(zip(own, result.block_hashes)) if a != b), n)
         if agree == n and len(result.block_hashes) == n:
-            return result.rows
+            return ReceivedKV(result.rows, own)
         self.stats.hash_mismatches += 1
         log.warning("KV transfer %s: the sender's block hashes differ from this prompt's from block %d of %d; "
                     "the request computes the rest", result.transfer_id, agree, n)
         if agree == 0:
             self.stats.receive_failures += 1
             return None
-        return result.rows[:agree]
+        return ReceivedKV(result.rows[:agree], own[:agree])
 
     @property
     def busy(self) -> bool:
