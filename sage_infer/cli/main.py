@@ -7,7 +7,7 @@ import sys
 import typer
 
 from sage_infer import __version__
-from sage_infer.cli import config, infer, kv, llm, transport
+from sage_infer.cli import compress, config, infer, kv, llm, transport
 from sage_infer.cli.errors import invoke
 
 app = typer.Typer(
@@ -22,6 +22,7 @@ app.add_typer(transport.app, name="transport")
 app.add_typer(llm.app, name="llm")
 app.add_typer(config.app, name="config")
 app.add_typer(kv.app, name="kv")
+app.add_typer(compress.app, name="compress")
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,1 @@
+"""Structured pruning: remove FFN channels and attention heads by importance on calibration text."""
