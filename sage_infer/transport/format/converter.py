@@ -21,6 +21,7 @@ Payload: one flat uint8 tensor, contiguous, little-endian, no padding:
 - scales, mins: row-major [rows, cols / group_size] for per_token,
   [rows / group_size, cols] for per_channel.
 
+The quantization math is `sage_infer.quantization.kv_codec`, shared with the KV pool.
 Everything is vectorized torch, so the CUDA path is this same code. The math runs in an
 fp32 copy of the chunk; fp8 is decoded by moving its bits into fp16 (exact), because the
 CPU float8 cast is ~10x slower. Inputs are assumed finite; casts do not saturate (fp32
@@ -36,15 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
+from sage_infer.quantization.kv_codec import FP8_DTYPES as _FP8
+from sage_infer.quantization.kv_codec import INT_QMAX as _INT_QMAX
+from sage_infer.quantization.kv_codec import fp8_as_fp16, group_params, pack_int4, quantize_groups_, unpack_int4
+
 assert sys.byteorder == "little", "the wire payload is little-endian"
 
 _CASTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
-_INT_QMAX = {"int8": 255, "int4": 15}
 WIRE_FORMATS: tuple[str, ...] = (*_CASTS, *_FP8, *_INT_QMAX)
 GRANULARITIES: tuple[str, ...] = ("per_token", "per_channel")
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_F32 = torch.finfo(torch.float32)
 # elements per CPU row block: 4 MiB of fp32 work stays in cache; 16 MiB chunks in one block ran 3-4x slower
 _CPU_BLOCK_ELEMS = 1 << 20
 
@@ -117,19 +119,6 @@ def _check_kv(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
 
 
-def _group_params(w3: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and min for int formats) per group of `w3: [outer, group, inner]` fp32."""
-    mx = w3.amax(1, keepdim=True)
-    mn = w3.amin(1, keepdim=True)
-    if fmt in _FP8:
-        amax = torch.maximum(mx, mn.neg_())
-        # clamp keeps 1/scale finite for subnormal amax; it only makes the scale larger
-        scale = (amax / torch.finfo(_FP8[fmt]).max).clamp_min_(_F32.tiny)
-        return torch.where(amax > 0, scale, 1.0), None
-    scale = ((mx - mn) / _INT_QMAX[fmt]).clamp_min_(_F32.tiny)
-    return torch.where(mx > mn, scale, 1.0), mn
-
-
 def _row_blocks(
     fmt: str, rows: int, cols: int, granularity: str, group_size: int | None, device: torch.device
 ) -> list[tuple[int, int]]:
@@ -149,22 +138,17 @@ def _encode_block(
     using the fp32 scratch `work`."""
     w = work[: x.numel()].view(x.shape).copy_(x)
     w3 = w.view(lay.outer, lay.group, lay.inner)
-    scale, mn = _group_params(w3, fmt)
+    scale, mn = group_params(w3, fmt)
     params[0].copy_(scale.view(-1))
+    if mn is not None:
+        params[1].copy_(mn.view(-1))
+    quantize_groups_(w3, fmt, scale, mn)
     if fmt in _FP8:
-        # |x / scale| <= fp8_max up to fp32 rounding, which the cast rounds back to fp8_max
-        w3.mul_(scale.reciprocal())
         data.view(_FP8[fmt]).view(x.shape).copy_(w)
-        return
-    params[1].copy_(mn.view(-1))
-    # in [0.5, qmax + 0.5]: the truncating cast to uint8 rounds half up, no clamp needed
-    w3.sub_(mn).mul_(scale.reciprocal()).add_(0.5)
-    if fmt == "int8":
+    elif fmt == "int8":
         data.view(x.shape).copy_(w)
     else:
-        q = torch.empty(x.numel(), dtype=torch.uint8, device=x.device).copy_(w.view(-1))
-        pairs = q.view(torch.int16)  # little-endian: element 2i is the low byte
-        data.copy_(torch.bitwise_right_shift(pairs, 4).bitwise_or_(pairs))  # low byte = q[2i] | q[2i+1] << 4
+        data.copy_(pack_int4(torch.empty(x.numel(), dtype=torch.uint8, device=x.device).copy_(w.view(-1))))
 
 
 def encode(
@@ -209,29 +193,6 @@ def encode(
     return out
 
 
-def _fp8_as_fp16(data: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """fp8 bytes as fp16 values v, with the factor f such that the fp8 value is v * f (exact).
-
-    The byte moves to the top of an int16 and an arithmetic shift aligns its exponent and
-    mantissa with fp16's (the sign stays at bit 15; its copies are masked off). The bits then
-    read as the fp8 value rebased to fp16's exponent bias, subnormals included. NaN codes
-    map to finite values.
-    """
-    info = torch.finfo(dtype)
-    shift = round(-math.log2(info.eps)) - 2  # the byte's top mantissa bit sits at 8 + mantissa bits - 1, fp16's at 9
-    w = data.to(torch.int16).bitwise_left_shift_(8)
-    if shift:
-        w.bitwise_right_shift_(shift).bitwise_and_(~(((1 << shift) - 1) << (15 - shift)))
-    return w.view(torch.float16), info.tiny / torch.finfo(torch.float16).tiny
-
-
-def _unpack_int4(data: torch.Tensor) -> torch.Tensor:
-    """[n / 2] packed bytes to [n] uint8 values 0..15 (inverse of the packing in `encode`)."""
-    w = data.to(torch.int16)
-    w = torch.bitwise_left_shift(w, 4).bitwise_or_(w).bitwise_and_(0x0F0F)  # q[2i] in byte 0, q[2i+1] in byte 1
-    return w.view(torch.uint8)
-
-
 def _decode_block(
     data: torch.Tensor, fmt: str, lay: _Layout, params: torch.Tensor, result: torch.Tensor, work: torch.Tensor
 ) -> None:
@@ -241,10 +202,10 @@ def _decode_block(
     w3 = w.view(lay.outer, lay.group, lay.inner)
     scale = params[0].view(lay.outer, 1, lay.inner)
     if fmt in _FP8:
-        values, factor = _fp8_as_fp16(data, _FP8[fmt])
+        values, factor = fp8_as_fp16(data, _FP8[fmt])
         w3.copy_(values.view(w3.shape)).mul_(scale * factor)
     else:
-        q = data if fmt == "int8" else _unpack_int4(data)
+        q = data if fmt == "int8" else unpack_int4(data)
         w3.copy_(q.view(w3.shape)).mul_(scale).add_(params[1].view(scale.shape))
     if w is not result:
         result.copy_(w)
@@ -321,7 +282,7 @@ def error_bound(
         bound = torch.where(xf <= info.max, bound, math.inf)
     else:
         w3 = x.to(torch.float32).contiguous().view(lay.outer, lay.group, lay.inner)
-        scale, mn = _group_params(w3, fmt)
+        scale, mn = group_params(w3, fmt)
         x3 = xf.view(w3.shape)
         if fmt in _FP8:
             info = torch.finfo(_FP8[fmt])

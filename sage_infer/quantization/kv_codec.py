@@ -1,0 +1,129 @@
+"""The KV codec: how quantized K/V values and their scales are computed, packed and read back.
+
+One implementation shared by the KV pool (`QuantizedKVPool`, one scale per token and head), the
+tiers (which store the pool's block bytes as they are, scales inside) and the transport's wire
+converter (`sage_infer.transport.format.converter`, any group shape), so a block quantized in the
+pool is stored and sent without conversion and decodes the same everywhere.
+
+Formats. `fp8_e4m3`, `fp8_e5m2`, `fp8_e4m3fnuz` are symmetric: scale = amax / fp8_max per group
+(1 for an all-zero group). `int8`, `int4` are asymmetric: scale = (max - min) / qmax (qmax 255 / 15;
+1 for a constant group, which then decodes exactly) and q = round_half_up((x - min) / scale),
+stored unsigned; x ~ q * scale + min. int4 packs two values per byte, element 2i in the low
+nibble. Scales and mins are fp32. The math runs in fp32; fp8 is decoded by moving its bits into
+fp16 (exact), because the CPU float8 -> float cast is ~10x slower.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sage_infer.core.kv_schema import KVDtype
+
+FP8_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
+}
+INT_QMAX: dict[str, int] = {"int8": 255, "int4": 15}
+QUANTIZED_FORMATS: tuple[str, ...] = (*FP8_DTYPES, *INT_QMAX)
+_F32_TINY = torch.finfo(torch.float32).tiny
+
+
+def group_params(w3: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and min for int formats) of each group of `w3: [outer, group, inner]` fp32 -> [outer, 1, inner]."""
+    mx = w3.amax(1, keepdim=True)
+    mn = w3.amin(1, keepdim=True)
+    if fmt in FP8_DTYPES:
+        amax = torch.maximum(mx, mn.neg_())
+        # clamp keeps 1/scale finite for subnormal amax; it only makes the scale larger
+        scale = (amax / torch.finfo(FP8_DTYPES[fmt]).max).clamp_min_(_F32_TINY)
+        return torch.where(amax > 0, scale, 1.0), None
+    scale = ((mx - mn) / INT_QMAX[fmt]).clamp_min_(_F32_TINY)
+    return torch.where(mx > mn, scale, 1.0), mn
+
+
+def quantize_groups_(w3: torch.Tensor, fmt: str, scale: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
+    """Codes of `w3: [outer, group, inner]` fp32 (overwritten) with `group_params`' scale/min.
+
+    fp8: the values scaled into range, to be cast to the fp8 dtype; int: the integer levels plus 0.5,
+    to be cast to uint8 (the truncating cast rounds half up: values lie in [0.5, qmax + 0.5]).
+    """
+    if fmt in FP8_DTYPES:
+        # |x / scale| <= fp8_max up to fp32 rounding, which the cast rounds back to fp8_max
+        return w3.mul_(scale.reciprocal())
+    return w3.sub_(mn).mul_(scale.reciprocal()).add_(0.5)
+
+
+def pack_int4(levels: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] uint8 values 0..15 -> [..., n] bytes, element 2i in the low nibble of byte i."""
+    pairs = levels.contiguous().view(torch.int16)  # little-endian: element 2i is the low byte
+    return torch.bitwise_right_shift(pairs, 4).bitwise_or_(pairs).to(torch.uint8)  # q[2i] | q[2i+1] << 4
+
+
+def unpack_int4(data: torch.Tensor) -> torch.Tensor:
+    """[..., n] packed bytes -> [..., 2n] uint8 values 0..15 (inverse of `pack_int4`)."""
+    w = data.to(torch.int16)
+    w = torch.bitwise_left_shift(w, 4).bitwise_or_(w).bitwise_and_(0x0F0F)  # q[2i] in byte 0, q[2i+1] in byte 1
+    return w.view(torch.uint8)
+
+
+def fp8_as_fp16(data: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """fp8 bytes as fp16 values v, with the factor f such that the fp8 value is v * f (exact).
+
+    The byte moves to the top of an int16 and an arithmetic shift aligns its exponent and
+    mantissa with fp16's (the sign stays at bit 15; its copies are masked off). The bits then
+    read as the fp8 value rebased to fp16's exponent bias, subnormals included. NaN codes
+    map to finite values.
+    """
+    info = torch.finfo(dtype)
+    shift = round(-math.log2(info.eps)) - 2  # the byte's top mantissa bit sits at 8 + mantissa bits - 1, fp16's at 9
+    w = data.to(torch.int16).bitwise_left_shift_(8)
+    if shift:
+        w.bitwise_right_shift_(shift).bitwise_and_(~(((1 << shift) - 1) << (15 - shift)))
+    return w.view(torch.float16), info.tiny / torch.finfo(torch.float16).tiny
+
+
+class KVCodec:
+    """Quantizes K/V vectors with one scale (and min) per vector: one token of one head.
+
+    ``x: [..., head_dim]`` float <-> ``codes: [..., code_dim]`` uint8 (``code_dim`` = head_dim,
+    or head_dim / 2 for int4) and ``params: [..., num_params]`` fp32 (scale; then min for int).
+    The scale granularity the pool uses (`ScaleLayout.PER_TOKEN`: per token and head).
+    """
+
+    def __init__(self, kv_dtype: KVDtype, head_dim: int) -> None:
+        if not kv_dtype.is_quantized:
+            raise ValueError(f"KVCodec: {kv_dtype.value} is not a quantized KV dtype")
+        if kv_dtype is KVDtype.INT4 and head_dim % 2:
+            raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
+        self.fmt = kv_dtype.value
+        self.head_dim = head_dim
+        self.code_dim = head_dim // 2 if kv_dtype is KVDtype.INT4 else head_dim
+        self.num_params = 2 if kv_dtype.has_zero_point else 1
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x: [..., head_dim]`` -> (codes ``[..., code_dim]`` uint8, params ``[..., num_params]`` fp32)."""
+        lead = x.shape[:-1]
+        w3 = x.to(torch.float32, copy=True).view(-1, self.head_dim, 1)
+        scale, mn = group_params(w3, self.fmt)
+        params = scale if mn is None else torch.cat((scale, mn), dim=1)  # [n, num_params, 1]
+        w3 = quantize_groups_(w3, self.fmt, scale, mn)
+        if self.fmt in FP8_DTYPES:
+            codes = w3.to(FP8_DTYPES[self.fmt]).view(torch.uint8)
+        else:
+            codes = w3.to(torch.uint8)
+            if self.fmt == "int4":
+                codes = pack_int4(codes.view(-1, self.head_dim))
+        return codes.reshape(*lead, self.code_dim), params.view(*lead, self.num_params)
+
+    def decode(self, codes: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32)."""
+        lead = codes.shape[:-1]
+        scale = params[..., :1]
+        if self.fmt in FP8_DTYPES:
+            values, factor = fp8_as_fp16(codes, FP8_DTYPES[self.fmt])
+            out = values.to(torch.float32).mul_(scale * factor)
+        else:
+            levels = codes if self.fmt == "int8" else unpack_int4(codes).view(*lead, self.head_dim)
+            out = torch.addcmul(params[..., 1:], levels.to(torch.float32), scale)
+        return out.to(dtype)
