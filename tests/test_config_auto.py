@@ -45,10 +45,9 @@ def test_kv_auto_without_native_bf16_keeps_the_model_dtype():
                             "AVX512-BF16/AMX-BF16 (bf16 would be emulated)")
 
 
-def test_kv_auto_quantized_preset_default_is_not_implemented_yet():
+def test_kv_auto_takes_a_quantized_preset_default():
     value = kv(config("nvidia-h100", hardware={"kv": {"default_dtype": "fp8_e4m3"}}), model_dtype="bf16")
-    assert value.value == "bf16"
-    assert "fp8_e4m3 KV is not implemented yet" in value.reason
+    assert value == ResolvedValue("kv_pool.kv_dtype", "fp8_e4m3", "auto: preset nvidia-h100 kv.default_dtype=fp8_e4m3")
 
 
 def test_kv_auto_does_not_store_a_fp16_model_in_bf16():
@@ -70,9 +69,13 @@ def test_explicit_values_say_so():
     assert reasons["model.max_model_len"] == (128, "set explicitly")
 
 
-def test_explicit_quantized_kv_is_a_config_error():
-    with pytest.raises(ConfigError, match="kv_pool.kv_dtype: int8 KV cache is not implemented yet"):
-        kv(config(kv_pool={"kv_dtype": "int8"}))
+def test_explicit_quantized_kv_is_taken():
+    assert kv(config(kv_pool={"kv_dtype": "int8"})) == ResolvedValue("kv_pool.kv_dtype", "int8", "set explicitly")
+
+
+def test_a_quantized_kv_dtype_the_preset_does_not_list_is_a_config_error():
+    with pytest.raises(ConfigError, match="kv_pool.kv_dtype: int4 is not supported by preset ascend-910b"):
+        kv(config("ascend-910b", kv_pool={"kv_dtype": "int4"}))
 
 
 def test_context_auto_is_the_sliding_window_when_smaller():

@@ -142,10 +142,10 @@ def test_preset_kv_default_drives_kv_dtype_auto(tiny, tmp_path):
     assert pool_of(build(tiny, "kv_pool.num_blocks=8", preset=preset)).dtype == torch.float16
 
 
-def test_quantized_preset_default_falls_back_to_the_model_dtype(tiny, tmp_path):
+def test_a_quantized_preset_default_builds_a_quantized_pool(tiny, tmp_path):
     preset = _own_preset(tmp_path, "kv:\n  dtypes: [fp32, int8]\n  default_dtype: int8\n")
     engine = build(tiny, "kv_pool.num_blocks=8", preset=preset)
-    assert pool_of(engine).dtype == torch.float32 and engine.kv_dtype == "fp32"
+    assert pool_of(engine).schema.dtype.value == "int8" and engine.kv_dtype == "int8"
 
 
 def test_explicit_kv_dtype_outside_the_preset_list_is_a_config_error(tiny, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from sage_infer.config.serve import KVPoolConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, KVLayout, ScaleLayout
-from sage_infer.errors import ConfigError, NotAvailableError
+from sage_infer.errors import ConfigError
 from sage_infer.kv_runtime import KVPool
 
 SCHEMA = KVCacheSchema(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=KVDtype.FP16)
@@ -144,11 +144,10 @@ def test_write_blocks_rejects_a_wrong_shape_or_dtype():
         pool.write_blocks([1, 2], rows.float())
 
 
-def test_quantized_kv_dtype_is_not_implemented_yet():
+def test_a_quantized_pool_needs_per_token_scales():
     schema = KVCacheSchema(2, 2, 8, 4, KVDtype.FP8_E4M3, scale_layout=ScaleLayout.PER_HEAD)
-    with pytest.raises(NotImplementedError, match="KV quantization is not implemented yet") as err:
+    with pytest.raises(ValueError, match="per token and head"):
         KVPool(schema, num_blocks=2)
-    assert isinstance(err.value, NotAvailableError)  # the CLI prints it as one line
 
 
 def test_from_config_uses_num_blocks_when_set():

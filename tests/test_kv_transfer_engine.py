@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import KVPoolConfig, ModelConfig, ServeConfig
@@ -29,9 +30,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("pd") / "model", "llama")
 
 
-def make_llm(model_dir) -> LLM:
+def make_llm(model_dir, kv_dtype: str = "auto") -> LLM:
     config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
-                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32))
+                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32, kv_dtype=kv_dtype))
     return LLM(config=config, device="cpu")
 
 
@@ -148,3 +149,30 @@ def test_blocks_whose_sender_hashes_differ_from_the_prompts_are_not_used(model_d
     for engine in (prefill, decode):
         engine.kv.block_manager.check_invariants()
         engine.kv.transfers.close()
+
+
+@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("fp32", "int8"), ("int4", "bf16")])
+def test_a_decode_engine_in_another_kv_dtype_gets_the_blocks_converted(model_dir, prefill_dtype, decode_dtype):
+    prefill, decode = make_llm(model_dir, prefill_dtype).engine, make_llm(model_dir, decode_dtype).engine
+    assert prefill.kv_schema_digest == decode.kv_schema_digest  # same blocks, other precision
+    prefill.enable_kv_transfer(backend="shm")
+    address = decode.enable_kv_transfer(backend="shm", listen=True)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
+    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
+    held = prefill.kv.transfers.held["r1"].seq.block_table[:5]
+    # what the decode engine must end up with: the prefill's blocks re-encoded in its dtype
+    expected = make_llm(model_dir, decode_dtype).engine.runner.pool
+    source = prefill.runner.pool
+    for layer in range(source.num_layers):
+        k, v = source.gather_blocks(layer, torch.tensor([held]), torch.float32)
+        expected.store(layer, k[0], v[0], torch.arange(5 * BLOCK))
+
+    decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
+    assert prefill.send_kv("r1", address, "t-r1", kv_dtype=decode_dtype) == 5
+    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    assert final.metrics.num_cached_tokens == 5 * BLOCK  # the converted blocks were taken, hashes and all
+    assert decode.kv.transfers.stats.hash_mismatches == 0 and len(final.outputs[0].token_ids) == 6
+    cached = decode.kv.index.match(PROMPT, decode.extra_key(), record=False)  # registered under its own key
+    assert len(cached.block_ids) == 5
+    assert torch.equal(decode.runner.pool.read_blocks(cached.block_ids), expected.read_blocks(range(5)))

@@ -158,6 +158,21 @@ def test_a_decode_worker_refuses_kv_in_another_format(deployment):
         complete(decode.url, decode.model, extra={"kv_transfer_params": params})
 
 
+def test_a_decode_worker_in_int8_kv_takes_a_fp32_prefill_workers_kv_converted(model_dir):
+    with running_server(model_dir, role="prefill") as prefill, \
+            running_server(model_dir, role="decode", kv_dtype="int8") as decode, \
+            running_server(model_dir, kv_dtype="int8") as int8_colocated, \
+            running_router([prefill.url], [decode.url]) as url:
+        got = complete(url, decode.model)
+        assert got.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK  # converted, verified, taken
+        assert got.usage.completion_tokens == 8
+        # the same tokens as a server keeping int8 KV itself (its prompt blocks are the same codes)
+        assert got.choices[0].text == complete(int8_colocated.url, int8_colocated.model).choices[0].text
+        stats = decode.backend.engine.kv.transfers.stats
+        assert stats.received == 1 and stats.hash_mismatches == 0
+        settle(prefill, decode)
+
+
 def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(model_dir, colocated):
     with running_server(model_dir, role="prefill") as p0, running_server(model_dir, role="prefill") as p1, \
             running_server(model_dir, role="decode") as decode:

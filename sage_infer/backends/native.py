@@ -216,7 +216,7 @@ class NativeBackend:
                 settle()
 
         try:
-            blocks = self.engine.send_kv(send.request_id, send.address, send.transfer_id, finished)
+            blocks = self.engine.send_kv(send.request_id, send.address, send.transfer_id, finished, send.kv_dtype)
         except RequestError as err:
             done.set_exception(InvalidRequestError(str(err)))
             return

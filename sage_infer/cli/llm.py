@@ -15,7 +15,16 @@ from typing import Annotated, Optional
 import typer
 
 from sage_infer.cli.llm_bench import bench
-from sage_infer.cli.options import ConfigFileOpt, KVTiersOpt, KVTransportOpt, ModelOpt, PresetOpt, SetOpt, resolve_flags
+from sage_infer.cli.options import (
+    ConfigFileOpt,
+    KVCacheDtypeOpt,
+    KVTiersOpt,
+    KVTransportOpt,
+    ModelOpt,
+    PresetOpt,
+    SetOpt,
+    resolve_flags,
+)
 
 app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
 
@@ -30,6 +39,7 @@ def serve(
     config: ConfigFileOpt = None,
     kv_transport: KVTransportOpt = None,
     kv_tiers: KVTiersOpt = None,
+    kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
     role: Annotated[Optional[str], typer.Option(
         "--role", help="prefill | decode | both (default): this instance's part in prefill/decode separation.")] = None,
@@ -48,6 +58,7 @@ def serve(
         "api_key": ("--api-key", api_key),
         "role": ("--role", role),
         "pd": ("--pd", pd),
+        "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype),
     }
     from sage_infer.errors import UsageError
 
@@ -59,7 +70,8 @@ def serve(
         raise UsageError(f"--launcher {launcher}: expected local or ray")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
-        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, set_, launcher,
+        sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else [])]
+        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
                                    ray_address))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
@@ -116,6 +128,7 @@ def generate(
     config: ConfigFileOpt = None,
     kv_transport: KVTransportOpt = None,
     kv_tiers: KVTiersOpt = None,
+    kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Generate text with the native engine (the bundled demo model unless --model)."""
@@ -126,7 +139,8 @@ def generate(
     texts = list(prompt or []) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
-    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)}, kv_tiers)
+    named = {"model.path": ("--model", model), "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype)}
+    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
     _announce_startup(resolved)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -35,6 +35,11 @@ SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", help="Any config field as section.field=value, e.g. kv_pool.block_size=32 (repeatable)."),
 ]
+KVCacheDtypeOpt = Annotated[
+    Optional[str],
+    typer.Option("--kv-cache-dtype", help="KV cache element type (kv_pool.kv_dtype): auto, bf16, fp16, fp32, "
+                 "or quantized fp8_e4m3, fp8_e5m2, int8, int4 (one fp16 scale per token and head)."),
+]
 ModelOpt = Annotated[
     Optional[str], typer.Option("--model", "-m", help="Local Hugging Face model directory (default: bundled demo).")
 ]

@@ -109,9 +109,6 @@ def _kv_dtype(config: ServeConfig, model_dtype: str, facts: DeviceFacts) -> Reso
         if hardware is not None and wanted not in hardware.kv.dtypes:
             raise ConfigError(f"kv_pool.kv_dtype: {wanted.value} is not supported by preset {hardware.name} "
                               f"(kv.dtypes: {', '.join(d.value for d in hardware.kv.dtypes)})")
-        if wanted.is_quantized:
-            raise ConfigError(f"kv_pool.kv_dtype: {wanted.value} KV cache is not implemented yet "
-                              "(use auto, fp16, bf16 or fp32)")
         return ResolvedValue("kv_pool.kv_dtype", wanted.value, "set explicitly")
 
     def model(reason: str) -> ResolvedValue:
@@ -121,8 +118,8 @@ def _kv_dtype(config: ServeConfig, model_dtype: str, facts: DeviceFacts) -> Reso
         return model("no hardware preset resolved")
     default = hardware.kv.default_dtype
     source = f"preset {hardware.name} kv.default_dtype={default.value}"
-    if default.is_quantized:
-        return model(f"{source}, but {default.value} KV is not implemented yet")
+    if default.is_quantized:  # fp8/int8/int4 KV: a preset only defaults to it when its accuracy was judged
+        return ResolvedValue("kv_pool.kv_dtype", default.value, f"auto: {source}")
     if default == KVDtype.BF16 and not facts.native_bf16:
         return model(f"{source}, but {facts.bf16_note}")
     if default.value != model_dtype and {default.value, model_dtype} == {"bf16", "fp16"}:

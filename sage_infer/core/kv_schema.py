@@ -73,7 +73,7 @@ class ScaleLayout(str, enum.Enum):
     PER_CHANNEL = "per_channel"  # [num_kv_heads, head_dim] per layer, K and V
 
 
-SCALE_BYTES = 4  # scales and zero points are stored as fp32
+SCALE_BYTES = 2  # the pool stores scales and zero points (mins) as fp16, next to the codes in each block
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +132,12 @@ class KVCacheSchema:
 
     def bytes_per_token(self) -> float:
         return self.bytes_per_block / self.block_size
+
+    def with_dtype(self, dtype: KVDtype) -> KVCacheSchema:
+        """The same blocks in another KV dtype (quantized ones with per-token scales, as the pool keeps them)."""
+        scales = ScaleLayout.PER_TOKEN if dtype.is_quantized else ScaleLayout.NONE
+        return KVCacheSchema(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype, self.layout,
+                             scales)
 
     def compatible_with(self, other: KVCacheSchema) -> bool:
         """True when blocks can be copied byte-for-byte between the two schemas."""

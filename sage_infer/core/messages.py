@@ -45,6 +45,7 @@ class SendKV:
     request_id: str
     address: str  # the decode instance's KV connector (KVTransferInfo.address there)
     transfer_id: str  # what the decode instance expects it as
+    kv_dtype: str | None = None  # the decode instance's KV dtype when it differs (the blocks are converted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,8 @@ class KVTransferInfo:
 
     role: str  # prefill | decode
     address: str | None  # decode: where prefill instances send KV
-    schema_digest: str  # the KV block format (hex); prefill and decode must agree
+    schema_digest: str  # the KV block shape (hex); prefill and decode must agree
+    kv_dtype: str | None = None  # this instance's KV dtype; a decode instance in another one gets converted blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ class Sequence:
     params: SamplingParams
     extra_key: bytes  # prefix-cache key part: model, revision, KV dtype, tenant salt
     priority: int = 0
+    cache_salt: str | None = None  # the tenant salt in extra_key (to key the same blocks in another KV dtype)
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -57,7 +57,11 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
 
     max_len = auto.max_model_len
     kv_dtype = auto.kv_dtype
-    schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.kv_pool.block_size, kv_dtype)
+    try:  # fp8/int8/int4 KV carries one scale (and min) per token and head
+        schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                               config.kv_pool.block_size).with_dtype(kv_dtype)
+    except ValueError as err:
+        raise ConfigError(f"kv_pool.kv_dtype: {kv_dtype.value}: {err}") from None
     blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(schema), max_model_len=max_len,
                                 free_device_bytes=free_memory_bytes(device), host_available_bytes=read_mem_available())
     auto.values.append(blocks)
@@ -83,7 +87,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         index.quota = quota
         quota.add_tier(DEVICE, pool.num_blocks)
     shape = ModelShape(num_layers=arch.num_layers, hidden=arch.hidden_size, num_kv_heads=arch.num_kv_heads,
-                       head_dim=arch.head_dim, dtype_bytes=pool.dtype.itemsize,
+                       head_dim=arch.head_dim,
+                       dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)

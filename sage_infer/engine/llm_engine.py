@@ -9,6 +9,7 @@ from itertools import count
 import torch
 
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.messages import AddRequest, EngineStats, KVTransferInfo, KVTransferParams, ModelInfo
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
@@ -122,7 +123,8 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), len(token_ids), params,
-                           extra_key, priority=request.priority, arrival_time=arrival, generator=generator)
+                           extra_key, priority=request.priority, cache_salt=request.cache_salt,
+                           arrival_time=arrival, generator=generator)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, list(token_ids), params))
         self.requests[request_id] = _Request(request_id, request.prompt, list(token_ids), seqs, detoks,
@@ -145,7 +147,7 @@ class LLMEngine:
                               "registered under its block hashes)")
         pool = self.runner.pool
         connector = KVConnector(pool.schema, config, backend=backend, listen=listen)
-        self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s)
+        self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s, extra_key=self.extra_key)
         if not listen:  # a prefill worker: the router follows what its prefix cache holds
             self.kv.index.enable_events()
         return connector.address
@@ -156,28 +158,31 @@ class LLMEngine:
         if transfers is None:
             return None
         role = "decode" if transfers.connector.address is not None else "prefill"
-        return KVTransferInfo(role, transfers.connector.address, self.kv_schema_digest)
+        return KVTransferInfo(role, transfers.connector.address, self.kv_schema_digest, self.kv_dtype)
 
     @property
     def kv_schema_digest(self) -> str:
-        """The KV block format (layers, heads, head dim, block size, dtype, layout) as hex: both ends must agree."""
-        return schema_digest(self.runner.pool.schema).hex()
+        """The KV block shape (layers, heads, head dim, block size, layout) as hex: both ends of a transfer must
+        agree. The KV dtype may differ: the sender converts (`KVTransfers.send`)."""
+        return schema_digest(self.runner.pool.schema.with_dtype(KVDtype.FP32)).hex()
 
-    def send_kv(self, request_id: str, address: str, transfer_id: str, on_done=None) -> int:
+    def send_kv(self, request_id: str, address: str, transfer_id: str, on_done=None,
+                kv_dtype: str | None = None) -> int:
         """Send a finished, held request's prompt blocks to a decode engine; how many blocks.
-        `on_done(result)` is called from a later step when the receiver verified them (or it failed)."""
+        `on_done(result)` is called from a later step when the receiver verified them (or it failed);
+        `kv_dtype`: the receiver's KV dtype, when it differs from this engine's (the blocks are converted)."""
         if self.kv.transfers is None:
             raise RequestError("this engine does not transfer KV (enable_kv_transfer was not called)")
         try:
-            return self.kv.transfers.send(request_id, address, transfer_id, on_done)
+            return self.kv.transfers.send(request_id, address, transfer_id, on_done, kv_dtype)
         except (KeyError, ValueError) as err:
             raise RequestError(str(err.args[0]) if err.args else str(err)) from None
 
-    def extra_key(self, cache_salt: str | None = None) -> bytes:
+    def extra_key(self, cache_salt: str | None = None, kv_dtype: str | None = None) -> bytes:
         """The prefix-cache key part of this engine's requests under `cache_salt` (model, revision, KV dtype,
-        layout, tenant): what a request's block hashes are chained under."""
-        return make_extra_key(self.model_id, self.revision, self.kv_dtype, self.runner.pool.schema.layout.value,
-                              cache_salt)
+        layout, tenant): what a request's block hashes are chained under (in `kv_dtype`, default this engine's)."""
+        return make_extra_key(self.model_id, self.revision, kv_dtype or self.kv_dtype,
+                              self.runner.pool.schema.layout.value, cache_salt)
 
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Prompt tokens whose KV this engine's device cache holds now (for a KV-aware router). Records nothing;

@@ -37,11 +37,11 @@ class ModelShape:
     hidden: int = 4096
     num_kv_heads: int = 8
     head_dim: int = 128
-    dtype_bytes: int = 2
+    dtype_bytes: float = 2  # per K/V element, scales included (0.5+ for int4 KV)
     num_params: float = 8.03e9
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
 
 

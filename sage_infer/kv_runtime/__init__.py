@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sage_infer.kv_runtime.block_manager import BlockInfo, BlockManager, BlockState, NoFreeBlocksError
 
 if TYPE_CHECKING:
-    from sage_infer.kv_runtime.pool import KVPool, KVPoolSizeError, KVQuantizationNotImplemented
+    from sage_infer.kv_runtime.pool import KVPool, KVPoolSizeError
 
 __all__ = [
     "BlockInfo",
@@ -19,11 +19,10 @@ __all__ = [
     "BlockState",
     "KVPool",
     "KVPoolSizeError",
-    "KVQuantizationNotImplemented",
     "NoFreeBlocksError",
 ]
 
-_LAZY = {"KVPool", "KVPoolSizeError", "KVQuantizationNotImplemented"}
+_LAZY = {"KVPool", "KVPoolSizeError"}
 
 
 def __getattr__(name: str) -> object:

@@ -136,14 +136,16 @@ class KVConnector:
     # -- the engine thread's calls (non-blocking, or a few microseconds on the loop) ---------------
 
     def start_send(self, transfer_id: str, address: str, rows: torch.Tensor, block_hashes: Sequence[bytes],
-                   block_ids: Sequence[int] = ()) -> None:
+                   block_ids: Sequence[int] = (), schema: KVCacheSchema | None = None) -> None:
         """Send `rows` (``[n, block_nbytes]`` uint8) and their `block_hashes` (n chained prefix-cache hashes) to
-        the receiver at `address`; `block_ids` (the source blocks, for the plan) optional. See `poll_sent`."""
-        rows = rows.contiguous().view(torch.uint8).reshape(-1, self.block_nbytes)
+        the receiver at `address`; `block_ids` (the source blocks, for the plan) optional. `schema`: the rows'
+        format when they were converted for the receiver (default: this connector's). See `poll_sent`."""
+        schema = schema or self.schema
+        rows = rows.contiguous().view(torch.uint8).reshape(-1, schema.bytes_per_block)
         if len(block_hashes) != rows.shape[0] or any(len(h) != HASH_BYTES for h in block_hashes):
             raise ValueError(f"{rows.shape[0]} rows need as many {HASH_BYTES}-byte hashes, got {len(block_hashes)}")
         manifest = torch.frombuffer(bytearray(b"".join(block_hashes)), dtype=torch.uint8)
-        asyncio.run_coroutine_threadsafe(self._send(transfer_id, address, rows, manifest, tuple(block_ids)),
+        asyncio.run_coroutine_threadsafe(self._send(transfer_id, address, rows, manifest, tuple(block_ids), schema),
                                          self._loop)
 
     def poll_sent(self) -> list[TransferResult]:
@@ -248,14 +250,14 @@ class KVConnector:
                                                                f"({now - entry.started:.1f} s)"))
 
     async def _send(self, transfer_id: str, address: str, rows: torch.Tensor, manifest: torch.Tensor,
-                    block_ids: tuple[int, ...]) -> None:
+                    block_ids: tuple[int, ...], schema: KVCacheSchema) -> None:
         start = time.perf_counter()
         try:
             async with self._connecting[address]:
                 conn = self._conns.get(address)
                 if conn is None:
                     conn = self._conns[address] = await self.transport.connect(address, backend=self.backend)
-            plan = self._plan(transfer_id, address, rows.shape[0], manifest.numel(), block_ids)
+            plan = self._plan(transfer_id, address, rows.shape[0], manifest.numel(), block_ids, schema)
             stats = await self.transport.stream_pipeline(conn, plan.chunks, plan, [rows.reshape(-1), manifest])
         except (TransportError, OSError, ValueError) as err:
             stale = self._conns.pop(address, None)
@@ -267,15 +269,16 @@ class KVConnector:
         self._sent.append(TransferResult(transfer_id, None, None, stats.seconds, stats.bytes))
 
     def _plan(self, transfer_id: str, address: str, num_rows: int, manifest_nbytes: int,
-              block_ids: tuple[int, ...]) -> TransportPlan:
+              block_ids: tuple[int, ...], schema: KVCacheSchema) -> TransportPlan:
         """Chunks of whole blocks (layer 0, each naming its source block ids when known), then the manifest."""
-        per_chunk = max(1, int(self.config.chunk_size) // self.block_nbytes)
-        dtype = self.schema.dtype
-        rows = TransportPlan.split(transfer_id, 0, num_rows * self.block_nbytes, per_chunk * self.block_nbytes, dtype)
+        block_nbytes = schema.bytes_per_block
+        per_chunk = max(1, int(self.config.chunk_size) // block_nbytes)
+        dtype = schema.dtype
+        rows = TransportPlan.split(transfer_id, 0, num_rows * block_nbytes, per_chunk * block_nbytes, dtype)
         if block_ids:
             rows = [replace(c, block_ids=block_ids[i * per_chunk : (i + 1) * per_chunk]) for i, c in enumerate(rows)]
         manifest = TransportPlan.split(transfer_id, 1, manifest_nbytes, manifest_nbytes, dtype)
-        return TransportPlan(transfer_id, "local", address, self.backend, self.schema, dtype, (*rows, *manifest),
+        return TransportPlan(transfer_id, "local", address, self.backend, schema, dtype, (*rows, *manifest),
                              deadline_s=self.config.timeout_s)
 
     def _spawn(self, coro) -> None:

@@ -15,31 +15,26 @@ import torch
 from sage_infer.config.serve import KVPoolConfig
 from sage_infer.core.dtypes import TORCH_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.errors import ConfigError, NotAvailableError
+from sage_infer.errors import ConfigError
 
 
 class KVPoolSizeError(ConfigError, ValueError):
     """The KV budget cannot hold one block (or no budget was given). A ValueError and a one-line CLI error."""
 
 
-class KVQuantizationNotImplemented(NotAvailableError, NotImplementedError):
-    """The schema asks for a quantized KV dtype, which this build cannot store yet."""
-
-
 def torch_dtype_of(schema: KVCacheSchema) -> torch.dtype:
-    """The element type that stores `schema.dtype`; quantized dtypes raise `KVQuantizationNotImplemented`."""
+    """The element type that stores an unquantized `schema.dtype` (quantized pools store uint8 codes)."""
     if schema.dtype.is_quantized:
-        raise KVQuantizationNotImplemented(
-            f"KV dtype {schema.dtype.value}: KV quantization is not implemented yet",
-            hint="use kv_dtype fp16, bf16 or fp32",
-        )
+        raise ValueError(f"KV dtype {schema.dtype.value} is stored as uint8 codes plus scales, not one float type")
     return TORCH_DTYPES[schema.dtype]
 
 
 def bytes_per_block(schema: KVCacheSchema, dtype: torch.dtype | None = None) -> int:
-    """Bytes one block takes in the pool: K and V of all layers (`schema.bytes_per_block` unless `dtype` overrides)."""
-    itemsize = (dtype if dtype is not None else torch_dtype_of(schema)).itemsize
-    return schema.num_layers * schema.elements_per_block_per_layer * itemsize
+    """Bytes one block takes in the pool: K and V of all layers, with their scales when quantized
+    (`schema.bytes_per_block` unless `dtype` overrides the element type of a float pool)."""
+    if dtype is None:
+        return schema.bytes_per_block
+    return schema.num_layers * schema.elements_per_block_per_layer * dtype.itemsize
 
 
 BlockIds = torch.Tensor | Sequence[int]
@@ -62,6 +57,13 @@ class KVPool:
     ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (the byte format tiers and the
     transport store and send). Slot ``s`` is token ``s % block_size`` of block ``s // block_size``.
     """
+
+    def __new__(cls, schema: KVCacheSchema, *args, **kwargs) -> KVPool:
+        if cls is KVPool and schema.dtype.is_quantized:  # fp8 / int8 / int4: codes plus scales
+            from sage_infer.kv_runtime.quantized_pool import QuantizedKVPool
+
+            cls = QuantizedKVPool
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.connector import KVConnector, TransferResult
 from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.kv_runtime.quantized_pool import convert_blocks
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 
 log = logging.getLogger("sage_infer.kv_runtime")
@@ -66,8 +68,10 @@ class KVTransfers:
     """Holds, sends and receives whole prompt blocks through one `KVConnector`."""
 
     def __init__(self, connector: KVConnector, pool: KVPool, block_size: int, hold_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 extra_key: Callable[[str | None, str], bytes] | None = None) -> None:
         self.connector = connector
+        self.extra_key = extra_key  # (cache_salt, kv_dtype) -> the prefix-cache key part: to convert on send
         self.pool = pool
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
@@ -89,10 +93,12 @@ class KVTransfers:
             self.held[seq.request_id] = _Held(seq, self.clock() + self.hold_timeout_s)
 
     def send(self, request_id: str, address: str, transfer_id: str,
-             on_done: Callable[[TransferResult], None] | None = None) -> int:
+             on_done: Callable[[TransferResult], None] | None = None, kv_dtype: str | None = None) -> int:
         """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks.
 
-        `on_done` hears the result (verified by the receiver, or the error) from `poll`.
+        `on_done` hears the result (verified by the receiver, or the error) from `poll`. A receiver
+        whose pool holds another `kv_dtype` gets the blocks converted to it (through fp32), hashed
+        under its key, as a prefill in bf16 and a decode in int8 (say) need.
 
         Safe to call from a thread other than the engine's (a server answering a pull at once
         rather than between two steps): a held sequence's blocks are neither written nor freed
@@ -111,9 +117,18 @@ class KVTransfers:
             entry.transfer_id = transfer_id  # from here on the hold cannot expire under us
             entry.on_done = on_done
             self.sending[transfer_id] = request_id
-        rows = self.pool.read_blocks(seq.block_table[:n]).view(torch.uint8).reshape(n, -1)
-        # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
-        self.connector.start_send(transfer_id, address, rows, seq.block_hashes[:n], seq.block_table[:n])
+        ids = seq.block_table[:n]
+        if kv_dtype is None or kv_dtype == self.pool.schema.dtype.value:
+            rows = self.pool.read_blocks(ids).view(torch.uint8).reshape(n, -1)
+            # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
+            self.connector.start_send(transfer_id, address, rows, seq.block_hashes[:n], ids)
+            return n
+        if self.extra_key is None:
+            raise ValueError(f"this engine cannot convert its KV to {kv_dtype} (no prefix-cache key to hash it)")
+        schema = self.pool.schema.with_dtype(KVDtype(kv_dtype))
+        hashes = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
+                                   self.extra_key(seq.cache_salt, kv_dtype), None)
+        self.connector.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
         return n
 
     # -- decode -----------------------------------------------------------------------------------

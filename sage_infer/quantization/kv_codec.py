@@ -9,8 +9,9 @@ Formats. `fp8_e4m3`, `fp8_e5m2`, `fp8_e4m3fnuz` are symmetric: scale = amax / fp
 (1 for an all-zero group). `int8`, `int4` are asymmetric: scale = (max - min) / qmax (qmax 255 / 15;
 1 for a constant group, which then decodes exactly) and q = round_half_up((x - min) / scale),
 stored unsigned; x ~ q * scale + min. int4 packs two values per byte, element 2i in the low
-nibble. Scales and mins are fp32. The math runs in fp32; fp8 is decoded by moving its bits into
-fp16 (exact), because the CPU float8 -> float cast is ~10x slower.
+nibble. The wire converter keeps scales and mins in fp32, the pool in fp16 (`KVCodec`). The math
+runs in fp32; fp8 is decoded by moving its bits into fp16 (exact), because the CPU float8 ->
+float cast is ~10x slower.
 """
 
 from __future__ import annotations
@@ -83,12 +84,19 @@ def fp8_as_fp16(data: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, f
     return w.view(torch.float16), info.tiny / torch.finfo(torch.float16).tiny
 
 
+PARAMS_DTYPE = torch.float16  # 2 bytes per scale (and min) keep int8 KV near half of bf16's bytes
+_FP16 = torch.finfo(torch.float16)
+_FP16_SUBNORMAL = 2.0**-24
+
+
 class KVCodec:
     """Quantizes K/V vectors with one scale (and min) per vector: one token of one head.
 
     ``x: [..., head_dim]`` float <-> ``codes: [..., code_dim]`` uint8 (``code_dim`` = head_dim,
-    or head_dim / 2 for int4) and ``params: [..., num_params]`` fp32 (scale; then min for int).
-    The scale granularity the pool uses (`ScaleLayout.PER_TOKEN`: per token and head).
+    or head_dim / 2 for int4) and ``params: [..., num_params]`` fp16 (scale; then min for int).
+    The scale granularity the pool uses (`ScaleLayout.PER_TOKEN`: per token and head). Scales and
+    mins are rounded to fp16 before the codes are computed, so decoding with the stored params
+    is as exact as the format allows (codes are clamped into range, so rounding never overflows).
     """
 
     def __init__(self, kv_dtype: KVDtype, head_dim: int) -> None:
@@ -100,18 +108,23 @@ class KVCodec:
         self.head_dim = head_dim
         self.code_dim = head_dim // 2 if kv_dtype is KVDtype.INT4 else head_dim
         self.num_params = 2 if kv_dtype.has_zero_point else 1
+        self._max_code = torch.finfo(FP8_DTYPES[self.fmt]).max if self.fmt in FP8_DTYPES else INT_QMAX[self.fmt]
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x: [..., head_dim]`` -> (codes ``[..., code_dim]`` uint8, params ``[..., num_params]`` fp32)."""
+        """``x: [..., head_dim]`` -> (codes ``[..., code_dim]`` uint8, params ``[..., num_params]`` fp16)."""
         lead = x.shape[:-1]
         w3 = x.to(torch.float32, copy=True).view(-1, self.head_dim, 1)
         scale, mn = group_params(w3, self.fmt)
-        params = scale if mn is None else torch.cat((scale, mn), dim=1)  # [n, num_params, 1]
-        w3 = quantize_groups_(w3, self.fmt, scale, mn)
-        if self.fmt in FP8_DTYPES:
+        scale = scale.clamp_(_FP16_SUBNORMAL, _FP16.max).to(PARAMS_DTYPE)
+        if mn is None:
+            params = scale
+            w3.mul_(scale.float().reciprocal_()).clamp_(-self._max_code, self._max_code)
             codes = w3.to(FP8_DTYPES[self.fmt]).view(torch.uint8)
         else:
-            codes = w3.to(torch.uint8)
+            mn = mn.clamp_(_FP16.min, _FP16.max).to(PARAMS_DTYPE)
+            params = torch.cat((scale, mn), dim=1)  # [n, 2, 1]
+            w3.sub_(mn.float()).mul_(scale.float().reciprocal_()).clamp_(0, self._max_code).add_(0.5)
+            codes = w3.to(torch.uint8)  # truncation: round half up
             if self.fmt == "int4":
                 codes = pack_int4(codes.view(-1, self.head_dim))
         return codes.reshape(*lead, self.code_dim), params.view(*lead, self.num_params)
@@ -119,11 +132,11 @@ class KVCodec:
     def decode(self, codes: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32)."""
         lead = codes.shape[:-1]
-        scale = params[..., :1]
+        scale = params[..., :1].to(torch.float32)
         if self.fmt in FP8_DTYPES:
             values, factor = fp8_as_fp16(codes, FP8_DTYPES[self.fmt])
-            out = values.to(torch.float32).mul_(scale * factor)
+            out = values.to(torch.float32).mul_(scale.mul_(factor))
         else:
             levels = codes if self.fmt == "int8" else unpack_int4(codes).view(*lead, self.head_dim)
-            out = torch.addcmul(params[..., 1:], levels.to(torch.float32), scale)
+            out = torch.addcmul(params[..., 1:].to(torch.float32), levels.to(torch.float32), scale)
         return out.to(dtype)

@@ -65,15 +65,16 @@ class PDRole:
                 raise APIError(400, f"kv_transfer_params.remote_url: this instance's role is {role}, not decode",
                                "kv_transfer_params")
             if fields.schema_digest is not None and fields.schema_digest != self.info.schema_digest:
-                raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV format differs "
-                               "from this one's (model, dtype or block size)", "kv_transfer_params")
+                raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV blocks differ "
+                               "from this one's (model or block size)", "kv_transfer_params")
             # the wire header holds 48 bytes of transfer id: a fresh uuid, not the (longer) request id
             return KVTransferParams(transfer_id=uuid.uuid4().hex, schema_digest=fields.schema_digest)
         return None
 
     def held_reply(self, request_id: str) -> dict:
         """What a prefill instance adds to its response: how the decode instance finds the KV."""
-        return {"remote_request_id": request_id, "schema_digest": self.info.schema_digest}
+        return {"remote_request_id": request_id, "schema_digest": self.info.schema_digest,
+                "kv_dtype": self.info.kv_dtype}
 
     def pull_soon(self, body: SamplingFields, transfer: KVTransferParams) -> None:
         """`pull` in the background (the task is kept until it ends)."""
@@ -90,6 +91,8 @@ class PDRole:
         fields = body.kv_transfer_params
         send = {"request_id": fields.remote_request_id, "address": self.info.address,
                 "transfer_id": transfer.transfer_id}
+        if fields.kv_dtype is not None and fields.kv_dtype.value != self.info.kv_dtype:
+            send["kv_dtype"] = self.info.kv_dtype  # the prefill instance converts its blocks to this one's
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = None
         if self._client is None:
@@ -138,7 +141,8 @@ class PDRole:
         if self.info is None or self.info.role != "prefill":
             raise APIError(404, "this instance holds no KV for others (its role is not prefill)")
         try:
-            blocks = await self.backend.send_kv(SendKV(body.request_id, body.address, body.transfer_id))
+            kv_dtype = body.kv_dtype.value if body.kv_dtype is not None else None
+            blocks = await self.backend.send_kv(SendKV(body.request_id, body.address, body.transfer_id, kv_dtype))
         except InvalidRequestError as err:
             raise APIError(404, str(err), "request_id") from None
         except BackendError as err:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sage_infer.core.kv_schema import KVDtype
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -25,6 +27,7 @@ class KVTransferFields(BaseModel):
     remote_url: str | None = Field(None, max_length=512)  # to a decode instance: the prefill instance holding it
     remote_request_id: str | None = Field(None, max_length=256)
     schema_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    kv_dtype: KVDtype | None = None  # the prefill instance's KV dtype (a decode in another one gets it converted)
 
     @model_validator(mode="after")
     def _one_side(self) -> KVTransferFields:
@@ -47,6 +50,7 @@ class KVSendRequest(BaseModel):
     request_id: str = Field(max_length=256)
     address: str = Field(max_length=512, pattern=r"^(shm|tcp|torchdist)://")
     transfer_id: str = Field(max_length=256)
+    kv_dtype: KVDtype | None = None  # the receiver's KV dtype, when it differs from the sender's
 
 
 class SamplingFields(BaseModel):

@@ -1,0 +1,143 @@
+"""`QuantizedKVPool`: the KV pool in fp8 / int8 / int4, one scale (and min) per token and head.
+
+`KVPool(schema, ...)` with a quantized `schema.dtype` builds one of these. Attention sees the same
+API as the float pool: `store` quantizes with the shared `KVCodec`, `gather_*` dequantize to the
+dtype attention asks for. Tiers and the transport see bytes: a block row is
+
+    [codes: num_layers, 2 (K, V), block_size, num_kv_heads, code_dim  uint8]
+    [params: num_layers, 2, block_size, num_kv_heads, num_params      fp16 ]
+
+(`code_dim` = head_dim, or head_dim / 2 for int4; params = scale, then min for int8/int4), i.e.
+`schema.data_bytes_per_block` then `schema.scale_bytes_per_block`. The scales travel inside the
+block, so a block read from a tier or received from a peer decodes with no side channel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema, ScaleLayout
+from sage_infer.kv_runtime.pool import BlockIds, KVPool, KVPoolSizeError
+from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
+
+
+class QuantizedKVPool(KVPool):
+    """Preallocated paged KV cache holding quantized codes plus per-(token, head) fp16 params.
+
+    Storage, layer-major like the float pool: codes ``[2, num_layers, num_blocks, block_size,
+    num_kv_heads, code_dim]`` uint8 and params ``[2, num_layers, num_blocks, block_size,
+    num_kv_heads, num_params]`` fp16. `dtype` is ``torch.uint8``: `read_blocks` / `write_blocks`
+    move rows of `block_nbytes` raw bytes (``block_shape == (block_nbytes,)``).
+    """
+
+    def __init__(self, schema: KVCacheSchema, num_blocks: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        if num_blocks < 1:
+            raise KVPoolSizeError(f"a KV pool needs at least 1 block, got num_blocks={num_blocks}")
+        if schema.scale_layout is not ScaleLayout.PER_TOKEN:
+            raise ValueError(f"the KV pool quantizes per token and head: scale_layout must be per_token, "
+                             f"got {schema.scale_layout.value}")
+        if dtype not in (None, torch.uint8):
+            raise TypeError(f"a {schema.dtype.value} pool stores uint8 codes, not {dtype}")
+        self.schema = schema
+        self.codec = KVCodec(schema.dtype, schema.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = schema.block_size
+        self.num_layers = schema.num_layers
+        self.num_kv_heads = schema.num_kv_heads
+        self.head_dim = schema.head_dim
+        self.dtype = torch.uint8
+        self.device = torch.device(device)
+        lead = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads)
+        self._codes = torch.zeros((*lead, self.codec.code_dim), dtype=torch.uint8, device=self.device)
+        # scale 0 (and min 0): an unwritten slot decodes to zeros, never NaN
+        self._params = torch.zeros((*lead, self.codec.num_params), dtype=PARAMS_DTYPE, device=self.device)
+        self._code_rows = [self._codes[:, layer].view(2, -1, self.num_kv_heads, self.codec.code_dim)
+                           for layer in range(self.num_layers)]
+        self._param_rows = [self._params[:, layer].view(2, -1, self.num_kv_heads, self.codec.num_params)
+                            for layer in range(self.num_layers)]
+
+    @property
+    def block_shape(self) -> tuple[int]:
+        return (self.block_nbytes,)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.schema.bytes_per_block
+
+    # -- attention ---------------------------------------------------------------------------
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        codes, params = self.codec.encode(torch.stack((k, v)))  # [2, T, KvH, code_dim], [2, T, KvH, P]
+        self._code_rows[layer].index_copy_(1, slot_mapping, codes)
+        self._param_rows[layer].index_copy_(1, slot_mapping, params)
+
+    def _decode(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K and V of `layer` at `slots` ([n] long): [2, n, num_kv_heads, head_dim] in `dtype`."""
+        return self.codec.decode(self._code_rows[layer].index_select(1, slots),
+                                 self._param_rows[layer].index_select(1, slots), dtype)
+
+    def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._decode(layer, slots, dtype)
+        return kv[0], kv[1]
+
+    def gather_blocks(self, layer: int, block_tables: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.arange(self.block_size, device=block_tables.device)
+        slots = (block_tables.reshape(-1, 1) * self.block_size + offsets).reshape(-1)
+        kv = self._decode(layer, slots, dtype).view(2, block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+        return kv[0], kv[1]
+
+    # -- tiers and transport: whole blocks, raw bytes ----------------------------------------
+
+    def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy whole blocks out: [n, block_nbytes] uint8 (codes, then params; see the module docstring)."""
+        ids = self._ids(block_ids)
+        n = ids.numel()
+        codes = self._codes.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
+        params = self._params.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
+        rows = torch.cat((codes, params.view(torch.uint8)), dim=1)
+        return rows if out is None else out.copy_(rows)
+
+    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
+        """Copy whole blocks in, bit-exact: ``src: [n, block_nbytes]`` uint8 as `read_blocks` makes them."""
+        ids = self._ids(block_ids)
+        n = ids.numel()
+        if tuple(src.shape) != (n, self.block_nbytes):
+            raise ValueError(f"write_blocks: src shape {tuple(src.shape)} is not [{n}, {self.block_nbytes}]")
+        if src.dtype != torch.uint8:
+            raise TypeError(f"write_blocks: a {self.schema.dtype.value} pool takes uint8 rows, got {src.dtype}")
+        src = src.to(self.device)
+        data = self.schema.data_bytes_per_block
+        codes = src[:, :data].reshape(n, self.num_layers, 2, self.block_size, self.num_kv_heads, -1)
+        params = src[:, data:].contiguous().view(PARAMS_DTYPE)
+        params = params.reshape(n, self.num_layers, 2, self.block_size, self.num_kv_heads, -1)
+        self._codes.index_copy_(2, ids, codes.permute(2, 1, 0, 3, 4, 5))
+        self._params.index_copy_(2, ids, params.permute(2, 1, 0, 3, 4, 5))
+
+    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
+        self.write_blocks(block_ids, rows)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedKVPool(kv_dtype={self.schema.dtype.value}, num_blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, num_layers={self.num_layers}, device={self.device}, "
+                f"nbytes={self.nbytes})")
+
+
+def convert_blocks(pool: KVPool, block_ids: BlockIds, schema: KVCacheSchema) -> torch.Tensor:
+    """`pool`'s blocks re-encoded in `schema` (same shape, another KV dtype): ``[n, schema.bytes_per_block]`` uint8.
+
+    What a prefill instance sends a decode instance that keeps its KV in another precision. Values go
+    through fp32. Only `read_blocks` touches `pool` (a copy, safe off the engine thread while the
+    blocks are held); the decoding and re-encoding use two private pools of n blocks.
+    """
+    rows = pool.read_blocks(block_ids)
+    n = rows.shape[0]
+    source, target = KVPool(pool.schema, n, device=pool.device), KVPool(schema, n, device=pool.device)
+    source.write_blocks(range(n), rows)
+    every_block = torch.arange(n, device=pool.device)
+    slots = torch.arange(n * pool.block_size, device=pool.device)
+    for layer in range(pool.num_layers):
+        k, v = source.gather_blocks(layer, every_block.view(1, n), torch.float32)
+        target.store(layer, k[0], v[0], slots)
+    return target.read_blocks(every_block).view(torch.uint8).reshape(n, -1)
