@@ -100,6 +100,28 @@ def test_pruning_computes_what_the_silenced_original_computes(tmp_path, arch):
     assert_same_as_hf(hf, prompts, llm.generate(prompts, GREEDY))
 
 
+def test_sharded_checkpoint_keeps_its_shards_and_index(tmp_path):
+    original = make_tiny_model(tmp_path / "original", "qwen3")
+    load_hf(original).save_pretrained(original, max_shard_size="200KB")
+    (original / "model.safetensors").unlink(missing_ok=True)
+    source_index = json.loads((original / "model.safetensors.index.json").read_text())
+    assert len(set(source_index["weight_map"].values())) > 1
+    out = tmp_path / "pruned"
+    prune_checkpoint(original, out, PruneSpec(ffn="10%", **FAST_CALIB))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == source_index["weight_map"]
+    total = 0
+    for shard in set(index["weight_map"].values()):
+        with safe_open(str(out / shard), framework="pt") as f:
+            total += sum(f.get_tensor(k).nbytes for k in f.keys())
+    assert index["metadata"]["total_size"] == total
+    ids = torch.tensor(random_prompts([16], seed=3))
+    record = json.loads((out / "pruning.json").read_text())
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(out)(ids).logits, silenced_original(original, record)(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_importance_removes_a_silent_channel_and_a_silent_kv_group_first(tmp_path):
     original = make_tiny_model(tmp_path / "original", "llama")
     model = load_hf(original)
