@@ -186,6 +186,9 @@ def test_heads_that_transformers_cannot_load_are_rejected_with_the_values_that_w
 def test_missing_model_dir_and_non_empty_out_are_one_line_exit_2(sage, tiny_llama, tmp_path):
     result = sage("compress", "prune", str(tmp_path / "nope"), str(tmp_path / "out"), "--heads", "1")
     assert result.code == 2 and result.err.count("\n") == 1 and f"MODEL {tmp_path / 'nope'}" in result.err
+    (tmp_path / "no-config").mkdir()
+    result = sage("compress", "prune", str(tmp_path / "no-config"), str(tmp_path / "out"), "--heads", "1")
+    assert result.code == 2 and result.err.count("\n") == 1 and "MODEL " in result.err and "config.json" in result.err
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("x")
     result = sage("compress", "prune", str(tiny_llama), str(tmp_path / "busy"), "--heads", "1")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sage_infer.errors import UsageError
-from sage_infer.models.loader import arch_config, weight_files
+from sage_infer.models.loader import ModelLoadError, arch_config, weight_files
 from sage_infer.pruning.checkpoint import LayerKeep, query_heads, write_pruned
 from sage_infer.pruning.importance import (
     AttentionShape,
@@ -126,7 +126,11 @@ def prune_checkpoint(model_dir: Path, out_dir: Path, spec: PruneSpec) -> PruneRe
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not model_dir.is_dir():
         raise UsageError(f"MODEL {model_dir}: no such model directory")
-    cfg = arch_config(model_dir)
+    try:
+        cfg = arch_config(model_dir)
+        files = weight_files(model_dir)
+    except ModelLoadError as err:
+        raise UsageError(f"MODEL {err}") from None
     raw = json.loads((model_dir / "config.json").read_text())
     if raw.get("quantization_config"):
         raise UsageError(f"MODEL {model_dir}: the checkpoint is quantized; prune the unquantized model first")
@@ -143,12 +147,15 @@ def prune_checkpoint(model_dir: Path, out_dir: Path, spec: PruneSpec) -> PruneRe
         raise UsageError(f"--calib-seq-len {spec.calib_seq_len}: must be between 2 and the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
     texts = read_calibration_file(spec.calib_file) if spec.calib_file is not None else None
-    files = weight_files(model_dir)
 
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"MODEL {model_dir}: cannot load its tokenizer, which calibration needs "
+                         f"({str(err).splitlines()[0]})") from None
     batches = calibration_batches(tokenizer, spec.calib_samples, spec.calib_seq_len, seed=spec.seed, texts=texts)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stats = collect_importance_stats(model, batches, shape, ffn=ffn_remove > 0, heads=spec.heads > 0)
