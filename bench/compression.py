@@ -73,8 +73,8 @@ def weight_bytes(llm: LLM) -> int:
     model = llm.engine.runner.model
     seen, total = set(), 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() not in seen:  # tied embeddings count once
-            seen.add(tensor.data_ptr())
+        if id(tensor) not in seen:  # tied embeddings count once (packed weights have no data_ptr)
+            seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
 
@@ -95,6 +95,7 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> float:
 
 def decode_speed(llm: LLM, prompt: list[int], batch: int, max_tokens: int, runs: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate([prompt] * batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     best = float("inf")
     for _ in range(runs):
         llm.engine.kv.block_manager.reset_prefix_cache()
@@ -253,6 +254,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
+
     from sage_infer.quantization.calibration import heldout_windows
 
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()

@@ -47,7 +47,7 @@ def test_per_token_scales_live_in_the_block():
     int8 = KVCacheSchema(**LLAMA_8B, dtype=KVDtype.INT8, scale_layout=ScaleLayout.PER_TOKEN)
     per_kv = 16 * 8 * 2  # tokens x heads x fp16
     assert fp8.scale_bytes_per_block == 32 * 2 * per_kv  # scale only
-    assert int8.scale_bytes_per_block == 32 * 2 * per_kv * 2  # scale and zero point
+    assert int8.scale_bytes_per_block == 32 * 2 * per_kv  # symmetric: scale only
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,10 @@ def test_int8_kv_holds_more_blocks_in_the_same_bytes():
                                                                                    memory_budget="8MiB"))
         return LLM(config=config, device="cpu").engine.runner.pool.num_blocks
 
-    # demo model head_dim 32: bf16 64 bytes per token and head, int8 32 + 2 (scale) + 2 (min)
-    assert blocks("int8") / blocks("bf16") == pytest.approx(64 / 36, rel=1e-3)
+    # demo model (4 layers, 4 KV heads, head_dim 32), blocks of 16 tokens, K and V: bf16 64 bytes per token
+    # and head, int8 32 + 2 (the fp16 scale)
+    assert blocks("bf16") == (8 << 20) // (4 * 2 * 16 * 4 * 64)
+    assert blocks("int8") == (8 << 20) // (4 * 2 * 16 * 4 * 34)
 
 
 def test_quantized_blocks_come_back_from_the_disk_tier_bit_exact(tmp_path):

@@ -31,11 +31,6 @@ class KVDtype(str, enum.Enum):
         """True when values need a scale to be read back (fp8, int8, int4)."""
         return self in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2, KVDtype.FP8_E4M3FNUZ, KVDtype.INT8, KVDtype.INT4)
 
-    @property
-    def has_zero_point(self) -> bool:
-        """Integer formats are asymmetric (scale and zero point); fp8 is scale only."""
-        return self in (KVDtype.INT8, KVDtype.INT4)
-
 
 _BITS = {
     KVDtype.FP32: 32,
@@ -73,7 +68,7 @@ class ScaleLayout(str, enum.Enum):
     PER_CHANNEL = "per_channel"  # [num_kv_heads, head_dim] per layer, K and V
 
 
-SCALE_BYTES = 2  # the pool stores scales and zero points (mins) as fp16, next to the codes in each block
+SCALE_BYTES = 2  # the pool stores one fp16 scale per token and head (symmetric codes), next to the codes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +110,14 @@ class KVCacheSchema:
 
     @property
     def scale_bytes_per_block(self) -> int:
-        """Bytes of per-block scales (and zero points) across all layers.
+        """Bytes of per-block scales across all layers.
 
         Only per-token scales live in the block; per-tensor/head/channel scales are
         per layer and travel once with the schema, not with each block.
         """
         if self.scale_layout is not ScaleLayout.PER_TOKEN:
             return 0
-        per_kv = self.block_size * self.num_kv_heads * SCALE_BYTES
-        factor = 2 if self.dtype.has_zero_point else 1  # scale (+ zero point)
-        return self.num_layers * 2 * per_kv * factor
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * SCALE_BYTES  # one scale, K and V
 
     @property
     def bytes_per_block(self) -> int:

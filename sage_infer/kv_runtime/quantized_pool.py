@@ -1,13 +1,13 @@
-"""`QuantizedKVPool`: the KV pool in fp8 / int8 / int4, one scale (and min) per token and head.
+"""`QuantizedKVPool`: the KV pool in fp8 / int8 / int4, one fp16 scale per token and head.
 
 `KVPool(schema, ...)` with a quantized `schema.dtype` builds one of these. Attention sees the same
 API as the float pool: `store` quantizes with the shared `KVCodec`, `gather_*` dequantize to the
 dtype attention asks for. Tiers and the transport see bytes: a block row is
 
     [codes: num_layers, 2 (K, V), block_size, num_kv_heads, code_dim  uint8]
-    [params: num_layers, 2, block_size, num_kv_heads, num_params      fp16 ]
+    [scales: num_layers, 2, block_size, num_kv_heads                  fp16 ]
 
-(`code_dim` = head_dim, or head_dim / 2 for int4; params = scale, then min for int8/int4), i.e.
+(`code_dim` = head_dim, or head_dim / 2 for int4; the codes are symmetric, `KVCodec`), i.e.
 `schema.data_bytes_per_block` then `schema.scale_bytes_per_block`. The scales travel inside the
 block, so a block read from a tier or received from a peer decodes with no side channel.
 """
@@ -22,11 +22,11 @@ from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
 
 
 class QuantizedKVPool(KVPool):
-    """Preallocated paged KV cache holding quantized codes plus per-(token, head) fp16 params.
+    """Preallocated paged KV cache holding quantized codes plus per-(token, head) fp16 scales.
 
     Storage, layer-major like the float pool: codes ``[2, num_layers, num_blocks, block_size,
-    num_kv_heads, code_dim]`` uint8 and params ``[2, num_layers, num_blocks, block_size,
-    num_kv_heads, num_params]`` fp16. `dtype` is ``torch.uint8``: `read_blocks` / `write_blocks`
+    num_kv_heads, code_dim]`` uint8 and scales ``[2, num_layers, num_blocks, block_size,
+    num_kv_heads, 1]`` fp16. `dtype` is ``torch.uint8``: `read_blocks` / `write_blocks`
     move rows of `block_nbytes` raw bytes (``block_shape == (block_nbytes,)``).
     """
 
@@ -50,7 +50,7 @@ class QuantizedKVPool(KVPool):
         self.device = torch.device(device)
         lead = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads)
         self._codes = torch.zeros((*lead, self.codec.code_dim), dtype=torch.uint8, device=self.device)
-        # scale 0 (and min 0): an unwritten slot decodes to zeros, never NaN
+        # scale 0: an unwritten slot decodes to zeros, never NaN
         self._params = torch.zeros((*lead, self.codec.num_params), dtype=PARAMS_DTYPE, device=self.device)
         self._code_rows = [self._codes[:, layer].view(2, -1, self.num_kv_heads, self.codec.code_dim)
                            for layer in range(self.num_layers)]
@@ -91,7 +91,7 @@ class QuantizedKVPool(KVPool):
     # -- tiers and transport: whole blocks, raw bytes ----------------------------------------
 
     def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy whole blocks out: [n, block_nbytes] uint8 (codes, then params; see the module docstring)."""
+        """Copy whole blocks out: [n, block_nbytes] uint8 (codes, then scales; see the module docstring)."""
         ids = self._ids(block_ids)
         n = ids.numel()
         codes = self._codes.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
