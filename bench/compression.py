@@ -232,7 +232,7 @@ def print_report(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="demo,qwen2.5-0.5b-shape")
+    parser.add_argument("--models", default="demo,qwen2.5-0.5b-shape", help="empty: only the trace hit rates")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="the first is the reference")
     parser.add_argument("--weight-schemes", default=",".join(WEIGHT_SCHEMES), help="empty: none")
     parser.add_argument("--windows", type=int, default=16, help="held-out windows scored (demo; 0.5B: a quarter)")
@@ -261,7 +261,7 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR))  # the 0.5B shape carries the same one
     work = Path(tempfile.mkdtemp(prefix="sage-compression-bench-"))
     models = []
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m]:
         n = args.windows if name == "demo" else max(1, args.windows // 4)
         windows = heldout_windows(tokenizer, n, args.window_len)
         prompts = [w[:64].tolist() for w in heldout_windows(tokenizer, args.prompts, 64)]

@@ -112,7 +112,7 @@ def test_a_block_row_is_codes_then_fp16_scales():
     assert row.numel() == data + LAYERS * 2 * BLOCK * HEADS * 2
     codes = row[:data].view(LAYERS, 2, BLOCK, HEADS, HEAD_DIM)
     scales = row[data:].view(torch.float16).view(LAYERS, 2, BLOCK, HEADS)
-    assert codes[0, 0, 0, 0].tolist() == [127 + round((i - 8) * 127 / 8) for i in range(HEAD_DIM)]
+    assert codes[0, 0, 0, 0].view(torch.int8).tolist() == [round((i - 8) * 127 / 8) for i in range(HEAD_DIM)]
     assert scales[0, 1, 0, 1].item() == pytest.approx(8 / 127, rel=1e-3)
     assert not codes[1].any() and not scales[1].any()  # layer 1 was not written
 

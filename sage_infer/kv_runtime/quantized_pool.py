@@ -14,10 +14,12 @@ block, so a block read from a tier or received from a peer decodes with no side 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema, ScaleLayout
-from sage_infer.kv_runtime.pool import BlockIds, KVPool, KVPoolSizeError
+from sage_infer.kv_runtime.pool import GATHER_SCRATCH_MAX_BYTES, BlockIds, KVPool, KVPoolSizeError
 from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
 
 
@@ -56,6 +58,7 @@ class QuantizedKVPool(KVPool):
                            for layer in range(self.num_layers)]
         self._param_rows = [self._params[:, layer].view(2, -1, self.num_kv_heads, self.codec.num_params)
                             for layer in range(self.num_layers)]
+        self._workspace: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # gather buffers, grown on demand
 
     @property
     def block_shape(self) -> tuple[int]:
@@ -68,14 +71,38 @@ class QuantizedKVPool(KVPool):
     # -- attention ---------------------------------------------------------------------------
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        codes, params = self.codec.encode(torch.stack((k, v)))  # [2, T, KvH, code_dim], [2, T, KvH, P]
-        self._code_rows[layer].index_copy_(1, slot_mapping, codes)
-        self._param_rows[layer].index_copy_(1, slot_mapping, params)
+        codes, scales = self.codec.encode(torch.stack((k, v)))  # [2, T, KvH, code_dim], [2, T, KvH, 1]
+        for i in (0, 1):  # K, then V: index_copy_ on dim 0 of a contiguous tensor (dim 1 cloned the layer)
+            self._code_rows[layer][i].index_copy_(0, slot_mapping, codes[i])
+            self._param_rows[layer][i].index_copy_(0, slot_mapping, scales[i])
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A pool-owned scratch of `shape` (None above `GATHER_SCRATCH_MAX_BYTES`: the caller allocates)."""
+        numel = math.prod(shape)
+        if numel * dtype.itemsize > GATHER_SCRATCH_MAX_BYTES:
+            return None
+        buf = self._workspace.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self._workspace[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
 
     def _decode(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K and V of `layer` at `slots` ([n] long): [2, n, num_kv_heads, head_dim] in `dtype`."""
-        return self.codec.decode(self._code_rows[layer].index_select(1, slots),
-                                 self._param_rows[layer].index_select(1, slots), dtype)
+        """K and V of `layer` at `slots` ([n] long): [2, n, num_kv_heads, head_dim] in `dtype`, a view of a
+        pool-owned workspace valid until the next `gather_*` call (as the float pool's are)."""
+        n, heads = slots.numel(), self.num_kv_heads
+        codes = self._buffer("codes", (2, n, heads, self.codec.code_dim), torch.uint8)
+        if codes is None:
+            codes = torch.empty((2, n, heads, self.codec.code_dim), dtype=torch.uint8, device=self.device)
+        scales = self._buffer("scales", (2, n, heads, 1), PARAMS_DTYPE)
+        if scales is None:
+            scales = torch.empty((2, n, heads, 1), dtype=PARAMS_DTYPE, device=self.device)
+        for i in (0, 1):  # index_select on dim 0 of contiguous K (V) rows, into half of the workspace
+            torch.index_select(self._code_rows[layer][i], 0, slots, out=codes[i])
+            torch.index_select(self._param_rows[layer][i], 0, slots, out=scales[i])
+        shape = (2, n, heads, self.head_dim)
+        work = self._buffer("work", shape, torch.float32)
+        out = work if dtype == torch.float32 else self._buffer("out", shape, dtype)
+        return self.codec.decode(codes, scales, dtype, out=out, work=work)
 
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._decode(layer, slots, dtype)

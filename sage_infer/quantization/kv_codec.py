@@ -94,12 +94,13 @@ class KVCodec:
 
     ``x: [..., head_dim]`` float <-> ``codes: [..., code_dim]`` uint8 (``code_dim`` = head_dim, or
     head_dim / 2 for int4) and ``scales: [..., 1]`` fp16. Every format is symmetric: fp8 stores
-    x / scale with scale = amax / fp8_max; int8 / int4 store round(x / scale) + z with z = 127 / 7
-    and scale = amax / z (codes 0..2z, unsigned). Against the asymmetric (scale + min) form the wire
-    converter uses, this saves 2 bytes per token and head (int8 at head_dim 64: 66 bytes, not 68,
-    against bf16's 128) and cost +0.02 % perplexity for int8, +0.6 % for int4 on the demo model
-    (+0.4 % asymmetric; docs/benchmarks.md "Compression"). Scales are rounded to fp16 before the
-    codes are computed, and codes are clamped, so decoding with the stored scale is as exact as the
+    x / scale with scale = amax / fp8_max; int8 stores round(x / scale) as a signed byte (-127..127),
+    int4 round(x / scale) + 7 as an unsigned nibble (0..14), with scale = amax / 127 or amax / 7.
+    Against the asymmetric (scale + min) form the wire converter uses, this saves 2 bytes per token
+    and head (int8 at head_dim 64: 66 bytes, not 68, against bf16's 128) and cost +0.02 % perplexity
+    for int8, +0.6 % for int4 on the demo model (+0.4 % asymmetric; docs/benchmarks.md
+    "Compression"). Scales are rounded to fp16 before the codes are computed, and codes are
+    clamped, so decoding with the stored scale is as exact as the
     format allows.
     """
 
@@ -125,19 +126,33 @@ class KVCodec:
         w.mul_(scale.float().reciprocal_()).clamp_(-self._max, self._max)
         if self._fp8 is not None:
             codes = w.to(self._fp8).view(torch.uint8)
+        elif self.fmt == "int8":
+            codes = w.add_(self._max + 0.5).floor_().sub_(self._max).to(torch.int8).view(torch.uint8)  # signed
         else:
-            codes = w.add_(self._max + 0.5).floor_().to(torch.uint8)  # round half up around the zero code
-            if self.fmt == "int4":
-                codes = pack_int4(codes)
+            codes = pack_int4(w.add_(self._max + 0.5).floor_().to(torch.uint8))  # round half up; codes 0..14
         return codes.reshape(*lead, self.code_dim), scale.view(*lead, 1)
 
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32)."""
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32), into `out` when given.
+
+        `work`: an fp32 scratch of the output's shape, used when `dtype` is not fp32. The decode path
+        gathers every step: fresh multi-MiB temporaries made glibc fault pages in on every call (10x
+        the arithmetic), and bf16 elementwise math and `addcmul` measured 2-6x slower than fp32 here.
+        """
+        shape = (*codes.shape[:-1], self.head_dim)
+        if dtype == torch.float32:
+            work = out if out is not None else torch.empty(shape, dtype=torch.float32, device=codes.device)
+        elif work is None:
+            work = torch.empty(shape, dtype=torch.float32, device=codes.device)
         scale = scales.to(torch.float32)
         if self._fp8 is not None:
             values, factor = fp8_as_fp16(codes, self._fp8)
-            out = values.to(torch.float32).mul_(scale.mul_(factor))
+            work.copy_(values.view(shape)).mul_(scale.mul_(factor))
+        elif self.fmt == "int8":  # signed codes: one widening copy, one multiply
+            work.copy_(codes.view(torch.int8)).mul_(scale)
         else:
-            levels = codes if self.fmt == "int8" else unpack_int4(codes).view(*codes.shape[:-1], self.head_dim)
-            out = levels.to(torch.float32).sub_(self._max).mul_(scale)
-        return out.to(dtype)
+            work.copy_(unpack_int4(codes).view(shape)).sub_(self._max).mul_(scale)
+        if work.dtype == dtype and (out is None or out is work):
+            return work
+        return work.to(dtype) if out is None else out.copy_(work)
