@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from sage_infer.cli.options import JsonOpt
+from sage_infer.cli.output import emit, table
 
 app = typer.Typer(help="Quantize or prune a model checkpoint.", no_args_is_help=True)
 
@@ -13,6 +19,60 @@ def _compress() -> None:
 
 
 # -- quantize ------------------------------------------------------------------------------
+
+SCHEMES = {"w8a16": 8, "w4a16": 4}
+DEFAULT_GROUP = {"w8a16": "channel", "w4a16": "128"}
+
+
+@app.command("quantize")
+def quantize_command(
+    model: Annotated[Path, typer.Argument(help="Hugging Face model directory to quantize.")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the quantized copy to (new or empty).")],
+    scheme: Annotated[str, typer.Option("--scheme", help="w8a16 (int8 weights) or w4a16 (int4 weights); "
+                                        "activations stay in the model's dtype.")] = "w4a16",
+    group_size: Annotated[Optional[str], typer.Option(
+        "--group-size", help="Input columns per scale: 32, 64, 128, 256 or channel (one per output channel). "
+        "Default: channel for w8a16, 128 for w4a16.")] = None,
+    asymmetric: Annotated[bool, typer.Option("--asymmetric", help="Zero points per group (min/max range) "
+                                             "instead of symmetric scales.")] = False,
+    method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (error "
+                                        "compensation on calibration text).")] = "rtn",
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a weight-only quantized copy of MODEL to OUT in the compressed-tensors format (loads in sage
+    and vLLM). Decoder linears are quantized; embeddings, norms and lm_head are kept."""
+    from sage_infer.errors import UsageError
+    from sage_infer.quantization.checkpoint import quantize_checkpoint
+    from sage_infer.quantization.weights import WeightScheme
+
+    if scheme not in SCHEMES:
+        raise UsageError(f"--scheme {scheme}: expected one of {', '.join(SCHEMES)}")
+    if method not in ("rtn", "gptq"):
+        raise UsageError(f"--method {method}: expected rtn or gptq")
+    group_text = group_size or DEFAULT_GROUP[scheme]
+    if group_text == "channel":
+        group = None
+    elif group_text in ("32", "64", "128", "256"):
+        group = int(group_text)
+    else:
+        raise UsageError(f"--group-size {group_text}: expected 32, 64, 128, 256 or channel")
+    if not (model / "config.json").is_file():
+        raise UsageError(f"{model}: not a Hugging Face model directory (no config.json)")
+    weight_scheme = WeightScheme(SCHEMES[scheme], group, symmetric=not asymmetric)
+    quantizer = None
+    if method == "gptq":
+        raise UsageError("--method gptq: not implemented yet; use rtn")
+    report = quantize_checkpoint(model, out, weight_scheme, method, quantizer)
+    data = {"out": report.out_dir, "scheme": report.scheme, "method": report.method,
+            "quantized_layers": report.quantized_layers, "kept_tensors": report.kept_tensors,
+            "bytes_before": report.bytes_before, "bytes_after": report.bytes_after, "files": report.files}
+
+    def render(console) -> None:
+        rows = [[key, str(value)] for key, value in data.items() if key != "files"]
+        console.print(table("quantized checkpoint", ["field", "value"], rows))
+
+    emit(data, as_json, render)
+
 
 
 # -- prune ---------------------------------------------------------------------------------
