@@ -1,19 +1,21 @@
 """compressed-tensors itself, as the oracle for sage's checkpoint format. Runs in the vLLM venv
-(`/work/main/.vllm-venv/bin/python tests/ct_oracle.py ...`), never imports sage_infer.
+(`.vllm-venv/bin/python tests/ct_oracle.py JOBS.json`), never imports sage_infer.
 
-    decompress CKPT OUT     load CKPT with transformers + compressed-tensors (run_compressed=False:
-                            the library unpacks and dequantizes every layer) and save every
-                            Linear's dequantized weight to the safetensors file OUT
-    compress SRC OUT --bits B [--group-size G] [--asymmetric]
-                            quantize SRC's Linear layers (not lm_head) with the library's min-max
-                            scales (calculate_qparams) and save a compressed checkpoint to OUT the
-                            way llmcompressor does (ModelCompressor.compress_model, update_config)
+JOBS.json is a list of jobs, run in order in one process:
+    {"op": "decompress", "ckpt": CKPT, "out": OUT}
+        load CKPT with transformers + compressed-tensors (run_compressed=False: the library unpacks
+        and dequantizes every layer) and save every Linear's dequantized weight to the safetensors OUT
+    {"op": "compress", "src": SRC, "out": OUT, "bits": B, "group_size": G or null, "symmetric": bool}
+        quantize SRC's Linear layers (not lm_head) with the library's min-max scales
+        (calculate_qparams) and save a compressed checkpoint to OUT the way llmcompressor does
+        (ModelCompressor.compress_model, update_config)
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -71,22 +73,11 @@ def compress(src: Path, out: Path, bits: int, group_size: int | None, symmetric:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("decompress")
-    d.add_argument("ckpt", type=Path)
-    d.add_argument("out", type=Path)
-    c = sub.add_parser("compress")
-    c.add_argument("src", type=Path)
-    c.add_argument("out", type=Path)
-    c.add_argument("--bits", type=int, required=True)
-    c.add_argument("--group-size", type=int, default=None)
-    c.add_argument("--asymmetric", action="store_true")
-    args = parser.parse_args()
-    if args.command == "decompress":
-        decompress(args.ckpt, args.out)
-    else:
-        compress(args.src, args.out, args.bits, args.group_size, not args.asymmetric)
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        if job["op"] == "decompress":
+            decompress(Path(job["ckpt"]), Path(job["out"]))
+        else:
+            compress(Path(job["src"]), Path(job["out"]), job["bits"], job["group_size"], job["symmetric"])
 
 
 if __name__ == "__main__":
