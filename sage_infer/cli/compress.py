@@ -37,6 +37,14 @@ def quantize_command(
                                              "instead of symmetric scales.")] = False,
     method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (error "
                                         "compensation on calibration text).")] = "rtn",
+    calib_samples: Annotated[Optional[int], typer.Option("--calib-samples", help="gptq: calibration windows "
+                                                         "(default 64).")] = None,
+    calib_seq_len: Annotated[Optional[int], typer.Option("--calib-seq-len", help="gptq: tokens per calibration "
+                                                         "window (default 256).")] = None,
+    calib_file: Annotated[
+        Optional[Path], typer.Option("--calib-file", help="gptq: UTF-8 text to calibrate on instead of the "
+                                     "Shakespeare train split.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a weight-only quantized copy of MODEL to OUT in the compressed-tensors format (loads in sage
@@ -59,13 +67,23 @@ def quantize_command(
     if not (model / "config.json").is_file():
         raise UsageError(f"{model}: not a Hugging Face model directory (no config.json)")
     weight_scheme = WeightScheme(SCHEMES[scheme], group, symmetric=not asymmetric)
-    quantizer = None
+    if method == "rtn" and (calib_file, calib_samples, calib_seq_len) != (None, None, None):
+        raise UsageError("--calib-samples, --calib-seq-len and --calib-file apply to --method gptq only")
+    quantizer, calibration_tokens = None, 0
     if method == "gptq":
-        raise UsageError("--method gptq: not implemented yet; use rtn")
+        from sage_infer.quantization.calibration import read_calibration_file
+        from sage_infer.quantization.checkpoint import check_shapes
+        from sage_infer.quantization.gptq import gptq_quantizer
+
+        check_shapes(model, weight_scheme)  # before the calibration pass, not after it
+        texts = read_calibration_file(calib_file) if calib_file is not None else None
+        quantizer, calibration_tokens = gptq_quantizer(model, weight_scheme, calib_samples or 64,
+                                                       calib_seq_len or 256, texts)
     report = quantize_checkpoint(model, out, weight_scheme, method, quantizer)
     data = {"out": report.out_dir, "scheme": report.scheme, "method": report.method,
             "quantized_layers": report.quantized_layers, "kept_tensors": report.kept_tensors,
-            "bytes_before": report.bytes_before, "bytes_after": report.bytes_after, "files": report.files}
+            "bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
+            "calibration_tokens": calibration_tokens, "files": report.files}
 
     def render(console) -> None:
         rows = [[key, str(value)] for key, value in data.items() if key != "files"]
