@@ -84,15 +84,21 @@ def test_cpu_kernel_layer_matches_the_reference(name, kernel, dtype, tol, rows):
     assert torch.equal(fast(x.view(1, rows, 256)).view(rows, 96), got)  # leading dims are flattened
 
 
-def test_use_quant_kernels_swaps_what_a_kernel_runs_and_keeps_the_rest_on_the_reference():
-    model = nn.ModuleDict({
-        "w8": QuantLinear(quantize_rtn(weight(), WeightScheme(8))),
-        "w4": QuantLinear(quantize_rtn(weight(), WeightScheme(4, 64))),
-        "w8_grouped": QuantLinear(quantize_rtn(weight(), WeightScheme(8, 64))),  # no int8 kernel with groups
-        "w4_odd_rows": QuantLinear(quantize_rtn(weight(out_f=40), WeightScheme(4, 64))),  # int4pack: out % 16
-        "plain": nn.Linear(256, 96),
-    })
-    assert use_quant_kernels(model, torch.float32) == (2, 2)
-    assert isinstance(model["w8"], Int8PackLinear) and isinstance(model["w4"], Int4PackLinear)
-    assert type(model["w8_grouped"]) is QuantLinear and type(model["w4_odd_rows"]) is QuantLinear
-    assert type(model["plain"]) is nn.Linear
+def test_use_quant_kernels_swaps_what_a_kernel_runs_faster_and_keeps_the_rest_on_the_reference():
+    def model() -> nn.ModuleDict:
+        return nn.ModuleDict({
+            "w8": QuantLinear(quantize_rtn(weight(), WeightScheme(8))),
+            "w4": QuantLinear(quantize_rtn(weight(), WeightScheme(4, 64))),
+            "w8_grouped": QuantLinear(quantize_rtn(weight(), WeightScheme(8, 64))),  # no int8 kernel with groups
+            "w4_odd_rows": QuantLinear(quantize_rtn(weight(out_f=40), WeightScheme(4, 64))),  # int4pack: out % 16
+            "plain": nn.Linear(256, 96),
+        })
+
+    bf16 = model()
+    assert use_quant_kernels(bf16, torch.bfloat16) == (2, 2)
+    assert isinstance(bf16["w8"], Int8PackLinear) and isinstance(bf16["w4"], Int4PackLinear)
+    assert type(bf16["w8_grouped"]) is QuantLinear and type(bf16["w4_odd_rows"]) is QuantLinear
+    assert type(bf16["plain"]) is nn.Linear
+    fp32, fp16 = model(), model()  # measured: int4pack is slower than the reference in fp32, both in fp16
+    assert use_quant_kernels(fp32, torch.float32) == (1, 3) and isinstance(fp32["w8"], Int8PackLinear)
+    assert use_quant_kernels(fp16, torch.float16) == (0, 4)

@@ -67,19 +67,35 @@ def engine(path, linear: str, dtype: str = "fp32") -> LLM:
 
 
 PROMPTS = [[5 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((3, 17, 40))]
+NEAR_TIE = 0.1  # nats
 
 
-@pytest.mark.parametrize("name", ["w8", "w4-g64-asym"])  # both kernels; symmetric int4: test_quant_linear.py
-def test_the_engine_on_cpu_kernels_gives_the_reference_paths_greedy_tokens(checkpoints, name):
+def assert_same_greedy_tokens_but_near_ties(prompts, got, want, reference: LLM) -> None:
+    """Token for token equal; where a bf16 run forks, the two tokens are within NEAR_TIE nats in the
+    fp32 reference (two kernels may round a near tie apart in bf16, never a clear choice)."""
+    for prompt, a, b in zip(prompts, got, want):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top = dict(reference.generate([prompt + a[:k]], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+                   .outputs[0].logprobs[0][1])
+        assert a[k] in top and b[k] in top and abs(top[a[k]] - top[b[k]]) < NEAR_TIE, (k, a, b, top)
+
+
+@pytest.mark.parametrize("name, dtype", [("w8", "fp32"), ("w8", "bf16"), ("w4-g64-asym", "bf16")])
+def test_the_engine_on_cpu_kernels_gives_the_reference_paths_greedy_tokens(checkpoints, name, dtype):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    fast, ref = engine(checkpoints[name], "auto"), engine(checkpoints[name], "torch")
+    fast, ref = engine(checkpoints[name], "auto", dtype), engine(checkpoints[name], "torch", dtype)
     fast_model, ref_model = fast.engine.runner.model, ref.engine.runner.model
     assert type(fast_model.model.layers[0].mlp.gate_proj) is KERNEL[name]
     assert type(ref_model.model.layers[0].mlp.gate_proj) is QuantLinear
     assert isinstance(fast_model.lm_head, torch.nn.Linear)  # tied to the embeddings: never packed or quantized
     got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, greedy)]
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, greedy)]
-    assert got == want
+    if dtype == "fp32":
+        assert got == want
+    else:
+        assert_same_greedy_tokens_but_near_ties(PROMPTS, got, want, engine(checkpoints[name], "torch", "fp32"))
 
 
 def test_unquantized_linears_of_a_quantized_model_are_still_packed(tmp_path):

@@ -120,7 +120,8 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         swapped, kept = use_quant_kernels(model, dtype)
         if swapped or kept:
             auto_log.info("model.linear: %d quantized linear layers on CPU int8/int4 kernels%s", swapped,
-                          f", {kept} on the reference path (no kernel for their scheme)" if kept else "")
+                          f", {kept} on the reference path (no faster kernel for their scheme with "
+                          f"{DTYPE_NAMES.get(dtype, dtype)} activations)" if kept else "")
     possible = on_cpu and packing_available()
     if not possible:
         if choice == "packed":

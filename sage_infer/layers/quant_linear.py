@@ -2,8 +2,9 @@
 
 `QuantLinear` is the reference: dequantize the weight (as compressed-tensors does), then
 `F.linear`; it runs on any device (CUDA included: untested here, there is no GPU on this machine).
-On a CPU, `use_quant_kernels(model)` swaps each for a layer on PyTorch's weight-only kernels, which
-read the int8 / int4 weight directly and so move 2x / 4x fewer bytes in a decode GEMV:
+On a CPU, `use_quant_kernels(model, dtype)` swaps each for a layer on PyTorch's weight-only kernels, which
+read the int8 / int4 weight directly and so move 2x / 4x fewer bytes in a decode GEMV (where they
+are faster than the reference: bf16 activations for both, fp32 for int8; see `cpu_kernel_for`):
 
   `Int8PackLinear`  int8, one scale per output channel: ``aten._weight_int8pack_mm`` up to
                     `INT8PACK_MAX_ROWS` rows; above that (prefill) the kernel loses to dequantize +
@@ -124,28 +125,35 @@ class Int4PackLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
 
-def cpu_kernel_for(layer: QuantLinear) -> type[nn.Module] | None:
-    """The CPU kernel layer that runs `layer`'s scheme, or None (it stays on the reference path)."""
+def cpu_kernel_for(layer: QuantLinear, dtype: torch.dtype) -> type[nn.Module] | None:
+    """The CPU kernel layer that runs `layer`'s scheme faster than the reference for `dtype`
+    activations, or None (it stays on the reference path).
+
+    Measured (bench/quant_linear.py, docs/benchmarks.md): both kernels have a fast bf16 path;
+    with fp32 activations only the int8 one beats the reference, with fp16 neither does.
+    """
     scheme = layer.scheme
-    if scheme.num_bits == 8 and scheme.group_size is None and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    if (scheme.num_bits == 8 and scheme.group_size is None and dtype in (torch.bfloat16, torch.float32)
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm")):
         return Int8PackLinear
     group = layer.in_features // layer.weight_scale.shape[1]
     if (scheme.num_bits == 4 and group in INT4PACK_GROUPS and layer.out_features % 16 == 0
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+            and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
         return Int4PackLinear
     return None
 
 
 def use_quant_kernels(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """Swap the `QuantLinear` layers of a CPU model for the CPU kernel layers that run their scheme.
+    """Swap the `QuantLinear` layers of a CPU model running `dtype` activations for the CPU kernel
+    layers that run their scheme faster (`cpu_kernel_for`).
 
-    Returns (swapped, left on the reference path: a scheme no kernel runs, e.g. int8 in groups).
+    Returns (swapped, left on the reference path: a scheme or dtype no kernel runs faster).
     """
     swapped = kept = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, QuantLinear):
             continue
-        kernel = cpu_kernel_for(module)
+        kernel = cpu_kernel_for(module, dtype)
         if kernel is None:
             kept += 1
             continue
