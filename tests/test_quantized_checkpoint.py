@@ -142,6 +142,8 @@ UNSUPPORTED = {
     "marlin_format": (lambda qc: qc.update(format="marlin-24") or qc["config_groups"]["group_0"].pop("format"),
                       "quantization_config.format"),
     "frozen": (lambda qc: qc.update(quantization_status="frozen"), "quantization_config.quantization_status"),
+    "class_target": (lambda qc: qc["config_groups"]["group_0"].update(targets=["Embedding"]),
+                     "quantization_config.config_groups.group_0.targets"),
 }
 
 
@@ -175,3 +177,25 @@ def test_a_missing_or_misshapen_quantized_tensor_is_a_load_error_naming_it(check
     with pytest.raises(ModelLoadError, match=r"model.layers.3.mlp.up_proj.weight_packed: shape \(5, 32\), "
                        r"expected \(704, 32\)"):
         load_model(target)
+
+
+def test_a_sharded_checkpoint_keeps_its_shards_and_loads(tmp_path):
+    import transformers
+
+    from tests.tiny_models import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "qwen3")
+    transformers.AutoModelForCausalLM.from_pretrained(src).save_pretrained(src, max_shard_size="100KB")
+    (src / "model.safetensors").unlink(missing_ok=True)
+    source_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(source_map.values())) > 1
+    quantize_checkpoint(src, tmp_path / "q", WeightScheme(4, 32))
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
+    down = "model.layers.1.mlp.down_proj"
+    assert index[f"{down}.weight_packed"] == index[f"{down}.weight_scale"] == source_map[f"{down}.weight"]
+    model, _, _ = load_model(tmp_path / "q")
+    original = {}
+    for shard in set(source_map.values()):
+        original.update(load_file(str(src / shard)))
+    assert torch.equal(model.get_submodule(down).qweight,
+                       quantize_rtn(original[f"{down}.weight"], WeightScheme(4, 32)).qweight)

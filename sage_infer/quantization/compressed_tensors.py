@@ -143,15 +143,14 @@ def parse_config(qc: object) -> CompressedTensorsConfig:
                 raise FormatError(f"{gwhere}.{key}: activation quantization is not supported (weight-only only)")
         fmt = raw.get("format") or global_format
         if fmt != PACK_QUANTIZED and fmt not in INT_QUANTIZED:
-            raise FormatError(f"{gwhere}.format: {fmt!r} is not supported (pack-quantized, int-quantized, "
-                              f"naive-quantized)" if raw.get("format") else
-                              f"{where}.format: {fmt!r} is not supported (pack-quantized, int-quantized, "
+            field_path = f"{gwhere}.format" if raw.get("format") else f"{where}.format"
+            raise FormatError(f"{field_path}: {fmt!r} is not supported (pack-quantized, int-quantized, "
                               f"naive-quantized)")
         targets = raw.get("targets")
         if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
             raise FormatError(f"{gwhere}.targets: expected a list of module names, 're:' patterns or 'Linear'")
         for target in targets:
-            if target != "Linear" and not target.startswith("re:") and not target.startswith("model."):
+            if target != "Linear" and target[:1].isupper():  # a class name: Embedding, LlamaDecoderLayer, ...
                 raise FormatError(f"{gwhere}.targets: {target!r} is not supported ('Linear', 're:<pattern>' "
                                   f"or a module name)")
         scheme = _weight_scheme(raw.get("weights"), f"{gwhere}.weights")
