@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--footprint", default=512, type=int, help="MiB of bf16 weights cycled through per kernel")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="which of: " + ", ".join(SHAPES))
     parser.add_argument("--torchao", default=None, help="a directory holding torchao 0.18 (pip install --target)")
+    parser.add_argument("--kernels", default=None, help="comma-separated subset of the kernel names (default: all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,6 +147,8 @@ def main() -> None:
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
         copies = max(1, args.footprint * 2**20 // (n * k * 2))
         for name, (make, call, nbytes) in kernels(w, dtype, bool(args.torchao)).items():
+            if args.kernels and name not in args.kernels.split(",") and name != "bf16 packed":
+                continue
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
                 seconds, _ = measure(make, call, copies, x, args.repeats)
