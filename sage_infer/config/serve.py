@@ -32,7 +32,8 @@ class ModelConfig(Strict):
     max_model_len: int | None = Field(None, ge=16, le=1 << 21)
     linear: Literal["auto", "packed", "torch"] = Field(
         "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
-        "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch).")
+        "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch). Quantized "
+        "layers of a quantized checkpoint: the CPU int8/int4 kernels unless torch (dequantize + F.linear).")
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")

@@ -25,6 +25,7 @@ from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.layers.linear import pack_linears, packing_available
+from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -110,10 +111,23 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
 
 
 def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device) -> None:
-    """`model.linear`: swap nn.Linear for oneDNN-packed ones where asked for (or auto and possible)."""
+    """`model.linear`: swap nn.Linear for oneDNN-packed ones, and the quantized linears of a quantized
+    checkpoint for the CPU int8 / int4 kernels, where asked for (or auto and possible).
+
+    torch keeps both on their reference paths (nn.Linear; QuantLinear: dequantize, then F.linear).
+    Quantized layers are never repacked as bf16: only the unquantized ones (lm_head, say) are.
+    """
     if choice == "torch":
         return
-    possible = torch.device(device).type == "cpu" and packing_available()
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
+        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+        swapped, kept = use_quant_kernels(model, dtype)
+        if swapped or kept:
+            auto_log.info("model.linear: %d quantized linear layers on CPU int8/int4 kernels%s", swapped,
+                          f", {kept} on the reference path (no faster kernel for their scheme with "
+                          f"{DTYPE_NAMES.get(dtype, dtype)} activations)" if kept else "")
+    possible = on_cpu and packing_available()
     if not possible:
         if choice == "packed":
             raise ConfigError(f"model.linear: packed needs a CPU device and a torch with oneDNN (device is "

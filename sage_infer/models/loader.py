@@ -1,5 +1,10 @@
 """Load a Hugging Face model directory from disk: config.json and safetensors weights
-(single file or sharded with ``model.safetensors.index.json``). Never the network."""
+(single file or sharded with ``model.safetensors.index.json``). Never the network.
+
+A config.json with a ``quantization_config`` (compressed-tensors, weight-only int4 / int8) loads
+its quantized linears as `QuantLinear` (the reference path: dequantize, then F.linear); the
+engine may swap them for CPU kernels afterwards (`sage_infer.layers.quant_linear.use_quant_kernels`).
+Anything else in a quantization_config is a ModelLoadError naming the field."""
 
 from __future__ import annotations
 
@@ -10,9 +15,17 @@ import torch
 from torch import nn
 
 from sage_infer.errors import SageError
+from sage_infer.layers.quant_linear import QuantLinear
 from sage_infer.layers.rotary import inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.registry import SUPPORTED_ARCHITECTURES, build_model
+from sage_infer.quantization.compressed_tensors import (
+    CompressedTensorsConfig,
+    ConfigGroup,
+    FormatError,
+    decode_weight,
+    parse_config,
+)
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
@@ -57,6 +70,26 @@ def arch_config(directory: Path) -> ArchConfig:
         raise ModelLoadError(f"{directory / 'config.json'}: missing or bad field: {err}") from None
 
 
+def quantization_of(directory: Path) -> CompressedTensorsConfig | None:
+    """The checkpoint's weight quantization (None for an unquantized one); ModelLoadError naming
+    ``config.json: quantization_config.<field>`` for anything sage cannot run."""
+    config = read_config(directory)
+    if "quantization_config" not in config:
+        return None
+    try:
+        return parse_config(config["quantization_config"])
+    except FormatError as err:
+        raise ModelLoadError(f"{directory / 'config.json'}: {err}") from None
+
+
+def quantized_linears(model: nn.Module, quant: CompressedTensorsConfig | None) -> dict[str, ConfigGroup]:
+    """Module name -> config group, for every nn.Linear of `model` the checkpoint stores quantized."""
+    if quant is None:
+        return {}
+    return {name: group for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and (group := quant.scheme_for(name)) is not None}
+
+
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -78,16 +111,25 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
+def load_weights(model: nn.Module, files: list[Path], tied: bool,
+                 quantized: dict[str, ConfigGroup] | None = None) -> None:
+    """Copy the checkpoint's tensors into `model`; the linears named in `quantized` (their weight
+    parameter removed beforehand) become `QuantLinear` from their compressed tensors."""
     from safetensors import SafetensorError, safe_open
 
+    quantized = quantized or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    compressed: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in quantized}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     if "rotary_emb.inv_freq" in name:
+                        continue
+                    prefix, _, suffix = name.rpartition(".")
+                    if prefix in compressed and name not in params:  # weight_packed, weight_scale, ...; not bias
+                        compressed[prefix][suffix] = handle.get_tensor(name)
                         continue
                     if name not in params:
                         raise ModelLoadError(f"{file}: unexpected tensor {name!r} for this architecture")
@@ -103,9 +145,22 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: cannot read safetensors: {err}") from None
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing += [f"{prefix}.weight_scale" for prefix, tensors in compressed.items() if not tensors]
     if missing:
         shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
         raise ModelLoadError(f"{files[0].parent}: weights missing from the checkpoint: {shown}")
+    for prefix, tensors in compressed.items():
+        linear = model.get_submodule(prefix)
+        try:
+            qw = decode_weight(tensors, quantized[prefix], (linear.out_features, linear.in_features), prefix)
+        except FormatError as err:
+            raise ModelLoadError(f"{files[0].parent}: {err}") from None
+        device = linear.bias.device if linear.bias is not None else next(model.parameters()).device
+        qw = type(qw)(qw.qweight.to(device), qw.scale.to(device),
+                      None if qw.zero_point is None else qw.zero_point.to(device), qw.scheme)
+        parent_name, _, child = prefix.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear(qw, None if linear.bias is None else linear.bias.detach()))
 
 
 def load_model(
@@ -114,14 +169,23 @@ def load_model(
     """Build the architecture named in config.json on `device` and load its weights."""
     directory = resolve_model_dir(path)
     cfg = arch_config(directory)
+    quant = quantization_of(directory)
     dtype = dtype or cfg.torch_dtype
     files = weight_files(directory)
     with torch.device("meta"):
         model = build_model(cfg)
+    quantized = quantized_linears(model, quant)
+    if cfg.tie_word_embeddings and "lm_head" in quantized:
+        raise ModelLoadError(f"{directory / 'config.json'}: quantization_config quantizes lm_head, which this "
+                             f"model ties to its embeddings (add lm_head to quantization_config.ignore)")
+    for prefix in quantized:  # never allocate the full-precision weight a quantized linear replaces
+        linear = model.get_submodule(prefix)
+        del linear.weight
+        linear.register_parameter("weight", None)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty materializes shared parameters separately: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     rotary = model.model.rotary_emb
     rotary.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, cfg.max_position_embeddings).to(device)
-    load_weights(model, files, cfg.tie_word_embeddings)
+    load_weights(model, files, cfg.tie_word_embeddings, quantized)
     return model.eval(), cfg, directory
