@@ -12,13 +12,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from sage_infer.backends.offline import LLM
     from sage_infer.core.sampling_params import SamplingParams
-    from sage_infer.engine.llm import LLM
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from sage_infer.engine.llm import LLM
+    if name == "LLM":  # the native engine's LLM, plus backend= (vllm, ...)
+        from sage_infer.backends.offline import LLM
 
         return LLM
     if name == "SamplingParams":

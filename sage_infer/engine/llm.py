@@ -21,39 +21,50 @@ from sage_infer.engine.llm_engine import LLMEngine, RequestError
 Prompt = str | list[int]
 
 
-class LLM:
-    """A model plus the native engine, for offline use. Keyword arguments map onto
-    `ServeConfig` sections; pass `config=` to use a fully resolved one instead."""
+def llm_config(
+    model: str | None = None,
+    *,
+    backend: str = "native",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    kv_memory: str | int | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    enable_chunked_prefill: bool = True,
+    scheduling: str = "fifo",
+    eviction_policy: str = "lru",
+    revision: str = "local",
+) -> ServeConfig:
+    """The `ServeConfig` that `LLM`'s keyword arguments describe. `block_size` None: the
+    backend's default (16 natively; vLLM's own on its platform)."""
+    pool = dict(num_blocks=num_blocks, memory_budget=kv_memory, enable_prefix_caching=enable_prefix_caching)
+    if block_size is not None:
+        pool["block_size"] = block_size
+    return ServeConfig(
+        backend=backend,
+        model=ModelConfig(path=model, dtype=dtype, max_model_len=max_model_len, revision=revision),
+        kv_pool=KVPoolConfig(**pool),
+        scheduler=SchedulerConfig(strategy=scheduling, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill),
+        policy=PolicyConfig(eviction=eviction_policy),
+    )
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory: str | int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        scheduling: str = "fifo",
-        eviction_policy: str = "lru",
-        revision: str = "local",
-        config: ServeConfig | None = None,
-    ) -> None:
-        if config is None:
-            config = ServeConfig(
-                model=ModelConfig(path=model, dtype=dtype, max_model_len=max_model_len, revision=revision),
-                kv_pool=KVPoolConfig(block_size=block_size, num_blocks=num_blocks, memory_budget=kv_memory,
-                                     enable_prefix_caching=enable_prefix_caching),
-                scheduler=SchedulerConfig(strategy=scheduling, max_num_seqs=max_num_seqs,
-                                          max_num_batched_tokens=max_num_batched_tokens,
-                                          enable_chunked_prefill=enable_chunked_prefill),
-                policy=PolicyConfig(eviction=eviction_policy),
-            )
+
+class LLM:
+    """A model plus the native engine, for offline use. Keyword arguments are `llm_config`'s and
+    map onto `ServeConfig` sections; pass `config=` to use a fully resolved one instead.
+    `sage_infer.LLM` (backends/offline.py) extends this with ``backend=``."""
+
+    def __init__(self, model: str | None = None, *, device: str | None = None, config: ServeConfig | None = None,
+                 **kwargs) -> None:
+        config = config if config is not None else llm_config(model, **kwargs)
+        if config.backend != "native":
+            raise ValueError(f"backend {config.backend}: sage_infer.engine.llm.LLM runs the native engine only; "
+                             "use sage_infer.LLM, which runs any backend")
         self.config = config
         self.engine: LLMEngine = build_engine(config, device)
         self._ids = count()
@@ -87,7 +98,7 @@ class LLM:
                 self.engine.add_request(request_id, prompt, params[i], cache_salt=cache_salt,
                                         priority=priority[i] if priority else 0)
             except RequestError as err:
-                results[request_id] = _failed(request_id, prompt, params[i], str(err))
+                results[request_id] = failed_output(request_id, prompt, params[i], str(err))
         self._run(results, len(order), progress)
         return [results[request_id] for request_id in order]
 
@@ -149,7 +160,7 @@ class LLM:
         return params
 
 
-def _failed(request_id: str, prompt: Prompt, params: SamplingParams, message: str) -> RequestOutput:
+def failed_output(request_id: str, prompt: Prompt, params: SamplingParams, message: str) -> RequestOutput:
     outputs = [CompletionOutput(index=i, finish_reason="error") for i in range(params.n)]
     return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
                          [] if isinstance(prompt, str) else list(prompt), outputs,

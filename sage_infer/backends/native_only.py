@@ -1,0 +1,33 @@
+"""Settings only sage's own engine carries out: another backend refuses them at start-up."""
+
+from __future__ import annotations
+
+from sage_infer.config.serve import ServeConfig
+from sage_infer.errors import ConfigError
+
+
+def refuse_native_only(config: ServeConfig, backend: str) -> None:
+    """`ConfigError` naming the first field set to something only the native engine does
+    (tiers, tenant quotas, eviction policies, prefill/decode roles, sage's linear kernels)."""
+    where = f"under --backend {backend}"
+    if config.pd is not None:
+        raise ConfigError(f"pd: sage's prefill/decode deployment (--pd) runs the native engine only, not {where}")
+    if config.role != "both":
+        raise ConfigError(f"role: {config.role}: sage's prefill/decode roles run the native engine only, not "
+                          f"{where} (vLLM's own disaggregation goes through its KV connectors)")
+    tiers = config.tiers
+    for name, value, off in (("tiers.host_bytes", tiers.host_bytes, (0, "auto")),
+                             ("tiers.disk_path", tiers.disk_path, (None,)),
+                             ("tiers.remote_url", tiers.remote_url, (None,))):
+        if value not in off:
+            raise ConfigError(f"{name}: sage's KV tiers are not part of the {backend} engine {where}",
+                              hint="drop the tier (for vLLM, sage's tiers plug in through SageKVConnector)")
+    quota = config.quota
+    if quota.tenants or quota.default_min_share != 0.0 or quota.default_max_share != 1.0:
+        raise ConfigError(f"quota: tenant KV quotas are sage's own block accounting; {backend} has none {where}")
+    if config.policy.eviction != "lru":
+        raise ConfigError(f"policy.eviction: {config.policy.eviction}: {backend}'s prefix cache evicts LRU only "
+                          f"{where}")
+    if config.model.linear != "auto":
+        raise ConfigError(f"model.linear: {config.model.linear} picks sage's own linear kernels; {backend} chooses "
+                          f"its own {where}", hint="leave model.linear at auto")

@@ -1,0 +1,376 @@
+"""The vLLM backend: vLLM's async engine (v1 `AsyncLLM`) behind sage's `InferenceBackend`.
+
+`sage llm serve --backend vllm` keeps sage's front end (OpenAI routes, validation, chat
+templates, errors, ``sage:*`` metrics); vLLM schedules, runs and samples. The front end
+tokenizes once with sage's tokenizer and hands vLLM token ids, so both backends see the
+same prompt. The config is translated by `vllm_args.vllm_engine_args`.
+
+`AsyncLLM` belongs to the event loop it runs on (its output handler is a task there). It
+gets a loop of its own, in one thread, so it serves any caller: the server's uvicorn loop,
+or `asyncio.run` of the offline `LLM`. Requests cross into that loop with
+`run_coroutine_threadsafe`; their outputs come back to the caller's loop the way the native
+backend's do (`call_soon_threadsafe` into a per-request queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.inputs.engine import tokens_input
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args
+from sage_infer.config.auto import ModelFacts
+from sage_infer.config.serve import ServeConfig
+from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo
+from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.errors import SageError
+from sage_infer.interfaces.backend import BackendError, EngineDeadError, InvalidRequestError, QueueFullError
+
+log = logging.getLogger("sage_infer.server")
+auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
+
+_DEAD = "the vLLM engine stopped after an internal error; restart the server"
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def sampling_params(params: SamplingParams) -> VLLMSamplingParams:
+    """sage's `SamplingParams` as vLLM's, streaming deltas. Greedy (temperature 0 or top_k 1) is
+    vLLM's temperature 0 (its argmax path); sage's top_k -1 (off) is vLLM's 0."""
+    greedy = params.greedy
+    return VLLMSamplingParams(
+        n=params.n, max_tokens=params.max_tokens,
+        temperature=0.0 if greedy else params.temperature,
+        top_k=0 if greedy or params.top_k == -1 else params.top_k,
+        top_p=1.0 if greedy else params.top_p, min_p=0.0 if greedy else params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, seed=params.seed, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def logprob_entries(token_ids: list[int], entries, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """vLLM's per-token ``{token_id: Logprob(logprob, rank)}`` (the sampled token plus the top
+    ``top_n``) as sage's ``(sampled logprob, [(token_id, logprob) of the top top_n, best first])``."""
+    out = []
+    for token_id, by_id in zip(token_ids, entries):
+        top = sorted(((t, lp) for t, lp in by_id.items() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda item: item[1].rank)
+        out.append((by_id[token_id].logprob, [(t, lp.logprob) for t, lp in top]))
+    return out
+
+
+class _SchedulerStats(StatLoggerBase):
+    """vLLM's stat logger hook: keeps the latest scheduler snapshot and sums the prefix-cache
+    counters (vLLM reports them per step), for `VLLMBackend.stats`."""
+
+    def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0  # requests looked up
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        self.num_running = scheduler_stats.num_running_reqs
+        self.num_waiting = scheduler_stats.num_waiting_reqs
+        self.kv_usage = scheduler_stats.kv_cache_usage
+        cache = scheduler_stats.prefix_cache_stats
+        self.prefix_queries += cache.requests
+        self.prefix_query_tokens += cache.queries
+        self.prefix_hit_tokens += cache.hits
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request: where its outputs go (a queue on the caller's loop) and what it produced so far."""
+
+    request: AddRequest
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    metrics: RequestMetrics
+    text: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list | None]
+    finish: list[tuple[str | None, str | int | None]]
+    opened: bool = False  # vLLM has it
+    abort_asked: bool = False  # abort came while vLLM was still taking it
+    finished: bool = False
+    pump: asyncio.Task | None = field(default=None, repr=False)
+
+
+class VLLMBackend:
+    """`InferenceBackend` over vLLM's `AsyncLLM`, run on an event loop of its own."""
+
+    name = "vllm"
+
+    def __init__(self, engine_kwargs: dict, model_info: ModelInfo) -> None:
+        self._model_info = model_info
+        self._stats = _SchedulerStats()
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # guards _requests between the caller's thread and the vLLM loop
+        self._dead: BaseException | None = None
+        self._on_finished: Callable[[RequestOutput], None] | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sage-vllm", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: AsyncLLM = self._run(self._build(engine_kwargs)).result()
+        except Exception as err:  # noqa: BLE001 - vLLM logged the cause above; one line for the user
+            self._stop_loop()
+            raise SageError(f"vllm: the engine did not start: {str(err).splitlines()[0] if str(err) else err!r}",
+                            hint="vLLM's log above says why") from err
+
+    async def _build(self, engine_kwargs: dict) -> AsyncLLM:
+        args = AsyncEngineArgs(**engine_kwargs, disable_log_stats=True)  # our logger only: no 10 s log lines
+        return AsyncLLM.from_engine_args(args, stat_loggers=[lambda _config, _index=0: self._stats])
+
+    def _run(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # -- InferenceBackend ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """The engine started in the constructor (model_info needs it first); nothing left to do."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if not self._loop.is_closed() and self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self._run(self._shutdown()).result(timeout)
+        self._stop_loop()
+
+    async def _shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None or self.engine.errored:
+            raise EngineDeadError(_DEAD)
+        if request.kv_transfer is not None:
+            raise InvalidRequestError("prefill/decode KV transfer runs on the native backend only")
+        params = sampling_params(request.params)
+        n = request.params.n
+        arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
+        logprobs = [[] if params.logprobs is not None else None for _ in range(n)]
+        state = _Request(request, asyncio.get_running_loop(), asyncio.Queue(), RequestMetrics(arrival_time=arrival),
+                         [""] * n, [[] for _ in range(n)], logprobs, [(None, None)] * n)
+        with self._lock:
+            if request.request_id in self._requests:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self._requests[request.request_id] = state
+        try:
+            await asyncio.wrap_future(self._run(self._open(state, params)))
+        except BaseException:
+            with self._lock:
+                self._requests.pop(request.request_id, None)
+            raise
+        return self._stream(state)
+
+    def abort(self, request_id: str) -> None:
+        if not self._loop.is_closed():
+            self._run(self._abort(request_id))
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        cache = self.engine.vllm_config.cache_config
+        num_blocks = cache.num_gpu_blocks or 0
+        busy = bool(self._requests)  # vLLM reports per step: idle, its last snapshot is stale
+        usage = self._stats.kv_usage if busy else 0.0
+        s = self._stats
+        return EngineStats(
+            num_running=s.num_running if busy else 0, num_waiting=s.num_waiting if busy else 0, kv_usage=usage,
+            num_blocks=num_blocks, num_free_blocks=round(num_blocks * (1 - usage)), block_size=cache.block_size,
+            prefix_caching=bool(cache.enable_prefix_caching), prefix_queries=s.prefix_queries,
+            prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
+
+    def health(self) -> HealthStatus:
+        if self._dead is not None or self.engine.errored:
+            return HealthStatus(False, _DEAD)
+        return HealthStatus(True)
+
+    def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
+        self._on_finished = callback
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (tests wait for 0)."""
+        return len(self._requests)
+
+    # -- the caller's loop ----------------------------------------------------------------
+
+    async def _stream(self, state: _Request) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request; aborts it if the consumer stops before it finished."""
+        finished = False
+        try:
+            while not finished:
+                item = await state.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(state.request.request_id)
+
+    # -- the vLLM loop --------------------------------------------------------------------
+
+    async def _open(self, state: _Request, params: VLLMSamplingParams) -> None:
+        request = state.request
+        prompt = tokens_input(list(request.prompt_token_ids), prompt=request.prompt, cache_salt=request.cache_salt)
+        try:
+            # sage ignores priority under fifo scheduling; vLLM refuses a non-zero one under fcfs
+            priority = request.priority if self.engine.scheduler_config.policy == "priority" else 0
+            collector = await self.engine.add_request(request.request_id, prompt, params, priority=priority)
+        except VLLMEngineDeadError:
+            raise EngineDeadError(_DEAD) from None
+        except GracefulHTTPError as err:  # vLLM's queue limits (max_num_queued_reqs)
+            raise QueueFullError(str(err) or "vLLM's request queue is full") from None
+        except (VLLMClientError, ValueError, TypeError) as err:  # vLLM's validation: the request's fault
+            raise InvalidRequestError(str(err)) from None
+        state.opened = True
+        state.pump = asyncio.create_task(self._pump(state, collector))
+        if state.abort_asked:
+            await self.engine.abort(request.request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is None or state.finished:
+            return
+        if not state.opened:
+            state.abort_asked = True  # `_open` is awaiting vLLM; it aborts once vLLM has the request
+            return
+        await self.engine.abort(request_id)  # vLLM hands the collector a final output, finish_reason abort
+
+    async def _pump(self, state: _Request, collector) -> None:
+        try:
+            while not state.finished:
+                out = collector.get_nowait() or await collector.get()
+                self._deliver(state, self._convert(state, out))
+        except VLLMEngineDeadError as err:
+            self._dead = err
+            self._fail(state, EngineDeadError(_DEAD))
+        except Exception as err:  # noqa: BLE001 - end the stream, never leave it hanging
+            log.exception("vLLM request %s failed", state.request.request_id)
+            self._fail(state, BackendError(f"generation failed: {type(err).__name__}"))
+        finally:
+            collector.close()
+
+    def _convert(self, state: _Request, out) -> RequestOutput:
+        """One vLLM delta as sage's output: cumulative text and tokens plus this step's delta."""
+        now = time.monotonic()
+        deltas: dict[int, tuple[str, list[int]]] = {}
+        top_n = state.request.params.logprobs
+        for c in out.outputs:
+            i = c.index
+            ids = list(c.token_ids)
+            state.text[i] += c.text
+            state.token_ids[i].extend(ids)
+            if state.logprobs[i] is not None and c.logprobs:
+                state.logprobs[i].extend(logprob_entries(ids, c.logprobs, top_n or 0))
+            state.finish[i] = (c.finish_reason, c.stop_reason)
+            deltas[i] = (c.text, ids)
+        metrics = state.metrics
+        if metrics.first_token_time is None and any(ids for _, ids in deltas.values()):
+            metrics.first_token_time = now
+        stats = out.metrics
+        if metrics.first_scheduled_time is None and stats is not None and stats.scheduled_ts and stats.queued_ts:
+            # engine-core timestamps (another process, same monotonic clock): the queue wait in vLLM
+            metrics.first_scheduled_time = metrics.arrival_time + max(0.0, stats.scheduled_ts - stats.queued_ts)
+        if out.num_cached_tokens is not None:
+            metrics.num_cached_tokens = out.num_cached_tokens
+        if stats is not None:
+            metrics.num_preemptions = stats.num_preemptions
+        state.finished = bool(out.finished)
+        if state.finished:
+            metrics.finish_time = now
+        completions = []
+        for i in range(len(state.text)):
+            delta_text, delta_ids = deltas.get(i, ("", []))
+            reason, stop = state.finish[i]
+            completions.append(CompletionOutput(
+                index=i, text=state.text[i], token_ids=list(state.token_ids[i]), finish_reason=reason,
+                stop_reason=stop, logprobs=list(state.logprobs[i]) if state.logprobs[i] is not None else None,
+                delta_text=delta_text, delta_token_ids=delta_ids))
+        request = state.request
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
+                             metrics, state.finished)
+
+    def _deliver(self, state: _Request, output: RequestOutput) -> None:
+        if output.finished:
+            with self._lock:
+                self._requests.pop(output.request_id, None)
+            if self._on_finished is not None:
+                self._on_finished(output)
+        if not _send(state, output) and not output.finished:
+            self._loop.create_task(self._abort(output.request_id))  # nobody is left to read it
+
+    def _fail(self, state: _Request, error: BaseException) -> None:
+        state.finished = True
+        with self._lock:
+            self._requests.pop(state.request.request_id, None)
+        _send(state, error)
+
+
+def _send(state: _Request, item: RequestOutput | BaseException) -> bool:
+    """Hand `item` to the request's loop; False when that loop has closed (its consumer is gone)."""
+    try:
+        state.loop.call_soon_threadsafe(state.outputs.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
+
+
+def create(config: ServeConfig) -> VLLMBackend:
+    """Translate `config`, print each decision, start vLLM; the registry calls this."""
+    from sage_infer.engine.build import DEMO_MODEL_NAME
+    from sage_infer.hal.cpu import read_mem_available
+    from sage_infer.models.loader import ModelLoadError, arch_config, resolve_model_dir
+    from sage_infer.models.tokenizer import Tokenizer
+
+    directory = resolve_model_dir(config.model.path)
+    arch = arch_config(directory)
+    facts = ModelFacts(DTYPE_NAMES.get(str(arch.torch_dtype).removeprefix("torch."), "fp32"),
+                       arch.max_position_embeddings, arch.sliding_window)
+    name = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
+    model = VLLMModel(str(directory), name, facts, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    args = vllm_engine_args(config, model, current_platform.device_type, read_mem_available())
+    for value in args.values:
+        auto_log.info("%s", value.line())
+    try:
+        tokenizer = Tokenizer.from_dir(directory)
+    except (FileNotFoundError, ValueError) as err:
+        raise ModelLoadError(f"{directory}: cannot load the tokenizer: {err}") from None
+    info = ModelInfo(name=name, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+                     vocab_size=arch.vocab_size, max_model_len=args.max_model_len,
+                     max_bytes_per_token=tokenizer.max_bytes_per_token)
+    return VLLMBackend(args.kwargs, info)

@@ -1,0 +1,165 @@
+"""The resolved `ServeConfig` as vLLM engine arguments, in one visible function.
+
+`vllm_engine_args` is pure data (it imports no vLLM), so what `--backend vllm` asks of
+vLLM is unit-tested without vLLM installed. Each decision comes back as a
+`ResolvedValue` line that `sage llm serve` prints at start-up; a setting vLLM cannot
+honour is a `ConfigError` naming the field, never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sage_infer.backends.native_only import refuse_native_only
+from sage_infer.config.auto import (
+    ModelFacts,
+    ResolvedValue,
+    resolve_max_model_len,
+    resolve_model_dtype,
+    resolve_num_blocks,
+)
+from sage_infer.config.serve import ServeConfig
+from sage_infer.errors import ConfigError
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# sage KV dtype -> vLLM cache_dtype, where vLLM stores the same thing
+VLLM_KV_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+# vLLM 0.32's CPU attention (CPUAttentionBackend.supported_kv_cache_dtypes): auto (the model's dtype) or fp8
+CPU_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM's default on CPU (CpuPlatform.check_and_update_config)
+CPU_BLOCK_MULTIPLE = 32  # CPUAttentionBackend kernel block sizes: multiples of 32
+SCHEDULING_POLICIES = {"fifo": "fcfs", "priority": "priority"}
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMModel:
+    """What the translation needs to know of the model, read from config.json (no weights)."""
+
+    path: str  # the local HF directory vLLM loads
+    name: str  # the id the API serves it under
+    facts: ModelFacts  # checkpoint dtype, max_position_embeddings, sliding window
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMEngineArgs:
+    """Keyword arguments of `vllm.AsyncEngineArgs`, and why each value is what it is."""
+
+    kwargs: dict[str, object]
+    values: list[ResolvedValue] = field(default_factory=list)
+    max_model_len: int = 0
+
+
+def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
+                     host_available_bytes: int | None = None) -> VLLMEngineArgs:
+    """Translate `config` for vLLM running on `platform` (vLLM's device type: cpu, cuda, npu, ...).
+
+    `host_available_bytes` (MemAvailable) caps the KV budget on CPU the way the native engine
+    does. Raises `ConfigError` for the first setting vLLM cannot honour.
+    """
+    refuse_native_only(config, "vllm")
+    values: list[ResolvedValue] = [_device(config, platform)]
+    kwargs: dict[str, object] = {"model": model.path, "tokenizer": model.path, "served_model_name": model.name,
+                                 # sage sends every sampling field itself; vLLM's generation_config.json
+                                 # defaults must not change what a request asked for
+                                 "generation_config": "vllm", "enable_log_requests": False}
+    model_dtype = resolve_model_dtype(config, model.facts)
+    kwargs["dtype"] = VLLM_DTYPES[model_dtype.value]
+    values.append(model_dtype)
+    max_len = resolve_max_model_len(config, model.facts)
+    kwargs["max_model_len"] = max_len.value
+    values.append(max_len)
+
+    kv_dtype = _kv_dtype(config, model_dtype.value, platform)
+    kwargs["kv_cache_dtype"] = kv_dtype.value
+    values.append(kv_dtype)
+    block = _block_size(config, platform)
+    kwargs["block_size"] = block.value
+    values.append(block)
+    kwargs["enable_prefix_caching"] = config.kv_pool.enable_prefix_caching
+    kwargs["disable_cascade_attn"] = not config.model.cascade_attention
+
+    stored = model_dtype.value if kv_dtype.value == "auto" else next(
+        sage for sage, theirs in VLLM_KV_DTYPES.items() if theirs == kv_dtype.value)
+    block_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * block.value * DTYPE_BYTES[stored]
+    pool = config.kv_pool
+    if platform == "cpu" or pool.num_blocks is not None or pool.memory_budget is not None:
+        # the native engine's rule, so both backends size the same pool from the same config
+        blocks = resolve_num_blocks(config.model_copy(update={"kv_pool": pool.model_copy(
+            update={"block_size": block.value})}), bytes_per_block=block_bytes, max_model_len=max_len.value,
+            free_device_bytes=None, host_available_bytes=host_available_bytes)
+        kwargs["kv_cache_memory_bytes"] = blocks.value * block_bytes
+        kwargs["num_gpu_blocks_override"] = blocks.value
+        values.append(ResolvedValue("kv_pool.num_blocks", blocks.value,
+                                    f"{blocks.reason}; vLLM kv_cache_memory_bytes = {blocks.value} x {block_bytes}"))
+    else:  # vLLM measures the device after loading the model, as the native engine does
+        kwargs["gpu_memory_utilization"] = pool.memory_utilization
+        values.append(ResolvedValue("kv_pool.memory_utilization", pool.memory_utilization,
+                                    "vLLM gpu_memory_utilization: share of device memory for weights and KV"))
+
+    scheduler = config.scheduler
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_len.value:
+        raise ConfigError(f"scheduler.max_num_batched_tokens: {scheduler.max_num_batched_tokens} is below "
+                          f"model.max_model_len {max_len.value}, which vLLM requires without chunked prefill",
+                          hint="enable scheduler.enable_chunked_prefill or raise max_num_batched_tokens")
+    kwargs.update(max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                  enable_chunked_prefill=scheduler.enable_chunked_prefill,
+                  scheduling_policy=SCHEDULING_POLICIES[scheduler.strategy],
+                  # vLLM counts waiting + running requests: the seats plus sage's waiting room
+                  max_num_queued_reqs=scheduler.max_waiting + scheduler.max_num_seqs)
+    values.append(ResolvedValue("scheduler.max_waiting", scheduler.max_waiting,
+                                f"vLLM max_num_queued_reqs = {scheduler.max_waiting} + {scheduler.max_num_seqs} "
+                                "running seats (it counts both)"))
+    if config.model.revision != "local":
+        values.append(ResolvedValue("model.revision", config.model.revision,
+                                    "a prefix-cache key of sage's own index; vLLM loads the local directory as is"))
+    return VLLMEngineArgs(kwargs, values, max_len.value)
+
+
+def _device(config: ServeConfig, platform: str) -> ResolvedValue:
+    hardware = config.hardware
+    if hardware is None:
+        return ResolvedValue("device", platform, "no hardware preset resolved: the platform vLLM was built for")
+    wanted = hardware.device.torch_device_type
+    if wanted != platform:
+        raise ConfigError(f"preset: {hardware.name} runs on device {wanted}, but the installed vLLM runs on "
+                          f"{platform}", hint=f"install the vLLM build for {wanted}, or pick a {platform} preset")
+    return ResolvedValue("device", platform, f"hardware preset {hardware.name}: device.torch_device_type="
+                         f"{wanted}, the platform of the installed vLLM")
+
+
+def _kv_dtype(config: ServeConfig, model_dtype: str, platform: str) -> ResolvedValue:
+    """vLLM cache_dtype: auto (the model's dtype) unless a different one was set."""
+    wanted = config.kv_pool.kv_dtype
+    if wanted == "auto":
+        default = config.preset_kv_dtype()
+        why = (f"; the preset's kv.default_dtype={default.value} is the native engine's choice"
+               if default is not None and default.value != model_dtype else "")
+        return ResolvedValue("kv_pool.kv_dtype", "auto", f"auto: vLLM keeps KV in the model's {model_dtype}{why}")
+    wanted = getattr(wanted, "value", wanted)
+    if wanted == model_dtype:
+        return ResolvedValue("kv_pool.kv_dtype", "auto", f"set explicitly: {wanted}, the model's dtype (vLLM auto)")
+    theirs = VLLM_KV_DTYPES.get(wanted)
+    if theirs is None:
+        raise ConfigError(f"kv_pool.kv_dtype: {wanted} has no vLLM equivalent (vLLM stores KV as the model's "
+                          "dtype, fp16, bf16, fp8_e4m3 or fp8_e5m2)")
+    if platform == "cpu" and wanted not in CPU_KV_DTYPES:
+        raise ConfigError(f"kv_pool.kv_dtype: {wanted}: vLLM's CPU attention stores KV as the model's dtype or "
+                          f"fp8 only ({', '.join(CPU_KV_DTYPES)})")
+    return ResolvedValue("kv_pool.kv_dtype", theirs, f"set explicitly: vLLM cache_dtype {theirs}")
+
+
+def _block_size(config: ServeConfig, platform: str) -> ResolvedValue:
+    size = config.kv_pool.block_size
+    explicit = "block_size" in config.kv_pool.model_fields_set
+    if platform == "cpu":
+        if not explicit:
+            return ResolvedValue("kv_pool.block_size", CPU_DEFAULT_BLOCK_SIZE,
+                                 "auto: vLLM's CPU default (sage's 16 is below its kernels' multiple of 32)")
+        if size % CPU_BLOCK_MULTIPLE:
+            raise ConfigError(f"kv_pool.block_size: {size}: vLLM's CPU attention needs a multiple of "
+                              f"{CPU_BLOCK_MULTIPLE}", hint="leave block_size unset (vLLM uses 128) or set 32, 64, 128")
+    return ResolvedValue("kv_pool.block_size", size, "set explicitly" if explicit else "sage's default")
