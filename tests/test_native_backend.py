@@ -4,6 +4,7 @@ driven the way the server drives it (engine thread, asyncio streams)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 
 import pytest
@@ -169,12 +170,18 @@ def test_stats_keep_prefix_counters_when_the_prefix_index_is_empty(backend):
     assert stats.prefix_caching and stats.prefix_query_tokens >= 64 and stats.prefix_hit_tokens == 32
 
 
-@pytest.mark.parametrize("name", ["vllm", "lmdeploy", "no-such-engine"])
+VLLM_HERE = importlib.util.find_spec("vllm") is not None
+NEEDS_NO_VLLM = pytest.mark.skipif(VLLM_HERE, reason="vllm is installed in this python, so backend vllm is available "
+                                   "(tests/test_vllm_backend.py covers it)")
+
+
+@pytest.mark.parametrize("name", [pytest.param("vllm", marks=NEEDS_NO_VLLM), "lmdeploy", "no-such-engine"])
 def test_an_unavailable_backend_fails_at_start_saying_why(config, name):
     with pytest.raises(ConfigError, match=f"^backend {name} is not available: "):
         create_backend(config.model_copy(update={"backend": name}))
 
 
+@NEEDS_NO_VLLM
 def test_serve_with_an_unavailable_backend_exits_2_with_one_line(sage):
     result = sage("llm", "serve", "--set", "backend=vllm", "--port", "0")
     assert result.code == 2

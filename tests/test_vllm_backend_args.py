@@ -47,10 +47,6 @@ def test_max_model_len_defaults_to_the_models_and_is_checked_against_it():
         translate(model={"max_model_len": 512})
 
 
-def test_generation_config_defaults_of_the_checkpoint_never_apply():
-    assert translate().kwargs["generation_config"] == "vllm"
-
-
 def test_on_cpu_an_unset_block_size_is_vllms_128():
     assert translate().kwargs["block_size"] == 128
 

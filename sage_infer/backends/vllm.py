@@ -19,26 +19,23 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import GracefulHTTPError, VLLMClientError
 from vllm.inputs.engine import tokens_input
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args
+from sage_infer.backends.vllm_request import VLLMRequest, sampling_params
 from sage_infer.config.auto import ModelFacts
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo
-from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.outputs import RequestOutput
 from sage_infer.errors import SageError
 from sage_infer.interfaces.backend import BackendError, EngineDeadError, InvalidRequestError, QueueFullError
 
@@ -47,35 +44,6 @@ auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm 
 
 _DEAD = "the vLLM engine stopped after an internal error; restart the server"
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def sampling_params(params: SamplingParams) -> VLLMSamplingParams:
-    """sage's `SamplingParams` as vLLM's, streaming deltas. Greedy (temperature 0 or top_k 1) is
-    vLLM's temperature 0 (its argmax path); sage's top_k -1 (off) is vLLM's 0."""
-    greedy = params.greedy
-    return VLLMSamplingParams(
-        n=params.n, max_tokens=params.max_tokens,
-        temperature=0.0 if greedy else params.temperature,
-        top_k=0 if greedy or params.top_k == -1 else params.top_k,
-        top_p=1.0 if greedy else params.top_p, min_p=0.0 if greedy else params.min_p,
-        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, seed=params.seed, stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-        output_kind=RequestOutputKind.DELTA,
-    )
-
-
-def logprob_entries(token_ids: list[int], entries, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """vLLM's per-token ``{token_id: Logprob(logprob, rank)}`` (the sampled token plus the top
-    ``top_n``) as sage's ``(sampled logprob, [(token_id, logprob) of the top top_n, best first])``."""
-    out = []
-    for token_id, by_id in zip(token_ids, entries):
-        top = sorted(((t, lp) for t, lp in by_id.items() if lp.rank is not None and lp.rank <= top_n),
-                     key=lambda item: item[1].rank)
-        out.append((by_id[token_id].logprob, [(t, lp.logprob) for t, lp in top]))
-    return out
 
 
 class _SchedulerStats(StatLoggerBase):
@@ -105,24 +73,6 @@ class _SchedulerStats(StatLoggerBase):
         pass
 
 
-@dataclass(slots=True)
-class _Request:
-    """One request: where its outputs go (a queue on the caller's loop) and what it produced so far."""
-
-    request: AddRequest
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    metrics: RequestMetrics
-    text: list[str]
-    token_ids: list[list[int]]
-    logprobs: list[list | None]
-    finish: list[tuple[str | None, str | int | None]]
-    opened: bool = False  # vLLM has it
-    abort_asked: bool = False  # abort came while vLLM was still taking it
-    finished: bool = False
-    pump: asyncio.Task | None = field(default=None, repr=False)
-
-
 class VLLMBackend:
     """`InferenceBackend` over vLLM's `AsyncLLM`, run on an event loop of its own."""
 
@@ -131,7 +81,7 @@ class VLLMBackend:
     def __init__(self, engine_kwargs: dict, model_info: ModelInfo) -> None:
         self._model_info = model_info
         self._stats = _SchedulerStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, VLLMRequest] = {}
         self._lock = threading.Lock()  # guards _requests between the caller's thread and the vLLM loop
         self._dead: BaseException | None = None
         self._on_finished: Callable[[RequestOutput], None] | None = None
@@ -177,20 +127,16 @@ class VLLMBackend:
         if request.kv_transfer is not None:
             raise InvalidRequestError("prefill/decode KV transfer runs on the native backend only")
         params = sampling_params(request.params)
-        n = request.params.n
-        arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
-        logprobs = [[] if params.logprobs is not None else None for _ in range(n)]
-        state = _Request(request, asyncio.get_running_loop(), asyncio.Queue(), RequestMetrics(arrival_time=arrival),
-                         [""] * n, [[] for _ in range(n)], logprobs, [(None, None)] * n)
+        state = VLLMRequest.of(request, asyncio.get_running_loop())
         with self._lock:
             if request.request_id in self._requests:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
             self._requests[request.request_id] = state
-        try:
-            await asyncio.wrap_future(self._run(self._open(state, params)))
-        except BaseException:
-            with self._lock:
-                self._requests.pop(request.request_id, None)
+        opening = self._run(self._open(state, params))
+        try:  # shielded: cancelling a half-added request inside vLLM could orphan it there
+            await asyncio.shield(asyncio.wrap_future(opening))
+        except asyncio.CancelledError:
+            self.abort(request.request_id)  # the caller left while vLLM took it: stop it once it is in
             raise
         return self._stream(state)
 
@@ -228,7 +174,7 @@ class VLLMBackend:
 
     # -- the caller's loop ----------------------------------------------------------------
 
-    async def _stream(self, state: _Request) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, state: VLLMRequest) -> AsyncIterator[RequestOutput]:
         """The outputs of one request; aborts it if the consumer stops before it finished."""
         finished = False
         try:
@@ -244,7 +190,17 @@ class VLLMBackend:
 
     # -- the vLLM loop --------------------------------------------------------------------
 
-    async def _open(self, state: _Request, params: VLLMSamplingParams) -> None:
+    async def _open(self, state: VLLMRequest, params: VLLMSamplingParams) -> None:
+        try:
+            await self._add(state, params)
+        except BaseException:
+            with self._lock:
+                self._requests.pop(state.request.request_id, None)
+            raise
+        if state.abort_asked:
+            await self.engine.abort(state.request.request_id)
+
+    async def _add(self, state: VLLMRequest, params: VLLMSamplingParams) -> None:
         request = state.request
         prompt = tokens_input(list(request.prompt_token_ids), prompt=request.prompt, cache_salt=request.cache_salt)
         try:
@@ -259,8 +215,6 @@ class VLLMBackend:
             raise InvalidRequestError(str(err)) from None
         state.opened = True
         state.pump = asyncio.create_task(self._pump(state, collector))
-        if state.abort_asked:
-            await self.engine.abort(request.request_id)
 
     async def _abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)
@@ -271,11 +225,11 @@ class VLLMBackend:
             return
         await self.engine.abort(request_id)  # vLLM hands the collector a final output, finish_reason abort
 
-    async def _pump(self, state: _Request, collector) -> None:
+    async def _pump(self, state: VLLMRequest, collector) -> None:
         try:
             while not state.finished:
                 out = collector.get_nowait() or await collector.get()
-                self._deliver(state, self._convert(state, out))
+                self._deliver(state, state.output(out))
         except VLLMEngineDeadError as err:
             self._dead = err
             self._fail(state, EngineDeadError(_DEAD))
@@ -285,47 +239,7 @@ class VLLMBackend:
         finally:
             collector.close()
 
-    def _convert(self, state: _Request, out) -> RequestOutput:
-        """One vLLM delta as sage's output: cumulative text and tokens plus this step's delta."""
-        now = time.monotonic()
-        deltas: dict[int, tuple[str, list[int]]] = {}
-        top_n = state.request.params.logprobs
-        for c in out.outputs:
-            i = c.index
-            ids = list(c.token_ids)
-            state.text[i] += c.text
-            state.token_ids[i].extend(ids)
-            if state.logprobs[i] is not None and c.logprobs:
-                state.logprobs[i].extend(logprob_entries(ids, c.logprobs, top_n or 0))
-            state.finish[i] = (c.finish_reason, c.stop_reason)
-            deltas[i] = (c.text, ids)
-        metrics = state.metrics
-        if metrics.first_token_time is None and any(ids for _, ids in deltas.values()):
-            metrics.first_token_time = now
-        stats = out.metrics
-        if metrics.first_scheduled_time is None and stats is not None and stats.scheduled_ts and stats.queued_ts:
-            # engine-core timestamps (another process, same monotonic clock): the queue wait in vLLM
-            metrics.first_scheduled_time = metrics.arrival_time + max(0.0, stats.scheduled_ts - stats.queued_ts)
-        if out.num_cached_tokens is not None:
-            metrics.num_cached_tokens = out.num_cached_tokens
-        if stats is not None:
-            metrics.num_preemptions = stats.num_preemptions
-        state.finished = bool(out.finished)
-        if state.finished:
-            metrics.finish_time = now
-        completions = []
-        for i in range(len(state.text)):
-            delta_text, delta_ids = deltas.get(i, ("", []))
-            reason, stop = state.finish[i]
-            completions.append(CompletionOutput(
-                index=i, text=state.text[i], token_ids=list(state.token_ids[i]), finish_reason=reason,
-                stop_reason=stop, logprobs=list(state.logprobs[i]) if state.logprobs[i] is not None else None,
-                delta_text=delta_text, delta_token_ids=delta_ids))
-        request = state.request
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
-                             metrics, state.finished)
-
-    def _deliver(self, state: _Request, output: RequestOutput) -> None:
+    def _deliver(self, state: VLLMRequest, output: RequestOutput) -> None:
         if output.finished:
             with self._lock:
                 self._requests.pop(output.request_id, None)
@@ -334,14 +248,14 @@ class VLLMBackend:
         if not _send(state, output) and not output.finished:
             self._loop.create_task(self._abort(output.request_id))  # nobody is left to read it
 
-    def _fail(self, state: _Request, error: BaseException) -> None:
+    def _fail(self, state: VLLMRequest, error: BaseException) -> None:
         state.finished = True
         with self._lock:
             self._requests.pop(state.request.request_id, None)
         _send(state, error)
 
 
-def _send(state: _Request, item: RequestOutput | BaseException) -> bool:
+def _send(state: VLLMRequest, item: RequestOutput | BaseException) -> bool:
     """Hand `item` to the request's loop; False when that loop has closed (its consumer is gone)."""
     try:
         state.loop.call_soon_threadsafe(state.outputs.put_nowait, item)

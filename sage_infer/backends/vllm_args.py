@@ -62,10 +62,10 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     """
     refuse_native_only(config, "vllm")
     values: list[ResolvedValue] = [_device(config, platform)]
+    # generation_config stays vLLM's "auto": on the engine path it only adds generation_config.json's
+    # EOS ids to each request's stop tokens (sage sends every sampling field itself)
     kwargs: dict[str, object] = {"model": model.path, "tokenizer": model.path, "served_model_name": model.name,
-                                 # sage sends every sampling field itself; vLLM's generation_config.json
-                                 # defaults must not change what a request asked for
-                                 "generation_config": "vllm", "enable_log_requests": False}
+                                 "enable_log_requests": False}
     model_dtype = resolve_model_dtype(config, model.facts)
     kwargs["dtype"] = VLLM_DTYPES[model_dtype.value]
     values.append(model_dtype)
