@@ -214,3 +214,42 @@ def test_metrics_parse_and_carry_sage_series(client, server):
 
 def test_health_reports_ok(server):
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_greedy_by_top_k_1_is_vllms_argmax_path():
+    from sage_infer.backends.vllm_request import sampling_params
+    from sage_infer.core.sampling_params import SamplingParams
+
+    theirs = sampling_params(SamplingParams(temperature=0.7, top_k=1, top_p=0.5, max_tokens=4))
+    assert (theirs.temperature, theirs.top_k, theirs.top_p) == (0.0, 0, 1.0)
+
+
+def test_sampling_fields_map_one_to_one():
+    from vllm.sampling_params import RequestOutputKind
+
+    from sage_infer.backends.vllm_request import sampling_params
+    from sage_infer.core.sampling_params import SamplingParams
+
+    ours = SamplingParams(n=2, max_tokens=9, temperature=0.8, top_k=-1, top_p=0.9, min_p=0.05, seed=3,
+                          stop=["\n\n"], stop_token_ids=[7], ignore_eos=True, logprobs=2, repetition_penalty=1.1,
+                          presence_penalty=0.5, frequency_penalty=-0.5, include_stop_str_in_output=True,
+                          skip_special_tokens=False)
+    theirs = sampling_params(ours)
+    assert (theirs.n, theirs.max_tokens, theirs.temperature, theirs.top_k, theirs.top_p, theirs.min_p) == \
+        (2, 9, 0.8, 0, 0.9, 0.05)
+    assert (theirs.seed, theirs.stop, theirs.stop_token_ids, theirs.ignore_eos, theirs.logprobs) == \
+        (3, ["\n\n"], [7], True, 2)
+    assert (theirs.repetition_penalty, theirs.presence_penalty, theirs.frequency_penalty) == (1.1, 0.5, -0.5)
+    assert theirs.include_stop_str_in_output and not theirs.skip_special_tokens
+    assert theirs.output_kind == RequestOutputKind.DELTA
+
+
+def test_logprobs_keep_the_sampled_token_and_the_top_n_best_first():
+    from vllm.logprobs import Logprob
+
+    from sage_infer.backends.vllm_request import logprob_entries
+
+    # the sampled token (9) ranked 3rd, outside a top 2
+    entries = [{9: Logprob(-2.0, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)}]
+    assert logprob_entries([9], entries, 2) == [(-2.0, [(4, -0.5), (5, -1.0)])]
+    assert logprob_entries([9], entries, 0) == [(-2.0, [])]

@@ -3,6 +3,7 @@ without vLLM installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -173,3 +174,31 @@ def test_the_translation_and_the_registry_import_no_vllm():
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_engines_own_llm_runs_the_native_engine_only():
+    from sage_infer.engine.llm import LLM as NativeLLM
+    from sage_infer.engine.llm import llm_config
+
+    with pytest.raises(ValueError, match="^backend vllm: sage_infer.engine.llm.LLM runs the native engine only"):
+        NativeLLM(config=llm_config(backend="vllm"))
+
+
+NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                             reason="vllm is installed here: tests/test_vllm_backend.py runs it")
+
+
+@NO_VLLM
+def test_llm_with_backend_vllm_says_why_it_cannot_run_here():
+    from sage_infer import LLM
+
+    with pytest.raises(ConfigError, match="^backend vllm is not available: vllm is not installed"):
+        LLM(backend="vllm")
+
+
+@NO_VLLM
+def test_generate_with_backend_vllm_exits_2_with_one_line(sage):
+    result = sage("llm", "generate", "--backend", "vllm", "--prompt", "ROMEO:")
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sage: error: backend vllm is not available: vllm is not installed")
