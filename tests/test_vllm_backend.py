@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # as the adapter does: stdout is for results
 vllm = pytest.importorskip("vllm", reason="vllm is not installed in this python: run `make test-vllm` (the vLLM venv)")
 
 from sage_infer.config.serve import ModelConfig, SchedulerConfig, ServeConfig  # noqa: E402

@@ -18,26 +18,36 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from vllm import SamplingParams as VLLMSamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.exceptions import GracefulHTTPError, VLLMClientError
-from vllm.inputs.engine import tokens_input
-from vllm.platforms import current_platform
-from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
-from vllm.v1.metrics.loggers import StatLoggerBase
+# vLLM logs to stdout unless told otherwise, and so does its engine-core process (which inherits
+# this environment); sage's stdout carries results (`sage llm generate --json`), its logs stderr
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args
-from sage_infer.backends.vllm_request import VLLMRequest, sampling_params
-from sage_infer.config.auto import ModelFacts
-from sage_infer.config.serve import ServeConfig
-from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo
-from sage_infer.core.outputs import RequestOutput
-from sage_infer.errors import SageError
-from sage_infer.interfaces.backend import BackendError, EngineDeadError, InvalidRequestError, QueueFullError
+from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.exceptions import GracefulHTTPError, VLLMClientError  # noqa: E402
+from vllm.inputs.engine import tokens_input  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args  # noqa: E402
+from sage_infer.backends.vllm_request import VLLMRequest, sampling_params  # noqa: E402
+from sage_infer.config.auto import ModelFacts  # noqa: E402
+from sage_infer.config.serve import ServeConfig  # noqa: E402
+from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo  # noqa: E402
+from sage_infer.core.outputs import RequestOutput  # noqa: E402
+from sage_infer.errors import SageError  # noqa: E402
+from sage_infer.interfaces.backend import (  # noqa: E402
+    BackendError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+)
 
 log = logging.getLogger("sage_infer.server")
 auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
