@@ -140,14 +140,16 @@ def test_streaming_completion_equals_non_streaming(client, server):
 
 
 def test_logprobs_come_back_for_every_token(client, server):
-    r = client.completions.create(model=server.model, prompt="Whether tis nobler", max_tokens=5, temperature=0,
-                                  logprobs=3, extra_body=IGNORE_EOS)
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert len(top) == 3 and logprob <= 0
-        # greedy: the chosen token is the best of the top 3
-        assert top[chosen] == pytest.approx(logprob, abs=1e-4) == max(top.values())
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Whether tis"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                       extra_body=IGNORE_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        # greedy: the chosen token is the best of the top 3, and they come best first
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob, abs=1e-5)
 
 
 def test_n_and_seed_reach_vllm(client, server):

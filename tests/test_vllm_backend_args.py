@@ -113,9 +113,8 @@ def test_without_chunked_prefill_the_step_budget_must_hold_a_whole_prompt():
         translate(scheduler={"enable_chunked_prefill": False, "max_num_batched_tokens": 128})
 
 
-def test_prefix_caching_and_cascade_attention_switches_are_passed_on():
-    kwargs = translate(kv_pool={"enable_prefix_caching": False}, model={"cascade_attention": False}).kwargs
-    assert kwargs["enable_prefix_caching"] is False and kwargs["disable_cascade_attn"] is True
+def test_prefix_caching_switch_is_passed_on():
+    assert translate(kv_pool={"enable_prefix_caching": False}).kwargs["enable_prefix_caching"] is False
 
 
 @pytest.mark.parametrize("kv_dtype, platform, expected", [

@@ -80,7 +80,6 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     kwargs["block_size"] = block.value
     values.append(block)
     kwargs["enable_prefix_caching"] = config.kv_pool.enable_prefix_caching
-    kwargs["disable_cascade_attn"] = not config.model.cascade_attention
 
     stored = model_dtype.value if kv_dtype.value == "auto" else next(
         sage for sage, theirs in VLLM_KV_DTYPES.items() if theirs == kv_dtype.value)
