@@ -20,7 +20,7 @@ def refuse_native_only(config: ServeConfig, backend: str) -> None:
                              ("tiers.disk_path", tiers.disk_path, (None,)),
                              ("tiers.remote_url", tiers.remote_url, (None,))):
         if value not in off:
-            raise ConfigError(f"{name}: sage's KV tiers are not part of the {backend} engine {where}",
+            raise ConfigError(f"{name}: sage's KV tiers do not run inside the {backend} engine ({where})",
                               hint="drop the tier (for vLLM, sage's tiers plug in through SageKVConnector)")
     quota = config.quota
     if quota.tenants or quota.default_min_share != 0.0 or quota.default_max_share != 1.0:

