@@ -257,3 +257,25 @@ def test_logprobs_keep_the_sampled_token_and_the_top_n_best_first():
     entries = [{9: Logprob(-2.0, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)}]
     assert logprob_entries([9], entries, 2) == [(-2.0, [(4, -0.5), (5, -1.0)])]
     assert logprob_entries([9], entries, 0) == [(-2.0, [])]
+
+
+def test_zz_a_dead_vllm_engine_is_a_503_and_an_unhealthy_server(client, server):
+    """Runs last in this module (it kills the module's engine): vLLM's engine-core process dies."""
+    import signal
+
+    import psutil
+
+    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline() or [p.name()])
+             or "EngineCore" in p.name()]
+    assert cores, "no vLLM engine-core process found"
+    for core in cores:
+        core.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while server.backend.health().ok:
+        assert time.monotonic() < deadline, "the backend never noticed its engine died"
+        time.sleep(0.2)
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=server.model, prompt="Anyone there?", max_tokens=2)
+    assert err.value.status_code == 503
