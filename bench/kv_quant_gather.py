@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,20 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.host_copy import best_seconds  # noqa: E402
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype  # noqa: E402
 from sage_infer.kv_runtime.pool import KVPool  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(kv_dtype: str, args: argparse.Namespace) -> dict:
