@@ -290,3 +290,30 @@ def test_importing_sage_and_the_integration_package_does_not_import_vllm():
     code = ("import sys, sage_infer, sage_infer.integrations.vllm, sage_infer.integrations.vllm.store; "
             "sys.exit(1 if 'vllm' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_blocks_one_instance_saves_another_loads_into_its_own_block_ids_bit_exact(tmp_path):
+    """The whole data path without vLLM: plan -> gather -> disk store -> (new process) match -> load -> scatter."""
+    tokens = list(range(13))  # 3 full blocks of 4 and a last token
+    writer_cache = vllm_caches(num_blocks=8, seed=3)
+    writer = ConnectorPlanner(BS, SPACE)
+    config = SageConnectorConfig(disk_path=str(tmp_path), disk_bytes=1 << 20)
+    store = open_store(config, SCHEMA)
+    assert writer.match("w", tokens, None, 0, store.lookup) == 0
+    plan = writer.plan_step([ScheduledRequest("w", tokens, 13, [6, 2, 7, 0])])
+    for io in plan.saves:
+        store.save(io.keys, PagedBlocks(writer_cache, BS).gather(io.block_ids))
+    store.release()  # flushed and closed: the next open scans the directory, as a restarted instance does
+
+    reader_cache = vllm_caches(num_blocks=8, seed=4)
+    reader = ConnectorPlanner(BS, SPACE)
+    store = open_store(config, SCHEMA)
+    assert reader.match("r", tokens, None, 0, store.lookup) == 12
+    reader.allocated("r", [1, 3, 5, 4], 12)
+    (load,) = reader.plan_step([ScheduledRequest("r", tokens, 13, [1, 3, 5, 4])]).loads
+    rows = torch.empty(3, SCHEMA.bytes_per_block, dtype=torch.uint8)
+    assert store.load(load.keys, rows) == 3
+    PagedBlocks(reader_cache, BS).scatter(load.block_ids, rows)
+    store.release()
+    for w, r in zip(writer_cache, reader_cache):
+        assert torch.equal(r[[1, 3, 5]], w[[6, 2, 7]])
