@@ -72,9 +72,12 @@ class PagedBlocks:
         if out is None:
             out = torch.empty((n, self.bytes_per_block), dtype=torch.uint8)
         rows = out[:n].view(n, self.num_layers, self.layer_bytes)
-        index = self._index(block_ids)
-        for layer, cache in enumerate(self._layers):
-            rows[:, layer].copy_(cache.index_select(0, index))
+        self._check(block_ids)
+        # one memcpy per (block, layer) tile: index_select + a strided copy into `rows` measured 5.6 GB/s
+        # against 8.1 for this on 768 KiB blocks (bench/vllm_connector.py --part copy)
+        for i, block in enumerate(block_ids):
+            for layer, cache in enumerate(self._layers):
+                rows[i, layer].copy_(cache[block])
         return out[:n]
 
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
@@ -83,12 +86,12 @@ class PagedBlocks:
         if rows.dtype != torch.uint8 or tuple(rows.shape) != (n, self.bytes_per_block):
             raise ValueError(f"rows must be uint8 [{n}, {self.bytes_per_block}], got {rows.dtype} {tuple(rows.shape)}")
         per_layer = rows.view(n, self.num_layers, self.layer_bytes)
-        index = self._index(block_ids)
-        for layer, cache in enumerate(self._layers):
-            cache.index_copy_(0, index, per_layer[:, layer])
+        self._check(block_ids)
+        # index_copy_ from the strided per-layer view ran at 1.3 GB/s; a memcpy per tile at 11
+        for i, block in enumerate(block_ids):
+            for layer, cache in enumerate(self._layers):
+                cache[block].copy_(per_layer[i, layer])
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        index = torch.as_tensor(list(block_ids), dtype=torch.long)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
+    def _check(self, block_ids: Sequence[int]) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise ValueError(f"block ids out of range [0, {self.num_blocks}): {list(block_ids)[:8]}")
-        return index
