@@ -99,10 +99,27 @@ def disk_runs(model, tmp_path_factory) -> dict:
         runs["reader_tenant_b"] = reader.generate(PROMPTS[:1], salt="tenant-b")
         runs["reader_tenant_a"] = reader.generate(PROMPTS[:1], salt="tenant-a")
         runs["reader"] = reader.generate(PROMPTS)
+        corrupt_payloads(work / "kv")  # the scheduler still lists the blocks; the worker's checksums fail
+        runs["reader_corrupt"] = reader.generate(PROMPTS)
     finally:
         reader.close()
     runs["reader_stats"] = json.loads((work / "reader-stats.json").read_text())
     return runs
+
+
+def corrupt_payloads(directory: Path) -> None:
+    """Flip one payload byte of every record in the disk tier's segment files (format: tiers/segment.py)."""
+    from sage_infer.kv_runtime.tiers.segment import Segment, segment_paths
+
+    for path in segment_paths(directory):
+        seg = Segment.open(path)
+        try:
+            for rec in seg.records():
+                if rec.live:
+                    at = rec.payload_offset + 100
+                    os.pwrite(seg.fd, bytes([os.pread(seg.fd, 1, at)[0] ^ 0xFF]), at)
+        finally:
+            seg.close()
 
 
 def test_greedy_tokens_with_the_connector_equal_vllm_without_it(baseline, disk_runs):
@@ -123,9 +140,16 @@ def test_a_fresh_instance_on_the_same_disk_loads_the_prompt_blocks_instead_of_re
     tokens, cached = disk_runs["reader"]
     assert cached == MATCHED  # prefill computes 300 - 256 and 260 - 256 tokens, not 300 and 260
     assert tokens == baseline
+    # tenant-a's 2 blocks and these 4 loaded and verified; the only failed loads are the corrupt run's 4
+    assert disk_runs["reader_stats"]["worker"]["load_blocks"] == 6
+
+
+def test_blocks_that_fail_their_checksum_on_load_are_recomputed_with_the_same_tokens(baseline, disk_runs):
+    tokens, _ = disk_runs["reader_corrupt"]
+    assert tokens == baseline
     stats = disk_runs["reader_stats"]
-    assert stats["worker"]["load_blocks"] >= 4 and stats["worker"]["failed_blocks"] == 0
-    assert stats["tiers"]["disk"]["checksum_failures"] == 0
+    assert stats["worker"]["failed_blocks"] == 4  # reported to vLLM, which recomputed them
+    assert stats["tiers"]["disk"]["checksum_failures"] >= 2  # at least each chain's first block
 
 
 def test_two_cache_salts_never_share_blocks(baseline, disk_runs):
