@@ -41,6 +41,7 @@ class GenerateJob:
     prompts: list[list[int]]
     max_tokens: int
     reset_prefix_cache: bool = True  # start from an empty prefix cache, as each sage run does
+    cache_salt: str | None = None  # vLLM's per-request prefix-cache salt (tenant isolation)
     op: str = "generate"
 
 
@@ -66,6 +67,7 @@ class GenerateResult:
     output_token_ids: list[list[int]]
     ttft_s: list[float]
     num_cached_tokens: int | None = None
+    cached_tokens: list[int] | None = None  # per prompt, in prompt order (None when vLLM did not say)
     op: str = "generate"
 
 
@@ -121,7 +123,8 @@ def generate(llm, job: GenerateJob) -> GenerateResult:
     if job.reset_prefix_cache and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in job.prompts]
+    salt = {} if job.cache_salt is None else {"cache_salt": job.cache_salt}
+    prompts = [TokensPrompt(prompt_token_ids=p, **salt) for p in job.prompts]
     start_wall, start = time.time(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -129,7 +132,8 @@ def generate(llm, job: GenerateJob) -> GenerateResult:
     cached = [o.num_cached_tokens for o in outs]
     return GenerateResult(workload=job.workload, wall_s=wall,
                           output_token_ids=[list(o.outputs[0].token_ids) for o in outs], ttft_s=ttfts,
-                          num_cached_tokens=None if None in cached else sum(cached))
+                          num_cached_tokens=None if None in cached else sum(cached),
+                          cached_tokens=None if None in cached else cached)
 
 
 def serve(jobs, results) -> None:

@@ -100,9 +100,12 @@ def tree_cpu_seconds(pid: int) -> float:
 class VLLMWorker:
     """bench/_vllm_worker.py in the vLLM venv; one JSON line per job, one per result."""
 
-    def __init__(self, python: Path, threads: int, kv_gib: int, log_path: Path) -> None:
+    def __init__(self, python: Path, threads: int, kv_gib: int, log_path: Path, sage_path: Path | None = None) -> None:
+        """`sage_path`: import sage_infer from this tree (the vLLM connector runs inside vLLM's process)."""
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
         env.pop("PYTHONPATH", None)  # sage's tree must not shadow the venv's packages
+        if sage_path is not None:
+            env["PYTHONPATH"] = str(sage_path)
         self.log_path = log_path
         self._log = log_path.open("w")
         self.proc = subprocess.Popen([str(python), str(REPO / "bench" / "_vllm_worker.py")], stdin=subprocess.PIPE,

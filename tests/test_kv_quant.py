@@ -140,3 +140,22 @@ def test_blocks_per_byte_against_bf16(dtype, head_dim, ratio):
 def test_int4_needs_an_even_head_dim():
     with pytest.raises(ValueError, match="even head_dim"):
         KVCodec(KVDtype.INT4, 15)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_scaled_decode_attention_equals_attention_over_dequantized_kv(dtype):
+    from sage_infer.layers.attention import decode_attention_reference, decode_attention_scaled
+
+    pool = KVPool(schema(dtype), num_blocks=8)
+    k, v = kv_like(20, seed=3), kv_like(20, seed=4)
+    pool.store(1, k, v, torch.arange(20))
+    tables = torch.tensor([[0, 1, 2, 3, 4], [2, 3, 0, 1, 4]])  # both padded to 5 blocks (20 tokens)
+    lens = torch.tensor([20, 9])
+    q = torch.randn(2, 2 * HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(5))
+    levels, scales = pool.gather_block_levels(1, tables)
+    assert levels.shape == (2, 2, HEADS, 5 * BLOCK, HEAD_DIM) and scales.shape == (2, 2, HEADS, 5 * BLOCK)
+    got = decode_attention_scaled(q, levels, scales, lens, 0.25)
+    keys, values = pool.gather_blocks(1, tables, torch.float32)
+    for b in range(2):  # the oracle: plain attention over the dequantized context of each row
+        want = decode_attention_reference(q[b], keys[b, : lens[b]], values[b, : lens[b]], 0.25)
+        torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)

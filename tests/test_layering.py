@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"prefix_reuse"},  # chained hashes and the prefix index (drives a policy)
     {"transport"},  # KV transport engine: moves bytes described by the KV schema; knows no pool or engine
     {"kv_runtime"},  # the pool, blocks, admission and tiers (tiers may send through the transport)
+    {"integrations"},  # sage inside other engines: the vLLM KV connector over hashing and tiers (imports vLLM lazily)
     {"layers", "sim"},  # attention over the pool API; the trace simulator above the runtime
     {"models"},
     {"pruning"},  # structured pruning of HF checkpoints (calibration from quantization, shapes from models)

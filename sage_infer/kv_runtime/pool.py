@@ -96,6 +96,7 @@ class KVPool:
         # made glibc map and fault in new pages on every call (up to +70% wall on the shared-prefix
         # bench, docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
         self._scratch: list[torch.Tensor] = [torch.empty(0, dtype=self.dtype, device=self.device)] * 2
+        self._levels = torch.empty(0, dtype=torch.float32, device=self.device)  # `gather_block_levels`
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -204,6 +205,27 @@ class KVPool:
         shape = (block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
         return (self._select(0, k_blocks, flat).view(shape).to(dtype),
                 self._select(1, v_blocks, flat).view(shape).to(dtype))
+
+    def gather_block_levels(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """K and V of `layer` for padded block tables as fp32, head-major for batched matmuls (what
+        `decode_attention_scaled` reads): ``[2, B, num_kv_heads, W * block_size, head_dim]``, and no scales.
+
+        A view of a pool-owned workspace, valid until the next `gather_*` call.
+        """
+        batch = block_tables.shape[0]
+        flat = block_tables.reshape(-1)
+        shape = (2, batch, self.num_kv_heads, flat.numel() // batch * self.block_size, self.head_dim)
+        numel = math.prod(shape)
+        if numel * 4 > GATHER_SCRATCH_MAX_BYTES:
+            levels = torch.empty(shape, dtype=torch.float32, device=self.device)
+        else:
+            if self._levels.numel() < numel:
+                self._levels = torch.empty(numel, dtype=torch.float32, device=self.device)
+            levels = self._levels[:numel].view(shape)
+        for i, blocks in enumerate(self._blocks[layer]):  # the widening copy also moves heads before tokens
+            picked = self._select(i, blocks, flat).view(batch, -1, self.num_kv_heads, self.head_dim)
+            levels[i].copy_(picked.permute(0, 2, 1, 3))
+        return levels, None
 
     # -- tiers and transport: whole blocks, raw bytes ---------------------------------------
 

@@ -86,9 +86,8 @@ class QuantizedKVPool(KVPool):
             buf = self._workspace[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel].view(shape)
 
-    def _decode(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K and V of `layer` at `slots` ([n] long): [2, n, num_kv_heads, head_dim] in `dtype`, a view of a
-        pool-owned workspace valid until the next `gather_*` call (as the float pool's are)."""
+    def _gather_codes(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes ``[2, n, num_kv_heads, code_dim]`` and scales ``[2, n, num_kv_heads, 1]`` of `layer` at `slots`."""
         n, heads = slots.numel(), self.num_kv_heads
         codes = self._buffer("codes", (2, n, heads, self.codec.code_dim), torch.uint8)
         if codes is None:
@@ -99,10 +98,37 @@ class QuantizedKVPool(KVPool):
         for i in (0, 1):  # index_select on dim 0 of contiguous K (V) rows, into half of the workspace
             torch.index_select(self._code_rows[layer][i], 0, slots, out=codes[i])
             torch.index_select(self._param_rows[layer][i], 0, slots, out=scales[i])
-        shape = (2, n, heads, self.head_dim)
+        return codes, scales
+
+    def _decode(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K and V of `layer` at `slots` ([n] long): [2, n, num_kv_heads, head_dim] in `dtype`, a view of a
+        pool-owned workspace valid until the next `gather_*` call (as the float pool's are)."""
+        codes, scales = self._gather_codes(layer, slots)
+        shape = (2, slots.numel(), self.num_kv_heads, self.head_dim)
         work = self._buffer("work", shape, torch.float32)
         out = work if dtype == torch.float32 else self._buffer("out", shape, dtype)
         return self.codec.decode(codes, scales, dtype, out=out, work=work)
+
+    def _block_slots(self, block_tables: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.block_size, device=block_tables.device)
+        return (block_tables.reshape(-1, 1) * self.block_size + offsets).reshape(-1)
+
+    def gather_block_levels(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for padded block tables as fp32 levels and scales, head-major for batched matmuls:
+        levels ``[2, B, num_kv_heads, W * block_size, head_dim]`` and scales ``[2, B, num_kv_heads, W * block_size]``
+        (value = level * scale). Views of pool-owned workspaces, valid until the next `gather_*` call."""
+        batch, heads = block_tables.shape[0], self.num_kv_heads
+        codes, scales = self._gather_codes(layer, self._block_slots(block_tables))
+        narrow, factor = self.codec.levels(codes)
+        tokens = narrow.shape[1] // batch
+        shape = (2, batch, heads, tokens, self.head_dim)
+        levels = self._buffer("work", shape, torch.float32)
+        if levels is None:
+            levels = torch.empty(shape, dtype=torch.float32, device=self.device)
+        # the one widening pass also moves heads before tokens (a strided read)
+        levels.copy_(narrow.view(2, batch, tokens, heads, self.head_dim).permute(0, 1, 3, 2, 4))
+        scale = scales.view(2, batch, tokens, heads).permute(0, 1, 3, 2).to(torch.float32)
+        return levels, scale.mul_(factor) if factor != 1.0 else scale
 
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._decode(layer, slots, dtype)
@@ -110,9 +136,8 @@ class QuantizedKVPool(KVPool):
 
     def gather_blocks(self, layer: int, block_tables: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        offsets = torch.arange(self.block_size, device=block_tables.device)
-        slots = (block_tables.reshape(-1, 1) * self.block_size + offsets).reshape(-1)
-        kv = self._decode(layer, slots, dtype).view(2, block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+        kv = self._decode(layer, self._block_slots(block_tables), dtype)
+        kv = kv.view(2, block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
         return kv[0], kv[1]
 
     # -- tiers and transport: whole blocks, raw bytes ----------------------------------------

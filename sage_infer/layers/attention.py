@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from sage_infer.core.kv_schema import KVDtype
+
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
 
@@ -133,6 +135,36 @@ def decode_attention_batched(
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out[:, :, 0, :]
+
+
+def decode_attention_scaled(
+    q: torch.Tensor,
+    levels: torch.Tensor,
+    scales: torch.Tensor | None,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode queries at once, padded to the longest context, over head-major fp32 K/V `levels`
+    (`KVPool.gather_block_levels`): key ``t`` is ``levels[0, b, h, t] * scales[0, b, h, t]``, value
+    likewise with index 1; `scales` None for a float pool.
+
+    q: [B, H, D]; levels: [2, B, KvH, T, D] fp32; scales: [2, B, KvH, T] fp32; context_lens: [B]
+    -> [B, H, D]. Two batched matmuls and a softmax in fp32, query heads grouped per KV head (no
+    repeat). A quantized pool's key scale multiplies the scores (q·(L·s) = s·(q·L)) and its value
+    scale the probabilities (Σ p·(L·s) = Σ (p·s)·L), so K and V are read once, as levels. Masked
+    SDPA on gathered bf16 K/V took 3-4x longer per decode step here (docs/benchmarks.md).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, tokens = levels.shape[2], levels.shape[3]
+    qg = q.to(torch.float32).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, levels[0].transpose(-1, -2))  # [B, KvH, G, T]
+    scores.mul_(scale if scales is None else scales[0].unsqueeze(2) * scale)
+    padded = torch.arange(tokens, device=q.device)[None, :] >= context_lens[:, None]  # [B, T]
+    scores.masked_fill_(padded[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if scales is not None:
+        probs.mul_(scales[1].unsqueeze(2))
+    return torch.matmul(probs, levels[1]).view(batch, num_heads, head_dim).to(q.dtype)
 
 
 # -- cascade attention: partial results carry their log-sum-exp ------------------------------
@@ -285,8 +317,14 @@ def paged_attention(
         k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
         out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
     for group in meta.decode_groups:
-        keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)
-        out[group.rows] = decode_attention_batched(q[group.rows], keys, values, group.context_lens, scale)
+        # masked SDPA is fast on fp32 K/V and 5-6x slower on bf16 here; bf16/fp16 and quantized pools widen
+        # their context once to fp32 and use two matmuls instead (docs/benchmarks.md, "decode attention")
+        if pool.schema.dtype is KVDtype.FP32:
+            keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)
+            out[group.rows] = decode_attention_batched(q[group.rows], keys, values, group.context_lens, scale)
+            continue
+        levels, scales = pool.gather_block_levels(layer, group.block_tables)
+        out[group.rows] = decode_attention_scaled(q[group.rows], levels, scales, group.context_lens, scale)
     if meta.shared is not None:
         out[meta.shared.rows] = cascade_attention(q, k, v, pool, layer, meta, scale).to(q.dtype)
     return out

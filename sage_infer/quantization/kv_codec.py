@@ -132,6 +132,18 @@ class KVCodec:
             codes = pack_int4(w.add_(self._max + 0.5).floor_().to(torch.uint8))  # round half up; codes 0..14
         return codes.reshape(*lead, self.code_dim), scale.view(*lead, 1)
 
+    def levels(self, codes: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """``codes: [..., code_dim]`` -> (levels ``[..., head_dim]`` int8 or fp16, factor): x = level * scale * factor.
+
+        Exact and narrow (1-2 bytes): what attention that folds the scales into its scores and
+        probabilities widens once, instead of reading dequantized K/V.
+        """
+        if self._fp8 is not None:
+            return fp8_as_fp16(codes, self._fp8)
+        if self.fmt == "int8":
+            return codes.view(torch.int8), 1.0
+        return unpack_int4(codes).view(*codes.shape[:-1], self.head_dim).view(torch.int8).sub_(self._max), 1.0
+
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32), into `out` when given.
