@@ -60,7 +60,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import vllm, torch, sage_infer; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-# The tests that need vLLM (pytest marker `vllm`), in the vLLM venv: 21 tests, ~4 min on 2 cores (docs/backends.md).
+# The tests that need vLLM (pytest marker `vllm`), in the vLLM venv: 27 tests, ~5 min on 2 cores (docs/backends.md).
 test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -m vllm -q
 
