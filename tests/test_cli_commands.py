@@ -53,6 +53,13 @@ def test_backends_list_table(sage):
     assert result.code == 0 and "native" in result.out and "lmdeploy" in result.out
 
 
+def test_backends_list_table_prints_brackets_literally(sage):  # "[vllm]" in a reason is not rich markup
+    reasons = [b["reason"] or "" for b in json.loads(sage("infer", "backends:list", "--json").out)["backends"]]
+    bracketed = [word for reason in reasons for word in reason.split() if "[" in word]
+    flat = " ".join(sage("infer", "backends:list").out.replace("│", " ").split())
+    assert all(word in flat for word in bracketed)
+
+
 def test_presets_list_json_has_every_shipped_preset(sage):
     result = sage("infer", "presets:list", "--json")
     assert result.code == 0

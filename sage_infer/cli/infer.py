@@ -28,6 +28,8 @@ KindOpt = Annotated[
 @app.command("backends:list")
 def backends_list(as_json: JsonOpt = False) -> None:
     """List inference backends, whether each can run here, and why not."""
+    from rich.markup import escape
+
     from sage_infer.backends.registry import list_backends
 
     statuses = list_backends()
@@ -36,7 +38,8 @@ def backends_list(as_json: JsonOpt = False) -> None:
         as_json,
         lambda c: c.print(
             table("Inference backends", ["backend", "available", "version", "reason / description"],
-                  [(s.name, yes_no(s.available), s.version or "-", s.reason or s.description) for s in statuses])
+                  [(s.name, yes_no(s.available), escape(s.version or "-"), escape(s.reason or s.description))
+                   for s in statuses])
         ),
     )
 
