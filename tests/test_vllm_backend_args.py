@@ -142,6 +142,7 @@ def test_16_bit_kv_for_an_fp32_model_is_refused_on_cpu():
     ({"quota": {"tenants": [{"name": "a", "cache_salt": "s", "max_share": 0.5}]}}, "quota"),
     ({"policy": {"eviction": "s3fifo"}}, "policy.eviction"),
     ({"model": {"linear": "packed"}}, "model.linear"),
+    ({"model": {"cascade_attention": False}}, "model.cascade_attention"),
     ({"role": "prefill"}, "role"),
     ({"pd": "1P1D"}, "pd"),
 ])

@@ -31,3 +31,6 @@ def refuse_native_only(config: ServeConfig, backend: str) -> None:
     if config.model.linear != "auto":
         raise ConfigError(f"model.linear: {config.model.linear} picks sage's own linear kernels; {backend} chooses "
                           f"its own {where}", hint="leave model.linear at auto")
+    if not config.model.cascade_attention:
+        raise ConfigError(f"model.cascade_attention: false turns off sage's cascade attention; {backend} 0.32 has "
+                          f"none to turn off {where}", hint="leave model.cascade_attention at true")
