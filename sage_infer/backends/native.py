@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from sage_infer.backends.streams import stream_outputs
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.messages import (
     AbortRequest,
@@ -100,7 +101,7 @@ class NativeBackend:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 target.accepted.set_exception(EngineDeadError(_DEAD))
         await asyncio.wrap_future(target.accepted)
-        return self._stream(request.request_id, target.outputs)
+        return stream_outputs(target.outputs, lambda: self.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -162,20 +163,6 @@ class NativeBackend:
     def num_in_flight(self) -> int:
         """Requests added and not yet finished (tests wait for 0 before checking for leaks)."""
         return len(self._targets)
-
-    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request; aborts it if the consumer stops before it finished."""
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     # -- the engine thread --------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
+from sage_infer.backends.streams import stream_outputs  # noqa: E402
 from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args  # noqa: E402
 from sage_infer.backends.vllm_request import VLLMRequest, sampling_params  # noqa: E402
 from sage_infer.config.auto import ModelFacts  # noqa: E402
@@ -148,7 +149,7 @@ class VLLMBackend:
         except asyncio.CancelledError:
             self.abort(request.request_id)  # the caller left while vLLM took it: stop it once it is in
             raise
-        return self._stream(state)
+        return stream_outputs(state.outputs, lambda: self.abort(state.request.request_id))
 
     def abort(self, request_id: str) -> None:
         if not self._loop.is_closed():
@@ -183,20 +184,6 @@ class VLLMBackend:
         return len(self._requests)
 
     # -- the caller's loop ----------------------------------------------------------------
-
-    async def _stream(self, state: VLLMRequest) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request; aborts it if the consumer stops before it finished."""
-        finished = False
-        try:
-            while not finished:
-                item = await state.outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(state.request.request_id)
 
     # -- the vLLM loop --------------------------------------------------------------------
 
