@@ -42,6 +42,7 @@ class GenerateJob:
     max_tokens: int
     reset_prefix_cache: bool = True  # start from an empty prefix cache, as each sage run does
     cache_salt: str | None = None  # vLLM's per-request prefix-cache salt (tenant isolation)
+    kv_transfer_params: list[dict] | None = None  # per prompt: vLLM's kv_transfer_params (P/D through a connector)
     op: str = "generate"
 
 
@@ -68,6 +69,7 @@ class GenerateResult:
     ttft_s: list[float]
     num_cached_tokens: int | None = None
     cached_tokens: list[int] | None = None  # per prompt, in prompt order (None when vLLM did not say)
+    kv_transfer_params: list[dict | None] | None = None  # per prompt, what the KV connector answered
     op: str = "generate"
 
 
@@ -123,6 +125,9 @@ def generate(llm, job: GenerateJob) -> GenerateResult:
     if job.reset_prefix_cache and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
+    if job.kv_transfer_params is not None:
+        params = [SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True,
+                                 extra_args={"kv_transfer_params": dict(kv)}) for kv in job.kv_transfer_params]
     salt = {} if job.cache_salt is None else {"cache_salt": job.cache_salt}
     prompts = [TokensPrompt(prompt_token_ids=p, **salt) for p in job.prompts]
     start_wall, start = time.time(), time.perf_counter()
@@ -133,7 +138,8 @@ def generate(llm, job: GenerateJob) -> GenerateResult:
     return GenerateResult(workload=job.workload, wall_s=wall,
                           output_token_ids=[list(o.outputs[0].token_ids) for o in outs], ttft_s=ttfts,
                           num_cached_tokens=None if None in cached else sum(cached),
-                          cached_tokens=None if None in cached else cached)
+                          cached_tokens=None if None in cached else cached,
+                          kv_transfer_params=[o.kv_transfer_params for o in outs])
 
 
 def serve(jobs, results) -> None:

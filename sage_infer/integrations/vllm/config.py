@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,21 +37,38 @@ class SageConnectorConfig(BaseModel):
     save_decode: bool = True  # also save blocks filled by generated tokens (multi-turn reuse)
     model_revision: str | None = None  # part of the block key; vLLM's `revision` when unset
     stats_path: str | None = None  # the worker writes its counters here (JSON) when vLLM shuts down
+    # prefill/decode separation (kv_role kv_producer / kv_consumer; see pd.py)
+    pd_host: str = "127.0.0.1"  # producer: where its worker answers pulls; consumer (tcp): where it receives
+    pd_port: int | None = Field(None, ge=1, le=65535)  # producer: the pull port (required)
+    pd_backend: Literal["shm", "tcp"] = "shm"  # shm: one host; tcp: across hosts (both instances the same)
+    pd_timeout_s: float = Field(30.0, gt=0)  # a consumer waits this long for a transfer; a producer holds this long
+    pd_hold_bytes: int = Field(GiB, gt=0)  # producer: prompt blocks held for consumers, oldest dropped past this
+    role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"  # vLLM's kv_role, set by `parse`
 
     @model_validator(mode="after")
-    def _one_store(self) -> SageConnectorConfig:
-        if not self.disk_path and not self.remote_url:
+    def _check_role(self) -> SageConnectorConfig:
+        if self.role == "kv_both" and not self.disk_path and not self.remote_url:
             raise ValueError("set disk_path, remote_url or both")
+        if self.role == "kv_producer" and self.pd_port is None:
+            raise ValueError("kv_role kv_producer needs pd_port: the port its worker answers decode instances on")
         return self
 
+    @property
+    def has_store(self) -> bool:
+        return bool(self.disk_path or self.remote_url)
+
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> SageConnectorConfig:
-        """`kv_connector_extra_config` -> config; a bad value is one `ConfigError` line naming the field."""
+    def parse(cls, extra: dict[str, Any] | None, role: str = "kv_both") -> SageConnectorConfig:
+        """`kv_connector_extra_config` (and vLLM's `kv_role`) -> config; a bad value is one `ConfigError` line
+        naming the field."""
         try:
-            return cls.model_validate(dict(extra or {}))
+            return cls.model_validate({**(extra or {}), "role": role})
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "kv_connector_extra_config"
+            if where == "role":
+                raise ConfigError(f"SageKVConnector: kv_role {role!r}: expected kv_both, kv_producer or "
+                                  "kv_consumer") from None
             raise ConfigError(f"SageKVConnector kv_connector_extra_config: {where}: {first['msg']}") from None
 
 
@@ -60,7 +77,7 @@ def kv_transfer_config(
 ) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that loads `SageKVConnector` into vLLM (validated here first)."""
     settings = {k: v for k, v in {"disk_path": disk_path, "remote_url": remote_url, **extra}.items() if v is not None}
-    SageConnectorConfig.parse(settings)
+    SageConnectorConfig.parse(settings, role)
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sage_infer.integrations.vllm.keys import KeySpace, extend_chain
+from sage_infer.integrations.vllm.pd import HoldIO, PullIO
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class StepPlan:
     saves: list[BlockIO] = field(default_factory=list)
     # requests vLLM keeps the blocks of until this step's saves are copied out (`request_finished`)
     finished_saves: list[str] = field(default_factory=list)
+    holds: list[HoldIO] = field(default_factory=list)  # producer: prompt blocks to copy out for a consumer
+    pulls: list[PullIO] = field(default_factory=list)  # consumer: held blocks to ask a producer for
 
 
 @dataclass(slots=True)
