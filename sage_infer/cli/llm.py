@@ -118,6 +118,36 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
                     launcher, ray_address, group, secrets)
 
 
+@app.command("router")
+def router(
+    prefill: Annotated[Optional[list[str]], typer.Option(
+        "--prefill", help="A prefill worker's URL (repeat for several; none: decode workers compute prompts).")] = None,
+    decode: Annotated[Optional[list[str]], typer.Option(
+        "--decode", help="A decode worker's URL (repeat for several; at least one).")] = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", help="Require this bearer token from clients, send it to the workers (or SAGE_API_KEY).")] = None,
+) -> None:
+    """One OpenAI endpoint in front of running prefill and decode workers: sage servers (--role prefill|decode)
+    or vLLM servers with a P/D KV connector (SageKVConnector kv_producer / kv_consumer; docs/vllm_connector.md)."""
+    import os
+
+    from sage_infer.errors import UsageError
+    from sage_infer.router.launch import serve_router
+
+    if not decode:
+        raise UsageError("--decode: give at least one decode worker URL")
+    for flag, urls in (("--prefill", prefill or []), ("--decode", decode)):
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise UsageError(f"{flag} {url}: expected an http(s) URL, e.g. http://127.0.0.1:8100")
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port}: expected 0-65535")
+    key = api_key or os.environ.get("SAGE_API_KEY") or None
+    raise typer.Exit(serve_router(list(prefill or []), list(decode), host, port, key))
+
+
 @app.command("generate")
 def generate(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text (repeatable).")] = None,

@@ -150,11 +150,6 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
     command, which inherit its environment) or ray (Ray actors, see `router.ray_launch`, whose workers
     get `secrets` as environment variables). `process_group`: the workers' torchdist group settings
     (None: their KV goes over another backend)."""
-    import uvicorn
-
-    from sage_infer.router.app import build_router
-    from sage_infer.server.launch import run_announced
-
     num_prefill, num_decode = parse_pd(spec)
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
@@ -169,15 +164,29 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
         workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)
         stop = lambda: stop_workers(workers)  # noqa: E731
     try:
-        instances = Instances.of([w.url for w in workers if w.role == "prefill"],
-                                 [w.url for w in workers if w.role == "decode"])
-        app = build_router(instances, api_key, router)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-
-        return run_announced(server, host, port, lambda bound: (
-            f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 ({num_prefill} prefill + "
-            f"{num_decode} decode workers: {', '.join(f'{w.name} {w.url}' for w in workers)})"))
+        return serve_router([w.url for w in workers if w.role == "prefill"],
+                            [w.url for w in workers if w.role == "decode"], host, port, api_key, router,
+                            lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
+                                           f"({num_prefill} prefill + {num_decode} decode workers: "
+                                           f"{', '.join(f'{w.name} {w.url}' for w in workers)})"))
     finally:
         stop()
+
+
+def serve_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, api_key: str | None,
+                 router: RouterConfig | None = None, announce=None) -> int:
+    """Run the router over running workers until SIGINT/SIGTERM; exit code 0. The workers may be sage servers
+    (``--role prefill|decode``) or any server speaking vLLM's ``kv_transfer_params`` (vLLM with a P/D connector,
+    e.g. SageKVConnector as kv_producer / kv_consumer)."""
+    import uvicorn
+
+    from sage_infer.router.app import build_router
+    from sage_infer.server.launch import run_announced
+
+    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, router)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    return run_announced(server, host, port, announce or (lambda bound: (
+        f"sage_infer router at http://{host}:{bound}/v1 (prefill: {', '.join(prefill_urls) or 'none'}; "
+        f"decode: {', '.join(decode_urls)})")))
