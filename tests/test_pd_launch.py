@@ -143,3 +143,12 @@ def test_launcher_flags_need_pd(sage):
     assert result.code == 2 and "give --pd too" in result.err
     result = sage("llm", "serve", "--pd", "1P1D", "--launcher", "k8s")
     assert result.code == 2 and "expected local or ray" in result.err
+
+
+def test_router_flag_mistakes_are_one_line_exit_2(sage):
+    result = sage("llm", "router", "--prefill", "http://127.0.0.1:8100")
+    assert result.code == 2 and "--decode" in result.err and len(result.err.strip().splitlines()) == 1
+    result = sage("llm", "router", "--decode", "127.0.0.1:8200")
+    assert result.code == 2 and "expected an http(s) URL" in result.err
+    result = sage("llm", "router", "--decode", "http://127.0.0.1:8200", "--port", "70000")
+    assert result.code == 2 and "--port" in result.err
