@@ -181,3 +181,23 @@ def test_a_redis_killed_mid_run_makes_vllm_recompute_not_fail(model, baseline, t
         redis.kill()
     store = json.loads(stats.read_text())["store"]
     assert store["errors"] >= 1
+
+
+def test_the_disk_store_keeps_what_sages_lru_keeps_not_the_oldest(model, baseline, tmp_path):
+    """A disk store of 4 blocks: two prompts fill it, the first is loaded again, a third evicts the least
+    recently used (the second), not the oldest (the first)."""
+    third = [_rng.randrange(3, 512) for _ in range(280)]
+    bytes_per_block = 131072  # 2 layers x 2 KV heads x 128 tokens x 2 x 32 fp32
+    stats = tmp_path / "stats.json"
+    engine = Engine(model, tmp_path / "vllm.log", **connector(stats, disk_path=str(tmp_path / "kv"),
+                                                              disk_bytes=4 * bytes_per_block, eviction="lru"))
+    try:
+        assert engine.generate(PROMPTS[:1]) == (baseline[:1], [0])
+        assert engine.generate(PROMPTS[1:]) == (baseline[1:], [0])
+        assert engine.generate(PROMPTS[:1]) == (baseline[:1], MATCHED[:1])  # loaded: now the most recent
+        assert engine.generate([third])[1] == [0]  # its 2 blocks push out 2: the second prompt's
+        assert engine.generate(PROMPTS[:1]) == (baseline[:1], MATCHED[:1])
+        assert engine.generate(PROMPTS[1:]) == (baseline[1:], [0])
+    finally:
+        engine.close()
+    assert json.loads(stats.read_text())["store"]["dropped"] >= 2

@@ -331,3 +331,84 @@ def test_the_schedulers_disk_index_sees_what_another_process_wrote_and_what_it_p
         index.add(keys[2:4])  # planned saves; the capacity holds 3 blocks: the oldest goes
         assert index.contains(keys) == [False, True, True, True]
     assert DiskKeyIndex(tmp_path, block_schema(2, 2, 8, 4, torch.float32), 1 << 20).contains(keys[:1]) == [False]
+
+
+# -- sage's policies over the disk store ----------------------------------------------------------
+
+
+def test_the_disk_index_evicts_by_its_policy_and_names_the_victims(tmp_path):
+    from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
+
+    a, b, c = keys_of(list(range(8))), keys_of(list(range(100, 108))), keys_of(list(range(200, 208)))
+    lru = DiskKeyIndex(tmp_path, SCHEMA, 4 * SCHEMA.bytes_per_block, "lru")
+    assert lru.add(a) == [] and lru.add(b) == []
+    lru.hit(a)  # a was loaded again: b is now the least recently used
+    assert lru.add(c) == b
+    assert lru.contains(a + b + c) == [True, True, False, False, True, True]
+    assert lru.evicted == 2
+
+
+def test_a_tenant_at_its_max_share_evicts_its_own_blocks_first(tmp_path):
+    from sage_infer.config.serve import QuotaConfig
+    from sage_infer.engine.build import build_quota
+    from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
+
+    quota = build_quota(QuotaConfig.model_validate({"tenants": [{"name": "a", "cache_salt": "salt-a",
+                                                                 "max_share": 0.5}]}), SPACE.extra_key)
+    index = DiskKeyIndex(tmp_path, SCHEMA, 4 * SCHEMA.bytes_per_block, "lru", quota)
+    other = keys_of(list(range(8)))
+    assert index.add(other, tenant=SPACE.extra_key(None)) == []
+    tokens = list(range(300, 312))
+    mine = keys_of(tokens, "salt-a")
+    evicted = index.add(mine, tenant=SPACE.extra_key("salt-a"))  # 3 blocks, its cap is 2 of 4
+    assert evicted == mine[:1]  # its own oldest, not the other tenant's
+    assert index.contains(other) == [True, True]
+    assert quota.held("disk", SPACE.extra_key("salt-a")) == 2
+
+
+def test_a_worker_drop_deletes_from_the_disk_in_order_with_the_saves(tmp_path):
+    from sage_infer.integrations.vllm.store import BlockSaver
+
+    keys = keys_of(list(range(12)))
+    store = open_store(SageConnectorConfig(disk_path=str(tmp_path), disk_bytes=1 << 20), SCHEMA)
+    saver = BlockSaver(store, 1 << 20)
+    try:
+        saver.submit(keys[:2], rows_of(2))
+        saver.drop(keys[:1])
+        saver.submit(keys[2:3], rows_of(1, seed=1))
+        saver.flush()
+        store.flush()
+        assert store.tiers[0].contains(keys) == [False, True, True]
+        assert store.stats.dropped == 1
+    finally:
+        saver.close()
+        store.release()
+
+
+def test_admission_keeps_the_blocks_from_the_first_worth_saving_as_one_run():
+    from sage_infer.integrations.vllm.plan import BlockIO, admit
+
+    keys = keys_of(list(range(16)))
+    io = BlockIO("r", [4, 5, 6, 7], keys, first=0, tenant=b"t")
+    kept = admit(io, lambda depth: depth >= 2)
+    assert (kept.block_ids, kept.keys, kept.first, kept.parent, kept.tenant) == ([6, 7], keys[2:], 2, keys[1], b"t")
+    assert admit(io, lambda depth: True) is io
+    assert admit(io, lambda depth: False).keys == []
+
+
+def test_the_cost_model_shape_of_a_vllm_model_counts_its_weights():
+    from types import SimpleNamespace
+
+    from sage_infer.integrations.vllm.plan import model_shape
+
+    hf = SimpleNamespace(hidden_size=896, num_attention_heads=14, intermediate_size=4864, vocab_size=151936)
+    shape = model_shape(hf, block_schema(24, 2, 64, 128, torch.bfloat16))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (24, 2, 64, 2)
+    assert 0.45e9 < shape.num_params < 0.55e9  # Qwen2.5-0.5B: 494M with its embedding
+
+
+def test_policies_need_the_disk_store():
+    with pytest.raises(ConfigError, match="set disk_path"):
+        SageConnectorConfig.parse({"remote_url": "redis://127.0.0.1:6379/0", "hardware_preset": "cpu"})
+    with pytest.raises(ConfigError, match="eviction"):
+        SageConnectorConfig.parse({"disk_path": "/tmp/x", "eviction": "opt"})  # offline only: it needs the future

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
-from sage_infer.config.serve import ServeConfig
+from sage_infer.config.serve import QuotaConfig, ServeConfig
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
 from sage_infer.engine.model_runner import ModelRunner
@@ -80,7 +80,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
     model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
-    quota = build_quota(config, lambda salt: make_extra_key(model_id, config.model.revision, kv_dtype.value,
+    quota = build_quota(config.quota, lambda salt: make_extra_key(model_id, config.model.revision, kv_dtype.value,
                                                              schema.layout.value, salt))
     if quota is not None:
         if index is None:
@@ -170,12 +170,11 @@ def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
 
 
-def build_quota(config: ServeConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:
-    """Tenant shares from `config.quota` (None when it lists no tenant and leaves the default whole).
+def build_quota(q: QuotaConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:
+    """Tenant shares from a `quota` section (None when it lists no tenant and leaves the default whole).
 
     `tenant_key(salt)` is the prefix-cache extra key a request with that ``cache_salt`` gets.
     """
-    q = config.quota
     default = TenantShare("other", q.default_min_share, q.default_max_share)
     if not q.tenants and default == TenantShare("other"):
         return None

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sage_infer.config.serve import QuotaConfig
 from sage_infer.errors import ConfigError
 
 CONNECTOR_CLASS = "SageKVConnector"
@@ -37,6 +38,10 @@ class SageConnectorConfig(BaseModel):
     save_decode: bool = True  # also save blocks filled by generated tokens (multi-turn reuse)
     model_revision: str | None = None  # part of the block key; vLLM's `revision` when unset
     stats_path: str | None = None  # the worker writes its counters here (JSON) when vLLM shuts down
+    # sage's policies over the disk store, as over the native engine's tiers (see disk_index.py)
+    eviction: Literal["lru", "lfu", "arc", "s3fifo", "sage"] = "lru"  # which disk blocks go when it is full
+    quota: QuotaConfig = QuotaConfig()  # tenant shares of the disk store, tenants by cache_salt
+    hardware_preset: str | None = None  # admission: blocks whose load costs more than recomputing are not saved
     # prefill/decode separation (kv_role kv_producer / kv_consumer; see pd.py)
     pd_host: str = "127.0.0.1"  # producer: where its worker answers pulls; consumer (tcp): where it receives
     pd_port: int | None = Field(None, ge=1, le=65535)  # producer: the pull port (required)
@@ -51,6 +56,9 @@ class SageConnectorConfig(BaseModel):
             raise ValueError("set disk_path, remote_url or both")
         if self.role == "kv_producer" and self.pd_port is None:
             raise ValueError("kv_role kv_producer needs pd_port: the port its worker answers decode instances on")
+        if not self.disk_path and (self.quota.tenants or self.hardware_preset):
+            raise ValueError("quota and hardware_preset apply to the disk store: set disk_path (a shared Redis is "
+                             "bounded by its own LRU)")
         return self
 
     @property
@@ -65,11 +73,12 @@ class SageConnectorConfig(BaseModel):
             return cls.model_validate({**(extra or {}), "role": role})
         except ValidationError as err:
             first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "kv_connector_extra_config"
+            where = ".".join(str(p) for p in first["loc"])
             if where == "role":
                 raise ConfigError(f"SageKVConnector: kv_role {role!r}: expected kv_both, kv_producer or "
                                   "kv_consumer") from None
-            raise ConfigError(f"SageKVConnector kv_connector_extra_config: {where}: {first['msg']}") from None
+            where = f" {where}:" if where else ""
+            raise ConfigError(f"SageKVConnector kv_connector_extra_config:{where} {first['msg']}") from None
 
 
 def kv_transfer_config(

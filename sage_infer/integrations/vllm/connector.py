@@ -40,7 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from sage_infer.config.presets import load_hardware_preset
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.engine.build import build_quota
 from sage_infer.errors import NotAvailableError
 from sage_infer.integrations.vllm.blocks import PagedBlocks, block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
@@ -54,8 +56,16 @@ from sage_infer.integrations.vllm.pd import (
     PullIO,
     PullServer,
 )
-from sage_infer.integrations.vllm.plan import ConnectorPlanner, ScheduledRequest, StepPlan
+from sage_infer.integrations.vllm.plan import (
+    BlockIO,
+    ConnectorPlanner,
+    ScheduledRequest,
+    StepPlan,
+    admit,
+    model_shape,
+)
 from sage_infer.integrations.vllm.store import BlockSaver, open_lookup, open_store
+from sage_infer.kv_policy.cost_benefit import CostBenefitModel
 from sage_infer.kv_runtime.connector import KVConnector
 
 if TYPE_CHECKING:
@@ -138,7 +148,9 @@ class SageKVConnector(KVConnectorBase_V1):
                         transfer.kv_load_failure_policy)
         if role == KVConnectorRole.SCHEDULER:
             # lookups only: the worker process owns the disk tier (see store.py)
-            self.store, self.disk_index = open_lookup(self.config, self.schema)
+            quota = build_quota(self.config.quota, self.key_space.extra_key)
+            self.store, self.disk_index = open_lookup(self.config, self.schema, quota)
+            self.cost = self._cost_model(vllm_config) if self.config.hardware_preset else None
             self.planner = ConnectorPlanner(self.block_size, self.key_space, self.config.save_decode)
             self._requests: dict[str, Request] = {}
             self.pd = PDPlanner(self.block_size, self.key_space, f"{self.config.pd_host}:{self.config.pd_port}")
@@ -178,7 +190,9 @@ class SageKVConnector(KVConnectorBase_V1):
             self.pd.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
             request.kv_transfer_params["do_remote_prefill"] = False  # one pull: after a failure it computes
         elif num_external_tokens > 0:
-            self.planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            load = self.planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            if load is not None and self.disk_index is not None:
+                self.disk_index.hit(load.keys)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._kv_cache_manager is not None, "vLLM binds its cache manager before scheduling"
@@ -191,15 +205,30 @@ class SageKVConnector(KVConnectorBase_V1):
             scheduled.append(ScheduledRequest(req_id, request.all_token_ids,
                                               request.num_computed_tokens + num_tokens, block_ids))
         plan = self.planner.plan_step(scheduled) if self.config.has_store else StepPlan()
+        if self.cost is not None:
+            plan.saves = [io for io in map(self._admitted, plan.saves) if io.keys]
         if self.disk_index is not None:
             for io in plan.saves:
-                self.disk_index.add(io.keys)
+                plan.drops.extend(self.disk_index.add(io.keys, io.first, io.parent, io.tenant))
         if self.producer:
             holds = (self.pd.plan_holds(r.req_id, r.token_ids, r.num_computed_tokens, r.block_ids) for r in scheduled)
             plan.holds = [io for io in holds if io is not None]
         if self.consumer:
             plan.pulls = self.pd.take_pulls()
         return SageConnectorMetadata(plan)
+
+    def _admitted(self, io: BlockIO) -> BlockIO:
+        """Admission (`hardware_preset`): the native tiers' `CostBenefitModel` decides which blocks are worth a save."""
+        tier = "disk" if self.config.disk_path else "remote"
+        kept = admit(io, lambda depth: self.cost.worth_loading(tier, self.block_size, depth))
+        self.not_admitted += len(io.keys) - len(kept.keys)
+        return kept
+
+    def _cost_model(self, vllm_config: VllmConfig) -> CostBenefitModel:
+        """The preset's links and FLOPs and this model's shape (parameters estimated from its config)."""
+        self.not_admitted = 0
+        shape = model_shape(vllm_config.model_config.hf_config, self.schema)
+        return CostBenefitModel(load_hardware_preset(self.config.hardware_preset).profile, shape)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.consumer:
@@ -260,6 +289,8 @@ class SageKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan: StepPlan = self._get_connector_metadata().plan
+        if plan.drops:
+            self.saver.drop(plan.drops)
         for io in plan.saves:
             assert self.paged is not None, "vLLM registers its caches before the first step"
             start = time.perf_counter()

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.integrations.vllm.keys import KeySpace, extend_chain
 from sage_infer.integrations.vllm.pd import HoldIO, PullIO
+from sage_infer.kv_policy.cost_benefit import ModelShape
 
 
 @dataclass(slots=True)
@@ -27,6 +30,9 @@ class BlockIO:
     req_id: str
     block_ids: list[int]
     keys: list[bytes]
+    first: int = 0  # chain position of keys[0]
+    parent: bytes | None = None  # the key before keys[0] in the chain
+    tenant: bytes = b""  # the request's extra key (its cache_salt's tenant, for quotas)
 
 
 @dataclass(slots=True)
@@ -38,6 +44,7 @@ class StepPlan:
     # requests vLLM keeps the blocks of until this step's saves are copied out (`request_finished`)
     finished_saves: list[str] = field(default_factory=list)
     holds: list[HoldIO] = field(default_factory=list)  # producer: prompt blocks to copy out for a consumer
+    drops: list[bytes] = field(default_factory=list)  # keys the disk store's eviction policy evicted
     pulls: list[PullIO] = field(default_factory=list)  # consumer: held blocks to ask a producer for
 
 
@@ -98,16 +105,17 @@ class ConnectorPlanner:
         self._requests[req_id] = state
         return max(0, hit_blocks * bs - num_computed_tokens)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM gave the request `block_ids`; plan the load of `num_external_tokens` if any."""
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> BlockIO | None:
+        """vLLM gave the request `block_ids`; plan the load of `num_external_tokens` if any (returned)."""
         state = self._requests.get(req_id)
         if state is None or num_external_tokens <= 0:
-            return
+            return None
         assert num_external_tokens % self.block_size == 0, "the connector only offers whole blocks"
         first = state.local_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
         assert last <= min(len(block_ids), state.num_stored_blocks), "vLLM loads more than was matched"
         state.load = BlockIO(req_id, list(block_ids[first:last]), state.keys[first:last])
+        return state.load
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
         """The loads allocated since the last step and the saves of blocks this step completes."""
@@ -156,4 +164,29 @@ class ConnectorPlanner:
             return None
         extend_chain(state.keys, token_ids, full, self.block_size, state.extra_key)
         first, state.num_stored_blocks = state.num_stored_blocks, full
-        return BlockIO(req_id, list(block_ids[first:full]), state.keys[first:full])
+        return BlockIO(req_id, list(block_ids[first:full]), state.keys[first:full], first,
+                       state.keys[first - 1] if first else None, state.extra_key)
+
+
+def admit(io: BlockIO, worth: Callable[[int], bool]) -> BlockIO:
+    """Admission: `io`'s blocks from the first one `worth(chain position)` admits (the cost model's verdict grows
+    with depth: a shallow block is cheap to recompute). The rest of the chain is kept whole, so what is saved
+    stays a run of consecutive blocks."""
+    skip = 0
+    while skip < len(io.keys) and not worth(io.first + skip):
+        skip += 1
+    if not skip:
+        return io
+    return BlockIO(io.req_id, io.block_ids[skip:], io.keys[skip:], io.first + skip, io.keys[skip - 1], io.tenant)
+
+
+def model_shape(hf_config: Any, schema: KVCacheSchema) -> ModelShape:
+    """What the cost model needs of a model vLLM serves: the KV shape, and its parameter count estimated from the
+    config (attention and gated-MLP weights per layer plus the embedding), since vLLM has not loaded it yet."""
+    hidden, layers = hf_config.hidden_size, schema.num_layers
+    inter = getattr(hf_config, "intermediate_size", 4 * hidden)
+    heads = hf_config.num_attention_heads
+    attention = hidden * (heads + 2 * schema.num_kv_heads) * schema.head_dim + heads * schema.head_dim * hidden
+    params = layers * (attention + 3 * hidden * inter) + hf_config.vocab_size * hidden
+    return ModelShape(num_layers=layers, hidden=hidden, num_kv_heads=schema.num_kv_heads, head_dim=schema.head_dim,
+                      dtype_bytes=schema.dtype.bits / 8, num_params=float(params))

@@ -29,6 +29,7 @@ from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError
 from sage_infer.integrations.vllm.config import SageConnectorConfig
 from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
+from sage_infer.kv_policy.quota import QuotaManager
 from sage_infer.kv_runtime.tiers.base import KVTier, schema_digest
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class StoreStats:
     load_misses: int = 0  # asked for and not returned: failed loads vLLM recomputes
     saved: int = 0
     save_dropped: int = 0  # the save queue was full
+    dropped: int = 0  # blocks the disk's eviction policy evicted (deleted by the worker)
     errors: int = 0  # tier calls that failed (each one answered as a miss or a dropped save)
 
 
@@ -113,6 +115,19 @@ class ConnectorStore:
                 self._failed(tier, "save", err)
         self.stats.saved += len(keys)
 
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """Delete blocks an eviction policy chose from the instance's own disk tier (never from a shared Redis),
+        and reclaim the space of segments that became mostly dead."""
+        for tier in self.tiers:
+            if tier.name != "disk":
+                continue
+            try:
+                tier.delete(keys)
+                tier.compact(0.5, max_segments=1)
+            except Exception as err:
+                self._failed(tier, "drop", err)
+        self.stats.dropped += len(keys)
+
     def flush(self) -> None:
         for tier in self.tiers:
             flush = getattr(tier, "flush", None)
@@ -166,12 +181,14 @@ def open_store(config: SageConnectorConfig, schema: KVCacheSchema) -> ConnectorS
         return store
 
 
-def open_lookup(config: SageConnectorConfig, schema: KVCacheSchema) -> tuple[ConnectorStore, DiskKeyIndex | None]:
-    """The scheduler's store, for `lookup` only (no lock, no bytes), and its disk key index if any."""
+def open_lookup(config: SageConnectorConfig, schema: KVCacheSchema, quota: QuotaManager | None = None
+                ) -> tuple[ConnectorStore, DiskKeyIndex | None]:
+    """The scheduler's store, for `lookup` only (no lock, no bytes), and its disk key index if any (ordered by
+    `config.eviction`, with tenant `quota`)."""
     tiers: list = []
     index = None
     if config.disk_path:
-        index = DiskKeyIndex(config.disk_path, schema, config.disk_bytes)
+        index = DiskKeyIndex(config.disk_path, schema, config.disk_bytes, config.eviction, quota)
         tiers.append(index)
     if config.remote_url:
         tiers.append(_redis(config, schema))
@@ -218,7 +235,7 @@ class BlockSaver:
     def __init__(self, store: ConnectorStore, max_pending_bytes: int) -> None:
         self.store = store
         self.max_pending_bytes = max_pending_bytes
-        self._queue: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[bytes], torch.Tensor | None] | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -234,6 +251,10 @@ class BlockSaver:
             self._pending_bytes += nbytes
         self._queue.put((keys, rows))
         return True
+
+    def drop(self, keys: list[bytes]) -> None:
+        """Delete `keys` from the disk tier, in order with the saves (before the ones submitted after)."""
+        self._queue.put((keys, None))
 
     def flush(self) -> None:
         """Wait until every submitted save is in the store's hands."""
@@ -251,6 +272,9 @@ class BlockSaver:
             if item is None:
                 return
             keys, rows = item
+            if rows is None:
+                self.store.drop(keys)
+                continue
             try:
                 self.store.save(keys, rows)
             finally:
