@@ -201,3 +201,32 @@ def test_the_disk_store_keeps_what_sages_lru_keeps_not_the_oldest(model, baselin
     finally:
         engine.close()
     assert json.loads(stats.read_text())["store"]["dropped"] >= 2
+
+
+def test_admission_saves_only_blocks_the_presets_cost_model_says_are_worth_loading(model, baseline, tmp_path):
+    """With `hardware_preset`, the native tiers' CostBenefitModel (the preset's disk bandwidth and FLOPs, this
+    model's shape) decides which blocks are saved; the test asks the same model what to expect."""
+    import torch
+    from transformers import AutoConfig
+
+    from sage_infer.config.presets import load_hardware_preset
+    from sage_infer.integrations.vllm.blocks import block_schema
+    from sage_infer.integrations.vllm.plan import model_shape
+    from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+
+    hf = AutoConfig.from_pretrained(model)
+    schema = block_schema(hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads,
+                          BLOCK, torch.float32)
+    cost = CostBenefitModel(load_hardware_preset("cpu").profile, model_shape(hf, schema))
+    worth = [cost.worth_loading("disk", BLOCK, depth) for depth in range(2)]
+    admitted = 2 - next((d for d, w in enumerate(worth) if w), 2)  # blocks kept from the first one worth it
+    stats = tmp_path / "stats.json"
+    engine = Engine(model, tmp_path / "vllm.log", **connector(stats, disk_path=str(tmp_path / "kv"),
+                                                              hardware_preset="cpu"))
+    try:
+        assert engine.generate(PROMPTS[:1]) == (baseline[:1], [0])
+        expected = [BLOCK * 2] if admitted == 2 else [0]  # a chain missing its first block is never a hit
+        assert engine.generate(PROMPTS[:1]) == (baseline[:1], expected)
+    finally:
+        engine.close()
+    assert json.loads(stats.read_text())["store"]["saved"] == admitted
