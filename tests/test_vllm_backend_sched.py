@@ -70,3 +70,59 @@ def test_priority_orders_the_queue_and_a_full_queue_is_a_429(server):
     assert not errors, errors
     assert finished["urgent"] < finished["late-low"]  # it arrived later and ran first
     assert text  # the running request was not disturbed
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                found.update(kids)
+                todo.extend(kids)
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_stops_sage_serve_backend_vllm_and_every_vllm_process(tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    model = make_tiny_model(tmp_path / "tiny", arch="llama", hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2)
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--backend", "vllm",
+                             "--model", str(model), "--port", "0", "--set", "model.dtype=fp32"],
+                            stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, f"unexpected first line: {line!r} (log: {tmp_path / 'serve.log'})"
+        assert httpx.get(f"{match.group(1)}/health", timeout=10).status_code == 200
+        children = descendants(proc.pid)
+        assert children  # vLLM's engine core (and worker) processes
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if alive(c)], "vLLM processes outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
