@@ -30,7 +30,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ if str(REPO) not in sys.path:
 from bench import _vllm_worker as wire  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, VLLMWorker, vllm_python  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
+from sage_infer.hal.cpu import measure_memcpy_gb_s  # noqa: E402
 from sage_infer.integrations.vllm import kv_transfer_config  # noqa: E402
 
 BLOCK = 128
@@ -69,17 +69,10 @@ def one(worker: VLLMWorker, prompt: list[int], max_tokens: int, params: dict | N
     return worker.call(wire.GenerateJob("pd", [prompt], max_tokens, reset_prefix_cache=True, kv_transfer_params=clean))
 
 
-def copy_gb_s(nbytes: int, repeats: int = 20) -> float:
-    """Best of `repeats` single-threaded copies (the consumer scatters on one thread too)."""
+def copy_gb_s(nbytes: int) -> float:
+    """Best of 20 single-threaded copies of `nbytes` (the consumer scatters on one thread too)."""
     torch.set_num_threads(1)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    return measure_memcpy_gb_s(nbytes, repeats=20)
 
 
 def main() -> None:

@@ -11,12 +11,12 @@ generate, so every cached token on the consumer came over the transport. Skipped
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from sage_infer.integrations.vllm import kv_transfer_config
 from tests import test_vllm_connector as connector_tests
+from tests.redis_fixture import free_port
 from tests.test_vllm_connector import MATCHED, PROMPTS, PYTHON, VENV, Engine
 
 pytestmark = [
@@ -27,12 +27,6 @@ pytestmark = [
 HOLD = {"do_remote_decode": True}
 model = connector_tests.model  # the same tiny model and no-connector tokens (module fixtures)
 baseline = connector_tests.baseline
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def generate(engine: Engine, prompts, max_tokens: int, params: list[dict], salt: str | None = None):

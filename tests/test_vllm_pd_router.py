@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer.integrations.vllm import kv_transfer_config
+from tests.redis_fixture import free_port
 from tests.test_vllm_connector import PYTHON, REPO, VENV
 
 pytestmark = [
@@ -38,12 +38,6 @@ PROMPT = ("To be, or not to be, that is the question: whether 'tis nobler in the
           "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 4
 MAX_TOKENS = 12
 START_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
