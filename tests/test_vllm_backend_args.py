@@ -20,9 +20,10 @@ MODEL = VLLMModel("/models/tiny", "tiny", ModelFacts("fp32", 256), num_layers=2,
 GIB = 1 << 30
 
 
-def translate(platform: str = "cpu", served: VLLMModel = MODEL, available: int | None = 8 * GIB, **fields):
+def translate(platform: str = "cpu", served: VLLMModel = MODEL, available: int | None = 8 * GIB,
+              pd_port: int | None = None, **fields):
     """`fields`: ServeConfig fields (``model={"dtype": "fp16"}``); `served`: what config.json says."""
-    return vllm_engine_args(ServeConfig.model_validate(fields), served, platform, available)
+    return vllm_engine_args(ServeConfig.model_validate(fields), served, platform, available, pd_port)
 
 
 def test_the_model_is_served_from_its_directory_under_its_name():
@@ -143,12 +144,25 @@ def test_16_bit_kv_for_an_fp32_model_is_refused_on_cpu():
     ({"policy": {"eviction": "s3fifo"}}, "policy.eviction"),
     ({"model": {"linear": "packed"}}, "model.linear"),
     ({"model": {"cascade_attention": False}}, "model.cascade_attention"),
-    ({"role": "prefill"}, "role"),
-    ({"pd": "1P1D"}, "pd"),
 ])
 def test_what_vllm_cannot_honour_is_one_config_error_naming_the_field(fields, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         translate(**fields)
+
+
+def test_a_prefill_or_decode_role_is_sages_connector_as_producer_or_consumer():
+    prefill = translate(role="prefill", pd_port=7500)
+    transfer = prefill.kwargs["kv_transfer_config"]
+    assert (transfer["kv_connector"], transfer["kv_role"]) == ("SageKVConnector", "kv_producer")
+    assert transfer["kv_connector_extra_config"]["pd_port"] == 7500
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert prefill.values[-1].field == "role" and "kv_producer over shm" in prefill.values[-1].reason
+    decode = translate(role="decode", kv_transport={"backend": "tcp"})
+    assert decode.kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert decode.kwargs["kv_transfer_config"]["kv_connector_extra_config"]["pd_backend"] == "tcp"
+    assert "kv_transfer_config" not in translate().kwargs
+    with pytest.raises(ConfigError, match="^kv_transport.backend: torchdist: vLLM's prefill/decode roles"):
+        translate(role="decode", kv_transport={"backend": "torchdist"})
 
 
 def test_a_preset_for_another_device_than_vllms_platform_is_refused():

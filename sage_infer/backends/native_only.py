@@ -6,15 +6,16 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 
 
-def refuse_native_only(config: ServeConfig, backend: str) -> None:
+def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -> None:
     """`ConfigError` naming the first field set to something only the native engine does
-    (tiers, tenant quotas, eviction policies, prefill/decode roles, sage's linear kernels)."""
+    (tiers, tenant quotas, eviction policies, sage's linear kernels; prefill/decode roles unless
+    the backend carries them out itself: `roles`)."""
     where = f"under --backend {backend}"
-    if config.pd is not None:
+    if config.pd is not None and not roles:
         raise ConfigError(f"pd: sage's prefill/decode deployment (--pd) runs the native engine only, not {where}")
-    if config.role != "both":
+    if config.role != "both" and not roles:
         raise ConfigError(f"role: {config.role}: sage's prefill/decode roles run the native engine only, not "
-                          f"{where} (vLLM's own disaggregation goes through its KV connectors)")
+                          f"{where}")
     tiers = config.tiers
     for name, value, off in (("tiers.host_bytes", tiers.host_bytes, (0, "auto")),
                              ("tiers.disk_path", tiers.disk_path, (None,)),

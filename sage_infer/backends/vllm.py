@@ -15,6 +15,7 @@ backend's do (`call_soon_threadsafe` into a per-request queue).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -40,7 +41,7 @@ from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args  # noqa: E
 from sage_infer.backends.vllm_request import VLLMRequest, sampling_params  # noqa: E402
 from sage_infer.config.auto import ModelFacts  # noqa: E402
 from sage_infer.config.serve import ServeConfig  # noqa: E402
-from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, ModelInfo  # noqa: E402
+from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, KVTransferParams, ModelInfo  # noqa: E402
 from sage_infer.core.outputs import RequestOutput  # noqa: E402
 from sage_infer.errors import SageError  # noqa: E402
 from sage_infer.interfaces.backend import (  # noqa: E402
@@ -54,6 +55,7 @@ log = logging.getLogger("sage_infer.server")
 auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
 
 _DEAD = "the vLLM engine stopped after an internal error; restart the server"
+MAX_HELD_ANSWERS = 4096  # prefill: connector answers kept until the server replies (normally at once)
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -89,8 +91,11 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, engine_kwargs: dict, model_info: ModelInfo) -> None:
+    def __init__(self, engine_kwargs: dict, model_info: ModelInfo, pd_role: str | None = None) -> None:
         self._model_info = model_info
+        # prefill | decode: vLLM's KV connector (SageKVConnector) moves the prompt's KV; see server/pd.py
+        self.pd_role = pd_role
+        self._held: collections.OrderedDict[str, dict] = collections.OrderedDict()  # prefill: answers by request
         self._stats = _SchedulerStats()
         self._requests: dict[str, VLLMRequest] = {}
         self._lock = threading.Lock()  # guards _requests between the caller's thread and the vLLM loop
@@ -135,9 +140,9 @@ class VLLMBackend:
     async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         if self._dead is not None or self.engine.errored:
             raise EngineDeadError(_DEAD)
-        if request.kv_transfer is not None:
-            raise InvalidRequestError("prefill/decode KV transfer runs on the native backend only")
         params = sampling_params(request.params)
+        if request.kv_transfer is not None:
+            params.extra_args = {"kv_transfer_params": self._connector_params(request.kv_transfer)}
         state = VLLMRequest.of(request, asyncio.get_running_loop())
         with self._lock:
             if request.request_id in self._requests:
@@ -177,6 +182,22 @@ class VLLMBackend:
 
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._on_finished = callback
+
+    def _connector_params(self, transfer: KVTransferParams) -> dict:
+        """sage's transfer of a request as SageKVConnector's ``kv_transfer_params``."""
+        if self.pd_role is None:
+            raise InvalidRequestError("kv_transfer_params: this instance has no prefill/decode role")
+        if transfer.hold:
+            return {"do_remote_decode": True}
+        if transfer.connector is None:
+            raise InvalidRequestError("kv_transfer_params: a vLLM decode instance pulls KV a vLLM prefill instance "
+                                      "held (its answer's sage_pd), not a native one's")
+        return dict(transfer.connector)
+
+    def held_params(self, request_id: str) -> dict | None:
+        """Prefill: the ``kv_transfer_params`` a finished held request answered (once)."""
+        with self._lock:
+            return self._held.pop(request_id, None)
 
     @property
     def num_in_flight(self) -> int:
@@ -240,6 +261,11 @@ class VLLMBackend:
         if output.finished:
             with self._lock:
                 self._requests.pop(output.request_id, None)
+                transfer = state.request.kv_transfer
+                if transfer is not None and transfer.hold:  # what the decode instance needs to pull the KV
+                    self._held[output.request_id] = state.kv_transfer_params or {"do_remote_prefill": False}
+                    while len(self._held) > MAX_HELD_ANSWERS:
+                        self._held.popitem(last=False)
             if self._on_finished is not None:
                 self._on_finished(output)
         if not _send(state, output) and not output.finished:
@@ -250,6 +276,15 @@ class VLLMBackend:
         with self._lock:
             self._requests.pop(state.request.request_id, None)
         _send(state, error)
+
+
+def _free_port() -> int:
+    """A free loopback port for a prefill role's KV connector to answer pulls on."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _send(state: VLLMRequest, item: RequestOutput | BaseException) -> bool:
@@ -274,7 +309,8 @@ def create(config: ServeConfig) -> VLLMBackend:
                        arch.max_position_embeddings, arch.sliding_window)
     name = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
     model = VLLMModel(str(directory), name, facts, arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    args = vllm_engine_args(config, model, current_platform.device_type, read_mem_available())
+    args = vllm_engine_args(config, model, current_platform.device_type, read_mem_available(),
+                            pd_port=_free_port() if config.role == "prefill" else None)
     for value in args.values:
         auto_log.info("%s", value.line())
     try:
@@ -284,4 +320,4 @@ def create(config: ServeConfig) -> VLLMBackend:
     info = ModelInfo(name=name, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
                      vocab_size=arch.vocab_size, max_model_len=args.max_model_len,
                      max_bytes_per_token=tokenizer.max_bytes_per_token)
-    return VLLMBackend(args.kwargs, info)
+    return VLLMBackend(args.kwargs, info, config.role if config.role != "both" else None)

@@ -54,13 +54,14 @@ class VLLMEngineArgs:
 
 
 def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
-                     host_available_bytes: int | None = None) -> VLLMEngineArgs:
+                     host_available_bytes: int | None = None, pd_port: int | None = None) -> VLLMEngineArgs:
     """Translate `config` for vLLM running on `platform` (vLLM's device type: cpu, cuda, npu, ...).
 
     `host_available_bytes` (MemAvailable) caps the KV budget on CPU the way the native engine
-    does. Raises `ConfigError` for the first setting vLLM cannot honour.
+    does. `pd_port`: where a prefill instance's KV connector answers pulls (``role: prefill``).
+    Raises `ConfigError` for the first setting vLLM cannot honour.
     """
-    refuse_native_only(config, "vllm")
+    refuse_native_only(config, "vllm", roles=True)
     values: list[ResolvedValue] = [_device(config, platform)]
     # generation_config stays vLLM's "auto": on the engine path it only adds generation_config.json's
     # EOS ids to each request's stop tokens (sage sends every sampling field itself)
@@ -115,7 +116,31 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     if config.model.revision != "local":
         values.append(ResolvedValue("model.revision", config.model.revision,
                                     "a prefix-cache key of sage's own index; vLLM loads the local directory as is"))
+    if config.role != "both":
+        kwargs["kv_transfer_config"], reason = _pd_connector(config, pd_port)
+        values.append(ResolvedValue("role", config.role, reason))
     return VLLMEngineArgs(kwargs, values, max_len.value)
+
+
+def _pd_connector(config: ServeConfig, pd_port: int | None) -> tuple[dict, str]:
+    """A prefill or decode role as vLLM's KV connector: SageKVConnector as kv_producer / kv_consumer, moving
+    the prompt's blocks over sage's transport (docs/vllm_connector.md)."""
+    from sage_infer.integrations.vllm import kv_transfer_config
+
+    transport = config.kv_transport
+    backend = "shm" if transport.backend == "auto" else transport.backend
+    if backend not in ("shm", "tcp"):
+        raise ConfigError(f"kv_transport.backend: {transport.backend}: vLLM's prefill/decode roles move KV through "
+                          "SageKVConnector over shm or tcp", hint="set kv_transport.backend to shm or tcp")
+    extra: dict = {"pd_backend": backend, "pd_timeout_s": transport.timeout_s}
+    role = "kv_producer" if config.role == "prefill" else "kv_consumer"
+    if role == "kv_producer":
+        if pd_port is None:
+            raise ValueError("a prefill role needs the port its KV connector answers pulls on")
+        extra["pd_port"] = pd_port
+    where = f", pulls on 127.0.0.1:{pd_port}" if pd_port is not None else ""
+    return (kv_transfer_config(role=role, **extra),
+            f"vLLM kv_transfer_config: SageKVConnector {role} over {backend}{where}")
 
 
 def _device(config: ServeConfig, platform: str) -> ResolvedValue:

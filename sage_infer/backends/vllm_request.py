@@ -60,6 +60,7 @@ class VLLMRequest:
     opened: bool = False  # vLLM has it
     abort_asked: bool = False  # abort came while vLLM was still taking it
     finished: bool = False
+    kv_transfer_params: dict | None = None  # what vLLM's KV connector answered when the request finished
     pump: asyncio.Task | None = field(default=None, repr=False)
 
     @classmethod
@@ -99,6 +100,7 @@ class VLLMRequest:
         self.finished = bool(out.finished)
         if self.finished:
             metrics.finish_time = now
+            self.kv_transfer_params = out.kv_transfer_params
         completions = []
         for i in range(len(self.text)):
             delta_text, delta_ids = deltas.get(i, ("", []))

@@ -72,11 +72,13 @@ def serve(
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
-    if resolved.config.pd is not None and resolved.config.backend != "native":
+    if resolved.config.pd is not None and resolved.config.backend not in ("native", "vllm"):
         from sage_infer.errors import ConfigError
 
-        raise ConfigError(f"pd: a local prefill/decode deployment runs the native engine only, not backend "
+        raise ConfigError(f"pd: a local prefill/decode deployment runs the native or vllm backend, not "
                           f"{resolved.config.backend}")
+    if resolved.config.pd is not None and resolved.config.backend == "vllm" and launcher != "local":
+        raise UsageError("--launcher ray: vLLM workers pull KV from 127.0.0.1 (one host); use --launcher local")
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
         sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else [])]
         raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
@@ -98,7 +100,8 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
     from sage_infer.router.launch import serve_pd
 
     args: list[str] = []
-    for flag, value in (("--model", model), ("--preset", preset), ("--config", config)):
+    for flag, value in (("--model", model), ("--preset", preset), ("--config", config),
+                        ("--backend", None if resolved.backend == "native" else resolved.backend)):
         if value is not None:
             args += [flag, str(value)]
     for flag, values in (("--kv-transport", without_secrets("--kv-transport", kv_transport)), ("--kv-tiers", kv_tiers),

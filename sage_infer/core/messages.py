@@ -20,6 +20,7 @@ class KVTransferParams:
     hold: bool = False  # prefill: keep the prompt's KV when the request ends, until it is sent or expires
     transfer_id: str | None = None  # decode: the prompt's KV arrives as this transfer; compute only the rest
     schema_digest: str | None = None  # the sender's KV schema (hex); a different one here is an error
+    connector: dict | None = None  # decode through a backend's own KV connector (vLLM): the prefill's answer
 
 
 @dataclass(frozen=True, slots=True)

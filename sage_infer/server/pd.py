@@ -40,6 +40,8 @@ class PDRole:
         self.api_key = api_key
         self.info: KVTransferInfo | None = (backend.kv_transfer_info() if isinstance(backend, KVTransferBackend)
                                             else None)
+        # a backend whose own KV connector moves the KV (vLLM with SageKVConnector): its role, no /v1/kv/send
+        self.connector_role: str | None = getattr(backend, "pd_role", None)
         self._client: httpx.AsyncClient | None = None  # one pooled client for pulls (made on the server's loop)
         self._pulls: set[asyncio.Task] = set()
 
@@ -48,7 +50,7 @@ class PDRole:
         fields = body.kv_transfer_params
         if fields is None:
             return None
-        role = self.info.role if self.info is not None else "both"
+        role = self.info.role if self.info is not None else self.connector_role or "both"
         if num_prompts != 1:
             raise APIError(400, "kv_transfer_params: prefill/decode separation runs one prompt per request",
                            "kv_transfer_params")
@@ -60,6 +62,15 @@ class PDRole:
                 raise APIError(400, "kv_transfer_params.do_remote_decode: the prefill step runs n=1 and does not "
                                "stream", "kv_transfer_params")
             return KVTransferParams(hold=True)
+        if self.connector_role is not None and (fields.remote_url is not None or fields.do_remote_prefill):
+            if role != "decode":
+                raise APIError(400, f"kv_transfer_params: this instance's role is {role}, not decode",
+                               "kv_transfer_params")
+            if not fields.do_remote_prefill or fields.sage_pd is None:
+                return None  # the prefill instance held nothing (a prompt under one block): compute it here
+            # vLLM reports remote_prefill_cached_tokens as this request's cached tokens; without it, the tokens
+            # it did not compute (the pulled ones), as a native decode instance does
+            return KVTransferParams(connector={"do_remote_prefill": True, "sage_pd": fields.sage_pd})
         if fields.remote_url is not None:
             if role != "decode":
                 raise APIError(400, f"kv_transfer_params.remote_url: this instance's role is {role}, not decode",
@@ -73,6 +84,8 @@ class PDRole:
 
     def held_reply(self, request_id: str) -> dict:
         """What a prefill instance adds to its response: how the decode instance finds the KV."""
+        if self.connector_role is not None:
+            return self.backend.held_params(request_id) or {"do_remote_prefill": False}
         return {"remote_request_id": request_id, "schema_digest": self.info.schema_digest,
                 "kv_dtype": self.info.kv_dtype}
 

@@ -28,12 +28,18 @@ class KVTransferFields(BaseModel):
     remote_request_id: str | None = Field(None, max_length=256)
     schema_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     kv_dtype: KVDtype | None = None  # the prefill instance's KV dtype (a decode in another one gets it converted)
+    # what a vLLM prefill instance answers (SageKVConnector, --backend vllm): its connector pulls the KV itself
+    do_remote_prefill: bool = False
+    sage_pd: dict | None = None
+    remote_prefill_cached_tokens: int | None = None  # vLLM's: the prefill instance's prefix-cache hits
 
     @model_validator(mode="after")
     def _one_side(self) -> KVTransferFields:
         pulls = self.remote_url is not None or self.remote_request_id is not None
-        if pulls and (self.remote_url is None or self.remote_request_id is None):
+        if pulls and self.sage_pd is None and (self.remote_url is None or self.remote_request_id is None):
             raise ValueError("kv_transfer_params: remote_url and remote_request_id go together")
+        if self.sage_pd is not None and len(str(self.sage_pd)) > 1024:
+            raise ValueError("kv_transfer_params.sage_pd: too large")
         if pulls and self.do_remote_decode:
             raise ValueError("kv_transfer_params: do_remote_decode (prefill) and remote_url (decode) exclude "
                              "each other")
