@@ -350,8 +350,8 @@ def test_the_disk_index_evicts_by_its_policy_and_names_the_victims(tmp_path):
 
 def test_a_tenant_at_its_max_share_evicts_its_own_blocks_first(tmp_path):
     from sage_infer.config.serve import QuotaConfig
-    from sage_infer.engine.build import build_quota
     from sage_infer.integrations.vllm.disk_index import DiskKeyIndex
+    from sage_infer.kv_policy.quota import build_quota
 
     quota = build_quota(QuotaConfig.model_validate({"tenants": [{"name": "a", "cache_salt": "salt-a",
                                                                  "max_share": 0.5}]}), SPACE.extra_key)

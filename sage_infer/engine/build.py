@@ -4,12 +4,11 @@ block manager with its prefix index and policy, scheduler."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
-from sage_infer.config.serve import QuotaConfig, ServeConfig
+from sage_infer.config.serve import ServeConfig
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
 from sage_infer.engine.model_runner import ModelRunner
@@ -18,7 +17,7 @@ from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
-from sage_infer.kv_policy.quota import DEVICE, QuotaManager, TenantShare
+from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
@@ -168,19 +167,6 @@ def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
     where = f", receiving at {address}" if address else ""
     auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
-
-
-def build_quota(q: QuotaConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:
-    """Tenant shares from a `quota` section (None when it lists no tenant and leaves the default whole).
-
-    `tenant_key(salt)` is the prefix-cache extra key a request with that ``cache_salt`` gets.
-    """
-    default = TenantShare("other", q.default_min_share, q.default_max_share)
-    if not q.tenants and default == TenantShare("other"):
-        return None
-    shares = {tenant_key(t.cache_salt.get_secret_value()): TenantShare(t.name, t.min_share, t.max_share)
-              for t in q.tenants}
-    return QuotaManager(shares, default)
 
 
 def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,

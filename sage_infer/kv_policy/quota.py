@@ -25,6 +25,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sage_infer.config.serve import QuotaConfig
 
 DEVICE = "device"  # the tier name of the device pool (lower tiers use their `LowerTier.name`)
 
@@ -136,3 +140,16 @@ class QuotaManager:
                 held[tier, self.share(tenant).name] += n
         return {"held": dict(held), "violations": dict(self.violations),
                 "self_evictions": dict(self.self_evictions)}
+
+
+def build_quota(q: QuotaConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:
+    """Tenant shares from a `quota` section (None when it lists no tenant and leaves the default whole).
+
+    `tenant_key(salt)` is the prefix-cache extra key a request with that ``cache_salt`` gets.
+    """
+    default = TenantShare("other", q.default_min_share, q.default_max_share)
+    if not q.tenants and default == TenantShare("other"):
+        return None
+    shares = {tenant_key(t.cache_salt.get_secret_value()): TenantShare(t.name, t.min_share, t.max_share)
+              for t in q.tenants}
+    return QuotaManager(shares, default)

@@ -42,7 +42,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sage_infer.config.presets import load_hardware_preset
 from sage_infer.config.transport import KVTransportConfig
-from sage_infer.engine.build import build_quota
 from sage_infer.errors import NotAvailableError
 from sage_infer.integrations.vllm.blocks import PagedBlocks, block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
@@ -66,6 +65,7 @@ from sage_infer.integrations.vllm.plan import (
 )
 from sage_infer.integrations.vllm.store import BlockSaver, open_lookup, open_store
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+from sage_infer.kv_policy.quota import build_quota
 from sage_infer.kv_runtime.connector import KVConnector
 
 if TYPE_CHECKING:
