@@ -156,6 +156,8 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
             raise ConfigError(f"model.linear: packed needs a CPU device and a torch with oneDNN (device is "
                               f"{device}, oneDNN {'present' if packing_available() else 'missing'}); use auto or torch")
         return
+    # q/k/v and gate/up stacked first, so each pair or triple is packed as one wider GEMM
+    fused = model.fuse_projections() if hasattr(model, "fuse_projections") else 0
     try:
         count = pack_linears(model)
     except RuntimeError as err:  # oneDNN cannot pack this dtype here (fp16 without AVX512-FP16, say)
@@ -164,7 +166,8 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
         return
     why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
-    auto_log.info("model.linear = packed (%s; %d linear layers prepacked)", why, count)
+    auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked)",
+                  why, count, fused)
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today

@@ -58,12 +58,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_frequencies(head_dim, params, max_position_embeddings), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, 1, head_dim] in `dtype`; the same for every layer of a step,
+        so a model computes them once per forward (`apply_rotary` per layer)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]; cos, sin: [T, 1, head_dim]
+    (`RotaryEmbedding.cos_sin`)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
