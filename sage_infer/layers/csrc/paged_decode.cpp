@@ -11,40 +11,52 @@
 // sage_infer.layers.attention.decode_attention_batched over KVPool.gather_blocks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-template <typename kv_t>
+// D: head_dim as a compile-time constant for the common sizes (full unrolling), 0 for any other
+template <int D, typename kv_t>
 static inline float dot(const float* q, const kv_t* k, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
   return acc;
 }
 
-template <typename kv_t>
+template <int D, typename kv_t>
 static inline void axpy(float* out, float a, const kv_t* v, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] += a * static_cast<float>(v[i]);
 }
 
 // One task: `heads` consecutive KV heads of one sequence (all of them when the batch keeps every
 // thread busy, so each token's [KvH, D] row is read once, contiguously; one per task otherwise).
-template <typename kv_t>
+// Tokens are walked block by block: no division per token.
+template <int D, typename kv_t>
 static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, const int64_t* table, int64_t len,
-                   float* out, float* lse, int64_t h0, int64_t heads, int64_t groups, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t block_size, float scale, std::vector<float>& scores, std::vector<float>& qs) {
+                   float* out, float* lse, int64_t h0, int64_t heads, int64_t groups, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, std::vector<float>& scores,
+                   std::vector<float>& qs) {
   const int64_t token_stride = num_kv_heads * head_dim;  // one token of one block: [KvH, D]
   const int64_t block_stride = block_size * token_stride;
   const int64_t rows = heads * groups;  // query heads of this task, [rows, D] from q + h0 * groups * D
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
   const float* qh = q + h0 * groups * head_dim;
   qs.resize(rows * head_dim);
   for (int64_t i = 0; i < rows * head_dim; ++i) qs[i] = qh[i] * scale;
   scores.resize(rows * len);
-  for (int64_t t = 0; t < len; ++t) {
-    const kv_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * head_dim;
-    for (int64_t r = 0; r < rows; ++r) scores[r * len + t] = dot(qs.data() + r * head_dim, k + (r / groups) * head_dim, head_dim);
+  for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
+    const kv_t* k = k_cache + table[blk] * block_stride + h0 * head_dim;
+    const int64_t end = std::min(len, t + block_size);
+    for (; t < end; ++t, k += token_stride) {
+      for (int64_t hh = 0, r = 0; hh < heads; ++hh)
+        for (int64_t g = 0; g < groups; ++g, ++r)
+          scores[r * len + t] = dot<D>(qs.data() + r * head_dim, k + hh * head_dim, head_dim);
+    }
   }
   float* o = out + h0 * groups * head_dim;
   for (int64_t r = 0; r < rows; ++r) {
@@ -63,9 +75,14 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
     for (int64_t i = 0; i < head_dim; ++i) o[r * head_dim + i] = 0.f;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const kv_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * head_dim;
-    for (int64_t r = 0; r < rows; ++r) axpy(o + r * head_dim, scores[r * len + t], v + (r / groups) * head_dim, head_dim);
+  for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
+    const kv_t* v = v_cache + table[blk] * block_stride + h0 * head_dim;
+    const int64_t end = std::min(len, t + block_size);
+    for (; t < end; ++t, v += token_stride) {
+      for (int64_t hh = 0, r = 0; hh < heads; ++hh)
+        for (int64_t g = 0; g < groups; ++g, ++r)
+          axpy<D>(o + r * head_dim, scores[r * len + t], v + hh * head_dim, head_dim);
+    }
   }
 }
 
@@ -81,7 +98,8 @@ static void decode_kernel(const float* q, const kv_t* k_cache, const kv_t* v_cac
     std::vector<float> scores, qs;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / per_seq, h0 = (task % per_seq) * heads;
-      attend(q + b * num_heads * head_dim, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
+      auto run = head_dim == 64 ? attend<64, kv_t> : head_dim == 128 ? attend<128, kv_t> : attend<0, kv_t>;
+      run(q + b * num_heads * head_dim, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
              out + b * num_heads * head_dim, lse + b * num_heads, h0, heads, groups, num_kv_heads, head_dim, block_size, scale, scores, qs);
     }
   });
