@@ -141,7 +141,10 @@ class ModelRunner:
     def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor,
                        group_rows: int = DECODE_GROUP_ROWS) -> list[DecodeGroup]:
         """Sort decode rows by context length and pad each group (of `group_rows`) only to its own longest."""
-        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        if len(rows) <= group_rows:  # one group: the order changes nothing (and rows stay in batch order)
+            order = list(range(len(rows)))
+        else:
+            order = sorted(range(len(rows)), key=lambda i: lens[i])
         groups = []
         for start in range(0, len(order), group_rows):
             chosen = order[start : start + group_rows]
@@ -150,6 +153,7 @@ class ModelRunner:
                 rows=tensor([rows[i] for i in chosen]),
                 block_tables=tensor([tables[i] + [0] * (width - len(tables[i])) for i in chosen]),
                 context_lens=tensor([lens[i] for i in chosen]),
+                whole_batch=len(chosen) == len(rows) and rows == list(range(len(rows))),
             ))
         return groups
 

@@ -180,8 +180,10 @@ class KVPool:
         slot_mapping: [T] long, the slot of each token.
         """
         k_rows, v_rows = self._rows[layer]
-        k_rows.index_copy_(0, slot_mapping, k.to(self.dtype))
-        v_rows.index_copy_(0, slot_mapping, v.to(self.dtype))
+        if k.dtype != self.dtype:  # (a same-dtype .to is a no-op, but still a dispatch per layer and step)
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        k_rows.index_copy_(0, slot_mapping, k)
+        v_rows.index_copy_(0, slot_mapping, v)
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` as the pool holds them, ``[num_blocks, block_size, num_kv_heads, head_dim]``

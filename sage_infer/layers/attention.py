@@ -48,6 +48,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [b] long: rows of these queries in the flat batch
     block_tables: torch.Tensor  # [b, max_blocks_in_group] long, padded with 0
     context_lens: torch.Tensor  # [b] long
+    whole_batch: bool = False  # rows are exactly 0..b-1 (the step's or the participants' every row, in order)
 
 
 @dataclass(slots=True)
@@ -316,6 +317,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
     pool.store(layer, k, v, meta.slot_mapping)
+    if meta.decode_in_place and not meta.prefills and meta.shared is None and len(meta.decode_groups) == 1 \
+            and meta.decode_groups[0].whole_batch:  # a pure decode step: no row gather, no scatter back
+        group = meta.decode_groups[0]
+        return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens,
+                                      scale)[0].to(q.dtype)
     out = torch.empty_like(q)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)

@@ -77,18 +77,22 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x: [T, hidden]; cos_sin: this step's rotary tables (`RotaryEmbedding.cos_sin`) -> [T, hidden]."""
-        t = x.shape[0]
-        if self.qkv_proj is not None:
-            kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotary for both
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
+            q, k = apply_rotary(qkv[:, : heads + kv_heads], *cos_sin).split([heads, kv_heads], dim=1)
+            v = qkv[:, heads + kv_heads :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *cos_sin)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([heads * self.head_dim, kv_heads * self.head_dim,
+                                                  kv_heads * self.head_dim], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = q.view(t, heads, self.head_dim), k.view(t, kv_heads, self.head_dim)
+            v = v.view(t, kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
