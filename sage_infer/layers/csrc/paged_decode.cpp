@@ -13,8 +13,22 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+// Widening to fp32: a bf16 is the top half of a float (a shift the compiler vectorizes; c10's
+// conversion operator does not vectorize here)
+template <typename kv_t>
+static inline float widen(kv_t x) { return static_cast<float>(x); }
+template <>
+inline float widen<c10::BFloat16>(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // D: head_dim as a compile-time constant for the common sizes (full unrolling), 0 for any other
 template <int D, typename kv_t>
@@ -22,7 +36,7 @@ static inline float dot(const float* q, const kv_t* k, int64_t d) {
   const int64_t n = D > 0 ? D : d;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * widen(k[i]);
   return acc;
 }
 
@@ -30,7 +44,7 @@ template <int D, typename kv_t>
 static inline void axpy(float* out, float a, const kv_t* v, int64_t d) {
   const int64_t n = D > 0 ? D : d;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] += a * static_cast<float>(v[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] += a * widen(v[i]);
 }
 
 // One task: `heads` consecutive KV heads of one sequence (all of them when the batch keeps every
