@@ -65,7 +65,8 @@ def test_the_engine_gives_the_same_greedy_tokens_packed_or_not(tiny):
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     packed, plain = engine(tiny, "packed"), engine(tiny, "torch")
     layers = packed.engine.runner.model.model.layers
-    assert isinstance(layers[0].mlp.gate_proj, PackedLinear)
+    assert isinstance(layers[0].mlp.gate_up_proj, PackedLinear)
+    assert isinstance(layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(plain.engine.runner.model.model.layers[0].mlp.gate_proj, nn.Linear)
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, greedy)]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]

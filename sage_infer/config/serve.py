@@ -34,6 +34,10 @@ class ModelConfig(Strict):
         "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
         "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch). Quantized "
         "layers of a quantized checkpoint: the CPU int8/int4 kernels unless torch (dequantize + F.linear).")
+    attention: Literal["auto", "paged", "torch"] = Field(
+        "auto", description="Decode attention: paged (a C++ kernel reads K/V in place from the pool's blocks; CPU, "
+        "float KV; built on first use, needs a C++ compiler and ninja), torch (gathered copies and PyTorch ops, the "
+        "reference path), auto (paged where it can run, else torch).")
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")

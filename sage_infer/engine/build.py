@@ -24,6 +24,7 @@ from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.layers.linear import pack_linears, packing_available
+from sage_infer.layers.paged_kernel import kernel_unavailable
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
@@ -95,7 +96,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
     parts = EngineParts(
         tokenizer=tokenizer,
-        runner=ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention),
+        runner=ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention,
+                           decode_in_place=use_paged_attention(config.model.attention, pool, device)),
         scheduler=scheduler,
         model_id=model_id,
         revision=config.model.revision,
@@ -107,6 +109,27 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if config.role != "both":
         enable_role(engine, config)
     return engine
+
+
+def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:
+    """`model.attention`: whether decode rows read K/V in place through the paged kernel. paged where it
+    cannot run is a `ConfigError`; auto falls back to torch (the reference path) and logs why."""
+    if choice == "torch":
+        return False
+    why = None
+    if device.type != "cpu":
+        why = f"the kernel is CPU-only (device is {device.type})"
+    elif not pool.supports_block_views:
+        why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
+    else:
+        why = kernel_unavailable()
+    if why is not None:
+        if choice == "paged":
+            raise ConfigError(f"model.attention: paged: {why}", hint="set model.attention: torch")
+        auto_log.info("model.attention = torch (auto: %s)", why)
+        return False
+    auto_log.info("model.attention = paged (decode reads KV blocks in place)")
+    return True
 
 
 def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device) -> None:
@@ -132,6 +155,8 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
             raise ConfigError(f"model.linear: packed needs a CPU device and a torch with oneDNN (device is "
                               f"{device}, oneDNN {'present' if packing_available() else 'missing'}); use auto or torch")
         return
+    # q/k/v and gate/up stacked first, so each pair or triple is packed as one wider GEMM
+    fused = model.fuse_projections() if hasattr(model, "fuse_projections") else 0
     try:
         count = pack_linears(model)
     except RuntimeError as err:  # oneDNN cannot pack this dtype here (fp16 without AVX512-FP16, say)
@@ -140,7 +165,8 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
         return
     why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
-    auto_log.info("model.linear = packed (%s; %d linear layers prepacked)", why, count)
+    auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked)",
+                  why, count, fused)
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today

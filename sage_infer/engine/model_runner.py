@@ -18,10 +18,15 @@ class ModelRunner:
     together (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads
     (by the dtype attention runs in, the model's); off, every sequence reads its whole context
     (the reference path). `cascade_steps` counts the steps that used it. Without a `model` the
-    runner only builds metadata (`prepare`), for the pool's dtype."""
+    runner only builds metadata (`prepare`), for the pool's dtype.
+
+    `decode_in_place`: decode rows are attended by the paged kernel straight from the pool's
+    blocks, all in one group (`sage_infer.layers.paged_kernel`; the caller checked it is available
+    and the pool `supports_block_views`); off, sorted groups of gathered copies (the reference)."""
 
     def __init__(
-        self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True
+        self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
+        decode_in_place: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -31,6 +36,10 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype if model is not None else pool.dtype
         self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
         self.cascade_steps = 0
+        assert not decode_in_place or pool.supports_block_views, "the paged kernel reads float blocks only"
+        self.decode_in_place = decode_in_place
+        # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
+        self.decode_group_rows = 1 << 30 if decode_in_place else DECODE_GROUP_ROWS
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -99,7 +108,8 @@ class ModelRunner:
             slot_mapping=tensor(slot_mapping),
             prefills=prefills,
             prefill_slots=tensor(prefill_slots) if prefill_slots else None,
-            decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor),
+            decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor, self.decode_group_rows),
+            decode_in_place=self.decode_in_place,
         )
         if participants:
             local = list(range(len(shared_rows), len(shared_rows) + len(shared_decode_rows)))
@@ -109,7 +119,8 @@ class ModelRunner:
                 num_tokens=shared_tokens,
                 rows=tensor(shared_rows),
                 prefills=shared_prefills,
-                decode_groups=self._decode_groups(local, shared_decode_tables, shared_decode_lens, tensor),
+                decode_groups=self._decode_groups(local, shared_decode_tables, shared_decode_lens, tensor,
+                                                   self.decode_group_rows),
             )
             self.cascade_steps += 1
         return tensor(input_ids), tensor(positions), meta, sample_rows, sampled
@@ -127,17 +138,22 @@ class ModelRunner:
         return frozenset(chosen), num_blocks
 
     @staticmethod
-    def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor) -> list[DecodeGroup]:
-        """Sort decode rows by context length and pad each group only to its own longest."""
-        order = sorted(range(len(rows)), key=lambda i: lens[i])
+    def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor,
+                       group_rows: int = DECODE_GROUP_ROWS) -> list[DecodeGroup]:
+        """Sort decode rows by context length and pad each group (of `group_rows`) only to its own longest."""
+        if len(rows) <= group_rows:  # one group: the order changes nothing (and rows stay in batch order)
+            order = list(range(len(rows)))
+        else:
+            order = sorted(range(len(rows)), key=lambda i: lens[i])
         groups = []
-        for start in range(0, len(order), DECODE_GROUP_ROWS):
-            chosen = order[start : start + DECODE_GROUP_ROWS]
+        for start in range(0, len(order), group_rows):
+            chosen = order[start : start + group_rows]
             width = max(len(tables[i]) for i in chosen)
             groups.append(DecodeGroup(
                 rows=tensor([rows[i] for i in chosen]),
                 block_tables=tensor([tables[i] + [0] * (width - len(tables[i])) for i in chosen]),
                 context_lens=tensor([lens[i] for i in chosen]),
+                whole_batch=len(chosen) == len(rows) and rows == list(range(len(rows))),
             ))
         return groups
 

@@ -58,6 +58,8 @@ class KVPool:
     transport store and send). Slot ``s`` is token ``s % block_size`` of block ``s // block_size``.
     """
 
+    supports_block_views = True  # `block_views`: K/V blocks in one float dtype (a quantized pool: no)
+
     def __new__(cls, schema: KVCacheSchema, *args, **kwargs) -> KVPool:
         if cls is KVPool and schema.dtype.is_quantized:  # fp8 / int8 / int4: codes plus scales
             from sage_infer.kv_runtime.quantized_pool import QuantizedKVPool
@@ -178,8 +180,16 @@ class KVPool:
         slot_mapping: [T] long, the slot of each token.
         """
         k_rows, v_rows = self._rows[layer]
-        k_rows.index_copy_(0, slot_mapping, k.to(self.dtype))
-        v_rows.index_copy_(0, slot_mapping, v.to(self.dtype))
+        if k.dtype != self.dtype:  # (a same-dtype .to is a no-op, but still a dispatch per layer and step)
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        k_rows.index_copy_(0, slot_mapping, k)
+        v_rows.index_copy_(0, slot_mapping, v)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as the pool holds them, ``[num_blocks, block_size, num_kv_heads, head_dim]``
+        each, contiguous: for kernels that read blocks in place (`sage_infer.layers.paged_kernel`).
+        Only where `supports_block_views` (a float pool); never written through."""
+        return self._blocks[layer]
 
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` ([n] long), each [n, num_kv_heads, head_dim] in `dtype`.

@@ -32,6 +32,8 @@ class QuantizedKVPool(KVPool):
     move rows of `block_nbytes` raw bytes (``block_shape == (block_nbytes,)``).
     """
 
+    supports_block_views = False  # codes plus scales: kernels that read float blocks in place cannot
+
     def __init__(self, schema: KVCacheSchema, num_blocks: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None) -> None:
         if num_blocks < 1:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_infer.core.kv_schema import KVDtype
+from sage_infer.layers.paged_kernel import decode_attention_paged
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -47,6 +48,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [b] long: rows of these queries in the flat batch
     block_tables: torch.Tensor  # [b, max_blocks_in_group] long, padded with 0
     context_lens: torch.Tensor  # [b] long
+    whole_batch: bool = False  # rows are exactly 0..b-1 (the step's or the participants' every row, in order)
 
 
 @dataclass(slots=True)
@@ -79,6 +81,9 @@ class AttentionMetadata:
     prefill_slots: torch.Tensor | None  # [sum(context_len)] long
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     shared: SharedPrefix | None = None
+    # decode groups (also `shared`'s) are attended by the paged kernel, which reads pool blocks in
+    # place (`sage_infer.layers.paged_kernel`); False: gathered copies and PyTorch ops (the oracle)
+    decode_in_place: bool = False
 
 
 def prefill_attention(
@@ -286,6 +291,11 @@ def cascade_attention(
             k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
         suffix_out[rows], suffix_lse[rows] = _chunk_attention_lse(q_rows[rows], k_ctx, v_ctx, scale)
     for group in shared.decode_groups:
+        if meta.decode_in_place:
+            k_blocks, v_blocks = pool.block_views(layer)
+            suffix_out[group.rows], suffix_lse[group.rows] = decode_attention_paged(
+                q_rows[group.rows], k_blocks, v_blocks, group.block_tables, group.context_lens, scale)
+            continue
         keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)  # [b, W, KvH, D]
         b, num_heads, head_dim = len(group.rows), q.shape[1], q.shape[2]
         grouped = q_rows[group.rows].view(b, keys.shape[2], -1, head_dim)  # [b, KvH, G, D]
@@ -307,6 +317,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
     pool.store(layer, k, v, meta.slot_mapping)
+    if meta.decode_in_place and not meta.prefills and meta.shared is None and len(meta.decode_groups) == 1 \
+            and meta.decode_groups[0].whole_batch:  # a pure decode step: no row gather, no scatter back
+        group = meta.decode_groups[0]
+        return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens,
+                                      scale)[0].to(q.dtype)
     out = torch.empty_like(q)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -317,6 +332,11 @@ def paged_attention(
         k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
         out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
     for group in meta.decode_groups:
+        if meta.decode_in_place:
+            k_blocks, v_blocks = pool.block_views(layer)
+            out[group.rows] = decode_attention_paged(q[group.rows], k_blocks, v_blocks, group.block_tables,
+                                                     group.context_lens, scale)[0].to(q.dtype)
+            continue
         # masked SDPA is fast on fp32 K/V and 5-6x slower on bf16 here; bf16/fp16 and quantized pools widen
         # their context once to fp32 and use two matmuls instead (docs/benchmarks.md, "decode attention")
         if pool.schema.dtype is KVDtype.FP32:

@@ -58,12 +58,27 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_frequencies(head_dim, params, max_position_embeddings), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, signed sin: [T, 1, head_dim] in `dtype`, the same for every layer of
+        a step (a model computes them once per forward, `apply_rotary` per layer). The sine's first
+        half is negated: ``rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin`` exactly (a
+        product with a negated factor is the negated product), one op instead of chunk, neg, cat."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (neox style). x: [T, heads, head_dim] (q, k, or both side
+    by side); cos, signed_sin: [T, 1, head_dim] (`RotaryEmbedding.cos_sin`)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

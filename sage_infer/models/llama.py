@@ -16,11 +16,31 @@ from torch import nn
 
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
 from sage_infer.layers.norm import RMSNorm
-from sage_infer.layers.rotary import RotaryEmbedding
+from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
 from sage_infer.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
+
+
+def _stacked_linear(linears: list[nn.Module]) -> nn.Linear | None:
+    """One `nn.Linear` whose output is the given linears' outputs side by side, or None unless they
+    are all plain `nn.Linear` (a quantized one is left alone) of one input size, dtype and device."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
+    first = linears[0].weight
+    if any(m.in_features != linears[0].in_features or m.weight.dtype != first.dtype or m.weight.device != first.device
+           or (m.bias is None) != (linears[0].bias is None) for m in linears):
+        return None
+    out_features = sum(m.out_features for m in linears)
+    fused = nn.Linear(linears[0].in_features, out_features, bias=linears[0].bias is not None,
+                      dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    fused.requires_grad_(False)
+    return fused
 
 
 class Attention(nn.Module):
@@ -37,23 +57,42 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_proj: nn.Module | None = None  # `fuse_projections`: q, k and v in one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Replace q/k/v_proj by one `qkv_proj` (their weights stacked: the same products, one GEMM
+        call instead of three); False, and nothing changed, unless all three are plain `nn.Linear`."""
+        fused = _stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return False
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        """x: [T, hidden]; cos_sin: this step's rotary tables (`RotaryEmbedding.cos_sin`) -> [T, hidden]."""
+        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotary for both
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
+            q, k = apply_rotary(qkv[:, : heads + kv_heads], *cos_sin).split([heads, kv_heads], dim=1)
+            v = qkv[:, heads + kv_heads :]
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([heads * self.head_dim, kv_heads * self.head_dim,
+                                                  kv_heads * self.head_dim], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = q.view(t, heads, self.head_dim), k.view(t, kv_heads, self.head_dim)
+            v = v.view(t, kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -64,8 +103,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # `fuse_projections`: gate and up in one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Replace gate/up_proj by one `gate_up_proj`; False, and nothing changed, unless both are plain `nn.Linear`."""
+        fused = _stacked_linear([self.gate_proj, self.up_proj])
+        if fused is None:
+            return False
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -77,8 +129,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, pool, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, pool, meta)
+    def forward(self, x, cos_sin, pool, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,9 +164,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]; layer ``i`` stores and reads its K/V
         as layer ``i`` of `pool`."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not per layer
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary_emb, pool, meta)
+            x = layer(x, cos_sin, pool, meta)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> int:
+        """Stack each layer's q/k/v and gate/up weights into one linear each (`Attention.fuse_projections`,
+        `MLP.fuse_projections`): fewer, wider GEMMs per step, the same products. How many were fused.
+        Done before packing (`model.linear`); the reference path keeps the separate projections."""
+        return sum(layer.self_attn.fuse_projections() + layer.mlp.fuse_projections() for layer in self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""

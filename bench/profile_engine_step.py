@@ -1,0 +1,206 @@
+"""Where a native engine step's time goes: a bench workload (engine_vs_vllm's W1/W2/W3) run once
+through `LLM.generate` with every step timed and classified, then a few decode and prefill steps
+under `torch.profiler`, their time split into GEMMs, attention, KV store/gather, sampling and the
+rest (Python: metadata building, scheduling, postprocess).
+
+    python bench/profile_engine_step.py --model qwen3-11m --dtype fp32 --workload W1
+    python bench/profile_engine_step.py --model qwen2.5-0.5b-shape --dtype bf16 --workload W1 --num-prompts 16
+
+A step is `decode` when every scheduled sequence computes one token, `prefill` otherwise (a
+mixed step: a prefill chunk plus decode rows, counts as prefill). Output: a table per step kind
+(steps, total and mean wall ms, share of the run) and, for the profiled steps, the split by
+category (torch.profiler CPU time of the ops and `record_function` regions below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.engine_vs_vllm import DEFAULT_CACHE, build_workloads  # noqa: E402
+from bench.vllm_models import MODELS, prepare_model  # noqa: E402
+
+# record_function regions, innermost wins; ops outside all of them are split by name below
+REGIONS = {
+    "prepare": ("sage_infer.engine.model_runner", "ModelRunner", "prepare"),
+    "schedule": ("sage_infer.scheduler.scheduler", "Scheduler", "schedule"),
+    "postprocess": ("sage_infer.engine.llm_engine", "LLMEngine", "_process_outputs"),
+    "sampling": ("sage_infer.layers.sampler", "Sampler", "__call__"),
+    "kv store": ("sage_infer.kv_runtime.pool", "KVPool", "store"),
+    "kv gather": ("sage_infer.kv_runtime.pool", "KVPool", "gather_blocks"),
+    "kv gather (slots)": ("sage_infer.kv_runtime.pool", "KVPool", "gather_slots"),
+    "kv gather (levels)": ("sage_infer.kv_runtime.pool", "KVPool", "gather_block_levels"),
+    "attention": ("sage_infer.layers.attention", None, "paged_attention"),
+}
+OPS_DETAIL: dict[str, float] = defaultdict(float)  # filled when --ops (a non-empty dict is the flag)
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
+
+
+def instrument() -> None:
+    """Wrap the functions of `REGIONS` in `torch.profiler.record_function`."""
+    import importlib
+
+    for label, (module_name, owner, name) in REGIONS.items():
+        module = importlib.import_module(module_name)
+        holder = getattr(module, owner) if owner else module
+        original = getattr(holder, name)
+
+        def wrapped(*args, __f=original, __label=label, **kwargs):
+            with torch.profiler.record_function(f"sage::{__label}"):
+                return __f(*args, **kwargs)
+
+        setattr(holder, name, wrapped)
+        if owner is None:  # also the name other modules imported
+            for other in ("sage_infer.models.llama",):
+                mod = importlib.import_module(other)
+                if getattr(mod, name, None) is original:
+                    setattr(mod, name, wrapped)
+
+
+def categorize(prof) -> dict[str, float]:
+    """Self CPU ms per category: an event belongs to its innermost `sage::` region, else to
+    GEMM by op name, else to `other ops`; the step's wall minus all op time is Python."""
+    totals: dict[str, float] = defaultdict(float)
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    regions = sorted((e for e in events if e.name.startswith("sage::")), key=lambda e: e.time_range.start)
+    for event in events:
+        if event.name.startswith("sage::") or event.name.startswith("step::"):
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        owner = None
+        for region in regions:  # innermost = the latest-starting region containing the event
+            if region.time_range.start <= start and end <= region.time_range.end:
+                owner = region.name[len("sage::"):]
+        if owner in (None, "attention") and any(event.name.startswith(g) for g in GEMM_OPS):
+            owner = "GEMM" if owner is None else "attention"
+        totals[owner or "other ops"] += event.self_cpu_time_total / 1e3
+        if OPS_DETAIL:
+            OPS_DETAIL[f"{owner or 'other ops'} | {event.name}"] += event.self_cpu_time_total / 1e3
+    # region self time (Python inside the region, not in any op)
+    for region in regions:
+        totals[region.name[len("sage::"):] + " (python)"] += region.self_cpu_time_total / 1e3
+    return dict(totals)
+
+
+def run_steps(model_dir: Path, args, profile_at: set[int]):
+    """Run the workload on a fresh engine: per step wall ms, kinds, tokens generated, total s (and,
+    when `profile_at` names steps, their profiles)."""
+    from sage_infer import SamplingParams
+    from sage_infer.engine.llm import LLM
+
+    llm = LLM(str(model_dir), dtype=args.dtype, device="cpu", kv_memory="4GiB", max_num_seqs=64,
+              max_num_batched_tokens=2048)
+    cfg = llm.engine.runner.model.config
+    prompts, max_new = build_workloads(cfg.vocab_size, cfg.max_position_embeddings)[args.workload]
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    llm.generate([[5] * 20], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    original_schedule = engine.scheduler.schedule
+    kinds: list[str] = []
+    rows: list[int] = []
+
+    def schedule():
+        batch = original_schedule()
+        kinds.append("decode" if batch.seqs and all(n == 1 for n in batch.num_new_tokens) else "prefill")
+        rows.append(sum(batch.num_new_tokens))
+        return batch
+
+    engine.scheduler.schedule = schedule
+    walls: list[float] = []
+    profiles: dict[int, dict] = {}
+    generated = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step = len(walls)
+        t0 = time.perf_counter()
+        if step in profile_at:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                outputs = engine.step()
+            wall = (time.perf_counter() - t0) * 1e3
+            profiles[step] = {"wall_ms": wall, "split": categorize(prof), "rows": rows[-1]}
+        else:
+            outputs = engine.step()
+            wall = (time.perf_counter() - t0) * 1e3
+        walls.append(wall)
+        generated += sum(len(c.delta_token_ids) for o in outputs for c in o.outputs)
+    total = time.perf_counter() - start
+    if profile_at:
+        return walls, kinds, generated, total, profiles
+    return walls, kinds, generated, total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3"))
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of each kind")
+    parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    instrument()
+
+    model_dir = prepare_model(MODELS[args.model], args.model_cache)
+    # pass 1 times every step; pass 2 (a fresh engine, same steps: greedy, same prompts) profiles
+    # a few steps of each kind spread over the run
+    walls, kinds, generated, total = run_steps(model_dir, args, set())
+    chosen = set()
+    for kind in ("decode", "prefill"):
+        steps = [i for i, k in enumerate(kinds) if k == kind]
+        if steps:
+            chosen.update(steps[len(steps) * (j + 1) // (args.profile_steps + 1)] for j in range(args.profile_steps))
+    _, kinds2, _, _, profiles = run_steps(model_dir, args, chosen)
+    assert kinds2 == kinds, "the profiled pass scheduled different steps"
+    report = {"model": args.model, "dtype": args.dtype, "workload": args.workload, "num_prompts": args.num_prompts,
+              "threads": args.threads, "wall_s": total, "generated": generated,
+              "output_tok_s": generated / total, "steps": {}, "profile": {}}
+    print(f"{args.model} {args.dtype} {args.workload}: {generated} tokens in {total:.2f}s "
+          f"= {generated / total:.1f} tok/s, {args.threads} threads")
+    print(f"{'kind':<8} {'steps':>6} {'total s':>8} {'mean ms':>8} {'share':>6}")
+    for kind in ("prefill", "decode"):
+        w = [wall for wall, k in zip(walls, kinds) if k == kind]
+        if not w:
+            continue
+        report["steps"][kind] = {"steps": len(w), "total_s": sum(w) / 1e3, "mean_ms": sum(w) / len(w)}
+        print(f"{kind:<8} {len(w):>6} {sum(w) / 1e3:>8.2f} {sum(w) / len(w):>8.1f} {sum(w) / 1e3 / total:>6.0%}")
+    for kind in ("prefill", "decode"):
+        picked = [(i, profiles[i]) for i in sorted(profiles) if kinds[i] == kind]
+        if not picked:
+            continue
+        n = len(picked)
+        wall = sum(p["wall_ms"] for _, p in picked)
+        split: dict[str, float] = defaultdict(float)
+        for _, p in picked:
+            for name, ms in p["split"].items():
+                split[name] += ms
+        rows = sorted(split.items(), key=lambda kv: -kv[1]) + [("unaccounted", wall - sum(split.values()))]
+        print(f"\n{kind}: steps {[i for i, _ in picked]} ({[p['rows'] for _, p in picked]} rows), "
+              f"{wall / n:.1f} ms/step under the profiler (self CPU ms per step; unaccounted = wall - sum)")
+        report["profile"][kind] = {"steps": [i for i, _ in picked], "wall_ms_per_step": wall / n,
+                                   "ms_per_step": {name: ms / n for name, ms in rows}}
+        for name, ms in rows:
+            print(f"  {name:<24} {ms / n:8.2f} ms  {ms / wall:6.1%}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

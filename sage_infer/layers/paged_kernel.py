@@ -1,0 +1,73 @@
+"""The CPU paged decode-attention kernel (csrc/paged_decode.cpp), built on first use.
+
+`decode_attention_paged` reads each decode row's keys and values in place from the pool's
+blocks: no gathered, padded copy of the context per layer and step (what the pure-PyTorch path,
+`gather_blocks` + `decode_attention_batched`, does and stays the oracle of). The C++ source is
+compiled once per machine by `torch.utils.cpp_extension` (about 30 s; cached under
+``~/.cache/torch_extensions``), so it needs a C++ compiler and ninja; `kernel_unavailable()`
+says why it cannot be used, and the engine falls back to the PyTorch path then.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@cache
+def _build() -> tuple[ModuleType | None, str | None]:
+    if shutil.which("ninja") is None and not _has_ninja_module():
+        return None, "ninja is not installed (torch.utils.cpp_extension builds with it)"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return None, "no C++ compiler (c++ / g++) on PATH"
+    try:
+        from torch.utils.cpp_extension import load
+
+        log.info("building the paged decode-attention kernel (%s; once per machine)", SOURCE.name)
+        module = load(name="sage_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # a compiler error, a missing header: the PyTorch path still works
+        return None, f"building {SOURCE.name} failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
+    return module, None
+
+
+def _has_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_unavailable() -> str | None:
+    """None when the kernel is built and loadable, else why not (builds it on the first call)."""
+    return _build()[1]
+
+
+def decode_attention_paged(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over pool blocks in place. q: [B, H, D] (any float dtype); k_blocks,
+    v_blocks: [num_blocks, block_size, KvH, D] contiguous fp32/bf16/fp16 (`KVPool.block_views`);
+    block_tables: [B, W] long (padding entries are never read); context_lens: [B] long, each >= 1
+    -> out [B, H, D] and lse [B, H], both float32 (lse: log-sum-exp of the scaled scores).
+    """
+    module, why = _build()
+    if module is None:
+        raise RuntimeError(f"the paged decode kernel is unavailable: {why}")
+    return module.paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
+                                         context_lens.contiguous(), scale)

@@ -1,0 +1,175 @@
+"""The paged decode kernel (reads pool blocks in place) agrees with the pure-PyTorch oracle:
+per layer against gathered-copy attention, and end to end as greedy tokens of the engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.kv_runtime import KVPool
+from sage_infer.layers.attention import (
+    AttentionMetadata,
+    attention_with_lse_reference,
+    decode_attention_reference,
+    paged_attention,
+)
+from sage_infer.layers.paged_kernel import decode_attention_paged, kernel_unavailable
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
+
+LAYERS, LAYER = 3, 2
+
+
+def filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A pool whose layer LAYER holds random K/V for sequences of `lens` tokens in shuffled blocks:
+    (pool, block tables, per sequence (k, v) [n, KvH, D] as stored, widened to fp32)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), num_blocks, dtype=dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, contexts = [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        pool.store(LAYER, k, v, slots)
+        tables.append(table)
+        contexts.append((k.to(dtype).float(), v.to(dtype).float()))
+    return pool, tables, contexts
+
+
+def padded(tables):
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (6, 6), (14, 2)])
+def test_kernel_equals_attention_over_each_rows_own_context(dtype, heads):
+    num_heads, num_kv_heads = heads
+    lens = [1, 3, 16, 17, 40, 100, 5]  # one token, partial and exact blocks
+    pool, tables, contexts = filled_pool(lens, num_kv_heads, 32, 16, dtype)
+    q = torch.randn(len(lens), num_heads, 32)
+    out, lse = decode_attention_paged(q, *pool.block_views(LAYER), padded(tables), torch.tensor(lens), 32**-0.5)
+    for i, (k, v) in enumerate(contexts):
+        torch.testing.assert_close(out[i], decode_attention_reference(q[i], k, v, 32**-0.5), atol=2e-5, rtol=1e-5)
+        qg = q[i].view(num_kv_heads, -1, 32)[None]  # [1, KvH, G, D]
+        _, want_lse = attention_with_lse_reference(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 32**-0.5)
+        torch.testing.assert_close(lse[i], want_lse.reshape(num_heads), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_smaller_than_the_thread_count_splits_by_kv_head_with_the_same_result(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pool, tables, contexts = filled_pool([70], 2, 64, 16, torch.float32, seed=3)
+        q = torch.randn(1, 6, 64)
+        out, _ = decode_attention_paged(q, *pool.block_views(LAYER), padded(tables), torch.tensor([70]), 0.125)
+    finally:
+        torch.set_num_threads(before)
+    k, v = contexts[0]
+    torch.testing.assert_close(out[0], decode_attention_reference(q[0], k, v, 0.125), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
+    """The same decode step through `paged_attention`, both ways: one in-place group vs sorted
+    groups of 16 gathered rows (the reference)."""
+    rng = random.Random(4)
+    lens = [rng.randint(2, 90) for _ in range(37)]  # more rows than one reference group
+    pool, tables, _ = filled_pool(lens, 2, 32, 8, dtype, seed=4)  # the last token is overwritten by the step's
+    q, k, v = torch.randn(len(lens), 6, 32), torch.randn(len(lens), 2, 32), torch.randn(len(lens), 2, 32)
+    slots = torch.tensor([t[(n - 1) // 8] * 8 + (n - 1) % 8 for t, n in zip(tables, lens)])
+
+    def run(in_place: bool, group_rows: int) -> torch.Tensor:
+        groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
+                                            lambda values: torch.tensor(values, dtype=torch.long), group_rows)
+        meta = AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
+        return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5)
+
+    torch.testing.assert_close(run(True, 1 << 30), run(False, 16), atol=2e-5, rtol=1e-5)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("paged") / "m", "qwen3")
+
+
+def engine(path, attention: str, dtype: str = "fp32", cascade: bool = True, num_blocks: int = 192, **scheduler):
+    config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "attention": attention,
+                                                   "cascade_attention": cascade},
+                                         "kv_pool": {"num_blocks": num_blocks}, "scheduler": scheduler})
+    return LLM(config=config)
+
+
+def greedy_tokens(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_auto_picks_the_kernel_on_a_float_pool_and_torch_keeps_the_reference(tiny):
+    assert engine(tiny, "auto").engine.runner.decode_in_place
+    assert not engine(tiny, "torch").engine.runner.decode_in_place
+
+
+def test_auto_falls_back_to_torch_on_a_quantized_pool(tiny):
+    config = ServeConfig.model_validate({"model": {"path": str(tiny), "dtype": "fp32"},
+                                         "kv_pool": {"num_blocks": 64, "kv_dtype": "int8"}})
+    assert not LLM(config=config).engine.runner.decode_in_place
+
+
+def test_paged_on_a_quantized_pool_is_a_config_error(tiny):
+    from sage_infer.errors import ConfigError
+
+    config = ServeConfig.model_validate({"model": {"path": str(tiny), "dtype": "fp32", "attention": "paged"},
+                                         "kv_pool": {"num_blocks": 64, "kv_dtype": "int8"}})
+    with pytest.raises(ConfigError, match="^model.attention: paged: kv_dtype int8 is quantized"):
+        LLM(config=config)
+
+
+def test_fp32_greedy_tokens_are_identical_with_the_kernel_and_the_reference(tiny):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 7, 16, 33, 64, 90, 150, 12)]
+    assert greedy_tokens(engine(tiny, "paged"), prompts) == greedy_tokens(engine(tiny, "torch"), prompts)
+
+
+def test_fp32_greedy_tokens_are_identical_under_preemption_and_chunked_prefill(tiny):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (30, 35, 40, 25, 38, 33)]
+    small = dict(num_blocks=8, max_num_seqs=6, max_num_batched_tokens=32)
+    paged, torch_ = engine(tiny, "paged", **small), engine(tiny, "torch", **small)
+    assert greedy_tokens(paged, prompts) == greedy_tokens(torch_, prompts)
+    paged.engine.kv.block_manager.check_invariants()
+
+
+def test_fp32_greedy_tokens_are_identical_with_cascade_over_a_shared_prefix(tiny):
+    rng = random.Random(2)
+    system = [rng.randrange(5, 500) for _ in range(41 * 16 + 3)]  # 41 shared blocks: past the fp32 break-even
+    prompts = [system + [rng.randrange(5, 500) for _ in range(rng.randint(1, 40))] for _ in range(16)]
+    paged = engine(tiny, "paged")
+    assert greedy_tokens(paged, prompts, 8) == greedy_tokens(engine(tiny, "torch", cascade=False), prompts, 8)
+    assert paged.engine.runner.cascade_steps > 0
+
+
+def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tiny):
+    """bf16: both paths attend in fp32 over the same bf16 K/V, only the summation order differs;
+    allowed: a sequence may diverge after its first 4 tokens (rounding near a tie), at most 1 in 4."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (5, 20, 40, 64, 100, 130, 8, 50)]
+    got = greedy_tokens(engine(tiny, "paged", dtype="bf16"), prompts)
+    want = greedy_tokens(engine(tiny, "torch", dtype="bf16"), prompts)
+    assert all(a[:4] == b[:4] for a, b in zip(got, want))
+    assert sum(a != b for a, b in zip(got, want)) <= len(prompts) // 4
