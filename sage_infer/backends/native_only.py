@@ -32,6 +32,9 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
     if config.model.linear != "auto":
         raise ConfigError(f"model.linear: {config.model.linear} picks sage's own linear kernels; {backend} chooses "
                           f"its own {where}", hint="leave model.linear at auto")
+    if config.model.attention != "auto":
+        raise ConfigError(f"model.attention: {config.model.attention} picks sage's own attention path; {backend} "
+                          f"chooses its own {where}", hint="leave model.attention at auto")
     if not config.model.cascade_attention:
         raise ConfigError(f"model.cascade_attention: false turns off sage's cascade attention; {backend} 0.32 has "
                           f"none to turn off {where}", hint="leave model.cascade_attention at true")

@@ -11,6 +11,7 @@ says why it cannot be used, and the engine falls back to the PyTorch path then.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from functools import cache
 from pathlib import Path
@@ -25,7 +26,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 @cache
 def _build() -> tuple[ModuleType | None, str | None]:
-    if shutil.which("ninja") is None and not _has_ninja_module():
+    if shutil.which("ninja") is None and not _put_ninja_on_path():
         return None, "ninja is not installed (torch.utils.cpp_extension builds with it)"
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return None, "no C++ compiler (c++ / g++) on PATH"
@@ -40,12 +41,15 @@ def _build() -> tuple[ModuleType | None, str | None]:
     return module, None
 
 
-def _has_ninja_module() -> bool:
+def _put_ninja_on_path() -> bool:
+    """The `ninja` package's binary on PATH (torch runs ``ninja`` by name; a venv's bin is not on PATH unless
+    activated). False when the package is not installed either."""
     try:
-        import ninja  # noqa: F401
+        import ninja
     except ImportError:
         return False
-    return True
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    return shutil.which("ninja") is not None
 
 
 def kernel_unavailable() -> str | None:
