@@ -199,6 +199,24 @@ def weight_gb_s(tok_s: float, params: int, dtype: str) -> float:
     return tok_s * params * DTYPE_BYTES[dtype] / 1e9
 
 
+def read_bandwidth_gb_s(threads: int, nbytes: int = 512 << 20, repeats: int = 10) -> float:
+    """Streaming-read bandwidth with `threads` threads (best of `repeats` sums over `nbytes` of fp32): what a
+    batch-1 decode that reads every weight once per token can reach at most."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4)
+    x.sum()  # fault the pages in
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def print_table(report: dict) -> None:
     h = report["header"]
     print(f"\n{h['model']} ({h['model_description']}), {h['params'] / 1e6:.1f} M params, {h['dtype']}, "
@@ -219,7 +237,10 @@ def print_table(report: dict) -> None:
     for w in report["workloads"]:
         if w["workload"] == "W3":
             gbs = {e: weight_gb_s(w[e]["output_tok_s"], h["params"], h["dtype"]) for e in ("vllm", "sage") if e in w}
-            print("W3 weight reads: " + ", ".join(f"{e} {g:.1f} GB/s" for e, g in gbs.items()))
+            peak = h.get("read_gb_s")
+            share = f"; memory read bandwidth {peak:.1f} GB/s in this run: " + ", ".join(
+                f"{e} {g / peak:.0%}" for e, g in gbs.items()) if peak else ""
+            print("W3 weight reads: " + ", ".join(f"{e} {g:.1f} GB/s" for e, g in gbs.items()) + share)
     if h["dtype"] != "fp32":
         print(f"greedy agreement is the fp32 check; in {h['dtype']} the engines may drift apart (numerics)")
 
@@ -262,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     header = {"model": spec.name, "model_description": spec.description, "model_dir": str(model_dir), **facts,
               "dtype": args.dtype, "threads": args.threads, "kv_gib": args.kv_gib, "repeats": args.repeats,
               "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_start": os.getloadavg()}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_start": os.getloadavg(),
+              "read_gb_s": read_bandwidth_gb_s(args.threads)}
     log(f"model {spec.name}: {model_dir} ({facts['params'] / 1e6:.1f} M params), {args.dtype}, {args.threads} threads")
 
     worker = None
