@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import random_workload  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, build_workloads  # noqa: E402
 from bench.vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
@@ -216,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     header.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"), loadavg_at_end=os.getloadavg())
     print_table(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
         print(f"wrote {args.json}")
     return 0
 

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, build_workloads  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 
@@ -110,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<12} {best:10.1f} {median:9.1f} {best / max(rates[first]):9.2f}x  {same}")
         report["variants"][name] = {"overrides": dict(v.split("=", 1) for v in args.variant[names.index(name)][1:]),
                                     "tok_s": rates[name], "best": best, "median": median, "tokens_equal_first": same}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report, indent=2)
     return 0
 
 

@@ -43,7 +43,6 @@ a time) on the first 4 `random` prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -59,6 +58,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench._report import write_json  # noqa: E402
 
 DEFAULT_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                      intermediate_size=688, max_position_embeddings=2048)
@@ -415,8 +416,7 @@ def main() -> None:
                   f"sage == padded HF batch on {w['sage_vs_padded_hf_all_prompts_match']}/{w['num_prompts']} prompts")
     report["header"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
         print(f"\nwrote {args.json}")
     if tmp is not None:
         tmp.cleanup()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _vllm_worker as wire  # noqa: E402
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import random_workload, sage_generate, shared_prefix_workload, summarize  # noqa: E402
 from bench.vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 
@@ -309,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     header.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"), loadavg_at_end=os.getloadavg())
     print_table(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
         print(f"wrote {args.json}")
     return 0
 

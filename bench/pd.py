@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
@@ -33,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._report import write_json  # noqa: E402
 from sage_infer.serving_bench.runner import run_workload  # noqa: E402
 from sage_infer.serving_bench.stats import percentile  # noqa: E402
 from sage_infer.serving_bench.workloads import random_workload  # noqa: E402
@@ -175,8 +175,7 @@ def main() -> None:
           f"({args.backend}) -> {t['achieved_over_transport_bench'] or 0:.2f}")
     print(f"greedy outputs identical: {same}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
         print(f"wrote {args.json}")
 
 

@@ -15,7 +15,6 @@ category (torch.profiler CPU time of the ops and `record_function` regions below
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
@@ -27,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, build_workloads  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 
@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "ms_per_step": {name: ms / n for name, ms in rows}}
         for name, ms in rows:
             print(f"  {name:<24} {ms / n:8.2f} ms  {ms / wall:6.1%}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report, indent=2)
     return 0
 
 

@@ -44,7 +44,6 @@ Every configuration builds a fresh `LLM`; all must produce the same greedy token
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -66,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import percentile  # noqa: E402
 from bench.tiers_raw import measure  # noqa: E402
 from sage_infer import LLM, SamplingParams  # noqa: E402
@@ -458,8 +458,7 @@ def main() -> None:
     report["goals"] = goals({r["config"]: r for r in results}, migration)
     print_report(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
         print(f"\nwrote {args.json}")
 
 

@@ -53,6 +53,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _vllm_worker as wire  # noqa: E402
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import percentile  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, VLLMWorker  # noqa: E402
 from bench.tiers import start_redis  # noqa: E402
@@ -306,9 +307,7 @@ def main() -> None:
         redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     print_report(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

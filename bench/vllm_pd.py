@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _vllm_worker as wire  # noqa: E402
+from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, VLLMWorker, vllm_python  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 from sage_infer.hal.cpu import measure_memcpy_gb_s  # noqa: E402
@@ -144,9 +145,7 @@ def main() -> None:
           f"{pull_gb_s:.2f} GB/s vs copy {report['copy_gb_s']:.2f} GB/s ({pull_gb_s / report['copy_gb_s']:.2f}x)")
     print(f"greedy tokens equal to colocated: {sum(report['same_tokens'])}/{len(prompts)}; consumer cached "
           f"tokens {sorted(set(report['consumer']['cached_tokens']))}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":
