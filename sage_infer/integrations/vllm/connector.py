@@ -220,13 +220,10 @@ class SageKVConnector(KVConnectorBase_V1):
     def _admitted(self, io: BlockIO) -> BlockIO:
         """Admission (`hardware_preset`): the native tiers' `CostBenefitModel` decides which blocks are worth a save."""
         tier = "disk" if self.config.disk_path else "remote"
-        kept = admit(io, lambda depth: self.cost.worth_loading(tier, self.block_size, depth))
-        self.not_admitted += len(io.keys) - len(kept.keys)
-        return kept
+        return admit(io, lambda depth: self.cost.worth_loading(tier, self.block_size, depth))
 
     def _cost_model(self, vllm_config: VllmConfig) -> CostBenefitModel:
         """The preset's links and FLOPs and this model's shape (parameters estimated from its config)."""
-        self.not_admitted = 0
         shape = model_shape(vllm_config.model_config.hf_config, self.schema)
         return CostBenefitModel(load_hardware_preset(self.config.hardware_preset).profile, shape)
 
@@ -330,16 +327,21 @@ class SageKVConnector(KVConnectorBase_V1):
         return results
 
     def _pulls_ended(self) -> list[tuple[str, bool]]:
+        """(request id, landed) of every pull that ended since the last step."""
         ended = []
         stats = self.worker_stats
+
+        def failed(req_id: str, why: str) -> None:
+            log.warning("SageKVConnector: request %s computes its prompt: %s", req_id, why)
+            stats.pull_failures += 1
+            ended.append((req_id, False))
+
         while self._pull_failures:
             wire_id, why = self._pull_failures.popleft()
             entry = self._pulling.pop(wire_id, None)
             if entry is not None:
                 self.transport.cancel(wire_id)
-                log.warning("SageKVConnector: request %s computes its prompt: %s", entry[0].req_id, why)
-                stats.pull_failures += 1
-                ended.append((entry[0].req_id, False))
+                failed(entry[0].req_id, why)
         for result in self.transport.poll_received():
             entry = self._pulling.pop(result.transfer_id, None)
             if entry is None:
@@ -350,9 +352,7 @@ class SageKVConnector(KVConnectorBase_V1):
                 why = ("the producer's block hashes differ from this prompt's (another model, dtype, block size or "
                        "cache_salt)")
             if why is not None:
-                log.warning("SageKVConnector: request %s computes its prompt: %s", io.req_id, why)
-                stats.pull_failures += 1
-                ended.append((io.req_id, False))
+                failed(io.req_id, why)
                 continue
             assert self.paged is not None, "vLLM registers its caches before the first step"
             self.paged.scatter(io.block_ids, result.rows)
@@ -373,9 +373,8 @@ class SageKVConnector(KVConnectorBase_V1):
         if self.producer:
             self.transport = KVConnector(self.schema, transport, backend=config.pd_backend)
             self.held = HeldBlocks(config.pd_hold_bytes, config.pd_timeout_s)
-            self.pull_server = PullServer(config.pd_host, config.pd_port, self.held,
-                                          lambda wire_id, to, rows, keys: self.transport.start_send(
-                                              wire_id, to, rows, keys), self._token)
+            self.pull_server = PullServer(config.pd_host, config.pd_port, self.held, self.transport.start_send,
+                                          self._token)
         else:
             listen = f"tcp://{config.pd_host}:0" if config.pd_backend == "tcp" else None
             self.transport = KVConnector(self.schema, transport, backend=config.pd_backend, listen=True,
