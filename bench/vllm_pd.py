@@ -26,7 +26,6 @@ import argparse
 import json
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,15 +42,11 @@ from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, VLLMWorker, vllm_python  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 from sage_infer.hal.cpu import measure_memcpy_gb_s  # noqa: E402
+from sage_infer.hal.net import free_port  # noqa: E402
 from sage_infer.integrations.vllm import kv_transfer_config  # noqa: E402
 
 BLOCK = 128
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(python: Path, model: Path, args, work: Path, name: str, transfer: dict | None) -> VLLMWorker:

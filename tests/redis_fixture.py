@@ -6,12 +6,13 @@ Skips (with the reason) when the `redis-server` binary or the `redis` package is
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 
 import pytest
+
+from sage_infer.hal.net import free_port
 
 REDIS_MISSING = "redis-server not installed (apt-get install redis-server)"
 
@@ -36,11 +37,6 @@ class RedisServer(ServerProcess):
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_redis() -> RedisServer:

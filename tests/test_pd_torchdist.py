@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sage_infer.config.transport import KVTransportConfig, ProcessGroupConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.errors import ConfigError
+from sage_infer.hal.net import free_port
 from sage_infer.router.launch import PDGroup, pd_group, worker_flags
 from sage_infer.transport.process_group import exit_process, join_process_group
 from tests.test_config_sections import build
@@ -100,11 +100,6 @@ def _rank(rank: int, world: int, init_method: str, expecting, results) -> None:
     connector.close()
     exit_process(0)  # as `sage llm serve` ends a worker that joined a group
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -278,15 +278,6 @@ class VLLMBackend:
         _send(state, error)
 
 
-def _free_port() -> int:
-    """A free loopback port for a prefill role's KV connector to answer pulls on."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _send(state: VLLMRequest, item: RequestOutput | BaseException) -> bool:
     """Hand `item` to the request's loop; False when that loop has closed (its consumer is gone)."""
     try:
@@ -300,6 +291,7 @@ def create(config: ServeConfig) -> VLLMBackend:
     """Translate `config`, print each decision, start vLLM; the registry calls this."""
     from sage_infer.engine.build import DEMO_MODEL_NAME
     from sage_infer.hal.cpu import read_mem_available
+    from sage_infer.hal.net import free_port
     from sage_infer.models.loader import ModelLoadError, arch_config, resolve_model_dir
     from sage_infer.models.tokenizer import Tokenizer
 
@@ -310,7 +302,7 @@ def create(config: ServeConfig) -> VLLMBackend:
     name = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
     model = VLLMModel(str(directory), name, facts, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     args = vllm_engine_args(config, model, current_platform.device_type, read_mem_available(),
-                            pd_port=_free_port() if config.role == "prefill" else None)
+                            pd_port=free_port() if config.role == "prefill" else None)
     for value in args.values:
         auto_log.info("%s", value.line())
     try:

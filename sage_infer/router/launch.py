@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from sage_infer.config.serve import RouterConfig
 from sage_infer.config.transport import ProcessGroupConfig
 from sage_infer.errors import ConfigError, UsageError
+from sage_infer.hal.net import free_port
 from sage_infer.router.instances import Instances
 
 READY = re.compile(r"serving (\S+) at (http://\S+)/v1")
@@ -86,13 +86,6 @@ def pd_group(config: ProcessGroupConfig, num_prefill: int, num_decode: int, laun
                           "(the group's rendezvous would have to be on rank 0's node); use tcp, or bind loopback")
     init_method = config.init_method or f"tcp://127.0.0.1:{free_port()}"
     return PDGroup(init_method, num_prefill + num_decode, num_prefill)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (rank 0 binds it once its model is loaded: a small race)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def worker_flags(role: str, index: int, disk_path: str | None, group: PDGroup | None) -> list[str]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from sage_infer.config.transport import KVTransportConfig
+from sage_infer.hal.net import free_port
 from sage_infer.transport import KVReceiveBuffers, TransportEngine
 from sage_infer.transport.arena import ALIGN, SharedArena
 from sage_infer.transport.planner import TORCH_OF
@@ -75,12 +76,6 @@ def kv_layers(total_bytes: int, dtype: torch.dtype, seed: int = 0) -> list[torch
     """`LAYERS` random KV tensors of `kv_shape`."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(kv_shape(total_bytes, dtype), generator=g).to(dtype) for _ in range(LAYERS)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_dist(rank: int, port: int) -> None:
@@ -143,7 +138,7 @@ def run_transport(backend: str, size: int, chunk: int, wire: str, src_dtype: str
     """Median end-to-end figures of `repeats` transfers (after one warm-up) of `size` bytes."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     proc = ctx.Process(target=_receiver, args=(q, backend, size, src_dtype, repeats + 1, port, threads, zero_copy,
                                                checksum))
     proc.start()
@@ -285,7 +280,7 @@ def plain_dist_gbps(size: int, chunk: int, repeats: int = 4) -> float:
     """Plain `dist.send` / `dist.recv` of the same chunks (gloo)."""
     import torch.distributed as dist
 
-    port = _free_port()
+    port = free_port()
     proc = mp.get_context("spawn").Process(target=_dist_sink, args=(port, size, chunk, repeats))
     proc.start()
     _init_dist(0, port)
