@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of each kind")
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--ops", type=int, default=0, help="also print the N costliest ops (all profiled steps)")
     args = parser.parse_args(argv)
+    if args.ops:
+        OPS_DETAIL["(enabled)"] = 0.0
     torch.set_num_threads(args.threads)
     instrument()
 
@@ -196,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
                                    "ms_per_step": {name: ms / n for name, ms in rows}}
         for name, ms in rows:
             print(f"  {name:<24} {ms / n:8.2f} ms  {ms / wall:6.1%}")
+    if args.ops:
+        OPS_DETAIL.pop("(enabled)")
+        print(f"\ncostliest ops over all {len(profiles)} profiled steps (self CPU ms, owner | op):")
+        for name, ms in sorted(OPS_DETAIL.items(), key=lambda kv: -kv[1])[: args.ops]:
+            print(f"  {ms:9.2f}  {name}")
     write_json(args.json, report, indent=2)
     return 0
 

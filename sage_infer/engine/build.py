@@ -15,6 +15,7 @@ from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
+from sage_infer.hal.malloc import keep_freed_buffers
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
@@ -51,6 +52,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     device = auto.device
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device)
+    use_host_malloc(config.model.host_malloc, device)
     try:
         tokenizer = Tokenizer.from_dir(directory)
     except (FileNotFoundError, ValueError) as err:
@@ -130,6 +132,19 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
         return False
     auto_log.info("model.attention = paged (decode reads KV blocks in place)")
     return True
+
+
+def use_host_malloc(choice: str, device: torch.device) -> bool:
+    """`model.host_malloc`: on a CPU device, keep freed activation buffers in glibc's heap for the next
+    step (`sage_infer.hal.malloc`). Whether the thresholds were raised; logged either way."""
+    if choice == "system" or device.type != "cpu":
+        return False
+    why = keep_freed_buffers()
+    if why is None:
+        auto_log.info("model.host_malloc = keep (glibc reuses freed buffers up to 32 MiB)")
+    else:
+        auto_log.info("model.host_malloc: keep has no effect here: %s", why)
+    return why is None
 
 
 def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device) -> None:
