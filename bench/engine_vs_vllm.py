@@ -12,6 +12,8 @@ Workloads (random token ids, every request submitted at once, greedy, ignore_eos
   W1  64 prompts of 64-512 tokens, 128 output tokens each
   W2  64 x (one shared 1,024-token prefix + 32 unique tokens), 32 output tokens each
   W3  one 128-token prompt, 256 output tokens (batch 1: weight-bandwidth bound)
+  W4  long context: 8 prompts of (context length - 32) tokens, 32 output tokens each; 4,064-token
+      prompts on the 4,096-position models (not run unless named: --workloads W4)
   On a model whose context is under 2,048 (the demo's is 512): W1 prompts <= 384, W2 prefix 256.
 
 vLLM runs in its own process from the vLLM virtualenv (bench/_vllm_worker.py, JSON lines over
@@ -50,7 +52,8 @@ from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import random_workload, sage_generate, shared_prefix_workload, summarize  # noqa: E402
 from bench.vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 
-WORKLOADS = ("W1", "W2", "W3")
+WORKLOADS = ("W1", "W2", "W3")  # the default set
+ALL_WORKLOADS = WORKLOADS + ("W4",)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # vLLM's workers busy-poll their shared-memory queue for 1 s after each step before they park
@@ -71,6 +74,7 @@ def build_workloads(vocab: int, context_len: int, seed: int = 0) -> dict[str, tu
         "W1": (random_workload(64, vocab, seed, 64, 384 if short else 512), 128),
         "W2": (shared_prefix_workload(64, vocab, seed, system_len=256 if short else 1024, lo=32, hi=32), 32),
         "W3": (random_workload(1, vocab, seed + 2, 128, 128), 256),
+        "W4": (random_workload(8, vocab, seed + 3, context_len - 32, context_len - 32), 32),
     }
 
 
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo", choices=sorted(MODELS))
     parser.add_argument("--dtype", choices=sorted(VLLM_DTYPES),
                         help="default: the model's (demo and 0.5B bf16, 11M fp32)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine and workload; the table shows medians")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4, help="KV cache memory for each engine, GiB")
@@ -261,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
-    if unknown := [w for w in workloads if w not in WORKLOADS]:
-        parser.error(f"unknown workload(s) {unknown}; choose from {','.join(WORKLOADS)}")
+    if unknown := [w for w in workloads if w not in ALL_WORKLOADS]:
+        parser.error(f"unknown workload(s) {unknown}; choose from {','.join(ALL_WORKLOADS)}")
     spec = MODELS[args.model]
     args.dtype = args.dtype or spec.dtype
     try:

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import write_json  # noqa: E402
-from bench.engine_vs_vllm import DEFAULT_CACHE, build_workloads  # noqa: E402
+from bench.engine_vs_vllm import ALL_WORKLOADS, DEFAULT_CACHE, build_workloads  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 
 # record_function regions, innermost wins; ops outside all of them are split by name below
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3"))
+    parser.add_argument("--workload", default="W1", choices=ALL_WORKLOADS)
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of each kind")

@@ -267,9 +267,10 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
     assert "kv_transport.target_dtype" in warnings[0] and "tiers" not in warnings[0]
     assert "kv_transport.chunk_size" not in warnings[0]  # from the transport preset, not set by the user
     resolved = [line for line in result.err.splitlines() if line.startswith("sage: resolved ")]
-    assert [line.split()[2] for line in resolved] == ["model.linear", "model.host_malloc", "device", "model.dtype",
-                                                      "kv_pool.kv_dtype", "model.max_model_len", "kv_pool.num_blocks",
-                                                      "tiers.host_bytes", "model.attention"]
+    assert [line.split()[2] for line in resolved] == ["model.linear", "model.host_malloc", "model.elementwise",
+                                                      "device", "model.dtype", "kv_pool.kv_dtype",
+                                                      "model.max_model_len", "kv_pool.num_blocks", "tiers.host_bytes",
+                                                      "model.attention"]
     assert "sage: resolved device = cpu (hardware preset cpu" in result.err
     assert "sage: resolved tiers.host_bytes = 0 (auto: the KV pool is in host memory already" in result.err
 

@@ -29,12 +29,14 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
     if config.policy.eviction != "lru":
         raise ConfigError(f"policy.eviction: {config.policy.eviction}: {backend}'s prefix cache evicts LRU only "
                           f"{where}")
-    if config.model.linear != "auto":
-        raise ConfigError(f"model.linear: {config.model.linear} picks sage's own linear kernels; {backend} chooses "
-                          f"its own {where}", hint="leave model.linear at auto")
-    if config.model.attention != "auto":
-        raise ConfigError(f"model.attention: {config.model.attention} picks sage's own attention path; {backend} "
-                          f"chooses its own {where}", hint="leave model.attention at auto")
+    model = config.model
+    for name, value, default, what in (("linear", model.linear, "auto", "linear kernels"),
+                                       ("attention", model.attention, "auto", "attention path"),
+                                       ("elementwise", model.elementwise, "auto", "elementwise ops"),
+                                       ("host_malloc", model.host_malloc, "keep", "host allocator settings")):
+        if value != default:
+            raise ConfigError(f"model.{name}: {value} picks sage's own {what}; {backend} chooses its own {where}",
+                              hint=f"leave model.{name} at {default}")
     if not config.model.cascade_attention:
         raise ConfigError(f"model.cascade_attention: false turns off sage's cascade attention; {backend} 0.32 has "
                           f"none to turn off {where}", hint="leave model.cascade_attention at true")

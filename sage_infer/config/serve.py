@@ -38,6 +38,10 @@ class ModelConfig(Strict):
         "auto", description="Decode attention: paged (a C++ kernel reads K/V in place from the pool's blocks; CPU, "
         "float KV; built on first use, needs a C++ compiler and ninja), torch (gathered copies and PyTorch ops, the "
         "reference path), auto (paged where it can run, else torch).")
+    elementwise: Literal["auto", "fused", "torch"] = Field(
+        "auto", description="A decoder layer's elementwise glue: fused (the residual add with the RMSNorm after it, "
+        "Qwen3's q/k norm with rotary, silu(gate)*up: one C++ pass each, built with the paged kernel; CPU), torch "
+        "(PyTorch ops, the reference path), auto (fused where it can run, else torch).")
     host_malloc: Literal["keep", "system"] = Field(
         "keep", description="CPU device: keep (raise glibc's mmap and trim thresholds so the buffers a step frees "
         "are reused by the next, not mapped again and zero-filled by the kernel; about 2x on a 2,048-row CPU "

@@ -53,6 +53,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device)
     use_host_malloc(config.model.host_malloc, device)
+    model.fused_elementwise = use_fused_elementwise(config.model.elementwise, device)
     try:
         tokenizer = Tokenizer.from_dir(directory)
     except (FileNotFoundError, ValueError) as err:
@@ -111,6 +112,22 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if config.role != "both":
         enable_role(engine, config)
     return engine
+
+
+def use_fused_elementwise(choice: str, device: torch.device) -> bool:
+    """`model.elementwise`: whether the model runs its norms, rotary and silu·mul as the C++ passes of
+    `LlamaForCausalLM.forward_fused`. fused where they cannot run is a `ConfigError`; auto falls back
+    to torch (the reference path) and logs why."""
+    if choice == "torch":
+        return False
+    why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
+    if why is not None:
+        if choice == "fused":
+            raise ConfigError(f"model.elementwise: fused: {why}", hint="set model.elementwise: torch")
+        auto_log.info("model.elementwise = torch (auto: %s)", why)
+        return False
+    auto_log.info("model.elementwise = fused (norms, rotary and silu*mul as one C++ pass each)")
+    return True
 
 
 def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:

@@ -1,4 +1,4 @@
-"""The CPU paged decode-attention kernel (csrc/paged_decode.cpp), built on first use.
+"""The CPU kernels (csrc/): paged decode attention and the fused elementwise ops, built on first use.
 
 `decode_attention_paged` reads each decode row's keys and values in place from the pool's
 blocks: no gathered, padded copy of the context per layer and step (what the pure-PyTorch path,
@@ -6,6 +6,12 @@ blocks: no gathered, padded copy of the context per layer and step (what the pur
 compiled once per machine by `torch.utils.cpp_extension` (about 30 s; cached under
 ``~/.cache/torch_extensions``), so it needs a C++ compiler and ninja; `kernel_unavailable()`
 says why it cannot be used, and the engine falls back to the PyTorch path then.
+
+The same module carries a decoder layer's elementwise glue as one pass each (csrc/fused_ops.cpp;
+`model.elementwise`): `rms_norm`, `add_rms_norm_` (the residual add, then the norm), `rope_` (Qwen3's
+per-head q/k norm, then rotary) and `silu_mul`. Their references are `RMSNorm`, `apply_rotary` and
+``F.silu(gate) * up``; values are rounded to the model dtype where those round, so only fp32
+summation order differs.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -33,11 +39,11 @@ def _build() -> tuple[ModuleType | None, str | None]:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("building the paged decode-attention kernel (%s; once per machine)", SOURCE.name)
-        module = load(name="sage_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        log.info("building the CPU kernels (%s; once per machine)", ", ".join(p.name for p in SOURCES))
+        module = load(name="sage_cpu_kernels", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # a compiler error, a missing header: the PyTorch path still works
-        return None, f"building {SOURCE.name} failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
+        return None, f"building the CPU kernels failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
     return module, None
 
 
@@ -75,3 +81,32 @@ def decode_attention_paged(
         raise RuntimeError(f"the paged decode kernel is unavailable: {why}")
     return module.paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
+
+
+def _module() -> ModuleType:
+    module, why = _build()
+    if module is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {why}")
+    return module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` of x: [N, H] (rows may be strided) -> a new [N, H] in x's dtype."""
+    return _module().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place (contiguous [N, H]), then `RMSNorm(residual)` as a new [N, H]."""
+    return _module().add_rms_norm_(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [N, 2I] -> ``silu(gate) * up``, [N, I]."""
+    return _module().silu_mul(gate_up)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
+          eps: float = 1e-6) -> None:
+    """In place on x: [T, heads, D] (a view with contiguous heads): each head's RMSNorm over D when
+    `norm_weight` is given, then `apply_rotary` with cos, signed_sin: [T, D] in x's dtype."""
+    _module().rope_(x, cos, signed_sin, norm_weight, eps)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sage_infer.layers import paged_kernel as kernels
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
@@ -96,6 +97,29 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` with the q/k norms and rotary as in-place C++ passes over the projection's output
+        (`kernels.rope_`); cos_sin as `forward`'s."""
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+        else:
+            q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
+            v = self.v_proj(x).view(t, kv_heads, d)
+        cos, sin = cos_sin[0][:, 0], cos_sin[1][:, 0]
+        if self.qk_norm:
+            kernels.rope_(q, cos, sin, self.q_norm.weight, self.q_norm.eps)
+            kernels.rope_(k, cos, sin, self.k_norm.weight, self.k_norm.eps)
+        elif self.qkv_proj is not None:  # q and k side by side: one pass
+            kernels.rope_(qkv[:, : heads + kv_heads], cos, sin)
+        else:
+            kernels.rope_(q, cos, sin)
+            kernels.rope_(k, cos, sin)
+        out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
+        return self.o_proj(out.reshape(t, heads * d))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
@@ -120,6 +144,12 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with silu(gate) * up as one C++ pass (`kernels.silu_mul`) over the stacked projection."""
+        if self.gate_up_proj is not None:
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return self.forward(x)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
@@ -132,6 +162,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, pool, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h, residual, next_norm: RMSNorm, cos_sin, pool, meta) -> torch.Tensor:
+        """`forward` as C++ passes: h is this layer's normed input, `residual` its input (updated in
+        place to the output); returns the output normed by `next_norm` (the next layer's input norm, or
+        the model's final norm): each residual add runs in the same pass as the norm after it."""
+        post = self.post_attention_layernorm
+        h = kernels.add_rms_norm_(self.self_attn.forward_fused(h, cos_sin, pool, meta), residual, post.weight, post.eps)
+        return kernels.add_rms_norm_(self.mlp.forward_fused(h), residual, next_norm.weight, next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -153,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused_elementwise = False  # `model.elementwise: fused`: the C++ passes of `forward_fused`
 
     def forward(
         self,
@@ -165,7 +204,15 @@ class LlamaForCausalLM(nn.Module):
         as layer ``i`` of `pool`."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not per layer
-        for layer in self.model.layers:
+        layers = self.model.layers
+        if self.fused_elementwise:  # x is the embedding's fresh output: the residual stream, updated in place
+            first = layers[0].input_layernorm
+            h = kernels.rms_norm(x, first.weight, first.eps)
+            for i, layer in enumerate(layers):
+                after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                h = layer.forward_fused(h, x, after, cos_sin, pool, meta)
+            return h
+        for layer in layers:
             x = layer(x, cos_sin, pool, meta)
         return self.model.norm(x)
 

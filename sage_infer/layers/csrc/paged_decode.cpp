@@ -143,6 +143,17 @@ std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor
   return {out, lse};
 }
 
+// fused_ops.cpp, built into the same module
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
+           double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [N, H] rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm(residual)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [N, 2I]");
+  m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
 }
