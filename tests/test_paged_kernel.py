@@ -173,3 +173,83 @@ def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tiny):
     want = greedy_tokens(engine(tiny, "torch", dtype="bf16"), prompts)
     assert all(a[:4] == b[:4] for a, b in zip(got, want))
     assert sum(a != b for a, b in zip(got, want)) <= len(prompts) // 4
+
+
+# -- short chunks after cached context as in-place rows ----------------------------------------
+
+
+def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), head_dim=16, seed=7):
+    """A pool and sequences for one step: `plan` = [(cached tokens, new tokens)]; the first
+    `shared_blocks` blocks are one table prefix of every sequence with cached tokens past it."""
+    from sage_infer.core.sampling_params import SamplingParams as Params
+    from sage_infer.core.sequence import Sequence
+
+    torch.manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), 256)
+    free = list(range(shared_blocks, 256))
+    random.Random(seed).shuffle(free)
+    prefix = list(range(shared_blocks))
+    seqs, stored = [], set()
+    for i, (cached, new) in enumerate(plan):
+        total = cached + new
+        table = list(prefix) if cached >= shared_blocks * block_size > 0 else []
+        table += [free.pop() for _ in range(-(-total // block_size) - len(table))]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(cached)]
+        fresh = [s for s in slots if s not in stored]
+        stored.update(fresh)
+        if fresh:
+            pool.store(LAYER, torch.randn(len(fresh), num_kv_heads, head_dim),
+                       torch.randn(len(fresh), num_kv_heads, head_dim), torch.tensor(fresh))
+        seq = Sequence(i, f"r{i}", 0, list(range(total)), total, Params(), b"")
+        seq.block_table, seq.num_computed_tokens = table, cached
+        seqs.append(seq)
+    t = sum(n for _, n in plan)
+    q, k, v = torch.randn(t, num_heads, head_dim), torch.randn(t, num_kv_heads, head_dim), torch.randn(
+        t, num_kv_heads, head_dim)
+    return pool, seqs, [n for _, n in plan], q, k, v
+
+
+def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():
+    plan = [(100, 5), (37, 64), (40, 65), (0, 9), (20, 1)]  # 5 and 64 in place; 65 and a first chunk are spans
+    pool, seqs, num_new, *_ = chunk_step(plan)
+    _, _, meta, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False,
+                                   decode_in_place=True).prepare(seqs, num_new)
+    (group,) = meta.decode_groups
+    assert group.context_lens.tolist() == list(range(101, 106)) + list(range(38, 102)) + [21]
+    assert group.rows.tolist() == list(range(5 + 64)) + [sum(num_new) - 1]
+    assert [(s.q_len, s.context_len) for s in meta.prefills] == [(65, 105), (9, 9)]
+    _, _, reference, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
+        seqs, num_new)
+    assert [s.q_len for s in reference.prefills] == [5, 64, 65, 9]  # without the kernel: spans as before
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+def test_in_place_chunks_attend_what_the_gathered_spans_attend(cascade):
+    # 8 sequences past a 6-block shared prefix: decode rows and chunks of 2-40 tokens; one 70-token chunk
+    plan = [(24 + c, n) for c, n in ((0, 1), (3, 7), (5, 40), (1, 2), (9, 1), (2, 70), (4, 13), (0, 1))]
+    pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6)
+    runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, decode_in_place=True)
+    runner.cascade_min_saved_tokens = 1
+    _, _, meta, _, _ = runner.prepare(seqs, num_new)
+    assert (meta.shared is not None) == cascade
+    _, _, reference, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
+        seqs, num_new)
+    got = paged_attention(q, k, v, pool, LAYER, meta, 0.25)
+    want = paged_attention(q, k, v, pool, LAYER, reference, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_fp32_greedy_tokens_are_identical_for_a_follow_up_turn_over_the_cached_conversation(tiny):
+    rng = random.Random(4)
+    first = [[rng.randrange(5, 500) for _ in range(n)] for n in (40, 90, 17)]
+    paged, reference = engine(tiny, "paged"), engine(tiny, "torch")
+    replies = greedy_tokens(paged, first, 8)
+    assert replies == greedy_tokens(reference, first, 8)
+    turns = [p + r + [rng.randrange(5, 500) for _ in range(n)] for p, r, n in zip(first, replies, (3, 30, 60))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got, want = paged.generate(turns, params), reference.generate(turns, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # each turn's cached whole blocks were read back; only its short tail was computed (in place)
+    # (the last reply token has no K/V yet: it was sampled, never fed)
+    assert [o.metrics.num_cached_tokens for o in got] == [(len(p + r) - 1) // 16 * 16 for p, r in zip(first, replies)]

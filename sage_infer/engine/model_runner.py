@@ -11,6 +11,10 @@ from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, SharedPrefix
 
 DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded per group of this size
+# with the paged kernel, a prefill chunk of at most this many tokens after cached context (a turn of a
+# chat, a prompt's unique tail after a shared prefix) is attended as that many decode rows: each reads
+# its causal context in place instead of a gathered copy per span and a Python loop over the spans
+IN_PLACE_CHUNK_ROWS = 64
 
 
 class ModelRunner:
@@ -51,10 +55,12 @@ class ModelRunner:
         """Flatten the step: (input_ids [T], positions [T], metadata, rows whose logits are needed,
         indices into `seqs` of the sequences those rows belong to).
 
-        A sequence with one new token after others is a decode row (batched attention);
-        any other chunk is a prefill span. Sequences that share leading blocks of their cached
-        context go to `AttentionMetadata.shared` instead, with their suffixes. Built as Python
-        lists, moved to the device once.
+        A sequence with one new token after others is a decode row (batched attention); with the
+        paged kernel, so is each token of a chunk of at most `IN_PLACE_CHUNK_ROWS` after cached
+        context, its context ending at its own token (causal). Any other chunk is a prefill span.
+        Sequences that share leading blocks of their cached context go to
+        `AttentionMetadata.shared` instead, with their suffixes. Built as Python lists, moved to
+        the device once.
         """
         participants, num_shared = self._shared_prefix(seqs)
         shared_tokens = num_shared * self.block_size
@@ -79,20 +85,22 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
+            in_place = n == 1 or (self.decode_in_place and start > 0 and n <= IN_PLACE_CHUNK_ROWS)
             if i in participants:  # the context after the shared blocks is this sequence's suffix
-                if n == 1:
-                    shared_decode_rows.append(row)
-                    shared_decode_tables.append(seq.block_table[num_shared:])
-                    shared_decode_lens.append(end - shared_tokens)
+                if in_place:  # row j of the chunk sees the suffix up to its own token
+                    suffix = seq.block_table[num_shared:]
+                    shared_decode_rows.extend(range(row, row + n))
+                    shared_decode_tables.extend([suffix] * n)
+                    shared_decode_lens.extend(range(start + 1 - shared_tokens, end + 1 - shared_tokens))
                 else:
                     shared_prefills.append(PrefillSpan(len(shared_rows), n, end - shared_tokens, len(prefill_slots)))
                     shared_rows.extend(range(row, row + n))
                     if start > shared_tokens:
                         prefill_slots.extend(self._slots(seq.block_table, shared_tokens, end))
-            elif n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
+            elif in_place and start > 0:
+                decode_rows.extend(range(row, row + n))
+                decode_tables.extend([seq.block_table] * n)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 prefills.append(PrefillSpan(row, n, end, len(prefill_slots)))
                 if start > 0:  # only spans with earlier context read keys back from the cache
