@@ -17,6 +17,12 @@ import torch
 from torch import nn
 
 
+# the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
+# 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
+# in bf16 (docs/benchmarks.md, session 8)
+PACK_BATCH_HINT = 2048
+
+
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -50,7 +56,7 @@ def pack_linears(model: nn.Module) -> int:
     shared = _shared_weights(model)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
                and module.weight.device.type == "cpu" and id(module.weight) not in shared]
-    packed = [PackedLinear(module) for _, module in targets]  # all first: a failure leaves the model as it was
+    packed = [PackedLinear(module, PACK_BATCH_HINT) for _, module in targets]  # all first: a failure leaves the model as it was
     for (name, _), replacement in zip(targets, packed):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
