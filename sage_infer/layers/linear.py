@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
 # 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
 # in bf16 (docs/benchmarks.md, session 8)
