@@ -55,7 +55,8 @@ def pack_linears(model: nn.Module) -> int:
     shared = _shared_weights(model)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
                and module.weight.device.type == "cpu" and id(module.weight) not in shared]
-    packed = [PackedLinear(module, PACK_BATCH_HINT) for _, module in targets]  # all first: a failure leaves the model as it was
+    # all first: a failure leaves the model as it was
+    packed = [PackedLinear(module, PACK_BATCH_HINT) for _, module in targets]
     for (name, _), replacement in zip(targets, packed):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
