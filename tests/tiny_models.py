@@ -80,3 +80,10 @@ def make_tiny_model(directory: Path, arch: str = "llama", vocab_size: int = 512,
     model.save_pretrained(directory)
     save_tokenizer(directory, vocab_size)
     return directory
+
+
+def assert_within_bf16_drift(got: list[list[int]], want: list[list[int]]) -> None:
+    """Greedy tokens of two bf16 paths that differ only in fp32 summation order: each sequence's first 4
+    tokens equal, and at most 1 in 4 sequences diverging later (a rounding near a tie)."""
+    assert all(a[:4] == b[:4] for a, b in zip(got, want))
+    assert sum(a != b for a, b in zip(got, want)) <= len(want) // 4

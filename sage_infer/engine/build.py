@@ -116,39 +116,37 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
 
 def use_fused_elementwise(choice: str, device: torch.device) -> bool:
     """`model.elementwise`: whether the model runs its norms, rotary and silu·mul as the C++ passes of
-    `LlamaForCausalLM.forward_fused`. fused where they cannot run is a `ConfigError`; auto falls back
-    to torch (the reference path) and logs why."""
+    `LlamaForCausalLM.forward_fused`."""
     if choice == "torch":
         return False
     why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
-    if why is not None:
-        if choice == "fused":
-            raise ConfigError(f"model.elementwise: fused: {why}", hint="set model.elementwise: torch")
-        auto_log.info("model.elementwise = torch (auto: %s)", why)
-        return False
-    auto_log.info("model.elementwise = fused (norms, rotary and silu*mul as one C++ pass each)")
-    return True
+    return _fast_path("model.elementwise", choice, why, "fused (norms, rotary and silu*mul as one C++ pass each)")
 
 
 def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:
-    """`model.attention`: whether decode rows read K/V in place through the paged kernel. paged where it
-    cannot run is a `ConfigError`; auto falls back to torch (the reference path) and logs why."""
+    """`model.attention`: whether decode rows read K/V in place through the paged kernel."""
     if choice == "torch":
         return False
-    why = None
     if device.type != "cpu":
         why = f"the kernel is CPU-only (device is {device.type})"
     elif not pool.supports_block_views:
         why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
     else:
         why = kernel_unavailable()
-    if why is not None:
-        if choice == "paged":
-            raise ConfigError(f"model.attention: paged: {why}", hint="set model.attention: torch")
-        auto_log.info("model.attention = torch (auto: %s)", why)
-        return False
-    auto_log.info("model.attention = paged (decode reads KV blocks in place)")
-    return True
+    return _fast_path("model.attention", choice, why, "paged (decode reads KV blocks in place)")
+
+
+def _fast_path(field: str, choice: str, why: str | None, chosen: str) -> bool:
+    """An ``auto | <fast> | torch`` field once torch is ruled out: True (logged as `chosen`) when the fast
+    path can run (`why` is None). Where it cannot, the explicit fast choice is a `ConfigError`; auto falls
+    back to torch, the reference path, and logs why."""
+    if why is None:
+        auto_log.info("%s = %s", field, chosen)
+        return True
+    if choice != "auto":
+        raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: torch")
+    auto_log.info("%s = torch (auto: %s)", field, why)
+    return False
 
 
 def use_host_malloc(choice: str, device: torch.device) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import zlib
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +28,10 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+HEADERS = [Path(__file__).with_name("csrc") / "widen.h"]
+# torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
+         f"-DSAGE_HEADERS_CRC={zlib.crc32(b''.join(p.read_bytes() for p in HEADERS))}"]
 
 
 @cache

@@ -14,32 +14,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "widen.h"
+
 namespace {
 
-// float <-> storage type. bf16 by bit shifts (vectorizes; c10's conversions do not here), with
-// round-to-nearest-even as c10::BFloat16 does
-template <typename T>
-inline float load(T x) { return static_cast<float>(x); }
-template <>
-inline float load<c10::BFloat16>(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename T>
-inline T store(float f) { return static_cast<T>(f); }
-template <>
-inline c10::BFloat16 store<c10::BFloat16>(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  c10::BFloat16 out;
-  out.x = std::isnan(f) ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return out;
-}
 // the value `f` takes once stored as T
 template <typename T>
-inline float round_to(float f) { return load<T>(store<T>(f)); }
+inline float round_to(float f) { return widen(narrow<T>(f)); }
 template <>
 inline float round_to<float>(float f) { return f; }
 
@@ -51,10 +32,10 @@ template <typename T>
 inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   float sq = 0.f;
   _Pragma("omp simd reduction(+ : sq)")
-  for (int64_t i = 0; i < h; ++i) sq += load(x[i]) * load(x[i]);
+  for (int64_t i = 0; i < h; ++i) sq += widen(x[i]) * widen(x[i]);
   const float r = 1.f / std::sqrt(sq / static_cast<float>(h) + eps);
   _Pragma("omp simd")
-  for (int64_t i = 0; i < h; ++i) out[i] = store<T>(load(w[i]) * round_to<T>(load(x[i]) * r));
+  for (int64_t i = 0; i < h; ++i) out[i] = narrow<T>(widen(w[i]) * round_to<T>(widen(x[i]) * r));
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
@@ -96,7 +77,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
         scalar_t* row = rp + r * h;
         const scalar_t* add = xp + r * stride;
         _Pragma("omp simd")
-        for (int64_t i = 0; i < h; ++i) row[i] = store<scalar_t>(load(row[i]) + load(add[i]));
+        for (int64_t i = 0; i < h; ++i) row[i] = narrow<scalar_t>(widen(row[i]) + widen(add[i]));
         norm_row(row, wp, op + r * h, h, static_cast<float>(eps));
       }
     });
@@ -119,8 +100,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         scalar_t* o = op + r * inter;
         _Pragma("omp simd")
         for (int64_t i = 0; i < inter; ++i) {
-          const float x = load(g[i]);
-          o[i] = store<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * load(u[i]));
+          const float x = widen(g[i]);
+          o[i] = narrow<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * widen(u[i]));
         }
       }
     });
@@ -167,9 +148,9 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::op
         }
         _Pragma("omp simd")
         for (int64_t i = 0; i < d; ++i) {
-          const float rolled = load(src[i < half ? i + half : i - half]);
-          row[i] = store<scalar_t>(round_to<scalar_t>(load(src[i]) * load(c[i])) +
-                                   round_to<scalar_t>(rolled * load(s[i])));
+          const float rolled = widen(src[i < half ? i + half : i - half]);
+          row[i] = narrow<scalar_t>(round_to<scalar_t>(widen(src[i]) * widen(c[i])) +
+                                   round_to<scalar_t>(rolled * widen(s[i])));
         }
       }
     });

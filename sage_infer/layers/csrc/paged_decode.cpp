@@ -18,17 +18,7 @@
 #include <limits>
 #include <vector>
 
-// Widening to fp32: a bf16 is the top half of a float (a shift the compiler vectorizes; c10's
-// conversion operator does not vectorize here)
-template <typename kv_t>
-static inline float widen(kv_t x) { return static_cast<float>(x); }
-template <>
-inline float widen<c10::BFloat16>(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+#include "widen.h"
 
 // D: head_dim as a compile-time constant for the common sizes (full unrolling), 0 for any other
 template <int D, typename kv_t>
