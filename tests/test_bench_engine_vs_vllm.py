@@ -24,7 +24,9 @@ def test_workloads_have_the_issue_13_shapes():
     assert (len(w2), w["W2"][1]) == (64, 32) and all(len(p) == 1024 + 32 for p in w2)
     assert len({tuple(p[:1024]) for p in w2}) == 1 and len({tuple(p[1024:]) for p in w2}) == 64
     assert (len(w3), len(w3[0]), w["W3"][1]) == (1, 128, 256)
-    assert all(5 <= t < 4096 for p in w1 + w2 + w3 for t in p)  # no special token ids
+    w4 = w["W4"][0]  # long context: the prompts and their output fill the 4,096 positions exactly
+    assert (len(w4), w["W4"][1]) == (8, 32) and all(len(p) == 4096 - 32 for p in w4) and len(set(map(tuple, w4))) == 8
+    assert all(5 <= t < 4096 for p in w1 + w2 + w3 + w4 for t in p)  # no special token ids
 
 
 def test_short_context_workloads_fit_the_demo_models_512_positions():
