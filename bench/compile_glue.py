@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 from bench._report import write_json  # noqa: E402
 from sage_infer.layers import paged_kernel as kernels  # noqa: E402
-from sage_infer.layers.linear import PACK_BATCH_HINT, PackedLinear  # noqa: E402
+from sage_infer.layers.linear import PackedLinear  # noqa: E402
 from sage_infer.layers.norm import RMSNorm  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, query heads, KV heads, head_dim, dtype
@@ -64,7 +64,7 @@ class SageGlue(nn.Module):
     def __init__(self, plain: Glue) -> None:
         super().__init__()
         self.plain = plain
-        self.qkv, self.o, self.gate_up, self.down = (PackedLinear(m, PACK_BATCH_HINT) for m in
+        self.qkv, self.o, self.gate_up, self.down = (PackedLinear(m) for m in
                                                      (plain.qkv, plain.o, plain.gate_up, plain.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -148,3 +148,17 @@ def test_fused_where_it_cannot_run_is_a_config_error_and_auto_falls_back():
         use_fused_elementwise("fused", torch.device("meta"))
     assert use_fused_elementwise("auto", torch.device("meta")) is False
     assert use_fused_elementwise("torch", torch.device("cpu")) is False
+
+
+def test_the_setting_decides_which_ops_run(tmp_path, monkeypatch):
+    """fused runs the C++ passes (two residual-add norms per layer each step); torch runs none of them."""
+    from sage_infer.models import llama
+
+    calls = []
+    real = llama.kernels.add_rms_norm_
+    monkeypatch.setattr(llama.kernels, "add_rms_norm_", lambda *a: calls.append(1) or real(*a))
+    path = make_tiny_model(tmp_path / "q3", "qwen3")
+    greedy_tokens(engine(path, "torch"), [[7, 8, 9]], max_tokens=3)
+    assert calls == []
+    greedy_tokens(engine(path, "fused"), [[7, 8, 9]], max_tokens=3)
+    assert len(calls) == 2 * 2 * 3  # 2 layers x 2 norms x 3 steps (prefill + 2 decodes)

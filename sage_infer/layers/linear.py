@@ -29,7 +29,7 @@ def packing_available() -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out]."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = PACK_BATCH_HINT) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -56,7 +56,7 @@ def pack_linears(model: nn.Module) -> int:
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
                and module.weight.device.type == "cpu" and id(module.weight) not in shared]
     # all first: a failure leaves the model as it was
-    packed = [PackedLinear(module, PACK_BATCH_HINT) for _, module in targets]
+    packed = [PackedLinear(module) for _, module in targets]
     for (name, _), replacement in zip(targets, packed):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -80,10 +80,7 @@ def decode_attention_paged(
     block_tables: [B, W] long (padding entries are never read); context_lens: [B] long, each >= 1
     -> out [B, H, D] and lse [B, H], both float32 (lse: log-sum-exp of the scaled scores).
     """
-    module, why = _build()
-    if module is None:
-        raise RuntimeError(f"the paged decode kernel is unavailable: {why}")
-    return module.paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
+    return _module().paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
 
 

@@ -100,7 +100,7 @@ class Attention(nn.Module):
     def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
                       meta: AttentionMetadata) -> torch.Tensor:
         """`forward` with the q/k norms and rotary as in-place C++ passes over the projection's output
-        (`kernels.rope_`); cos_sin as `forward`'s."""
+        (`kernels.rope_`); cos_sin: `forward`'s tables without their head axis, [T, head_dim] each."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         else:
             q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
             v = self.v_proj(x).view(t, kv_heads, d)
-        cos, sin = cos_sin[0][:, 0], cos_sin[1][:, 0]
+        cos, sin = cos_sin
         if self.qk_norm:
             kernels.rope_(q, cos, sin, self.q_norm.weight, self.q_norm.eps)
             kernels.rope_(k, cos, sin, self.k_norm.weight, self.k_norm.eps)
@@ -206,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not per layer
         layers = self.model.layers
         if self.fused_elementwise:  # x is the embedding's fresh output: the residual stream, updated in place
+            cos_sin = tuple(table[:, 0] for table in cos_sin)  # [T, D], the shape the C++ rotary takes
             first = layers[0].input_layernorm
             h = kernels.rms_norm(x, first.weight, first.eps)
             for i, layer in enumerate(layers):
