@@ -34,6 +34,11 @@ class ModelConfig(Strict):
         "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
         "nn.Linear, the reference path), auto (packed on a CPU whose torch has oneDNN, else torch). Quantized "
         "layers of a quantized checkpoint: the CPU int8/int4 kernels unless torch (dequantize + F.linear).")
+    decode_linear: Literal["auto", "sage", "onednn"] = Field(
+        "auto", description="bf16 products of up to 32 rows (decode steps) on packed linear layers: sage (a "
+        "kernel that reads oneDNN's packed weights in place at about the memory bandwidth, 1.4-2x oneDNN at 1-8 "
+        "rows; needs AVX512-BF16 and is built with the paged kernel), onednn (oneDNN for every product), auto "
+        "(sage where it can run, else onednn). No effect unless model.linear packs the layers.")
     attention: Literal["auto", "paged", "torch"] = Field(
         "auto", description="Decode attention: paged (a C++ kernel reads K/V in place from the pool's blocks; CPU, "
         "float KV; built on first use, needs a C++ compiler and ninja), torch (gathered copies and PyTorch ops, the "

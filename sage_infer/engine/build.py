@@ -24,8 +24,8 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
-from sage_infer.layers.linear import pack_linears, packing_available
-from sage_infer.layers.paged_kernel import kernel_unavailable
+from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, pack_linears, packing_available
+from sage_infer.layers.paged_kernel import kernel_unavailable, small_linear_unavailable
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
@@ -51,7 +51,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
     device = auto.device
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
-    use_packed_linears(model, config.model.linear, device)
+    use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     use_host_malloc(config.model.host_malloc, device)
     model.fused_elementwise = use_fused_elementwise(config.model.elementwise, device)
     try:
@@ -136,16 +136,16 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
     return _fast_path("model.attention", choice, why, "paged (decode reads KV blocks in place)")
 
 
-def _fast_path(field: str, choice: str, why: str | None, chosen: str) -> bool:
-    """An ``auto | <fast> | torch`` field once torch is ruled out: True (logged as `chosen`) when the fast
-    path can run (`why` is None). Where it cannot, the explicit fast choice is a `ConfigError`; auto falls
-    back to torch, the reference path, and logs why."""
+def _fast_path(field: str, choice: str, why: str | None, chosen: str, reference: str = "torch") -> bool:
+    """An ``auto | <fast> | <reference>`` field once the reference is ruled out: True (logged as `chosen`)
+    when the fast path can run (`why` is None). Where it cannot, the explicit fast choice is a `ConfigError`;
+    auto falls back to the reference path and logs why."""
     if why is None:
         auto_log.info("%s = %s", field, chosen)
         return True
     if choice != "auto":
-        raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: torch")
-    auto_log.info("%s = torch (auto: %s)", field, why)
+        raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: {reference}")
+    auto_log.info("%s = %s (auto: %s)", field, reference, why)
     return False
 
 
@@ -162,14 +162,18 @@ def use_host_malloc(choice: str, device: torch.device) -> bool:
     return why is None
 
 
-def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device) -> None:
+def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device, decode: str = "auto") -> None:
     """`model.linear`: swap nn.Linear for oneDNN-packed ones, and the quantized linears of a quantized
-    checkpoint for the CPU int8 / int4 kernels, where asked for (or auto and possible).
+    checkpoint for the CPU int8 / int4 kernels, where asked for (or auto and possible). `model.decode_linear`
+    (`decode`): whether the packed bf16 layers run their products of a few rows through sage's kernel.
 
     torch keeps both on their reference paths (nn.Linear; QuantLinear: dequantize, then F.linear).
     Quantized layers are never repacked as bf16: only the unquantized ones (lm_head, say) are.
     """
     if choice == "torch":
+        if decode == "sage":
+            raise ConfigError("model.decode_linear: sage runs on packed weights; model.linear is torch",
+                              hint="set model.linear: auto or packed, or leave model.decode_linear at auto")
         return
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu:
@@ -181,15 +185,24 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
                           f"{DTYPE_NAMES.get(dtype, dtype)} activations)" if kept else "")
     possible = on_cpu and packing_available()
     if not possible:
+        if decode == "sage":
+            raise ConfigError(f"model.decode_linear: sage runs on oneDNN-packed weights, which need a CPU device "
+                              f"and a torch with oneDNN (device is {device})", hint="leave model.decode_linear at auto")
         if choice == "packed":
             raise ConfigError(f"model.linear: packed needs a CPU device and a torch with oneDNN (device is "
                               f"{device}, oneDNN {'present' if packing_available() else 'missing'}); use auto or torch")
         return
     # q/k/v and gate/up stacked first, so each pair or triple is packed as one wider GEMM
     fused = model.fuse_projections() if hasattr(model, "fuse_projections") else 0
+    small_why = small_linear_why(decode, dtype)
+    if decode == "sage" and small_why is not None:
+        _fast_path("model.decode_linear", decode, small_why, "sage", "onednn")  # raises, before packing
+    small_rows = SMALL_LINEAR_ROWS if decode != "onednn" and small_why is None else 0
     try:
-        count = pack_linears(model)
+        count = pack_linears(model, small_rows)
     except RuntimeError as err:  # oneDNN cannot pack this dtype here (fp16 without AVX512-FP16, say)
+        if decode == "sage":
+            raise ConfigError(f"model.decode_linear: sage: oneDNN cannot pack these weights here: {err}") from None
         if choice == "packed":
             raise ConfigError(f"model.linear: packed: oneDNN cannot pack these weights here: {err}") from None
         auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
@@ -197,6 +210,23 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
     why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
     auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked)",
                   why, count, fused)
+    if decode == "onednn":
+        return
+    on_kernel = sum(isinstance(m, PackedLinear) and m.small_rows > 0 for m in model.modules())
+    if small_why is None and on_kernel == 0:  # oneDNN packed them in another layout: never on this CPU so far
+        small_why = "oneDNN packed no layer in the kernel's layout here"
+    _fast_path("model.decode_linear", decode, small_why, f"sage (bf16 products of up to {SMALL_LINEAR_ROWS} rows "
+               f"on sage's kernel: {on_kernel} of {count} packed layers)", "onednn")
+
+
+def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:
+    """Why sage's small-row kernel (`model.decode_linear`) cannot run the packed layers of `dtype` here; None
+    when it can (or is not wanted: onednn)."""
+    if choice == "onednn":
+        return None
+    if dtype != torch.bfloat16:
+        return f"the kernel is bf16-only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
+    return small_linear_unavailable()
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today

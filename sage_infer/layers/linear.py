@@ -16,10 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sage_infer.layers.paged_kernel import packed_layout_matches, small_linear
+
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
 # 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
 # in bf16 (docs/benchmarks.md, session 8)
 PACK_BATCH_HINT = 2048
+# `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
+# on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
+SMALL_LINEAR_ROWS = 32
 
 
 def packing_available() -> bool:
@@ -27,9 +32,15 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out]."""
+    """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out].
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = PACK_BATCH_HINT) -> None:
+    With ``small_rows`` > 0 (a bf16 weight, and `small_linear_unavailable()` None), products of up to
+    that many rows go through sage's `small_linear` kernel, which reads the same packed bytes; the layer
+    checks once that they are in the kernel's layout, and keeps oneDNN for every product otherwise
+    (`small_rows` is then 0).
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = PACK_BATCH_HINT, small_rows: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -37,18 +48,28 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                              persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.small_rows = 0
+        if small_rows > 0 and weight.dtype == torch.bfloat16:
+            address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
+            if packed_layout_matches(address, nbytes, weight):
+                self.small_rows, self._address, self._nbytes = small_rows, address, nbytes
+                self._bias32 = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
+            out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace the `nn.Linear` modules of a CPU model by `PackedLinear`; how many were packed.
+def pack_linears(model: nn.Module, small_rows: int = 0) -> int:
+    """Replace the `nn.Linear` modules of a CPU model by `PackedLinear` (passing `small_rows`); how many
+    were packed.
 
     RuntimeError (and the model unchanged) when oneDNN cannot pack its weights on this CPU.
     """
@@ -56,7 +77,7 @@ def pack_linears(model: nn.Module) -> int:
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
                and module.weight.device.type == "cpu" and id(module.weight) not in shared]
     # all first: a failure leaves the model as it was
-    packed = [PackedLinear(module) for _, module in targets]
+    packed = [PackedLinear(module, small_rows=small_rows) for _, module in targets]
     for (name, _), replacement in zip(targets, packed):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -12,6 +12,9 @@ The same module carries a decoder layer's elementwise glue as one pass each (csr
 per-head q/k norm, then rotary) and `silu_mul`. Their references are `RMSNorm`, `apply_rotary` and
 ``F.silu(gate) * up``; values are rounded to the model dtype where those round, so only fp32
 summation order differs.
+
+And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
+`PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp",
+                                                                          "small_linear.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "widen.h"]
 # torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
@@ -111,3 +115,24 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, norm_wei
     """In place on x: [T, heads, D] (a view with contiguous heads): each head's RMSNorm over D when
     `norm_weight` is given, then `apply_rotary` with cos, signed_sin: [T, D] in x's dtype."""
     _module().rope_(x, cos, signed_sin, norm_weight, eps)
+
+
+def small_linear_unavailable() -> str | None:
+    """None when `small_linear` can run here, else why not."""
+    why = kernel_unavailable()
+    if why is None and not _module().small_linear_compiled():
+        why = "this CPU (or compiler) has no AVX512-BF16"
+    return why
+
+
+def packed_layout_matches(address: int, nbytes: int, weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed buffer at `address` (`nbytes` long) holds the bf16 [N, K] `weight` in
+    `small_linear`'s layout ([N/64][K/32*16][64][2], zero padded)."""
+    return _module().layout_matches(address, nbytes, weight)
+
+
+def small_linear(x: torch.Tensor, address: int, nbytes: int, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] bf16 (a few rows) times the packed weight that `packed_layout_matches` accepted, plus the
+    fp32 `bias` -> [M, N] bf16. The caller keeps the packed weight alive."""
+    return _module().small_linear(x, address, nbytes, out_features, bias)

@@ -37,7 +37,7 @@ class SageConnectorConfig(BaseModel):
     save_pending_bytes: int = Field(256 << 20, gt=0)  # saves queued for the store past this are dropped
     save_decode: bool = True  # also save blocks filled by generated tokens (multi-turn reuse)
     model_revision: str | None = None  # part of the block key; vLLM's `revision` when unset
-    stats_path: str | None = None  # the worker writes its counters here (JSON) when vLLM shuts down
+    stats_path: str | None = None  # the worker writes its counters here (JSON) after each step that moved one
     # sage's policies over the disk store, as over the native engine's tiers (see disk_index.py)
     eviction: Literal["lru", "lfu", "arc", "s3fifo", "sage"] = "lru"  # which disk blocks go when it is full
     quota: QuotaConfig = QuotaConfig()  # tenant shares of the disk store, tenants by cache_salt

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -161,6 +161,7 @@ class SageKVConnector(KVConnectorBase_V1):
             self.worker_stats = WorkerStats()
             self._failed_blocks: set[int] = set()
             self._finished_saves: set[str] = set()
+            self._stats_written: tuple | None = None
             self._open_pd_worker()
 
     # -- scheduler side -------------------------------------------------------------------------
@@ -302,6 +303,16 @@ class SageKVConnector(KVConnectorBase_V1):
             assert self.paged is not None, "vLLM registers its caches before the first step"
             self.held.add(io.transfer, self.paged.gather(io.block_ids), io.keys)
             self.worker_stats.held_blocks += len(io.keys)
+        if self.config.stats_path:
+            self._stats_changed()
+
+    def _stats_changed(self) -> None:
+        """Rewrite the stats file when a counter moved since the last write: the file is current after every
+        step, not only when vLLM's shutdown reaches the worker (it may not, when the engine process is stopped)."""
+        snapshot = (astuple(self.store.stats), astuple(self.worker_stats))
+        if snapshot != self._stats_written:
+            self._stats_written = snapshot
+            self._write_stats(self.config.stats_path)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose last blocks were copied out this step: vLLM may free their blocks now."""
@@ -407,8 +418,10 @@ class SageKVConnector(KVConnectorBase_V1):
                 "pd": ({"held_dropped": self.held.dropped, "pulls_served": self.pull_server.pulls,
                         "pulls_refused": self.pull_server.refused} if self.producer else {}),
                 "tiers": {tier.name: asdict(tier.stats()) for tier in self.store.tiers if not self.store.closed}}
+        partial = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(path, "w") as f:
+            with open(partial, "w") as f:
                 json.dump(data, f, indent=1)
+            os.replace(partial, path)  # a reader never sees half a file
         except OSError as err:
             log.warning("SageKVConnector: cannot write stats to %s: %s", path, err)

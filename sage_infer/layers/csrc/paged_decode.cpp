@@ -139,6 +139,11 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
            double eps);
+// small_linear.cpp
+bool small_linear_compiled();
+bool layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
+torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
+                           c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
@@ -146,4 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [N, 2I]");
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
+  m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
+  m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
+  m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
 }

@@ -1,0 +1,105 @@
+"""sage's bf16 small-row kernel against oneDNN, on the same packed weights, at decode-sized row counts.
+
+    python bench/small_linear.py --rows 1,2,4,8,16,32,64 --threads 2 --json out/small_linear.json
+
+One pass is every linear product of one Qwen2.5-0.5B-shape decode step: 24 layers of q/k/v stacked
+(896 -> 1152, with bias), o (896 -> 896), gate/up stacked (896 -> 9728) and down (4864 -> 896), then
+the lm_head (896 -> 4096): 96 + 1 layers, 724 MB of bf16 weights, far more than the 32 MiB L3, so
+every pass reads them from DRAM as a decode step does. Both paths run `PackedLinear` on the same
+weights: `onednn` (small_rows 0) and `sage` (small_rows = the row count: csrc/small_linear.cpp). The
+table shows the best pass of `--repeats` per row count, the weight bytes read per second, that as a
+share of the streaming-read bandwidth measured in the same run (`read_bandwidth_gb_s`, torch sum over
+512 MiB), and sage ÷ oneDNN (time ratio: > 1 means sage is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.engine_vs_vllm import read_bandwidth_gb_s  # noqa: E402
+from sage_infer.layers.linear import PackedLinear  # noqa: E402
+from sage_infer.layers.paged_kernel import small_linear_unavailable  # noqa: E402
+
+LAYER = [(896, 1152, True), (896, 896, False), (896, 9728, False), (4864, 896, False)]  # (in, out, bias)
+HEAD = (896, 4096, False)
+
+
+def build(layers: int) -> tuple[list[nn.Linear], int]:
+    torch.manual_seed(0)
+    linears = []
+    for fan_in, fan_out, bias in LAYER * layers + [HEAD]:
+        linear = nn.Linear(fan_in, fan_out, bias=bias, dtype=torch.bfloat16)
+        nn.init.normal_(linear.weight, std=fan_in ** -0.5)
+        linears.append(linear)
+    return linears, sum(lin.weight.numel() * 2 for lin in linears)
+
+
+def best_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], repeats: int) -> float:
+    with torch.inference_mode():
+        for layer, x in zip(layers, inputs):
+            layer(x)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer, x in zip(layers, inputs):
+                layer(x)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    why = small_linear_unavailable()
+    if why is not None:
+        sys.exit(f"sage's small-row kernel cannot run here: {why}")
+    torch.set_num_threads(args.threads)
+    linears, nbytes = build(args.layers)
+    bandwidth = read_bandwidth_gb_s(args.threads)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    onednn = [PackedLinear(lin) for lin in linears]
+    sage = [PackedLinear(lin, small_rows=max(rows_list)) for lin in linears]
+    assert all(layer.small_rows for layer in sage), "oneDNN's packed layout is not the kernel's on this CPU"
+    del linears
+    print(f"{len(sage)} linears, {nbytes / 1e6:.0f} MB bf16 weights, {args.threads} threads, streaming read "
+          f"{bandwidth:.1f} GB/s")
+    print(f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'sage ms':>8} {'GB/s':>6} {'sage % of bw':>13} "
+          f"{'sage/oneDNN':>12}")
+    results = []
+    for rows in rows_list:
+        inputs = [torch.randn(rows, layer.in_features, dtype=torch.bfloat16) for layer in sage]
+        t_one = best_pass(onednn, inputs, args.repeats)
+        t_sage = best_pass(sage, inputs, args.repeats)
+        row = {"rows": rows, "onednn_ms": t_one * 1e3, "sage_ms": t_sage * 1e3, "onednn_gb_s": nbytes / t_one / 1e9,
+               "sage_gb_s": nbytes / t_sage / 1e9, "sage_share_of_bandwidth": nbytes / t_sage / 1e9 / bandwidth,
+               "speedup": t_one / t_sage}
+        results.append(row)
+        print(f"{rows:>5} {row['onednn_ms']:>10.2f} {row['onednn_gb_s']:>6.1f} {row['sage_ms']:>8.2f} "
+              f"{row['sage_gb_s']:>6.1f} {100 * row['sage_share_of_bandwidth']:>12.0f}% {row['speedup']:>11.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "weight_bytes": nbytes, "read_bandwidth_gb_s":
+                                         bandwidth, "cpu": platform.processor() or platform.machine(),
+                                         "torch": torch.__version__, "results": results}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
