@@ -42,6 +42,10 @@ REGIONS = {
     "kv gather (levels)": ("sage_infer.kv_runtime.pool", "KVPool", "gather_block_levels"),
     "attention": ("sage_infer.layers.attention", None, "paged_attention"),
 }
+# the C++ kernels (sage_infer/layers/csrc, pybind functions: torch.profiler sees no op in them), wrapped in
+# `kernel::<name>` regions whose self time is op time of this category
+KERNELS = {"small_linear": "GEMM", "paged_decode_attention": "attention", "rms_norm": "fused ops",
+           "add_rms_norm_": "fused ops", "silu_mul": "fused ops", "rope_": "fused ops"}
 OPS_DETAIL: dict[str, float] = defaultdict(float)  # filled when --ops (a non-empty dict is the flag)
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
 
@@ -65,6 +69,16 @@ def instrument() -> None:
                 mod = importlib.import_module(other)
                 if getattr(mod, name, None) is original:
                     setattr(mod, name, wrapped)
+    from sage_infer.layers import paged_kernel
+
+    if paged_kernel.kernel_unavailable() is None:
+        kernels = paged_kernel._module()  # every call goes through this module's attributes
+        for name in KERNELS:
+            def kernel(*args, __f=getattr(kernels, name), __label=f"kernel::{name}", **kwargs):
+                with torch.profiler.record_function(__label):
+                    return __f(*args, **kwargs)
+
+            setattr(kernels, name, kernel)
 
 
 def categorize(prof) -> dict[str, float]:
@@ -75,6 +89,12 @@ def categorize(prof) -> dict[str, float]:
     regions = sorted((e for e in events if e.name.startswith("sage::")), key=lambda e: e.time_range.start)
     for event in events:
         if event.name.startswith("sage::") or event.name.startswith("step::"):
+            continue
+        if event.name.startswith("kernel::"):  # a C++ kernel: its region's self time is the kernel's
+            owner = KERNELS[event.name[len("kernel::"):]]
+            totals[owner] += event.self_cpu_time_total / 1e3
+            if OPS_DETAIL:
+                OPS_DETAIL[f"{owner} | {event.name}"] += event.self_cpu_time_total / 1e3
             continue
         start, end = event.time_range.start, event.time_range.end
         owner = None
