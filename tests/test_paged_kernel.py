@@ -177,7 +177,8 @@ def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tiny):
 # -- short chunks after cached context as in-place rows ----------------------------------------
 
 
-def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), head_dim=16, seed=7):
+def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), head_dim=16, seed=7,
+               dtype=torch.float32):
     """A pool and sequences for one step: `plan` = [(cached tokens, new tokens)]; the first
     `shared_blocks` blocks are one table prefix of every sequence with cached tokens past it."""
     from sage_infer.core.sampling_params import SamplingParams as Params
@@ -185,7 +186,7 @@ def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), 
 
     torch.manual_seed(seed)
     num_heads, num_kv_heads = heads
-    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), 256)
+    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), 256, dtype=dtype)
     free = list(range(shared_blocks, 256))
     random.Random(seed).shuffle(free)
     prefix = list(range(shared_blocks))
@@ -206,7 +207,7 @@ def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), 
     t = sum(n for _, n in plan)
     q, k, v = torch.randn(t, num_heads, head_dim), torch.randn(t, num_kv_heads, head_dim), torch.randn(
         t, num_kv_heads, head_dim)
-    return pool, seqs, [n for _, n in plan], q, k, v
+    return pool, seqs, [n for _, n in plan], q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():

@@ -33,6 +33,7 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
     for name, value, default, what in (("linear", model.linear, "auto", "linear kernels"),
                                        ("decode_linear", model.decode_linear, "auto", "decode linear kernel"),
                                        ("attention", model.attention, "auto", "attention path"),
+                                       ("prefill_attention", model.prefill_attention, "auto", "prefill attention"),
                                        ("elementwise", model.elementwise, "auto", "elementwise ops"),
                                        ("host_malloc", model.host_malloc, "keep", "host allocator settings")):
         if value != default:

@@ -43,6 +43,11 @@ class ModelConfig(Strict):
         "auto", description="Decode attention: paged (a C++ kernel reads K/V in place from the pool's blocks; CPU, "
         "float KV; built on first use, needs a C++ compiler and ninja), torch (gathered copies and PyTorch ops, the "
         "reference path), auto (paged where it can run, else torch).")
+    prefill_attention: Literal["auto", "sage", "torch"] = Field(
+        "auto", description="Prefill chunks and prompt prefixes shared by a step's sequences, in a bf16 model on "
+        "CPU: sage (a flash kernel on AVX512-BF16 dot products, 1.5-2x PyTorch's; built with the paged kernel; "
+        "head_dim 32-128), torch (PyTorch's flash kernel, the reference path), auto (sage where it can run, else "
+        "torch).")
     elementwise: Literal["auto", "fused", "torch"] = Field(
         "auto", description="A decoder layer's elementwise glue: fused (the residual add with the RMSNorm after it, "
         "Qwen3's q/k norm with rotary, silu(gate)*up: one C++ pass each, built with the paged kernel; CPU), torch "

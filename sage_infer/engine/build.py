@@ -25,7 +25,7 @@ from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, pack_linears, packing_available
-from sage_infer.layers.paged_kernel import kernel_unavailable, small_linear_unavailable
+from sage_infer.layers.paged_kernel import flash_unavailable, kernel_unavailable, small_linear_unavailable
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
@@ -100,7 +100,9 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention,
-                           decode_in_place=use_paged_attention(config.model.attention, pool, device)),
+                           decode_in_place=use_paged_attention(config.model.attention, pool, device),
+                           flash_attention=use_flash_attention(config.model.prefill_attention, model, arch.head_dim,
+                                                               device)),
         scheduler=scheduler,
         model_id=model_id,
         revision=config.model.revision,
@@ -134,6 +136,20 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
     else:
         why = kernel_unavailable()
     return _fast_path("model.attention", choice, why, "paged (decode reads KV blocks in place)")
+
+
+def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device) -> bool:
+    """`model.prefill_attention`: whether prefill chunks and shared prefixes run sage's bf16 flash kernel."""
+    if choice == "torch":
+        return False
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    if device.type != "cpu":
+        why = f"the kernel is CPU-only (device is {device.type})"
+    elif dtype != torch.bfloat16:
+        why = f"the kernel is bf16-only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
+    else:
+        why = flash_unavailable(head_dim)
+    return _fast_path("model.prefill_attention", choice, why, "sage (bf16 flash kernel on AVX512-BF16)")
 
 
 def _fast_path(field: str, choice: str, why: str | None, chosen: str, reference: str = "torch") -> bool:

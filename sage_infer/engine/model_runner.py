@@ -26,11 +26,15 @@ class ModelRunner:
 
     `decode_in_place`: decode rows are attended by the paged kernel straight from the pool's
     blocks, all in one group (`sage_infer.layers.paged_kernel`; the caller checked it is available
-    and the pool `supports_block_views`); off, sorted groups of gathered copies (the reference)."""
+    and the pool `supports_block_views`); off, sorted groups of gathered copies (the reference).
+
+    `flash_attention`: prefill chunks and shared prefixes (a bf16 model) are attended by sage's flash
+    kernel (`sage_infer.layers.paged_kernel.flash_attention`; the caller checked it can run); off,
+    PyTorch's (the reference)."""
 
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
-        decode_in_place: bool = False,
+        decode_in_place: bool = False, flash_attention: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -42,6 +46,7 @@ class ModelRunner:
         self.cascade_steps = 0
         assert not decode_in_place or pool.supports_block_views, "the paged kernel reads float blocks only"
         self.decode_in_place = decode_in_place
+        self.flash_attention = flash_attention
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
         self.decode_group_rows = 1 << 30 if decode_in_place else DECODE_GROUP_ROWS
 
@@ -118,6 +123,7 @@ class ModelRunner:
             prefill_slots=tensor(prefill_slots) if prefill_slots else None,
             decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor, self.decode_group_rows),
             decode_in_place=self.decode_in_place,
+            flash=self.flash_attention,
         )
         if participants:
             local = list(range(len(shared_rows), len(shared_rows) + len(shared_decode_rows)))

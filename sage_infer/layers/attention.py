@@ -15,13 +15,14 @@ by their log-sum-exp. Without `shared` every sequence reads its whole context (t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from sage_infer.core.kv_schema import KVDtype
-from sage_infer.layers.paged_kernel import decode_attention_paged
+from sage_infer.layers.paged_kernel import decode_attention_paged, flash_attention
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -84,6 +85,9 @@ class AttentionMetadata:
     # decode groups (also `shared`'s) are attended by the paged kernel, which reads pool blocks in
     # place (`sage_infer.layers.paged_kernel`); False: gathered copies and PyTorch ops (the oracle)
     decode_in_place: bool = False
+    # prefill chunks and a shared prefix (bf16) are attended by sage's flash kernel (`paged_kernel.
+    # flash_attention`); False: PyTorch's CPU flash kernel (the oracle)
+    flash: bool = False
 
 
 def prefill_attention(
@@ -281,7 +285,9 @@ def cascade_attention(
     shared = meta.shared
     q_rows = q[shared.rows]
     keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
-    prefix_out, prefix_lse = _shared_keys_attention_lse(q_rows, keys[0], values[0], scale)  # before the next gather
+    prefix_attention = partial(flash_attention, causal=False) if meta.flash else _shared_keys_attention_lse
+    prefix_out, prefix_lse = prefix_attention(q_rows, keys[0], values[0], scale)  # before the next gather
+    chunk_attention = partial(flash_attention, causal=True) if meta.flash else _chunk_attention_lse
     suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
     for span in shared.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -291,7 +297,7 @@ def cascade_attention(
         else:
             slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
             k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-        suffix_out[rows], suffix_lse[rows] = _chunk_attention_lse(q_rows[rows], k_ctx, v_ctx, scale)
+        suffix_out[rows], suffix_lse[rows] = chunk_attention(q_rows[rows], k_ctx, v_ctx, scale)
     for group in shared.decode_groups:
         if meta.decode_in_place:
             k_blocks, v_blocks = pool.block_views(layer)
@@ -328,11 +334,14 @@ def paged_attention(
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
-            out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
-            continue
-        slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
-        k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-        out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
+            k_ctx, v_ctx = k[rows], v[rows]
+        else:
+            slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
+            k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
+        if meta.flash:
+            out[rows] = flash_attention(q[rows], k_ctx, v_ctx, scale, causal=True)[0].to(q.dtype)
+        else:
+            out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
     for group in meta.decode_groups:
         if meta.decode_in_place:
             k_blocks, v_blocks = pool.block_views(layer)

@@ -13,6 +13,10 @@ per-head q/k norm, then rotary) and `silu_mul`. Their references are `RMSNorm`, 
 ``F.silu(gate) * up``; values are rounded to the model dtype where those round, so only fp32
 summation order differs.
 
+`flash_attention`: bf16 attention of many queries (a prefill chunk, or the decode rows that share a
+prefix) on AVX512-BF16 dot products (csrc/flash_bf16.cpp; `model.prefill_attention`), against
+PyTorch's CPU flash kernel as the reference.
+
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
 `PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`).
 """
@@ -31,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp",
-                                                                          "small_linear.cpp")]
+                                                                          "small_linear.cpp", "flash_bf16.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "widen.h"]
 # torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
@@ -136,3 +140,23 @@ def small_linear(x: torch.Tensor, address: int, nbytes: int, out_features: int,
     """x: [M, K] bf16 (a few rows) times the packed weight that `packed_layout_matches` accepted, plus the
     fp32 `bias` -> [M, N] bf16. The caller keeps the packed weight alive."""
     return _module().small_linear(x, address, nbytes, out_features, bias)
+
+
+def flash_unavailable(head_dim: int) -> str | None:
+    """None when `flash_attention` can run here for heads of `head_dim`, else why not."""
+    why = kernel_unavailable()
+    if why is None and not _module().flash_bf16_compiled():
+        why = "this CPU (or compiler) has no AVX512-BF16"
+    if why is None and (head_dim % 32 or head_dim > 128):
+        why = f"head_dim {head_dim} is not 32, 64, 96 or 128"
+    return why
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [Lq, H, D], k, v: [C, KvH, D], all bf16 (views with contiguous heads) -> out [Lq, H, D] and lse
+    [Lq, H], float32. Causal is aligned to the lower right (the queries are the last Lq of C positions)."""
+    if q.stride(0) % 2 or q.stride(1) % 2:
+        q = q.contiguous()
+    out, lse = _module().flash_attention_bf16(q, k, v, scale, causal)
+    return out, lse

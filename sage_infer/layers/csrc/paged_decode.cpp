@@ -37,6 +37,17 @@ static inline void axpy(float* out, float a, const kv_t* v, int64_t d) {
   for (int64_t i = 0; i < n; ++i) out[i] += a * widen(v[i]);
 }
 
+// Ask for the next block's rows of this task's heads while the current block is computed: blocks are
+// scattered over the pool and each is one 4 KB page or less (bf16, 16 tokens x 2 KV heads x 64), where
+// the hardware prefetcher stops, so without this every block starts with a run of cold misses
+template <typename kv_t>
+static inline void prefetch_block(const kv_t* first, int64_t tokens, int64_t token_stride, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(first);
+  const int64_t stride = token_stride * static_cast<int64_t>(sizeof(kv_t));
+  for (int64_t t = 0; t < tokens; ++t, p += stride)
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 // One task: `heads` consecutive KV heads of one sequence (all of them when the batch keeps every
 // thread busy, so each token's [KvH, D] row is read once, contiguously; one per task otherwise).
 // Tokens are walked block by block: no division per token.
@@ -53,9 +64,14 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
   qs.resize(rows * head_dim);
   for (int64_t i = 0; i < rows * head_dim; ++i) qs[i] = qh[i] * scale;
   scores.resize(rows * len);
+  const int64_t row_bytes = heads * head_dim * static_cast<int64_t>(sizeof(kv_t));
   for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
     const kv_t* k = k_cache + table[blk] * block_stride + h0 * head_dim;
     const int64_t end = std::min(len, t + block_size);
+    if (blk + 1 < num_blocks)
+      prefetch_block(k_cache + table[blk + 1] * block_stride + h0 * head_dim, block_size, token_stride, row_bytes);
+    else  // the values come next
+      prefetch_block(v_cache + table[0] * block_stride + h0 * head_dim, block_size, token_stride, row_bytes);
     for (; t < end; ++t, k += token_stride) {
       for (int64_t hh = 0, r = 0; hh < heads; ++hh)
         for (int64_t g = 0; g < groups; ++g, ++r)
@@ -82,6 +98,8 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
   for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
     const kv_t* v = v_cache + table[blk] * block_stride + h0 * head_dim;
     const int64_t end = std::min(len, t + block_size);
+    if (blk + 1 < num_blocks)
+      prefetch_block(v_cache + table[blk + 1] * block_stride + h0 * head_dim, block_size, token_stride, row_bytes);
     for (; t < end; ++t, v += token_stride) {
       for (int64_t hh = 0, r = 0; hh < heads; ++hh)
         for (int64_t g = 0; g < groups; ++g, ++r)
@@ -144,6 +162,10 @@ bool small_linear_compiled();
 bool layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
                            c10::optional<torch::Tensor> bias);
+// flash_bf16.cpp
+bool flash_bf16_compiled();
+std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
@@ -153,5 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
   m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
+  m.def("flash_bf16_compiled", &flash_bf16_compiled, "whether flash_attention_bf16 was built (AVX512-BF16)");
+  m.def("flash_attention_bf16", &flash_attention_bf16, "bf16 attention of many queries, out and lse (CPU)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
 }

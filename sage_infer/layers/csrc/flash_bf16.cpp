@@ -1,0 +1,213 @@
+// Attention of many bf16 queries over bf16 keys and values (a prefill chunk, or decode rows that
+// all read one shared prefix) on CPU with AVX512-BF16: both products on `vdpbf16ps`.
+//
+// q: [Lq, H, D]; k, v: [C, KvH, D] (each may be a strided view with contiguous heads); causal or not. Causal is aligned to the
+// lower right: query i sees keys j <= i + C - Lq (the queries are the last Lq of C positions).
+// -> out [Lq, H, D] fp32 and lse [Lq, H] fp32 (log-sum-exp of the scaled scores).
+//
+// Per KV head, K is packed once as [C/16][D/2][16][2] (16 keys side by side per column pair) and V
+// as [C/2][D][2] (2 keys side by side per dimension); a task is one KV head and 16 query positions,
+// i.e. 16 x G rows (the G query heads of the KV head share its keys), taken 4 rows at a time over
+// tiles of 64 keys: scores (16 accumulators of 16 keys), online softmax in fp32, then P·V with P
+// rounded to bf16 (as PyTorch's CPU flash kernel rounds it for bf16 inputs). Scores are exact bf16
+// products summed in fp32, so only the summation order and that rounding differ from the reference
+// (sage_infer.layers.attention.attention_with_lse_reference).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 64;   // keys per tile
+constexpr int64_t kRowsPerTask = 16;  // query positions per task
+constexpr float kNegInf = -1e30f;   // finite: the file is built with -ffast-math
+
+#if defined(__AVX512BF16__)
+// one group of R rows (R <= 4) over all its keys; qp: R rows of D/2 bf16 pairs; limit[r]: last key row r sees
+template <int R>
+void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* kp, const uint16_t* vp, int64_t d,
+               float scale, float* const* out, float* lse) {
+  const int64_t pairs = d / 2, chunks = d / 16;
+  int64_t last = 0;
+  for (int r = 0; r < R; ++r) last = std::max(last, limit[r]);
+  float m[R], l[R];
+  alignas(64) float o[R][128];  // D <= 128
+  alignas(64) uint16_t pb[R][kTile];  // P of one tile, bf16
+  for (int r = 0; r < R; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.f;
+    std::memset(o[r], 0, sizeof(float) * d);
+  }
+  for (int64_t k0 = 0; k0 <= last; k0 += kTile) {
+    __m512 s[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
+    const uint16_t* kt = kp + k0 * d;  // 4 blocks of 16 keys, each [D/2][16][2]
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh kk[4];
+      for (int j = 0; j < 4; ++j) kk[j] = (__m512bh)_mm512_loadu_si512(kt + j * 16 * d + p * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][p]));
+        for (int j = 0; j < 4; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], kk[j], qb);
+      }
+    }
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int r = 0; r < R; ++r) {
+      __m512 tmax = _mm512_set1_ps(kNegInf);
+      for (int j = 0; j < 4; ++j) {
+        s[r][j] = _mm512_mul_ps(s[r][j], _mm512_set1_ps(scale));
+        if (k0 + 16 * j + 15 > limit[r]) {  // past the row's last key: masked
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
+          const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r])));
+          s[r][j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[r][j]);
+        }
+        tmax = _mm512_max_ps(tmax, s[r][j]);
+      }
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(tmax));
+      const float alpha = std::exp(m[r] - mnew);
+      m[r] = mnew;
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        alignas(64) float e[16];
+        _mm512_store_ps(e, _mm512_sub_ps(s[r][j], _mm512_set1_ps(mnew)));
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) e[i] = std::exp(e[i]);
+        const __m512 pv = _mm512_load_ps(e);
+        sum = _mm512_add_ps(sum, pv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv));
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < chunks; ++c)
+          _mm512_store_ps(o[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), _mm512_set1_ps(alpha)));
+    }
+    // o[r] += P[r] (64 keys, bf16) . V (64 keys): per key pair, 2 keys' values side by side
+    const uint16_t* vt = vp + k0 * d;  // [32 pairs][D][2]
+    for (int64_t c = 0; c < chunks; c += 4) {
+      const int64_t n = std::min<int64_t>(4, chunks - c);
+      __m512 acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < n; ++j) acc[r][j] = _mm512_load_ps(o[r] + 16 * (c + j));
+      for (int64_t kp2 = 0; kp2 < kTile / 2; ++kp2) {
+        __m512bh vv[4];
+        for (int j = 0; j < n; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vt + (kp2 * d + 16 * (c + j)) * 2);
+        for (int r = 0; r < R; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, pb[r] + 2 * kp2, sizeof pair);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int j = 0; j < n; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pp);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < n; ++j) _mm512_store_ps(o[r] + 16 * (c + j), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t i = 0; i < d; ++i) out[r][i] = o[r][i] * inv;
+    lse[r] = m[r] + std::log(l[r]);
+  }
+}
+#endif
+
+}  // namespace
+
+bool flash_bf16_compiled() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_attention_bf16: q [Lq, H, D], k/v [C, KvH, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "flash_attention_bf16: bf16 q, k and v");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0,
+              "flash_attention_bf16: q's heads must be contiguous, its row and head strides even");
+  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d && heads % kv_heads == 0,
+              "flash_attention_bf16: shapes disagree");
+  TORCH_CHECK(d % 32 == 0 && d <= 128, "flash_attention_bf16: head_dim must be 32, 64, 96 or 128");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "flash_attention_bf16: k/v heads must be contiguous");
+  TORCH_CHECK(!causal || c >= lq, "flash_attention_bf16: causal needs at least as many keys as queries");
+  auto out = torch::empty({lq, heads, d}, q.options().dtype(at::kFloat));
+  auto lse = torch::empty({lq, heads}, q.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
+  // packed K: [KvH][cp/16][D/2][16][2]; packed V: [KvH][cp/2][D][2] (zero padded past C)
+  std::vector<uint16_t> kpack(kv_heads * cp * d), vpack(kv_heads * cp * d);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+  at::parallel_for(0, kv_heads * (cp / 16), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t task = b0; task < b1; ++task) {
+      const int64_t h = task / (cp / 16), blk = task % (cp / 16);
+      uint16_t* kdst = kpack.data() + (h * cp + blk * 16) * d;  // [D/2][16][2]
+      uint16_t* vdst = vpack.data() + (h * cp + blk * 16) * d;  // 8 key pairs of [D][2]
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t key = blk * 16 + t;
+        const uint16_t* krow = key < c ? kb + key * ks + h * kh : nullptr;
+        const uint16_t* vrow = key < c ? vb + key * vs + h * vh : nullptr;
+        for (int64_t i = 0; i < d; ++i) {
+          kdst[((i / 2) * 16 + t) * 2 + (i & 1)] = krow ? krow[i] : 0;
+          vdst[((t / 2) * d + i) * 2 + (t & 1)] = vrow ? vrow[i] : 0;
+        }
+      }
+    }
+  });
+  const int64_t qblocks = (lq + kRowsPerTask - 1) / kRowsPerTask, tasks = kv_heads * qblocks;
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());  // bf16 pairs
+  const int64_t qs = q.stride(0) / 2, qh = q.stride(1) / 2;
+  float* ob = out.data_ptr<float>();
+  float* lb = lse.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      // causal tasks grow with the query block: alternate ends so each thread's share is balanced
+      const int64_t h = task % kv_heads, i = task / kv_heads;
+      const int64_t qb = causal ? (i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2) : i;
+      const int64_t p0 = qb * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
+      const int64_t rows = (p1 - p0) * groups;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
+        const uint32_t* qp[4];
+        int64_t limit[4];
+        float* orow[4];
+        float lsev[4];
+        for (int r = 0; r < n; ++r) {
+          const int64_t pos = p0 + (r0 + r) / groups, head = h * groups + (r0 + r) % groups;
+          qp[r] = qw + pos * qs + head * qh;
+          limit[r] = causal ? pos + c - lq : c - 1;
+          orow[r] = ob + (pos * heads + head) * d;
+        }
+        const uint16_t* kph = kpack.data() + h * cp * d;
+        const uint16_t* vph = vpack.data() + h * cp * d;
+        switch (n) {
+          case 4: rows_pass<4>(qp, limit, kph, vph, d, s, orow, lsev); break;
+          case 3: rows_pass<3>(qp, limit, kph, vph, d, s, orow, lsev); break;
+          case 2: rows_pass<2>(qp, limit, kph, vph, d, s, orow, lsev); break;
+          default: rows_pass<1>(qp, limit, kph, vph, d, s, orow, lsev);
+        }
+        for (int r = 0; r < n; ++r) {
+          const int64_t pos = p0 + (r0 + r) / groups, head = h * groups + (r0 + r) % groups;
+          lb[pos * heads + head] = lsev[r];
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "flash_attention_bf16: built without AVX512-BF16 (this CPU or compiler lacks it)");
+#endif
+  return {out, lse};
+}

@@ -1,0 +1,142 @@
+"""`model.prefill_attention: sage`: the bf16 flash kernel (csrc/flash_bf16.cpp) against attention in
+fp32 plain ops, per call (causal lower-right and unmasked, GQA, strided views, partial tiles), then in
+the engine against PyTorch's flash kernel (the reference path): the same attention metadata through
+`paged_attention`, and greedy tokens within bf16 drift. Skipped where the kernel cannot run (no
+AVX512-BF16, no compiler): each test says why."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig
+from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.errors import ConfigError
+from sage_infer.layers import attention as attention_mod
+from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
+from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable
+from tests.test_paged_kernel import LAYER, chunk_step
+from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
+
+WHY = flash_unavailable(64)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's bf16 flash kernel cannot run here: {WHY}")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """fp32 attention of q [Lq, H, D] over k, v [C, KvH, D]; causal aligned to the lower right."""
+    lq, heads, _ = q.shape
+    c, kv_heads, _ = k.shape
+    groups = heads // kv_heads
+    qh = q.float().transpose(0, 1).reshape(kv_heads, groups * lq, -1)[None]  # [1, KvH, G*Lq, D]
+    kh, vh = k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
+    mask = None
+    if causal:
+        visible = torch.arange(c)[None, :] <= torch.arange(lq)[:, None] + (c - lq)  # [Lq, C]
+        mask = visible.repeat(groups, 1)[None, None]
+    out, lse = attention_with_lse_reference(qh, kh, vh, scale, mask)
+    return (out[0].view(kv_heads, groups, lq, -1).permute(2, 0, 1, 3).reshape(lq, heads, -1),
+            lse[0].view(kv_heads, groups, lq).permute(2, 0, 1).reshape(lq, heads))
+
+
+@pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
+                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
+@pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((4, 4), 32), ((8, 2), 128)])
+def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
+    torch.manual_seed(lq * 31 + c)
+    num_heads, num_kv_heads = heads
+    q = torch.randn(lq, num_heads, head_dim).bfloat16()
+    k, v = torch.randn(c, num_kv_heads, head_dim).bfloat16(), torch.randn(c, num_kv_heads, head_dim).bfloat16()
+    out, lse = flash_attention(q, k, v, head_dim ** -0.5, causal)
+    want, want_lse = reference(q, k, v, head_dim ** -0.5, causal)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (lq, num_heads)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)  # scores: exact bf16 products, fp32 sums
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=0)  # P is rounded to bf16, as PyTorch's bf16 flash does
+
+
+def test_strided_views_read_as_their_contiguous_copies():
+    """q, k, v as the engine has them: views into one fused qkv projection output."""
+    torch.manual_seed(0)
+    qkv = torch.randn(50, (6 + 2 * 2) * 64).bfloat16()
+    q, k, v = qkv[:, :384].view(50, 6, 64), qkv[:, 384:512].view(50, 2, 64), qkv[:, 512:].view(50, 2, 64)
+    got = flash_attention(q, k, v, 0.125, True)
+    want = flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_bad_shapes_are_clear_errors():
+    q = torch.randn(4, 2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="causal needs at least as many keys as queries"):
+        flash_attention(q, q[:2], q[:2], 0.1, True)
+    with pytest.raises(RuntimeError, match="bf16 q, k and v"):
+        flash_attention(q.float(), q.float(), q.float(), 0.1, False)
+    with pytest.raises(RuntimeError, match="head_dim must be"):
+        flash_attention(q[..., :48], q[..., :48], q[..., :48], 0.1, False)
+    assert flash_unavailable(80) == "head_dim 80 is not 32, 64, 96 or 128"
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade):
+    """One bf16 step: first chunks, chunks after cached context and decode rows, with and without a shared
+    prefix attended once (cascade): the kernel's spans and prefix against PyTorch's flash kernel."""
+    plan = [(24 + c, n) for c, n in ((0, 1), (3, 7), (5, 40), (1, 2), (2, 70), (0, 1))] + [(0, 33)]
+    pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6, heads=(8, 2), head_dim=64, dtype=torch.bfloat16)
+    metas = []
+    for flash in (True, False):
+        runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, flash_attention=flash)
+        runner.cascade_min_saved_tokens = 1
+        metas.append(runner.prepare(seqs, num_new)[2])
+    assert metas[0].flash and not metas[1].flash
+    assert (metas[0].shared is not None) == cascade
+    assert len(metas[0].prefills) + (len(metas[0].shared.prefills) if cascade else 0) >= 3
+    got = paged_attention(q, k, v, pool, LAYER, metas[0], 0.125)
+    want = paged_attention(q, k, v, pool, LAYER, metas[1], 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)  # both bf16, P rounded in both
+
+
+def engine(path, prefill_attention: str, dtype: str = "bf16") -> LLM:
+    config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype,
+                                                   "prefill_attention": prefill_attention},
+                                         "kv_pool": {"num_blocks": 96}})
+    return LLM(config=config)
+
+
+def greedy_tokens(llm: LLM, prompts, max_tokens: int = 10) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path):
+    path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
+    rng = random.Random(8)
+    shared = [rng.randrange(5, 500) for _ in range(48)]  # a prefix cached after the first prompt
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (5, 20, 40, 64, 100, 130)]
+    prompts += [shared + [rng.randrange(5, 500) for _ in range(n)] for n in (3, 9)]
+    got = greedy_tokens(engine(path, "sage"), prompts)
+    want = greedy_tokens(engine(path, "torch"), prompts)
+    assert_within_bf16_drift(got, want)
+
+
+def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
+    calls = []
+    real = attention_mod.flash_attention
+    monkeypatch.setattr(attention_mod, "flash_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
+    greedy_tokens(engine(path, "torch"), [list(range(5, 30))], max_tokens=2)
+    assert calls == []
+    greedy_tokens(engine(path, "sage"), [list(range(5, 30))], max_tokens=2)
+    assert calls == [25] * 2  # the prompt's chunk, in each of the 2 layers; decode rows take the paged kernel
+
+
+def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path):
+    path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
+    with pytest.raises(ConfigError, match=r"^model.prefill_attention: sage: the kernel is bf16-only \(the model is fp"):
+        engine(path, "sage", dtype="fp32")
+    assert not engine(path, "auto", dtype="fp32").engine.runner.flash_attention
+    assert engine(path, "auto").engine.runner.flash_attention
