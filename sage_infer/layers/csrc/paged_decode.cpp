@@ -20,6 +20,10 @@
 
 #include "widen.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // D: head_dim as a compile-time constant for the common sizes (full unrolling), 0 for any other
 template <int D, typename kv_t>
 static inline float dot(const float* q, const kv_t* k, int64_t d) {
@@ -47,6 +51,73 @@ static inline void prefetch_block(const kv_t* first, int64_t tokens, int64_t tok
   for (int64_t t = 0; t < tokens; ++t, p += stride)
     for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
+
+#if defined(__AVX512F__)
+// one token's D values of one head as D/16 vectors of fp32
+template <int D>
+static inline void widen_row(const float* p, __m512 (&x)[D / 16]) {
+  for (int j = 0; j < D / 16; ++j) x[j] = _mm512_loadu_ps(p + 16 * j);
+}
+template <int D>
+static inline void widen_row(const c10::BFloat16* p, __m512 (&x)[D / 16]) {
+  for (int j = 0; j < D / 16; ++j)
+    x[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * j))), 16));
+}
+template <int D>
+static inline void widen_row(const c10::Half* p, __m512 (&x)[D / 16]) {
+  for (int j = 0; j < D / 16; ++j) x[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * j)));
+}
+template <int D>
+static inline void widen_row(const double*, __m512 (&)[D / 16]) {
+  TORCH_CHECK(false, "paged_decode_attention: fp64 pools are not supported");
+}
+
+// o[g] = sum_t p[g][t] * v[t] for G query heads of one KV head, the G x D accumulators in registers:
+// each token's values are widened once for the G heads, and no partial sum goes through memory
+template <int D, int G, typename kv_t>
+static void values_in_registers(const kv_t* v_cache, const int64_t* table, int64_t len, int64_t block_size,
+                                int64_t block_stride, int64_t token_stride, const float* p, float* o) {
+  __m512 acc[G][D / 16];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < D / 16; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t blk = 0, t = 0; t < len; ++blk) {
+    const kv_t* v = v_cache + table[blk] * block_stride;
+    if (t + block_size < len)
+      prefetch_block(v_cache + table[blk + 1] * block_stride, block_size, token_stride, D * sizeof(kv_t));
+    for (const int64_t end = std::min(len, t + block_size); t < end; ++t, v += token_stride) {
+      __m512 x[D / 16];
+      widen_row<D>(v, x);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * len + t]);
+        for (int j = 0; j < D / 16; ++j) acc[g][j] = _mm512_fmadd_ps(w, x[j], acc[g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(o + g * D + 16 * j, acc[g][j]);
+}
+
+// the values pass of `attend` for D 64 or 128: query heads of each KV head 4 (D 64) or 2 (D 128) at a time
+template <int D, typename kv_t>
+static void values_pass(const kv_t* v_cache, const int64_t* table, int64_t len, int64_t block_size,
+                        int64_t block_stride, int64_t token_stride, int64_t heads, int64_t groups,
+                        const float* scores, float* o) {
+  constexpr int kMax = 256 / D;  // 16 accumulators
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t g = 0; g < groups; g += kMax) {
+      const int64_t r = hh * groups + g;
+      const kv_t* v = v_cache + hh * D;
+      const float* p = scores + r * len;
+      switch (std::min<int64_t>(kMax, groups - g)) {
+        case 4: values_in_registers<D, (kMax >= 4 ? 4 : 1), kv_t>(v, table, len, block_size, block_stride, token_stride, p, o + r * D); break;
+        case 3: values_in_registers<D, (kMax >= 3 ? 3 : 1), kv_t>(v, table, len, block_size, block_stride, token_stride, p, o + r * D); break;
+        case 2: values_in_registers<D, 2, kv_t>(v, table, len, block_size, block_stride, token_stride, p, o + r * D); break;
+        default: values_in_registers<D, 1, kv_t>(v, table, len, block_size, block_stride, token_stride, p, o + r * D);
+      }
+    }
+}
+#endif
 
 // One task: `heads` consecutive KV heads of one sequence (all of them when the batch keeps every
 // thread busy, so each token's [KvH, D] row is read once, contiguously; one per task otherwise).
@@ -95,6 +166,13 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
     for (int64_t i = 0; i < head_dim; ++i) o[r * head_dim + i] = 0.f;
   }
+#if defined(__AVX512F__)
+  if constexpr (D == 64 || D == 128) {
+    values_pass<D, kv_t>(v_cache + h0 * head_dim, table, len, block_size, block_stride, token_stride, heads, groups,
+                         scores.data(), o);
+    return;
+  }
+#endif
   for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
     const kv_t* v = v_cache + table[blk] * block_stride + h0 * head_dim;
     const int64_t end = std::min(len, t + block_size);
