@@ -1,0 +1,105 @@
+"""sage's bf16 flash kernel (`model.prefill_attention: sage`) against PyTorch's CPU flash kernel, per call.
+
+    python bench/flash_attention.py --threads 2 --json out/flash_attention.json
+
+Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v. Cases: causal prefill
+chunks of W1's prompt lengths (100-500) and a 2,048-token one (reference: `prefill_attention`, one
+causal SDPA call); a 32-token chunk after 1,024 cached
+keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's reference path splits
+it into an unmasked and a causal call merged by log-sum-exp: `_chunk_attention_lse`, timed here); the
+shared prefix of W2's decode steps, 64 rows x 14 heads over 1,024 keys unmasked
+(`_shared_keys_attention_lse`, G heads folded into rows). Best of `--repeats` calls each, the
+reference first; "max diff" is against fp32 plain ops, for both kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from sage_infer.layers.attention import (  # noqa: E402
+    _chunk_attention_lse,
+    _shared_keys_attention_lse,
+    prefill_attention,
+)
+from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True), (32, 1056, True),
+         (64, 1024, False)]
+
+
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    groups = HEADS // KV_HEADS
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(groups, 1)) * HEAD_DIM ** -0.5
+    if causal:
+        lq, c = q.shape[0], k.shape[0]
+        scores = scores.masked_fill(torch.arange(c)[None, :] > torch.arange(lq)[:, None] + (c - lq), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v.float().repeat_interleave(groups, 1))
+
+
+def first_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor]:
+    return (prefill_attention(q, k, v, scale),)
+
+
+def best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if why := flash_unavailable(HEAD_DIM):
+        sys.exit(f"sage's flash kernel cannot run here: {why}")
+    torch.set_num_threads(args.threads)
+    scale = HEAD_DIM ** -0.5
+    rows = []
+    print(f"{'queries x keys':>16} {'causal':>6} {'torch ms':>9} {'sage ms':>8} {'sage GFLOP/s':>13} "
+          f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.threads} threads)")
+    for lq, c, causal in CASES:
+        torch.manual_seed(lq + c)
+        q = torch.randn(lq, HEADS, HEAD_DIM).bfloat16()
+        k, v = torch.randn(c, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(c, KV_HEADS, HEAD_DIM).bfloat16()
+        if lq == c:  # a first chunk: one causal SDPA call (`prefill_attention`)
+            reference = partial(first_chunk, q, k, v, scale)
+        else:
+            reference = partial(_chunk_attention_lse if causal else _shared_keys_attention_lse, q, k, v, scale)
+        sage = partial(flash_attention, q, k, v, scale, causal)
+        want = exact(q, k, v, causal)
+        diffs = [(fn()[0].float() - want).abs().max().item() for fn in (reference, sage)]
+        t_ref, t_sage = best(reference, args.repeats), best(sage, args.repeats)
+        flops = 4 * HEADS * HEAD_DIM * (lq * c - (lq * lq / 2 if causal else 0))
+        row = {"queries": lq, "keys": c, "causal": causal, "torch_ms": t_ref * 1e3, "sage_ms": t_sage * 1e3,
+               "sage_gflop_s": flops / t_sage / 1e9, "speedup": t_ref / t_sage, "max_diff_torch": diffs[0],
+               "max_diff_sage": diffs[1]}
+        rows.append(row)
+        print(f"{f'{lq} x {c}':>16} {causal!s:>6} {row['torch_ms']:9.2f} {row['sage_ms']:8.2f} "
+              f"{row['sage_gflop_s']:13.1f} {row['speedup']:10.2f}x {diffs[0]:10.1e} / {diffs[1]:.1e}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "shape": [HEADS, KV_HEADS, HEAD_DIM],
+                                         "torch": torch.__version__, "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
