@@ -35,7 +35,8 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
                                        ("attention", model.attention, "auto", "attention path"),
                                        ("prefill_attention", model.prefill_attention, "auto", "prefill attention"),
                                        ("elementwise", model.elementwise, "auto", "elementwise ops"),
-                                       ("host_malloc", model.host_malloc, "keep", "host allocator settings")):
+                                       ("host_malloc", model.host_malloc, "keep", "host allocator settings"),
+                                       ("huge_pages", model.huge_pages, True, "huge-page setting")):
         if value != default:
             raise ConfigError(f"model.{name}: {value} picks sage's own {what}; {backend} chooses its own {where}",
                               hint=f"leave model.{name} at {default}")

@@ -4,6 +4,7 @@ block manager with its prefix index and policy, scheduler."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -15,6 +16,7 @@ from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
+from sage_infer.hal.huge_pages import collapse_to_huge_pages
 from sage_infer.hal.malloc import keep_freed_buffers
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
@@ -52,6 +54,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     device = auto.device
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
+    if config.model.huge_pages:
+        use_huge_pages(model)
     use_host_malloc(config.model.host_malloc, device)
     model.fused_elementwise = use_fused_elementwise(config.model.elementwise, device)
     try:
@@ -163,6 +167,24 @@ def _fast_path(field: str, choice: str, why: str | None, chosen: str, reference:
         raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: {reference}")
     auto_log.info("%s = %s (auto: %s)", field, reference, why)
     return False
+
+
+def use_huge_pages(model: torch.nn.Module) -> int:
+    """`model.huge_pages`: collapse the packed weights of `model` into 2 MiB pages; the bytes collapsed
+    (logged with the time it took, or why it could not)."""
+    ranges = [(torch.ops.mkldnn.data_ptr(m.packed), torch.ops.mkldnn._nbytes(m.packed)) for m in model.modules()
+              if isinstance(m, PackedLinear)]
+    if not ranges:
+        return 0
+    start = time.perf_counter()
+    done, why = collapse_to_huge_pages(ranges)
+    total = sum(n for _, n in ranges)
+    if done:
+        auto_log.info("model.huge_pages = on (%.0f MB of packed weights, %.0f MB of 2 MiB pages, %.1f s%s)",
+                      total / 1e6, done / 1e6, time.perf_counter() - start, f"; some failed: {why}" if why else "")
+    else:
+        auto_log.info("model.huge_pages: no effect here: %s", why or "no buffer holds a whole 2 MiB page")
+    return done
 
 
 def use_host_malloc(choice: str, device: torch.device) -> bool:

@@ -1,0 +1,83 @@
+"""2 MiB transparent huge pages for long-lived host buffers: the packed weights of a CPU model.
+
+A batch-1 decode step streams every weight once; with 4 KiB pages that is one TLB miss per page and
+a hardware prefetcher that stops at every page boundary. Backing the packed weights with huge pages
+measured 1.07x the weight-read bandwidth of the 0.5B model's decode GEMVs on the bench machine
+(35.5 against 33.0 GB/s, the two copies timed alternately in one process; docs/benchmarks.md,
+session 9). The weights are already written when sage sees them (oneDNN packs
+them into its own buffers), so each buffer's range, rounded out to 2 MiB, is marked
+``MADV_HUGEPAGE`` and then collapsed in place with ``MADV_COLLAPSE`` (Linux 6.1+): the kernel
+copies it into huge pages at start-up, about 0.4-0.6 GB/s here. Neighbouring heap memory inside
+the rounded range is collapsed too, which only changes its page size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+from collections.abc import Iterable
+from pathlib import Path
+
+MADV_HUGEPAGE = 14  # <linux/mman.h>
+MADV_COLLAPSE = 25
+HUGE_PAGE = 2 << 20
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_unavailable() -> str | None:
+    """None when this process can ask for transparent huge pages, else why not."""
+    if platform.system() != "Linux":
+        return f"not Linux ({platform.system()})"
+    try:
+        mode = THP_ENABLED.read_text()
+    except OSError as err:
+        return f"cannot read {THP_ENABLED}: {err.strerror}"
+    if "[never]" in mode:
+        return f"transparent huge pages are off ({THP_ENABLED}: {mode.strip()})"
+    return None
+
+
+def merged_ranges(ranges: Iterable[tuple[int, int]], outward: bool = True) -> list[tuple[int, int]]:
+    """(address, nbytes) ranges rounded to huge-page boundaries (out, or in: only whole huge pages inside),
+    overlapping ones merged: [(start, end)]."""
+    up = lambda x: (x + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)  # noqa: E731
+    down = lambda x: x & ~(HUGE_PAGE - 1)  # noqa: E731
+    spans = sorted((down(a), up(a + n)) if outward else (up(a), down(a + n)) for a, n in ranges if n > 0)
+    spans = [(start, end) for start, end in spans if end > start]
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> tuple[int, str | None]:
+    """Back the (address, nbytes) ranges of written memory with huge pages now: (bytes collapsed, None), or
+    (bytes collapsed, why some or all could not be: no THP, a kernel before 6.1, no free huge pages)."""
+    if why := thp_unavailable():
+        return 0, why
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    ranges = list(ranges)
+    done, failure = 0, None
+    inward = merged_ranges(ranges, outward=False)
+    for start, end in merged_ranges(ranges):
+        if _collapse(libc, start, end):
+            done += end - start
+            continue
+        # part of the rounded range is not mapped (a buffer at the edge of its mapping): its whole pages only
+        for inner_start, inner_end in (r for r in inward if start <= r[0] and r[1] <= end):
+            if _collapse(libc, inner_start, inner_end):
+                done += inner_end - inner_start
+            else:
+                errno = ctypes.get_errno()
+                failure = failure or f"madvise: {os.strerror(errno)} (errno {errno})"
+    return done, failure
+
+
+def _collapse(libc: ctypes.CDLL, start: int, end: int) -> bool:
+    return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0 and libc.madvise(start, end - start, MADV_COLLAPSE) == 0

@@ -1,0 +1,67 @@
+"""`model.huge_pages`: packed weights collapsed into 2 MiB transparent huge pages (sage_infer/hal/huge_pages.py).
+
+The rounding is checked as arithmetic; the collapse on a real buffer of this process, read back from
+/proc/self/smaps (skipped, saying why, where the kernel cannot: THP off, or no MADV_COLLAPSE before
+Linux 6.1); the engine's use of the setting by which ranges it hands over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sage_infer.config.serve import ServeConfig
+from sage_infer.engine import build
+from sage_infer.hal.huge_pages import HUGE_PAGE, collapse_to_huge_pages, merged_ranges
+from sage_infer.layers.linear import PackedLinear, packing_available
+from tests.tiny_models import make_tiny_model
+
+MB = 1 << 20
+
+
+def test_ranges_are_rounded_to_huge_pages_and_merged():
+    h = HUGE_PAGE
+    ranges = [(h + 100, 10), (h + 4000, h), (5 * h, 3 * h), (9 * h - 1, 2), (20 * h, 0)]
+    assert merged_ranges(ranges) == [(h, 3 * h), (5 * h, 10 * h)]  # the second touches 3h; 8h-10h joins 5h-8h
+    assert merged_ranges(ranges, outward=False) == [(5 * h, 8 * h)]  # only whole pages inside a buffer
+
+
+def anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_written_buffer_is_collapsed_in_place_and_keeps_its_values():
+    buf = torch.arange(12 * MB // 4, dtype=torch.int32)  # written, 12 MiB: glibc maps it on its own
+    before = buf.clone()
+    done, why = collapse_to_huge_pages([(buf.data_ptr(), buf.numel() * 4)])
+    if done == 0:
+        pytest.skip(f"this kernel does not collapse into huge pages: {why}")
+    assert anon_huge_kb(buf.data_ptr()) >= 8 * 1024  # at least the 4 whole pages inside the buffer
+    assert torch.equal(buf, before)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN (mkldnn) linear")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_engine_hands_over_every_packed_weight_only_when_enabled(tmp_path, monkeypatch, enabled):
+    calls = []
+    monkeypatch.setattr(build, "collapse_to_huge_pages", lambda ranges: calls.append(list(ranges)) or (0, "test"))
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    config = ServeConfig.model_validate({"model": {"path": str(path), "huge_pages": enabled},
+                                         "kv_pool": {"num_blocks": 8}})
+    engine = build.build_engine(config)
+    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed
+    if not enabled:
+        assert calls == []
+        return
+    (ranges,) = calls
+    assert sorted(ranges) == sorted((torch.ops.mkldnn.data_ptr(m.packed), torch.ops.mkldnn._nbytes(m.packed))
+                                    for m in packed)
