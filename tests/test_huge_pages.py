@@ -20,8 +20,8 @@ MB = 1 << 20
 
 def test_ranges_are_rounded_to_huge_pages_and_merged():
     h = HUGE_PAGE
-    ranges = [(h + 100, 10), (h + 4000, h), (5 * h, 3 * h), (9 * h - 1, 2), (20 * h, 0)]
-    assert merged_ranges(ranges) == [(h, 3 * h), (5 * h, 10 * h)]  # the second touches 3h; 8h-10h joins 5h-8h
+    ranges = [(h + 100, h // 2), (h + 4000, h), (5 * h, 3 * h), (9 * h - 1, h // 2 + 2), (20 * h, h // 2 - 1)]
+    assert merged_ranges(ranges) == [(h, 3 * h), (5 * h, 10 * h)]  # 8h-10h joins 5h-8h; the last is too small
     assert merged_ranges(ranges, outward=False) == [(5 * h, 8 * h)]  # only whole pages inside a buffer
 
 

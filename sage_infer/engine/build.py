@@ -183,7 +183,7 @@ def use_huge_pages(model: torch.nn.Module) -> int:
         auto_log.info("model.huge_pages = on (%.0f MB of packed weights, %.0f MB of 2 MiB pages, %.1f s%s)",
                       total / 1e6, done / 1e6, time.perf_counter() - start, f"; some failed: {why}" if why else "")
     else:
-        auto_log.info("model.huge_pages: no effect here: %s", why or "no buffer holds a whole 2 MiB page")
+        auto_log.info("model.huge_pages: no effect here: %s", why or "no packed weight of 1 MiB or more")
     return done
 
 

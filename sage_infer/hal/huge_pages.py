@@ -40,11 +40,12 @@ def thp_unavailable() -> str | None:
 
 
 def merged_ranges(ranges: Iterable[tuple[int, int]], outward: bool = True) -> list[tuple[int, int]]:
-    """(address, nbytes) ranges rounded to huge-page boundaries (out, or in: only whole huge pages inside),
-    overlapping ones merged: [(start, end)]."""
+    """(address, nbytes) ranges of at least half a huge page, rounded to huge-page boundaries (out, or in:
+    only whole huge pages inside), overlapping ones merged: [(start, end)]. Smaller buffers are left
+    alone: rounding them out would mostly collapse memory around them."""
     up = lambda x: (x + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)  # noqa: E731
     down = lambda x: x & ~(HUGE_PAGE - 1)  # noqa: E731
-    spans = sorted((down(a), up(a + n)) if outward else (up(a), down(a + n)) for a, n in ranges if n > 0)
+    spans = sorted((down(a), up(a + n)) if outward else (up(a), down(a + n)) for a, n in ranges if n >= HUGE_PAGE // 2)
     spans = [(start, end) for start, end in spans if end > start]
     merged: list[tuple[int, int]] = []
     for start, end in spans:
