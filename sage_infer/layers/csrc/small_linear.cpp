@@ -28,7 +28,7 @@ namespace {
 
 constexpr int64_t kRows = 64;       // output rows per block
 constexpr int64_t kPairStep = 16;   // column pairs are padded to a multiple of 16 (32 columns)
-constexpr int kGroup = 4;           // x rows per pass over a block (16 accumulators)
+constexpr int kGroup = 6;           // x rows per pass over a block (24 accumulators + 4 weight lines + x)
 
 inline int64_t padded_pairs(int64_t k) { return (k + 2 * kPairStep - 1) / (2 * kPairStep) * kPairStep; }
 inline int64_t num_blocks(int64_t n) { return (n + kRows - 1) / kRows; }
@@ -128,6 +128,8 @@ torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int
         const uint32_t* xr = xp.data() + r * pairs;
         c10::BFloat16* orow = o + r * n + blk * kRows;
         switch (std::min<int64_t>(kGroup, m - r)) {
+          case 6: block_pass<6>(wb, xr, pairs, pairs, bb, valid, orow, n); break;
+          case 5: block_pass<5>(wb, xr, pairs, pairs, bb, valid, orow, n); break;
           case 4: block_pass<4>(wb, xr, pairs, pairs, bb, valid, orow, n); break;
           case 3: block_pass<3>(wb, xr, pairs, pairs, bb, valid, orow, n); break;
           case 2: block_pass<2>(wb, xr, pairs, pairs, bb, valid, orow, n); break;
