@@ -44,7 +44,8 @@ REGIONS = {
 }
 # the C++ kernels (sage_infer/layers/csrc, pybind functions: torch.profiler sees no op in them), wrapped in
 # `kernel::<name>` regions whose self time is op time of this category
-KERNELS = {"small_linear": "GEMM", "paged_decode_attention": "attention", "rms_norm": "fused ops",
+KERNELS = {"small_linear": "GEMM", "paged_decode_attention": "attention", "flash_attention_bf16": "attention",
+           "rms_norm": "fused ops",
            "add_rms_norm_": "fused ops", "silu_mul": "fused ops", "rope_": "fused ops"}
 OPS_DETAIL: dict[str, float] = defaultdict(float)  # filled when --ops (a non-empty dict is the flag)
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
