@@ -25,17 +25,18 @@ def test_ranges_are_rounded_to_huge_pages_and_merged():
     assert merged_ranges(ranges, outward=False) == [(5 * h, 8 * h)]  # only whole pages inside a buffer
 
 
-def anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
+def anon_huge_kb(address: int, nbytes: int) -> int:
+    """AnonHugePages of the mappings that overlap [address, address + nbytes) (/proc/self/smaps; madvise
+    splits a mapping where its advice changes)."""
+    total, inside = 0, False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
+            inside = start < address + nbytes and address < end
         elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+            total += int(line.split()[1])
+    return total
 
 
 def test_a_written_buffer_is_collapsed_in_place_and_keeps_its_values():
@@ -44,7 +45,7 @@ def test_a_written_buffer_is_collapsed_in_place_and_keeps_its_values():
     done, why = collapse_to_huge_pages([(buf.data_ptr(), buf.numel() * 4)])
     if done == 0:
         pytest.skip(f"this kernel does not collapse into huge pages: {why}")
-    assert anon_huge_kb(buf.data_ptr()) >= 8 * 1024  # at least the 4 whole pages inside the buffer
+    assert anon_huge_kb(buf.data_ptr(), buf.numel() * 4) >= 8 * 1024  # at least the 4 whole pages inside the buffer
     assert torch.equal(buf, before)
 
 
@@ -65,3 +66,19 @@ def test_the_engine_hands_over_every_packed_weight_only_when_enabled(tmp_path, m
     (ranges,) = calls
     assert sorted(ranges) == sorted((torch.ops.mkldnn.data_ptr(m.packed), torch.ops.mkldnn._nbytes(m.packed))
                                     for m in packed)
+
+
+def test_a_pool_built_with_huge_pages_is_zero_and_on_huge_pages():
+    from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+    from sage_infer.hal.huge_pages import thp_unavailable
+    from sage_infer.kv_runtime import KVPool
+
+    schema = KVCacheSchema(4, 2, 64, 16, KVDtype.BF16)  # 32 KiB per block
+    pool = KVPool(schema, 2048, huge_pages=True)  # 64 MiB: above glibc's mmap threshold, so freshly mapped
+    assert not pool._kv.any()
+    if why := thp_unavailable():
+        pytest.skip(f"no transparent huge pages here: {why}")
+    huge = anon_huge_kb(pool._kv.data_ptr(), pool._kv.numel() * 2)
+    if huge == 0:  # asked for, none given: the kernel found no free 2 MiB page
+        pytest.skip("the kernel gave no huge page (memory fragmented)")
+    assert huge >= 16 * 1024

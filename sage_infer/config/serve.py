@@ -59,7 +59,8 @@ class ModelConfig(Strict):
     huge_pages: bool = Field(
         True, description="CPU: back the packed weights with 2 MiB transparent huge pages, collapsed at start-up "
         "(MADV_COLLAPSE, Linux 6.1+, THP not 'never'): 1.07x the weight-read bandwidth of batch-1 decode here, "
-        "for ~2 s of start-up per GB of weights. false: 4 KiB pages.")
+        "for ~2 s of start-up per GB of weights; and the KV pool, asked for huge pages before it is zeroed (no "
+        "start-up cost; 8% faster decode attention over a 2 GB pool). false: 4 KiB pages.")
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")

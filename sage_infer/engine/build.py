@@ -76,7 +76,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
     auto.values.append(host_bytes)
     auto.log()
-    pool = KVPool(schema, blocks.value, device=device)
+    pool = KVPool(schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
 
     index = None
     if config.kv_pool.enable_prefix_caching:

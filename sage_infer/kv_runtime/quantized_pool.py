@@ -19,7 +19,7 @@ import math
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema, ScaleLayout
-from sage_infer.kv_runtime.pool import GATHER_SCRATCH_MAX_BYTES, BlockIds, KVPool, KVPoolSizeError
+from sage_infer.kv_runtime.pool import GATHER_SCRATCH_MAX_BYTES, BlockIds, KVPool, KVPoolSizeError, pool_zeros
 from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
 
 
@@ -35,7 +35,7 @@ class QuantizedKVPool(KVPool):
     supports_block_views = False  # codes plus scales: kernels that read float blocks in place cannot
 
     def __init__(self, schema: KVCacheSchema, num_blocks: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, huge_pages: bool = False) -> None:
         if num_blocks < 1:
             raise KVPoolSizeError(f"a KV pool needs at least 1 block, got num_blocks={num_blocks}")
         if schema.scale_layout is not ScaleLayout.PER_TOKEN:
@@ -53,7 +53,7 @@ class QuantizedKVPool(KVPool):
         self.dtype = torch.uint8
         self.device = torch.device(device)
         lead = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads)
-        self._codes = torch.zeros((*lead, self.codec.code_dim), dtype=torch.uint8, device=self.device)
+        self._codes = pool_zeros((*lead, self.codec.code_dim), torch.uint8, self.device, huge_pages)
         # scale 0: an unwritten slot decodes to zeros, never NaN
         self._params = torch.zeros((*lead, self.codec.num_params), dtype=PARAMS_DTYPE, device=self.device)
         self._code_rows = [self._codes[:, layer].view(2, -1, self.num_kv_heads, self.codec.code_dim)
