@@ -58,6 +58,9 @@ def test_rows_past_the_limit_and_fp32_weights_stay_on_onednn(monkeypatch):
     assert calls == [10, 10]
     fp32 = PackedLinear(nn.Linear(96, 160), small_rows=SMALL_LINEAR_ROWS)
     assert fp32.small_rows == 0
+    assert fp32(torch.empty(0, 96)).shape == (0, 160)  # no rows: oneDNN's empty product, not the kernel
+    assert onednn(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 160)
+    assert calls == [10, 10]
 
 
 def test_the_layout_check_compares_the_bytes_not_just_the_size():

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
+        if 0 < flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
             out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
