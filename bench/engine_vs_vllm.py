@@ -204,12 +204,15 @@ def weight_gb_s(tok_s: float, params: int, dtype: str) -> float:
 
 
 def read_bandwidth_gb_s(threads: int, nbytes: int = 512 << 20, repeats: int = 10) -> float:
-    """Streaming-read bandwidth with `threads` threads (best of `repeats` sums over `nbytes` of fp32): what a
-    batch-1 decode that reads every weight once per token can reach at most."""
+    """Streaming-read bandwidth with `threads` threads (best of `repeats` sums over `nbytes` of fp32 on 2 MiB
+    pages where the kernel gives them, as `model.huge_pages` puts sage's weights): what a batch-1 decode that
+    reads every weight once per token can reach at most."""
     import torch
 
+    from sage_infer.hal.huge_pages import zeros_on_huge_pages
+
     torch.set_num_threads(threads)
-    x = torch.ones(nbytes // 4)
+    x = zeros_on_huge_pages((nbytes // 4,), torch.float32)[0].fill_(1.0)  # 2 MiB pages, as sage's weights
     x.sum()  # fault the pages in
     best = min(_timed(x.sum) for _ in range(repeats))
     return nbytes / best / 1e9

@@ -4,12 +4,18 @@ pools masked SDPA, bf16 pools `gather_block_levels` + `decode_attention_scaled`)
 
     python bench/paged_decode_kernel.py --threads 1
     python bench/paged_decode_kernel.py --threads 2 --json out/paged_decode_kernel.json
+    python bench/paged_decode_kernel.py --threads 2 --step     # one whole decode step from a 2 GB pool
 
 Shapes: qwen3-11m (6 query / 2 KV heads x 64, fp32 pool) and the Qwen2.5-0.5B shape (14 / 2 x 64,
 bf16 pool); batch x context lengths drawn uniformly in [lo, hi] (seed 0), blocks of 16 in a
 shuffled pool. Each case: best of 5 rounds of 5 calls, reference and kernel alternating, through
 `paged_attention` (the step's K/V store included, as in the engine). GB/s = K and V bytes of the
 contexts / kernel time.
+
+`--step`: the kernel alone over all 24 layers of a 0.5B-shape decode step, 64 rows of 200-630
+tokens whose blocks are scattered over a ~2 GB bf16 pool (far past the L3, as in the engine), on a
+pool of 4 KiB pages and one on 2 MiB pages (`KVPool(huge_pages=True)`), timed alternately: best of
+10 steps each, and ns per (row, context token) of one layer.
 """
 
 from __future__ import annotations
@@ -73,12 +79,54 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
             "kernel_gb_s": nbytes / best["kernel"] / 1e9, "kv_mb": nbytes / 1e6, "max_abs_diff": diff}
 
 
+def whole_step(threads: int) -> dict:
+    """`--step`: one decode step's attention, all 24 layers, from a 4 KiB-page and a huge-page pool."""
+    from sage_infer.layers.paged_kernel import decode_attention_paged
+
+    num_heads, num_kv_heads, head_dim, dtype = SHAPES["qwen2.5-0.5b bf16"]
+    layers, num_blocks = 24, 10000
+    rng = random.Random(0)
+    lens = [rng.randint(200, 630) for _ in range(64)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lens]
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    context = torch.tensor(lens)
+    q = torch.randn(64, num_heads, head_dim).to(dtype).float()
+    schema = KVCacheSchema(layers, num_kv_heads, head_dim, BLOCK, KVDtype.FP32)
+    pools = {name: KVPool(schema, num_blocks, dtype=dtype, huge_pages=huge) for name, huge in
+             (("4 KiB pages", False), ("2 MiB pages", True))}
+    for pool in pools.values():
+        pool._kv.normal_()  # (the bench may fill the storage directly)
+    best = {name: float("inf") for name in pools}
+    for _ in range(10):
+        for name, pool in pools.items():
+            start = time.perf_counter()
+            for layer in range(layers):
+                decode_attention_paged(q, *pool.block_views(layer), table, context, head_dim ** -0.5)
+            best[name] = min(best[name], time.perf_counter() - start)
+    tokens = sum(lens) * layers
+    print(f"one decode step, 24 layers, 64 rows x 200-630 tokens, {num_blocks} blocks "
+          f"({pools['4 KiB pages']._kv.numel() * 2 / 1e9:.1f} GB), {threads} threads")
+    for name, seconds in best.items():
+        print(f"  {name:<12} {seconds * 1e3:8.2f} ms  {seconds / tokens * 1e9:6.1f} ns per (row, token)")
+    return {"step_ms": {name: t * 1e3 for name, t in best.items()}, "threads": threads}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--step", action="store_true", help="one whole decode step from a 2 GB pool instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.step:
+        report = whole_step(args.threads)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0
     rows = []
     print(f"{'shape':<18} {'batch x context':>16} {'KV MB':>7} {'reference ms':>13} {'kernel ms':>10} {'x':>6} "
           f"{'GB/s':>6} {'max diff':>9}   ({args.threads} threads)")

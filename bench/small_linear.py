@@ -1,6 +1,7 @@
 """sage's bf16 small-row kernel against oneDNN, on the same packed weights, at decode-sized row counts.
 
     python bench/small_linear.py --rows 1,2,4,8,16,32,64 --threads 2 --json out/small_linear.json
+    python bench/small_linear.py --huge-pages      # sage's kernel on 4 KiB against 2 MiB pages
 
 One pass is every linear product of one Qwen2.5-0.5B-shape decode step: 24 layers of q/k/v stacked
 (896 -> 1152, with bias), o (896 -> 896), gate/up stacked (896 -> 9728) and down (4864 -> 896), then
@@ -10,6 +11,9 @@ weights: `onednn` (small_rows 0) and `sage` (small_rows = the row count: csrc/sm
 table shows the best pass of `--repeats` per row count, the weight bytes read per second, that as a
 share of the streaming-read bandwidth measured in the same run (`read_bandwidth_gb_s`, torch sum over
 512 MiB), and sage ÷ oneDNN (time ratio: > 1 means sage is faster).
+
+`--huge-pages`: two copies of the weights on sage's kernel, one collapsed into 2 MiB pages (what
+`model.huge_pages` does at start-up), timed alternately per row count.
 """
 
 from __future__ import annotations
@@ -59,6 +63,32 @@ def best_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], repeats: i
     return best
 
 
+def huge_pages_ab(linears: list[nn.Linear], rows_list: list[int], repeats: int, nbytes: int) -> list[dict]:
+    from sage_infer.hal.huge_pages import collapse_to_huge_pages
+
+    small = [PackedLinear(lin, small_rows=max(rows_list)) for lin in linears]
+    huge = [PackedLinear(lin, small_rows=max(rows_list)) for lin in linears]
+    start = time.perf_counter()
+    done, why = collapse_to_huge_pages((torch.ops.mkldnn.data_ptr(m.packed), torch.ops.mkldnn._nbytes(m.packed))
+                                       for m in huge)
+    print(f"collapsed {done / 1e6:.0f} MB into 2 MiB pages in {time.perf_counter() - start:.1f} s"
+          + (f" ({why})" if why else ""))
+    print(f"{'rows':>5} {'4 KiB ms':>9} {'GB/s':>6} {'2 MiB ms':>9} {'GB/s':>6} {'2 MiB / 4 KiB':>14}")
+    results = []
+    for rows in rows_list:
+        inputs = [torch.randn(rows, layer.in_features, dtype=torch.bfloat16) for layer in small]
+        times = {"4k": float("inf"), "2m": float("inf")}
+        for _ in range(repeats):  # alternating, so drift in the VM's bandwidth hits both
+            times["4k"] = min(times["4k"], best_pass(small, inputs, 1))
+            times["2m"] = min(times["2m"], best_pass(huge, inputs, 1))
+        row = {"rows": rows, "small_pages_ms": times["4k"] * 1e3, "huge_pages_ms": times["2m"] * 1e3,
+               "speedup": times["4k"] / times["2m"]}
+        results.append(row)
+        print(f"{rows:>5} {row['small_pages_ms']:>9.2f} {nbytes / times['4k'] / 1e9:>6.1f} "
+              f"{row['huge_pages_ms']:>9.2f} {nbytes / times['2m'] / 1e9:>6.1f} {row['speedup']:>13.2f}x")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -66,6 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--huge-pages", action="store_true", help="4 KiB against 2 MiB pages, sage's kernel only")
     args = parser.parse_args()
     why = small_linear_unavailable()
     if why is not None:
@@ -74,6 +105,12 @@ def main() -> None:
     linears, nbytes = build(args.layers)
     bandwidth = read_bandwidth_gb_s(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
+    if args.huge_pages:
+        results = huge_pages_ab(linears, rows_list, args.repeats, nbytes)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": args.threads, "huge_pages": results}, indent=1))
+        return
     onednn = [PackedLinear(lin) for lin in linears]
     sage = [PackedLinear(lin, small_rows=max(rows_list)) for lin in linears]
     assert all(layer.small_rows for layer in sage), "oneDNN's packed layout is not the kernel's on this CPU"
