@@ -57,11 +57,12 @@ def config_for(model_dir: Path, dtype: str, kv_gib: int, overrides: list[str]):
     return ServeConfig.model_validate(tree)
 
 
-def run_once(config, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+def run_once(config, prompts: list[list[int]], max_new: int,
+             device: str | None = None) -> tuple[float, list[list[int]]]:
     from sage_infer import SamplingParams
     from sage_infer.engine.llm import LLM
 
-    llm = LLM(config=config)
+    llm = LLM(config=config, device=device)
     llm.generate([[7] * 24, [9] * 40], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     start = time.monotonic()
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4)
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--device", default=None, help="torch device for every variant (default: the preset's)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens: dict[str, list[list[int]]] = {}
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            rate, tokens[name] = run_once(configs[name], prompts, max_new)
+            rate, tokens[name] = run_once(configs[name], prompts, max_new, args.device)
             rates[name].append(rate)
             print(f"  repeat {rep + 1} {name:<12} {rate:9.1f} tok/s", flush=True)
     first = names[0]
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} threads, {args.repeats} repeats alternating")
     print(f"{'variant':<12} {'best tok/s':>10} {'median':>9} {'vs ' + first:>10}  tokens = {first}")
     report = {"model": args.model, "dtype": args.dtype, "workload": args.workload, "num_prompts": len(prompts),
-              "threads": args.threads, "variants": {}}
+              "threads": args.threads, "device": args.device or "preset", "variants": {}}
     for name in names:
         best, median = max(rates[name]), statistics.median(rates[name])
         same = tokens[name] == tokens[first]

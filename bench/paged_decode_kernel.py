@@ -12,6 +12,13 @@ shuffled pool. Each case: best of 5 rounds of 5 calls, reference and kernel alte
 `paged_attention` (the step's K/V store included, as in the engine). GB/s = K and V bytes of the
 contexts / kernel time.
 
+`--device cuda`: the same cases on an NVIDIA GPU, where the kernel is the Triton one
+(`sage_infer.layers.triton_paged`) and the reference the same PyTorch path on the GPU; plus
+`GPU_CASES` (bigger batches and longer contexts), timed with a device sync around each round of 20
+calls, and the device's read bandwidth measured in the same run (a sum over 2 GB) to compare against.
+
+    python bench/paged_decode_kernel.py --device cuda --json out/paged_decode_kernel_cuda.json
+
 `--step`: the kernel alone over all 24 layers of a 0.5B-shape decode step, 64 rows of 200-630
 tokens whose blocks are scattered over a ~2 GB bf16 pool (far past the L3, as in the engine), on a
 pool of 4 KiB pages and one on 2 MiB pages (`KVPool(huge_pages=True)`), timed alternately: best of
@@ -40,26 +47,29 @@ from sage_infer.layers.attention import AttentionMetadata, paged_attention  # no
 
 SHAPES = {"qwen3-11m fp32": (6, 2, 64, torch.float32), "qwen2.5-0.5b bf16": (14, 2, 64, torch.bfloat16)}
 CASES = [(64, 64, 640), (64, 1024, 1100), (16, 64, 640), (1, 128, 384), (1, 4000, 4096)]
+GPU_CASES = [(256, 1024, 1100), (64, 4000, 4096), (256, 4000, 4096)]
 BLOCK = 16
 
 
-def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, lo: int, hi: int):
+def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, lo: int, hi: int,
+         device: torch.device = torch.device("cpu")):
     rng = random.Random(0)
     torch.manual_seed(0)
     lens = [rng.randint(lo, hi) for _ in range(batch)]
     num_blocks = sum(-(-n // BLOCK) for n in lens) + 1
-    pool = KVPool(KVCacheSchema(1, num_kv_heads, head_dim, BLOCK, KVDtype.FP32), num_blocks, dtype=dtype)
+    pool = KVPool(KVCacheSchema(1, num_kv_heads, head_dim, BLOCK, KVDtype.FP32), num_blocks, dtype=dtype,
+                  device=device)
     pool._kv.normal_()  # (the bench may fill the storage directly: every slot holds a random key)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lens]
-    q = torch.randn(batch, num_heads, head_dim).to(dtype)
-    k, v = torch.randn(batch, num_kv_heads, head_dim).to(dtype), torch.randn(batch, num_kv_heads, head_dim).to(dtype)
-    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    q = torch.randn(batch, num_heads, head_dim).to(dtype).to(device)
+    k, v = (torch.randn(batch, num_kv_heads, head_dim).to(dtype).to(device) for _ in range(2))
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)], device=device)
 
     def meta(in_place: bool) -> AttentionMetadata:
         groups = ModelRunner._decode_groups(list(range(batch)), tables, lens,
-                                            lambda values: torch.tensor(values, dtype=torch.long),
+                                            lambda values: torch.tensor(values, dtype=torch.long, device=device),
                                             1 << 30 if in_place else DECODE_GROUP_ROWS)
         return AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
 
@@ -67,16 +77,38 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
     calls = {name: (lambda m=m: paged_attention(q, k, v, pool, 0, m, head_dim**-0.5)) for name, m in metas.items()}
     diff = (calls["reference"]().float() - calls["kernel"]().float()).abs().max().item()
     best = {name: float("inf") for name in calls}
+    calls_per_round = 5 if device.type == "cpu" else 20
     for _ in range(5):
         for name, call in calls.items():
+            sync(device)
             start = time.perf_counter()
-            for _ in range(5):
+            for _ in range(calls_per_round):
                 call()
-            best[name] = min(best[name], (time.perf_counter() - start) / 5)
+            sync(device)
+            best[name] = min(best[name], (time.perf_counter() - start) / calls_per_round)
     nbytes = sum(lens) * num_kv_heads * head_dim * 2 * dtype.itemsize
     return {"batch": batch, "context": [lo, hi], "reference_ms": best["reference"] * 1e3,
             "kernel_ms": best["kernel"] * 1e3, "speedup": best["reference"] / best["kernel"],
             "kernel_gb_s": nbytes / best["kernel"] / 1e9, "kv_mb": nbytes / 1e6, "max_abs_diff": diff}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_read_gb_s(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """The device memory's read bandwidth: the best of 10 sums over `nbytes` of bf16 (one read each)."""
+    data = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        start = time.perf_counter()
+        data.sum(dtype=torch.float32)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del data
+    return nbytes / best / 1e9
 
 
 def whole_step(threads: int) -> dict:
@@ -119,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--step", action="store_true", help="one whole decode step from a 2 GB pool instead")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the Triton kernel against the PyTorch path on the GPU")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     if args.step:
         report = whole_step(args.threads)
         if args.json:
@@ -128,18 +163,23 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(report, indent=2))
         return 0
     rows = []
+    where = f"{args.threads} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    read_gb_s = device_read_gb_s(device) if device.type == "cuda" else None
+    if read_gb_s is not None:
+        print(f"device read bandwidth (sum over 2 GB of bf16): {read_gb_s:.0f} GB/s")
     print(f"{'shape':<18} {'batch x context':>16} {'KV MB':>7} {'reference ms':>13} {'kernel ms':>10} {'x':>6} "
-          f"{'GB/s':>6} {'max diff':>9}   ({args.threads} threads)")
+          f"{'GB/s':>6} {'max diff':>9}   ({where})")
     for name, shape in SHAPES.items():
-        for batch, lo, hi in CASES:
-            row = {"shape": name, **case(*shape, batch, lo, hi)}
+        for batch, lo, hi in CASES + (GPU_CASES if device.type == "cuda" else []):
+            row = {"shape": name, **case(*shape, batch, lo, hi, device)}
             rows.append(row)
             print(f"{name:<18} {f'{batch} x {lo}-{hi}':>16} {row['kv_mb']:7.1f} {row['reference_ms']:13.3f} "
                   f"{row['kernel_ms']:10.3f} {row['speedup']:6.2f} {row['kernel_gb_s']:6.1f} "
                   f"{row['max_abs_diff']:9.1e}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"threads": args.threads, "device": where, "device_read_gb_s": read_gb_s,
+                                         "rows": rows}, indent=2))
     return 0
 
 

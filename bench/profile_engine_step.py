@@ -119,7 +119,7 @@ def run_steps(model_dir: Path, args, profile_at: set[int]):
     from sage_infer import SamplingParams
     from sage_infer.engine.llm import LLM
 
-    llm = LLM(str(model_dir), dtype=args.dtype, device="cpu", kv_memory="4GiB", max_num_seqs=64,
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_memory="4GiB", max_num_seqs=64,
               max_num_batched_tokens=2048)
     cfg = llm.engine.runner.model.config
     prompts, max_new = build_workloads(cfg.vocab_size, cfg.max_position_embeddings)[args.workload]
@@ -148,10 +148,17 @@ def run_steps(model_dir: Path, args, profile_at: set[int]):
         step = len(walls)
         t0 = time.perf_counter()
         if step in profile_at:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if args.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
                 outputs = engine.step()
             wall = (time.perf_counter() - t0) * 1e3
             profiles[step] = {"wall_ms": wall, "split": categorize(prof), "rows": rows[-1]}
+            if args.device == "cuda":  # the step's GPU kernels, summed: how busy the GPU was
+                profiles[step]["split"]["(gpu kernels busy)"] = sum(
+                    getattr(e, "self_device_time_total", 0) for e in prof.events()
+                    if e.device_type.name == "CUDA") / 1e3
         else:
             outputs = engine.step()
             wall = (time.perf_counter() - t0) * 1e3
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--ops", type=int, default=0, help="also print the N costliest ops (all profiled steps)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: ops' CPU time is their launch cost; '(gpu kernels busy)' sums the GPU's")
     args = parser.parse_args(argv)
     if args.ops:
         OPS_DETAIL["(enabled)"] = 0.0
@@ -213,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         for _, p in picked:
             for name, ms in p["split"].items():
                 split[name] += ms
+        busy = split.pop("(gpu kernels busy)", None)
         rows = sorted(split.items(), key=lambda kv: -kv[1]) + [("unaccounted", wall - sum(split.values()))]
+        if busy is not None:  # not a share of the host's time: shown after the split
+            rows.append(("(gpu kernels busy)", busy))
         print(f"\n{kind}: steps {[i for i, _ in picked]} ({[p['rows'] for _, p in picked]} rows), "
               f"{wall / n:.1f} ms/step under the profiler (self CPU ms per step; unaccounted = wall - sum)")
         report["profile"][kind] = {"steps": [i for i, _ in picked], "wall_ms_per_step": wall / n,

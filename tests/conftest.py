@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a CUDA GPU the Triton decode kernel's tests run its code under Triton's interpreter, which must be
+# chosen before triton is first imported (tests/test_triton_paged.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sage_infer.cli.main import main
 

@@ -40,9 +40,10 @@ class ModelConfig(Strict):
         "rows; needs AVX512-BF16 and is built with the paged kernel), onednn (oneDNN for every product), auto "
         "(sage where it can run, else onednn). No effect unless model.linear packs the layers.")
     attention: Literal["auto", "paged", "torch"] = Field(
-        "auto", description="Decode attention: paged (a C++ kernel reads K/V in place from the pool's blocks; CPU, "
-        "float KV; built on first use, needs a C++ compiler and ninja), torch (gathered copies and PyTorch ops, the "
-        "reference path), auto (paged where it can run, else torch).")
+        "auto", description="Decode attention: paged (a kernel reads K/V in place from the pool's blocks, float KV: "
+        "on a CPU in C++, built on first use, needs a C++ compiler and ninja; on an NVIDIA GPU in Triton, needs "
+        "triton), torch (gathered copies and PyTorch ops, the reference path), auto (paged where it can run, else "
+        "torch).")
     prefill_attention: Literal["auto", "sage", "torch"] = Field(
         "auto", description="Prefill chunks and prompt prefixes shared by a step's sequences, in a bf16 model on "
         "CPU: sage (a flash kernel on AVX512-BF16 dot products, 1.5-2x PyTorch's; built with the paged kernel; "

@@ -29,6 +29,7 @@ from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisT
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, pack_linears, packing_available
 from sage_infer.layers.paged_kernel import flash_unavailable, kernel_unavailable, small_linear_unavailable
 from sage_infer.layers.quant_linear import use_quant_kernels
+from sage_infer.layers.triton_paged import triton_unavailable
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
@@ -133,13 +134,16 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
     """`model.attention`: whether decode rows read K/V in place through the paged kernel."""
     if choice == "torch":
         return False
-    if device.type != "cpu":
-        why = f"the kernel is CPU-only (device is {device.type})"
-    elif not pool.supports_block_views:
+    if not pool.supports_block_views:
         why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
+    elif device.type == "cuda":
+        why = triton_unavailable(device)
+    elif device.type != "cpu":
+        why = f"the kernel runs on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
     else:
         why = kernel_unavailable()
-    return _fast_path("model.attention", choice, why, "paged (decode reads KV blocks in place)")
+    kernel = "Triton" if device.type == "cuda" else "C++"
+    return _fast_path("model.attention", choice, why, f"paged (decode reads KV blocks in place: {kernel} kernel)")
 
 
 def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device) -> bool:

@@ -87,7 +87,12 @@ def decode_attention_paged(
     v_blocks: [num_blocks, block_size, KvH, D] contiguous fp32/bf16/fp16 (`KVPool.block_views`);
     block_tables: [B, W] long (padding entries are never read); context_lens: [B] long, each >= 1
     -> out [B, H, D] and lse [B, H], both float32 (lse: log-sum-exp of the scaled scores).
+    On a CUDA device the Triton kernel (`sage_infer.layers.triton_paged`) runs instead, same contract.
     """
+    if q.device.type != "cpu":
+        from sage_infer.layers.triton_paged import decode_attention
+
+        return decode_attention(q, k_blocks, v_blocks, block_tables, context_lens, scale)
     return _module().paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks of a session that is lent an NVIDIA machine, as one script (each step time-boxed, every log
+# under $OUT): the Triton kernel's and the engine's tests on CUDA, the kernel against the PyTorch path
+# (bench/paged_decode_kernel.py --device cuda), and the engine's decode attention A/B on the 0.5B shape.
+#
+#   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
+#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine profile
+#
+# Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
+# (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
+set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+{
+    nvidia-smi -L
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT/versions.txt"
+
+step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, its exit code noted
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc"
+    tail -n 25 "$OUT/$name.log"
+}
+
+STEPS=${STEPS:-tests kernel engine profile}
+case " $STEPS " in *" tests "*)
+    step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py ;; esac
+case " $STEPS " in *" kernel "*)
+    step kernel 120 python3 bench/paged_decode_kernel.py --device cuda --json "$OUT/paged_decode_kernel_cuda.json" ;;
+esac
+case " $STEPS " in *" engine "*)
+    for workload in ${WORKLOADS:-W3 W1 W2}; do
+        step "engine_$workload" 110 python3 bench/engine_ab.py --model qwen2.5-0.5b-shape --dtype bf16 --device cuda \
+            --workload "$workload" --repeats 2 --kv-gib 8 --model-cache /tmp/sage-models \
+            --variant torch model.attention=torch --variant triton model.attention=paged \
+            --json "$OUT/engine_ab_cuda_$workload.json"
+    done ;;
+esac
+case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engine's ops are launched from Python)
+    for workload in ${PROFILE_WORKLOADS:-W3 W1}; do
+        step "profile_$workload" 120 python3 bench/profile_engine_step.py --model qwen2.5-0.5b-shape --dtype bf16 \
+            --device cuda --workload "$workload" --profile-steps 2 --ops 25 --model-cache /tmp/sage-models \
+            --json "$OUT/profile_cuda_$workload.json"
+    done ;;
+esac

@@ -1,0 +1,215 @@
+"""Paged decode attention on CUDA in Triton: the GPU counterpart of csrc/paged_decode.cpp.
+
+Each decode row's keys and values are read in place from the pool's blocks (``KVPool.block_views``):
+no gathered, padded copy of the context per layer and step, which is what the pure-PyTorch path
+(`gather_blocks` + `decode_attention_batched`, or `gather_block_levels` + `decode_attention_scaled`)
+does and stays the oracle of. Same contract as `paged_kernel.decode_attention_paged`: out and the
+log-sum-exp of the scaled scores, both float32, so cascade attention can merge it.
+
+The work is split as flash-decoding does: one program per (row, KV head, split of the context); a
+program's G query heads share its KV head's keys (GQA, no repeat) and go through ``tl.dot`` as one
+[G, tile] block, padded to 16 rows. Each split keeps an online softmax over tiles of `TILE` tokens
+(whose pool blocks are looked up per token, so any power-of-two block size works) and writes its
+partial output with its log-sum-exp; a second kernel merges the splits. The split count is chosen
+from the block tables' width, never from the lengths themselves, so a step needs no device sync.
+
+Numerics: scores are the model dtype's products accumulated in fp32 (fp32 pools: IEEE fp32, no TF32),
+then scaled; the probabilities are rounded to the value dtype before P·V, as flash attention does.
+
+Without a GPU the same kernel code runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+triton is imported) on CPU tensors: slow, for the tests only (tests/conftest.py sets it where no GPU is).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: PyTorch's CUDA wheels bring it (`pip install triton` otherwise)
+    triton = None
+    tl = None
+
+TILE = 64  # tokens per tile of a split
+MAX_SPLITS = 64  # merge kernel's padded width; splits are never more than this
+
+
+# The kernels are plain functions here (annotations stay strings, so this module imports without triton);
+# `_kernels` compiles them, or wraps them for the interpreter.
+def _partial_attention(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale, tiles_per_split,
+    stride_qb, stride_qh, stride_kblk, stride_ktok, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_TOKENS: tl.constexpr, FP32_DOT: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """One (row, KV head, split): attention of the KV head's GROUP query heads over the split's tokens."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + row)
+    first = split * tiles_per_split * TILE_TOKENS
+    tiles = tl.minimum(tiles_per_split, (context_len - first + TILE_TOKENS - 1) // TILE_TOKENS)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    head_ok = g < GROUP
+    dim_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.zeros([GROUP_PAD], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    offsets = tl.arange(0, TILE_TOKENS)
+    for t in range(0, tiles):
+        pos = first + t * TILE_TOKENS + offsets
+        valid = pos < context_len
+        block = tl.load(tables_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+        base = block.to(tl.int64) * stride_kblk + (pos % BLOCK_SIZE) * stride_ktok + kv_head * stride_kh
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        elif WIDEN:  # the interpreter's bf16 dot is wrong: the same exact products, summed in fp32
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid token
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif WIDEN:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    seen = l_i > 0  # a split past the row's context saw nothing: out 0, lse -inf (weight 0 in the merge)
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+
+
+def _merge_splits(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One (row, head): the splits' partial outputs weighed by their share of the softmax denominator."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    split_ok = s < num_splits
+    flat = row * num_heads + head
+    lse = tl.load(part_lse_ptr + flat * num_splits + s, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)  # finite: every row has at least one token, so one split saw it
+    weight = tl.exp(lse - top)
+    total = tl.sum(weight, 0)
+    part = tl.load(part_ptr + (flat * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                   mask=split_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / total
+    tl.store(out_ptr + flat * HEAD_DIM + d, out, mask=d < HEAD_DIM)
+    tl.store(lse_ptr + flat, top + tl.log(total))
+
+
+@cache
+def _kernels():
+    """The two kernels, compiled for the GPU; under ``TRITON_INTERPRET=1`` (set before triton is imported)
+    `triton.jit` wraps them for the interpreter instead."""
+    return triton.jit(_partial_attention), triton.jit(_merge_splits)
+
+
+def interpreting() -> bool:
+    """Whether triton was imported with ``TRITON_INTERPRET=1``: kernels run on CPU tensors, in numpy."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """None when the Triton kernel can run on `device`, else why not."""
+    if triton is None:
+        return "triton is not installed (PyTorch's CUDA wheels bring it; or pip install triton)"
+    if device.type != "cuda":
+        return f"the Triton kernel runs on NVIDIA CUDA devices (device is {device.type})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is not a CUDA build (the Triton kernel runs on NVIDIA CUDA devices)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"the Triton kernel needs compute capability 8.0 or newer (bf16 dot products); the GPU has {major}.x"
+    return None
+
+
+@cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(batch: int, num_kv_heads: int, max_tokens: int, multiprocessors: int,
+               wanted: int | None = None) -> tuple[int, int]:
+    """(splits, tiles per split) for rows of at most `max_tokens` context: `wanted` splits, by default
+    enough programs for about four per multiprocessor; each split at least one tile, at most `MAX_SPLITS`."""
+    tiles = max(1, -(-max_tokens // TILE))
+    if wanted is None:
+        wanted = max(1, -(-4 * multiprocessors // max(1, batch * num_kv_heads)))
+    per_split = -(-tiles // max(1, min(tiles, wanted, MAX_SPLITS)))
+    return -(-tiles // per_split), per_split
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over pool blocks in place. q: [B, H, D] (the model dtype); k_blocks, v_blocks:
+    [num_blocks, block_size, KvH, D] contiguous fp32/bf16/fp16 (`KVPool.block_views`); block_tables: [B, W]
+    (padding entries are never read); context_lens: [B], each >= 1 and <= W * block_size -> out [B, H, D]
+    and lse [B, H], float32. `splits`: how many parts each row's context is cut into (default: `num_splits`'s
+    choice). CPU tensors only under the interpreter (`interpreting`)."""
+    if triton is None:
+        raise RuntimeError("the Triton kernel is unavailable: triton is not installed")
+    if q.device.type == "cpu" and not interpreting():
+        raise RuntimeError("the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1")
+    partial, merge = _kernels()
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_blocks.shape
+    assert k_blocks.is_contiguous() and v_blocks.stride() == k_blocks.stride(), "pool blocks in one layout"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    multiprocessors = 1 if q.device.type == "cpu" else _multiprocessors(q.device.index or 0)
+    splits, tiles_per_split = num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, multiprocessors,
+                                         splits)
+    out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    partial[(batch, num_kv_heads, splits)](
+        q, k_blocks, v_blocks, block_tables, context_lens, out, lse, scale, tiles_per_split,
+        q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=k_blocks.dtype == torch.float32, WIDEN=interpreting(),
+    )
+    if splits == 1:
+        return out.view(batch, num_heads, head_dim), lse.view(batch, num_heads)
+    merged = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    merged_lse = torch.empty(batch, num_heads, dtype=torch.float32, device=q.device)
+    merge[(batch, num_heads)](out, lse, merged, merged_lse, splits, num_heads,
+                              HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+    return merged, merged_lse
+

@@ -1,0 +1,244 @@
+"""The Triton paged decode kernel (reads pool blocks in place on an NVIDIA GPU) agrees with the pure-PyTorch
+oracle: per call against attention over each row's own context, through `paged_attention` against the
+gathered groups, and, on a GPU, end to end as the engine's greedy tokens against its torch path and against
+transformers on the same device.
+
+Without a GPU the kernel code runs under Triton's interpreter on CPU tensors (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported): the same kernel source, slowly. The engine tests need a
+CUDA device and say so when they skip."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.kv_runtime import KVPool
+from sage_infer.layers.attention import (
+    AttentionMetadata,
+    attention_with_lse_reference,
+    decode_attention_reference,
+    paged_attention,
+)
+from sage_infer.layers.triton_paged import decode_attention, interpreting, num_splits, triton
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.skipif(
+    triton is None or not (CUDA or interpreting()),
+    reason="triton is not installed" if triton is None else "no CUDA GPU and TRITON_INTERPRET is not 1")
+needs_gpu = pytest.mark.skipif(not CUDA, reason="the engine on a CUDA device needs a CUDA GPU")
+
+LAYERS, LAYER = 2, 1
+# bf16/fp16: the probabilities are rounded to the value dtype before P.V (as flash attention does), so the
+# output is within a few 1e-3 of fp32 attention over the same stored K/V; the log-sum-exp is not rounded
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.5e-2, rtol=1e-2),
+             torch.float16: dict(atol=3e-3, rtol=1e-3)}
+
+
+def filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A pool on DEVICE whose layer LAYER holds random K/V for sequences of `lens` tokens in shuffled blocks:
+    (pool, block tables, per sequence (k, v) [n, KvH, D] as stored, widened to fp32, on the CPU)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), num_blocks, dtype=dtype,
+                  device=DEVICE)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, contexts = [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        pool.store(LAYER, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+        tables.append(table)
+        contexts.append((k.to(dtype).float(), v.to(dtype).float()))
+    return pool, tables, contexts
+
+
+def padded(tables, extra: int = 0):
+    width = max(map(len, tables)) + extra
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+
+
+def check_against_reference(q, out, lse, contexts, num_kv_heads, dtype, scale):
+    head_dim = q.shape[-1]
+    for i, (k, v) in enumerate(contexts):
+        qi = q[i].float().cpu()
+        torch.testing.assert_close(out[i].cpu(), decode_attention_reference(qi, k, v, scale), **TOLERANCE[dtype])
+        qg = qi.view(num_kv_heads, -1, head_dim)[None]  # [1, KvH, G, D]
+        _, want_lse = attention_with_lse_reference(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
+        torch.testing.assert_close(lse[i].cpu(), want_lse.reshape(-1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2, 32), (14, 2, 64), (6, 6, 16), (4, 1, 128)])
+def test_kernel_equals_attention_over_each_rows_own_context(dtype, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    lens = [1, 3, 16, 17, 64, 65, 130]  # one token, partial and exact blocks, exact and partial tiles
+    pool, tables, contexts = filled_pool(lens, num_kv_heads, head_dim, 16, dtype)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    out, lse = decode_attention(q, *pool.block_views(LAYER), padded(tables), torch.tensor(lens, device=DEVICE),
+                                head_dim**-0.5)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
+    check_against_reference(q, out, lse, contexts, num_kv_heads, dtype, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_splitting_the_context_gives_the_same_result(splits, block_size):
+    """Rows shorter than the splits' reach (a split past the context sees nothing) and rows that span
+    every split; block tables wider than any row; pool blocks smaller and larger than a tile."""
+    lens = [1, 40, 200, 333, 64]
+    pool, tables, contexts = filled_pool(lens, 2, 32, block_size, torch.float32, seed=splits)
+    q = torch.randn(len(lens), 8, 32, device=DEVICE)
+    out, lse = decode_attention(q, *pool.block_views(LAYER), padded(tables, extra=2),
+                                torch.tensor(lens, device=DEVICE), 0.2, splits=splits)
+    check_against_reference(q, out, lse, contexts, 2, torch.float32, 0.2)
+
+
+def test_split_choice_fills_the_gpu_without_empty_or_tiny_splits():
+    # batch 1 over 384 tokens on 132 multiprocessors: one split per 64-token tile
+    assert num_splits(1, 2, 384, 132) == (6, 1)
+    # 64 rows x 2 KV heads already give 128 programs: 1,100 tokens (18 tiles) cut in 5 of at most 4 tiles
+    assert num_splits(64, 2, 1100, 132) == (5, 4)
+    # enough programs without splitting; a context of one tile never splits
+    assert num_splits(512, 8, 4096, 132) == (1, 64)
+    assert num_splits(1, 1, 10, 132) == (1, 1)
+    splits, per_split = num_splits(1, 1, 1 << 20, 132)
+    assert splits <= 64 and splits * per_split * 64 >= 1 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
+    """One decode step through `paged_attention` both ways on the device: the Triton kernel in place against
+    sorted groups of 16 gathered rows (the reference)."""
+    rng = random.Random(4)
+    lens = [rng.randint(2, 90) for _ in range(37)]
+    pool, tables, _ = filled_pool(lens, 2, 32, 8, dtype, seed=4)  # the last token is overwritten by the step's
+    q, k, v = (torch.randn(len(lens), h, 32).to(dtype).to(DEVICE) for h in (6, 2, 2))
+    slots = torch.tensor([t[(n - 1) // 8] * 8 + (n - 1) % 8 for t, n in zip(tables, lens)], device=DEVICE)
+
+    def run(in_place: bool, group_rows: int) -> torch.Tensor:
+        groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
+                                            lambda values: torch.tensor(values, dtype=torch.long, device=DEVICE),
+                                            group_rows)
+        meta = AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
+        return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5).float()
+
+    torch.testing.assert_close(run(True, 1 << 30), run(False, 16), **TOLERANCE[dtype])
+
+
+def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pool, tables, _ = filled_pool([5], 2, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="CPU tensors only under TRITON_INTERPRET=1"):
+        decode_attention(torch.randn(1, 4, 32), *(b.cpu() for b in pool.block_views(LAYER)),
+                         padded(tables).cpu(), torch.tensor([5]), 1.0)
+
+
+def test_where_the_kernel_cannot_run_paged_is_a_config_error_and_auto_falls_back():
+    from sage_infer.engine.build import use_paged_attention
+    from sage_infer.errors import ConfigError
+    from sage_infer.layers.triton_paged import triton_unavailable
+
+    pool, _, _ = filled_pool([5], 2, 32, 16, torch.float32)
+    assert "runs on NVIDIA CUDA devices (device is xpu)" in triton_unavailable(torch.device("xpu"))
+    with pytest.raises(ConfigError, match="^model.attention: paged: the kernel runs on CPUs .* device is xpu"):
+        use_paged_attention("paged", pool, torch.device("xpu"))
+    assert not use_paged_attention("auto", pool, torch.device("xpu"))
+    if not CUDA:  # this torch has no GPU: a CUDA device is refused with the reason
+        assert triton_unavailable(torch.device("cuda")) is not None
+        with pytest.raises(ConfigError, match="^model.attention: paged: "):
+            use_paged_attention("paged", pool, torch.device("cuda"))
+
+
+# -- the engine on a CUDA device ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("triton") / "m", "qwen3", num_hidden_layers=3)
+
+
+def gpu_llm(path, attention: str, dtype: str = "fp32", **model):
+    from sage_infer import LLM
+    from sage_infer.config.serve import ServeConfig
+
+    config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "attention": attention, **model},
+                                         "kv_pool": {"num_blocks": 256}})
+    return LLM(config=config, device="cuda")
+
+
+def greedy(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
+    from sage_infer import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def prompts(seed: int = 0, system_tokens: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 500) for _ in range(system_tokens)]  # a shared prefix (prefix-cache hits)
+    return [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 17, 40, 130, 300)] + \
+        [system + [rng.randrange(5, 500) for _ in range(n)] for n in (5, 9, 33, 70)]
+
+
+@needs_gpu
+def test_auto_picks_the_triton_kernel_on_a_gpu_and_torch_keeps_the_reference(tiny):
+    assert gpu_llm(tiny, "auto").engine.runner.decode_in_place
+    assert not gpu_llm(tiny, "torch").engine.runner.decode_in_place
+
+
+@needs_gpu
+def test_engine_greedy_tokens_on_the_gpu_equal_the_torch_path_fp32(tiny):
+    batch = prompts()
+    paged = gpu_llm(tiny, "paged")
+    assert paged.engine.runner.decode_in_place
+    assert greedy(paged, batch) == greedy(gpu_llm(tiny, "torch"), batch)
+    paged.engine.kv.block_manager.check_invariants()
+
+
+@needs_gpu
+def test_engine_bf16_on_the_gpu_stays_within_rounding_of_the_torch_path(tiny):
+    """Twice the same batch: the second time its 256-token system prompt is in the prefix cache, so the
+    steps are cascade steps (the shared prefix attended once, the rows' suffixes by the kernel; bf16's
+    threshold is 384 saved key reads)."""
+    from tests.tiny_models import assert_within_bf16_drift
+
+    batch = prompts(1, system_tokens=256)
+    paged, reference = gpu_llm(tiny, "paged", "bf16"), gpu_llm(tiny, "torch", "bf16")
+    want = greedy(reference, batch)
+    assert_within_bf16_drift(greedy(paged, batch), want)
+    assert_within_bf16_drift(greedy(paged, batch), want)
+    assert paged.engine.runner.cascade_steps > 0
+    paged.engine.kv.block_manager.check_invariants()
+
+
+@needs_gpu
+def test_engine_on_the_gpu_equals_transformers_on_the_gpu(tiny):
+    """fp32 greedy tokens against transformers' `generate` on the same GPU (TF32 off on both sides); a
+    mismatch only at a near-tie of transformers' logits."""
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval().cuda()
+    batch = prompts(2)
+    got = greedy(gpu_llm(tiny, "paged"), batch)
+    for prompt, tokens in zip(batch, got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=2, output_scores=True, return_dict_in_generate=True)
+        want, scores = out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores)[:, 0]
+        for pos, (a, b) in enumerate(zip(tokens, want)):
+            if a != b:
+                top2 = scores[pos].topk(2).values
+                assert float(top2[0] - top2[1]) < 1e-4, f"token {pos} differs ({a} vs {b}) without a near-tie"
+                break
