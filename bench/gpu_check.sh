@@ -37,15 +37,16 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
 
 STEPS=${STEPS:-tests kernel engine profile}
 case " $STEPS " in *" tests "*)
-    step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py ;; esac
+    step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py ;; esac
 case " $STEPS " in *" kernel "*)
     step kernel 120 python3 bench/paged_decode_kernel.py --device cuda --json "$OUT/paged_decode_kernel_cuda.json" ;;
 esac
 case " $STEPS " in *" engine "*)
     for workload in ${WORKLOADS:-W3 W1 W2}; do
-        step "engine_$workload" 110 python3 bench/engine_ab.py --model qwen2.5-0.5b-shape --dtype bf16 --device cuda \
+        step "engine_$workload" 150 python3 bench/engine_ab.py --model qwen2.5-0.5b-shape --dtype bf16 --device cuda \
             --workload "$workload" --repeats 2 --kv-gib 8 --model-cache /tmp/sage-models \
-            --variant torch model.attention=torch --variant triton model.attention=paged \
+            --variant torch model.attention=torch --variant triton model.attention=paged model.cuda_graphs=off \
+            --variant graphs model.attention=paged model.cuda_graphs=on \
             --json "$OUT/engine_ab_cuda_$workload.json"
     done ;;
 esac

@@ -62,6 +62,11 @@ class ModelConfig(Strict):
         "(MADV_COLLAPSE, Linux 6.1+, THP not 'never'): 1.07x the weight-read bandwidth of batch-1 decode here, "
         "for ~2 s of start-up per GB of weights; and the KV pool, asked for huge pages before it is zeroed (no "
         "start-up cost; 8% faster decode attention over a 2 GB pool). false: 4 KiB pages.")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="NVIDIA GPU: replay each pure decode step as a CUDA graph (one per batch-size bucket, "
+        "captured on first use; the whole step launched at once instead of op by op from Python; needs "
+        "model.attention paged, the Triton kernel), off (launch op by op, the reference path), auto (on where it "
+        "can run, else off).")
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")

@@ -11,6 +11,7 @@ import torch
 from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
@@ -102,12 +103,16 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
+    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention,
+                         decode_in_place=use_paged_attention(config.model.attention, pool, device),
+                         flash_attention=use_flash_attention(config.model.prefill_attention, model, arch.head_dim,
+                                                             device))
+    if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
+        runner.graphs = DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
+                                     max_blocks=-(-max_len // schema.block_size))
     parts = EngineParts(
         tokenizer=tokenizer,
-        runner=ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention,
-                           decode_in_place=use_paged_attention(config.model.attention, pool, device),
-                           flash_attention=use_flash_attention(config.model.prefill_attention, model, arch.head_dim,
-                                                               device)),
+        runner=runner,
         scheduler=scheduler,
         model_id=model_id,
         revision=config.model.revision,
@@ -144,6 +149,20 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
         why = kernel_unavailable()
     kernel = "Triton" if device.type == "cuda" else "C++"
     return _fast_path("model.attention", choice, why, f"paged (decode reads KV blocks in place: {kernel} kernel)")
+
+
+def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) -> bool:
+    """`model.cuda_graphs`: whether pure decode steps replay CUDA graphs (`sage_infer.engine.cuda_graphs`)."""
+    if choice == "off":
+        return False
+    if device.type != "cuda" or torch.version.cuda is None:
+        why = f"CUDA graphs need an NVIDIA CUDA device (device is {device.type})"
+    elif not decode_in_place:
+        why = "CUDA graphs need model.attention paged (the Triton kernel: the torch path's shapes change every step)"
+    else:
+        why = None
+    return _fast_path("model.cuda_graphs", choice, why, "on (pure decode steps replay a CUDA graph per batch bucket)",
+                      reference="off")
 
 
 def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device) -> bool:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
+from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, SharedPrefix
@@ -49,6 +50,7 @@ class ModelRunner:
         self.flash_attention = flash_attention
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
         self.decode_group_rows = 1 << 30 if decode_in_place else DECODE_GROUP_ROWS
+        self.graphs: DecodeGraphs | None = None  # `model.cuda_graphs`: pure decode steps replay a CUDA graph
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -175,6 +177,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
         into `seqs` of the sequences they belong to (those whose chunk reached their end)."""
+        if self.graphs is not None and self.graphs.fits(seqs, num_new_tokens):
+            return self.graphs.run(seqs), list(range(len(seqs)))
         input_ids, positions, meta, sample_rows, sampled = self.prepare(seqs, num_new_tokens)
         hidden = self.model(input_ids, positions, self.pool, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
