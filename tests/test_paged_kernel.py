@@ -20,32 +20,10 @@ from sage_infer.layers.attention import (
     paged_attention,
 )
 from sage_infer.layers.paged_kernel import decode_attention_paged, kernel_unavailable
+from tests.kv_fill import LAYER, LAYERS, filled_pool
 from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
-
-LAYERS, LAYER = 3, 2
-
-
-def filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A pool whose layer LAYER holds random K/V for sequences of `lens` tokens in shuffled blocks:
-    (pool, block tables, per sequence (k, v) [n, KvH, D] as stored, widened to fp32)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in lens) + 4
-    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), num_blocks, dtype=dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables, contexts = [], []
-    for n in lens:
-        table = [free.pop() for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
-        pool.store(LAYER, k, v, slots)
-        tables.append(table)
-        contexts.append((k.to(dtype).float(), v.to(dtype).float()))
-    return pool, tables, contexts
-
 
 def padded(tables):
     width = max(map(len, tables))

@@ -14,9 +14,7 @@ import random
 import pytest
 import torch
 
-from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.kv_runtime import KVPool
 from sage_infer.layers.attention import (
     AttentionMetadata,
     attention_with_lse_reference,
@@ -24,6 +22,8 @@ from sage_infer.layers.attention import (
     paged_attention,
 )
 from sage_infer.layers.triton_paged import decode_attention, interpreting, num_splits, triton
+from tests import kv_fill
+from tests.kv_fill import LAYER
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -32,7 +32,6 @@ pytestmark = pytest.mark.skipif(
     reason="triton is not installed" if triton is None else "no CUDA GPU and TRITON_INTERPRET is not 1")
 needs_gpu = pytest.mark.skipif(not CUDA, reason="the engine on a CUDA device needs a CUDA GPU")
 
-LAYERS, LAYER = 2, 1
 # bf16/fp16: the probabilities are rounded to the value dtype before P.V (as flash attention does), so the
 # output is within a few 1e-3 of fp32 attention over the same stored K/V; the log-sum-exp is not rounded
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.5e-2, rtol=1e-2),
@@ -40,24 +39,7 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(ato
 
 
 def filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A pool on DEVICE whose layer LAYER holds random K/V for sequences of `lens` tokens in shuffled blocks:
-    (pool, block tables, per sequence (k, v) [n, KvH, D] as stored, widened to fp32, on the CPU)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in lens) + 4
-    pool = KVPool(KVCacheSchema(LAYERS, num_kv_heads, head_dim, block_size, KVDtype.FP32), num_blocks, dtype=dtype,
-                  device=DEVICE)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables, contexts = [], []
-    for n in lens:
-        table = [free.pop() for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
-        pool.store(LAYER, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
-        tables.append(table)
-        contexts.append((k.to(dtype).float(), v.to(dtype).float()))
-    return pool, tables, contexts
+    return kv_fill.filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed, DEVICE)
 
 
 def padded(tables, extra: int = 0):
