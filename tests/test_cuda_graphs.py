@@ -47,6 +47,8 @@ def test_buckets_end_at_the_schedulers_batch_and_only_pure_decode_steps_fit():
     graphs = DecodeGraphs(torch.nn.Identity(), _pool(), torch.device("cpu"), max_batch=20, max_blocks=4,
                           capture=False)
     assert graphs.buckets == [1, 2, 4, 8, 16, 20]
+    big = DecodeGraphs(torch.nn.Identity(), _pool(), torch.device("cpu"), max_batch=4096, max_blocks=4, capture=False)
+    assert big.buckets[-1] == 512 and big.inputs.shape == (4, 512)  # larger batches run eagerly
     decoding = seq([5, 6, 7], [3], computed=2)  # computes its last token
     assert graphs.fits([decoding], [1])
     chunk = seq([5, 6, 7, 8], [4], computed=2)  # one token, not the last

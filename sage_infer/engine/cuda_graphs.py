@@ -44,10 +44,10 @@ class DecodeGraphs:
         self.model = model
         self.pool = pool
         self.block_size = pool.block_size
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        largest = min(max_batch, BUCKETS[-1])  # bigger batches run eagerly (launches matter less there)
+        self.buckets = [b for b in BUCKETS if b < largest] + [largest]
         self.max_blocks = max_blocks
         self.capture = capture
-        largest = self.buckets[-1]
         self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)  # ids, positions, slots, lengths
         self.tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
