@@ -3,6 +3,7 @@ same dtype and thread count, side by side in one process.
 
     python bench/engine_vs_hf.py --json out/engine_vs_hf.json
     python bench/engine_vs_hf.py --quick
+    python bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4   # both on the GPU
 
 Engines:
   hf-generate-bN   `model.generate` on left-padded batches of N prompts (attention mask,
@@ -125,14 +126,14 @@ class FirstStepStreamer:
         pass
 
 
-def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(prompts: list[list[int]], pad_id: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 # -- engines ------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, batch: int, pad_i
     cpu0, start = time.process_time(), time.perf_counter()
     for b in range(0, len(prompts), batch):
         chunk = prompts[b:b + batch]
-        ids, mask = pad_left(chunk, pad_id)
+        ids, mask = pad_left(chunk, pad_id, model.device)
         streamer = FirstStepStreamer()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
@@ -191,11 +192,11 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new: int, pad_id: int
 
 
 def sage_generate(model_dir: str, dtype: str, prompts: list[list[int]], max_new: int, num_blocks: int | None,
-                  warmup: list[list[int]], kv_memory: str | None = None) -> tuple[dict, list]:
+                  warmup: list[list[int]], kv_memory: str | None = None, device: str = "cpu") -> tuple[dict, list]:
     """A fresh `LLM` (empty prefix cache) per call; the pool from `num_blocks` or else `kv_memory`."""
     from sage_infer import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, device="cpu", num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=64,
+    llm = LLM(model_dir, dtype=dtype, device=device, num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=64,
               max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
     llm.generate(warmup, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -223,7 +224,8 @@ def check_tokens(model, sage_tokens: list[list[int]], prompts: list[list[int]], 
     report = []
     for prompt, got in zip(prompts, sage_tokens):
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+            out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new,
+                                 min_new_tokens=max_new,
                                  do_sample=False, eos_token_id=None, pad_token_id=pad_id)
         expected = out[0, len(prompt):].tolist()
         first_diff = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
@@ -250,7 +252,8 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, hf, mo
     else:
         engines.append(("hf-generate_batch",
                         lambda: hf_generate_batch(hf, prompts, max_new, pad_id, args.cb_page_size)))
-    engines.append(("sage", lambda: sage_generate(model_dir, args.dtype, prompts, max_new, num_blocks, warmup)))
+    engines.append(("sage", lambda: sage_generate(model_dir, args.dtype, prompts, max_new, num_blocks, warmup,
+                                                  device=args.device)))
 
     best: dict[str, dict] = {}
     outputs: dict[str, list] = {}
@@ -317,6 +320,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: both engines on the GPU (the cpu column is then the host's share)")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.random_out, args.shared_out, args.repeats = 8, 32, 16, 1
@@ -339,7 +344,7 @@ def main() -> None:
     else:
         model_dir = args.model
         model_desc = model_dir
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval().to(args.device)
     cfg = hf.config
     vocab = cfg.vocab_size
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -355,6 +360,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
         "hf_attn_implementation": getattr(cfg, "_attn_implementation", None),
         "quick": args.quick,
         "repeats": args.repeats,
@@ -376,7 +382,7 @@ def main() -> None:
 
     # warm both engines' code paths on unrelated prompts
     with torch.inference_mode():
-        ids, mask = pad_left(warmup, pad_id)
+        ids, mask = pad_left(warmup, pad_id, args.device)
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                     eos_token_id=None, pad_token_id=pad_id)
 

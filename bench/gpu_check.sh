@@ -4,7 +4,7 @@
 # (bench/paged_decode_kernel.py --device cuda), and the engine's decode attention A/B on the 0.5B shape.
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
-#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine profile
+#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine profile hf
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests kernel engine profile}
+STEPS=${STEPS:-tests kernel engine profile hf}
 case " $STEPS " in *" tests "*)
     step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py ;; esac
 case " $STEPS " in *" kernel "*)
@@ -56,4 +56,8 @@ case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engi
             --device cuda --workload "$workload" --profile-steps 2 --ops 25 --model-cache /tmp/sage-models \
             --json "$OUT/profile_cuda_$workload.json"
     done ;;
+esac
+case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU (added in session 10, not yet run there)
+    step hf 200 python3 bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4 --repeats 2 \
+        --json "$OUT/engine_vs_hf_cuda.json" ;;
 esac
