@@ -70,6 +70,17 @@ def test_kernel_equals_attention_over_each_rows_own_context(dtype, heads):
     check_against_reference(q, out, lse, contexts, num_kv_heads, dtype, head_dim**-0.5)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_queries_over_a_16_bit_pool_are_not_rounded(pool_dtype):
+    """An fp32 model over a bf16/fp16 pool: the stored keys and values are widened, the queries kept fp32 and
+    the probabilities unrounded, so the result is fp32 attention over the stored K/V."""
+    lens = [1, 30, 100]
+    pool, tables, contexts = filled_pool(lens, 2, 32, 16, pool_dtype)
+    q = torch.randn(len(lens), 8, 32, device=DEVICE)
+    out, lse = decode_attention(q, *pool.block_views(LAYER), padded(tables), torch.tensor(lens, device=DEVICE), 0.2)
+    check_against_reference(q, out, lse, contexts, 2, torch.float32, 0.2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 def test_splitting_the_context_gives_the_same_result(splits, block_size):

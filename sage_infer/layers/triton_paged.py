@@ -13,8 +13,10 @@ program's G query heads share its KV head's keys (GQA, no repeat) and go through
 partial output with its log-sum-exp; a second kernel merges the splits. The split count is chosen
 from the block tables' width, never from the lengths themselves, so a step needs no device sync.
 
-Numerics: scores are the model dtype's products accumulated in fp32 (fp32 pools: IEEE fp32, no TF32),
-then scaled; the probabilities are rounded to the value dtype before P·V, as flash attention does.
+Numerics: scores are the model dtype's products accumulated in fp32, then scaled; the probabilities are
+rounded to the value dtype before P·V, as flash attention does. Where the queries or the pool are fp32
+(an fp32 model, or an fp32 pool), everything is IEEE fp32 (no TF32): 16-bit keys and values are widened,
+the queries never rounded.
 
 Without a GPU the same kernel code runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 triton is imported) on CPU tensors: slow, for the tests only (tests/conftest.py sets it where no GPU is).
@@ -62,7 +64,10 @@ def _partial_attention(
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.zeros([GROUP_PAD], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -76,7 +81,7 @@ def _partial_attention(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         elif WIDEN:  # the interpreter's bf16 dot is wrong: the same exact products, summed in fp32
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -88,7 +93,7 @@ def _partial_attention(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         elif WIDEN:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -203,7 +208,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=k_blocks.dtype == torch.float32, WIDEN=interpreting(),
+        BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype), WIDEN=interpreting(),
     )
     if splits == 1:
         return out.view(batch, num_heads, head_dim), lse.view(batch, num_heads)
