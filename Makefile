@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint clean vllm-venv test-vllm bench-gate
+.PHONY: install test serve lint clean vllm-venv test-vllm bench-gate gpu-wheels
 
 install: $(STAMP)
 
@@ -63,6 +63,17 @@ $(VLLM_STAMP): pyproject.toml
 # The tests that need vLLM (pytest marker `vllm`), in the vLLM venv: 27 tests, ~5 min on 2 cores (docs/backends.md).
 test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -m vllm -q
+
+# The wheels a lent GPU machine's image lacks (its python3 is 3.12 with CUDA torch, triton and transformers), into
+# .whl/ (git-ignored) for bench/gpu_check.sh: `make gpu-wheels`, then run the script there with .whl carried.
+GPU_WHEELS ?= pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 typing-inspection==0.4.5 \
+	annotated-types==0.8.0 python-dotenv==1.2.4 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
+	crc32c==2.9.post0 typer==0.29.2 annotated-doc==0.0.7 typing-extensions==4.16.0
+
+gpu-wheels: install
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
