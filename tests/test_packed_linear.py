@@ -14,7 +14,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.build import use_packed_linears
 from sage_infer.errors import ConfigError
-from sage_infer.layers.linear import PackedLinear, pack_linears, packing_available
+from sage_infer.layers.linear import PackedLinear, pack_linears, packing_available, tied_linear_bytes
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN (mkldnn) linear")
@@ -35,7 +35,7 @@ def test_packed_linear_matches_nn_linear(dtype, tol, bias, rows):
     assert torch.equal(packed(x.view(1, rows, 96)).view(rows, 160), got)  # leading dims are flattened
 
 
-def test_pack_linears_swaps_every_linear_but_a_tied_one():
+def test_pack_linears_packs_a_tied_head_as_a_copy_and_the_embedding_keeps_its_weight():
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -45,8 +45,15 @@ def test_pack_linears_swaps_every_linear_but_a_tied_one():
             self.head.weight = self.embed.weight
 
     model = Tied()
-    assert pack_linears(model) == 1
-    assert isinstance(model.proj, PackedLinear) and isinstance(model.head, nn.Linear)
+    weight = model.embed.weight.detach().clone()
+    x = torch.randn(3, 16)
+    want = model.head(x)
+    assert tied_linear_bytes(model) == 50 * 16 * 4
+    assert pack_linears(model) == 2
+    assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
+    assert torch.equal(model.embed.weight, weight)  # lookups still read the original rows
+    torch.testing.assert_close(model.head(x), want, atol=1e-5, rtol=1e-5)
+    assert tied_linear_bytes(model) == 0  # nothing left to duplicate
 
 
 @pytest.fixture(scope="module")

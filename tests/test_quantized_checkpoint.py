@@ -89,7 +89,8 @@ def test_the_engine_on_cpu_kernels_gives_the_reference_paths_greedy_tokens(check
     fast_model, ref_model = fast.engine.runner.model, ref.engine.runner.model
     assert type(fast_model.model.layers[0].mlp.gate_proj) is KERNEL[name]
     assert type(ref_model.model.layers[0].mlp.gate_proj) is QuantLinear
-    assert isinstance(fast_model.lm_head, torch.nn.Linear)  # tied to the embeddings: never packed or quantized
+    assert isinstance(fast_model.lm_head, PackedLinear)  # tied to the embeddings: never quantized, packed as a copy
+    assert isinstance(ref_model.lm_head, torch.nn.Linear)
     got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, greedy)]
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, greedy)]
     if dtype == "fp32":

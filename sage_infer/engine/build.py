@@ -27,7 +27,13 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
-from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, pack_linears, packing_available
+from sage_infer.layers.linear import (
+    SMALL_LINEAR_ROWS,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+    tied_linear_bytes,
+)
 from sage_infer.layers.paged_kernel import flash_unavailable, kernel_unavailable, small_linear_unavailable
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable
@@ -259,6 +265,7 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
     if decode == "sage" and small_why is not None:
         _fast_path("model.decode_linear", decode, small_why, "sage", "onednn")  # raises, before packing
     small_rows = SMALL_LINEAR_ROWS if decode != "onednn" and small_why is None else 0
+    tied = tied_linear_bytes(model)
     try:
         count = pack_linears(model, small_rows)
     except RuntimeError as err:  # oneDNN cannot pack this dtype here (fp16 without AVX512-FP16, say)
@@ -269,8 +276,9 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
         return
     why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
-    auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked)",
-                  why, count, fused)
+    auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked%s)",
+                  why, count, fused, f"; the lm_head tied to the embedding as a copy, +{tied / 1e6:.0f} MB" if tied
+                  else "")
     if decode == "onednn":
         return
     on_kernel = sum(isinstance(m, PackedLinear) and m.small_rows > 0 for m in model.modules())

@@ -6,9 +6,12 @@ each weight once into oneDNN's blocked layout (what Inductor's weight freezing d
 measured 1.4–2.6x per bf16 layer at 1–16 rows and no loss at 512 (docs/benchmarks.md "Packed
 linear"). The math is oneDNN's either way, so outputs match `nn.Linear` to rounding.
 
-`pack_linears(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear` (not a
-weight tied to another module: packing would keep a second copy of it). `model.linear:
-torch` keeps plain `nn.Linear`, the reference path the packed one is tested against.
+`pack_linears(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear`, an lm_head tied
+to the embedding too: the packed buffer is then a second copy of that weight (the embedding keeps
+reading rows of the original), e.g. +272 MB for Qwen2.5-0.5B's 151,936 x 896 bf16 head, for 1.6x at
+batch 1 and 2.7x at 8 rows on that head's product (it was unpacked before: docs/benchmarks.md, session
+10), as vLLM's CPU backend also packs the embedding's weight for the head. `model.linear: torch` keeps
+plain `nn.Linear`, the reference path the packed one is tested against.
 """
 
 from __future__ import annotations
@@ -69,13 +72,13 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, small_rows: int = 0) -> int:
     """Replace the `nn.Linear` modules of a CPU model by `PackedLinear` (passing `small_rows`); how many
-    were packed.
+    were packed. A weight tied to another module (`tied_linear_bytes` says how many bytes) is packed as a
+    copy; the other module keeps the original.
 
     RuntimeError (and the model unchanged) when oneDNN cannot pack its weights on this CPU.
     """
-    shared = _shared_weights(model)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
-               and module.weight.device.type == "cpu" and id(module.weight) not in shared]
+               and module.weight.device.type == "cpu"]
     # all first: a failure leaves the model as it was
     packed = [PackedLinear(module, small_rows=small_rows) for _, module in targets]
     for (name, _), replacement in zip(targets, packed):
@@ -85,10 +88,12 @@ def pack_linears(model: nn.Module, small_rows: int = 0) -> int:
     return len(targets)
 
 
-def _shared_weights(model: nn.Module) -> set[int]:
-    """Ids of parameters held by more than one module (a tied lm_head and embedding)."""
+def tied_linear_bytes(model: nn.Module) -> int:
+    """Bytes of the `nn.Linear` weights of `model` that another module holds too (a tied lm_head and
+    embedding): what packing them adds, since the other module keeps the original."""
     seen: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             seen[id(param)] = seen.get(id(param), 0) + 1
-    return {pid for pid, count in seen.items() if count > 1}
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, nn.Linear) and seen.get(id(m.weight), 0) > 1)

@@ -208,7 +208,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype), WIDEN=interpreting(),
+        BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype),
+        WIDEN=interpreting(),
     )
     if splits == 1:
         return out.view(batch, num_heads, head_dim), lse.view(batch, num_heads)
