@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import shutil
 import statistics
 import sys
 import time
@@ -30,30 +28,12 @@ if str(REPO) not in sys.path:
 
 from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE  # noqa: E402
-from bench.vllm_models import DEMO_DIR, TOKENIZER_FILES  # noqa: E402
+from bench.vllm_models import ModelSpec, prepare_model  # noqa: E402
 
 SHAPE = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-             intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
-
-
-def prepare(cache: Path) -> Path:
-    directory = cache / "qwen2.5-0.5b-realvocab-seed0"
-    if (directory / "config.json").exists():
-        return directory
-    import transformers
-
-    demo = json.loads((DEMO_DIR / "config.json").read_text())
-    config = transformers.Qwen2Config(bos_token_id=demo["bos_token_id"], eos_token_id=demo["eos_token_id"],
-                                      pad_token_id=demo["pad_token_id"], **SHAPE)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval().to(torch.bfloat16)
-    partial = cache / f".{directory.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    for name in TOKENIZER_FILES:
-        shutil.copy(DEMO_DIR / name, partial / name)
-    partial.rename(directory)
-    return directory
+             intermediate_size=4864)
+SPEC = ModelSpec("qwen2.5-0.5b-realvocab", "random Qwen2.5-0.5B shape with its 151,936-token vocabulary, tied",
+                 "bf16", arch="qwen2", shape=SHAPE)
 
 
 def build(directory: Path, variant: str):
@@ -83,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from sage_infer import SamplingParams
 
     torch.set_num_threads(args.threads)
-    directory = prepare(args.model_cache)
+    directory = prepare_model(SPEC, args.model_cache)
     batches = [int(b) for b in args.batches.split(",")]
     rates: dict[str, dict[int, list[float]]] = {v: {b: [] for b in batches} for v in ("unpacked", "packed")}
     tokens: dict[tuple[str, int], list] = {}

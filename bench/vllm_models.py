@@ -55,9 +55,10 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
     config_cls, model_cls = classes[spec.arch]
     demo = json.loads((DEMO_DIR / "config.json").read_text())
-    config = config_cls(vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
-                        eos_token_id=demo["eos_token_id"], pad_token_id=demo["pad_token_id"],
-                        max_position_embeddings=4096, tie_word_embeddings=True, **spec.shape)
+    settings = dict(vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
+                    eos_token_id=demo["eos_token_id"], pad_token_id=demo["pad_token_id"],
+                    max_position_embeddings=4096, tie_word_embeddings=True)
+    config = config_cls(**{**settings, **spec.shape})  # a shape may set its own vocab_size
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     # build next to the target and rename, so an interrupted build never looks finished

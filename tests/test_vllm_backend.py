@@ -265,8 +265,14 @@ def test_zz_a_dead_vllm_engine_is_a_503_and_an_unhealthy_server(client, server):
 
     import psutil
 
-    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline() or [p.name()])
-             or "EngineCore" in p.name()]
+    cores = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            names = " ".join(child.cmdline() or []) + " " + child.name()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+            continue  # a child that has exited (an earlier test's) and waits to be reaped
+        if "EngineCore" in names:
+            cores.append(child)
     assert cores, "no vLLM engine-core process found"
     for core in cores:
         core.send_signal(signal.SIGKILL)
