@@ -17,9 +17,10 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.errors import ConfigError
 from sage_infer.layers.paged_kernel import kernel_unavailable
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import greedy_tokens, make_tiny_model
 
 CUDA = torch.cuda.is_available()
+TOKENS = 14  # greedy tokens per prompt
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,6 @@ def llm(path, device: str = "cpu", dtype: str = "fp32", max_num_seqs: int = 64, 
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, **model},
                                          "kv_pool": {"num_blocks": 256}, "scheduler": {"max_num_seqs": max_num_seqs}})
     return LLM(config=config, device=device)
-
-
-def greedy(engine: LLM, prompts, max_tokens: int = 14) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
 
 
 def prompts(seed: int = 0, count: int = 11) -> list[list[int]]:
@@ -79,13 +75,13 @@ def test_padded_static_buffer_steps_give_the_engines_tokens(tiny, max_num_seqs):
     """The graph step's inputs, eagerly: 11 prompts in buckets of up to 16 (padded rows repeat row 0), and
     with max_num_seqs 5 the batch still fits the largest bucket (5) as requests finish and join."""
     batch = prompts()
-    want = greedy(llm(tiny, attention="paged", max_num_seqs=max_num_seqs), batch)
+    want = greedy_tokens(llm(tiny, attention="paged", max_num_seqs=max_num_seqs), batch, TOKENS)
     padded = llm(tiny, attention="paged", max_num_seqs=max_num_seqs)
     runner = padded.engine.runner
     assert runner.graphs is None  # auto on a CPU: off
     runner.graphs = DecodeGraphs(runner.model, runner.pool, runner.device, max_num_seqs,
                                  max_blocks=-(-1024 // runner.pool.block_size), capture=False)
-    assert greedy(padded, batch) == want
+    assert greedy_tokens(padded, batch, TOKENS) == want
     assert runner.graphs.replays >= 13  # every decode step after the prompts' prefills
     padded.engine.kv.block_manager.check_invariants()
 
@@ -116,10 +112,12 @@ def test_graphs_on_the_gpu_give_the_eager_steps_tokens_fp32(tiny):
     graphed = llm(tiny, "cuda", cuda_graphs="on")
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.capture
-    assert greedy(graphed, batch) == greedy(llm(tiny, "cuda", cuda_graphs="off"), batch)
+    eager = llm(tiny, "cuda", cuda_graphs="off")
+    assert greedy_tokens(graphed, batch, TOKENS) == greedy_tokens(eager, batch, TOKENS)
     assert graphs.replays >= 13 and 1 <= graphs.captures <= len(graphs.buckets)
     before = graphs.captures
-    assert greedy(graphed, batch) == greedy(graphed, batch)  # replays of the captured buckets, same tokens
+    # replays of the captured buckets, same tokens
+    assert greedy_tokens(graphed, batch, TOKENS) == greedy_tokens(graphed, batch, TOKENS)
     assert graphs.captures == before
     graphed.engine.kv.block_manager.check_invariants()
 
@@ -129,7 +127,9 @@ def test_graphs_on_the_gpu_equal_the_torch_path_and_stay_within_bf16_rounding(ti
     from tests.tiny_models import assert_within_bf16_drift
 
     batch = prompts(2)
-    assert greedy(llm(tiny, "cuda"), batch) == greedy(llm(tiny, "cuda", attention="torch"), batch)
+    torch_path = llm(tiny, "cuda", attention="torch")
+    assert greedy_tokens(llm(tiny, "cuda"), batch, TOKENS) == greedy_tokens(torch_path, batch, TOKENS)
     bf16 = llm(tiny, "cuda", "bf16")
     assert bf16.engine.runner.graphs is not None
-    assert_within_bf16_drift(greedy(bf16, batch), greedy(llm(tiny, "cuda", "bf16", cuda_graphs="off"), batch))
+    eager = llm(tiny, "cuda", "bf16", cuda_graphs="off")
+    assert_within_bf16_drift(greedy_tokens(bf16, batch, TOKENS), greedy_tokens(eager, batch, TOKENS))

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from sage_infer import LLM, SamplingParams
+from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
@@ -19,7 +19,7 @@ from sage_infer.layers import attention as attention_mod
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
 from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable
 from tests.test_paged_kernel import LAYER, chunk_step
-from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
+from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = flash_unavailable(64)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's bf16 flash kernel cannot run here: {WHY}")
@@ -104,11 +104,6 @@ def engine(path, prefill_attention: str, dtype: str = "bf16") -> LLM:
                                                    "prefill_attention": prefill_attention},
                                          "kv_pool": {"num_blocks": 96}})
     return LLM(config=config)
-
-
-def greedy_tokens(llm: LLM, prompts, max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path):

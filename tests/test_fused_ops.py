@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sage_infer import LLM, SamplingParams
+from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers import paged_kernel as kernels
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
-from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
+from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.kernel_unavailable() is not None,
                                 reason=f"CPU kernels: {kernels.kernel_unavailable()}")
@@ -110,11 +110,6 @@ def engine(path, elementwise: str, dtype: str = "fp32", **scheduler) -> LLM:
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "elementwise": elementwise},
                                          "kv_pool": {"num_blocks": 96}, "scheduler": scheduler})
     return LLM(config=config)
-
-
-def greedy_tokens(llm: LLM, prompts, max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])  # q/k norm; q/k/v bias; llama3 rope scaling

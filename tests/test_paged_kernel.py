@@ -21,7 +21,7 @@ from sage_infer.layers.attention import (
 )
 from sage_infer.layers.paged_kernel import decode_attention_paged, kernel_unavailable
 from tests.kv_fill import LAYER, LAYERS, filled_pool
-from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
+from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
 
@@ -93,11 +93,6 @@ def engine(path, attention: str, dtype: str = "fp32", cascade: bool = True, num_
     return LLM(config=config)
 
 
-def greedy_tokens(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
 def test_auto_picks_the_kernel_on_a_float_pool_and_torch_keeps_the_reference(tiny):
     assert engine(tiny, "auto").engine.runner.decode_in_place
     assert not engine(tiny, "torch").engine.runner.decode_in_place
@@ -121,7 +116,7 @@ def test_paged_on_a_quantized_pool_is_a_config_error(tiny):
 def test_fp32_greedy_tokens_are_identical_with_the_kernel_and_the_reference(tiny):
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 7, 16, 33, 64, 90, 150, 12)]
-    assert greedy_tokens(engine(tiny, "paged"), prompts) == greedy_tokens(engine(tiny, "torch"), prompts)
+    assert greedy_tokens(engine(tiny, "paged"), prompts, 12) == greedy_tokens(engine(tiny, "torch"), prompts, 12)
 
 
 def test_fp32_greedy_tokens_are_identical_under_preemption_and_chunked_prefill(tiny):
@@ -129,7 +124,7 @@ def test_fp32_greedy_tokens_are_identical_under_preemption_and_chunked_prefill(t
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (30, 35, 40, 25, 38, 33)]
     small = dict(num_blocks=8, max_num_seqs=6, max_num_batched_tokens=32)
     paged, torch_ = engine(tiny, "paged", **small), engine(tiny, "torch", **small)
-    assert greedy_tokens(paged, prompts) == greedy_tokens(torch_, prompts)
+    assert greedy_tokens(paged, prompts, 12) == greedy_tokens(torch_, prompts, 12)
     paged.engine.kv.block_manager.check_invariants()
 
 
@@ -147,8 +142,8 @@ def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tiny):
     allowed: a sequence may diverge after its first 4 tokens (rounding near a tie), at most 1 in 4."""
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (5, 20, 40, 64, 100, 130, 8, 50)]
-    got = greedy_tokens(engine(tiny, "paged", dtype="bf16"), prompts)
-    want = greedy_tokens(engine(tiny, "torch", dtype="bf16"), prompts)
+    got = greedy_tokens(engine(tiny, "paged", dtype="bf16"), prompts, 12)
+    want = greedy_tokens(engine(tiny, "torch", dtype="bf16"), prompts, 12)
     assert_within_bf16_drift(got, want)
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from sage_infer import LLM, SamplingParams
+from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_mod
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, packing_available
 from sage_infer.layers.paged_kernel import packed_layout_matches, small_linear_unavailable
-from tests.tiny_models import assert_within_bf16_drift, make_tiny_model
+from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = "this torch has no oneDNN (mkldnn) linear" if not packing_available() else small_linear_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's small-row kernel cannot run here: {WHY}")
@@ -78,11 +78,6 @@ def engine(path, decode_linear: str, dtype: str = "bf16", linear: str = "auto") 
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "linear": linear,
                                                    "decode_linear": decode_linear}, "kv_pool": {"num_blocks": 96}})
     return LLM(config=config)
-
-
-def greedy_tokens(llm: LLM, prompts, max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def test_the_setting_decides_which_kernel_decode_steps_run(tmp_path, monkeypatch):

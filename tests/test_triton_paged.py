@@ -24,6 +24,7 @@ from sage_infer.layers.attention import (
 from sage_infer.layers.triton_paged import decode_attention, interpreting, num_splits, triton
 from tests import kv_fill
 from tests.kv_fill import LAYER
+from tests.tiny_models import greedy_tokens
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.skipif(
     triton is None or not (CUDA or interpreting()),
     reason="triton is not installed" if triton is None else "no CUDA GPU and TRITON_INTERPRET is not 1")
 needs_gpu = pytest.mark.skipif(not CUDA, reason="the engine on a CUDA device needs a CUDA GPU")
+TOKENS = 16  # greedy tokens per prompt in the engine tests
 
 # bf16/fp16: the probabilities are rounded to the value dtype before P.V (as flash attention does), so the
 # output is within a few 1e-3 of fp32 attention over the same stored K/V; the log-sum-exp is not rounded
@@ -169,13 +171,6 @@ def gpu_llm(path, attention: str, dtype: str = "fp32", **model):
     return LLM(config=config, device="cuda")
 
 
-def greedy(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
-    from sage_infer import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
 def prompts(seed: int = 0, system_tokens: int = 96) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(5, 500) for _ in range(system_tokens)]  # a shared prefix (prefix-cache hits)
@@ -194,7 +189,7 @@ def test_engine_greedy_tokens_on_the_gpu_equal_the_torch_path_fp32(tiny):
     batch = prompts()
     paged = gpu_llm(tiny, "paged")
     assert paged.engine.runner.decode_in_place
-    assert greedy(paged, batch) == greedy(gpu_llm(tiny, "torch"), batch)
+    assert greedy_tokens(paged, batch, TOKENS) == greedy_tokens(gpu_llm(tiny, "torch"), batch, TOKENS)
     paged.engine.kv.block_manager.check_invariants()
 
 
@@ -207,9 +202,9 @@ def test_engine_bf16_on_the_gpu_stays_within_rounding_of_the_torch_path(tiny):
 
     batch = prompts(1, system_tokens=256)
     paged, reference = gpu_llm(tiny, "paged", "bf16"), gpu_llm(tiny, "torch", "bf16")
-    want = greedy(reference, batch)
-    assert_within_bf16_drift(greedy(paged, batch), want)
-    assert_within_bf16_drift(greedy(paged, batch), want)
+    want = greedy_tokens(reference, batch, TOKENS)
+    assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
+    assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
     assert paged.engine.runner.cascade_steps > 0
     paged.engine.kv.block_manager.check_invariants()
 
@@ -224,7 +219,7 @@ def test_engine_on_the_gpu_equals_transformers_on_the_gpu(tiny):
     torch.backends.cudnn.allow_tf32 = False
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval().cuda()
     batch = prompts(2)
-    got = greedy(gpu_llm(tiny, "paged"), batch)
+    got = greedy_tokens(gpu_llm(tiny, "paged"), batch, TOKENS)
     for prompt, tokens in zip(batch, got):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,

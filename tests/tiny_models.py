@@ -87,3 +87,11 @@ def assert_within_bf16_drift(got: list[list[int]], want: list[list[int]]) -> Non
     tokens equal, and at most 1 in 4 sequences diverging later (a rounding near a tie)."""
     assert all(a[:4] == b[:4] for a, b in zip(got, want))
     assert sum(a != b for a, b in zip(got, want)) <= len(want) // 4
+
+
+def greedy_tokens(llm, prompts, max_tokens: int = 10) -> list[list[int]]:
+    """Each prompt's greedy tokens (ignore-EOS, `max_tokens` of them) from an `LLM`, in prompt order."""
+    from sage_infer import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
