@@ -273,7 +273,7 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
                                                       "device", "model.dtype", "kv_pool.kv_dtype",
                                                       "model.max_model_len", "kv_pool.num_blocks", "tiers.host_bytes",
                                                       "model.attention", "model.prefill_attention",
-                                                      "model.cuda_graphs"]
+                                                      "model.decode_step", "model.cuda_graphs"]
     assert "sage: resolved model.cuda_graphs = off (auto: CUDA graphs need an NVIDIA CUDA device" in result.err
     assert "sage: resolved device = cpu (hardware preset cpu" in result.err
     assert "sage: resolved tiers.host_bytes = 0 (auto: the KV pool is in host memory already" in result.err

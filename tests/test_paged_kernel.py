@@ -45,6 +45,24 @@ def test_kernel_equals_attention_over_each_rows_own_context(dtype, heads):
         torch.testing.assert_close(lse[i], want_lse.reshape(num_heads), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_the_vectorised_head_sizes_agree_over_partial_tiles_and_any_block_size(dtype, head_dim, block_size):
+    """64 and 128 take the kernel's 16-tokens-at-a-time scores pass: tiles cut short by a block's or the
+    context's end (1, 15, 17, 33 tokens) and blocks smaller than a tile give the reference's scores."""
+    lens = [1, 15, 16, 17, 33, 100, 250]
+    pool, tables, contexts = filled_pool(lens, 2, head_dim, block_size, dtype, seed=5)
+    q = torch.randn(len(lens), 14, head_dim)
+    scale = head_dim**-0.5
+    out, lse = decode_attention_paged(q, *pool.block_views(LAYER), padded(tables), torch.tensor(lens), scale)
+    for i, (k, v) in enumerate(contexts):
+        torch.testing.assert_close(out[i], decode_attention_reference(q[i], k, v, scale), atol=2e-5, rtol=1e-5)
+        qg = q[i].view(2, -1, head_dim)[None]
+        _, want_lse = attention_with_lse_reference(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
+        torch.testing.assert_close(lse[i], want_lse.reshape(14), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_batch_smaller_than_the_thread_count_splits_by_kv_head_with_the_same_result(threads):
     before = torch.get_num_threads()

@@ -74,16 +74,18 @@ def test_the_layout_check_compares_the_bytes_not_just_the_size():
 # -- the engine ---------------------------------------------------------------------------------
 
 
-def engine(path, decode_linear: str, dtype: str = "bf16", linear: str = "auto") -> LLM:
+def engine(path, decode_linear: str, dtype: str = "bf16", linear: str = "auto", decode_step: str = "auto") -> LLM:
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "linear": linear,
-                                                   "decode_linear": decode_linear}, "kv_pool": {"num_blocks": 96}})
+                                                   "decode_linear": decode_linear, "decode_step": decode_step},
+                                         "kv_pool": {"num_blocks": 96}})
     return LLM(config=config)
 
 
 def test_the_setting_decides_which_kernel_decode_steps_run(tmp_path, monkeypatch):
     """sage: every decode step's products go through the kernel (7 packed layers here: per layer q/k/v and
     gate/up stacked, o, down; then the lm_head); onednn: none do. A prefill of more rows than the limit
-    stays on oneDNN, but for its lm_head, which reads the last position only."""
+    stays on oneDNN, but for its lm_head, which reads the last position only. (Layer by layer from Python,
+    where the products are seen: `model.decode_step: sage` makes the same calls in C++, tests/test_decode_step.py.)"""
     calls = []
     real = linear_mod.small_linear
     monkeypatch.setattr(linear_mod, "small_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -91,7 +93,7 @@ def test_the_setting_decides_which_kernel_decode_steps_run(tmp_path, monkeypatch
     prompt = [[5 + i for i in range(SMALL_LINEAR_ROWS + 8)]]
     greedy_tokens(engine(path, "onednn"), prompt, max_tokens=3)
     assert calls == []
-    greedy_tokens(engine(path, "sage"), prompt, max_tokens=3)
+    greedy_tokens(engine(path, "sage", decode_step="python"), prompt, max_tokens=3)
     assert calls == [1] * (1 + 2 * (2 * 4 + 1))  # prefill's lm_head, 2 decode steps x (2 layers x 4 + lm_head)
 
 

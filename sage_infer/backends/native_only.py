@@ -35,6 +35,7 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
                                        ("attention", model.attention, "auto", "attention path"),
                                        ("prefill_attention", model.prefill_attention, "auto", "prefill attention"),
                                        ("elementwise", model.elementwise, "auto", "elementwise ops"),
+                                       ("decode_step", model.decode_step, "auto", "decode step loop"),
                                        ("cuda_graphs", model.cuda_graphs, "auto", "CUDA graph setting"),
                                        ("host_malloc", model.host_malloc, "keep", "host allocator settings"),
                                        ("huge_pages", model.huge_pages, True, "huge-page setting")):

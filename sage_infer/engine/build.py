@@ -113,6 +113,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                          decode_in_place=use_paged_attention(config.model.attention, pool, device),
                          flash_attention=use_flash_attention(config.model.prefill_attention, model, arch.head_dim,
                                                              device))
+    if use_decode_step(config.model.decode_step, model, pool, device, runner.decode_in_place):
+        model.prepare_decode_step(pool)
     if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
         runner.graphs = DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
                                      max_blocks=-(-max_len // schema.block_size))
@@ -155,6 +157,22 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
         why = kernel_unavailable()
     kernel = "Triton" if device.type == "cuda" else "C++"
     return _fast_path("model.attention", choice, why, f"paged (decode reads KV blocks in place: {kernel} kernel)")
+
+
+def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: torch.device,
+                    decode_in_place: bool) -> bool:
+    """`model.decode_step`: whether pure decode steps of a few rows run every decoder layer in one C++ call
+    (`LlamaForCausalLM.prepare_decode_step`)."""
+    if choice == "python":
+        return False
+    if device.type != "cpu":
+        why = f"the C++ decode step is CPU-only (device is {device.type})"
+    elif not decode_in_place:
+        why = "it chains the paged decode kernel (model.attention is torch or cannot run)"
+    else:
+        why = model.decode_step_unavailable(pool)
+    return _fast_path("model.decode_step", choice, why, "sage (a decode step's layers in one C++ call)",
+                      reference="python")
 
 
 def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) -> bool:

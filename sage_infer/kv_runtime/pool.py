@@ -201,6 +201,12 @@ class KVPool:
         Only where `supports_block_views` (a float pool); never written through."""
         return self._blocks[layer]
 
+    def token_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as token rows ``[num_blocks * block_size, num_kv_heads, head_dim]`` (slot ``s``
+        is row ``s``), the memory `block_views` shows as blocks: for a kernel that stores a step's K/V
+        itself, making the writes `store` makes (`model.decode_step`). Only where `supports_block_views`."""
+        return self._rows[layer]
+
     def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` ([n] long), each [n, num_kv_heads, head_dim] in `dtype`.
 

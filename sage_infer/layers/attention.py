@@ -89,6 +89,14 @@ class AttentionMetadata:
     # flash_attention`); False: PyTorch's CPU flash kernel (the oracle)
     flash: bool = False
 
+    def pure_decode_group(self) -> DecodeGroup | None:
+        """The one group of a pure decode step read in place (every row one new token, in batch order, no
+        prefill span and no shared prefix), or None for any other step."""
+        if self.decode_in_place and not self.prefills and self.shared is None and len(self.decode_groups) == 1 \
+                and self.decode_groups[0].whole_batch:
+            return self.decode_groups[0]
+        return None
+
 
 def prefill_attention(
     q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
@@ -325,9 +333,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
     pool.store(layer, k, v, meta.slot_mapping)
-    if meta.decode_in_place and not meta.prefills and meta.shared is None and len(meta.decode_groups) == 1 \
-            and meta.decode_groups[0].whole_batch:  # a pure decode step: no row gather, no scatter back
-        group = meta.decode_groups[0]
+    if (group := meta.pure_decode_group()) is not None:  # no row gather, no scatter back
         return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens,
                                       scale)[0].to(q.dtype)
     out = torch.empty_like(q)

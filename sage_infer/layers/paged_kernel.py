@@ -18,7 +18,9 @@ prefix) on AVX512-BF16 dot products (csrc/flash_bf16.cpp; `model.prefill_attenti
 PyTorch's CPU flash kernel as the reference.
 
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
-`PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`).
+`PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `decode_layers`: those
+kernels, the fused ops and the paged kernel chained over all decoder layers of a pure decode step in
+one call (csrc/decode_step.cpp; `model.decode_step`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp",
-                                                                          "small_linear.cpp", "flash_bf16.cpp")]
+                                                                          "small_linear.cpp", "flash_bf16.cpp",
+                                                                          "decode_step.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "widen.h"]
 # torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
@@ -165,3 +168,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         q = q.contiguous()
     out, lse = _module().flash_attention_bf16(q, k, v, scale, causal)
     return out, lse
+
+
+def decode_layers(shapes: list[int], biases: list[torch.Tensor | None], tensors: list[torch.Tensor],
+                  qk_norms: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                  qk_eps: float, scale: float):
+    """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
+    `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
+    cos, signed_sin, slots, block_tables, context_lens)`` returns the final-normed hidden states."""
+    return _module().DecodeLayers(shapes, biases, tensors, qk_norms, num_heads, num_kv_heads, head_dim, eps,
+                                  qk_eps, scale)

@@ -98,6 +98,67 @@ static void values_in_registers(const kv_t* v_cache, const int64_t* table, int64
     for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(o + g * D + 16 * j, acc[g][j]);
 }
 
+// lane i of the result = the sum of v[i]'s 16 lanes: 16 dot products finished at once, 45 shuffles and
+// adds for 16 tokens instead of one horizontal sum (a chain of 8 dependent steps) per token
+static inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] at positions 0 and 2, v[2i+1] at 1 and 3
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i .. 4i+3] at positions 0..3
+    const __m512d c = _mm512_castps_pd(s[2 * i]), d = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  // then the four 128-bit lanes of each u[i] summed into lane i (0x88: lanes 0, 2 of a, 0, 2 of b; 0xDD: 1, 3)
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// the scores pass of `attend` for D 64 or 128: 16 tokens at a time, each token's key widened once for
+// all G query heads of its KV head; per (head, token) D/16 FMAs into one vector of partial sums, and the
+// 16 tokens' vectors summed across lanes together (`sum_lanes16`). qs: [rows, D] scaled queries; scores:
+// [rows, len]
+template <int D, typename kv_t>
+static void scores_pass(const float* qs, const kv_t* k_cache, const int64_t* table, int64_t len, int64_t block_size,
+                        int64_t block_stride, int64_t token_stride, int64_t heads, int64_t groups, int64_t row_bytes,
+                        const kv_t* next_pass, float* scores, std::vector<float>& partial) {
+  partial.resize(static_cast<size_t>(groups * 16 * 16));
+  __m512* part = reinterpret_cast<__m512*>(partial.data());  // [groups][16] vectors (loadu/storeu below)
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
+    const kv_t* kb = k_cache + table[blk] * block_stride;
+    const int64_t end = std::min(len, t + block_size);
+    if (blk + 1 < num_blocks)
+      prefetch_block(k_cache + table[blk + 1] * block_stride, block_size, token_stride, row_bytes);
+    else  // the values come next
+      prefetch_block(next_pass, block_size, token_stride, row_bytes);
+    for (const kv_t* k = kb; t < end; k += 16 * token_stride) {
+      const int64_t n = std::min<int64_t>(16, end - t);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* qh = qs + hh * groups * D;
+        for (int64_t i = 0; i < n; ++i) {
+          __m512 x[D / 16];
+          widen_row<D>(k + i * token_stride + hh * D, x);
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* qg = qh + g * D;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), x[0]);
+            for (int j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), x[j], acc);
+            _mm512_storeu_ps(reinterpret_cast<float*>(part + g * 16 + i), acc);
+          }
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        for (int64_t g = 0; g < groups; ++g) {
+          __m512 v[16];
+          for (int i = 0; i < 16; ++i)
+            v[i] = i < n ? _mm512_loadu_ps(reinterpret_cast<const float*>(part + g * 16 + i)) : _mm512_setzero_ps();
+          _mm512_mask_storeu_ps(scores + (hh * groups + g) * len + t, valid, sum_lanes16(v));
+        }
+      }
+      t += n;
+    }
+  }
+}
+
 // the values pass of `attend` for D 64 or 128: query heads of each KV head 4 (D 64) or 2 (D 128) at a time
 template <int D, typename kv_t>
 static void values_pass(const kv_t* v_cache, const int64_t* table, int64_t len, int64_t block_size,
@@ -126,7 +187,7 @@ template <int D, typename kv_t>
 static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, const int64_t* table, int64_t len,
                    float* out, float* lse, int64_t h0, int64_t heads, int64_t groups, int64_t num_kv_heads,
                    int64_t head_dim, int64_t block_size, float scale, std::vector<float>& scores,
-                   std::vector<float>& qs) {
+                   std::vector<float>& qs, std::vector<float>& partial) {
   const int64_t token_stride = num_kv_heads * head_dim;  // one token of one block: [KvH, D]
   const int64_t block_stride = block_size * token_stride;
   const int64_t rows = heads * groups;  // query heads of this task, [rows, D] from q + h0 * groups * D
@@ -136,6 +197,13 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
   for (int64_t i = 0; i < rows * head_dim; ++i) qs[i] = qh[i] * scale;
   scores.resize(rows * len);
   const int64_t row_bytes = heads * head_dim * static_cast<int64_t>(sizeof(kv_t));
+#if defined(__AVX512F__)
+  if constexpr (D == 64 || D == 128) {
+    scores_pass<D, kv_t>(qs.data(), k_cache + h0 * head_dim, table, len, block_size, block_stride, token_stride,
+                         heads, groups, row_bytes, v_cache + table[0] * block_stride + h0 * head_dim, scores.data(),
+                         partial);
+  } else
+#endif
   for (int64_t blk = 0, t = 0; blk < num_blocks; ++blk) {
     const kv_t* k = k_cache + table[blk] * block_stride + h0 * head_dim;
     const int64_t end = std::min(len, t + block_size);
@@ -195,12 +263,12 @@ static void decode_kernel(const float* q, const kv_t* k_cache, const kv_t* v_cac
   const int64_t heads = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per task
   const int64_t per_seq = num_kv_heads / heads;
   at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qs;
+    std::vector<float> scores, qs, partial;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / per_seq, h0 = (task % per_seq) * heads;
       auto run = head_dim == 64 ? attend<64, kv_t> : head_dim == 128 ? attend<128, kv_t> : attend<0, kv_t>;
       run(q + b * num_heads * head_dim, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
-             out + b * num_heads * head_dim, lse + b * num_heads, h0, heads, groups, num_kv_heads, head_dim, block_size, scale, scores, qs);
+             out + b * num_heads * head_dim, lse + b * num_heads, h0, heads, groups, num_kv_heads, head_dim, block_size, scale, scores, qs, partial);
     }
   });
 }
@@ -244,6 +312,8 @@ torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int
 bool flash_bf16_compiled();
 std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                 bool causal);
+// decode_step.cpp
+void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
@@ -256,4 +326,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_bf16_compiled", &flash_bf16_compiled, "whether flash_attention_bf16 was built (AVX512-BF16)");
   m.def("flash_attention_bf16", &flash_attention_bf16, "bf16 attention of many queries, out and lse (CPU)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
+  bind_decode_layers(m);
 }

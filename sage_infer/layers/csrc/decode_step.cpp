@@ -1,0 +1,136 @@
+// A pure decode step's decoder layers in one call (`model.decode_step: sage`): for each layer, the
+// stacked q/k/v product, rotary (after Qwen3's q/k norms), the K/V store into the pool, paged
+// attention, the o product, the residual add with the next norm, gate/up, silu*mul, down and the
+// residual add with the next layer's norm, with no Python between them. The kernels are the ones the
+// Python path calls one by one (small_linear.cpp, fused_ops.cpp, paged_decode.cpp) in the same order
+// on the same values, so the result is the Python path's to the bit; what goes is the interpreter's
+// time around ~12 calls per layer (about a fifth of a batch-1 step of the 0.5B shape here).
+// The reference is `LlamaForCausalLM.forward`'s fused branch (sage_infer/models/llama.py).
+#include <torch/extension.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// small_linear.cpp, fused_ops.cpp, paged_decode.cpp: built into the same module
+torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
+           double eps);
+std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                  torch::Tensor block_tables, torch::Tensor context_lens,
+                                                  double scale);
+
+namespace {
+
+// one packed linear layer as `PackedLinear` hands it to small_linear
+struct Linear {
+  int64_t address, nbytes, n;
+  c10::optional<torch::Tensor> bias;  // fp32
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  torch::Tensor post_norm, next_norm;         // post-attention norm; the next layer's input norm (or the final)
+  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  torch::Tensor k_rows, v_rows;                // the pool's token rows [slots, KvH, D] (KVPool.kernel_views)
+  torch::Tensor k_blocks, v_blocks;            // the same memory as [blocks, block_size, KvH, D]
+};
+
+// each row's K (or V) [KvH, D] into its slot: what KVPool.store's index_copy_ does, for a few rows
+void store_rows(const torch::Tensor& src, const torch::Tensor& rows, const int64_t* slots, int64_t batch) {
+  const int64_t width = rows.size(1) * rows.size(2), num_slots = rows.size(0);
+  const int64_t bytes = width * static_cast<int64_t>(rows.element_size());
+  char* dst = static_cast<char*>(rows.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  const int64_t src_stride = src.stride(0) * static_cast<int64_t>(src.element_size());
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "decode_step: slot ", slots[b], " is outside the pool");
+    std::memcpy(dst + slots[b] * bytes, from + b * src_stride, bytes);
+  }
+}
+
+}  // namespace
+
+class DecodeLayers {
+ public:
+  // per layer, in order: linears as (address, nbytes, out_features) x 4 (qkv, o, gate_up, down) in `shapes`,
+  // their fp32 biases (or none) x 4 in `biases`, and in `tensors` post_norm, next_norm, k_rows, v_rows,
+  // k_blocks, v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
+  DecodeLayers(std::vector<int64_t> shapes, std::vector<c10::optional<torch::Tensor>> biases,
+               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> qk_norms, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double qk_eps, double scale)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale) {
+    const size_t n = tensors.size() / 6;
+    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 12 && biases.size() == n * 4 &&
+                    (qk_norms.empty() || qk_norms.size() == n * 2),
+                "DecodeLayers: per layer 12 linear numbers, 4 biases, 6 tensors (and 2 q/k norms)");
+    for (size_t i = 0; i < n; ++i) {
+      auto linear = [&](size_t j) {
+        const int64_t* s = shapes.data() + i * 12 + j * 3;
+        return Linear{s[0], s[1], s[2], biases[i * 4 + j]};
+      };
+      Layer layer{linear(0), linear(1), linear(2), linear(3), tensors[i * 6], tensors[i * 6 + 1], c10::nullopt,
+                  c10::nullopt, tensors[i * 6 + 2], tensors[i * 6 + 3], tensors[i * 6 + 4], tensors[i * 6 + 5]};
+      if (!qk_norms.empty()) {
+        layer.q_norm = qk_norms[i * 2];
+        layer.k_norm = qk_norms[i * 2 + 1];
+      }
+      TORCH_CHECK(layer.k_rows.scalar_type() == at::kBFloat16 && layer.k_rows.is_contiguous() &&
+                      layer.k_rows.dim() == 3 && layer.k_rows.size(1) == num_kv_heads &&
+                      layer.k_rows.size(2) == head_dim && layer.v_rows.sizes() == layer.k_rows.sizes(),
+                  "DecodeLayers: the pool rows must be contiguous bf16 [slots, KvH, D]");
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  // h: the first layer's normed input [B, hidden] bf16; residual: its input, updated in place; cos,
+  // signed_sin: [B, D] bf16; slots: [B] long; block_tables: [B, W] long; context_lens: [B] long
+  // -> the last layer's output normed by the final norm, [B, hidden]
+  torch::Tensor run(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor signed_sin,
+                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens) const {
+    const int64_t batch = h.size(0), width = (heads_ + 2 * kv_heads_) * head_dim_;
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == batch,
+                "decode_step: slots must be [B] int64");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
+    for (const Layer& layer : layers_) {
+      auto qkv = small_linear(h, layer.qkv.address, layer.qkv.nbytes, layer.qkv.n, layer.qkv.bias);
+      TORCH_CHECK(qkv.size(1) == width, "decode_step: the qkv product has ", qkv.size(1), " columns, not ", width);
+      auto heads = qkv.view({batch, heads_ + 2 * kv_heads_, head_dim_});
+      auto q = heads.narrow(1, 0, heads_), k = heads.narrow(1, heads_, kv_heads_);
+      auto v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
+      if (layer.q_norm.has_value()) {
+        rope_(q, cos, signed_sin, layer.q_norm, qk_eps_);
+        rope_(k, cos, signed_sin, layer.k_norm, qk_eps_);
+      } else {  // q and k side by side: one pass
+        rope_(heads.narrow(1, 0, heads_ + kv_heads_), cos, signed_sin, c10::nullopt, qk_eps_);
+      }
+      store_rows(k, layer.k_rows, slot, batch);
+      store_rows(v, layer.v_rows, slot, batch);
+      auto attended = paged_decode_attention(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks, tables,
+                                             lens, scale_)[0].to(h.scalar_type());
+      auto o = small_linear(attended.view({batch, heads_ * head_dim_}), layer.o.address, layer.o.nbytes, layer.o.n,
+                            layer.o.bias);
+      h = add_rms_norm_(o, residual, layer.post_norm, eps_);
+      auto gate_up = small_linear(h, layer.gate_up.address, layer.gate_up.nbytes, layer.gate_up.n, layer.gate_up.bias);
+      auto down = small_linear(silu_mul(gate_up), layer.down.address, layer.down.nbytes, layer.down.n,
+                               layer.down.bias);
+      h = add_rms_norm_(down, residual, layer.next_norm, eps_);
+    }
+    return h;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, qk_eps_, scale_;
+};
+
+void bind_decode_layers(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(pybind11::init<std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, double>())
+      .def("run", &DecodeLayers::run, "the decoder layers of a pure decode step of a few rows (bf16, CPU)");
+}
