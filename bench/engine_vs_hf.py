@@ -44,6 +44,7 @@ a time) on the first 4 `random` prompts.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import random
@@ -173,7 +174,10 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new: int, pad_id: int
     config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=pad_id,
                               bos_token_id=None)
     num_blocks = sum(-(-(len(p) + max_new) // page_size) for p in prompts) + 4
-    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=2048,
+    # the page size is `page_size` in newer transformers (5.24 here) and `block_size` in older ones (5.17, the
+    # GPU image's): whichever this one takes
+    page_field = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb_config = ContinuousBatchingConfig(**{page_field: page_size}, num_blocks=num_blocks, max_batch_tokens=2048,
                                          max_requests_per_batch=64)
     cpu0, start = time.process_time(), time.perf_counter()
     results = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config,
