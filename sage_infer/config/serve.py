@@ -54,11 +54,11 @@ class ModelConfig(Strict):
         "Qwen3's q/k norm with rotary, silu(gate)*up: one C++ pass each, built with the paged kernel; CPU), torch "
         "(PyTorch ops, the reference path), auto (fused where it can run, else torch).")
     decode_step: Literal["auto", "sage", "python"] = Field(
-        "auto", description="A pure decode step of up to 32 rows in a bf16 model on CPU: sage (all decoder layers in "
-        "one C++ call chaining the kernels the Python path calls one by one, the same values to the bit, without "
-        "the interpreter between them; needs model.decode_linear sage, model.elementwise fused, model.attention "
-        "paged and a bf16 KV pool), python (layer by layer from Python, the reference path), auto (sage where it "
-        "can run, else python).")
+        "auto", description="A pure decode step (every row one new token, no shared prefix) of an fp32 or bf16 model "
+        "on CPU: sage (all decoder layers in one C++ call chaining the kernels the Python path calls one by one, "
+        "the same values to the bit, without the interpreter between them; needs model.linear packed, "
+        "model.elementwise fused, model.attention paged and a KV pool in the model's dtype), python (layer by "
+        "layer from Python, the reference path), auto (sage where it can run, else python).")
     host_malloc: Literal["keep", "system"] = Field(
         "keep", description="CPU device: keep (raise glibc's mmap and trim thresholds so the buffers a step frees "
         "are reused by the next, not mapped again and zero-filled by the kernel; about 2x on a 2,048-row CPU "

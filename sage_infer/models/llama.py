@@ -193,8 +193,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused_elementwise = False  # `model.elementwise: fused`: the C++ passes of `forward_fused`
-        # `model.decode_step: sage` (`prepare_decode_step`): the pool, the C++ layers, the most rows they take
-        self.decode_step: tuple[KVPool, object, int] | None = None
+        # `model.decode_step: sage` (`prepare_decode_step`): the pool, and the C++ layers over it
+        self.decode_step: tuple[KVPool, object] | None = None
 
     def forward(
         self,
@@ -213,8 +213,8 @@ class LlamaForCausalLM(nn.Module):
             first = layers[0].input_layernorm
             h = kernels.rms_norm(x, first.weight, first.eps)
             step = self.decode_step
-            if step is not None and step[0] is pool and x.shape[0] <= step[2] \
-                    and (group := meta.pure_decode_group()) is not None:  # every layer in one C++ call
+            if step is not None and step[0] is pool and (group := meta.pure_decode_group()) is not None:
+                # every layer in one C++ call
                 return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens)
             for i, layer in enumerate(layers):
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
@@ -232,32 +232,41 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_step_unavailable(self, pool: KVPool) -> str | None:
         """Why the C++ decode step (`prepare_decode_step`) cannot run this model over `pool`; None when it can."""
+        dtype = self.model.norm.weight.dtype
         if not self.fused_elementwise:
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
-        if not pool.supports_block_views or pool.dtype != torch.bfloat16:
-            return f"it needs a bf16 KV pool (kv_dtype is {pool.schema.dtype.value}, pool dtype {pool.dtype})"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs fp32 and bf16 models (the model is {dtype})"
+        if not pool.supports_block_views or pool.dtype != dtype:
+            return f"it needs a KV pool in the model's dtype (kv_dtype is {pool.schema.dtype.value}, the model {dtype})"
         for layer in self.model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) and m.small_rows > 0 for m in linears):
-                return ("it needs every projection packed, q/k/v and gate/up stacked, on sage's small-row kernel "
-                        "(model.decode_linear sage: a bf16 model on AVX512-BF16)")
+            if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
+                return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
         return None
+
+    @staticmethod
+    def _decode_linears(layer: DecoderLayer) -> tuple[nn.Module | None, ...]:
+        return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
     def prepare_decode_step(self, pool: KVPool) -> None:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
-        (csrc/decode_step.cpp): from now on `forward` runs a pure decode step of at most the linears'
-        `small_rows` rows over `pool` in one call. The caller checked `decode_step_unavailable`."""
+        (csrc/decode_step.cpp): from now on `forward` runs a pure decode step over `pool` in one call. The
+        caller checked `decode_step_unavailable`."""
         layers = self.model.layers
         shapes: list[int] = []
+        packed: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         tensors: list[torch.Tensor] = []
         qk_norms: list[torch.Tensor] = []
         norms = [self.model.norm]
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                shapes += [linear._address, linear._nbytes, linear.out_features]
-                biases.append(linear._bias32)
+            for linear in self._decode_linears(layer):
+                small = linear.small_rows > 0
+                shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
+                           linear.small_rows]
+                packed.append(linear.packed)
+                biases += [linear._bias32 if small else None, linear.bias]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
                         *pool.block_views(attn.layer)]
@@ -269,11 +278,9 @@ class LlamaForCausalLM(nn.Module):
                   for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)} or {1e-6}
         assert len(eps) == 1 and len(qk_eps) == 1, "one RMSNorm epsilon per model (and one for the q/k norms)"
         attn = layers[0].self_attn
-        rows = min(m.small_rows for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj))
-        step = kernels.decode_layers(shapes, biases, tensors, qk_norms, attn.num_heads, attn.num_kv_heads,
+        step = kernels.decode_layers(shapes, packed, biases, tensors, qk_norms, attn.num_heads, attn.num_kv_heads,
                                      attn.head_dim, eps.pop(), qk_eps.pop(), attn.scale)
-        self.decode_step = (pool, step, rows)
+        self.decode_step = (pool, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""

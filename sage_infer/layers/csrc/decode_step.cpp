@@ -2,11 +2,13 @@
 // stacked q/k/v product, rotary (after Qwen3's q/k norms), the K/V store into the pool, paged
 // attention, the o product, the residual add with the next norm, gate/up, silu*mul, down and the
 // residual add with the next layer's norm, with no Python between them. The kernels are the ones the
-// Python path calls one by one (small_linear.cpp, fused_ops.cpp, paged_decode.cpp) in the same order
-// on the same values, so the result is the Python path's to the bit; what goes is the interpreter's
-// time around ~12 calls per layer (about a fifth of a batch-1 step of the 0.5B shape here).
+// Python path calls one by one (small_linear.cpp or oneDNN's packed linear, as `PackedLinear` picks;
+// fused_ops.cpp; paged_decode.cpp) in the same order on the same values, so the result is the Python
+// path's to the bit; what goes is the interpreter's time around ~12 calls per layer (about a fifth of
+// a batch-1 step of the 0.5B shape here).
 // The reference is `LlamaForCausalLM.forward`'s fused branch (sage_infer/models/llama.py).
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -24,10 +26,26 @@ std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor
 
 namespace {
 
-// one packed linear layer as `PackedLinear` hands it to small_linear
+// oneDNN's product on a packed weight: torch.ops.mkldnn._linear_pointwise, as `PackedLinear` calls it
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                          c10::optional<std::string>(std::string())};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// one `PackedLinear`: products of up to `small_rows` bf16 rows on small_linear (its fp32 bias), the
+// rest on oneDNN (its bias in the model's dtype), as `PackedLinear.forward` chooses
 struct Linear {
-  int64_t address, nbytes, n;
-  c10::optional<torch::Tensor> bias;  // fp32
+  int64_t address, nbytes, n, small_rows;
+  torch::Tensor packed;
+  c10::optional<torch::Tensor> bias32, bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16) return small_linear(x, address, nbytes, n, bias32);
+    return onednn_linear(x, packed, bias);
+  }
 };
 
 struct Layer {
@@ -55,21 +73,23 @@ void store_rows(const torch::Tensor& src, const torch::Tensor& rows, const int64
 
 class DecodeLayers {
  public:
-  // per layer, in order: linears as (address, nbytes, out_features) x 4 (qkv, o, gate_up, down) in `shapes`,
-  // their fp32 biases (or none) x 4 in `biases`, and in `tensors` post_norm, next_norm, k_rows, v_rows,
-  // k_blocks, v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
-  DecodeLayers(std::vector<int64_t> shapes, std::vector<c10::optional<torch::Tensor>> biases,
-               std::vector<torch::Tensor> tensors, std::vector<torch::Tensor> qk_norms, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, double qk_eps, double scale)
+  // per layer, in order: linears (qkv, o, gate_up, down) as (address, nbytes, out_features, small_rows) x 4
+  // in `shapes` (address and nbytes 0 where small_rows is), their packed weights x 4 in `packed`, biases as
+  // (fp32, model dtype) x 4 in `biases` (none where absent), and in `tensors` post_norm, next_norm, k_rows,
+  // v_rows, k_blocks, v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
+  DecodeLayers(std::vector<int64_t> shapes, std::vector<torch::Tensor> packed,
+               std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> tensors,
+               std::vector<torch::Tensor> qk_norms, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double qk_eps, double scale)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 12 && biases.size() == n * 4 &&
-                    (qk_norms.empty() || qk_norms.size() == n * 2),
-                "DecodeLayers: per layer 12 linear numbers, 4 biases, 6 tensors (and 2 q/k norms)");
+    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 16 && packed.size() == n * 4 &&
+                    biases.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2),
+                "DecodeLayers: per layer 16 linear numbers, 4 packed weights, 8 biases, 6 tensors (and 2 q/k norms)");
     for (size_t i = 0; i < n; ++i) {
       auto linear = [&](size_t j) {
-        const int64_t* s = shapes.data() + i * 12 + j * 3;
-        return Linear{s[0], s[1], s[2], biases[i * 4 + j]};
+        const int64_t* s = shapes.data() + i * 16 + j * 4;
+        return Linear{s[0], s[1], s[2], s[3], packed[i * 4 + j], biases[i * 8 + j * 2], biases[i * 8 + j * 2 + 1]};
       };
       Layer layer{linear(0), linear(1), linear(2), linear(3), tensors[i * 6], tensors[i * 6 + 1], c10::nullopt,
                   c10::nullopt, tensors[i * 6 + 2], tensors[i * 6 + 3], tensors[i * 6 + 4], tensors[i * 6 + 5]};
@@ -77,16 +97,16 @@ class DecodeLayers {
         layer.q_norm = qk_norms[i * 2];
         layer.k_norm = qk_norms[i * 2 + 1];
       }
-      TORCH_CHECK(layer.k_rows.scalar_type() == at::kBFloat16 && layer.k_rows.is_contiguous() &&
+      TORCH_CHECK(layer.k_rows.scalar_type() == layer.post_norm.scalar_type() && layer.k_rows.is_contiguous() &&
                       layer.k_rows.dim() == 3 && layer.k_rows.size(1) == num_kv_heads &&
                       layer.k_rows.size(2) == head_dim && layer.v_rows.sizes() == layer.k_rows.sizes(),
-                  "DecodeLayers: the pool rows must be contiguous bf16 [slots, KvH, D]");
+                  "DecodeLayers: the pool rows must be contiguous [slots, KvH, D] in the model's dtype");
       layers_.push_back(std::move(layer));
     }
   }
 
-  // h: the first layer's normed input [B, hidden] bf16; residual: its input, updated in place; cos,
-  // signed_sin: [B, D] bf16; slots: [B] long; block_tables: [B, W] long; context_lens: [B] long
+  // h: the first layer's normed input [B, hidden]; residual: its input, updated in place; cos,
+  // signed_sin: [B, D] in the model's dtype; slots: [B] long; block_tables: [B, W] long; context_lens: [B] long
   // -> the last layer's output normed by the final norm, [B, hidden]
   torch::Tensor run(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor signed_sin,
                     torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens) const {
@@ -96,7 +116,8 @@ class DecodeLayers {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
     for (const Layer& layer : layers_) {
-      auto qkv = small_linear(h, layer.qkv.address, layer.qkv.nbytes, layer.qkv.n, layer.qkv.bias);
+      TORCH_CHECK(h.scalar_type() == layer.k_rows.scalar_type(), "decode_step: the pool's dtype is not the model's");
+      auto qkv = layer.qkv(h);
       TORCH_CHECK(qkv.size(1) == width, "decode_step: the qkv product has ", qkv.size(1), " columns, not ", width);
       auto heads = qkv.view({batch, heads_ + 2 * kv_heads_, head_dim_});
       auto q = heads.narrow(1, 0, heads_), k = heads.narrow(1, heads_, kv_heads_);
@@ -111,13 +132,8 @@ class DecodeLayers {
       store_rows(v, layer.v_rows, slot, batch);
       auto attended = paged_decode_attention(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks, tables,
                                              lens, scale_)[0].to(h.scalar_type());
-      auto o = small_linear(attended.view({batch, heads_ * head_dim_}), layer.o.address, layer.o.nbytes, layer.o.n,
-                            layer.o.bias);
-      h = add_rms_norm_(o, residual, layer.post_norm, eps_);
-      auto gate_up = small_linear(h, layer.gate_up.address, layer.gate_up.nbytes, layer.gate_up.n, layer.gate_up.bias);
-      auto down = small_linear(silu_mul(gate_up), layer.down.address, layer.down.nbytes, layer.down.n,
-                               layer.down.bias);
-      h = add_rms_norm_(down, residual, layer.next_norm, eps_);
+      h = add_rms_norm_(layer.o(attended.view({batch, heads_ * head_dim_})), residual, layer.post_norm, eps_);
+      h = add_rms_norm_(layer.down(silu_mul(layer.gate_up(h))), residual, layer.next_norm, eps_);
     }
     return h;
   }
@@ -130,7 +146,8 @@ class DecodeLayers {
 
 void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(pybind11::init<std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, double>())
-      .def("run", &DecodeLayers::run, "the decoder layers of a pure decode step of a few rows (bf16, CPU)");
+      .def(pybind11::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                          double, double>())
+      .def("run", &DecodeLayers::run, "the decoder layers of a pure decode step (CPU)");
 }
