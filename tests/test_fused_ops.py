@@ -106,8 +106,9 @@ def test_bad_shapes_are_errors_not_wrong_answers():
 # -- the engine ---------------------------------------------------------------------------------
 
 
-def engine(path, elementwise: str, dtype: str = "fp32", **scheduler) -> LLM:
-    config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "elementwise": elementwise},
+def engine(path, elementwise: str, dtype: str = "fp32", decode_step: str = "auto", **scheduler) -> LLM:
+    config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "elementwise": elementwise,
+                                                   "decode_step": decode_step},
                                          "kv_pool": {"num_blocks": 96}, "scheduler": scheduler})
     return LLM(config=config)
 
@@ -146,7 +147,8 @@ def test_fused_where_it_cannot_run_is_a_config_error_and_auto_falls_back():
 
 
 def test_the_setting_decides_which_ops_run(tmp_path, monkeypatch):
-    """fused runs the C++ passes (two residual-add norms per layer each step); torch runs none of them."""
+    """fused runs the C++ passes (two residual-add norms per layer each step); torch runs none of them. (Layer
+    by layer from Python, where the calls are seen: `model.decode_step: sage` makes the same ones in C++.)"""
     from sage_infer.models import llama
 
     calls = []
@@ -155,5 +157,5 @@ def test_the_setting_decides_which_ops_run(tmp_path, monkeypatch):
     path = make_tiny_model(tmp_path / "q3", "qwen3")
     greedy_tokens(engine(path, "torch"), [[7, 8, 9]], max_tokens=3)
     assert calls == []
-    greedy_tokens(engine(path, "fused"), [[7, 8, 9]], max_tokens=3)
+    greedy_tokens(engine(path, "fused", decode_step="python"), [[7, 8, 9]], max_tokens=3)
     assert len(calls) == 2 * 2 * 3  # 2 layers x 2 norms x 3 steps (prefill + 2 decodes)
