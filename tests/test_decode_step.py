@@ -33,11 +33,13 @@ class CountingStep:
     """The C++ step of a model, counting the steps it ran."""
 
     def __init__(self, step) -> None:
-        self.step, self.calls, self.rows = step, 0, []
+        self.step, self.calls, self.rows, self.cascade_rows = step, 0, [], []
 
     def run(self, h, *args):
         self.calls += 1
         self.rows.append(h.shape[0])
+        if args[-2] is not None:  # the shared blocks of a cascade step
+            self.cascade_rows.append(h.shape[0])
         return self.step.run(h, *args)
 
 
@@ -75,15 +77,42 @@ def test_a_step_of_more_rows_than_the_small_row_kernel_takes_runs_its_products_o
     assert got == greedy_tokens(engine(path, "python"), prompts)
 
 
-def test_a_step_with_a_shared_prefix_or_a_prefill_chunk_runs_layer_by_layer(tmp_path):
+def shared_prefix_engines(path, dtype: str, prefill_attention: str) -> tuple[LLM, LLM]:
+    """sage and python engines that attend a shared prefix together whenever 2+ decode rows share 2 blocks
+    (fp32's default bar is 8,192 saved key reads, more than a tiny test's prompts hold)."""
+    engines = [engine(path, choice, dtype=dtype, prefill_attention=prefill_attention) for choice in ("sage", "python")]
+    for llm in engines:
+        llm.engine.runner.cascade_min_saved_tokens = 32
+    return engines[0], engines[1]
+
+
+@pytest.mark.parametrize(("dtype", "prefill_attention"), [("bf16", "auto"), ("bf16", "torch"), ("fp32", "auto")])
+def test_a_decode_step_over_a_shared_prefix_is_the_python_cascade_exactly(tmp_path, dtype, prefill_attention):
+    """bf16 attends the shared blocks with sage's flash kernel (auto) or PyTorch's (torch), fp32 with PyTorch's."""
+    if dtype == "bf16" and small_linear_unavailable() is not None:
+        pytest.skip(f"sage's small-row kernel: {small_linear_unavailable()}")
     path = make_tiny_model(tmp_path / "q3", "qwen3")
-    shared = list(range(5, 133))  # 8 blocks: the decode rows over it attend it together (cascade attention)
-    prompts = [shared + [300 + i, 400 + i] for i in range(6)]
-    fast = engine(path, "sage")
+    shared = list(range(5, 133))  # 8 blocks
+    prompts = [shared + [300 + i] * (1 + i) for i in range(6)]
+    fast, reference = shared_prefix_engines(path, dtype, prefill_attention)
+    step = counted(fast)
+    got = greedy_tokens(fast, prompts, max_tokens=12)
+    assert step.cascade_rows.count(len(prompts)) >= 10
+    assert got == greedy_tokens(reference, prompts, max_tokens=12)
+
+
+def test_a_step_with_rows_outside_the_shared_prefix_runs_layer_by_layer(tmp_path):
+    path = make_tiny_model(tmp_path / "q3", "qwen3")
+    shared = list(range(5, 133))
+    rng = random.Random(9)
+    prompts = [shared + [300 + i] for i in range(4)] + [[rng.randrange(5, 500) for _ in range(20)] for _ in range(2)]
+    fast, reference = shared_prefix_engines(path, "fp32", "auto")
     step = counted(fast)
     got = greedy_tokens(fast, prompts)
-    assert step.calls == 0 and fast.engine.runner.cascade_steps > 0
-    assert got == greedy_tokens(engine(path, "python"), prompts)
+    # the 6-row steps attend the prefix in Python (2 rows are not in it); a step of only the last prompt tokens
+    # of 3 prompts over the cached prefix (each one new token, all sharing) is a cascade decode step in C++
+    assert len(prompts) not in step.rows and fast.engine.runner.cascade_steps >= 9
+    assert got == greedy_tokens(reference, prompts)
 
 
 def test_where_it_cannot_run_sage_is_a_config_error_and_auto_runs_python(tmp_path):

@@ -97,6 +97,16 @@ class AttentionMetadata:
             return self.decode_groups[0]
         return None
 
+    def cascade_decode_group(self, num_rows: int) -> DecodeGroup | None:
+        """The suffix group of a decode step whose `num_rows` rows all attend `shared` (each one new token, in
+        batch order, read in place after the shared blocks), or None for any other step."""
+        shared = self.shared
+        if self.decode_in_place and shared is not None and not self.prefills and not self.decode_groups \
+                and not shared.prefills and len(shared.decode_groups) == 1 and shared.decode_groups[0].whole_batch \
+                and len(shared.rows) == num_rows:
+            return shared.decode_groups[0]
+        return None
+
 
 def prefill_attention(
     q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float

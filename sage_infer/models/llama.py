@@ -213,9 +213,13 @@ class LlamaForCausalLM(nn.Module):
             first = layers[0].input_layernorm
             h = kernels.rms_norm(x, first.weight, first.eps)
             step = self.decode_step
-            if step is not None and step[0] is pool and (group := meta.pure_decode_group()) is not None:
-                # every layer in one C++ call
-                return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens)
+            if step is not None and step[0] is pool:  # a decode step: every layer in one C++ call
+                if (group := meta.pure_decode_group()) is not None:
+                    return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens,
+                                       None, False)
+                if (group := meta.cascade_decode_group(x.shape[0])) is not None:
+                    return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens,
+                                       meta.shared.block_ids, meta.flash)
             for i, layer in enumerate(layers):
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
                 h = layer.forward_fused(h, x, after, cos_sin, pool, meta)

@@ -13,13 +13,15 @@
 #include <cstring>
 #include <vector>
 
-// small_linear.cpp, fused_ops.cpp, paged_decode.cpp: built into the same module
+// small_linear.cpp, fused_ops.cpp, flash_bf16.cpp, paged_decode.cpp: built into the same module
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
                            c10::optional<torch::Tensor> bias);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
            double eps);
+std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal);
 std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                   torch::Tensor block_tables, torch::Tensor context_lens,
                                                   double scale);
@@ -106,10 +108,14 @@ class DecodeLayers {
   }
 
   // h: the first layer's normed input [B, hidden]; residual: its input, updated in place; cos,
-  // signed_sin: [B, D] in the model's dtype; slots: [B] long; block_tables: [B, W] long; context_lens: [B] long
+  // signed_sin: [B, D] in the model's dtype; slots: [B] long; block_tables: [B, W] long; context_lens: [B]
+  // long; shared: the blocks that every row's context starts with ([S] long), attended once by all rows
+  // together (cascade attention), block_tables and context_lens then describing what follows them, or
+  // none; flash: the shared blocks through sage's bf16 flash kernel, else PyTorch's
   // -> the last layer's output normed by the final norm, [B, hidden]
   torch::Tensor run(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor signed_sin,
-                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens) const {
+                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
+                    c10::optional<torch::Tensor> shared, bool flash) const {
     const int64_t batch = h.size(0), width = (heads_ + 2 * kv_heads_) * head_dim_;
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == batch,
                 "decode_step: slots must be [B] int64");
@@ -130,8 +136,7 @@ class DecodeLayers {
       }
       store_rows(k, layer.k_rows, slot, batch);
       store_rows(v, layer.v_rows, slot, batch);
-      auto attended = paged_decode_attention(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks, tables,
-                                             lens, scale_)[0].to(h.scalar_type());
+      auto attended = attend(layer, q, tables, lens, shared, flash).to(h.scalar_type());
       h = add_rms_norm_(layer.o(attended.view({batch, heads_ * head_dim_})), residual, layer.post_norm, eps_);
       h = add_rms_norm_(layer.down(silu_mul(layer.gate_up(h))), residual, layer.next_norm, eps_);
     }
@@ -139,6 +144,37 @@ class DecodeLayers {
   }
 
  private:
+  // q: [B, H, D] -> attention over each row's context, fp32 [B, H, D]: paged_attention's pure decode step,
+  // or with `shared` its cascade step (cascade_attention: the shared prefix, then each row's suffix in
+  // place, merged by their log-sum-exp), op for op
+  torch::Tensor attend(const Layer& layer, const torch::Tensor& q, const torch::Tensor& tables,
+                       const torch::Tensor& lens, const c10::optional<torch::Tensor>& shared, bool flash) const {
+    auto suffix = paged_decode_attention(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks, tables, lens,
+                                         scale_);
+    if (!shared.has_value()) return suffix[0];
+    const auto rows = q.contiguous();  // cascade_attention's q[shared.rows]: every row, in order
+    const auto keys = layer.k_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
+    const auto values = layer.v_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
+    torch::Tensor prefix_out, prefix_lse;
+    if (flash) {
+      auto prefix = flash_attention_bf16(rows, keys, values, scale_, false);
+      prefix_out = prefix[0], prefix_lse = prefix[1];
+    } else {  // attention._shared_keys_attention_lse: each KV head's query heads folded into its query rows
+      const int64_t n = rows.size(0), groups = heads_ / kv_heads_;
+      auto folded = rows.view({n, kv_heads_, groups, head_dim_}).transpose(0, 1).reshape({1, kv_heads_, n * groups,
+                                                                                         head_dim_});
+      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+          folded, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), 0.0, false, c10::nullopt,
+          scale_);
+      prefix_out = out.to(at::kFloat).view({kv_heads_, n, groups, head_dim_}).transpose(0, 1).reshape({n, heads_,
+                                                                                                     head_dim_});
+      prefix_lse = lse.view({kv_heads_, n, groups}).transpose(0, 1).reshape({n, heads_});
+    }
+    // attention.merge_attention
+    const auto weight = at::sigmoid(prefix_lse - suffix[1]).unsqueeze(-1);
+    return suffix[0] + (prefix_out - suffix[0]) * weight;
+  }
+
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, qk_eps_, scale_;
@@ -149,5 +185,5 @@ void bind_decode_layers(pybind11::module& m) {
       .def(pybind11::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                           double, double>())
-      .def("run", &DecodeLayers::run, "the decoder layers of a pure decode step (CPU)");
+      .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
 }
