@@ -246,7 +246,17 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
                 return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
+        if len(self._norm_eps()[0]) > 1 or len(self._norm_eps()[1]) > 1:
+            return "it takes one RMSNorm epsilon for the layers' norms and one for the q/k norms"
         return None
+
+    def _norm_eps(self) -> tuple[set[float], set[float]]:
+        """The epsilons of the layers' (and the final) RMSNorms, and of the q/k norms (none without them)."""
+        layers = self.model.layers
+        eps = {self.model.norm.eps} | {n.eps for layer in layers
+                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        return eps, {n.eps for layer in layers if layer.self_attn.qk_norm
+                     for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
 
     @staticmethod
     def _decode_linears(layer: DecoderLayer) -> tuple[nn.Module | None, ...]:
@@ -254,17 +264,16 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_decode_step(self, pool: KVPool) -> None:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
-        (csrc/decode_step.cpp): from now on `forward` runs a pure decode step over `pool` in one call. The
-        caller checked `decode_step_unavailable`."""
+        (csrc/decode_step.cpp): from now on `forward` runs a decode step over `pool` (a pure one, or one whose
+        rows all attend a shared prefix) in one call. The caller checked `decode_step_unavailable`."""
         layers = self.model.layers
         shapes: list[int] = []
         packed: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         tensors: list[torch.Tensor] = []
         qk_norms: list[torch.Tensor] = []
-        norms = [self.model.norm]
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             for linear in self._decode_linears(layer):
                 small = linear.small_rows > 0
                 shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
@@ -274,16 +283,12 @@ class LlamaForCausalLM(nn.Module):
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
                         *pool.block_views(attn.layer)]
-            norms += [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.qk_norm:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
-        eps = {norm.eps for norm in norms}
-        qk_eps = {n.eps for layer in layers if layer.self_attn.qk_norm
-                  for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)} or {1e-6}
-        assert len(eps) == 1 and len(qk_eps) == 1, "one RMSNorm epsilon per model (and one for the q/k norms)"
+        eps, qk_eps = self._norm_eps()
         attn = layers[0].self_attn
         step = kernels.decode_layers(shapes, packed, biases, tensors, qk_norms, attn.num_heads, attn.num_kv_heads,
-                                     attn.head_dim, eps.pop(), qk_eps.pop(), attn.scale)
+                                     attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
         self.decode_step = (pool, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
