@@ -161,8 +161,8 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
 
 def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: torch.device,
                     decode_in_place: bool) -> bool:
-    """`model.decode_step`: whether pure decode steps of a few rows run every decoder layer in one C++ call
-    (`LlamaForCausalLM.prepare_decode_step`)."""
+    """`model.decode_step`: whether decode steps (every row one new token, with or without a prefix all rows
+    share) run every decoder layer in one C++ call (`LlamaForCausalLM.prepare_decode_step`)."""
     if choice == "python":
         return False
     if device.type != "cpu":

@@ -19,8 +19,8 @@ PyTorch's CPU flash kernel as the reference.
 
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
 `PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `decode_layers`: those
-kernels, the fused ops and the paged kernel chained over all decoder layers of a pure decode step in
-one call (csrc/decode_step.cpp; `model.decode_step`).
+kernels, the fused ops and the paged kernel chained over all decoder layers of a decode step in one
+call (csrc/decode_step.cpp; `model.decode_step`).
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[to
                   head_dim: int, eps: float, qk_eps: float, scale: float):
     """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
     `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
-    cos, signed_sin, slots, block_tables, context_lens)`` returns the final-normed hidden states."""
+    cos, signed_sin, slots, block_tables, context_lens, shared_block_ids or None, flash)`` returns the
+    final-normed hidden states (`LlamaForCausalLM.forward` calls it)."""
     return _module().DecodeLayers(shapes, packed, biases, tensors, qk_norms, num_heads, num_kv_heads, head_dim, eps,
                                   qk_eps, scale)

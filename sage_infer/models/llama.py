@@ -246,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
                 return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
-        if len(self._norm_eps()[0]) > 1 or len(self._norm_eps()[1]) > 1:
+        eps, qk_eps = self._norm_eps()
+        if len(eps) > 1 or len(qk_eps) > 1:
             return "it takes one RMSNorm epsilon for the layers' norms and one for the q/k norms"
         return None
 

@@ -1,4 +1,5 @@
-// A pure decode step's decoder layers in one call (`model.decode_step: sage`): for each layer, the
+// A decode step's decoder layers in one call (`model.decode_step: sage`; every row one new token, read in
+// place, with or without a prefix that all rows share): for each layer, the
 // stacked q/k/v product, rotary (after Qwen3's q/k norms), the K/V store into the pool, paged
 // attention, the o product, the residual add with the next norm, gate/up, silu*mul, down and the
 // residual add with the next layer's norm, with no Python between them. The kernels are the ones the
@@ -54,11 +55,11 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   torch::Tensor post_norm, next_norm;         // post-attention norm; the next layer's input norm (or the final)
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
-  torch::Tensor k_rows, v_rows;                // the pool's token rows [slots, KvH, D] (KVPool.kernel_views)
+  torch::Tensor k_rows, v_rows;                // the pool's token rows [slots, KvH, D] (KVPool.token_rows)
   torch::Tensor k_blocks, v_blocks;            // the same memory as [blocks, block_size, KvH, D]
 };
 
-// each row's K (or V) [KvH, D] into its slot: what KVPool.store's index_copy_ does, for a few rows
+// each row's K (or V) [KvH, D] into its slot: what KVPool.store's index_copy_ does
 void store_rows(const torch::Tensor& src, const torch::Tensor& rows, const int64_t* slots, int64_t batch) {
   const int64_t width = rows.size(1) * rows.size(2), num_slots = rows.size(0);
   const int64_t bytes = width * static_cast<int64_t>(rows.element_size());
@@ -121,8 +122,9 @@ class DecodeLayers {
                 "decode_step: slots must be [B] int64");
     const int64_t* slot = slots.data_ptr<int64_t>();
     const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
+    TORCH_CHECK(layers_.empty() || h.scalar_type() == layers_[0].k_rows.scalar_type(),
+                "decode_step: the pool's dtype is not the model's");
     for (const Layer& layer : layers_) {
-      TORCH_CHECK(h.scalar_type() == layer.k_rows.scalar_type(), "decode_step: the pool's dtype is not the model's");
       auto qkv = layer.qkv(h);
       TORCH_CHECK(qkv.size(1) == width, "decode_step: the qkv product has ", qkv.size(1), " columns, not ", width);
       auto heads = qkv.view({batch, heads_ + 2 * kv_heads_, head_dim_});
