@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp",
                                                                           "small_linear.cpp", "flash_bf16.cpp",
                                                                           "decode_step.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "widen.h"]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("widen.h", "vec_exp.h")]
 # torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
          f"-DSAGE_HEADERS_CRC={zlib.crc32(b''.join(p.read_bytes() for p in HEADERS))}"]

@@ -23,6 +23,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include "vec_exp.h"
 
 namespace {
 
@@ -38,12 +39,13 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
   const int64_t pairs = d / 2, chunks = d / 16;
   int64_t last = 0;
   for (int r = 0; r < R; ++r) last = std::max(last, limit[r]);
-  float m[R], l[R];
+  float m[R];
+  __m512 l[R];  // the softmax denominators, per lane: summed across lanes once, at the end
   alignas(64) float o[R][128];  // D <= 128
   alignas(64) uint16_t pb[R][kTile];  // P of one tile, bf16
   for (int r = 0; r < R; ++r) {
     m[r] = kNegInf;
-    l[r] = 0.f;
+    l[r] = _mm512_setzero_ps();
     std::memset(o[r], 0, sizeof(float) * d);
   }
   for (int64_t k0 = 0; k0 <= last; k0 += kTile) {
@@ -61,9 +63,8 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
     }
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < R; ++r) {
-      __m512 tmax = _mm512_set1_ps(kNegInf);
+      __m512 tmax = _mm512_set1_ps(kNegInf);  // of the unscaled scores (scale > 0 keeps the order)
       for (int j = 0; j < 4; ++j) {
-        s[r][j] = _mm512_mul_ps(s[r][j], _mm512_set1_ps(scale));
         if (k0 + 16 * j + 15 > limit[r]) {  // past the row's last key: masked
           const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
           const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r])));
@@ -71,20 +72,16 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
         }
         tmax = _mm512_max_ps(tmax, s[r][j]);
       }
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(tmax));
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(tmax) * scale);
       const float alpha = std::exp(m[r] - mnew);
       m[r] = mnew;
-      __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        alignas(64) float e[16];
-        _mm512_store_ps(e, _mm512_sub_ps(s[r][j], _mm512_set1_ps(mnew)));
-#pragma omp simd
-        for (int i = 0; i < 16; ++i) e[i] = std::exp(e[i]);
-        const __m512 pv = _mm512_load_ps(e);
+      __m512 sum = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha));
+      for (int j = 0; j < 4; ++j) {  // exp(score * scale - max), masked keys: exp(-1e30) = 0
+        const __m512 pv = exp16(_mm512_fmsub_ps(s[r][j], _mm512_set1_ps(scale), _mm512_set1_ps(mnew)));
         sum = _mm512_add_ps(sum, pv);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv));
       }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      l[r] = sum;
       if (alpha != 1.f)
         for (int64_t c = 0; c < chunks; ++c)
           _mm512_store_ps(o[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), _mm512_set1_ps(alpha)));
@@ -111,9 +108,9 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float inv = 1.f / l[r];
+    const float total = _mm512_reduce_add_ps(l[r]), inv = 1.f / total;
     for (int64_t i = 0; i < d; ++i) out[r][i] = o[r][i] * inv;
-    lse[r] = m[r] + std::log(l[r]);
+    lse[r] = m[r] + std::log(total);
   }
 }
 #endif

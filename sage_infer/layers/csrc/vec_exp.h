@@ -1,0 +1,28 @@
+// exp on 16 fp32 lanes held in a register (AVX-512), for the kernels' softmax loops. Inline: the
+// vectorized libm call the compiler emits for std::exp under `omp simd` (`_ZGVeN16v_expf`) is a
+// function call, around which every live zmm register (a kernel's accumulators) is spilled.
+//
+// exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two, Cephes' constants),
+// exp(r) by Cephes' expf polynomial (|r| <= ln 2 / 2, within ~1 ulp); 2^n applied by `vscalefps`,
+// which underflows to 0 without the exponent arithmetic. x is clamped to [-104, 88.7]: below, the
+// result is 0 (a masked score of -1e30 must give 0, not NaN); above, it would overflow anyway.
+#pragma once
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
