@@ -1,8 +1,8 @@
-"""`model.prefill_attention: sage`: the bf16 flash kernel (csrc/flash_bf16.cpp) against attention in
-fp32 plain ops, per call (causal lower-right and unmasked, GQA, strided views, partial tiles), then in
-the engine against PyTorch's flash kernel (the reference path): the same attention metadata through
-`paged_attention`, and greedy tokens within bf16 drift. Skipped where the kernel cannot run (no
-AVX512-BF16, no compiler): each test says why."""
+"""`model.prefill_attention: sage`: the flash kernels (csrc/flash_bf16.cpp, bf16 and fp32) against
+attention in fp32 plain ops, per call (causal lower-right and unmasked, GQA, strided views, partial
+tiles), then in the engine against PyTorch's flash kernel (the reference path): the same attention
+metadata through `paged_attention`, greedy tokens within bf16 drift, and in fp32 the same greedy tokens.
+Skipped where the kernel cannot run (no AVX512-BF16 or AVX-512, no compiler): each test says why."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from tests.test_paged_kernel import LAYER, chunk_step
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = flash_unavailable(64)
+WHY_F32 = flash_unavailable(64, torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's bf16 flash kernel cannot run here: {WHY}")
+needs_f32 = pytest.mark.skipif(WHY_F32 is not None, reason=f"sage's fp32 flash kernel cannot run here: {WHY_F32}")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
@@ -56,6 +58,33 @@ def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     torch.testing.assert_close(out, want, atol=1e-2, rtol=0)  # P is rounded to bf16, as PyTorch's bf16 flash does
 
 
+@needs_f32
+@pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
+                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
+@pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((6, 2), 64), ((4, 4), 32), ((8, 2), 128), ((4, 2), 96)])
+def test_the_fp32_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
+    torch.manual_seed(lq * 17 + c)
+    num_heads, num_kv_heads = heads
+    q = torch.randn(lq, num_heads, head_dim)
+    k, v = torch.randn(c, num_kv_heads, head_dim), torch.randn(c, num_kv_heads, head_dim)
+    out, lse = flash_attention(q, k, v, head_dim ** -0.5, causal)
+    want, want_lse = reference(q, k, v, head_dim ** -0.5, causal)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (lq, num_heads)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)  # fp32 products: only the summation order differs
+
+
+@needs_f32
+def test_fp32_strided_views_read_as_their_contiguous_copies():
+    torch.manual_seed(1)
+    qkv = torch.randn(90, (6 + 2 * 2) * 64)
+    q, k, v = qkv[:, :384].view(90, 6, 64), qkv[:, 384:512].view(90, 2, 64), qkv[:, 512:].view(90, 2, 64)
+    for causal in (True, False):
+        got = flash_attention(q, k, v, 0.125, causal)
+        want = flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, causal)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_strided_views_read_as_their_contiguous_copies():
     """q, k, v as the engine has them: views into one fused qkv projection output."""
     torch.manual_seed(0)
@@ -71,10 +100,18 @@ def test_bad_shapes_are_clear_errors():
     with pytest.raises(RuntimeError, match="causal needs at least as many keys as queries"):
         flash_attention(q, q[:2], q[:2], 0.1, True)
     with pytest.raises(RuntimeError, match="bf16 q, k and v"):
-        flash_attention(q.float(), q.float(), q.float(), 0.1, False)
+        flash_attention(q.half(), q.half(), q.half(), 0.1, False)
+    with pytest.raises(RuntimeError, match="bf16 q, k and v"):
+        flash_attention(q, q.float(), q.float(), 0.1, False)
     with pytest.raises(RuntimeError, match="head_dim must be"):
         flash_attention(q[..., :48], q[..., :48], q[..., :48], 0.1, False)
     assert flash_unavailable(80) == "head_dim 80 is not 32, 64, 96 or 128"
+    assert flash_unavailable(64, torch.float16) == "the kernel is bf16 or fp32 only (not torch.float16)"
+    if WHY_F32 is None:
+        with pytest.raises(RuntimeError, match="float32 q, k and v"):
+            flash_attention(q.float(), q, q, 0.1, False)
+        with pytest.raises(RuntimeError, match="causal needs at least as many keys as queries"):
+            flash_attention(q.float(), q[:2].float(), q[:2].float(), 0.1, True)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -117,6 +154,18 @@ def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path):
     assert_within_bf16_drift(got, want)
 
 
+@needs_f32
+def test_fp32_greedy_tokens_equal_the_reference_path(tmp_path):
+    """fp32: the kernel's products are exact, so the tokens are the reference path's (PyTorch's flash kernel),
+    prompts long enough for several 64-key tiles and a prefix cached by the first prompt."""
+    path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
+    rng = random.Random(9)
+    shared = [rng.randrange(5, 500) for _ in range(80)]
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (5, 40, 130, 300)]
+    prompts += [shared + [rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 70)]
+    assert greedy_tokens(engine(path, "sage", "fp32"), prompts) == greedy_tokens(engine(path, "torch", "fp32"), prompts)
+
+
 def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
     calls = []
     real = attention_mod.flash_attention
@@ -131,7 +180,9 @@ def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
 
 def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path):
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
-    with pytest.raises(ConfigError, match=r"^model.prefill_attention: sage: the kernel is bf16-only \(the model is fp"):
-        engine(path, "sage", dtype="fp32")
-    assert not engine(path, "auto", dtype="fp32").engine.runner.flash_attention
+    why = r"^model.prefill_attention: sage: the kernel is bf16 or fp32 only \(the model is fp16\)"
+    with pytest.raises(ConfigError, match=why):
+        engine(path, "sage", dtype="fp16")
+    assert not engine(path, "auto", dtype="fp16").engine.runner.flash_attention
     assert engine(path, "auto").engine.runner.flash_attention
+    assert engine(path, "auto", dtype="fp32").engine.runner.flash_attention == (WHY_F32 is None)

@@ -190,17 +190,19 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) ->
 
 
 def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device) -> bool:
-    """`model.prefill_attention`: whether prefill chunks and shared prefixes run sage's bf16 flash kernel."""
+    """`model.prefill_attention`: whether prefill chunks and shared prefixes run sage's flash kernel (bf16 or
+    fp32 models)."""
     if choice == "torch":
         return False
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     if device.type != "cpu":
         why = f"the kernel is CPU-only (device is {device.type})"
-    elif dtype != torch.bfloat16:
-        why = f"the kernel is bf16-only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
+    elif dtype not in (torch.bfloat16, torch.float32):
+        why = f"the kernel is bf16 or fp32 only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
     else:
-        why = flash_unavailable(head_dim)
-    return _fast_path("model.prefill_attention", choice, why, "sage (bf16 flash kernel on AVX512-BF16)")
+        why = flash_unavailable(head_dim, dtype)
+    kind = "bf16 flash kernel on AVX512-BF16" if dtype == torch.bfloat16 else "fp32 flash kernel on AVX-512"
+    return _fast_path("model.prefill_attention", choice, why, f"sage ({kind})")
 
 
 def _fast_path(field: str, choice: str, why: str | None, chosen: str, reference: str = "torch") -> bool:

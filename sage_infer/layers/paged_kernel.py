@@ -150,11 +150,15 @@ def small_linear(x: torch.Tensor, address: int, nbytes: int, out_features: int,
     return _module().small_linear(x, address, nbytes, out_features, bias)
 
 
-def flash_unavailable(head_dim: int) -> str | None:
-    """None when `flash_attention` can run here for heads of `head_dim`, else why not."""
+def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """None when `flash_attention` can run here for heads of `head_dim` in `dtype`, else why not."""
     why = kernel_unavailable()
-    if why is None and not _module().flash_bf16_compiled():
+    if why is None and dtype not in (torch.bfloat16, torch.float32):
+        why = f"the kernel is bf16 or fp32 only (not {dtype})"
+    elif why is None and dtype == torch.bfloat16 and not _module().flash_bf16_compiled():
         why = "this CPU (or compiler) has no AVX512-BF16"
+    elif why is None and dtype == torch.float32 and not _module().flash_f32_compiled():
+        why = "this CPU (or compiler) has no AVX-512"
     if why is None and (head_dim % 32 or head_dim > 128):
         why = f"head_dim {head_dim} is not 32, 64, 96 or 128"
     return why
@@ -162,11 +166,12 @@ def flash_unavailable(head_dim: int) -> str | None:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [Lq, H, D], k, v: [C, KvH, D], all bf16 (views with contiguous heads) -> out [Lq, H, D] and lse
-    [Lq, H], float32. Causal is aligned to the lower right (the queries are the last Lq of C positions)."""
-    if q.stride(0) % 2 or q.stride(1) % 2:
+    """q: [Lq, H, D], k, v: [C, KvH, D], all bf16 or all float32 (views with contiguous heads) -> out
+    [Lq, H, D] and lse [Lq, H], float32. Causal is aligned to the lower right (the queries are the last Lq of C
+    positions)."""
+    if q.dtype == torch.bfloat16 and (q.stride(0) % 2 or q.stride(1) % 2):
         q = q.contiguous()
-    out, lse = _module().flash_attention_bf16(q, k, v, scale, causal)
+    out, lse = _module().flash_attention(q, k, v, scale, causal)
     return out, lse
 
 

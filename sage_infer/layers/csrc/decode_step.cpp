@@ -21,8 +21,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
            double eps);
-std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal);
+std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                           bool causal);
 std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                   torch::Tensor block_tables, torch::Tensor context_lens,
                                                   double scale);
@@ -112,7 +112,7 @@ class DecodeLayers {
   // signed_sin: [B, D] in the model's dtype; slots: [B] long; block_tables: [B, W] long; context_lens: [B]
   // long; shared: the blocks that every row's context starts with ([S] long), attended once by all rows
   // together (cascade attention), block_tables and context_lens then describing what follows them, or
-  // none; flash: the shared blocks through sage's bf16 flash kernel, else PyTorch's
+  // none; flash: the shared blocks through sage's flash kernel (bf16 or fp32), else PyTorch's
   // -> the last layer's output normed by the final norm, [B, hidden]
   torch::Tensor run(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor signed_sin,
                     torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
@@ -159,7 +159,7 @@ class DecodeLayers {
     const auto values = layer.v_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
     torch::Tensor prefix_out, prefix_lse;
     if (flash) {
-      auto prefix = flash_attention_bf16(rows, keys, values, scale_, false);
+      auto prefix = flash_attention(rows, keys, values, scale_, false);
       prefix_out = prefix[0], prefix_lse = prefix[1];
     } else {  // attention._shared_keys_attention_lse: each KV head's query heads folded into its query rows
       const int64_t n = rows.size(0), groups = heads_ / kv_heads_;

@@ -32,7 +32,9 @@ constexpr int64_t kRowsPerTask = 16;  // query positions per task
 constexpr float kNegInf = -1e30f;   // finite: the file is built with -ffast-math
 
 #if defined(__AVX512BF16__)
-// one group of R rows (R <= 4) over all its keys; qp: R rows of D/2 bf16 pairs; limit[r]: last key row r sees
+constexpr int kBf16Rows = 6;  // rows per pass: 6 x 4 score accumulators, 4 keys' vectors
+
+// one group of R rows (R <= kBf16Rows) over all its keys; qp: R rows of D/2 bf16 pairs; limit[r]: last key row r sees
 template <int R>
 void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* kp, const uint16_t* vp, int64_t d,
                float scale, float* const* out, float* lse) {
@@ -73,7 +75,7 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
         tmax = _mm512_max_ps(tmax, s[r][j]);
       }
       const float mnew = std::max(m[r], _mm512_reduce_max_ps(tmax) * scale);
-      const float alpha = std::exp(m[r] - mnew);
+      const float alpha = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));  // no libm call: it would spill s
       m[r] = mnew;
       __m512 sum = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha));
       for (int j = 0; j < 4; ++j) {  // exp(score * scale - max), masked keys: exp(-1e30) = 0
@@ -111,6 +113,96 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
     const float total = _mm512_reduce_add_ps(l[r]), inv = 1.f / total;
     for (int64_t i = 0; i < d; ++i) out[r][i] = o[r][i] * inv;
     lse[r] = m[r] + std::log(total);
+  }
+}
+#endif
+
+// ---- fp32: q, k, v all float32 (an fp32 model's prefill chunks and shared prefixes) ----
+//
+// The same tasks as the bf16 kernel (one KV head x 16 query positions), walked tile-major: each
+// 64-key tile of the head's keys is read once per task and applied to every group of 4 rows, whose
+// softmax state (running max, per-lane denominators, output) lives in `F32Row`s between tiles.
+// Scores by fp32 FMA (K packed [C/16][D][16]: 16 keys side by side per dimension, one query
+// element broadcast per row), P·V by key (p broadcast, V rows read in place). Exact fp32 products;
+// only the summation order differs from the reference.
+#if defined(__AVX512F__)
+struct F32Row {
+  __m512 l;  // softmax denominator, per lane
+  float m;   // running max of the scaled scores
+  alignas(64) float o[128];  // unnormalised output (D <= 128)
+};
+
+// o[r][off, off + 16 N) = o * alpha[r] + P[r] . V over the tile's first nkeys keys; N is a constant so
+// the R x N accumulators stay in registers
+template <int R, int N>
+inline void f32_values(const float* v, int64_t vs, int64_t nkeys, const float (*pb)[kTile], const float* alpha,
+                       F32Row* const* st, int64_t off) {
+  __m512 acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j)
+      acc[r][j] = _mm512_mul_ps(_mm512_load_ps(st[r]->o + off + 16 * j), _mm512_set1_ps(alpha[r]));
+  for (int64_t t = 0; t < nkeys; ++t, v += vs) {
+    __m512 vv[N];
+    for (int j = 0; j < N; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pp = _mm512_set1_ps(pb[r][t]);
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_fmadd_ps(vv[j], pp, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) _mm512_store_ps(st[r]->o + off + 16 * j, acc[r][j]);
+}
+
+constexpr int kF32Rows = 6;  // rows per tile pass: 6 x 4 score accumulators, 4 keys' vectors
+
+// one 64-key tile for R rows (R <= kF32Rows); kt: the tile's packed keys, 4 blocks [D][16]; vt: its first
+// key's value row, `vs` floats apart; nkeys: keys of the tile any row sees
+template <int R>
+void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, const float* vt, int64_t vs,
+              int64_t nkeys, int64_t k0, int64_t d, float scale, F32Row* const* st) {
+  __m512 s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    __m512 kk[4];
+    for (int j = 0; j < 4; ++j) kk[j] = _mm512_load_ps(kt + (j * d + i) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qb = _mm512_set1_ps(qr[r][i]);
+      for (int j = 0; j < 4; ++j) s[r][j] = _mm512_fmadd_ps(kk[j], qb, s[r][j]);
+    }
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  alignas(64) float pb[R][kTile];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    __m512 tmax = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < 4; ++j) {
+      if (k0 + 16 * j + 15 > limit[r]) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
+        const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r])));
+        s[r][j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[r][j]);
+      }
+      tmax = _mm512_max_ps(tmax, s[r][j]);
+    }
+    const float mnew = std::max(st[r]->m, _mm512_reduce_max_ps(tmax) * scale);
+    alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(st[r]->m - mnew)));  // no libm call: it would spill s
+    st[r]->m = mnew;
+    __m512 sum = _mm512_mul_ps(st[r]->l, _mm512_set1_ps(alpha[r]));
+    for (int j = 0; j < 4; ++j) {
+      const __m512 pv = exp16(_mm512_fmsub_ps(s[r][j], _mm512_set1_ps(scale), _mm512_set1_ps(mnew)));
+      sum = _mm512_add_ps(sum, pv);
+      _mm512_store_ps(pb[r] + 16 * j, pv);
+    }
+    st[r]->l = sum;
+  }
+  for (int64_t c = 0, chunks = d / 16; c < chunks;) {  // chunks is even (D % 32 == 0)
+    if (chunks - c >= 4) {
+      f32_values<R, 4>(vt + 16 * c, vs, nkeys, pb, alpha, st, 16 * c);
+      c += 4;
+    } else {
+      f32_values<R, 2>(vt + 16 * c, vs, nkeys, pb, alpha, st, 16 * c);
+      c += 2;
+    }
   }
 }
 #endif
@@ -176,12 +268,12 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
       const int64_t qb = causal ? (i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2) : i;
       const int64_t p0 = qb * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
       const int64_t rows = (p1 - p0) * groups;
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
-        const uint32_t* qp[4];
-        int64_t limit[4];
-        float* orow[4];
-        float lsev[4];
+      for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
+        const int n = static_cast<int>(std::min<int64_t>(kBf16Rows, rows - r0));
+        const uint32_t* qp[kBf16Rows];
+        int64_t limit[kBf16Rows];
+        float* orow[kBf16Rows];
+        float lsev[kBf16Rows];
         for (int r = 0; r < n; ++r) {
           const int64_t pos = p0 + (r0 + r) / groups, head = h * groups + (r0 + r) % groups;
           qp[r] = qw + pos * qs + head * qh;
@@ -191,6 +283,8 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
         const uint16_t* kph = kpack.data() + h * cp * d;
         const uint16_t* vph = vpack.data() + h * cp * d;
         switch (n) {
+          case 6: rows_pass<6>(qp, limit, kph, vph, d, s, orow, lsev); break;
+          case 5: rows_pass<5>(qp, limit, kph, vph, d, s, orow, lsev); break;
           case 4: rows_pass<4>(qp, limit, kph, vph, d, s, orow, lsev); break;
           case 3: rows_pass<3>(qp, limit, kph, vph, d, s, orow, lsev); break;
           case 2: rows_pass<2>(qp, limit, kph, vph, d, s, orow, lsev); break;
@@ -207,4 +301,119 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
   TORCH_CHECK(false, "flash_attention_bf16: built without AVX512-BF16 (this CPU or compiler lacks it)");
 #endif
   return {out, lse};
+}
+
+bool flash_f32_compiled() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                               bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_attention_f32: q [Lq, H, D], k/v [C, KvH, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "flash_attention_f32: float32 q, k and v");
+  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d && heads % kv_heads == 0,
+              "flash_attention_f32: shapes disagree");
+  TORCH_CHECK(d % 32 == 0 && d <= 128, "flash_attention_f32: head_dim must be 32, 64, 96 or 128");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_attention_f32: heads must be contiguous");
+  TORCH_CHECK(!causal || c >= lq, "flash_attention_f32: causal needs at least as many keys as queries");
+  auto out = torch::empty({lq, heads, d}, q.options());
+  auto lse = torch::empty({lq, heads}, q.options());
+#if defined(__AVX512F__)
+  const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
+  // packed K: [KvH][cp/16][D][16], zero padded past C (torch's allocator aligns it to 64 bytes)
+  auto kpack = torch::empty({kv_heads * cp * d}, q.options());
+  float* kpb = kpack.data_ptr<float>();
+  const float* kb = k.data_ptr<float>();
+  const float* vb = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+  at::parallel_for(0, kv_heads * (cp / 16), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t task = b0; task < b1; ++task) {
+      const int64_t h = task / (cp / 16), blk = task % (cp / 16);
+      float* kdst = kpb + (h * cp + blk * 16) * d;  // [D][16]
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t key = blk * 16 + t;
+        const float* krow = kb + key * ks + h * kh;
+        for (int64_t i = 0; i < d; ++i) kdst[i * 16 + t] = key < c ? krow[i] : 0.f;
+      }
+    }
+  });
+  const int64_t qblocks = (lq + kRowsPerTask - 1) / kRowsPerTask, tasks = kv_heads * qblocks;
+  const float* qb = q.data_ptr<float>();
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  float* ob = out.data_ptr<float>();
+  float* lb = lse.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<F32Row> state;
+    std::vector<F32Row*> st;
+    std::vector<const float*> qp;
+    std::vector<int64_t> limit;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t h = task % kv_heads, i = task / kv_heads;
+      const int64_t qblk = causal ? (i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2) : i;
+      const int64_t p0 = qblk * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
+      const int64_t rows = (p1 - p0) * groups;
+      state.resize(rows);
+      st.resize(rows);
+      qp.resize(rows);
+      limit.resize(rows);
+      int64_t last = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
+        qp[r] = qb + pos * qs + head * qh;
+        limit[r] = causal ? pos + c - lq : c - 1;
+        last = std::max(last, limit[r]);
+        st[r] = &state[r];
+        state[r].m = kNegInf;
+        state[r].l = _mm512_setzero_ps();
+        std::memset(state[r].o, 0, sizeof(float) * d);
+      }
+      const float* kph = kpb + h * cp * d;
+      for (int64_t k0 = 0; k0 <= last; k0 += kTile) {  // each tile once per task, for every row
+        const float* kt = kph + k0 * d;
+        const float* vt = vb + k0 * vs + h * vh;
+        for (int64_t r0 = 0; r0 < rows; r0 += kF32Rows) {
+          const int n = static_cast<int>(std::min<int64_t>(kF32Rows, rows - r0));
+          const int64_t glast = *std::max_element(limit.begin() + r0, limit.begin() + r0 + n);
+          if (k0 > glast) continue;
+          const int64_t nkeys = std::min<int64_t>(kTile, glast + 1 - k0);
+          const float* const* q4 = qp.data() + r0;
+          const int64_t* l4 = limit.data() + r0;
+          F32Row* const* s4 = st.data() + r0;
+          switch (n) {
+            case 6: f32_tile<6>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
+            case 5: f32_tile<5>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
+            case 4: f32_tile<4>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
+            case 3: f32_tile<3>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
+            case 2: f32_tile<2>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
+            default: f32_tile<1>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
+        const float total = _mm512_reduce_add_ps(state[r].l), inv = 1.f / total;
+        float* orow = ob + (pos * heads + head) * d;
+        for (int64_t j = 0; j < d; ++j) orow[j] = state[r].o[j] * inv;
+        lb[pos * heads + head] = state[r].m + std::log(total);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "flash_attention_f32: built without AVX-512 (this CPU or compiler lacks it)");
+#endif
+  return {out, lse};
+}
+
+// either kernel, by q's dtype
+std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                           bool causal) {
+  if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal);
+  return flash_attention_bf16(q, k, v, scale, causal);
 }

@@ -310,8 +310,9 @@ torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int
                            c10::optional<torch::Tensor> bias);
 // flash_bf16.cpp
 bool flash_bf16_compiled();
-std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal);
+bool flash_f32_compiled();
+std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                           bool causal);
 // decode_step.cpp
 void bind_decode_layers(pybind11::module& m);
 
@@ -324,7 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
   m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
   m.def("flash_bf16_compiled", &flash_bf16_compiled, "whether flash_attention_bf16 was built (AVX512-BF16)");
-  m.def("flash_attention_bf16", &flash_attention_bf16, "bf16 attention of many queries, out and lse (CPU)");
+  m.def("flash_f32_compiled", &flash_f32_compiled, "whether flash_attention_f32 was built (AVX-512)");
+  m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
   bind_decode_layers(m);
 }
