@@ -1,8 +1,10 @@
-"""sage's bf16 flash kernel (`model.prefill_attention: sage`) against PyTorch's CPU flash kernel, per call.
+"""sage's flash kernel (`model.prefill_attention: sage`) against PyTorch's CPU flash kernel, per call.
 
     python bench/flash_attention.py --threads 2 --json out/flash_attention.json
+    python bench/flash_attention.py --dtype fp32 --heads 6,2 --json out/flash_attention_fp32.json
 
-Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v. Cases: causal prefill
+Default: Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v; `--dtype fp32
+--heads 6,2` is the qwen3-11m bench model's (an fp32 model's prefill goes to the fp32 kernel). Cases: causal prefill
 chunks of W1's prompt lengths (100-500) and a 2,048-token one (reference: `prefill_attention`, one
 causal SDPA call); a 32-token chunk after 1,024 cached
 keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's reference path splits
@@ -36,11 +38,11 @@ from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable  #
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True), (32, 1056, True),
-         (64, 1024, False)]
+         (64, 1024, False), (2016, 4064, True)]
 
 
 def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    groups = HEADS // KV_HEADS
+    groups = q.shape[1] // k.shape[1]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(groups, 1)) * HEAD_DIM ** -0.5
     if causal:
         lq, c = q.shape[0], k.shape[0]
@@ -66,19 +68,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS}", help="query heads,KV heads (head_dim 64)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if why := flash_unavailable(HEAD_DIM):
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    heads, kv_heads = (int(n) for n in args.heads.split(","))
+    if why := flash_unavailable(HEAD_DIM, dtype):
         sys.exit(f"sage's flash kernel cannot run here: {why}")
     torch.set_num_threads(args.threads)
     scale = HEAD_DIM ** -0.5
     rows = []
     print(f"{'queries x keys':>16} {'causal':>6} {'torch ms':>9} {'sage ms':>8} {'sage GFLOP/s':>13} "
-          f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.threads} threads)")
+          f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.dtype}, {heads}/{kv_heads} heads, "
+          f"{args.threads} threads)")
     for lq, c, causal in CASES:
         torch.manual_seed(lq + c)
-        q = torch.randn(lq, HEADS, HEAD_DIM).bfloat16()
-        k, v = torch.randn(c, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(c, KV_HEADS, HEAD_DIM).bfloat16()
+        q = torch.randn(lq, heads, HEAD_DIM).to(dtype)
+        k, v = torch.randn(c, kv_heads, HEAD_DIM).to(dtype), torch.randn(c, kv_heads, HEAD_DIM).to(dtype)
         if lq == c:  # a first chunk: one causal SDPA call (`prefill_attention`)
             reference = partial(first_chunk, q, k, v, scale)
         else:
@@ -87,7 +94,7 @@ def main() -> None:
         want = exact(q, k, v, causal)
         diffs = [(fn()[0].float() - want).abs().max().item() for fn in (reference, sage)]
         t_ref, t_sage = best(reference, args.repeats), best(sage, args.repeats)
-        flops = 4 * HEADS * HEAD_DIM * (lq * c - (lq * lq / 2 if causal else 0))
+        flops = 4 * heads * HEAD_DIM * (lq * c - (lq * lq / 2 if causal else 0))
         row = {"queries": lq, "keys": c, "causal": causal, "torch_ms": t_ref * 1e3, "sage_ms": t_sage * 1e3,
                "sage_gflop_s": flops / t_sage / 1e9, "speedup": t_ref / t_sage, "max_diff_torch": diffs[0],
                "max_diff_sage": diffs[1]}
@@ -96,8 +103,9 @@ def main() -> None:
               f"{row['sage_gflop_s']:13.1f} {row['speedup']:10.2f}x {diffs[0]:10.1e} / {diffs[1]:.1e}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "shape": [HEADS, KV_HEADS, HEAD_DIM],
-                                         "torch": torch.__version__, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "dtype": args.dtype,
+                                         "shape": [heads, kv_heads, HEAD_DIM], "torch": torch.__version__,
+                                         "rows": rows}, indent=1))
         print(f"wrote {args.json}")
 
 

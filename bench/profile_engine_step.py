@@ -44,7 +44,7 @@ REGIONS = {
 }
 # the C++ kernels (sage_infer/layers/csrc, pybind functions: torch.profiler sees no op in them), wrapped in
 # `kernel::<name>` regions whose self time is op time of this category
-KERNELS = {"small_linear": "GEMM", "paged_decode_attention": "attention", "flash_attention_bf16": "attention",
+KERNELS = {"small_linear": "GEMM", "paged_decode_attention": "attention", "flash_attention": "attention",
            "rms_norm": "fused ops",
            "add_rms_norm_": "fused ops", "silu_mul": "fused ops", "rope_": "fused ops"}
 OPS_DETAIL: dict[str, float] = defaultdict(float)  # filled when --ops (a non-empty dict is the flag)
@@ -116,11 +116,11 @@ def categorize(prof) -> dict[str, float]:
 def run_steps(model_dir: Path, args, profile_at: set[int]):
     """Run the workload on a fresh engine: per step wall ms, kinds, tokens generated, total s (and,
     when `profile_at` names steps, their profiles)."""
+    from bench.engine_ab import config_for
     from sage_infer import SamplingParams
     from sage_infer.engine.llm import LLM
 
-    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, kv_memory="4GiB", max_num_seqs=64,
-              max_num_batched_tokens=2048)
+    llm = LLM(config=config_for(model_dir, args.dtype, 4, args.set), device=args.device)
     cfg = llm.engine.runner.model.config
     prompts, max_new = build_workloads(cfg.vocab_size, cfg.max_position_embeddings)[args.workload]
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps of each kind")
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="ServeConfig overrides, as engine_ab's variants (e.g. model.decode_step=python: the "
+                        "one-call decode step hides its layers from the profiler)")
     parser.add_argument("--ops", type=int, default=0, help="also print the N costliest ops (all profiled steps)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: ops' CPU time is their launch cost; '(gpu kernels busy)' sums the GPU's")
