@@ -19,6 +19,14 @@ def test_a_ratio_below_its_floor_beyond_the_tolerance_fails_and_unmeasured_ones_
     assert "hf.shared-prefix.x" not in capsys.readouterr().out
 
 
+def test_a_ratio_with_no_floor_is_printed_not_checked(capsys):
+    failures = compare({"vllm.qwen3-11m.W4.output_tok_s": 0.5, "hf.random.output_tok_s": 2.0},
+                       {"hf.random.output_tok_s": 2.0}, tolerance=0.15)
+    assert failures == []
+    out = capsys.readouterr().out
+    assert "vllm.qwen3-11m.W4.output_tok_s" in out and "no floor yet (not checked)" in out
+
+
 def test_an_unreadable_baseline_is_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "bench/gate.py", "--baseline", str(tmp_path / "missing.json")],
                             cwd=REPO, capture_output=True, text=True)
