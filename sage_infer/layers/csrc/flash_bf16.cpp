@@ -207,6 +207,24 @@ void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, con
 }
 #endif
 
+// the argument checks both kernels make (their dtype checks are their own)
+void check_shapes(const char* name, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q [Lq, H, D], k/v [C, KvH, D]");
+  const int64_t d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d &&
+                  q.size(1) % kv_heads == 0, name, ": shapes disagree");
+  TORCH_CHECK(d % 32 == 0 && d <= 128, name, ": head_dim must be 32, 64, 96 or 128");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, name, ": heads must be contiguous");
+  TORCH_CHECK(!causal || c >= q.size(0), name, ": causal needs at least as many keys as queries");
+}
+
+// the query block of task i (of `blocks`): causal tasks grow with the block, so alternate ends to keep each
+// thread's share balanced
+inline int64_t task_block(int64_t i, int64_t blocks, bool causal) {
+  return causal ? (i % 2 == 0 ? i / 2 : blocks - 1 - i / 2) : i;
+}
+
 }  // namespace
 
 bool flash_bf16_compiled() {
@@ -219,17 +237,11 @@ bool flash_bf16_compiled() {
 
 std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                 bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_attention_bf16: q [Lq, H, D], k/v [C, KvH, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "flash_attention_bf16: bf16 q, k and v");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0,
-              "flash_attention_bf16: q's heads must be contiguous, its row and head strides even");
+  check_shapes("flash_attention_bf16", q, k, v, causal);
+  TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0, "flash_attention_bf16: q's row and head strides must be even");
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
-  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d && heads % kv_heads == 0,
-              "flash_attention_bf16: shapes disagree");
-  TORCH_CHECK(d % 32 == 0 && d <= 128, "flash_attention_bf16: head_dim must be 32, 64, 96 or 128");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "flash_attention_bf16: k/v heads must be contiguous");
-  TORCH_CHECK(!causal || c >= lq, "flash_attention_bf16: causal needs at least as many keys as queries");
   auto out = torch::empty({lq, heads, d}, q.options().dtype(at::kFloat));
   auto lse = torch::empty({lq, heads}, q.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__)
@@ -263,9 +275,7 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
   const float s = static_cast<float>(scale);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
-      // causal tasks grow with the query block: alternate ends so each thread's share is balanced
-      const int64_t h = task % kv_heads, i = task / kv_heads;
-      const int64_t qb = causal ? (i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2) : i;
+      const int64_t h = task % kv_heads, qb = task_block(task / kv_heads, qblocks, causal);
       const int64_t p0 = qb * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
       const int64_t rows = (p1 - p0) * groups;
       for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
@@ -313,15 +323,10 @@ bool flash_f32_compiled() {
 
 std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_attention_f32: q [Lq, H, D], k/v [C, KvH, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "flash_attention_f32: float32 q, k and v");
+  check_shapes("flash_attention_f32", q, k, v, causal);
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
-  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d && heads % kv_heads == 0,
-              "flash_attention_f32: shapes disagree");
-  TORCH_CHECK(d % 32 == 0 && d <= 128, "flash_attention_f32: head_dim must be 32, 64, 96 or 128");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_attention_f32: heads must be contiguous");
-  TORCH_CHECK(!causal || c >= lq, "flash_attention_f32: causal needs at least as many keys as queries");
   auto out = torch::empty({lq, heads, d}, q.options());
   auto lse = torch::empty({lq, heads}, q.options());
 #if defined(__AVX512F__)
@@ -355,8 +360,7 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
     std::vector<const float*> qp;
     std::vector<int64_t> limit;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t h = task % kv_heads, i = task / kv_heads;
-      const int64_t qblk = causal ? (i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2) : i;
+      const int64_t h = task % kv_heads, qblk = task_block(task / kv_heads, qblocks, causal);
       const int64_t p0 = qblk * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
       const int64_t rows = (p1 - p0) * groups;
       state.resize(rows);
