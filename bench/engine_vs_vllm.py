@@ -172,6 +172,8 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
         outputs = {}
         engines = ["sage"] if worker is None else (["vllm", "sage"] if rep % 2 == 0 else ["sage", "vllm"])
         for engine in engines:
+            # W3: the VM's bandwidth moves within minutes, so it is read again right around each run
+            around = [read_bandwidth_gb_s(args.threads)] if name == "W3" else []
             load0 = os.getloadavg()[0]
             if engine == "vllm":
                 row, outputs[engine] = vllm_run(worker, name, prompts, max_new)
@@ -184,6 +186,10 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
                     row["vllm_cpu_s_meanwhile"] = tree_cpu_seconds(worker.proc.pid) - idle0
             row["total_tok_s"] = (row["prompt_tokens"] + row["generated_tokens"]) / row["wall_s"]
             row["loadavg_1m"] = [load0, os.getloadavg()[0]]
+            if around:
+                around.append(read_bandwidth_gb_s(args.threads))
+                row["read_gb_s_around"] = around
+                row["decode_read_share"] = decode_weight_gb_s(row, args.dtype, model_dir) / max(around)
             runs[engine].append(row)
             log(f"  run {rep + 1}/{args.repeats} {engine:<5} {row['output_tok_s']:9.1f} tok/s"
                 f"  wall {row['wall_s']:7.2f}s  TTFT mean {row['ttft_mean_s']:6.3f}s  cpu {row['cpu_util']:.2f}"
@@ -192,6 +198,9 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
             checks.append(agreement(outputs["sage"], outputs["vllm"]))
     result = {"workload": name, "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "max_new_tokens": max_new, **{e: median_row(r) for e, r in runs.items() if r}}
+    for engine, rows in runs.items():
+        if rows and "decode_read_share" in rows[0]:
+            result[engine]["decode_read_share"] = statistics.median(r["decode_read_share"] for r in rows)
     if worker is not None:
         result["ratio_tok_s"] = result["sage"]["output_tok_s"] / result["vllm"]["output_tok_s"]
         result["greedy_agreement"] = checks
@@ -201,6 +210,13 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
 def weight_gb_s(tok_s: float, params: int, dtype: str) -> float:
     """Batch 1: every decode step reads every weight once."""
     return tok_s * params * DTYPE_BYTES[dtype] / 1e9
+
+
+def decode_weight_gb_s(row: dict, dtype: str, model_dir: Path) -> float:
+    """Batch 1, one prompt: the weight reads of the decode steps alone, (generated - 1) tokens after the first
+    over the wall time after it (the prefill and the first token excluded)."""
+    decode_s = row["wall_s"] - row["ttft_mean_s"]
+    return weight_gb_s((row["generated_tokens"] - 1) / decode_s, model_facts(model_dir)["params"], dtype)
 
 
 def read_bandwidth_gb_s(threads: int, nbytes: int = 512 << 20, repeats: int = 10) -> float:
@@ -248,6 +264,10 @@ def print_table(report: dict) -> None:
             share = f"; memory read bandwidth {peak:.1f} GB/s in this run (best of start and end): " + ", ".join(
                 f"{e} {g / peak:.0%}" for e, g in gbs.items()) if peak else ""
             print("W3 weight reads: " + ", ".join(f"{e} {g:.1f} GB/s" for e, g in gbs.items()) + share)
+            shares = {e: w[e]["decode_read_share"] for e in ("vllm", "sage") if "decode_read_share" in w.get(e, {})}
+            if shares:
+                print("W3 decode steps' weight reads against the streaming read measured right around each run "
+                      "(median of runs): " + ", ".join(f"{e} {v:.0%}" for e, v in shares.items()))
     if h["dtype"] != "fp32":
         print(f"greedy agreement is the fp32 check; in {h['dtype']} the engines may drift apart (numerics)")
 
