@@ -71,15 +71,15 @@ def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> tuple[int, str 
     libc = _libc()
     ranges = list(ranges)
     done, failure = 0, None
-    inward = merged_ranges(ranges, outward=False)
     for start, end in merged_ranges(ranges):
         if _collapse(libc, start, end):
             done += end - start
             continue
-        # part of the rounded range is not mapped (a buffer at the edge of its mapping): its whole pages only
-        for inner_start, inner_end in (r for r in inward if start <= r[0] and r[1] <= end):
-            if _collapse(libc, inner_start, inner_end):
-                done += inner_end - inner_start
+        # one page of the rounded range could not be (not mapped: a buffer at the edge of its mapping; or no
+        # free huge page just then): the range's pages one by one, so one failure costs one page, not the range
+        for page in range(start, end, HUGE_PAGE):
+            if _collapse(libc, page, page + HUGE_PAGE):
+                done += HUGE_PAGE
             else:
                 errno = ctypes.get_errno()
                 failure = failure or f"madvise: {os.strerror(errno)} (errno {errno})"
