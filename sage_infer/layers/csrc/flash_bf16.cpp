@@ -7,8 +7,8 @@
 //
 // Per KV head, K is packed once as [C/16][D/2][16][2] (16 keys side by side per column pair) and V
 // as [C/2][D][2] (2 keys side by side per dimension); a task is one KV head and 16 query positions,
-// i.e. 16 x G rows (the G query heads of the KV head share its keys), taken 4 rows at a time over
-// tiles of 64 keys: scores (16 accumulators of 16 keys), online softmax in fp32, then P·V with P
+// i.e. 16 x G rows (the G query heads of the KV head share its keys), taken 6 rows at a time over
+// tiles of 64 keys: scores (24 accumulators of 16 keys), online softmax in fp32, then P·V with P
 // rounded to bf16 (as PyTorch's CPU flash kernel rounds it for bf16 inputs). Scores are exact bf16
 // products summed in fp32, so only the summation order and that rounding differ from the reference
 // (sage_infer.layers.attention.attention_with_lse_reference).
@@ -30,6 +30,35 @@ namespace {
 constexpr int64_t kTile = 64;   // keys per tile
 constexpr int64_t kRowsPerTask = 16;  // query positions per task
 constexpr float kNegInf = -1e30f;   // finite: the file is built with -ffast-math
+
+#if defined(__AVX512F__)
+// one row's online-softmax step over a 64-key tile, both kernels: s, its 4 x 16 unscaled scores (keys past
+// `limit` masked here); m, l: the running max of the scaled scores and the per-lane denominators, updated;
+// p: exp(score * scale - max) of the tile (masked keys 0) -> alpha, the factor the row's output is rescaled by
+inline float softmax_tile(__m512 (&s)[4], int64_t k0, int64_t limit, float scale, float& m, __m512& l,
+                          __m512 (&p)[4]) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 tmax = _mm512_set1_ps(kNegInf);  // of the unscaled scores (scale > 0 keeps the order)
+  for (int j = 0; j < 4; ++j) {
+    if (k0 + 16 * j + 15 > limit) {  // past the row's last key: masked
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
+      const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit)));
+      s[j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[j]);
+    }
+    tmax = _mm512_max_ps(tmax, s[j]);
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(tmax) * scale);
+  const float alpha = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - mnew)));  // no libm call: it would spill s
+  m = mnew;
+  __m512 sum = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
+  for (int j = 0; j < 4; ++j) {  // masked keys: exp(-1e30) = 0
+    p[j] = exp16(_mm512_fmsub_ps(s[j], _mm512_set1_ps(scale), _mm512_set1_ps(mnew)));
+    sum = _mm512_add_ps(sum, p[j]);
+  }
+  l = sum;
+  return alpha;
+}
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr int kBf16Rows = 6;  // rows per pass: 6 x 4 score accumulators, 4 keys' vectors
@@ -63,27 +92,11 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
         for (int j = 0; j < 4; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], kk[j], qb);
       }
     }
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < R; ++r) {
-      __m512 tmax = _mm512_set1_ps(kNegInf);  // of the unscaled scores (scale > 0 keeps the order)
-      for (int j = 0; j < 4; ++j) {
-        if (k0 + 16 * j + 15 > limit[r]) {  // past the row's last key: masked
-          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
-          const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r])));
-          s[r][j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[r][j]);
-        }
-        tmax = _mm512_max_ps(tmax, s[r][j]);
-      }
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(tmax) * scale);
-      const float alpha = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));  // no libm call: it would spill s
-      m[r] = mnew;
-      __m512 sum = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha));
-      for (int j = 0; j < 4; ++j) {  // exp(score * scale - max), masked keys: exp(-1e30) = 0
-        const __m512 pv = exp16(_mm512_fmsub_ps(s[r][j], _mm512_set1_ps(scale), _mm512_set1_ps(mnew)));
-        sum = _mm512_add_ps(sum, pv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv));
-      }
-      l[r] = sum;
+      __m512 pv[4];
+      const float alpha = softmax_tile(s[r], k0, limit[r], scale, m[r], l[r], pv);
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv[j]));
       if (alpha != 1.f)
         for (int64_t c = 0; c < chunks; ++c)
           _mm512_store_ps(o[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), _mm512_set1_ps(alpha)));
@@ -120,7 +133,7 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
 // ---- fp32: q, k, v all float32 (an fp32 model's prefill chunks and shared prefixes) ----
 //
 // The same tasks as the bf16 kernel (one KV head x 16 query positions), walked tile-major: each
-// 64-key tile of the head's keys is read once per task and applied to every group of 4 rows, whose
+// 64-key tile of the head's keys is read once per task and applied to every group of 6 rows, whose
 // softmax state (running max, per-lane denominators, output) lives in `F32Row`s between tiles.
 // Scores by fp32 FMA (K packed [C/16][D][16]: 16 keys side by side per dimension, one query
 // element broadcast per row), P·V by key (p broadcast, V rows read in place). Exact fp32 products;
@@ -171,29 +184,12 @@ void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, con
       for (int j = 0; j < 4; ++j) s[r][j] = _mm512_fmadd_ps(kk[j], qb, s[r][j]);
     }
   }
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   alignas(64) float pb[R][kTile];
   float alpha[R];
   for (int r = 0; r < R; ++r) {
-    __m512 tmax = _mm512_set1_ps(kNegInf);
-    for (int j = 0; j < 4; ++j) {
-      if (k0 + 16 * j + 15 > limit[r]) {
-        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
-        const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r])));
-        s[r][j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[r][j]);
-      }
-      tmax = _mm512_max_ps(tmax, s[r][j]);
-    }
-    const float mnew = std::max(st[r]->m, _mm512_reduce_max_ps(tmax) * scale);
-    alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(st[r]->m - mnew)));  // no libm call: it would spill s
-    st[r]->m = mnew;
-    __m512 sum = _mm512_mul_ps(st[r]->l, _mm512_set1_ps(alpha[r]));
-    for (int j = 0; j < 4; ++j) {
-      const __m512 pv = exp16(_mm512_fmsub_ps(s[r][j], _mm512_set1_ps(scale), _mm512_set1_ps(mnew)));
-      sum = _mm512_add_ps(sum, pv);
-      _mm512_store_ps(pb[r] + 16 * j, pv);
-    }
-    st[r]->l = sum;
+    __m512 pv[4];
+    alpha[r] = softmax_tile(s[r], k0, limit[r], scale, st[r]->m, st[r]->l, pv);
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(pb[r] + 16 * j, pv[j]);
   }
   for (int64_t c = 0, chunks = d / 16; c < chunks;) {  // chunks is even (D % 32 == 0)
     if (chunks - c >= 4) {
