@@ -168,6 +168,7 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
         f"(len {min(map(len, prompts))}-{max(map(len, prompts))}), {max_new} out each")
     runs: dict[str, list[dict]] = {"vllm": [], "sage": []}
     checks = []
+    params = model_facts(model_dir)["params"] if name == "W3" else 0
     for rep in range(args.repeats):
         outputs = {}
         engines = ["sage"] if worker is None else (["vllm", "sage"] if rep % 2 == 0 else ["sage", "vllm"])
@@ -189,7 +190,7 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
             if around:
                 around.append(read_bandwidth_gb_s(args.threads))
                 row["read_gb_s_around"] = around
-                row["decode_read_share"] = decode_weight_gb_s(row, args.dtype, model_dir) / max(around)
+                row["decode_read_share"] = decode_weight_gb_s(row, params, args.dtype) / max(around)
             runs[engine].append(row)
             log(f"  run {rep + 1}/{args.repeats} {engine:<5} {row['output_tok_s']:9.1f} tok/s"
                 f"  wall {row['wall_s']:7.2f}s  TTFT mean {row['ttft_mean_s']:6.3f}s  cpu {row['cpu_util']:.2f}"
@@ -212,11 +213,11 @@ def weight_gb_s(tok_s: float, params: int, dtype: str) -> float:
     return tok_s * params * DTYPE_BYTES[dtype] / 1e9
 
 
-def decode_weight_gb_s(row: dict, dtype: str, model_dir: Path) -> float:
+def decode_weight_gb_s(row: dict, params: int, dtype: str) -> float:
     """Batch 1, one prompt: the weight reads of the decode steps alone, (generated - 1) tokens after the first
     over the wall time after it (the prefill and the first token excluded)."""
     decode_s = row["wall_s"] - row["ttft_mean_s"]
-    return weight_gb_s((row["generated_tokens"] - 1) / decode_s, model_facts(model_dir)["params"], dtype)
+    return weight_gb_s((row["generated_tokens"] - 1) / decode_s, params, dtype)
 
 
 def read_bandwidth_gb_s(threads: int, nbytes: int = 512 << 20, repeats: int = 10) -> float:

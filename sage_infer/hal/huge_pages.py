@@ -69,7 +69,6 @@ def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> tuple[int, str 
     if why := thp_unavailable():
         return 0, why
     libc = _libc()
-    ranges = list(ranges)
     done, failure = 0, None
     for start, end in merged_ranges(ranges):
         if _collapse(libc, start, end):
