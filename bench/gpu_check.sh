@@ -4,7 +4,7 @@
 # (bench/paged_decode_kernel.py --device cuda), and the engine's decode attention A/B on the 0.5B shape.
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
-#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine profile hf
+#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine prefill profile hf hf05
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests kernel engine profile hf}
+STEPS=${STEPS:-tests kernel engine prefill profile hf hf05}
 case " $STEPS " in *" tests "*)
     step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py ;; esac
 case " $STEPS " in *" kernel "*)
@@ -50,6 +50,15 @@ case " $STEPS " in *" engine "*)
             --json "$OUT/engine_ab_cuda_$workload.json"
     done ;;
 esac
+case " $STEPS " in *" prefill "*)  # the Triton prefill kernel against span-by-span PyTorch prefill, graphs on in both
+    for workload in ${PREFILL_WORKLOADS:-W1 W2 W4}; do
+        step "prefill_$workload" 150 python3 bench/engine_ab.py --model qwen2.5-0.5b-shape --dtype bf16 --device cuda \
+            --workload "$workload" --repeats 2 --kv-gib 8 --model-cache /tmp/sage-models \
+            --variant torch model.prefill_attention=torch --variant sage model.prefill_attention=sage \
+            --json "$OUT/engine_ab_cuda_prefill_$workload.json"
+        rm -f "$OUT/prefill_$workload.log"  # its tail is above; at most 8 files come back from a device call
+    done ;;
+esac
 case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engine's ops are launched from Python)
     for workload in ${PROFILE_WORKLOADS:-W3 W1}; do
         step "profile_$workload" 120 python3 bench/profile_engine_step.py --model qwen2.5-0.5b-shape --dtype bf16 \
@@ -60,4 +69,10 @@ esac
 case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU (added in session 10, not yet run there)
     step hf 200 python3 bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4 --repeats 2 \
         --json "$OUT/engine_vs_hf_cuda.json" ;;
+esac
+case " $STEPS " in *" hf05 "*)  # the same on the 0.5B shape (362M, bf16), which a GPU step no longer hides in launch latency
+    model=$(python3 -c "from pathlib import Path; from bench.vllm_models import MODELS, prepare_model
+print(prepare_model(MODELS['qwen2.5-0.5b-shape'], Path('/tmp/sage-models')))") || exit 1
+    step hf05 ${HF05_LIMIT:-240} python3 bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4 --repeats 2 \
+        --model "$model" --json "$OUT/engine_vs_hf_cuda_05b.json" ;;
 esac

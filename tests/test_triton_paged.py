@@ -1,7 +1,7 @@
-"""The Triton paged decode kernel (reads pool blocks in place on an NVIDIA GPU) agrees with the pure-PyTorch
-oracle: per call against attention over each row's own context, through `paged_attention` against the
-gathered groups, and, on a GPU, end to end as the engine's greedy tokens against its torch path and against
-transformers on the same device.
+"""The Triton paged kernels (read pool blocks in place on an NVIDIA GPU), decode and prefill, agree with the
+pure-PyTorch oracle: per call against attention over each row's (each span's) own context, through
+`paged_attention` against the gathered groups and spans, and, on a GPU, end to end as the engine's greedy
+tokens against its torch path and against transformers on the same device.
 
 Without a GPU the kernel code runs under Triton's interpreter on CPU tensors (tests/conftest.py sets
 ``TRITON_INTERPRET=1`` before triton is imported): the same kernel source, slowly. The engine tests need a
@@ -14,14 +14,25 @@ import random
 import pytest
 import torch
 
+from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.sequence import Sequence
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.layers.attention import (
     AttentionMetadata,
     attention_with_lse_reference,
     decode_attention_reference,
     paged_attention,
+    prefill_attention,
 )
-from sage_infer.layers.triton_paged import decode_attention, interpreting, num_splits, triton
+from sage_infer.layers.triton_paged import (
+    PREFILL_ROWS,
+    decode_attention,
+    interpreting,
+    num_splits,
+    prefill_tiles,
+    triton,
+)
+from sage_infer.layers.triton_paged import prefill_attention as prefill_attention_paged
 from tests import kv_fill
 from tests.kv_fill import LAYER
 from tests.tiny_models import greedy_tokens
@@ -152,6 +163,127 @@ def test_where_the_kernel_cannot_run_paged_is_a_config_error_and_auto_falls_back
             use_paged_attention("paged", pool, torch.device("cuda"))
 
 
+def test_where_the_prefill_kernels_cannot_run_sage_is_a_config_error_and_auto_falls_back():
+    from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
+    from sage_infer.engine.build import use_flash_attention
+    from sage_infer.errors import ConfigError
+    from sage_infer.kv_runtime import KVPool
+
+    model, float_pool = torch.nn.Linear(4, 4), filled_pool([5], 2, 32, 16, torch.float32)[0]
+    with pytest.raises(ConfigError, match=r"^model.prefill_attention: sage: the kernels run on CPUs \(C\+\+\) and "
+                                          r"NVIDIA GPUs \(Triton\); device is xpu"):
+        use_flash_attention("sage", model, 32, torch.device("xpu"), float_pool)
+    assert not use_flash_attention("auto", model, 32, torch.device("xpu"), float_pool)
+    assert not use_flash_attention("torch", model, 32, torch.device("cuda"), float_pool)
+    int8_pool = KVPool(KVCacheSchema(2, 2, 32, 16, KVDtype.INT8, scale_layout=ScaleLayout.PER_TOKEN), 4, device=DEVICE)
+    if CUDA:  # the kernel reads float blocks: an int8 pool is refused, auto falls back
+        with pytest.raises(ConfigError, match="^model.prefill_attention: sage: kv_dtype int8 is quantized"):
+            use_flash_attention("sage", model.cuda(), 32, torch.device("cuda"), int8_pool)
+        assert not use_flash_attention("auto", model.cuda(), 32, torch.device("cuda"), int8_pool)
+        assert use_flash_attention("auto", model.cuda(), 32, torch.device("cuda"), float_pool)
+    else:
+        with pytest.raises(ConfigError, match="^model.prefill_attention: sage: "):
+            use_flash_attention("sage", model, 32, torch.device("cuda"), int8_pool)
+        assert not use_flash_attention("auto", model, 32, torch.device("cuda"), float_pool)
+
+
+# -- the prefill kernel ------------------------------------------------------------------------------------
+
+
+def run_prefill(q, pool, tables, spans, scale, out=None):
+    out = torch.full_like(q, float("nan")) if out is None else out
+    tiles = torch.tensor(prefill_tiles(spans), dtype=torch.int32, device=DEVICE)
+    prefill_attention_paged(q, *pool.block_views(LAYER), out, padded(tables),
+                            torch.tensor(spans, dtype=torch.int32, device=DEVICE), tiles, scale)
+    return out
+
+
+def spans_of(shapes):
+    """(first row, queries, context) of spans with these (queries, context) shapes, laid out back to back."""
+    firsts = [sum(q for q, _ in shapes[:i]) for i in range(len(shapes))]
+    return [(first, q, c) for first, (q, c) in zip(firsts, shapes)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2, 32), (14, 2, 64), (6, 6, 16), (4, 1, 128)])
+def test_prefill_kernel_equals_causal_attention_over_each_spans_context(dtype, heads):
+    """Whole prompts and chunks after cached context; spans of one query, of exact and partial tiles of
+    queries and of keys; the mask aligned to the lower-right corner."""
+    num_heads, num_kv_heads, head_dim = heads
+    shapes = [(1, 1), (5, 5), (64, 64), (65, 65), (1, 40), (70, 130), (130, 200), (16, 300)]
+    pool, tables, contexts = filled_pool([c for _, c in shapes], num_kv_heads, head_dim, 16, dtype)
+    spans = spans_of(shapes)
+    q = torch.randn(sum(q for q, _ in shapes), num_heads, head_dim).to(dtype).to(DEVICE)
+    out = run_prefill(q, pool, tables, spans, head_dim**-0.5)
+    assert out.dtype == dtype
+    for (first, n, _), (k, v) in zip(spans, contexts):
+        want = prefill_attention(q[first : first + n].float().cpu(), k, v, head_dim**-0.5)
+        torch.testing.assert_close(out[first : first + n].float().cpu(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_prefill_kernel_reads_any_block_size_and_leaves_other_rows_alone(block_size):
+    """Pool blocks smaller and larger than a tile, tables wider than a span's context, spans that are not
+    back to back: rows between them (decode rows of the step) keep what `out` held."""
+    shapes = [(3, 90), (100, 100), (33, 257)]
+    pool, tables, contexts = filled_pool([c for _, c in shapes], 2, 32, block_size, torch.float32, seed=block_size)
+    spans = [(2, 3, 90), (9, 100, 100), (115, 33, 257)]
+    q = torch.randn(150, 8, 32, device=DEVICE)
+    out = run_prefill(q, pool, [t + [0, 0] for t in tables], spans, 0.2, out=torch.zeros_like(q))
+    touched = torch.zeros(150, dtype=torch.bool)
+    for (first, n, _), (k, v) in zip(spans, contexts):
+        touched[first : first + n] = True
+        want = prefill_attention(q[first : first + n].cpu(), k, v, 0.2)
+        torch.testing.assert_close(out[first : first + n].cpu(), want, **TOLERANCE[torch.float32])
+    assert not out.cpu()[~touched].any()
+
+
+def test_prefill_tiles_cover_every_query_once_longest_context_first():
+    spans = [(0, 1, 1), (1, 130, 200), (131, 64, 64), (195, 65, 300)]
+    tiles = prefill_tiles(spans)
+    covered = sorted((span, m + r) for span, m in tiles for r in range(PREFILL_ROWS) if m + r < spans[span][1])
+    assert covered == [(i, m) for i, (_, n, _) in enumerate(spans) for m in range(n)]
+    assert [span for span, _ in tiles] == [3, 3, 1, 1, 1, 2, 0]
+    assert tiles[:2] == [(3, 64), (3, 0)]  # within a span, the tile whose queries see the most keys first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_with_the_prefill_kernel_equals_span_by_span(dtype):
+    """A mixed step through `ModelRunner.prepare` and `paged_attention` on the device: prompts, chunks after
+    cached context (longer than `IN_PLACE_CHUNK_ROWS`: spans; shorter: decode rows) and decode rows; the
+    prefill kernel in place against the gathered spans (the reference), the decode rows alike in both."""
+    from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+    from sage_infer.kv_runtime import KVPool
+    from tests.kv_fill import LAYERS
+
+    torch.manual_seed(7)
+    block_size, shapes = 8, [(0, 37), (0, 5), (40, 100), (60, 1), (13, 70), (20, 10)]  # (cached, new tokens)
+    pool = KVPool(KVCacheSchema(LAYERS, 2, 32, block_size, KVDtype.FP32), 64, dtype=dtype, device=DEVICE)
+    seqs, free = [], list(range(64))
+    for cached, new in shapes:
+        tokens = list(range(1, cached + new + 1))
+        seq = Sequence(len(seqs), f"r{len(seqs)}", 0, tokens, len(tokens), SamplingParams(), b"")
+        seq.block_table = [free.pop() for _ in range(-(-(cached + new) // block_size))]
+        seq.num_computed_tokens = cached
+        seqs.append(seq)
+        if cached:  # the cached context, as earlier steps stored it
+            table = seq.block_table
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(cached)])
+            pool.store(LAYER, *(torch.randn(cached, 2, 32).to(dtype).to(DEVICE) for _ in "kv"), slots.to(DEVICE))
+    news = [new for _, new in shapes]
+    q, k, v = (torch.randn(sum(news), h, 32).to(dtype).to(DEVICE) for h in (6, 2, 2))
+
+    def run(prefill_in_place: bool) -> torch.Tensor:
+        runner = ModelRunner(None, pool, DEVICE, decode_in_place=True, prefill_in_place=prefill_in_place)
+        *_, meta, _, _ = runner.prepare(seqs, news)
+        assert (meta.paged_prefill is not None) == prefill_in_place
+        assert len(meta.prefills) == (5 if prefill_in_place else 4)  # the short chunk: a span, or decode rows
+        assert (meta.prefill_slots is None) == prefill_in_place
+        return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5).float()
+
+    torch.testing.assert_close(run(True), run(False), **TOLERANCE[dtype])
+
+
 # -- the engine on a CUDA device ------------------------------------------------------------------
 
 
@@ -162,12 +294,15 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("triton") / "m", "qwen3", num_hidden_layers=3)
 
 
-def gpu_llm(path, attention: str, dtype: str = "fp32", **model):
+def gpu_llm(path, attention: str, dtype: str = "fp32", scheduler: dict | None = None, **model):
+    """`attention` torch: the reference path for prefill too, unless `model` says otherwise."""
     from sage_infer import LLM
     from sage_infer.config.serve import ServeConfig
 
+    if attention == "torch":
+        model = {"prefill_attention": "torch", **model}
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "attention": attention, **model},
-                                         "kv_pool": {"num_blocks": 256}})
+                                         "kv_pool": {"num_blocks": 256}, "scheduler": scheduler or {}})
     return LLM(config=config, device="cuda")
 
 
@@ -179,9 +314,26 @@ def prompts(seed: int = 0, system_tokens: int = 96) -> list[list[int]]:
 
 
 @needs_gpu
-def test_auto_picks_the_triton_kernel_on_a_gpu_and_torch_keeps_the_reference(tiny):
-    assert gpu_llm(tiny, "auto").engine.runner.decode_in_place
-    assert not gpu_llm(tiny, "torch").engine.runner.decode_in_place
+def test_auto_picks_the_triton_kernels_on_a_gpu_and_torch_keeps_the_reference(tiny):
+    runner = gpu_llm(tiny, "auto").engine.runner
+    assert runner.decode_in_place and runner.prefill_in_place and not runner.flash_attention
+    assert not runner.cascade_attention  # each row reads its shared prefix in place
+    runner = gpu_llm(tiny, "torch").engine.runner
+    assert not runner.decode_in_place and not runner.prefill_in_place and runner.cascade_attention
+
+
+@needs_gpu
+@pytest.mark.parametrize("prefill_attention", ["sage", "torch"])
+def test_engine_greedy_tokens_with_either_prefill_path_equal_the_reference_fp32(tiny, prefill_attention):
+    """The prefill kernel alone (decode rows by PyTorch) and the decode kernel alone, against the torch path;
+    a prompt longer than the 256-token step budget, so its later chunks read earlier ones from the pool."""
+    batch = prompts(3) + [[(7 * i) % 400 + 5 for i in range(700)]]
+    want = greedy_tokens(gpu_llm(tiny, "torch"), batch, TOKENS)
+    attention = "torch" if prefill_attention == "sage" else "paged"
+    llm = gpu_llm(tiny, attention, prefill_attention=prefill_attention, scheduler={"max_num_batched_tokens": 256})
+    assert llm.engine.runner.prefill_in_place == (prefill_attention == "sage")
+    assert greedy_tokens(llm, batch, TOKENS) == want
+    llm.engine.kv.block_manager.check_invariants()
 
 
 @needs_gpu
@@ -195,18 +347,21 @@ def test_engine_greedy_tokens_on_the_gpu_equal_the_torch_path_fp32(tiny):
 
 @needs_gpu
 def test_engine_bf16_on_the_gpu_stays_within_rounding_of_the_torch_path(tiny):
-    """Twice the same batch: the second time its 256-token system prompt is in the prefix cache, so the
-    steps are cascade steps (the shared prefix attended once, the rows' suffixes by the kernel; bf16's
-    threshold is 384 saved key reads)."""
+    """Twice the same batch: the second time its 256-token system prompt is in the prefix cache. With the
+    reference prefill path those are cascade steps (the shared prefix attended once, the rows' suffixes by
+    the kernel; bf16's threshold is 384 saved key reads); with the prefill kernel every span reads it in
+    place."""
     from tests.tiny_models import assert_within_bf16_drift
 
     batch = prompts(1, system_tokens=256)
-    paged, reference = gpu_llm(tiny, "paged", "bf16"), gpu_llm(tiny, "torch", "bf16")
+    reference = gpu_llm(tiny, "torch", "bf16")
     want = greedy_tokens(reference, batch, TOKENS)
-    assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
-    assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
-    assert paged.engine.runner.cascade_steps > 0
-    paged.engine.kv.block_manager.check_invariants()
+    for prefill in ("torch", "sage"):
+        paged = gpu_llm(tiny, "paged", "bf16", prefill_attention=prefill)
+        assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
+        assert_within_bf16_drift(greedy_tokens(paged, batch, TOKENS), want)
+        assert (paged.engine.runner.cascade_steps > 0) == (prefill == "torch")
+        paged.engine.kv.block_manager.check_invariants()
 
 
 @needs_gpu

@@ -45,10 +45,12 @@ class ModelConfig(Strict):
         "triton), torch (gathered copies and PyTorch ops, the reference path), auto (paged where it can run, else "
         "torch).")
     prefill_attention: Literal["auto", "sage", "torch"] = Field(
-        "auto", description="Prefill chunks and prompt prefixes shared by a step's sequences, in a bf16 or fp32 "
-        "model on CPU: sage (a flash kernel: bf16 on AVX512-BF16 dot products, fp32 on AVX-512 FMAs; 1-2.5x "
-        "PyTorch's; built with the paged kernel; head_dim 32, 64, 96 or 128), torch (PyTorch's flash kernel, the "
-        "reference path), auto (sage where it can run, else torch).")
+        "auto", description="Prefill chunks (and, on CPU, prompt prefixes shared by a step's sequences): sage (on "
+        "CPU a flash kernel for bf16 or fp32 models: bf16 on AVX512-BF16 dot products, fp32 on AVX-512 FMAs; 1-2.5x "
+        "PyTorch's; built with the paged kernel; head_dim 32, 64, 96 or 128. On an NVIDIA GPU a Triton kernel that "
+        "attends every prefill span of a step in one launch per layer, reading K/V in place from a float pool; "
+        "model.cascade_attention is then off, each row reading its shared prefix in place), torch (PyTorch's flash "
+        "kernel per span, the reference path), auto (sage where it can run, else torch).")
     elementwise: Literal["auto", "fused", "torch"] = Field(
         "auto", description="A decoder layer's elementwise glue: fused (the residual add with the RMSNorm after it, "
         "Qwen3's q/k norm with rotary, silu(gate)*up: one C++ pass each, built with the paged kernel; CPU), torch "

@@ -109,10 +109,13 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
-    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention,
+    prefill_kernel = use_flash_attention(config.model.prefill_attention, model, arch.head_dim, device, pool)
+    on_gpu = prefill_kernel and device.type == "cuda"
+    if on_gpu and config.model.cascade_attention:
+        auto_log.info("model.cascade_attention = off (the Triton kernels read each row's shared prefix in place)")
+    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention and not on_gpu,
                          decode_in_place=use_paged_attention(config.model.attention, pool, device),
-                         flash_attention=use_flash_attention(config.model.prefill_attention, model, arch.head_dim,
-                                                             device))
+                         flash_attention=prefill_kernel and not on_gpu, prefill_in_place=on_gpu)
     if use_decode_step(config.model.decode_step, model, pool, device, runner.decode_in_place):
         model.prepare_decode_step(pool)
     if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
@@ -189,14 +192,21 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) ->
                       reference="off")
 
 
-def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device) -> bool:
-    """`model.prefill_attention`: whether prefill chunks and shared prefixes run sage's flash kernel (bf16 or
-    fp32 models)."""
+def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device,
+                        pool: KVPool) -> bool:
+    """`model.prefill_attention`: whether prefill chunks run sage's kernel: on a CPU the flash kernel (bf16 or
+    fp32 models; shared prefixes too), on an NVIDIA GPU the Triton prefill kernel over the pool's blocks."""
     if choice == "torch":
         return False
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    if device.type == "cuda":
+        why = triton_unavailable(device)
+        if why is None and not pool.supports_block_views:
+            why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
+        return _fast_path("model.prefill_attention", choice, why,
+                          "sage (Triton kernel: every prefill span in one launch per layer, K/V read in place)")
     if device.type != "cpu":
-        why = f"the kernel is CPU-only (device is {device.type})"
+        why = f"the kernels run on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
     elif dtype not in (torch.bfloat16, torch.float32):
         why = f"the kernel is bf16 or fp32 only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
     else:

@@ -9,7 +9,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, SharedPrefix
+from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PagedPrefill, PrefillSpan, SharedPrefix
 
 DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded per group of this size
 # with the paged kernel, a prefill chunk of at most this many tokens after cached context (a turn of a
@@ -31,11 +31,15 @@ class ModelRunner:
 
     `flash_attention`: prefill chunks and shared prefixes (a bf16 model) are attended by sage's flash
     kernel (`sage_infer.layers.paged_kernel.flash_attention`; the caller checked it can run); off,
-    PyTorch's (the reference)."""
+    PyTorch's (the reference).
+
+    `prefill_in_place` (an NVIDIA GPU): the step's prefill spans are attended by the Triton prefill kernel in
+    one launch per layer, reading their context in place (`AttentionMetadata.paged_prefill`; the caller
+    checked it can run and the pool `supports_block_views`); off, span by span over gathered copies."""
 
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
-        decode_in_place: bool = False, flash_attention: bool = False,
+        decode_in_place: bool = False, flash_attention: bool = False, prefill_in_place: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -48,6 +52,8 @@ class ModelRunner:
         assert not decode_in_place or pool.supports_block_views, "the paged kernel reads float blocks only"
         self.decode_in_place = decode_in_place
         self.flash_attention = flash_attention
+        assert not prefill_in_place or pool.supports_block_views, "the prefill kernel reads float blocks only"
+        self.prefill_in_place = prefill_in_place
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
         self.decode_group_rows = 1 << 30 if decode_in_place else DECODE_GROUP_ROWS
         self.graphs: DecodeGraphs | None = None  # `model.cuda_graphs`: pure decode steps replay a CUDA graph
@@ -63,8 +69,9 @@ class ModelRunner:
         indices into `seqs` of the sequences those rows belong to).
 
         A sequence with one new token after others is a decode row (batched attention); with the
-        paged kernel, so is each token of a chunk of at most `IN_PLACE_CHUNK_ROWS` after cached
-        context, its context ending at its own token (causal). Any other chunk is a prefill span.
+        paged kernel (and no prefill kernel), so is each token of a chunk of at most `IN_PLACE_CHUNK_ROWS`
+        after cached context, its context ending at its own token (causal). Any other chunk is a prefill
+        span.
         Sequences that share leading blocks of their cached context go to
         `AttentionMetadata.shared` instead, with their suffixes. Built as Python lists, moved to
         the device once.
@@ -81,6 +88,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         prefills: list[PrefillSpan] = []
         prefill_slots: list[int] = []
+        prefill_tables: list[list[int]] = []  # prefill_in_place: each span's context blocks, for the kernel
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -92,7 +100,8 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            in_place = n == 1 or (self.decode_in_place and start > 0 and n <= IN_PLACE_CHUNK_ROWS)
+            in_place = n == 1 or (self.decode_in_place and not self.prefill_in_place and start > 0
+                                  and n <= IN_PLACE_CHUNK_ROWS)
             if i in participants:  # the context after the shared blocks is this sequence's suffix
                 if in_place:  # row j of the chunk sees the suffix up to its own token
                     suffix = seq.block_table[num_shared:]
@@ -110,7 +119,9 @@ class ModelRunner:
                 decode_lens.extend(range(start + 1, end + 1))
             else:
                 prefills.append(PrefillSpan(row, n, end, len(prefill_slots)))
-                if start > 0:  # only spans with earlier context read keys back from the cache
+                if self.prefill_in_place:
+                    prefill_tables.append(seq.block_table[: -(-end // self.block_size)])
+                elif start > 0:  # only spans with earlier context read keys back from the cache
                     prefill_slots.extend(self._slots(seq.block_table, 0, end))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
@@ -126,6 +137,7 @@ class ModelRunner:
             decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor, self.decode_group_rows),
             decode_in_place=self.decode_in_place,
             flash=self.flash_attention,
+            paged_prefill=self._paged_prefill(prefills, prefill_tables) if prefill_tables else None,
         )
         if participants:
             local = list(range(len(shared_rows), len(shared_rows) + len(shared_decode_rows)))
@@ -140,6 +152,18 @@ class ModelRunner:
             )
             self.cascade_steps += 1
         return tensor(input_ids), tensor(positions), meta, sample_rows, sampled
+
+    def _paged_prefill(self, prefills: list[PrefillSpan], tables: list[list[int]]) -> PagedPrefill:
+        from sage_infer.layers.triton_paged import prefill_tiles  # imports triton: only where the kernel runs
+
+        spans = [(span.q_start, span.q_len, span.context_len) for span in prefills]
+        width = max(map(len, tables))
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return PagedPrefill(block_tables=tensor([t + [0] * (width - len(t)) for t in tables], torch.long),
+                            spans=tensor(spans, torch.int32), tiles=tensor(prefill_tiles(spans), torch.int32))
 
     def _shared_prefix(self, seqs: list[Sequence]) -> tuple[frozenset[int], int]:
         """Indices of the sequences that attend a shared prefix together, and its length in blocks.

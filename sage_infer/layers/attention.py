@@ -71,6 +71,17 @@ class SharedPrefix:
 
 
 @dataclass(slots=True)
+class PagedPrefill:
+    """A step's prefill spans (`AttentionMetadata.prefills`, in order) for the Triton prefill kernel, which
+    attends all of them in one launch per layer, reading their context in place from the pool's blocks
+    (`triton_paged.prefill_attention`; `model.prefill_attention` on an NVIDIA GPU)."""
+
+    block_tables: torch.Tensor  # [S, W] long: span s's context blocks, padded with 0
+    spans: torch.Tensor  # [S, 3] int32: first row in the flat batch, queries, context tokens
+    tiles: torch.Tensor  # [N, 2] int32: (span, first query) of each program (`triton_paged.prefill_tiles`)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step metadata, built once on the host and moved to the device once.
 
@@ -88,6 +99,9 @@ class AttentionMetadata:
     # prefill chunks and a shared prefix (bf16) are attended by sage's flash kernel (`paged_kernel.
     # flash_attention`); False: PyTorch's CPU flash kernel (the oracle)
     flash: bool = False
+    # on a GPU: every prefill span attended by the Triton prefill kernel in place (None: span by span over
+    # gathered context, `prefill_slots`)
+    paged_prefill: PagedPrefill | None = None
 
     def pure_decode_group(self) -> DecodeGroup | None:
         """The one group of a pure decode step read in place (every row one new token, in batch order, no
@@ -347,7 +361,13 @@ def paged_attention(
         return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens,
                                       scale)[0].to(q.dtype)
     out = torch.empty_like(q)
-    for span in meta.prefills:
+    if meta.paged_prefill is not None:
+        from sage_infer.layers.triton_paged import prefill_attention as prefill_attention_paged
+
+        batch = meta.paged_prefill
+        prefill_attention_paged(q, *pool.block_views(layer), out, batch.block_tables, batch.spans, batch.tiles,
+                                scale)
+    for span in meta.prefills if meta.paged_prefill is None else ():
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
             k_ctx, v_ctx = k[rows], v[rows]

@@ -1,4 +1,4 @@
-"""Paged decode attention on CUDA in Triton: the GPU counterpart of csrc/paged_decode.cpp.
+"""Paged attention on CUDA in Triton: decode (the GPU counterpart of csrc/paged_decode.cpp) and prefill.
 
 Each decode row's keys and values are read in place from the pool's blocks (``KVPool.block_views``):
 no gathered, padded copy of the context per layer and step, which is what the pure-PyTorch path
@@ -12,6 +12,13 @@ program's G query heads share its KV head's keys (GQA, no repeat) and go through
 (whose pool blocks are looked up per token, so any power-of-two block size works) and writes its
 partial output with its log-sum-exp; a second kernel merges the splits. The split count is chosen
 from the block tables' width, never from the lengths themselves, so a step needs no device sync.
+
+`prefill_attention`: every prefill span of a step (a sequence's chunk of new tokens, its earlier context
+already in the pool) in one launch per layer, reading keys and values in place from the pool's blocks, the
+step's own included (stored before the call): one program per (tile of `PREFILL_ROWS` queries of a span,
+query head), an online softmax over `TILE`-token tiles up to the tile's last query, the causal mask
+aligned to the lower-right corner (query i of a span of q tokens over c sees keys j <= c - q + i). The
+reference path gathers each span's context (`KVPool.gather_slots`) and attends span by span.
 
 Numerics: scores are the model dtype's products accumulated in fp32, then scaled; the probabilities are
 rounded to the value dtype before P·V, as flash attention does. Where the queries or the pool are fp32
@@ -36,7 +43,8 @@ except ImportError:  # optional: PyTorch's CUDA wheels bring it (`pip install tr
     triton = None
     tl = None
 
-TILE = 64  # tokens per tile of a split
+TILE = 64  # tokens per tile of a split (decode) or of a prefill program's key loop
+PREFILL_ROWS = 64  # queries per prefill program
 MAX_SPLITS = 64  # merge kernel's padded width; splits are never more than this
 
 
@@ -130,11 +138,79 @@ def _merge_splits(
     tl.store(lse_ptr + flat, top + tl.log(total))
 
 
+def _prefill_attention(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, spans_ptr, tiles_ptr, scale,
+    stride_qt, stride_qh, stride_kblk, stride_ktok, stride_kh, stride_tb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr, TILE_TOKENS: tl.constexpr, FP32_DOT: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """One (tile of ROWS queries of a span, query head): causal attention over the span's context in the pool.
+    spans: [S, 3] (first row in the flat batch, queries, context tokens); tiles: [N, 2] (span, first query)."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    span = tl.load(tiles_ptr + tile * 2)
+    first_query = tl.load(tiles_ptr + tile * 2 + 1)
+    q_start = tl.load(spans_ptr + span * 3)
+    q_len = tl.load(spans_ptr + span * 3 + 1)
+    context_len = tl.load(spans_ptr + span * 3 + 2)
+    kv_head = head // GROUP
+
+    m = first_query + tl.arange(0, ROWS)
+    row_ok = m < q_len
+    d = tl.arange(0, HEAD_PAD)
+    dim_ok = d < HEAD_DIM
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    query_pos = context_len - q_len + m  # a padding row (m >= q_len) sees every key up to `end`: finite, unused
+    end = tl.minimum(context_len, context_len - q_len + first_query + ROWS)  # keys the tile's last query sees
+
+    m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+    offsets = tl.arange(0, TILE_TOKENS)
+    for start in range(0, end, TILE_TOKENS):
+        pos = start + offsets
+        valid = pos < end
+        block = tl.load(tables_ptr + span * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+        base = block.to(tl.int64) * stride_kblk + (pos % BLOCK_SIZE) * stride_ktok + kv_head * stride_kh
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif WIDEN:  # the interpreter's bf16 dot is wrong: the same exact products, summed in fp32
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        visible = valid[None, :] & (pos[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: key 0 is in the first tile, and every query sees it
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif WIDEN:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
 @cache
 def _kernels():
-    """The two kernels, compiled for the GPU; under ``TRITON_INTERPRET=1`` (set before triton is imported)
+    """The three kernels, compiled for the GPU; under ``TRITON_INTERPRET=1`` (set before triton is imported)
     `triton.jit` wraps them for the interpreter instead."""
-    return triton.jit(_partial_attention), triton.jit(_merge_splits)
+    return triton.jit(_partial_attention), triton.jit(_merge_splits), triton.jit(_prefill_attention)
 
 
 def interpreting() -> bool:
@@ -154,6 +230,13 @@ def triton_unavailable(device: torch.device) -> str | None:
     if major < 8:
         return f"the Triton kernel needs compute capability 8.0 or newer (bf16 dot products); the GPU has {major}.x"
     return None
+
+
+def _check_runnable(q: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("the Triton kernel is unavailable: triton is not installed")
+    if q.device.type == "cpu" and not interpreting():
+        raise RuntimeError("the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1")
 
 
 @cache
@@ -186,11 +269,8 @@ def decode_attention(
     (padding entries are never read); context_lens: [B], each >= 1 and <= W * block_size -> out [B, H, D]
     and lse [B, H], float32. `splits`: how many parts each row's context is cut into (default: `num_splits`'s
     choice). CPU tensors only under the interpreter (`interpreting`)."""
-    if triton is None:
-        raise RuntimeError("the Triton kernel is unavailable: triton is not installed")
-    if q.device.type == "cpu" and not interpreting():
-        raise RuntimeError("the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1")
-    partial, merge = _kernels()
+    _check_runnable(q)
+    partial, merge, _ = _kernels()
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_blocks.shape
     assert k_blocks.is_contiguous() and v_blocks.stride() == k_blocks.stride(), "pool blocks in one layout"
@@ -219,3 +299,46 @@ def decode_attention(
                               HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return merged, merged_lse
 
+
+
+def prefill_tiles(spans: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The prefill kernel's programs along its first axis: (span index, first query) for every tile of
+    `PREFILL_ROWS` queries of each span (first row, queries, context tokens), longest spans' tiles first so
+    the costliest programs start early."""
+    order = sorted(range(len(spans)), key=lambda i: -spans[i][2])
+    return [(i, m) for i in order for m in range((spans[i][1] - 1) // PREFILL_ROWS * PREFILL_ROWS, -1, -PREFILL_ROWS)]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: torch.Tensor,
+    tiles: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal attention of every prefill span, written into `out`'s span rows. q, out: [T, H, D] (the model
+    dtype; rows outside the spans are left as they are); k_blocks, v_blocks: [num_blocks, block_size, KvH, D]
+    contiguous (`KVPool.block_views`), the spans' own keys already stored; block_tables: [S, W] (span s's
+    context in its row, padding never read); spans: [S, 3] int (first row in q, queries, context tokens;
+    queries <= context tokens); tiles: [N, 2] int (`prefill_tiles`). CPU tensors only under the interpreter."""
+    _check_runnable(q)
+    _, _, prefill = _kernels()
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_blocks.shape
+    assert k_blocks.is_contiguous() and v_blocks.stride() == k_blocks.stride(), "pool blocks in one layout"
+    assert out.shape == q.shape and out.stride(-1) == 1, "out: [T, H, D], last dimension contiguous"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if tiles.shape[0] == 0:
+        return
+    prefill[(tiles.shape[0], num_heads)](
+        q, k_blocks, v_blocks, out, block_tables, spans.contiguous(), tiles.contiguous(), scale,
+        q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, ROWS=PREFILL_ROWS, TILE_TOKENS=TILE,
+        FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype), WIDEN=interpreting(),
+    )
