@@ -109,13 +109,14 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
+    decode_in_place = use_paged_attention(config.model.attention, pool, device)
     prefill_kernel = use_flash_attention(config.model.prefill_attention, model, arch.head_dim, device, pool)
     on_gpu = prefill_kernel and device.type == "cuda"
     if on_gpu and config.model.cascade_attention:
         auto_log.info("model.cascade_attention = off (the Triton kernels read each row's shared prefix in place)")
     runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention and not on_gpu,
-                         decode_in_place=use_paged_attention(config.model.attention, pool, device),
-                         flash_attention=prefill_kernel and not on_gpu, prefill_in_place=on_gpu)
+                         decode_in_place=decode_in_place, flash_attention=prefill_kernel and not on_gpu,
+                         prefill_in_place=on_gpu)
     if use_decode_step(config.model.decode_step, model, pool, device, runner.decode_in_place):
         model.prepare_decode_step(pool)
     if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
