@@ -199,13 +199,13 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
     fp32 models; shared prefixes too), on an NVIDIA GPU the Triton prefill kernel over the pool's blocks."""
     if choice == "torch":
         return False
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     if device.type == "cuda":
         why = triton_unavailable(device)
         if why is None and not pool.supports_block_views:
             why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
         return _fast_path("model.prefill_attention", choice, why,
                           "sage (Triton kernel: every prefill span in one launch per layer, K/V read in place)")
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     if device.type != "cpu":
         why = f"the kernels run on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
     elif dtype not in (torch.bfloat16, torch.float32):

@@ -367,17 +367,18 @@ def paged_attention(
         batch = meta.paged_prefill
         prefill_attention_paged(q, *pool.block_views(layer), out, batch.block_tables, batch.spans, batch.tiles,
                                 scale)
-    for span in meta.prefills if meta.paged_prefill is None else ():
-        rows = slice(span.q_start, span.q_start + span.q_len)
-        if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
-            k_ctx, v_ctx = k[rows], v[rows]
-        else:
-            slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
-            k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-        if meta.flash:
-            out[rows] = flash_attention(q[rows], k_ctx, v_ctx, scale, causal=True)[0].to(q.dtype)
-        else:
-            out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
+    else:
+        for span in meta.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
+                k_ctx, v_ctx = k[rows], v[rows]
+            else:
+                slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
+                k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
+            if meta.flash:
+                out[rows] = flash_attention(q[rows], k_ctx, v_ctx, scale, causal=True)[0].to(q.dtype)
+            else:
+                out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
     for group in meta.decode_groups:
         if meta.decode_in_place:
             k_blocks, v_blocks = pool.block_views(layer)
