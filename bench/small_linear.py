@@ -14,6 +14,12 @@ share of the streaming-read bandwidth measured in the same run (`read_bandwidth_
 
 `--huge-pages`: two copies of the weights on sage's kernel, one collapsed into 2 MiB pages (what
 `model.huge_pages` does at start-up), timed alternately per row count.
+
+`--read-peer`: how close the 1-row kernel comes to reading the same bytes with no arithmetic. The
+weights on 2 MiB pages, then per round, in rotating order: a torch sum over 512 MiB of fp32 (the
+bench's streaming-read probe, one sum), a plain read of every packed weight in the kernel's own thread
+split (bench/csrc/stream_read.cpp) and the kernel's pass. This VM's bandwidth moves between ~32 and
+~60 GB/s within minutes, so compare within a round: the table gives medians of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -89,6 +95,63 @@ def huge_pages_ab(linears: list[nn.Linear], rows_list: list[int], repeats: int, 
     return results
 
 
+def _stream_read_module():
+    from torch.utils.cpp_extension import load
+
+    from sage_infer.layers.paged_kernel import FLAGS
+
+    return load(name="sage_bench_stream_read", sources=[str(REPO / "bench" / "csrc" / "stream_read.cpp")],
+                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+
+
+def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
+    import statistics
+
+    from sage_infer.hal.huge_pages import collapse_to_huge_pages, zeros_on_huge_pages
+
+    peer = _stream_read_module()
+    sage = [PackedLinear(lin, small_rows=1) for lin in linears]
+    assert all(layer.small_rows for layer in sage), "oneDNN's packed layout is not the kernel's on this CPU"
+    done, why = collapse_to_huge_pages((layer._address, layer._nbytes) for layer in sage)
+    print(f"{len(sage)} linears, {nbytes / 1e6:.0f} MB bf16 weights, {done / 1e6:.0f} MB on 2 MiB pages"
+          + (f" ({why})" if why else ""))
+    buffers = [(layer._address, layer._nbytes, layer._nbytes // -(-layer.out_features // 64)) for layer in sage]
+    inputs = [torch.randn(1, layer.in_features, dtype=torch.bfloat16) for layer in sage]
+    probe = zeros_on_huge_pages(((512 << 20) // 4,), torch.float32)[0].fill_(1.0)
+
+    def timed(fn, size: int) -> float:
+        start = time.perf_counter()
+        fn()
+        return size / (time.perf_counter() - start) / 1e9
+
+    def plain() -> None:
+        for address, size, block in buffers:
+            peer.stream_read(address, size, block)
+
+    def kernel() -> None:
+        for layer, x in zip(sage, inputs):
+            layer(x)
+
+    runs = {"torch sum (512 MiB)": (probe.sum, 512 << 20), "plain read": (plain, nbytes),
+            "small_linear": (kernel, nbytes)}
+    with torch.inference_mode():
+        for fn, _ in runs.values():
+            fn()
+        names = list(runs)
+        rates = {name: [] for name in names}
+        print(f"{'round':>5} " + " ".join(f"{name:>20}" for name in names) + "   GB/s")
+        for r in range(rounds):
+            for name in names[r % 3:] + names[:r % 3]:
+                rates[name].append(timed(*runs[name]))
+            print(f"{r:>5} " + " ".join(f"{rates[name][-1]:>20.1f}" for name in names))
+    ratio = {f"{a} / {b}": statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+             for a, b in (("small_linear", "plain read"), ("small_linear", "torch sum (512 MiB)"),
+                          ("plain read", "torch sum (512 MiB)"))}
+    for key, value in ratio.items():
+        print(f"{key}: {value:.1%} (median of per-round ratios)")
+    return {"rates_gb_s": rates, "median_ratios": ratio}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -97,12 +160,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--huge-pages", action="store_true", help="4 KiB against 2 MiB pages, sage's kernel only")
+    parser.add_argument("--read-peer", type=int, default=0, metavar="ROUNDS",
+                        help="the 1-row kernel against a plain read of the same weights and a torch sum, ROUNDS rounds")
     args = parser.parse_args()
     why = small_linear_unavailable()
     if why is not None:
         sys.exit(f"sage's small-row kernel cannot run here: {why}")
     torch.set_num_threads(args.threads)
     linears, nbytes = build(args.layers)
+    if args.read_peer:
+        result = read_peer(linears, args.read_peer, nbytes)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": args.threads, "weight_bytes": nbytes, **result}, indent=1))
+        return
     bandwidth = read_bandwidth_gb_s(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.huge_pages:
