@@ -45,24 +45,6 @@ def test_the_kernel_matches_onednn_on_the_same_packed_weights(fan_in, fan_out, b
         assert ((got.float() - want.float()).abs() <= 2 * ulp + 1e-4 * fan_in ** 0.5).all()
 
 
-@pytest.mark.parametrize("fan_out", [64, 128, 192, 320, 1152])  # 1, 2, 3, 5 and 18 blocks of 64 outputs
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_one_row_walks_two_blocks_at_a_time_with_the_same_sums_as_a_row_among_others(fan_out, threads):
-    """A single row reads two blocks of the thread's run side by side (two streams of weights in flight);
-    per block it sums in the same order as rows of a bigger call, so it is the same product to the bit,
-    whatever the blocks per thread (even, odd, one)."""
-    _, _, sage = layers(96, fan_out, True)
-    x = torch.randn(3, 96, dtype=torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = torch.cat([sage(x[i:i + 1]) for i in range(3)])
-        together = sage(x)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(alone, together)
-
-
 def test_rows_past_the_limit_and_fp32_weights_stay_on_onednn(monkeypatch):
     calls = []
     real = linear_mod.small_linear

@@ -60,32 +60,6 @@ void block_pass(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs,
     for (int64_t i = 0; i < valid; ++i) o[i] = narrow<c10::BFloat16>(bias ? row[i] + bias[i] : row[i]);
   }
 }
-
-// one row times two blocks walked side by side: per block the same sums in the same order as
-// block_pass<1>, so the same bits, but two streams of weights in flight on the thread instead of one.
-// At batch 1 that reads ~4 % more of the memory bandwidth here (bench/small_linear.py, docs/benchmarks.md,
-// session 14); with more rows a block is in cache after the first group anyway.
-void block_pair_pass(const uint16_t* w0, const uint16_t* w1, const uint32_t* x, int64_t pairs, const float* b0,
-                     const float* b1, int64_t valid0, int64_t valid1, c10::BFloat16* o0, c10::BFloat16* o1) {
-  __m512 acc[2][4];
-  for (int s = 0; s < 2; ++s)
-    for (int j = 0; j < 4; ++j) acc[s][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[p]));
-    const uint16_t* line0 = w0 + p * kRows * 2;
-    const uint16_t* line1 = w1 + p * kRows * 2;
-    for (int j = 0; j < 4; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], (__m512bh)_mm512_loadu_si512(line0 + 32 * j), xb);
-    for (int j = 0; j < 4; ++j) acc[1][j] = _mm512_dpbf16_ps(acc[1][j], (__m512bh)_mm512_loadu_si512(line1 + 32 * j), xb);
-  }
-  const float* bias[2] = {b0, b1};
-  const int64_t valid[2] = {valid0, valid1};
-  c10::BFloat16* out[2] = {o0, o1};
-  for (int s = 0; s < 2; ++s) {
-    alignas(64) float row[kRows];
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(row + 16 * j, acc[s][j]);
-    for (int64_t i = 0; i < valid[s]; ++i) out[s][i] = narrow<c10::BFloat16>(bias[s] ? row[i] + bias[s][i] : row[i]);
-  }
-}
 #endif
 
 }  // namespace
@@ -145,19 +119,7 @@ torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int
   for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * pairs, xs + r * xstride, k * sizeof(uint16_t));
   const uint16_t* w = reinterpret_cast<const uint16_t*>(address);
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  auto block = [&](int64_t blk) { return w + blk * pairs * kRows * 2; };
-  auto valid = [&](int64_t blk) { return std::min(kRows, n - blk * kRows); };
-  auto bias_of = [&](int64_t blk) { return b ? b + blk * kRows : nullptr; };
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (m == 1) {  // the thread's run as two halves, a block of each at a time (block_pair_pass)
-      const int64_t half = (b1 - b0) / 2;
-      for (int64_t i = b0; i < b0 + half; ++i)
-        block_pair_pass(block(i), block(i + half), xp.data(), pairs, bias_of(i), bias_of(i + half), valid(i),
-                        valid(i + half), o + i * kRows, o + (i + half) * kRows);
-      if ((b1 - b0) % 2)
-        block_pass<1>(block(b1 - 1), xp.data(), pairs, pairs, bias_of(b1 - 1), valid(b1 - 1), o + (b1 - 1) * kRows, n);
-      return;
-    }
     for (int64_t blk = b0; blk < b1; ++blk) {
       const uint16_t* wb = w + blk * pairs * kRows * 2;
       const int64_t valid = std::min(kRows, n - blk * kRows);
