@@ -18,8 +18,10 @@ share of the streaming-read bandwidth measured in the same run (`read_bandwidth_
 `--read-peer`: how close the 1-row kernel comes to reading the same bytes with no arithmetic. The
 weights on 2 MiB pages, then per round, in rotating order: a torch sum over 512 MiB of fp32 (the
 bench's streaming-read probe, one sum), a plain read of every packed weight in the kernel's own thread
-split (bench/csrc/stream_read.cpp) and the kernel's pass. This VM's bandwidth moves between ~32 and
-~60 GB/s within minutes, so compare within a round: the table gives medians of the per-round ratios.
+split (bench/csrc/stream_read.cpp) and the kernel's pass, each product called straight from the extension
+as the C++ decode step calls it (through `PackedLinear`, a Python call per product costs ~5-10 % here).
+This VM's bandwidth moves between ~32 and ~60 GB/s within minutes, so compare within a round: the table
+gives medians of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.engine_vs_vllm import read_bandwidth_gb_s  # noqa: E402
+from sage_infer.layers import paged_kernel  # noqa: E402
 from sage_infer.layers.linear import PackedLinear  # noqa: E402
 from sage_infer.layers.paged_kernel import small_linear_unavailable  # noqa: E402
 
@@ -128,9 +131,12 @@ def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
         for address, size, block in buffers:
             peer.stream_read(address, size, block)
 
-    def kernel() -> None:
-        for layer, x in zip(sage, inputs):
-            layer(x)
+    kernels = paged_kernel._build()[0]
+    products = [(x, layer._address, layer._nbytes, layer.out_features, layer._bias32) for layer, x in zip(sage, inputs)]
+
+    def kernel() -> None:  # straight into the kernel, as the C++ decode step calls it (no Python per product)
+        for args in products:
+            kernels.small_linear(*args)
 
     runs = {"torch sum (512 MiB)": (probe.sum, 512 << 20), "plain read": (plain, nbytes),
             "small_linear": (kernel, nbytes)}
