@@ -138,7 +138,7 @@ def main() -> None:
     print(f"  GEMM rate {prefill_rate:.0f} GFLOP/s at {PREFILL_ROWS} rows, {decode_rate:.0f} at {len(prompts)} "
           f"({args.threads} threads)")
     print(f"  at least {seconds:.2f} s: at most {report['max_output_tok_s']:,.1f} output tok/s")
-    if len(prompts) < 16:
+    if len(prompts) < 8:
         print(f"  {args.workload} decodes {len(prompts)} sequence(s) at a time: bound by weight reads, not arithmetic, "
               "so this is no bound for it")
     if args.peer_tok_s:
