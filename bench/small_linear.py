@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.engine_vs_vllm import read_bandwidth_gb_s  # noqa: E402
+from bench.engine_vs_vllm import _timed, read_bandwidth_gb_s  # noqa: E402
 from sage_infer.layers import paged_kernel  # noqa: E402
 from sage_infer.layers.linear import PackedLinear  # noqa: E402
 from sage_infer.layers.paged_kernel import small_linear_unavailable  # noqa: E402
@@ -101,10 +101,8 @@ def huge_pages_ab(linears: list[nn.Linear], rows_list: list[int], repeats: int, 
 def _stream_read_module():
     from torch.utils.cpp_extension import load
 
-    from sage_infer.layers.paged_kernel import FLAGS
-
     return load(name="sage_bench_stream_read", sources=[str(REPO / "bench" / "csrc" / "stream_read.cpp")],
-                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+                extra_cflags=paged_kernel.FLAGS, extra_ldflags=["-fopenmp"])
 
 
 def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
@@ -123,20 +121,17 @@ def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
     probe = zeros_on_huge_pages(((512 << 20) // 4,), torch.float32)[0].fill_(1.0)
 
     def timed(fn, size: int) -> float:
-        start = time.perf_counter()
-        fn()
-        return size / (time.perf_counter() - start) / 1e9
+        return size / _timed(fn) / 1e9
 
     def plain() -> None:
         for address, size, block in buffers:
             peer.stream_read(address, size, block)
 
-    kernels = paged_kernel._build()[0]
     products = [(x, layer._address, layer._nbytes, layer.out_features, layer._bias32) for layer, x in zip(sage, inputs)]
 
     def kernel() -> None:  # straight into the kernel, as the C++ decode step calls it (no Python per product)
         for args in products:
-            kernels.small_linear(*args)
+            paged_kernel.small_linear(*args)
 
     runs = {"torch sum (512 MiB)": (probe.sum, 512 << 20), "plain read": (plain, nbytes),
             "small_linear": (kernel, nbytes)}
