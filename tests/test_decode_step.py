@@ -8,11 +8,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
-from sage_infer.layers.linear import SMALL_LINEAR_ROWS
+from sage_infer.layers.linear import SMALL_LINEAR_ROWS, packing_unavailable
 from sage_infer.layers.paged_kernel import kernel_unavailable, small_linear_unavailable
 from tests.tiny_models import greedy_tokens, make_tiny_model
 
@@ -127,4 +128,10 @@ def test_where_it_cannot_run_sage_is_a_config_error_and_auto_runs_python(tmp_pat
         engine(path, "sage", attention="torch")
     assert engine(path, "auto", dtype="fp32", kv_dtype="bf16").engine.runner.model.decode_step is None
     assert engine(path, "python").engine.runner.model.decode_step is None
-    assert engine(path, "auto").engine.runner.model.decode_step is not None
+    assert engine(path, "auto", dtype="fp32").engine.runner.model.decode_step is not None  # at every ISA level
+    # bf16: where oneDNN packs bf16 weights (AVX512-BW/VL/DQ or AVX-NE-CONVERT); elsewhere the layers compute in fp32
+    bf16_step = engine(path, "auto").engine.runner.model.decode_step
+    assert (bf16_step is not None) == (packing_unavailable(torch.bfloat16) is None)
+    if bf16_step is None:
+        with pytest.raises(ConfigError, match="^model.decode_step: sage: oneDNN cannot pack bf16 weights"):
+            engine(path, "sage")

@@ -17,8 +17,10 @@ from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
-pytestmark = pytest.mark.skipif(kernels.kernel_unavailable() is not None,
-                                reason=f"CPU kernels: {kernels.kernel_unavailable()}")
+# at every ISA level this CPU runs (conftest.cpu_isa)
+pytestmark = [pytest.mark.skipif(kernels.kernel_unavailable() is not None,
+                                reason=f"CPU kernels: {kernels.kernel_unavailable()}"),
+              pytest.mark.usefixtures("cpu_isa")]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

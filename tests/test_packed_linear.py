@@ -14,6 +14,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.build import use_packed_linears
 from sage_infer.errors import ConfigError
+from sage_infer.layers import linear as linear_module
 from sage_infer.layers.linear import PackedLinear, pack_linears, packing_available, tied_linear_bytes
 from tests.tiny_models import make_tiny_model
 
@@ -87,3 +88,22 @@ def test_auto_packs_on_a_cpu_and_packed_elsewhere_is_a_config_error(tiny):
         use_packed_linears(model, "packed", torch.device("cuda"))
     use_packed_linears(model, "auto", torch.device("cuda"))  # auto elsewhere: left as it is
     assert isinstance(model[0], nn.Linear)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monkeypatch):
+    """What a CPU without bf16 packing (AVX2) runs, forced on any CPU: fp32 products of an fp32 copy, rounded
+    to bf16; one row on torch's bf16 product of the kept weight."""
+    monkeypatch.setattr(linear_module, "packing_unavailable", lambda dtype: "no bf16 packing (forced by the test)")
+    torch.manual_seed(rows)
+    ref = nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(ref)
+    assert packed.weight_1row is not None and packed.bias.dtype == torch.float32
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 160)
+    if rows == 1:
+        assert torch.equal(got, ref(x))  # the same product on the same bf16 weight
+    else:  # fp32 math on the same values: within one bf16 rounding of the fp32 result
+        want = torch.nn.functional.linear(x.float(), ref.weight.float(), ref.bias.float())
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)

@@ -23,7 +23,10 @@ from sage_infer.layers.paged_kernel import decode_attention_paged, kernel_unavai
 from tests.kv_fill import LAYER, LAYERS, filled_pool
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
-pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
+# at every ISA level this CPU runs (conftest.cpu_isa)
+pytestmark = [pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}"),
+              pytest.mark.usefixtures("cpu_isa")]
+
 
 def padded(tables):
     width = max(map(len, tables))

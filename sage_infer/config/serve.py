@@ -41,7 +41,7 @@ class ModelConfig(Strict):
         "(sage where it can run, else onednn). No effect unless model.linear packs the layers.")
     attention: Literal["auto", "paged", "torch"] = Field(
         "auto", description="Decode attention: paged (a kernel reads K/V in place from the pool's blocks, float KV: "
-        "on a CPU in C++, built on first use, needs a C++ compiler and ninja; on an NVIDIA GPU in Triton, needs "
+        "on a CPU in C++, compiled by the install; on an NVIDIA GPU in Triton, needs "
         "triton), torch (gathered copies and PyTorch ops, the reference path), auto (paged where it can run, else "
         "torch).")
     prefill_attention: Literal["auto", "sage", "torch"] = Field(

@@ -34,7 +34,13 @@ from sage_infer.layers.linear import (
     packing_available,
     tied_linear_bytes,
 )
-from sage_infer.layers.paged_kernel import flash_unavailable, kernel_unavailable, small_linear_unavailable
+from sage_infer.layers.paged_kernel import (
+    check_forced_level,
+    flash_unavailable,
+    kernel_level,
+    kernel_unavailable,
+    small_linear_unavailable,
+)
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
@@ -60,6 +66,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     chosen = resolve_device(config, device)
     auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
     device = auto.device
+    if device.type == "cpu":
+        use_cpu_kernels()
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     if config.model.huge_pages:
@@ -136,6 +144,18 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if config.role != "both":
         enable_role(engine, config)
     return engine
+
+
+def use_cpu_kernels() -> str | None:
+    """Load the C++ CPU kernels of the level this CPU (or ``SAGE_CPU_ISA``) allows, and log which; None (and
+    why, logged) when none can be used. ConfigError for a ``SAGE_CPU_ISA`` this CPU cannot run."""
+    check_forced_level()
+    level = kernel_level()
+    if level is None:
+        auto_log.info("cpu kernels: none (%s): every model.* fast path takes the PyTorch path", kernel_unavailable())
+    else:
+        auto_log.info("cpu kernels = %s", level)
+    return level
 
 
 def use_fused_elementwise(choice: str, device: torch.device) -> bool:

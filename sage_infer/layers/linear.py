@@ -12,9 +12,17 @@ reading rows of the original), e.g. +272 MB for Qwen2.5-0.5B's 151,936 x 896 bf1
 batch 1 and 2.7x at 8 rows on that head's product (it was unpacked before: docs/benchmarks.md, session
 10), as vLLM's CPU backend also packs the embedding's weight for the head. `model.linear: torch` keeps
 plain `nn.Linear`, the reference path the packed one is tested against.
+
+Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
+emulated), a bf16 layer packs an fp32 copy of its weight and computes in fp32 (its output rounded to bf16, as a
+bf16 product's is): 2-8x faster than torch's bf16 product at 8-512 rows on an AVX2 CPU. At one row torch's bf16
+GEMV, which reads half the bytes, is ~1.6x faster, so the layer keeps the bf16 weight for single-row products
+(bench/packed_linear.py measures both). That costs the bf16 weight's bytes again next to the fp32 copy.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 from torch import nn
@@ -34,6 +42,18 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@cache
+def packing_unavailable(dtype: torch.dtype) -> str | None:
+    """None when oneDNN packs `dtype` weights on this CPU, else its reason (it packs a small weight to see)."""
+    if not packing_available():
+        return "this torch has no oneDNN (mkldnn) linear"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=dtype), 1)
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0]
+    return None
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out].
 
@@ -47,10 +67,17 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        # bf16 that oneDNN cannot pack here: an fp32 copy, computed in fp32; 1-row products on the bf16 weight
+        self.dtype, self.weight_1row = weight.dtype, None
+        if weight.dtype == torch.bfloat16 and packing_unavailable(torch.bfloat16) is not None:
+            self.weight_1row = weight
+            weight = weight.float()
         # a buffer, not a parameter: the packed layout is opaque to anything that reads weights
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                              persistent=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+        self.bias_1row = bias
         self.small_rows = 0
         if small_rows > 0 and weight.dtype == torch.bfloat16:
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
@@ -62,6 +89,12 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if 0 < flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
             out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
+        elif self.weight_1row is not None:  # bf16 weights computed in fp32 (no bf16 packing on this CPU)
+            if flat.shape[0] == 1:
+                out = torch.nn.functional.linear(flat, self.weight_1row, self.bias_1row)
+            else:
+                out = torch.ops.mkldnn._linear_pointwise(flat.float(), self.packed, self.bias, "none", [],
+                                                         "").to(self.dtype)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)

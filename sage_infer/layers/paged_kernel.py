@@ -1,11 +1,14 @@
-"""The CPU kernels (csrc/): paged decode attention and the fused elementwise ops, built on first use.
+"""The CPU kernels (csrc/): paged decode attention, the fused elementwise ops, flash attention, the small-row
+bf16 product and the C++ decode step, as one module per ISA level (`sage_infer.layers.kernel_build`).
+
+The install compiles them for every x86-64 level (avx2, avx512, avx512_bf16); `_module()` loads the highest build
+this CPU can run, or the one ``SAGE_CPU_ISA`` forces (`sage_infer.hal.isa`). Each function below reports what its
+level cannot run (`small_linear_unavailable`, `flash_unavailable`), and `kernel_unavailable()` why no build can
+be used at all; the engine then takes the PyTorch path.
 
 `decode_attention_paged` reads each decode row's keys and values in place from the pool's
 blocks: no gathered, padded copy of the context per layer and step (what the pure-PyTorch path,
-`gather_blocks` + `decode_attention_batched`, does and stays the oracle of). The C++ source is
-compiled once per machine by `torch.utils.cpp_extension` (about 30 s; cached under
-``~/.cache/torch_extensions``), so it needs a C++ compiler and ninja; `kernel_unavailable()`
-says why it cannot be used, and the engine falls back to the PyTorch path then.
+`gather_blocks` + `decode_attention_batched`, does and stays the oracle of).
 
 The same module carries a decoder layer's elementwise glue as one pass each (csrc/fused_ops.cpp;
 `model.elementwise`): `rms_norm`, `add_rms_norm_` (the residual add, then the norm), `rope_` (Qwen3's
@@ -27,55 +30,55 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import zlib
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from sage_infer.errors import ConfigError
+from sage_infer.hal.isa import ENV, selected_level
+from sage_infer.layers import kernel_build
+
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp",
-                                                                          "small_linear.cpp", "flash_bf16.cpp",
-                                                                          "decode_step.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("widen.h", "vec_exp.h")]
-# torch rebuilds when the sources or flags change, not the headers: their checksum goes into a flag
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
-         f"-DSAGE_HEADERS_CRC={zlib.crc32(b''.join(p.read_bytes() for p in HEADERS))}"]
 
 
 @cache
-def _build() -> tuple[ModuleType | None, str | None]:
-    if shutil.which("ninja") is None and not _put_ninja_on_path():
-        return None, "ninja is not installed (torch.utils.cpp_extension builds with it)"
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return None, "no C++ compiler (c++ / g++) on PATH"
+def _load(forced: str) -> tuple[ModuleType | None, str | None, str]:
+    """(module, why it is unavailable, how it was chosen and found) for ``SAGE_CPU_ISA=forced`` ('' unset)."""
     try:
-        from torch.utils.cpp_extension import load
+        level, why_level = selected_level({ENV: forced} if forced else {})
+    except ConfigError as err:
+        return None, str(err), ""
+    if level is None:
+        return None, why_level, ""
+    module, how = kernel_build.load(level)
+    if module is None:
+        return None, how, ""
+    return module, None, f"{level} ({why_level}; {how})"
 
-        log.info("building the CPU kernels (%s; once per machine)", ", ".join(p.name for p in SOURCES))
-        module = load(name="sage_cpu_kernels", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # a compiler error, a missing header: the PyTorch path still works
-        return None, f"building the CPU kernels failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
-    return module, None
+
+def _current() -> tuple[ModuleType | None, str | None, str]:
+    return _load(os.environ.get(ENV, "").strip().lower())
 
 
-def _put_ninja_on_path() -> bool:
-    """The `ninja` package's binary on PATH (torch runs ``ninja`` by name; a venv's bin is not on PATH unless
-    activated). False when the package is not installed either."""
-    try:
-        import ninja
-    except ImportError:
-        return False
-    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    return shutil.which("ninja") is not None
+def kernel_level() -> str | None:
+    """The ISA level of the kernels in use, with how it was chosen and found (for the start-up lines); None
+    when none can be used (`kernel_unavailable` says why)."""
+    module, _, how = _current()
+    return how if module is not None else None
+
+
+def check_forced_level() -> None:
+    """ConfigError when ``SAGE_CPU_ISA`` names a level that is unknown or above this CPU's."""
+    forced = os.environ.get(ENV, "").strip()
+    if forced:
+        selected_level()
 
 
 def kernel_unavailable() -> str | None:
-    """None when the kernel is built and loadable, else why not (builds it on the first call)."""
-    return _build()[1]
+    """None when a build of the kernels is loadable here, else why not (compiles it on the first call when the
+    install did not)."""
+    return _current()[1]
 
 
 def decode_attention_paged(
@@ -101,7 +104,7 @@ def decode_attention_paged(
 
 
 def _module() -> ModuleType:
-    module, why = _build()
+    module, why, _ = _current()
     if module is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {why}")
     return module
@@ -133,7 +136,7 @@ def small_linear_unavailable() -> str | None:
     """None when `small_linear` can run here, else why not."""
     why = kernel_unavailable()
     if why is None and not _module().small_linear_compiled():
-        why = "this CPU (or compiler) has no AVX512-BF16"
+        why = f"it needs AVX512-BF16 (the kernels in use are the {_module().isa()} build)"
     return why
 
 
@@ -156,9 +159,9 @@ def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str
     if why is None and dtype not in (torch.bfloat16, torch.float32):
         why = f"the kernel is bf16 or fp32 only (not {dtype})"
     elif why is None and dtype == torch.bfloat16 and not _module().flash_bf16_compiled():
-        why = "this CPU (or compiler) has no AVX512-BF16"
+        why = f"the bf16 kernel needs AVX512-BF16 (the kernels in use are the {_module().isa()} build)"
     elif why is None and dtype == torch.float32 and not _module().flash_f32_compiled():
-        why = "this CPU (or compiler) has no AVX-512"
+        why = f"the fp32 kernel needs AVX-512 (the kernels in use are the {_module().isa()} build)"
     if why is None and (head_dim % 32 or head_dim > 128):
         why = f"head_dim {head_dim} is not 32, 64, 96 or 128"
     return why

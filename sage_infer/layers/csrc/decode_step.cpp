@@ -8,7 +8,8 @@
 // path's to the bit; what goes is the interpreter's time around ~12 calls per layer (about a fifth of
 // a batch-1 step of the 0.5B shape here).
 // The reference is `LlamaForCausalLM.forward`'s fused branch (sage_infer/models/llama.py).
-#include <torch/extension.h>
+#include "kernel.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <cstdint>
 #include <cstring>
@@ -183,7 +184,8 @@ class DecodeLayers {
 };
 
 void bind_decode_layers(pybind11::module& m) {
-  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+  // module-local: each ISA level's build binds its own DecodeLayers, and tests load several in one process
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                           double, double>())

@@ -12,7 +12,7 @@
 // rounded to bf16 (as PyTorch's CPU flash kernel rounds it for bf16 inputs). Scores are exact bf16
 // products summed in fp32, so only the summation order and that rounding differ from the reference
 // (sage_infer.layers.attention.attention_with_lse_reference).
-#include <torch/extension.h>
+#include "kernel.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

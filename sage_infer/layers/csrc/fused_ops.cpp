@@ -8,7 +8,7 @@
 // residual add, the normalised row before the weight, silu before the product, each rotary
 // product), so bf16/fp16 results differ from the reference only by fp32 summation order.
 // `_Pragma`, not `#pragma`: a directive cannot sit inside the AT_DISPATCH macro argument.
-#include <torch/extension.h>
+#include "kernel.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>

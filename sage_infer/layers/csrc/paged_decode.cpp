@@ -1,5 +1,5 @@
 // Decode attention straight from the paged KV pool: no gathered copy of the context.
-// Built on first use by sage_infer/layers/paged_kernel.py (torch.utils.cpp_extension, -O3 -march=native
+// Built once per ISA level by sage_infer/layers/kernel_build.py (-O3, that level's -m flags,
 // -ffast-math: the dot products and exp vectorize only with reassociation allowed).
 //
 // One query token per sequence. A task is one sequence (or one of its KV heads when the batch is
@@ -9,7 +9,8 @@
 // Tasks run on ATen's thread pool, so
 // torch.set_num_threads applies. The pure-PyTorch oracle is
 // sage_infer.layers.attention.decode_attention_batched over KVPool.gather_blocks.
-#include <torch/extension.h>
+#include "kernel.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -278,11 +279,11 @@ static void decode_kernel(const float* q, const kv_t* k_cache, const kv_t* v_cac
 // log-sum-exp of its scaled scores, lse [B, H] fp32 (for merging with attention over other keys)
 std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous fp32 [B, H, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 3, "q: contiguous fp32 [B, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "k/v cache: contiguous 4-d");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v cache dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(), "block_tables: int64");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous(), "context_lens: int64");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kLong && context_lens.is_contiguous(), "context_lens: int64");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
@@ -316,7 +317,20 @@ std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, tor
 // decode_step.cpp
 void bind_decode_layers(pybind11::module& m);
 
+// the build's identity (sage_infer/layers/kernel_build.py passes both): a build whose key differs from the
+// sources on disk is not loaded
+#define SAGE_STR_(x) #x
+#define SAGE_STR(x) SAGE_STR_(x)
+#ifndef SAGE_BUILD_KEY
+#define SAGE_BUILD_KEY unknown
+#endif
+#ifndef SAGE_ISA_LEVEL
+#define SAGE_ISA_LEVEL unknown
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_key", [] { return std::string(SAGE_STR(SAGE_BUILD_KEY)); }, "the key of the sources and flags built");
+  m.def("isa", [] { return std::string(SAGE_STR(SAGE_ISA_LEVEL)); }, "the ISA level this build was compiled for");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [N, H] rows");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm(residual)");

@@ -11,7 +11,7 @@
 //
 // Accumulation is fp32 (vdpbf16ps: products of bf16 values summed in fp32), the bias is added in
 // fp32 and the result rounded once to bf16, as oneDNN does; only the summation order differs.
-#include <torch/extension.h>
+#include "kernel.h"
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <cstdint>

@@ -1,0 +1,154 @@
+"""Which kernel build loads (`sage_infer.layers.kernel_build`), and the first-use compile: it says so before it
+starts, never hangs on a lock left by an interrupted build, and processes that start together compile once.
+
+The compile tests build a tiny extension (a C-API module, ~1 s) through the same `jit_build` the kernels use,
+each in a fresh process with a deadline, so a hang fails the test instead of blocking the suite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from sage_infer.hal.isa import selected_level
+from sage_infer.layers import kernel_build, paged_kernel
+from tests.conftest import runnable_cpu_levels
+
+TINY = """\
+#include <Python.h>
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define STR_(x) #x
+#define STR(x) STR_(x)
+static PyModuleDef def = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&def); }
+"""
+NO_COMPILER = kernel_build.compiler() is None
+needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler (c++ / g++) on PATH")
+
+
+@pytest.mark.skipif(paged_kernel.kernel_unavailable() is not None, reason=f"{paged_kernel.kernel_unavailable()}")
+def test_the_kernels_in_use_are_the_build_of_this_cpus_level():
+    level, _ = selected_level({})
+    assert paged_kernel.kernel_level().startswith(f"{level} (the highest level this CPU has; ")
+    assert paged_kernel._module().isa() == level
+    assert paged_kernel._module().build_key() == kernel_build.build_key(level)
+
+
+@pytest.mark.parametrize("level", runnable_cpu_levels())
+def test_each_level_this_cpu_runs_loads_the_build_compiled_for_it(level, monkeypatch):
+    monkeypatch.setenv("SAGE_CPU_ISA", level)
+    assert paged_kernel.kernel_unavailable() is None
+    assert paged_kernel._module().isa() == level
+    assert paged_kernel.kernel_level().startswith(f"{level} (forced by SAGE_CPU_ISA; ")
+    # what each level can run is the level's, not the CPU's
+    assert (paged_kernel.small_linear_unavailable() is None) == (level == "avx512_bf16")
+    assert (paged_kernel.flash_unavailable(64, paged_kernel.torch.float32) is None) == (level != "avx2")
+
+
+def test_a_forced_level_above_the_cpu_makes_the_kernels_unavailable_with_the_reason(monkeypatch):
+    levels = ("avx2", "avx512", "avx512_bf16")
+    top, _ = selected_level({})
+    if top not in levels or top == levels[-1]:
+        pytest.skip(f"this CPU runs the top level ({top}): nothing above it to force")
+    above = levels[levels.index(top) + 1]
+    monkeypatch.setenv("SAGE_CPU_ISA", above)
+    assert paged_kernel.kernel_unavailable().startswith(f"SAGE_CPU_ISA={above}: this CPU lacks ")
+
+
+def build_script(cache: Path, name: str) -> str:
+    return textwrap.dedent(f"""
+        import logging, sys
+        from pathlib import Path
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+        from sage_infer.layers.kernel_build import jit_build
+        source = Path({str(cache)!r}) / "tiny.cpp"
+        module = jit_build(Path({str(cache)!r}) / "build", {name!r}, (source,), [], "the tiny test module")
+        print("loaded", module.__name__)
+    """)
+
+
+def run_build(cache: Path, name: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", build_script(cache, name)], capture_output=True, text=True,
+                          timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    (tmp_path / "tiny.cpp").write_text(TINY)
+    return tmp_path
+
+
+@needs_compiler
+def test_a_first_use_compile_says_so_before_it_starts_and_the_next_start_loads_it(cache):
+    first = run_build(cache, "sage_tiny_a")
+    assert first.returncode == 0, first.stderr
+    assert "sage: compiling the tiny test module once" in first.stderr and "loaded sage_tiny_a" in first.stdout
+    second = run_build(cache, "sage_tiny_a")
+    assert second.returncode == 0, second.stderr
+    assert "compiling" not in second.stderr and "loaded sage_tiny_a" in second.stdout
+
+
+@needs_compiler
+def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_start(cache):
+    build = cache / "build"
+    build.mkdir()
+    (build / "lock").write_text("")  # torch's baton, as a build killed mid-compile leaves it: it waits on it forever
+    done = run_build(cache, "sage_tiny_b", timeout=240)  # subprocess.TimeoutExpired if it hangs
+    assert done.returncode == 0, done.stderr
+    assert "left by a kernel build that was interrupted" in done.stderr
+    assert not (build / "lock").exists()
+
+
+@needs_compiler
+def test_a_process_killed_while_holding_the_build_lock_does_not_block_the_next(cache):
+    build = cache / "build"
+    build.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, time
+        handle = open({str(build / "sage.lock")!r}, "a+")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = subprocess.Popen([sys.executable, "-c", build_script(cache, "sage_tiny_c")], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        guard = threading.Timer(240, waiter.kill)  # a waiter that never says it waits must not block the suite
+        guard.start()
+        seen = []
+        for line in waiter.stderr:
+            seen.append(line)
+            if "waiting for another process" in line:
+                break
+        guard.cancel()
+        os.kill(holder.pid, signal.SIGKILL)  # the builder dies: the kernel drops its flock
+        out, err = waiter.communicate(timeout=240)
+        assert waiter.returncode == 0, "".join(seen) + err
+        assert "waiting for another process that is compiling the tiny test module" in seen[-1]
+        assert "loaded sage_tiny_c" in out
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@needs_compiler
+def test_processes_that_start_together_compile_once(cache):
+    script = build_script(cache, "sage_tiny_d")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1]) for _ in range(3)]
+    results = [(p.communicate(timeout=240), p.returncode) for p in procs]
+    assert all(code == 0 and "loaded sage_tiny_d" in out for (out, _), code in results), results
+    compiled = sum("sage: compiling the tiny test module once" in err for (_, err), _ in results)
+    assert compiled == 1
+    # ninja's log: the object was compiled once, by the first process (the others found it up to date)
+    objects = [line for line in (cache / "build" / ".ninja_log").read_text().splitlines()
+               if line.split("\t")[3:4] == ["tiny.o"]]
+    assert len(objects) == 1
