@@ -2,7 +2,7 @@
 
 Starts ``sage llm serve`` (the bundled demo model unless --model) on a free loopback port with an empty kernel
 cache (``SAGE_KERNEL_CACHE``), so a kernel compile at start-up cannot hide behind an earlier one, and sends one
-completion until it is answered. Prints the seconds, the server's `cpu kernels` start-up line, and whether it
+completion until it is answered. Prints the seconds, the server's `cpu_kernels` start-up line, and whether it
 compiled kernels; writes JSON. Exit 1 when nothing answered within --timeout, or, with --no-compile (what
 `.ci/run` passes), when the server compiled kernels instead of loading the install's build.
 
@@ -74,8 +74,8 @@ def main() -> int:
         log.seek(0)
         output = log.read()
     compiled = COMPILE_LINE in output
-    kernels = next((line.split("cpu kernels", 1)[1].strip(" =:") for line in output.splitlines()
-                    if "cpu kernels" in line), "not logged")
+    kernels = next((line.split("cpu_kernels", 1)[1].strip(" =:") for line in output.splitlines()
+                    if "cpu_kernels" in line), "not logged")
     result = {"command": " ".join(command[1:]), "first_answer_s": None if seconds is None else round(seconds, 2),
               "compiled_kernels_at_start": compiled, "cpu_kernels": kernels, "timeout_s": args.timeout}
     print(f"first answer after {'-' if seconds is None else f'{seconds:.1f} s'}; cpu kernels: {kernels}; "

@@ -28,7 +28,7 @@ from sage_infer.layers.linear import PackedLinear, packing_unavailable  # noqa: 
 
 # (out, in) of Qwen2.5-0.5B's stacked q/k/v, o, gate/up and down products
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
-ROWS = [1, 2, 8, 64, 512]
+ROWS = [1, 2, 3, 4, 8, 64, 512]
 
 
 def main() -> None:

@@ -269,7 +269,7 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
     resolved = [line for line in result.err.splitlines() if line.startswith("sage: resolved ")]
     assert [line.split()[2].rstrip(":") for line in resolved] == ["model.linear", "model.decode_linear",
                                                                   "model.huge_pages",
-                                                      "model.host_malloc", "model.elementwise",
+                                                      "model.host_malloc", "cpu_kernels", "model.elementwise",
                                                       "device", "model.dtype", "kv_pool.kv_dtype",
                                                       "model.max_model_len", "kv_pool.num_blocks", "tiers.host_bytes",
                                                       "model.attention", "model.prefill_attention",

@@ -152,3 +152,12 @@ def test_processes_that_start_together_compile_once(cache):
     objects = [line for line in (cache / "build" / ".ninja_log").read_text().splitlines()
                if line.split("\t")[3:4] == ["tiny.o"]]
     assert len(objects) == 1
+
+
+@pytest.mark.parametrize("value", ["amx", "sse2"])
+def test_a_sage_cpu_isa_that_is_no_level_is_one_line_and_exit_2(sage, monkeypatch, value):
+    monkeypatch.setenv("SAGE_CPU_ISA", value)
+    result = sage("llm", "generate", "--prompt", "ROMEO:")
+    assert result.code == 2
+    assert result.err.strip().splitlines() == [result.err.strip()]  # before any start-up line
+    assert result.err.startswith(f"sage: error: SAGE_CPU_ISA={value}: not a level of this machine's kernels; one of ")

@@ -90,19 +90,19 @@ def test_auto_packs_on_a_cpu_and_packed_elsewhere_is_a_config_error(tiny):
     assert isinstance(model[0], nn.Linear)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
 def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monkeypatch):
     """What a CPU without bf16 packing (AVX2) runs, forced on any CPU: fp32 products of an fp32 copy, rounded
-    to bf16; one row on torch's bf16 product of the kept weight."""
+    to bf16; up to `BF16_ROWS` rows on torch's bf16 product of the kept weight."""
     monkeypatch.setattr(linear_module, "packing_unavailable", lambda dtype: "no bf16 packing (forced by the test)")
     torch.manual_seed(rows)
     ref = nn.Linear(96, 160).to(torch.bfloat16)
     packed = PackedLinear(ref)
-    assert packed.weight_1row is not None and packed.bias.dtype == torch.float32
+    assert packed.weight_bf16 is not None and packed.bias.dtype == torch.float32
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 160)
-    if rows == 1:
+    if rows <= linear_module.BF16_ROWS:
         assert torch.equal(got, ref(x))  # the same product on the same bf16 weight
     else:  # fp32 math on the same values: within one bf16 rounding of the fp32 result
         want = torch.nn.functional.linear(x.float(), ref.weight.float(), ref.bias.float())

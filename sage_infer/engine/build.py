@@ -67,12 +67,14 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
     device = auto.device
     if device.type == "cpu":
-        use_cpu_kernels()
+        check_forced_level()  # a SAGE_CPU_ISA this CPU cannot run: one line before the weights load
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     if config.model.huge_pages:
         use_huge_pages(model)
     use_host_malloc(config.model.host_malloc, device)
+    if device.type == "cpu":
+        use_cpu_kernels()
     model.fused_elementwise = use_fused_elementwise(config.model.elementwise, device)
     try:
         tokenizer = Tokenizer.from_dir(directory)
@@ -152,9 +154,9 @@ def use_cpu_kernels() -> str | None:
     check_forced_level()
     level = kernel_level()
     if level is None:
-        auto_log.info("cpu kernels: none (%s): every model.* fast path takes the PyTorch path", kernel_unavailable())
+        auto_log.info("cpu_kernels = none (%s): the model.* fast paths take the PyTorch path", kernel_unavailable())
     else:
-        auto_log.info("cpu kernels = %s", level)
+        auto_log.info("cpu_kernels = %s", level)
     return level
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from sage_infer.errors import ConfigError
+from sage_infer.hal.isa import read_cpu_flags
 
 
 class DeviceNotAvailableError(ConfigError):
@@ -150,12 +152,4 @@ def device_facts(device: torch.device) -> DeviceFacts:
 
 
 def _cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
+    return read_cpu_flags(Path(path)) or set()

@@ -61,14 +61,15 @@ def compile_flags(level: str) -> list[str]:
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The first processor's ``flags`` in `cpuinfo`; None where the file cannot be read or has none."""
+    """The first processor's ``flags`` (x86) or ``Features`` (arm64) in `cpuinfo`; None where the file cannot be
+    read or has neither."""
     try:
-        text = cpuinfo.read_text()
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        if key.strip() in ("flags", "Features"):
             return set(value.split())
     return None
 

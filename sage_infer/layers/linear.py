@@ -15,9 +15,10 @@ plain `nn.Linear`, the reference path the packed one is tested against.
 
 Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
 emulated), a bf16 layer packs an fp32 copy of its weight and computes in fp32 (its output rounded to bf16, as a
-bf16 product's is): 2-8x faster than torch's bf16 product at 8-512 rows on an AVX2 CPU. At one row torch's bf16
-GEMV, which reads half the bytes, is ~1.6x faster, so the layer keeps the bf16 weight for single-row products
-(bench/packed_linear.py measures both). That costs the bf16 weight's bytes again next to the fp32 copy.
+bf16 product's is): 1.5-8x faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. At 1-2 rows torch's
+bf16 GEMV, which reads half the bytes, is as fast or faster on the large layers, so the layer keeps the bf16
+weight for products of up to `BF16_ROWS` rows (bench/packed_linear.py measures both). That costs the bf16
+weight's bytes again next to the fp32 copy.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ PACK_BATCH_HINT = 2048
 # `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
+# bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run torch's bf16
+# product on the kept bf16 weight instead (the crossover on the 0.5B shape's layers is 3-4 rows on AVX2)
+BF16_ROWS = 2
 
 
 def packing_available() -> bool:
@@ -67,17 +71,17 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        # bf16 that oneDNN cannot pack here: an fp32 copy, computed in fp32; 1-row products on the bf16 weight
-        self.dtype, self.weight_1row = weight.dtype, None
+        # bf16 that oneDNN cannot pack here: an fp32 copy, computed in fp32; few-row products on the bf16 weight
+        self.dtype, self.weight_bf16 = weight.dtype, None
         if weight.dtype == torch.bfloat16 and packing_unavailable(torch.bfloat16) is not None:
-            self.weight_1row = weight
+            self.weight_bf16 = weight
             weight = weight.float()
         # a buffer, not a parameter: the packed layout is opaque to anything that reads weights
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                              persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
-        self.bias_1row = bias
+        self.bias_bf16 = bias
         self.small_rows = 0
         if small_rows > 0 and weight.dtype == torch.bfloat16:
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
@@ -89,9 +93,9 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if 0 < flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
             out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
-        elif self.weight_1row is not None:  # bf16 weights computed in fp32 (no bf16 packing on this CPU)
-            if flat.shape[0] == 1:
-                out = torch.nn.functional.linear(flat, self.weight_1row, self.bias_1row)
+        elif self.weight_bf16 is not None:  # bf16 weights computed in fp32 (no bf16 packing on this CPU)
+            if flat.shape[0] <= BF16_ROWS:
+                out = torch.nn.functional.linear(flat, self.weight_bf16, self.bias_bf16)
             else:
                 out = torch.ops.mkldnn._linear_pointwise(flat.float(), self.packed, self.bias, "none", [],
                                                          "").to(self.dtype)

@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
                 return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
-            if any(m.weight_1row is not None for m in self._decode_linears(layer)):
+            if any(m.weight_bf16 is not None for m in self._decode_linears(layer)):
                 return "oneDNN cannot pack bf16 weights on this CPU (the layers compute in fp32 copies)"
         eps, qk_eps = self._norm_eps()
         if len(eps) > 1 or len(qk_eps) > 1:
