@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import write_json  # noqa: E402
-from sage_infer.layers import paged_kernel as kernels  # noqa: E402
+from sage_infer.layers import cpu_kernels as kernels  # noqa: E402
 from sage_infer.layers.linear import PackedLinear  # noqa: E402
 from sage_infer.layers.norm import RMSNorm  # noqa: E402
 

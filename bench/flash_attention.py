@@ -34,7 +34,7 @@ from sage_infer.layers.attention import (  # noqa: E402
     _shared_keys_attention_lse,
     prefill_attention,
 )
-from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable  # noqa: E402
+from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True), (32, 1056, True),

@@ -113,7 +113,7 @@ def device_read_gb_s(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 def whole_step(threads: int) -> dict:
     """`--step`: one decode step's attention, all 24 layers, from a 4 KiB-page and a huge-page pool."""
-    from sage_infer.layers.paged_kernel import decode_attention_paged
+    from sage_infer.layers.cpu_kernels import decode_attention_paged
 
     num_heads, num_kv_heads, head_dim, dtype = SHAPES["qwen2.5-0.5b bf16"]
     layers, num_blocks = 24, 10000

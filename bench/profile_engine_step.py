@@ -70,10 +70,10 @@ def instrument() -> None:
                 mod = importlib.import_module(other)
                 if getattr(mod, name, None) is original:
                     setattr(mod, name, wrapped)
-    from sage_infer.layers import paged_kernel
+    from sage_infer.layers import cpu_kernels
 
-    if paged_kernel.kernel_unavailable() is None:
-        kernels = paged_kernel._module()  # every call goes through this module's attributes
+    if cpu_kernels.kernel_unavailable() is None:
+        kernels = cpu_kernels._module()  # every call goes through this module's attributes
         for name in KERNELS:
             def kernel(*args, __f=getattr(kernels, name), __label=f"kernel::{name}", **kwargs):
                 with torch.profiler.record_function(__label):

@@ -41,9 +41,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.engine_vs_vllm import _timed, read_bandwidth_gb_s  # noqa: E402
-from sage_infer.layers import paged_kernel  # noqa: E402
+from sage_infer.layers import cpu_kernels  # noqa: E402
+from sage_infer.layers.cpu_kernels import small_linear_unavailable  # noqa: E402
 from sage_infer.layers.linear import PackedLinear  # noqa: E402
-from sage_infer.layers.paged_kernel import small_linear_unavailable  # noqa: E402
 
 LAYER = [(896, 1152, True), (896, 896, False), (896, 9728, False), (4864, 896, False)]  # (in, out, bias)
 HEAD = (896, 4096, False)
@@ -102,7 +102,7 @@ def _stream_read_module():
     from torch.utils.cpp_extension import load
 
     return load(name="sage_bench_stream_read", sources=[str(REPO / "bench" / "csrc" / "stream_read.cpp")],
-                extra_cflags=paged_kernel.FLAGS, extra_ldflags=["-fopenmp"])
+                extra_cflags=cpu_kernels.FLAGS, extra_ldflags=["-fopenmp"])
 
 
 def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
@@ -131,7 +131,7 @@ def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
 
     def kernel() -> None:  # straight into the kernel, as the C++ decode step calls it (no Python per product)
         for args in products:
-            paged_kernel.small_linear(*args)
+            cpu_kernels.small_linear(*args)
 
     runs = {"torch sum (512 MiB)": (probe.sum, 512 << 20), "plain read": (plain, nbytes),
             "small_linear": (kernel, nbytes)}

@@ -16,7 +16,7 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.errors import ConfigError
-from sage_infer.layers.paged_kernel import kernel_unavailable
+from sage_infer.layers.cpu_kernels import kernel_unavailable
 from tests.tiny_models import greedy_tokens, make_tiny_model
 
 CUDA = torch.cuda.is_available()

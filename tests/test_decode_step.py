@@ -13,8 +13,8 @@ import torch
 from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
+from sage_infer.layers.cpu_kernels import kernel_unavailable, small_linear_unavailable
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, packing_unavailable
-from sage_infer.layers.paged_kernel import kernel_unavailable, small_linear_unavailable
 from tests.tiny_models import greedy_tokens, make_tiny_model
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")

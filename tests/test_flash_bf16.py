@@ -17,7 +17,7 @@ from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
 from sage_infer.layers import attention as attention_mod
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
-from sage_infer.layers.paged_kernel import flash_attention, flash_unavailable
+from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable
 from tests.test_paged_kernel import LAYER, chunk_step
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 

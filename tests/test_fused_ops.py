@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
-from sage_infer.layers import paged_kernel as kernels
+from sage_infer.layers import cpu_kernels as kernels
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model

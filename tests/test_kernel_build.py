@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sage_infer.hal.isa import selected_level
-from sage_infer.layers import kernel_build, paged_kernel
+from sage_infer.layers import cpu_kernels, kernel_build
 from tests.conftest import runnable_cpu_levels
 
 TINY = """\
@@ -33,23 +33,23 @@ NO_COMPILER = kernel_build.compiler() is None
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler (c++ / g++) on PATH")
 
 
-@pytest.mark.skipif(paged_kernel.kernel_unavailable() is not None, reason=f"{paged_kernel.kernel_unavailable()}")
+@pytest.mark.skipif(cpu_kernels.kernel_unavailable() is not None, reason=f"{cpu_kernels.kernel_unavailable()}")
 def test_the_kernels_in_use_are_the_build_of_this_cpus_level():
     level, _ = selected_level({})
-    assert paged_kernel.kernel_level().startswith(f"{level} (the highest level this CPU has; ")
-    assert paged_kernel._module().isa() == level
-    assert paged_kernel._module().build_key() == kernel_build.build_key(level)
+    assert cpu_kernels.kernel_level().startswith(f"{level} (the highest level this CPU has; ")
+    assert cpu_kernels._module().isa() == level
+    assert cpu_kernels._module().build_key() == kernel_build.build_key(level)
 
 
 @pytest.mark.parametrize("level", runnable_cpu_levels())
 def test_each_level_this_cpu_runs_loads_the_build_compiled_for_it(level, monkeypatch):
     monkeypatch.setenv("SAGE_CPU_ISA", level)
-    assert paged_kernel.kernel_unavailable() is None
-    assert paged_kernel._module().isa() == level
-    assert paged_kernel.kernel_level().startswith(f"{level} (forced by SAGE_CPU_ISA; ")
+    assert cpu_kernels.kernel_unavailable() is None
+    assert cpu_kernels._module().isa() == level
+    assert cpu_kernels.kernel_level().startswith(f"{level} (forced by SAGE_CPU_ISA; ")
     # what each level can run is the level's, not the CPU's
-    assert (paged_kernel.small_linear_unavailable() is None) == (level == "avx512_bf16")
-    assert (paged_kernel.flash_unavailable(64, paged_kernel.torch.float32) is None) == (level != "avx2")
+    assert (cpu_kernels.small_linear_unavailable() is None) == (level == "avx512_bf16")
+    assert (cpu_kernels.flash_unavailable(64, cpu_kernels.torch.float32) is None) == (level != "avx2")
 
 
 def test_a_forced_level_above_the_cpu_makes_the_kernels_unavailable_with_the_reason(monkeypatch):
@@ -59,7 +59,7 @@ def test_a_forced_level_above_the_cpu_makes_the_kernels_unavailable_with_the_rea
         pytest.skip(f"this CPU runs the top level ({top}): nothing above it to force")
     above = levels[levels.index(top) + 1]
     monkeypatch.setenv("SAGE_CPU_ISA", above)
-    assert paged_kernel.kernel_unavailable().startswith(f"SAGE_CPU_ISA={above}: this CPU lacks ")
+    assert cpu_kernels.kernel_unavailable().startswith(f"SAGE_CPU_ISA={above}: this CPU lacks ")
 
 
 def build_script(cache: Path, name: str) -> str:
@@ -161,3 +161,37 @@ def test_a_sage_cpu_isa_that_is_no_level_is_one_line_and_exit_2(sage, monkeypatc
     assert result.code == 2
     assert result.err.strip().splitlines() == [result.err.strip()]  # before any start-up line
     assert result.err.startswith(f"sage: error: SAGE_CPU_ISA={value}: not a level of this machine's kernels; one of ")
+
+
+@needs_compiler
+def test_the_install_builds_every_level_the_compiler_takes_never_march_native():
+    from sage_infer.hal.isa import build_levels
+
+    extensions = kernel_build.extensions()
+    levels = [e.name.rsplit("_cpu_kernels_", 1)[1] for e in extensions]
+    assert levels == [lv for lv in build_levels() if kernel_build.compiler_accepts(kernel_build.level_flags(lv))]
+    for extension in extensions:
+        assert not any("march" in flag for flag in extension.extra_compile_args)
+        level = extension.name.rsplit("_cpu_kernels_", 1)[1]
+        assert f"-DSAGE_BUILD_KEY={kernel_build.build_key(level)}" in extension.extra_compile_args
+
+
+def test_an_installed_build_for_other_sources_is_not_loaded(monkeypatch):
+    level, _ = selected_level({})
+    if level is None or installed_build(level) is None:
+        pytest.skip(f"no installed build of the {level} kernels here")
+    compiled = []
+    monkeypatch.setattr(kernel_build, "build_key", lambda lv: "kother0000000000")
+    monkeypatch.setattr(kernel_build, "_compile_at_first_use", lambda lv, key: compiled.append((lv, key)) or
+                        (None, "compile skipped by the test"))
+    assert kernel_build.load(level) == (None, "compile skipped by the test")
+    assert compiled == [(level, "kother0000000000")]
+
+
+def installed_build(level: str):
+    import importlib
+
+    try:
+        return importlib.import_module(f"sage_infer.layers.{kernel_build.module_name(level)}")
+    except ImportError:
+        return None

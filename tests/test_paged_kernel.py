@@ -19,7 +19,7 @@ from sage_infer.layers.attention import (
     decode_attention_reference,
     paged_attention,
 )
-from sage_infer.layers.paged_kernel import decode_attention_paged, kernel_unavailable
+from sage_infer.layers.cpu_kernels import decode_attention_paged, kernel_unavailable
 from tests.kv_fill import LAYER, LAYERS, filled_pool
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 

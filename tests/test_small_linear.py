@@ -15,8 +15,8 @@ from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_mod
+from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear_unavailable
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, packing_available
-from sage_infer.layers.paged_kernel import packed_layout_matches, small_linear_unavailable
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = "this torch has no oneDNN (mkldnn) linear" if not packing_available() else small_linear_unavailable()

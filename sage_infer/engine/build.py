@@ -27,19 +27,19 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
+from sage_infer.layers.cpu_kernels import (
+    check_forced_level,
+    flash_unavailable,
+    kernel_level,
+    kernel_unavailable,
+    small_linear_unavailable,
+)
 from sage_infer.layers.linear import (
     SMALL_LINEAR_ROWS,
     PackedLinear,
     pack_linears,
     packing_available,
     tied_linear_bytes,
-)
-from sage_infer.layers.paged_kernel import (
-    check_forced_level,
-    flash_unavailable,
-    kernel_level,
-    kernel_unavailable,
-    small_linear_unavailable,
 )
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable

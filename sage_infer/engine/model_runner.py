@@ -26,11 +26,11 @@ class ModelRunner:
     runner only builds metadata (`prepare`), for the pool's dtype.
 
     `decode_in_place`: decode rows are attended by the paged kernel straight from the pool's
-    blocks, all in one group (`sage_infer.layers.paged_kernel`; the caller checked it is available
+    blocks, all in one group (`sage_infer.layers.cpu_kernels`; the caller checked it is available
     and the pool `supports_block_views`); off, sorted groups of gathered copies (the reference).
 
     `flash_attention`: prefill chunks and shared prefixes (a bf16 model) are attended by sage's flash
-    kernel (`sage_infer.layers.paged_kernel.flash_attention`; the caller checked it can run); off,
+    kernel (`sage_infer.layers.cpu_kernels.flash_attention`; the caller checked it can run); off,
     PyTorch's (the reference).
 
     `prefill_in_place` (an NVIDIA GPU): the step's prefill spans are attended by the Triton prefill kernel in

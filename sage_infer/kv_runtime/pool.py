@@ -197,7 +197,7 @@ class KVPool:
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` as the pool holds them, ``[num_blocks, block_size, num_kv_heads, head_dim]``
-        each, contiguous: for kernels that read blocks in place (`sage_infer.layers.paged_kernel`).
+        each, contiguous: for kernels that read blocks in place (`sage_infer.layers.cpu_kernels`).
         Only where `supports_block_views` (a float pool); never written through."""
         return self._blocks[layer]
 

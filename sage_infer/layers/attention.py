@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_infer.core.kv_schema import KVDtype
-from sage_infer.layers.paged_kernel import decode_attention_paged, flash_attention
+from sage_infer.layers.cpu_kernels import decode_attention_paged, flash_attention
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -94,9 +94,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     shared: SharedPrefix | None = None
     # decode groups (also `shared`'s) are attended by the paged kernel, which reads pool blocks in
-    # place (`sage_infer.layers.paged_kernel`); False: gathered copies and PyTorch ops (the oracle)
+    # place (`sage_infer.layers.cpu_kernels`); False: gathered copies and PyTorch ops (the oracle)
     decode_in_place: bool = False
-    # prefill chunks and a shared prefix (bf16) are attended by sage's flash kernel (`paged_kernel.
+    # prefill chunks and a shared prefix (bf16) are attended by sage's flash kernel (`cpu_kernels.
     # flash_attention`); False: PyTorch's CPU flash kernel (the oracle)
     flash: bool = False
     # on a GPU: every prefill span attended by the Triton prefill kernel in place (None: span by span over

@@ -28,7 +28,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from sage_infer.layers.paged_kernel import packed_layout_matches, small_linear
+from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear
 
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
 # 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same

@@ -3,7 +3,7 @@
 Each decode row's keys and values are read in place from the pool's blocks (``KVPool.block_views``):
 no gathered, padded copy of the context per layer and step, which is what the pure-PyTorch path
 (`gather_blocks` + `decode_attention_batched`, or `gather_block_levels` + `decode_attention_scaled`)
-does and stays the oracle of. Same contract as `paged_kernel.decode_attention_paged`: out and the
+does and stays the oracle of. Same contract as `cpu_kernels.decode_attention_paged`: out and the
 log-sum-exp of the scaled scores, both float32, so cascade attention can merge it.
 
 The work is split as flash-decoding does: one program per (row, KV head, split of the context); a

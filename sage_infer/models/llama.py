@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sage_infer.layers import paged_kernel as kernels
+from sage_infer.layers import cpu_kernels as kernels
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
 from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.norm import RMSNorm
