@@ -128,3 +128,37 @@ def test_a_failure_mid_stream_reports_no_python_exception_text(model_dir, monkey
         assert errors and errors[-1]["code"] == 503
         assert_no_python_error_text(errors[-1]["message"])
         assert "simulated device fault" not in errors[-1]["message"]
+
+
+@pytest.mark.parametrize("seed, n", [(2**64, 1), (2**64 - 1, 2), (-(2**63) - 1, 1)])
+def test_a_seed_outside_64_bits_is_400_and_the_engine_keeps_serving(client, server, seed, n):
+    body = json.dumps({"model": server.model, "prompt": "a", "max_tokens": 2, "seed": seed, "n": n})
+    status = post_raw(server, "/v1/completions", body)
+    if 0 <= seed < 2**64:  # in range: the sibling's seed + 1 wraps around instead of overflowing the generator
+        assert status.status_code == 200, status.text
+        assert len(status.json()["choices"]) == n
+    else:
+        assert "seed" in assert_openai_error(status, 400)
+    # the next request is served: one request never takes the engine down
+    assert client.completions.create(model=server.model, prompt="a", max_tokens=2).choices[0].text is not None
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_integer_of_thousands_of_digits_is_400(server, path):
+    body = json.dumps({"model": server.model, "max_tokens": 0, "prompt": "a", "messages": []})
+    body = body.replace('"max_tokens": 0', f'"max_tokens": {"9" * 5000}')
+    assert_no_python_error_text(assert_openai_error(post_raw(server, path, body), 400))
+
+
+def test_a_lone_surrogate_in_a_prompt_is_400_naming_the_field(server):
+    body = json.dumps({"model": server.model, "max_tokens": 2, "prompt": "a\ud800b"})  # json writes it as \ud800
+    assert "prompt" in assert_openai_error(post_raw(server, "/v1/completions", body), 400)
+    paired = json.dumps({"model": server.model, "max_tokens": 2, "prompt": "a\U0001f600b"})  # an emoji: fine
+    assert post_raw(server, "/v1/completions", paired).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 10**30), ("stop_token_ids", [2**64])])
+def test_out_of_range_token_counts_and_ids_are_400(server, field, value):
+    body = json.dumps({"model": server.model, "prompt": "a", "max_tokens": 2, field: value})
+    assert field in assert_openai_error(post_raw(server, "/v1/completions", body), 400)

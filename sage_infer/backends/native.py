@@ -60,6 +60,7 @@ class NativeBackend:
         self._targets: dict[str, _Target] = {}  # every request added and not yet finished
         self._lock = threading.Lock()  # guards _targets and _pending_adds across the two threads
         self._pending_adds = 0  # added on the loop, not yet applied by the engine thread
+        self.failed_adds = 0  # requests whose add raised something other than a RequestError (each one failed alone)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sage-engine", daemon=True)
@@ -221,6 +222,14 @@ class NativeBackend:
             with self._lock:
                 del self._targets[command.request_id]
             target.accepted.set_exception(InvalidRequestError(str(err)))
+        except Exception as err:  # noqa: BLE001 - a bug met by one request fails that request, not the engine
+            log.exception("adding request %s failed", command.request_id)
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(command.request_id)  # frees whatever the add had taken
+            with self._lock:
+                self._targets.pop(command.request_id, None)
+            self.failed_adds += 1
+            target.accepted.set_exception(BackendError(f"the engine could not add this request: {err!r}"))
         else:
             target.accepted.set_result(None)
         finally:

@@ -56,8 +56,8 @@ class SamplingParams:
         if not self.temperature >= 0.0:  # `not >=` also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, 2**31), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -70,12 +70,14 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise ValueError(f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+                raise ValueError(f"stop_token_ids must be token ids (integers in [0, 2**31)), got {t!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

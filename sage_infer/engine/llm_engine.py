@@ -121,7 +121,8 @@ class LLMEngine:
         for i in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+                # sibling i draws from seed + i, wrapped into the generator's 64 bits
+                generator = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
             seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), len(token_ids), params,
                            extra_key, priority=request.priority, cache_salt=request.cache_salt,
                            arrival_time=arrival, generator=generator)

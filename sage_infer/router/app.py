@@ -80,7 +80,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             raise APIError(400, f"request JSON nested deeper than {MAX_JSON_DEPTH} levels")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError, or an integer of over 4,300 digits
             raise APIError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")

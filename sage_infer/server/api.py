@@ -146,7 +146,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         the mechanism inside FastAPI was not traced)."""
         authorize(request)
         raw = request.query_params.get("since", "0")
-        if not raw.lstrip("-").isdigit():
+        if not raw.lstrip("-").isdigit() or len(raw) > 20:  # an event number fits in 64 bits
             raise APIError(400, f"since must be an integer, got {raw!r}", "since")
         return JSONResponse(handlers.pd.events(int(raw)))
 

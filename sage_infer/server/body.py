@@ -25,6 +25,24 @@ _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 _OPEN_IS_2_CLOSE_IS_0 = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")
 
 Model = TypeVar("Model", bound=BaseModel)
+# a \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate (raw UTF-8 cannot encode one)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(value: object, path: str = "") -> str | None:
+    """The dotted path of the first string in `value` that is not encodable text (an unpaired surrogate), if any;
+    the body's root is named ``body``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := lone_surrogate(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 def json_depth(raw: bytes) -> int:
@@ -54,8 +72,13 @@ def parse_body(raw: bytes, schema: type[Model]) -> Model:
             from None
     except RecursionError:  # belt and braces: the depth scan should have caught it
         raise APIError(400, "request body is nested too deeply") from None
+    except ValueError as err:  # an integer past Python's 4,300-digit conversion limit
+        raise APIError(400, f"request body has a number that cannot be read: {err}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and (where := lone_surrogate(data)) is not None:
+        raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                       where)
     try:
         return schema.model_validate(data)
     except ValidationError as err:
