@@ -162,3 +162,24 @@ def test_a_lone_surrogate_in_a_prompt_is_400_naming_the_field(server):
 def test_out_of_range_token_counts_and_ids_are_400(server, field, value):
     body = json.dumps({"model": server.model, "prompt": "a", "max_tokens": 2, field: value})
     assert field in assert_openai_error(post_raw(server, "/v1/completions", body), 400)
+
+
+def test_a_request_that_meets_an_engine_bug_fails_alone_and_is_counted(client, server, monkeypatch):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = server.backend.engine
+    add = engine.add
+
+    def add_or_fail(command):  # a fault injected for one prompt: what any unexpected exception in add does
+        if command.prompt == "boom":
+            raise RuntimeError("injected")
+        return add(command)
+
+    monkeypatch.setattr(engine, "add", add_or_fail)
+    failed = post_raw(server, "/v1/completions", json.dumps({"model": server.model, "prompt": "boom", "max_tokens": 2}))
+    assert failed.status_code >= 400 and "error" in failed.json()
+    assert client.completions.create(model=server.model, prompt="a", max_tokens=2).choices
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert families["sage:request_engine_failures"].samples[0].value >= 1
+    assert server.backend.num_in_flight == 0  # nothing of the failed request is left behind

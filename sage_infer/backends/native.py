@@ -114,7 +114,8 @@ class NativeBackend:
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
         # requests accepted on the loop but not yet handed to the scheduler wait too
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._pending_adds)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._pending_adds,
+                                   request_failures=self.failed_adds)
 
     def health(self) -> HealthStatus:
         """Dead engine: not ok. A lower KV tier that is down degrades (its blocks are recomputed) but serves."""

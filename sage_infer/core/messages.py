@@ -117,6 +117,7 @@ class EngineStats:
     tier_load_latency_sum: float = 0.0  # seconds, all reads
     hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
     hot_used: int = 0  # of those, hit by a later request
+    request_failures: int = 0  # requests the engine failed alone on an unexpected error (each one, not the engine)
     quota_blocks: tuple[tuple[str, str, int], ...] = ()  # (tier, tenant, blocks held) with tenant quotas
     quota_events: tuple[tuple[str, str, str, int], ...] = ()  # (tier, tenant, min|max|self_evict, count)
     kv_transfer_role: str | None = None  # prefill | decode (prefill/decode separation), None otherwise

@@ -41,10 +41,13 @@ class _EngineCollector:
                                    labels=labels)
         queries.add_metric(value, stats.prefix_query_tokens)
         hits.add_metric(value, stats.prefix_hit_tokens)
+        failures = CounterMetricFamily("sage:request_engine_failures", "Requests failed alone on an unexpected "
+                                       "engine error (the engine went on serving the others).", labels=labels)
+        failures.add_metric(value, stats.request_failures)
         yield from self._tiers(stats, labels, value)
         yield from self._quotas(stats, labels, value)
         yield from _transfer_families(stats, labels, value)
-        yield from (running, waiting, usage, queries, hits)
+        yield from (running, waiting, usage, queries, hits, failures)
 
     @staticmethod
     def _tiers(stats, labels: list[str], value: list[str]):
