@@ -183,3 +183,14 @@ def test_a_request_that_meets_an_engine_bug_fails_alone_and_is_counted(client, s
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     assert families["sage:request_engine_failures"].samples[0].value >= 1
     assert server.backend.num_in_flight == 0  # nothing of the failed request is left behind
+
+
+def test_the_openapi_schema_needs_the_key_and_lists_no_internal_routes(model_dir):
+    with running_server(model_dir, api_key="sk-test", num_blocks=32) as secured:
+        assert_openai_error(httpx.get(f"{secured.url}/openapi.json"), 401)
+        schema = httpx.get(f"{secured.url}/openapi.json", headers={"Authorization": "Bearer sk-test"})
+        assert schema.status_code == 200
+        paths = schema.json()["paths"]
+        assert "/v1/completions" in paths and "/v1/chat/completions" in paths
+        assert not [p for p in paths if p.startswith("/v1/kv/")]
+        assert httpx.get(f"{secured.url}/health").status_code == 200  # /health, /version, /metrics stay open

@@ -51,7 +51,7 @@ CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
     """The router app over `instances`; `api_key` is required from clients and sent to workers."""
-    app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = RouterMetrics()
     admission = Admission(config or RouterConfig(), len(instances.decode))
     metrics.waiting.set_function(lambda: len(admission.waiting))
@@ -320,6 +320,12 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             worker.failed("unreachable")
             raise APIError(503, f"decode worker {worker.url} is unreachable") from None
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The OpenAPI schema, behind the key when one is set."""
+        authorize(request)
+        return JSONResponse(app.openapi())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -31,7 +31,8 @@ PARSE_IN_THREAD_BYTES = 64 * 1024
 def build_app(backend: InferenceBackend, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app over `backend`; it uses nothing of the backend beyond `InferenceBackend`."""
-    app = FastAPI(title="sage_infer", version=__version__, docs_url=None, redoc_url=None)
+    # the schema is served below, behind the key; the P/D routes between workers are not in it
+    app = FastAPI(title="sage_infer", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     model = backend.model_info()
     model_name = model.name
     metrics = ServerMetrics(backend, model_name)
@@ -75,6 +76,13 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, "internal server error")
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The OpenAPI schema of the client routes; it needs the key when one is set, like every route but
+        /health, /version and /metrics."""
+        authorize(request)
+        return JSONResponse(app.openapi())
+
     @app.get("/health")
     async def health() -> Response:
         health = backend.health()
@@ -116,28 +124,28 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
 
-    @app.post("/v1/kv/send")
+    @app.post("/v1/kv/send", include_in_schema=False)
     async def kv_send(request: Request) -> JSONResponse:
         """Prefill role: send a held request's KV to a decode instance (called by that instance)."""
         authorize(request)
         body = await body_of(request, KVSendRequest)
         return JSONResponse(await handlers.pd.send(body))
 
-    @app.post("/v1/kv/match")
+    @app.post("/v1/kv/match", include_in_schema=False)
     async def kv_match(request: Request) -> JSONResponse:
         """How much of a prompt is cached here (asked by a KV-aware router); records nothing."""
         authorize(request)
         body = await body_of(request, KVMatchRequest)
         return JSONResponse(handlers.pd.match(body, handlers.validator))
 
-    @app.post("/v1/kv/hashes")
+    @app.post("/v1/kv/hashes", include_in_schema=False)
     async def kv_hashes(request: Request) -> JSONResponse:
         """A prompt's block hashes, as /v1/kv/events names them (a KV-aware router's question)."""
         authorize(request)
         body = await body_of(request, KVMatchRequest)
         return JSONResponse(handlers.pd.hashes(body, handlers.validator))
 
-    @app.get("/v1/kv/events")
+    @app.get("/v1/kv/events", include_in_schema=False)
     async def kv_events(request: Request) -> JSONResponse:
         """Block hashes the prefix cache stored and removed since event ``since`` (prefill workers).
 
