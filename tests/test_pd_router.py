@@ -8,6 +8,8 @@ transport (cached tokens); both pools are clean afterwards; failures are clear.
 
 from __future__ import annotations
 
+import http.server
+import threading
 import time
 
 import httpx
@@ -276,6 +278,39 @@ def test_with_an_api_key_the_router_and_the_pull_between_workers_need_it(model_d
                                                               "transfer_id": "t"})
         assert send.status_code == 401  # nobody without the key can ask a prefill worker for KV
         settle(prefill, decode)
+
+
+def test_a_decode_worker_never_sends_the_key_to_a_url_its_router_did_not_sign(model_dir):
+    """A client holding the key, talking to a decode worker directly, names a remote_url of its own: the worker
+    refuses (403) and nothing reaches that address."""
+    key, received = "deployment-key", []
+
+    class Listener(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server API
+            received.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    listener = http.server.HTTPServer(("127.0.0.1", 0), Listener)
+    threading.Thread(target=listener.serve_forever, daemon=True).start()
+    try:
+        with running_server(model_dir, role="decode", api_key=key) as decode:
+            body = {"model": decode.model, "prompt": PROMPT, "max_tokens": 2,
+                    "kv_transfer_params": {"remote_url": f"http://127.0.0.1:{listener.server_port}/anything",
+                                           "remote_request_id": "zz"}}
+            reply = httpx.post(f"{decode.url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            assert reply.status_code == 403 and "not signed by this deployment's router" in reply.text
+            forged = {**body["kv_transfer_params"], "signature": "0" * 64}
+            reply = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": forged},
+                               headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            assert reply.status_code == 403
+    finally:
+        listener.shutdown()
+    assert received == []
 
 
 def test_kv_events_answers_in_order_and_refuses_a_bad_cursor(deployment):

@@ -38,6 +38,7 @@ from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
 from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
+from sage_infer.server.pd_auth import sign_pull
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
@@ -170,7 +171,10 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             if reply.status_code != 200:
                 raise _passthrough(reply)  # the request itself is wrong: the decode worker would say the same
             held = reply.json().get("kv_transfer_params") or {}
-            return {"remote_url": worker.url, **held}
+            params = {"remote_url": worker.url, **held}
+            if api_key and "remote_request_id" in held:  # the decode worker pulls only what its router signed
+                params["signature"] = sign_pull(api_key, worker.url, held["remote_request_id"])
+            return params
         return None
 
     @contextlib.contextmanager

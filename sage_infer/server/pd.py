@@ -26,6 +26,7 @@ import httpx
 from sage_infer.core.messages import GiveUpKV, KVTransferInfo, KVTransferParams, SendKV
 from sage_infer.interfaces.backend import BackendError, InferenceBackend, InvalidRequestError, KVTransferBackend
 from sage_infer.server.errors import APIError
+from sage_infer.server.pd_auth import pull_is_signed
 from sage_infer.server.protocol import KVMatchRequest, KVSendRequest, SamplingFields
 
 log = logging.getLogger("sage_infer.server")
@@ -74,6 +75,11 @@ class PDRole:
         if fields.remote_url is not None:
             if role != "decode":
                 raise APIError(400, f"kv_transfer_params.remote_url: this instance's role is {role}, not decode",
+                               "kv_transfer_params")
+            if self.api_key and not pull_is_signed(self.api_key, fields.remote_url, fields.remote_request_id or "",
+                                                   fields.signature):
+                raise APIError(403, "kv_transfer_params.remote_url: not signed by this deployment's router (a decode "
+                               "worker sends its API key only to a prefill instance its router named)",
                                "kv_transfer_params")
             if fields.schema_digest is not None and fields.schema_digest != self.info.schema_digest:
                 raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV blocks differ "

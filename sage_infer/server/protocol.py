@@ -26,6 +26,7 @@ class KVTransferFields(BaseModel):
     do_remote_decode: bool = False  # to a prefill instance: hold the prompt's KV for a decode instance
     remote_url: str | None = Field(None, max_length=512)  # to a decode instance: the prefill instance holding it
     remote_request_id: str | None = Field(None, max_length=256)
+    signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # the router's, over the two above (pd_auth.py)
     schema_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     kv_dtype: KVDtype | None = None  # the prefill instance's KV dtype (a decode in another one gets it converted)
     # what a vLLM prefill instance answers (SageKVConnector, --backend vllm): its connector pulls the KV itself
