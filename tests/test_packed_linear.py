@@ -15,6 +15,7 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.build import use_packed_linears
 from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_module
+from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable
 from sage_infer.layers.linear import PackedLinear, pack_linears, packing_available, tied_linear_bytes
 from tests.tiny_models import make_tiny_model
 
@@ -90,10 +91,10 @@ def test_auto_packs_on_a_cpu_and_packed_elsewhere_is_a_config_error(tiny):
     assert isinstance(model[0], nn.Linear)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 64])
 def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monkeypatch):
     """What a CPU without bf16 packing (AVX2) runs, forced on any CPU: fp32 products of an fp32 copy, rounded
-    to bf16; up to `BF16_ROWS` rows on torch's bf16 product of the kept weight."""
+    to bf16; up to `bf16_rows` rows on the kept bf16 weight (sage's kernel, or torch's product without it)."""
     monkeypatch.setattr(linear_module, "packing_unavailable", lambda dtype: "no bf16 packing (forced by the test)")
     torch.manual_seed(rows)
     ref = nn.Linear(96, 160).to(torch.bfloat16)
@@ -102,8 +103,38 @@ def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monke
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 160)
-    if rows <= linear_module.BF16_ROWS:
+    if rows <= packed.bf16_rows and not packed.rows_kernel:
         assert torch.equal(got, ref(x))  # the same product on the same bf16 weight
+    elif rows <= packed.bf16_rows:  # sage's kernel: fp32 sums in another order, rounded to bf16 once
+        torch.testing.assert_close(got.float(), ref(x).float(), atol=1e-2, rtol=8e-3)
     else:  # fp32 math on the same values: within one bf16 rounding of the fp32 result
         want = torch.nn.functional.linear(x.float(), ref.weight.float(), ref.bias.float())
         torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(160, 96), (37, 100), (64, 4864)])  # K with a tail under 16; a long K
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_bf16_rows_kernel_equals_torchs_bf16_product_to_rounding(cpu_isa, rows, n, k, bias):
+    torch.manual_seed(rows * n + k)
+    layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    got = bf16_rows_linear(x, layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+    want = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # the same fp32 products summed in another order, each rounded to bf16 once: within a bf16 unit, and
+    # against the exact (fp64) sum closer than bf16's half unit plus fp32 summation error
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+    exact = torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                       None if layer.bias is None else layer.bias.double())
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+def test_the_bf16_rows_kernel_refuses_what_it_does_not_take():
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        bf16_rows_linear(torch.randn(5, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="bf16"):
+        bf16_rows_linear(torch.randn(1, 16), w)

@@ -15,10 +15,11 @@ plain `nn.Linear`, the reference path the packed one is tested against.
 
 Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
 emulated), a bf16 layer packs an fp32 copy of its weight and computes in fp32 (its output rounded to bf16, as a
-bf16 product's is): 1.5-8x faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. At 1-2 rows torch's
-bf16 GEMV, which reads half the bytes, is as fast or faster on the large layers, so the layer keeps the bf16
-weight for products of up to `BF16_ROWS` rows (bench/packed_linear.py measures both). That costs the bf16
-weight's bytes again next to the fp32 copy.
+bf16 product's is): 1.5-8x faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. Products of a
+few rows, bound by reading the weight, run sage's kernel on the bf16 weight instead (`bf16_rows_linear`: up to 4
+rows, 1.4-3.5x faster than torch's bf16 product there), or torch's bf16 product up to 2 rows without the kernels.
+The layer keeps the bf16 weight for them next to the fp32 copy (3x the bf16 bytes). bench/packed_linear.py
+measures all three; docs/cpu_isa.md has the numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear
+from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable, packed_layout_matches, small_linear
 
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
 # 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
@@ -37,9 +38,11 @@ PACK_BATCH_HINT = 2048
 # `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
-# bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run torch's bf16
-# product on the kept bf16 weight instead (the crossover on the 0.5B shape's layers is 3-4 rows on AVX2)
-BF16_ROWS = 2
+# bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run on the kept bf16
+# weight instead, on sage's kernel (it takes up to 4 rows) or, without the kernels, on torch's bf16 product
+# (whose crossover with the fp32 copy on the 0.5B shape's layers is 3-4 rows on AVX2)
+BF16_ROWS_KERNEL = 4
+BF16_ROWS_TORCH = 2
 
 
 def packing_available() -> bool:
@@ -72,9 +75,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # bf16 that oneDNN cannot pack here: an fp32 copy, computed in fp32; few-row products on the bf16 weight
-        self.dtype, self.weight_bf16 = weight.dtype, None
+        self.dtype, self.weight_bf16, self.bf16_rows = weight.dtype, None, 0
         if weight.dtype == torch.bfloat16 and packing_unavailable(torch.bfloat16) is not None:
-            self.weight_bf16 = weight
+            self.weight_bf16 = weight.contiguous()
+            self.rows_kernel = kernel_unavailable() is None
+            self.bf16_rows = BF16_ROWS_KERNEL if self.rows_kernel else BF16_ROWS_TORCH
             weight = weight.float()
         # a buffer, not a parameter: the packed layout is opaque to anything that reads weights
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
@@ -94,8 +99,9 @@ class PackedLinear(nn.Module):
         if 0 < flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
             out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
         elif self.weight_bf16 is not None:  # bf16 weights computed in fp32 (no bf16 packing on this CPU)
-            if flat.shape[0] <= BF16_ROWS:
-                out = torch.nn.functional.linear(flat, self.weight_bf16, self.bias_bf16)
+            if flat.shape[0] <= self.bf16_rows:
+                out = (bf16_rows_linear(flat, self.weight_bf16, self.bias_bf16) if self.rows_kernel
+                       else torch.nn.functional.linear(flat, self.weight_bf16, self.bias_bf16))
             else:
                 out = torch.ops.mkldnn._linear_pointwise(flat.float(), self.packed, self.bias, "none", [],
                                                          "").to(self.dtype)

@@ -314,6 +314,8 @@ bool flash_bf16_compiled();
 bool flash_f32_compiled();
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal);
+// bf16_rows.cpp
+torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // decode_step.cpp
 void bind_decode_layers(pybind11::module& m);
 
@@ -342,5 +344,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_f32_compiled", &flash_f32_compiled, "whether flash_attention_f32 was built (AVX-512)");
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
+  m.def("bf16_rows_linear", &bf16_rows_linear, "x @ W.T + b for 1-4 bf16 rows on the [N, K] bf16 weight");
   bind_decode_layers(m);
 }

@@ -1,0 +1,102 @@
+// bf16 products of a few rows on the bf16 weight as it is ([N, K] row-major), for CPUs where oneDNN cannot
+// pack bf16 (no AVX512-BW/VL/DQ): `PackedLinear` computes larger products in fp32 copies there, and these
+// rows, which are bound by reading the weight, read its bf16 bytes once. Each bf16 is widened to fp32 by a
+// 16-bit shift (exact), multiplied and summed in fp32 with FMA, and the sum rounded to bf16 once (to nearest
+// even), so results differ from torch's bf16 product only by fp32 summation order.
+// The reference is torch.nn.functional.linear on the same bf16 tensors (tests/test_packed_linear.py).
+#include "kernel.h"
+
+#include <cstdint>
+#include <cstring>
+
+#include "widen.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 bf16 at p as 8 fp32
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// out[m] = x[m, :] . w_row for the M rows of x (fp32, [M, K]); the weight row is read once for all M
+template <int M>
+inline void dot_rows(const float* x, const uint16_t* w_row, int64_t k_len, float* out) {
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0[M], acc1[M];
+  for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  for (; k + 16 <= k_len; k += 16) {
+    const __m256 w0 = widen8(w_row + k), w1 = widen8(w_row + k + 8);
+    for (int m = 0; m < M; ++m) {
+      acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k_len + k), acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * k_len + k + 8), acc1[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum(_mm256_add_ps(acc0[m], acc1[m]));
+#else
+  for (int m = 0; m < M; ++m) out[m] = 0.f;
+#endif
+  for (; k < k_len; ++k) {
+    uint32_t bits = static_cast<uint32_t>(w_row[k]) << 16;
+    float wk;
+    std::memcpy(&wk, &bits, sizeof wk);
+    for (int m = 0; m < M; ++m) out[m] += wk * x[m * k_len + k];
+  }
+}
+
+template <int M>
+void rows_linear(const float* x, const uint16_t* w, const float* bias, c10::BFloat16* y, int64_t n_len,
+                 int64_t k_len) {
+  at::parallel_for(0, n_len, 16, [&](int64_t begin, int64_t end) {
+    float sums[M];
+    for (int64_t n = begin; n < end; ++n) {
+      dot_rows<M>(x, w + n * k_len, k_len, sums);
+      const float b = bias != nullptr ? bias[n] : 0.f;
+      for (int m = 0; m < M; ++m) y[m * n_len + n] = narrow<c10::BFloat16>(sums[m] + b);
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] bf16 with M <= 4; weight: [N, K] bf16 contiguous; bias: [N] or none -> [M, N] bf16
+torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight: bf16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous(), "x: [M, K]; weight: contiguous [N, K]");
+  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k_len, "x and weight disagree on K");
+  TORCH_CHECK(m_len >= 1 && m_len <= MAX_ROWS, "bf16_rows_linear takes 1 to 4 rows");
+  const auto xf = x.to(at::kFloat).contiguous();
+  c10::optional<torch::Tensor> bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_len, "bias: [N]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  auto y = torch::empty({m_len, n_len}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* bp = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  switch (m_len) {
+    case 1: rows_linear<1>(xp, wp, bp, yp, n_len, k_len); break;
+    case 2: rows_linear<2>(xp, wp, bp, yp, n_len, k_len); break;
+    case 3: rows_linear<3>(xp, wp, bp, yp, n_len, k_len); break;
+    default: rows_linear<4>(xp, wp, bp, yp, n_len, k_len); break;
+  }
+  return y;
+}
