@@ -1,9 +1,12 @@
 """bf16 linear layers on a CPU: torch's bf16 product against `PackedLinear` (oneDNN's packed bf16 where this
-CPU packs bf16; else the fp32 copy it falls back to), at the 0.5B shape's layer sizes and 1-512 rows.
+CPU packs bf16; else the fp32 copy it falls back to, and sage's bf16 rows kernel for 1-4 rows), at the 0.5B
+shape's layer sizes and 1-512 rows.
 
     python bench/packed_linear.py [--threads 2] [--json out/packed_linear.json]
 
-Prints ms per product and the ratio torch ÷ PackedLinear (above 1: PackedLinear is faster); writes JSON.
+Prints ms per product of torch's bf16 `F.linear`, of the fp32 copy alone and of `bf16_rows_linear` alone (where
+they run here), and of `PackedLinear` (what it picks), with the ratio torch ÷ PackedLinear (above 1: faster);
+writes JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from bench._report import write_json  # noqa: E402
 from bench.flash_attention import best  # noqa: E402
 from sage_infer.hal.cpu import read_cpu_model  # noqa: E402
 from sage_infer.hal.isa import selected_level  # noqa: E402
+from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable  # noqa: E402
 from sage_infer.layers.linear import PackedLinear, packing_unavailable  # noqa: E402
 
 # (out, in) of Qwen2.5-0.5B's stacked q/k/v, o, gate/up and down products
@@ -43,19 +47,32 @@ def main() -> None:
     path = "oneDNN packed bf16" if why is None else f"fp32 copies ({why})"
     print(f"CPU {read_cpu_model()[0]} ({platform.machine()}, kernels level {selected_level({})[0]}), "
           f"{args.threads} threads; PackedLinear: {path}")
-    print(f"{'out x in':>12} {'rows':>5} {'torch bf16 ms':>14} {'PackedLinear ms':>16} {'torch/packed':>13}")
+    print(f"{'out x in':>12} {'rows':>5} {'torch bf16':>11} {'fp32 copy':>10} {'rows kernel':>12} "
+          f"{'PackedLinear':>13} {'torch/packed':>13}   (ms per product)")
     rows_out = []
+    kernel = kernel_unavailable() is None
     with torch.inference_mode():
         for n, k in SHAPES:
             layer = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            weight = layer.weight.detach()
             packed = PackedLinear(layer)
             for m in ROWS:
                 x = torch.randn(m, k, dtype=torch.bfloat16)
                 plain = best(lambda layer=layer, x=x: layer(x), args.repeats) * 1e3
                 fast = best(lambda packed=packed, x=x: packed(x), args.repeats) * 1e3
+                copy = rows = None
+                if packed.weight_bf16 is not None:  # the fp32-copy path: time its two parts alone
+                    copy = best(lambda packed=packed, x=x: torch.ops.mkldnn._linear_pointwise(
+                        x.float(), packed.packed, None, "none", [], "").to(torch.bfloat16), args.repeats) * 1e3
+                if kernel and m <= 4:
+                    rows = best(lambda weight=weight, x=x: bf16_rows_linear(x, weight), args.repeats) * 1e3
                 rows_out.append({"out": n, "in": k, "rows": m, "torch_bf16_ms": round(plain, 4),
+                                 "fp32_copy_ms": None if copy is None else round(copy, 4),
+                                 "rows_kernel_ms": None if rows is None else round(rows, 4),
                                  "packed_ms": round(fast, 4), "ratio": round(plain / fast, 3)})
-                print(f"{f'{n}x{k}':>12} {m:>5} {plain:>14.3f} {fast:>16.3f} {plain / fast:>12.2f}x")
+                cells = [f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}" for v, w in ((copy, 10), (rows, 12))]
+                print(f"{f'{n}x{k}':>12} {m:>5} {plain:>11.3f} {cells[0]} {cells[1]} {fast:>13.3f} "
+                      f"{plain / fast:>12.2f}x")
     write_json(Path(args.json) if args.json else None,
                {"cpu": read_cpu_model()[0], "threads": args.threads, "packed_path": path, "rows": rows_out})
 
