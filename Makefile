@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml setup.py
 # The C++ CPU kernels, once per ISA level (avx2, avx512, avx512_bf16 on x86-64), next to their loader in
 # sage_infer/layers/; ninja recompiles only what changed. Without a C++ compiler: one line, and the PyTorch path.
 $(KERNELS_STAMP): $(STAMP) $(KERNEL_INPUTS)
-	@echo "compiling the CPU kernels for every ISA level (3-5 minutes on 2 cores, once; later only what changed)"
+	@echo "compiling the CPU kernels for every ISA level (about 5 minutes on 2 cores, once; later only what changed)"
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
