@@ -185,11 +185,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  tensors: list[torch.Tensor], qk_norms: list[torch.Tensor], num_heads: int, num_kv_heads: int,
-                  head_dim: int, eps: float, qk_eps: float, scale: float):
+                  bf16: list[torch.Tensor | None], tensors: list[torch.Tensor], qk_norms: list[torch.Tensor],
+                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float, qk_eps: float, scale: float):
     """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
     `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
     cos, signed_sin, slots, block_tables, context_lens, shared_block_ids or None, flash)`` returns the
     final-normed hidden states (`LlamaForCausalLM.forward` calls it)."""
-    return _module().DecodeLayers(shapes, packed, biases, tensors, qk_norms, num_heads, num_kv_heads, head_dim, eps,
-                                  qk_eps, scale)
+    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, num_heads, num_kv_heads, head_dim,
+                                  eps, qk_eps, scale)

@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # bf16 that oneDNN cannot pack here: an fp32 copy, computed in fp32; few-row products on the bf16 weight
-        self.dtype, self.weight_bf16, self.bf16_rows = weight.dtype, None, 0
+        self.dtype, self.weight_bf16, self.bf16_rows, self.rows_kernel = weight.dtype, None, 0, False
         if weight.dtype == torch.bfloat16 and packing_unavailable(torch.bfloat16) is not None:
             self.weight_bf16 = weight.contiguous()
             self.rows_kernel = kernel_unavailable() is None

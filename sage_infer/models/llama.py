@@ -246,8 +246,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
                 return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
-            if any(m.weight_bf16 is not None for m in self._decode_linears(layer)):
-                return "oneDNN cannot pack bf16 weights on this CPU (the layers compute in fp32 copies)"
+            if any(m.weight_bf16 is not None and not m.rows_kernel for m in self._decode_linears(layer)):
+                return "its bf16 layers on fp32 copies need the bf16 rows kernel, which was not loaded for them"
         eps, qk_eps = self._norm_eps()
         if len(eps) > 1 or len(qk_eps) > 1:
             return "it takes one RMSNorm epsilon for the layers' norms and one for the q/k norms"
@@ -273,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         shapes: list[int] = []
         packed: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
+        bf16: list[torch.Tensor | None] = []
         tensors: list[torch.Tensor] = []
         qk_norms: list[torch.Tensor] = []
         for i, layer in enumerate(layers):
@@ -280,9 +281,10 @@ class LlamaForCausalLM(nn.Module):
             for linear in self._decode_linears(layer):
                 small = linear.small_rows > 0
                 shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
-                           linear.small_rows]
+                           linear.small_rows, linear.bf16_rows]
                 packed.append(linear.packed)
                 biases += [linear._bias32 if small else None, linear.bias]
+                bf16 += [linear.weight_bf16, linear.bias_bf16 if linear.weight_bf16 is not None else None]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
                         *pool.block_views(attn.layer)]
@@ -290,8 +292,8 @@ class LlamaForCausalLM(nn.Module):
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         eps, qk_eps = self._norm_eps()
         attn = layers[0].self_attn
-        step = kernels.decode_layers(shapes, packed, biases, tensors, qk_norms, attn.num_heads, attn.num_kv_heads,
-                                     attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
+        step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, attn.num_heads,
+                                     attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
         self.decode_step = (pool, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

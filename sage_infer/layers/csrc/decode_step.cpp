@@ -18,6 +18,7 @@
 // small_linear.cpp, fused_ops.cpp, flash_bf16.cpp, paged_decode.cpp: built into the same module
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
                            c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
@@ -40,14 +41,20 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // one `PackedLinear`: products of up to `small_rows` bf16 rows on small_linear (its fp32 bias), the
-// rest on oneDNN (its bias in the model's dtype), as `PackedLinear.forward` chooses
+// rest on oneDNN (its bias in the model's dtype), as `PackedLinear.forward` chooses; a bf16 layer that oneDNN
+// could not pack (`weight_bf16` set) runs up to `bf16_rows` rows on bf16_rows_linear, the rest in fp32 on its
+// packed fp32 copy (fp32 bias), rounded back to bf16
 struct Linear {
-  int64_t address, nbytes, n, small_rows;
+  int64_t address, nbytes, n, small_rows, bf16_rows;
   torch::Tensor packed;
-  c10::optional<torch::Tensor> bias32, bias;
+  c10::optional<torch::Tensor> bias32, bias, weight_bf16, bias_bf16;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16) return small_linear(x, address, nbytes, n, bias32);
+    if (weight_bf16.has_value()) {
+      if (x.size(0) <= bf16_rows) return bf16_rows_linear(x, *weight_bf16, bias_bf16);
+      return onednn_linear(x.to(at::kFloat), packed, bias).to(x.scalar_type());
+    }
     return onednn_linear(x, packed, bias);
   }
 };
@@ -77,23 +84,27 @@ void store_rows(const torch::Tensor& src, const torch::Tensor& rows, const int64
 
 class DecodeLayers {
  public:
-  // per layer, in order: linears (qkv, o, gate_up, down) as (address, nbytes, out_features, small_rows) x 4
-  // in `shapes` (address and nbytes 0 where small_rows is), their packed weights x 4 in `packed`, biases as
-  // (fp32, model dtype) x 4 in `biases` (none where absent), and in `tensors` post_norm, next_norm, k_rows,
-  // v_rows, k_blocks, v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
+  // per layer, in order: linears (qkv, o, gate_up, down) as (address, nbytes, out_features, small_rows,
+  // bf16_rows) x 4 in `shapes` (address and nbytes 0 where small_rows is), their packed weights x 4 in `packed`,
+  // biases as (fp32, model dtype) x 4 in `biases` (none where absent), (bf16 weight, bf16 bias) x 4 in `bf16`
+  // (none but for bf16 layers on fp32 copies), and in `tensors` post_norm, next_norm, k_rows, v_rows, k_blocks,
+  // v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
   DecodeLayers(std::vector<int64_t> shapes, std::vector<torch::Tensor> packed,
-               std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> tensors,
+               std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> bf16,
+               std::vector<torch::Tensor> tensors,
                std::vector<torch::Tensor> qk_norms, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double eps, double qk_eps, double scale)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 16 && packed.size() == n * 4 &&
-                    biases.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2),
-                "DecodeLayers: per layer 16 linear numbers, 4 packed weights, 8 biases, 6 tensors (and 2 q/k norms)");
+    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 20 && packed.size() == n * 4 &&
+                    biases.size() == n * 8 && bf16.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2),
+                "DecodeLayers: per layer 20 linear numbers, 4 packed weights, 8 biases, 8 bf16 weights/biases, 6 "
+                "tensors (and 2 q/k norms)");
     for (size_t i = 0; i < n; ++i) {
       auto linear = [&](size_t j) {
-        const int64_t* s = shapes.data() + i * 16 + j * 4;
-        return Linear{s[0], s[1], s[2], s[3], packed[i * 4 + j], biases[i * 8 + j * 2], biases[i * 8 + j * 2 + 1]};
+        const int64_t* s = shapes.data() + i * 20 + j * 5;
+        return Linear{s[0], s[1], s[2], s[3], s[4], packed[i * 4 + j], biases[i * 8 + j * 2],
+                      biases[i * 8 + j * 2 + 1], bf16[i * 8 + j * 2], bf16[i * 8 + j * 2 + 1]};
       };
       Layer layer{linear(0), linear(1), linear(2), linear(3), tensors[i * 6], tensors[i * 6 + 1], c10::nullopt,
                   c10::nullopt, tensors[i * 6 + 2], tensors[i * 6 + 3], tensors[i * 6 + 4], tensors[i * 6 + 5]};
@@ -187,7 +198,7 @@ void bind_decode_layers(pybind11::module& m) {
   // module-local: each ISA level's build binds its own DecodeLayers, and tests load several in one process
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
-                          double, double>())
+                          std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, double>())
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
 }
