@@ -284,7 +284,7 @@ def _chunk_attention_lse(
     With cached keys before the chunk (ctx_len > q_len), every query sees all of them: they are
     attended without a mask (`_shared_keys_attention_lse`), the chunk's own keys causally, and the
     two merged by their log-sum-exp; 1.1-1.6x faster than one call with a [q_len, ctx_len] mask,
-    which the CPU flash kernel takes as a dense additive bias (docs/benchmarks.md, session 8).
+    which the CPU flash kernel takes as a dense additive bias (`bench/flash_attention.py`, docs/benchmarks.md).
     Otherwise the G query heads of a KV head are a batch dimension ([G, KvH, q_len, D]) over K/V
     expanded without a copy.
     """

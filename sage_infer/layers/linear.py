@@ -33,7 +33,7 @@ from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable, 
 
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
 # 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
-# in bf16 (docs/benchmarks.md, session 8)
+# in bf16 (docs/benchmarks.md "Packed linear layers")
 PACK_BATCH_HINT = 2048
 # `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows

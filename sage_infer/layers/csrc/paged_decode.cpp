@@ -5,7 +5,7 @@
 // One query token per sequence. A task is one sequence (or one of its KV heads when the batch is
 // too small to keep every thread busy): its query heads score every context token, read once in
 // place from its pool block, softmax in fp32, then the same tokens' values are accumulated (read
-// once). Measured 5-7x faster than gather + masked SDPA per layer (docs/benchmarks.md, session 7).
+// once). Measured 5-7x faster than gather + masked SDPA per layer (bench/paged_decode_kernel.py).
 // Tasks run on ATen's thread pool, so
 // torch.set_num_threads applies. The pure-PyTorch oracle is
 // sage_infer.layers.attention.decode_attention_batched over KVPool.gather_blocks.
