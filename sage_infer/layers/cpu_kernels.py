@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 @cache
 def _load(forced: str) -> tuple[ModuleType | None, str | None, str]:
-    """(module, why it is unavailable, how it was chosen and found) for ``SAGE_CPU_ISA=forced`` ('' unset)."""
+    """(module, why it is unavailable, how it was chosen and found) for ``SAGE_CPU_ISA=forced`` ('' unset); keyed
+    by the variable's raw value, so each kernel call costs one environment read (`selected_level` normalizes)."""
     try:
         level, why_level = selected_level({ENV: forced} if forced else {})
     except ConfigError as err:
@@ -58,7 +59,7 @@ def _load(forced: str) -> tuple[ModuleType | None, str | None, str]:
 
 
 def _current() -> tuple[ModuleType | None, str | None, str]:
-    return _load(os.environ.get(ENV, "").strip().lower())
+    return _load(os.environ.get(ENV, ""))
 
 
 def kernel_level() -> str | None:

@@ -86,7 +86,7 @@ class PackedLinear(nn.Module):
                              persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
-        self.bias_bf16 = bias
+        self.bias_bf16 = bias if self.weight_bf16 is not None else None  # the few-row products' (bf16) bias
         self.small_rows = 0
         if small_rows > 0 and weight.dtype == torch.bfloat16:
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)

@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                            linear.small_rows, linear.bf16_rows]
                 packed.append(linear.packed)
                 biases += [linear._bias32 if small else None, linear.bias]
-                bf16 += [linear.weight_bf16, linear.bias_bf16 if linear.weight_bf16 is not None else None]
+                bf16 += [linear.weight_bf16, linear.bias_bf16]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
                         *pool.block_views(attn.layer)]
