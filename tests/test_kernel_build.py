@@ -195,3 +195,11 @@ def installed_build(level: str):
         return importlib.import_module(f"sage_infer.layers.{kernel_build.module_name(level)}")
     except ImportError:
         return None
+
+
+def test_first_use_compiles_go_under_sage_kernel_cache_when_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    assert kernel_build.cache_root() == tmp_path / "kernels"
+    monkeypatch.delenv("SAGE_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_build.cache_root() == tmp_path / "xdg" / "sage_infer" / "kernels"
