@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks of a session that is lent an NVIDIA machine, as one script (each step time-boxed, every log
-# under $OUT): the Triton kernel's and the engine's tests on CUDA, the kernel against the PyTorch path
-# (bench/paged_decode_kernel.py --device cuda), and the engine's decode attention A/B on the 0.5B shape.
+# The GPU checks for an NVIDIA machine, as one script (each step time-boxed, every log under $OUT): the Triton
+# kernel's, CUDA graphs' and speculative decoding's tests on CUDA, speculative decoding against none
+# (bench/spec_decode.py), the kernel against the PyTorch path (bench/paged_decode_kernel.py --device cuda),
+# and the engine's decode attention A/B on the 0.5B shape.
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
-#   STEPS="tests profile" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kernel engine prefill profile hf hf05
+#   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel engine prefill profile
+#                                                            # hf hf05
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -35,9 +37,18 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests kernel engine prefill profile hf hf05}
+STEPS=${STEPS:-tests spec spec05 kernel engine prefill profile hf hf05}
 case " $STEPS " in *" tests "*)
-    step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py ;; esac
+    step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py \
+        tests/test_spec_decode.py ;; esac
+case " $STEPS " in *" spec "*)  # n-gram speculation against none, the demo model in bf16 on the GPU
+    step spec 150 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 2 4 \
+        --json "$OUT/spec_decode_cuda.json" ;; esac
+case " $STEPS " in *" spec05 "*)  # the same on the 0.5B shape (random weights: random-token prompts)
+    model=$(python3 -c "from pathlib import Path; from bench.vllm_models import MODELS, prepare_model
+print(prepare_model(MODELS['qwen2.5-0.5b-shape'], Path('/tmp/sage-models')))") || exit 1
+    step spec05 150 python3 bench/spec_decode.py --device cuda --dtype bf16 --model "$model" --batch 1 8 --k 4 \
+        --json "$OUT/spec_decode_cuda_05b.json" ;; esac
 case " $STEPS " in *" kernel "*)
     step kernel 120 python3 bench/paged_decode_kernel.py --device cuda --json "$OUT/paged_decode_kernel_cuda.json" ;;
 esac
@@ -66,7 +77,7 @@ case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engi
             --json "$OUT/profile_cuda_$workload.json"
     done ;;
 esac
-case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU (added in session 10, not yet run there)
+case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU
     step hf 200 python3 bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4 --repeats 2 \
         --json "$OUT/engine_vs_hf_cuda.json" ;;
 esac

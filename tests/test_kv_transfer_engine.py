@@ -30,9 +30,10 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("pd") / "model", "llama")
 
 
-def make_llm(model_dir, kv_dtype: str = "auto") -> LLM:
+def make_llm(model_dir, kv_dtype: str = "auto", speculative: dict | None = None) -> LLM:
     config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
-                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32, kv_dtype=kv_dtype))
+                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32, kv_dtype=kv_dtype),
+                         speculative=speculative or {})
     return LLM(config=config, device="cpu")
 
 
@@ -81,6 +82,37 @@ def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir,
     assert second.outputs[0].token_ids == colocated and second.metrics.num_cached_tokens == 5 * BLOCK
     for engine in (prefill, decode):
         engine.kv.block_manager.check_invariants()
+        engine.kv.transfers.close()
+
+
+def test_a_decode_engine_with_speculation_verifies_over_received_kv_and_samples_the_same_tokens(model_dir):
+    """The prompt is the model's own greedy text, so the sampled continuation repeats it and prompt lookup
+    proposes; a seeded request samples the same tokens as a colocated engine without speculation."""
+    start = PROMPT[:3]
+    greedy = make_llm(model_dir).generate([start], SamplingParams(max_tokens=5 * BLOCK, temperature=0,
+                                                                  ignore_eos=True))
+    prompt = start + greedy[0].outputs[0].token_ids  # 5 full blocks and 3 tokens, as PROMPT
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_k=3, seed=7, ignore_eos=True)
+    [reference] = make_llm(model_dir).generate([prompt], sampled)
+    prefill = make_llm(model_dir).engine
+    decode = make_llm(model_dir, speculative={"method": "ngram", "prompt_lookup_min": 1}).engine
+    prefill.enable_kv_transfer()
+    address = decode.enable_kv_transfer(listen=True)
+    digest = prefill.kv_schema_digest
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill.add(AddRequest("r1", prompt, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
+    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
+    decode.add(AddRequest("r1", prompt, sampled, kv_transfer=KVTransferParams(transfer_id="t-r1",
+                                                                              schema_digest=digest)))
+    assert prefill.send_kv("r1", address, "t-r1") == 5
+    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    assert final.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert final.metrics.num_cached_tokens == 5 * BLOCK
+    assert decode.spec_stats.num_accepted_tokens > 0
+    for engine in (prefill, decode):
+        engine.kv.block_manager.check_invariants()
+        assert engine.kv.block_manager.num_used_blocks == 0
         engine.kv.transfers.close()
 
 

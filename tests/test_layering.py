@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
     {"layers", "sim"},  # attention over the pool API; the trace simulator above the runtime
     {"models"},
     {"pruning"},  # structured pruning of HF checkpoints (calibration from quantization, shapes from models)
+    {"spec_decode"},  # speculative proposers and the verifier (the scheduler asks, the engine verifies)
     {"scheduler"},
     {"engine"},
     {"backends"},  # InferenceBackend implementations (native wraps the engine)

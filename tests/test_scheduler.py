@@ -45,7 +45,10 @@ def step(scheduler: Scheduler, token: int = 7) -> ScheduledBatch:
     """Schedule, then sample `token` for every sequence whose chunk reached its last token."""
     batch = scheduler.schedule()
     sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-    scheduler.postprocess(batch, sampled, [token] * len(sampled))
+    scheduler.postprocess(batch)
+    for seq in sampled:
+        scheduler.append_token(seq, token)
+    scheduler.end_step()
     return batch
 
 
@@ -200,8 +203,8 @@ def test_siblings_of_an_n_request_start_after_the_first_sampled_and_reuse_its_pr
     scheduler.add_request(seqs)
     first = scheduler.schedule()
     assert first.seqs == [seqs[0]]
-    sampled = [seqs[0]]
-    scheduler.postprocess(first, sampled, [7])
+    scheduler.postprocess(first)
+    scheduler.append_token(seqs[0], 7)
     batch = scheduler.schedule()
     assert batch.seqs[1:] == seqs[1:]
     assert [s.num_cached_tokens for s in seqs[1:]] == [8, 8]

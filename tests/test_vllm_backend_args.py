@@ -223,3 +223,11 @@ def test_generate_with_backend_vllm_exits_2_with_one_line(sage):
     assert result.code == 2
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sage: error: backend vllm is not available: vllm is not installed")
+
+
+def test_ngram_speculation_becomes_vllms_speculative_config_and_other_methods_are_refused():
+    assert "speculative_config" not in translate().kwargs
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
+    with pytest.raises(ConfigError, match="^speculative.method: draft_model is not implemented"):
+        translate(speculative={"method": "draft_model"})

@@ -119,6 +119,16 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     if config.role != "both":
         kwargs["kv_transfer_config"], reason = _pd_connector(config, pd_port)
         values.append(ResolvedValue("role", config.role, reason))
+    speculative = config.speculative
+    if speculative.method == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative.num_speculative_tokens,
+                                        "prompt_lookup_min": speculative.prompt_lookup_min,
+                                        "prompt_lookup_max": speculative.prompt_lookup_max}
+        values.append(ResolvedValue("speculative.method", "ngram", "vLLM speculative_config: ngram with the same "
+                                    "num_speculative_tokens and prompt_lookup_min/max"))
+    elif speculative.method != "off":
+        raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
+                          "use ngram (or off)")
     return VLLMEngineArgs(kwargs, values, max_len.value)
 
 

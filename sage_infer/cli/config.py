@@ -12,6 +12,7 @@ from sage_infer.cli.options import (
     ModelOpt,
     PresetOpt,
     SetOpt,
+    SpeculativeOpt,
     resolve_flags,
 )
 from sage_infer.cli.output import emit, table
@@ -29,13 +30,15 @@ def show(
     kv_transport: KVTransportOpt = None,
     kv_tiers: KVTiersOpt = None,
     set_: SetOpt = None,
+    speculative_config: SpeculativeOpt = None,
     model: ModelOpt = None,
     hardware: bool = typer.Option(False, "--hardware", help="Also list every hardware preset field."),
     as_json: JsonOpt = False,
 ) -> None:
     """Print every resolved value with its source (cli > env > config > preset > default);
     fields the serve process does not use yet are marked INACTIVE with the reason."""
-    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)}, kv_tiers)
+    resolved = resolve_flags(preset, config, kv_transport, set_, {"model.path": ("--model", model)}, kv_tiers,
+                             speculative_config)
     rows = resolved.rows()
     data = {
         "hardware_preset": resolved.hardware_preset,

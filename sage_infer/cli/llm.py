@@ -24,6 +24,7 @@ from sage_infer.cli.options import (
     ModelOpt,
     PresetOpt,
     SetOpt,
+    SpeculativeOpt,
     resolve_flags,
 )
 
@@ -43,6 +44,7 @@ def serve(
     kv_tiers: KVTiersOpt = None,
     kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
+    speculative_config: SpeculativeOpt = None,
     role: Annotated[Optional[str], typer.Option(
         "--role", help="prefill | decode | both (default): this instance's part in prefill/decode separation.")] = None,
     pd: Annotated[Optional[str], typer.Option(
@@ -71,7 +73,7 @@ def serve(
         raise UsageError("--launcher and --ray-address place the workers of --pd xPyD: give --pd too")
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
-    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
+    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
     if resolved.config.pd is not None and resolved.config.backend not in ("native", "vllm"):
         from sage_infer.errors import ConfigError
 
@@ -82,14 +84,15 @@ def serve(
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
         sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else [])]
         raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
-                                   ray_address))
+                                   ray_address, speculative_config))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
 
 
-def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None) -> int:
+def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None,
+              speculative_config=None) -> int:
     """`--pd xPyD`: the workers get this command's model and config flags, and through the environment (not
     the process list) the API key and the transport's shared token (a fresh random one unless set); the
     router takes its host, port, key and `router` section."""
@@ -101,7 +104,8 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
 
     args: list[str] = []
     for flag, value in (("--model", model), ("--preset", preset), ("--config", config),
-                        ("--backend", None if resolved.backend == "native" else resolved.backend)):
+                        ("--backend", None if resolved.backend == "native" else resolved.backend),
+                        ("--speculative-config", speculative_config)):
         if value is not None:
             args += [flag, str(value)]
     for flag, values in (("--kv-transport", without_secrets("--kv-transport", kv_transport)), ("--kv-tiers", kv_tiers),
@@ -172,6 +176,7 @@ def generate(
     kv_tiers: KVTiersOpt = None,
     kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
+    speculative_config: SpeculativeOpt = None,
 ) -> None:
     """Generate text (the bundled demo model unless --model; the native engine unless --backend)."""
     from sage_infer.backends.offline import LLM
@@ -183,7 +188,7 @@ def generate(
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
     named = {"model.path": ("--model", model), "backend": ("--backend", backend),
              "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype)}
-    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers)
+    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
     _announce_startup(resolved)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

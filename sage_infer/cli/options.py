@@ -35,6 +35,12 @@ SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", help="Any config field as section.field=value, e.g. kv_pool.block_size=32 (repeatable)."),
 ]
+SpeculativeOpt = Annotated[
+    Optional[str],
+    typer.Option("--speculative-config", help="Speculative decoding as JSON (the speculative.* fields), e.g. "
+                 """'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, """
+                 """"prompt_lookup_max": 5}'."""),
+]
 KVCacheDtypeOpt = Annotated[
     Optional[str],
     typer.Option("--kv-cache-dtype", help="KV cache element type (kv_pool.kv_dtype): auto, bf16, fp16, fp32, "
@@ -56,19 +62,27 @@ def resolve_flags(
     sets: list[str] | None,
     named: dict[str, tuple[str, object]] | None = None,
     kv_tiers: list[str] | None = None,
+    speculative: str | None = None,
 ):
     """Resolve the process config from the shared flags.
 
     `named` maps dotted field -> (flag text, value) for a command's own flags
     (``{"model.path": ("--model", path)}``); None values are skipped.
     """
-    from sage_infer.config.overrides import CliLayer, add_kv_tiers_flags, add_kv_transport_flags, add_set_flags
+    from sage_infer.config.overrides import (
+        CliLayer,
+        add_kv_tiers_flags,
+        add_kv_transport_flags,
+        add_set_flags,
+        add_speculative_flag,
+    )
     from sage_infer.config.resolve import resolve_config
 
     layer = CliLayer()
     add_set_flags(layer, sets)
     add_kv_transport_flags(layer, kv_transport)
     add_kv_tiers_flags(layer, kv_tiers)
+    add_speculative_flag(layer, speculative)
     for dotted, (flag, value) in (named or {}).items():
         if value is not None:
             layer.set(dotted, value, flag)

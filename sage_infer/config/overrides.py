@@ -7,6 +7,7 @@ strings; pydantic converts them and reports a bad one with the flag that set it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -106,6 +107,24 @@ def add_kv_tiers_flags(layer: CliLayer, items: list[str] | None) -> None:
                 layer.set("tiers.remote_bytes", value, origin)
             else:
                 raise UsageError(f"--kv-tiers: unknown tier {key!r}; expected host, disk, remote or remote-bytes")
+
+
+def add_speculative_flag(layer: CliLayer, text: str | None) -> None:
+    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``: vLLM's flag, a JSON object
+    of `speculative` fields."""
+    if text is None:
+        return
+    example = """e.g. '{"method": "ngram", "num_speculative_tokens": 4}'"""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--speculative-config: not JSON ({err.msg} at column {err.colno}); {example}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--speculative-config: expected a JSON object; {example}")
+    for key, value in data.items():
+        if isinstance(value, (dict, list)):
+            raise UsageError(f"--speculative-config: {key}: expected a string or a number")
+        layer.set(f"speculative.{key}", value, f"--speculative-config {key}={value}")
 
 
 def add_set_flags(layer: CliLayer, items: list[str] | None) -> None:

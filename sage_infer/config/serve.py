@@ -186,6 +186,29 @@ class SchedulerConfig(Strict):
     max_waiting: int = Field(1024, ge=1, description="Queue length before new requests get 429.")
 
 
+class SpeculativeConfig(Strict):
+    """Speculative decoding: a proposer guesses a running sequence's next tokens, one forward pass of the model
+    checks them all, and every guess that matches what the model would have produced is kept. The output is the
+    same as without it (greedy: the same tokens; sampling: the same distribution, and a seeded request the same
+    tokens); a step that accepts guesses makes several tokens for about the weight reads of one."""
+
+    method: Literal["off", "ngram", "suffix", "draft_model"] = Field(
+        "off", description="off; ngram: look the sequence's last tokens up earlier in its prompt and output and "
+        "propose what followed them (prompt lookup). suffix and draft_model are refused at start-up: not built yet.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
+    prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix of the sequence that "
+                                   "is looked up.")
+    prompt_lookup_max: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up (the longest "
+                                   "one found wins; among its occurrences, the latest).")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class ServeConfig(BaseSettings):
     """Everything one serve process needs; frozen after resolution."""
 
@@ -218,6 +241,7 @@ class ServeConfig(BaseSettings):
     quota: QuotaConfig = QuotaConfig()
     router: RouterConfig = RouterConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     kv_transport: KVTransportConfig = KVTransportConfig()
     hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")
 

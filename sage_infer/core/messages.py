@@ -118,6 +118,11 @@ class EngineStats:
     hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
     hot_used: int = 0  # of those, hit by a later request
     request_failures: int = 0  # requests the engine failed alone on an unexpected error (each one, not the engine)
+    # speculative decoding (none when off): verify groups, tokens proposed, tokens accepted, accepted by position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     quota_blocks: tuple[tuple[str, str, int], ...] = ()  # (tier, tenant, blocks held) with tenant quotas
     quota_events: tuple[tuple[str, str, str, int], ...] = ()  # (tier, tenant, min|max|self_evict, count)
     kv_transfer_role: str | None = None  # prefill | decode (prefill/decode separation), None otherwise

@@ -48,6 +48,9 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     admitted_once: bool = False  # the prefix query is counted on the first admission only
     hold_kv: bool = False  # prefill/decode: its blocks outlive it, until a decode instance took them
+    # speculative decoding: tokens proposed to follow token_ids, checked by this step's verify rows (their KV is
+    # written after num_computed_tokens; the rows the target rejects are rolled back after the step)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

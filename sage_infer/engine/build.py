@@ -48,6 +48,7 @@ from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import make_extra_key
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.scheduler import Scheduler
+from sage_infer.spec_decode import build_proposer
 from sage_infer.transport.process_group import join_process_group
 
 DEMO_MODEL_NAME = "sage-demo"
@@ -68,6 +69,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     device = auto.device
     if device.type == "cpu":
         check_forced_level()  # a SAGE_CPU_ISA this CPU cannot run: one line before the weights load
+    proposer = build_proposer(config.speculative)  # (a method not built yet: one line before the weights load)
     model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     if config.model.huge_pages:
@@ -118,7 +120,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
-    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids)
+    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
+                          proposer=proposer)
     decode_in_place = use_paged_attention(config.model.attention, pool, device)
     prefill_kernel = use_flash_attention(config.model.prefill_attention, model, arch.head_dim, device, pool)
     on_gpu = prefill_kernel and device.type == "cuda"

@@ -12,7 +12,14 @@ import time
 from collections.abc import Sequence
 from itertools import count
 
-from sage_infer.config.serve import KVPoolConfig, ModelConfig, PolicyConfig, SchedulerConfig, ServeConfig
+from sage_infer.config.serve import (
+    KVPoolConfig,
+    ModelConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    ServeConfig,
+    SpeculativeConfig,
+)
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.engine.build import build_engine
@@ -37,9 +44,11 @@ def llm_config(
     scheduling: str = "fifo",
     eviction_policy: str = "lru",
     revision: str = "local",
+    speculative_config: dict | None = None,
 ) -> ServeConfig:
     """The `ServeConfig` that `LLM`'s keyword arguments describe. `block_size` None: the
-    backend's default (16 natively; vLLM's own on its platform)."""
+    backend's default (16 natively; vLLM's own on its platform). `speculative_config`: the `speculative`
+    section as vLLM's argument of that name, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``."""
     pool = dict(num_blocks=num_blocks, memory_budget=kv_memory, enable_prefix_caching=enable_prefix_caching)
     if block_size is not None:
         pool["block_size"] = block_size
@@ -51,6 +60,7 @@ def llm_config(
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill),
         policy=PolicyConfig(eviction=eviction_policy),
+        speculative=SpeculativeConfig(**(speculative_config or {})),
     )
 
 

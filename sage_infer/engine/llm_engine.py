@@ -20,11 +20,12 @@ from sage_infer.errors import ConfigError
 from sage_infer.kv_runtime.connector import KVConnector
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.kv_runtime.transfers import KVTransfers
-from sage_infer.layers.sampler import Sampler
+from sage_infer.layers.sampler import Sampler, skip_draws
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.events import short
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from sage_infer.scheduler.scheduler import Scheduler
+from sage_infer.spec_decode import SpecDecodeStats, accept
 
 LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
 
@@ -69,6 +70,7 @@ class LLMEngine:
         self.max_total_tokens = parts.scheduler.max_total_tokens  # a sequence alone always fits the pool
         self.max_model_len = parts.max_model_len
         self.sampler = Sampler()
+        self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified, tokens proposed and accepted
         self.requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # requests whose every sequence ended, not yet reported
         self._seq_ids = count()
@@ -266,6 +268,10 @@ class LLMEngine:
             prefix_queries=metrics.queries if metrics is not None else 0,
             prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
+            spec_drafts=self.spec_stats.num_drafts,
+            spec_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
             **self._tier_stats(),
             **self._quota_stats(),
             **self._transfer_stats(),
@@ -331,45 +337,75 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = seq.num_cached_tokens
-        logits, sampled_rows = self.runner.run(batch.seqs, batch.num_new_tokens)
-        sampled = [batch.seqs[i] for i in sampled_rows]
-        tokens: list[int] = []
-        if sampled:
-            out = self.sampler(
-                logits,
-                [s.params for s in sampled],
-                [s.prompt_token_ids for s in sampled],
-                [s.output_token_ids for s in sampled],
-                [s.generator for s in sampled],
-            )
-            tokens = [int(t) for t in out.token_ids]
-            for j, seq in enumerate(sampled):
-                if out.logprobs is not None and seq.params.logprobs is not None:
-                    seq.logprobs.append((out.logprobs[j], out.top_logprobs[j] if out.top_logprobs else []))
-        self.scheduler.postprocess(batch, sampled, tokens)
-        return self._collect(self._process_outputs(sampled, tokens))
+        logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
+        emitted = self._sample(logits, [batch.seqs[i] for i in rows])
+        self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
+                                           if seq.draft_token_ids})
+        changed = self._append_outputs(emitted)
+        self.scheduler.end_step()
+        return self._collect(changed)
 
-    def _process_outputs(self, seqs: list[Sequence], tokens: list[int]) -> dict[str, None]:
-        """Detokenize the sampled tokens, end sequences on stop strings, close finished requests."""
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> dict[Sequence, tuple[list[int], list]]:
+        """Sample every logits row (`rows[r]`: its sequence; a sequence with speculative proposals has one row per
+        verify position, in order) and verify the proposals (`spec_decode.accept`). Per sequence: the tokens it
+        emits this step and their logprobs entries (empty unless it asked)."""
+        if not rows:
+            return {}
+        histories, drafted = [], {}
+        for r, seq in enumerate(rows):
+            j = r - drafted.setdefault(seq, r)  # the verify position of row r: proposals before it join the history
+            histories.append(seq.output_token_ids + seq.draft_token_ids[:j] if j else seq.output_token_ids)
+        # a seeded sampled row draws from its generator once per verify row; afterwards it must have drawn once
+        # per emitted token, as without speculation (`skip_draws`)
+        states = {seq: seq.generator.get_state() for seq in drafted
+                  if seq.draft_token_ids and seq.generator is not None and not seq.params.greedy}
+        out = self.sampler(logits, [s.params for s in rows], [s.prompt_token_ids for s in rows], histories,
+                           [s.generator for s in rows])
+        emitted = {}
+        for seq, first in drafted.items():
+            drafts = seq.draft_token_ids
+            target = out.token_ids[first:first + len(drafts) + 1]
+            tokens = accept(drafts, target) if drafts else target
+            entries = []
+            if out.logprobs is not None and seq.params.logprobs is not None:
+                entries = [(out.logprobs[first + j], out.top_logprobs[first + j] if out.top_logprobs else [])
+                           for j in range(len(tokens))]
+            if drafts:
+                self.spec_stats.record(len(drafts), len(tokens) - 1)
+                if seq in states and len(tokens) <= len(drafts):
+                    seq.generator.set_state(states[seq])
+                    skip_draws(seq.generator, logits.shape[1], len(tokens), logits.device)
+            emitted[seq] = (tokens, entries)
+        return emitted
+
+    def _append_outputs(self, emitted: dict[Sequence, tuple[list[int], list]]) -> dict[str, None]:
+        """Append each sequence's emitted tokens one at a time, ending it where a token does (a stop token, a
+        length limit: `Scheduler.append_token`; a stop string: the detokenizer) and dropping the tokens after;
+        detokenize; close finished requests. The one place a sequence ends after a step."""
         changed: dict[str, None] = {}
         now = time.monotonic()
-        for seq, token in zip(seqs, tokens):
+        for seq, (tokens, entries) in emitted.items():
             request = self.requests[seq.request_id]
             changed[seq.request_id] = None
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             detok = request.detokenizers[seq.index]
-            ended_by_token = seq.is_finished and seq.finish_reason == "stop"
-            # the ending token stays in token_ids; its text only when asked for (as vLLM)
-            if not ended_by_token or seq.params.include_stop_str_in_output:
-                request.pending[seq.index] += detok.step(token)
-            if detok.stopped_by is not None and not ended_by_token:
-                if seq.is_finished:  # a stop string on the last allowed token: it is a stop, not a length end
-                    seq.finish_reason, seq.stop_reason = "stop", detok.stopped_by
-                else:
-                    self.scheduler.finish(seq, "stop", detok.stopped_by)
-            if seq.is_finished:
-                self._on_finished(seq)
+            for j, token in enumerate(tokens):
+                self.scheduler.append_token(seq, token)
+                if entries:
+                    seq.logprobs.append(entries[j])
+                ended_by_token = seq.is_finished and seq.finish_reason == "stop"
+                # the ending token stays in token_ids; its text only when asked for (as vLLM)
+                if not ended_by_token or seq.params.include_stop_str_in_output:
+                    request.pending[seq.index] += detok.step(token)
+                if detok.stopped_by is not None and not ended_by_token:
+                    if seq.is_finished:  # a stop string on the last allowed token: it is a stop, not a length end
+                        seq.finish_reason, seq.stop_reason = "stop", detok.stopped_by
+                    else:
+                        self.scheduler.finish(seq, "stop", detok.stopped_by)
+                if seq.is_finished:
+                    self._on_finished(seq)
+                    break
         return changed
 
     def _on_finished(self, seq: Sequence) -> None:

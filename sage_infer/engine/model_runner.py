@@ -66,7 +66,8 @@ class ModelRunner:
         self, seqs: list[Sequence], num_new_tokens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Flatten the step: (input_ids [T], positions [T], metadata, rows whose logits are needed,
-        indices into `seqs` of the sequences those rows belong to).
+        indices into `seqs` of the sequences those rows belong to: a sequence with speculative proposals has
+        one row per proposal after its last token's, in order).
 
         A sequence with one new token after others is a decode row (batched attention); with the
         paged kernel (and no prefill kernel), so is each token of a chunk of at most `IN_PLACE_CHUNK_ROWS`
@@ -98,6 +99,9 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
+            drafts = seq.draft_token_ids  # speculative: the proposals follow the last token, one verify row each
+            if drafts:
+                input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
             in_place = n == 1 or (self.decode_in_place and not self.prefill_in_place and start > 0
@@ -123,9 +127,9 @@ class ModelRunner:
                     prefill_tables.append(seq.block_table[: -(-end // self.block_size)])
                 elif start > 0:  # only spans with earlier context read keys back from the cache
                     prefill_slots.extend(self._slots(seq.block_table, 0, end))
-            if end == seq.num_tokens:
-                sample_rows.append(row + n - 1)
-                sampled.append(i)
+            if end == seq.num_tokens + len(drafts):  # the last row, and every verify row before it
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
+                sampled.extend([i] * (len(drafts) + 1))
 
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -200,7 +204,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
-        into `seqs` of the sequences they belong to (those whose chunk reached their end)."""
+        into `seqs` of the sequences they belong to (those whose chunk reached their end; a sequence with
+        speculative proposals once per verify row)."""
         if self.graphs is not None and self.graphs.fits(seqs, num_new_tokens):
             return self.graphs.run(seqs), list(range(len(seqs)))
         input_ids, positions, meta, sample_rows, sampled = self.prepare(seqs, num_new_tokens)

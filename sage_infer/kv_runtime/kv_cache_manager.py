@@ -299,11 +299,22 @@ class KVCacheManager:
         seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past `seq`'s computed tokens to the pool: speculative rows the target rejected wrote
+        KV there. They were allocated for this step and hold no computed token, so none is registered."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.block_manager.free(list(reversed(seq.block_table[keep:])))
+            del seq.block_table[keep:]
+
     # -- after a step -----------------------------------------------------------------------
 
-    def commit(self, seq: Sequence) -> None:
-        """After a step computed KV: register newly full blocks so later requests can hit them."""
+    def commit(self, seq: Sequence, token_ids: list[int] | None = None) -> None:
+        """After a step computed KV: register newly full blocks so later requests can hit them. `token_ids`: the
+        sequence's tokens when its computed ones run past `seq.token_ids` (accepted speculative proposals, which
+        are appended after the step's KV is accounted)."""
         bs = self.block_size
+        token_ids = seq.token_ids if token_ids is None else token_ids
         full = seq.num_computed_tokens // bs
         first_new = len(seq.block_hashes)
         if self.index is not None:
@@ -312,7 +323,7 @@ class KVCacheManager:
                 # a twin computed in the same step may already own this hash: then we move
                 # onto its block, so our chain never hangs off an evictable copy
                 block_id, block_hash = self.block_manager.cache_block(
-                    seq.block_table[i], parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key
+                    seq.block_table[i], parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key
                 )
                 seq.block_table[i] = block_id
                 seq.block_hashes.append(block_hash)

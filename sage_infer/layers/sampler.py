@@ -166,6 +166,15 @@ def sample_from_probs(
     return (probs / q).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, vocab: int, rows: int, device: torch.device) -> None:
+    """Advance `generator` as `sample_from_probs` does for `rows` sampled rows of a `vocab`-wide batch (one
+    float32 exponential draw per vocab entry per row): a speculative verify step rewinds a seeded sequence's
+    generator and replays the draws of the rows it kept."""
+    noise = torch.empty(vocab, dtype=torch.float32, device=device)
+    for _ in range(rows):
+        noise.exponential_(generator=generator)
+
+
 def _row_values(values: list[float], device: torch.device) -> torch.Tensor:
     """One float32 per row, shaped [batch, 1] to broadcast over the vocab or ids."""
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

@@ -4,22 +4,27 @@
 the lowest-priority running sequence by recompute when the pool is short; then waiting
 sequences are admitted (prefix hits first) while budget, seats and blocks last.
 
-`postprocess()`: after the model ran and tokens were sampled, account the computed KV
-(registering full blocks for reuse), append the sampled tokens, finish sequences that hit
-a stop token or a length limit, and start the siblings of an `n > 1` request once its
-first sequence has computed the shared prompt.
+With a speculative `proposer`, a decode row also carries the tokens proposed to follow it
+(`Sequence.draft_token_ids`): they count against the step's token budget and get KV blocks like
+any other token, and are dropped before anything is preempted for them.
+
+After the model ran: `postprocess()` accounts the computed KV (registering full blocks for
+reuse) and rolls back the KV of proposals the target rejected; `append_token()` adds one
+sampled token, finishing the sequence on a stop token or a length limit and starting the
+siblings of an `n > 1` request once its first sequence has computed the shared prompt.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sage_infer.config.serve import SchedulerConfig
 from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
+from sage_infer.spec_decode import NgramProposer
 
 
 @dataclass(slots=True)
@@ -51,8 +56,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.config = config
+        self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         pool_tokens = kv.block_manager.num_blocks * kv.block_size
@@ -98,6 +105,7 @@ class Scheduler:
         """Recompute later: free its blocks (registered ones stay cached) and queue it again."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.add(seq)
 
@@ -121,7 +129,13 @@ class Scheduler:
             if num_new == 0:
                 self.running.append(seq)
                 continue
+            if num_new == 1 and self.proposer is not None:
+                num_new += self._propose(seq, budget - 1)
             while not self.kv.allocate(seq, num_new):
+                if seq.draft_token_ids:  # proposals are the first thing to go when the pool is short
+                    seq.draft_token_ids = []
+                    num_new = 1
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -157,6 +171,16 @@ class Scheduler:
                 computing.append((seq, num_new))
         return batch
 
+    def _propose(self, seq: Sequence, budget: int) -> int:
+        """Ask the proposer for tokens to follow a decode row (`seq.draft_token_ids`); how many. No more than the
+        step's budget left, and no more than the sequence may still emit after this step's first token (its
+        `max_tokens`, the context), so a verify row never runs past the end."""
+        room = self.max_total_tokens - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        seq.draft_token_ids = self.proposer.propose(seq.seq_id, seq.token_ids, min(budget, room))
+        return len(seq.draft_token_ids)
+
     def _computed_this_step(self, seq: Sequence, cached_tokens: int, computing: list[tuple[Sequence, int]]) -> bool:
         """Whether the next full block of `seq`'s prompt (past its cached prefix) is one another sequence in
         this step computes: the same tokens from the start, the same prefix-cache key. Such a request waits
@@ -174,32 +198,48 @@ class Scheduler:
 
     # -- after the step -------------------------------------------------------------------
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int]) -> None:
-        """Account this step's KV for every scheduled sequence, then append each sampled token.
-
-        A sequence ends here on a stop token (`stop_token_ids`, or EOS unless `ignore_eos`)
-        or a length limit (`max_tokens`, the context or the pool); stop strings need the
-        text, so the engine's output processing ends those with `finish`.
-        """
+    def postprocess(self, batch: ScheduledBatch, accepted: Mapping[Sequence, int] | None = None) -> None:
+        """Account this step's KV for every scheduled sequence. A sequence with proposals keeps the KV of its
+        first row and of the `accepted[seq]` proposals the target agreed with; the blocks past that go back to
+        the pool (rows the target rejected wrote there; the rest of the last kept block is overwritten by later
+        steps). Only then are newly full blocks registered for reuse: never one holding a rejected token.
+        The sampled tokens follow, one `append_token` each."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
-        for seq, token in zip(sampled, token_ids):
-            seq.token_ids.append(token)
-            siblings = self._siblings.pop(seq.request_id, None)
-            if siblings:
-                for sibling in siblings:
-                    self.add(sibling)
-            params = seq.params
-            if token in params.stop_token_ids:
-                self.finish(seq, "stop", token)
-            elif not params.ignore_eos and token in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-                self.finish(seq, "length")
-            elif seq.num_tokens >= self.max_total_tokens:
-                self.finish(seq, "length")
-        if not self.waiting:  # room to spare: bring hot lower-tier blocks back before they are asked for
+            drafts = seq.draft_token_ids
+            if not drafts:
+                seq.num_computed_tokens += n
+                self.kv.commit(seq)
+                continue
+            kept = (accepted or {}).get(seq, 0)
+            seq.num_computed_tokens += n - (len(drafts) - kept)
+            seq.draft_token_ids = []
+            self.kv.trim(seq)
+            self.kv.commit(seq, seq.token_ids + drafts[:kept] if kept else None)
+
+    def append_token(self, seq: Sequence, token: int) -> bool:
+        """Append one sampled token to a running `seq`; finish it on a stop token (`stop_token_ids`, or EOS unless
+        `ignore_eos`) or a length limit (`max_tokens`, the context or the pool). Whether it finished. Stop strings
+        need the text: the engine's output processing ends those with `finish`."""
+        seq.token_ids.append(token)
+        siblings = self._siblings.pop(seq.request_id, None)
+        if siblings:
+            for sibling in siblings:
+                self.add(sibling)
+        params = seq.params
+        if token in params.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self.finish(seq, "length")
+        elif seq.num_tokens >= self.max_total_tokens:
+            self.finish(seq, "length")
+        return seq.is_finished
+
+    def end_step(self) -> None:
+        """After a step's tokens are appended: with no request waiting, bring hot lower-tier blocks back
+        before they are asked for."""
+        if not self.waiting:
             self.kv.promote_hot()
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
@@ -219,5 +259,8 @@ class Scheduler:
         else:
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.draft_token_ids = []
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         seq.finish_time = time.monotonic()

@@ -18,6 +18,24 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+def _spec_decode_families(stats, labels: list[str], value: list[str]):
+    """Speculative decoding, as vLLM's `vllm:spec_decode_*` counters: mean accepted length is
+    1 + accepted_tokens / drafts, acceptance rate accepted_tokens / draft_tokens."""
+    families = []
+    for name, help_text, count in (
+            ("num_drafts", "Groups of proposed tokens verified (one per sequence and step).", stats.spec_drafts),
+            ("num_draft_tokens", "Proposed tokens verified.", stats.spec_draft_tokens),
+            ("num_accepted_tokens", "Proposed tokens the model agreed with.", stats.spec_accepted_tokens)):
+        family = CounterMetricFamily(f"sage:spec_decode_{name}", help_text, labels=labels)
+        family.add_metric(value, count)
+        families.append(family)
+    by_position = CounterMetricFamily("sage:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
+                                      "their position in the proposal (0 = the first).", labels=[*labels, "position"])
+    for position, count in enumerate(stats.spec_accepted_per_position):
+        by_position.add_metric([*value, str(position)], count)
+    return [*families, by_position]
+
+
 class _EngineCollector:
     """Reads live backend stats on every scrape (no background polling)."""
 
@@ -44,6 +62,7 @@ class _EngineCollector:
         failures = CounterMetricFamily("sage:request_engine_failures", "Requests failed alone on an unexpected "
                                        "engine error (the engine went on serving the others).", labels=labels)
         failures.add_metric(value, stats.request_failures)
+        yield from _spec_decode_families(stats, labels, value)
         yield from self._tiers(stats, labels, value)
         yield from self._quotas(stats, labels, value)
         yield from _transfer_families(stats, labels, value)

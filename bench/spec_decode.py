@@ -1,0 +1,133 @@
+"""Speculative decoding (n-gram prompt lookup) against the same engine without it, side by side in one process.
+
+    python bench/spec_decode.py --json out/spec_decode.json
+    python bench/spec_decode.py --model /tmp/models/qwen2.5-0.5b-shape --dtype bf16 --batch 1 4
+    python bench/spec_decode.py --device cuda --dtype bf16
+
+Variants: `off` (no speculation) and `ngram-kK` for each `--k` (num_speculative_tokens K, prompt lookup 2..5),
+each a fresh `LLM` with an empty prefix cache, run `--repeats` times interleaved, the fastest run kept.
+
+Workloads (greedy, ignore-EOS), for each `--batch` size B (B requests submitted at once):
+  copy      each prompt is a passage of text followed by its first sentence again, the way a request to
+            quote, edit or summarise a document repeats it: lookup proposes the passage's continuation.
+  free      each prompt is the passage alone: the output repeats the prompt only where the model does.
+The passages are the bundled demo model's training text (Shakespeare), or random token ids with `--model`
+(a random-weight model has no text to copy: its greedy loops are what lookup finds there).
+
+Reported per variant: output tok/s, its ratio to `off` in the same run, proposals verified, acceptance rate
+(accepted / proposed tokens) and mean accepted length (tokens per verify group, 1.0 = no gain). The bench
+checks that every variant's tokens equal `off`'s and says where they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._report import write_json  # noqa: E402
+from sage_infer import LLM, SamplingParams  # noqa: E402
+
+
+def passages(count: int, length: int, seed: int) -> list[str]:
+    """`count` windows of about `length` words from the demo model's word list text."""
+    words = (REPO / "sage_infer" / "demo_model" / "wordlist.txt").read_text(encoding="utf-8").split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        start = rng.randrange(0, max(1, len(words) - length))
+        out.append(" ".join(words[start:start + length]))
+    return out
+
+
+def workloads(llm: LLM, batch: int, model: str | None, seed: int) -> dict[str, list]:
+    if model is None:
+        texts = passages(batch, 120, seed)
+        return {"copy": [t + "\n\n" + t[: len(t) // 3] for t in texts], "free": texts}
+    rng = random.Random(seed)
+    vocab = llm.engine.model_info().vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(200)] for _ in range(batch)]
+    return {"copy": [p + p[:60] for p in prompts], "free": prompts}
+
+
+def run_variant(args, speculative: dict | None, prompts: list, params: SamplingParams) -> dict:
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+              speculative_config=speculative)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    before = llm.engine.spec_stats
+    drafts0, proposed0, accepted0 = before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    stats = llm.engine.spec_stats
+    drafts = stats.num_drafts - drafts0
+    proposed, accepted = stats.num_draft_tokens - proposed0, stats.num_accepted_tokens - accepted0
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    llm.close()
+    return {"seconds": seconds, "tokens": sum(map(len, tokens)), "tok_s": sum(map(len, tokens)) / seconds,
+            "drafts": drafts, "proposed": proposed, "accepted": accepted,
+            "acceptance": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0, "token_ids": tokens}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="local HF model directory (default: the bundled demo)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    variants = {"off": None} | {f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k} for k in args.k}
+    probe = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
+    results = []
+    for batch in args.batch:
+        for name, prompts in workloads(probe, batch, args.model, args.seed).items():
+            best: dict[str, dict] = {}
+            for _ in range(args.repeats):
+                for variant, speculative in variants.items():
+                    run = run_variant(args, speculative, prompts, params)
+                    if variant not in best or run["tok_s"] > best[variant]["tok_s"]:
+                        best[variant] = run
+            reference = best["off"]["token_ids"]
+            for variant, run in best.items():
+                same = sum(a == b for a, b in zip(run.pop("token_ids"), reference))
+                row = {"workload": name, "batch": batch, "variant": variant, **run,
+                       "vs_off": run["tok_s"] / best["off"]["tok_s"], "same_tokens": f"{same}/{len(reference)}"}
+                results.append(row)
+                acceptance = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
+                print(f"{name:5} b={batch:<3} {variant:9} {row['tok_s']:8.1f} tok/s  x{row['vs_off']:.2f}  "
+                      f"drafts {row['drafts']:5}  acceptance {acceptance:>4}  mean accepted length "
+                      f"{row['mean_accepted_length']:.2f}  same tokens {row['same_tokens']}", flush=True)
+    probe.close()
+    write_json(args.json, {"bench": "spec_decode", "model": args.model or "demo", "dtype": args.dtype,
+                           "device": args.device or "auto", "threads": torch.get_num_threads(),
+                           "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                           "torch": torch.__version__, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

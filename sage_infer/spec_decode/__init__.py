@@ -1,0 +1,30 @@
+"""Speculative decoding: a proposer guesses a running sequence's next tokens, the target model checks them in
+one forward pass (the verify rows of a step), and the verifier keeps the guesses the target agrees with.
+
+- `ngram.NgramProposer`: prompt lookup, the sequence's last tokens found earlier in its own prompt and output.
+- `verifier.accept`: how many proposed tokens stand, given the target's own choice at each verify row.
+- `stats.SpecDecodeStats`: proposals, proposed and accepted tokens, acceptance by position (`/metrics`).
+
+The scheduler asks the proposer when it schedules a decode row (so the step's token budget and the KV blocks
+count the proposed tokens); the engine samples every verify row and keeps what `accept` says, then rolls the KV
+of the rejected rows back (`Scheduler.postprocess`).
+"""
+
+from __future__ import annotations
+
+from sage_infer.config.serve import SpeculativeConfig
+from sage_infer.errors import ConfigError
+from sage_infer.spec_decode.ngram import NgramProposer
+from sage_infer.spec_decode.stats import SpecDecodeStats
+from sage_infer.spec_decode.verifier import accept
+
+__all__ = ["NgramProposer", "SpecDecodeStats", "accept", "build_proposer"]
+
+
+def build_proposer(config: SpeculativeConfig) -> NgramProposer | None:
+    """The proposer `config` asks for; None when speculation is off. A method not built yet is a ConfigError."""
+    if config.method == "off":
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ConfigError(f"speculative.method: {config.method} is not implemented yet; use ngram (or off)")

@@ -1,0 +1,308 @@
+"""Speculative decoding (n-gram proposals, exact verification): the same output as without it, in every mode
+the engine serves, with the rejected rows' KV rolled back and nothing leaked."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig, SpeculativeConfig
+from sage_infer.errors import ConfigError
+from sage_infer.spec_decode import NgramProposer, SpecDecodeStats, accept, build_proposer
+from tests.tiny_models import make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+# -- the proposer and the verifier on their own ---------------------------------------------------------------
+
+def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The reference: for the longest n, the latest earlier occurrence of the last n tokens."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposer_agrees_with_a_brute_force_search_as_the_sequence_grows():
+    rng = random.Random(0)
+    for trial in range(30):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        proposer = NgramProposer(4, lo, hi)
+        tokens = [rng.randrange(6) for _ in range(rng.randint(1, 10))]
+        for _ in range(40):  # the index grows by the tokens appended between proposals
+            limit = rng.randint(0, 5)
+            assert proposer.propose(trial, tokens, limit) == brute_force(tokens, min(4, limit), lo, hi)
+            tokens += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+
+
+def test_ngram_proposer_prefers_the_longest_then_the_latest_match():
+    proposer = NgramProposer(3, 1, 3)
+    # "7 8" occurs twice before the end; the longest suffix that occurs, "5 7 8", occurs once
+    assert proposer.propose(0, [5, 7, 8, 1, 2, 7, 8, 3, 4, 5, 7, 8], 3) == [1, 2, 7]
+    assert proposer.propose(1, [7, 8, 1, 7, 8, 2, 7, 8], 3) == [2, 7, 8]  # the latest "7 8"
+    assert proposer.propose(2, [1, 2, 3, 4], 3) == []  # nothing repeats
+    proposer.forget(0)
+    assert 0 not in proposer._indexes
+
+
+def test_accept_keeps_the_agreeing_prefix_then_the_targets_token():
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus the token after
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first disagreement ends it
+    assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accept([], [3]) == [3]
+
+
+def test_stats_count_drafts_tokens_and_acceptance_by_position():
+    stats = SpecDecodeStats()
+    stats.record(4, 2)
+    stats.record(2, 2)
+    stats.record(3, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 4)
+    assert stats.accepted_per_position == [2, 2, 0, 0]
+    assert stats.mean_accepted_length == pytest.approx(1 + 4 / 3)
+
+
+def test_config_refuses_methods_not_built_and_a_bad_lookup_range():
+    assert build_proposer(SpeculativeConfig()) is None
+    for method in ("suffix", "draft_model"):
+        with pytest.raises(ConfigError, match=f"speculative.method: {method} is not implemented"):
+            build_proposer(SpeculativeConfig(method=method))
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
+
+
+def test_every_field_reaches_the_proposer():
+    proposer = build_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+                                                prompt_lookup_max=4))
+    assert (proposer.k, proposer.lookup_min, proposer.lookup_max) == (3, 2, 4)
+    tokens = [9, 1, 2, 3, 4, 5, 6, 9, 1]
+    assert proposer.propose(0, tokens, 10) == [2, 3, 4]  # num_speculative_tokens caps it
+    assert NgramProposer(3, 3, 4).propose(0, tokens, 10) == []  # prompt_lookup_min: "9 1" is too short
+    assert NgramProposer(3, 1, 1).propose(0, [4, 1, 7, 9, 1], 10) == [7, 9, 1]  # prompt_lookup_max: one token
+
+
+# -- the engine: identical output, clean pool -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("spec") / "model", "llama")
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves (a phrase said twice, a list), where prompt lookup proposes."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        phrase = [rng.randrange(5, 400) for _ in range(rng.randint(3, 12))]
+        filler = [rng.randrange(5, 400) for _ in range(rng.randint(0, 20))]
+        out.append(phrase + filler + phrase + filler[:3] + phrase[: rng.randint(1, len(phrase))])
+    return out
+
+
+def make_llm(model_dir, speculative: dict | None, **overrides) -> LLM:
+    sections = {"model": {"path": str(model_dir), "dtype": "fp32"},
+                "kv_pool": {"num_blocks": 256}, "speculative": speculative or {}}
+    for dotted, value in overrides.items():
+        section, name = dotted.split("__")
+        sections.setdefault(section, {})[name] = value
+    return LLM(config=ServeConfig(**sections))
+
+
+def run(llm: LLM, batch: list, params) -> list:
+    outputs = llm.generate(batch, params)
+    manager = llm.engine.kv.block_manager
+    manager.check_invariants()
+    assert manager.get_utilization() == 0.0, "a request leaked in-use blocks"
+    return outputs
+
+
+def completions(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+CASES = {  # name: (engine overrides, prompts, sampling params)
+    "batch-1": ({}, prompts(1), GREEDY),
+    "batch-16": ({}, prompts(16), GREEDY),
+    "chunked-prefill": ({"scheduler__max_num_batched_tokens": 16}, prompts(8), GREEDY),
+    "no-prefix-caching": ({"kv_pool__enable_prefix_caching": False}, prompts(8), GREEDY),
+    "torch-attention": ({"model__attention": "torch", "model__decode_step": "python"}, prompts(8), GREEDY),
+    "preemption": ({"kv_pool__num_blocks": 24, "scheduler__max_num_seqs": 16}, prompts(12), GREEDY),
+    "int8-kv": ({"kv_pool__kv_dtype": "int8"}, prompts(8), GREEDY),
+    "host-tier": ({"kv_pool__num_blocks": 40, "tiers__host_bytes": "16MiB"}, prompts(12) * 2, GREEDY),
+    "n-2-logprobs": ({}, prompts(6), SamplingParams(n=2, max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)),
+    "max-tokens-5": ({}, prompts(16), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
+    "penalties": ({}, prompts(8), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                  repetition_penalty=1.02, frequency_penalty=0.05)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_is_token_identical_with_speculation(model_dir, case):
+    overrides, batch, params = CASES[case]
+    reference = completions(run(make_llm(model_dir, None, **overrides), batch, params))
+    llm = make_llm(model_dir, NGRAM, **overrides)
+    outputs = run(llm, batch, params)
+    assert completions(outputs) == reference
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 0, "no proposal was accepted: the case did not exercise speculation"
+    if params.logprobs is not None:
+        for output in outputs:
+            for completion in output.outputs:
+                assert len(completion.logprobs) == len(completion.token_ids)
+
+
+def test_logprobs_with_speculation_equal_those_without(model_dir):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    batch = prompts(4, seed=3)
+    plain = run(make_llm(model_dir, None), batch, params)
+    spec = run(make_llm(model_dir, NGRAM), batch, params)
+    for a, b in zip(plain, spec):
+        for (lp_a, top_a), (lp_b, top_b) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_b == pytest.approx(lp_a, abs=1e-4)
+            assert [t for t, _ in top_b] == [t for t, _ in top_a]
+
+
+def test_stop_strings_and_stop_tokens_end_a_sequence_inside_an_accepted_run(model_dir):
+    """Several tokens come out of one step; the sequence ends at the first that ends it, and the rest are
+    dropped, exactly as when the tokens come one step at a time."""
+    batch = prompts(8, seed=5)
+    plain_llm = make_llm(model_dir, None)
+    free_run = run(plain_llm, batch, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    stop_ids = sorted({o.outputs[0].token_ids[k] for o in free_run for k in (12, 20)})
+    texts = [o.outputs[0].text for o in free_run]
+    stops = sorted({t[len(t) // 2: len(t) // 2 + 3] for t in texts if len(t) > 8 and t[len(t) // 2:].strip()})[:4]
+    for params in (SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=stop_ids),
+                   SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stops),
+                   SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stops,
+                                  include_stop_str_in_output=True)):
+        reference = completions(run(plain_llm, batch, params))
+        llm = make_llm(model_dir, NGRAM)
+        assert completions(run(llm, batch, params)) == reference
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert any(o.outputs[0].finish_reason == "stop" for o in run(plain_llm, batch, params))
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_speculation(model_dir):
+    batch = prompts(8, seed=7)
+    params = [SamplingParams(max_tokens=30, temperature=t, top_k=k, seed=100 + i, ignore_eos=True)
+              for i, (t, k) in enumerate([(0.3, -1), (0.7, 5), (1.0, 3), (0.5, -1)] * 2)]
+    reference = completions(run(make_llm(model_dir, None), batch, params))
+    llm = make_llm(model_dir, NGRAM)
+    assert completions(run(llm, batch, params)) == reference
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "both accepted and rejected rows must occur"
+
+
+def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir):
+    """Unseeded sampling (the default generator) keeps the target's distribution. The prompt is the model's own
+    greedy continuation, so sampled text tends to repeat it and lookup proposes at most steps; top-k 3 keeps the
+    cells few. A chi-square test of homogeneity of the (token, next token) pairs of 800 samples with and
+    without speculation: a verifier that kept proposals the target had not drawn (even only after a first
+    accepted one) shows up there. The global seed is fixed, so the test is deterministic."""
+    start = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13]
+    greedy = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    prompt = start + run(make_llm(model_dir, None), [start], greedy)[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=3, ignore_eos=True)
+    pairs = []
+    for speculative in (None, NGRAM):
+        llm = make_llm(model_dir, speculative)
+        torch.manual_seed(1234)
+        samples = [o.outputs[0].token_ids for o in run(llm, [prompt] * 800, params)]
+        pairs.append(Counter((tokens[i - 1], tokens[i]) for tokens in samples for i in range(1, len(tokens))))
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 800 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    keys = sorted(set(pairs[0]) | set(pairs[1]))
+    keys = [k for k in keys if pairs[0][k] + pairs[1][k] >= 10]
+    assert len(keys) >= 20
+    p_value = chi_square_p_value([[counts[k] for k in keys] for counts in pairs])
+    assert p_value > 0.01, f"token pairs differ with speculation (p = {p_value:.4g})"
+
+
+def chi_square_p_value(table: list[list[int]]) -> float:
+    """Pearson's chi-square test of homogeneity of a 2-row contingency table: the p-value (the chi-square
+    distribution's survival function is the regularized upper incomplete gamma Q(df/2, x/2))."""
+    counts = torch.tensor(table, dtype=torch.float64)
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    df = (counts.shape[0] - 1) * (counts.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_chi_square_p_value_matches_known_values():
+    assert chi_square_p_value([[10, 20], [20, 10]]) == pytest.approx(0.00982, abs=1e-4)  # x2 = 6.667, df 1
+    assert chi_square_p_value([[50, 50, 50], [50, 50, 50]]) == pytest.approx(1.0)
+
+
+def test_proposals_never_outrun_max_tokens_or_the_context(model_dir):
+    llm = make_llm(model_dir, NGRAM, model__max_model_len=64)
+    batch = [p[:40] for p in prompts(6, seed=9) if len(p) >= 30]
+    outputs = run(llm, batch, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    for prompt, output in zip(batch, outputs):
+        assert len(prompt) + len(output.outputs[0].token_ids) == 64
+        assert output.outputs[0].finish_reason == "length"
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_rejected_rows_never_enter_the_prefix_cache(model_dir):
+    """After speculative runs, every registered block's tokens are what the sequences really produced: a
+    second, non-speculative engine pass over the produced texts hits the cache and gives the same tokens."""
+    llm = make_llm(model_dir, NGRAM)
+    batch = prompts(6, seed=11)
+    first = run(llm, batch, GREEDY)
+    follow = [p + o.outputs[0].token_ids for p, o in zip(batch, first)]
+    again = run(llm, follow, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    plain = run(make_llm(model_dir, None), follow, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert completions(again) == completions(plain)
+    assert all(o.metrics.num_cached_tokens > 0 for o in again)
+
+
+# -- over HTTP: the OpenAI API and /metrics -------------------------------------------------------------------
+
+def test_the_server_answers_the_same_with_speculation_and_counts_it_in_metrics(model_dir):
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_fixture import running_server
+
+    batch = prompts(4, seed=13)
+    answers = []
+    for speculative in (None, NGRAM):
+        with running_server(model_dir, speculative=speculative) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            done = [client.completions.create(model=server.model, prompt=p, max_tokens=30, temperature=0,
+                                              logprobs=2, extra_body={"ignore_eos": True}) for p in batch]
+            stream = client.completions.create(model=server.model, prompt=batch[0], max_tokens=30, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            answers.append(([(c.choices[0].text, c.usage.completion_tokens, c.choices[0].logprobs.tokens)
+                             for c in done], streamed))
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+            counts = {name: sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+                      for name in ("sage:spec_decode_num_drafts", "sage:spec_decode_num_draft_tokens",
+                                   "sage:spec_decode_num_accepted_tokens",
+                                   "sage:spec_decode_num_accepted_tokens_per_pos")}
+            stats = server.backend.engine.spec_stats
+            assert counts == {"sage:spec_decode_num_drafts": stats.num_drafts,
+                              "sage:spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                              "sage:spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+                              "sage:spec_decode_num_accepted_tokens_per_pos": stats.num_accepted_tokens}
+            if speculative:
+                assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+            else:
+                assert stats.num_drafts == 0
+            server.backend.engine.kv.block_manager.check_invariants()
+    assert answers[0] == answers[1]
+    assert answers[0][1] == answers[0][0][0][0]
