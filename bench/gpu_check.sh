@@ -42,7 +42,7 @@ case " $STEPS " in *" tests "*)
     step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py \
         tests/test_spec_decode.py ;; esac
 case " $STEPS " in *" spec "*)  # n-gram speculation against none, the demo model in bf16 on the GPU
-    step spec 150 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 2 4 \
+    step spec 120 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 4 \
         --json "$OUT/spec_decode_cuda.json" ;; esac
 case " $STEPS " in *" spec05 "*)  # the same on the 0.5B shape (random weights: random-token prompts)
     model=$(python3 -c "from pathlib import Path; from bench.vllm_models import MODELS, prepare_model
