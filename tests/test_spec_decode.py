@@ -83,8 +83,8 @@ def test_config_refuses_methods_not_built_and_a_bad_lookup_range():
 
 def test_every_field_reaches_the_proposer():
     proposer = build_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
-                                                prompt_lookup_max=4))
-    assert (proposer.k, proposer.lookup_min, proposer.lookup_max) == (3, 2, 4)
+                                                prompt_lookup_max=4, disable_by_batch_size=8))
+    assert (proposer.k, proposer.lookup_min, proposer.lookup_max, proposer.disable_by_batch_size) == (3, 2, 4, 8)
     tokens = [9, 1, 2, 3, 4, 5, 6, 9, 1]
     assert proposer.propose(0, tokens, 10) == [2, 3, 4]  # num_speculative_tokens caps it
     assert NgramProposer(3, 3, 4).propose(0, tokens, 10) == []  # prompt_lookup_min: "9 1" is too short
@@ -243,6 +243,29 @@ def chi_square_p_value(table: list[list[int]]) -> float:
 def test_chi_square_p_value_matches_known_values():
     assert chi_square_p_value([[10, 20], [20, 10]]) == pytest.approx(0.00982, abs=1e-4)  # x2 = 6.667, df 1
     assert chi_square_p_value([[50, 50, 50], [50, 50, 50]]) == pytest.approx(1.0)
+
+
+def test_disable_by_batch_size_proposes_nothing_while_that_many_sequences_run(model_dir):
+    batch = prompts(6, seed=15)
+    lengths = [24, 24, 24, 60, 60, 60]  # three finish early: then three run, under the limit of four
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    reference = completions(run(make_llm(model_dir, None), batch, params))
+    llm = make_llm(model_dir, {**NGRAM, "disable_by_batch_size": 4})
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    speculated_with = []  # the running sequences before each step that carried proposals
+
+    def recording():
+        before = len(scheduler.running)
+        batch = schedule()
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            speculated_with.append(before)
+        return batch
+
+    scheduler.schedule = recording
+    assert completions(run(llm, batch, params)) == reference
+    assert speculated_with and all(n < 4 for n in speculated_with), speculated_with
+    assert llm.engine.spec_stats.num_drafts > 0
 
 
 def test_proposals_never_outrun_max_tokens_or_the_context(model_dir):

@@ -229,5 +229,7 @@ def test_ngram_speculation_becomes_vllms_speculative_config_and_other_methods_ar
     assert "speculative_config" not in translate().kwargs
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
+    speculative["disable_by_batch_size"] = 8
+    assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
     with pytest.raises(ConfigError, match="^speculative.method: draft_model is not implemented"):
         translate(speculative={"method": "draft_model"})

@@ -124,8 +124,10 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative.num_speculative_tokens,
                                         "prompt_lookup_min": speculative.prompt_lookup_min,
                                         "prompt_lookup_max": speculative.prompt_lookup_max}
+        if speculative.disable_by_batch_size is not None:
+            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
         values.append(ResolvedValue("speculative.method", "ngram", "vLLM speculative_config: ngram with the same "
-                                    "num_speculative_tokens and prompt_lookup_min/max"))
+                                    "num_speculative_tokens, prompt_lookup_min/max and disable_by_batch_size"))
     elif speculative.method != "off":
         raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
                           "use ngram (or off)")

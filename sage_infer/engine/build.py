@@ -135,6 +135,10 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
         runner.graphs = DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
                                      max_blocks=-(-max_len // schema.block_size))
+        if proposer is not None:
+            auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
+                             "decode steps replay one), so on a GPU speculation has measured slower than none "
+                             "(docs/spec_decode.md)", config.speculative.method)
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=runner,

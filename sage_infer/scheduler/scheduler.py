@@ -123,13 +123,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         queue = sorted(self.running, key=self._order)
         self.running = []
+        limit = self.proposer.disable_by_batch_size if self.proposer is not None else None
+        speculate = self.proposer is not None and (limit is None or len(queue) < limit)
         while queue:
             seq = queue.pop(0)
             num_new = self._chunk(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 self.running.append(seq)
                 continue
-            if num_new == 1 and self.proposer is not None:
+            if num_new == 1 and speculate:
                 num_new += self._propose(seq, budget - 1)
             while not self.kv.allocate(seq, num_new):
                 if seq.draft_token_ids:  # proposals are the first thing to go when the pool is short

@@ -26,5 +26,6 @@ def build_proposer(config: SpeculativeConfig) -> NgramProposer | None:
     if config.method == "off":
         return None
     if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                             config.disable_by_batch_size)
     raise ConfigError(f"speculative.method: {config.method} is not implemented yet; use ngram (or off)")

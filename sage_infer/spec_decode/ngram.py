@@ -19,11 +19,13 @@ class _Index:
 
 
 class NgramProposer:
-    def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
+    def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int,
+                 disable_by_batch_size: int | None = None) -> None:
         if not 1 <= lookup_min <= lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= min <= max, got {lookup_min}, {lookup_max}")
         self.k = num_speculative_tokens
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
+        self.disable_by_batch_size = disable_by_batch_size  # the scheduler asks for nothing in bigger steps
         self._indexes: dict[int, _Index] = {}  # seq id -> its n-gram index
 
     def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]:
