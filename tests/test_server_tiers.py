@@ -73,6 +73,73 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
         redis.kill()
 
 
+def test_a_disk_tier_whose_directory_is_deleted_is_counted_rested_and_made_again(model_dir, tmp_path):
+    """Deleting the disk tier's directory while serving: the next writes fail over to a new directory, and the
+    loss shows in `sage:kv_tier_errors_total`, `sage:kv_tier_up` and /health."""
+    import shutil
+    import time
+
+    directory = tmp_path / "kv-disk"
+    with running_server(model_dir, num_blocks=8, max_num_seqs=1,
+                        tiers=TierConfig(disk_path=str(directory), disk_bytes=64 << 20)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for seed in (1, 2, 3):
+            assert complete(client, server.model, seed) == "length"
+        stores = server.backend.engine.kv.hierarchy.stores
+        stores[0].flush()
+        before = samples(server.url)
+        assert before["sage:kv_tier_blocks", "disk", ""] >= 5 and before["sage:kv_tier_up", "disk", ""] == 1
+        assert before["sage:kv_tier_errors_total", "disk", ""] == 0
+
+        shutil.rmtree(directory)
+        for seed in (4, 5, 6):  # more demotions: the writer finds the directory gone
+            assert complete(client, server.model, seed) == "length"
+        stores[0].flush()
+        deadline = time.monotonic() + 10
+        while samples(server.url)["sage:kv_tier_up", "disk", ""] == 1:
+            assert time.monotonic() < deadline, "the deleted directory was never reported"
+            time.sleep(0.05)
+        after = samples(server.url)
+        assert after["sage:kv_tier_errors_total", "disk", ""] >= 1
+        health = httpx.get(f"{server.url}/health").json()
+        lost = int(before["sage:kv_tier_blocks", "disk", ""])
+        assert health["status"] == "degraded"
+        assert "disappeared" in health["degraded"]["disk"] and f"the {lost} blocks" in health["degraded"]["disk"]
+        # what the gauge says now is what the new directory holds (the writes after the loss)
+        assert after["sage:kv_tier_blocks", "disk", ""] == len(stores[0]._index)
+        assert directory.is_dir()  # made again: later demotions land there once the tier's rest is over
+        assert complete(client, server.model, 1) == "length"  # serving stayed correct meanwhile
+
+
+def test_a_disk_tier_that_cannot_write_is_counted_and_rested(model_dir, tmp_path, monkeypatch):
+    """A full disk (ENOSPC from the write, which a test cannot produce portably without a small filesystem to
+    fill: the one place this test stands in for the OS) is counted and rests the tier; requests go on."""
+    import errno
+    import os
+    import time
+
+    from sage_infer.kv_runtime.tiers import disk
+
+    with running_server(model_dir, num_blocks=8, max_num_seqs=1,
+                        tiers=TierConfig(disk_path=str(tmp_path / "kv-disk"), disk_bytes=64 << 20)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+        def full(*_args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(disk.os, "pwritev", full)
+        for seed in (1, 2, 3, 4):
+            assert complete(client, server.model, seed) == "length"
+        server.backend.engine.kv.hierarchy.stores[0].flush()
+        deadline = time.monotonic() + 10
+        while samples(server.url)["sage:kv_tier_up", "disk", ""] == 1:
+            assert time.monotonic() < deadline, "the failed writes were never reported"
+            time.sleep(0.05)
+        assert samples(server.url)["sage:kv_tier_errors_total", "disk", ""] >= 1
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "degraded" and "No space left on device" in health["degraded"]["disk"]
+
+
 def tenant_samples(url: str) -> dict[tuple, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):

@@ -167,6 +167,15 @@ class HierarchyManager:
         self._down_reason[store.name] = str(err)
         log.warning("KV tier %s failed, skipped for %.0f s: %s", store.name, RETRY_AFTER_S, err)
 
+    def poll_background(self) -> None:
+        """Count and rest the stores whose own background work failed since the last look (the disk tier's writer:
+        a full disk, a deleted directory): seen in `sage:kv_tier_errors`, `sage:kv_tier_up` and /health."""
+        for level, store in enumerate(self.stores, 1):
+            errors = store.take_background_errors()
+            if errors:
+                more = f" (and {len(errors) - 1} more failures)" if len(errors) > 1 else ""
+                self.failed(level, TierError(errors[-1] + more))
+
     # -- lookup and load ------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -299,6 +308,7 @@ class HierarchyManager:
 
     def snapshots(self) -> tuple[TierSnapshot, ...]:
         """Every tier's state for stats and /metrics (a store's own `stats()` never raises)."""
+        self.poll_background()
         out = []
         for store in self.stores:
             own, counters = store.stats(), self.stats.tiers[store.name]

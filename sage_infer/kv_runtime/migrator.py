@@ -130,6 +130,7 @@ class KVMigrator:
     def _put(self, level: int, placed: dict[bytes, torch.Tensor]) -> None:
         """One `put` of every block the batch placed at `level`."""
         h = self.hierarchy
+        h.poll_background()  # a store whose writes fail in the background rests before it is given more
         store = h.store(level)
         keys = list(placed)
         try:

@@ -122,6 +122,10 @@ class KVTier(Protocol):
 
     def stats(self) -> TierStats: ...
 
+    def take_background_errors(self) -> list[str]:
+        """What failed since the last call in work the tier does on its own (the disk tier's writer thread), each
+        as one line; the caller (`HierarchyManager`) counts them and rests the tier."""
+
     def close(self) -> None: ...
 
 
@@ -150,6 +154,7 @@ class BaseTier(ABC):
         self.digest = schema_digest(schema)
         self._stats = TierStats(name=name, capacity_bytes=self.capacity_bytes)
         self._lock = threading.RLock()
+        self._background_errors: list[str] = []  # failures off the caller's thread, until taken
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -185,6 +190,11 @@ class BaseTier(ABC):
     def checksum_failures(self) -> int:
         """Blocks read back corrupt so far (cheap: no refresh, unlike `stats`)."""
         return self._stats.checksum_failures
+
+    def take_background_errors(self) -> list[str]:
+        with self._lock:
+            errors, self._background_errors = self._background_errors, []
+        return errors
 
     def stats(self) -> TierStats:
         with self._lock:

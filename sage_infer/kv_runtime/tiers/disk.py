@@ -151,10 +151,13 @@ class DiskTier(BaseTier):
             try:
                 records = [(key, entry.row, crc32c.crc32c(entry.row.numpy()), entry) for key, entry in batch]
                 with self._append_lock:
+                    self._recreate_if_gone()
                     self._append(records, self._commit_pending, enforce_cap=True)
-            except Exception:  # a dead disk must not kill the writer; the blocks are lost
+            except Exception as err:  # a dead disk must not kill the writer; the blocks are lost
                 with self._lock:
                     self._stats.errors += len(batch)
+                    self._background_errors.append(f"{self.name} tier: writing {len(batch)} blocks to "
+                                                   f"{self.directory} failed: {err}")
                     for key, entry in batch:
                         if self._pending.get(key) is entry:
                             del self._pending[key]
@@ -163,6 +166,21 @@ class DiskTier(BaseTier):
                     self._queued_bytes -= len(batch) * self.record_bytes
                     self._busy = False
                     self._cond.notify_all()
+
+    def _recreate_if_gone(self) -> None:
+        """The directory was deleted under us (its segments with it, though our open files still take writes that
+        no restart would find): forget every segment, make the directory again and say so. Called by an appender."""
+        if self.directory.is_dir():
+            return
+        with self._lock:
+            lost = len(self._index)
+            for seg in list(self._segments.values()):
+                self._drop_segment(seg)
+            self._index.clear()
+            self._active = None
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._background_errors.append(f"{self.name} tier: {self.directory} disappeared; made it again, and the "
+                                           f"{lost} blocks stored there are gone")
 
     def _commit_pending(self, key: bytes, token: object) -> bool:
         if self._pending.get(key) is not token:
