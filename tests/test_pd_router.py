@@ -9,6 +9,7 @@ transport (cached tokens); both pools are clean afterwards; failures are clear.
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import time
 
@@ -277,6 +278,12 @@ def test_with_an_api_key_the_router_and_the_pull_between_workers_need_it(model_d
         send = httpx.post(f"{prefill.url}/v1/kv/send", json={"request_id": "x", "address": "shm:///x",
                                                               "transfer_id": "t"})
         assert send.status_code == 401  # nobody without the key can ask a prefill worker for KV
+        public = httpx.get(f"{url}/health").json()  # the state, but no worker address, without the key
+        assert public == {"status": "ok", "workers": {"prefill": {"up": 1, "total": 1},
+                                                      "decode": {"up": 1, "total": 1}}}
+        assert prefill.url not in json.dumps(public) and decode.url not in json.dumps(public)
+        private = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}).json()
+        assert private["workers"][decode.url] == {"role": "decode", "up": True}
         settle(prefill, decode)
 
 

@@ -194,3 +194,83 @@ def test_the_openapi_schema_needs_the_key_and_lists_no_internal_routes(model_dir
         assert "/v1/completions" in paths and "/v1/chat/completions" in paths
         assert not [p for p in paths if p.startswith("/v1/kv/")]
         assert httpx.get(f"{secured.url}/health").status_code == 200  # /health, /version, /metrics stay open
+
+
+def test_a_dead_engine_stops_the_server_so_a_supervisor_restarts_it(model_dir, capfd):
+    """The engine thread dying (here: a step raising what no request caused) fails the requests in flight with
+    503, and the server stops itself instead of answering 503 for ever in a process that looks alive."""
+    import time
+
+    from sage_infer.config.serve import KVPoolConfig, ModelConfig, ServeConfig
+    from sage_infer.server.launch import build_server
+    from tests.server_fixture import serving
+
+    config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"), kv_pool=KVPoolConfig(num_blocks=64),
+                         port=0)
+    server, backend, model_name = build_server(config, drain_seconds=2)
+
+    def broken_step():
+        raise RuntimeError("a fault no request caused")
+
+    backend.engine.step = broken_step
+    with serving(server) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"model": model_name, "prompt": "a", "max_tokens": 2},
+                              timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["type"]
+        deadline = time.monotonic() + 10
+        while not server.should_exit:
+            assert time.monotonic() < deadline, "the server kept running with a dead engine"
+            time.sleep(0.05)
+    assert server.config.app.state.failed
+    assert "stopping the server (exit code 1)" in capfd.readouterr().err
+
+
+def test_streams_still_running_when_the_drain_ends_get_an_error_event_and_done(model_dir):
+    """A shutdown waits `drain_seconds` for requests to finish; one still streaming just before the end gets an
+    in-band 503 error and `[DONE]` (not a cut connection), a plain request a 503 body, and their KV is freed.
+    The engine is slowed (a sleep per step) so the requests outlast a 2 s drain."""
+    import threading
+    import time
+
+    from sage_infer.config.serve import KVPoolConfig, ModelConfig, ServeConfig
+    from sage_infer.server.launch import build_server
+    from tests.server_fixture import serving
+
+    config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"), kv_pool=KVPoolConfig(num_blocks=64),
+                         port=0)
+    server, backend, model_name = build_server(config, drain_seconds=2)
+    step = backend.engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    backend.engine.step = slow_step
+    lines: list[str] = []
+    plain: list[httpx.Response] = []
+    body = {"model": model_name, "prompt": "a", "max_tokens": 500, "ignore_eos": True}
+    with serving(server) as url:
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as response:
+                lines.extend(line for line in response.iter_lines() if line)
+
+        readers = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: plain.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                            timeout=30)))]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 20
+        while len(lines) < 3:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.02)
+        server.should_exit = True  # what uvicorn does on SIGTERM
+        for reader in readers:
+            reader.join(20)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))
+    assert error["error"]["code"] == 503 and "drain" in error["error"]["message"]
+    assert len(lines) < 500  # cut off, not finished
+    assert plain[0].status_code == 503 and "drain" in plain[0].json()["error"]["message"]
+    manager = backend.engine.kv.block_manager
+    manager.check_invariants()
+    assert manager.num_used_blocks == 0

@@ -259,6 +259,12 @@ class NativeBackend:
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()
+            # shutting down: nothing runs any more; apply what was sent (the drain's aborts), then end every
+            # request still here, so each stream gets its last output and every block goes back to the pool
+            self._apply_commands()
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+            self._deliver(self.engine.drain_finished())
         except BaseException as err:  # noqa: BLE001 - fail every request, never hang them
             log.exception("engine thread failed")
             self._dead = err

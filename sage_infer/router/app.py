@@ -332,7 +332,9 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         return JSONResponse(app.openapi())
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """Up, degraded (some worker down) or down (no decode worker up). Each worker's URL, role and state
+        only for a caller with the key (when one is set): the addresses behind the router are not public."""
         async def probe(worker: Instance) -> tuple[Instance, bool]:
             try:
                 reply = await client.get(f"{worker.url}/health", timeout=2.0)
@@ -341,7 +343,12 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
                 return worker, False
 
         results = await asyncio.gather(*(probe(w) for w in instances.all()))
-        status = {w.url: {"role": w.role, "up": ok} for w, ok in results}
+        try:
+            authorize(request)
+            status = {w.url: {"role": w.role, "up": ok} for w, ok in results}
+        except APIError:  # counts per role, no addresses
+            status = {role: {"up": sum(ok for w, ok in results if w.role == role),
+                             "total": sum(w.role == role for w, _ in results)} for role in ("prefill", "decode")}
         for worker, ok in results:
             if not ok:
                 worker.failed("health check failed")

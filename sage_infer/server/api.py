@@ -39,6 +39,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     backend.on_finished(metrics.record_finished)
     handlers = OpenAIHandlers(backend, metrics, api_key)
     app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
+    app.state.handlers = handlers  # `cut_off` when a shutdown's drain runs out (server/launch.py)
 
     async def body_of(request: Request, schema):
         declared = request.headers.get("content-length", "0")

@@ -34,6 +34,15 @@ class OpenAIHandlers:
         self.model_name = model.name
         self.validator = RequestValidator(model)
         self.logprobs = LogprobFormatter(model.tokenizer)
+        self._in_flight: set[asyncio.Queue] = set()  # the output queue of every request being answered
+
+    def cut_off(self, message: str) -> int:
+        """End every request still being answered with a 503 (`message`): a stream gets it as an error event and
+        then ``[DONE]``, a plain request as its JSON body; their sub-requests are aborted (KV freed). Called on the
+        event loop when a shutdown's drain runs out, before the server drops the connections. How many."""
+        for merged in self._in_flight:
+            merged.put_nowait((-1, APIError(503, message)))
+        return len(self._in_flight)
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -82,6 +91,7 @@ class OpenAIHandlers:
 
         tasks = [asyncio.create_task(pump(i, rid, s)) for i, (rid, s) in enumerate(started)]
         remaining = len(tasks)
+        self._in_flight.add(merged)
         try:
             while remaining:
                 i, item = await merged.get()
@@ -92,6 +102,7 @@ class OpenAIHandlers:
                 else:
                     yield i, item
         finally:
+            self._in_flight.discard(merged)
             for task in tasks:
                 task.cancel()
             # a pump cancelled before it ever ran never closes its stream: abort here too

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from sage_infer.config.serve import ServeConfig
 
 DRAIN_SECONDS = 30
+HEALTH_WATCH_S = 0.25  # how often the server asks its backend whether the engine still runs
+DRAIN_MARGIN_S = 1.0  # requests still running this long before the drain ends are cut off with an error
 
 
 def ready_message(host: str, port: int, model_name: str, api_key: bool) -> str:
@@ -39,29 +41,61 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
     api_key = config.api_key.get_secret_value() if config.api_key else None
     app = build_app(backend, api_key)
 
+    async def watch() -> None:
+        """Two things no request sees coming. An engine that died answers every request 503, so the process must
+        end for a supervisor (systemd, Kubernetes, `--pd`'s launcher) to start a new one: stop the server the
+        moment health says so. A shutdown (SIGTERM) waits `drain_seconds` for requests to finish, then drops the
+        connections: just before that, end what still runs with an error the client can read (a stream's error
+        event and ``[DONE]``), its KV freed."""
+        cut_at = None
+        while True:
+            await asyncio.sleep(HEALTH_WATCH_S)
+            if server.should_exit and app.state.failed is None:
+                now = asyncio.get_running_loop().time()
+                if cut_at is None:
+                    cut_at = now + max(0.0, drain_seconds - DRAIN_MARGIN_S)
+                elif now >= cut_at:
+                    app.state.handlers.cut_off(f"the server is shutting down and this request did not finish "
+                                               f"within its {drain_seconds} s drain")
+                    return
+                continue
+            status = backend.health()
+            if not status.ok:
+                print(f"sage: error: {status.reason}; stopping the server (exit code 1) so that it can be "
+                      "restarted", file=sys.stderr, flush=True)
+                app.state.failed = status.reason
+                server.should_exit = True
+                return
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         backend.start()
+        watcher = asyncio.create_task(watch())
         yield
+        watcher.cancel()
         app.state.accepting = False
         await asyncio.to_thread(backend.shutdown, 5.0)
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=drain_seconds, access_log=False)
-    return uvicorn.Server(uv_config), backend, model_name
+    app.state.failed = None  # why the server stopped itself (the engine died), else None
+    server = uvicorn.Server(uv_config)
+    return server, backend, model_name
 
 
 def serve(config: ServeConfig) -> int:
-    """Run until SIGINT/SIGTERM; in-flight requests get `DRAIN_SECONDS` to finish. Exit code 0."""
+    """Run until SIGINT/SIGTERM; in-flight requests get `DRAIN_SECONDS` to finish. Exit code 0, or 1 when the
+    engine died (the server stops itself then, so a supervisor restarts it)."""
     server, _, model_name = build_server(config)
     # uvicorn re-raises the signal it caught after its graceful shutdown; with these
     # handlers in place that re-raise is a no-op and the process exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
 
-    return run_announced(server, config.host, config.port,
+    code = run_announced(server, config.host, config.port,
                          lambda port: ready_message(config.host, port, model_name, config.api_key is not None))
+    return 1 if server.config.app.state.failed is not None else code
 
 
 def run_announced(server, host: str, port: int, ready_line: Callable[[int], str]) -> int:
