@@ -95,3 +95,21 @@ def test_bad_redis_urls_name_the_problem(url):
 
 def test_an_address_never_shows_its_password():
     assert "secret" not in str(parse_redis_url("redis://user:secret@host:1/0"))
+
+
+def test_values_redis_lost_on_its_own_leave_the_block_count_when_read(server):
+    """Redis drops values by itself (its maxmemory eviction, a TTL, a restart from an older snapshot) while
+    their LRU scores stay: a read that finds a value gone drops the score, so `stats().blocks` (what
+    `sage:kv_tier_blocks` reports) follows what the store really holds."""
+    keys, blocks = chain(4)
+    with RedisTier(SCHEMA, server.url, 64 * BPB) as tier:
+        tier.put(keys, blocks)
+        assert tier.stats().blocks == 4
+        client = server.client()
+        client.delete(*[tier.redis_key(key) for key in keys[2:]])  # as Redis' own eviction would
+        assert tier.stats().blocks == 4  # not yet seen
+        assert tier.get_prefix(keys).shape[0] == 2
+        assert tier.stats().blocks == 3  # the first missing block was read: its score is gone
+        assert tier.get(keys[3:]) == [None]
+        assert tier.stats().blocks == 2
+        assert tier.stats().errors == 0

@@ -147,20 +147,22 @@ class RedisTier(BaseTier):
         values = self._call("get", read)
         out_np = out.numpy()
         found = [False] * len(keys)
-        bad = []
+        bad, gone = [], []
         for row, value in enumerate(values):
             if value is not None and verify_value(value, VALUE_MAGIC, self.bytes_per_block):
                 out_np[row] = np.frombuffer(value, dtype=np.uint8, offset=VALUE_HEADER.size)
                 found[row] = True
                 continue
-            if value is not None:
-                bad.append(keys[row])
+            (bad if value is not None else gone).append(keys[row])
             if prefix:
                 break
         if bad:
             with self._lock:
                 self._stats.checksum_failures += len(bad)
             self.delete(bad)
+        if gone:  # scored in the LRU set but its value is gone (a TTL, Redis' own eviction, a restart without it):
+            # drop the score too, so the set (what `stats().blocks` counts) does not outlive the blocks
+            self._call("forget", lambda: self.client.zrem(self.lru_key, *gone))
         return found
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -188,7 +190,8 @@ class RedisTier(BaseTier):
         self._call("delete", delete)
 
     def _refresh_stats(self) -> None:
-        """Blocks of this schema in the store (all servers together); left as last seen if unreachable."""
+        """Blocks of this schema in the store (all servers together): the LRU set's members, which reads that
+        find a value gone take out again; left as last seen if unreachable."""
         try:
             blocks = self.client.zcard(self.lru_key)
         except self._failures:
