@@ -8,9 +8,9 @@ Default: Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v
 chunks of W1's prompt lengths (100-500) and a 2,048-token one (reference: `prefill_attention`, one
 causal SDPA call); a 32-token chunk after 1,024 cached
 keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's reference path splits
-it into an unmasked and a causal call merged by log-sum-exp: `_chunk_attention_lse`, timed here); the
+it into an unmasked and a causal call merged by log-sum-exp: `chunk_attention_lse`, timed here); the
 shared prefix of W2's decode steps, 64 rows x 14 heads over 1,024 keys unmasked
-(`_shared_keys_attention_lse`, G heads folded into rows). Best of `--repeats` calls each, the
+(`shared_keys_attention_lse`, G heads folded into rows). Best of `--repeats` calls each, the
 reference first; "max diff" is against fp32 plain ops, for both kernels.
 """
 
@@ -30,9 +30,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from sage_infer.layers.attention import (  # noqa: E402
-    _chunk_attention_lse,
-    _shared_keys_attention_lse,
+    chunk_attention_lse,
     prefill_attention,
+    shared_keys_attention_lse,
 )
 from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable  # noqa: E402
 
@@ -89,7 +89,7 @@ def main() -> None:
         if lq == c:  # a first chunk: one causal SDPA call (`prefill_attention`)
             reference = partial(first_chunk, q, k, v, scale)
         else:
-            reference = partial(_chunk_attention_lse if causal else _shared_keys_attention_lse, q, k, v, scale)
+            reference = partial(chunk_attention_lse if causal else shared_keys_attention_lse, q, k, v, scale)
         sage = partial(flash_attention, q, k, v, scale, causal)
         want = exact(q, k, v, causal)
         diffs = [(fn()[0].float() - want).abs().max().item() for fn in (reference, sage)]

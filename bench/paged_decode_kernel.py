@@ -44,6 +44,7 @@ from sage_infer.core.kv_schema import KVCacheSchema, KVDtype  # noqa: E402
 from sage_infer.engine.model_runner import DECODE_GROUP_ROWS, ModelRunner  # noqa: E402
 from sage_infer.kv_runtime import KVPool  # noqa: E402
 from sage_infer.layers.attention import AttentionMetadata, paged_attention  # noqa: E402
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE  # noqa: E402
 
 SHAPES = {"qwen3-11m fp32": (6, 2, 64, torch.float32), "qwen2.5-0.5b bf16": (14, 2, 64, torch.bfloat16)}
 CASES = [(64, 64, 640), (64, 1024, 1100), (16, 64, 640), (1, 128, 384), (1, 4000, 4096)]
@@ -71,7 +72,7 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
         groups = ModelRunner._decode_groups(list(range(batch)), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long, device=device),
                                             1 << 30 if in_place else DECODE_GROUP_ROWS)
-        return AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
+        return AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
 
     metas = {"reference": meta(False), "kernel": meta(True)}
     calls = {name: (lambda m=m: paged_attention(q, k, v, pool, 0, m, head_dim**-0.5)) for name, m in metas.items()}

@@ -17,6 +17,7 @@ from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
 from sage_infer.layers import attention as attention_mod
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
+from sage_infer.layers.attention_backends import AttentionBackend, FlashPrefill, TorchPrefill
 from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable
 from tests.test_paged_kernel import LAYER, chunk_step
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
@@ -125,10 +126,11 @@ def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade):
     pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6, heads=(8, 2), head_dim=64, dtype=torch.bfloat16)
     metas = []
     for flash in (True, False):
-        runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, flash_attention=flash)
+        runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade,
+                             attention=AttentionBackend(prefill=FlashPrefill() if flash else TorchPrefill()))
         runner.cascade_min_saved_tokens = 1
         metas.append(runner.prepare(seqs, num_new)[2])
-    assert metas[0].flash and not metas[1].flash
+    assert metas[0].backend.prefill.flash and not metas[1].backend.prefill.flash
     assert (metas[0].shared is not None) == cascade
     assert len(metas[0].prefills) + (len(metas[0].shared.prefills) if cascade else 0) >= 3
     got = paged_attention(q, k, v, pool, LAYER, metas[0], 0.125)
@@ -183,6 +185,6 @@ def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path
     why = r"^model.prefill_attention: sage: the kernel is bf16 or fp32 only \(the model is fp16\)"
     with pytest.raises(ConfigError, match=why):
         engine(path, "sage", dtype="fp16")
-    assert not engine(path, "auto", dtype="fp16").engine.runner.flash_attention
-    assert engine(path, "auto").engine.runner.flash_attention
-    assert engine(path, "auto", dtype="fp32").engine.runner.flash_attention == (WHY_F32 is None)
+    assert not engine(path, "auto", dtype="fp16").engine.runner.attention.prefill.flash
+    assert engine(path, "auto").engine.runner.attention.prefill.flash
+    assert engine(path, "auto", dtype="fp32").engine.runner.attention.prefill.flash == (WHY_F32 is None)

@@ -103,8 +103,8 @@ GOOD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user",
                                       "content": GOOD_TEXT})
 MESSAGE = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), WEIRD),
                                  "content": st.one_of(TEXT, WEIRD)})
-CHAT = endpoint({"model": MODEL, "max_tokens": MAX_TOKENS, "messages": mostly(st.lists(GOOD_MESSAGE, min_size=1, max_size=4),
-                                                    st.one_of(st.lists(MESSAGE, max_size=4), WEIRD))})
+MESSAGES = mostly(st.lists(GOOD_MESSAGE, min_size=1, max_size=4), st.one_of(st.lists(MESSAGE, max_size=4), WEIRD))
+CHAT = endpoint({"model": MODEL, "max_tokens": MAX_TOKENS, "messages": MESSAGES})
 
 
 @pytest.fixture(scope="module")

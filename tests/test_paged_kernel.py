@@ -19,6 +19,7 @@ from sage_infer.layers.attention import (
     decode_attention_reference,
     paged_attention,
 )
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE
 from sage_infer.layers.cpu_kernels import decode_attention_paged, kernel_unavailable
 from tests.kv_fill import LAYER, LAYERS, filled_pool
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
@@ -93,7 +94,7 @@ def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
     def run(in_place: bool, group_rows: int) -> torch.Tensor:
         groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long), group_rows)
-        meta = AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
+        meta = AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
         return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5)
 
     torch.testing.assert_close(run(True, 1 << 30), run(False, 16), atol=2e-5, rtol=1e-5)
@@ -115,14 +116,14 @@ def engine(path, attention: str, dtype: str = "fp32", cascade: bool = True, num_
 
 
 def test_auto_picks_the_kernel_on_a_float_pool_and_torch_keeps_the_reference(tiny):
-    assert engine(tiny, "auto").engine.runner.decode_in_place
-    assert not engine(tiny, "torch").engine.runner.decode_in_place
+    assert engine(tiny, "auto").engine.runner.attention.decode_in_place
+    assert not engine(tiny, "torch").engine.runner.attention.decode_in_place
 
 
 def test_auto_falls_back_to_torch_on_a_quantized_pool(tiny):
     config = ServeConfig.model_validate({"model": {"path": str(tiny), "dtype": "fp32"},
                                          "kv_pool": {"num_blocks": 64, "kv_dtype": "int8"}})
-    assert not LLM(config=config).engine.runner.decode_in_place
+    assert not LLM(config=config).engine.runner.attention.decode_in_place
 
 
 def test_paged_on_a_quantized_pool_is_a_config_error(tiny):
@@ -208,7 +209,7 @@ def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():
     plan = [(100, 5), (37, 64), (40, 65), (0, 9), (20, 1)]  # 5 and 64 in place; 65 and a first chunk are spans
     pool, seqs, num_new, *_ = chunk_step(plan)
     _, _, meta, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False,
-                                   decode_in_place=True).prepare(seqs, num_new)
+                                   attention=PAGED_DECODE).prepare(seqs, num_new)
     (group,) = meta.decode_groups
     assert group.context_lens.tolist() == list(range(101, 106)) + list(range(38, 102)) + [21]
     assert group.rows.tolist() == list(range(5 + 64)) + [sum(num_new) - 1]
@@ -223,7 +224,7 @@ def test_in_place_chunks_attend_what_the_gathered_spans_attend(cascade):
     # 8 sequences past a 6-block shared prefix: decode rows and chunks of 2-40 tokens; one 70-token chunk
     plan = [(24 + c, n) for c, n in ((0, 1), (3, 7), (5, 40), (1, 2), (9, 1), (2, 70), (4, 13), (0, 1))]
     pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6)
-    runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, decode_in_place=True)
+    runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, attention=PAGED_DECODE)
     runner.cascade_min_saved_tokens = 1
     _, _, meta, _, _ = runner.prepare(seqs, num_new)
     assert (meta.shared is not None) == cascade

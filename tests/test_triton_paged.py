@@ -24,6 +24,14 @@ from sage_infer.layers.attention import (
     paged_attention,
     prefill_attention,
 )
+from sage_infer.layers.attention_backends import (
+    PAGED_DECODE,
+    REFERENCE,
+    AttentionBackend,
+    PagedDecode,
+    TorchPrefill,
+    TritonPrefill,
+)
 from sage_infer.layers.triton_paged import (
     PREFILL_ROWS,
     decode_attention,
@@ -133,7 +141,7 @@ def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
         groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long, device=DEVICE),
                                             group_rows)
-        meta = AttentionMetadata(slots, [], None, groups, decode_in_place=in_place)
+        meta = AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
         return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5).float()
 
     torch.testing.assert_close(run(True, 1 << 30), run(False, 16), **TOLERANCE[dtype])
@@ -274,7 +282,8 @@ def test_paged_attention_with_the_prefill_kernel_equals_span_by_span(dtype):
     q, k, v = (torch.randn(sum(news), h, 32).to(dtype).to(DEVICE) for h in (6, 2, 2))
 
     def run(prefill_in_place: bool) -> torch.Tensor:
-        runner = ModelRunner(None, pool, DEVICE, decode_in_place=True, prefill_in_place=prefill_in_place)
+        runner = ModelRunner(None, pool, DEVICE, attention=AttentionBackend(
+            decode=PagedDecode(), prefill=TritonPrefill() if prefill_in_place else TorchPrefill()))
         *_, meta, _, _ = runner.prepare(seqs, news)
         assert (meta.paged_prefill is not None) == prefill_in_place
         assert len(meta.prefills) == (5 if prefill_in_place else 4)  # the short chunk: a span, or decode rows
@@ -316,10 +325,11 @@ def prompts(seed: int = 0, system_tokens: int = 96) -> list[list[int]]:
 @needs_gpu
 def test_auto_picks_the_triton_kernels_on_a_gpu_and_torch_keeps_the_reference(tiny):
     runner = gpu_llm(tiny, "auto").engine.runner
-    assert runner.decode_in_place and runner.prefill_in_place and not runner.flash_attention
+    attention = runner.attention
+    assert attention.decode_in_place and attention.prefill_in_place and not attention.prefill.flash
     assert not runner.cascade_attention  # each row reads its shared prefix in place
     runner = gpu_llm(tiny, "torch").engine.runner
-    assert not runner.decode_in_place and not runner.prefill_in_place and runner.cascade_attention
+    assert runner.attention == REFERENCE and runner.cascade_attention
 
 
 @needs_gpu
@@ -331,7 +341,7 @@ def test_engine_greedy_tokens_with_either_prefill_path_equal_the_reference_fp32(
     want = greedy_tokens(gpu_llm(tiny, "torch"), batch, TOKENS)
     attention = "torch" if prefill_attention == "sage" else "paged"
     llm = gpu_llm(tiny, attention, prefill_attention=prefill_attention, scheduler={"max_num_batched_tokens": 256})
-    assert llm.engine.runner.prefill_in_place == (prefill_attention == "sage")
+    assert llm.engine.runner.attention.prefill_in_place == (prefill_attention == "sage")
     assert greedy_tokens(llm, batch, TOKENS) == want
     llm.engine.kv.block_manager.check_invariants()
 
@@ -340,7 +350,7 @@ def test_engine_greedy_tokens_with_either_prefill_path_equal_the_reference_fp32(
 def test_engine_greedy_tokens_on_the_gpu_equal_the_torch_path_fp32(tiny):
     batch = prompts()
     paged = gpu_llm(tiny, "paged")
-    assert paged.engine.runner.decode_in_place
+    assert paged.engine.runner.attention.decode_in_place
     assert greedy_tokens(paged, batch, TOKENS) == greedy_tokens(gpu_llm(tiny, "torch"), batch, TOKENS)
     paged.engine.kv.block_manager.check_invariants()
 

@@ -27,6 +27,14 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
+from sage_infer.layers.attention_backends import (
+    AttentionBackend,
+    FlashPrefill,
+    GatheredDecode,
+    PagedDecode,
+    TorchPrefill,
+    TritonPrefill,
+)
 from sage_infer.layers.cpu_kernels import (
     check_forced_level,
     flash_unavailable,
@@ -122,17 +130,13 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
                           proposer=proposer)
-    decode_in_place = use_paged_attention(config.model.attention, pool, device)
-    prefill_kernel = use_flash_attention(config.model.prefill_attention, model, arch.head_dim, device, pool)
-    on_gpu = prefill_kernel and device.type == "cuda"
-    if on_gpu and config.model.cascade_attention:
+    attention = build_attention(config, model, arch.head_dim, device, pool)
+    if not attention.supports_cascade and config.model.cascade_attention:
         auto_log.info("model.cascade_attention = off (the Triton kernels read each row's shared prefix in place)")
-    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention and not on_gpu,
-                         decode_in_place=decode_in_place, flash_attention=prefill_kernel and not on_gpu,
-                         prefill_in_place=on_gpu)
-    if use_decode_step(config.model.decode_step, model, pool, device, runner.decode_in_place):
+    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention)
+    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place):
         model.prepare_decode_step(pool)
-    if use_cuda_graphs(config.model.cuda_graphs, device, runner.decode_in_place):
+    if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
         runner.graphs = DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
                                      max_blocks=-(-max_len // schema.block_size))
         if proposer is not None:
@@ -174,6 +178,17 @@ def use_fused_elementwise(choice: str, device: torch.device) -> bool:
         return False
     why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
     return _fast_path("model.elementwise", choice, why, "fused (norms, rotary and silu*mul as one C++ pass each)")
+
+
+def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, device: torch.device,
+                    pool: KVPool) -> AttentionBackend:
+    """The step's attention backend (`sage_infer.layers.attention_backends`): the decode part `model.attention`
+    asks for and the prefill part `model.prefill_attention` asks for, each where it can run here."""
+    decode = PagedDecode() if use_paged_attention(config.model.attention, pool, device) else GatheredDecode()
+    prefill = TorchPrefill()
+    if use_flash_attention(config.model.prefill_attention, model, head_dim, device, pool):
+        prefill = TritonPrefill() if device.type == "cuda" else FlashPrefill()
+    return AttentionBackend(decode=decode, prefill=prefill)
 
 
 def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:

@@ -31,6 +31,7 @@ from torch import nn
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup
+from sage_infer.layers.attention_backends import PAGED_DECODE
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -96,7 +97,7 @@ class DecodeGraphs:
         group = DecodeGroup(rows=self.rows[:bucket], block_tables=self.tables[:bucket],
                             context_lens=self.inputs[3, :bucket], whole_batch=True)
         meta = AttentionMetadata(slot_mapping=self.inputs[2, :bucket], prefills=[], prefill_slots=None,
-                                 decode_groups=[group], decode_in_place=True)
+                                 decode_groups=[group], backend=PAGED_DECODE)
         hidden = self.model(self.inputs[0, :bucket], self.inputs[1, :bucket], self.pool, meta)
         return self.model.compute_logits(hidden)
 

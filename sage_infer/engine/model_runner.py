@@ -10,6 +10,7 @@ from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PagedPrefill, PrefillSpan, SharedPrefix
+from sage_infer.layers.attention_backends import REFERENCE, AttentionBackend
 
 DECODE_GROUP_ROWS = 16  # decode rows are sorted by context length and padded per group of this size
 # with the paged kernel, a prefill chunk of at most this many tokens after cached context (a turn of a
@@ -19,43 +20,37 @@ IN_PLACE_CHUNK_ROWS = 64
 
 
 class ModelRunner:
-    """`cascade_attention`: let sequences that share leading KV blocks attend to them once,
-    together (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads
-    (by the dtype attention runs in, the model's); off, every sequence reads its whole context
-    (the reference path). `cascade_steps` counts the steps that used it. Without a `model` the
-    runner only builds metadata (`prepare`), for the pool's dtype.
+    """Shapes each step for the `attention` backend (`sage_infer.layers.attention_backends`, chosen once at
+    build; the reference, PyTorch ops only, by default) and runs the model over it.
 
-    `decode_in_place`: decode rows are attended by the paged kernel straight from the pool's
-    blocks, all in one group (`sage_infer.layers.cpu_kernels`; the caller checked it is available
-    and the pool `supports_block_views`); off, sorted groups of gathered copies (the reference).
+    With a decode part that reads blocks in place (`decode_in_place`), every decode row is in one group and a
+    chunk of at most `IN_PLACE_CHUNK_ROWS` after cached context becomes decode rows; otherwise decode rows are
+    sorted into groups of gathered copies. With a prefill part that reads blocks in place (`prefill_in_place`,
+    Triton), a step's spans get their block tables (`AttentionMetadata.paged_prefill`) instead of gathered slots.
 
-    `flash_attention`: prefill chunks and shared prefixes (a bf16 model) are attended by sage's flash
-    kernel (`sage_infer.layers.cpu_kernels.flash_attention`; the caller checked it can run); off,
-    PyTorch's (the reference).
-
-    `prefill_in_place` (an NVIDIA GPU): the step's prefill spans are attended by the Triton prefill kernel in
-    one launch per layer, reading their context in place (`AttentionMetadata.paged_prefill`; the caller
-    checked it can run and the pool `supports_block_views`); off, span by span over gathered copies."""
+    `cascade_attention`: let sequences that share leading KV blocks attend to them once, together
+    (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads (by the dtype attention runs
+    in, the model's), where the backend supports it; off, every sequence reads its whole context (the reference
+    path). `cascade_steps` counts the steps that used it. Without a `model` the runner only builds metadata
+    (`prepare`), for the pool's dtype."""
 
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
-        decode_in_place: bool = False, flash_attention: bool = False, prefill_in_place: bool = False,
+        attention: AttentionBackend = REFERENCE,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
-        self.cascade_attention = cascade_attention
+        self.attention = attention
+        self.cascade_attention = cascade_attention and attention.supports_cascade
         dtype = next(model.parameters()).dtype if model is not None else pool.dtype
         self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
         self.cascade_steps = 0
-        assert not decode_in_place or pool.supports_block_views, "the paged kernel reads float blocks only"
-        self.decode_in_place = decode_in_place
-        self.flash_attention = flash_attention
-        assert not prefill_in_place or pool.supports_block_views, "the prefill kernel reads float blocks only"
-        self.prefill_in_place = prefill_in_place
+        in_place = attention.decode_in_place or attention.prefill_in_place
+        assert not in_place or pool.supports_block_views, "the kernels that read blocks in place read float blocks"
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
-        self.decode_group_rows = 1 << 30 if decode_in_place else DECODE_GROUP_ROWS
+        self.decode_group_rows = 1 << 30 if attention.decode_in_place else DECODE_GROUP_ROWS
         self.graphs: DecodeGraphs | None = None  # `model.cuda_graphs`: pure decode steps replay a CUDA graph
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
@@ -77,6 +72,7 @@ class ModelRunner:
         `AttentionMetadata.shared` instead, with their suffixes. Built as Python lists, moved to
         the device once.
         """
+        attention = self.attention
         participants, num_shared = self._shared_prefix(seqs)
         shared_tokens = num_shared * self.block_size
         shared_rows: list[int] = []  # participants' query rows, prefill spans' first
@@ -104,7 +100,7 @@ class ModelRunner:
                 input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            in_place = n == 1 or (self.decode_in_place and not self.prefill_in_place and start > 0
+            in_place = n == 1 or (attention.decode_in_place and not attention.prefill_in_place and start > 0
                                   and n <= IN_PLACE_CHUNK_ROWS)
             if i in participants:  # the context after the shared blocks is this sequence's suffix
                 if in_place:  # row j of the chunk sees the suffix up to its own token
@@ -123,7 +119,7 @@ class ModelRunner:
                 decode_lens.extend(range(start + 1, end + 1))
             else:
                 prefills.append(PrefillSpan(row, n, end, len(prefill_slots)))
-                if self.prefill_in_place:
+                if attention.prefill_in_place:
                     prefill_tables.append(seq.block_table[: -(-end // self.block_size)])
                 elif start > 0:  # only spans with earlier context read keys back from the cache
                     prefill_slots.extend(self._slots(seq.block_table, 0, end))
@@ -139,8 +135,7 @@ class ModelRunner:
             prefills=prefills,
             prefill_slots=tensor(prefill_slots) if prefill_slots else None,
             decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens, tensor, self.decode_group_rows),
-            decode_in_place=self.decode_in_place,
-            flash=self.flash_attention,
+            backend=attention,
             paged_prefill=self._paged_prefill(prefills, prefill_tables) if prefill_tables else None,
         )
         if participants:

@@ -1,7 +1,9 @@
-"""Paged attention in pure PyTorch: the oracle every faster path is tested against.
+"""Paged attention: the per-step metadata, the PyTorch reference math (the oracle every faster path is tested
+against), and `paged_attention`, a layer's entry point, which runs the step's `AttentionBackend`
+(`sage_infer.layers.attention_backends`: the parts chosen once at build, the reference or the kernels).
 
 K/V live in a `KVPool` and are reached only through its API (`store`, `gather_slots`,
-`gather_blocks`), never as raw cache tensors, so the pool may change how it stores them.
+`gather_blocks`, `block_views`), never as raw cache tensors, so the pool may change how it stores them.
 A token at logical position ``i`` of a sequence lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 
@@ -15,17 +17,14 @@ by their log-sum-exp. Without `shared` every sequence reads its whole context (t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from sage_infer.core.kv_schema import KVDtype
-from sage_infer.layers.cpu_kernels import decode_attention_paged, flash_attention
-
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
+    from sage_infer.layers.attention_backends import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -93,15 +92,16 @@ class AttentionMetadata:
     prefill_slots: torch.Tensor | None  # [sum(context_len)] long
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     shared: SharedPrefix | None = None
-    # decode groups (also `shared`'s) are attended by the paged kernel, which reads pool blocks in
-    # place (`sage_infer.layers.cpu_kernels`); False: gathered copies and PyTorch ops (the oracle)
-    decode_in_place: bool = False
-    # prefill chunks and a shared prefix (bf16) are attended by sage's flash kernel (`cpu_kernels.
-    # flash_attention`); False: PyTorch's CPU flash kernel (the oracle)
-    flash: bool = False
-    # on a GPU: every prefill span attended by the Triton prefill kernel in place (None: span by span over
+    # how the step attends (the runner shaped this metadata for it); None: the reference (PyTorch ops only)
+    backend: AttentionBackend | None = None
+    # with a Triton prefill part: every prefill span attended in one launch, in place (None: span by span over
     # gathered context, `prefill_slots`)
     paged_prefill: PagedPrefill | None = None
+
+    @property
+    def decode_in_place(self) -> bool:
+        """Decode groups (also `shared`'s) are read in place from the pool's blocks, all rows in one group."""
+        return self.backend is not None and self.backend.decode_in_place
 
     def pure_decode_group(self) -> DecodeGroup | None:
         """The one group of a pure decode step read in place (every row one new token, in batch order, no
@@ -131,8 +131,8 @@ def prefill_attention(
     lower-right corner: query i sees keys j <= i + (ctx_len - q_len).
     """
     q_len, ctx_len = q.shape[0], k_ctx.shape[0]
-    if q_len != ctx_len:  # cached keys, then the chunk's own: two unmasked kernel calls (`_chunk_attention_lse`)
-        return _chunk_attention_lse(q, k_ctx, v_ctx, scale)[0].to(q.dtype)
+    if q_len != ctx_len:  # cached keys, then the chunk's own: two unmasked kernel calls (`chunk_attention_lse`)
+        return chunk_attention_lse(q, k_ctx, v_ctx, scale)[0].to(q.dtype)
     qh, kh, vh = q.transpose(0, 1)[None], k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                          enable_gqa=q.shape[1] != k_ctx.shape[1])
@@ -256,7 +256,7 @@ def merge_attention(
     return out_b + (out_a - out_b) * weight_a
 
 
-def _shared_keys_attention_lse(
+def shared_keys_attention_lse(
     q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries that all see every key. q: [N, H, D]; k_ctx, v_ctx: [C, KvH, D] -> out [N, H, D],
@@ -274,7 +274,7 @@ def _shared_keys_attention_lse(
     return out, lse.view(num_kv_heads, n, groups).transpose(0, 1).reshape(n, num_heads)
 
 
-def _chunk_attention_lse(
+def chunk_attention_lse(
     q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefill_attention` with the log-sum-exp: the queries are the last q_len of ctx_len
@@ -282,7 +282,7 @@ def _chunk_attention_lse(
     out [q_len, H, D], lse [q_len, H] (float32).
 
     With cached keys before the chunk (ctx_len > q_len), every query sees all of them: they are
-    attended without a mask (`_shared_keys_attention_lse`), the chunk's own keys causally, and the
+    attended without a mask (`shared_keys_attention_lse`), the chunk's own keys causally, and the
     two merged by their log-sum-exp; 1.1-1.6x faster than one call with a [q_len, ctx_len] mask,
     which the CPU flash kernel takes as a dense additive bias (`bench/flash_attention.py`, docs/benchmarks.md).
     Otherwise the G query heads of a KV head are a batch dimension ([G, KvH, q_len, D]) over K/V
@@ -292,8 +292,8 @@ def _chunk_attention_lse(
     ctx_len, num_kv_heads = k_ctx.shape[:2]
     if ctx_len > q_len:
         cached = ctx_len - q_len
-        out_a, lse_a = _shared_keys_attention_lse(q, k_ctx[:cached], v_ctx[:cached], scale)
-        out_b, lse_b = _chunk_attention_lse(q, k_ctx[cached:], v_ctx[cached:], scale)
+        out_a, lse_a = shared_keys_attention_lse(q, k_ctx[:cached], v_ctx[:cached], scale)
+        out_b, lse_b = chunk_attention_lse(q, k_ctx[cached:], v_ctx[cached:], scale)
         return merge_attention(out_a, lse_a, out_b, lse_b), torch.logaddexp(lse_a, lse_b)
     groups = num_heads // num_kv_heads
     batched = q.view(q_len, num_kv_heads, groups, head_dim).permute(2, 1, 0, 3)  # [G, KvH, q_len, D]
@@ -301,49 +301,6 @@ def _chunk_attention_lse(
     values = v_ctx.transpose(0, 1)[None].expand(groups, num_kv_heads, ctx_len, head_dim)
     out, lse = attention_with_lse(batched, keys, values, scale, causal=True)
     return out.permute(2, 1, 0, 3).reshape(q_len, num_heads, head_dim), lse.permute(2, 1, 0).reshape(q_len, num_heads)
-
-
-def cascade_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int, meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of the participants of `meta.shared` (K/V of this step already stored).
-
-    q: [T, H, D]; k, v: [T, KvH, D] (this step's) -> [N, H, D] float32 for ``meta.shared.rows``.
-    The shared keys are gathered once and attended by all N query rows in one call; each
-    participant's suffix is attended as the reference path would (with a lower-right causal
-    mask for prefill chunks); the two are merged by their log-sum-exp.
-    """
-    shared = meta.shared
-    q_rows = q[shared.rows]
-    keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
-    prefix_attention = partial(flash_attention, causal=False) if meta.flash else _shared_keys_attention_lse
-    prefix_out, prefix_lse = prefix_attention(q_rows, keys[0], values[0], scale)  # before the next gather
-    chunk_attention = partial(flash_attention, causal=True) if meta.flash else _chunk_attention_lse
-    suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
-    for span in shared.prefills:
-        rows = slice(span.q_start, span.q_start + span.q_len)
-        if span.context_len == span.q_len:  # the suffix is this step's own tokens
-            own = shared.rows[rows]
-            k_ctx, v_ctx = k[own], v[own]
-        else:
-            slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
-            k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-        suffix_out[rows], suffix_lse[rows] = chunk_attention(q_rows[rows], k_ctx, v_ctx, scale)
-    for group in shared.decode_groups:
-        if meta.decode_in_place:
-            k_blocks, v_blocks = pool.block_views(layer)
-            suffix_out[group.rows], suffix_lse[group.rows] = decode_attention_paged(
-                q_rows[group.rows], k_blocks, v_blocks, group.block_tables, group.context_lens, scale)
-            continue
-        keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)  # [b, W, KvH, D]
-        b, num_heads, head_dim = len(group.rows), q.shape[1], q.shape[2]
-        grouped = q_rows[group.rows].view(b, keys.shape[2], -1, head_dim)  # [b, KvH, G, D]
-        positions = torch.arange(keys.shape[1], device=q.device)
-        mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]  # [b, 1, 1, W]
-        out, lse = attention_with_lse(grouped, keys.transpose(1, 2), values.transpose(1, 2), scale, mask)
-        suffix_out[group.rows], suffix_lse[group.rows] = out.reshape(b, num_heads, head_dim), lse.reshape(b, num_heads)
-    return merge_attention(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
 def paged_attention(
@@ -355,44 +312,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
-    pool.store(layer, k, v, meta.slot_mapping)
-    if (group := meta.pure_decode_group()) is not None:  # no row gather, no scatter back
-        return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens,
-                                      scale)[0].to(q.dtype)
-    out = torch.empty_like(q)
-    if meta.paged_prefill is not None:
-        from sage_infer.layers.triton_paged import prefill_attention as prefill_attention_paged
-
-        batch = meta.paged_prefill
-        prefill_attention_paged(q, *pool.block_views(layer), out, batch.block_tables, batch.spans, batch.tiles,
-                                scale)
-    else:
-        for span in meta.prefills:
-            rows = slice(span.q_start, span.q_start + span.q_len)
-            if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
-                k_ctx, v_ctx = k[rows], v[rows]
-            else:
-                slots = meta.prefill_slots[span.slot_start : span.slot_start + span.context_len]
-                k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
-            if meta.flash:
-                out[rows] = flash_attention(q[rows], k_ctx, v_ctx, scale, causal=True)[0].to(q.dtype)
-            else:
-                out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, scale)
-    for group in meta.decode_groups:
-        if meta.decode_in_place:
-            k_blocks, v_blocks = pool.block_views(layer)
-            out[group.rows] = decode_attention_paged(q[group.rows], k_blocks, v_blocks, group.block_tables,
-                                                     group.context_lens, scale)[0].to(q.dtype)
-            continue
-        # masked SDPA is fast on fp32 K/V and 5-6x slower on bf16 here; bf16/fp16 and quantized pools widen
-        # their context once to fp32 and use two matmuls instead (docs/benchmarks.md, "decode attention")
-        if pool.schema.dtype is KVDtype.FP32:
-            keys, values = pool.gather_blocks(layer, group.block_tables, q.dtype)
-            out[group.rows] = decode_attention_batched(q[group.rows], keys, values, group.context_lens, scale)
-            continue
-        levels, scales = pool.gather_block_levels(layer, group.block_tables)
-        out[group.rows] = decode_attention_scaled(q[group.rows], levels, scales, group.context_lens, scale)
-    if meta.shared is not None:
-        out[meta.shared.rows] = cascade_attention(q, k, v, pool, layer, meta, scale).to(q.dtype)
-    return out
+    """Store this step's K/V of `layer` in `pool`, then attend, as the step's backend does (the reference without
+    one). q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+    backend = meta.backend
+    if backend is None:
+        from sage_infer.layers.attention_backends import REFERENCE as backend
+    return backend.forward(q, k, v, pool, layer, meta, scale)

@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
                                        None, False)
                 if (group := meta.cascade_decode_group(x.shape[0])) is not None:
                     return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens,
-                                       meta.shared.block_ids, meta.flash)
+                                       meta.shared.block_ids, meta.backend.prefill.flash)
             for i, layer in enumerate(layers):
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
                 h = layer.forward_fused(h, x, after, cos_sin, pool, meta)
