@@ -59,7 +59,7 @@ WEIGHT_SCHEMES = ("w8a16", "w4a16-g128", "w4a16-g32")
 TRACE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
 CACHE = Path.home() / ".cache" / "sage_infer" / "engine_vs_vllm"
 GIB = 1 << 30
-# goals (issue 14): capacity vs bf16, perplexity within a share of bf16's, decode speed-up at batch 1
+# targets: capacity vs bf16, perplexity within a share of bf16's, decode speed-up at batch 1
 GOALS = {"int8": (1.9, 0.01), "fp8_e4m3": (1.9, 0.01), "int4": (3.5, 0.05)}
 WEIGHT_GOALS = {"w8a16": (1.7, 0.01), "w4a16-g128": (2.5, 0.05), "w4a16-g32": (2.5, 0.05)}
 

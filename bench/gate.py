@@ -42,7 +42,7 @@ def measure(vllm_venv: Path) -> dict[str, float]:
         ratios[f"hf.{w['workload']}.output_tok_s"] = w["speedup_tok_s"]
     if (vllm_venv / "bin" / "python").exists():
         # W3 (one 128-token prompt, 256 out) runs 1-3 s an engine on the 11m model, where one noisy second moves
-        # the ratio by a third (session 11: 2.09 in the gate, 2.75 over 5 repeats right after): 5 repeats
+        # the ratio by a third (2.09 in one gate run, 2.75 over 5 repeats right after): 5 repeats
         for workloads, repeats in (("W1,W2,W4", "2"), ("W3", "5")):
             vllm = run_json(["bench/engine_vs_vllm.py", "--model", "qwen3-11m", "--dtype", "fp32", "--workloads",
                              workloads, "--repeats", repeats, "--vllm-venv", str(vllm_venv)])

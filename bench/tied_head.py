@@ -1,5 +1,5 @@
 """A tied lm_head packed as a copy (`model.linear: packed`, the default) against the head left as an
-`nn.Linear` over the embedding's weight (what the engine did before session 10), on a random
+`nn.Linear` over the embedding's weight (what the engine did before tied heads were packed), on a random
 Qwen2.5-0.5B shape with its real vocabulary (151,936, tied, as the released model), bf16.
 
     python bench/tied_head.py --json out/tied_head.json

@@ -13,7 +13,8 @@ the rounded range is collapsed too, which only changes its page size.
 
 The KV pool is asked for huge pages before it is zeroed (`zeros_on_huge_pages`), so its pages fault
 in huge at no extra cost; decode attention reads scattered 4 KB blocks from it: one decode step's
-attention over a 2 GB pool measured 8 % faster (`bench/paged_decode_kernel.py`, docs/benchmarks.md).
+attention over a 2 GB pool measured 1.12x faster (`bench/paged_decode_kernel.py --step`, docs/benchmarks.md,
+"Huge pages").
 """
 
 from __future__ import annotations

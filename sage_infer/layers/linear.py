@@ -9,8 +9,8 @@ linear"). The math is oneDNN's either way, so outputs match `nn.Linear` to round
 `pack_linears(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear`, an lm_head tied
 to the embedding too: the packed buffer is then a second copy of that weight (the embedding keeps
 reading rows of the original), e.g. +272 MB for Qwen2.5-0.5B's 151,936 x 896 bf16 head, for 1.6x at
-batch 1 and 2.7x at 8 rows on that head's product (it was unpacked before: docs/benchmarks.md, session
-10), as vLLM's CPU backend also packs the embedding's weight for the head. `model.linear: torch` keeps
+batch 1 and 2.7x at 8 rows on that head's product against the unpacked head (docs/benchmarks.md, "Tied
+lm_head"), as vLLM's CPU backend also packs the embedding's weight for the head. `model.linear: torch` keeps
 plain `nn.Linear`, the reference path the packed one is tested against.
 
 Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
