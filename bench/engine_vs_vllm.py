@@ -51,10 +51,10 @@ from bench import _vllm_worker as wire  # noqa: E402
 from bench._report import write_json  # noqa: E402
 from bench.engine_vs_hf import random_workload, sage_generate, shared_prefix_workload, summarize  # noqa: E402
 from bench.vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
+from sage_infer.backends.vllm_args import VLLM_DTYPES  # noqa: E402
 
 WORKLOADS = ("W1", "W2", "W3")  # the default set
 ALL_WORKLOADS = WORKLOADS + ("W4",)
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # vLLM's workers busy-poll their shared-memory queue for 1 s after each step before they park
 # (vllm/distributed/device_communicators/shm_broadcast.py): wait that out so sage never shares

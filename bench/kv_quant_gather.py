@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 from bench.host_copy import best_seconds  # noqa: E402
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype  # noqa: E402
-from sage_infer.kv_runtime.pool import KVPool  # noqa: E402
+from sage_infer.kv_runtime.pool import make_kv_pool  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
@@ -32,7 +32,7 @@ DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 def measure(kv_dtype: str, args: argparse.Namespace) -> dict:
     schema = KVCacheSchema(1, args.kv_heads, args.head_dim, args.block_size).with_dtype(KVDtype(kv_dtype))
     blocks_per_seq = -(-args.context // args.block_size)
-    pool = KVPool(schema, args.batch * blocks_per_seq + 1)
+    pool = make_kv_pool(schema, args.batch * blocks_per_seq + 1)
     tokens = args.batch * blocks_per_seq * args.block_size
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(tokens, args.kv_heads, args.head_dim, generator=gen).to(torch.bfloat16)

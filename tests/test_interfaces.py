@@ -18,10 +18,8 @@ from sage_infer.interfaces import (
     KVCacheSchema,
     KVChunk,
     KVDtype,
-    QuantizationProfile,
     ScaleLayout,
     TransportPlan,
-    WeightQuant,
 )
 
 LLAMA_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -74,16 +72,6 @@ def test_schema_round_trips_through_dict():
     assert KVCacheSchema.from_dict(schema.to_dict()) == schema
     assert schema.compatible_with(KVCacheSchema.from_dict(schema.to_dict()))
     assert not schema.compatible_with(KVCacheSchema(**LLAMA_8B))
-
-
-def test_quantization_profile_checks_consistency():
-    assert QuantizationProfile(kv_dtype=KVDtype.INT4, kv_scale_layout=ScaleLayout.PER_TOKEN).kv_compression_ratio == 4
-    with pytest.raises(ValueError, match="need scales"):
-        QuantizationProfile(kv_dtype=KVDtype.INT8)
-    with pytest.raises(ValueError, match="weight_group_size"):
-        QuantizationProfile(weights=WeightQuant.INT4_WEIGHT_ONLY)
-    with pytest.raises(ValueError, match="power of two"):
-        QuantizationProfile(weights=WeightQuant.INT4_WEIGHT_ONLY, weight_group_size=100)
 
 
 def test_transport_plan_split_covers_every_byte_once():

@@ -8,7 +8,7 @@ import torch
 from sage_infer.config.serve import KVPoolConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, KVLayout, ScaleLayout
 from sage_infer.errors import ConfigError
-from sage_infer.kv_runtime import KVPool
+from sage_infer.kv_runtime import KVPool, make_kv_pool
 
 SCHEMA = KVCacheSchema(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=KVDtype.FP16)
 # K and V x 4 tokens x 2 heads x 8 dims x 2 layers x 2 bytes
@@ -31,7 +31,7 @@ def test_block_shape_and_sizes():
     (KVDtype.FP32, torch.float32), (KVDtype.FP16, torch.float16), (KVDtype.BF16, torch.bfloat16),
 ])
 def test_dtype_follows_the_schema(kv_dtype, torch_dtype):
-    pool = KVPool(KVCacheSchema(1, 1, 4, 4, kv_dtype), num_blocks=2)
+    pool = make_kv_pool(KVCacheSchema(1, 1, 4, 4, kv_dtype), num_blocks=2)
     assert pool.dtype == torch_dtype and pool.read_blocks([1]).dtype == torch_dtype
 
 
@@ -147,7 +147,15 @@ def test_write_blocks_rejects_a_wrong_shape_or_dtype():
 def test_a_quantized_pool_needs_per_token_scales():
     schema = KVCacheSchema(2, 2, 8, 4, KVDtype.FP8_E4M3, scale_layout=ScaleLayout.PER_HEAD)
     with pytest.raises(ValueError, match="per token and head"):
+        make_kv_pool(schema, num_blocks=2)
+
+
+def test_a_quantized_schema_is_refused_by_the_float_pool_and_make_kv_pool_picks_the_class():
+    schema = KVCacheSchema(2, 2, 8, 4, KVDtype.INT8, scale_layout=ScaleLayout.PER_TOKEN)
+    with pytest.raises(ValueError, match="QuantizedKVPool"):
         KVPool(schema, num_blocks=2)
+    assert type(make_kv_pool(schema, num_blocks=2)).__name__ == "QuantizedKVPool"
+    assert type(make_kv_pool(SCHEMA, num_blocks=2)) is KVPool
 
 
 def test_from_config_uses_num_blocks_when_set():

@@ -11,7 +11,7 @@ import torch
 
 from sage_infer.config.serve import KVPoolConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
-from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.kv_runtime.pool import KVPool, make_kv_pool
 from sage_infer.kv_runtime.quantized_pool import QuantizedKVPool
 from sage_infer.quantization.kv_codec import KVCodec
 
@@ -31,7 +31,7 @@ def kv_like(n: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_a_quantized_schema_builds_a_quantized_pool(dtype):
-    pool = KVPool(schema(dtype), num_blocks=3)
+    pool = make_kv_pool(schema(dtype), num_blocks=3)
     assert isinstance(pool, QuantizedKVPool)
     assert pool.block_nbytes == schema(dtype).bytes_per_block == pool.read_blocks([0]).shape[1]
 
@@ -74,7 +74,7 @@ def test_the_largest_magnitude_decodes_exactly(dtype):  # it maps to the extreme
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_gathers_return_the_codec_round_trip_of_what_was_stored(dtype):
-    pool = KVPool(schema(dtype), num_blocks=4)
+    pool = make_kv_pool(schema(dtype), num_blocks=4)
     k, v = kv_like(6, seed=1), kv_like(6, seed=2)
     slots = torch.tensor([4, 5, 6, 7, 8, 9])  # all of block 1, half of block 2
     pool.store(1, k, v, slots)
@@ -91,7 +91,7 @@ def test_gathers_return_the_codec_round_trip_of_what_was_stored(dtype):
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_blocks_move_between_pools_as_bytes_bit_exact(dtype):
-    src, dst = KVPool(schema(dtype), num_blocks=4), KVPool(schema(dtype), num_blocks=4)
+    src, dst = make_kv_pool(schema(dtype), num_blocks=4), make_kv_pool(schema(dtype), num_blocks=4)
     for layer in range(LAYERS):
         src.store(layer, kv_like(8, layer), kv_like(8, layer + 5), torch.arange(4, 12))
     rows = src.read_blocks([1, 2])
@@ -104,7 +104,7 @@ def test_blocks_move_between_pools_as_bytes_bit_exact(dtype):
 
 
 def test_a_block_row_is_codes_then_fp16_scales():
-    pool = KVPool(schema(KVDtype.INT8), num_blocks=2)
+    pool = make_kv_pool(schema(KVDtype.INT8), num_blocks=2)
     k = (torch.arange(HEAD_DIM, dtype=torch.float32) - 8).expand(1, HEADS, HEAD_DIM)  # amax 8: scale 8/127
     pool.store(0, k, k, torch.tensor([0]))
     row = pool.read_blocks([0])[0]
@@ -118,7 +118,7 @@ def test_a_block_row_is_codes_then_fp16_scales():
 
 
 def test_write_blocks_refuses_rows_of_the_wrong_size_or_type():
-    pool = KVPool(schema(KVDtype.INT4), num_blocks=2)
+    pool = make_kv_pool(schema(KVDtype.INT4), num_blocks=2)
     rows = pool.read_blocks([0, 1])
     with pytest.raises(ValueError, match="shape"):
         pool.write_blocks([0], rows)
@@ -146,7 +146,7 @@ def test_int4_needs_an_even_head_dim():
 def test_scaled_decode_attention_equals_attention_over_dequantized_kv(dtype):
     from sage_infer.layers.attention import decode_attention_reference, decode_attention_scaled
 
-    pool = KVPool(schema(dtype), num_blocks=8)
+    pool = make_kv_pool(schema(dtype), num_blocks=8)
     k, v = kv_like(20, seed=3), kv_like(20, seed=4)
     pool.store(1, k, v, torch.arange(20))
     tables = torch.tensor([[0, 1, 2, 3, 4], [2, 3, 0, 1, 4]])  # both padded to 5 blocks (20 tokens)

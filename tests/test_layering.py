@@ -20,7 +20,7 @@ PACKAGE = Path(sage_infer.__file__).parent
 # Lowest first. A subpackage may import its own layer's modules only from itself, and any lower layer.
 LAYERS: list[set[str]] = [
     {"errors", "tables", "core"},  # no sage_infer imports at all (errors, tables) or only each other
-    {"interfaces"},  # contracts shared by the layers above: capability, quantization, transport plan, backend
+    {"interfaces"},  # contracts shared by the layers above: accelerator descriptor, transport plan, backend
     {"hal"},  # device detection and choice; knows nothing of config
     {"config"},  # pydantic configs, presets, resolution of every `auto`
     {"quantization"},  # KV codecs (pool, tiers, transport), weight-only quantization, calibration

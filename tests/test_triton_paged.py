@@ -175,7 +175,7 @@ def test_where_the_prefill_kernels_cannot_run_sage_is_a_config_error_and_auto_fa
     from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
     from sage_infer.engine.build import use_flash_attention
     from sage_infer.errors import ConfigError
-    from sage_infer.kv_runtime import KVPool
+    from sage_infer.kv_runtime import make_kv_pool
 
     model, float_pool = torch.nn.Linear(4, 4), filled_pool([5], 2, 32, 16, torch.float32)[0]
     with pytest.raises(ConfigError, match=r"^model.prefill_attention: sage: the kernels run on CPUs \(C\+\+\) and "
@@ -183,7 +183,8 @@ def test_where_the_prefill_kernels_cannot_run_sage_is_a_config_error_and_auto_fa
         use_flash_attention("sage", model, 32, torch.device("xpu"), float_pool)
     assert not use_flash_attention("auto", model, 32, torch.device("xpu"), float_pool)
     assert not use_flash_attention("torch", model, 32, torch.device("cuda"), float_pool)
-    int8_pool = KVPool(KVCacheSchema(2, 2, 32, 16, KVDtype.INT8, scale_layout=ScaleLayout.PER_TOKEN), 4, device=DEVICE)
+    int8_pool = make_kv_pool(KVCacheSchema(2, 2, 32, 16, KVDtype.INT8, scale_layout=ScaleLayout.PER_TOKEN), 4,
+                             device=DEVICE)
     if CUDA:  # the kernel reads float blocks: an int8 pool is refused, auto falls back
         with pytest.raises(ConfigError, match="^model.prefill_attention: sage: kv_dtype int8 is quantized"):
             use_flash_attention("sage", model.cuda(), 32, torch.device("cuda"), int8_pool)

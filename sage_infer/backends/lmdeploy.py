@@ -20,10 +20,12 @@ from typing import Literal
 from sage_infer.backends.native_only import refuse_native_only
 from sage_infer.config.auto import ModelFacts, ResolvedValue, resolve_max_model_len, resolve_model_dtype
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.dtypes import HF_DTYPE_NAMES
 from sage_infer.errors import ConfigError
 
 Engine = Literal["turbomind", "pytorch"]
-LMDEPLOY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # lmdeploy computes in 16 bits only
+# lmdeploy computes in 16 bits only, and spells them as config.json does
+LMDEPLOY_DTYPES = {sage: theirs for theirs, sage in HF_DTYPE_NAMES.items() if sage != "fp32"}
 QUANT_POLICY = {"int8": 8, "int4": 4}  # lmdeploy's online KV quantization (per token and head)
 # torch device type (hardware preset) -> PytorchEngineConfig.device_type
 PYTORCH_DEVICE_TYPES = {"cuda": "cuda", "npu": "ascend", "mlu": "camb"}

@@ -41,6 +41,7 @@ from sage_infer.backends.vllm_args import VLLMModel, vllm_engine_args  # noqa: E
 from sage_infer.backends.vllm_request import VLLMRequest, sampling_params  # noqa: E402
 from sage_infer.config.auto import ModelFacts  # noqa: E402
 from sage_infer.config.serve import ServeConfig  # noqa: E402
+from sage_infer.core.dtypes import DTYPE_NAMES  # noqa: E402
 from sage_infer.core.messages import AddRequest, EngineStats, HealthStatus, KVTransferParams, ModelInfo  # noqa: E402
 from sage_infer.core.outputs import RequestOutput  # noqa: E402
 from sage_infer.errors import SageError  # noqa: E402
@@ -56,7 +57,6 @@ auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm 
 
 _DEAD = "the vLLM engine stopped after an internal error; restart the server"
 MAX_HELD_ANSWERS = 4096  # prefill: connector answers kept until the server replies (normally at once)
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 class _SchedulerStats(StatLoggerBase):
@@ -297,7 +297,7 @@ def create(config: ServeConfig) -> VLLMBackend:
 
     directory = resolve_model_dir(config.model.path)
     arch = arch_config(directory)
-    facts = ModelFacts(DTYPE_NAMES.get(str(arch.torch_dtype).removeprefix("torch."), "fp32"),
+    facts = ModelFacts(DTYPE_NAMES.get(arch.torch_dtype, "fp32"),
                        arch.max_position_embeddings, arch.sliding_window)
     name = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
     model = VLLMModel(str(directory), name, facts, arch.num_layers, arch.num_kv_heads, arch.head_dim)

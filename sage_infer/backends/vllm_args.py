@@ -19,9 +19,10 @@ from sage_infer.config.auto import (
     resolve_num_blocks,
 )
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.dtypes import HF_DTYPE_NAMES
 from sage_infer.errors import ConfigError
 
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DTYPES = {sage: theirs for theirs, sage in HF_DTYPE_NAMES.items()}  # vLLM spells them as config.json
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # sage KV dtype -> vLLM cache_dtype, where vLLM stores the same thing
 VLLM_KV_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}

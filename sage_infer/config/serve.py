@@ -21,8 +21,6 @@ from sage_infer.config.hardware import HardwareProfile, Strict
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVDtype
 
-EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost", "sage")
-
 
 class ModelConfig(Strict):
     path: str | None = Field(None, description="Local HF model directory; None serves the bundled demo model.")

@@ -10,6 +10,7 @@ import torch
 
 from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
@@ -25,7 +26,7 @@ from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
-from sage_infer.kv_runtime.pool import KVPool, bytes_per_block
+from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.layers.attention_backends import (
     AttentionBackend,
@@ -61,8 +62,6 @@ from sage_infer.transport.process_group import join_process_group
 
 DEMO_MODEL_NAME = "sage-demo"
 auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
-MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in MODEL_DTYPES.items()}
 
 
 def build_engine(config: ServeConfig, device: str | torch.device | None = None) -> LLMEngine:
@@ -78,7 +77,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if device.type == "cpu":
         check_forced_level()  # a SAGE_CPU_ISA this CPU cannot run: one line before the weights load
     proposer = build_proposer(config.speculative)  # (a method not built yet: one line before the weights load)
-    model, arch, directory = load_model(directory, MODEL_DTYPES[auto.model_dtype], device)
+    model, arch, directory = load_model(directory, FLOAT_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     if config.model.huge_pages:
         use_huge_pages(model)
@@ -104,7 +103,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
     auto.values.append(host_bytes)
     auto.log()
-    pool = KVPool(schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
+    pool = make_kv_pool(schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
 
     index = None
     if config.kv_pool.enable_prefix_caching:
@@ -253,7 +252,7 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
     if device.type != "cpu":
         why = f"the kernels run on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
     elif dtype not in (torch.bfloat16, torch.float32):
-        why = f"the kernel is bf16 or fp32 only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
+        why = f"the kernel is bf16 or fp32 only (the model is {dtype_name(dtype)})"
     else:
         why = flash_unavailable(head_dim, dtype)
     kind = "bf16 flash kernel on AVX512-BF16" if dtype == torch.bfloat16 else "fp32 flash kernel on AVX-512"
@@ -324,7 +323,7 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         if swapped or kept:
             auto_log.info("model.linear: %d quantized linear layers on CPU int8/int4 kernels%s", swapped,
                           f", {kept} on the reference path (no faster kernel for their scheme with "
-                          f"{DTYPE_NAMES.get(dtype, dtype)} activations)" if kept else "")
+                          f"{dtype_name(dtype)} activations)" if kept else "")
     possible = on_cpu and packing_available()
     if not possible:
         if decode == "sage":
@@ -369,7 +368,7 @@ def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:
     if choice == "onednn":
         return None
     if dtype != torch.bfloat16:
-        return f"the kernel is bf16-only (the model is {DTYPE_NAMES.get(dtype, dtype)})"
+        return f"the kernel is bf16-only (the model is {dtype_name(dtype)})"
     return small_linear_unavailable()
 
 

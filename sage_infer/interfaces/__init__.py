@@ -8,14 +8,12 @@ from sage_infer.interfaces.backend import (
     InvalidRequestError,
     QueueFullError,
 )
-from sage_infer.interfaces.capability import AcceleratorDescriptor, CapabilityDescriptor, LinkDescriptor
-from sage_infer.interfaces.quantization import QuantizationProfile, WeightQuant
+from sage_infer.interfaces.capability import AcceleratorDescriptor
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
 
 __all__ = [
     "AcceleratorDescriptor",
     "BackendError",
-    "CapabilityDescriptor",
     "EngineDeadError",
     "InferenceBackend",
     "InvalidRequestError",
@@ -23,10 +21,7 @@ __all__ = [
     "KVChunk",
     "KVDtype",
     "KVLayout",
-    "LinkDescriptor",
-    "QuantizationProfile",
     "QueueFullError",
     "ScaleLayout",
     "TransportPlan",
-    "WeightQuant",
-]
+    ]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sage_infer.kv_runtime.block_manager import BlockInfo, BlockManager, BlockState, NoFreeBlocksError
 
 if TYPE_CHECKING:
-    from sage_infer.kv_runtime.pool import KVPool, KVPoolSizeError
+    from sage_infer.kv_runtime.pool import KVPool, KVPoolSizeError, make_kv_pool
 
 __all__ = [
     "BlockInfo",
@@ -20,9 +20,10 @@ __all__ = [
     "KVPool",
     "KVPoolSizeError",
     "NoFreeBlocksError",
+    "make_kv_pool",
 ]
 
-_LAZY = {"KVPool", "KVPoolSizeError"}
+_LAZY = {"KVPool", "KVPoolSizeError", "make_kv_pool"}
 
 
 def __getattr__(name: str) -> object:

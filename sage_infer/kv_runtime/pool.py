@@ -69,13 +69,6 @@ class KVPool:
 
     supports_block_views = True  # `block_views`: K/V blocks in one float dtype (a quantized pool: no)
 
-    def __new__(cls, schema: KVCacheSchema, *args, **kwargs) -> KVPool:
-        if cls is KVPool and schema.dtype.is_quantized:  # fp8 / int8 / int4: codes plus scales
-            from sage_infer.kv_runtime.quantized_pool import QuantizedKVPool
-
-            cls = QuantizedKVPool
-        return super().__new__(cls)
-
     def __init__(
         self,
         schema: KVCacheSchema,
@@ -86,6 +79,9 @@ class KVPool:
     ) -> None:
         if num_blocks < 1:
             raise KVPoolSizeError(f"a KV pool needs at least 1 block, got num_blocks={num_blocks}")
+        if schema.dtype.is_quantized and type(self) is KVPool:
+            raise ValueError(f"kv_dtype {schema.dtype.value} is quantized: its pool is a QuantizedKVPool "
+                             "(make_kv_pool picks the class for a schema)")
         schema_dtype = torch_dtype_of(schema)
         self.schema = schema
         self.num_blocks = num_blocks
@@ -125,7 +121,8 @@ class KVPool:
         if config.block_size != schema.block_size:
             raise ValueError(f"kv_pool.block_size={config.block_size} differs from the schema's {schema.block_size}")
         num_blocks = cls.blocks_for_config(schema, config, dtype, available_bytes)
-        return cls(schema, num_blocks, device=device, dtype=dtype)
+        build = make_kv_pool if cls is KVPool else cls  # (a quantized schema: the quantized pool)
+        return build(schema, num_blocks, device=device, dtype=dtype)
 
     @staticmethod
     def blocks_for_config(
@@ -294,3 +291,14 @@ class KVPool:
             f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, num_layers={self.num_layers}, "
             f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})"
         )
+
+
+def make_kv_pool(schema: KVCacheSchema, num_blocks: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, huge_pages: bool = False) -> KVPool:
+    """The pool for `schema`: a `KVPool` for a float KV dtype, a `QuantizedKVPool` (codes plus scales) for fp8,
+    int8 and int4."""
+    if schema.dtype.is_quantized:
+        from sage_infer.kv_runtime.quantized_pool import QuantizedKVPool  # (it extends KVPool: imported late)
+
+        return QuantizedKVPool(schema, num_blocks, device=device, dtype=dtype, huge_pages=huge_pages)
+    return KVPool(schema, num_blocks, device=device, dtype=dtype, huge_pages=huge_pages)

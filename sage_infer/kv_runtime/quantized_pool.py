@@ -1,6 +1,6 @@
 """`QuantizedKVPool`: the KV pool in fp8 / int8 / int4, one fp16 scale per token and head.
 
-`KVPool(schema, ...)` with a quantized `schema.dtype` builds one of these. Attention sees the same
+`make_kv_pool(schema, ...)` with a quantized `schema.dtype` builds one of these. Attention sees the same
 API as the float pool: `store` quantizes with the shared `KVCodec`, `gather_*` dequantize to the
 dtype attention asks for. Tiers and the transport see bytes: a block row is
 
@@ -19,7 +19,14 @@ import math
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema, ScaleLayout
-from sage_infer.kv_runtime.pool import GATHER_SCRATCH_MAX_BYTES, BlockIds, KVPool, KVPoolSizeError, pool_zeros
+from sage_infer.kv_runtime.pool import (
+    GATHER_SCRATCH_MAX_BYTES,
+    BlockIds,
+    KVPool,
+    KVPoolSizeError,
+    make_kv_pool,
+    pool_zeros,
+)
 from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
 
 
@@ -187,7 +194,7 @@ def convert_blocks(pool: KVPool, block_ids: BlockIds, schema: KVCacheSchema) -> 
     """
     rows = pool.read_blocks(block_ids)
     n = rows.shape[0]
-    source, target = KVPool(pool.schema, n, device=pool.device), KVPool(schema, n, device=pool.device)
+    source, target = make_kv_pool(pool.schema, n, device=pool.device), make_kv_pool(schema, n, device=pool.device)
     source.write_blocks(range(n), rows)
     every_block = torch.arange(n, device=pool.device)
     slots = torch.arange(n * pool.block_size, device=pool.device)

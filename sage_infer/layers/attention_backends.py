@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 # -- decode parts ------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
 class GatheredDecode:
     """Decode rows over gathered copies of their blocks, padded per group (the oracle)."""
 
@@ -75,6 +76,7 @@ class GatheredDecode:
         return out.reshape(b, num_heads, head_dim), lse.reshape(b, num_heads)
 
 
+@dataclass(frozen=True)
 class PagedDecode(GatheredDecode):
     """Decode rows read their context in place from the pool's blocks, all rows in one group: the C++ kernel on
     a CPU, the Triton kernel on an NVIDIA GPU. The pool must have block views (a float pool)."""
@@ -92,6 +94,7 @@ class PagedDecode(GatheredDecode):
 
 # -- prefill parts -----------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
 class TorchPrefill:
     """Prefill spans one by one over their context (this step's keys, or gathered from the pool), PyTorch's
     SDPA; shared prefixes and suffixes with their log-sum-exp in PyTorch (the oracle)."""
@@ -128,6 +131,7 @@ class TorchPrefill:
         return shared_keys_attention_lse(q, keys, values, scale)
 
 
+@dataclass(frozen=True)
 class FlashPrefill(TorchPrefill):
     """Sage's CPU flash kernel for prefill spans and shared prefixes (bf16 and fp32 models)."""
 
@@ -146,6 +150,7 @@ class FlashPrefill(TorchPrefill):
         return flash_attention(q, keys, values, scale, causal=False)
 
 
+@dataclass(frozen=True)
 class TritonPrefill(TorchPrefill):
     """Every prefill span of a step in one Triton launch per layer, reading its context in place from the pool's
     blocks (`AttentionMetadata.paged_prefill`; an NVIDIA GPU, a float pool). It reads each row's shared prefix in

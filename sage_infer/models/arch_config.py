@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sage_infer.core.dtypes import parse_dtype_name
 from sage_infer.layers.rotary import rope_parameters
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -65,7 +63,7 @@ class ArchConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=family == "Qwen3",
             sliding_window=int(sliding) if sliding else None,
-            torch_dtype=_DTYPES.get(str(dtype_name).removeprefix("torch."), torch.float32),
+            torch_dtype=parse_dtype_name(dtype_name, torch.float32),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )

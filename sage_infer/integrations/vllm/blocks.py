@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from sage_infer.core.dtypes import FLOAT_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.errors import NotAvailableError
 
-_KV_DTYPES = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
+_KV_DTYPES = {dtype: KVDtype(name) for name, dtype in FLOAT_DTYPES.items()}
 
 
 def kv_dtype_of(dtype: torch.dtype) -> KVDtype:

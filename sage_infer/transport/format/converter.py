@@ -37,16 +37,17 @@ from dataclasses import dataclass
 
 import torch
 
+from sage_infer.core.dtypes import FLOAT_DTYPES
 from sage_infer.quantization.kv_codec import FP8_DTYPES as _FP8
 from sage_infer.quantization.kv_codec import INT_QMAX as _INT_QMAX
 from sage_infer.quantization.kv_codec import fp8_as_fp16, group_params, pack_int4, quantize_groups_, unpack_int4
 
 assert sys.byteorder == "little", "the wire payload is little-endian"
 
-_CASTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_CASTS = FLOAT_DTYPES
 WIRE_FORMATS: tuple[str, ...] = (*_CASTS, *_FP8, *_INT_QMAX)
 GRANULARITIES: tuple[str, ...] = ("per_token", "per_channel")
-_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KV_DTYPES = tuple(FLOAT_DTYPES.values())
 # elements per CPU row block: 4 MiB of fp32 work stays in cache; 16 MiB chunks in one block ran 3-4x slower
 _CPU_BLOCK_ELEMS = 1 << 20
 
