@@ -276,3 +276,19 @@ def test_a_waiting_request_asks_the_lower_tiers_once_not_every_step(model_dir):
     now[0] += 1.0  # past LOWER_LOOKUP_TTL_S: asked again
     assert len(kv.match(waiting).lower_block_hashes) == 5
     assert len(calls) == 2
+
+
+def test_a_graceful_close_keeps_the_device_and_host_blocks_in_the_disk_tier_for_a_restart(model_dir, cold, tmp_path):
+    """Tiers are exclusive while serving: a prompt whose blocks sit on the device or in the host tier is not on
+    disk. Closing the engine copies them there (and syncs), so a restart on the same directory finds them."""
+    disk = tmp_path / "kv"
+    first = make_llm(model_dir, host_bytes=1 << 20, disk_path=str(disk), disk_bytes=64 << 20)
+    for tokens in (A, B, C):
+        run(first, tokens)
+    assert first.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks == 0  # everything fit above the disk
+    first.close()
+    second = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20)  # (no host tier this time)
+    for tokens in (A, B, C):
+        assert run(second, tokens)[1] == 5 * BLOCK
+    assert run(second, A)[0] == cold
+    second.close()

@@ -79,8 +79,8 @@ class NativeBackend:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self.engine.kv.transfers is not None:  # the KV connector's loop thread and sockets
-            self.engine.kv.transfers.close()
+        if not self._thread.is_alive():  # (a step still running owns the engine: leave it be)
+            self.engine.shutdown()
 
     async def add_request(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:

@@ -78,6 +78,9 @@ class LLM(native.LLM):
         return list(await asyncio.gather(*(one(job) for job in jobs)))
 
     def close(self) -> None:
-        """Stop the backend (another backend's engine runs in its own processes until then)."""
+        """Stop the backend (another backend's engine runs in its own processes until then); the native engine
+        keeps its KV cache in the persistent tier, if one is configured (`LLMEngine.shutdown`)."""
         if self.backend is not None:
             self.backend.shutdown()
+        else:
+            super().close()

@@ -128,6 +128,11 @@ class LLM:
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
+    def close(self) -> None:
+        """End this engine: its KV cache goes to the persistent tier, if one is configured, for the next start on
+        it; the tiers' background work stops (`LLMEngine.shutdown`). Call it once, when done generating."""
+        self.engine.shutdown()
+
     def _run(self, results: dict[str, RequestOutput], total: int, progress: bool) -> None:
         if not progress:
             while self.engine.has_unfinished_requests():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from itertools import count
@@ -27,6 +28,7 @@ from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from sage_infer.scheduler.scheduler import Scheduler
 from sage_infer.spec_decode import SpecDecodeStats, accept
 
+log = logging.getLogger("sage_infer.engine")
 LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
 
 
@@ -238,6 +240,18 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
                 self._on_finished(seq)
         return True
+
+    def shutdown(self) -> None:
+        """The end of serving (no step runs after it): keep what the KV cache holds in the persistent tier, if one
+        is configured, for the next start on it; stop the tiers' and transfers' background work."""
+        start = time.monotonic()
+        kept = self.kv.persist()
+        if kept:
+            log.info("kept %d KV blocks in the persistent tier for the next start (%.1f s)", kept,
+                     time.monotonic() - start)
+        self.kv.close()
+        if self.kv.transfers is not None:  # the KV connector's loop thread and sockets
+            self.kv.transfers.close()
 
     def drain_finished(self) -> list[RequestOutput]:
         """Final outputs of requests that ended outside a step (aborts while idle)."""

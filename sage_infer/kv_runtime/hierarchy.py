@@ -34,6 +34,7 @@ from sage_infer.kv_runtime.tiers.errors import TierError
 log = logging.getLogger("sage_infer.kv_runtime")
 ROLE = {"redis": "remote", "mooncake": "remote"}  # store name -> the tier role the cost model prices
 RETRY_AFTER_S = 5.0  # a store that failed is skipped this long before it is tried again
+PERSIST_BATCH = 256  # blocks per put when a shutdown copies the faster levels into the persistent store
 
 
 @dataclass(slots=True)
@@ -320,6 +321,38 @@ class HierarchyManager:
                 down_reason=self._down_reason.get(store.name) if down else None,
             ))
         return tuple(out)
+
+    def persist(self, device_blocks: Sequence[tuple[bytes, int]], batch: int = PERSIST_BATCH) -> int:
+        """A graceful shutdown: copy what the faster levels hold (`device_blocks`, the pool's cached blocks as
+        (hash, block id), then the blocks of the tiers above it) into the first persistent store (the disk tier)
+        and sync it, so a restart on the same store finds them. Tiers are exclusive while serving; this copy
+        duplicates, which is harmless at the end. How many blocks were written; 0 without a persistent store."""
+        level = next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
+        if level is None or not self.usable(self.store(level)):
+            return 0
+        target, written = self.store(level), 0
+        try:
+            pending = list(device_blocks)
+            for start in range(0, len(pending), batch):
+                part = pending[start:start + batch]
+                chunk = [(k, b) for (k, b), there in zip(part, target.contains([k for k, _ in part])) if not there]
+                if chunk:
+                    rows = self.pool.read_blocks([b for _, b in chunk]).view(torch.uint8).reshape(len(chunk), -1)
+                    target.put([k for k, _ in chunk], rows)
+                    written += len(chunk)
+            for upper in self.stores[: level - 1]:
+                keys = upper.keys() if hasattr(upper, "keys") else []
+                for start in range(0, len(keys), batch):
+                    part = keys[start:start + batch]
+                    chunk = [k for k, there in zip(part, target.contains(part)) if not there]
+                    got = [(k, row) for k, row in zip(chunk, upper.get(chunk)) if row is not None]
+                    if got:
+                        target.put([k for k, _ in got], torch.stack([row for _, row in got]))
+                        written += len(got)
+            target.flush(sync=True)  # (on disk, not only in the page cache: a crash after this loses nothing)
+        except TierError as err:
+            self.failed(level, err)
+        return written
 
     def close(self) -> None:
         for store in self.stores:

@@ -299,6 +299,20 @@ class KVCacheManager:
         seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         return True
 
+    def persist(self) -> int:
+        """A graceful shutdown: copy the device's cached blocks and the faster tiers' into the persistent tier (the
+        disk tier), for a restart on the same directory. How many blocks were written (0 without one)."""
+        if self.hierarchy is None or self.index is None:
+            return 0
+        return self.hierarchy.persist(self.index.registered())
+
+    def close(self) -> None:
+        """Stop the lower tiers' background work (the disk tier's writer finishes what it queued)."""
+        if self.loader is not None:
+            self.loader.close()
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past `seq`'s computed tokens to the pool: speculative rows the target rejected wrote
         KV there. They were allocated for this step and hold no computed token, so none is registered."""

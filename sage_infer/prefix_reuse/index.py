@@ -158,6 +158,11 @@ class PrefixReuseIndex:
         node = self._by_hash.get(block_hash)
         return node.block_id if node else None
 
+    def registered(self) -> list[tuple[bytes, int]]:
+        """(block hash, block id) of every registered block, parents before children."""
+        nodes = sorted(self._by_hash.values(), key=lambda node: node.depth)
+        return [(node.block_hash, node.block_id) for node in nodes]
+
     def is_registered(self, block_id: int) -> bool:
         return block_id in self._by_block
 

@@ -100,6 +100,7 @@ class KVTier(Protocol):
     bytes_per_block: int
     capacity_bytes: int
     shared: bool  # other servers read and write it too: never delete what you load or recompute
+    persistent: bool  # its blocks outlive this process on this machine (a restart on the same store finds them)
 
     @property
     def checksum_failures(self) -> int:
@@ -141,6 +142,7 @@ class BaseTier(ABC):
     # True for a store other servers read and write too (remote): a server never deletes from it what
     # it loads or recomputes (another server may want the block); the store's own capacity bound evicts
     shared: bool = False
+    persistent: bool = False
 
     def __init__(self, schema: KVCacheSchema, capacity_bytes: int, name: str) -> None:
         if capacity_bytes < schema.bytes_per_block:
@@ -190,6 +192,10 @@ class BaseTier(ABC):
     def checksum_failures(self) -> int:
         """Blocks read back corrupt so far (cheap: no refresh, unlike `stats`)."""
         return self._stats.checksum_failures
+
+    def flush(self, sync: bool = False) -> None:  # noqa: B027 - a tier that stores as it is called has nothing to do
+        """Wait until every block put so far is stored (`sync`: durably); a tier that stores synchronously has
+        nothing to wait for."""
 
     def take_background_errors(self) -> list[str]:
         with self._lock:

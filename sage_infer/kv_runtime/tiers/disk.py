@@ -49,6 +49,8 @@ class _Pending:
 class DiskTier(BaseTier):
     """A bounded on-disk store of KV blocks that survives restarts."""
 
+    persistent = True
+
     def __init__(
         self,
         schema: KVCacheSchema,

@@ -97,6 +97,11 @@ class HostTier(BaseTier):
             self._checksummer = threading.Thread(target=self._checksum_loop, name=f"sage-{name}-crc", daemon=True)
             self._checksummer.start()
 
+    def keys(self) -> list[bytes]:
+        """Every stored key, least recently used first."""
+        with self._lock:
+            return list(self._slot_of)
+
     def slot_of(self, key: bytes) -> int | None:
         """The slab row holding `key` (for sending from the slab, and tests); valid until the next put/delete."""
         with self._lock:
