@@ -124,3 +124,54 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _serve(model_dir, port: int, *flags: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAGE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from sage_infer.cli.main import main; sys.exit(main(sys.argv[1:]))",
+         "llm", "serve", "--model", str(model_dir), "--port", str(port), "--set", "model.dtype=fp32", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    banner = proc.stdout.readline()
+    assert f"http://127.0.0.1:{port}/v1" in banner, banner + proc.stderr.read()
+    return proc
+
+
+@pytest.mark.parametrize("flush_s", [30, 0])
+def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_and_device_held(model_dir, tmp_path,
+                                                                                               flush_s):
+    """Host + disk tiers and a device pool of 24 blocks: ten prompts, SIGTERM, a restart with the disk tier alone:
+    the first prompt again finds its whole prefix (its blocks were in the host tier at the end, which the graceful
+    exit copied to disk), and answers the same text. With `tiers.flush_on_shutdown_s=0` nothing is copied."""
+    disk = tmp_path / "kv"
+    prompts = [[10 + (7 * p + 3 * j) % 400 for j in range(120)] for p in range(10)]
+
+    def ask(port: int, prompt: list[int]) -> dict:
+        body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    port = _free_port()
+    first = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
+                   "--kv-tiers", f"host=256MiB,disk={disk}:256MiB", "--set", f"tiers.flush_on_shutdown_s={flush_s}")
+    try:
+        answers = [ask(port, prompt) for prompt in prompts]
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+        assert ("kept" in first.stderr.read()) == bool(flush_s)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    port = _free_port()
+    second = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
+                    "--kv-tiers", f"disk={disk}:256MiB")
+    try:
+        again = ask(port, prompts[0])
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if flush_s else 0)  # 7 blocks
+        assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()

@@ -111,6 +111,9 @@ class TierConfig(Strict):
     hot_promote_after: int = Field(2, ge=0, le=1000, description="A block loaded back from a lower tier this many "
                                    "times is hot: while the engine has free blocks and no queue, hot blocks are "
                                    "promoted to the device ahead of need. 0: off.")
+    flush_on_shutdown_s: float = Field(30.0, ge=0, le=3600, description="At a graceful end, how long the device's "
+                                       "cached blocks and the host tier's may take to be copied into the disk tier "
+                                       "for the next start on it (the rest is left out, and the log says so). 0: none.")
 
     @field_validator("remote_url")
     @classmethod

@@ -126,7 +126,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                        dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
-    kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s)
+    kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s,
+                        flush_on_shutdown_s=config.tiers.flush_on_shutdown_s)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
                           proposer=proposer)
     attention = build_attention(config, model, arch.head_dim, device, pool)

@@ -245,10 +245,11 @@ class LLMEngine:
         """The end of serving (no step runs after it): keep what the KV cache holds in the persistent tier, if one
         is configured, for the next start on it; stop the tiers' and transfers' background work."""
         start = time.monotonic()
-        kept = self.kv.persist()
-        if kept:
-            log.info("kept %d KV blocks in the persistent tier for the next start (%.1f s)", kept,
-                     time.monotonic() - start)
+        kept, left = self.kv.persist()
+        if kept or left:
+            log.warning("kept %d KV blocks in the disk tier for the next start in %.1f s%s", kept,
+                        time.monotonic() - start, f"; {left} more left out (tiers.flush_on_shutdown_s ran out)"
+                        if left else "")
         self.kv.close()
         if self.kv.transfers is not None:  # the KV connector's loop thread and sockets
             self.kv.transfers.close()

@@ -322,38 +322,44 @@ class HierarchyManager:
             ))
         return tuple(out)
 
-    def persist(self, device_blocks: Sequence[tuple[bytes, int]], batch: int = PERSIST_BATCH) -> int:
+    def persist(self, device_blocks: Sequence[tuple[bytes, int]], budget_s: float,
+                batch: int = PERSIST_BATCH) -> tuple[int, int]:
         """A graceful shutdown: copy what the faster levels hold (`device_blocks`, the pool's cached blocks as
         (hash, block id), then the blocks of the tiers above it) into the first persistent store (the disk tier)
-        and sync it, so a restart on the same store finds them. Tiers are exclusive while serving; this copy
-        duplicates, which is harmless at the end. How many blocks were written; 0 without a persistent store."""
+        and sync it, so a restart on the same store finds them; no new batch starts once `budget_s` has passed.
+        Tiers are exclusive while serving; this copy duplicates, which is harmless at the end. (blocks written,
+        blocks left out for lack of time); (0, 0) without a persistent store."""
         level = next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
-        if level is None or not self.usable(self.store(level)):
-            return 0
-        target, written = self.store(level), 0
+        if level is None or not self.usable(self.store(level)) or budget_s <= 0:
+            return 0, 0
+        target, deadline = self.store(level), time.monotonic() + budget_s
+        # each batch: (keys, a function reading their rows, None where a block is gone)
+        batches = [([k for k, _ in part], lambda part=part: list(self.pool.read_blocks([b for _, b in part])
+                                                                  .view(torch.uint8).reshape(len(part), -1)))
+                   for part in _batched(list(device_blocks), batch)]
+        for upper in self.stores[: level - 1]:
+            keys = upper.keys() if hasattr(upper, "keys") else []  # (the host tier: the levels above a disk tier)
+            batches += [(part, lambda upper=upper, part=part: upper.get(part)) for part in _batched(keys, batch)]
+        written = left = 0
         try:
-            pending = list(device_blocks)
-            for start in range(0, len(pending), batch):
-                part = pending[start:start + batch]
-                chunk = [(k, b) for (k, b), there in zip(part, target.contains([k for k, _ in part])) if not there]
-                if chunk:
-                    rows = self.pool.read_blocks([b for _, b in chunk]).view(torch.uint8).reshape(len(chunk), -1)
-                    target.put([k for k, _ in chunk], rows)
-                    written += len(chunk)
-            for upper in self.stores[: level - 1]:
-                keys = upper.keys() if hasattr(upper, "keys") else []
-                for start in range(0, len(keys), batch):
-                    part = keys[start:start + batch]
-                    chunk = [k for k, there in zip(part, target.contains(part)) if not there]
-                    got = [(k, row) for k, row in zip(chunk, upper.get(chunk)) if row is not None]
-                    if got:
-                        target.put([k for k, _ in got], torch.stack([row for _, row in got]))
-                        written += len(got)
+            for n, (keys, read) in enumerate(batches):
+                if time.monotonic() > deadline:
+                    left = sum(len(k) for k, _ in batches[n:])
+                    break
+                missing = [not there for there in target.contains(keys)]
+                got = [(key, row) for key, row, want in zip(keys, read(), missing) if want and row is not None]
+                if got:
+                    target.put([key for key, _ in got], torch.stack([row for _, row in got]))
+                    written += len(got)
             target.flush(sync=True)  # (on disk, not only in the page cache: a crash after this loses nothing)
         except TierError as err:
             self.failed(level, err)
-        return written
+        return written, left
 
     def close(self) -> None:
         for store in self.stores:
             store.close()
+
+
+def _batched(items: list, size: int) -> list[list]:
+    return [items[start:start + size] for start in range(0, len(items), size)]

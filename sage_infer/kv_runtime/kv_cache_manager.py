@@ -52,8 +52,10 @@ class KVCacheManager:
         clock: Callable[[], float] = time.monotonic,
         hierarchy: HierarchyManager | None = None,
         load_timeout_s: float | None = None,
+        flush_on_shutdown_s: float = 30.0,
     ) -> None:
         self.block_manager = block_manager
+        self.flush_on_shutdown_s = flush_on_shutdown_s  # `persist`'s time budget (`tiers.flush_on_shutdown_s`)
         self.index = block_manager.index
         self.block_size = block_manager.block_size
         self.clock = clock
@@ -299,12 +301,13 @@ class KVCacheManager:
         seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         return True
 
-    def persist(self) -> int:
+    def persist(self) -> tuple[int, int]:
         """A graceful shutdown: copy the device's cached blocks and the faster tiers' into the persistent tier (the
-        disk tier), for a restart on the same directory. How many blocks were written (0 without one)."""
+        disk tier) within `flush_on_shutdown_s`, for a restart on the same directory. (written, left out); (0, 0)
+        without one."""
         if self.hierarchy is None or self.index is None:
-            return 0
-        return self.hierarchy.persist(self.index.registered())
+            return 0, 0
+        return self.hierarchy.persist(self.index.registered(), self.flush_on_shutdown_s)
 
     def close(self) -> None:
         """Stop the lower tiers' background work (the disk tier's writer finishes what it queued)."""
