@@ -15,6 +15,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.cuda_graphs import DecodeGraphs
+from sage_infer.engine.step import GraphStep
 from sage_infer.errors import ConfigError
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from tests.tiny_models import greedy_tokens, make_tiny_model
@@ -78,11 +79,12 @@ def test_padded_static_buffer_steps_give_the_engines_tokens(tiny, max_num_seqs):
     want = greedy_tokens(llm(tiny, attention="paged", max_num_seqs=max_num_seqs), batch, TOKENS)
     padded = llm(tiny, attention="paged", max_num_seqs=max_num_seqs)
     runner = padded.engine.runner
-    assert runner.graphs is None  # auto on a CPU: off
-    runner.graphs = DecodeGraphs(runner.model, runner.pool, runner.device, max_num_seqs,
-                                 max_blocks=-(-1024 // runner.pool.block_size), capture=False)
+    assert not isinstance(runner.step, GraphStep)  # auto on a CPU: off
+    graphs = DecodeGraphs(runner.model, runner.pool, runner.device, max_num_seqs,
+                          max_blocks=-(-1024 // runner.pool.block_size), capture=False)
+    runner.step = GraphStep(graphs)
     assert greedy_tokens(padded, batch, TOKENS) == want
-    assert runner.graphs.replays >= 13  # every decode step after the prompts' prefills
+    assert graphs.replays >= 13  # every decode step after the prompts' prefills
     padded.engine.kv.block_manager.check_invariants()
 
 
@@ -90,7 +92,7 @@ def test_on_without_a_cuda_device_is_one_config_error_and_auto_is_off(tiny):
     with pytest.raises(ConfigError, match=r"^model.cuda_graphs: on: CUDA graphs need an NVIDIA CUDA device "
                                           r"\(device is cpu\)"):
         llm(tiny, cuda_graphs="on")
-    assert llm(tiny).engine.runner.graphs is None
+    assert not isinstance(llm(tiny).engine.runner.step, GraphStep)
 
 
 def test_other_backends_refuse_the_setting():
@@ -110,8 +112,8 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
 def test_graphs_on_the_gpu_give_the_eager_steps_tokens_fp32(tiny):
     batch = prompts(1)
     graphed = llm(tiny, "cuda", cuda_graphs="on")
-    graphs = graphed.engine.runner.graphs
-    assert graphs is not None and graphs.capture
+    graphs = graphed.engine.runner.step.graphs
+    assert graphs.capture
     eager = llm(tiny, "cuda", cuda_graphs="off")
     assert greedy_tokens(graphed, batch, TOKENS) == greedy_tokens(eager, batch, TOKENS)
     assert graphs.replays >= 13 and 1 <= graphs.captures <= len(graphs.buckets)
@@ -130,6 +132,6 @@ def test_graphs_on_the_gpu_equal_the_torch_path_and_stay_within_bf16_rounding(ti
     torch_path = llm(tiny, "cuda", attention="torch")
     assert greedy_tokens(llm(tiny, "cuda"), batch, TOKENS) == greedy_tokens(torch_path, batch, TOKENS)
     bf16 = llm(tiny, "cuda", "bf16")
-    assert bf16.engine.runner.graphs is not None
+    assert isinstance(bf16.engine.runner.step, GraphStep)
     eager = llm(tiny, "cuda", "bf16", cuda_graphs="off")
     assert_within_bf16_drift(greedy_tokens(bf16, batch, TOKENS), greedy_tokens(eager, batch, TOKENS))

@@ -45,10 +45,9 @@ class CountingStep:
 
 
 def counted(llm: LLM) -> CountingStep:
-    model = llm.engine.runner.model
-    pool, step = model.decode_step
-    model.decode_step = (pool, CountingStep(step))
-    return model.decode_step[1]
+    step = llm.engine.runner.step
+    step.handle = CountingStep(step.handle)
+    return step.handle
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -126,8 +125,8 @@ def test_where_it_cannot_run_sage_is_a_config_error_and_auto_runs_python(tmp_pat
         engine(path, "sage", linear="torch")
     with pytest.raises(ConfigError, match="^model.decode_step: sage: it chains the paged decode kernel"):
         engine(path, "sage", attention="torch")
-    assert engine(path, "auto", dtype="fp32", kv_dtype="bf16").engine.runner.model.decode_step is None
-    assert engine(path, "python").engine.runner.model.decode_step is None
+    assert engine(path, "auto", dtype="fp32", kv_dtype="bf16").engine.runner.step.name == "fused"
+    assert engine(path, "python").engine.runner.step.name == "fused"
     # at every ISA level: bf16 layers that oneDNN cannot pack (AVX2) run on fp32 copies and the bf16 rows kernel
-    assert engine(path, "auto", dtype="fp32").engine.runner.model.decode_step is not None
-    assert engine(path, "auto").engine.runner.model.decode_step is not None
+    assert engine(path, "auto", dtype="fp32").engine.runner.step.name == "cpp-decode"
+    assert engine(path, "auto").engine.runner.step.name == "cpp-decode"

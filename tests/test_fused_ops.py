@@ -121,9 +121,9 @@ def test_fp32_greedy_tokens_are_identical_fused_and_reference(tmp_path, arch):
     rng = random.Random(4)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 9, 16, 40, 77, 130)]
     fused = engine(path, "auto")
-    assert fused.engine.runner.model.fused_elementwise
+    assert fused.engine.runner.step.fused
     reference = engine(path, "torch")
-    assert not reference.engine.runner.model.fused_elementwise
+    assert not reference.engine.runner.step.fused
     assert greedy_tokens(fused, prompts) == greedy_tokens(reference, prompts)
     # chunked prefill: a sequence's prompt split over steps, decode rows beside prefill rows
     chunked = engine(path, "fused", max_num_batched_tokens=24, max_num_seqs=4)

@@ -15,6 +15,7 @@ from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine
 from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.engine.step import CppDecodeStep, FusedStep, GraphStep, PythonStep
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
@@ -84,7 +85,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     use_host_malloc(config.model.host_malloc, device)
     if device.type == "cpu":
         use_cpu_kernels()
-    model.fused_elementwise = use_fused_elementwise(config.model.elementwise, device)
+    fused = use_fused_elementwise(config.model.elementwise, device)
     try:
         tokenizer = Tokenizer.from_dir(directory)
     except (FileNotFoundError, ValueError) as err:
@@ -133,16 +134,18 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     attention = build_attention(config, model, arch.head_dim, device, pool)
     if not attention.supports_cascade and config.model.cascade_attention:
         auto_log.info("model.cascade_attention = off (the Triton kernels read each row's shared prefix in place)")
-    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention)
-    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place):
-        model.prepare_decode_step(pool)
+    step = FusedStep() if fused else PythonStep()
+    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused):
+        step = CppDecodeStep(model.prepare_decode_step(pool))
     if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
-        runner.graphs = DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
-                                     max_blocks=-(-max_len // schema.block_size))
+        step = GraphStep(DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
+                                      max_blocks=-(-max_len // schema.block_size)))
         if proposer is not None:
             auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
                              "decode steps replay one), so on a GPU speculation has measured slower than none "
                              "(docs/spec_decode.md)", config.speculative.method)
+    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
+                         step=step)
     parts = EngineParts(
         tokenizer=tokenizer,
         runner=runner,
@@ -208,7 +211,7 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
 
 
 def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: torch.device,
-                    decode_in_place: bool) -> bool:
+                    decode_in_place: bool, fused: bool) -> bool:
     """`model.decode_step`: whether decode steps (every row one new token, with or without a prefix all rows
     share) run every decoder layer in one C++ call (`LlamaForCausalLM.prepare_decode_step`)."""
     if choice == "python":
@@ -218,7 +221,7 @@ def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: t
     elif not decode_in_place:
         why = "it chains the paged decode kernel (model.attention is torch or cannot run)"
     else:
-        why = model.decode_step_unavailable(pool)
+        why = model.decode_step_unavailable(pool, fused)
     return _fast_path("model.decode_step", choice, why, "sage (a decode step's layers in one C++ call)",
                       reference="python")
 

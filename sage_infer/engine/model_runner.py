@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
-from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
+from sage_infer.engine.step import PythonStep
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, PagedPrefill, PrefillSpan, SharedPrefix
 from sage_infer.layers.attention_backends import REFERENCE, AttentionBackend
@@ -36,7 +36,7 @@ class ModelRunner:
 
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
-        attention: AttentionBackend = REFERENCE,
+        attention: AttentionBackend = REFERENCE, step: PythonStep | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -51,7 +51,7 @@ class ModelRunner:
         assert not in_place or pool.supports_block_views, "the kernels that read blocks in place read float blocks"
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
         self.decode_group_rows = 1 << 30 if attention.decode_in_place else DECODE_GROUP_ROWS
-        self.graphs: DecodeGraphs | None = None  # `model.cuda_graphs`: pure decode steps replay a CUDA graph
+        self.step = step if step is not None else PythonStep()  # how the forward runs (`sage_infer.engine.step`)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -201,9 +201,4 @@ class ModelRunner:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
         into `seqs` of the sequences they belong to (those whose chunk reached their end; a sequence with
         speculative proposals once per verify row)."""
-        if self.graphs is not None and self.graphs.fits(seqs, num_new_tokens):
-            return self.graphs.run(seqs), list(range(len(seqs)))
-        input_ids, positions, meta, sample_rows, sampled = self.prepare(seqs, num_new_tokens)
-        hidden = self.model(input_ids, positions, self.pool, meta)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
-        return logits, sampled
+        return self.step.run(self, seqs, num_new_tokens)

@@ -192,9 +192,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.fused_elementwise = False  # `model.elementwise: fused`: the C++ passes of `forward_fused`
-        # `model.decode_step: sage` (`prepare_decode_step`): the pool, and the C++ layers over it
-        self.decode_step: tuple[KVPool, object] | None = None
 
     def forward(
         self,
@@ -202,24 +199,27 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         pool: KVPool,
         meta: AttentionMetadata,
+        fused: bool = False,
+        decode_step: object | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]; layer ``i`` stores and reads its K/V
-        as layer ``i`` of `pool`."""
+        as layer ``i`` of `pool`. The step executor (`sage_infer.engine.step`) says how: `fused`, the layers'
+        norms, rotary and silu*mul as C++ passes (`forward_fused`); `decode_step` (from `prepare_decode_step`
+        over this `pool`), a decode step's layers in one C++ call."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not per layer
         layers = self.model.layers
-        if self.fused_elementwise:  # x is the embedding's fresh output: the residual stream, updated in place
+        if fused:  # x is the embedding's fresh output: the residual stream, updated in place
             cos_sin = tuple(table[:, 0] for table in cos_sin)  # [T, D], the shape the C++ rotary takes
             first = layers[0].input_layernorm
             h = kernels.rms_norm(x, first.weight, first.eps)
-            step = self.decode_step
-            if step is not None and step[0] is pool:  # a decode step: every layer in one C++ call
+            if decode_step is not None:  # a decode step: every layer in one C++ call
                 if (group := meta.pure_decode_group()) is not None:
-                    return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens,
-                                       None, False)
+                    return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
+                                           group.context_lens, None, False)
                 if (group := meta.cascade_decode_group(x.shape[0])) is not None:
-                    return step[1].run(h, x, *cos_sin, meta.slot_mapping, group.block_tables, group.context_lens,
-                                       meta.shared.block_ids, meta.backend.prefill.flash)
+                    return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
+                                           group.context_lens, meta.shared.block_ids, meta.backend.prefill.flash)
             for i, layer in enumerate(layers):
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
                 h = layer.forward_fused(h, x, after, cos_sin, pool, meta)
@@ -234,10 +234,11 @@ class LlamaForCausalLM(nn.Module):
         Done before packing (`model.linear`); the reference path keeps the separate projections."""
         return sum(layer.self_attn.fuse_projections() + layer.mlp.fuse_projections() for layer in self.model.layers)
 
-    def decode_step_unavailable(self, pool: KVPool) -> str | None:
-        """Why the C++ decode step (`prepare_decode_step`) cannot run this model over `pool`; None when it can."""
+    def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
+        """Why the C++ decode step (`prepare_decode_step`) cannot run this model over `pool` (`fused`: the
+        elementwise ops run fused); None when it can."""
         dtype = self.model.norm.weight.dtype
-        if not self.fused_elementwise:
+        if not fused:
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"it runs fp32 and bf16 models (the model is {dtype})"
@@ -265,10 +266,11 @@ class LlamaForCausalLM(nn.Module):
     def _decode_linears(layer: DecoderLayer) -> tuple[nn.Module | None, ...]:
         return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
-    def prepare_decode_step(self, pool: KVPool) -> None:
+    def prepare_decode_step(self, pool: KVPool) -> object:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
-        (csrc/decode_step.cpp): from now on `forward` runs a decode step over `pool` (a pure one, or one whose
-        rows all attend a shared prefix) in one call. The caller checked `decode_step_unavailable`."""
+        (csrc/decode_step.cpp): the handle `forward(..., fused=True, decode_step=handle)` runs a decode step over
+        `pool` (a pure one, or one whose rows all attend a shared prefix) in one call. The caller checked
+        `decode_step_unavailable`."""
         layers = self.model.layers
         shapes: list[int] = []
         packed: list[torch.Tensor] = []
@@ -294,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         attn = layers[0].self_attn
         step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, attn.num_heads,
                                      attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
-        self.decode_step = (pool, step)
+        return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""
