@@ -17,6 +17,7 @@ from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_QUERIES, percenti
 from sage_infer.serving_bench.trace import block_tokens, load_mooncake_trace
 from sage_infer.serving_bench.workloads import (
     FIRST_TOKEN_ID,
+    agent_workload,
     multi_turn_workload,
     poisson_arrivals,
     random_workload,
@@ -70,6 +71,31 @@ def test_multi_turn_prompts_extend_the_previous_turn():
                 assert prompt[: len(ids[k - 1])] == ids[k - 1]
     first_turns = [turns[0].prompt_ids() for turns in load.conversations]
     assert len({tuple(p) for p in first_turns}) == 3
+
+
+def test_multi_turn_conversations_share_the_system_prompt_and_keep_their_own_context():
+    load = multi_turn_workload(6, turns=2, input_len=8, output_len=5, vocab_size=512, seed=0, system_len=32,
+                               context_len=20)
+    firsts = [turns[0].prompt_ids() for turns in load.conversations]
+    assert all(len(p) == 32 + 20 + 8 for p in firsts)
+    assert len({tuple(p[:32]) for p in firsts}) == 1  # the system prompt: shared
+    assert len({tuple(p[32:52]) for p in firsts}) == 3  # the user context: each its own
+    second = load.conversations[0][1].prompt_ids()
+    assert len(second) == 60 + 5 + 8 and second[:60] == firsts[0]
+    assert load.info == {"turns": 2, "system_len": 32, "context_len": 20}
+
+
+def test_agent_sessions_share_the_tools_and_grow_by_short_steps():
+    load = agent_workload(10, steps=4, tools_len=64, task_len=16, observation_len=6, output_len=3, vocab_size=512,
+                          seed=1)
+    assert [len(steps) for steps in load.conversations] == [4, 4, 2]
+    for steps in load.conversations:
+        ids = [r.prompt_ids() for r in steps]
+        assert [len(p) for p in ids] == [80 + k * (3 + 6) for k in range(len(ids))]
+        for previous, current in zip(ids, ids[1:]):
+            assert current[: len(previous)] == previous
+    assert len({tuple(steps[0].prompt_ids()[:64]) for steps in load.conversations}) == 1
+    assert len({tuple(steps[0].prompt_ids()[64:]) for steps in load.conversations}) == 3
 
 
 def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
@@ -352,6 +378,20 @@ def test_multi_turn_sends_each_conversations_turns_one_after_another(server, sag
     assert starts[-1] < min(r["start_ms"] + r["e2e_ms"] for r in data["requests"])  # conversations overlap
 
 
+def test_agent_sessions_against_the_server_report_ttft_and_reuse_by_step(server, sage):
+    data = bench_json(sage, "--url", server.url, "--workload", "agent", "--seed", "5", "--num-requests", "8",
+                      "--turns", "4", "--prefix-len", "64", "--context-len", "16", "--input-len", "8",
+                      "--output-len", "3", "--concurrency", "2")
+    summary = data["summary"]
+    assert summary["ok"] == 8 and [t["turn"] for t in summary["by_turn"]] == [0, 1, 2, 3]
+    assert [t["requests"] for t in summary["by_turn"]] == [2, 2, 2, 2]
+    assert [t["mean_prompt_tokens"] for t in summary["by_turn"]] == [80, 91, 102, 113]
+    later = summary["by_turn"][1:]
+    assert all(t["cached_token_fraction"] > 0.5 for t in later)  # each step finds the trajectory before it
+    assert all(t["ttft_ms"]["p50"] is not None for t in summary["by_turn"])
+    assert data["config"]["workload"] == "agent" and data["config"]["prefix_len"] == 64
+
+
 def test_finite_rate_sends_no_request_before_its_poisson_arrival(server, sage):
     data = bench_json(sage, "--url", server.url, "-n", "8", "--rate", "50", "--seed", "3", "--input-len", "8",
                       "--output-len", "2")
@@ -454,12 +494,13 @@ def test_unreachable_url_is_one_line_exit_1(sage):
         (["--concurrency", "0"], "Invalid value for '--concurrency'"),
         (["--workload", "trace"], "--workload trace needs --trace-file"),
         (["--prefix-len", "8"], "--prefix-len does not apply to --workload random"),
+        (["--context-len", "8", "--workload", "shared-prefix"], "--context-len does not apply"),
         (["--workload", "trace", "--trace-file", "t.jsonl", "--rate", "2"], "--rate does not apply"),
         (["--length-scale", "0.5"], "--length-scale does not apply"),
         (["--json", "/nonexistent/dir/run.json"], "--json /nonexistent/dir/run.json: directory"),
     ],
     ids=["unknown-workload", "zero-rate", "rate-not-number", "zero-concurrency", "trace-without-file",
-         "prefix-len-on-random", "rate-on-trace", "length-scale-on-random", "json-dir-missing"],
+         "prefix-len-on-random", "context-len-on-shared-prefix", "rate-on-trace", "length-scale-on-random", "json-dir-missing"],
 )
 def test_bad_flag_is_one_line_exit_2(sage, argv, fragment):
     result = sage("llm", "bench", "--url", "http://127.0.0.1:9", *argv)

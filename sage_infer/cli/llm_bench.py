@@ -22,24 +22,29 @@ class WorkloadKind(str, Enum):
     random = "random"
     shared_prefix = "shared-prefix"
     multi_turn = "multi-turn"
+    agent = "agent"
     trace = "trace"
 
 
-SYNTHETIC = {WorkloadKind.random, WorkloadKind.shared_prefix, WorkloadKind.multi_turn}
+SYNTHETIC = {WorkloadKind.random, WorkloadKind.shared_prefix, WorkloadKind.multi_turn, WorkloadKind.agent}
 # Which workloads read each optional flag: giving one to another workload is an error, not a no-op.
 APPLIES_TO = {
     "--input-len": SYNTHETIC,
     "--output-len": SYNTHETIC,
-    "--prefix-len": {WorkloadKind.shared_prefix},
-    "--turns": {WorkloadKind.multi_turn},
+    "--prefix-len": {WorkloadKind.shared_prefix, WorkloadKind.multi_turn, WorkloadKind.agent},
+    "--context-len": {WorkloadKind.multi_turn, WorkloadKind.agent},
+    "--turns": {WorkloadKind.multi_turn, WorkloadKind.agent},
     "--rate": SYNTHETIC,
     "--trace-file": {WorkloadKind.trace},
     "--time-scale": {WorkloadKind.trace},
     "--length-scale": {WorkloadKind.trace},
     "--max-input-len": {WorkloadKind.trace},
 }
-DEFAULTS = {"input_len": 256, "output_len": 64, "prefix_len": 256, "turns": 4, "time_scale": 1.0,
+DEFAULTS = {"input_len": 256, "output_len": 64, "prefix_len": 256, "context_len": 0, "turns": 4, "time_scale": 1.0,
             "length_scale": 1.0, "max_input_len": None}
+# where a workload's default differs: multi-turn has no shared system prompt unless asked
+WORKLOAD_DEFAULTS = {WorkloadKind.multi_turn: {"prefix_len": 0},
+                     WorkloadKind.agent: {"prefix_len": 2048, "context_len": 256, "input_len": 64, "turns": 8}}
 
 
 def bench(
@@ -62,13 +67,21 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seeds prompts and arrivals; change it to start cache-cold.")] = 0,
     input_len: Annotated[
         Optional[int], typer.Option("--input-len", min=1, help="Prompt tokens (random: up to; shared-prefix: suffix; "
-                                    "multi-turn: new tokens per turn). (default 256)")
+                                    "multi-turn: new tokens per turn; agent: tool output per step). (default 256; "
+                                    "agent 64)")
     ] = None,
     output_len: Annotated[Optional[int], typer.Option("--output-len", min=1, help="max_tokens (default 64).")] = None,
     prefix_len: Annotated[
-        Optional[int], typer.Option("--prefix-len", min=0, help="Shared prefix tokens. (default 256)")
+        Optional[int], typer.Option("--prefix-len", min=0, help="Tokens every request shares (shared-prefix: the "
+                                    "prefix, default 256; multi-turn: a system prompt, default 0; agent: "
+                                    "instructions and tool definitions, default 2048).")
     ] = None,
-    turns: Annotated[Optional[int], typer.Option("--turns", min=1, help="Turns per conversation (default 4).")] = None,
+    context_len: Annotated[
+        Optional[int], typer.Option("--context-len", min=0, help="Tokens of each conversation's own context after "
+                                    "the shared prefix (multi-turn: default 0; agent: the task, default 256).")
+    ] = None,
+    turns: Annotated[Optional[int], typer.Option("--turns", min=1, help="Turns per conversation (default 4), steps "
+                                                 "per agent session (default 8).")] = None,
     time_scale: Annotated[
         Optional[float], typer.Option("--time-scale", min=0.0, help="Multiply trace timestamps (0.1 = 10x faster).")
     ] = None,
@@ -94,7 +107,8 @@ def bench(
     from sage_infer.serving_bench.stats import summarize
     from sage_infer.serving_bench.workloads import poisson_arrivals
 
-    chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "turns": turns,
+    chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "context_len": context_len,
+              "turns": turns,
               "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
     _check_flags(workload, {**{_flag(k): v for k, v in chosen.items()}, "--rate": rate, "--trace-file": trace_file})
     if rate is not None and not rate > 0:  # also rejects nan
@@ -112,7 +126,8 @@ def bench(
     from sage_infer.serving_bench.client import normalize_url
 
     url = normalize_url(url)
-    settings = {k: DEFAULTS[k] if v is None else v for k, v in chosen.items()}
+    defaults = {**DEFAULTS, **WORKLOAD_DEFAULTS.get(workload, {})}
+    settings = {k: defaults[k] if v is None else v for k, v in chosen.items()}
     load = _build_workload(workload, trace_file, num_requests, vocab_size, seed, settings)
     arrivals = load.arrivals_s or poisson_arrivals(len(load.conversations), rate or math.inf, seed)
 
@@ -178,7 +193,11 @@ def _build_workload(kind: WorkloadKind, trace_file: Path | None, num_requests: i
                                                 vocab_size, seed)
     if kind is WorkloadKind.multi_turn:
         return workloads.multi_turn_workload(num_requests, s["turns"], s["input_len"], s["output_len"],
-                                             vocab_size, seed)
+                                             vocab_size, seed, system_len=s["prefix_len"],
+                                             context_len=s["context_len"])
+    if kind is WorkloadKind.agent:
+        return workloads.agent_workload(num_requests, s["turns"], s["prefix_len"], s["context_len"], s["input_len"],
+                                        s["output_len"], vocab_size, seed)
     return workloads.random_workload(num_requests, s["input_len"], s["output_len"], vocab_size, seed)
 
 

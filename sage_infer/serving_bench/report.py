@@ -73,6 +73,13 @@ def render(console: Console, config: dict[str, object], summary: dict[str, objec
         for key, name in LATENCIES
     ]
     console.print(table("Latency (ms)", ["", "mean", *(f"p{q}" for q in PERCENTILES)], latency_rows))
+    turns = summary["by_turn"]
+    if len(turns) > 1:
+        rows = [(t["turn"], t["requests"], f"{t['mean_prompt_tokens']:.0f}", _fmt(t["ttft_ms"]["p50"], ".1f"),
+                 _fmt(t["ttft_ms"]["p90"], ".1f"), _fmt(_percent(t["cached_token_fraction"]), ".0f"))
+                for t in turns]
+        console.print(table("By turn", ["turn", "requests", "prompt tokens", "TTFT p50 (ms)", "TTFT p90 (ms)",
+                                        "cached (%)"], rows))
     for message, count in list(error_counts(results).items())[:3]:
         console.print(f"[red]{count} x[/red] {message}")
 
@@ -114,6 +121,10 @@ def require_matplotlib():
     except ImportError:
         raise NotAvailableError("--plot needs matplotlib", hint="pip install matplotlib") from None
     return Figure
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100.0 * fraction
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -73,7 +73,23 @@ def summarize(
         "prefix_cache_hits": hits,
         "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
         "cached_token_fraction": sum(cached) / input_tokens if cached and input_tokens else None,
+        "by_turn": by_turn(ok),
     }
+
+
+def by_turn(ok: Sequence[RequestResult]) -> list[dict[str, object]]:
+    """Per turn (round of a conversation, step of an agent session): requests, prompt length, TTFT and the
+    share of prompt tokens the server said it had cached. Later turns carry longer histories: this is where
+    reuse shows (or does not)."""
+    rows = []
+    for turn in sorted({r.turn for r in ok}):
+        mine = [r for r in ok if r.turn == turn]
+        prompt = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in mine)
+        cached = [r.cached_tokens for r in mine if r.cached_tokens is not None]
+        rows.append({"turn": turn, "requests": len(mine), "mean_prompt_tokens": prompt / len(mine),
+                     "ttft_ms": distribution_ms([r.ttft_s for r in mine if r.ttft_s is not None]),
+                     "cached_token_fraction": sum(cached) / prompt if cached and prompt else None})
+    return rows
 
 
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:

@@ -93,19 +93,23 @@ def shared_prefix_workload(
 
 
 def multi_turn_workload(
-    num_requests: int, turns: int, input_len: int, output_len: int, vocab_size: int, seed: int
+    num_requests: int, turns: int, input_len: int, output_len: int, vocab_size: int, seed: int,
+    system_len: int = 0, context_len: int = 0,
 ) -> Workload:
     """Conversations of ``turns`` turns (the last one shorter if ``turns`` does not divide the count).
 
-    Turn k's prompt is turn k-1's prompt, then ``output_len`` placeholder tokens standing
-    in for the previous answer, then ``input_len`` new user tokens. The server generates
-    its own answer, so only the previous *prompt* is reusable, as with a client that
+    Turn 0's prompt is a ``system_len``-token system prompt every conversation shares, then
+    ``context_len`` tokens of this user's own context (a document, a profile), then ``input_len``
+    tokens of question. Turn k's prompt is turn k-1's prompt, then ``output_len`` placeholder
+    tokens standing in for the previous answer, then ``input_len`` new user tokens. The server
+    generates its own answer, so only the previous *prompt* is reusable, as with a client that
     re-tokenizes the answer text differently.
     """
     rng = random.Random(seed)
+    system = random_token_ids(rng, system_len, vocab_size) if system_len else []
     conversations = []
     for c in range(math.ceil(num_requests / turns)):
-        segments: list[list[int]] = []
+        segments: list[list[int]] = [part for part in (system, random_token_ids(rng, context_len, vocab_size)) if part]
         conversation = []
         for turn in range(min(turns, num_requests - c * turns)):
             if turn:
@@ -114,7 +118,37 @@ def multi_turn_workload(
             length = sum(len(s) for s in segments)
             conversation.append(BenchRequest(segments, length, output_len, conversation=c, turn=turn))
         conversations.append(conversation)
-    return Workload("multi-turn", conversations, info={"turns": turns})
+    return Workload("multi-turn", conversations,
+                    info={"turns": turns, "system_len": system_len, "context_len": context_len})
+
+
+def agent_workload(
+    num_requests: int, steps: int, tools_len: int, task_len: int, observation_len: int, output_len: int,
+    vocab_size: int, seed: int,
+) -> Workload:
+    """Agent sessions of ``steps`` steps (the last one shorter if ``steps`` does not divide the count).
+
+    Every session starts with the same ``tools_len``-token prefix (the agent's instructions and tool
+    definitions), then ``task_len`` tokens of its own task. Each step sends the whole trajectory so far
+    and asks for the next action (``output_len`` tokens); the next step appends that action (as
+    placeholder tokens) and the tool's ``observation_len``-token result. So prompts are long and grow
+    by short steps, and all but the newest few hundred tokens were seen by the previous step.
+    """
+    rng = random.Random(seed)
+    tools = random_token_ids(rng, tools_len, vocab_size) if tools_len else []
+    sessions = []
+    for s in range(math.ceil(num_requests / steps)):
+        segments = [part for part in (tools, random_token_ids(rng, task_len, vocab_size)) if part]
+        session = []
+        for step in range(min(steps, num_requests - s * steps)):
+            if step:
+                segments = segments + [random_token_ids(rng, output_len, vocab_size),
+                                       random_token_ids(rng, observation_len, vocab_size)]
+            length = sum(len(part) for part in segments)
+            session.append(BenchRequest(segments, length, output_len, conversation=s, turn=step))
+        sessions.append(session)
+    return Workload("agent", sessions, info={"steps": steps, "tools_len": tools_len, "task_len": task_len,
+                                              "observation_len": observation_len})
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
