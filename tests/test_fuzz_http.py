@@ -159,26 +159,15 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
                                        HealthCheck.data_too_large])
 
 
-def test_fuzzed_completions_never_take_the_server_down(fuzz_server):
+@pytest.mark.parametrize(("path", "bodies"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+                         ids=["completions", "chat"])
+def test_fuzzed_requests_never_take_the_server_down(fuzz_server, path, bodies):
     before = reference(fuzz_server)
 
     @FUZZ
-    @given(COMPLETION)
+    @given(bodies)
     def check(payload):
-        send(fuzz_server, "/v1/completions", payload)
-
-    check()
-    settled(fuzz_server)
-    assert reference(fuzz_server) == before
-
-
-def test_fuzzed_chat_completions_never_take_the_server_down(fuzz_server):
-    before = reference(fuzz_server)
-
-    @FUZZ
-    @given(CHAT)
-    def check(payload):
-        send(fuzz_server, "/v1/chat/completions", payload)
+        send(fuzz_server, path, payload)
 
     check()
     settled(fuzz_server)
