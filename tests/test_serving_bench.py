@@ -500,7 +500,8 @@ def test_unreachable_url_is_one_line_exit_1(sage):
         (["--json", "/nonexistent/dir/run.json"], "--json /nonexistent/dir/run.json: directory"),
     ],
     ids=["unknown-workload", "zero-rate", "rate-not-number", "zero-concurrency", "trace-without-file",
-         "prefix-len-on-random", "context-len-on-shared-prefix", "rate-on-trace", "length-scale-on-random", "json-dir-missing"],
+         "prefix-len-on-random", "context-len-on-shared-prefix", "rate-on-trace", "length-scale-on-random",
+         "json-dir-missing"],
 )
 def test_bad_flag_is_one_line_exit_2(sage, argv, fragment):
     result = sage("llm", "bench", "--url", "http://127.0.0.1:9", *argv)

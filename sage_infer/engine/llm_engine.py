@@ -76,6 +76,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # requests whose every sequence ended, not yet reported
         self._seq_ids = count()
+        self._shut_down = False
 
     # -- requests ---------------------------------------------------------------------
 
@@ -243,7 +244,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """The end of serving (no step runs after it): keep what the KV cache holds in the persistent tier, if one
-        is configured, for the next start on it; stop the tiers' and transfers' background work."""
+        is configured, for the next start on it; stop the tiers' and transfers' background work. Once."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         start = time.monotonic()
         kept, left = self.kv.persist()
         if kept or left:
