@@ -5,6 +5,7 @@
     python bench/spec_decode.py --device cuda --dtype bf16
 
 Variants: `off` (no speculation) and `ngram-kK` for each `--k` (num_speculative_tokens K, prompt lookup 2..5),
+with `--adaptive` also `ngram-kK-adaptive` (`speculative.adaptive`: each sequence's k follows its acceptance),
 each a fresh `LLM` with an empty prefix cache, run `--repeats` times interleaved, the fastest run kept.
 
 Workloads (greedy, ignore-EOS), for each `--batch` size B (B requests submitted at once):
@@ -93,6 +94,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--adaptive", action="store_true", help="also run each k with speculative.adaptive")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
@@ -101,6 +103,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     variants = {"off": None} | {f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k} for k in args.k}
+    if args.adaptive:
+        variants |= {f"ngram-k{k}-adaptive": {"method": "ngram", "num_speculative_tokens": k, "adaptive": True}
+                     for k in args.k}
     probe = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
     results = []
     for batch in args.batch:
@@ -118,7 +123,7 @@ def main() -> int:
                        "vs_off": run["tok_s"] / best["off"]["tok_s"], "same_tokens": f"{same}/{len(reference)}"}
                 results.append(row)
                 acceptance = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
-                print(f"{name:5} b={batch:<3} {variant:9} {row['tok_s']:8.1f} tok/s  x{row['vs_off']:.2f}  "
+                print(f"{name:5} b={batch:<3} {variant:17} {row['tok_s']:8.1f} tok/s  x{row['vs_off']:.2f}  "
                       f"drafts {row['drafts']:5}  acceptance {acceptance:>4}  mean accepted length "
                       f"{row['mean_accepted_length']:.2f}  same tokens {row['same_tokens']}", flush=True)
     probe.close()

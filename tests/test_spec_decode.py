@@ -53,6 +53,27 @@ def test_ngram_proposer_prefers_the_longest_then_the_latest_match():
     assert 0 not in proposer._indexes
 
 
+def test_adaptive_k_halves_on_nothing_accepted_and_grows_back_on_everything():
+    proposer = NgramProposer(4, 1, 2, adaptive=True)
+    tokens = [1, 2, 3, 4, 5, 6, 1]
+    assert proposer.propose(0, tokens, 10) == [2, 3, 4, 5]
+    proposer.observe(0, 4, 0)
+    assert proposer.propose(0, tokens, 10) == [2, 3]
+    proposer.observe(0, 2, 0)
+    proposer.observe(0, 1, 0)
+    assert proposer.propose(0, tokens, 10) == [2]  # never below 1
+    proposer.observe(0, 1, 1)
+    proposer.observe(0, 2, 1)  # partly accepted: unchanged
+    assert proposer.propose(0, tokens, 10) == [2, 3]
+    for _ in range(5):
+        proposer.observe(0, 2, 2)
+    assert proposer.propose(0, tokens, 10) == [2, 3, 4, 5]  # never above num_speculative_tokens
+    fixed = NgramProposer(4, 1, 2)
+    fixed.propose(0, tokens, 10)
+    fixed.observe(0, 4, 0)
+    assert fixed.propose(0, tokens, 10) == [2, 3, 4, 5]  # without adaptive: k stays
+
+
 def test_accept_keeps_the_agreeing_prefix_then_the_targets_token():
     assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus the token after
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first disagreement ends it
@@ -83,8 +104,9 @@ def test_config_refuses_methods_not_built_and_a_bad_lookup_range():
 
 def test_every_field_reaches_the_proposer():
     proposer = build_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
-                                                prompt_lookup_max=4, disable_by_batch_size=8))
-    assert (proposer.k, proposer.lookup_min, proposer.lookup_max, proposer.disable_by_batch_size) == (3, 2, 4, 8)
+                                                prompt_lookup_max=4, disable_by_batch_size=8, adaptive=True))
+    assert (proposer.k, proposer.lookup_min, proposer.lookup_max, proposer.disable_by_batch_size,
+            proposer.adaptive) == (3, 2, 4, 8, True)
     tokens = [9, 1, 2, 3, 4, 5, 6, 9, 1]
     assert proposer.propose(0, tokens, 10) == [2, 3, 4]  # num_speculative_tokens caps it
     assert NgramProposer(3, 3, 4).propose(0, tokens, 10) == []  # prompt_lookup_min: "9 1" is too short
@@ -111,7 +133,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 def make_llm(model_dir, speculative: dict | None, **overrides) -> LLM:
     sections = {"model": {"path": str(model_dir), "dtype": "fp32"},
-                "kv_pool": {"num_blocks": 256}, "speculative": speculative or {}}
+                "kv_pool": {"num_blocks": 256}, "speculative": dict(speculative or {})}
     for dotted, value in overrides.items():
         section, name = dotted.split("__")
         sections.setdefault(section, {})[name] = value
@@ -143,6 +165,7 @@ CASES = {  # name: (engine overrides, prompts, sampling params)
     "host-tier": ({"kv_pool__num_blocks": 40, "tiers__host_bytes": "16MiB"}, prompts(12) * 2, GREEDY),
     "n-2-logprobs": ({}, prompts(6), SamplingParams(n=2, max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)),
     "max-tokens-5": ({}, prompts(16), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
+    "adaptive": ({"speculative__adaptive": True}, prompts(16), GREEDY),
     "penalties": ({}, prompts(8), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
                                                   repetition_penalty=1.02, frequency_penalty=0.05)),
 }

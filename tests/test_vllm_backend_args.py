@@ -233,3 +233,8 @@ def test_ngram_speculation_becomes_vllms_speculative_config_and_other_methods_ar
     assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
     with pytest.raises(ConfigError, match="^speculative.method: draft_model is not implemented"):
         translate(speculative={"method": "draft_model"})
+
+
+def test_adaptive_speculation_is_refused_for_vllm():
+    with pytest.raises(ConfigError, match="^speculative.adaptive: vLLM's n-gram proposer has no adaptive k"):
+        translate(speculative={"method": "ngram", "adaptive": True})

@@ -132,6 +132,9 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     elif speculative.method != "off":
         raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
                           "use ngram (or off)")
+    if speculative.method == "ngram" and speculative.adaptive:
+        raise ConfigError("speculative.adaptive: vLLM's n-gram proposer has no adaptive k; leave it false for "
+                          "--backend vllm")
     return VLLMEngineArgs(kwargs, values, max_len.value)
 
 

@@ -201,6 +201,9 @@ class SpeculativeConfig(Strict):
                                    "is looked up.")
     prompt_lookup_max: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up (the longest "
                                    "one found wins; among its occurrences, the latest).")
+    adaptive: bool = Field(False, description="Each sequence proposes up to its own k: halved after a step that "
+                           "accepted nothing, one more after a step that accepted everything (between 1 and "
+                           "num_speculative_tokens).")
     disable_by_batch_size: int | None = Field(None, ge=1, le=4096, description="No proposals in a step that runs "
                                               "at least this many sequences (a big batch is no longer bound by "
                                               "weight reads, so verify rows cost compute); None: always propose.")

@@ -391,6 +391,7 @@ class LLMEngine:
                            for j in range(len(tokens))]
             if drafts:
                 self.spec_stats.record(len(drafts), len(tokens) - 1)
+                self.scheduler.proposer.observe(seq.seq_id, len(drafts), len(tokens) - 1)
                 if seq in states and len(tokens) <= len(drafts):
                     seq.generator.set_state(states[seq])
                     skip_draws(seq.generator, logits.shape[1], len(tokens), logits.device)

@@ -27,5 +27,5 @@ def build_proposer(config: SpeculativeConfig) -> NgramProposer | None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                             config.disable_by_batch_size)
+                             config.disable_by_batch_size, config.adaptive)
     raise ConfigError(f"speculative.method: {config.method} is not implemented yet; use ngram (or off)")
