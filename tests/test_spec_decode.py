@@ -321,12 +321,15 @@ def test_the_server_answers_the_same_with_speculation_and_counts_it_in_metrics(m
     import openai
     from prometheus_client.parser import text_string_to_metric_families
 
+    from sage_infer.server.metrics import StatsLog
     from tests.server_fixture import running_server
 
     batch = prompts(4, seed=13)
     answers = []
     for speculative in (None, NGRAM):
         with running_server(model_dir, speculative=speculative) as server:
+            stats_log = StatsLog(server.app.state.metrics, server.backend)  # the line `sage llm serve` prints
+            assert stats_log.line() is None  # nothing ran yet
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
             done = [client.completions.create(model=server.model, prompt=p, max_tokens=30, temperature=0,
                                               logprobs=2, extra_body={"ignore_eos": True}) for p in batch]
@@ -345,10 +348,15 @@ def test_the_server_answers_the_same_with_speculation_and_counts_it_in_metrics(m
                               "sage:spec_decode_num_draft_tokens": stats.num_draft_tokens,
                               "sage:spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
                               "sage:spec_decode_num_accepted_tokens_per_pos": stats.num_accepted_tokens}
+            line = stats_log.line()
+            assert line.startswith("sage: ") and "generation tok/s" in line and "running 0" in line
+            assert stats_log.line() is None  # nothing since
             if speculative:
                 assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+                mean = 1 + stats.num_accepted_tokens / stats.num_drafts
+                assert f"mean accepted length {mean:.2f}" in line
             else:
-                assert stats.num_drafts == 0
+                assert stats.num_drafts == 0 and "spec decode" not in line
             server.backend.engine.kv.block_manager.check_invariants()
     assert answers[0] == answers[1]
     assert answers[0][1] == answers[0][0][0][0]

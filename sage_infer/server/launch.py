@@ -13,6 +13,7 @@ from sage_infer.config.serve import ServeConfig
 
 DRAIN_SECONDS = 30
 HEALTH_WATCH_S = 0.25  # how often the server asks its backend whether the engine still runs
+STATS_LOG_S = 10.0  # `sage llm serve` prints throughput, load, KV use and acceptance this often while it works
 DRAIN_MARGIN_S = 1.0  # requests still running this long before the drain ends are cut off with an error
 
 
@@ -25,16 +26,18 @@ def ready_message(host: str, port: int, model_name: str, api_key: bool) -> str:
             f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
 
 
-def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
+def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS, log_stats: bool = False):
     """Backend + app + a uvicorn.Server that has not started yet.
 
     The backend comes from the registry by `config.backend`; one that cannot run here
-    raises `ConfigError` before anything listens.
+    raises `ConfigError` before anything listens. `log_stats`: print a `StatsLog` line every `STATS_LOG_S`
+    while requests run (`sage llm serve` does).
     """
     import uvicorn
 
     from sage_infer.backends.registry import create_backend
     from sage_infer.server.api import build_app
+    from sage_infer.server.metrics import StatsLog
 
     backend = create_backend(config)
     model_name = backend.model_info().name
@@ -48,8 +51,13 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
         connections: just before that, end what still runs with an error the client can read (a stream's error
         event and ``[DONE]``), its KV freed."""
         cut_at = None
+        stats_log, next_line = StatsLog(app.state.metrics, backend), asyncio.get_running_loop().time() + STATS_LOG_S
         while True:
             await asyncio.sleep(HEALTH_WATCH_S)
+            if log_stats and asyncio.get_running_loop().time() >= next_line:
+                next_line += STATS_LOG_S
+                if (line := await asyncio.to_thread(stats_log.line)) is not None:
+                    print(line, file=sys.stderr, flush=True)
             if server.should_exit and app.state.failed is None:
                 now = asyncio.get_running_loop().time()
                 if cut_at is None:
@@ -87,7 +95,7 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS):
 def serve(config: ServeConfig) -> int:
     """Run until SIGINT/SIGTERM; in-flight requests get `DRAIN_SECONDS` to finish. Exit code 0, or 1 when the
     engine died (the server stops itself then, so a supervisor restarts it)."""
-    server, _, model_name = build_server(config)
+    server, _, model_name = build_server(config, log_stats=True)
     # uvicorn re-raises the signal it caught after its graceful shutdown; with these
     # handlers in place that re-raise is a no-op and the process exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):

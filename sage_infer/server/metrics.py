@@ -6,6 +6,8 @@ time; request counters and latency histograms are recorded as requests finish.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -209,3 +211,38 @@ class ServerMetrics:
             self.e2e.labels(name).observe(metrics.e2e_latency)
         if metrics.queue_time is not None:
             self.queue_time.labels(name).observe(metrics.queue_time)
+
+
+class StatsLog:
+    """The periodic line `sage llm serve` prints while it works, as vLLM's: throughput since the last line, load,
+    KV use, prefix-cache hits, and speculative decoding's acceptance since the last line. `line()` returns None
+    when nothing ran since the last one."""
+
+    def __init__(self, metrics: ServerMetrics, backend: InferenceBackend) -> None:
+        self.metrics, self.backend = metrics, backend
+        self.last = self._totals(backend.stats())
+
+    def _totals(self, stats) -> dict[str, float]:
+        labels = {"model_name": self.metrics.model_name}
+        get = self.metrics.registry.get_sample_value
+        return {"time": time.monotonic(), "prompt": get("sage:prompt_tokens_total", labels) or 0.0,
+                "generation": get("sage:generation_tokens_total", labels) or 0.0, "drafts": stats.spec_drafts,
+                "draft_tokens": stats.spec_draft_tokens, "accepted": stats.spec_accepted_tokens}
+
+    def line(self) -> str | None:
+        stats = self.backend.stats()
+        now = self._totals(stats)
+        delta = {key: now[key] - self.last[key] for key in now}
+        self.last = now
+        if not (delta["prompt"] or delta["generation"] or stats.num_running or stats.num_waiting):
+            return None
+        seconds = max(delta["time"], 1e-9)
+        parts = [f"{delta['prompt'] / seconds:.1f} prompt tok/s", f"{delta['generation'] / seconds:.1f} generation "
+                 f"tok/s", f"running {stats.num_running}", f"waiting {stats.num_waiting}",
+                 f"KV {100 * stats.kv_usage:.1f} %"]
+        if stats.prefix_caching and stats.prefix_query_tokens:
+            parts.append(f"prefix hits {100 * stats.prefix_hit_tokens / stats.prefix_query_tokens:.1f} %")
+        if delta["drafts"]:
+            parts.append(f"spec decode: acceptance {delta['accepted'] / max(delta['draft_tokens'], 1):.2f}, "
+                         f"mean accepted length {1 + delta['accepted'] / delta['drafts']:.2f}")
+        return "sage: " + ", ".join(parts)
