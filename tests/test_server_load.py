@@ -96,17 +96,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
-    port = _free_port()
+def _serve(model_dir, port: int, *flags: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAGE_")}
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from sage_infer.cli.main import main; sys.exit(main(sys.argv[1:]))",
-         "llm", "serve", "--model", str(model_dir), "--port", str(port), "--set", "kv_pool.num_blocks=64",
-         "--set", "model.dtype=fp32"],
+         "llm", "serve", "--model", str(model_dir), "--port", str(port), "--set", "model.dtype=fp32", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    banner = proc.stdout.readline()
+    assert f"http://127.0.0.1:{port}/v1" in banner, banner + proc.stderr.read()
+    return proc
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
+    port = _free_port()
+    proc = _serve(model_dir, port, "--set", "kv_pool.num_blocks=64")
     try:
-        banner = proc.stdout.readline()
-        assert f"http://127.0.0.1:{port}/v1" in banner, banner + proc.stderr.read()
         assert "curl" in proc.stdout.readline() + proc.stdout.readline()
         body = {"model": "tiny-qwen3", "prompt": list(range(10, 50)), "max_tokens": 60, "stream": True,
                 "ignore_eos": True, "temperature": 0}
@@ -126,15 +130,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
             proc.kill()
 
 
-def _serve(model_dir, port: int, *flags: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAGE_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from sage_infer.cli.main import main; sys.exit(main(sys.argv[1:]))",
-         "llm", "serve", "--model", str(model_dir), "--port", str(port), "--set", "model.dtype=fp32", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    banner = proc.stdout.readline()
-    assert f"http://127.0.0.1:{port}/v1" in banner, banner + proc.stderr.read()
-    return proc
 
 
 @pytest.mark.parametrize("flush_s", [30, 0])
