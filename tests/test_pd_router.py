@@ -364,6 +364,22 @@ def test_slo_strategy_measures_decode_tpot_and_counts_the_targets_met(deployment
     settle(prefill, decode)
 
 
+def test_the_usage_event_the_router_asks_for_reaches_only_clients_that_asked(deployment):
+    """The router asks decode workers for the stream's usage (its token count measures TPOT however the worker
+    groups tokens into events); a client that did not ask never sees that event, one that did gets it once."""
+    prefill, decode, _ = deployment
+    with running_router([prefill.url], [decode.url]) as url:
+        for asked in (False, True):
+            options = {"stream_options": {"include_usage": True}} if asked else {}
+            chunks = list(client(url).completions.create(
+                model=decode.model, prompt=[70] * 20, max_tokens=6, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}, **options))
+            usages = [c.usage for c in chunks if c.usage is not None]
+            assert all(c.choices for c in chunks if c.usage is None)
+            assert [u.completion_tokens for u in usages] == ([6] if asked else [])
+    settle(prefill, decode)
+
+
 def test_a_tpot_target_steers_away_from_a_decode_worker_measured_too_slow():
     from sage_infer.router.instances import Instances
 

@@ -244,6 +244,10 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
 
     async def stream(worker: Instance, path: str, body: dict, slo: Slo) -> Response:
         """Relay the decode worker's SSE stream; its status line and errors come through as sent."""
+        options = body.get("stream_options") or {}
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if isinstance(options, dict):  # the usage event's token count measures TPOT (a bad value: the worker's 400)
+            body = {**body, "stream_options": {**options, "include_usage": True}}
         tracking = track(worker)
         tracking.__enter__()
         try:
@@ -273,26 +277,33 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             admission.leave()
 
         async def relay() -> AsyncIterator[bytes]:
-            tail = b"\n\n"
-            events, first, last = 0, 0.0, 0.0  # SSE events relayed; when the first and the last came
+            pending = b""  # the part of an event not yet complete
+            first = 0.0  # when the first event came: the client's first token
+            tokens = 0  # completion tokens, from the usage event the router asked the worker for
             try:
                 async for chunk in upstream.aiter_raw():
-                    last = time.monotonic()
-                    if not events:
-                        first = last
-                        if slo.ttft_s is not None:  # the client's first token: its TTFT
+                    if not first:
+                        first = time.monotonic()
+                        if slo.ttft_s is not None:
                             metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
-                    events += chunk.count(b"data: ")
-                    tail = (tail + chunk)[-2:]
-                    yield chunk
-                if events > 3:  # about a token an event, then the finish and [DONE] events
-                    observe_tpot(worker, slo, (last - first) / (events - 2))
+                    *events, pending = (pending + chunk).split(b"\n\n")
+                    relayed = []
+                    for event in events:
+                        usage = _usage_event(event)
+                        if usage is not None:
+                            tokens = usage
+                            if not wants_usage:
+                                continue  # asked for by the router alone: the client never sees it
+                        relayed.append(event + b"\n\n")
+                    if relayed:
+                        yield b"".join(relayed)
+                if tokens > 1:  # seconds per output token after the first, as TPOT is defined
+                    observe_tpot(worker, slo, (time.monotonic() - first) / (tokens - 1))
             except httpx.HTTPError as err:  # the worker died mid-stream: end the stream with an error event
                 worker.failed(str(err) or type(err).__name__)
                 metrics.failures.labels(worker.url, worker.role).inc()
-                message = f"decode worker {worker.url} stopped during the request"
-                cut = b"" if tail == b"\n\n" else b"\n\n"  # close an event the worker left half-sent
-                yield cut + f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
+                message = f"decode worker {worker.url} stopped during the request"  # a half-sent event is dropped
+                yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await finish()
 
@@ -362,6 +373,17 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _usage_event(event: bytes) -> int | None:
+    """The completion tokens an SSE event's final usage carries (``choices`` empty), or None for any other."""
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
+        return None
+    try:
+        data = json.loads(event[len(b"data: "):])
+        return int(data["usage"]["completion_tokens"]) if not data.get("choices") else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _completion_tokens(reply: httpx.Response) -> int:
