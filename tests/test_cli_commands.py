@@ -131,3 +131,45 @@ def test_import_pulls_no_optional_heavy_module():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == ""
+
+
+VLLM_SERVE_FLAGS = [
+    "--served-model-name", "chat", "--max-model-len", "256", "--dtype", "bfloat16",
+    "--kv-cache-memory-bytes", "8MiB", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--block-size", "32"]
+
+
+def test_vllm_serve_flags_set_the_same_fields_here_and_on_every_pd_worker(monkeypatch):
+    """A vLLM serve command line works unchanged: each flag sets the field with the same meaning, in this process
+    and (as --set) on the workers --pd starts."""
+    from typer.testing import CliRunner
+
+    import sage_infer.router.launch as router_launch
+    import sage_infer.server.launch as server_launch
+    from sage_infer.cli.main import app
+    from sage_infer.config.overrides import CliLayer, add_set_flags
+
+    seen: dict = {}
+    monkeypatch.setattr(server_launch, "serve", lambda config: seen.setdefault("config", config) and 0)
+    monkeypatch.setattr(router_launch, "serve_pd", lambda pd, args, *rest, **kw: seen.setdefault("args", args) and 0)
+    result = CliRunner().invoke(app, ["llm", "serve", *VLLM_SERVE_FLAGS])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert (config.model.served_name, config.model.max_model_len, config.model.dtype) == ("chat", 256, "bf16")
+    assert (config.kv_pool.memory_budget, config.kv_pool.memory_utilization) == (8 << 20, 0.5)
+    assert (config.kv_pool.enable_prefix_caching, config.kv_pool.block_size) == (False, 32)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 512)
+
+    result = CliRunner().invoke(app, ["llm", "serve", "--pd", "1P1D", *VLLM_SERVE_FLAGS])
+    assert result.exit_code == 0, result.output
+    args = seen["args"]
+    sets = [args[i + 1] for i, flag in enumerate(args) if flag == "--set"]
+    layer = CliLayer()
+    add_set_flags(layer, sets)
+    assert layer.values["model"] == {"served_name": "chat", "max_model_len": "256", "dtype": "bfloat16"}
+    assert layer.values["kv_pool"]["enable_prefix_caching"] == "False"
+
+
+def test_a_bad_vllm_style_flag_is_one_line_naming_it(sage):
+    bad = sage("llm", "serve", "--dtype", "float64")
+    assert bad.code == 2 and "--dtype" in bad.err and "model.dtype" in bad.err

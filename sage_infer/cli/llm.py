@@ -53,9 +53,47 @@ def serve(
         "--launcher", help="With --pd: local (processes of this command) or ray (Ray actors).")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(
         "--ray-address", help="With --launcher ray: the Ray cluster to join (default: start a local one).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="The model name clients send and /v1/models lists (model.served_name).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        "--max-model-len", help="Longest prompt + output in tokens (model.max_model_len; default: the "
+        "model's own).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="Weight and compute dtype (model.dtype): auto, bfloat16, float16, float32.")] = None,
+    kv_cache_memory_bytes: Annotated[Optional[str], typer.Option(
+        "--kv-cache-memory-bytes", help="Bytes for the device KV cache, e.g. 4GiB or 4294967296 "
+        "(kv_pool.memory_budget).")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        "--gpu-memory-utilization", help="Share of free device memory (on CPU: of available memory) the KV "
+        "cache takes when no byte budget is set (kv_pool.memory_utilization).")] = None,
+    enable_prefix_caching: Annotated[Optional[bool], typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV of cached prompt prefixes (kv_pool.enable_prefix_caching; default on).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(
+        "--max-num-seqs", help="Most sequences in one step (scheduler.max_num_seqs).")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        "--max-num-batched-tokens", help="Most tokens in one step (scheduler.max_num_batched_tokens).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        "--block-size", help="Tokens per KV block (kv_pool.block_size).")] = None,
 ) -> None:
-    """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment)."""
+    """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment).
+
+    The vLLM serve flags with the same meaning (--served-model-name, --max-model-len, --dtype,
+    --kv-cache-memory-bytes, --gpu-memory-utilization, --enable-prefix-caching, --max-num-seqs,
+    --max-num-batched-tokens, --block-size) are accepted, so one command line or bench script drives both."""
+    vllm_style = {
+        "model.served_name": ("--served-model-name", served_model_name),
+        "model.max_model_len": ("--max-model-len", max_model_len),
+        "model.dtype": ("--dtype", dtype),
+        "kv_pool.memory_budget": ("--kv-cache-memory-bytes", kv_cache_memory_bytes),
+        "kv_pool.memory_utilization": ("--gpu-memory-utilization", gpu_memory_utilization),
+        "kv_pool.enable_prefix_caching": ("--enable-prefix-caching", enable_prefix_caching),
+        "scheduler.max_num_seqs": ("--max-num-seqs", max_num_seqs),
+        "scheduler.max_num_batched_tokens": ("--max-num-batched-tokens", max_num_batched_tokens),
+        "kv_pool.block_size": ("--block-size", block_size),
+    }
     named = {
+        **vllm_style,
         "model.path": ("--model", model),
         "backend": ("--backend", backend),
         "host": ("--host", host),
@@ -82,7 +120,8 @@ def serve(
     if resolved.config.pd is not None and resolved.config.backend == "vllm" and launcher != "local":
         raise UsageError("--launcher ray: vLLM workers pull KV from 127.0.0.1 (one host); use --launcher local")
     if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
-        sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else [])]
+        sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else []),
+                *(f"{field}={value}" for field, (_, value) in vllm_style.items() if value is not None)]
         raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
                                    ray_address, speculative_config))
     _announce_startup(resolved)

@@ -22,11 +22,17 @@ from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVDtype
 
 
+# vLLM's --dtype names and config.json's torch_dtype names, as model.dtype spells them
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
 class ModelConfig(Strict):
     path: str | None = Field(None, description="Local HF model directory; None serves the bundled demo model.")
     served_name: str | None = Field(None, description="Model id reported by the API (default: directory name).")
     revision: str = Field("local", description="Part of the prefix-cache key, so caches never mix revisions.")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Weight and compute dtype; auto: the checkpoint's, or what the hardware preset "
+        "prefers. vLLM's and config.json's names (bfloat16, float16, half, float32, float) are accepted.")
     max_model_len: int | None = Field(None, ge=16, le=1 << 21)
     linear: Literal["auto", "packed", "torch"] = Field(
         "auto", description="Linear layers: packed (weights prepacked once for oneDNN; CPU only), torch (plain "
@@ -76,6 +82,12 @@ class ModelConfig(Strict):
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")
+
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: object) -> object:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 class KVPoolConfig(Strict):
