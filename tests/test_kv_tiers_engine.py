@@ -292,3 +292,54 @@ def test_a_graceful_close_keeps_the_device_and_host_blocks_in_the_disk_tier_for_
         assert run(second, tokens)[1] == 5 * BLOCK
     assert run(second, A)[0] == cold
     second.close()
+
+
+def _crash(llm: LLM) -> None:
+    """What a crash leaves on disk: the writes the disk tier's writer finished (no graceful persist)."""
+    disk = next(store for store in llm.engine.kv.hierarchy.stores if store.persistent)
+    disk.flush()
+    disk.close()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_write_through_puts_what_the_device_computed_on_disk_before_any_eviction(model_dir, cold, tmp_path, policy):
+    """With a host tier above the disk, write-back leaves a crash nothing on disk; write-through has every block
+    the device computed there at once, and keeps that copy when the block is loaded back or computed again."""
+    disk = tmp_path / "kv"
+    first = make_llm(model_dir, host_bytes=1 << 20, disk_path=str(disk), disk_bytes=64 << 20, write_policy=policy)
+    run(first, A)
+    counters = first.engine.kv.hierarchy.stats.tiers["disk"]
+    assert counters.written_through_blocks == (5 if policy == "write_through" else 0)
+    for tokens in (B, C, A):
+        run(first, tokens)
+    first.engine.kv.block_manager.check_invariants()
+    assert counters.demoted_blocks == 0  # (the host tier took every eviction)
+    _crash(first)
+    second = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20)
+    assert run(second, A) == (cold, 5 * BLOCK if policy == "write_through" else 0)
+    second.close()
+
+
+def test_write_through_selective_copies_a_block_on_its_second_hit(model_dir, cold, tmp_path):
+    disk = tmp_path / "kv"
+    first = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20, write_policy="write_through_selective")
+    counters = first.engine.kv.hierarchy.stats.tiers["disk"]
+    run(first, A)  # computed
+    run(first, A)  # first hit
+    assert counters.written_through_blocks == 0
+    run(first, A)  # second hit: copied
+    assert counters.written_through_blocks == 5
+    run(first, B)  # computed once, never hit: stays off the disk
+    assert counters.written_through_blocks == 5
+    _crash(first)
+    second = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20)
+    assert run(second, A) == (cold, 5 * BLOCK)
+    assert run(second, B)[1] == 0
+    second.close()
+
+
+def test_a_write_policy_other_than_write_back_needs_a_disk_tier():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="write_policy write_through writes blocks to the disk tier"):
+        TierConfig(host_bytes=1 << 20, write_policy="write_through")

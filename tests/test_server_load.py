@@ -170,3 +170,55 @@ def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_a
     finally:
         if second.poll() is None:
             second.kill()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_after_sigkill_a_restart_serves_the_same_text_and_write_through_kept_the_prefix(model_dir, tmp_path, policy):
+    """Host + disk tiers, ten prompts, then SIGKILL as the last prompt's blocks are still being written: no graceful
+    copy happens. The restart on the same disk directory starts (a torn last record is skipped by its CRC) and
+    answers the first prompt with the same text; under write_through the disk already had its prefix, under
+    write_back (everything still fitted in the host tier) it has nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    disk = tmp_path / "kv"
+    prompts = [[10 + (7 * p + 3 * j) % 400 for j in range(120)] for p in range(10)]
+
+    def ask(port: int, prompt: list[int]) -> dict:
+        body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def disk_blocks(port: int, name: str = "sage:kv_tier_blocks", direction: str | None = None) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and s.labels.get("tier") == "disk" and s.labels.get("direction") == direction)
+
+    flags = ("--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16")
+    port = _free_port()
+    first = _serve(model_dir, port, *flags, "--kv-tiers", f"host=256MiB,disk={disk}:256MiB",
+                   "--set", f"tiers.write_policy={policy}")
+    try:
+        answers = [ask(port, prompt) for prompt in prompts[:-1]]
+        if policy == "write_through":  # the first prompt's 7 blocks are on disk (the writer works in the background)
+            deadline = time.monotonic() + 30
+            while disk_blocks(port) < 7 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert disk_blocks(port, "sage:kv_tier_migrated_blocks_total", "write_through") >= 7 * 9
+        ask(port, prompts[-1])
+        first.kill()  # its blocks may be mid-write
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    port = _free_port()
+    second = _serve(model_dir, port, *flags, "--kv-tiers", f"disk={disk}:256MiB")
+    try:
+        again = ask(port, prompts[0])
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if policy == "write_through" else 0)
+        assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()

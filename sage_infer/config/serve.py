@@ -123,9 +123,22 @@ class TierConfig(Strict):
     hot_promote_after: int = Field(2, ge=0, le=1000, description="A block loaded back from a lower tier this many "
                                    "times is hot: while the engine has free blocks and no queue, hot blocks are "
                                    "promoted to the device ahead of need. 0: off.")
+    write_policy: Literal["write_back", "write_through", "write_through_selective"] = Field(
+        "write_back", description="When the disk tier gets a block: write_back (when the device and the faster tiers "
+        "evict it; the least disk traffic), write_through (also as soon as the device computes it, in the "
+        "background: a crash or SIGKILL loses at most the writes in flight), write_through_selective (also once "
+        "the device's prefix cache has hit it twice: only reused blocks cost a write). Needs tiers.disk_path "
+        "unless write_back.")
     flush_on_shutdown_s: float = Field(30.0, ge=0, le=3600, description="At a graceful end, how long the device's "
                                        "cached blocks and the host tier's may take to be copied into the disk tier "
                                        "for the next start on it (the rest is left out, and the log says so). 0: none.")
+
+    @model_validator(mode="after")
+    def _write_policy_needs_disk(self) -> TierConfig:
+        if self.write_policy != "write_back" and self.disk_path is None:
+            raise ValueError(f"write_policy {self.write_policy} writes blocks to the disk tier: set disk_path (and "
+                             f"disk_bytes), or use write_back")
+        return self
 
     @field_validator("remote_url")
     @classmethod

@@ -88,6 +88,7 @@ class TierSnapshot:
     checksum_failures: int  # blocks read back corrupt (recomputed)
     up: bool  # False while the tier rests after a failure (its blocks are recomputed meanwhile)
     down_reason: str | None = None
+    written_through_blocks: int = 0  # device blocks copied into it by tiers.write_policy write_through(_selective)
 
 
 @dataclass(frozen=True, slots=True)

@@ -440,5 +440,6 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     hierarchy = HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction,
                                                                                   capacity=capacity), cost, quota)
     hierarchy.migrator.hot_after = tiers.hot_promote_after
+    hierarchy.write_policy = tiers.write_policy
     auto_log.info("%s", hierarchy.describe())
     return hierarchy

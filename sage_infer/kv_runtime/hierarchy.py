@@ -11,6 +11,11 @@ lower tiers sized in blocks like the stores below them. *The bytes* live in the 
 - **load**: those blocks come back into freshly allocated device blocks. A tier returns the
   longest *verified* prefix (CRC32C per block), so a miss, a corrupt block or a dead backend
   only shortens the hit: the caller recomputes the rest, never reads wrong KV.
+- **write through** (`tiers.write_policy`): besides the exclusive placements above, the persistent
+  store (the disk tier) keeps a copy of every block the device computes (`write_through`) or of
+  every block its prefix cache hit twice (`write_through_selective`), written in the background,
+  so a crash loses only the writes in flight. Those copies stay when the block is loaded or
+  computed again; the disk tier's own size cap ages them out.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ log = logging.getLogger("sage_infer.kv_runtime")
 ROLE = {"redis": "remote", "mooncake": "remote"}  # store name -> the tier role the cost model prices
 RETRY_AFTER_S = 5.0  # a store that failed is skipped this long before it is tried again
 PERSIST_BATCH = 256  # blocks per put when a shutdown copies the faster levels into the persistent store
+SELECTIVE_HITS = 2  # write_through_selective: device prefix-cache hits that earn a block its disk copy
+MAX_COUNTED_HITS = 65536  # blocks whose hits write_through_selective remembers (the oldest half forgotten first)
 
 
 @dataclass(slots=True)
@@ -42,6 +49,7 @@ class TierCounters:
     """Per-tier traffic the hierarchy caused (the stores keep their own lower-level counters)."""
 
     demoted_blocks: int = 0  # blocks written into this tier
+    written_through_blocks: int = 0  # device blocks copied into it by a write-through policy
     loaded_blocks: int = 0  # blocks read back from this tier into the device
     errors: int = 0  # calls that raised TierError (unreachable backend)
 
@@ -129,6 +137,8 @@ class HierarchyManager:
         self._down_reason: dict[str, str] = {}
         self.migrator = KVMigrator(self)
         self.on_evict = self.migrator.on_evict  # the block manager's eviction hook
+        self.write_policy = "write_back"  # tiers.write_policy; the others need a persistent store
+        self._hits: dict[bytes, int] = {}  # write_through_selective: device hits per block not yet copied
 
     @classmethod
     def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None, quota=None) -> HierarchyManager:
@@ -176,6 +186,59 @@ class HierarchyManager:
             if errors:
                 more = f" (and {len(errors) - 1} more failures)" if len(errors) > 1 else ""
                 self.failed(level, TierError(errors[-1] + more))
+
+    # -- write through --------------------------------------------------------------------------
+
+    def computed(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """The device registered these full blocks (computed, or loaded from below): under `write_through`, copy
+        the ones the persistent store lacks into it."""
+        if self.write_policy == "write_through":
+            self._write_through(keys, block_ids)
+
+    def hit(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """The device's prefix cache served these blocks: under `write_through_selective`, a block's second hit
+        copies it into the persistent store."""
+        if self.write_policy != "write_through_selective" or not keys:
+            return
+        ready_keys, ready_ids = [], []
+        for key, block_id in zip(keys, block_ids):
+            hits = self._hits.pop(key, 0) + 1  # (re-inserted: the dict's order is the order of last hits)
+            if hits >= SELECTIVE_HITS:
+                ready_keys.append(key)
+                ready_ids.append(block_id)
+            else:
+                self._hits[key] = hits
+        if len(self._hits) > MAX_COUNTED_HITS:
+            for key in list(self._hits)[: MAX_COUNTED_HITS // 2]:
+                del self._hits[key]
+        if ready_keys:
+            self._write_through(ready_keys, ready_ids)
+
+    def _persistent_level(self) -> int | None:
+        return next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
+
+    def _keeps_copies(self, store: KVTier) -> bool:
+        """Whether `store` keeps its blocks when the device takes them back (shared, or the write-through copy)."""
+        return store.shared or (store.persistent and self.write_policy != "write_back")
+
+    def _write_through(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        level = self._persistent_level()
+        if level is None:
+            return
+        store = self.store(level)
+        self.poll_background()
+        if not self.usable(store):
+            return
+        try:
+            missing = [i for i, there in enumerate(store.contains(keys)) if not there]
+            if not missing:
+                return
+            rows = self.pool.read_blocks([block_ids[i] for i in missing]).view(torch.uint8).reshape(len(missing), -1)
+            store.put([keys[i] for i in missing], rows)  # (queued: the store's writer thread touches the disk)
+        except TierError as err:
+            self.failed(level, err)
+            return
+        self.stats.tiers[store.name].written_through_blocks += len(missing)
 
     # -- lookup and load ------------------------------------------------------------------------
 
@@ -277,7 +340,7 @@ class HierarchyManager:
         self.stats.tiers[store.name].loaded_blocks += len(keys)
         for key in keys:
             self.migration.promote(key)
-        if store.shared:
+        if self._keeps_copies(store):
             return
         try:
             store.delete(keys)
@@ -300,7 +363,7 @@ class HierarchyManager:
                 continue
             self.migration.discard(key)
             store = self.store(self.level_of[tier.name])
-            if store.shared:
+            if self._keeps_copies(store):
                 continue
             try:
                 store.delete([key])
@@ -319,6 +382,7 @@ class HierarchyManager:
                 demoted_blocks=counters.demoted_blocks, loaded_blocks=counters.loaded_blocks,
                 errors=counters.errors, checksum_failures=own.checksum_failures, up=not down,
                 down_reason=self._down_reason.get(store.name) if down else None,
+                written_through_blocks=counters.written_through_blocks,
             ))
         return tuple(out)
 

@@ -254,6 +254,7 @@ class KVCacheManager:
             self.block_manager.acquire(match.block_ids)
             if self.hierarchy is not None:
                 self.hierarchy.migrator.used_on_device(match.block_hashes)
+                self.hierarchy.hit(match.block_hashes, match.block_ids)
         staged = None
         received = self.transfers.received.pop(seq.seq_id, None) if self.transfers is not None else None
         if received is not None and match.lower_block_hashes:
@@ -346,6 +347,7 @@ class KVCacheManager:
                 seq.block_hashes.append(block_hash)
             if self.hierarchy is not None and full > first_new:
                 self.hierarchy.discard(seq.block_hashes[first_new:full])
+                self.hierarchy.computed(seq.block_hashes[first_new:full], seq.block_table[first_new:full])
         for i in range(max(0, full - 1), len(seq.block_table)):
             filled = min(bs, max(0, seq.num_computed_tokens - i * bs))
             self.block_manager.set_num_tokens(seq.block_table[i], filled)

@@ -99,7 +99,8 @@ class _EngineCollector:
             families["up"].add_metric(at, 1 if tier.up else 0)
             families["errors"].add_metric(at, tier.errors)
             families["corrupt"].add_metric(at, tier.checksum_failures)
-            for direction, blocks in (("demote", tier.demoted_blocks), ("load", tier.loaded_blocks)):
+            for direction, blocks in (("demote", tier.demoted_blocks), ("load", tier.loaded_blocks),
+                                      ("write_through", tier.written_through_blocks)):
                 moved.add_metric([*at, direction], blocks)
                 moved_bytes.add_metric([*at, direction], blocks * block_bytes)
         dropped = CounterMetricFamily("sage:kv_tier_dropped_blocks", "Evicted blocks that no tier kept.",
