@@ -34,7 +34,7 @@ from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 REGIONS = {
     "prepare": ("sage_infer.engine.model_runner", "ModelRunner", "prepare"),
     "schedule": ("sage_infer.scheduler.scheduler", "Scheduler", "schedule"),
-    "postprocess": ("sage_infer.engine.llm_engine", "LLMEngine", "_process_outputs"),
+    "postprocess": ("sage_infer.engine.llm_engine", "LLMEngine", "_append_outputs"),
     "sampling": ("sage_infer.layers.sampler", "Sampler", "__call__"),
     "kv store": ("sage_infer.kv_runtime.pool", "KVPool", "store"),
     "kv gather": ("sage_infer.kv_runtime.pool", "KVPool", "gather_blocks"),
