@@ -1,17 +1,22 @@
-"""Speculative decoding (n-gram prompt lookup) against the same engine without it, side by side in one process.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding) against the same engine without it, side by side
+in one process.
 
     python bench/spec_decode.py --json out/spec_decode.json
     python bench/spec_decode.py --model /tmp/models/qwen2.5-0.5b-shape --dtype bf16 --batch 1 4
     python bench/spec_decode.py --device cuda --dtype bf16
+    python bench/spec_decode.py --methods ngram suffix --k 4 8
 
-Variants: `off` (no speculation) and `ngram-kK` for each `--k` (num_speculative_tokens K, prompt lookup 2..5),
-with `--adaptive` also `ngram-kK-adaptive` (`speculative.adaptive`: each sequence's k follows its acceptance),
+Variants: `off` (no speculation) and `METHOD-kK` for each `--methods` and `--k` (num_speculative_tokens K; ngram:
+prompt lookup 2..5; suffix: the defaults), with `--adaptive` also `METHOD-kK-adaptive` (`speculative.adaptive`:
+each sequence's k follows its acceptance),
 each a fresh `LLM` with an empty prefix cache, run `--repeats` times interleaved, the fastest run kept.
 
 Workloads (greedy, ignore-EOS), for each `--batch` size B (B requests submitted at once):
   copy      each prompt is a passage of text followed by its first sentence again, the way a request to
             quote, edit or summarise a document repeats it: lookup proposes the passage's continuation.
   free      each prompt is the passage alone: the output repeats the prompt only where the model does.
+  again     the free prompts asked a second time (the first time untimed, in the same engine): suffix decoding
+            finds the first answers in the tenant's recent outputs; prompt lookup only sees each request.
 The passages are the bundled demo model's training text (Shakespeare), or random token ids with `--model`
 (a random-weight model has no text to copy: its greedy loops are what lookup finds there).
 
@@ -53,17 +58,19 @@ def passages(count: int, length: int, seed: int) -> list[str]:
 def workloads(llm: LLM, batch: int, model: str | None, seed: int) -> dict[str, list]:
     if model is None:
         texts = passages(batch, 120, seed)
-        return {"copy": [t + "\n\n" + t[: len(t) // 3] for t in texts], "free": texts}
+        return {"copy": [t + "\n\n" + t[: len(t) // 3] for t in texts], "free": texts, "again": texts}
     rng = random.Random(seed)
     vocab = llm.engine.model_info().vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(200)] for _ in range(batch)]
-    return {"copy": [p + p[:60] for p in prompts], "free": prompts}
+    return {"copy": [p + p[:60] for p in prompts], "free": prompts, "again": prompts}
 
 
-def run_variant(args, speculative: dict | None, prompts: list, params: SamplingParams) -> dict:
+def run_variant(args, speculative: dict | None, prompts: list, params: SamplingParams, again: bool = False) -> dict:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
               speculative_config=speculative)
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    if again:  # the first time, untimed: its answers are what a second asking may reuse
+        llm.generate(prompts, params)
     before = llm.engine.spec_stats
     drafts0, proposed0, accepted0 = before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens
     if args.device == "cuda":
@@ -92,6 +99,7 @@ def main() -> int:
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--methods", nargs="+", choices=("ngram", "suffix"), default=["ngram"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--adaptive", action="store_true", help="also run each k with speculative.adaptive")
@@ -102,10 +110,11 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    variants = {"off": None} | {f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k} for k in args.k}
+    variants = {"off": None} | {f"{m}-k{k}": {"method": m, "num_speculative_tokens": k}
+                                for m in args.methods for k in args.k}
     if args.adaptive:
-        variants |= {f"ngram-k{k}-adaptive": {"method": "ngram", "num_speculative_tokens": k, "adaptive": True}
-                     for k in args.k}
+        variants |= {f"{m}-k{k}-adaptive": {"method": m, "num_speculative_tokens": k, "adaptive": True}
+                     for m in args.methods for k in args.k}
     probe = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
     results = []
     for batch in args.batch:
@@ -113,7 +122,7 @@ def main() -> int:
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for variant, speculative in variants.items():
-                    run = run_variant(args, speculative, prompts, params)
+                    run = run_variant(args, speculative, prompts, params, again=name == "again")
                     if variant not in best or run["tok_s"] > best[variant]["tok_s"]:
                         best[variant] = run
             reference = best["off"]["token_ids"]
@@ -123,7 +132,7 @@ def main() -> int:
                        "vs_off": run["tok_s"] / best["off"]["tok_s"], "same_tokens": f"{same}/{len(reference)}"}
                 results.append(row)
                 acceptance = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
-                print(f"{name:5} b={batch:<3} {variant:17} {row['tok_s']:8.1f} tok/s  x{row['vs_off']:.2f}  "
+                print(f"{name:5} b={batch:<3} {variant:19} {row['tok_s']:8.1f} tok/s  x{row['vs_off']:.2f}  "
                       f"drafts {row['drafts']:5}  acceptance {acceptance:>4}  mean accepted length "
                       f"{row['mean_accepted_length']:.2f}  same tokens {row['same_tokens']}", flush=True)
     probe.close()

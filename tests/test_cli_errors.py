@@ -83,7 +83,7 @@ BAD_FLAGS = {
     "chunk_size_too_small": (["--kv-transport", "chunk-size=1KiB"], ["between 4KiB and 1GiB"]),
     "bad_backend": (["--kv-transport", "backend=ftp"], ["backend=ftp", "'ftp'", "'shm'"]),
     "bad_target_dtype": (["--kv-transport", "target-dtype=fp4"], ["target-dtype=fp4", "'fp8_e4m3'"]),
-    "bad_bool": (["--kv-transport", "zero-copy=maybe"], ["enable_zero_copy", "'maybe'"]),
+    "bad_number": (["--kv-transport", "max-inflight=lots"], ["max_inflight", "'lots'"]),
     "missing_equals": (["--kv-transport", "backend"], ["expected key=value"]),
     "empty_value": (["--kv-transport", "backend="], ["empty value"]),
     "unknown_transport_preset": (["--kv-transport", "preset=warp-speed"], ["unknown transport preset 'warp-speed'"]),

@@ -17,7 +17,7 @@ LAYERS = ["default", "preset", "config", "env", "cli"]
 CASES = {
     "kv_transport.chunk_size": {"preset": None, "config": "2MiB", "env": "3MiB", "cli": "5MiB"},
     "kv_transport.max_inflight": {"preset": None, "config": 3, "env": "5", "cli": "7"},
-    "kv_transport.enable_compression": {"preset": None, "config": False, "env": "true", "cli": "false"},
+    "kv_transport.timeout_s": {"preset": None, "config": 11.0, "env": "12", "cli": "13"},
     "kv_pool.block_size": {"config": 32, "env": "64", "cli": "128"},
     "scheduler.max_num_seqs": {"config": 3, "env": "4", "cli": "5"},
     "policy.eviction": {"config": "lfu", "env": "arc", "cli": "s3fifo"},
@@ -26,7 +26,7 @@ CASES = {
 EXPECTED = {
     "kv_transport.chunk_size": {"config": 2 << 20, "env": 3 << 20, "cli": 5 << 20},
     "kv_transport.max_inflight": {"config": 3, "env": 5, "cli": 7},
-    "kv_transport.enable_compression": {"config": False, "env": True, "cli": False},
+    "kv_transport.timeout_s": {"config": 11.0, "env": 12.0, "cli": 13.0},
     "kv_pool.block_size": {"config": 32, "env": 64, "cli": 128},
     "scheduler.max_num_seqs": {"config": 3, "env": 4, "cli": 5},
     "policy.eviction": {"config": "lfu", "env": "arc", "cli": "s3fifo"},
@@ -133,18 +133,18 @@ def test_hardware_fields_come_from_preset_with_file_and_line():
 
 def test_kv_transport_flags_parse_aliases_and_dashes():
     layer = CliLayer()
-    add_kv_transport_flags(layer, ["preset=high-bw", "target-dtype=fp8_e4m3,zero-copy=false", "chunk_size=8MiB"])
+    add_kv_transport_flags(layer, ["preset=high-bw", "target-dtype=fp8_e4m3,inflight=3", "chunk_size=8MiB"])
     assert layer.values == {
         "kv_transport": {
             "preset": "high-bw",
             "target_dtype": "fp8_e4m3",
-            "enable_zero_copy": "false",
+            "max_inflight": "3",
             "chunk_size": "8MiB",
         }
     }
     resolved = resolve_config(preset="cpu", cli=layer.values, cli_origins=layer.origins, env={})
     transport = resolved.config.kv_transport
-    assert (transport.preset, transport.target_dtype, transport.enable_zero_copy) == ("high-bw", "fp8_e4m3", False)
+    assert (transport.preset, transport.target_dtype, transport.max_inflight) == ("high-bw", "fp8_e4m3", 3)
     assert int(transport.chunk_size) == 8 << 20
 
 

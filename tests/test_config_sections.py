@@ -232,7 +232,7 @@ def test_a_prefill_or_decode_role_makes_kv_transport_active(sage):
     data = json.loads(sage("config", "show", "--preset", "cpu", "--json", "--set", "role=decode").out)
     rows = {r["field"]: r for r in data["fields"]}
     assert rows["kv_transport.backend"]["active"] is True and rows["kv_transport.timeout_s"]["active"] is True
-    assert rows["kv_transport.overlap_streams"]["active"] is False  # not used by the connector yet
+    assert rows["kv_transport.preset"]["active"] is False  # informational: where the values started from
 
 
 def test_roles_build_a_kv_connector_from_kv_transport(tiny):

@@ -320,6 +320,47 @@ def test_a_decode_worker_never_sends_the_key_to_a_url_its_router_did_not_sign(mo
     assert received == []
 
 
+def test_behind_a_proxy_that_does_not_sign_a_decode_worker_pulls_only_from_its_allowed_peers(model_dir, colocated):
+    """`kv_transport.allowed_peers` names the prefill instances a decode worker may pull from unsigned (a proxy of
+    another project splits the request): a listed one works with the key and without a signature; with a list
+    set, an unlisted URL is refused even on a deployment without a key."""
+    key = "deployment-key"
+    auth = {"Authorization": f"Bearer {key}"}
+    with running_server(model_dir, role="prefill", api_key=key) as prefill:
+        peers = {"allowed_peers": [prefill.url + "/"]}  # (another spelling of the same origin)
+        with running_server(model_dir, role="decode", api_key=key, kv_transport=peers) as decode:
+            held = httpx.post(f"{prefill.url}/v1/completions", headers=auth, timeout=60, json={
+                "model": prefill.model, "prompt": PROMPT, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+            body = {"model": decode.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "kv_transfer_params": {**held, "remote_url": prefill.url}}  # no signature
+            reply = httpx.post(f"{decode.url}/v1/completions", json=body, headers=auth, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+            assert reply.json()["choices"][0]["text"] == complete(colocated.url, colocated.model).choices[0].text
+            elsewhere = {**body["kv_transfer_params"], "remote_url": "http://127.0.0.1:9/x"}
+            reply = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": elsewhere},
+                               headers=auth, timeout=60)
+            assert reply.status_code == 403 and "allowed_peers" in reply.text
+    with running_server(model_dir, role="decode", kv_transport={"allowed_peers": ["http://10.0.0.1:8100"]}) as decode:
+        body = {"model": decode.model, "prompt": PROMPT, "max_tokens": 2,
+                "kv_transfer_params": {"remote_url": "http://127.0.0.1:9/x", "remote_request_id": "zz"}}
+        reply = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 403 and "not in kv_transport.allowed_peers" in reply.text
+
+
+def test_allowed_peers_are_http_origins():
+    from pydantic import ValidationError
+
+    from sage_infer.config.transport import KVTransportConfig
+
+    config = KVTransportConfig(allowed_peers=["http://Prefill-0:8100/", "https://10.0.0.2", "http://[::1]:81/v1"])
+    assert config.allowed_peers == ["http://prefill-0:8100", "https://10.0.0.2:443", "http://[::1]:81"]
+    for bad in ("10.0.0.1:8100", "ftp://x:1", "http://:80", "http://x:99999"):
+        with pytest.raises(ValidationError, match="allowed_peers"):
+            KVTransportConfig(allowed_peers=[bad])
+
+
 def test_kv_events_answers_in_order_and_refuses_a_bad_cursor(deployment):
     prefill, decode, url = deployment
     first = httpx.get(f"{prefill.url}/v1/kv/events", params={"since": -1}).json()

@@ -80,7 +80,7 @@ def test_presets_show_transport(sage):
     result = sage("infer", "presets:show", "high-bw", "--json")
     assert result.code == 0
     data = json.loads(result.out)
-    assert data["kind"] == "transport" and data["kv_transport"]["enable_zero_copy"] is True
+    assert data["kind"] == "transport" and data["kv_transport"]["max_inflight"] == 32
 
 
 def test_presets_validate_ok(sage, tmp_path):

@@ -12,7 +12,7 @@ import torch
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig, SpeculativeConfig
 from sage_infer.errors import ConfigError
-from sage_infer.spec_decode import NgramProposer, SpecDecodeStats, accept, build_proposer
+from sage_infer.spec_decode import NgramProposer, SpecDecodeStats, SuffixProposer, accept, build_proposer
 from tests.tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -93,9 +93,8 @@ def test_stats_count_drafts_tokens_and_acceptance_by_position():
 
 def test_config_refuses_methods_not_built_and_a_bad_lookup_range():
     assert build_proposer(SpeculativeConfig()) is None
-    for method in ("suffix", "draft_model"):
-        with pytest.raises(ConfigError, match=f"speculative.method: {method} is not implemented"):
-            build_proposer(SpeculativeConfig(method=method))
+    with pytest.raises(ConfigError, match="speculative.method: draft_model is not implemented"):
+        build_proposer(SpeculativeConfig(method="draft_model"))
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError):
@@ -111,6 +110,87 @@ def test_every_field_reaches_the_proposer():
     assert proposer.propose(0, tokens, 10) == [2, 3, 4]  # num_speculative_tokens caps it
     assert NgramProposer(3, 3, 4).propose(0, tokens, 10) == []  # prompt_lookup_min: "9 1" is too short
     assert NgramProposer(3, 1, 1).propose(0, [4, 1, 7, 9, 1], 10) == [7, 9, 1]  # prompt_lookup_max: one token
+
+
+def test_suffix_proposer_follows_the_majority_of_the_longest_matchs_occurrences():
+    proposer = SuffixProposer(4, max_tree_depth=8, max_cached_requests=0, max_spec_factor=4.0, min_token_prob=0.3)
+    tokens = [1, 2, 3, 4, 7, 1, 2, 3, 4, 8, 1, 2, 9, 5, 1, 2]
+    # "1 2" was followed by 3 twice and by 9 once (the latest): 3 (2 of 3); then 4; then 8 and 7 tie (1 of 2,
+    # above 0.3): the later occurrence's 8; then 1
+    assert proposer.propose(0, tokens, 10) == [3, 4, 8, 1]
+    assert SuffixProposer(4, max_cached_requests=0, max_spec_factor=4.0, min_token_prob=0.7).propose(
+        0, tokens, 10) == []  # 2 of 3 agree on the first token: under 0.7
+
+
+def test_suffix_proposer_prefers_the_longest_match_and_caps_by_the_spec_factor():
+    proposer = SuffixProposer(8, max_tree_depth=16, max_cached_requests=0, max_spec_factor=1.0, min_token_prob=0.1)
+    # the last three tokens 5 1 2 occur once (followed by 6 6 6); "1 2" alone is followed by 3 more often
+    tokens = [1, 2, 3, 1, 2, 3, 5, 1, 2, 6, 6, 6, 0, 5, 1, 2]
+    assert proposer.propose(0, tokens, 10) == [6, 6, 6]  # a 3-token match: at most 3 tokens (factor 1.0)
+    # at depth 2 every "1 2" is the match: 3 (2 of 3), then 5 and 1 tie: the later occurrence's 5
+    assert SuffixProposer(8, max_tree_depth=2, max_cached_requests=0).propose(0, tokens, 10) == [3, 5]
+    assert proposer.propose(1, [4, 5, 6, 7], 10) == []  # no earlier occurrence
+
+
+def test_suffix_proposer_learns_from_a_tenants_finished_requests_and_never_across_tenants():
+    proposer = SuffixProposer(4, max_tree_depth=16, max_cached_requests=2, max_spec_factor=2.0)
+    answer = [40, 41, 42, 43, 44, 45]
+    proposer.propose(0, [7, 8, 9] + answer, 10, b"tenant-a")
+    proposer.forget(0, b"tenant-a", answer)
+    assert proposer.propose(1, [1, 2, 40, 41, 42], 10, b"tenant-a") == [43, 44, 45]  # from the earlier output
+    assert proposer.propose(2, [1, 2, 40, 41, 42], 10, b"tenant-b") == []  # another tenant: nothing
+    for seq_id in (3, 4):  # two newer outputs push the first one out (max_cached_requests=2)
+        proposer.forget(seq_id, b"tenant-a", [50 + seq_id, 60, 61, 62])
+    assert proposer.propose(5, [1, 2, 40, 41, 42], 10, b"tenant-a") == []
+    assert proposer.propose(6, [9, 60, 61], 10, b"tenant-a") == [62]
+    alone = SuffixProposer(4, max_cached_requests=0)
+    alone.forget(0, b"tenant-a", answer)
+    assert alone.propose(1, [1, 2, 40, 41, 42], 10, b"tenant-a") == []
+
+
+def test_every_suffix_field_reaches_the_proposer():
+    proposer = build_proposer(SpeculativeConfig(
+        method="suffix", num_speculative_tokens=3, suffix_decoding_max_tree_depth=5,
+        suffix_decoding_max_cached_requests=7, suffix_decoding_max_spec_factor=1.5,
+        suffix_decoding_min_token_prob=0.4, disable_by_batch_size=8, adaptive=True))
+    assert isinstance(proposer, SuffixProposer)
+    assert (proposer.k, proposer.max_tree_depth, proposer.max_cached_requests, proposer.max_spec_factor,
+            proposer.min_token_prob, proposer.disable_by_batch_size, proposer.adaptive) == (3, 5, 7, 1.5, 0.4, 8, True)
+
+
+def test_suffix_proposer_agrees_with_a_brute_force_majority_walk():
+    """Random sequences against a direct implementation of the rule on the sequence alone: the longest match
+    (at most the depth) of the last tokens, then the majority continuation of all its occurrences."""
+    rng = random.Random(1)
+
+    def reference(tokens, limit, depth, min_prob):
+        n = len(tokens)
+        for m in range(min(depth, n - 1), 1, -1):
+            node = [p for p in range(m, n) if tokens[p - m:p] == tokens[n - m:]]
+            if node:
+                break
+        else:
+            return []
+        node = node[-64:]
+        out = []
+        for _ in range(min(limit, depth, m)):
+            votes = Counter(tokens[p] for p in node if p < n)
+            if not votes:
+                break
+            best = max(votes.values())
+            token = next(tokens[p] for p in reversed(node) if p < n and votes[tokens[p]] == best)
+            if best / len(node) < min_prob:
+                break
+            out.append(token)
+            node = [p + 1 for p in node if p < n and tokens[p] == token]
+        return out
+
+    for trial in range(40):
+        proposer = SuffixProposer(6, max_tree_depth=6, max_cached_requests=0, min_token_prob=0.25)
+        tokens = [rng.randrange(4) for _ in range(rng.randint(2, 8))]
+        for _ in range(15):
+            assert proposer.propose(trial, tokens, 6) == reference(tokens, 6, 6, 0.25), tokens
+            tokens += [rng.randrange(4) for _ in range(rng.randint(1, 3))]
 
 
 # -- the engine: identical output, clean pool -----------------------------------------------------------------
@@ -184,6 +264,35 @@ def test_greedy_output_is_token_identical_with_speculation(model_dir, case):
         for output in outputs:
             for completion in output.outputs:
                 assert len(completion.logprobs) == len(completion.token_ids)
+
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0}
+
+
+@pytest.mark.parametrize("case", ["batch-16", "chunked-prefill", "preemption", "n-2-logprobs", "int8-kv", "adaptive"])
+def test_greedy_output_is_token_identical_with_suffix_decoding(model_dir, case):
+    overrides, batch, params = CASES[case]
+    reference = completions(run(make_llm(model_dir, None, **overrides), batch, params))
+    llm = make_llm(model_dir, SUFFIX, **overrides)
+    assert completions(run(llm, batch, params)) == reference
+    assert llm.engine.spec_stats.num_accepted_tokens > 0, "no proposal was accepted: speculation was not exercised"
+
+
+def test_suffix_decoding_proposes_a_tenants_earlier_answer_and_not_another_tenants(model_dir):
+    """Asked the same questions again, suffix decoding finds the earlier answers in the tenant's recent outputs:
+    most of the second round's tokens are accepted proposals. Under another cache_salt none of that is seen."""
+    batch = [[5 + (31 * p + 7 * j) % 390 for j in range(24)] for p in range(4)]  # no repeats within a prompt
+    llm = make_llm(model_dir, SUFFIX)
+    first = completions(run(llm, batch, GREEDY))
+    stats = llm.engine.spec_stats
+    before = stats.num_accepted_tokens
+    assert completions(run(llm, batch, GREEDY)) == first
+    again = stats.num_accepted_tokens - before
+    assert again >= 0.6 * 4 * GREEDY.max_tokens, again  # (the first two tokens of each answer anchor the match)
+    before = stats.num_accepted_tokens
+    assert completions(llm.generate(batch, GREEDY, cache_salt="other-tenant")) == first
+    elsewhere = stats.num_accepted_tokens - before  # only what each answer repeats of itself
+    assert elsewhere < again / 2, (elsewhere, again)
 
 
 def test_logprobs_with_speculation_equal_those_without(model_dir):

@@ -235,6 +235,14 @@ def test_ngram_speculation_becomes_vllms_speculative_config_and_other_methods_ar
         translate(speculative={"method": "draft_model"})
 
 
+def test_suffix_speculation_keeps_vllms_field_names():
+    speculative = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_tree_depth": 32,
+                   "suffix_decoding_max_cached_requests": 50, "suffix_decoding_max_spec_factor": 2.0,
+                   "suffix_decoding_min_token_prob": 0.2}
+    assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
+
+
 def test_adaptive_speculation_is_refused_for_vllm():
-    with pytest.raises(ConfigError, match="^speculative.adaptive: vLLM's n-gram proposer has no adaptive k"):
-        translate(speculative={"method": "ngram", "adaptive": True})
+    for method in ("ngram", "suffix"):
+        with pytest.raises(ConfigError, match=f"^speculative.adaptive: vLLM's {method} proposer has no adaptive k"):
+            translate(speculative={"method": method, "adaptive": True})

@@ -129,12 +129,23 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
             kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
         values.append(ResolvedValue("speculative.method", "ngram", "vLLM speculative_config: ngram with the same "
                                     "num_speculative_tokens, prompt_lookup_min/max and disable_by_batch_size"))
+    elif speculative.method == "suffix":
+        kwargs["speculative_config"] = {
+            "method": "suffix", "num_speculative_tokens": speculative.num_speculative_tokens,
+            **{name: getattr(speculative, name) for name in (
+                "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}}
+        if speculative.disable_by_batch_size is not None:
+            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
+        values.append(ResolvedValue("speculative.method", "suffix", "vLLM speculative_config: suffix (needs the "
+                                    "arctic-inference package in vLLM's environment) with the same "
+                                    "num_speculative_tokens and suffix_decoding_* fields"))
     elif speculative.method != "off":
         raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
-                          "use ngram (or off)")
-    if speculative.method == "ngram" and speculative.adaptive:
-        raise ConfigError("speculative.adaptive: vLLM's n-gram proposer has no adaptive k; leave it false for "
-                          "--backend vllm")
+                          "use ngram or suffix (or off)")
+    if speculative.method != "off" and speculative.adaptive:
+        raise ConfigError(f"speculative.adaptive: vLLM's {speculative.method} proposer has no adaptive k; leave it "
+                          "false for --backend vllm")
     return VLLMEngineArgs(kwargs, values, max_len.value)
 
 

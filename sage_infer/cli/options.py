@@ -20,7 +20,7 @@ KVTransportOpt = Annotated[
     typer.Option(
         "--kv-transport",
         help="KV transport key=value, repeatable: preset=high-bw, backend=shm, target-dtype=fp8_e4m3, "
-        "chunk-size=4MiB, max-inflight=16, zero-copy=true ...",
+        "chunk-size=4MiB, max-inflight=16, timeout-s=10 ...",
     ),
 ]
 KVTiersOpt = Annotated[

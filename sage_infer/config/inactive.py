@@ -15,12 +15,7 @@ if TYPE_CHECKING:
 
 # dotted prefix -> why nothing reads it. The longest matching prefix wins.
 INACTIVE: dict[str, str] = {
-    # kv_transport.backend/chunk_size/max_inflight/timeout_s drive the KV connector of a prefill or
-    # decode instance (CONDITIONAL below); these are not used by it yet
-    "kv_transport.overlap_streams": "not used by prefill/decode transfers yet (one stream per transfer)",
-    "kv_transport.prefetch_depth": "not used by prefill/decode transfers yet",
-    "kv_transport.enable_zero_copy": "not used by prefill/decode transfers yet (shm copies through its ring)",
-    "kv_transport.enable_compression": "not used by prefill/decode transfers yet",
+    # the other kv_transport fields drive the KV connector of a prefill or decode instance (CONDITIONAL below)
     "kv_transport.preset": "informational: the transport preset the kv_transport values started from",
     # The hardware preset drives the device (device.torch_device_type, device.python_module),
     # the KV dtype (kv.default_dtype, kv.dtypes), auto-detection (device.model_names), the
@@ -72,7 +67,7 @@ def inactive_reason(dotted: str, config: ServeConfig | None = None) -> str | Non
 
 
 def section_of(dotted: str) -> str:
-    """The registry entry `dotted` falls under (``kv_transport.overlap_streams`` -> itself,
+    """The registry entry `dotted` falls under (``kv_transport.preset`` -> itself,
     ``kv_transport.backend`` -> ``kv_transport``)."""
     parts = dotted.split(".")
     while parts:

@@ -19,8 +19,6 @@ from sage_infer.errors import UsageError
 
 KV_TRANSPORT_ALIASES = {
     "dtype": "target_dtype",
-    "zero_copy": "enable_zero_copy",
-    "compression": "enable_compression",
     "chunk": "chunk_size",
     "inflight": "max_inflight",
 }

@@ -87,8 +87,7 @@ def recommend_transport(report: HardwareReport, preset: str) -> TransportRecomme
     if len(accelerators) > 1 and (fabric or profile.intra_node_link.kind not in ("none", "pcie")):
         via = ", ".join(fabric) or profile.intra_node_link.kind
         reasons.append(f"{len(accelerators)} devices linked by {via}: big chunks, many in flight")
-        config = KVTransportConfig(preset="high-bw", backend="torchdist", chunk_size=16 * MIB, max_inflight=32,
-                                   overlap_streams=4, enable_zero_copy=True)
+        config = KVTransportConfig(preset="high-bw", backend="torchdist", chunk_size=16 * MIB, max_inflight=32)
         return TransportRecommendation(config, reasons)
     if accelerators:
         reasons.append(f"{len(accelerators)} device(s) without a device fabric: host-staged copies")
@@ -102,7 +101,7 @@ def recommend_transport(report: HardwareReport, preset: str) -> TransportRecomme
         reasons.append(f"host copy measured at {bandwidth:.1f} GB/s: {chunk // 1024} KiB chunks take ~1 ms")
     reasons.append("no accelerator: KV moves between processes through shared memory")
     cores = report.cpu.logical_cores
-    config = KVTransportConfig(backend="shm", chunk_size=chunk, overlap_streams=1, max_inflight=max(2, min(8, cores)))
+    config = KVTransportConfig(backend="shm", chunk_size=chunk, max_inflight=max(2, min(8, cores)))
     return TransportRecommendation(config, reasons)
 
 

@@ -21,7 +21,6 @@ from sage_infer.config.hardware import HardwareProfile, Strict
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVDtype
 
-
 # vLLM's --dtype names and config.json's torch_dtype names, as model.dtype spells them
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
@@ -220,12 +219,24 @@ class SpeculativeConfig(Strict):
 
     method: Literal["off", "ngram", "suffix", "draft_model"] = Field(
         "off", description="off; ngram: look the sequence's last tokens up earlier in its prompt and output and "
-        "propose what followed them (prompt lookup). suffix and draft_model are refused at start-up: not built yet.")
+        "propose what followed them (prompt lookup); suffix: propose the continuation most earlier occurrences of "
+        "the longest match agree on, in the sequence and in the outputs of the tenant's recent requests (suffix "
+        "decoding). draft_model is refused at start-up: not built yet.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix of the sequence that "
                                    "is looked up.")
     prompt_lookup_max: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up (the longest "
                                    "one found wins; among its occurrences, the latest).")
+    suffix_decoding_max_tree_depth: int = Field(24, ge=2, le=256, description="suffix: the longest match (and "
+                                                "proposal) in tokens.")
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0, le=1_000_000, description="suffix: finished "
+                                                     "requests per tenant whose outputs are searched too (the "
+                                                     "oldest dropped first); 0: the sequence's own tokens only.")
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: propose at most this "
+                                                   "many tokens per matched token (a short match, a short guess).")
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: stop proposing when the "
+                                                  "share of the match's occurrences agreeing on the next token "
+                                                  "falls below this.")
     adaptive: bool = Field(False, description="Each sequence proposes up to its own k: halved after a step that "
                            "accepted nothing, one more after a step that accepted everything (between 1 and "
                            "num_speculative_tokens).")

@@ -7,6 +7,7 @@ Set from a transport preset (``presets/transport/*.yaml``), a ``--config`` file,
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, SecretStr, field_validator
 
@@ -47,6 +48,23 @@ class ProcessGroupConfig(Strict):
         return value
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin(url: str) -> str:
+    """``scheme://host:port`` of an http(s) URL, the port explicit and the host lower-case (what two spellings
+    of one peer share); ValueError for anything else."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{url!r} is not an http(s) URL") from None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host (e.g. http://10.0.0.1:8100)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port or DEFAULT_PORTS[parts.scheme]}"
+
+
 class KVTransportConfig(Strict):
     """Knobs of the KV transport engine. Sizes accept units: ``chunk_size=4MiB``."""
 
@@ -56,11 +74,7 @@ class KVTransportConfig(Strict):
         None, description="Convert KV to this dtype on the wire (None: send as stored)."
     )
     chunk_size: ByteSize = Field(ByteSize(4 * 1024 * 1024), description="Bytes per transfer chunk.")
-    overlap_streams: int = Field(2, ge=1, le=16, description="Concurrent copy streams overlapping compute.")
-    prefetch_depth: int = Field(2, ge=0, le=64, description="Layers/chunks fetched ahead of use.")
     max_inflight: int = Field(8, ge=1, le=1024, description="Chunks in flight per transfer.")
-    enable_zero_copy: bool = Field(False, description="Register buffers and send without staging copies.")
-    enable_compression: bool = Field(False, description="Compress chunks (lossless) on slow links.")
     timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline for one transfer.")
     checksum: Literal["crc32c", "none"] = Field(
         "crc32c", description="Per-chunk payload checksum. crc32c (default, every backend): a bad copy, a "
@@ -69,12 +83,22 @@ class KVTransportConfig(Strict):
     process_group: ProcessGroupConfig = Field(ProcessGroupConfig(), description="The torch.distributed group "
                                               "of backend torchdist.")
 
+    allowed_peers: list[str] = Field(
+        default_factory=list, description="Prefill instances (http(s)://host:port) a decode worker may pull KV "
+        "from when the request names them itself: behind a router or proxy that does not sign what it names "
+        "(sage's router signs with the API key). Empty: with an API key only router-signed pulls, without one any "
+        "URL. Set: also without an API key, only these.")
     auth_token: SecretStr | None = Field(
         None, description="The deployment's shared token (at least 16 characters; never printed). Set: every shm "
         "or tcp connection starts with an HMAC-SHA256 challenge-response both ways, and a peer without the same "
         "token is refused before any KV moves. None: no check (shm sockets are private to the user, tcp binds "
         "loopback unless told otherwise). torchdist has no handshake: membership of the process group is its "
         "boundary. Pass it as SAGE_KV_TRANSPORT__AUTH_TOKEN or in a config file rather than on the command line.")
+
+    @field_validator("allowed_peers")
+    @classmethod
+    def _peer_origins(cls, value: list[str]) -> list[str]:
+        return [origin(url) for url in value]
 
     @field_validator("auth_token")
     @classmethod

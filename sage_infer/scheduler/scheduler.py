@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from sage_infer.config.serve import SchedulerConfig
 from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
-from sage_infer.spec_decode import NgramProposer
+from sage_infer.spec_decode import Proposer
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -180,7 +180,7 @@ class Scheduler:
         room = self.max_total_tokens - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        seq.draft_token_ids = self.proposer.propose(seq.seq_id, seq.token_ids, min(budget, room))
+        seq.draft_token_ids = self.proposer.propose(seq.seq_id, seq.token_ids, min(budget, room), seq.extra_key)
         return len(seq.draft_token_ids)
 
     def _computed_this_step(self, seq: Sequence, cached_tokens: int, computing: list[tuple[Sequence, int]]) -> bool:
@@ -264,5 +264,5 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if self.proposer is not None:
-            self.proposer.forget(seq.seq_id)
+            self.proposer.forget(seq.seq_id, seq.extra_key, seq.output_token_ids)
         seq.finish_time = time.monotonic()

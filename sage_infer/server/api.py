@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +30,7 @@ PARSE_IN_THREAD_BYTES = 64 * 1024
 
 
 def build_app(backend: InferenceBackend, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, allowed_peers: Sequence[str] = ()) -> FastAPI:
     """The app over `backend`; it uses nothing of the backend beyond `InferenceBackend`."""
     # the schema is served below, behind the key; the P/D routes between workers are not in it
     app = FastAPI(title="sage_infer", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -37,7 +38,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     model_name = model.name
     metrics = ServerMetrics(backend, model_name)
     backend.on_finished(metrics.record_finished)
-    handlers = OpenAIHandlers(backend, metrics, api_key)
+    handlers = OpenAIHandlers(backend, metrics, api_key, allowed_peers)
     app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
     app.state.handlers = handlers  # `cut_off` when a shutdown's drain runs out (server/launch.py)
 

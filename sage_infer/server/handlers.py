@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -26,10 +26,11 @@ Started = list[tuple[str, AsyncIterator[RequestOutput]]]  # (request id, its out
 class OpenAIHandlers:
     """The two generation endpoints over any `InferenceBackend`."""
 
-    def __init__(self, backend: InferenceBackend, metrics: ServerMetrics, api_key: str | None = None) -> None:
+    def __init__(self, backend: InferenceBackend, metrics: ServerMetrics, api_key: str | None = None,
+                 allowed_peers: Sequence[str] = ()) -> None:
         self.backend = backend
         self.metrics = metrics
-        self.pd = PDRole(backend, api_key)
+        self.pd = PDRole(backend, api_key, allowed_peers)
         model = backend.model_info()
         self.model_name = model.name
         self.validator = RequestValidator(model)

@@ -42,7 +42,7 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS, log_st
     backend = create_backend(config)
     model_name = backend.model_info().name
     api_key = config.api_key.get_secret_value() if config.api_key else None
-    app = build_app(backend, api_key)
+    app = build_app(backend, api_key, allowed_peers=config.kv_transport.allowed_peers)
 
     async def watch() -> None:
         """Two things no request sees coming. An engine that died answers every request 503, so the process must

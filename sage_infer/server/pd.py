@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 
 import httpx
 
 from sage_infer.core.messages import GiveUpKV, KVTransferInfo, KVTransferParams, SendKV
 from sage_infer.interfaces.backend import BackendError, InferenceBackend, InvalidRequestError, KVTransferBackend
 from sage_infer.server.errors import APIError
-from sage_infer.server.pd_auth import pull_is_signed
+from sage_infer.server.pd_auth import pull_is_allowed
 from sage_infer.server.protocol import KVMatchRequest, KVSendRequest, SamplingFields
 
 log = logging.getLogger("sage_infer.server")
@@ -36,9 +37,10 @@ PULL_TIMEOUT_S = 60.0  # the prefill instance answers /v1/kv/send when the recei
 class PDRole:
     """What a prefill or decode instance does with ``kv_transfer_params``; a no-op without a role."""
 
-    def __init__(self, backend: InferenceBackend, api_key: str | None) -> None:
+    def __init__(self, backend: InferenceBackend, api_key: str | None, allowed_peers: Sequence[str] = ()) -> None:
         self.backend = backend
         self.api_key = api_key
+        self.allowed_peers = frozenset(allowed_peers)  # origins (pd_auth.origin) pulled from without a signature
         self.info: KVTransferInfo | None = (backend.kv_transfer_info() if isinstance(backend, KVTransferBackend)
                                             else None)
         # a backend whose own KV connector moves the KV (vLLM with SageKVConnector): its role, no /v1/kv/send
@@ -76,11 +78,12 @@ class PDRole:
             if role != "decode":
                 raise APIError(400, f"kv_transfer_params.remote_url: this instance's role is {role}, not decode",
                                "kv_transfer_params")
-            if self.api_key and not pull_is_signed(self.api_key, fields.remote_url, fields.remote_request_id or "",
-                                                   fields.signature):
-                raise APIError(403, "kv_transfer_params.remote_url: not signed by this deployment's router (a decode "
-                               "worker sends its API key only to a prefill instance its router named)",
-                               "kv_transfer_params")
+            if not pull_is_allowed(self.api_key, self.allowed_peers, fields.remote_url,
+                                   fields.remote_request_id or "", fields.signature):
+                why = ("not signed by this deployment's router nor in kv_transport.allowed_peers (a decode worker "
+                       "sends its API key only to a prefill instance its router named or its operator listed)"
+                       if self.api_key else "not in kv_transport.allowed_peers")
+                raise APIError(403, f"kv_transfer_params.remote_url: {why}", "kv_transfer_params")
             if fields.schema_digest is not None and fields.schema_digest != self.info.schema_digest:
                 raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV blocks differ "
                                "from this one's (model or block size)", "kv_transfer_params")

@@ -1,0 +1,43 @@
+"""What every proposer shares: the most tokens it proposes, its batch-size cut-off, and the adaptive k of each
+sequence (halved after a step that accepted nothing, one more after a step that accepted everything)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Proposer:
+    """The scheduler calls `propose` for a decode row and `forget` when the sequence ends; the engine reports each
+    verify step's outcome to `observe`."""
+
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None = None,
+                 adaptive: bool = False) -> None:
+        self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size  # the scheduler asks for nothing in bigger steps
+        self.adaptive = adaptive  # each sequence's k follows its acceptance (`observe`)
+        self._k: dict[int, int] = {}  # adaptive: seq id -> its own limit
+
+    def propose(self, seq_id: int, token_ids: list[int], limit: int, tenant: bytes = b"") -> list[int]:
+        """Up to min(k, `limit`) tokens to follow `token_ids` (the sequence's prompt and output). `tenant`: the
+        sequence's prefix-cache key (model and tenant salt); what a proposer learns from one tenant's requests it
+        never proposes to another's."""
+        raise NotImplementedError
+
+    def limit(self, seq_id: int, limit: int) -> int:
+        """The most tokens to propose now: `limit`, the configured k, and with `adaptive` the sequence's own k."""
+        return min(self._k.get(seq_id, self.k) if self.adaptive else self.k, limit)
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """A verify step's outcome for a sequence: with `adaptive`, nothing accepted halves its k, everything
+        accepted raises it by one (within [1, num_speculative_tokens])."""
+        if not self.adaptive or not proposed:
+            return
+        k = self._k.get(seq_id, self.k)
+        if accepted == 0:
+            self._k[seq_id] = max(1, k // 2)
+        elif accepted == proposed:
+            self._k[seq_id] = min(self.k, k + 1)
+
+    def forget(self, seq_id: int, tenant: bytes = b"", output: Sequence[int] = ()) -> None:
+        """A sequence ended (`output`: the tokens it generated): drop what was kept for it."""
+        self._k.pop(seq_id, None)
