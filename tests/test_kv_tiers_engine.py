@@ -73,6 +73,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier(model_dir, cold):
     assert tokens == cold
     assert cached == 5 * BLOCK
     assert hierarchy.stats.tiers["host"].loaded_blocks == 5
+    assert llm.engine.stats().prefix_lower_hit_tokens == 5 * BLOCK  # (prefix_hit_tokens: the device's alone)
     assert hierarchy.stores[0].stats().blocks == hierarchy.stats.demoted_blocks - 5  # exclusive: loaded ones left
     llm.engine.kv.block_manager.check_invariants()
 

@@ -58,6 +58,10 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
             assert prefetched["sage:kv_tier_prefetch_total", "", "issued"] >= 1
             assert prefetched["sage:kv_tier_prefetch_total", "", "used"] >= 1
             assert prefetched["sage:kv_tier_migrated_blocks_total", "host", "load"] >= 1
+            counters = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics")
+                                                                                 .text) for s in f.samples}
+            assert counters["sage:prefix_cache_lower_hits_total"] == (  # the prompt tokens those loads brought
+                16 * prefetched["sage:kv_tier_migrated_blocks_total", "host", "load"])
             assert prefetched["sage:kv_tier_load_latency_seconds_count", "", ""] >= 1
             assert prefetched["sage:kv_tier_load_latency_seconds_bucket", "", "+Inf"] >= 1
 

@@ -13,7 +13,14 @@ import pytest
 from sage_infer.errors import UsageError
 from sage_infer.serving_bench.client import RequestResult, normalize_url, scrape_prefix_counters
 from sage_infer.serving_bench.sse import SSEDecoder
-from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_QUERIES, percentile, prefix_hit_rate, summarize
+from sage_infer.serving_bench.stats import (
+    PREFIX_HITS,
+    PREFIX_LOWER_HITS,
+    PREFIX_QUERIES,
+    percentile,
+    prefix_hit_rate,
+    summarize,
+)
 from sage_infer.serving_bench.trace import block_tokens, load_mooncake_trace
 from sage_infer.serving_bench.workloads import (
     FIRST_TOKEN_ID,
@@ -206,6 +213,8 @@ def test_prefix_hit_rate_is_delta_hits_over_delta_queries():
     assert prefix_hit_rate(before, {PREFIX_QUERIES: 300.0, PREFIX_HITS: 110.0}) == 0.5
     assert prefix_hit_rate(before, before) is None
     assert prefix_hit_rate({}, {PREFIX_QUERIES: 1.0, PREFIX_HITS: 1.0}) is None
+    lower = {PREFIX_QUERIES: 300.0, PREFIX_HITS: 110.0, PREFIX_LOWER_HITS: 50.0}
+    assert prefix_hit_rate({**before, PREFIX_LOWER_HITS: 0.0}, lower, PREFIX_LOWER_HITS) == 0.25
 
 
 def test_tpot_excludes_the_first_token():

@@ -259,6 +259,7 @@ class NativeBackend:
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self.engine.poll_tiers()  # a tier's writer may fail after the last request
             # shutting down: nothing runs any more; apply what was sent (the drain's aborts), then end every
             # request still here, so each stream gets its last output and every block goes back to the pool
             self._apply_commands()

@@ -287,6 +287,7 @@ class LLMEngine:
             prefix_queries=metrics.queries if metrics is not None else 0,
             prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
+            prefix_lower_hit_tokens=self.kv.lower_hit_tokens,
             spec_drafts=self.spec_stats.num_drafts,
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
@@ -343,8 +344,15 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------
 
+    def poll_tiers(self) -> None:
+        """Take the lower tiers' background failures into their health and counters (the disk tier's writer: a
+        full disk, a deleted directory). On the engine's thread: every step does, and an idle loop should."""
+        if self.kv.hierarchy is not None:
+            self.kv.hierarchy.poll_background()
+
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> run -> sample -> postprocess. Returns an output for every request that changed."""
+        self.poll_tiers()
         self.kv.poll_transfers()
         batch = self.scheduler.schedule()
         if not batch.seqs:

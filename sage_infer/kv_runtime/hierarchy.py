@@ -371,8 +371,8 @@ class HierarchyManager:
                 self.failed(self.level_of[tier.name], err)
 
     def snapshots(self) -> tuple[TierSnapshot, ...]:
-        """Every tier's state for stats and /metrics (a store's own `stats()` never raises)."""
-        self.poll_background()
+        """Every tier's state for stats and /metrics (a store's own `stats()` never raises). Read-only: any
+        thread may call it; the background failures it shows were taken by `poll_background` on the engine's."""
         out = []
         for store in self.stores:
             own, counters = store.stats(), self.stats.tiers[store.name]

@@ -66,6 +66,7 @@ class KVCacheManager:
             block_manager.on_evict = hierarchy.on_evict
         self._lower_seen: dict[int, tuple[float, tuple, list[bytes]]] = {}  # seq id -> (when, device prefix, keys)
         self.transfers: KVTransfers | None = None  # prefill/decode separation, when this engine has a role
+        self.lower_hit_tokens = 0  # prompt tokens first admissions loaded from the lower tiers
         # with a deadline, lower-tier reads run off the engine thread (prefetch); without, at admission
         self.loader = KVLoader(hierarchy, load_timeout_s) if hierarchy is not None and load_timeout_s else None
 
@@ -282,6 +283,8 @@ class KVCacheManager:
             pool = self.transfers.pool if received is not None else self.hierarchy.pool
             pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
             seq.num_computed_tokens += staged.shape[0] * self.block_size
+            if received is None and not seq.admitted_once:
+                self.lower_hit_tokens += staged.shape[0] * self.block_size
             self.commit(seq)  # register the loaded blocks: they are full and their tokens are known
         if not seq.admitted_once:
             seq.num_cached_tokens = seq.num_computed_tokens

@@ -59,8 +59,12 @@ class _EngineCollector:
                                       labels=labels)
         hits = CounterMetricFamily("sage:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=labels)
+        lower = CounterMetricFamily("sage:prefix_cache_lower_hits", "Prompt tokens loaded from a lower KV tier "
+                                    "(host, disk, remote) instead of computed; not in prefix_cache_hits.",
+                                    labels=labels)
         queries.add_metric(value, stats.prefix_query_tokens)
         hits.add_metric(value, stats.prefix_hit_tokens)
+        lower.add_metric(value, stats.prefix_lower_hit_tokens)
         failures = CounterMetricFamily("sage:request_engine_failures", "Requests failed alone on an unexpected "
                                        "engine error (the engine went on serving the others).", labels=labels)
         failures.add_metric(value, stats.request_failures)
@@ -68,7 +72,7 @@ class _EngineCollector:
         yield from self._tiers(stats, labels, value)
         yield from self._quotas(stats, labels, value)
         yield from _transfer_families(stats, labels, value)
-        yield from (running, waiting, usage, queries, hits, failures)
+        yield from (running, waiting, usage, queries, hits, lower, failures)
 
     @staticmethod
     def _tiers(stats, labels: list[str], value: list[str]):
@@ -243,6 +247,8 @@ class StatsLog:
                  f"KV {100 * stats.kv_usage:.1f} %"]
         if stats.prefix_caching and stats.prefix_query_tokens:
             parts.append(f"prefix hits {100 * stats.prefix_hit_tokens / stats.prefix_query_tokens:.1f} %")
+            if stats.prefix_lower_hit_tokens:
+                parts.append(f"lower-tier hits {100 * stats.prefix_lower_hit_tokens / stats.prefix_query_tokens:.1f} %")
         if delta["drafts"]:
             parts.append(f"spec decode: acceptance {delta['accepted'] / max(delta['draft_tokens'], 1):.2f}, "
                          f"mean accepted length {1 + delta['accepted'] / delta['drafts']:.2f}")

@@ -15,7 +15,7 @@ import httpx
 
 from sage_infer.errors import SageError, UsageError
 from sage_infer.serving_bench.sse import SSEDecoder
-from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_QUERIES
+from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_LOWER_HITS, PREFIX_QUERIES
 from sage_infer.serving_bench.workloads import BenchRequest
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -105,7 +105,7 @@ async def scrape_prefix_counters(client: httpx.AsyncClient) -> dict[str, float]:
     try:
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
-                if sample.name in (PREFIX_QUERIES, PREFIX_HITS):
+                if sample.name in (PREFIX_QUERIES, PREFIX_HITS, PREFIX_LOWER_HITS):
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     except ValueError:
         return {}

@@ -66,6 +66,9 @@ def render(console: Console, config: dict[str, object], summary: dict[str, objec
          if hit_rate is None else f"{100 * hit_rate:.1f} %"),
         ("mean cached tokens / request (client)", _fmt(summary["mean_cached_tokens"], ".1f")),
     ]
+    lower = summary.get("prefix_lower_hit_rate")
+    if lower:
+        rows.insert(6, ("prefix hits from lower KV tiers (server)", f"{100 * lower:.1f} %"))
     title = f"sage llm bench: {config['workload']} -> {config['model']}"
     console.print(table(title, ["metric", "value"], rows))
     latency_rows = [

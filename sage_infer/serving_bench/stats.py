@@ -13,6 +13,7 @@ PERCENTILES = (50, 90, 99)
 # Counters the sage server exports on /metrics (prompt tokens looked up / found in the prefix cache).
 PREFIX_QUERIES = "sage:prefix_cache_queries_total"
 PREFIX_HITS = "sage:prefix_cache_hits_total"
+PREFIX_LOWER_HITS = "sage:prefix_cache_lower_hits_total"  # loaded from a lower KV tier (sage with tiers)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -35,12 +36,12 @@ def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def prefix_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Server prefix-cache hit rate over the run: delta hits / delta queries; None if not exported."""
-    if not all(name in counters for name in (PREFIX_QUERIES, PREFIX_HITS) for counters in (before, after)):
+def prefix_hit_rate(before: dict[str, float], after: dict[str, float], hits: str = PREFIX_HITS) -> float | None:
+    """Server prefix-cache hit rate over the run: delta `hits` / delta queries; None if not exported."""
+    if not all(name in counters for name in (PREFIX_QUERIES, hits) for counters in (before, after)):
         return None
     queries = after[PREFIX_QUERIES] - before[PREFIX_QUERIES]
-    return (after[PREFIX_HITS] - before[PREFIX_HITS]) / queries if queries > 0 else None
+    return (after[hits] - before[hits]) / queries if queries > 0 else None
 
 
 def summarize(
@@ -69,6 +70,7 @@ def summarize(
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefix_hit_rate": prefix_hit_rate(before, after),
+        "prefix_lower_hit_rate": prefix_hit_rate(before, after, PREFIX_LOWER_HITS),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
