@@ -132,6 +132,16 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir):
 
 
 
+RESTART_PROMPTS = [[10 + (7 * p + 3 * j) % 400 for j in range(120)] for p in range(10)]  # 7 full blocks each
+
+
+def _ask(port: int, prompt: list[int]) -> dict:
+    body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 @pytest.mark.parametrize("flush_s", [30, 0])
 def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_and_device_held(model_dir, tmp_path,
                                                                                                flush_s):
@@ -139,19 +149,13 @@ def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_a
     the first prompt again finds its whole prefix (its blocks were in the host tier at the end, which the graceful
     exit copied to disk), and answers the same text. With `tiers.flush_on_shutdown_s=0` nothing is copied."""
     disk = tmp_path / "kv"
-    prompts = [[10 + (7 * p + 3 * j) % 400 for j in range(120)] for p in range(10)]
-
-    def ask(port: int, prompt: list[int]) -> dict:
-        body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
+    prompts = RESTART_PROMPTS
 
     port = _free_port()
     first = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
                    "--kv-tiers", f"host=256MiB,disk={disk}:256MiB", "--set", f"tiers.flush_on_shutdown_s={flush_s}")
     try:
-        answers = [ask(port, prompt) for prompt in prompts]
+        answers = [_ask(port, prompt) for prompt in prompts]
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 0
         assert ("kept" in first.stderr.read()) == bool(flush_s)
@@ -162,7 +166,7 @@ def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_a
     second = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
                     "--kv-tiers", f"disk={disk}:256MiB")
     try:
-        again = ask(port, prompts[0])
+        again = _ask(port, prompts[0])
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if flush_s else 0)  # 7 blocks
         assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
         second.send_signal(signal.SIGTERM)
@@ -181,13 +185,7 @@ def test_after_sigkill_a_restart_serves_the_same_text_and_write_through_kept_the
     from prometheus_client.parser import text_string_to_metric_families
 
     disk = tmp_path / "kv"
-    prompts = [[10 + (7 * p + 3 * j) % 400 for j in range(120)] for p in range(10)]
-
-    def ask(port: int, prompt: list[int]) -> dict:
-        body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
+    prompts = RESTART_PROMPTS
 
     def disk_blocks(port: int, name: str = "sage:kv_tier_blocks", direction: str | None = None) -> float:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -199,13 +197,13 @@ def test_after_sigkill_a_restart_serves_the_same_text_and_write_through_kept_the
     first = _serve(model_dir, port, *flags, "--kv-tiers", f"host=256MiB,disk={disk}:256MiB",
                    "--set", f"tiers.write_policy={policy}")
     try:
-        answers = [ask(port, prompt) for prompt in prompts[:-1]]
+        answers = [_ask(port, prompt) for prompt in prompts[:-1]]
         if policy == "write_through":  # the first prompt's 7 blocks are on disk (the writer works in the background)
             deadline = time.monotonic() + 30
             while disk_blocks(port) < 7 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert disk_blocks(port, "sage:kv_tier_migrated_blocks_total", "write_through") >= 7 * 9
-        ask(port, prompts[-1])
+        _ask(port, prompts[-1])
         first.kill()  # its blocks may be mid-write
         first.wait(timeout=30)
     finally:
@@ -214,7 +212,7 @@ def test_after_sigkill_a_restart_serves_the_same_text_and_write_through_kept_the
     port = _free_port()
     second = _serve(model_dir, port, *flags, "--kv-tiers", f"disk={disk}:256MiB")
     try:
-        again = ask(port, prompts[0])
+        again = _ask(port, prompts[0])
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if policy == "write_through" else 0)
         assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
         second.send_signal(signal.SIGTERM)
