@@ -142,6 +142,23 @@ def _ask(port: int, prompt: list[int]) -> dict:
     return reply.json()
 
 
+def _restart_answers_the_same(model_dir, disk, answer: dict, cached: int) -> None:
+    """A restart on `disk` with the disk tier alone: the first prompt again finds `cached` of its tokens and
+    answers `answer`'s text; then a clean SIGTERM."""
+    port = _free_port()
+    server = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
+                    "--kv-tiers", f"disk={disk}:256MiB")
+    try:
+        again = _ask(port, RESTART_PROMPTS[0])
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
 @pytest.mark.parametrize("flush_s", [30, 0])
 def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_and_device_held(model_dir, tmp_path,
                                                                                                flush_s):
@@ -162,18 +179,7 @@ def test_after_sigterm_a_restart_on_the_same_disk_tier_hits_what_the_host_tier_a
     finally:
         if first.poll() is None:
             first.kill()
-    port = _free_port()
-    second = _serve(model_dir, port, "--set", "kv_pool.num_blocks=24", "--set", "kv_pool.block_size=16",
-                    "--kv-tiers", f"disk={disk}:256MiB")
-    try:
-        again = _ask(port, prompts[0])
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if flush_s else 0)  # 7 blocks
-        assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(timeout=60) == 0
-    finally:
-        if second.poll() is None:
-            second.kill()
+    _restart_answers_the_same(model_dir, disk, answers[0], 112 if flush_s else 0)  # 7 blocks
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
@@ -209,14 +215,4 @@ def test_after_sigkill_a_restart_serves_the_same_text_and_write_through_kept_the
     finally:
         if first.poll() is None:
             first.kill()
-    port = _free_port()
-    second = _serve(model_dir, port, *flags, "--kv-tiers", f"disk={disk}:256MiB")
-    try:
-        again = _ask(port, prompts[0])
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (112 if policy == "write_through" else 0)
-        assert again["choices"][0]["text"] == answers[0]["choices"][0]["text"]
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(timeout=60) == 0
-    finally:
-        if second.poll() is None:
-            second.kill()
+    _restart_answers_the_same(model_dir, disk, answers[0], 112 if policy == "write_through" else 0)
