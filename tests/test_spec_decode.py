@@ -326,29 +326,34 @@ def test_stop_strings_and_stop_tokens_end_a_sequence_inside_an_accepted_run(mode
     assert any(o.outputs[0].finish_reason == "stop" for o in run(plain_llm, batch, params))
 
 
-def test_a_seeded_sampled_request_draws_the_same_tokens_with_speculation(model_dir):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_speculation(model_dir, method):
     batch = prompts(8, seed=7)
     params = [SamplingParams(max_tokens=30, temperature=t, top_k=k, seed=100 + i, ignore_eos=True)
               for i, (t, k) in enumerate([(0.3, -1), (0.7, 5), (1.0, 3), (0.5, -1)] * 2)]
     reference = completions(run(make_llm(model_dir, None), batch, params))
-    llm = make_llm(model_dir, NGRAM)
+    llm = make_llm(model_dir, {"ngram": NGRAM, "suffix": SUFFIX}[method])
     assert completions(run(llm, batch, params)) == reference
+    if method == "suffix":  # asked again: the first answers, now in the tenant's outputs, are proposed
+        assert completions(run(llm, batch, params)) == reference
     stats = llm.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "both accepted and rejected rows must occur"
 
 
-def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir, method):
     """Unseeded sampling (the default generator) keeps the target's distribution. The prompt is the model's own
     greedy continuation, so sampled text tends to repeat it and lookup proposes at most steps; top-k 3 keeps the
     cells few. A chi-square test of homogeneity of the (token, next token) pairs of 800 samples with and
     without speculation: a verifier that kept proposals the target had not drawn (even only after a first
-    accepted one) shows up there. The global seed is fixed, so the test is deterministic."""
+    accepted one) shows up there. The global seed is fixed, so the test is deterministic. Suffix decoding also
+    proposes from the outputs of the requests that finished before (the same tenant)."""
     start = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13]
     greedy = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     prompt = start + run(make_llm(model_dir, None), [start], greedy)[0].outputs[0].token_ids
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=3, ignore_eos=True)
     pairs = []
-    for speculative in (None, NGRAM):
+    for speculative in (None, {"ngram": NGRAM, "suffix": SUFFIX}[method]):
         llm = make_llm(model_dir, speculative)
         torch.manual_seed(1234)
         samples = [o.outputs[0].token_ids for o in run(llm, [prompt] * 800, params)]
