@@ -29,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import re
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,9 +60,9 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 def build_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
     if args.workload == "multi-turn":
-        return multi_turn_workload(args.sessions * args.turns, args.turns, args.input_len, args.output_len, vocab,
+        return multi_turn_workload(args.users * args.turns, args.turns, args.input_len, args.output_len, vocab,
                                    seed, system_len=args.prefix_len, context_len=args.context_len)
-    return agent_workload(args.sessions * args.turns, args.turns, args.prefix_len, args.context_len, args.input_len,
+    return agent_workload(args.users * args.turns, args.turns, args.prefix_len, args.context_len, args.input_len,
                           args.output_len, vocab, seed)
 
 
@@ -108,8 +112,6 @@ class Server:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -137,16 +139,12 @@ def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int
 
 def vllm_capacity(log: Path) -> int | None:
     """The KV capacity in tokens vLLM's start-up log states."""
-    import re
-
     match = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
     return int(match.group(1).replace(",", "")) if match else None
 
 
 def sage_capacity(log: Path, block_size: int) -> int | None:
     """The device KV capacity in tokens sage's start-up line states (kv_pool.num_blocks x block size)."""
-    import re
-
     match = re.search(r"resolved kv_pool.num_blocks = (\d+)", log.read_text(errors="replace"))
     return int(match.group(1)) * block_size if match else None
 
@@ -190,12 +188,10 @@ def goodput(rows: list[dict], slo_ms: float) -> float | None:
     return best
 
 
-def median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+def median(values: list[float | None]) -> float | None:
+    """The median of the values present; None when none is."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def combine(repeats: list[dict]) -> dict:
@@ -308,7 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", choices=[m for m in MODELS if m != "demo"], default="qwen3-11m")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default: the model's (fp32 11M, bf16 0.5B)")
     p.add_argument("--workload", choices=("multi-turn", "agent"), default="multi-turn")
-    p.add_argument("--sessions", type=int, default=16, help="conversations or agent sessions per load")
+    p.add_argument("--users", type=int, default=16, help="users per load, each with one conversation or agent "
+                   "session")
     p.add_argument("--turns", type=int, default=6, help="rounds per conversation, steps per agent session")
     p.add_argument("--prefix-len", type=int, help="shared system prompt (multi-turn, default 256) or tool "
                    "definitions (agent, default 1024)")
@@ -352,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     args.model_cache.mkdir(parents=True, exist_ok=True)
     model = prepare_model(MODELS[args.model], args.model_cache)
     facts = model_facts(model)
-    import json
-
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * DTYPE_BYTES[
@@ -365,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     max_len = -(-longest // 128) * 128
     if kv_tokens < max_len:
         raise SystemExit(f"device KV of {kv_tokens} tokens cannot hold one {max_len}-token request: "
-                         f"more sessions or a smaller --kv-fraction-inverse")
+                         f"more --users or a smaller --kv-fraction-inverse")
     kv_bytes = kv_tokens * kv_bytes_per_token
     unbounded = 2 * working_set * kv_bytes_per_token * (len(args.rates) + 1)  # every load's sessions, all kept
     work = args.work or Path(tempfile.mkdtemp(prefix="multiturn-"))
     work.mkdir(parents=True, exist_ok=True)
-    report = {"model": args.model, "dtype": args.dtype, "workload": args.workload, "sessions": args.sessions,
+    report = {"model": args.model, "dtype": args.dtype, "workload": args.workload, "users": args.users,
               "turns": args.turns, "prefix_len": args.prefix_len, "context_len": args.context_len,
               "input_len": args.input_len, "output_len": args.output_len, "working_set_tokens": working_set,
               "kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "kv_fraction_inverse": args.kv_fraction_inverse,

@@ -82,7 +82,6 @@ class ModelConfig(Strict):
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")
 
-
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, value: object) -> object:

@@ -138,6 +138,8 @@ class HierarchyManager:
         self.migrator = KVMigrator(self)
         self.on_evict = self.migrator.on_evict  # the block manager's eviction hook
         self.write_policy = "write_back"  # tiers.write_policy; the others need a persistent store
+        # the level of the first store whose blocks outlive this process (the disk tier), None without one
+        self.persistent_level = next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
         self._hits: dict[bytes, int] = {}  # write_through_selective: device hits per block not yet copied
 
     @classmethod
@@ -214,15 +216,12 @@ class HierarchyManager:
         if ready_keys:
             self._write_through(ready_keys, ready_ids)
 
-    def _persistent_level(self) -> int | None:
-        return next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
-
     def _keeps_copies(self, store: KVTier) -> bool:
         """Whether `store` keeps its blocks when the device takes them back (shared, or the write-through copy)."""
         return store.shared or (store.persistent and self.write_policy != "write_back")
 
     def _write_through(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        level = self._persistent_level()
+        level = self.persistent_level
         if level is None:
             return
         store = self.store(level)
@@ -393,7 +392,7 @@ class HierarchyManager:
         and sync it, so a restart on the same store finds them; no new batch starts once `budget_s` has passed.
         Tiers are exclusive while serving; this copy duplicates, which is harmless at the end. (blocks written,
         blocks left out for lack of time); (0, 0) without a persistent store."""
-        level = next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
+        level = self.persistent_level
         if level is None or not self.usable(self.store(level)) or budget_s <= 0:
             return 0, 0
         target, deadline = self.store(level), time.monotonic() + budget_s
