@@ -29,3 +29,8 @@ class NotAvailableError(SageError):
     """A feature that is not installed or not implemented in this build."""
 
     exit_code = 1
+
+
+class RequestError(ValueError):
+    """A request that can never run (empty, longer than the context or the pool, a KV transfer this engine cannot
+    take): the engine queues nothing for it, and a server answers it with a 4xx."""

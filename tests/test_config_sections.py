@@ -239,15 +239,15 @@ def test_roles_build_a_kv_connector_from_kv_transport(tiny):
     prefill = build(tiny, "kv_pool.num_blocks=8", "role=prefill", "kv_transport.backend=tcp")
     decode = build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.timeout_s=7")
     try:
-        info = prefill.kv_transfer_info()
+        info = prefill.pd.info()
         assert (info.role, info.address) == ("prefill", None) and prefill.kv.transfers.connector.backend == "tcp"
-        info = decode.kv_transfer_info()
+        info = decode.pd.info()
         assert info.role == "decode" and info.address.startswith("shm://")  # auto: one host, shared memory
         assert decode.kv.transfers.connector.config.timeout_s == 7 and info.schema_digest == prefill.kv_schema_digest
     finally:
-        prefill.kv.transfers.close()
-        decode.kv.transfers.close()
-    assert build(tiny, "kv_pool.num_blocks=8").kv_transfer_info() is None
+        prefill.shutdown()
+        decode.shutdown()
+    assert build(tiny, "kv_pool.num_blocks=8").pd is None
 
 
 def test_a_role_with_a_transport_it_cannot_use_is_one_config_error(tiny):

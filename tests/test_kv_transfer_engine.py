@@ -30,11 +30,19 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("pd") / "model", "llama")
 
 
-def make_llm(model_dir, kv_dtype: str = "auto", speculative: dict | None = None) -> LLM:
+def make_llm(model_dir, kv_dtype: str = "auto", speculative: dict | None = None, role: str = "both",
+             **transport) -> LLM:
     config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
                          kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32, kv_dtype=kv_dtype),
-                         speculative=speculative or {})
+                         speculative=speculative or {}, role=role, kv_transport=KVTransportConfig(**transport))
     return LLM(config=config, device="cpu")
+
+
+def pair(model_dir, **kwargs) -> tuple[LLMEngine, LLMEngine, str]:
+    """A prefill engine, a decode engine, and the address the decode engine receives at."""
+    prefill = make_llm(model_dir, role="prefill", **kwargs).engine
+    decode = make_llm(model_dir, role="decode", **kwargs).engine
+    return prefill, decode, decode.pd.info().address
 
 
 def run_until(engine: LLMEngine, done, timeout: float = 20.0) -> list:
@@ -53,9 +61,7 @@ def colocated(model_dir):
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir, colocated, backend):
-    prefill, decode = make_llm(model_dir).engine, make_llm(model_dir).engine
-    prefill.enable_kv_transfer(backend=backend)
-    address = decode.enable_kv_transfer(backend=backend, listen=True)
+    prefill, decode, address = pair(model_dir, backend=backend)
     digest = prefill.kv_schema_digest
 
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -66,7 +72,7 @@ def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir,
 
     decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1",
                                                                              schema_digest=digest)))
-    assert prefill.send_kv("r1", address, "t-r1") == 5
+    assert prefill.pd.send("r1", address, "t-r1") == 5
     outputs = run_until(decode, lambda: not decode.has_unfinished_requests())
     [final] = [o for o in outputs if o.finished]
     assert final.outputs[0].token_ids == colocated
@@ -82,7 +88,7 @@ def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir,
     assert second.outputs[0].token_ids == colocated and second.metrics.num_cached_tokens == 5 * BLOCK
     for engine in (prefill, decode):
         engine.kv.block_manager.check_invariants()
-        engine.kv.transfers.close()
+        engine.shutdown()
 
 
 def test_a_decode_engine_with_speculation_verifies_over_received_kv_and_samples_the_same_tokens(model_dir):
@@ -94,17 +100,16 @@ def test_a_decode_engine_with_speculation_verifies_over_received_kv_and_samples_
     prompt = start + greedy[0].outputs[0].token_ids  # 5 full blocks and 3 tokens, as PROMPT
     sampled = SamplingParams(max_tokens=24, temperature=1.0, top_k=3, seed=7, ignore_eos=True)
     [reference] = make_llm(model_dir).generate([prompt], sampled)
-    prefill = make_llm(model_dir).engine
-    decode = make_llm(model_dir, speculative={"method": "ngram", "prompt_lookup_min": 1}).engine
-    prefill.enable_kv_transfer()
-    address = decode.enable_kv_transfer(listen=True)
+    prefill = make_llm(model_dir, role="prefill").engine
+    decode = make_llm(model_dir, speculative={"method": "ngram", "prompt_lookup_min": 1}, role="decode").engine
+    address = decode.pd.info().address
     digest = prefill.kv_schema_digest
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill.add(AddRequest("r1", prompt, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
     run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
     decode.add(AddRequest("r1", prompt, sampled, kv_transfer=KVTransferParams(transfer_id="t-r1",
                                                                               schema_digest=digest)))
-    assert prefill.send_kv("r1", address, "t-r1") == 5
+    assert prefill.pd.send("r1", address, "t-r1") == 5
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
     run_until(prefill, lambda: not prefill.has_unfinished_requests())
     assert final.outputs[0].token_ids == reference.outputs[0].token_ids
@@ -113,47 +118,44 @@ def test_a_decode_engine_with_speculation_verifies_over_received_kv_and_samples_
     for engine in (prefill, decode):
         engine.kv.block_manager.check_invariants()
         assert engine.kv.block_manager.num_used_blocks == 0
-        engine.kv.transfers.close()
+        engine.shutdown()
 
 
 def test_a_transfer_that_never_comes_costs_a_recompute_not_a_wrong_token(model_dir, colocated):
-    decode = make_llm(model_dir).engine
-    decode.enable_kv_transfer(KVTransportConfig(timeout_s=0.3), listen=True)  # the transfer's deadline
+    decode = make_llm(model_dir, role="decode", timeout_s=0.3).engine  # the transfer's deadline
     decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="never")))
     outputs = run_until(decode, lambda: not decode.has_unfinished_requests())
     [final] = [o for o in outputs if o.finished]
     assert final.outputs[0].token_ids == colocated and final.metrics.num_cached_tokens == 0
     assert decode.kv.transfers.stats.receive_failures == 1
     decode.kv.block_manager.check_invariants()
-    decode.kv.transfers.close()
+    decode.shutdown()
 
 
 def test_held_kv_nobody_takes_is_freed_when_the_hold_expires(model_dir):
-    prefill = make_llm(model_dir).engine
-    prefill.enable_kv_transfer(hold_timeout_s=0.2)
+    prefill = make_llm(model_dir, role="prefill", timeout_s=0.2).engine  # how long KV is held
     prefill.add(AddRequest("r1", PROMPT, SamplingParams(max_tokens=1, temperature=0),
                            kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.has_unfinished_requests())
     assert prefill.kv.transfers.stats.expired_holds == 1 and prefill.kv.block_manager.num_used_blocks == 0
     with pytest.raises(RequestError, match="no KV is held"):
-        prefill.send_kv("r1", "shm:///nowhere", "t")
+        prefill.pd.send("r1", "shm:///nowhere", "t")
     prefill.kv.block_manager.check_invariants()
-    prefill.kv.transfers.close()
+    prefill.shutdown()
 
 
 def test_a_schema_mismatch_or_an_engine_without_a_role_is_refused(model_dir):
     plain = make_llm(model_dir).engine
     with pytest.raises(RequestError, match="does not transfer KV"):
         plain.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(hold=True)))
-    decode = make_llm(model_dir).engine
-    decode.enable_kv_transfer(listen=True)
+    decode = make_llm(model_dir, role="decode").engine
     with pytest.raises(RequestError, match="KV schema"):
         decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t",
                                                                                  schema_digest="00" * 16)))
     with pytest.raises(RequestError, match="n=1"):
         decode.add(AddRequest("r2", PROMPT, SamplingParams(n=2), kv_transfer=KVTransferParams(hold=True)))
     assert not decode.has_unfinished_requests()
-    decode.kv.transfers.close()
+    decode.shutdown()
 
 
 @pytest.mark.parametrize("same_from", [0, 3])
@@ -161,16 +163,14 @@ def test_blocks_whose_sender_hashes_differ_from_the_prompts_are_not_used(model_d
     """The transfer carries each block's chained hash; the decode engine keeps only the leading blocks whose
     hash equals the one it computes for its prompt. Another tenant's salt differs from the first block on;
     a prompt that differs from block 3 on keeps blocks 0-2 and computes the rest."""
-    prefill, decode = make_llm(model_dir).engine, make_llm(model_dir).engine
-    prefill.enable_kv_transfer()
-    address = decode.enable_kv_transfer(listen=True)
+    prefill, decode, address = pair(model_dir)
     sent = list(PROMPT) if same_from == 0 else PROMPT[: 3 * BLOCK] + [t + 1 for t in PROMPT[3 * BLOCK :]]
     salt = "other-tenant" if same_from == 0 else None
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill.add(AddRequest("r1", sent, first, cache_salt=salt, kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
     decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
-    assert prefill.send_kv("r1", address, "t-r1") == 5
+    assert prefill.pd.send("r1", address, "t-r1") == 5
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
     assert final.outputs[0].token_ids == colocated
     assert final.metrics.num_cached_tokens == same_from * BLOCK
@@ -180,15 +180,15 @@ def test_blocks_whose_sender_hashes_differ_from_the_prompts_are_not_used(model_d
     run_until(prefill, lambda: not prefill.has_unfinished_requests())
     for engine in (prefill, decode):
         engine.kv.block_manager.check_invariants()
-        engine.kv.transfers.close()
+        engine.shutdown()
 
 
 @pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("fp32", "int8"), ("int4", "bf16")])
 def test_a_decode_engine_in_another_kv_dtype_gets_the_blocks_converted(model_dir, prefill_dtype, decode_dtype):
-    prefill, decode = make_llm(model_dir, prefill_dtype).engine, make_llm(model_dir, decode_dtype).engine
+    prefill = make_llm(model_dir, prefill_dtype, role="prefill", backend="shm").engine
+    decode = make_llm(model_dir, decode_dtype, role="decode", backend="shm").engine
+    address = decode.pd.info().address
     assert prefill.kv_schema_digest == decode.kv_schema_digest  # same blocks, other precision
-    prefill.enable_kv_transfer(backend="shm")
-    address = decode.enable_kv_transfer(backend="shm", listen=True)
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
@@ -201,7 +201,7 @@ def test_a_decode_engine_in_another_kv_dtype_gets_the_blocks_converted(model_dir
         expected.store(layer, k[0], v[0], torch.arange(5 * BLOCK))
 
     decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
-    assert prefill.send_kv("r1", address, "t-r1", kv_dtype=decode_dtype) == 5
+    assert prefill.pd.send("r1", address, "t-r1", kv_dtype=decode_dtype) == 5
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
     assert final.metrics.num_cached_tokens == 5 * BLOCK  # the converted blocks were taken, hashes and all
     assert decode.kv.transfers.stats.hash_mismatches == 0 and len(final.outputs[0].token_ids) == 6

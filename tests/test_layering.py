@@ -50,7 +50,15 @@ FORBIDDEN: dict[str, set[str]] = {
                "backends", "transport"},
     "transport": {"engine", "scheduler", "models", "layers", "kv_runtime"},
     "sim": {"layers", "models", "engine"},
+    # a backend drives an engine through its public API: the KV manager and the scheduler are the engine's
+    "backends": {"kv_runtime", "scheduler", "prefix_reuse", "kv_policy", "layers", "spec_decode"},
 }
+# The attention backends and step executors, and the modules allowed to construct one: where they are defined,
+# the runner's reference default, and the one place that chooses (engine/build.py, from config/auto.py's values).
+BACKEND_CLASSES = {"AttentionBackend", "GatheredDecode", "PagedDecode", "TorchPrefill", "FlashPrefill",
+                   "TritonPrefill", "PythonStep", "FusedStep", "CppDecodeStep", "GraphStep"}
+CHOOSERS = {"engine/build.py", "engine/step.py", "engine/model_runner.py", "layers/attention_backends.py"}
+ENGINE_INTERNALS = {"kv", "scheduler", "runner", "requests"}  # what `engine.<name>` a backend must not read
 DATA_ONLY = {"demo_model", "presets"}  # folders of files, no Python
 
 
@@ -155,3 +163,27 @@ def test_the_checker_sees_function_level_imports(tmp_path):
 
 def test_the_checker_resolves_relative_imports():
     assert (23, "hal") in imports_of(PACKAGE / "hal" / "topology" / "__init__.py")
+
+
+def test_only_build_chooses_an_attention_backend_or_a_step_executor():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where in CHOOSERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BACKEND_CLASSES:
+                wrong.append(f"{where}:{node.lineno} constructs {node.func.id}")
+    assert wrong == []
+
+
+def test_backends_read_no_engine_internals():
+    """`NativeBackend` (and any other) uses the engine's public API: never `engine.kv`, `engine.scheduler`..."""
+    wrong = []
+    for path in sorted((PACKAGE / "backends").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+                    and isinstance(node.value, ast.Attribute | ast.Name)
+                    and (node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id) == "engine"):
+                wrong.append(f"{path.name}:{node.lineno} reads engine.{node.attr}")
+    assert wrong == []

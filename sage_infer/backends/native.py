@@ -67,7 +67,7 @@ class NativeBackend:
         self._dead: BaseException | None = None
         self._on_finished: Callable[[RequestOutput], None] | None = None
         self._model_info = engine.model_info()
-        self._kv_transfer_info = engine.kv_transfer_info()
+        self._kv_transfer_info = engine.pd.info() if engine.pd is not None else None
 
     # -- InferenceBackend ---------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class NativeBackend:
         loop = asyncio.get_running_loop()
         target = _Target(loop, asyncio.Queue(), concurrent.futures.Future())
         with self._lock:
-            waiting = self.engine.scheduler.num_waiting + self._pending_adds
+            waiting = self.engine.num_waiting + self._pending_adds
             if waiting >= self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are waiting (max {self.max_waiting})")
             if request.request_id in self._targets:
@@ -146,13 +146,13 @@ class NativeBackend:
         return self.engine.metrics_registries()
 
     def kv_events(self, since: int):
-        return self.engine.kv_events(since)
+        return self.engine.prefix.events(since)
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
-        return self.engine.block_hashes(token_ids, cache_salt)
+        return self.engine.prefix.block_hashes(token_ids, cache_salt)
 
     def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        return self.engine.prefix_overlap(token_ids, cache_salt)
+        return self.engine.prefix.overlap(token_ids, cache_salt)
 
     def give_up_kv(self, command: GiveUpKV) -> None:
         self._commands.put(command)
@@ -180,7 +180,8 @@ class NativeBackend:
                 if self.engine.abort_request(command.request_id):
                     self._deliver(self.engine.drain_finished())
             elif isinstance(command, GiveUpKV):
-                self.engine.give_up_kv(command.transfer_id, command.why)
+                if self.engine.pd is not None:
+                    self.engine.pd.give_up(command.transfer_id, command.why)
 
     def _apply_send(self, send: SendKV, done: concurrent.futures.Future) -> None:
         """Start the send; `done` resolves (blocks sent, or the failure) when the receiver answered.
@@ -204,8 +205,11 @@ class NativeBackend:
             if ready:
                 settle()
 
+        if self.engine.pd is None:
+            done.set_exception(InvalidRequestError("this engine does not transfer KV (no prefill/decode role)"))
+            return
         try:
-            blocks = self.engine.send_kv(send.request_id, send.address, send.transfer_id, finished, send.kv_dtype)
+            blocks = self.engine.pd.send(send.request_id, send.address, send.transfer_id, finished, send.kv_dtype)
         except RequestError as err:
             done.set_exception(InvalidRequestError(str(err)))
             return
@@ -259,12 +263,11 @@ class NativeBackend:
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()
-                    self.engine.poll_tiers()  # a tier's writer may fail after the last request
+                    self.engine.poll()  # a tier's writer may fail after the last request
             # shutting down: nothing runs any more; apply what was sent (the drain's aborts), then end every
             # request still here, so each stream gets its last output and every block goes back to the pool
             self._apply_commands()
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
+            self.engine.abort_all()
             self._deliver(self.engine.drain_finished())
         except BaseException as err:  # noqa: BLE001 - fail every request, never hang them
             log.exception("engine thread failed")

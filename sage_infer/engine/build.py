@@ -13,8 +13,9 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.engine.cuda_graphs import DecodeGraphs
-from sage_infer.engine.llm_engine import EngineParts, LLMEngine
+from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.engine.pd import PDRole
 from sage_infer.engine.step import CppDecodeStep, FusedStep, GraphStep, PythonStep
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
@@ -25,10 +26,12 @@ from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.connector import KVConnector
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
+from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.attention_backends import (
     AttentionBackend,
     FlashPrefill,
@@ -115,8 +118,14 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         index = PrefixReuseIndex(schema.block_size, policy)
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
     model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
-    quota = build_quota(config.quota, lambda salt: make_extra_key(model_id, config.model.revision, kv_dtype.value,
-                                                             schema.layout.value, salt))
+
+    def extra_key(cache_salt: str | None = None, dtype: str | None = None) -> bytes:
+        """The prefix-cache key part of this engine's requests under `cache_salt` (model, revision, KV dtype,
+        layout, tenant): what their block hashes are chained under (in `dtype`, default this engine's)."""
+        return make_extra_key(model_id, config.model.revision, dtype or kv_dtype.value, schema.layout.value,
+                              cache_salt)
+
+    quota = build_quota(config.quota, extra_key)
     if quota is not None:
         if index is None:
             raise ConfigError("quota: tenant quotas need kv_pool.enable_prefix_caching (they share cached blocks)")
@@ -127,8 +136,9 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                        dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
+    transfers = build_transfers(config, pool, device, extra_key, index)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s,
-                        flush_on_shutdown_s=config.tiers.flush_on_shutdown_s)
+                        flush_on_shutdown_s=config.tiers.flush_on_shutdown_s, transfers=transfers)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
                           proposer=proposer)
     attention = build_attention(config, model, arch.head_dim, device, pool)
@@ -155,11 +165,10 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         kv_dtype=kv_dtype.value,
         max_model_len=max_len,
         device=device,
+        extra_key=extra_key,
+        pd=PDRole(transfers, kv_schema_digest(schema), kv_dtype.value) if transfers is not None else None,
     )
-    engine = LLMEngine(parts)
-    if config.role != "both":
-        enable_role(engine, config)
-    return engine
+    return LLMEngine(parts)
 
 
 def use_cpu_kernels() -> str | None:
@@ -379,9 +388,13 @@ def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today
 
 
-def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
-    """Give a prefill or decode instance its KV connector, from `config.kv_transport` (joining the
-    process group first for torchdist)."""
+def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, extra_key,
+                    index: PrefixReuseIndex | None) -> KVTransfers | None:
+    """A prefill or decode instance's KV connector and transfers, from `config.kv_transport` (joining the process
+    group first for torchdist); None for an engine that does both. A prefill instance logs its prefix cache's
+    events: the router follows what it holds."""
+    if config.role == "both":
+        return None
     transport = config.kv_transport
     backend = "shm" if transport.backend == "auto" else transport.backend
     if backend not in PD_BACKENDS:
@@ -390,16 +403,22 @@ def enable_role(engine: LLMEngine, config: ServeConfig) -> None:
     if transport.target_dtype is not None:
         raise ConfigError("kv_transport.target_dtype: prefill/decode transfers send KV as the pool stores it; "
                           "converting it on the wire is not implemented for them")
+    if index is None:
+        raise ConfigError("prefill/decode separation needs kv_pool.enable_prefix_caching (received KV is "
+                          "registered under its block hashes)")
     group = ""
     if backend == "torchdist":
-        joined = join_process_group(transport.process_group, engine.device)
+        joined = join_process_group(transport.process_group, device)
         group = (f", rank {joined.rank} of {joined.world_size} in a {joined.backend} process group"
                  + (f" at {joined.init_method}" if joined.init_method else ""))
-    address = engine.enable_kv_transfer(transport, backend=backend, listen=config.role == "decode",
-                                        hold_timeout_s=transport.timeout_s)
-    where = f", receiving at {address}" if address else ""
+    connector = KVConnector(pool.schema, transport, backend=backend, listen=config.role == "decode")
+    transfers = KVTransfers(connector, pool, pool.block_size, transport.timeout_s, extra_key=extra_key)
+    if config.role == "prefill":
+        index.enable_events()
+    where = f", receiving at {connector.address}" if connector.address else ""
     auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
+    return transfers
 
 
 def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,

@@ -9,31 +9,25 @@ from itertools import count
 
 import torch
 
-from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVDtype
-from sage_infer.core.messages import AddRequest, EngineStats, KVTransferInfo, KVTransferParams, ModelInfo
+from sage_infer.core.messages import AddRequest, EngineStats, ModelInfo
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.errors import ConfigError
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.engine.pd import ExtraKey, PDRole, PrefixView
+from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
-from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.sampler import Sampler, skip_draws
 from sage_infer.models.tokenizer import Tokenizer
-from sage_infer.prefix_reuse.events import short
-from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from sage_infer.scheduler.scheduler import Scheduler
 from sage_infer.spec_decode import SpecDecodeStats, accept
 
 log = logging.getLogger("sage_infer.engine")
 LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
 
-
-class RequestError(ValueError):
-    """A request that can never run (empty, longer than the context or the pool)."""
+__all__ = ["EngineParts", "LLMEngine", "RequestError", "kv_schema_digest"]
 
 
 @dataclass(slots=True)
@@ -59,9 +53,20 @@ class EngineParts:
     kv_dtype: str
     max_model_len: int
     device: torch.device
+    extra_key: ExtraKey  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
+    pd: PDRole | None = None  # prefill/decode separation, for an engine with that role
+
+
+def kv_schema_digest(schema) -> str:
+    """The KV block shape (layers, heads, head dim, block size, layout) as hex: both ends of a transfer must agree.
+    The KV dtype may differ: the sender converts (`KVTransfers.send`)."""
+    return schema_digest(schema.with_dtype(KVDtype.FP32)).hex()
 
 
 class LLMEngine:
+    """The step loop over a model runner and a scheduler. Its prefill/decode side is `pd` (None without a role),
+    what a router reads of its prefix cache `prefix` (`engine/pd.py`)."""
+
     def __init__(self, parts: EngineParts) -> None:
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner
@@ -71,6 +76,10 @@ class LLMEngine:
         self.device = parts.device
         self.max_total_tokens = parts.scheduler.max_total_tokens  # a sequence alone always fits the pool
         self.max_model_len = parts.max_model_len
+        self.extra_key = parts.extra_key
+        self.pd = parts.pd
+        self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key)
+        self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified, tokens proposed and accepted
         self.requests: dict[str, _Request] = {}
@@ -119,7 +128,9 @@ class LLMEngine:
             )
         transfer = request.kv_transfer
         if transfer is not None:
-            self._check_transfer(transfer, params, len(token_ids))
+            if self.pd is None:
+                raise RequestError("kv_transfer: this engine does not transfer KV (no prefill/decode role)")
+            self.pd.check(transfer, params)
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         extra_key = self.extra_key(request.cache_salt)
         seqs, detoks = [], []
@@ -139,97 +150,17 @@ class LLMEngine:
         if transfer is not None and transfer.hold:
             seqs[0].hold_kv = True
         self.scheduler.add_request(seqs)
-        if transfer is not None and transfer.transfer_id is not None and len(token_ids) >= self.runner.pool.block_size:
-            self.kv.transfers.expect(seqs[0], transfer.transfer_id)  # (a prompt under one block: nothing comes)
-
-    # -- prefill/decode separation ------------------------------------------------------
-
-    def enable_kv_transfer(self, config: KVTransportConfig | None = None, *, backend: str = "shm",
-                           listen: bool = False, hold_timeout_s: float = 30.0) -> str | None:
-        """Let this engine hold and send (prefill) or receive (decode, `listen`) prompt KV; the
-        address senders connect to when listening."""
-        if self.kv.index is None:
-            raise ConfigError("prefill/decode separation needs kv_pool.enable_prefix_caching (received KV is "
-                              "registered under its block hashes)")
-        pool = self.runner.pool
-        connector = KVConnector(pool.schema, config, backend=backend, listen=listen)
-        self.kv.transfers = KVTransfers(connector, pool, pool.block_size, hold_timeout_s, extra_key=self.extra_key)
-        if not listen:  # a prefill worker: the router follows what its prefix cache holds
-            self.kv.index.enable_events()
-        return connector.address
-
-    def kv_transfer_info(self) -> KVTransferInfo | None:
-        """This engine's prefill/decode role, connector address and schema digest; None without a role."""
-        transfers = self.kv.transfers
-        if transfers is None:
-            return None
-        role = "decode" if transfers.connector.address is not None else "prefill"
-        return KVTransferInfo(role, transfers.connector.address, self.kv_schema_digest, self.kv_dtype)
-
-    @property
-    def kv_schema_digest(self) -> str:
-        """The KV block shape (layers, heads, head dim, block size, layout) as hex: both ends of a transfer must
-        agree. The KV dtype may differ: the sender converts (`KVTransfers.send`)."""
-        return schema_digest(self.runner.pool.schema.with_dtype(KVDtype.FP32)).hex()
-
-    def send_kv(self, request_id: str, address: str, transfer_id: str, on_done=None,
-                kv_dtype: str | None = None) -> int:
-        """Send a finished, held request's prompt blocks to a decode engine; how many blocks.
-        `on_done(result)` is called from a later step when the receiver verified them (or it failed);
-        `kv_dtype`: the receiver's KV dtype, when it differs from this engine's (the blocks are converted)."""
-        if self.kv.transfers is None:
-            raise RequestError("this engine does not transfer KV (enable_kv_transfer was not called)")
-        try:
-            return self.kv.transfers.send(request_id, address, transfer_id, on_done, kv_dtype)
-        except (KeyError, ValueError) as err:
-            raise RequestError(str(err.args[0]) if err.args else str(err)) from None
-
-    def extra_key(self, cache_salt: str | None = None, kv_dtype: str | None = None) -> bytes:
-        """The prefix-cache key part of this engine's requests under `cache_salt` (model, revision, KV dtype,
-        layout, tenant): what a request's block hashes are chained under (in `kv_dtype`, default this engine's)."""
-        return make_extra_key(self.model_id, self.revision, kv_dtype or self.kv_dtype,
-                              self.runner.pool.schema.layout.value, cache_salt)
-
-    def prefix_overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Prompt tokens whose KV this engine's device cache holds now (for a KV-aware router). Records nothing;
-        safe to call from another thread (dict reads; a concurrent eviction only makes the answer stale)."""
-        if self.kv.index is None or not token_ids:
-            return 0
-        return self.kv.index.match(token_ids, self.extra_key(cache_salt), record=False).num_tokens
+        if transfer is not None and transfer.transfer_id is not None:
+            self.pd.expect(seqs[0], transfer.transfer_id)
 
     def metrics_registries(self) -> list:
         """Prometheus registries of this engine's parts, for the server's /metrics (the KV connector's transport)."""
-        return [self.kv.transfers.connector.telemetry.registry] if self.kv.transfers is not None else []
+        return self.pd.registries() if self.pd is not None else []
 
     def wake(self) -> None:
         """Cut an idle step's wait short (another thread queued work for this engine)."""
-        if self.kv.transfers is not None:
-            self.kv.transfers.wake.set()
-
-    def kv_events(self, since: int):
-        """Stored/removed block hashes since event `since` (an `EventBatch`), or None when not logged."""
-        events = self.kv.index.events if self.kv.index is not None else None
-        return events.since(since) if events is not None else None
-
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
-        """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last
-        token), as `kv_events` reports them: a router matches one against the other."""
-        bs = self.runner.pool.block_size
-        usable = (len(token_ids) - 1) // bs * bs
-        return [short(h) for h in hash_token_blocks(token_ids[:usable], bs, self.extra_key(cache_salt))]
-
-    def give_up_kv(self, transfer_id: str, why: str) -> bool:
-        """Decode side: the KV of `transfer_id` will not come; its request computes the prompt now."""
-        return self.kv.transfers is not None and self.kv.transfers.give_up(transfer_id, why)
-
-    def _check_transfer(self, transfer: KVTransferParams, params: SamplingParams, num_tokens: int) -> None:
-        if self.kv.transfers is None:
-            raise RequestError("kv_transfer: this engine does not transfer KV (no prefill/decode role)")
-        if transfer.schema_digest is not None and transfer.schema_digest != self.kv_schema_digest:
-            raise RequestError(f"kv_transfer: the sender's KV schema {transfer.schema_digest[:12]}... is not this "
-                               f"engine's {self.kv_schema_digest[:12]}... (model, dtype or block size differ)")
-        if transfer.hold and params.n != 1:  # (a decode request may have n > 1: its siblings share the prefix)
-            raise RequestError("kv_transfer: a request that holds its KV for a decode instance must have n=1")
+        if self.pd is not None:
+            self.pd.wake()
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if unknown or already finished."""
@@ -254,17 +185,25 @@ class LLMEngine:
             log.warning("kept %d KV blocks in the disk tier for the next start in %.1f s%s", kept,
                         time.monotonic() - start, f"; {left} more left out (tiers.flush_on_shutdown_s ran out)"
                         if left else "")
-        self.kv.close()
-        if self.kv.transfers is not None:  # the KV connector's loop thread and sockets
-            self.kv.transfers.close()
+        self.kv.close()  # the tiers' background work, the KV connector's loop thread and sockets
 
     def drain_finished(self) -> list[RequestOutput]:
         """Final outputs of requests that ended outside a step (aborts while idle)."""
         return self._collect({})
 
     def has_unfinished_requests(self) -> bool:
-        transfers = self.kv.transfers
-        return self.scheduler.has_unfinished() or (transfers is not None and transfers.busy)
+        """Something to step for: a request, or KV held for or expected from another instance."""
+        return self.scheduler.has_unfinished() or self.scheduler.kv_busy
+
+    def abort_all(self) -> None:
+        """End every request (the server's shutdown): each gets its last output from `drain_finished`."""
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests' sequences queued and not yet running."""
+        return self.scheduler.num_waiting
 
     # -- what front ends read -----------------------------------------------------------
 
@@ -294,18 +233,8 @@ class LLMEngine:
             spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
             **self._tier_stats(),
             **self._quota_stats(),
-            **self._transfer_stats(),
+            **(self.pd.stats() if self.pd is not None else {}),
         )
-
-    def _transfer_stats(self) -> dict:
-        transfers = self.kv.transfers
-        if transfers is None:
-            return {}
-        t = transfers.stats
-        return {"kv_transfer_role": "decode" if transfers.connector.address else "prefill",
-                "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds),
-                                 ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds)),
-                "kv_transfer_expired_holds": t.expired_holds, "kv_transfer_hash_mismatches": t.hash_mismatches}
 
     def _tier_stats(self) -> dict:
         hierarchy = self.kv.hierarchy
@@ -344,19 +273,18 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------
 
-    def poll_tiers(self) -> None:
-        """Take the lower tiers' background failures into their health and counters (the disk tier's writer: a
-        full disk, a deleted directory). On the engine's thread: every step does, and an idle loop should."""
-        if self.kv.hierarchy is not None:
-            self.kv.hierarchy.poll_background()
+    def poll(self) -> None:
+        """Take what the KV sources finished in the background: the lower tiers' failures into their health and
+        counters (the disk tier's writer: a full disk, a deleted directory), transfers sent or received. On the
+        engine's thread: every step does, and an idle loop should."""
+        self.scheduler.poll_kv()
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> run -> sample -> postprocess. Returns an output for every request that changed."""
-        self.poll_tiers()
-        self.kv.poll_transfers()
+        self.poll()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            self.kv.wait_for_loads(LOAD_POLL_S)  # everything waiting is loading from a lower tier
+            self.scheduler.wait_for_kv(LOAD_POLL_S)  # everything waiting is loading from a tier or a transfer
             return self._collect({})
         now = time.monotonic()
         for seq in batch.seqs:

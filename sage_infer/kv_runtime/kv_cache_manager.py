@@ -14,10 +14,12 @@ A request's KV goes through four calls, in this order:
 ``allocate`` grows a running sequence; ``on_evict`` is called with the cached blocks an
 allocation evicts (one list), before their slots are reused (the tiers demote instead of dropping).
 
-With a `HierarchyManager`, `match` also finds the chain's next blocks in the lower tiers,
-`admit` loads them into fresh device blocks (the longest verified prefix; the rest is
-recomputed) and registers them, and `commit` drops lower-tier copies of blocks the device
-computed again, so the tiers stay exclusive.
+Past the device, a prompt's blocks can come from a `KVSource` (`kv_runtime.sources`): the lower
+tiers of a `HierarchyManager`, or the blocks a prefill instance sent (`KVTransfers`). `match` asks
+the source that claims the request for the chain's next blocks, `admit` takes them into fresh
+device blocks (the longest verified prefix; the rest is recomputed) and registers them. With tiers,
+`commit` also drops lower-tier copies of blocks the device computed again, so the tiers stay
+exclusive, and `promote_hot` / `persist` move blocks between the device and the tiers.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ from collections.abc import Callable
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
-from sage_infer.kv_runtime.loader import KVLoader
+from sage_infer.kv_runtime.sources import KVSource, TierSource, TransferSource
 from sage_infer.kv_runtime.transfers import KVTransfers
-from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
-LOWER_LOOKUP_TTL_S = 0.5  # a waiting request's lower-tier lookup is reused this long (see _match_lower)
 HOT_PROMOTE_PER_STEP = 8  # hot blocks promoted per step at most
 HOT_RESERVE = 0.10  # fraction of the pool kept free: promotion only uses free blocks beyond it
 
@@ -43,7 +43,9 @@ NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
 class KVCacheManager:
     """Sequence-level KV bookkeeping over a `BlockManager` and its prefix index (None: prefix caching off).
 
-    `clock` stamps admissions for time-aware eviction policies (the replay passes trace time).
+    `clock` stamps admissions for time-aware eviction policies (the replay passes trace time). `hierarchy`:
+    the lower tiers (read in the background with `load_timeout_s`); `transfers`: prefill/decode separation
+    (a prefill instance holds finished prompts' blocks for it; a decode instance receives them through it).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class KVCacheManager:
         hierarchy: HierarchyManager | None = None,
         load_timeout_s: float | None = None,
         flush_on_shutdown_s: float = 30.0,
+        transfers: KVTransfers | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.flush_on_shutdown_s = flush_on_shutdown_s  # `persist`'s time budget (`tiers.flush_on_shutdown_s`)
@@ -60,25 +63,33 @@ class KVCacheManager:
         self.block_size = block_manager.block_size
         self.clock = clock
         self.hierarchy = hierarchy
+        self.transfers = transfers
+        self.sources: list[KVSource] = []  # the first that claims a request answers for it: the tiers claim all
+        if transfers is not None:
+            if self.index is None:
+                raise ValueError("prefill/decode transfers need prefix caching: received KV is registered under "
+                                 "its block hashes")
+            self.sources.append(TransferSource(transfers))
+        tiers = None
         if hierarchy is not None:
             if self.index is None:
                 raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
             block_manager.on_evict = hierarchy.on_evict
-        self._lower_seen: dict[int, tuple[float, tuple, list[bytes]]] = {}  # seq id -> (when, device prefix, keys)
-        self.transfers: KVTransfers | None = None  # prefill/decode separation, when this engine has a role
+            tiers = TierSource(hierarchy, load_timeout_s)
+            self.sources.append(tiers)
+        self.loader = tiers.loader if tiers is not None else None  # (its counters are reported)
         self.lower_hit_tokens = 0  # prompt tokens first admissions loaded from the lower tiers
-        # with a deadline, lower-tier reads run off the engine thread (prefetch); without, at admission
-        self.loader = KVLoader(hierarchy, load_timeout_s) if hierarchy is not None and load_timeout_s else None
 
     # -- prefetch ---------------------------------------------------------------------------
 
     def prefetch(self, seq: Sequence) -> None:
         """A request entered the waiting queue: start reading its lower-tier prefix now."""
-        if self.loader is None or seq.block_table or seq.seq_id in self.loader.pending:
-            return
-        match = self.match(seq)
-        if match.lower_block_hashes:
-            self.loader.start(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
+        source = self._source_of(seq)
+        if source is not None and source.prefetches and not seq.block_table:
+            source.prefetch(seq, self.match(seq))
+
+    def _source_of(self, seq: Sequence) -> KVSource | None:
+        return next((source for source in self.sources if source.claims(seq)), None)
 
     def promote_hot(self, limit: int = HOT_PROMOTE_PER_STEP) -> int:
         """Load hot lower-tier blocks into free device blocks ahead of need; returns how many.
@@ -135,25 +146,26 @@ class KVCacheManager:
             return
         self.transfers.hold(seq)
 
-    def poll_transfers(self) -> None:
-        """Free what prefill/decode transfers finished with, and hand received KV to admission."""
-        if self.transfers is not None:
-            self.transfers.poll(self.free)
+    def poll(self) -> None:
+        """Between steps: take what the sources finished in the background (sends and receipts, tier failures)."""
+        for source in self.sources:
+            source.poll(self.free)
 
     def is_loading(self, seq: Sequence) -> bool:
-        """Its prefetch is still reading (and within its deadline): admit others meanwhile."""
-        if self.transfers is not None and self.transfers.is_receiving(seq):
-            return True  # its KV is coming from a prefill instance
-        return self.loader is not None and self.loader.is_loading(seq.seq_id)
+        """Its prefix is still on its way (a tier read, a transfer): admit others meanwhile."""
+        return any(source.is_loading(seq) for source in self.sources)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing else to run: sleep until a load finishes or `timeout` passes (or just `timeout`, while only
-        prefill/decode transfers are in flight: the connector's results are polled at the next step)."""
-        if self.loader is not None and self.loader.pending:
-            self.loader.wait(timeout)
-        elif self.transfers is not None and self.transfers.busy:
-            self.transfers.wake.wait(timeout)
-            self.transfers.wake.clear()
+        """Nothing else to run: sleep until a load or transfer finishes, or `timeout` passes (a tier's read is
+        waited for first: a transfer's results are polled at the next step anyway)."""
+        for source in reversed(self.sources):
+            if source.wait(timeout):
+                return
+
+    @property
+    def busy(self) -> bool:
+        """A source has work in flight that must keep the engine stepping (held or expected transfers)."""
+        return any(source.busy for source in self.sources)
 
     # -- the eviction hook ------------------------------------------------------------------
 
@@ -177,43 +189,10 @@ class KVCacheManager:
             return NO_MATCH
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
         match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
-        if self.transfers is not None and seq.seq_id in self.transfers.received:
-            self._match_received(match, self.transfers.received[seq.seq_id].block_hashes, max_blocks)
-        elif self.hierarchy is not None:
-            self._match_lower(seq, match)
+        source = self._source_of(seq)
+        if source is not None:
+            source.lookup(seq, match, max_blocks, self.clock())
         return match
-
-    def _match_received(self, match: PrefixMatch, hashes: list[bytes], max_blocks: int | None) -> None:
-        """Extend `match` with the prompt blocks a KV transfer brought (prefill/decode separation); `hashes`
-        are theirs, the prompt's chain from its first block (computed once, when the transfer was verified)."""
-        first = len(match.block_ids)
-        last = min(len(hashes), max_blocks) if max_blocks is not None else len(hashes)
-        if last <= first:
-            return
-        match.lower_block_hashes = hashes[first:last]
-        match.num_lower_tokens = (last - first) * self.block_size
-
-    def _match_lower(self, seq: Sequence, match: PrefixMatch) -> None:
-        """Extend `match` with the chain's next blocks that the lower tiers hold (stops at the first gap).
-
-        A waiting request is matched every step; its lower-tier answer is reused for
-        `LOWER_LOOKUP_TTL_S` while its device prefix stays the same, so a remote tier sees one
-        lookup per request, not one per step. A stale answer is safe: the load returns the
-        verified prefix it finds, and the rest is computed.
-        """
-        bs = self.block_size
-        device = (len(match.block_ids), match.block_hashes[-1] if match.block_hashes else None)
-        now = self.clock()
-        seen = self._lower_seen.get(seq.seq_id)
-        if seen is not None and seen[1] == device and now - seen[0] < LOWER_LOOKUP_TTL_S:
-            keys = seen[2]
-        else:
-            rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
-            keys = hash_token_blocks(rest, bs, seq.extra_key, device[1])
-            keys = keys[: self.hierarchy.lookup(keys)]
-            self._lower_seen[seq.seq_id] = (now, device, keys)
-        match.lower_block_hashes = list(keys)
-        match.num_lower_tokens = len(keys) * bs
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
         """New blocks `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
@@ -247,28 +226,16 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
         if not self.can_admit(seq, match, num_new_tokens):
             return False
-        self._lower_seen.pop(seq.seq_id, None)
+        now = self.clock()
         if self.index is not None:
-            now = self.clock()
             self.index.policy.tick(now)
             self.index.record_hit(match, count_query=not seq.admitted_once)
             self.block_manager.acquire(match.block_ids)
             if self.hierarchy is not None:
                 self.hierarchy.migrator.used_on_device(match.block_hashes)
                 self.hierarchy.hit(match.block_hashes, match.block_ids)
-        staged = None
-        received = self.transfers.received.pop(seq.seq_id, None) if self.transfers is not None else None
-        if received is not None and match.lower_block_hashes:
-            first = len(match.block_ids)
-            staged = received.rows[first : first + len(match.lower_block_hashes)]
-        elif self.hierarchy is not None:
-            self.hierarchy.tick(now)
-            if match.lower_block_hashes:  # out of the tiers before allocating: its evictions demote into them
-                self.hierarchy.migrator.saw_below(match.lower_block_hashes)
-                if self.loader is not None:
-                    staged = self.loader.take(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
-                if staged is None:
-                    staged = self.hierarchy.fetch(match.lower_block_hashes)
+        source = self._source_of(seq)
+        staged = source.take(seq, match, now) if source is not None else None  # before allocating: see TierSource
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
@@ -280,10 +247,9 @@ class KVCacheManager:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
-            pool = self.transfers.pool if received is not None else self.hierarchy.pool
-            pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
+            source.pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
             seq.num_computed_tokens += staged.shape[0] * self.block_size
-            if received is None and not seq.admitted_once:
+            if source.counts_as_lower_hit and not seq.admitted_once:
                 self.lower_hit_tokens += staged.shape[0] * self.block_size
             self.commit(seq)  # register the loaded blocks: they are full and their tokens are known
         if not seq.admitted_once:
@@ -314,11 +280,10 @@ class KVCacheManager:
         return self.hierarchy.persist(self.index.registered(), self.flush_on_shutdown_s)
 
     def close(self) -> None:
-        """Stop the lower tiers' background work (the disk tier's writer finishes what it queued)."""
-        if self.loader is not None:
-            self.loader.close()
-        if self.hierarchy is not None:
-            self.hierarchy.close()
+        """Stop the sources' background work (the disk tier's writer finishes what it queued; the KV connector's
+        loop and sockets close)."""
+        for source in self.sources:
+            source.close()
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past `seq`'s computed tokens to the pool: speculative rows the target rejected wrote
@@ -357,11 +322,8 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`, children before parents (leaves age first), and any load it had running."""
-        if self.loader is not None:
-            self.loader.drop(seq.seq_id)
-        self._lower_seen.pop(seq.seq_id, None)
-        if self.transfers is not None:
-            self.transfers.cancel(seq)
+        for source in self.sources:
+            source.forget(seq)
         if seq.block_table:
             self.block_manager.free(list(reversed(seq.block_table)))
         seq.block_table = []

@@ -99,6 +99,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def kv_busy(self) -> bool:
+        """KV work in flight that must keep the engine stepping (held or expected prefill/decode transfers)."""
+        return self.kv.busy
+
+    def poll_kv(self) -> None:
+        """Before scheduling: take what the KV sources finished in the background (loads, transfers, tier faults)."""
+        self.kv.poll()
+
+    def wait_for_kv(self, timeout: float) -> None:
+        """Nothing could be scheduled: sleep until a load or transfer finishes, or `timeout` passes."""
+        self.kv.wait_for_loads(timeout)
+
     # -- schedule -------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
