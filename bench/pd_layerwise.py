@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_infer.config.transport import KVTransportConfig  # noqa: E402
 from sage_infer.core.sampling_params import SamplingParams  # noqa: E402
 from sage_infer.core.sequence import Sequence  # noqa: E402
-from sage_infer.engine.llm import LLM  # noqa: E402
+from sage_infer import LLM  # noqa: E402
 from sage_infer.kv_runtime.connector import KVConnector  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 

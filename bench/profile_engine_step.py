@@ -118,7 +118,7 @@ def run_steps(model_dir: Path, args, profile_at: set[int]):
     when `profile_at` names steps, their profiles)."""
     from bench.engine_ab import config_for
     from sage_infer import SamplingParams
-    from sage_infer.engine.llm import LLM
+    from sage_infer import LLM
 
     llm = LLM(config=config_for(model_dir, args.dtype, 4, args.set), device=args.device)
     cfg = llm.engine.runner.model.config

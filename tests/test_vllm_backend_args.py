@@ -197,14 +197,6 @@ def test_the_translation_and_the_registry_import_no_vllm():
     assert out.strip() == "[]"
 
 
-def test_the_engines_own_llm_runs_the_native_engine_only():
-    from sage_infer.engine.llm import LLM as NativeLLM
-    from sage_infer.engine.llm import llm_config
-
-    with pytest.raises(ValueError, match="^backend vllm: sage_infer.engine.llm.LLM runs the native engine only"):
-        NativeLLM(config=llm_config(backend="vllm"))
-
-
 NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                              reason="vllm is installed here: tests/test_vllm_backend.py runs it")
 

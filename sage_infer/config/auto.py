@@ -7,6 +7,13 @@ context length and the pool size, and only applies the answers; `sage llm serve`
 The hardware preset proposes (device type, KV dtype); the model and the device can
 veto with a reason: a quantized preset KV dtype the pool cannot store yet, bf16 on a
 device without native bf16, a 16-bit KV format other than the one the model computes in.
+
+The ``model.*`` fast paths (`model.attention`, `model.prefill_attention`, `model.elementwise`,
+`model.decode_step`, `model.cuda_graphs`, `model.linear`, `model.decode_linear`, `model.host_malloc`)
+are decided here too, by `resolve_fast_path`: `engine/build.py` probes what this machine can run
+(a kernel build, a device, a pool layout: the layers this package may not import) and passes the
+reason a path cannot run, or None; this module turns the choice and that reason into the value,
+its reason, or the one-line error of an explicit choice that cannot run.
 """
 
 from __future__ import annotations
@@ -61,6 +68,18 @@ class AutoResolution:
     def log(self) -> None:
         for value in self.values:
             log.info("%s", value.line())
+
+
+def resolve_fast_path(field: str, choice: str, why: str | None, fast: str, detail: str,
+                      reference: str = "torch") -> ResolvedValue:
+    """An ``auto | <fast> | <reference>`` field once `choice` is not the reference: `fast` (with `detail`, what it
+    runs) where it can run here (`why` None). Where it cannot, an explicit `choice` is a `ConfigError` naming the
+    field and the reason; auto falls back to `reference` and says why."""
+    if why is None:
+        return ResolvedValue(field, fast, detail)
+    if choice != "auto":
+        raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: {reference}")
+    return ResolvedValue(field, reference, f"auto: {why}")
 
 
 def resolve_device(config: ServeConfig, explicit: str | torch.device | None = None) -> ResolvedValue:

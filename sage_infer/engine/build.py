@@ -8,7 +8,15 @@ import time
 
 import torch
 
-from sage_infer.config.auto import ModelFacts, resolve_auto, resolve_device, resolve_host_bytes, resolve_num_blocks
+from sage_infer.config.auto import (
+    ModelFacts,
+    ResolvedValue,
+    resolve_auto,
+    resolve_device,
+    resolve_fast_path,
+    resolve_host_bytes,
+    resolve_num_blocks,
+)
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
 from sage_infer.core.kv_schema import KVCacheSchema
@@ -143,7 +151,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                           proposer=proposer)
     attention = build_attention(config, model, arch.head_dim, device, pool)
     if not attention.supports_cascade and config.model.cascade_attention:
-        auto_log.info("model.cascade_attention = off (the Triton kernels read each row's shared prefix in place)")
+        _report(ResolvedValue("model.cascade_attention", "off", "the Triton kernels read each row's shared prefix "
+                                                                "in place"))
     step = FusedStep() if fused else PythonStep()
     if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused):
         step = CppDecodeStep(model.prepare_decode_step(pool))
@@ -177,9 +186,10 @@ def use_cpu_kernels() -> str | None:
     check_forced_level()
     level = kernel_level()
     if level is None:
-        auto_log.info("cpu_kernels = none (%s): the model.* fast paths take the PyTorch path", kernel_unavailable())
+        _report(ResolvedValue("cpu_kernels", "none", f"{kernel_unavailable()}: the model.* fast paths take the "
+                                                     "PyTorch path"))
     else:
-        auto_log.info("cpu_kernels = %s", level)
+        _report(ResolvedValue("cpu_kernels", level.split(" (")[0], level.partition(" (")[2].removesuffix(")")))
     return level
 
 
@@ -189,7 +199,7 @@ def use_fused_elementwise(choice: str, device: torch.device) -> bool:
     if choice == "torch":
         return False
     why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
-    return _fast_path("model.elementwise", choice, why, "fused (norms, rotary and silu*mul as one C++ pass each)")
+    return _fast_path("model.elementwise", choice, why, "fused", "norms, rotary and silu*mul as one C++ pass each")
 
 
 def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, device: torch.device,
@@ -216,7 +226,7 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
     else:
         why = kernel_unavailable()
     kernel = "Triton" if device.type == "cuda" else "C++"
-    return _fast_path("model.attention", choice, why, f"paged (decode reads KV blocks in place: {kernel} kernel)")
+    return _fast_path("model.attention", choice, why, "paged", f"decode reads KV blocks in place: {kernel} kernel")
 
 
 def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: torch.device,
@@ -231,7 +241,7 @@ def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: t
         why = "it chains the paged decode kernel (model.attention is torch or cannot run)"
     else:
         why = model.decode_step_unavailable(pool, fused)
-    return _fast_path("model.decode_step", choice, why, "sage (a decode step's layers in one C++ call)",
+    return _fast_path("model.decode_step", choice, why, "sage", "a decode step's layers in one C++ call",
                       reference="python")
 
 
@@ -245,7 +255,7 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) ->
         why = "CUDA graphs need model.attention paged (the Triton kernel: the torch path's shapes change every step)"
     else:
         why = None
-    return _fast_path("model.cuda_graphs", choice, why, "on (pure decode steps replay a CUDA graph per batch bucket)",
+    return _fast_path("model.cuda_graphs", choice, why, "on", "pure decode steps replay a CUDA graph per batch bucket",
                       reference="off")
 
 
@@ -259,8 +269,8 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
         why = triton_unavailable(device)
         if why is None and not pool.supports_block_views:
             why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
-        return _fast_path("model.prefill_attention", choice, why,
-                          "sage (Triton kernel: every prefill span in one launch per layer, K/V read in place)")
+        return _fast_path("model.prefill_attention", choice, why, "sage",
+                          "Triton kernel: every prefill span in one launch per layer, K/V read in place")
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     if device.type != "cpu":
         why = f"the kernels run on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
@@ -269,20 +279,19 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
     else:
         why = flash_unavailable(head_dim, dtype)
     kind = "bf16 flash kernel on AVX512-BF16" if dtype == torch.bfloat16 else "fp32 flash kernel on AVX-512"
-    return _fast_path("model.prefill_attention", choice, why, f"sage ({kind})")
+    return _fast_path("model.prefill_attention", choice, why, "sage", kind)
 
 
-def _fast_path(field: str, choice: str, why: str | None, chosen: str, reference: str = "torch") -> bool:
-    """An ``auto | <fast> | <reference>`` field once the reference is ruled out: True (logged as `chosen`)
-    when the fast path can run (`why` is None). Where it cannot, the explicit fast choice is a `ConfigError`;
-    auto falls back to the reference path and logs why."""
-    if why is None:
-        auto_log.info("%s = %s", field, chosen)
-        return True
-    if choice != "auto":
-        raise ConfigError(f"{field}: {choice}: {why}", hint=f"set {field}: {reference}")
-    auto_log.info("%s = %s (auto: %s)", field, reference, why)
-    return False
+def _fast_path(field: str, choice: str, why: str | None, fast: str, detail: str, reference: str = "torch") -> bool:
+    """Decide an ``auto | <fast> | <reference>`` field (`config.auto.resolve_fast_path`), log it, and say whether
+    the fast path runs."""
+    return _report(resolve_fast_path(field, choice, why, fast, detail, reference)).value == fast
+
+
+def _report(value: ResolvedValue) -> ResolvedValue:
+    """Log a decided value as `sage llm serve` prints them: ``field = value (reason)``."""
+    auto_log.info("%s", value.line())
+    return value
 
 
 def use_huge_pages(model: torch.nn.Module) -> int:
@@ -309,10 +318,8 @@ def use_host_malloc(choice: str, device: torch.device) -> bool:
     if choice == "system" or device.type != "cpu":
         return False
     why = keep_freed_buffers()
-    if why is None:
-        auto_log.info("model.host_malloc = keep (glibc reuses freed buffers up to 32 MiB)")
-    else:
-        auto_log.info("model.host_malloc: keep has no effect here: %s", why)
+    _report(ResolvedValue("model.host_malloc", "keep", "glibc reuses freed buffers up to 32 MiB") if why is None
+            else ResolvedValue("model.host_malloc", "system", f"keep has no effect here: {why}"))
     return why is None
 
 
@@ -350,7 +357,7 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
     fused = model.fuse_projections() if hasattr(model, "fuse_projections") else 0
     small_why = small_linear_why(decode, dtype)
     if decode == "sage" and small_why is not None:
-        _fast_path("model.decode_linear", decode, small_why, "sage", "onednn")  # raises, before packing
+        _fast_path("model.decode_linear", decode, small_why, "sage", "", "onednn")  # raises, before packing
     small_rows = SMALL_LINEAR_ROWS if decode != "onednn" and small_why is None else 0
     tied = tied_linear_bytes(model)
     try:
@@ -360,19 +367,19 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
             raise ConfigError(f"model.decode_linear: sage: oneDNN cannot pack these weights here: {err}") from None
         if choice == "packed":
             raise ConfigError(f"model.linear: packed: oneDNN cannot pack these weights here: {err}") from None
-        auto_log.info("model.linear = torch (auto: oneDNN cannot pack these weights here: %s)", err)
+        _report(ResolvedValue("model.linear", "torch", f"auto: oneDNN cannot pack these weights here: {err}"))
         return
     why = "set explicitly" if choice == "packed" else "auto: a CPU with oneDNN"
-    auto_log.info("model.linear = packed (%s; %d linear layers prepacked, %d of them q/k/v or gate/up stacked%s)",
-                  why, count, fused, f"; the lm_head tied to the embedding as a copy, +{tied / 1e6:.0f} MB" if tied
-                  else "")
+    tied_note = f"; the lm_head tied to the embedding as a copy, +{tied / 1e6:.0f} MB" if tied else ""
+    _report(ResolvedValue("model.linear", "packed", f"{why}; {count} linear layers prepacked, {fused} of them q/k/v "
+                                                    f"or gate/up stacked{tied_note}"))
     if decode == "onednn":
         return
     on_kernel = sum(isinstance(m, PackedLinear) and m.small_rows > 0 for m in model.modules())
     if small_why is None and on_kernel == 0:  # oneDNN packed them in another layout: never on this CPU so far
         small_why = "oneDNN packed no layer in the kernel's layout here"
-    _fast_path("model.decode_linear", decode, small_why, f"sage (bf16 products of up to {SMALL_LINEAR_ROWS} rows "
-               f"on sage's kernel: {on_kernel} of {count} packed layers)", "onednn")
+    _fast_path("model.decode_linear", decode, small_why, "sage", f"bf16 products of up to {SMALL_LINEAR_ROWS} rows "
+               f"on sage's kernel: {on_kernel} of {count} packed layers", "onednn")
 
 
 def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:

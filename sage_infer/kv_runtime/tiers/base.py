@@ -1,4 +1,4 @@
-"""The one protocol every KV tier store speaks, and what they share.
+"""`KVTier`: the one contract every KV tier store speaks, and what the stores share.
 
 A block is an opaque row of `schema.bytes_per_block` bytes, keyed by its 32-byte chained
 block hash (`prefix_reuse.hashing.hash_block`, which already covers model, revision, KV
@@ -25,7 +25,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import crc32c
 import torch
@@ -92,56 +91,20 @@ class TierStats:
     skipped_records: int = 0  # disk: records ignored at start-up (torn header, other schema)
 
 
-@runtime_checkable
-class KVTier(Protocol):
-    """A bounded store of whole KV blocks below the device pool."""
+class KVTier(ABC):
+    """A bounded store of whole KV blocks below the device pool (the contract is the module's docstring), and what
+    the stores share: argument checks, the get/get_prefix pair over one `_load`, counters.
 
-    name: str
-    bytes_per_block: int
-    capacity_bytes: int
-    shared: bool  # other servers read and write it too: never delete what you load or recompute
-    persistent: bool  # its blocks outlive this process on this machine (a restart on the same store finds them)
-
-    @property
-    def checksum_failures(self) -> int:
-        """Blocks read back corrupt so far, cheaply (no refresh)."""
-
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
-        """Store `blocks[i]` (``[n, bytes_per_block]`` uint8) under `keys[i]`; evicts, never fails when full."""
-
-    def get(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
-        """Each key's verified block (a ``[bytes_per_block]`` uint8 CPU tensor, the caller's to keep) or None."""
-
-    def get_prefix(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The longest verified prefix of a chain as ``[k, bytes_per_block]`` (``out[:k]`` when given)."""
-
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is stored (no checksum check: that happens on read)."""
-
-    def delete(self, keys: Sequence[bytes]) -> None:
-        """Forget the keys (absent keys are ignored)."""
-
-    def stats(self) -> TierStats: ...
-
-    def take_background_errors(self) -> list[str]:
-        """What failed since the last call in work the tier does on its own (the disk tier's writer thread), each
-        as one line; the caller (`HierarchyManager`) counts them and rests the tier."""
-
-    def close(self) -> None: ...
-
-
-class BaseTier(ABC):
-    """What the tiers share: argument checks, the get/get_prefix pair over one `_load`, counters.
-
-    Subclasses implement `_load(keys, out, prefix)`: fill ``out[i]`` for each stored and
-    verified key and return which were filled; with `prefix=True` they may stop at the first
-    miss. Counters are updated under `self._lock` (subclasses use the same lock).
+    A store implements `put`, `contains`, `delete`, `close`, and `_load(keys, out, prefix)`: fill ``out[i]``
+    for each stored and verified key and return which were filled; with `prefix=True` it may stop at the first
+    miss. Counters are updated under `self._lock` (stores use the same lock).
     """
 
     name: str
     # True for a store other servers read and write too (remote): a server never deletes from it what
     # it loads or recomputes (another server may want the block); the store's own capacity bound evicts
     shared: bool = False
+    # its blocks outlive this process on this machine (a restart on the same store finds them)
     persistent: bool = False
 
     def __init__(self, schema: KVCacheSchema, capacity_bytes: int, name: str) -> None:
@@ -158,7 +121,22 @@ class BaseTier(ABC):
         self._lock = threading.RLock()
         self._background_errors: list[str] = []  # failures off the caller's thread, until taken
 
-    # -- the protocol -------------------------------------------------------------------------
+    # -- the contract -------------------------------------------------------------------------
+
+    @abstractmethod
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Store `blocks[i]` (``[n, bytes_per_block]`` uint8) under `keys[i]`; evicts, never fails when full."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (no checksum check: that happens on read)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Forget the keys (absent keys are ignored)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     def get(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Rows of one freshly allocated ``[n, bytes_per_block]`` tensor (None for misses)."""
@@ -198,6 +176,8 @@ class BaseTier(ABC):
         nothing to wait for."""
 
     def take_background_errors(self) -> list[str]:
+        """What failed since the last call in work the tier does on its own (the disk tier's writer thread), each
+        as one line; the caller (`HierarchyManager`) counts them and rests the tier."""
         with self._lock:
             errors, self._background_errors = self._background_errors, []
         return errors
@@ -207,7 +187,7 @@ class BaseTier(ABC):
             self._refresh_stats()
             return TierStats(**{f: getattr(self._stats, f) for f in TierStats.__slots__})
 
-    def __enter__(self) -> BaseTier:
+    def __enter__(self) -> KVTier:
         return self
 
     def __exit__(self, *exc: object) -> None:

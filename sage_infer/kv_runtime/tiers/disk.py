@@ -26,7 +26,7 @@ import crc32c
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
 
@@ -46,7 +46,7 @@ class _Pending:
     row: torch.Tensor  # [bytes_per_block] uint8, our own copy
 
 
-class DiskTier(BaseTier):
+class DiskTier(KVTier):
     """A bounded on-disk store of KV blocks that survives restarts."""
 
     persistent = True

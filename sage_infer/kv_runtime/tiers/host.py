@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.kv_runtime.tiers.base import BaseTier
+from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
 from sage_infer.transport.arena import SharedArena
 
@@ -74,7 +74,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_row
         i = j
 
 
-class HostTier(BaseTier):
+class HostTier(KVTier):
     """A bounded DRAM store of ``capacity_bytes // bytes_per_block`` KV blocks."""
 
     def __init__(self, schema: KVCacheSchema, capacity_bytes: int, *, name: str = "host", pin: bool = True,

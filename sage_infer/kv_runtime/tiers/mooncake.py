@@ -39,7 +39,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
-from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, BaseTier, pack_value_header, verify_value
+from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, pack_value_header, verify_value
 from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.mooncake_url import MIN_SEGMENT_BYTES, MooncakeAddress, parse_mooncake_url
 
@@ -90,7 +90,7 @@ class _Call:
         self.abandoned = False
 
 
-class MooncakeTier(BaseTier):
+class MooncakeTier(KVTier):
     """The remote tier over Mooncake Store: a bounded, checksummed block store."""
 
     shared = True  # other servers read and write it too: loads never delete from it
