@@ -59,8 +59,7 @@ def config_for(model_dir: Path, dtype: str, kv_gib: int, overrides: list[str]):
 
 def run_once(config, prompts: list[list[int]], max_new: int,
              device: str | None = None) -> tuple[float, list[list[int]]]:
-    from sage_infer import SamplingParams
-    from sage_infer import LLM
+    from sage_infer import LLM, SamplingParams
 
     llm = LLM(config=config, device=device)
     llm.generate([[7] * 24, [9] * 40], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python bench/pd_layerwise.py --json out/pd_layerwise.json
 
 One prompt is prefilled by the native engine's model runner into its paged pool, and its KV goes
-to a receiving `KVConnector` (a real shm or tcp channel; the receiver runs its own loop thread in
+to a receiving `KVPipe` (a real shm or tcp channel; the receiver runs its own loop thread in
 this process, as a decode worker's would in its own) in one of two ways:
 
 - **after**: prefill all layers, then `read_blocks` the prompt's blocks and send them as one
@@ -31,17 +31,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_infer import LLM  # noqa: E402
 from sage_infer.config.transport import KVTransportConfig  # noqa: E402
 from sage_infer.core.sampling_params import SamplingParams  # noqa: E402
 from sage_infer.core.sequence import Sequence  # noqa: E402
-from sage_infer import LLM  # noqa: E402
-from sage_infer.kv_runtime.connector import KVConnector  # noqa: E402
+from sage_infer.kv_runtime.kv_pipe import KVPipe  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 WAIT_S = 60.0
 
 
-def wait_received(receiver: KVConnector, ids: set[str]) -> None:
+def wait_received(receiver: KVPipe, ids: set[str]) -> None:
     deadline = time.monotonic() + WAIT_S
     pending = set(ids)
     while pending:
@@ -57,7 +57,7 @@ def wait_received(receiver: KVConnector, ids: set[str]) -> None:
 class Layerwise:
     """Forward hooks that send each layer's K/V of the current prompt's blocks once the layer ran."""
 
-    def __init__(self, llm: LLM, sender: KVConnector, address: str) -> None:
+    def __init__(self, llm: LLM, sender: KVPipe, address: str) -> None:
         self.pool = llm.engine.runner.pool
         self.sender, self.address = sender, address
         self.block_ids: torch.Tensor | None = None
@@ -96,8 +96,8 @@ def measure(llm: LLM, backend: str, prompt_len: int, repeats: int) -> dict:
     tokens = [5 + (7 * i) % 400 for i in range(n * bs)]
     hashes = [bytes(32)] * n  # the receiver here registers nothing, so it checks no hashes
     config = KVTransportConfig(timeout_s=WAIT_S)
-    receiver = KVConnector(pool.schema, config, backend=backend, listen=True)
-    sender = KVConnector(pool.schema, config, backend=backend)
+    receiver = KVPipe(pool.schema, config, backend=backend, listen=True)
+    sender = KVPipe(pool.schema, config, backend=backend)
     hooks = Layerwise(llm, sender, receiver.address)
     times: dict[str, list[float]] = {"prefill": [], "transfer": [], "after": [], "layerwise": []}
     try:

@@ -117,8 +117,7 @@ def run_steps(model_dir: Path, args, profile_at: set[int]):
     """Run the workload on a fresh engine: per step wall ms, kinds, tokens generated, total s (and,
     when `profile_at` names steps, their profiles)."""
     from bench.engine_ab import config_for
-    from sage_infer import SamplingParams
-    from sage_infer import LLM
+    from sage_infer import LLM, SamplingParams
 
     llm = LLM(config=config_for(model_dir, args.dtype, 4, args.set), device=args.device)
     cfg = llm.engine.runner.model.config

@@ -37,8 +37,7 @@ SPEC = ModelSpec("qwen2.5-0.5b-realvocab", "random Qwen2.5-0.5B shape with its 1
 
 
 def build(directory: Path, variant: str):
-    from sage_infer import SamplingParams
-    from sage_infer import LLM
+    from sage_infer import LLM, SamplingParams
     from sage_infer.layers.linear import PackedLinear
 
     llm = LLM(str(directory), dtype="bf16", kv_memory="1GiB")

@@ -240,10 +240,10 @@ def test_roles_build_a_kv_connector_from_kv_transport(tiny):
     decode = build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.timeout_s=7")
     try:
         info = prefill.pd.info()
-        assert (info.role, info.address) == ("prefill", None) and prefill.kv.transfers.connector.backend == "tcp"
+        assert (info.role, info.address) == ("prefill", None) and prefill.kv.transfers.pipe.backend == "tcp"
         info = decode.pd.info()
         assert info.role == "decode" and info.address.startswith("shm://")  # auto: one host, shared memory
-        assert decode.kv.transfers.connector.config.timeout_s == 7 and info.schema_digest == prefill.kv_schema_digest
+        assert decode.kv.transfers.pipe.config.timeout_s == 7 and info.schema_digest == prefill.kv_schema_digest
     finally:
         prefill.shutdown()
         decode.shutdown()

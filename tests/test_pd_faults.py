@@ -90,9 +90,9 @@ RECEIVER = """
 import os, sys, time
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.kv_pipe import KVPipe
 schema = KVCacheSchema(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype=KVDtype.FP32)
-connector = KVConnector(schema, KVTransportConfig(), backend="tcp", listen=True)
+connector = KVPipe(schema, KVTransportConfig(), backend="tcp", listen=True)
 print(connector.address, flush=True)
 while connector.dropped_chunks == 0:  # the first chunk of a transfer it never expected: die mid-transfer
     time.sleep(0.001)

@@ -64,13 +64,13 @@ def wait_for(poll, count: int, limit_s: float = 60.0) -> list:
 
 def _rank(rank: int, world: int, init_method: str, expecting, results) -> None:
     """Ranks 0..world-2 send (prefill), the last rank receives (decode); each reports one dict."""
-    from sage_infer.kv_runtime.connector import KVConnector
+    from sage_infer.kv_runtime.kv_pipe import KVPipe
 
     joined = join_process_group(ProcessGroupConfig(init_method=init_method, rank=rank, world_size=world,
                                                    timeout_s=60), torch.device("cpu"))
     config = KVTransportConfig(backend="torchdist", chunk_size=CHUNK, timeout_s=60)
     decode = rank == world - 1
-    connector = KVConnector(SCHEMA, config, backend="torchdist", listen=decode)
+    connector = KVPipe(SCHEMA, config, backend="torchdist", listen=decode)
     out: dict = {"rank": rank, "group": joined.backend, "address": connector.address}
     if decode:
         senders = range(world - 1)

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.transport import KVReceiveBuffers
 from sage_infer.transport.backends.shm import _path_of
 from sage_infer.transport.backends.tcp import parse_address
@@ -250,8 +250,8 @@ def wait_for(poll, timeout_s: float = 30.0) -> list:
 @pytest.mark.parametrize("sender_token", [TOKEN, OTHER])
 def test_kv_connectors_transfer_with_the_same_token_and_fail_with_another(sender_token):
     config = dict(backend="shm", chunk_size="16KiB", timeout_s=3)
-    receiver = KVConnector(SCHEMA, KVTransportConfig(auth_token=TOKEN, **config), backend="shm", listen=True)
-    sender = KVConnector(SCHEMA, KVTransportConfig(auth_token=sender_token, **config), backend="shm")
+    receiver = KVPipe(SCHEMA, KVTransportConfig(auth_token=TOKEN, **config), backend="shm", listen=True)
+    sender = KVPipe(SCHEMA, KVTransportConfig(auth_token=sender_token, **config), backend="shm")
     try:
         rows = torch.randint(0, 256, (5, SCHEMA.bytes_per_block), dtype=torch.uint8)
         receiver.expect("t-1", 5)

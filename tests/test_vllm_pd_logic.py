@@ -1,5 +1,5 @@
 """Prefill/decode between vLLM instances (integrations/vllm/pd.py) without vLLM: the planner, the held
-blocks, and pulls over a real shm transport between a pull server and a receiving KVConnector.
+blocks, and pulls over a real shm transport between a pull server and a receiving KVPipe.
 
 The same path inside two real vLLM instances is tests/test_vllm_pd.py.
 """
@@ -20,7 +20,7 @@ from sage_infer.integrations.vllm.blocks import block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
 from sage_infer.integrations.vllm.keys import KeySpace, vllm_layout
 from sage_infer.integrations.vllm.pd import HeldBlocks, HeldTransfer, PDPlanner, PullClient, PullServer
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 
 BS = 4
@@ -129,8 +129,8 @@ def test_held_blocks_drop_the_oldest_past_their_bytes_and_age():
 def pd_pair():
     """A producer (held blocks, pull server, sending connector) and a consumer (receiving connector)."""
     config = KVTransportConfig(timeout_s=10, auth_token=TOKEN.decode())
-    sender = KVConnector(SCHEMA, config, backend="shm")
-    receiver = KVConnector(SCHEMA, config, backend="shm", listen=True)
+    sender = KVPipe(SCHEMA, config, backend="shm")
+    receiver = KVPipe(SCHEMA, config, backend="shm", listen=True)
     held = HeldBlocks(1 << 20, 60)
     server = PullServer("127.0.0.1", 0, held, sender.start_send, token=TOKEN)
     failures: list[tuple[str, str]] = []
@@ -143,7 +143,7 @@ def pd_pair():
     receiver.close()
 
 
-def wait_received(receiver: KVConnector, timeout: float = 20.0):
+def wait_received(receiver: KVPipe, timeout: float = 20.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         got = receiver.poll_received()

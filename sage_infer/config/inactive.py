@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # dotted prefix -> why nothing reads it. The longest matching prefix wins.
 INACTIVE: dict[str, str] = {
-    # the other kv_transport fields drive the KV connector of a prefill or decode instance (CONDITIONAL below)
+    # the other kv_transport fields drive the KV pipe of a prefill or decode instance (CONDITIONAL below)
     "kv_transport.preset": "informational: the transport preset the kv_transport values started from",
     # The hardware preset drives the device (device.torch_device_type, device.python_module),
     # the KV dtype (kv.default_dtype, kv.dtypes), auto-detection (device.model_names), the

@@ -34,9 +34,9 @@ from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
-from sage_infer.kv_runtime.connector import KVConnector
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
+from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
 from sage_infer.kv_runtime.transfers import KVTransfers
@@ -392,12 +392,12 @@ def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:
     return small_linear_unavailable()
 
 
-PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV connector can run on today
+PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV pipe can run on today
 
 
 def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, extra_key,
                     index: PrefixReuseIndex | None) -> KVTransfers | None:
-    """A prefill or decode instance's KV connector and transfers, from `config.kv_transport` (joining the process
+    """A prefill or decode instance's KV pipe and transfers, from `config.kv_transport` (joining the process
     group first for torchdist); None for an engine that does both. A prefill instance logs its prefix cache's
     events: the router follows what it holds."""
     if config.role == "both":
@@ -418,11 +418,11 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
         joined = join_process_group(transport.process_group, device)
         group = (f", rank {joined.rank} of {joined.world_size} in a {joined.backend} process group"
                  + (f" at {joined.init_method}" if joined.init_method else ""))
-    connector = KVConnector(pool.schema, transport, backend=backend, listen=config.role == "decode")
-    transfers = KVTransfers(connector, pool, pool.block_size, transport.timeout_s, extra_key=extra_key)
+    pipe = KVPipe(pool.schema, transport, backend=backend, listen=config.role == "decode")
+    transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key)
     if config.role == "prefill":
         index.enable_events()
-    where = f", receiving at {connector.address}" if connector.address else ""
+    where = f", receiving at {pipe.address}" if pipe.address else ""
     auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
     return transfers

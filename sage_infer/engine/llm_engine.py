@@ -154,7 +154,7 @@ class LLMEngine:
             self.pd.expect(seqs[0], transfer.transfer_id)
 
     def metrics_registries(self) -> list:
-        """Prometheus registries of this engine's parts, for the server's /metrics (the KV connector's transport)."""
+        """Prometheus registries of this engine's parts, for the server's /metrics (the KV pipe's transport)."""
         return self.pd.registries() if self.pd is not None else []
 
     def wake(self) -> None:
@@ -185,7 +185,7 @@ class LLMEngine:
             log.warning("kept %d KV blocks in the disk tier for the next start in %.1f s%s", kept,
                         time.monotonic() - start, f"; {left} more left out (tiers.flush_on_shutdown_s ran out)"
                         if left else "")
-        self.kv.close()  # the tiers' background work, the KV connector's loop thread and sockets
+        self.kv.close()  # the tiers' background work, the KV pipe's loop thread and sockets
 
     def drain_finished(self) -> list[RequestOutput]:
         """Final outputs of requests that ended outside a step (aborts while idle)."""

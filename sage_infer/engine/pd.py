@@ -36,11 +36,11 @@ class PDRole:
         self.transfers = transfers
         self.schema_digest = schema_digest  # what both ends of a transfer must agree on (`LLMEngine.kv_schema_digest`)
         self.kv_dtype = kv_dtype
-        self.role = "decode" if transfers.connector.address is not None else "prefill"
+        self.role = "decode" if transfers.pipe.address is not None else "prefill"
 
     def info(self) -> KVTransferInfo:
-        """The role, the connector's address (decode: where senders connect), the schema digest, the KV dtype."""
-        return KVTransferInfo(self.role, self.transfers.connector.address, self.schema_digest, self.kv_dtype)
+        """The role, the pipe's address (decode: where senders connect), the schema digest, the KV dtype."""
+        return KVTransferInfo(self.role, self.transfers.pipe.address, self.schema_digest, self.kv_dtype)
 
     def check(self, transfer: KVTransferParams, params: SamplingParams) -> None:
         """A request's ``kv_transfer`` this engine cannot take raises `RequestError` (before anything is queued)."""
@@ -70,12 +70,12 @@ class PDRole:
         return self.transfers.give_up(transfer_id, why)
 
     def wake(self) -> None:
-        """Cut an idle step's wait for the connector short (another thread queued work)."""
+        """Cut an idle step's wait for the pipe short (another thread queued work)."""
         self.transfers.wake.set()
 
     def registries(self) -> list:
-        """The KV connector's transport registry, for the server's /metrics."""
-        return [self.transfers.connector.telemetry.registry]
+        """The KV pipe's transport registry, for the server's /metrics."""
+        return [self.transfers.pipe.telemetry.registry]
 
     def stats(self) -> dict:
         """The transfers' counters, as `EngineStats` fields."""

@@ -280,7 +280,7 @@ class KVCacheManager:
         return self.hierarchy.persist(self.index.registered(), self.flush_on_shutdown_s)
 
     def close(self) -> None:
-        """Stop the sources' background work (the disk tier's writer finishes what it queued; the KV connector's
+        """Stop the sources' background work (the disk tier's writer finishes what it queued; the KV pipe's
         loop and sockets close)."""
         for source in self.sources:
             source.close()

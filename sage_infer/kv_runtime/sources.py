@@ -150,7 +150,7 @@ class TransferSource:
 
     name = "transfers"
     counts_as_lower_hit = False
-    prefetches = False  # the connector lands the rows on its own
+    prefetches = False  # the pipe lands the rows on its own
 
     def __init__(self, transfers: KVTransfers) -> None:
         self.transfers = transfers
@@ -190,7 +190,7 @@ class TransferSource:
         self.transfers.poll(free)
 
     def wait(self, timeout: float) -> bool:
-        """Sleep until the connector finished something or `timeout` passes; its results are polled next step."""
+        """Sleep until the pipe finished something or `timeout` passes; its results are polled next step."""
         if not self.transfers.busy:
             return False
         self.transfers.wake.wait(timeout)

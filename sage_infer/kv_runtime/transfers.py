@@ -2,12 +2,12 @@
 
 A **prefill** instance runs a request that asks to hold its KV (``KVTransferParams.hold``):
 when it finishes (its first token), its blocks are kept instead of freed, until someone
-asks for them (`send`: the prompt's full blocks go to a decode instance's connector) or the
+asks for them (`send`: the prompt's full blocks go to a decode instance's pipe) or the
 hold expires. They are freed once the receiver verified every chunk, or the send failed.
 
 A **decode** instance runs a request that expects its KV from a transfer
 (``KVTransferParams.transfer_id``): the request waits, like one whose prefix is loading
-from a lower tier, while the connector lands the rows; then admission takes them as the
+from a lower tier, while the pipe lands the rows; then admission takes them as the
 prompt's prefix — written into fresh blocks and registered under the same chained hashes,
 so later requests hit them too — and computes only the rest (the last, partial block and
 the last token, whose logits give the first token). A transfer that fails or misses its
@@ -26,7 +26,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.sequence import Sequence
-from sage_infer.kv_runtime.connector import KVConnector, TransferResult
+from sage_infer.kv_runtime.kv_pipe import KVPipe, TransferResult
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.quantized_pool import convert_blocks
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
@@ -65,12 +65,12 @@ class _Held:
 
 
 class KVTransfers:
-    """Holds, sends and receives whole prompt blocks through one `KVConnector`."""
+    """Holds, sends and receives whole prompt blocks through one `KVPipe`."""
 
-    def __init__(self, connector: KVConnector, pool: KVPool, block_size: int, hold_timeout_s: float = 30.0,
+    def __init__(self, pipe: KVPipe, pool: KVPool, block_size: int, hold_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  extra_key: Callable[[str | None, str], bytes] | None = None) -> None:
-        self.connector = connector
+        self.pipe = pipe
         self.extra_key = extra_key  # (cache_salt, kv_dtype) -> the prefix-cache key part: to convert on send
         self.pool = pool
         self.block_size = block_size
@@ -81,9 +81,9 @@ class KVTransfers:
         self.expecting: dict[str, Sequence] = {}  # transfer id -> the waiting sequence
         self.received: dict[int, ReceivedKV] = {}  # seq id -> the prompt's first blocks
         self.stats = TransferStats()
-        self.wake = threading.Event()  # set when the connector finished something (or a command came in)
+        self.wake = threading.Event()  # set when the pipe finished something (or a command came in)
         self._held_lock = threading.Lock()  # `send` may run on a server thread
-        connector.on_result = self.wake.set
+        pipe.on_result = self.wake.set
 
     # -- prefill ----------------------------------------------------------------------------------
 
@@ -94,7 +94,7 @@ class KVTransfers:
 
     def send(self, request_id: str, address: str, transfer_id: str,
              on_done: Callable[[TransferResult], None] | None = None, kv_dtype: str | None = None) -> int:
-        """Start sending a held request's full prompt blocks to the connector at `address`; how many blocks.
+        """Start sending a held request's full prompt blocks to the pipe at `address`; how many blocks.
 
         `on_done` hears the result (verified by the receiver, or the error) from `poll`. A receiver
         whose pool holds another `kv_dtype` gets the blocks converted to it (through fp32), hashed
@@ -121,14 +121,14 @@ class KVTransfers:
         if kv_dtype is None or kv_dtype == self.pool.schema.dtype.value:
             rows = self.pool.read_blocks(ids).view(torch.uint8).reshape(n, -1)
             # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
-            self.connector.start_send(transfer_id, address, rows, seq.block_hashes[:n], ids)
+            self.pipe.start_send(transfer_id, address, rows, seq.block_hashes[:n], ids)
             return n
         if self.extra_key is None:
             raise ValueError(f"this engine cannot convert its KV to {kv_dtype} (no prefix-cache key to hash it)")
         schema = self.pool.schema.with_dtype(KVDtype(kv_dtype))
         hashes = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
                                    self.extra_key(seq.cache_salt, kv_dtype), None)
-        self.connector.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
+        self.pipe.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
         return n
 
     # -- decode -----------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class KVTransfers:
         n = seq.num_prompt_tokens // self.block_size
         if n == 0:
             raise ValueError("the prompt has no full block: there is no KV to receive")
-        self.connector.expect(transfer_id, n, deadline_s)
+        self.pipe.expect(transfer_id, n, deadline_s)
         self.expecting[transfer_id] = seq
         return n
 
@@ -150,7 +150,7 @@ class KVTransfers:
         seq = self.expecting.pop(transfer_id, None)
         if seq is None:
             return False
-        self.connector.cancel(transfer_id)
+        self.pipe.cancel(transfer_id)
         self.stats.receive_failures += 1
         log.warning("KV transfer %s will not arrive (the request computes its prompt): %s", transfer_id, why)
         return True
@@ -160,14 +160,14 @@ class KVTransfers:
         for transfer_id, waiting in list(self.expecting.items()):
             if waiting is seq:
                 del self.expecting[transfer_id]
-                self.connector.cancel(transfer_id)
+                self.pipe.cancel(transfer_id)
         self.received.pop(seq.seq_id, None)
 
     # -- both -------------------------------------------------------------------------------------
 
     def poll(self, free: Callable[[Sequence], None]) -> None:
-        """Take what the connector finished; `free` releases a held sequence's blocks."""
-        for result in self.connector.poll_sent():
+        """Take what the pipe finished; `free` releases a held sequence's blocks."""
+        for result in self.pipe.poll_sent():
             with self._held_lock:
                 request_id = self.sending.pop(result.transfer_id, None)
                 entry = self.held.pop(request_id, None) if request_id is not None else None
@@ -182,7 +182,7 @@ class KVTransfers:
             else:
                 self.stats.send_failures += 1
                 log.warning("KV transfer %s failed: %s", result.transfer_id, result.error)
-        for result in self.connector.poll_received():
+        for result in self.pipe.poll_received():
             seq = self.expecting.pop(result.transfer_id, None)
             if seq is None:
                 continue
@@ -228,4 +228,4 @@ class KVTransfers:
         return bool(self.held or self.expecting)
 
     def close(self) -> None:
-        self.connector.close()
+        self.pipe.close()

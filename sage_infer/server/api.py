@@ -98,7 +98,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    extra_registries = getattr(backend, "metrics_registries", lambda: [])()  # e.g. the KV connector's transport
+    extra_registries = getattr(backend, "metrics_registries", lambda: [])()  # e.g. the KV pipe's transport
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -77,7 +77,7 @@ def join_process_group(config: ProcessGroupConfig, device: torch.device) -> Grou
 def exit_process(code: int) -> NoReturn:
     """End this process with `code`; once it joined a group, without the interpreter's teardown.
 
-    gloo cannot cancel a posted receive, so after the KV connector closed, daemon threads may still
+    gloo cannot cancel a posted receive, so after the KV pipe closed, daemon threads may still
     wait on one (a decode worker's next connection request, a channel's next header) and wake when
     the peer sends or goes away. One that wakes while the interpreter finalizes is ended by
     ``pthread_exit`` inside C++, which aborts the whole process ("terminate called without an active

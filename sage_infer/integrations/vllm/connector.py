@@ -66,7 +66,7 @@ from sage_infer.integrations.vllm.plan import (
 from sage_infer.integrations.vllm.store import BlockSaver, open_lookup, open_store
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel
 from sage_infer.kv_policy.quota import build_quota
-from sage_infer.kv_runtime.connector import KVConnector
+from sage_infer.kv_runtime.kv_pipe import KVPipe
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -382,13 +382,13 @@ class SageKVConnector(KVConnectorBase_V1):
         transport = KVTransportConfig(timeout_s=config.pd_timeout_s, auth_token=self._token.decode() if self._token
                                       else None)
         if self.producer:
-            self.transport = KVConnector(self.schema, transport, backend=config.pd_backend)
+            self.transport = KVPipe(self.schema, transport, backend=config.pd_backend)
             self.held = HeldBlocks(config.pd_hold_bytes, config.pd_timeout_s)
             self.pull_server = PullServer(config.pd_host, config.pd_port, self.held, self.transport.start_send,
                                           self._token)
         else:
             listen = f"tcp://{config.pd_host}:0" if config.pd_backend == "tcp" else None
-            self.transport = KVConnector(self.schema, transport, backend=config.pd_backend, listen=True,
+            self.transport = KVPipe(self.schema, transport, backend=config.pd_backend, listen=True,
                                          listen_address=listen)
             self._pulling: dict[str, tuple[PullIO, float]] = {}
             self._pull_failures: collections.deque[tuple[str, str]] = collections.deque()

@@ -12,12 +12,12 @@ request ends, as for any request), and the finished request answers
 ``{"do_remote_prefill": true, "sage_pd": {"address": "HOST:PORT", "transfer": ID, "num_blocks": N}}``.
 The worker answers pulls on ``pd_host:pd_port`` (`PullServer`): one JSON line in, one out,
 asking it to send blocks ``first .. first+count-1`` of a held transfer to a receiver's
-transport address; it hands them to sage's `KVConnector`, which streams them as CRC32C-checked
+transport address; it hands them to sage's `KVPipe`, which streams them as CRC32C-checked
 chunks with their chained hashes as the manifest, and drops the hold.
 
 Consumer. `get_num_new_matched_tokens` offers the held blocks past vLLM's own prefix-cache
 hit as an *asynchronous* load (never the prompt's last token); once vLLM allocated blocks for
-them, the worker registers where the rows land (`KVConnector.expect`), asks the producer to
+them, the worker registers where the rows land (`KVPipe.expect`), asks the producer to
 send (`PullClient`, off the step), and, when they arrived, checks the sender's hashes against
 the ones it computed for the prompt (model, dtype, layout, block size and ``cache_salt`` are
 in them) before it copies the rows into vLLM's blocks. A pull that fails (producer gone, hold

@@ -1,6 +1,6 @@
-"""`KVConnector`: a request's prompt blocks from one engine's pool to another's, over the transport.
+"""`KVPipe`: a request's prompt blocks from one engine's pool to another's, over the transport.
 
-The engine runs on one synchronous thread; the transport engine is asyncio. The connector
+The engine runs on one synchronous thread; the transport engine is asyncio. The pipe
 runs the transport on an event loop of its own (one thread) and gives the engine thread
 non-blocking calls, in the shape of vLLM's KV-connector API:
 
@@ -102,7 +102,7 @@ class _Expected:
     started: float
 
 
-class KVConnector:
+class KVPipe:
     """Send and/or receive whole KV blocks; one event-loop thread, any number of peers."""
 
     def __init__(self, schema: KVCacheSchema, config: KVTransportConfig | None = None, *, backend: str = "shm",
@@ -112,7 +112,7 @@ class KVConnector:
         self.config = config or KVTransportConfig()
         self.backend = backend
         # the transport's own metrics (chunks in flight, failures by reason, bytes and seconds per backend) on a
-        # registry of this connector's, which the server's /metrics serves next to its own
+        # registry of this pipe's, which the server's /metrics serves next to its own
         self.telemetry = TransportTelemetry(CollectorRegistry())
         self.transport = TransportEngine(self.config, telemetry=self.telemetry)
         self.address: str | None = None
@@ -127,7 +127,7 @@ class KVConnector:
         self.on_result: Callable[[], None] | None = None  # called on the loop thread whenever a transfer ends
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sage-kv-connector", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sage-kv-pipe", daemon=True)
         self._thread.start()
         self._listener = None
         if listen:
@@ -139,7 +139,7 @@ class KVConnector:
                    block_ids: Sequence[int] = (), schema: KVCacheSchema | None = None) -> None:
         """Send `rows` (``[n, block_nbytes]`` uint8) and their `block_hashes` (n chained prefix-cache hashes) to
         the receiver at `address`; `block_ids` (the source blocks, for the plan) optional. `schema`: the rows'
-        format when they were converted for the receiver (default: this connector's). See `poll_sent`."""
+        format when they were converted for the receiver (default: this pipe's). See `poll_sent`."""
         schema = schema or self.schema
         rows = rows.contiguous().view(torch.uint8).reshape(-1, schema.bytes_per_block)
         if len(block_hashes) != rows.shape[0] or any(len(h) != HASH_BYTES for h in block_hashes):
@@ -154,7 +154,7 @@ class KVConnector:
     def expect(self, transfer_id: str, num_blocks: int, deadline_s: float | None = None) -> None:
         """Register where `transfer_id`'s `num_blocks` rows land; call it before asking a sender to send."""
         if self._listener is None:
-            raise RuntimeError("this connector does not receive (listen=False)")
+            raise RuntimeError("this pipe does not receive (listen=False)")
         if num_blocks <= 0:
             raise ValueError(f"a transfer carries at least one block, got {num_blocks}")
         timeout = deadline_s if deadline_s is not None else self.config.timeout_s
@@ -198,7 +198,7 @@ class KVConnector:
             try:
                 channel = await self._listener.accept(loop.time() + IDLE_DEADLINE_S)
             except TransportError as err:
-                log.warning("KV connector: accept failed: %s", err)
+                log.warning("KV pipe: accept failed: %s", err)
                 await asyncio.sleep(0.05)
                 continue
             self._spawn(self._receive_loop(channel))
@@ -221,7 +221,7 @@ class KVConnector:
                         rid, entry.rows, None, loop.time() - entry.started, entry.rows.numel() + len(hashes),
                         tuple(hashes[i : i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES))))
         except TransportError as err:  # the channel is done; transfers on it fail at their deadline or now
-            log.warning("KV connector: receive channel closed: %s", err)
+            log.warning("KV pipe: receive channel closed: %s", err)
         finally:
             await channel.aclose()
 
@@ -306,7 +306,7 @@ async def _close_quietly(conn: Connection) -> None:
 class _Results(collections.deque):
     """Finished transfers, appended on the loop thread; `on_result` wakes an engine waiting for them."""
 
-    def __init__(self, owner: KVConnector) -> None:
+    def __init__(self, owner: KVPipe) -> None:
         super().__init__()
         self.owner = owner
 
