@@ -66,7 +66,7 @@ from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
-from sage_infer.prefix_reuse.hashing import make_extra_key
+from sage_infer.prefix_reuse.hashing import ExtraKeys
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.scheduler.scheduler import Scheduler
 from sage_infer.spec_decode import build_proposer
@@ -127,12 +127,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
     model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
 
-    def extra_key(cache_salt: str | None = None, dtype: str | None = None) -> bytes:
-        """The prefix-cache key part of this engine's requests under `cache_salt` (model, revision, KV dtype,
-        layout, tenant): what their block hashes are chained under (in `dtype`, default this engine's)."""
-        return make_extra_key(model_id, config.model.revision, dtype or kv_dtype.value, schema.layout.value,
-                              cache_salt)
-
+    extra_key = ExtraKeys(model_id, config.model.revision, kv_dtype.value, schema.layout.value)
     quota = build_quota(config.quota, extra_key)
     if quota is not None:
         if index is None:

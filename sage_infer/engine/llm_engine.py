@@ -16,11 +16,12 @@ from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.pd import ExtraKey, PDRole, PrefixView
+from sage_infer.engine.pd import PDRole, PrefixView
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.layers.sampler import Sampler, skip_draws
 from sage_infer.models.tokenizer import Tokenizer
+from sage_infer.prefix_reuse.hashing import ExtraKeys
 from sage_infer.scheduler.scheduler import Scheduler
 from sage_infer.spec_decode import SpecDecodeStats, accept
 
@@ -53,7 +54,7 @@ class EngineParts:
     kv_dtype: str
     max_model_len: int
     device: torch.device
-    extra_key: ExtraKey  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
+    extra_key: ExtraKeys  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
     pd: PDRole | None = None  # prefill/decode separation, for an engine with that role
 
 

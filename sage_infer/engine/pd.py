@@ -15,18 +15,14 @@ through `NativeBackend`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from sage_infer.core.messages import KVTransferInfo, KVTransferParams
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.prefix_reuse.events import short
-from sage_infer.prefix_reuse.hashing import hash_token_blocks
+from sage_infer.prefix_reuse.hashing import ExtraKeys, hash_token_blocks
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
-
-ExtraKey = Callable[..., bytes]  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part
 
 
 class PDRole:
@@ -89,7 +85,7 @@ class PDRole:
 class PrefixView:
     """What a KV-aware router reads of an engine's device prefix cache (`index` None: prefix caching off)."""
 
-    def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKey) -> None:
+    def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys) -> None:
         self.index = index
         self.block_size = block_size
         self.extra_key = extra_key

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 HASH_BYTES = 32  # full sha256 digest
 _DOMAIN = b"sage-kv-block/v1"
@@ -44,6 +45,20 @@ def make_extra_key(
     else:
         parts.append(_field(cache_salt.encode("utf-8")))
     return hashlib.sha256(b"".join(parts)).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """One engine's `make_extra_key`: its model, revision, KV dtype and layout fixed; called with a request's
+    `cache_salt` (and, to convert KV for another engine, another `kv_dtype`)."""
+
+    model_id: str
+    revision: str
+    kv_dtype: str
+    layout: str = "NHD"
+
+    def __call__(self, cache_salt: str | None = None, kv_dtype: str | None = None) -> bytes:
+        return make_extra_key(self.model_id, self.revision, kv_dtype or self.kv_dtype, self.layout, cache_salt)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes) -> bytes:
