@@ -150,6 +150,7 @@ def test_16_bit_kv_for_an_fp32_model_is_refused_on_cpu():
     ({"model": {"decode_linear": "onednn"}}, "model.decode_linear"),
     ({"model": {"prefill_attention": "torch"}}, "model.prefill_attention"),
     ({"model": {"huge_pages": False}}, "model.huge_pages"),
+    ({"model": {"deterministic": True}}, "model.deterministic"),
     ({"model": {"decode_step": "python"}}, "model.decode_step"),
 ])
 def test_what_vllm_cannot_honour_is_one_config_error_naming_the_field(fields, field):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sage_infer.config.serve import ServeConfig
+from sage_infer.config.serve import ModelConfig, ServeConfig
 from sage_infer.errors import ConfigError
 
 
@@ -30,15 +30,12 @@ def refuse_native_only(config: ServeConfig, backend: str, roles: bool = False) -
         raise ConfigError(f"policy.eviction: {config.policy.eviction}: {backend}'s prefix cache evicts LRU only "
                           f"{where}")
     model = config.model
-    for name, value, default, what in (("linear", model.linear, "auto", "linear kernels"),
-                                       ("decode_linear", model.decode_linear, "auto", "decode linear kernel"),
-                                       ("attention", model.attention, "auto", "attention path"),
-                                       ("prefill_attention", model.prefill_attention, "auto", "prefill attention"),
-                                       ("elementwise", model.elementwise, "auto", "elementwise ops"),
-                                       ("decode_step", model.decode_step, "auto", "decode step loop"),
-                                       ("cuda_graphs", model.cuda_graphs, "auto", "CUDA graph setting"),
-                                       ("host_malloc", model.host_malloc, "keep", "host allocator settings"),
-                                       ("huge_pages", model.huge_pages, True, "huge-page setting")):
+    for name, what in (("linear", "linear kernels"), ("decode_linear", "decode linear kernel"),
+                       ("attention", "attention path"), ("prefill_attention", "prefill attention"),
+                       ("elementwise", "elementwise ops"), ("decode_step", "decode step loop"),
+                       ("cuda_graphs", "CUDA graph setting"), ("host_malloc", "host allocator settings"),
+                       ("huge_pages", "huge-page setting"), ("deterministic", "batch-invariant kernels")):
+        value, default = getattr(model, name), ModelConfig.model_fields[name].default
         if value != default:
             raise ConfigError(f"model.{name}: {value} picks sage's own {what}; {backend} chooses its own {where}",
                               hint=f"leave model.{name} at {default}")

@@ -18,6 +18,7 @@ from sage_infer.cli.llm_bench import bench
 from sage_infer.cli.options import (
     BackendOpt,
     ConfigFileOpt,
+    DeterministicOpt,
     KVCacheDtypeOpt,
     KVTiersOpt,
     KVTransportOpt,
@@ -75,6 +76,7 @@ def serve(
         "--max-num-batched-tokens", help="Most tokens in one step (scheduler.max_num_batched_tokens).")] = None,
     block_size: Annotated[Optional[int], typer.Option(
         "--block-size", help="Tokens per KV block (kv_pool.block_size).")] = None,
+    deterministic: DeterministicOpt = None,
 ) -> None:
     """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment).
 
@@ -91,6 +93,7 @@ def serve(
         "scheduler.max_num_seqs": ("--max-num-seqs", max_num_seqs),
         "scheduler.max_num_batched_tokens": ("--max-num-batched-tokens", max_num_batched_tokens),
         "kv_pool.block_size": ("--block-size", block_size),
+        "model.deterministic": ("--deterministic", deterministic),  # (forwarded to --pd workers with the above)
     }
     named = {
         **vllm_style,
@@ -216,6 +219,7 @@ def generate(
     kv_cache_dtype: KVCacheDtypeOpt = None,
     set_: SetOpt = None,
     speculative_config: SpeculativeOpt = None,
+    deterministic: DeterministicOpt = None,
 ) -> None:
     """Generate text (the bundled demo model unless --model; the native engine unless --backend)."""
     from sage_infer.backends.offline import LLM
@@ -226,7 +230,8 @@ def generate(
     if not texts:
         raise UsageError("sage llm generate: give --prompt TEXT or --prompts-file FILE")
     named = {"model.path": ("--model", model), "backend": ("--backend", backend),
-             "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype)}
+             "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype),
+             "model.deterministic": ("--deterministic", deterministic)}
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
     _announce_startup(resolved)
     try:

@@ -41,6 +41,11 @@ SpeculativeOpt = Annotated[
                  """'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, """
                  """"prompt_lookup_max": 5}'."""),
 ]
+DeterministicOpt = Annotated[
+    Optional[bool],
+    typer.Option("--deterministic", help="Batch-invariant output (model.deterministic): a request's tokens and "
+                 "logprobs do not depend on what else is batched with it; slower. CPU."),
+]
 KVCacheDtypeOpt = Annotated[
     Optional[str],
     typer.Option("--kv-cache-dtype", help="KV cache element type (kv_pool.kv_dtype): auto, bf16, fp16, fp32, "

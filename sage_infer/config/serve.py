@@ -39,8 +39,8 @@ class ModelConfig(Strict):
         "layers of a quantized checkpoint: the CPU int8/int4 kernels unless torch (dequantize + F.linear).")
     decode_linear: Literal["auto", "sage", "onednn"] = Field(
         "auto", description="bf16 products of up to 32 rows (decode steps) on packed linear layers: sage (a "
-        "kernel that reads oneDNN's packed weights in place at about the memory bandwidth, 1.4-2x oneDNN at 1-8 "
-        "rows; needs AVX512-BF16 and is built with the paged kernel), onednn (oneDNN for every product), auto "
+        "kernel that reads oneDNN's packed weights in place, near the memory bandwidth; needs AVX512-BF16), "
+        "onednn (oneDNN for every product; choose it to compare), auto "
         "(sage where it can run, else onednn). No effect unless model.linear packs the layers.")
     attention: Literal["auto", "paged", "torch"] = Field(
         "auto", description="Decode attention: paged (a kernel reads K/V in place from the pool's blocks, float KV: "
@@ -49,8 +49,8 @@ class ModelConfig(Strict):
         "torch).")
     prefill_attention: Literal["auto", "sage", "torch"] = Field(
         "auto", description="Prefill chunks (and, on CPU, prompt prefixes shared by a step's sequences): sage (on "
-        "CPU a flash kernel for bf16 or fp32 models: bf16 on AVX512-BF16 dot products, fp32 on AVX-512 FMAs; 1-2.5x "
-        "PyTorch's; built with the paged kernel; head_dim 32, 64, 96 or 128. On an NVIDIA GPU a Triton kernel that "
+        "CPU a flash kernel for bf16 or fp32 models, at the ISA level of the CPU kernels in use "
+        "(docs/cpu_isa.md); head_dim 32, 64, 96 or 128. On an NVIDIA GPU a Triton kernel that "
         "attends every prefill span of a step in one launch per layer, reading K/V in place from a float pool; "
         "model.cascade_attention is then off, each row reading its shared prefix in place), torch (PyTorch's flash "
         "kernel per span, the reference path), auto (sage where it can run, else torch).")
@@ -66,13 +66,14 @@ class ModelConfig(Strict):
         "layer from Python, the reference path), auto (sage where it can run, else python).")
     host_malloc: Literal["keep", "system"] = Field(
         "keep", description="CPU device: keep (raise glibc's mmap and trim thresholds so the buffers a step frees "
-        "are reused by the next, not mapped again and zero-filled by the kernel; about 2x on a 2,048-row CPU "
-        "prefill step), system (glibc's defaults). Applies to the whole process; no effect on other devices.")
+        "are reused by the next, not mapped again and zero-filled by the kernel: long prefill steps gain most), "
+        "system (glibc's defaults; choose it when the process shares its heap with allocation-sensitive code). "
+        "Applies to the whole process; no effect on other devices.")
     huge_pages: bool = Field(
         True, description="CPU: back the packed weights with 2 MiB transparent huge pages, collapsed at start-up "
-        "(MADV_COLLAPSE, Linux 6.1+, THP not 'never'): 1.07x the weight-read bandwidth of batch-1 decode here, "
-        "for ~2 s of start-up per GB of weights; and the KV pool, asked for huge pages before it is zeroed (no "
-        "start-up cost; 8% faster decode attention over a 2 GB pool). false: 4 KiB pages.")
+        "(MADV_COLLAPSE, Linux 6.1+, THP not 'never'; fewer TLB misses when decode reads the weights, for about "
+        "2 s of start-up per GB of weights), and the KV pool, asked for huge pages before it is zeroed. false: 4 KiB "
+        "pages (choose it where start-up time matters more than decode speed).")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="NVIDIA GPU: replay each pure decode step as a CUDA graph (one per batch-size bucket, "
         "captured on first use; the whole step launched at once instead of op by op from Python; needs "
@@ -81,6 +82,11 @@ class ModelConfig(Strict):
     cascade_attention: bool = Field(
         True, description="Sequences of a step that share leading KV blocks (one prompt prefix from the prefix "
         "cache) attend to them once, together; false: each reads its whole context (the reference path).")
+    deterministic: bool = Field(
+        False, description="Batch-invariant output: a request gets the same tokens and logprobs whatever else is "
+        "batched with it (every linear product on fixed tiles of rows, every query row through the paged decode "
+        "kernel, model.cascade_attention and the C++ decode step off). Slower; without it greedy output under load "
+        "can differ from a solo run in near-tie tokens. CPU with the paged kernel (model.attention paged).")
 
     @field_validator("dtype", mode="before")
     @classmethod

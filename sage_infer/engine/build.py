@@ -48,6 +48,7 @@ from sage_infer.layers.attention_backends import (
     TorchPrefill,
     TritonPrefill,
 )
+from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, tile_linears
 from sage_infer.layers.cpu_kernels import (
     check_forced_level,
     flash_unavailable,
@@ -91,6 +92,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     proposer = build_proposer(config.speculative)  # (a method not built yet: one line before the weights load)
     model, arch, directory = load_model(directory, FLOAT_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
+    deterministic = use_deterministic(config.model, model, device)
     if config.model.huge_pages:
         use_huge_pages(model)
     use_host_malloc(config.model.host_malloc, device)
@@ -145,11 +147,16 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
                           proposer=proposer)
     attention = build_attention(config, model, arch.head_dim, device, pool)
+    if deterministic and not attention.decode_in_place:
+        raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
+                          "run here (model.attention is torch or the kernel is unavailable: see the line above)",
+                          hint="set model.attention: auto, or model.deterministic: false")
     if not attention.supports_cascade and config.model.cascade_attention:
         _report(ResolvedValue("model.cascade_attention", "off", "the Triton kernels read each row's shared prefix "
                                                                 "in place"))
     step = FusedStep() if fused else PythonStep()
-    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused):
+    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
+                       deterministic):
         step = CppDecodeStep(model.prepare_decode_step(pool))
     if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
         step = GraphStep(DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
@@ -158,7 +165,11 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
             auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
                              "decode steps replay one), so on a GPU speculation has measured slower than none "
                              "(docs/spec_decode.md)", config.speculative.method)
+    if deterministic and config.model.cascade_attention:
+        _report(ResolvedValue("model.cascade_attention", "off", "model.deterministic: rows that share a prefix "
+                                                                "would reduce it apart from their own context"))
     runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
+                         row_invariant=deterministic,
                          step=step)
     parts = EngineParts(
         tokenizer=tokenizer,
@@ -225,12 +236,14 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
 
 
 def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: torch.device,
-                    decode_in_place: bool, fused: bool) -> bool:
+                    decode_in_place: bool, fused: bool, deterministic: bool = False) -> bool:
     """`model.decode_step`: whether decode steps (every row one new token, with or without a prefix all rows
     share) run every decoder layer in one C++ call (`LlamaForCausalLM.prepare_decode_step`)."""
     if choice == "python":
         return False
-    if device.type != "cpu":
+    if deterministic:
+        why = "model.deterministic: a pure decode step must run the kernels a mixed step runs"
+    elif device.type != "cpu":
         why = f"the C++ decode step is CPU-only (device is {device.type})"
     elif not decode_in_place:
         why = "it chains the paged decode kernel (model.attention is torch or cannot run)"
@@ -287,6 +300,20 @@ def _report(value: ResolvedValue) -> ResolvedValue:
     """Log a decided value as `sage llm serve` prints them: ``field = value (reason)``."""
     auto_log.info("%s", value.line())
     return value
+
+
+def use_deterministic(model_config, model: torch.nn.Module, device: torch.device) -> bool:
+    """`model.deterministic`: wrap every linear layer in `RowTiledLinear` (fixed-row products); the runner then
+    sends every query row through the paged decode kernel (`build_engine`). CPU only."""
+    if not model_config.deterministic:
+        return False
+    if device.type != "cpu":
+        raise ConfigError(f"model.deterministic: batch-invariant steps are built for CPU devices (device is "
+                          f"{device.type})", hint="leave model.deterministic at false")
+    count = tile_linears(model, DETERMINISTIC_ROWS)
+    _report(ResolvedValue("model.deterministic", "on", f"{count} linear layers on fixed {DETERMINISTIC_ROWS}-row "
+                                                       "products; every query row on the paged decode kernel"))
+    return True
 
 
 def use_huge_pages(model: torch.nn.Module) -> int:

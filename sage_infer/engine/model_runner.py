@@ -32,18 +32,25 @@ class ModelRunner:
     (`SharedPrefix`), when that saves at least `cascade_min_saved_tokens` key reads (by the dtype attention runs
     in, the model's), where the backend supports it; off, every sequence reads its whole context (the reference
     path). `cascade_steps` counts the steps that used it. Without a `model` the runner only builds metadata
-    (`prepare`), for the pool's dtype."""
+    (`prepare`), for the pool's dtype.
+
+    `row_invariant` (`model.deterministic`): every query row, a prefill chunk's too, is a decode row of the
+    in-place kernel, which reduces each row's context on its own, so a row's attention never depends on how its
+    prompt was chunked or what else the step holds (needs a decode part that reads blocks in place)."""
 
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
-        attention: AttentionBackend = REFERENCE, step: PythonStep | None = None,
+        attention: AttentionBackend = REFERENCE, step: PythonStep | None = None, row_invariant: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
         self.attention = attention
-        self.cascade_attention = cascade_attention and attention.supports_cascade
+        if row_invariant and not attention.decode_in_place:
+            raise ValueError("row-invariant steps need a decode part that reads blocks in place (the paged kernel)")
+        self.row_invariant = row_invariant
+        self.cascade_attention = cascade_attention and attention.supports_cascade and not row_invariant
         dtype = next(model.parameters()).dtype if model is not None else pool.dtype
         self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
         self.cascade_steps = 0
@@ -100,8 +107,8 @@ class ModelRunner:
                 input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq.block_table, start, end))
-            in_place = n == 1 or (attention.decode_in_place and not attention.prefill_in_place and start > 0
-                                  and n <= IN_PLACE_CHUNK_ROWS)
+            in_place = n == 1 or self.row_invariant or (attention.decode_in_place and not attention.prefill_in_place
+                                                        and start > 0 and n <= IN_PLACE_CHUNK_ROWS)
             if i in participants:  # the context after the shared blocks is this sequence's suffix
                 if in_place:  # row j of the chunk sees the suffix up to its own token
                     suffix = seq.block_table[num_shared:]
@@ -113,7 +120,7 @@ class ModelRunner:
                     shared_rows.extend(range(row, row + n))
                     if start > shared_tokens:
                         prefill_slots.extend(self._slots(seq.block_table, shared_tokens, end))
-            elif in_place and start > 0:
+            elif in_place and (start > 0 or self.row_invariant):
                 decode_rows.extend(range(row, row + n))
                 decode_tables.extend([seq.block_table] * n)
                 decode_lens.extend(range(start + 1, end + 1))
