@@ -9,6 +9,7 @@ huge lists), plus fields nobody defined. One real server (uvicorn on loopback, t
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -18,9 +19,11 @@ hypothesis = pytest.importorskip("hypothesis", reason="fuzzing needs hypothesis 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.server_fixture import running_server  # noqa: E402
+from tests.server_fixture import running_router, running_server  # noqa: E402
 
-EXAMPLES = 120  # per endpoint: about 30 s each on a 2-core CPU
+# per endpoint: about 30 s each on a 2-core CPU; SAGE_FUZZ_EXAMPLES for a longer run (docs/benchmarks.md)
+EXAMPLES = int(os.environ.get("SAGE_FUZZ_EXAMPLES", "120"))
+ROUTER_EXAMPLES = EXAMPLES // 2  # per endpoint through the prefill/decode router (a request crosses three servers)
 
 WEIRD = st.one_of(
     st.none(), st.booleans(),
@@ -113,6 +116,19 @@ def fuzz_server(model_dir):
         yield server
 
 
+@pytest.fixture(scope="module")
+def fuzz_deployment(model_dir):
+    """1P1D over shm behind the router; `url` and `model` as a server's, for `send` and `reference`."""
+    with running_server(model_dir, role="prefill") as prefill, running_server(model_dir, role="decode") as decode:
+        with running_router([prefill.url], [decode.url]) as url:
+            yield RouterTarget(url, prefill.model), prefill, decode
+
+
+class RouterTarget:
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+
+
 def reference(server) -> str:
     reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
                        json={"model": server.model, "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0})
@@ -172,3 +188,27 @@ def test_fuzzed_requests_never_take_the_server_down(fuzz_server, path, bodies):
     check()
     settled(fuzz_server)
     assert reference(fuzz_server) == before
+
+
+@pytest.mark.parametrize(("path", "bodies"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+                         ids=["completions", "chat"])
+def test_fuzzed_requests_through_the_router_never_take_the_deployment_down(fuzz_deployment, path, bodies):
+    """The same bodies sent to a 1P1D deployment's router: a success or an OpenAI 4xx from the router, and both
+    workers settle with no block left in use (the prefill worker's held KV is sent or expires)."""
+    router, prefill, decode = fuzz_deployment
+    before = reference(router)
+
+    @settings(FUZZ, max_examples=ROUTER_EXAMPLES)
+    @given(bodies)
+    def check(payload):
+        send(router, path, payload)
+
+    check()
+    for worker in (prefill, decode):
+        deadline = time.monotonic() + 30
+        while worker.backend.engine.kv.block_manager.num_used_blocks:  # held KV waits for its send or expiry
+            assert time.monotonic() < deadline, "a worker kept KV blocks in use"
+            time.sleep(0.05)
+        settled(worker)
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    assert reference(router) == before

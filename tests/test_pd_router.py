@@ -448,3 +448,15 @@ def test_slo_targets_come_from_the_request_or_the_router_defaults():
     assert slo.slo({"slo_tpot_ms": 25}, 10.0).tpot_s == 0.025
     fifo = Admission(RouterConfig(), 1)
     assert fifo.slo({"slo_tpot_ms": 25}, 10.0).tpot_s is None  # targets apply under strategy slo only
+
+
+def test_a_lone_surrogate_in_a_prompt_gets_a_400_through_the_router_too(deployment):
+    """The router forwards the body as the client sent it (escaped JSON), so the worker answers the bad text
+    with its 400 instead of the router failing to encode it (a 500)."""
+    *_, url = deployment
+    for body in ({"prompt": "a \ud800 b"}, {"messages": [{"role": "user", "content": "\ud800"}]}):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        reply = httpx.post(f"{url}{path}", content=json.dumps({"model": "any", "max_tokens": 2, **body}),
+                           headers={"Content-Type": "application/json"}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["code"] == 400

@@ -50,13 +50,20 @@ MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "ch
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 
 
+def encode(body: dict) -> bytes:
+    """A body as a worker gets it: JSON with every non-ASCII character escaped, so a lone surrogate a client sent
+    travels as the ``\\ud800`` it came as (the worker answers it with a 400) instead of failing to encode here."""
+    return json.dumps(body, ensure_ascii=True).encode("ascii")
+
+
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
     """The router app over `instances`; `api_key` is required from clients and sent to workers."""
     app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = RouterMetrics()
     admission = Admission(config or RouterConfig(), len(instances.decode))
     metrics.waiting.set_function(lambda: len(admission.waiting))
-    worker_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    worker_headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key
+                                                             else {})}
     app.state.instances, app.state.metrics = instances, metrics
     client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
 
@@ -100,7 +107,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     async def call(worker: Instance, path: str, body: dict) -> httpx.Response:
         """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""
         try:
-            return await client.post(f"{worker.url}{path}", json=body, headers=worker_headers)
+            return await client.post(f"{worker.url}{path}", content=encode(body), headers=worker_headers)
         except httpx.HTTPError as err:
             worker.failed(str(err) or type(err).__name__)
             metrics.failures.labels(worker.url, worker.role).inc()
@@ -125,7 +132,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     async def prompt_hashes(worker: Instance, body: dict) -> dict | None:
         question = {k: body[k] for k in MATCH_FIELDS if k in body}
         try:
-            reply = await client.post(f"{worker.url}/v1/kv/hashes", json=question, headers=worker_headers,
+            reply = await client.post(f"{worker.url}/v1/kv/hashes", content=encode(question), headers=worker_headers,
                                       timeout=MATCH_TIMEOUT_S)
         except httpx.HTTPError:
             return None
@@ -251,7 +258,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         tracking = track(worker)
         tracking.__enter__()
         try:
-            request = client.build_request("POST", f"{worker.url}{path}", json=body, headers=worker_headers)
+            request = client.build_request("POST", f"{worker.url}{path}", content=encode(body), headers=worker_headers)
             upstream = await client.send(request, stream=True)
         except httpx.HTTPError as err:
             tracking.__exit__(None, None, None)
