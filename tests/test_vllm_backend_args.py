@@ -218,14 +218,14 @@ def test_generate_with_backend_vllm_exits_2_with_one_line(sage):
     assert len(lines) == 1 and lines[0].startswith("sage: error: backend vllm is not available: vllm is not installed")
 
 
-def test_ngram_speculation_becomes_vllms_speculative_config_and_other_methods_are_refused():
+def test_ngram_and_draft_model_speculation_become_vllms_speculative_config():
     assert "speculative_config" not in translate().kwargs
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
     speculative["disable_by_batch_size"] = 8
     assert translate(speculative=speculative).kwargs["speculative_config"] == speculative
-    with pytest.raises(ConfigError, match="^speculative.method: draft_model is not implemented"):
-        translate(speculative={"method": "draft_model"})
+    draft = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 5}
+    assert translate(speculative=draft).kwargs["speculative_config"] == draft
 
 
 def test_suffix_speculation_keeps_vllms_field_names():

@@ -140,9 +140,16 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
         values.append(ResolvedValue("speculative.method", "suffix", "vLLM speculative_config: suffix (needs the "
                                     "arctic-inference package in vLLM's environment) with the same "
                                     "num_speculative_tokens and suffix_decoding_* fields"))
+    elif speculative.method == "draft_model":
+        kwargs["speculative_config"] = {"method": "draft_model", "model": speculative.model,
+                                        "num_speculative_tokens": speculative.num_speculative_tokens}
+        if speculative.disable_by_batch_size is not None:
+            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
+        values.append(ResolvedValue("speculative.method", "draft_model", "vLLM speculative_config: draft_model "
+                                    "with the same model and num_speculative_tokens"))
     elif speculative.method != "off":
         raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
-                          "use ngram or suffix (or off)")
+                          "use ngram, suffix or draft_model (or off)")
     if speculative.method != "off" and speculative.adaptive:
         raise ConfigError(f"speculative.adaptive: vLLM's {speculative.method} proposer has no adaptive k; leave it "
                           "false for --backend vllm")

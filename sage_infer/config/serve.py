@@ -226,7 +226,10 @@ class SpeculativeConfig(Strict):
         "off", description="off; ngram: look the sequence's last tokens up earlier in its prompt and output and "
         "propose what followed them (prompt lookup); suffix: propose the continuation most earlier occurrences of "
         "the longest match agree on, in the sequence and in the outputs of the tenant's recent requests (suffix "
-        "decoding). draft_model is refused at start-up: not built yet.")
+        "decoding); draft_model: a small model sharing the target's tokenizer (speculative.model) proposes greedily "
+        "from its own paged KV.")
+    model: str | None = Field(None, description="draft_model: the draft model's local HF directory (vLLM's "
+                              "speculative_config.model); its tokenizer must be the target's.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix of the sequence that "
                                    "is looked up.")
@@ -254,6 +257,8 @@ class SpeculativeConfig(Strict):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model: the draft model's directory is needed by method draft_model, and only by it")
         return self
 
 

@@ -19,8 +19,9 @@ from sage_infer.config.auto import (
 )
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
-from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.engine.cuda_graphs import DecodeGraphs
+from sage_infer.engine.draft import DraftModelProposer
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.engine.pd import PDRole
@@ -65,6 +66,7 @@ from sage_infer.layers.linear import (
 )
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable
+from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
@@ -144,9 +146,11 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     transfers = build_transfers(config, pool, device, extra_key, index)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s,
                         flush_on_shutdown_s=config.tiers.flush_on_shutdown_s, transfers=transfers)
-    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids,
-                          proposer=proposer)
     attention = build_attention(config, model, arch.head_dim, device, pool)
+    if config.speculative.method == "draft_model":
+        proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype,
+                                        pool.num_blocks * schema.block_size, attention.decode_in_place, fused)
+    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids, proposer=proposer)
     if deterministic and not attention.decode_in_place:
         raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
                           "run here (model.attention is torch or the kernel is unavailable: see the line above)",
@@ -184,6 +188,49 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         pd=PDRole(transfers, kv_schema_digest(schema), kv_dtype.value) if transfers is not None else None,
     )
     return LLMEngine(parts)
+
+
+DRAFT_PROBE = "ROMEO: What light through yonder window breaks? 1,234.5 -- ¿qué? 日本語 \n\t<|end|>"
+
+
+def build_draft_proposer(config: ServeConfig, target: ArchConfig, tokenizer: Tokenizer, device: torch.device,
+                         dtype: str, tokens: int, decode_in_place: bool, fused: bool) -> DraftModelProposer:
+    """`speculative.method: draft_model`: the draft model (`speculative.model`) with a KV pool of its own that holds
+    `tokens` tokens (the target pool's count), its KV in its compute dtype, decoding through the paged kernel where
+    the target's does. A draft whose vocabulary or tokenizer is not the target's is refused with the reason."""
+    spec = config.speculative
+    try:
+        directory = resolve_model_dir(spec.model)
+        draft = arch_config(directory)
+        draft_tokenizer = Tokenizer.from_dir(directory)
+    except (ModelLoadError, FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"speculative.model: {err}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative.model: the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+                          f"{target.vocab_size}: a draft model must share the target's tokenizer")
+    if (draft_tokenizer.encode(DRAFT_PROBE) != tokenizer.encode(DRAFT_PROBE)
+            or set(draft_tokenizer.eos_token_ids) != set(tokenizer.eos_token_ids)):
+        raise ConfigError(f"speculative.model: {directory.name} tokenizes text differently from the target (or ends "
+                          "on other tokens): a draft model must share the target's tokenizer")
+    model, draft, _ = load_model(directory, FLOAT_DTYPES[dtype], device)
+    if device.type == "cpu" and config.model.linear != "torch" and packing_available():
+        try:
+            pack_linears(model)
+        except RuntimeError:  # oneDNN cannot pack this dtype here: the draft's products stay on nn.Linear
+            pass
+    block_size = config.kv_pool.block_size
+    schema = KVCacheSchema(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size).with_dtype(KVDtype(dtype))
+    blocks = -(-tokens // block_size)
+    pool = make_kv_pool(schema, blocks, device=device)
+    attention = AttentionBackend(decode=PagedDecode() if decode_in_place else GatheredDecode(), prefill=TorchPrefill())
+    runner = ModelRunner(model, pool, device, cascade_attention=False, attention=attention,
+                         step=FusedStep() if fused else PythonStep())
+    params = sum(p.numel() for p in model.parameters())
+    _report(ResolvedValue("speculative.model", directory.name, f"draft model, {params / 1e6:.1f}M parameters, "
+                          f"{spec.num_speculative_tokens} greedy tokens per step from its own KV pool of {blocks} "
+                          f"blocks ({blocks * schema.bytes_per_block / 2**20:.0f} MiB)"))
+    return DraftModelProposer(runner, BlockManager(blocks, block_size, None), spec.num_speculative_tokens,
+                              spec.disable_by_batch_size, spec.adaptive)
 
 
 def use_cpu_kernels() -> str | None:

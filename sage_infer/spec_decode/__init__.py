@@ -27,7 +27,8 @@ __all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SuffixProposer", "ac
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer | None:
-    """The proposer `config` asks for; None when speculation is off. A method not built yet is a ConfigError."""
+    """The proposer `config` asks for; None when speculation is off or a draft model proposes (the engine builds
+    that one: it is a model). A method not built yet is a ConfigError."""
     if config.method == "off":
         return None
     if config.method == "ngram":
@@ -37,4 +38,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer | None:
         return SuffixProposer(config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
                               config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
                               config.suffix_decoding_min_token_prob, config.disable_by_batch_size, config.adaptive)
-    raise ConfigError(f"speculative.method: {config.method} is not implemented yet; use ngram or suffix (or off)")
+    if config.method == "draft_model":
+        return None  # a model: built with the engine (`engine.build`, `engine.draft.DraftModelProposer`)
+    raise ConfigError(f"speculative.method: {config.method} is not implemented yet; use ngram, suffix or "
+                      "draft_model (or off)")

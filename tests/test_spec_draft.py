@@ -1,0 +1,104 @@
+"""`speculative.method: draft_model`: a small model sharing the target's tokenizer proposes greedily from its own
+paged KV; the target verifies. Greedy output is the target's alone, token for token; a seeded sampled request
+draws the same tokens as without speculation; the draft's KV is rolled back to what the target kept and freed
+when a sequence ends; a draft with another vocabulary or tokenizer is refused at start-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig, SpeculativeConfig
+from sage_infer.errors import ConfigError
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model(root / "target", "qwen3", seed=0)
+    other = make_tiny_model(root / "other", "qwen3", seed=1, num_hidden_layers=1)  # same tokenizer, other weights
+    wrong = make_tiny_model(root / "wrong", "qwen3", vocab_size=640)
+    return target, other, wrong
+
+
+def llm(target, draft=None, k: int = 4, **scheduler) -> LLM:
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k} if draft else {}
+    config = ServeConfig.model_validate({"model": {"path": str(target), "dtype": "fp32"},
+                                         "kv_pool": {"num_blocks": 128, "block_size": 16},
+                                         "scheduler": {"max_num_seqs": 16, **scheduler},
+                                         "speculative": speculative})
+    return LLM(config=config, device="cpu")
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_greedy_tokens_are_the_targets_alone(models, which):
+    target, other, _ = models
+    draft = target if which == "same" else other
+    batch = prompts(1, (3, 17, 40, 90))
+    plain = [o.outputs[0].token_ids for o in llm(target).generate(batch, GREEDY)]
+    speculating = llm(target, draft)
+    got = [o.outputs[0].token_ids for o in speculating.generate(batch, GREEDY)]
+    assert got == plain
+    stats = speculating.engine.spec_stats
+    assert stats.num_drafts > 0
+    if which == "same":  # the target itself proposes: every proposal stands
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    proposer = speculating.engine.scheduler.proposer
+    assert proposer.seqs == {} and proposer.blocks.num_used_blocks == 0  # every draft sequence freed
+    speculating.engine.kv.block_manager.check_invariants()
+    proposer.blocks.check_invariants()
+
+
+def test_the_draft_keeps_only_the_kv_the_target_accepted(models):
+    """With another model as draft some proposals are rejected: before each proposal the draft's computed tokens
+    are cut back to a prefix of the target's tokens (never its last, whose logits propose), and its blocks cover
+    exactly what it keeps."""
+    target, other, _ = models
+    speculating = llm(target, other, k=3)
+    engine, proposer = speculating.engine, speculating.engine.scheduler.proposer
+    keep, rollbacks = proposer._keep_common_prefix, []
+
+    def checked(draft, token_ids):
+        before = draft.num_computed_tokens
+        keep(draft, token_ids)
+        computed = draft.num_computed_tokens
+        assert draft.token_ids == token_ids and computed < len(token_ids)
+        assert len(draft.block_table) == -(-computed // proposer.block_size)
+        rollbacks.append(computed < before)
+
+    proposer._keep_common_prefix = checked
+    engine.add_request("r", prompts(2, (30,))[0], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(rollbacks) and engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens
+    assert proposer.blocks.num_used_blocks == 0
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_a_draft(models):
+    target, other, _ = models
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=11, ignore_eos=True)
+    batch = prompts(3, (8, 33))
+    plain = [o.outputs[0].token_ids for o in llm(target).generate(batch, params)]
+    assert [o.outputs[0].token_ids for o in llm(target, target).generate(batch, params)] == plain
+    assert [o.outputs[0].token_ids for o in llm(target, other).generate(batch, params)] == plain
+
+
+def test_a_draft_that_does_not_share_the_tokenizer_or_has_no_model_is_refused(models):
+    target, _, wrong = models
+    with pytest.raises(ConfigError, match="speculative.model: the draft's vocabulary has 640 tokens"):
+        llm(target, wrong)
+    with pytest.raises(ValueError, match="needed by method draft_model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="needed by method draft_model"):
+        SpeculativeConfig(method="ngram", model=str(target))
