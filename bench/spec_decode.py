@@ -1,5 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup, suffix decoding) against the same engine without it, side by side
-in one process.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding, a draft model) against the same engine without it,
+side by side in one process.
 
     python bench/spec_decode.py --json out/spec_decode.json
     python bench/spec_decode.py --model /tmp/models/qwen2.5-0.5b-shape --dtype bf16 --batch 1 4
@@ -99,7 +99,8 @@ def main() -> int:
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--methods", nargs="+", choices=("ngram", "suffix"), default=["ngram"])
+    parser.add_argument("--methods", nargs="+", choices=("ngram", "suffix", "draft_model"), default=["ngram"])
+    parser.add_argument("--draft-model", default=None, help="draft_model: the draft's local HF directory")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--adaptive", action="store_true", help="also run each k with speculative.adaptive")
@@ -110,10 +111,14 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    variants = {"off": None} | {f"{m}-k{k}": {"method": m, "num_speculative_tokens": k}
+    if "draft_model" in args.methods and args.draft_model is None:
+        parser.error("--methods draft_model needs --draft-model PATH")
+    draft = {"draft_model": {"model": args.draft_model}}
+    variants = {"off": None} | {f"{m}-k{k}": {"method": m, "num_speculative_tokens": k, **draft.get(m, {})}
                                 for m in args.methods for k in args.k}
     if args.adaptive:
-        variants |= {f"{m}-k{k}-adaptive": {"method": m, "num_speculative_tokens": k, "adaptive": True}
+        variants |= {f"{m}-k{k}-adaptive": {"method": m, "num_speculative_tokens": k, "adaptive": True,
+                                             **draft.get(m, {})}
                      for m in args.methods for k in args.k}
     probe = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
     results = []
