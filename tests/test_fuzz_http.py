@@ -212,3 +212,47 @@ def test_fuzzed_requests_through_the_router_never_take_the_deployment_down(fuzz_
         settled(worker)
     assert httpx.get(f"{router.url}/health").status_code == 200
     assert reference(router) == before
+
+
+KV_FIELDS = {
+    "request_id": st.one_of(st.text(max_size=20), WEIRD),
+    "address": st.one_of(st.sampled_from(["shm://nowhere", "tcp://127.0.0.1:1", "torchdist://0", "http://x"]),
+                         st.text(max_size=20), WEIRD),
+    "transfer_id": st.one_of(st.text(max_size=20), WEIRD),
+    "kv_dtype": st.one_of(st.sampled_from(["fp32", "bf16", "int8", "fp9"]), WEIRD),
+    "prompt": PROMPT,
+    "messages": MESSAGES,
+    "cache_salt": st.one_of(st.text(max_size=12), WEIRD),
+    "add_generation_prompt": st.one_of(st.booleans(), WEIRD),
+    "unknown_field": WEIRD,
+}
+KV_BODY = st.one_of(st.fixed_dictionaries({}, optional=KV_FIELDS), WEIRD, st.lists(WEIRD, max_size=3))
+QUERY = st.dictionaries(st.sampled_from(["since", "format", "x", "model"]),
+                        st.one_of(st.text(max_size=25), st.integers(min_value=-(2**80), max_value=2**80).map(str),
+                                  st.just("9" * 5000)), max_size=2)
+GET_ROUTES = ["/health", "/version", "/metrics", "/v1/models", "/openapi.json", "/v1/kv/events"]
+
+
+def test_fuzzed_bodies_and_queries_on_the_other_routes_never_take_a_worker_down(fuzz_deployment):
+    """Every other route of a prefill worker (the P/D routes included) and of the router: arbitrary JSON bodies to
+    the POST routes, arbitrary query strings to the GET routes; never a 5xx, and the worker settles."""
+    router, prefill, _ = fuzz_deployment
+    before = reference(router)
+
+    @settings(FUZZ, max_examples=max(EXAMPLES // 2, 1))
+    @given(st.sampled_from(["/v1/kv/send", "/v1/kv/match", "/v1/kv/hashes"]), KV_BODY,
+           st.sampled_from(GET_ROUTES), QUERY, st.booleans())
+    def check(post, body, get, query, via_router):
+        target = router.url if via_router else prefill.url
+        content = json.dumps(body, allow_nan=True)
+        reply = httpx.post(f"{prefill.url}{post}", content=content, timeout=60,
+                           headers={"Content-Type": "application/json"})
+        assert reply.status_code < 500, (post, reply.status_code, reply.text[:300], content[:300])
+        if reply.status_code >= 400:
+            assert reply.json()["error"]["code"] == reply.status_code
+        got = httpx.get(f"{target}{get}", params=query, timeout=60)
+        assert got.status_code < 500 or (get == "/health" and got.status_code == 503), (get, query, got.text[:300])
+
+    check()
+    settled(prefill)
+    assert reference(router) == before
