@@ -2,6 +2,7 @@
 
     python bench/flash_attention.py --threads 2 --json out/flash_attention.json
     python bench/flash_attention.py --dtype fp32 --heads 6,2 --json out/flash_attention_fp32.json
+    SAGE_CPU_ISA=avx2 python bench/flash_attention.py --lengths 512,2048 --stat median --json out/flash_avx2.json
 
 Default: Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v; `--dtype fp32
 --heads 6,2` is the qwen3-11m bench model's (an fp32 model's prefill goes to the fp32 kernel). Cases: causal prefill
@@ -10,14 +11,17 @@ causal SDPA call); a 32-token chunk after 1,024 cached
 keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's reference path splits
 it into an unmasked and a causal call merged by log-sum-exp: `chunk_attention_lse`, timed here); the
 shared prefix of W2's decode steps, 64 rows x 14 heads over 1,024 keys unmasked
-(`shared_keys_attention_lse`, G heads folded into rows). Best of `--repeats` calls each, the
-reference first; "max diff" is against fp32 plain ops, for both kernels.
+(`shared_keys_attention_lse`, G heads folded into rows); `--lengths` keeps only first chunks of those
+lengths. Best (or `--stat median`) of `--repeats` calls each, the reference's and sage's alternating; "max
+diff" is against fp32 plain ops, for both kernels. The kernel is the one of the ISA level in use
+(`SAGE_CPU_ISA` forces a lower one), named in the header and the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from functools import partial
@@ -34,7 +38,7 @@ from sage_infer.layers.attention import (  # noqa: E402
     prefill_attention,
     shared_keys_attention_lse,
 )
-from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable  # noqa: E402
+from sage_infer.layers.cpu_kernels import flash_attention, flash_kernel, flash_unavailable, kernel_level  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True), (32, 1056, True),
@@ -54,14 +58,18 @@ def first_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return (prefill_attention(q, k, v, scale),)
 
 
-def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns, repeats: int, stat: str) -> list[float]:
+    """The best or the median of `repeats` calls of each of `fns` after a warm-up call, seconds; the calls
+    alternate, so a burst of other load on the machine falls on all of them alike."""
+    times = [[] for _ in fns]
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [min(t) if stat == "best" else statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -70,19 +78,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS}", help="query heads,KV heads (head_dim 64)")
+    parser.add_argument("--lengths", default=None, help="only first chunks (causal, queries = keys) of these "
+                        "comma-separated lengths")
+    parser.add_argument("--stat", choices=("best", "median"), default="best")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     heads, kv_heads = (int(n) for n in args.heads.split(","))
     if why := flash_unavailable(HEAD_DIM, dtype):
         sys.exit(f"sage's flash kernel cannot run here: {why}")
+    cases = [(n, n, True) for n in map(int, args.lengths.split(","))] if args.lengths else CASES
     torch.set_num_threads(args.threads)
     scale = HEAD_DIM ** -0.5
     rows = []
+    print(f"sage: {flash_kernel(dtype)}, kernels {kernel_level()}")
     print(f"{'queries x keys':>16} {'causal':>6} {'torch ms':>9} {'sage ms':>8} {'sage GFLOP/s':>13} "
           f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.dtype}, {heads}/{kv_heads} heads, "
-          f"{args.threads} threads)")
-    for lq, c, causal in CASES:
+          f"{args.threads} threads, {args.stat} of {args.repeats})")
+    for lq, c, causal in cases:
         torch.manual_seed(lq + c)
         q = torch.randn(lq, heads, HEAD_DIM).to(dtype)
         k, v = torch.randn(c, kv_heads, HEAD_DIM).to(dtype), torch.randn(c, kv_heads, HEAD_DIM).to(dtype)
@@ -93,7 +106,7 @@ def main() -> None:
         sage = partial(flash_attention, q, k, v, scale, causal)
         want = exact(q, k, v, causal)
         diffs = [(fn()[0].float() - want).abs().max().item() for fn in (reference, sage)]
-        t_ref, t_sage = best(reference, args.repeats), best(sage, args.repeats)
+        t_ref, t_sage = timed((reference, sage), args.repeats, args.stat)
         flops = 4 * heads * HEAD_DIM * (lq * c - (lq * lq / 2 if causal else 0))
         row = {"queries": lq, "keys": c, "causal": causal, "torch_ms": t_ref * 1e3, "sage_ms": t_sage * 1e3,
                "sage_gflop_s": flops / t_sage / 1e9, "speedup": t_ref / t_sage, "max_diff_torch": diffs[0],
@@ -105,7 +118,8 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "dtype": args.dtype,
                                          "shape": [heads, kv_heads, HEAD_DIM], "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+                                         "kernel": flash_kernel(dtype), "kernels": kernel_level(),
+                                         "stat": args.stat, "repeats": args.repeats, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
 
 

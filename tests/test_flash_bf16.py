@@ -1,8 +1,9 @@
-"""`model.prefill_attention: sage`: the flash kernels (csrc/flash_bf16.cpp, bf16 and fp32) against
-attention in fp32 plain ops, per call (causal lower-right and unmasked, GQA, strided views, partial
-tiles), then in the engine against PyTorch's flash kernel (the reference path): the same attention
-metadata through `paged_attention`, greedy tokens within bf16 drift, and in fp32 the same greedy tokens.
-Skipped where the kernel cannot run (no AVX512-BF16 or AVX-512, no compiler): each test says why."""
+"""`model.prefill_attention: sage`: the flash kernels (csrc/flash_bf16.cpp on AVX-512 and AVX512-BF16,
+csrc/flash_avx2.cpp on AVX2; bf16 and fp32) against attention in fp32 plain ops, per call at every ISA level
+this CPU runs (causal lower-right and unmasked, GQA, strided views, partial tiles), then in the engine against
+PyTorch's flash kernel (the reference path): the same attention metadata through `paged_attention`, greedy
+tokens within bf16 drift, and in fp32 the same greedy tokens. Skipped where no kernel can run (no AVX2, no
+compiler): each test says why."""
 
 from __future__ import annotations
 
@@ -15,17 +16,43 @@ from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
-from sage_infer.layers import attention as attention_mod
+from sage_infer.layers import attention_backends
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
 from sage_infer.layers.attention_backends import AttentionBackend, FlashPrefill, TorchPrefill
-from sage_infer.layers.cpu_kernels import flash_attention, flash_unavailable
+from sage_infer.layers.cpu_kernels import flash_attention, flash_kernel, flash_unavailable
+from tests.conftest import runnable_cpu_levels
 from tests.test_paged_kernel import LAYER, chunk_step
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
-WHY = flash_unavailable(64)
+WHY = flash_unavailable(64)  # at this CPU's own level: the engine tests
 WHY_F32 = flash_unavailable(64, torch.float32)
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's bf16 flash kernel cannot run here: {WHY}")
+needs_bf16 = pytest.mark.skipif(WHY is not None, reason=f"sage's bf16 flash kernel cannot run here: {WHY}")
 needs_f32 = pytest.mark.skipif(WHY_F32 is not None, reason=f"sage's fp32 flash kernel cannot run here: {WHY_F32}")
+
+
+@pytest.fixture
+def bf16_kernel(cpu_isa) -> str:
+    """The ISA level a per-call bf16 test runs at: each this CPU has (`conftest.cpu_isa`), skipped where that
+    level's build has no bf16 kernel."""
+    if why := flash_unavailable(64, torch.bfloat16):
+        pytest.skip(f"no bf16 flash kernel at {cpu_isa}: {why}")
+    return cpu_isa
+
+
+@pytest.fixture
+def f32_kernel(cpu_isa) -> str:
+    """`bf16_kernel` for the fp32 tests."""
+    if why := flash_unavailable(64, torch.float32):
+        pytest.skip(f"no fp32 flash kernel at {cpu_isa}: {why}")
+    return cpu_isa
+
+
+def out_tolerance(dtype: torch.dtype) -> dict:
+    """The AVX512-BF16 kernel rounds P to bf16 (as PyTorch's bf16 flash kernel does); the others keep it in fp32,
+    so only the summation order differs from the reference."""
+    if dtype == torch.bfloat16 and flash_kernel(dtype).endswith("AVX512-BF16"):
+        return {"atol": 1e-2, "rtol": 0}
+    return {"atol": 2e-6, "rtol": 1e-5}
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
@@ -44,9 +71,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
             lse[0].view(kv_heads, groups, lq).permute(2, 0, 1).reshape(lq, heads))
 
 
+@pytest.mark.usefixtures("bf16_kernel")
 @pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
                                            (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
-@pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((4, 4), 32), ((8, 2), 128)])
+@pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((4, 4), 32), ((8, 2), 128), ((4, 2), 96)])
 def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     torch.manual_seed(lq * 31 + c)
     num_heads, num_kv_heads = heads
@@ -56,10 +84,10 @@ def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     want, want_lse = reference(q, k, v, head_dim ** -0.5, causal)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (lq, num_heads)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)  # scores: exact bf16 products, fp32 sums
-    torch.testing.assert_close(out, want, atol=1e-2, rtol=0)  # P is rounded to bf16, as PyTorch's bf16 flash does
+    torch.testing.assert_close(out, want, **out_tolerance(torch.bfloat16))
 
 
-@needs_f32
+@pytest.mark.usefixtures("f32_kernel")
 @pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
                                            (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((6, 2), 64), ((4, 4), 32), ((8, 2), 128), ((4, 2), 96)])
@@ -75,7 +103,7 @@ def test_the_fp32_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)  # fp32 products: only the summation order differs
 
 
-@needs_f32
+@pytest.mark.usefixtures("f32_kernel")
 def test_fp32_strided_views_read_as_their_contiguous_copies():
     torch.manual_seed(1)
     qkv = torch.randn(90, (6 + 2 * 2) * 64)
@@ -86,6 +114,7 @@ def test_fp32_strided_views_read_as_their_contiguous_copies():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.usefixtures("bf16_kernel")
 def test_strided_views_read_as_their_contiguous_copies():
     """q, k, v as the engine has them: views into one fused qkv projection output."""
     torch.manual_seed(0)
@@ -96,6 +125,15 @@ def test_strided_views_read_as_their_contiguous_copies():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.skipif("avx2" not in runnable_cpu_levels(), reason="not an x86 CPU with AVX2: no avx2 build")
+def test_the_avx2_build_runs_both_dtypes_on_its_fp32_kernel(monkeypatch):
+    monkeypatch.setenv("SAGE_CPU_ISA", "avx2")
+    assert flash_kernel(torch.float32) == "fp32 flash kernel on AVX2"
+    assert flash_kernel(torch.bfloat16) == "fp32 flash kernel on AVX2, bf16 widened"
+    assert flash_unavailable(32, torch.float32) is flash_unavailable(128, torch.bfloat16) is None
+
+
+@pytest.mark.usefixtures("bf16_kernel")
 def test_bad_shapes_are_clear_errors():
     q = torch.randn(4, 2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="causal needs at least as many keys as queries"):
@@ -108,7 +146,7 @@ def test_bad_shapes_are_clear_errors():
         flash_attention(q[..., :48], q[..., :48], q[..., :48], 0.1, False)
     assert flash_unavailable(80) == "head_dim 80 is not 32, 64, 96 or 128"
     assert flash_unavailable(64, torch.float16) == "the kernel is bf16 or fp32 only (not torch.float16)"
-    if WHY_F32 is None:
+    if flash_unavailable(64, torch.float32) is None:
         with pytest.raises(RuntimeError, match="float32 q, k and v"):
             flash_attention(q.float(), q, q, 0.1, False)
         with pytest.raises(RuntimeError, match="causal needs at least as many keys as queries"):
@@ -118,6 +156,7 @@ def test_bad_shapes_are_clear_errors():
 # -- the engine ---------------------------------------------------------------------------------
 
 
+@needs_bf16
 @pytest.mark.parametrize("cascade", [False, True])
 def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade):
     """One bf16 step: first chunks, chunks after cached context and decode rows, with and without a shared
@@ -145,6 +184,7 @@ def engine(path, prefill_attention: str, dtype: str = "bf16") -> LLM:
     return LLM(config=config)
 
 
+@needs_bf16
 def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path):
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     rng = random.Random(8)
@@ -168,10 +208,11 @@ def test_fp32_greedy_tokens_equal_the_reference_path(tmp_path):
     assert greedy_tokens(engine(path, "sage", "fp32"), prompts) == greedy_tokens(engine(path, "torch", "fp32"), prompts)
 
 
+@needs_bf16
 def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
     calls = []
-    real = attention_mod.flash_attention
-    monkeypatch.setattr(attention_mod, "flash_attention",
+    real = attention_backends.flash_attention
+    monkeypatch.setattr(attention_backends, "flash_attention",
                         lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     greedy_tokens(engine(path, "torch"), [list(range(5, 30))], max_tokens=2)
@@ -180,6 +221,7 @@ def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
     assert calls == [25] * 2  # the prompt's chunk, in each of the 2 layers; decode rows take the paged kernel
 
 
+@needs_bf16
 def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path):
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     why = r"^model.prefill_attention: sage: the kernel is bf16 or fp32 only \(the model is fp16\)"

@@ -49,7 +49,8 @@ def test_each_level_this_cpu_runs_loads_the_build_compiled_for_it(level, monkeyp
     assert cpu_kernels.kernel_level().startswith(f"{level} (forced by SAGE_CPU_ISA; ")
     # what each level can run is the level's, not the CPU's
     assert (cpu_kernels.small_linear_unavailable() is None) == (level == "avx512_bf16")
-    assert (cpu_kernels.flash_unavailable(64, cpu_kernels.torch.float32) is None) == (level != "avx2")
+    assert cpu_kernels.flash_unavailable(64, cpu_kernels.torch.float32) is None
+    assert (cpu_kernels.flash_unavailable(64, cpu_kernels.torch.bfloat16) is None) == (level != "avx512")
 
 
 def test_a_forced_level_above_the_cpu_makes_the_kernels_unavailable_with_the_reason(monkeypatch):

@@ -3,10 +3,11 @@
 The kernels (sage_infer/layers/csrc) are compiled once per level, never with ``-march=native``, so one
 install runs on any x86-64 CPU and no build executes an instruction the CPU lacks:
 
-- ``avx2``: AVX2 + FMA + F16C, the baseline (every x86-64 server CPU since ~2013, and desktops);
-- ``avx512``: adds AVX-512 F/BW/VL/DQ (the fp32 flash kernel, 16-lane paged decode);
-- ``avx512_bf16``: adds AVX512-BF16 dot products (bf16 flash attention, the small-row bf16 product, the C++
-  decode step that chains it).
+- ``avx2``: AVX2 + FMA + F16C, the baseline (every x86-64 server CPU since ~2013, and desktops); flash attention
+  in fp32 (bf16 widened to it);
+- ``avx512``: adds AVX-512 F/BW/VL/DQ (16-lane fp32 flash attention and paged decode);
+- ``avx512_bf16``: adds AVX512-BF16 dot products (bf16 flash attention on them, the small-row bf16 product, the
+  C++ decode step that chains it).
 
 No sage kernel uses AMX tiles, so there is no AMX level (oneDNN uses AMX by itself where the CPU has it).
 Other architectures (aarch64, ...) get one ``generic`` build with the compiler's default flags.

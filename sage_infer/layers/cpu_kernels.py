@@ -16,9 +16,10 @@ per-head q/k norm, then rotary) and `silu_mul`. Their references are `RMSNorm`, 
 ``F.silu(gate) * up``; values are rounded to the model dtype where those round, so only fp32
 summation order differs.
 
-`flash_attention`: bf16 attention of many queries (a prefill chunk, or the decode rows that share a
-prefix) on AVX512-BF16 dot products (csrc/flash_bf16.cpp; `model.prefill_attention`), against
-PyTorch's CPU flash kernel as the reference.
+`flash_attention`: attention of many bf16 or fp32 queries (a prefill chunk, or the decode rows that share a
+prefix; `model.prefill_attention`), against PyTorch's CPU flash kernel as the reference: on AVX512-BF16 dot
+products for bf16 and AVX-512 FMA for fp32 (csrc/flash_bf16.cpp); without AVX-512 on AVX2 FMA in fp32, bf16
+widened as it is read (csrc/flash_avx2.cpp). `flash_kernel` names the one in use.
 
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
 `PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `decode_layers`: those
@@ -165,13 +166,20 @@ def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str
     why = kernel_unavailable()
     if why is None and dtype not in (torch.bfloat16, torch.float32):
         why = f"the kernel is bf16 or fp32 only (not {dtype})"
-    elif why is None and dtype == torch.bfloat16 and not _module().flash_bf16_compiled():
-        why = f"the bf16 kernel needs AVX512-BF16 (the kernels in use are the {_module().isa()} build)"
-    elif why is None and dtype == torch.float32 and not _module().flash_f32_compiled():
-        why = f"the fp32 kernel needs AVX-512 (the kernels in use are the {_module().isa()} build)"
+    elif why is None and not flash_kernel(dtype):
+        isa = _module().isa()
+        why = (f"the bf16 kernel needs AVX512-BF16 (the kernels in use are the {isa} build)" if isa == "avx512"
+               else f"the flash kernels need AVX2 and FMA (the kernels in use are the {isa} build)")
     if why is None and (head_dim % 32 or head_dim > 128):
         why = f"head_dim {head_dim} is not 32, 64, 96 or 128"
     return why
+
+
+def flash_kernel(dtype: torch.dtype) -> str:
+    """Which kernel `flash_attention` runs for `dtype` (bf16 or fp32) in the build in use, in words, for the
+    start-up lines: ``bf16 flash kernel on AVX512-BF16``, ``fp32 flash kernel on AVX-512``, ``fp32 flash kernel on
+    AVX2`` (for bf16: ``..., bf16 widened``); '' where none runs (bf16 in the avx512 build)."""
+    return _module().flash_kernel(dtype == torch.bfloat16)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -34,8 +34,8 @@ from sage_infer.hal.isa import build_levels, compile_flags
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "flash_bf16.cpp",
-                                         "decode_step.cpp", "bf16_rows.cpp"))
-HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h"))
+                                         "flash_avx2.cpp", "decode_step.cpp", "bf16_rows.cpp"))
+HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "flash.h"))
 # -g0: Python's CFLAGS ask for debug info, which doubles the compile time; -ffast-math: the dot products
 # and exp vectorize only with reassociation allowed; hidden visibility keeps one level's symbols from
 # resolving another's when two builds are loaded in one process (tests force levels); gcc's own AVX-512 intrinsic
@@ -43,7 +43,7 @@ HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h"))
 BASE_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wno-uninitialized",
               "-Wno-maybe-uninitialized")
 LINK_FLAGS = ("-fopenmp",)
-# what a first-use compile of one level took (5 files, 2 cores): printed before it starts
+# what a first-use compile of one level takes (7 files, 2 cores): printed before it starts
 COMPILE_SECONDS = "about 1-2 minutes on 2 cores"
 CACHE_ENV = "SAGE_KERNEL_CACHE"
 

@@ -1,5 +1,6 @@
 // Attention of many bf16 queries over bf16 keys and values (a prefill chunk, or decode rows that
-// all read one shared prefix) on CPU with AVX512-BF16: both products on `vdpbf16ps`.
+// all read one shared prefix) on CPU with AVX512-BF16: both products on `vdpbf16ps`; and of fp32 ones with
+// AVX-512 (below). Builds without AVX-512 run csrc/flash_avx2.cpp instead (`flash_attention`, at the end).
 //
 // q: [Lq, H, D]; k, v: [C, KvH, D] (each may be a strided view with contiguous heads); causal or not. Causal is aligned to the
 // lower right: query i sees keys j <= i + C - Lq (the queries are the last Lq of C positions).
@@ -12,12 +13,14 @@
 // rounded to bf16 (as PyTorch's CPU flash kernel rounds it for bf16 inputs). Scores are exact bf16
 // products summed in fp32, so only the summation order and that rounding differ from the reference
 // (sage_infer.layers.attention.attention_with_lse_reference).
+#include "flash.h"
 #include "kernel.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -27,9 +30,10 @@
 
 namespace {
 
-constexpr int64_t kTile = 64;   // keys per tile
-constexpr int64_t kRowsPerTask = 16;  // query positions per task
-constexpr float kNegInf = -1e30f;   // finite: the file is built with -ffast-math
+using flash::kNegInf;
+using flash::kRowsPerTask;
+using flash::kTile;
+using flash::task_block;
 
 #if defined(__AVX512F__)
 // one row's online-softmax step over a 64-key tile, both kernels: s, its 4 x 16 unscaled scores (keys past
@@ -203,39 +207,13 @@ void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, con
 }
 #endif
 
-// the argument checks both kernels make (their dtype checks are their own)
-void check_shapes(const char* name, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q [Lq, H, D], k/v [C, KvH, D]");
-  const int64_t d = q.size(2), c = k.size(0), kv_heads = k.size(1);
-  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d &&
-                  q.size(1) % kv_heads == 0, name, ": shapes disagree");
-  TORCH_CHECK(d % 32 == 0 && d <= 128, name, ": head_dim must be 32, 64, 96 or 128");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, name, ": heads must be contiguous");
-  TORCH_CHECK(!causal || c >= q.size(0), name, ": causal needs at least as many keys as queries");
-}
-
-// the query block of task i (of `blocks`): causal tasks grow with the block, so alternate ends to keep each
-// thread's share balanced
-inline int64_t task_block(int64_t i, int64_t blocks, bool causal) {
-  return causal ? (i % 2 == 0 ? i / 2 : blocks - 1 - i / 2) : i;
-}
-
 }  // namespace
-
-bool flash_bf16_compiled() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                 bool causal) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "flash_attention_bf16: bf16 q, k and v");
-  check_shapes("flash_attention_bf16", q, k, v, causal);
+  flash::check_shapes("flash_attention_bf16", q, k, v, causal);
   TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0, "flash_attention_bf16: q's row and head strides must be even");
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
   auto out = torch::empty({lq, heads, d}, q.options().dtype(at::kFloat));
@@ -309,19 +287,11 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
   return {out, lse};
 }
 
-bool flash_f32_compiled() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                bool causal) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "flash_attention_f32: float32 q, k and v");
-  check_shapes("flash_attention_f32", q, k, v, causal);
+  flash::check_shapes("flash_attention_f32", q, k, v, causal);
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
   auto out = torch::empty({lq, heads, d}, q.options());
   auto lse = torch::empty({lq, heads}, q.options());
@@ -411,9 +381,31 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
   return {out, lse};
 }
 
-// either kernel, by q's dtype
+// flash_avx2.cpp: the kernel of builds without AVX-512, both dtypes
+bool flash_avx2_compiled();
+std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal);
+
+// the kernel `flash_attention` runs for bf16 (or fp32) q, k and v in this build, in words; "" where none can (bf16
+// on AVX-512 without AVX512-BF16: that build keeps PyTorch's flash kernel, having no measured kernel of its own)
+std::string flash_kernel(bool bf16) {
+#if defined(__AVX512BF16__)
+  return bf16 ? "bf16 flash kernel on AVX512-BF16" : "fp32 flash kernel on AVX-512";
+#elif defined(__AVX512F__)
+  return bf16 ? "" : "fp32 flash kernel on AVX-512";
+#else
+  if (!flash_avx2_compiled()) return "";
+  return bf16 ? "fp32 flash kernel on AVX2, bf16 widened" : "fp32 flash kernel on AVX2";
+#endif
+}
+
+// the kernel of q's dtype in this build (`flash_kernel`)
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal) {
+#if defined(__AVX512F__)
   if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal);
   return flash_attention_bf16(q, k, v, scale, causal);
+#else
+  return flash_attention_avx2(q, k, v, scale, causal);
+#endif
 }

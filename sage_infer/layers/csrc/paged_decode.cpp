@@ -309,9 +309,8 @@ bool small_linear_compiled();
 bool layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
                            c10::optional<torch::Tensor> bias);
-// flash_bf16.cpp
-bool flash_bf16_compiled();
-bool flash_f32_compiled();
+// flash_bf16.cpp (and flash_avx2.cpp)
+std::string flash_kernel(bool bf16);
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal);
 // bf16_rows.cpp
@@ -340,8 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
   m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
-  m.def("flash_bf16_compiled", &flash_bf16_compiled, "whether flash_attention_bf16 was built (AVX512-BF16)");
-  m.def("flash_f32_compiled", &flash_f32_compiled, "whether flash_attention_f32 was built (AVX-512)");
+  m.def("flash_kernel", &flash_kernel, "the flash kernel this build runs for bf16 (or fp32) inputs; '' for none");
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
   m.def("bf16_rows_linear", &bf16_rows_linear, "x @ W.T + b for 1-4 bf16 rows on the [N, K] bf16 weight");
