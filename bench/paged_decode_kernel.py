@@ -5,12 +5,17 @@ pools masked SDPA, bf16 pools `gather_block_levels` + `decode_attention_scaled`)
     python bench/paged_decode_kernel.py --threads 1
     python bench/paged_decode_kernel.py --threads 2 --json out/paged_decode_kernel.json
     python bench/paged_decode_kernel.py --threads 2 --step     # one whole decode step from a 2 GB pool
+    python bench/paged_decode_kernel.py --threads 2 --kv-dtype int8 --json out/paged_decode_int8.json
 
 Shapes: qwen3-11m (6 query / 2 KV heads x 64, fp32 pool) and the Qwen2.5-0.5B shape (14 / 2 x 64,
 bf16 pool); batch x context lengths drawn uniformly in [lo, hi] (seed 0), blocks of 16 in a
 shuffled pool. Each case: best of 5 rounds of 5 calls, reference and kernel alternating, through
 `paged_attention` (the step's K/V store included, as in the engine). GB/s = K and V bytes of the
 contexts / kernel time.
+
+`--kv-dtype int8`: the same cases on an int8 pool (`QuantizedKVPool`): the reference is its PyTorch path
+(`gather_block_levels` + `decode_attention_scaled`), the kernel `decode_attention_paged_int8` reading the codes and
+fp16 scales in place; GB/s counts the codes and the scales.
 
 `--device cuda`: the same cases on an NVIDIA GPU, where the kernel is the Triton one
 (`sage_infer.layers.triton_paged`) and the reference the same PyTorch path on the GPU; plus
@@ -43,8 +48,10 @@ if str(REPO) not in sys.path:
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype  # noqa: E402
 from sage_infer.engine.model_runner import DECODE_GROUP_ROWS, ModelRunner  # noqa: E402
 from sage_infer.kv_runtime import KVPool  # noqa: E402
-from sage_infer.layers.attention import AttentionMetadata, paged_attention  # noqa: E402
-from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE  # noqa: E402
+from sage_infer.kv_runtime.pool import make_kv_pool  # noqa: E402
+from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, paged_attention  # noqa: E402
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE, AttentionBackend, PagedDecode  # noqa: E402
+from sage_infer.layers.cpu_kernels import decode_attention_paged_int8  # noqa: E402
 
 SHAPES = {"qwen3-11m fp32": (6, 2, 64, torch.float32), "qwen2.5-0.5b bf16": (14, 2, 64, torch.bfloat16)}
 CASES = [(64, 64, 640), (64, 1024, 1100), (16, 64, 640), (1, 128, 384), (1, 4000, 4096)]
@@ -52,15 +59,34 @@ GPU_CASES = [(256, 1024, 1100), (64, 4000, 4096), (256, 4000, 4096)]
 BLOCK = 16
 
 
+class Int8PagedDecode(PagedDecode):
+    """`PagedDecode` over an int8 pool: its codes and scales read in place from the pool's storage, laid out as
+    `QuantizedKVPool`'s docstring says (the pool has no public view of them)."""
+
+    def attend_lse(self, q: torch.Tensor, pool, layer: int, group: DecodeGroup,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scales = pool._codes[:, layer].view(torch.int8), pool._params[:, layer]
+        return decode_attention_paged_int8(q, codes[0], codes[1], scales[0], scales[1], group.block_tables,
+                                           group.context_lens, scale)
+
+
+INT8_PAGED_DECODE = AttentionBackend(decode=Int8PagedDecode())
+
+
 def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, lo: int, hi: int,
-         device: torch.device = torch.device("cpu")):
+         device: torch.device = torch.device("cpu"), int8: bool = False):
     rng = random.Random(0)
     torch.manual_seed(0)
     lens = [rng.randint(lo, hi) for _ in range(batch)]
     num_blocks = sum(-(-n // BLOCK) for n in lens) + 1
-    pool = KVPool(KVCacheSchema(1, num_kv_heads, head_dim, BLOCK, KVDtype.FP32), num_blocks, dtype=dtype,
-                  device=device)
-    pool._kv.normal_()  # (the bench may fill the storage directly: every slot holds a random key)
+    schema = KVCacheSchema(1, num_kv_heads, head_dim, BLOCK)
+    if int8:
+        pool = make_kv_pool(schema.with_dtype(KVDtype.INT8), num_blocks, device=device)
+        pool._codes.random_(0, 256)  # (the bench may fill the storage directly: random codes and scales)
+        pool._params.uniform_(0.005, 0.02)
+    else:
+        pool = KVPool(schema, num_blocks, dtype=dtype, device=device)
+        pool._kv.normal_()  # (the bench may fill the storage directly: every slot holds a random key)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lens]
@@ -72,7 +98,8 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
         groups = ModelRunner._decode_groups(list(range(batch)), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long, device=device),
                                             1 << 30 if in_place else DECODE_GROUP_ROWS)
-        return AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
+        kernel = INT8_PAGED_DECODE if int8 else PAGED_DECODE
+        return AttentionMetadata(slots, [], None, groups, backend=kernel if in_place else REFERENCE)
 
     metas = {"reference": meta(False), "kernel": meta(True)}
     calls = {name: (lambda m=m: paged_attention(q, k, v, pool, 0, m, head_dim**-0.5)) for name, m in metas.items()}
@@ -87,7 +114,7 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
                 call()
             sync(device)
             best[name] = min(best[name], (time.perf_counter() - start) / calls_per_round)
-    nbytes = sum(lens) * num_kv_heads * head_dim * 2 * dtype.itemsize
+    nbytes = sum(lens) * num_kv_heads * 2 * (head_dim + 2 if int8 else head_dim * dtype.itemsize)
     return {"batch": batch, "context": [lo, hi], "reference_ms": best["reference"] * 1e3,
             "kernel_ms": best["kernel"] * 1e3, "speedup": best["reference"] / best["kernel"],
             "kernel_gb_s": nbytes / best["kernel"] / 1e9, "kv_mb": nbytes / 1e6, "max_abs_diff": diff}
@@ -154,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", action="store_true", help="one whole decode step from a 2 GB pool instead")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the Triton kernel against the PyTorch path on the GPU")
+    parser.add_argument("--kv-dtype", default="float", choices=("float", "int8"),
+                        help="int8: the shapes' pools in int8 (CPU), the int8 kernel against their PyTorch path")
     args = parser.parse_args(argv)
+    if args.kv_dtype == "int8" and args.device != "cpu":
+        parser.error("--kv-dtype int8: the int8 kernel runs on CPUs")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.step:
@@ -170,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device read bandwidth (sum over 2 GB of bf16): {read_gb_s:.0f} GB/s")
     print(f"{'shape':<18} {'batch x context':>16} {'KV MB':>7} {'reference ms':>13} {'kernel ms':>10} {'x':>6} "
           f"{'GB/s':>6} {'max diff':>9}   ({where})")
+    int8 = args.kv_dtype == "int8"
     for name, shape in SHAPES.items():
+        name = name.rsplit(" ", 1)[0] + " int8" if int8 else name
         for batch, lo, hi in CASES + (GPU_CASES if device.type == "cuda" else []):
-            row = {"shape": name, **case(*shape, batch, lo, hi, device)}
+            row = {"shape": name, **case(*shape, batch, lo, hi, device, int8)}
             rows.append(row)
             print(f"{name:<18} {f'{batch} x {lo}-{hi}':>16} {row['kv_mb']:7.1f} {row['reference_ms']:13.3f} "
                   f"{row['kernel_ms']:10.3f} {row['speedup']:6.2f} {row['kernel_gb_s']:6.1f} "
@@ -180,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "device": where, "device_read_gb_s": read_gb_s,
-                                         "rows": rows}, indent=2))
+                                         "kv_dtype": args.kv_dtype, "rows": rows}, indent=2))
     return 0
 
 

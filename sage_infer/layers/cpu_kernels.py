@@ -8,7 +8,8 @@ be used at all; the engine then takes the PyTorch path.
 
 `decode_attention_paged` reads each decode row's keys and values in place from the pool's
 blocks: no gathered, padded copy of the context per layer and step (what the pure-PyTorch path,
-`gather_blocks` + `decode_attention_batched`, does and stays the oracle of).
+`gather_blocks` + `decode_attention_batched`, does and stays the oracle of); `decode_attention_paged_int8` the
+same from an int8 pool's codes and scales.
 
 The same module carries a decoder layer's elementwise glue as one pass each (csrc/fused_ops.cpp;
 `model.elementwise`): `rms_norm`, `add_rms_norm_` (the residual add, then the norm), `rope_` (Qwen3's
@@ -103,6 +104,25 @@ def decode_attention_paged(
         return decode_attention(q, k_blocks, v_blocks, block_tables, context_lens, scale)
     return _module().paged_decode_attention(q.float().contiguous(), k_blocks, v_blocks, block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
+
+
+def decode_attention_paged_int8(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention_paged` over an int8 pool's blocks in place (CPU): k_codes, v_codes: [num_blocks,
+    block_size, KvH, D] int8, contiguous; k_scales, v_scales: [num_blocks, block_size, KvH] (or with a trailing 1)
+    fp16, contiguous; a value is code * scale (`QuantizedKVPool`'s int8 layout). Each token's key scale multiplies
+    its score and its value scale its probability, so the codes are widened in registers, never dequantized into
+    memory. The oracle is `decode_attention_scaled` over `QuantizedKVPool.gather_block_levels`."""
+    return _module().paged_decode_attention_int8(q.float().contiguous(), k_codes, v_codes, k_scales, v_scales,
+                                                 block_tables.contiguous(), context_lens.contiguous(), scale)
 
 
 def _module() -> ModuleType:
