@@ -52,6 +52,7 @@ from sage_infer.layers.attention_backends import (
 from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, tile_linears
 from sage_infer.layers.cpu_kernels import (
     check_forced_level,
+    flash_kernel,
     flash_unavailable,
     kernel_level,
     kernel_unavailable,
@@ -333,7 +334,7 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
         why = f"the kernel is bf16 or fp32 only (the model is {dtype_name(dtype)})"
     else:
         why = flash_unavailable(head_dim, dtype)
-    kind = "bf16 flash kernel on AVX512-BF16" if dtype == torch.bfloat16 else "fp32 flash kernel on AVX-512"
+    kind = flash_kernel(dtype) if why is None else "the CPU flash kernel"
     return _fast_path("model.prefill_attention", choice, why, "sage", kind)
 
 
