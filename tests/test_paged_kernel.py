@@ -108,10 +108,12 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("paged") / "m", "qwen3")
 
 
-def engine(path, attention: str, dtype: str = "fp32", cascade: bool = True, num_blocks: int = 192, **scheduler):
+def engine(path, attention: str, dtype: str = "fp32", cascade: bool = True, num_blocks: int = 192,
+           kv_dtype: str = "auto", **scheduler):
     config = ServeConfig.model_validate({"model": {"path": str(path), "dtype": dtype, "attention": attention,
                                                    "cascade_attention": cascade},
-                                         "kv_pool": {"num_blocks": num_blocks}, "scheduler": scheduler})
+                                         "kv_pool": {"num_blocks": num_blocks, "kv_dtype": kv_dtype},
+                                         "scheduler": scheduler})
     return LLM(config=config)
 
 
@@ -120,19 +122,37 @@ def test_auto_picks_the_kernel_on_a_float_pool_and_torch_keeps_the_reference(tin
     assert not engine(tiny, "torch").engine.runner.attention.decode_in_place
 
 
-def test_auto_falls_back_to_torch_on_a_quantized_pool(tiny):
-    config = ServeConfig.model_validate({"model": {"path": str(tiny), "dtype": "fp32"},
-                                         "kv_pool": {"num_blocks": 64, "kv_dtype": "int8"}})
-    assert not LLM(config=config).engine.runner.attention.decode_in_place
+def test_auto_picks_the_int8_kernel_on_an_int8_pool(tiny):
+    llm = engine(tiny, "auto", num_blocks=64, kv_dtype="int8")
+    assert llm.engine.runner.attention.decode_in_place and llm.engine.runner.pool.supports_int8_block_views
 
 
-def test_paged_on_a_quantized_pool_is_a_config_error(tiny):
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int4"])
+def test_auto_falls_back_to_torch_on_a_pool_the_kernels_cannot_read(tiny, kv_dtype):
+    assert not engine(tiny, "auto", num_blocks=64, kv_dtype=kv_dtype).engine.runner.attention.decode_in_place
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int4"])
+def test_paged_on_a_pool_the_kernels_cannot_read_is_a_config_error(tiny, kv_dtype):
     from sage_infer.errors import ConfigError
 
-    config = ServeConfig.model_validate({"model": {"path": str(tiny), "dtype": "fp32", "attention": "paged"},
-                                         "kv_pool": {"num_blocks": 64, "kv_dtype": "int8"}})
-    with pytest.raises(ConfigError, match="^model.attention: paged: kv_dtype int8 is quantized"):
-        LLM(config=config)
+    with pytest.raises(ConfigError, match=f"^model.attention: paged: kv_dtype {kv_dtype} is quantized"):
+        engine(tiny, "paged", num_blocks=64, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+def test_int8_pool_greedy_tokens_agree_between_the_int8_kernel_and_the_torch_path(tiny, cascade):
+    """Both paths attend in fp32 over the same int8 codes and scales (the kernel folds the scales into scores and
+    probabilities, the torch path dequantizes first): only rounding differs, as between bf16 paths."""
+    rng = random.Random(4)
+    system = [rng.randrange(5, 500) for _ in range(41 * 16 + 3)] if cascade else []
+    lens = [rng.randint(1, 40) for _ in range(16)] if cascade else [1, 7, 16, 33, 64, 90, 150, 12]
+    prompts = [system + [rng.randrange(5, 500) for _ in range(n)] for n in lens]
+    kernel = engine(tiny, "paged", kv_dtype="int8", cascade=cascade)
+    got = greedy_tokens(kernel, prompts, 12)
+    assert_within_bf16_drift(got, greedy_tokens(engine(tiny, "torch", kv_dtype="int8", cascade=cascade), prompts, 12))
+    kernel.engine.kv.block_manager.check_invariants()
+    assert not cascade or kernel.engine.runner.cascade_steps > 0
 
 
 def test_fp32_greedy_tokens_are_identical_with_the_kernel_and_the_reference(tiny):

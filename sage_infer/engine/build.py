@@ -271,8 +271,9 @@ def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool
     """`model.attention`: whether decode rows read K/V in place through the paged kernel."""
     if choice == "torch":
         return False
-    if not pool.supports_block_views:
-        why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
+    if not pool.supports_block_views and not (pool.supports_int8_block_views and device.type == "cpu"):
+        why = (f"kv_dtype {pool.schema.dtype.value} is quantized (the kernels read float blocks, and int8 ones "
+               f"on a CPU)")
     elif device.type == "cuda":
         why = triton_unavailable(device)
     elif device.type != "cpu":

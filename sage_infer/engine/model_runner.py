@@ -54,8 +54,9 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype if model is not None else pool.dtype
         self.cascade_min_saved_tokens = MIN_SAVED_TOKENS.get(dtype, MIN_SAVED_TOKENS[torch.float32])
         self.cascade_steps = 0
-        in_place = attention.decode_in_place or attention.prefill_in_place
-        assert not in_place or pool.supports_block_views, "the kernels that read blocks in place read float blocks"
+        assert not attention.prefill_in_place or pool.supports_block_views, "the prefill kernel reads float blocks"
+        assert not attention.decode_in_place or pool.supports_block_views or pool.supports_int8_block_views, \
+            "the decode kernels read float or int8 blocks"
         # the kernel reads only each row's own blocks, so padding costs nothing: one group of all rows
         self.decode_group_rows = 1 << 30 if attention.decode_in_place else DECODE_GROUP_ROWS
         self.step = step if step is not None else PythonStep()  # how the forward runs (`sage_infer.engine.step`)

@@ -68,6 +68,7 @@ class KVPool:
     """
 
     supports_block_views = True  # `block_views`: K/V blocks in one float dtype (a quantized pool: no)
+    supports_int8_block_views = False  # `int8_block_views`: an int8 pool's codes and scales (`QuantizedKVPool`)
 
     def __init__(
         self,
@@ -197,6 +198,12 @@ class KVPool:
         each, contiguous: for kernels that read blocks in place (`sage_infer.layers.cpu_kernels`).
         Only where `supports_block_views` (a float pool); never written through."""
         return self._blocks[layer]
+
+    def int8_block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An int8 pool's K codes, V codes, K scales and V scales of `layer` as stored, for the paged decode kernel
+        that reads them in place (`cpu_kernels.decode_attention_paged_int8`). Only where
+        `supports_int8_block_views`."""
+        raise NotImplementedError(f"a {self.schema.dtype.value} pool has no int8 block views")
 
     def token_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` as token rows ``[num_blocks * block_size, num_kv_heads, head_dim]`` (slot ``s``

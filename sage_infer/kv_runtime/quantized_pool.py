@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from sage_infer.core.kv_schema import KVCacheSchema, ScaleLayout
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
 from sage_infer.kv_runtime.pool import (
     GATHER_SCRATCH_MAX_BYTES,
     BlockIds,
@@ -68,6 +68,8 @@ class QuantizedKVPool(KVPool):
         self._param_rows = [self._params[:, layer].view(2, -1, self.num_kv_heads, self.codec.num_params)
                             for layer in range(self.num_layers)]
         self._workspace: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # gather buffers, grown on demand
+        # int8 codes are one signed byte per value with one scale: the paged decode kernel reads them in place
+        self.supports_int8_block_views = schema.dtype is KVDtype.INT8 and self.codec.num_params == 1
 
     @property
     def block_shape(self) -> tuple[int]:
@@ -78,6 +80,15 @@ class QuantizedKVPool(KVPool):
         return self.schema.bytes_per_block
 
     # -- attention ---------------------------------------------------------------------------
+
+    def int8_block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K codes, V codes ``[num_blocks, block_size, num_kv_heads, head_dim]`` int8 and K scales, V scales
+        ``[num_blocks, block_size, num_kv_heads, 1]`` fp16 of `layer`: views of the storage (a value is code *
+        scale), never written through. Only where `supports_int8_block_views`."""
+        if not self.supports_int8_block_views:
+            return super().int8_block_views(layer)
+        codes, scales = self._codes[:, layer].view(torch.int8), self._params[:, layer]
+        return codes[0], codes[1], scales[0], scales[1]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         codes, scales = self.codec.encode(torch.stack((k, v)))  # [2, T, KvH, code_dim], [2, T, KvH, 1]

@@ -6,7 +6,8 @@ An `AttentionBackend` is a decode part and a prefill part, named as the config n
   (the oracle).
 - `model.attention: paged` -> `PagedDecode`: decode rows (and short chunks after cached context) read their
   blocks in place: the C++ kernel on a CPU, the Triton kernel on an NVIDIA GPU
-  (`cpu_kernels.decode_attention_paged` dispatches by device).
+  (`cpu_kernels.decode_attention_paged` dispatches by device); an int8 pool's codes and scales through
+  `cpu_kernels.decode_attention_paged_int8` (CPU).
 - `model.prefill_attention: torch` -> `TorchPrefill`: prefill spans one by one, PyTorch's SDPA (the oracle).
 - `model.prefill_attention: sage` on a CPU -> `FlashPrefill`: prefill spans and shared prefixes through sage's
   CPU flash kernel.
@@ -39,7 +40,7 @@ from sage_infer.layers.attention import (
     prefill_attention,
     shared_keys_attention_lse,
 )
-from sage_infer.layers.cpu_kernels import decode_attention_paged, flash_attention
+from sage_infer.layers.cpu_kernels import decode_attention_paged, decode_attention_paged_int8, flash_attention
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -79,7 +80,9 @@ class GatheredDecode:
 @dataclass(frozen=True)
 class PagedDecode(GatheredDecode):
     """Decode rows read their context in place from the pool's blocks, all rows in one group: the C++ kernel on
-    a CPU, the Triton kernel on an NVIDIA GPU. The pool must have block views (a float pool)."""
+    a CPU, the Triton kernel on an NVIDIA GPU. The pool must have block views (a float pool), or int8 block
+    views on a CPU (the int8 kernel: codes widened in registers, each token's scales on its score and
+    probability)."""
 
     name = "paged"
     in_place = True  # also: chunks of at most IN_PLACE_CHUNK_ROWS after cached context become decode rows
@@ -89,7 +92,10 @@ class PagedDecode(GatheredDecode):
 
     def attend_lse(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens, scale)
+        if pool.supports_block_views:
+            return decode_attention_paged(q, *pool.block_views(layer), group.block_tables, group.context_lens, scale)
+        return decode_attention_paged_int8(q, *pool.int8_block_views(layer), group.block_tables, group.context_lens,
+                                           scale)
 
 
 # -- prefill parts -----------------------------------------------------------------------------------------------
