@@ -56,6 +56,7 @@ class LoadResult:
     load_s: float
     vllm_version: str
     torch_version: str
+    isa: str = ""  # the kernel build vLLM's CPU platform imports on this CPU (`vllm_cpu_isa`)
     op: str = "load"
 
 
@@ -115,7 +116,22 @@ def load(job: LoadJob):
     llm = vllm.LLM(job.model, dtype=job.dtype, seed=job.seed, enable_prefix_caching=True,
                    disable_log_stats=False, **job.llm_kwargs)
     return llm, LoadResult(load_s=time.perf_counter() - start, vllm_version=vllm.__version__,
-                           torch_version=torch.__version__)
+                           torch_version=torch.__version__, isa=vllm_cpu_isa())
+
+
+def vllm_cpu_isa() -> str:
+    """Which of its x86 kernel builds vLLM's CPU platform imports here (`CpuPlatform.import_kernels` decides by
+    the same two torch checks, in its engine process): _C (AVX512-BF16), _C_AVX512 or _C_AVX2. Its choice
+    cannot be forced lower."""
+    import platform
+
+    import torch
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return platform.machine()
+    if torch.cpu._is_avx512_supported():
+        return "avx512_bf16 (vllm._C)" if torch.cpu._is_avx512_bf16_supported() else "avx512 (vllm._C_AVX512)"
+    return "avx2 (vllm._C_AVX2)"
 
 
 def generate(llm, job: GenerateJob) -> GenerateResult:

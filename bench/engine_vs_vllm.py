@@ -241,11 +241,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def sage_isa() -> str:
+    """The ISA level of sage's kernels in this process (SAGE_CPU_ISA or the CPU's best), or why there are none."""
+    from sage_infer.layers.cpu_kernels import kernel_level, kernel_unavailable
+
+    return kernel_level() or f"none ({kernel_unavailable()})"
+
+
 def print_table(report: dict) -> None:
     h = report["header"]
     print(f"\n{h['model']} ({h['model_description']}), {h['params'] / 1e6:.1f} M params, {h['dtype']}, "
           f"{h['threads']} threads, KV {h['kv_gib']} GiB, median of {h['repeats']} run(s), "
           f"loadavg {h['loadavg_at_start'][0]:.1f} at start")
+    print(f"kernels: sage {h['sage_isa']}" + (f", vLLM {h['vllm_isa']}" if h.get("vllm_isa") else ""))
     print(f"{'workload':<9} {'vLLM tok/s':>11} {'sage tok/s':>11} {'sage/vLLM':>10} {'TTFT mean s vLLM / sage':>24} "
           f"{'cpu vLLM / sage':>16} {'greedy identical':>17}")
     for w in report["workloads"]:
@@ -286,8 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sage-only", action="store_true", help="run sage alone (no vLLM venv needed)")
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".vllm-venv")
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="where built models are kept")
+    parser.add_argument("--sage-isa", choices=("avx2", "avx512", "avx512_bf16"),
+                        help="run sage's kernels at this ISA level (SAGE_CPU_ISA; at most the CPU's), e.g. avx2 on an "
+                             "AVX-512 machine; vLLM's own choice cannot be forced (the header says which it used)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.sage_isa:
+        os.environ["SAGE_CPU_ISA"] = args.sage_isa
     workloads = args.workloads.split(",")
     if unknown := [w for w in workloads if w not in ALL_WORKLOADS]:
         parser.error(f"unknown workload(s) {unknown}; choose from {','.join(ALL_WORKLOADS)}")
@@ -312,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": args.dtype, "threads": args.threads, "kv_gib": args.kv_gib, "repeats": args.repeats,
               "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_start": os.getloadavg(),
-              "read_gb_s": read_bandwidth_gb_s(args.threads)}
+              "read_gb_s": read_bandwidth_gb_s(args.threads), "sage_isa": sage_isa()}
     log(f"model {spec.name}: {model_dir} ({facts['params'] / 1e6:.1f} M params), {args.dtype}, {args.threads} threads")
 
     worker = None
@@ -324,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             loaded = worker.call(wire.LoadJob(str(model_dir), VLLM_DTYPES[args.dtype], args.seed))
             worker.call(wire.GenerateJob("warmup", warmup, 4))
             time.sleep(VLLM_BUSY_POLL_S)
-            header.update(vllm=loaded.vllm_version, vllm_torch=loaded.torch_version, vllm_load_s=loaded.load_s)
-            log(f"vLLM {loaded.vllm_version} loaded in {loaded.load_s:.0f}s")
+            header.update(vllm=loaded.vllm_version, vllm_torch=loaded.torch_version, vllm_load_s=loaded.load_s,
+                          vllm_isa=loaded.isa)
+            log(f"vLLM {loaded.vllm_version} loaded in {loaded.load_s:.0f}s, kernels {loaded.isa}")
         report = {"header": header, "workloads": [
             run_workload(name, *all_workloads[name], args, worker, model_dir, warmup, log) for name in workloads]}
     except RuntimeError as err:
