@@ -65,6 +65,35 @@ def test_greedy_tokens_are_the_python_paths_exactly(tmp_path, arch, dtype):
     assert got == greedy_tokens(engine(path, "python", dtype=dtype), prompts, max_tokens=24)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_over_an_int8_pool_greedy_tokens_are_the_python_paths_exactly(tmp_path, dtype):
+    """The C++ step quantizes K/V into the int8 pool as its store does and reads the codes in place with the
+    kernel the Python path's decode rows use."""
+    if dtype == "bf16" and small_linear_unavailable() is not None and packing_unavailable(torch.bfloat16) is None:
+        pytest.skip(f"sage's small-row kernel: {small_linear_unavailable()}")
+    path = make_tiny_model(tmp_path / "q3", "qwen3")
+    rng = random.Random(10)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 9, 16, 40, 77, 130)]
+    fast = engine(path, "auto", dtype=dtype, kv_dtype="int8")
+    step = counted(fast)
+    got = greedy_tokens(fast, prompts, max_tokens=24)
+    assert step.calls >= 23 and max(step.rows) == len(prompts)
+    assert got == greedy_tokens(engine(path, "python", dtype=dtype, kv_dtype="int8"), prompts, max_tokens=24)
+
+
+def test_over_an_int8_pool_a_shared_prefix_step_runs_in_python_with_the_same_tokens(tmp_path):
+    path = make_tiny_model(tmp_path / "q3", "qwen3")
+    shared = list(range(5, 133))
+    prompts = [shared + [300 + i] * (1 + i) for i in range(6)]
+    fast, reference = (engine(path, choice, dtype="fp32", kv_dtype="int8") for choice in ("sage", "python"))
+    for llm in (fast, reference):
+        llm.engine.runner.cascade_min_saved_tokens = 32
+    step = counted(fast)
+    got = greedy_tokens(fast, prompts, max_tokens=12)
+    assert not step.cascade_rows and fast.engine.runner.cascade_steps >= 10
+    assert got == greedy_tokens(reference, prompts, max_tokens=12)
+
+
 @needs_small_linear
 def test_a_step_of_more_rows_than_the_small_row_kernel_takes_runs_its_products_on_onednn(tmp_path):
     path = make_tiny_model(tmp_path / "q2", "qwen2")

@@ -14,7 +14,7 @@ from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.kv_runtime.pool import make_kv_pool
 from sage_infer.layers.attention import DecodeGroup, attention_with_lse_reference
 from sage_infer.layers.attention_backends import GatheredDecode
-from sage_infer.layers.cpu_kernels import decode_attention_paged_int8, kernel_unavailable
+from sage_infer.layers.cpu_kernels import decode_attention_paged_int8, kernel_unavailable, quantize_store_int8_
 
 pytestmark = [pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}"),
               pytest.mark.usefixtures("cpu_isa")]
@@ -97,3 +97,32 @@ def test_codes_and_scales_of_other_dtypes_or_sizes_are_clear_errors():
         decode_attention_paged_int8(q, k, v, ks.float(), vs, tables, lens, 0.1)
     with pytest.raises(RuntimeError, match="k/v scales: contiguous fp16"):
         decode_attention_paged_int8(q, k, v, ks[:-1], vs, tables, lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpp_store_writes_the_codes_and_scales_the_pools_store_writes_to_the_bit(dtype):
+    """`quantize_store_int8_` (what the C++ decode step stores) against `QuantizedKVPool.store` (`KVCodec.encode`):
+    magnitudes from 1e-9 to 3e4, all-zero heads, and K/V as the strided views of a q/k/v product."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, tokens = 6, 2, 64, 16, 200
+    schema = KVCacheSchema(LAYERS, kv_heads, head_dim, block_size).with_dtype(KVDtype.INT8)
+    reference, pool = make_kv_pool(schema, 20), make_kv_pool(schema, 20)
+    magnitude = 10.0 ** torch.randint(-9, 5, (tokens, 1, 1)).float()
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, head_dim) * magnitude).to(dtype)
+    qkv[::17, heads:] = 0  # every value of some heads zero: the smallest scale
+    k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    slots = torch.randperm(20 * block_size)[:tokens]
+    reference.store(LAYER, k, v, slots)
+    k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(LAYER)
+    for src, codes, scales in ((k, k_codes, k_scales), (v, v_codes, v_scales)):
+        quantize_store_int8_(src, codes.view(-1, kv_heads, head_dim), scales, slots)
+    for got, want in zip(pool.int8_block_views(LAYER), reference.int8_block_views(LAYER)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.int8 else got.view(torch.int16),
+                           want.view(torch.uint8) if want.dtype == torch.int8 else want.view(torch.int16))
+
+
+def test_the_cpp_store_refuses_a_slot_outside_the_pool():
+    schema = KVCacheSchema(LAYERS, 2, 32, 8).with_dtype(KVDtype.INT8)
+    k_codes, _, k_scales, _ = make_kv_pool(schema, 2).int8_block_views(LAYER)
+    with pytest.raises(RuntimeError, match="slot 16 is outside the pool"):
+        quantize_store_int8_(torch.randn(1, 2, 32), k_codes.view(-1, 2, 32), k_scales, torch.tensor([16]))

@@ -215,10 +215,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[torch.Tensor | None],
                   bf16: list[torch.Tensor | None], tensors: list[torch.Tensor], qk_norms: list[torch.Tensor],
-                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float, qk_eps: float, scale: float):
+                  kv_scales: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                  qk_eps: float, scale: float):
     """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
     `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
     cos, signed_sin, slots, block_tables, context_lens, shared_block_ids or None, flash)`` returns the
     final-normed hidden states (`LlamaForCausalLM.forward` calls it)."""
-    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, num_heads, num_kv_heads, head_dim,
-                                  eps, qk_eps, scale)
+    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, num_heads,
+                                  num_kv_heads, head_dim, eps, qk_eps, scale)
+
+
+def quantize_store_int8_(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """src: [T, KvH, D] K (or V) rows (fp32/bf16/fp16, each row's heads contiguous) quantized into an int8 pool's
+    codes [slots, KvH, D] int8 and fp16 scales (one per slot and KV head) at `slots` ([T] int64), in place: the
+    codes and scales `QuantizedKVPool.store` writes (`KVCodec.encode`), to the bit. What the C++ decode step
+    stores into an int8 pool."""
+    _module().quantize_store_int8_(src, codes, scales, slots)

@@ -217,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
                 if (group := meta.pure_decode_group()) is not None:
                     return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
                                            group.context_lens, None, False)
-                if (group := meta.cascade_decode_group(x.shape[0])) is not None:
+                # an int8 pool's shared prefix is attended in Python (its keys dequantized, `gather_blocks`)
+                if pool.supports_block_views and (group := meta.cascade_decode_group(x.shape[0])) is not None:
                     return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
                                            group.context_lens, meta.shared.block_ids, meta.backend.prefill.flash)
             for i, layer in enumerate(layers):
@@ -242,8 +243,9 @@ class LlamaForCausalLM(nn.Module):
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"it runs fp32 and bf16 models (the model is {dtype})"
-        if not pool.supports_block_views or pool.dtype != dtype:
-            return f"it needs a KV pool in the model's dtype (kv_dtype is {pool.schema.dtype.value}, the model {dtype})"
+        if not pool.supports_int8_block_views and (not pool.supports_block_views or pool.dtype != dtype):
+            return (f"it needs a KV pool in the model's dtype, or an int8 one (kv_dtype is {pool.schema.dtype.value}, "
+                    f"the model {dtype})")
         for layer in self.model.layers:
             if not all(isinstance(m, PackedLinear) for m in self._decode_linears(layer)):
                 return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
@@ -269,8 +271,8 @@ class LlamaForCausalLM(nn.Module):
     def prepare_decode_step(self, pool: KVPool) -> object:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
         (csrc/decode_step.cpp): the handle `forward(..., fused=True, decode_step=handle)` runs a decode step over
-        `pool` (a pure one, or one whose rows all attend a shared prefix) in one call. The caller checked
-        `decode_step_unavailable`."""
+        `pool` (a pure one, or one whose rows all attend a shared prefix; over an int8 pool a pure one: its codes
+        quantized and read in place) in one call. The caller checked `decode_step_unavailable`."""
         layers = self.model.layers
         shapes: list[int] = []
         packed: list[torch.Tensor] = []
@@ -278,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         bf16: list[torch.Tensor | None] = []
         tensors: list[torch.Tensor] = []
         qk_norms: list[torch.Tensor] = []
+        kv_scales: list[torch.Tensor] = []  # an int8 pool's: its codes stand in for the K/V rows and blocks
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             for linear in self._decode_linears(layer):
@@ -288,13 +291,19 @@ class LlamaForCausalLM(nn.Module):
                 biases += [linear._bias32 if small else None, linear.bias]
                 bf16 += [linear.weight_bf16, linear.bias_bf16]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
-                        *pool.block_views(attn.layer)]
+            if pool.supports_int8_block_views:
+                k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(attn.layer)
+                rows = [codes.view(-1, *codes.shape[2:]) for codes in (k_codes, v_codes)]
+                tensors += [layer.post_attention_layernorm.weight, after.weight, *rows, k_codes, v_codes]
+                kv_scales += [k_scales, v_scales]
+            else:
+                tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
+                            *pool.block_views(attn.layer)]
             if attn.qk_norm:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         eps, qk_eps = self._norm_eps()
         attn = layers[0].self_attn
-        step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, attn.num_heads,
+        step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, attn.num_heads,
                                      attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
         return step
 

@@ -7,6 +7,9 @@
 // fused_ops.cpp; paged_decode.cpp) in the same order on the same values, so the result is the Python
 // path's to the bit; what goes is the interpreter's time around ~12 calls per layer (about a fifth of
 // a batch-1 step of the 0.5B shape here).
+// Over an int8 pool (QuantizedKVPool) the store quantizes as the pool's does, to the bit (fused_ops.cpp
+// quantize_store_int8_), attention reads the codes and scales in place (paged_decode_attention_int8), and steps
+// with a shared prefix stay in Python.
 // The reference is `LlamaForCausalLM.forward`'s fused branch (sage_infer/models/llama.py).
 #include "kernel.h"
 #include <torch/csrc/utils/pybind.h>
@@ -28,6 +31,11 @@ std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, tor
 std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                   torch::Tensor block_tables, torch::Tensor context_lens,
                                                   double scale);
+std::vector<torch::Tensor> paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
+                                                       torch::Tensor k_scales, torch::Tensor v_scales,
+                                                       torch::Tensor block_tables, torch::Tensor context_lens,
+                                                       double scale);
+void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor scales, torch::Tensor slots);
 
 namespace {
 
@@ -65,6 +73,8 @@ struct Layer {
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
   torch::Tensor k_rows, v_rows;                // the pool's token rows [slots, KvH, D] (KVPool.token_rows)
   torch::Tensor k_blocks, v_blocks;            // the same memory as [blocks, block_size, KvH, D]
+  // an int8 pool: k/v rows and blocks hold its codes (int8), these its fp16 scales, one per (slot, KV head)
+  c10::optional<torch::Tensor> k_scales, v_scales;
 };
 
 // each row's K (or V) [KvH, D] into its slot: what KVPool.store's index_copy_ does
@@ -88,18 +98,21 @@ class DecodeLayers {
   // bf16_rows) x 4 in `shapes` (address and nbytes 0 where small_rows is), their packed weights x 4 in `packed`,
   // biases as (fp32, model dtype) x 4 in `biases` (none where absent), (bf16 weight, bf16 bias) x 4 in `bf16`
   // (none but for bf16 layers on fp32 copies), and in `tensors` post_norm, next_norm, k_rows, v_rows, k_blocks,
-  // v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty
+  // v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty; `kv_scales`: an int8 pool's k_scales, v_scales
+  // per layer (k/v rows and blocks are then its codes: QuantizedKVPool.int8_block_views), or empty
   DecodeLayers(std::vector<int64_t> shapes, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> bf16,
                std::vector<torch::Tensor> tensors,
-               std::vector<torch::Tensor> qk_norms, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double qk_eps, double scale)
-      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale) {
+               std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> kv_scales, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double qk_eps, double scale)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale),
+        int8_(!kv_scales.empty()) {
     const size_t n = tensors.size() / 6;
     TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 20 && packed.size() == n * 4 &&
-                    biases.size() == n * 8 && bf16.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2),
+                    biases.size() == n * 8 && bf16.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2) &&
+                    (kv_scales.empty() || kv_scales.size() == n * 2),
                 "DecodeLayers: per layer 20 linear numbers, 4 packed weights, 8 biases, 8 bf16 weights/biases, 6 "
-                "tensors (and 2 q/k norms)");
+                "tensors (and 2 q/k norms, 2 int8 scale tensors)");
     for (size_t i = 0; i < n; ++i) {
       auto linear = [&](size_t j) {
         const int64_t* s = shapes.data() + i * 20 + j * 5;
@@ -112,10 +125,16 @@ class DecodeLayers {
         layer.q_norm = qk_norms[i * 2];
         layer.k_norm = qk_norms[i * 2 + 1];
       }
-      TORCH_CHECK(layer.k_rows.scalar_type() == layer.post_norm.scalar_type() && layer.k_rows.is_contiguous() &&
+      if (int8_) {
+        layer.k_scales = kv_scales[i * 2];
+        layer.v_scales = kv_scales[i * 2 + 1];
+      }
+      const auto pool_dtype = int8_ ? at::kChar : layer.post_norm.scalar_type();
+      TORCH_CHECK(layer.k_rows.scalar_type() == pool_dtype && layer.k_rows.is_contiguous() &&
                       layer.k_rows.dim() == 3 && layer.k_rows.size(1) == num_kv_heads &&
                       layer.k_rows.size(2) == head_dim && layer.v_rows.sizes() == layer.k_rows.sizes(),
-                  "DecodeLayers: the pool rows must be contiguous [slots, KvH, D] in the model's dtype");
+                  "DecodeLayers: the pool rows must be contiguous [slots, KvH, D] in the model's dtype (int8 codes "
+                  "with scales)");
       layers_.push_back(std::move(layer));
     }
   }
@@ -134,8 +153,9 @@ class DecodeLayers {
                 "decode_step: slots must be [B] int64");
     const int64_t* slot = slots.data_ptr<int64_t>();
     const auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
-    TORCH_CHECK(layers_.empty() || h.scalar_type() == layers_[0].k_rows.scalar_type(),
+    TORCH_CHECK(int8_ || layers_.empty() || h.scalar_type() == layers_[0].k_rows.scalar_type(),
                 "decode_step: the pool's dtype is not the model's");
+    TORCH_CHECK(!int8_ || !shared.has_value(), "decode_step: an int8 pool's steps with a shared prefix run in Python");
     for (const Layer& layer : layers_) {
       auto qkv = layer.qkv(h);
       TORCH_CHECK(qkv.size(1) == width, "decode_step: the qkv product has ", qkv.size(1), " columns, not ", width);
@@ -148,8 +168,13 @@ class DecodeLayers {
       } else {  // q and k side by side: one pass
         rope_(heads.narrow(1, 0, heads_ + kv_heads_), cos, signed_sin, c10::nullopt, qk_eps_);
       }
-      store_rows(k, layer.k_rows, slot, batch);
-      store_rows(v, layer.v_rows, slot, batch);
+      if (int8_) {  // QuantizedKVPool.store's codes and scales
+        quantize_store_int8_(k, layer.k_rows, *layer.k_scales, slots);
+        quantize_store_int8_(v, layer.v_rows, *layer.v_scales, slots);
+      } else {
+        store_rows(k, layer.k_rows, slot, batch);
+        store_rows(v, layer.v_rows, slot, batch);
+      }
       auto attended = attend(layer, q, tables, lens, shared, flash).to(h.scalar_type());
       h = add_rms_norm_(layer.o(attended.view({batch, heads_ * head_dim_})), residual, layer.post_norm, eps_);
       h = add_rms_norm_(layer.down(silu_mul(layer.gate_up(h))), residual, layer.next_norm, eps_);
@@ -163,6 +188,9 @@ class DecodeLayers {
   // place, merged by their log-sum-exp), op for op
   torch::Tensor attend(const Layer& layer, const torch::Tensor& q, const torch::Tensor& tables,
                        const torch::Tensor& lens, const c10::optional<torch::Tensor>& shared, bool flash) const {
+    if (int8_)
+      return paged_decode_attention_int8(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks,
+                                         *layer.k_scales, *layer.v_scales, tables, lens, scale_)[0];
     auto suffix = paged_decode_attention(q.to(at::kFloat).contiguous(), layer.k_blocks, layer.v_blocks, tables, lens,
                                          scale_);
     if (!shared.has_value()) return suffix[0];
@@ -192,6 +220,7 @@ class DecodeLayers {
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, qk_eps_, scale_;
+  bool int8_;  // the pool is int8: codes and scales (QuantizedKVPool)
 };
 
 void bind_decode_layers(pybind11::module& m) {
@@ -199,6 +228,7 @@ void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, double>())
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                          double, double>())
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
 }

@@ -10,11 +10,15 @@
 // `_Pragma`, not `#pragma`: a directive cannot sit inside the AT_DISPATCH macro argument.
 #include "kernel.h"
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "widen.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -36,6 +40,17 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   const float r = 1.f / std::sqrt(sq / static_cast<float>(h) + eps);
   _Pragma("omp simd")
   for (int64_t i = 0; i < h; ++i) out[i] = narrow<T>(widen(w[i]) * round_to<T>(widen(x[i]) * r));
+}
+
+// a / b rounded as IEEE division (PyTorch's `/`): -ffast-math may turn a plain `/` into a product with a
+// reciprocal, one ulp away, which the fp16 rounding of a scale can carry into a different code
+inline float ieee_div(float a, float b) {
+#if defined(__x86_64__)
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
+#else
+  volatile float q = a / b;
+  return q;
+#endif
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
@@ -152,6 +167,56 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::op
           row[i] = narrow<scalar_t>(round_to<scalar_t>(widen(src[i]) * widen(c[i])) +
                                    round_to<scalar_t>(rolled * widen(s[i])));
         }
+      }
+    });
+  });
+}
+
+// One token's K (or V) heads into an int8 pool, as `KVCodec.encode` (int8) and `QuantizedKVPool.store` make them,
+// to the bit: per head scale = fp16(clamp(amax / 127, 2^-24, fp16 max)), code = floor(x / scale + 127.5) - 127
+// with x / scale = x * (1 / scale) clamped to +-127, x read as fp32
+template <typename T>
+inline void quantize_head(const T* x, int8_t* code, at::Half* scale, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(widen(x[i])));
+  const float s = std::min(std::max(ieee_div(amax, 127.f), 0x1p-24f), 65504.f);
+  const at::Half half(s);
+  const float inv = ieee_div(1.f, static_cast<float>(half));
+  *scale = half;
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < d; ++i) {
+    const float w = std::min(std::max(widen(x[i]) * inv, -127.f), 127.f);
+    code[i] = static_cast<int8_t>(std::floor(w + 127.5f) - 127.f);
+  }
+}
+
+// src: [T, KvH, D] (each row's heads contiguous, rows at any stride) in fp32, bf16 or fp16; codes: the pool's
+// [slots, KvH, D] int8 rows of one layer's K (or V); scales: its [slots, KvH(, 1)] fp16 scales, contiguous;
+// slots: [T] int64 -> token t quantized into slot slots[t] (QuantizedKVPool.store's result, with no temporaries)
+void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor scales, torch::Tensor slots) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.stride(1) == src.size(2),
+              "quantize_store_int8_: src must be [T, KvH, D] with each row's heads contiguous");
+  TORCH_CHECK(codes.scalar_type() == torch::kChar && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(1) == src.size(1) && codes.size(2) == src.size(2),
+              "quantize_store_int8_: codes must be contiguous int8 [slots, KvH, D]");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.numel() == codes.size(0) * codes.size(1),
+              "quantize_store_int8_: scales must be contiguous fp16, one per (slot, KV head)");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == src.size(0),
+              "quantize_store_int8_: slots must be [T] int64");
+  const int64_t t = src.size(0), heads = src.size(1), d = src.size(2), num_slots = codes.size(0);
+  const int64_t stride = src.stride(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "quantize_store_int8_: slot ", slot[i], " is outside the pool");
+  int8_t* cp = codes.data_ptr<int8_t>();
+  at::Half* sp = scales.data_ptr<at::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "quantize_store_int8_", [&] {
+    const scalar_t* xp = src.data_ptr<scalar_t>();
+    at::parallel_for(0, t * heads, grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t tok = task / heads, head = task % heads, dst = slot[tok] * heads + head;
+        quantize_head(xp + tok * stride + head * d, cp + dst * d, sp + dst, d);
       }
     });
   });

@@ -357,6 +357,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::optional<torch::Tensor> norm_weight,
            double eps);
+void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor scales, torch::Tensor slots);
 // small_linear.cpp
 bool small_linear_compiled();
 bool layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
@@ -392,6 +393,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [N, 2I]");
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
+  m.def("quantize_store_int8_", &quantize_store_int8_, "K or V rows quantized into an int8 pool's slots, in place");
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
   m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
   m.def("flash_kernel", &flash_kernel, "the flash kernel this build runs for bf16 (or fp32) inputs; '' for none");
