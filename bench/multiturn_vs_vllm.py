@@ -11,6 +11,8 @@ configuration:
   sage             sage, a device pool of the same bytes, no lower tiers
   sage-host        the same plus a host-memory tier (--kv-tiers host=...)
   sage-host-int8   the same with int8 KV (the same bytes hold about twice the blocks)
+  vllm-sagekv      vLLM with sage's KV connector (SageKVConnector) saving and loading blocks through a disk store
+                   (--sagekv-disk-bytes, in the run's work directory): vLLM's own way beyond device memory
   vllm-unbounded   vLLM with the whole working set in its KV cache (its ceiling)
   sage-unbounded   sage likewise
 
@@ -42,18 +44,20 @@ import time
 from pathlib import Path
 
 import httpx
+from pydantic import ByteSize, TypeAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
 from vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 
+from sage_infer.integrations.vllm.config import kv_transfer_config  # noqa: E402
 from sage_infer.serving_bench.runner import run_workload  # noqa: E402
 from sage_infer.serving_bench.stats import summarize  # noqa: E402
 from sage_infer.serving_bench.workloads import Workload, agent_workload, multi_turn_workload, poisson_arrivals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_NAME = "m"
-CONFIGS = ("vllm", "sage", "sage-host", "sage-host-int8", "vllm-unbounded", "sage-unbounded")
+CONFIGS = ("vllm", "sage", "sage-host", "sage-host-int8", "vllm-sagekv", "vllm-unbounded", "sage-unbounded")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -128,6 +132,11 @@ def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
         command = [str(REPO / args.vllm_venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                    "--model", str(model), "--host", "127.0.0.1", "--enable-prompt-tokens-details", *common]
+        if config == "vllm-sagekv":  # the connector runs inside vLLM's process, importing sage_infer from this tree
+            env["PYTHONPATH"] = str(REPO)
+            store = work / f"sagekv-{port}"
+            command += ["--kv-transfer-config", json.dumps(kv_transfer_config(
+                disk_path=str(store), disk_bytes=int(TypeAdapter(ByteSize).validate_python(args.sagekv_disk_bytes))))]
     else:
         command = [str(Path(sys.executable).parent / "sage"), "llm", "serve", "--model", str(model), *common]
         if config.startswith("sage-host"):
@@ -316,6 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-fraction-inverse", type=int, default=4, help="device KV = working set / this")
     p.add_argument("--host-tier", default="1GiB")
+    p.add_argument("--sagekv-disk-bytes", default="4GiB", help="vllm-sagekv: its disk store's size")
     p.add_argument("--rates", default="0.5,1,2,4", help="offered loads, sessions arriving per second")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--concurrency", type=int, default=64, help="most requests in flight (client side)")
