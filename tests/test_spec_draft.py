@@ -102,3 +102,27 @@ def test_a_draft_that_does_not_share_the_tokenizer_or_has_no_model_is_refused(mo
         SpeculativeConfig(method="draft_model")
     with pytest.raises(ValueError, match="needed by method draft_model"):
         SpeculativeConfig(method="ngram", model=str(target))
+
+
+def test_a_steps_rows_are_proposed_together_one_forward_per_draft_token(models):
+    """`propose_batch` runs the draft once per proposed token for all rows (the first pass also computes each
+    row's prompt) and proposes what proposing row by row would."""
+    target, other, _ = models
+    proposer = llm(target, other, k=3).engine.scheduler.proposer
+    run, calls = proposer.runner.run, []
+
+    def counted(seqs, num_new_tokens):
+        calls.append(len(seqs))
+        return run(seqs, num_new_tokens)
+
+    proposer.runner.run = counted
+    rows = [(i, ids, 3, b"") for i, ids in enumerate(prompts(4, (5, 20, 33, 64)))]
+    together = proposer.propose_batch(rows)
+    assert calls == [4, 4, 4]
+    for seq_id, *_ in rows:
+        proposer.forget(seq_id)
+    alone = [proposer.propose(*row) for row in rows]
+    assert together == alone and all(len(tokens) == 3 for tokens in together)
+    for seq_id, *_ in rows:
+        proposer.forget(seq_id)
+    assert proposer.blocks.num_used_blocks == 0

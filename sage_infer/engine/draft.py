@@ -9,8 +9,9 @@ time, then the tokens the target accepted and its own next token), and decodes u
 forward pass each. Greedy proposals are a deterministic function of the context, so the verifier's rejection
 sampling with a one-hot draft distribution keeps the target's distribution exactly (`spec_decode.accept`).
 
-The draft runs on the target's device with the target's attention backend choices, one sequence at a time (the
-scheduler asks per decode row): it pays where a step is bound by the target's weight reads, batch 1 above all.
+The draft runs on the target's device with the target's attention backend choices. The scheduler asks for all of a
+step's decode rows at once (`propose_batch`), so a step costs the draft k forward passes whatever the batch size,
+each over every row still proposing; it pays where a step is bound by the target's weight reads, batch 1 above all.
 A draft pool too full for a sequence proposes nothing for it (the target decodes alone) rather than wait.
 """
 
@@ -40,24 +41,37 @@ class DraftModelProposer(Proposer):
         self.seqs: dict[int, Sequence] = {}  # target seq id -> its draft sequence
 
     def propose(self, seq_id: int, token_ids: list[int], limit: int, tenant: bytes = b"") -> list[int]:
-        n = self.limit(seq_id, limit)
-        if n <= 0:
-            return []
-        draft = self.seqs.get(seq_id)
-        if draft is None:
-            draft = self.seqs[seq_id] = Sequence(seq_id, "draft", 0, [], len(token_ids), GREEDY, b"")
-        self._keep_common_prefix(draft, token_ids)
-        proposed: list[int] = []
+        return self.propose_batch([(seq_id, token_ids, limit, tenant)])[0]
+
+    def propose_batch(self, rows: list[tuple[int, list[int], int, bytes]]) -> list[list[int]]:
+        """Greedy proposals for a step's decode rows, (seq id, token ids, limit, tenant) each: every draft step is
+        one forward pass over all rows still proposing (the first also computes what each draft has not seen)."""
+        proposed: list[list[int]] = [[] for _ in rows]
+        active: list[tuple[int, Sequence, int]] = []  # (row, its draft sequence, how many to propose)
+        for row, (seq_id, token_ids, limit, _) in enumerate(rows):
+            n = self.limit(seq_id, limit)
+            if n <= 0:
+                continue
+            draft = self.seqs.get(seq_id)
+            if draft is None:
+                draft = self.seqs[seq_id] = Sequence(seq_id, "draft", 0, [], len(token_ids), GREEDY, b"")
+            self._keep_common_prefix(draft, token_ids)
+            active.append((row, draft, n))
         with torch.inference_mode():
-            while len(proposed) < n:
-                new = draft.num_tokens - draft.num_computed_tokens
-                if not self._room(draft, new):
-                    break  # the draft pool is full: propose what there is
-                logits, _ = self.runner.run([draft], [new])
-                draft.num_computed_tokens += new
-                token = int(torch.argmax(logits[-1]).item())
-                proposed.append(token)
-                draft.token_ids.append(token)
+            while active:
+                # a draft whose pool is full proposes what it has
+                active = [a for a in active if self._room(a[1], a[1].num_tokens - a[1].num_computed_tokens)]
+                if not active:
+                    break
+                drafts = [draft for _, draft, _ in active]
+                new = [draft.num_tokens - draft.num_computed_tokens for draft in drafts]
+                logits, owners = self.runner.run(drafts, new)
+                assert owners == list(range(len(drafts))), "every draft row ends its chunk: one logits row each"
+                for (row, draft, _), n_new, token in zip(active, new, logits.argmax(dim=-1).tolist()):
+                    draft.num_computed_tokens += n_new
+                    draft.token_ids.append(token)
+                    proposed[row].append(token)
+                active = [a for a in active if len(proposed[a[0]]) < a[2]]
         return proposed
 
     def _keep_common_prefix(self, draft: Sequence, token_ids: list[int]) -> None:

@@ -138,14 +138,16 @@ class Scheduler:
         self.running = []
         limit = self.proposer.disable_by_batch_size if self.proposer is not None else None
         speculate = self.proposer is not None and (limit is None or len(queue) < limit)
+        proposals = self._propose(queue, budget) if speculate else {}
         while queue:
             seq = queue.pop(0)
             num_new = self._chunk(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 self.running.append(seq)
                 continue
-            if num_new == 1 and speculate:
-                num_new += self._propose(seq, budget - 1)
+            if num_new == 1 and seq.seq_id in proposals:
+                seq.draft_token_ids = proposals[seq.seq_id][:budget - 1]
+                num_new += len(seq.draft_token_ids)
             while not self.kv.allocate(seq, num_new):
                 if seq.draft_token_ids:  # proposals are the first thing to go when the pool is short
                     seq.draft_token_ids = []
@@ -186,15 +188,21 @@ class Scheduler:
                 computing.append((seq, num_new))
         return batch
 
-    def _propose(self, seq: Sequence, budget: int) -> int:
-        """Ask the proposer for tokens to follow a decode row (`seq.draft_token_ids`); how many. No more than the
-        step's budget left, and no more than the sequence may still emit after this step's first token (its
-        `max_tokens`, the context), so a verify row never runs past the end."""
-        room = self.max_total_tokens - seq.num_tokens - 1
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        seq.draft_token_ids = self.proposer.propose(seq.seq_id, seq.token_ids, min(budget, room), seq.extra_key)
-        return len(seq.draft_token_ids)
+    def _propose(self, queue: list[Sequence], budget: int) -> dict[int, list[int]]:
+        """The proposer's tokens to follow each decode row of `queue`, by seq id, asked for all rows at once (a
+        draft model runs one forward per draft token for all of them). Each row's are no more than the step's
+        budget after its first token (the step loop cuts them to what is left when it gets there), and no more
+        than the sequence may still emit after this step's first token (its `max_tokens`, the context), so a
+        verify row never runs past the end."""
+        rows = []
+        for seq in queue:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            room = self.max_total_tokens - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            rows.append((seq.seq_id, seq.token_ids, min(budget - 1, room), seq.extra_key))
+        return {row[0]: tokens for row, tokens in zip(rows, self.proposer.propose_batch(rows))}
 
     def _computed_this_step(self, seq: Sequence, cached_tokens: int, computing: list[tuple[Sequence, int]]) -> bool:
         """Whether the next full block of `seq`'s prompt (past its cached prefix) is one another sequence in

@@ -23,6 +23,11 @@ class Proposer:
         never proposes to another's."""
         raise NotImplementedError
 
+    def propose_batch(self, rows: list[tuple[int, list[int], int, bytes]]) -> list[list[int]]:
+        """`propose` for each of a step's decode rows, given as (seq id, token ids, limit, tenant), in order. A
+        proposer whose work batches across rows (a draft model's forward passes) overrides this."""
+        return [self.propose(*row) for row in rows]
+
     def limit(self, seq_id: int, limit: int) -> int:
         """The most tokens to propose now: `limit`, the configured k, and with `adaptive` the sequence's own k."""
         return min(self._k.get(seq_id, self.k) if self.adaptive else self.k, limit)
