@@ -190,7 +190,8 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
             if around:
                 around.append(read_bandwidth_gb_s(args.threads))
                 row["read_gb_s_around"] = around
-                row["decode_read_share"] = decode_weight_gb_s(row, params, args.dtype) / max(around)
+                dtype = args.vllm_dtype if engine == "vllm" else args.dtype
+                row["decode_read_share"] = decode_weight_gb_s(row, params, dtype) / max(around)
             runs[engine].append(row)
             log(f"  run {rep + 1}/{args.repeats} {engine:<5} {row['output_tok_s']:9.1f} tok/s"
                 f"  wall {row['wall_s']:7.2f}s  TTFT mean {row['ttft_mean_s']:6.3f}s  cpu {row['cpu_util']:.2f}"
@@ -250,7 +251,9 @@ def sage_isa() -> str:
 
 def print_table(report: dict) -> None:
     h = report["header"]
-    print(f"\n{h['model']} ({h['model_description']}), {h['params'] / 1e6:.1f} M params, {h['dtype']}, "
+    vllm_dtype = h.get("vllm_dtype", h["dtype"])
+    dtype = h["dtype"] if vllm_dtype == h["dtype"] else f"sage {h['dtype']}, vLLM {vllm_dtype}"
+    print(f"\n{h['model']} ({h['model_description']}), {h['params'] / 1e6:.1f} M params, {dtype}, "
           f"{h['threads']} threads, KV {h['kv_gib']} GiB, median of {h['repeats']} run(s), "
           f"loadavg {h['loadavg_at_start'][0]:.1f} at start")
     print(f"kernels: sage {h['sage_isa']}" + (f", vLLM {h['vllm_isa']}" if h.get("vllm_isa") else ""))
@@ -268,7 +271,8 @@ def print_table(report: dict) -> None:
               f"{f'{same}/{total}' if total else '-':>17}")
     for w in report["workloads"]:
         if w["workload"] == "W3":
-            gbs = {e: weight_gb_s(w[e]["output_tok_s"], h["params"], h["dtype"]) for e in ("vllm", "sage") if e in w}
+            dtypes = {"vllm": h.get("vllm_dtype", h["dtype"]), "sage": h["dtype"]}
+            gbs = {e: weight_gb_s(w[e]["output_tok_s"], h["params"], dtypes[e]) for e in ("vllm", "sage") if e in w}
             peak = h.get("read_gb_s")
             share = f"; memory read bandwidth {peak:.1f} GB/s in this run (best of start and end): " + ", ".join(
                 f"{e} {g / peak:.0%}" for e, g in gbs.items()) if peak else ""
@@ -277,7 +281,7 @@ def print_table(report: dict) -> None:
             if shares:
                 print("W3 decode steps' weight reads against the streaming read measured right around each run "
                       "(median of runs): " + ", ".join(f"{e} {v:.0%}" for e, v in shares.items()))
-    if h["dtype"] != "fp32":
+    if h["dtype"] != "fp32" or h.get("vllm_dtype", "fp32") != "fp32":
         print(f"greedy agreement is the fp32 check; in {h['dtype']} the engines may drift apart (numerics)")
 
 
@@ -286,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo", choices=sorted(MODELS))
     parser.add_argument("--dtype", choices=sorted(VLLM_DTYPES),
                         help="default: the model's (demo and 0.5B bf16, 11M fp32)")
+    parser.add_argument("--vllm-dtype", choices=sorted(VLLM_DTYPES),
+                        help="vLLM's dtype when it should differ from sage's (default: --dtype): e.g. fp32 for vLLM "
+                             "on a CPU without AVX512-BF16, where its bf16 is emulated, against sage's bf16 weights")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine and workload; the table shows medians")
     parser.add_argument("--threads", type=int, default=2)
@@ -306,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workload(s) {unknown}; choose from {','.join(ALL_WORKLOADS)}")
     spec = MODELS[args.model]
     args.dtype = args.dtype or spec.dtype
+    args.vllm_dtype = args.vllm_dtype or args.dtype
     try:
         python = None if args.sage_only else vllm_python(args.vllm_venv)
     except MissingVenv as err:
@@ -322,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     all_workloads = build_workloads(facts["vocab_size"], facts["max_position_embeddings"], args.seed)
     warmup = random_workload(4, facts["vocab_size"], args.seed + 99, 16, 48)
     header = {"model": spec.name, "model_description": spec.description, "model_dir": str(model_dir), **facts,
-              "dtype": args.dtype, "threads": args.threads, "kv_gib": args.kv_gib, "repeats": args.repeats,
+              "dtype": args.dtype, "vllm_dtype": args.vllm_dtype, "threads": args.threads, "kv_gib": args.kv_gib,
+              "repeats": args.repeats,
               "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_at_start": os.getloadavg(),
               "read_gb_s": read_bandwidth_gb_s(args.threads), "sage_isa": sage_isa()}
@@ -334,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             log_path = Path(tempfile.mkstemp(prefix="engine_vs_vllm_", suffix=".vllm.log")[1])
             log(f"starting vLLM (log: {log_path}); its startup takes about a minute")
             worker = VLLMWorker(python, args.threads, args.kv_gib, log_path)
-            loaded = worker.call(wire.LoadJob(str(model_dir), VLLM_DTYPES[args.dtype], args.seed))
+            loaded = worker.call(wire.LoadJob(str(model_dir), VLLM_DTYPES[args.vllm_dtype], args.seed))
             worker.call(wire.GenerateJob("warmup", warmup, 4))
             time.sleep(VLLM_BUSY_POLL_S)
             header.update(vllm=loaded.vllm_version, vllm_torch=loaded.torch_version, vllm_load_s=loaded.load_s,
