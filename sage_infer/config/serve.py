@@ -43,8 +43,8 @@ class ModelConfig(Strict):
         "onednn (oneDNN for every product; choose it to compare), auto "
         "(sage where it can run, else onednn). No effect unless model.linear packs the layers.")
     attention: Literal["auto", "paged", "torch"] = Field(
-        "auto", description="Decode attention: paged (a kernel reads K/V in place from the pool's blocks, float KV: "
-        "on a CPU in C++, compiled by the install; on an NVIDIA GPU in Triton, needs "
+        "auto", description="Decode attention: paged (a kernel reads K/V in place from the pool's blocks, float KV "
+        "or, on a CPU, int8 KV: on a CPU in C++, compiled by the install; on an NVIDIA GPU in Triton, needs "
         "triton), torch (gathered copies and PyTorch ops, the reference path), auto (paged where it can run, else "
         "torch).")
     prefill_attention: Literal["auto", "sage", "torch"] = Field(
@@ -62,7 +62,7 @@ class ModelConfig(Strict):
         "auto", description="A pure decode step (every row one new token, no shared prefix) of an fp32 or bf16 model "
         "on CPU: sage (all decoder layers in one C++ call chaining the kernels the Python path calls one by one, "
         "the same values to the bit, without the interpreter between them; needs model.linear packed, "
-        "model.elementwise fused, model.attention paged and a KV pool in the model's dtype), python (layer by "
+        "model.elementwise fused, model.attention paged and a KV pool in the model's dtype or int8), python (layer by "
         "layer from Python, the reference path), auto (sage where it can run, else python).")
     host_malloc: Literal["keep", "system"] = Field(
         "keep", description="CPU device: keep (raise glibc's mmap and trim thresholds so the buffers a step frees "
