@@ -26,9 +26,9 @@ class RunningServer:
 def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 128, max_num_seqs: int = 64,
                    max_waiting: int = 1024, drain_seconds: int = 5, tiers: TierConfig | None = None,
                    quota: QuotaConfig | None = None, role: str = "both", kv_transport: dict | None = None,
-                   kv_dtype: str = "auto", speculative: dict | None = None):
+                   kv_dtype: str = "auto", speculative: dict | None = None, max_model_len: int | None = None):
     config = ServeConfig(
-        model=ModelConfig(path=str(model_dir), dtype="fp32"),
+        model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=max_model_len),
         kv_pool=KVPoolConfig(num_blocks=num_blocks, kv_dtype=kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting),
         port=0,
