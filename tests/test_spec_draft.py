@@ -126,3 +126,19 @@ def test_a_steps_rows_are_proposed_together_one_forward_per_draft_token(models):
     for seq_id, *_ in rows:
         proposer.forget(seq_id)
     assert proposer.blocks.num_used_blocks == 0
+
+
+def test_the_shipped_draft_proposes_for_the_demo_model_and_greedy_output_is_the_demo_models():
+    """The bundled draft (sage_infer/demo_model_draft) passes the start-up tokenizer check against the bundled
+    demo model, has its proposals accepted, and leaves greedy output as without speculation."""
+    from sage_infer.models.loader import DEMO_DRAFT_DIR
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = ["ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\n"]
+    plain = LLM(None, dtype="fp32", device="cpu", kv_memory="64MiB").generate(prompt, params)
+    speculating = LLM(None, dtype="fp32", device="cpu", kv_memory="64MiB", speculative_config={
+        "method": "draft_model", "model": str(DEMO_DRAFT_DIR), "num_speculative_tokens": 3})
+    got = speculating.generate(prompt, params)
+    assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    stats = speculating.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0

@@ -35,6 +35,10 @@ and the numbers of the run)::
 
     nice -n 10 .venv/bin/python tools/train_demo_model.py --out sage_infer/demo_model
 
+The draft model for speculative decoding that ships in ``sage_infer/demo_model_draft/`` is trained by the same
+script with ``--tokenizer-from sage_infer/demo_model``: the demo model's tokenizer files are copied unchanged instead
+of training a tokenizer, so the draft tokenizes exactly as the demo model does (its README.md has the command).
+
 ``--max-minutes`` caps the training wall time; with ``--steps 0`` (default) the number of
 optimizer steps is fitted to that budget from a short timing probe, so pass the ``--steps``
 value printed by a run (also recorded in the model card) to replay the same schedule
@@ -167,6 +171,23 @@ def train_tokenizer(train_texts: list[str], vocab_size: int, max_len: int, out: 
     return tok
 
 
+def copy_tokenizer(source: Path, out: Path):
+    """The tokenizer files of `source` copied byte for byte into `out`: a draft model trained with them tokenizes
+    exactly as `source` does (the draft_model proposer refuses a draft that does not)."""
+    from tokenizers import Tokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    missing = [n for n in names if not (source / n).is_file()]
+    if missing:
+        sys.exit(f"--tokenizer-from {source}: no {', '.join(missing)} there")
+    for name in names:
+        shutil.copyfile(source / name, out / name)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    if any(tok.token_to_id(t) is None for t in SPECIAL_TOKENS):
+        sys.exit(f"--tokenizer-from {source}: its tokenizer lacks the special tokens {SPECIAL_TOKENS}")
+    return tok
+
+
 # ----------------------------------------------------------------------------- batches
 
 
@@ -255,6 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer-from", default=None,
+                   help="reuse the tokenizer of this model directory (copied unchanged) instead of training one, "
+                        "e.g. sage_infer/demo_model for a draft model that must share the demo model's tokenizer")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -302,7 +326,10 @@ def main(argv=None) -> int:
     print(f"[data] {len(convs)} ChatML conversations", flush=True)
 
     # -- tokenizer
-    tok = train_tokenizer(train_texts, args.vocab_size, args.max_positions, out)
+    if args.tokenizer_from:
+        tok = copy_tokenizer(Path(args.tokenizer_from), out)
+    else:
+        tok = train_tokenizer(train_texts, args.vocab_size, args.max_positions, out)
     vocab = tok.get_vocab_size()
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
     im_end_id = tok.token_to_id(IM_END)
@@ -328,10 +355,11 @@ def main(argv=None) -> int:
     print(f"[tok] vocab {vocab}; train {len(train_ids):,} tokens, val {len(val_ids):,}, chat {len(chat_ids):,}; "
           f"{n_chars / (len(train_ids) + len(val_ids)):.2f} chars/token; unigram val loss {unigram:.3f}", flush=True)
 
-    # -- word list for the tests (frequent words of the training text)
-    words = Counter(w for text in train_texts for w in re.findall(r"[a-z]+(?:'[a-z]+)?", text.lower()))
-    wordlist = sorted(w for w, c in words.most_common(8000) if c >= 3 and len(w) >= 2)
-    (out / "wordlist.txt").write_text("\n".join(wordlist) + "\n")
+    # -- word list for the tests (frequent words of the training text); a draft model's tests use the demo model's
+    if not args.tokenizer_from:
+        words = Counter(w for text in train_texts for w in re.findall(r"[a-z]+(?:'[a-z]+)?", text.lower()))
+        wordlist = sorted(w for w, c in words.most_common(8000) if c >= 3 and len(w) >= 2)
+        (out / "wordlist.txt").write_text("\n".join(wordlist) + "\n")
 
     # -- model
     config = LlamaConfig(
@@ -362,6 +390,8 @@ def main(argv=None) -> int:
     def train_step(step, total):
         time_frac = (time.time() - t_train) / budget_s
         lr = lr_at(step, total, args.warmup, args.lr, args.min_lr_ratio, time_frac)
+        if step >= args.warmup and lr < lr_at(step, total, args.warmup, args.lr, args.min_lr_ratio):
+            time_driven.append(step)  # wall time, not the step count, set this step's learning rate
         for g in opt.param_groups:
             g["lr"] = lr
         x = batcher.batch(args.batch_size, bos_id)
@@ -375,6 +405,7 @@ def main(argv=None) -> int:
 
     total = args.steps
     history = []
+    time_driven: list[int] = []
     step = 0
     if total <= 0:
         # Timing probe: the first steps (which are real training steps, in warm-up) fix the
@@ -468,6 +499,7 @@ def main(argv=None) -> int:
         "val_loss": round(val_loss, 4), "unigram_val_loss": round(unigram, 4),
         "train_tokens": len(train_ids), "val_tokens": len(val_ids), "chat_tokens": len(chat_ids),
         "texts": len(names), "vocab_size": vocab, "threads": args.threads, "time_capped": time_capped,
+        "time_driven_steps": len(time_driven),
         "planned_steps": total, "history": history,
     }
     write_model_card(out, args, stats, greedy, sampled, chat_reply)
@@ -483,15 +515,46 @@ def write_model_card(out: Path, args, s: dict, greedy: str, sampled: str, chat_r
     for key, default in defaults.items():
         if getattr(args, key) != default:
             cmd += f" --{key.replace('_', '-')} {getattr(args, key)}"
+    if args.no_autocast:
+        cmd += " --no-autocast"
+    end_to_end = "" if args.tokenizer_from else " including tokenizer training"
+    wordlist_note = ("" if args.tokenizer_from
+                     else " `wordlist.txt` holds frequent words of the training text (used by tests).")
+    if args.tokenizer_from:
+        cmd += f" --tokenizer-from {args.tokenizer_from}"
+        intro = f"""# sage-infer demo draft model (tiny Llama, Shakespeare)
+
+A {args.layers}-layer `LlamaForCausalLM` that proposes tokens for the demo model in speculative decoding
+(`speculative.method: draft_model`, `speculative.model: {args.out}`). It shares the demo model's
+tokenizer exactly and was trained on the same texts and split; its greedy guesses are what the demo
+model verifies, so its only use is to be cheap and to agree with the demo model often."""
+        tokenizer_origin = (f"The tokenizer of `{args.tokenizer_from}`, copied unchanged (byte-level BPE "
+                            "(`tokenizers`) trained on the same texts)")
+    else:
+        intro = """# sage-infer demo model (tiny Llama, Shakespeare)
+
+A deliberately tiny `LlamaForCausalLM` bundled with `sage_infer` so that `sage llm generate` and
+`sage llm serve` work offline with no download. It writes Shakespeare-flavoured pseudo-English
+(speaker names in capitals, verse line breaks); it knows nothing and is **not** useful as an
+assistant. Use it to exercise the inference stack (tokenizer, chat template, GQA attention, KV
+cache, stopping), not to judge output quality."""
+        tokenizer_origin = "Byte-level BPE (`tokenizers`) trained on the same texts"
     if s["time_capped"]:
         replay_note = (f"This run reached `--max-minutes` at step {s['steps']} of {s['planned_steps']}, so its "
                        "learning-rate decay followed wall-clock time (the CPU was shared with other work): a replay "
                        "lands close to, not exactly "
                        "on, these numbers. With a generous `--max-minutes` the schedule is purely step-based and, with "
                        "the fixed seeds, repeatable on the same torch build and thread count.")
+    elif s["time_driven_steps"]:
+        replay_note = (f"This run finished its {s['steps']} steps inside `--max-minutes`, but for "
+                       f"{s['time_driven_steps']} of them wall-clock time was ahead of the step count and set the "
+                       "learning rate (the CPU was shared with other work): a replay lands close to, not exactly on, "
+                       "these numbers. With a generous `--max-minutes` the schedule is purely step-based and, with "
+                       "the fixed seeds, repeatable on the same torch build and thread count.")
     else:
+        precision = "bf16 autocast on CPU" if not args.no_autocast else "fp32"
         replay_note = ("Seeds are fixed and the schedule is step-based here, so the same torch build and thread count "
-                       "give the same weights (bf16 autocast on CPU; other CPUs may differ in the last bits).")
+                       f"give the same weights ({precision}; other CPUs may differ in the last bits).")
     hist = "\n".join(
         f"| {h['step']} | {h['minutes']} | {h['train_loss_ema']} | {h['val_loss']} |" for h in s["history"]
     )
@@ -499,16 +562,10 @@ def write_model_card(out: Path, args, s: dict, greedy: str, sampled: str, chat_r
 license: apache-2.0
 library_name: transformers
 pipeline_tag: text-generation
-tags: [llama, tiny, demo, shakespeare]
+tags: [llama, tiny, demo, shakespeare{', draft' if args.tokenizer_from else ''}]
 ---
 
-# sage-infer demo model (tiny Llama, Shakespeare)
-
-A deliberately tiny `LlamaForCausalLM` bundled with `sage_infer` so that `sage llm generate` and
-`sage llm serve` work offline with no download. It writes Shakespeare-flavoured pseudo-English
-(speaker names in capitals, verse line breaks); it knows nothing and is **not** useful as an
-assistant. Use it to exercise the inference stack (tokenizer, chat template, GQA attention, KV
-cache, stopping), not to judge output quality.
+{intro}
 
 ## Data
 
@@ -522,7 +579,7 @@ chat {s['chat_tokens']:,} tokens. The texts are not redistributed here.
 
 ## Tokenizer
 
-Byte-level BPE (`tokenizers`), vocabulary {s['vocab_size']}, trained on the same texts. Special
+{tokenizer_origin}, vocabulary {s['vocab_size']}. Special
 tokens `<s>` (bos), `</s>` (eos), `<unk>`, `<pad>`, `<|im_start|>`, `<|im_end|>`. `<s>` is
 prepended on encode; ByteLevel decoder (lossless round-trip). The chat template is ChatML:
 `<s><|im_start|>role\\n...<|im_end|>\\n`, `add_generation_prompt` appends `<|im_start|>assistant\\n`.
@@ -548,7 +605,7 @@ Plain PyTorch loop, AdamW (betas 0.9/0.95, weight decay {args.weight_decay} on m
 {args.lr}, {args.warmup} warm-up steps then cosine decay to {args.min_lr_ratio:g}x, gradient clipping
 {args.clip}, bf16 autocast on CPU: {'on' if not args.no_autocast else 'off'}, batch {s['batch_size']} x {s['seq_len']}
 tokens, seed {args.seed}. {s['steps']} steps ({s['tokens_seen']:,} tokens) in {s['train_minutes']} min on a
-{s['threads']}-thread CPU ({s['total_minutes']} min end to end including tokenizer training).
+{s['threads']}-thread CPU ({s['total_minutes']} min end to end{end_to_end}).
 
 | step | minutes | train loss (EMA) | val loss |
 |---|---|---|---|
@@ -585,7 +642,7 @@ Chat (`What news from Verona, good sir?`): {chat_reply!r}
 ## License
 
 Training texts: public domain (Project Gutenberg). Weights, tokenizer and code: Apache-2.0,
-like `sage-infer`. `wordlist.txt` holds frequent words of the training text (used by tests).
+like `sage-infer`.{wordlist_note}
 """
     (out / "README.md").write_text(card)
 

@@ -28,6 +28,7 @@ from sage_infer.quantization.compressed_tensors import (
 )
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "demo_model_draft"  # its draft for speculative.model
 
 
 class ModelLoadError(SageError):
