@@ -39,8 +39,9 @@ class RedisServer(ServerProcess):
 
 
 
-def start_redis() -> RedisServer:
-    """Start one server and wait until it answers PING (skips the test when Redis is not here)."""
+def start_redis(port: int | None = None) -> RedisServer:
+    """Start one server (on `port`, e.g. a killed one's again; else a free one) and wait until it answers PING
+    (skips the test when Redis is not here)."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip(REDIS_MISSING)
@@ -48,7 +49,7 @@ def start_redis() -> RedisServer:
         import redis
     except ImportError:
         pytest.skip("the redis package is not installed (pip install 'sage-infer[redis]')")
-    port = free_port()
+    port = port or free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(f"redis://127.0.0.1:{port}/0", port, process)
