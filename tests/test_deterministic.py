@@ -31,26 +31,44 @@ def linear(kind: str, dtype: torch.dtype) -> nn.Module:
     plain = nn.Linear(192, 160, bias=True).to(dtype)
     if kind == "torch":
         return plain
-    why = packing_unavailable(dtype)
-    if why is not None:
-        pytest.skip(f"oneDNN packing of {dtype}: {why}")
-    return PackedLinear(plain)
+    return PackedLinear(plain)  # bf16 that oneDNN cannot pack: an fp32 copy, and the bf16 rows kernel
 
 
-@pytest.mark.parametrize("kind", ["torch", "packed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tiled_row_gets_the_same_bits_alone_in_any_batch_and_at_any_position(kind, dtype):
-    inner = linear(kind, dtype)
-    tiled = RowTiledLinear(inner, rows=16)
-    x = torch.randn(53, 192).to(dtype)
+def assert_rows_invariant(tiled: RowTiledLinear, x: torch.Tensor) -> None:
+    """Each row of `x` gets the same bits alone, among others, and at other positions, and what `inner` gives."""
     together = tiled(x)
-    torch.testing.assert_close(together, inner(x), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    torch.testing.assert_close(together, tiled.inner(x), rtol=2e-2 if x.dtype == torch.bfloat16 else 1e-5, atol=1e-3)
     for i in (0, 7, 16, 52):
         assert torch.equal(tiled(x[i : i + 1])[0], together[i])  # alone
-    order = torch.randperm(53, generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
     assert torch.equal(tiled(x[order]), together[order])  # other neighbours, other positions
     assert torch.equal(tiled(x[:5]), together[:5])
-    assert tiled(x[:0]).shape == (0, 160)
+    assert tiled(x[:0]).shape == (0, tiled.out_features)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])  # a kept tile, or one per call
+@pytest.mark.parametrize("kind", ["torch", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_row_gets_the_same_bits_alone_in_any_batch_and_at_any_position(kind, dtype, grad):
+    tiled = RowTiledLinear(linear(kind, dtype), rows=16)
+    with torch.inference_mode(not grad):
+        assert_rows_invariant(tiled, torch.randn(53, 192).to(dtype))
+
+
+@needs_kernels
+def test_a_layer_with_a_few_row_kernel_is_tiled_at_its_rows_and_each_row_gets_the_same_bits():
+    """PackedLinear on a bf16 weight oneDNN cannot pack (an AVX2 CPU) runs products of up to 4 rows on its bf16
+    rows kernel, which computes each row alone: unpadded chunks of up to 4 rows there, padded 16-row tiles around
+    the other layers."""
+    torch.manual_seed(0)
+    if packing_unavailable(torch.bfloat16) is None:
+        pytest.skip("oneDNN packs bf16 on this CPU: PackedLinear has no bf16 rows kernel")
+    model = nn.Sequential(PackedLinear(nn.Linear(192, 160).to(torch.bfloat16)), nn.Linear(160, 8))
+    assert model[0].row_invariant_rows == 4
+    assert tile_linears(model) == 2
+    assert (model[0].rows, model[0].pad) == (4, False) and (model[1].rows, model[1].pad) == (16, True)
+    with torch.inference_mode():
+        assert_rows_invariant(model[0], torch.randn(53, 192).to(torch.bfloat16))
 
 
 def test_tile_linears_wraps_every_linear_once():
@@ -80,16 +98,17 @@ def prompts(seed: int, lengths) -> list[list[int]]:
 
 
 @needs_kernels
-def test_each_request_gets_the_tokens_and_logprobs_of_its_solo_run_to_the_bit(model_dir):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 on an AVX2 CPU: 4-row tiles on the bf16 rows kernel
+def test_each_request_gets_the_tokens_and_logprobs_of_its_solo_run_to_the_bit(model_dir, dtype):
     """Eight prompts served alone, then together with twelve others under a small token budget (their prompts cut
     into other chunks, decode rows beside prefill rows, a shared prefix): identical tokens and logprobs."""
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
     wanted = prompts(3, (1, 5, 16, 33, 70, 101, 150, 47))
     shared = wanted[6][:64]  # a prefix the prefix cache and the batch share with one of the wanted prompts
     others = prompts(4, (12, 90, 3, 200, 25, 64)) + [shared + p for p in prompts(5, (7, 30, 2, 60, 18, 44))]
-    solo_llm = engine(model_dir, True)
+    solo_llm = engine(model_dir, True, dtype=dtype)
     solo = [solo_llm.generate([p], params)[0].outputs[0] for p in wanted]
-    batched_llm = engine(model_dir, True, budget=96)
+    batched_llm = engine(model_dir, True, budget=96, dtype=dtype)
     mixed = others[:6] + wanted[:4] + others[6:] + wanted[4:]
     outs = batched_llm.generate(mixed, params)
     together = {tuple(out.prompt_token_ids): out.outputs[0] for out in outs}

@@ -49,7 +49,7 @@ from sage_infer.layers.attention_backends import (
     TorchPrefill,
     TritonPrefill,
 )
-from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, tile_linears
+from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, describe_tiling, tile_linears
 from sage_infer.layers.cpu_kernels import (
     check_forced_level,
     flash_kernel,
@@ -359,9 +359,9 @@ def use_deterministic(model_config, model: torch.nn.Module, device: torch.device
     if device.type != "cpu":
         raise ConfigError(f"model.deterministic: batch-invariant steps are built for CPU devices (device is "
                           f"{device.type})", hint="leave model.deterministic at false")
-    count = tile_linears(model, DETERMINISTIC_ROWS)
-    _report(ResolvedValue("model.deterministic", "on", f"{count} linear layers on fixed {DETERMINISTIC_ROWS}-row "
-                                                       "products; every query row on the paged decode kernel"))
+    tile_linears(model, DETERMINISTIC_ROWS)
+    _report(ResolvedValue("model.deterministic", "on", f"{describe_tiling(model)}; every query row on the paged "
+                                                       "decode kernel"))
     return True
 
 

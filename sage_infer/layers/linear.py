@@ -87,6 +87,9 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
         self.bias_bf16 = bias if self.weight_bf16 is not None else None  # the few-row products' (bf16) bias
+        # products of up to this many rows compute each row alone, the same way whatever their count (the bf16
+        # rows kernel): `model.deterministic` cuts this layer's products into chunks of this many (`tile_linears`)
+        self.row_invariant_rows = BF16_ROWS_KERNEL if self.rows_kernel else 0
         self.small_rows = 0
         if small_rows > 0 and weight.dtype == torch.bfloat16:
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
