@@ -47,9 +47,6 @@ PROMPTS = [[10 + (11 * p + 5 * j) % 450 for j in range(330)] for p in range(8)] 
 TIERED = ("--set", "kv_pool.num_blocks=32", "--set", "kv_pool.block_size=16", "--deterministic",
           "--set", "hardware.device.dense_bf16_tflops=0.0001")
 SERVE = "import sys; from sage_infer.cli.main import main; sys.exit(main(sys.argv[1:]))"
-# `sage llm serve` drains for 30 s; a shorter drain, so that long streams outlast it
-DRAIN = ("import sage_infer.server.launch as launch; build = launch.build_server; "
-         "launch.build_server = lambda config, **kw: build(config, **kw, drain_seconds={}); ")
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +63,10 @@ def _limit_files() -> None:
 def _serve(model_dir, port: int, *flags: str, drain_s: int | None = None, preexec_fn=None) -> subprocess.Popen:
     """`sage llm serve` on `port` in its own process, once it listens (its drain `drain_s` when given)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAGE_")}
-    code = SERVE if drain_s is None else DRAIN.format(drain_s) + SERVE
+    drain = () if drain_s is None else ("--set", f"drain_timeout_s={drain_s}")
     server = subprocess.Popen(
-        [sys.executable, "-c", code, "llm", "serve", "--model", str(model_dir), "--port", str(port),
-         "--set", "model.dtype=fp32", *flags],
+        [sys.executable, "-c", SERVE, "llm", "serve", "--model", str(model_dir), "--port", str(port),
+         "--set", "model.dtype=fp32", *drain, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec_fn)
     banner = server.stdout.readline()
     assert f"http://127.0.0.1:{port}/v1" in banner, banner + server.stderr.read()

@@ -460,3 +460,16 @@ def test_a_lone_surrogate_in_a_prompt_gets_a_400_through_the_router_too(deployme
                            headers={"Content-Type": "application/json"}, timeout=60)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["code"] == 400
+
+
+def test_a_body_the_workers_refuse_gets_its_400_at_the_router_with_nothing_held_on_the_prefill_worker(deployment):
+    """The router sends the prefill step with max_tokens 1 and n 1, so unless it checks the whole body first a bad
+    max_tokens, n or stream passes the prefill worker, whose KV then waits out its transfer deadline for a decode
+    worker that answered 400."""
+    prefill, decode, url = deployment
+    for bad in ({"max_tokens": 0}, {"n": 17}, {"stream": "maybe"}, {"temperature": -1}):
+        reply = httpx.post(f"{url}/v1/completions",
+                           json={"model": decode.model, "prompt": [5, 6, 7], "max_tokens": 2, **bad}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == next(iter(bad)), reply.text
+        assert not prefill.backend.engine.has_unfinished_requests()

@@ -287,6 +287,9 @@ class ServeConfig(BaseSettings):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(None, description="Required bearer token when set.")
+    drain_timeout_s: int = Field(30, ge=0, le=3600, description="At SIGTERM/SIGINT, how long running requests get "
+                                 "to finish; just before it ends, what still runs gets an error (a stream's error "
+                                 "event and [DONE], a 503) and its KV freed.")
     model: ModelConfig = ModelConfig()
     kv_pool: KVPoolConfig = KVPoolConfig()
     tiers: TierConfig = TierConfig()

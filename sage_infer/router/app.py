@@ -36,9 +36,10 @@ from sage_infer.config.serve import RouterConfig
 from sage_infer.router.admission import Admission, Slo
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
-from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
+from sage_infer.server.body import MAX_JSON_DEPTH, json_depth, validate_body
 from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
 from sage_infer.server.pd_auth import sign_pull
+from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
@@ -198,6 +199,10 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
             metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
 
     async def route(path: str, body: dict, splittable: bool) -> Response:
+        # the workers' own checks first: a body the decode worker would refuse must not get as far as a prefill
+        # worker, which would hold its KV for a pull that never comes
+        schema = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+        validate_body({k: v for k, v in body.items() if k not in ROUTER_FIELDS}, schema)
         if instances.pick("decode") is None:  # before any prefill work that nobody could continue
             raise APIError(503, "no decode worker is up")
         slo = admission.slo(body, time.monotonic())

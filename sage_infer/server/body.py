@@ -79,6 +79,11 @@ def parse_body(raw: bytes, schema: type[Model]) -> Model:
     if _SURROGATE_ESCAPE.search(raw) and (where := lone_surrogate(data)) is not None:
         raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
                        where)
+    return validate_body(data, schema)
+
+
+def validate_body(data: dict, schema: type[Model]) -> Model:
+    """`data` (a parsed JSON object) as `schema`; a failure is an `APIError` 400 naming the first bad field."""
     try:
         return schema.model_validate(data)
     except ValidationError as err:

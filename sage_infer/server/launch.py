@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from sage_infer.config.serve import ServeConfig
 
-DRAIN_SECONDS = 30
 HEALTH_WATCH_S = 0.25  # how often the server asks its backend whether the engine still runs
 STATS_LOG_S = 10.0  # `sage llm serve` prints throughput, load, KV use and acceptance this often while it works
 DRAIN_MARGIN_S = 1.0  # requests still running this long before the drain ends are cut off with an error
@@ -26,12 +25,13 @@ def ready_message(host: str, port: int, model_name: str, api_key: bool) -> str:
             f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
 
 
-def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS, log_stats: bool = False):
+def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stats: bool = False):
     """Backend + app + a uvicorn.Server that has not started yet.
 
     The backend comes from the registry by `config.backend`; one that cannot run here
     raises `ConfigError` before anything listens. `log_stats`: print a `StatsLog` line every `STATS_LOG_S`
-    while requests run (`sage llm serve` does).
+    while requests run (`sage llm serve` does). `drain_seconds`: the shutdown's drain, `config.drain_timeout_s` unless
+    given.
     """
     import uvicorn
 
@@ -39,6 +39,7 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS, log_st
     from sage_infer.server.api import build_app
     from sage_infer.server.metrics import StatsLog
 
+    drain_seconds = config.drain_timeout_s if drain_seconds is None else drain_seconds
     backend = create_backend(config)
     model_name = backend.model_info().name
     api_key = config.api_key.get_secret_value() if config.api_key else None
@@ -93,7 +94,7 @@ def build_server(config: ServeConfig, drain_seconds: int = DRAIN_SECONDS, log_st
 
 
 def serve(config: ServeConfig) -> int:
-    """Run until SIGINT/SIGTERM; in-flight requests get `DRAIN_SECONDS` to finish. Exit code 0, or 1 when the
+    """Run until SIGINT/SIGTERM; in-flight requests get `config.drain_timeout_s` to finish. Exit code 0, or 1 when the
     engine died (the server stops itself then, so a supervisor restarts it)."""
     server, _, model_name = build_server(config, log_stats=True)
     # uvicorn re-raises the signal it caught after its graceful shutdown; with these
