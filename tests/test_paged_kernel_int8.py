@@ -41,16 +41,8 @@ def int8_pool(lens, num_kv_heads, head_dim, block_size, seed=0):
     return pool, torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
 
-def int8_views(pool, layer: int) -> tuple[torch.Tensor, ...]:
-    """k codes, v codes [num_blocks, block_size, KvH, D] int8 and k scales, v scales [num_blocks, block_size, KvH, 1]
-    fp16 of `layer`, views of the pool's storage (laid out as `QuantizedKVPool`'s docstring says; the pool has no
-    public view of it)."""
-    codes, scales = pool._codes[:, layer].view(torch.int8), pool._params[:, layer]
-    return codes[0], codes[1], scales[0], scales[1]
-
-
 def run_kernel(q, pool, tables, lens, scale):
-    return decode_attention_paged_int8(q, *int8_views(pool, LAYER), tables, torch.tensor(lens), scale)
+    return decode_attention_paged_int8(q, *pool.int8_block_views(LAYER), tables, torch.tensor(lens), scale)
 
 
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((6, 2), 64), ((8, 2), 128), ((4, 4), 32), ((4, 2), 96)])
@@ -89,7 +81,7 @@ def test_a_batch_smaller_than_the_thread_count_splits_by_kv_head_with_the_same_r
 
 def test_codes_and_scales_of_other_dtypes_or_sizes_are_clear_errors():
     pool, tables = int8_pool([5], 2, 32, 8)
-    k, v, ks, vs = int8_views(pool, LAYER)
+    k, v, ks, vs = pool.int8_block_views(LAYER)
     q, lens = torch.randn(1, 4, 32), torch.tensor([5])
     with pytest.raises(RuntimeError, match="k/v codes: int8"):
         decode_attention_paged_int8(q, k.view(torch.uint8), v, ks, vs, tables, lens, 0.1)
