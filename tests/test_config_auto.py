@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sage_infer.config.auto import (
+    DraftKV,
     ModelFacts,
     ResolvedValue,
     resolve_auto,
@@ -111,6 +112,27 @@ def test_pool_size_on_a_device_is_a_share_of_free_memory():
     value = resolve_num_blocks(cfg, bytes_per_block=1 << 20, max_model_len=512, free_device_bytes=8 << 30,
                                host_available_bytes=None)
     assert value.value == 4096 and "free device memory" in value.reason
+
+
+def test_with_a_draft_the_bytes_of_both_pools_divide_the_device_share_less_the_draft_weights():
+    cfg = config(kv_pool={"memory_utilization": 0.5})
+    value = resolve_num_blocks(cfg, bytes_per_block=3 << 20, max_model_len=512, free_device_bytes=9 << 30,
+                               host_available_bytes=None, draft=DraftKV(bytes_per_block=1 << 20,
+                                                                        weight_bytes=1 << 30))
+    assert value.value == 1024  # 0.5 x (9 GiB - 1 GiB) / (3 + 1) MiB
+    assert "1024.0 MiB of draft weights" in value.reason
+    assert "share the budget, 1024 blocks each: target 3072.0 MiB, draft 1024.0 MiB" in value.reason
+
+
+def test_with_a_draft_every_seat_at_full_context_is_capped_by_host_memory_for_both_pools():
+    cfg = config(scheduler={"max_num_seqs": 4})
+    draft = DraftKV(bytes_per_block=500, weight_bytes=1000)
+    full = resolve_num_blocks(cfg, bytes_per_block=1000, max_model_len=112, free_device_bytes=None,
+                              host_available_bytes=10**9, draft=draft)
+    assert full.value == 4 * (112 + 16) // 16 and "hold as many, 32 blocks each" in full.reason
+    capped = resolve_num_blocks(cfg, bytes_per_block=1000, max_model_len=112, free_device_bytes=None,
+                                host_available_bytes=16_000, draft=draft)
+    assert capped.value == 9 and "share the budget" in capped.reason  # 0.9 x (16000 - 1000) // 1500
 
 
 def test_pool_budget_below_one_block_is_a_config_error():

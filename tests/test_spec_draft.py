@@ -1,10 +1,12 @@
 """`speculative.method: draft_model`: a small model sharing the target's tokenizer proposes greedily from its own
 paged KV; the target verifies. Greedy output is the target's alone, token for token; a seeded sampled request
 draws the same tokens as without speculation; the draft's KV is rolled back to what the target kept and freed
-when a sequence ends; a draft with another vocabulary or tokenizer is refused at start-up."""
+when a sequence ends; a draft with another vocabulary or tokenizer is refused at start-up; the draft's pool holds
+as many blocks as the target's, out of the same KV budget (an explicit kv_pool.num_blocks: on top of it)."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig, SpeculativeConfig
 from sage_infer.errors import ConfigError
+from sage_infer.models.loader import DEMO_DRAFT_DIR
 from tests.tiny_models import make_tiny_model
 
 
@@ -131,8 +134,6 @@ def test_a_steps_rows_are_proposed_together_one_forward_per_draft_token(models):
 def test_the_shipped_draft_proposes_for_the_demo_model_and_greedy_output_is_the_demo_models():
     """The bundled draft (sage_infer/demo_model_draft) passes the start-up tokenizer check against the bundled
     demo model, has its proposals accepted, and leaves greedy output as without speculation."""
-    from sage_infer.models.loader import DEMO_DRAFT_DIR
-
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = ["ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\n"]
     plain = LLM(None, dtype="fp32", device="cpu", kv_memory="64MiB").generate(prompt, params)
@@ -142,3 +143,62 @@ def test_the_shipped_draft_proposes_for_the_demo_model_and_greedy_output_is_the_
     assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     stats = speculating.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+DEMO_DRAFT = {"method": "draft_model", "model": str(DEMO_DRAFT_DIR), "num_speculative_tokens": 3}
+DEMO_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\n", "First Citizen:\n",
+                "KING RICHARD III:\nNow is the winter of our discontent\n"]
+
+
+def num_blocks_line(caplog) -> str:
+    """The latest engine's start-up line for kv_pool.num_blocks."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "sage_infer.auto" and r.getMessage().startswith("kv_pool.num_blocks = ")][-1]
+
+
+def test_with_a_byte_budget_the_draft_pool_comes_out_of_it_and_greedy_output_is_unchanged(caplog):
+    """kv_pool.memory_budget holds both pools, as many blocks each: the target gets fewer blocks than it would
+    alone, the start-up line gives the split, and greedy output is the target's alone."""
+    caplog.set_level(logging.INFO, logger="sage_infer.auto")
+    budget = 4 << 20
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLM(None, dtype="fp32", device="cpu", kv_memory=budget)
+    speculating = LLM(None, dtype="fp32", device="cpu", kv_memory=budget, speculative_config=DEMO_DRAFT)
+    engine, proposer = speculating.engine, speculating.engine.scheduler.proposer
+    target_pool, draft_pool = engine.runner.pool, proposer.runner.pool
+    assert draft_pool.num_blocks == target_pool.num_blocks < plain.engine.runner.pool.num_blocks
+    assert target_pool.nbytes + draft_pool.nbytes <= budget
+    assert budget - (target_pool.nbytes + draft_pool.nbytes) < target_pool.block_nbytes + draft_pool.block_nbytes
+    line = num_blocks_line(caplog)
+    assert f"share the budget, {target_pool.num_blocks} blocks each" in line
+    assert f"target {target_pool.nbytes / 2**20:.1f} MiB, draft {draft_pool.nbytes / 2**20:.1f} MiB" in line
+
+    expected = [o.outputs[0].token_ids for o in plain.generate(DEMO_PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in speculating.generate(DEMO_PROMPTS, params)] == expected
+    assert engine.spec_stats.num_drafts > 0
+    assert proposer.seqs == {} and proposer.blocks.num_used_blocks == 0
+    engine.kv.block_manager.check_invariants()
+    proposer.blocks.check_invariants()
+
+
+def test_an_explicit_num_blocks_is_the_targets_and_the_draft_pool_of_as_many_comes_on_top(caplog):
+    caplog.set_level(logging.INFO, logger="sage_infer.auto")
+    speculating = LLM(None, dtype="fp32", device="cpu", num_blocks=40, speculative_config=DEMO_DRAFT)
+    engine, proposer = speculating.engine, speculating.engine.scheduler.proposer
+    assert engine.runner.pool.num_blocks == proposer.runner.pool.num_blocks == proposer.blocks.num_blocks == 40
+    assert f"another {proposer.runner.pool.nbytes / 2**20:.1f} MiB" in num_blocks_line(caplog)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    speculating.generate(DEMO_PROMPTS, params)
+    assert engine.spec_stats.num_drafts > 0 and proposer.blocks.num_used_blocks == 0
+    engine.kv.block_manager.check_invariants()
+    proposer.blocks.check_invariants()
+
+
+def test_a_draft_that_cannot_be_read_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights loaded before the draft was read")
+
+    monkeypatch.setattr("sage_infer.engine.build.load_model", no_load)
+    with pytest.raises(ConfigError, match="speculative.model: "):
+        LLM(None, dtype="fp32", device="cpu", num_blocks=40,
+            speculative_config={**DEMO_DRAFT, "model": str(tmp_path / "missing")})

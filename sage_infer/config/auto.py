@@ -162,6 +162,15 @@ def resolve_max_model_len(config: ServeConfig, model: ModelFacts) -> ResolvedVal
     return ResolvedValue("model.max_model_len", wanted, "set explicitly")
 
 
+@dataclass(frozen=True, slots=True)
+class DraftKV:
+    """What a draft model (``speculative.method: draft_model``) takes from the KV budget, known from its config.json
+    and the headers of its weight files before any of its weights load."""
+
+    bytes_per_block: int  # its pool's blocks hold the target's block_size tokens, in its compute dtype
+    weight_bytes: int  # its weights, loaded after the pools are sized: not free memory for KV
+
+
 def resolve_num_blocks(
     config: ServeConfig,
     *,
@@ -169,37 +178,66 @@ def resolve_num_blocks(
     max_model_len: int,
     free_device_bytes: int | None,
     host_available_bytes: int | None,
+    draft: DraftKV | None = None,
 ) -> ResolvedValue:
-    """Blocks to preallocate when neither num_blocks nor memory_budget is set.
+    """Blocks of the target's KV pool (and of the draft's, which holds as many: every token the target keeps, the
+    draft may have computed).
 
-    With a device memory reading (GPU/NPU after the model loaded): memory_utilization of
-    it. Host memory (CPU): enough blocks for every seat at full context, never more than
-    memory_utilization of what the OS reports available.
+    kv_pool.num_blocks: as set (a draft's pool is on top of it). kv_pool.memory_budget: the bytes target and draft
+    KV take together per block divide it. Else, with a device memory reading (GPU/NPU after the model loaded):
+    memory_utilization of it, less the draft's weights. Host memory (CPU): enough blocks for every seat at full
+    context, never more than memory_utilization of what the OS reports available, less the draft's weights.
     """
     pool = config.kv_pool
+    draft_block = draft.bytes_per_block if draft is not None else 0
+    per_block = bytes_per_block + draft_block
+    sizes = f" (target {bytes_per_block} + draft {draft_block})" if draft is not None else ""
     if pool.num_blocks is not None:
-        return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, "set explicitly")
+        if draft is None:
+            return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, "set explicitly")
+        return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, (
+            f"set explicitly: the target's pool, {_mib(pool.num_blocks, bytes_per_block)}; the draft's pool holds as "
+            f"many blocks, another {_mib(pool.num_blocks, draft_block)}"))
+    by_bytes = True  # the count comes from a byte budget (else from the tokens every seat may hold)
     if pool.memory_budget is not None:
-        blocks = int(pool.memory_budget) // bytes_per_block
-        reason = f"kv_pool.memory_budget={pool.memory_budget.human_readable()} / {bytes_per_block} bytes per block"
+        blocks = int(pool.memory_budget) // per_block
+        reason = f"kv_pool.memory_budget={pool.memory_budget.human_readable()} / {per_block} bytes per block{sizes}"
     elif free_device_bytes is not None:
-        blocks = int(free_device_bytes * pool.memory_utilization) // bytes_per_block
-        reason = (f"auto: {pool.memory_utilization} x {free_device_bytes / 2**30:.1f} GiB free device memory "
-                  "after loading the model")
+        free, free_note = _less_draft_weights(free_device_bytes, "free device memory after loading the model", draft)
+        blocks = int(free * pool.memory_utilization) // per_block
+        reason = f"auto: {pool.memory_utilization} x {free_note} / {per_block} bytes per block{sizes}"
     else:
         seats = config.scheduler.max_num_seqs
         blocks = seats * (max_model_len + pool.block_size) // pool.block_size
+        by_bytes = False
         reason = f"auto: {seats} seats (scheduler.max_num_seqs) x {max_model_len} tokens at full context"
         if host_available_bytes is not None:
-            cap = int(host_available_bytes * pool.memory_utilization) // bytes_per_block
+            available, available_note = _less_draft_weights(host_available_bytes, "available host memory", draft)
+            cap = int(available * pool.memory_utilization) // per_block
             if cap < blocks:
-                blocks = cap
-                reason = (f"auto: {pool.memory_utilization} x {host_available_bytes / 2**30:.1f} GiB available "
-                          "host memory (less than every seat at full context)")
+                blocks, by_bytes = cap, True
+                reason = (f"auto: {pool.memory_utilization} x {available_note} (less than every seat at full "
+                          f"context) / {per_block} bytes per block{sizes}")
     if blocks < 1:
-        raise ConfigError(f"kv_pool: the KV budget holds no block of {bytes_per_block} bytes ({reason})",
+        raise ConfigError(f"kv_pool: the KV budget holds no block of {per_block} bytes{sizes} ({reason})",
                           hint="set kv_pool.num_blocks or a larger kv_pool.memory_budget")
+    if draft is not None:
+        pools = "share the budget" if by_bytes else "hold as many"
+        reason += (f"; the target's and the draft's pools {pools}, {blocks} blocks each: target "
+                   f"{_mib(blocks, bytes_per_block)}, draft {_mib(blocks, draft_block)}")
     return ResolvedValue("kv_pool.num_blocks", blocks, reason)
+
+
+def _less_draft_weights(memory: int, what: str, draft: DraftKV | None) -> tuple[int, str]:
+    """`memory` less the draft's weights (they load after the pools are sized), and how the reason says it."""
+    if draft is None:
+        return memory, f"{memory / 2**30:.1f} GiB {what}"
+    return memory - draft.weight_bytes, (f"({memory / 2**30:.1f} GiB {what} - "
+                                         f"{draft.weight_bytes / 2**20:.1f} MiB of draft weights)")
+
+
+def _mib(blocks: int, bytes_per_block: int) -> str:
+    return f"{blocks * bytes_per_block / 2**20:.1f} MiB"
 
 
 HOST_TIER_DDR_SHARE = 0.5  # of the host DDR per device, for the host KV tier by default

@@ -96,9 +96,13 @@ class ModelConfig(Strict):
 
 class KVPoolConfig(Strict):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (a power of two).")
-    num_blocks: int | None = Field(None, ge=1, description="Blocks to preallocate; None: from memory_budget.")
-    memory_budget: ByteSize | None = Field(None, description="Bytes for the KV cache, e.g. 2GiB.")
-    memory_utilization: float = Field(0.9, gt=0, le=1, description="Device memory share when no budget is set.")
+    num_blocks: int | None = Field(None, ge=1, description="Blocks to preallocate; None: from memory_budget. A "
+                                   "draft model's pool (speculative.model) holds as many blocks, beyond this count.")
+    memory_budget: ByteSize | None = Field(None, description="Bytes for the KV cache, e.g. 2GiB; with a draft model "
+                                           "(speculative.model) its pool and the target's share them, as many "
+                                           "blocks each.")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="Device memory share when no budget is set "
+                                      "(with a draft model: of the free memory less its weights, for both pools).")
     kv_dtype: KVDtype | Literal["auto"] = Field(
         "auto", description="auto: the hardware preset's default unless the model or device cannot hold it."
     )
@@ -229,7 +233,9 @@ class SpeculativeConfig(Strict):
         "decoding); draft_model: a small model sharing the target's tokenizer (speculative.model) proposes greedily "
         "from its own paged KV.")
     model: str | None = Field(None, description="draft_model: the draft model's local HF directory (vLLM's "
-                              "speculative_config.model); its tokenizer must be the target's.")
+                              "speculative_config.model); its tokenizer must be the target's. Its KV pool holds as "
+                              "many blocks as the target's, out of the same kv_pool budget (an explicit "
+                              "kv_pool.num_blocks: beyond it).")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix of the sequence that "
                                    "is looked up.")

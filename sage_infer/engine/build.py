@@ -9,6 +9,7 @@ import time
 import torch
 
 from sage_infer.config.auto import (
+    DraftKV,
     ModelFacts,
     ResolvedValue,
     resolve_auto,
@@ -68,7 +69,14 @@ from sage_infer.layers.linear import (
 from sage_infer.layers.quant_linear import use_quant_kernels
 from sage_infer.layers.triton_paged import triton_unavailable
 from sage_infer.models.arch_config import ArchConfig
-from sage_infer.models.loader import ModelLoadError, arch_config, load_model, resolve_model_dir
+from sage_infer.models.loader import (
+    ModelLoadError,
+    arch_config,
+    load_model,
+    resolve_model_dir,
+    weight_elements,
+    weight_files,
+)
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
@@ -93,6 +101,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     if device.type == "cpu":
         check_forced_level()  # a SAGE_CPU_ISA this CPU cannot run: one line before the weights load
     proposer = build_proposer(config.speculative)  # (a method not built yet: one line before the weights load)
+    draft = draft_kv(config, auto.model_dtype)  # (a draft that cannot be read: one line before the weights load)
     model, arch, directory = load_model(directory, FLOAT_DTYPES[auto.model_dtype], device)
     use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
     deterministic = use_deterministic(config.model, model, device)
@@ -115,7 +124,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     except ValueError as err:
         raise ConfigError(f"kv_pool.kv_dtype: {kv_dtype.value}: {err}") from None
     blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(schema), max_model_len=max_len,
-                                free_device_bytes=free_memory_bytes(device), host_available_bytes=read_mem_available())
+                                free_device_bytes=free_memory_bytes(device), host_available_bytes=read_mem_available(),
+                                draft=draft)
     auto.values.append(blocks)
     host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
     auto.values.append(host_bytes)
@@ -149,8 +159,8 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                         flush_on_shutdown_s=config.tiers.flush_on_shutdown_s, transfers=transfers)
     attention = build_attention(config, model, arch.head_dim, device, pool)
     if config.speculative.method == "draft_model":
-        proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype,
-                                        pool.num_blocks * schema.block_size, attention.decode_in_place, fused)
+        proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
+                                        attention.decode_in_place, fused)
     scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids, proposer=proposer)
     if deterministic and not attention.decode_in_place:
         raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
@@ -194,11 +204,31 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
 DRAFT_PROBE = "ROMEO: What light through yonder window breaks? 1,234.5 -- ¿qué? 日本語 \n\t<|end|>"
 
 
+def draft_kv(config: ServeConfig, dtype: str) -> DraftKV | None:
+    """What the draft model of ``speculative.method: draft_model`` takes from the KV budget (`resolve_num_blocks`),
+    from its config.json and the headers of its weight files; None without a draft."""
+    if config.speculative.method != "draft_model":
+        return None
+    try:
+        directory = resolve_model_dir(config.speculative.model)
+        schema = draft_kv_schema(arch_config(directory), config.kv_pool.block_size, dtype)
+        elements = weight_elements(weight_files(directory))
+    except (ModelLoadError, FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"speculative.model: {err}") from None
+    return DraftKV(schema.bytes_per_block, elements * FLOAT_DTYPES[dtype].itemsize)
+
+
+def draft_kv_schema(draft: ArchConfig, block_size: int, dtype: str) -> KVCacheSchema:
+    """The draft pool's layout: the target's block size, the draft's KV in its compute dtype `dtype`."""
+    return KVCacheSchema(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size).with_dtype(KVDtype(dtype))
+
+
 def build_draft_proposer(config: ServeConfig, target: ArchConfig, tokenizer: Tokenizer, device: torch.device,
-                         dtype: str, tokens: int, decode_in_place: bool, fused: bool) -> DraftModelProposer:
-    """`speculative.method: draft_model`: the draft model (`speculative.model`) with a KV pool of its own that holds
-    `tokens` tokens (the target pool's count), its KV in its compute dtype, decoding through the paged kernel where
-    the target's does. A draft whose vocabulary or tokenizer is not the target's is refused with the reason."""
+                         dtype: str, blocks: int, decode_in_place: bool, fused: bool) -> DraftModelProposer:
+    """`speculative.method: draft_model`: the draft model (`speculative.model`) with a KV pool of its own of
+    `blocks` blocks (the target pool's count, sized together with it by `resolve_num_blocks`), its KV in its compute
+    dtype, decoding through the paged kernel where the target's does. A draft whose vocabulary or tokenizer is not
+    the target's is refused with the reason."""
     spec = config.speculative
     try:
         directory = resolve_model_dir(spec.model)
@@ -220,16 +250,14 @@ def build_draft_proposer(config: ServeConfig, target: ArchConfig, tokenizer: Tok
         except RuntimeError:  # oneDNN cannot pack this dtype here: the draft's products stay on nn.Linear
             pass
     block_size = config.kv_pool.block_size
-    schema = KVCacheSchema(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size).with_dtype(KVDtype(dtype))
-    blocks = -(-tokens // block_size)
-    pool = make_kv_pool(schema, blocks, device=device)
+    pool = make_kv_pool(draft_kv_schema(draft, block_size, dtype), blocks, device=device)
     attention = AttentionBackend(decode=PagedDecode() if decode_in_place else GatheredDecode(), prefill=TorchPrefill())
     runner = ModelRunner(model, pool, device, cascade_attention=False, attention=attention,
                          step=FusedStep() if fused else PythonStep())
     params = sum(p.numel() for p in model.parameters())
     _report(ResolvedValue("speculative.model", directory.name, f"draft model, {params / 1e6:.1f}M parameters, "
                           f"{spec.num_speculative_tokens} greedy tokens per step from its own KV pool of {blocks} "
-                          f"blocks ({blocks * schema.bytes_per_block / 2**20:.0f} MiB)"))
+                          f"blocks ({pool.nbytes / 2**20:.1f} MiB, as many as the target's: kv_pool.num_blocks)"))
     return DraftModelProposer(runner, BlockManager(blocks, block_size, None), spec.num_speculative_tokens,
                               spec.disable_by_batch_size, spec.adaptive)
 

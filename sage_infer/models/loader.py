@@ -9,6 +9,7 @@ Anything else in a quantization_config is a ModelLoadError naming the field."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -110,6 +111,21 @@ def weight_files(directory: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{single}: not found (no *.safetensors weights in {directory})")
     return files
+
+
+def weight_elements(files: list[Path]) -> int:
+    """Elements of every tensor in `files`, read from the safetensors headers alone (no weight is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    total += math.prod(handle.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: cannot read the safetensors header: {err}") from None
+    return total
 
 
 def load_weights(model: nn.Module, files: list[Path], tied: bool,
