@@ -64,6 +64,25 @@ def test_silu_mul_equals_silu_of_gate_times_up(dtype):
     close(kernels.silu_mul(strided), F.silu(strided[:, :100]) * strided[:, 100:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_in_passes_of_rows_equals_one_pass(dtype, monkeypatch):
+    """Prefill rows go through `MLP.forward_fused` in passes that bound the gate/up buffer: the passes (the last one
+    short) give what one pass over all rows gives, and the reference `forward`."""
+    from sage_infer.models import llama
+
+    torch.manual_seed(2)
+    mlp = llama.MLP(type("Cfg", (), {"hidden_size": 64, "intermediate_size": 96, "mlp_bias": False})())
+    mlp = mlp.to(dtype)
+    assert mlp.fuse_projections()
+    x = torch.randn(300, 64).to(dtype)
+    whole = mlp.forward_fused(x)
+    monkeypatch.setattr(llama, "MLP_PASS_MIN_ROWS", 1)
+    monkeypatch.setattr(llama, "MLP_PASS_BYTES", 128 * 96 * 2 * 4)  # 128 rows per pass: 128, 128, 44
+    assert mlp.pass_rows() == 128
+    close(mlp.forward_fused(x), whole)
+    close(mlp.forward_fused(x), mlp.forward(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_rope_in_place_equals_apply_rotary_and_leaves_the_rest_of_the_row(dtype, head_dim):

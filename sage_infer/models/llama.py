@@ -21,6 +21,13 @@ from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
 from sage_infer.models.arch_config import ArchConfig
 
+# `MLP.forward_fused` runs a prefill step's rows through the MLP in passes whose stacked gate/up product (fp32, the
+# largest activation of a layer) stays within this many bytes: a buffer above glibc's largest mmap threshold (32 MiB)
+# is mapped and page-faulted afresh on every call (sage_infer/hal/malloc.py), which cost 10-20 % of a 2,000-row
+# prefill of the 0.5B shape on a 2-core AVX2 CPU (docs/benchmarks.md "Allocator and fused elementwise ops")
+MLP_PASS_BYTES = 16 << 20
+MLP_PASS_MIN_ROWS = 128
+
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
 
@@ -146,10 +153,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with silu(gate) * up as one C++ pass (`kernels.silu_mul`) over the stacked projection."""
-        if self.gate_up_proj is not None:
+        """`forward` with silu(gate) * up as one C++ pass (`kernels.silu_mul`) over the stacked projection; rows in
+        passes of `pass_rows` (each row's result is its own: a pass only bounds the intermediate buffers)."""
+        if self.gate_up_proj is None:
+            return self.forward(x)
+        rows = self.pass_rows()
+        if x.shape[0] <= rows:
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
-        return self.forward(x)
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for start in range(0, x.shape[0], rows):
+            out[start:start + rows] = self.down_proj(kernels.silu_mul(self.gate_up_proj(x[start:start + rows])))
+        return out
+
+    def pass_rows(self) -> int:
+        """Rows per pass of `forward_fused`: the stacked gate/up product of that many rows fits `MLP_PASS_BYTES` in
+        fp32 (at least `MLP_PASS_MIN_ROWS`)."""
+        return max(MLP_PASS_MIN_ROWS, MLP_PASS_BYTES // (4 * self.down_proj.in_features * 2))
 
 
 class DecoderLayer(nn.Module):
