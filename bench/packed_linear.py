@@ -1,5 +1,5 @@
 """bf16 linear layers on a CPU: torch's bf16 product against `PackedLinear` (oneDNN's packed bf16 where this
-CPU packs bf16; else the fp32 copy it falls back to, and sage's bf16 rows kernel for 1-4 rows), at the 0.5B
+CPU packs bf16; else the fp32 copy it falls back to, and sage's bf16 rows kernel for few rows), at the 0.5B
 shape's layer sizes and 1-512 rows.
 
     python bench/packed_linear.py [--threads 2] [--json out/packed_linear.json]
@@ -24,15 +24,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import write_json  # noqa: E402
-from bench.flash_attention import best  # noqa: E402
+from bench.host_copy import best_seconds as best  # noqa: E402
 from sage_infer.hal.cpu import read_cpu_model  # noqa: E402
 from sage_infer.hal.isa import selected_level  # noqa: E402
-from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable  # noqa: E402
+from sage_infer.layers.cpu_kernels import BF16_ROWS_KERNEL_MAX, bf16_rows_linear, kernel_unavailable  # noqa: E402
 from sage_infer.layers.linear import PackedLinear, packing_unavailable  # noqa: E402
 
 # (out, in) of Qwen2.5-0.5B's stacked q/k/v, o, gate/up and down products
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
-ROWS = [1, 2, 3, 4, 8, 64, 512]
+ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 64, 512]
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
                 if packed.weight_bf16 is not None:  # the fp32-copy path: time its two parts alone
                     copy = best(lambda packed=packed, x=x: torch.ops.mkldnn._linear_pointwise(
                         x.float(), packed.packed, None, "none", [], "").to(torch.bfloat16), args.repeats) * 1e3
-                if kernel and m <= 4:
+                if kernel and m <= BF16_ROWS_KERNEL_MAX:
                     rows = best(lambda weight=weight, x=x: bf16_rows_linear(x, weight), args.repeats) * 1e3
                 rows_out.append({"out": n, "in": k, "rows": m, "torch_bf16_ms": round(plain, 4),
                                  "fp32_copy_ms": None if copy is None else round(copy, 4),

@@ -19,7 +19,7 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers.batch_invariant import RowTiledLinear, tile_linears
 from sage_infer.layers.cpu_kernels import kernel_unavailable
-from sage_infer.layers.linear import PackedLinear, packing_unavailable
+from sage_infer.layers.linear import BF16_ROWS_KERNEL, PackedLinear, packing_unavailable
 from tests.tiny_models import make_tiny_model
 
 needs_kernels = pytest.mark.skipif(kernel_unavailable() is not None,
@@ -57,16 +57,16 @@ def test_a_tiled_row_gets_the_same_bits_alone_in_any_batch_and_at_any_position(k
 
 @needs_kernels
 def test_a_layer_with_a_few_row_kernel_is_tiled_at_its_rows_and_each_row_gets_the_same_bits():
-    """PackedLinear on a bf16 weight oneDNN cannot pack (an AVX2 CPU) runs products of up to 4 rows on its bf16
-    rows kernel, which computes each row alone: unpadded chunks of up to 4 rows there, padded 16-row tiles around
+    """PackedLinear on a bf16 weight oneDNN cannot pack (an AVX2 CPU) runs products of a few rows on its bf16
+    rows kernel, which computes each row alone: unpadded chunks of that many rows there, padded 16-row tiles around
     the other layers."""
     torch.manual_seed(0)
     if packing_unavailable(torch.bfloat16) is None:
         pytest.skip("oneDNN packs bf16 on this CPU: PackedLinear has no bf16 rows kernel")
     model = nn.Sequential(PackedLinear(nn.Linear(192, 160).to(torch.bfloat16)), nn.Linear(160, 8))
-    assert model[0].row_invariant_rows == 4
+    assert model[0].row_invariant_rows == BF16_ROWS_KERNEL
     assert tile_linears(model) == 2
-    assert (model[0].rows, model[0].pad) == (4, False) and (model[1].rows, model[1].pad) == (16, True)
+    assert (model[0].rows, model[0].pad) == (BF16_ROWS_KERNEL, False) and (model[1].rows, model[1].pad) == (16, True)
     with torch.inference_mode():
         assert_rows_invariant(model[0], torch.randn(53, 192).to(torch.bfloat16))
 

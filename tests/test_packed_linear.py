@@ -91,7 +91,7 @@ def test_auto_packs_on_a_cpu_and_packed_elsewhere_is_a_config_error(tiny):
     assert isinstance(model[0], nn.Linear)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16, 64])
 def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monkeypatch):
     """What a CPU without bf16 packing (AVX2) runs, forced on any CPU: fp32 products of an fp32 copy, rounded
     to bf16; up to `bf16_rows` rows on the kept bf16 weight (sage's kernel, or torch's product without it)."""
@@ -113,7 +113,7 @@ def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monke
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])  # whole groups of 4 and the rest
 @pytest.mark.parametrize("n, k", [(160, 96), (37, 100), (64, 4864)])  # K with a tail under 16; a long K
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_bf16_rows_kernel_equals_torchs_bf16_product_to_rounding(cpu_isa, rows, n, k, bias):
@@ -134,7 +134,7 @@ def test_the_bf16_rows_kernel_equals_torchs_bf16_product_to_rounding(cpu_isa, ro
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
 def test_the_bf16_rows_kernel_refuses_what_it_does_not_take():
     w = torch.randn(8, 16, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        bf16_rows_linear(torch.randn(5, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        bf16_rows_linear(torch.randn(17, 16, dtype=torch.bfloat16), w)
     with pytest.raises(RuntimeError, match="bf16"):
         bf16_rows_linear(torch.randn(1, 16), w)

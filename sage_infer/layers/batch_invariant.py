@@ -7,7 +7,7 @@ greedy decoding then flips near-tie tokens. `RowTiledLinear` runs every product 
 `rows` rows — the batch cut into tiles of that many, the last one padded with zeros — so every row,
 whatever the batch, goes through the same kernel on the same shape, and each output element sums
 its products in one fixed order. A layer whose few-row kernel already computes every row alone, the same
-way whatever the row count (`row_invariant_rows`: PackedLinear's bf16 rows kernel, up to 4 rows, on a CPU
+way whatever the row count (`row_invariant_rows`: PackedLinear's bf16 rows kernel, up to 12 rows, on a CPU
 without bf16 packing), needs no padding: its batch is cut into chunks of up to that many rows, passed as
 they are.
 

@@ -154,8 +154,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, norm_wei
     _module().rope_(x, cos, signed_sin, norm_weight, eps)
 
 
+BF16_ROWS_KERNEL_MAX = 16  # the most rows `bf16_rows_linear` takes (csrc/bf16_rows.cpp MAX_ROWS)
+
+
 def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] bf16 (1 to 4 rows) times the [N, K] bf16 `weight` (as stored: no packing), plus `bias` -> [M, N]
+    """x: [M, K] bf16 (1 to 16 rows) times the [N, K] bf16 `weight` (as stored: no packing), plus `bias` -> [M, N]
     bf16; fp32 sums rounded once, against `F.linear` as the reference (csrc/bf16_rows.cpp)."""
     return _module().bf16_rows_linear(x, weight, bias)
 

@@ -16,8 +16,8 @@ plain `nn.Linear`, the reference path the packed one is tested against.
 Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
 emulated), a bf16 layer packs an fp32 copy of its weight and computes in fp32 (its output rounded to bf16, as a
 bf16 product's is): 1.5-8x faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. Products of a
-few rows, bound by reading the weight, run sage's kernel on the bf16 weight instead (`bf16_rows_linear`: up to 4
-rows, 1.4-3.5x faster than torch's bf16 product there), or torch's bf16 product up to 2 rows without the kernels.
+few rows, bound by reading the weight, run sage's kernel on the bf16 weight instead (`bf16_rows_linear`: up to 12
+rows, 1.4-4.5x faster than torch's bf16 product there), or torch's bf16 product up to 2 rows without the kernels.
 The layer keeps the bf16 weight for them next to the fp32 copy (3x the bf16 bytes). bench/packed_linear.py
 measures all three; docs/cpu_isa.md has the numbers.
 """
@@ -39,9 +39,10 @@ PACK_BATCH_HINT = 2048
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
 # bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run on the kept bf16
-# weight instead, on sage's kernel (it takes up to 4 rows) or, without the kernels, on torch's bf16 product
-# (whose crossover with the fp32 copy on the 0.5B shape's layers is 3-4 rows on AVX2)
-BF16_ROWS_KERNEL = 4
+# weight instead, on sage's kernel or, without the kernels, on torch's bf16 product. On the 0.5B shape's layers on
+# AVX2 the kernel is 1.7-2.4x the fp32 copy at 5-8 rows (the copy reads twice the bytes), 1.2x over a layer's four
+# products at 12 and even at 16 (docs/cpu_isa.md); torch's product crosses the fp32 copy at 3-4 rows
+BF16_ROWS_KERNEL = 12
 BF16_ROWS_TORCH = 2
 
 

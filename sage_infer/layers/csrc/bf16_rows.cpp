@@ -3,6 +3,8 @@
 // rows, which are bound by reading the weight, read its bf16 bytes once. Each bf16 is widened to fp32 by a
 // 16-bit shift (exact), multiplied and summed in fp32 with FMA, and the sum rounded to bf16 once (to nearest
 // even), so results differ from torch's bf16 product only by fp32 summation order.
+// Up to 16 rows: each weight row is read from memory once and multiplied with the rows 4 at a time (the later
+// groups find it in L1), so every row's sum is computed the same way whatever the row count.
 // The reference is torch.nn.functional.linear on the same bf16 tensors (tests/test_packed_linear.py).
 #include "kernel.h"
 
@@ -17,7 +19,8 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 16;
+constexpr int GROUP = 4;  // rows per pass over a weight row: 2 accumulators each, 10 of the 16 ymm registers
 
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 bf16 at p as 8 fp32
@@ -59,28 +62,39 @@ inline void dot_rows(const float* x, const uint16_t* w_row, int64_t k_len, float
   }
 }
 
-template <int M>
-void rows_linear(const float* x, const uint16_t* w, const float* bias, c10::BFloat16* y, int64_t n_len,
-                 int64_t k_len) {
+// out[m] for all m_len rows: groups of GROUP rows, then the rest
+inline void dot_all_rows(const float* x, int64_t m_len, const uint16_t* w_row, int64_t k_len, float* out) {
+  int64_t m = 0;
+  for (; m + GROUP <= m_len; m += GROUP) dot_rows<GROUP>(x + m * k_len, w_row, k_len, out + m);
+  switch (m_len - m) {
+    case 1: dot_rows<1>(x + m * k_len, w_row, k_len, out + m); break;
+    case 2: dot_rows<2>(x + m * k_len, w_row, k_len, out + m); break;
+    case 3: dot_rows<3>(x + m * k_len, w_row, k_len, out + m); break;
+    default: break;
+  }
+}
+
+void rows_linear(const float* x, int64_t m_len, const uint16_t* w, const float* bias, c10::BFloat16* y,
+                 int64_t n_len, int64_t k_len) {
   at::parallel_for(0, n_len, 16, [&](int64_t begin, int64_t end) {
-    float sums[M];
+    float sums[MAX_ROWS];
     for (int64_t n = begin; n < end; ++n) {
-      dot_rows<M>(x, w + n * k_len, k_len, sums);
+      dot_all_rows(x, m_len, w + n * k_len, k_len, sums);
       const float b = bias != nullptr ? bias[n] : 0.f;
-      for (int m = 0; m < M; ++m) y[m * n_len + n] = narrow<c10::BFloat16>(sums[m] + b);
+      for (int64_t m = 0; m < m_len; ++m) y[m * n_len + n] = narrow<c10::BFloat16>(sums[m] + b);
     }
   });
 }
 
 }  // namespace
 
-// x: [M, K] bf16 with M <= 4; weight: [N, K] bf16 contiguous; bias: [N] or none -> [M, N] bf16
+// x: [M, K] bf16 with M <= 16; weight: [N, K] bf16 contiguous; bias: [N] or none -> [M, N] bf16
 torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight: bf16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous(), "x: [M, K]; weight: contiguous [N, K]");
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = weight.size(0);
   TORCH_CHECK(weight.size(1) == k_len, "x and weight disagree on K");
-  TORCH_CHECK(m_len >= 1 && m_len <= MAX_ROWS, "bf16_rows_linear takes 1 to 4 rows");
+  TORCH_CHECK(m_len >= 1 && m_len <= MAX_ROWS, "bf16_rows_linear takes 1 to 16 rows");
   const auto xf = x.to(at::kFloat).contiguous();
   c10::optional<torch::Tensor> bias32;
   if (bias.has_value() && bias->defined()) {
@@ -92,11 +106,6 @@ torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optio
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const float* bp = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  switch (m_len) {
-    case 1: rows_linear<1>(xp, wp, bp, yp, n_len, k_len); break;
-    case 2: rows_linear<2>(xp, wp, bp, yp, n_len, k_len); break;
-    case 3: rows_linear<3>(xp, wp, bp, yp, n_len, k_len); break;
-    default: rows_linear<4>(xp, wp, bp, yp, n_len, k_len); break;
-  }
+  rows_linear(xp, m_len, wp, bp, yp, n_len, k_len);
   return y;
 }
