@@ -13,17 +13,16 @@ each sequence's k follows its acceptance), with `--draft-per-row` also `draft_mo
 for one decode row at a time instead of all of a step's rows in each forward pass), each a fresh `LLM` with an empty
 prefix cache, run `--repeats` times interleaved, the fastest run kept.
 
-The mechanics, apart from how good a guess is: `--methods oracle` runs `oracle-aA-kK` for each
-`--oracle-acceptance` A, a proposer that replays the target's own greedy continuation (the `off` run's output for
-the same prompt) and spoils it so that each proposed token stands with probability A given the ones before it did
-(A = 1.0: every proposal stands; A = 0: none does, also run as `oracle-a0.0-kK-adaptive`); the acceptance column
-(accepted / proposed) is then (A + A^2 + ... + A^k) / k. Where a verify row's product path rounds a near tie the
-other way than the one-row decode step of `off` did (bf16; random weights have many), the row is pinned to `off`'s
-token so the sequence stays on the continuation the oracle replays; `forced` counts those rows (0: the target chose
-`off`'s tokens everywhere by itself). It also times the verify step: in one engine the oracle proposes k wrong
-tokens on every other step, so steps whose B rows carry one decode token each alternate with steps whose rows
-carry k + 1 query rows each, over the same contexts; reported is the median of each and their ratio (the weights
-are read once a step: close to 1x while a step is bound by reading them).
+The mechanics, apart from how good a guess is: `--methods oracle` runs `oracle-aA-kK` for each `--oracle-acceptance`
+A, a proposer that replays the target's own greedy continuation (the `off` run's output for the same prompt)
+truncated at random so that accepted / proposed tokens averages A (A = 1.0: every proposal stands; A = 0: none does,
+also run as `oracle-a0.0-kK-adaptive`). Where a verify row's product path rounds a near tie the other way than the
+one-row decode step of `off` did (bf16; random weights have many), the row is pinned to `off`'s token so the
+sequence stays on the continuation the oracle replays; `forced` counts those rows (0: the target chose `off`'s
+tokens everywhere by itself). It also times the verify step: in one engine the oracle proposes k wrong tokens on
+every other step, so steps whose B rows carry one decode token each alternate with steps whose rows carry k + 1
+query rows each, over the same contexts; reported is the median of each and their ratio (the weights are read once a
+step: close to 1x while a step is bound by reading them).
 
 Workloads (greedy, ignore-EOS), for each `--batch` size B (B requests submitted at once):
   copy      each prompt is a passage of text followed by its first sentence again, the way a request to
@@ -70,10 +69,10 @@ from sage_infer.spec_decode.base import Proposer  # noqa: E402
 
 class OracleProposer(Proposer):
     """Proposes the target's own greedy continuation: `references` holds each prompt's token ids and its output in a
-    run without speculation, and a sequence is matched to it by the prompt it starts with. Each position of an
-    output is spoiled with probability 1 - `acceptance` (a seeded mask per prompt, the same for every k and run,
-    and a lower acceptance spoils a superset); a proposal that reaches a spoiled position carries wrong tokens from
-    there on, so each proposed token stands with probability `acceptance` given that the ones before it did.
+    run without speculation, and a sequence is matched to it by the prompt it starts with. Each proposal of L tokens
+    is truncated at random: its first floor(`acceptance` x L + u) tokens are the reference's and the rest wrong,
+    with u uniform in [0, 1) drawn per prompt and output position (seeded: the same for every run, and a lower
+    acceptance truncates each proposal no later), so accepted / proposed tokens averages `acceptance`.
     `every_other`: propose on every other step only."""
 
     def __init__(self, num_speculative_tokens: int, references: list[tuple[list[int], list[int]]],
@@ -81,11 +80,12 @@ class OracleProposer(Proposer):
                  every_other: bool = False) -> None:
         super().__init__(num_speculative_tokens, adaptive=adaptive)
         self.outputs: dict[tuple[int, ...], list[int]] = {}  # prompt token ids -> the output without speculation
-        self.spoiled: dict[tuple[int, ...], list[bool]] = {}  # prompt token ids -> per output position
+        self.draws: dict[tuple[int, ...], list[float]] = {}  # prompt token ids -> u per output position
         for i, (prompt, output) in enumerate(references):
             rng = random.Random(seed * 1_000_003 + i)
             self.outputs[tuple(prompt)] = list(output)
-            self.spoiled[tuple(prompt)] = [rng.random() >= acceptance for _ in output]
+            self.draws[tuple(prompt)] = [rng.random() for _ in output]
+        self.acceptance = acceptance
         self.prompt_lens = sorted({len(prompt) for prompt, _ in references}, reverse=True)
         self.vocab_size = vocab_size
         self.every_other = every_other
@@ -100,8 +100,8 @@ class OracleProposer(Proposer):
         return super().propose_batch(rows)
 
     def propose(self, seq_id: int, token_ids: list[int], limit: int, tenant: bytes = b"") -> list[int]:
-        """The next min(k, `limit`) tokens of the reference, wrong from its first spoiled position; [] for a
-        sequence that matches no prompt or has left its reference."""
+        """The next min(k, `limit`) tokens of the reference, wrong past its truncation; [] for a sequence that
+        matches no prompt or has left its reference."""
         if seq_id not in self._prompt:
             self._prompt[seq_id] = next((tuple(token_ids[:n]) for n in self.prompt_lens
                                          if n < len(token_ids) and tuple(token_ids[:n]) in self.outputs), None)
@@ -112,10 +112,8 @@ class OracleProposer(Proposer):
         if output[:done] != token_ids[len(prompt):]:
             return []
         proposal = output[done:done + limit]
-        spoiled = self.spoiled[prompt][done:done + len(proposal)]
-        if True in spoiled:
-            first = spoiled.index(True)
-            proposal[first:] = [(token + 1) % self.vocab_size for token in proposal[first:]]
+        good = min(len(proposal), int(self.acceptance * len(proposal) + self.draws[prompt][done]))
+        proposal[good:] = [(token + 1) % self.vocab_size for token in proposal[good:]]
         return proposal
 
     def forget(self, seq_id: int, tenant: bytes = b"", output: Sequence[int] = ()) -> None:

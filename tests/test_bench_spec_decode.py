@@ -1,4 +1,4 @@
-"""bench/spec_decode.py's oracle proposer (the target's own greedy continuation, spoiled to a set acceptance) and
+"""bench/spec_decode.py's oracle proposer (the target's own greedy continuation, truncated to a set acceptance) and
 the oracle rows of the bench on the bundled demo model (no timing here)."""
 
 from __future__ import annotations
@@ -34,15 +34,24 @@ def test_a_sequence_off_its_reference_or_of_another_prompt_gets_no_proposal():
     assert oracle.propose(1, [7, 7, 7, 4], limit=10) == []
 
 
-def test_the_spoiled_positions_are_seeded_and_a_lower_acceptance_spoils_a_superset():
-    long_output = list(range(2000))
-    high, low = (OracleProposer(4, [(PROMPT, long_output)], a, vocab_size=4096, seed=3) for a in (0.7, 0.4))
-    again = OracleProposer(4, [(PROMPT, long_output)], 0.4, vocab_size=4096, seed=3)
-    key = tuple(PROMPT)
-    assert low.spoiled[key] == again.spoiled[key]
-    assert all(lo for hi, lo in zip(high.spoiled[key], low.spoiled[key]) if hi)
-    assert sum(high.spoiled[key]) / 2000 == pytest.approx(0.3, abs=0.04)
-    assert sum(low.spoiled[key]) / 2000 == pytest.approx(0.6, abs=0.04)
+def test_proposals_are_truncated_to_the_acceptance_on_average_seeded_and_nested():
+    long_output = list(range(4000))
+    high, low, again = (OracleProposer(4, [(PROMPT, long_output)], a, vocab_size=8192, seed=3)
+                        for a in (0.7, 0.4, 0.4))
+
+    def kept(oracle: OracleProposer) -> list[int]:  # the correct leading tokens of the proposal at each position
+        out = []
+        for done in range(1, 3996):
+            proposal = oracle.propose(done, PROMPT + long_output[:done], limit=10)
+            assert len(proposal) == 4
+            out.append(next((i for i, (p, t) in enumerate(zip(proposal, long_output[done:])) if p != t), 4))
+        return out
+
+    k_high, k_low = kept(high), kept(low)
+    assert k_low == kept(again)
+    assert all(lo <= hi for hi, lo in zip(k_high, k_low))
+    assert sum(k_high) / (4 * len(k_high)) == pytest.approx(0.7, abs=0.02)
+    assert sum(k_low) / (4 * len(k_low)) == pytest.approx(0.4, abs=0.02)
 
 
 def test_every_other_step_proposes_nothing():
