@@ -113,7 +113,7 @@ def test_bf16_weights_that_onednn_cannot_pack_compute_in_fp32_copies(rows, monke
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])  # whole groups of 4 and the rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 16])  # passes of 1-6 rows, 2 and 3 passes
 @pytest.mark.parametrize("n, k", [(160, 96), (37, 100), (64, 4864)])  # K with a tail under 16; a long K
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_bf16_rows_kernel_equals_torchs_bf16_product_to_rounding(cpu_isa, rows, n, k, bias):

@@ -3,8 +3,9 @@
 // rows, which are bound by reading the weight, read its bf16 bytes once. Each bf16 is widened to fp32 by a
 // 16-bit shift (exact), multiplied and summed in fp32 with FMA, and the sum rounded to bf16 once (to nearest
 // even), so results differ from torch's bf16 product only by fp32 summation order.
-// Up to 16 rows: each weight row is read from memory once and multiplied with the rows 4 at a time (the later
-// groups find it in L1), so every row's sum is computed the same way whatever the row count.
+// Up to 16 rows: each weight row is read from memory once and multiplied with the rows in as few passes of at most
+// 6 rows as there can be, of even sizes (a pass of 1 row is bound by its FMAs' latency, nearly as slow as one of 4;
+// later passes find the weight row in L1), and every row's sum is computed the same way whatever the row count.
 // The reference is torch.nn.functional.linear on the same bf16 tensors (tests/test_packed_linear.py).
 #include "kernel.h"
 
@@ -20,7 +21,7 @@
 namespace {
 
 constexpr int64_t MAX_ROWS = 16;
-constexpr int GROUP = 4;  // rows per pass over a weight row: 2 accumulators each, 10 of the 16 ymm registers
+constexpr int64_t PASS_ROWS = 6;  // rows per pass over a weight row: 2 accumulators each, with the weight's 2: 14 of 16 ymm
 
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 bf16 at p as 8 fp32
@@ -62,15 +63,22 @@ inline void dot_rows(const float* x, const uint16_t* w_row, int64_t k_len, float
   }
 }
 
-// out[m] for all m_len rows: groups of GROUP rows, then the rest
+// out[m] for all m_len rows: ceil(m_len / PASS_ROWS) passes whose sizes differ by at most one
 inline void dot_all_rows(const float* x, int64_t m_len, const uint16_t* w_row, int64_t k_len, float* out) {
+  const int64_t passes = (m_len + PASS_ROWS - 1) / PASS_ROWS, base = m_len / passes, extra = m_len % passes;
   int64_t m = 0;
-  for (; m + GROUP <= m_len; m += GROUP) dot_rows<GROUP>(x + m * k_len, w_row, k_len, out + m);
-  switch (m_len - m) {
-    case 1: dot_rows<1>(x + m * k_len, w_row, k_len, out + m); break;
-    case 2: dot_rows<2>(x + m * k_len, w_row, k_len, out + m); break;
-    case 3: dot_rows<3>(x + m * k_len, w_row, k_len, out + m); break;
-    default: break;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t rows = base + (p < extra ? 1 : 0);
+    const float* xm = x + m * k_len;
+    switch (rows) {
+      case 1: dot_rows<1>(xm, w_row, k_len, out + m); break;
+      case 2: dot_rows<2>(xm, w_row, k_len, out + m); break;
+      case 3: dot_rows<3>(xm, w_row, k_len, out + m); break;
+      case 4: dot_rows<4>(xm, w_row, k_len, out + m); break;
+      case 5: dot_rows<5>(xm, w_row, k_len, out + m); break;
+      default: dot_rows<6>(xm, w_row, k_len, out + m); break;
+    }
+    m += rows;
   }
 }
 
