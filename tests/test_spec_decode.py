@@ -12,6 +12,7 @@ import torch
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig, SpeculativeConfig
 from sage_infer.spec_decode import NgramProposer, SpecDecodeStats, SuffixProposer, accept, build_proposer
+from sage_infer.spec_decode.base import PAUSE_STEPS
 from tests.tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -59,9 +60,12 @@ def test_adaptive_k_halves_on_nothing_accepted_and_grows_back_on_everything():
     proposer.observe(0, 4, 0)
     assert proposer.propose(0, tokens, 10) == [2, 3]
     proposer.observe(0, 2, 0)
-    proposer.observe(0, 1, 0)
     assert proposer.propose(0, tokens, 10) == [2]  # never below 1
-    proposer.observe(0, 1, 1)
+    proposer.observe(0, 1, 0)  # refused at k = 1: paused for PAUSE_STEPS steps, then a probe at k = 1
+    assert [proposer.propose(0, tokens, 10) for _ in range(PAUSE_STEPS + 1)] == [[]] * PAUSE_STEPS + [[2]]
+    proposer.observe(0, 1, 0)  # the probe refused: twice the pause
+    assert [proposer.propose(0, tokens, 10) for _ in range(2 * PAUSE_STEPS + 1)] == [[]] * (2 * PAUSE_STEPS) + [[2]]
+    proposer.observe(0, 1, 1)  # accepted: no more pausing
     proposer.observe(0, 2, 1)  # partly accepted: unchanged
     assert proposer.propose(0, tokens, 10) == [2, 3]
     for _ in range(5):

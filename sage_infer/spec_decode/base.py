@@ -1,9 +1,14 @@
 """What every proposer shares: the most tokens it proposes, its batch-size cut-off, and the adaptive k of each
-sequence (halved after a step that accepted nothing, one more after a step that accepted everything)."""
+sequence (halved after a step that accepted nothing, one more after a step that accepted everything; at k = 1 a
+step that accepted nothing pauses the sequence's proposals for a few steps, twice as many after each failed probe,
+so a sequence whose proposals never stand decodes almost as without speculation)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+# adaptive: steps a sequence proposes nothing after its k = 1 proposal was refused; doubled after each refused probe
+PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 64
 
 
 class Proposer:
@@ -16,6 +21,7 @@ class Proposer:
         self.disable_by_batch_size = disable_by_batch_size  # the scheduler asks for nothing in bigger steps
         self.adaptive = adaptive  # each sequence's k follows its acceptance (`observe`)
         self._k: dict[int, int] = {}  # adaptive: seq id -> its own limit
+        self._pause: dict[int, tuple[int, int]] = {}  # adaptive: seq id -> (steps left proposing nothing, next pause)
 
     def propose(self, seq_id: int, token_ids: list[int], limit: int, tenant: bytes = b"") -> list[int]:
         """Up to min(k, `limit`) tokens to follow `token_ids` (the sequence's prompt and output). `tenant`: the
@@ -29,20 +35,35 @@ class Proposer:
         return [self.propose(*row) for row in rows]
 
     def limit(self, seq_id: int, limit: int) -> int:
-        """The most tokens to propose now: `limit`, the configured k, and with `adaptive` the sequence's own k."""
-        return min(self._k.get(seq_id, self.k) if self.adaptive else self.k, limit)
+        """The most tokens to propose now (called once per step and row): `limit`, the configured k, and with
+        `adaptive` the sequence's own k, or 0 while its proposals are paused."""
+        if not self.adaptive:
+            return min(self.k, limit)
+        left, pause = self._pause.get(seq_id, (0, PAUSE_STEPS))
+        if left > 0:
+            self._pause[seq_id] = (left - 1, pause)
+            return 0
+        return min(self._k.get(seq_id, self.k), limit)
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """A verify step's outcome for a sequence: with `adaptive`, nothing accepted halves its k, everything
-        accepted raises it by one (within [1, num_speculative_tokens])."""
+        """A verify step's outcome for a sequence: with `adaptive`, nothing accepted halves its k (at k = 1 it
+        pauses proposing for PAUSE_STEPS steps, doubled after each refused probe up to MAX_PAUSE_STEPS),
+        everything accepted raises it by one (within [1, num_speculative_tokens]); anything accepted ends the
+        pausing."""
         if not self.adaptive or not proposed:
             return
         k = self._k.get(seq_id, self.k)
         if accepted == 0:
+            if k == 1:
+                _, pause = self._pause.get(seq_id, (0, PAUSE_STEPS))
+                self._pause[seq_id] = (pause, min(MAX_PAUSE_STEPS, 2 * pause))
             self._k[seq_id] = max(1, k // 2)
-        elif accepted == proposed:
+            return
+        self._pause.pop(seq_id, None)
+        if accepted == proposed:
             self._k[seq_id] = min(self.k, k + 1)
 
     def forget(self, seq_id: int, tenant: bytes = b"", output: Sequence[int] = ()) -> None:
         """A sequence ended (`output`: the tokens it generated): drop what was kept for it."""
         self._k.pop(seq_id, None)
+        self._pause.pop(seq_id, None)
