@@ -57,15 +57,13 @@ def test_adaptive_k_halves_on_nothing_accepted_and_grows_back_on_everything():
     proposer = NgramProposer(4, 1, 2, adaptive=True)
     tokens = [1, 2, 3, 4, 5, 6, 1]
     assert proposer.propose(0, tokens, 10) == [2, 3, 4, 5]
-    proposer.observe(0, 4, 0)
-    assert proposer.propose(0, tokens, 10) == [2, 3]
-    proposer.observe(0, 2, 0)
-    assert proposer.propose(0, tokens, 10) == [2]  # never below 1
-    proposer.observe(0, 1, 0)  # refused at k = 1: paused for PAUSE_STEPS steps, then a probe at k = 1
-    assert [proposer.propose(0, tokens, 10) for _ in range(PAUSE_STEPS + 1)] == [[]] * PAUSE_STEPS + [[2]]
-    proposer.observe(0, 1, 0)  # the probe refused: twice the pause
+    proposer.observe(0, 4, 0)  # refused: k halves, and PAUSE_STEPS steps propose nothing before a probe
+    assert [proposer.propose(0, tokens, 10) for _ in range(PAUSE_STEPS + 1)] == [[]] * PAUSE_STEPS + [[2, 3]]
+    proposer.observe(0, 2, 0)  # the probe refused: twice the pause
     assert [proposer.propose(0, tokens, 10) for _ in range(2 * PAUSE_STEPS + 1)] == [[]] * (2 * PAUSE_STEPS) + [[2]]
-    proposer.observe(0, 1, 1)  # accepted: no more pausing
+    proposer.observe(0, 1, 0)  # k never below 1
+    assert [proposer.propose(0, tokens, 10) for _ in range(4 * PAUSE_STEPS + 1)] == [[]] * (4 * PAUSE_STEPS) + [[2]]
+    proposer.observe(0, 1, 1)  # accepted: no more pausing, k grows
     proposer.observe(0, 2, 1)  # partly accepted: unchanged
     assert proposer.propose(0, tokens, 10) == [2, 3]
     for _ in range(5):

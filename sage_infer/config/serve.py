@@ -253,8 +253,8 @@ class SpeculativeConfig(Strict):
                                                   "falls below this.")
     adaptive: bool = Field(False, description="Each sequence proposes up to its own k: halved after a step that "
                            "accepted nothing, one more after a step that accepted everything (between 1 and "
-                           "num_speculative_tokens); refused at k = 1, it proposes nothing for 4 steps, twice as "
-                           "many after each refused probe (up to 64), until a proposal stands.")
+                           "num_speculative_tokens); a step that accepted nothing also pauses its proposals for 4 "
+                           "steps, twice as many after each refused probe (up to 64), until a proposal stands.")
     disable_by_batch_size: int | None = Field(None, ge=1, le=4096, description="No proposals in a step that runs "
                                               "at least this many sequences (a big batch is no longer bound by "
                                               "weight reads, so verify rows cost compute); None: always propose.")

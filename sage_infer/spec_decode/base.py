@@ -1,13 +1,14 @@
 """What every proposer shares: the most tokens it proposes, its batch-size cut-off, and the adaptive k of each
-sequence (halved after a step that accepted nothing, one more after a step that accepted everything; at k = 1 a
-step that accepted nothing pauses the sequence's proposals for a few steps, twice as many after each failed probe,
-so a sequence whose proposals never stand decodes almost as without speculation)."""
+sequence (halved after a step that accepted nothing, one more after a step that accepted everything; a step that
+accepted nothing also pauses the sequence's proposals for a few steps, twice as many after each refused probe, so a
+sequence whose proposals never stand decodes almost as without speculation)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-# adaptive: steps a sequence proposes nothing after its k = 1 proposal was refused; doubled after each refused probe
+# adaptive: steps a sequence proposes nothing after a step that accepted none of its proposal; doubled after each
+# refused probe
 PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 64
 
 
@@ -46,17 +47,15 @@ class Proposer:
         return min(self._k.get(seq_id, self.k), limit)
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """A verify step's outcome for a sequence: with `adaptive`, nothing accepted halves its k (at k = 1 it
-        pauses proposing for PAUSE_STEPS steps, doubled after each refused probe up to MAX_PAUSE_STEPS),
-        everything accepted raises it by one (within [1, num_speculative_tokens]); anything accepted ends the
-        pausing."""
+        """A verify step's outcome for a sequence: with `adaptive`, nothing accepted halves its k and pauses its
+        proposals for PAUSE_STEPS steps (doubled after each refused probe, up to MAX_PAUSE_STEPS), everything
+        accepted raises k by one (within [1, num_speculative_tokens]); anything accepted ends the pausing."""
         if not self.adaptive or not proposed:
             return
         k = self._k.get(seq_id, self.k)
         if accepted == 0:
-            if k == 1:
-                _, pause = self._pause.get(seq_id, (0, PAUSE_STEPS))
-                self._pause[seq_id] = (pause, min(MAX_PAUSE_STEPS, 2 * pause))
+            _, pause = self._pause.get(seq_id, (0, PAUSE_STEPS))
+            self._pause[seq_id] = (pause, min(MAX_PAUSE_STEPS, 2 * pause))
             self._k[seq_id] = max(1, k // 2)
             return
         self._pause.pop(seq_id, None)
