@@ -21,12 +21,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 # -- the proposer and the verifier on their own ---------------------------------------------------------------
 
 def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """The reference: for the longest n, the latest earlier occurrence of the last n tokens."""
+    """The reference: for the longest n, the latest earlier occurrence of the last n tokens, and what followed it,
+    copied on past the end from the copy itself."""
     for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                grown = list(tokens)
+                for i in range(k):
+                    grown.append(grown[start + n + i])
+                return grown[len(tokens):]
     return []
 
 
@@ -49,6 +53,8 @@ def test_ngram_proposer_prefers_the_longest_then_the_latest_match():
     assert proposer.propose(0, [5, 7, 8, 1, 2, 7, 8, 3, 4, 5, 7, 8], 3) == [1, 2, 7]
     assert proposer.propose(1, [7, 8, 1, 7, 8, 2, 7, 8], 3) == [2, 7, 8]  # the latest "7 8"
     assert proposer.propose(2, [1, 2, 3, 4], 3) == []  # nothing repeats
+    # a loop: the latest "1 2" is 2 tokens back, and the copy goes on past the end as the loop does
+    assert proposer.propose(3, [9, 1, 2, 1, 2], 3) == [1, 2, 1]
     proposer.forget(0)
     assert 0 not in proposer._indexes
 

@@ -1,5 +1,7 @@
 """Prompt-lookup (n-gram) proposals: the tokens that followed the latest earlier occurrence of a sequence's
-last n tokens, for the longest n in [min, max] that occurs.
+last n tokens, for the longest n in [min, max] that occurs. Where that copy reaches the sequence's end it goes on
+copying what it proposed (as an overlapping LZ77 copy does): in a loop of period p the latest occurrence is p tokens
+back, and a proposal cut at the end would hold at most p tokens whatever k.
 
 Each sequence keeps an index of every n-gram of its tokens (n in [min, max]) to the position after its latest
 occurrence, grown by the tokens appended since the last proposal, so a proposal costs O(max - min + 1) lookups
@@ -49,7 +51,10 @@ class NgramProposer(Proposer):
         for n in range(min(self.lookup_max, length - 1), self.lookup_min - 1, -1):
             start = after.get(tuple(token_ids[length - n:]))
             if start is not None:
-                return token_ids[start:start + limit]
+                proposal = token_ids[start:start + limit]
+                while len(proposal) < limit:  # past the end: the copy continues from its own tokens
+                    proposal.append(proposal[start + len(proposal) - length])
+                return proposal
         return []
 
     def forget(self, seq_id: int, tenant: bytes = b"", output: Sequence[int] = ()) -> None:
