@@ -39,9 +39,9 @@ PACK_BATCH_HINT = 2048
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
 # bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run on the kept bf16
-# weight instead, on sage's kernel or, without the kernels, on torch's bf16 product. On the 0.5B shape's layers on
-# AVX2 the kernel is 1.7-2.4x the fp32 copy at 5-8 rows (the copy reads twice the bytes), 1.2x over a layer's four
-# products at 12 and even at 16 (docs/cpu_isa.md); torch's product crosses the fp32 copy at 3-4 rows
+# weight instead, on sage's kernel or, without the kernels, on torch's bf16 product. Over the 0.5B shape's four
+# products of a layer on AVX2 the kernel is 1.9-2.2x the fp32 copy at 4-8 rows (the copy reads twice the bytes) and
+# 1.2x at 12, the copy 1.1x faster at 16 (docs/cpu_isa.md); torch's product crosses the fp32 copy at 3-4 rows
 BF16_ROWS_KERNEL = 12
 BF16_ROWS_TORCH = 2
 
