@@ -154,6 +154,18 @@ def test_suffix_proposer_learns_from_a_tenants_finished_requests_and_never_acros
     assert alone.propose(1, [1, 2, 40, 41, 42], 10, b"tenant-a") == []
 
 
+def test_suffix_proposer_copies_past_the_end_of_a_short_loop():
+    """A loop shorter than the match depth: its latest occurrence is the longest match and reaches the end after
+    one period; the copy goes on from the proposal, as prompt lookup's does, instead of stopping there."""
+    proposer = SuffixProposer(8, max_tree_depth=24, max_cached_requests=0, max_spec_factor=4.0)
+    assert proposer.propose(0, [9, 8, 5, 6, 7, 5, 6, 7, 5, 6], 10) == [7, 5, 6, 7, 5, 6, 7, 5]
+    assert proposer.propose(1, [3, 1, 4, 4, 4], 10) == [4] * 8
+    # a tenant's corpus ends at a separator: nothing is read past an output's end
+    shared = SuffixProposer(8, max_tree_depth=24, max_cached_requests=4, max_spec_factor=4.0)
+    shared.forget(2, b"t", [20, 21, 22, 23])
+    assert shared.propose(3, [1, 20, 21], 10, b"t") == [22, 23]
+
+
 def test_every_suffix_field_reaches_the_proposer():
     proposer = build_proposer(SpeculativeConfig(
         method="suffix", num_speculative_tokens=3, suffix_decoding_max_tree_depth=5,
@@ -180,15 +192,16 @@ def test_suffix_proposer_agrees_with_a_brute_force_majority_walk():
         node = node[-64:]
         out = []
         for _ in range(min(limit, depth, m)):
-            votes = Counter(tokens[p] for p in node if p < n)
+            seq = tokens + out  # past the end an occurrence reads the proposal (an overlapping copy)
+            votes = Counter(seq[p] for p in node)
             if not votes:
                 break
             best = max(votes.values())
-            token = next(tokens[p] for p in reversed(node) if p < n and votes[tokens[p]] == best)
+            token = next(seq[p] for p in reversed(node) if votes[seq[p]] == best)
             if best / len(node) < min_prob:
                 break
             out.append(token)
-            node = [p + 1 for p in node if p < n and tokens[p] == token]
+            node = [p + 1 for p in node if seq[p] == token]
         return out
 
     for trial in range(40):

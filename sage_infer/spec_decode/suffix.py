@@ -81,8 +81,15 @@ class _Corpus:
         out: list[int] = []
         score, share = 0.0, 1.0
         end = len(tokens)
+        # the sequence's own corpus: an occurrence that reaches its end goes on reading what was proposed (an
+        # overlapping copy), so in a loop of period p the latest occurrence does not cap the proposal at p tokens
+        overlap = tokens is context
+
+        def at(p: int) -> int:
+            return tokens[p] if p < end else out[p - end] if overlap else SEPARATOR
+
         while node and len(out) < limit:
-            votes = Counter(tokens[p] for p in node if p < end and tokens[p] != SEPARATOR)  # latest first on ties
+            votes = Counter(t for t in map(at, node) if t != SEPARATOR)  # latest first on ties
             if not votes:
                 break
             token, count = votes.most_common(1)[0]
@@ -91,7 +98,7 @@ class _Corpus:
                 break
             out.append(token)
             score += share
-            node = [p + 1 for p in node if p < end and tokens[p] == token]
+            node = [p + 1 for p in node if at(p) == token]
         return out, score
 
 
