@@ -16,6 +16,10 @@ configuration:
   vllm-unbounded   vLLM with the whole working set in its KV cache (its ceiling)
   sage-unbounded   sage likewise
 
+A sage configuration may carry settings after `+`, each passed as `--set`: `sage-host+policy.eviction=sage` is
+sage-host with the `sage` eviction policy instead of LRU (`--configs sage-host,sage-host+policy.eviction=sage` runs
+both). For sage, the report also has the preemptions each load caused (`sage:num_preemptions`).
+
 Goodput is the highest offered load at which TTFT p90 stays within --slo-ttft-ms with no failed request.
 Reported per configuration and load: finished req/s, output tok/s, TTFT and TPOT p50/p90/p99, TTFT by
 round, the prompt tokens each server said it had cached (usage.prompt_tokens_details), and for sage the
@@ -133,9 +137,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_config(config: str) -> tuple[str, list[str]]:
+    """`sage-host+policy.eviction=sage` -> ("sage-host", ["policy.eviction=sage"])."""
+    base, *settings = config.split("+")
+    return base, settings
+
+
 def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int, unbounded_bytes: int,
                max_len: int, work: Path) -> Server:
     port = free_port()
+    config, settings = split_config(config)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     budget = unbounded_bytes if config.endswith("unbounded") else kv_bytes
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len", str(max_len),
@@ -155,7 +166,10 @@ def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int
             command += ["--kv-tiers", f"host={args.host_tier}"]
         if config.endswith("int8"):
             command += ["--kv-cache-dtype", "int8"]
-    return Server(config, command, env, work / f"{config}.log", port)
+        for setting in settings:
+            command += ["--set", setting]
+    name = "+".join([config, *settings])
+    return Server(name, command, env, work / f"{name.replace('/', '_')}.log", port)
 
 
 def vllm_capacity(log: Path) -> int | None:
@@ -170,16 +184,18 @@ def sage_capacity(log: Path, block_size: int) -> int | None:
     return int(match.group(1)) * block_size if match else None
 
 
-def tier_loads(url: str) -> float:
-    """Blocks loaded back from every lower tier so far (sage's /metrics; 0 without tiers)."""
+def sage_counters(url: str) -> dict[str, float]:
+    """From sage's /metrics so far: blocks loaded back from every lower tier (0 without tiers), preemptions."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    loaded = 0.0
+    out = {"loaded_blocks": 0.0, "preemptions": 0.0}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
             if sample.name == "sage:kv_tier_migrated_blocks_total" and sample.labels.get("direction") == "load":
-                loaded += sample.value
-    return loaded
+                out["loaded_blocks"] += sample.value
+            elif sample.name == "sage:num_preemptions_total":
+                out["preemptions"] += sample.value
+    return out
 
 
 def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, seed: int) -> dict:
@@ -189,7 +205,7 @@ def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, 
     else:
         arrivals = poisson_arrivals(len(workload.conversations), rate, seed)
     sage = not server.name.startswith("vllm")
-    loads_before = tier_loads(server.url) if sage else 0.0
+    before = sage_counters(server.url) if sage else None
     run = asyncio.run(run_workload(server.url, None, SERVED_NAME, workload, arrivals, args.concurrency))
     summary = summarize(run.results, run.duration_s, run.counters_before, run.counters_after)
     cached = sum(r.cached_tokens or 0 for r in run.results if r.ok)
@@ -197,7 +213,9 @@ def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, 
                    ttft_s=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None],
                    errors_seen=sorted({r.error for r in run.results if not r.ok})[:5])
     if sage:
-        summary["tier_loaded_tokens"] = (tier_loads(server.url) - loads_before) * args.block_size
+        after = sage_counters(server.url)
+        summary["tier_loaded_tokens"] = (after["loaded_blocks"] - before["loaded_blocks"]) * args.block_size
+        summary["preemptions"] = after["preemptions"] - before["preemptions"]
     return summary
 
 
@@ -228,7 +246,7 @@ def combine(repeats: list[dict]) -> dict:
         return median([get(r) for r in repeats])
 
     out = {"rate": repeats[0]["rate"], "repeats": len(repeats), "errors": max(r["errors"] for r in repeats)}
-    for key in ("request_throughput", "output_throughput", "cached_token_fraction", "tier_loaded_tokens"):
+    for key in ("request_throughput", "output_throughput", "cached_token_fraction", "tier_loaded_tokens", "preemptions"):
         out[key] = pick([key])
     for dist in ("ttft_ms", "tpot_ms", "e2e_ms"):
         out[dist] = {q: pick([dist, q]) for q in ("mean", "p50", "p90", "p99")}
@@ -244,21 +262,22 @@ def print_report(report: dict) -> None:
     print(f"\n{report['workload']} on {report['model']} ({report['dtype']}), device KV {report['kv_tokens']} tokens "
           f"(1/{report['kv_fraction_inverse']} of the {report['working_set_tokens']}-token working set), "
           f"TTFT SLO p90 <= {slo:.0f} ms, {report['threads']} threads")
-    print(f"{'config':<16}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p90':>8}{'p99':>8}"
-          f"{'TPOT p50':>10}{'cached':>8}{'tier tok':>10}{'err':>5}")
+    width = max(16, *(len(name) + 1 for name in report["configs"]))
+    print(f"{'config':<{width}}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p90':>8}{'p99':>8}"
+          f"{'TPOT p50':>10}{'cached':>8}{'tier tok':>10}{'preempt':>8}{'err':>5}")
     for name, entry in report["configs"].items():
         for row in entry["loads"]:
             t, p = row["ttft_ms"], row["tpot_ms"]
             fmt = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
-            print(f"{name:<16}{row['rate']:>6g}{fmt(row['request_throughput'], '.2f'):>8}"
+            print(f"{name:<{width}}{row['rate']:>6g}{fmt(row['request_throughput'], '.2f'):>8}"
                   f"{fmt(row['output_throughput'], '.1f'):>11}{fmt(t['p50']):>10}{fmt(t['p90']):>8}{fmt(t['p99']):>8}"
                   f"{fmt(p['p50'], '.1f'):>10}{fmt(row['cached_token_fraction'], '.0%'):>8}"
-                  f"{fmt(row.get('tier_loaded_tokens')):>10}{row['errors']:>5}")
+                  f"{fmt(row.get('tier_loaded_tokens')):>10}{fmt(row.get('preemptions')):>8}{row['errors']:>5}")
     print()
     for name, entry in report["configs"].items():
         g = entry["goodput"]
         capped = " (met the SLO at every load tried: a lower bound)" if entry.get("goodput_is_lower_bound") else ""
-        print(f"goodput {name:<16} {'-' if g is None else format(g, 'g')} sessions/s{capped}"
+        print(f"goodput {name:<{width}} {'-' if g is None else format(g, 'g')} sessions/s{capped}"
               f"  start {entry['start_s']:.0f} s  capacity {entry.get('capacity_tokens')} tokens")
     for key, value in report["ratios"].items():
         print(f"{key}: {'-' if value is None else format(value, '.2f')}")
@@ -268,7 +287,9 @@ def ratios(report: dict) -> dict:
     configs = report["configs"]
     out: dict[str, float | None] = {}
     vllm = configs.get("vllm")
-    for name in ("sage", "sage-host", "sage-host-int8"):
+    for name in configs:
+        if name.startswith("vllm") or name.endswith("unbounded"):
+            continue
         mine = configs.get(name)
         if not (vllm and mine):
             continue
@@ -367,9 +388,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workload == "trace" and (args.trace_file is None or not args.trace_file.is_file()):
         p.error(f"--workload trace needs --trace-file FILE (a Mooncake JSONL trace), got {args.trace_file}")
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = set(args.configs) - set(CONFIGS)
+    unknown = {split_config(c)[0] for c in args.configs} - set(CONFIGS)
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; expected some of {', '.join(CONFIGS)}")
+    for config in args.configs:
+        base, settings = split_config(config)
+        if settings and base.startswith("vllm"):
+            p.error(f"--configs: {config}: settings after + are sage's --set; vLLM takes none")
+        if any("=" not in s for s in settings):
+            p.error(f"--configs: {config}: each setting after + is KEY=VALUE")
     if any(c.startswith("vllm") for c in args.configs) and not (REPO / args.vllm_venv / "bin" / "python").exists():
         p.error(f"--configs names vLLM but {args.vllm_venv} has no python: run `make vllm-venv` first")
     return args

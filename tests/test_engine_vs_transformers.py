@@ -88,6 +88,7 @@ def test_small_pool_forces_preemption_and_still_matches(tiny):
     prompts = random_prompts([30, 35, 40, 25, 38, 33], seed=3)
     outputs = llm.generate(prompts, GREEDY)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert llm.engine.stats().num_preemptions == sum(o.metrics.num_preemptions for o in outputs)  # /metrics' count
     assert_same_as_hf(hf, prompts, outputs)
     assert_pool_clean(llm)
 

@@ -146,7 +146,7 @@ def test_health_version_and_metrics_names(server):
                  "sage:prefix_cache_queries", "sage:prefix_cache_hits", "sage:prompt_tokens",
                  "sage:generation_tokens", "sage:request_success", "sage:time_to_first_token_seconds",
                  "sage:inter_token_latency_seconds", "sage:e2e_request_latency_seconds",
-                 "sage:request_queue_time_seconds"):
+                 "sage:request_queue_time_seconds", "sage:num_preemptions"):
         assert name in names
 
 

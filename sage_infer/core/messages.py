@@ -120,6 +120,7 @@ class EngineStats:
     hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
     hot_used: int = 0  # of those, hit by a later request
     request_failures: int = 0  # requests the engine failed alone on an unexpected error (each one, not the engine)
+    num_preemptions: int = 0  # running sequences sent back to wait, their KV freed (vLLM's num_preemptions)
     # speculative decoding (none when off): verify groups, tokens proposed, tokens accepted, accepted by position
     spec_drafts: int = 0
     spec_draft_tokens: int = 0

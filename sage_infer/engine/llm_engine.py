@@ -217,6 +217,7 @@ class LLMEngine:
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
             kv_usage=manager.get_utilization(),
             num_blocks=manager.num_blocks,
             num_free_blocks=manager.num_free_blocks,

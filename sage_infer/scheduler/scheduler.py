@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept in service order; the last is preempted first
         self._siblings: dict[str, list[Sequence]] = {}  # request id -> sequences waiting for its prompt
         self.deferred = 0  # admissions put off a step because their next prompt block was computed in it
+        self.num_preemptions = 0  # running sequences sent back to wait (their KV freed, recomputed later)
 
     def _order(self, seq: Sequence) -> tuple:
         """Lower sorts first. fifo: arrival; priority: (priority, arrival) — lower value is served first."""
@@ -120,6 +121,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(seq)
 
     def _chunk(self, remaining: int, budget: int) -> int:

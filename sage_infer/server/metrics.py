@@ -68,11 +68,14 @@ class _EngineCollector:
         failures = CounterMetricFamily("sage:request_engine_failures", "Requests failed alone on an unexpected "
                                        "engine error (the engine went on serving the others).", labels=labels)
         failures.add_metric(value, stats.request_failures)
+        preemptions = CounterMetricFamily("sage:num_preemptions", "Running requests sent back to wait with their KV "
+                                          "freed (recomputed or reloaded later) to make room.", labels=labels)
+        preemptions.add_metric(value, stats.num_preemptions)
         yield from _spec_decode_families(stats, labels, value)
         yield from self._tiers(stats, labels, value)
         yield from self._quotas(stats, labels, value)
         yield from _transfer_families(stats, labels, value)
-        yield from (running, waiting, usage, queries, hits, lower, failures)
+        yield from (running, waiting, usage, queries, hits, lower, failures, preemptions)
 
     @staticmethod
     def _tiers(stats, labels: list[str], value: list[str]):

@@ -1,0 +1,44 @@
+"""bench/multiturn_vs_vllm.py without running a server: configurations with settings after `+`, the command
+lines they start, goodput over loads, and the errors for a bad --configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.multiturn_vs_vllm import goodput, parse_args, server_for, split_config
+
+
+def test_a_configs_settings_after_plus_become_sages_set_flags(tmp_path):
+    assert split_config("sage-host") == ("sage-host", [])
+    assert split_config("sage-host+policy.eviction=sage+tiers.write_policy=write_back") == (
+        "sage-host", ["policy.eviction=sage", "tiers.write_policy=write_back"])
+    args = parse_args(["--configs", "sage-host+policy.eviction=sage", "--dtype", "fp32"])
+    server = server_for(args.configs[0], args, Path("/models/m"), 1 << 20, 1 << 24, 1024, tmp_path)
+    command = server.command
+    assert command[command.index("--kv-tiers") + 1] == "host=1GiB"
+    assert command[command.index("--set") + 1] == "policy.eviction=sage"
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(1 << 20)
+    assert server.name == "sage-host+policy.eviction=sage"
+
+
+@pytest.mark.parametrize(("configs", "message"), [
+    ("sage-hots", "unknown"),
+    ("vllm+policy.eviction=sage", "vLLM takes none"),
+    ("sage+policy.eviction", "KEY=VALUE"),
+])
+def test_a_bad_configs_list_is_refused_with_exit_2(configs, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--configs", configs])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_goodput_is_the_highest_load_below_the_first_that_missed_the_slo():
+    def row(rate, p90, errors=0):
+        return {"rate": rate, "errors": errors, "ttft_ms": {"p90": p90}}
+
+    assert goodput([row(2, 2500), row(0.5, 300), row(1, 1900)], 2000) == 1
+    assert goodput([row(0.5, 300), row(1, 100, errors=1), row(2, 100)], 2000) == 0.5  # a failed request ends it
+    assert goodput([row(0.5, 2100)], 2000) is None
