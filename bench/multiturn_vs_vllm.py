@@ -246,7 +246,8 @@ def combine(repeats: list[dict]) -> dict:
         return median([get(r) for r in repeats])
 
     out = {"rate": repeats[0]["rate"], "repeats": len(repeats), "errors": max(r["errors"] for r in repeats)}
-    for key in ("request_throughput", "output_throughput", "cached_token_fraction", "tier_loaded_tokens", "preemptions"):
+    for key in ("request_throughput", "output_throughput", "cached_token_fraction", "tier_loaded_tokens",
+                "preemptions"):
         out[key] = pick([key])
     for dist in ("ttft_ms", "tpot_ms", "e2e_ms"):
         out[dist] = {q: pick([dist, q]) for q in ("mean", "p50", "p90", "p99")}
