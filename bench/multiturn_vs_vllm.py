@@ -21,6 +21,9 @@ sage-host with the `sage` eviction policy instead of LRU (`--configs sage-host,s
 both). For sage, the report also has the preemptions each load caused (`sage:num_preemptions`).
 
 Goodput is the highest offered load at which TTFT p90 stays within --slo-ttft-ms with no failed request.
+Over the listed --rates it is a bracket; `--search-steps N` then measures N more loads per server, each halving
+the bracket (between the highest load that met the SLO and the lowest that did not; doubling while every load
+met it), and reports the highest load found to meet it (the median over repeats).
 Reported per configuration and load: finished req/s, output tok/s, TTFT and TPOT p50/p90/p99, TTFT by
 round, the prompt tokens each server said it had cached (usage.prompt_tokens_details), and for sage the
 tokens loaded from a lower tier (/metrics). JSON with every number; --plot draws TTFT CDFs at one load
@@ -198,6 +201,11 @@ def sage_counters(url: str) -> dict[str, float]:
     return out
 
 
+def report_row(name: str, row: dict) -> None:
+    print(f"  {name} {row['rate']:g}/s: TTFT p50 {row['ttft_ms']['p50']} ms p90 {row['ttft_ms']['p90']} ms, "
+          f"{row['request_throughput']:.2f} req/s, errors {row['errors']}", flush=True)
+
+
 def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, seed: int) -> dict:
     workload = build_workload(args, vocab, seed)
     if workload.arrivals_s is not None:  # a trace: its own clock, `rate` times as fast
@@ -224,10 +232,33 @@ def goodput(rows: list[dict], slo_ms: float) -> float | None:
     did not (None: none did)."""
     best = None
     for row in sorted(rows, key=lambda r: r["rate"]):
-        if row["errors"] or row["ttft_ms"]["p90"] is None or row["ttft_ms"]["p90"] > slo_ms:
+        if not meets_slo(row, slo_ms):
             break
         best = row["rate"]
     return best
+
+
+def meets_slo(row: dict, slo_ms: float) -> bool:
+    return not row["errors"] and row["ttft_ms"]["p90"] is not None and row["ttft_ms"]["p90"] <= slo_ms
+
+
+def search_goodput(measure, rows: list[dict], slo_ms: float, steps: int) -> tuple[float | None, list[dict]]:
+    """Bisect the offered load from the bracket `rows` (loads measured) leave: `steps` more loads, each between
+    the highest that met the SLO and the lowest above it that did not (twice the highest while none failed, half
+    the lowest while none met it). Returns (the highest load found to meet the SLO, the rows measured)."""
+    low = goodput(rows, slo_ms)
+    above = sorted(r["rate"] for r in rows if low is None or r["rate"] > low)
+    high = above[0] if above else None
+    tried = []
+    for _ in range(steps):
+        rate = 2 * low if high is None else high / 2 if low is None else (low + high) / 2
+        row = measure(float(f"{rate:.3g}"))
+        tried.append(row)
+        if meets_slo(row, slo_ms):
+            low = row["rate"]
+        else:
+            high = row["rate"]
+    return low, tried
 
 
 def median(values: list[float | None]) -> float | None:
@@ -278,7 +309,11 @@ def print_report(report: dict) -> None:
     for name, entry in report["configs"].items():
         g = entry["goodput"]
         capped = " (met the SLO at every load tried: a lower bound)" if entry.get("goodput_is_lower_bound") else ""
-        print(f"goodput {name:<{width}} {'-' if g is None else format(g, 'g')} sessions/s{capped}"
+        found = entry.get("searched_goodput", "")
+        if "search" in entry:
+            found = f"  searched {'-' if found is None else format(found, 'g')}"
+            capped = ""
+        print(f"goodput {name:<{width}} {'-' if g is None else format(g, 'g')} sessions/s{capped}{found}"
               f"  start {entry['start_s']:.0f} s  capacity {entry.get('capacity_tokens')} tokens")
     for key, value in report["ratios"].items():
         print(f"{key}: {'-' if value is None else format(value, '.2f')}")
@@ -296,6 +331,8 @@ def ratios(report: dict) -> dict:
             continue
         if vllm["goodput"] and mine["goodput"]:
             out[f"goodput {name} / vllm"] = mine["goodput"] / vllm["goodput"]
+        if vllm.get("searched_goodput") and mine.get("searched_goodput"):
+            out[f"searched goodput {name} / vllm"] = mine["searched_goodput"] / vllm["searched_goodput"]
         at = vllm["goodput"] or min(r["rate"] for r in vllm["loads"])  # vLLM's highest sustainable load
         theirs = next((r for r in vllm["loads"] if r["rate"] == at), None)
         ours = next((r for r in mine["loads"] if r["rate"] == at), None)
@@ -369,6 +406,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sagekv-disk-bytes", default="4GiB", help="vllm-sagekv: its disk store's size")
     p.add_argument("--rates", default="0.5,1,2,4", help="offered loads, sessions arriving per second")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--search-steps", type=int, default=0, help="after --rates, this many more loads per server "
+                   "bisecting for goodput (0: goodput over the listed loads only)")
     p.add_argument("--concurrency", type=int, default=64, help="most requests in flight (client side)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--repeats", type=int, default=1)
@@ -433,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
               "configs": {}}
     runs: dict[str, dict[float, list[dict]]] = {c: {r: [] for r in args.rates} for c in args.configs}
     starts: dict[str, list[float]] = {c: [] for c in args.configs}
+    searched: dict[str, list[tuple[float | None, list[dict]]]] = {c: [] for c in args.configs}
     capacity: dict[str, int | None] = {}
     for repeat in range(args.repeats):
         order = args.configs if repeat % 2 == 0 else args.configs[::-1]
@@ -446,14 +486,28 @@ def main(argv: list[str] | None = None) -> int:
                     seed = 1000 * (repeat + 1) + i
                     row = run_load(server, args, facts["vocab_size"], rate, seed)
                     runs[name][rate].append(row)
-                    print(f"  {name} {rate:g}/s: TTFT p50 {row['ttft_ms']['p50']} ms p90 {row['ttft_ms']['p90']} ms, "
-                          f"{row['request_throughput']:.2f} req/s, errors {row['errors']}", flush=True)
+                    report_row(name, row)
+                if args.search_steps:
+                    seeds = iter(range(1000 * (repeat + 1) + 100, 1000 * (repeat + 2)))
+
+                    def measure(rate: float, server=server, name=name, seeds=seeds) -> dict:
+                        row = run_load(server, args, facts["vocab_size"], rate, next(seeds))
+                        report_row(f"{name} (search)", row)
+                        return row
+
+                    mine = [runs[name][rate][-1] for rate in args.rates]
+                    searched[name].append(search_goodput(measure, mine, args.slo_ttft_ms, args.search_steps))
     for name in args.configs:
         loads = [combine(runs[name][rate]) for rate in args.rates]
         g = goodput(loads, args.slo_ttft_ms)
         report["configs"][name] = {"loads": loads, "goodput": g, "goodput_is_lower_bound": g == max(args.rates),
                                    "start_s": median(starts[name]), "capacity_tokens": capacity.get(name),
                                    "raw": {str(rate): runs[name][rate] for rate in args.rates}}
+        if searched[name]:
+            report["configs"][name]["searched_goodput"] = median([found for found, _ in searched[name]])
+            report["configs"][name]["search"] = [
+                {"goodput": found, "tried": [{k: row[k] for k in ("rate", "errors", "ttft_ms", "request_throughput")}
+                                             for row in tried]} for found, tried in searched[name]]
     report["ratios"] = ratios(report)
     print_report(report)
     if args.plot:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multiturn_vs_vllm import goodput, parse_args, server_for, split_config
+from bench.multiturn_vs_vllm import goodput, parse_args, search_goodput, server_for, split_config
 
 
 def test_a_configs_settings_after_plus_become_sages_set_flags(tmp_path):
@@ -42,3 +42,23 @@ def test_goodput_is_the_highest_load_below_the_first_that_missed_the_slo():
     assert goodput([row(2, 2500), row(0.5, 300), row(1, 1900)], 2000) == 1
     assert goodput([row(0.5, 300), row(1, 100, errors=1), row(2, 100)], 2000) == 0.5  # a failed request ends it
     assert goodput([row(0.5, 2100)], 2000) is None
+
+
+def _row(rate, p90, errors=0):
+    return {"rate": rate, "errors": errors, "ttft_ms": {"p90": p90}, "request_throughput": 1.0}
+
+
+def test_the_goodput_search_bisects_the_bracket_the_listed_loads_leave():
+    def measure(rate):  # a server whose p90 crosses 2 s at 1.3 sessions/s
+        return _row(rate, 1000 + 1000 * rate / 1.3 - 1e-9 if rate <= 1.3 else 2500)
+
+    found, tried = search_goodput(measure, [_row(0.5, 900), _row(1, 1700), _row(2, 2600)], 2000, 4)
+    assert [r["rate"] for r in tried] == [1.5, 1.25, 1.38, 1.31]
+    assert found == 1.25
+    # every listed load met it: double until one fails, then bisect
+    found, tried = search_goodput(measure, [_row(0.25, 500), _row(0.5, 900)], 2000, 3)
+    assert [r["rate"] for r in tried] == [1.0, 2.0, 1.5] and found == 1.0
+    # none met it: halve the lowest
+    found, tried = search_goodput(measure, [_row(2, 2600)], 2000, 2)
+    assert [r["rate"] for r in tried] == [1.0, 1.5] and found == 1.0
+    assert search_goodput(measure, [_row(2, 2600)], 2000, 0) == (None, [])
