@@ -93,6 +93,19 @@ def test_small_pool_forces_preemption_and_still_matches(tiny):
     assert_pool_clean(llm)
 
 
+def test_lpm_admission_with_shared_prefixes_and_a_small_pool_still_matches(tiny):
+    """Longest-prefix-match admission reorders the queue (a prompt that extends a cached one goes first); every
+    request still gets transformers' greedy tokens, and no block leaks."""
+    directory, hf = tiny
+    llm = LLM(str(directory), dtype="fp32", num_blocks=12, max_num_seqs=3, scheduling="lpm")
+    base = random_prompts([40], seed=5)[0]
+    prompts = [p if i % 2 else base + p for i, p in enumerate(random_prompts([6, 20, 9, 30, 4, 12], seed=6))]
+    outputs = llm.generate(prompts, GREEDY)
+    assert_same_as_hf(hf, prompts, outputs)
+    assert llm.engine.stats().prefix_hit_tokens >= 32  # the base prompt's blocks were reused
+    assert_pool_clean(llm)
+
+
 def test_chunked_prefill_matches(tiny):
     directory, hf = tiny
     llm = LLM(str(directory), dtype="fp32", num_blocks=128, max_num_batched_tokens=16)

@@ -16,6 +16,7 @@ from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from sage_infer.scheduler import scheduler as scheduler_module
 from sage_infer.scheduler.scheduler import ScheduledBatch, Scheduler
 
 BS = 4
@@ -69,6 +70,47 @@ def test_priority_strategy_serves_lower_values_first_then_arrival():
     for seq in (first, urgent, second):
         scheduler.add(seq)
     assert scheduler.schedule().seqs == [urgent, first]
+
+
+def _cache(scheduler: Scheduler, tokens: list[int]) -> None:
+    """Run `tokens` as a prompt to the end (one sampled token): its full blocks stay in the prefix cache."""
+    seq = make_seq(tokens, max_tokens=1)
+    scheduler.add(seq)
+    while not seq.is_finished:
+        step(scheduler)
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first_and_fifo_the_earliest(strategy):
+    scheduler = make_scheduler(strategy=strategy, max_num_seqs=1)
+    history = prompt(13, start=100)  # a conversation's previous turn: 3 full blocks cached
+    _cache(scheduler, history)
+    new = make_seq(prompt(9, start=300), arrival=10.0)  # a new conversation, nothing cached, came first
+    short = make_seq(history[:5] + prompt(4, start=400), arrival=11.0)  # one block cached
+    turn = make_seq(history + prompt(4, start=200), arrival=12.0)  # the next turn: 12 tokens cached
+    for seq in (new, short, turn):
+        scheduler.add(seq)
+    order = []
+    while scheduler.waiting:
+        batch = step(scheduler)
+        order += [s for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
+        for seq in list(scheduler.running):
+            scheduler.finish(seq, "stop")
+    assert order == ([new, short, turn] if strategy == "fifo" else [turn, short, new])
+    assert turn.num_cached_tokens == 12
+    scheduler.kv.block_manager.check_invariants()
+
+
+def test_lpm_keeps_arrival_order_among_equal_matches_and_in_a_long_queue(monkeypatch):
+    scheduler = make_scheduler(strategy="lpm", max_num_seqs=1)
+    _cache(scheduler, prompt(9, start=100))
+    first, second = make_seq(prompt(6, start=300), arrival=1.0), make_seq(prompt(6, start=500), arrival=2.0)
+    hit = make_seq(prompt(9, start=100) + [5], arrival=3.0)
+    for seq in (first, second, hit):
+        scheduler.add(seq)
+    assert scheduler._admission_order() == [hit, first, second]
+    monkeypatch.setattr(scheduler_module, "LPM_MAX_QUEUE", 2)  # past the cut-off: arrival order
+    assert scheduler._admission_order() == [first, second, hit]
 
 
 def test_fifo_ignores_priority():

@@ -107,6 +107,8 @@ def test_scheduler_limits_and_policy_are_passed_on():
                                                                                                         "priority")
     assert kwargs["max_num_queued_reqs"] == 28 and kwargs["enable_chunked_prefill"] is True
     assert translate().kwargs["scheduling_policy"] == "fcfs"
+    with pytest.raises(ConfigError, match="^scheduler.strategy: lpm: vLLM admits requests fcfs or by priority only"):
+        translate(scheduler={"strategy": "lpm"})
 
 
 def test_without_chunked_prefill_the_step_budget_must_hold_a_whole_prompt():

@@ -106,6 +106,9 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
         raise ConfigError(f"scheduler.max_num_batched_tokens: {scheduler.max_num_batched_tokens} is below "
                           f"model.max_model_len {max_len.value}, which vLLM requires without chunked prefill",
                           hint="enable scheduler.enable_chunked_prefill or raise max_num_batched_tokens")
+    if scheduler.strategy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"scheduler.strategy: {scheduler.strategy}: vLLM admits requests fcfs or by priority only",
+                          hint="use fifo or priority with --backend vllm")
     kwargs.update(max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
                   enable_chunked_prefill=scheduler.enable_chunked_prefill,
                   scheduling_policy=SCHEDULING_POLICIES[scheduler.strategy],

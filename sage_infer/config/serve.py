@@ -213,7 +213,12 @@ class RouterConfig(Strict):
 
 
 class SchedulerConfig(Strict):
-    strategy: Literal["fifo", "priority"] = "fifo"
+    strategy: Literal["fifo", "priority", "lpm"] = Field(
+        "fifo", description="Order in which waiting requests are admitted: fifo (arrival); priority (the request's "
+        "priority, lower first, then arrival); lpm (longest prefix match, SGLang's: the most prompt tokens already "
+        "cached, on the device or in a lower tier, first; arrival among equals; a queue of more than 128 is "
+        "admitted in arrival order). Under load past the pool's capacity lpm lets a conversation's next turn in "
+        "before new conversations evict its prefix.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20, description="Token budget of one step.")
     enable_chunked_prefill: bool = True

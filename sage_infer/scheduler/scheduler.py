@@ -42,6 +42,9 @@ class ScheduledBatch:
         self.num_new_tokens.append(num_new)
 
 
+LPM_MAX_QUEUE = 128  # lpm orders a waiting queue up to this long (SGLang's cut-off); longer ones go by arrival
+
+
 class Scheduler:
     """Decides what runs each step and keeps sequence state consistent after it ran.
 
@@ -72,7 +75,8 @@ class Scheduler:
         self.num_preemptions = 0  # running sequences sent back to wait (their KV freed, recomputed later)
 
     def _order(self, seq: Sequence) -> tuple:
-        """Lower sorts first. fifo: arrival; priority: (priority, arrival) — lower value is served first."""
+        """Lower sorts first. fifo and lpm: arrival; priority: (priority, arrival) — lower value is served first.
+        (lpm reorders by cached prefix at admission: `_admission_order`.)"""
         if self.config.strategy == "priority":
             return (seq.priority, seq.arrival_time, seq.seq_id)
         return (seq.arrival_time, seq.seq_id)
@@ -167,9 +171,10 @@ class Scheduler:
         if batch.preempted:  # the pool is full: admitting now would only thrash
             return batch
         computing = [(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
+        candidates = self._admission_order()
         position = 0
-        while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[position]
+        while position < len(candidates) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = candidates[position]
             if self.kv.is_loading(seq):  # its prefix is still coming from a lower tier: the others go first
                 position += 1
                 continue
@@ -181,7 +186,8 @@ class Scheduler:
             num_new = self._chunk(seq.num_tokens - match.total_tokens, budget)
             if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
-            self.waiting.pop(position)
+            candidates.pop(position)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
@@ -189,6 +195,15 @@ class Scheduler:
             if num_new > 1:
                 computing.append((seq, num_new))
         return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences in the order admission tries them: the queue's (arrival or priority), or under lpm
+        the most prompt tokens cached first (device and lower tiers; arrival among equals). A longer queue than
+        LPM_MAX_QUEUE keeps arrival order: matching every waiting prompt each step would cost more than it saves."""
+        if self.config.strategy != "lpm" or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            return list(self.waiting)
+        cached = {seq.seq_id: self.kv.match(seq).total_tokens for seq in self.waiting}
+        return sorted(self.waiting, key=lambda seq: -cached[seq.seq_id])  # stable: the queue's order among equals
 
     def _propose(self, queue: list[Sequence], budget: int) -> dict[int, list[int]]:
         """The proposer's tokens to follow each decode row of `queue`, by seq id, asked for all rows at once (a
