@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -219,6 +220,9 @@ def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, 
     cached = sum(r.cached_tokens or 0 for r in run.results if r.ok)
     summary.update(rate=rate, seed=seed, cached_tokens=cached,
                    ttft_s=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None],
+                   # greedy text per request (None: failed), to compare servers on the same workload and seed
+                   text_digests=[hashlib.sha1(r.text.encode()).hexdigest()[:16] if r.ok else None
+                                 for r in run.results],
                    errors_seen=sorted({r.error for r in run.results if not r.ok})[:5])
     if sage:
         after = sage_counters(server.url)
@@ -259,6 +263,26 @@ def search_goodput(measure, rows: list[dict], slo_ms: float, steps: int) -> tupl
         else:
             high = row["rate"]
     return low, tried
+
+
+def agreement(runs: dict[str, dict[float, list[dict]]], reference: str) -> dict[str, list[int]]:
+    """Per configuration: [requests whose greedy text equals `reference`'s, requests both finished], over every
+    load and repeat (the same seed gives both the same workload)."""
+    out = {}
+    for name, by_rate in runs.items():
+        if name == reference:
+            continue
+        same = both = 0
+        for rate, repeats in by_rate.items():
+            for mine, theirs in zip(repeats, runs[reference][rate]):
+                if mine["seed"] != theirs["seed"]:
+                    continue
+                for a, b in zip(mine["text_digests"], theirs["text_digests"]):
+                    if a is not None and b is not None:
+                        both += 1
+                        same += a == b
+        out[name] = [same, both]
+    return out
 
 
 def median(values: list[float | None]) -> float | None:
@@ -317,6 +341,10 @@ def print_report(report: dict) -> None:
               f"  start {entry['start_s']:.0f} s  capacity {entry.get('capacity_tokens')} tokens")
     for key, value in report["ratios"].items():
         print(f"{key}: {'-' if value is None else format(value, '.2f')}")
+    shared = report.get("greedy_agreement")
+    if shared and shared["same_of_both_finished"]:
+        print(f"greedy text equal to {shared['reference']}'s: " + ", ".join(
+            f"{name} {same}/{both}" for name, (same, both) in shared["same_of_both_finished"].items()))
 
 
 def ratios(report: dict) -> dict:
@@ -508,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             report["configs"][name]["search"] = [
                 {"goodput": found, "tried": [{k: row[k] for k in ("rate", "errors", "ttft_ms", "request_throughput")}
                                              for row in tried]} for found, tried in searched[name]]
+    reference = next((c for c in args.configs if not c.startswith("vllm")), args.configs[0])
+    report["greedy_agreement"] = {"reference": reference, "same_of_both_finished": agreement(runs, reference)}
     report["ratios"] = ratios(report)
     print_report(report)
     if args.plot:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multiturn_vs_vllm import goodput, parse_args, search_goodput, server_for, split_config
+from bench.multiturn_vs_vllm import agreement, goodput, parse_args, search_goodput, server_for, split_config
 
 
 def test_a_configs_settings_after_plus_become_sages_set_flags(tmp_path):
@@ -62,3 +62,13 @@ def test_the_goodput_search_bisects_the_bracket_the_listed_loads_leave():
     found, tried = search_goodput(measure, [_row(2, 2600)], 2000, 2)
     assert [r["rate"] for r in tried] == [1.0, 1.5] and found == 1.0
     assert search_goodput(measure, [_row(2, 2600)], 2000, 0) == (None, [])
+
+
+def test_greedy_agreement_counts_equal_texts_of_requests_both_finished_on_the_same_seed():
+    def run(seed, digests):
+        return {"seed": seed, "text_digests": digests}
+
+    runs = {"sage": {1.0: [run(1, ["a", "b", "c"])], 2.0: [run(2, ["d", "e"])]},
+            "sage-host": {1.0: [run(1, ["a", "x", None])], 2.0: [run(2, ["d", "e"])]},
+            "vllm": {1.0: [run(1, ["a", "b", "c"])], 2.0: [run(3, ["d", "e"])]}}  # another seed: not compared
+    assert agreement(runs, "sage") == {"sage-host": [3, 4], "vllm": [3, 3]}

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from sage_infer.errors import UsageError
-from sage_infer.serving_bench.client import RequestResult, normalize_url, scrape_prefix_counters
+from sage_infer.serving_bench.client import RequestResult, _ChunkTimer, normalize_url, scrape_prefix_counters
 from sage_infer.serving_bench.sse import SSEDecoder
 from sage_infer.serving_bench.stats import (
     PREFIX_HITS,
@@ -215,6 +215,14 @@ def test_prefix_hit_rate_is_delta_hits_over_delta_queries():
     assert prefix_hit_rate({}, {PREFIX_QUERIES: 1.0, PREFIX_HITS: 1.0}) is None
     lower = {PREFIX_QUERIES: 300.0, PREFIX_HITS: 110.0, PREFIX_LOWER_HITS: 50.0}
     assert prefix_hit_rate({**before, PREFIX_LOWER_HITS: 0.0}, lower, PREFIX_LOWER_HITS) == 0.25
+
+
+def test_the_chunk_timer_keeps_the_streamed_text():
+    result = RequestResult(0, 0, 0, 4, 3)
+    timer = _ChunkTimer(result, 0.0)
+    assert not timer.take(['{"choices": [{"text": "he"}]}', '{"choices": [{"text": ""}]}'], 0.25)
+    assert timer.take(['{"choices": [{"text": "llo"}]}', "[DONE]"], 0.5)
+    assert result.text == "hello" and result.ttft_s == 0.25 and result.itl_s == [0.25]
 
 
 def test_tpot_excludes_the_first_token():

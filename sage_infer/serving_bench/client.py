@@ -37,6 +37,7 @@ class RequestResult:
     output_tokens: int = 0  # usage.completion_tokens (text-chunk count if the server sent no usage)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    text: str = ""  # the streamed text, to compare servers' greedy output
     status: int | None = None
     error: str | None = None
 
@@ -193,6 +194,7 @@ class _ChunkTimer:
                 self.result.error = f"malformed SSE chunk: {data[:120]!r}"
                 return True
             if text:
+                self.result.text += text
                 if self.last is None:
                     self.result.ttft_s = now - self.sent
                 else:
