@@ -6,6 +6,7 @@ sequence whose chunk reached its end would have sampled.
 
 from __future__ import annotations
 
+import time
 from itertools import count
 
 import pytest
@@ -82,12 +83,13 @@ def _cache(scheduler: Scheduler, tokens: list[int]) -> None:
 
 @pytest.mark.parametrize("strategy", ["fifo", "lpm"])
 def test_lpm_admits_the_longest_cached_prefix_first_and_fifo_the_earliest(strategy):
-    scheduler = make_scheduler(strategy=strategy, max_num_seqs=1)
+    scheduler = make_scheduler(strategy=strategy, max_num_seqs=1, lpm_max_wait_s=600)
     history = prompt(13, start=100)  # a conversation's previous turn: 3 full blocks cached
     _cache(scheduler, history)
-    new = make_seq(prompt(9, start=300), arrival=10.0)  # a new conversation, nothing cached, came first
-    short = make_seq(history[:5] + prompt(4, start=400), arrival=11.0)  # one block cached
-    turn = make_seq(history + prompt(4, start=200), arrival=12.0)  # the next turn: 12 tokens cached
+    now = time.monotonic()
+    new = make_seq(prompt(9, start=300), arrival=now)  # a new conversation, nothing cached, came first
+    short = make_seq(history[:5] + prompt(4, start=400), arrival=now + 1)  # one block cached
+    turn = make_seq(history + prompt(4, start=200), arrival=now + 2)  # the next turn: 12 tokens cached
     for seq in (new, short, turn):
         scheduler.add(seq)
     order = []
@@ -102,15 +104,31 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fifo_the_earliest(strate
 
 
 def test_lpm_keeps_arrival_order_among_equal_matches_and_in_a_long_queue(monkeypatch):
-    scheduler = make_scheduler(strategy="lpm", max_num_seqs=1)
+    scheduler = make_scheduler(strategy="lpm", max_num_seqs=1, lpm_max_wait_s=600)
     _cache(scheduler, prompt(9, start=100))
-    first, second = make_seq(prompt(6, start=300), arrival=1.0), make_seq(prompt(6, start=500), arrival=2.0)
-    hit = make_seq(prompt(9, start=100) + [5], arrival=3.0)
+    now = time.monotonic()
+    first, second = make_seq(prompt(6, start=300), arrival=now), make_seq(prompt(6, start=500), arrival=now + 1)
+    hit = make_seq(prompt(9, start=100) + [5], arrival=now + 2)
     for seq in (first, second, hit):
         scheduler.add(seq)
     assert scheduler._admission_order() == [hit, first, second]
     monkeypatch.setattr(scheduler_module, "LPM_MAX_QUEUE", 2)  # past the cut-off: arrival order
     assert scheduler._admission_order() == [first, second, hit]
+
+
+def test_lpm_admits_a_request_that_waited_lpm_max_wait_s_before_the_longest_prefix():
+    scheduler = make_scheduler(strategy="lpm", max_num_seqs=1, lpm_max_wait_s=5.0)
+    _cache(scheduler, prompt(9, start=100))
+    now = time.monotonic()
+    old = make_seq(prompt(6, start=300), arrival=now - 6)  # waited past the bound
+    older = make_seq(prompt(6, start=500), arrival=now - 7)
+    fresh = make_seq(prompt(6, start=700), arrival=now)
+    hit = make_seq(prompt(9, start=100) + [5], arrival=now)
+    for seq in (old, older, fresh, hit):
+        scheduler.add(seq)
+    assert scheduler._admission_order() == [older, old, hit, fresh]
+    scheduler.config = scheduler.config.model_copy(update={"lpm_max_wait_s": 0.0})  # 0: arrival order
+    assert scheduler._admission_order() == [older, old, fresh, hit]
 
 
 def test_fifo_ignores_priority():

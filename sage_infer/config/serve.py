@@ -217,8 +217,12 @@ class SchedulerConfig(Strict):
         "fifo", description="Order in which waiting requests are admitted: fifo (arrival); priority (the request's "
         "priority, lower first, then arrival); lpm (longest prefix match, SGLang's: the most prompt tokens already "
         "cached, on the device or in a lower tier, first; arrival among equals; a queue of more than 128 is "
-        "admitted in arrival order). Under load past the pool's capacity lpm lets a conversation's next turn in "
-        "before new conversations evict its prefix.")
+        "admitted in arrival order; a request waiting longer than lpm_max_wait_s goes first). Under load past the "
+        "pool's capacity lpm lets a conversation's next turn in before new conversations evict its prefix.")
+    lpm_max_wait_s: float = Field(1.0, ge=0, le=3600, description="strategy lpm: a request that has waited this "
+                                  "long is admitted before the longest-prefix order (the longest waiting first), so "
+                                  "prompts with little cached are not starved while cached ones keep coming; 0: "
+                                  "arrival order.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20, description="Token budget of one step.")
     enable_chunked_prefill: bool = True

@@ -198,12 +198,18 @@ class Scheduler:
 
     def _admission_order(self) -> list[Sequence]:
         """The waiting sequences in the order admission tries them: the queue's (arrival or priority), or under lpm
-        the most prompt tokens cached first (device and lower tiers; arrival among equals). A longer queue than
-        LPM_MAX_QUEUE keeps arrival order: matching every waiting prompt each step would cost more than it saves."""
+        those that waited `lpm_max_wait_s` or longer first (arrival order), then the most prompt tokens cached
+        first (device and lower tiers; arrival among equals). A longer queue than LPM_MAX_QUEUE keeps arrival
+        order: matching every waiting prompt each step would cost more than it saves."""
         if self.config.strategy != "lpm" or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             return list(self.waiting)
-        cached = {seq.seq_id: self.kv.match(seq).total_tokens for seq in self.waiting}
-        return sorted(self.waiting, key=lambda seq: -cached[seq.seq_id])  # stable: the queue's order among equals
+        overdue = time.monotonic() - self.config.lpm_max_wait_s
+        late = [seq for seq in self.waiting if seq.arrival_time <= overdue]
+        if len(late) == len(self.waiting):
+            return late
+        cached = {seq.seq_id: self.kv.match(seq).total_tokens for seq in self.waiting if seq.arrival_time > overdue}
+        # sorted is stable: the queue's order among equals
+        return late + sorted((seq for seq in self.waiting if seq.seq_id in cached), key=lambda seq: -cached[seq.seq_id])
 
     def _propose(self, queue: list[Sequence], budget: int) -> dict[int, list[int]]:
         """The proposer's tokens to follow each decode row of `queue`, by seq id, asked for all rows at once (a
