@@ -150,7 +150,8 @@ def split_config(config: str) -> tuple[str, list[str]]:
 def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int, unbounded_bytes: int,
                max_len: int, work: Path) -> Server:
     port = free_port()
-    config, settings = split_config(config)
+    name = config
+    config, settings = split_config(name)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     budget = unbounded_bytes if config.endswith("unbounded") else kv_bytes
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len", str(max_len),
@@ -172,7 +173,6 @@ def server_for(config: str, args: argparse.Namespace, model: Path, kv_bytes: int
             command += ["--kv-cache-dtype", "int8"]
         for setting in settings:
             command += ["--set", setting]
-    name = "+".join([config, *settings])
     return Server(name, command, env, work / f"{name.replace('/', '_')}.log", port)
 
 
@@ -333,11 +333,10 @@ def print_report(report: dict) -> None:
     for name, entry in report["configs"].items():
         g = entry["goodput"]
         capped = " (met the SLO at every load tried: a lower bound)" if entry.get("goodput_is_lower_bound") else ""
-        found = entry.get("searched_goodput", "")
-        if "search" in entry:
-            found = f"  searched {'-' if found is None else format(found, 'g')}"
-            capped = ""
-        print(f"goodput {name:<{width}} {'-' if g is None else format(g, 'g')} sessions/s{capped}{found}"
+        if "search" in entry:  # the searched goodput replaces the bracket's caveat
+            found = entry["searched_goodput"]
+            capped = f"  searched {'-' if found is None else format(found, 'g')}"
+        print(f"goodput {name:<{width}} {'-' if g is None else format(g, 'g')} sessions/s{capped}"
               f"  start {entry['start_s']:.0f} s  capacity {entry.get('capacity_tokens')} tokens")
     for key, value in report["ratios"].items():
         print(f"{key}: {'-' if value is None else format(value, '.2f')}")
@@ -351,11 +350,8 @@ def ratios(report: dict) -> dict:
     configs = report["configs"]
     out: dict[str, float | None] = {}
     vllm = configs.get("vllm")
-    for name in configs:
-        if name.startswith("vllm") or name.endswith("unbounded"):
-            continue
-        mine = configs.get(name)
-        if not (vllm and mine):
+    for name, mine in configs.items():
+        if not vllm or name.startswith("vllm") or name.endswith("unbounded"):
             continue
         if vllm["goodput"] and mine["goodput"]:
             out[f"goodput {name} / vllm"] = mine["goodput"] / vllm["goodput"]

@@ -205,11 +205,9 @@ class Scheduler:
             return list(self.waiting)
         overdue = time.monotonic() - self.config.lpm_max_wait_s
         late = [seq for seq in self.waiting if seq.arrival_time <= overdue]
-        if len(late) == len(self.waiting):
-            return late
-        cached = {seq.seq_id: self.kv.match(seq).total_tokens for seq in self.waiting if seq.arrival_time > overdue}
-        # sorted is stable: the queue's order among equals
-        return late + sorted((seq for seq in self.waiting if seq.seq_id in cached), key=lambda seq: -cached[seq.seq_id])
+        fresh = [seq for seq in self.waiting if seq.arrival_time > overdue]
+        cached = {seq.seq_id: self.kv.match(seq).total_tokens for seq in fresh}
+        return late + sorted(fresh, key=lambda seq: -cached[seq.seq_id])  # stable: the queue's order among equals
 
     def _propose(self, queue: list[Sequence], budget: int) -> dict[int, list[int]]:
         """The proposer's tokens to follow each decode row of `queue`, by seq id, asked for all rows at once (a
