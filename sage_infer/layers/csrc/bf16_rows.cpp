@@ -6,6 +6,9 @@
 // Up to 16 rows: each weight row is read from memory once and multiplied with the rows in as few passes of at most
 // 6 rows as there can be, of even sizes (a pass of 1 row is bound by its FMAs' latency, nearly as slow as one of 4;
 // later passes find the weight row in L1), and every row's sum is computed the same way whatever the row count.
+// The weight is prefetched PREFETCH_AHEAD elements ahead of the product (one hint per 64-byte line): the rows of a
+// thread's chunk lie one after another, so the hints run on into its next rows. Over weights read from DRAM they
+// cut ~10 % of a 1-row product and ~15 % of a 5-row one (bench/packed_linear.py --cold-layers; docs/cpu_isa.md).
 // The reference is torch.nn.functional.linear on the same bf16 tensors (tests/test_packed_linear.py).
 #include "kernel.h"
 
@@ -21,6 +24,7 @@
 namespace {
 
 constexpr int64_t MAX_ROWS = 16;
+constexpr int64_t PREFETCH_AHEAD = 2048;  // bf16 elements: 4 KiB
 constexpr int64_t PASS_ROWS = 6;  // rows per pass over a weight row: 2 accumulators each, with the weight's 2: 14 of 16 ymm
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -45,6 +49,7 @@ inline void dot_rows(const float* x, const uint16_t* w_row, int64_t k_len, float
   __m256 acc0[M], acc1[M];
   for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
   for (; k + 16 <= k_len; k += 16) {
+    if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(w_row + k + PREFETCH_AHEAD), _MM_HINT_T0);
     const __m256 w0 = widen8(w_row + k), w1 = widen8(w_row + k + 8);
     for (int m = 0; m < M; ++m) {
       acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k_len + k), acc0[m]);
