@@ -9,7 +9,7 @@ Prints ms per product of torch's bf16 `F.linear`, of the fp32 copy alone and of 
 they run here), and of `PackedLinear` (what it picks), with the ratio torch ÷ PackedLinear (above 1: faster);
 writes JSON. Those weights stay in the caches between repeats; `--cold-layers N` instead runs the rows kernel
 over N layers' distinct weights one after another, as a model's decode step does (24 layers of the 0.5B shape:
-714 MB, past any L3), and prints ms per pass over all N, the weight bytes read per second and the ratio to one
+716 MB, past any L3), and prints ms per pass over all N, the weight bytes read per second and the ratio to one
 row (what a verify step of k + 1 rows costs beside a decode step in these products).
 """
 
