@@ -136,7 +136,8 @@ def test_import_pulls_no_optional_heavy_module():
 VLLM_SERVE_FLAGS = [
     "--served-model-name", "chat", "--max-model-len", "256", "--dtype", "bfloat16",
     "--kv-cache-memory-bytes", "8MiB", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
-    "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--block-size", "32"]
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "128",
+    "--block-size", "32"]
 
 
 def test_vllm_serve_flags_set_the_same_fields_here_and_on_every_pd_worker(monkeypatch):
@@ -159,6 +160,7 @@ def test_vllm_serve_flags_set_the_same_fields_here_and_on_every_pd_worker(monkey
     assert (config.kv_pool.memory_budget, config.kv_pool.memory_utilization) == (8 << 20, 0.5)
     assert (config.kv_pool.enable_prefix_caching, config.kv_pool.block_size) == (False, 32)
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 512)
+    assert config.scheduler.long_prefill_token_threshold == 128
 
     result = CliRunner().invoke(app, ["llm", "serve", "--pd", "1P1D", *VLLM_SERVE_FLAGS])
     assert result.exit_code == 0, result.output
@@ -168,6 +170,7 @@ def test_vllm_serve_flags_set_the_same_fields_here_and_on_every_pd_worker(monkey
     add_set_flags(layer, sets)
     assert layer.values["model"] == {"served_name": "chat", "max_model_len": "256", "dtype": "bfloat16"}
     assert layer.values["kv_pool"]["enable_prefix_caching"] == "False"
+    assert layer.values["scheduler"]["long_prefill_token_threshold"] == "128"
 
 
 def test_a_bad_vllm_style_flag_is_one_line_naming_it(sage):

@@ -110,10 +110,11 @@ def test_policy_eviction_picks_the_index_policy(tiny, eviction):
 
 def test_scheduler_section_reaches_the_scheduler(tiny):
     engine = build(tiny, "kv_pool.num_blocks=8", "scheduler.strategy=priority", "scheduler.max_num_seqs=3",
-                   "scheduler.max_num_batched_tokens=128", "scheduler.enable_chunked_prefill=false")
+                   "scheduler.max_num_batched_tokens=128", "scheduler.enable_chunked_prefill=false",
+                   "scheduler.long_prefill_token_threshold=32")
     config = engine.scheduler.config
     assert (config.strategy, config.max_num_seqs, config.max_num_batched_tokens) == ("priority", 3, 128)
-    assert config.enable_chunked_prefill is False
+    assert config.enable_chunked_prefill is False and config.long_prefill_token_threshold == 32
 
 
 # --- preset / hardware: device and kv_dtype auto -------------------------------------

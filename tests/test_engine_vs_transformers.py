@@ -114,6 +114,15 @@ def test_chunked_prefill_matches(tiny):
     assert_pool_clean(llm)
 
 
+def test_long_prefill_cap_matches(tiny):
+    """Long prompts cut to 8 tokens a step while a short one runs whole beside them: HF's tokens still."""
+    directory, hf = tiny
+    llm = LLM(str(directory), dtype="fp32", num_blocks=128, long_prefill_token_threshold=8)
+    prompts = random_prompts([60, 5, 45, 7, 33], seed=7)
+    assert_same_as_hf(hf, prompts, llm.generate(prompts, GREEDY))
+    assert_pool_clean(llm)
+
+
 def test_prefix_caching_off_matches(tiny):
     directory, hf = tiny
     llm = LLM(str(directory), dtype="fp32", num_blocks=64, enable_prefix_caching=False)

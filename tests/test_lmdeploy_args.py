@@ -53,6 +53,11 @@ def test_int8_and_int4_kv_become_quant_policy(kv_dtype, policy):
     assert translate(kv_pool={"kv_dtype": kv_dtype}).kwargs["quant_policy"] == policy
 
 
+def test_a_long_prefill_cap_is_refused():
+    with pytest.raises(ConfigError, match="^scheduler.long_prefill_token_threshold: 64: lmdeploy has no"):
+        translate(scheduler={"long_prefill_token_threshold": 64})
+
+
 def test_fp8_kv_is_refused():
     with pytest.raises(ConfigError, match="^kv_pool.kv_dtype: fp8_e4m3: lmdeploy stores KV"):
         translate(kv_pool={"kv_dtype": "fp8_e4m3"})

@@ -148,6 +148,31 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps_under_the_budget():
     assert seq.num_computed_tokens == 40 and seq.num_output_tokens == 1
 
 
+def test_long_prefill_token_threshold_lets_a_short_prompt_share_the_long_ones_steps():
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=12)
+    long, long2, short = make_seq(prompt(40)), make_seq(prompt(40, start=200)), make_seq(prompt(8, start=100))
+    scheduler.add(long)
+    first = step(scheduler)
+    assert first.num_new_tokens == [40]  # alone: nobody to leave room for, the whole budget (vLLM's rule)
+    scheduler.add(long2)
+    scheduler.add(short)
+    second = step(scheduler)
+    # the running decode, then the long prompt cut to 12 and the short one whole in the same step
+    assert second.seqs == [long, long2, short] and second.num_new_tokens == [1, 12, 8]
+    assert short.num_output_tokens == 1 and long2.num_output_tokens == 0
+    batches = [step(scheduler) for _ in range(3)]
+    assert [b.num_new_tokens[b.seqs.index(long2)] for b in batches] == [12, 12, 4]
+    assert long2.num_computed_tokens == 40 and long2.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_the_long_prefill_threshold_cuts_nothing():
+    scheduler = make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False, long_prefill_token_threshold=8)
+    first, second = make_seq(prompt(20)), make_seq(prompt(20, start=100))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert scheduler.schedule().num_new_tokens == [20, 20]
+
+
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_the_rest_of_the_budget_waits():
     scheduler = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
     short, long = make_seq(prompt(10)), make_seq(prompt(12, start=100))

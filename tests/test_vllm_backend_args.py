@@ -102,9 +102,11 @@ def test_on_a_gpu_without_a_budget_vllm_takes_its_share_of_device_memory():
 
 def test_scheduler_limits_and_policy_are_passed_on():
     kwargs = translate(scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512, "strategy": "priority",
-                                  "max_waiting": 20, "enable_chunked_prefill": True}).kwargs
+                                  "max_waiting": 20, "enable_chunked_prefill": True,
+                                  "long_prefill_token_threshold": 64}).kwargs
     assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["scheduling_policy"]) == (8, 512,
                                                                                                         "priority")
+    assert kwargs["long_prefill_token_threshold"] == 64 and translate().kwargs["long_prefill_token_threshold"] == 0
     assert kwargs["max_num_queued_reqs"] == 28 and kwargs["enable_chunked_prefill"] is True
     assert translate().kwargs["scheduling_policy"] == "fcfs"
     with pytest.raises(ConfigError, match="^scheduler.strategy: lpm: vLLM admits requests fcfs or by priority only"):

@@ -101,6 +101,9 @@ def lmdeploy_engine_config(config: ServeConfig, facts: ModelFacts,
     if not scheduler.enable_chunked_prefill:
         raise ConfigError("scheduler.enable_chunked_prefill: lmdeploy always splits prefills by "
                           "max_prefill_token_num (scheduler.max_num_batched_tokens)")
+    if scheduler.long_prefill_token_threshold:
+        raise ConfigError(f"scheduler.long_prefill_token_threshold: {scheduler.long_prefill_token_threshold}: "
+                          "lmdeploy has no per-request cap on prefill tokens per step", hint="set it to 0")
     kwargs["max_batch_size"] = scheduler.max_num_seqs
     kwargs["max_prefill_token_num"] = scheduler.max_num_batched_tokens
     return LMDeployEngineConfig(engine, kwargs, values)

@@ -51,6 +51,7 @@ def llm_config(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
     scheduling: str = "fifo",
     eviction_policy: str = "lru",
     revision: str = "local",
@@ -68,7 +69,8 @@ def llm_config(
         kv_pool=KVPoolConfig(**pool),
         scheduler=SchedulerConfig(strategy=scheduling, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=enable_chunked_prefill),
+                                  enable_chunked_prefill=enable_chunked_prefill,
+                                  long_prefill_token_threshold=long_prefill_token_threshold),
         policy=PolicyConfig(eviction=eviction_policy),
         speculative=SpeculativeConfig(**(speculative_config or {})),
     )

@@ -111,6 +111,7 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
                           hint="use fifo or priority with --backend vllm")
     kwargs.update(max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
                   enable_chunked_prefill=scheduler.enable_chunked_prefill,
+                  long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
                   scheduling_policy=SCHEDULING_POLICIES[scheduler.strategy],
                   # vLLM counts waiting + running requests: the seats plus sage's waiting room
                   max_num_queued_reqs=scheduler.max_waiting + scheduler.max_num_seqs)

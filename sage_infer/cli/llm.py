@@ -74,6 +74,9 @@ def serve(
         "--max-num-seqs", help="Most sequences in one step (scheduler.max_num_seqs).")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         "--max-num-batched-tokens", help="Most tokens in one step (scheduler.max_num_batched_tokens).")] = None,
+    long_prefill_token_threshold: Annotated[Optional[int], typer.Option(
+        "--long-prefill-token-threshold", help="Most prompt tokens one request computes per step while others "
+        "run or wait; 0: no cap (scheduler.long_prefill_token_threshold).")] = None,
     block_size: Annotated[Optional[int], typer.Option(
         "--block-size", help="Tokens per KV block (kv_pool.block_size).")] = None,
     deterministic: DeterministicOpt = None,
@@ -82,7 +85,8 @@ def serve(
 
     The vLLM serve flags with the same meaning (--served-model-name, --max-model-len, --dtype,
     --kv-cache-memory-bytes, --gpu-memory-utilization, --enable-prefix-caching, --max-num-seqs,
-    --max-num-batched-tokens, --block-size) are accepted, so one command line or bench script drives both."""
+    --max-num-batched-tokens, --long-prefill-token-threshold, --block-size) are accepted, so one command line or
+    bench script drives both."""
     vllm_style = {
         "model.served_name": ("--served-model-name", served_model_name),
         "model.max_model_len": ("--max-model-len", max_model_len),
@@ -92,6 +96,7 @@ def serve(
         "kv_pool.enable_prefix_caching": ("--enable-prefix-caching", enable_prefix_caching),
         "scheduler.max_num_seqs": ("--max-num-seqs", max_num_seqs),
         "scheduler.max_num_batched_tokens": ("--max-num-batched-tokens", max_num_batched_tokens),
+        "scheduler.long_prefill_token_threshold": ("--long-prefill-token-threshold", long_prefill_token_threshold),
         "kv_pool.block_size": ("--block-size", block_size),
         "model.deterministic": ("--deterministic", deterministic),  # (forwarded to --pd workers with the above)
     }

@@ -226,6 +226,12 @@ class SchedulerConfig(Strict):
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Requests running at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20, description="Token budget of one step.")
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0, le=1 << 20, description="With chunked prefill, a request "
+                                              "computes at most this many prompt tokens per step while another "
+                                              "request runs or waits (vLLM's option of the same name), so a long "
+                                              "prompt's chunks share steps with short prompts and decodes instead "
+                                              "of filling them: a short prompt's first token need not wait for a "
+                                              "long one's prefill. 0: up to the step's budget.")
     max_waiting: int = Field(1024, ge=1, description="Queue length before new requests get 429.")
 
 

@@ -128,18 +128,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens of `remaining` to compute this step under `budget` (0: not this step)."""
-        if remaining <= budget:
+    def _chunk(self, remaining: int, budget: int, cap: int = 0) -> int:
+        """Tokens of `remaining` to compute this step under `budget` and, when chunking, at most `cap` (0: no
+        cap) of one request (0: not this step)."""
+        if remaining <= budget and not 0 < cap < remaining:
             return remaining
         if self.config.enable_chunked_prefill:
-            return budget
+            return min(budget, cap) if cap else budget
         # without chunking a long prompt runs alone, over budget, rather than never
         return remaining if budget == self.config.max_num_batched_tokens else 0
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        # a long prompt is cut to the threshold only when someone else could use the rest of the step (vLLM's rule)
+        others = len(self.running) + len(self.waiting) > 1
+        cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill and others else 0
         queue = sorted(self.running, key=self._order)
         self.running = []
         limit = self.proposer.disable_by_batch_size if self.proposer is not None else None
@@ -147,7 +151,7 @@ class Scheduler:
         proposals = self._propose(queue, budget) if speculate else {}
         while queue:
             seq = queue.pop(0)
-            num_new = self._chunk(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq.num_uncomputed_tokens, budget, cap)
             if num_new == 0:
                 self.running.append(seq)
                 continue
@@ -183,7 +187,7 @@ class Scheduler:
                 self.deferred += 1
                 position += 1  # next step its prefix is cached; the others go first
                 continue
-            num_new = self._chunk(seq.num_tokens - match.total_tokens, budget)
+            num_new = self._chunk(seq.num_tokens - match.total_tokens, budget, cap)
             if num_new == 0 or not self.kv.admit(seq, match, num_new):
                 break
             candidates.pop(position)
