@@ -61,7 +61,8 @@ def cold(layers: int, repeats: int, shapes: list[tuple[int, int]] = SHAPES) -> l
         first = first or seconds
         out.append({"rows": m, "ms": round(seconds * 1e3, 3), "gb_s": round(nbytes / seconds / 1e9, 2),
                     "vs_one_row": round(seconds / first, 3)})
-        print(f"{m:>5} rows {seconds * 1e3:>9.2f} ms {nbytes / seconds / 1e9:>7.1f} GB/s {seconds / first:>6.2f}x one row")
+        print(f"{m:>5} rows {seconds * 1e3:>9.2f} ms {nbytes / seconds / 1e9:>7.1f} GB/s "
+              f"{seconds / first:>6.2f}x one row")
     return out
 
 
