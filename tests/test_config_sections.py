@@ -280,6 +280,16 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
     assert "sage: resolved tiers.host_bytes = 0 (auto: the KV pool is in host memory already" in result.err
 
 
+def test_the_long_prefill_cap_is_active_only_with_chunked_prefill(sage):
+    def row(*sets):
+        args = [arg for s in sets for arg in ("--set", s)]
+        data = json.loads(sage("config", "show", "--preset", "cpu", "--json", *args).out)
+        return {r["field"]: r for r in data["fields"]}["scheduler.long_prefill_token_threshold"]
+    assert row("scheduler.long_prefill_token_threshold=64")["active"] is True
+    off = row("scheduler.long_prefill_token_threshold=64", "scheduler.enable_chunked_prefill=false")
+    assert off["active"] is False and "enable_chunked_prefill" in off["inactive_reason"]
+
+
 def test_llm_generate_without_inactive_fields_warns_nothing(sage, tiny):
     result = sage("llm", "generate", "--model", str(tiny), "--prompt", "hi", "--max-tokens", "2", "--preset", "cpu",
                   "--set", "kv_pool.num_blocks=8")

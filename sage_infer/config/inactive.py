@@ -40,6 +40,9 @@ CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
     "kv_transport": (lambda config: config.role != "both" or config.pd is not None,
                      "used only by a prefill or decode instance (--role prefill|decode, or --pd); "
                      "this one serves both roles, so no KV moves between instances"),
+    "scheduler.long_prefill_token_threshold": (lambda config: config.scheduler.enable_chunked_prefill,
+                                               "used only with scheduler.enable_chunked_prefill (without it a "
+                                               "prompt is never cut)"),
     "kv_transport.process_group": (lambda config: config.kv_transport.backend == "torchdist",
                                    "used only with kv_transport.backend=torchdist (the group its KV moves in)"),
     **{f"kv_transport.process_group.{name}": (
