@@ -36,8 +36,7 @@ if str(REPO) not in sys.path:
 from bench._report import write_json  # noqa: E402
 from bench.arith_bound import DTYPES, gemm_rate, layer_shapes, model_shape  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
-
-FIRST_ID = 10  # above the tokenizer's special ids, as the serving bench's prompts
+from sage_infer.serving_bench.workloads import random_token_ids  # noqa: E402
 
 
 def bound_seconds(shape: dict, history: int, new: int, rate_gflop_s: float) -> tuple[float, float]:
@@ -61,13 +60,13 @@ def time_sage(model_dir: Path, dtype: str, history: int, new: int, vocab: int, r
     rng = random.Random(seed)
     cached, whole, hits = [], [], []
     for _ in range(repeats):
-        turn = rng.choices(range(FIRST_ID, vocab), k=history + new)
+        turn = random_token_ids(rng, history + new, vocab)
         llm.generate([turn[:history]], one)  # the earlier turn: its full blocks stay cached
         start = time.perf_counter()
         out = llm.generate([turn], one)[0]
         cached.append(time.perf_counter() - start)
         hits.append(out.metrics.num_cached_tokens)
-        fresh = rng.choices(range(FIRST_ID, vocab), k=history + new)
+        fresh = random_token_ids(rng, history + new, vocab)
         start = time.perf_counter()
         llm.generate([fresh], one)
         whole.append(time.perf_counter() - start)
@@ -82,7 +81,7 @@ def time_hf(model_dir: Path, dtype: str, history: int, new: int, vocab: int, rep
     cached, whole = [], []
     with torch.inference_mode():
         for _ in range(repeats):
-            ids = torch.tensor([rng.choices(range(FIRST_ID, vocab), k=history + new)])
+            ids = torch.tensor([random_token_ids(rng, history + new, vocab)])
             past = model(ids[:, :history], use_cache=True).past_key_values
             start = time.perf_counter()
             model(ids[:, history:], past_key_values=past, use_cache=True)

@@ -131,10 +131,10 @@ class Scheduler:
     def _chunk(self, remaining: int, budget: int, cap: int = 0) -> int:
         """Tokens of `remaining` to compute this step under `budget` and, when chunking, at most `cap` (0: no
         cap) of one request (0: not this step)."""
-        if remaining <= budget and not 0 < cap < remaining:
-            return remaining
         if self.config.enable_chunked_prefill:
-            return min(budget, cap) if cap else budget
+            return min(remaining, budget, cap or remaining)
+        if remaining <= budget:
+            return remaining
         # without chunking a long prompt runs alone, over budget, rather than never
         return remaining if budget == self.config.max_num_batched_tokens else 0
 
