@@ -290,6 +290,19 @@ def test_the_long_prefill_cap_is_active_only_with_chunked_prefill(sage):
     assert off["active"] is False and "enable_chunked_prefill" in off["inactive_reason"]
 
 
+def test_short_prefill_first_is_active_only_with_a_threshold_and_chunked_prefill(sage):
+    def row(*sets):
+        args = [arg for s in sets for arg in ("--set", s)]
+        data = json.loads(sage("config", "show", "--preset", "cpu", "--json", *args).out)
+        return {r["field"]: r for r in data["fields"]}["scheduler.short_prefill_first"]
+    assert row("scheduler.short_prefill_first=true", "scheduler.long_prefill_token_threshold=64")["active"] is True
+    alone = row("scheduler.short_prefill_first=true")
+    assert alone["active"] is False and "long_prefill_token_threshold" in alone["inactive_reason"]
+    unchunked = row("scheduler.short_prefill_first=true", "scheduler.long_prefill_token_threshold=64",
+                    "scheduler.enable_chunked_prefill=false")
+    assert unchunked["active"] is False
+
+
 def test_llm_generate_without_inactive_fields_warns_nothing(sage, tiny):
     result = sage("llm", "generate", "--model", str(tiny), "--prompt", "hi", "--max-tokens", "2", "--preset", "cpu",
                   "--set", "kv_pool.num_blocks=8")

@@ -123,6 +123,16 @@ def test_long_prefill_cap_matches(tiny):
     assert_pool_clean(llm)
 
 
+def test_short_prefill_first_matches(tiny):
+    """Long prompts held back for steps where a short one computes (all submitted at once): HF's tokens still."""
+    directory, hf = tiny
+    llm = LLM(str(directory), dtype="fp32", num_blocks=128, long_prefill_token_threshold=8, short_prefill_first=True)
+    prompts = random_prompts([60, 5, 45, 7, 33], seed=7)
+    outputs = llm.generate(prompts, GREEDY)
+    assert_same_as_hf(hf, prompts, outputs)
+    assert_pool_clean(llm)
+
+
 def test_prefix_caching_off_matches(tiny):
     directory, hf = tiny
     llm = LLM(str(directory), dtype="fp32", num_blocks=64, enable_prefix_caching=False)

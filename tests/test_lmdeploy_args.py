@@ -56,6 +56,8 @@ def test_int8_and_int4_kv_become_quant_policy(kv_dtype, policy):
 def test_a_long_prefill_cap_is_refused():
     with pytest.raises(ConfigError, match="^scheduler.long_prefill_token_threshold: 64: lmdeploy has no"):
         translate(scheduler={"long_prefill_token_threshold": 64})
+    with pytest.raises(ConfigError, match="^scheduler.short_prefill_first: lmdeploy has no option"):
+        translate(scheduler={"short_prefill_first": True})
 
 
 def test_fp8_kv_is_refused():

@@ -165,6 +165,48 @@ def test_long_prefill_token_threshold_lets_a_short_prompt_share_the_long_ones_st
     assert long2.num_computed_tokens == 40 and long2.num_output_tokens == 1
 
 
+def test_short_prefill_first_holds_a_long_prompt_back_for_a_step_with_a_short_one():
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=12, short_prefill_first=True)
+    decode, long = make_seq(prompt(8, start=300), max_tokens=8), make_seq(prompt(40))
+    scheduler.add(decode)
+    step(scheduler)
+    scheduler.add(long)
+    assert step(scheduler).num_new_tokens == [1, 12]  # no short prompt: the long one's chunk, cut to the threshold
+    short = make_seq(prompt(8, start=100))
+    scheduler.add(short)
+    held = step(scheduler)
+    # the decode and the short prompt whole; the long one's prefill waits a step
+    assert held.seqs == [decode, short] and held.num_new_tokens == [1, 8] and long.num_computed_tokens == 12
+    assert short.num_output_tokens == 1
+    again = make_seq(prompt(8, start=200))
+    scheduler.add(again)
+    # held back at most one step in a row: now it shares the step with the next short prompt
+    assert step(scheduler).num_new_tokens == [1, 12, 1, 8] and long.num_computed_tokens == 24
+
+
+def test_short_prefill_first_counts_a_cached_prefix_and_holds_long_admissions_too():
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=12, short_prefill_first=True)
+    history = prompt(32)
+    first = make_seq(history + [5])
+    scheduler.add(first)
+    step(scheduler)
+    scheduler.finish(first, "stop")
+    new, turn = make_seq(prompt(40, start=200)), make_seq(history + prompt(8, start=400))
+    scheduler.add(new)
+    scheduler.add(turn)  # 40 tokens, 32 of them cached: 8 to compute, short
+    batch = step(scheduler)
+    assert batch.seqs == [turn] and batch.num_new_tokens == [8] and scheduler.waiting == [new]
+    assert step(scheduler).seqs == [turn, new]
+
+
+def test_short_prefill_first_needs_the_threshold():
+    scheduler = make_scheduler(max_num_batched_tokens=64, short_prefill_first=True)
+    long, short = make_seq(prompt(40)), make_seq(prompt(8, start=100))
+    scheduler.add(long)
+    scheduler.add(short)
+    assert scheduler.schedule().num_new_tokens == [40, 8]
+
+
 def test_without_chunked_prefill_the_long_prefill_threshold_cuts_nothing():
     scheduler = make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False, long_prefill_token_threshold=8)
     first, second = make_seq(prompt(20)), make_seq(prompt(20, start=100))

@@ -109,6 +109,8 @@ def test_scheduler_limits_and_policy_are_passed_on():
     assert kwargs["long_prefill_token_threshold"] == 64 and translate().kwargs["long_prefill_token_threshold"] == 0
     assert kwargs["max_num_queued_reqs"] == 28 and kwargs["enable_chunked_prefill"] is True
     assert translate().kwargs["scheduling_policy"] == "fcfs"
+    with pytest.raises(ConfigError, match="^scheduler.short_prefill_first: vLLM has no option"):
+        translate(scheduler={"short_prefill_first": True, "long_prefill_token_threshold": 64})
     with pytest.raises(ConfigError, match="^scheduler.strategy: lpm: vLLM admits requests fcfs or by priority only"):
         translate(scheduler={"strategy": "lpm"})
 

@@ -104,6 +104,9 @@ def lmdeploy_engine_config(config: ServeConfig, facts: ModelFacts,
     if scheduler.long_prefill_token_threshold:
         raise ConfigError(f"scheduler.long_prefill_token_threshold: {scheduler.long_prefill_token_threshold}: "
                           "lmdeploy has no per-request cap on prefill tokens per step", hint="set it to 0")
+    if scheduler.short_prefill_first:
+        raise ConfigError("scheduler.short_prefill_first: lmdeploy has no option to hold long prompts back for "
+                          "short ones", hint="set it to false")
     kwargs["max_batch_size"] = scheduler.max_num_seqs
     kwargs["max_prefill_token_num"] = scheduler.max_num_batched_tokens
     return LMDeployEngineConfig(engine, kwargs, values)

@@ -52,6 +52,7 @@ def llm_config(
     max_num_batched_tokens: int = 2048,
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
+    short_prefill_first: bool = False,
     scheduling: str = "fifo",
     eviction_policy: str = "lru",
     revision: str = "local",
@@ -70,7 +71,8 @@ def llm_config(
         scheduler=SchedulerConfig(strategy=scheduling, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill,
-                                  long_prefill_token_threshold=long_prefill_token_threshold),
+                                  long_prefill_token_threshold=long_prefill_token_threshold,
+                                  short_prefill_first=short_prefill_first),
         policy=PolicyConfig(eviction=eviction_policy),
         speculative=SpeculativeConfig(**(speculative_config or {})),
     )

@@ -109,6 +109,9 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     if scheduler.strategy not in SCHEDULING_POLICIES:
         raise ConfigError(f"scheduler.strategy: {scheduler.strategy}: vLLM admits requests fcfs or by priority only",
                           hint="use fifo or priority with --backend vllm")
+    if scheduler.short_prefill_first:
+        raise ConfigError("scheduler.short_prefill_first: vLLM has no option to hold long prompts back for short "
+                          "ones", hint="set it to false with --backend vllm")
     kwargs.update(max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
                   enable_chunked_prefill=scheduler.enable_chunked_prefill,
                   long_prefill_token_threshold=scheduler.long_prefill_token_threshold,

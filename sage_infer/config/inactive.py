@@ -43,6 +43,10 @@ CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
     "scheduler.long_prefill_token_threshold": (lambda config: config.scheduler.enable_chunked_prefill,
                                                "used only with scheduler.enable_chunked_prefill (without it a "
                                                "prompt is never cut)"),
+    "scheduler.short_prefill_first": (
+        lambda config: config.scheduler.enable_chunked_prefill and config.scheduler.long_prefill_token_threshold > 0,
+        "used only with scheduler.enable_chunked_prefill and a scheduler.long_prefill_token_threshold (the length "
+        "that makes a prompt short)"),
     "kv_transport.process_group": (lambda config: config.kv_transport.backend == "torchdist",
                                    "used only with kv_transport.backend=torchdist (the group its KV moves in)"),
     **{f"kv_transport.process_group.{name}": (

@@ -232,6 +232,14 @@ class SchedulerConfig(Strict):
                                               "prompt's chunks share steps with short prompts and decodes instead "
                                               "of filling them: a short prompt's first token need not wait for a "
                                               "long one's prefill. 0: up to the step's budget.")
+    short_prefill_first: bool = Field(False, description="With chunked prefill and a long_prefill_token_threshold: "
+                                      "in a step where a prompt with at most that many tokens left to compute (its "
+                                      "cached prefix not counted) can run, prompts with more left compute nothing, "
+                                      "so a short prompt (a conversation's next turn over its cached history) gets "
+                                      "its first token after its own prefill, not after a step shared with a long "
+                                      "one: on a CPU a step takes as long as all its prompt tokens. A long prompt is "
+                                      "held back at most one step in a row. Decodes always run. vLLM and SGLang have "
+                                      "no such option.")
     max_waiting: int = Field(1024, ge=1, description="Queue length before new requests get 429.")
 
 

@@ -2,7 +2,8 @@
 
 `schedule()`: running sequences first (decodes and unfinished prefill chunks), preempting
 the lowest-priority running sequence by recompute when the pool is short; then waiting
-sequences are admitted (prefix hits first) while budget, seats and blocks last.
+sequences are admitted (prefix hits first) while budget, seats and blocks last. Under
+`short_prefill_first`, a step in which a short prompt can compute holds the long ones back.
 
 With a speculative `proposer`, a decode row also carries the tokens proposed to follow it
 (`Sequence.draft_token_ids`): they count against the step's token budget and get KV blocks like
@@ -72,6 +73,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept in service order; the last is preempted first
         self._siblings: dict[str, list[Sequence]] = {}  # request id -> sequences waiting for its prompt
         self.deferred = 0  # admissions put off a step because their next prompt block was computed in it
+        self._held: set[int] = set()  # long prompts held back last step for a short one (short_prefill_first)
         self.num_preemptions = 0  # running sequences sent back to wait (their KV freed, recomputed later)
 
     def _order(self, seq: Sequence) -> tuple:
@@ -144,6 +146,10 @@ class Scheduler:
         # a long prompt is cut to the threshold only when someone else could use the rest of the step (vLLM's rule)
         others = len(self.running) + len(self.waiting) > 1
         cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill and others else 0
+        short = self._short_prefill_limit()
+        held, self._held = self._held, set()
+        if short and not self._short_prefill_ready(short):
+            short = 0
         queue = sorted(self.running, key=self._order)
         self.running = []
         limit = self.proposer.disable_by_batch_size if self.proposer is not None else None
@@ -152,6 +158,9 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             num_new = self._chunk(seq.num_uncomputed_tokens, budget, cap)
+            if short and seq.num_uncomputed_tokens > short and seq.seq_id not in held:
+                self._held.add(seq.seq_id)
+                num_new = 0
             if num_new == 0:
                 self.running.append(seq)
                 continue
@@ -183,6 +192,10 @@ class Scheduler:
                 position += 1
                 continue
             match = self.kv.match(seq)  # records nothing: a request that must wait is not counted again
+            if short and seq.num_tokens - match.total_tokens > short and seq.seq_id not in held:
+                self._held.add(seq.seq_id)
+                position += 1
+                continue
             if self._computed_this_step(seq, match.total_tokens, computing):
                 self.deferred += 1
                 position += 1  # next step its prefix is cached; the others go first
@@ -199,6 +212,25 @@ class Scheduler:
             if num_new > 1:
                 computing.append((seq, num_new))
         return batch
+
+    def _short_prefill_limit(self) -> int:
+        """The most prompt tokens left to compute that make a prompt short under short_prefill_first (the long
+        prefill threshold), or 0 when the option is off or has no effect (no chunked prefill, no threshold)."""
+        config = self.config
+        if not (config.short_prefill_first and config.enable_chunked_prefill):
+            return 0
+        return config.long_prefill_token_threshold
+
+    def _short_prefill_ready(self, limit: int) -> bool:
+        """Whether a prompt with at most `limit` tokens left to compute can run this step: a running one whose
+        prefill is unfinished, or one of the first LPM_MAX_QUEUE waiting ones that is not loading from a lower
+        tier (its cached prefix counted), while a seat is free."""
+        if any(1 < seq.num_uncomputed_tokens <= limit for seq in self.running):
+            return True
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return any(seq.num_tokens - self.kv.match(seq).total_tokens <= limit
+                   for seq in self.waiting[:LPM_MAX_QUEUE] if not self.kv.is_loading(seq))
 
     def _admission_order(self) -> list[Sequence]:
         """The waiting sequences in the order admission tries them: the queue's (arrival or priority), or under lpm
