@@ -357,13 +357,15 @@ def ratios(report: dict) -> dict:
             out[f"goodput {name} / vllm"] = mine["goodput"] / vllm["goodput"]
         if vllm.get("searched_goodput") and mine.get("searched_goodput"):
             out[f"searched goodput {name} / vllm"] = mine["searched_goodput"] / vllm["searched_goodput"]
-        at = vllm["goodput"] or min(r["rate"] for r in vllm["loads"])  # vLLM's highest sustainable load
+        at, missed = vllm["goodput"], ""  # vLLM's highest sustainable load among the listed ones
+        if at is None:  # none: the lowest, said so, since it is not a load vLLM sustains
+            at, missed = min(r["rate"] for r in vllm["loads"]), " (vLLM missed the SLO there)"
         theirs = next((r for r in vllm["loads"] if r["rate"] == at), None)
         ours = next((r for r in mine["loads"] if r["rate"] == at), None)
         if theirs and ours:
             for q in ("p50", "p90"):
                 if theirs["ttft_ms"][q] and ours["ttft_ms"][q] is not None:
-                    out[f"TTFT {q} {name} / vllm at {at:g}/s"] = ours["ttft_ms"][q] / theirs["ttft_ms"][q]
+                    out[f"TTFT {q} {name} / vllm at {at:g}/s{missed}"] = ours["ttft_ms"][q] / theirs["ttft_ms"][q]
     ceiling = configs.get("sage-unbounded")
     tiers = configs.get("sage-host")
     if ceiling and tiers:

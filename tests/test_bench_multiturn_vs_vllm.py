@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multiturn_vs_vllm import agreement, goodput, parse_args, search_goodput, server_for, split_config
+from bench.multiturn_vs_vllm import agreement, goodput, parse_args, ratios, search_goodput, server_for, split_config
 
 
 def test_a_configs_settings_after_plus_become_sages_set_flags(tmp_path):
@@ -62,6 +62,20 @@ def test_the_goodput_search_bisects_the_bracket_the_listed_loads_leave():
     found, tried = search_goodput(measure, [_row(2, 2600)], 2000, 2)
     assert [r["rate"] for r in tried] == [1.0, 1.5] and found == 1.0
     assert search_goodput(measure, [_row(2, 2600)], 2000, 0) == (None, [])
+
+
+def test_ttft_ratios_are_taken_at_vllms_highest_sustainable_load_or_say_it_had_none():
+    def config(goodput_, *rows):
+        loads = [{"rate": rate, "ttft_ms": {"p50": p50, "p90": p90}} for rate, p50, p90 in rows]
+        return {"goodput": goodput_, "loads": loads}
+
+    sage = config(0.2, (0.05, 500, 1000), (0.1, 600, 1500), (0.2, 900, 2000))
+    out = ratios({"configs": {"vllm": config(0.05, (0.05, 1000, 4000), (0.1, 3000, 12000)), "sage-host": sage}})
+    assert out["goodput sage-host / vllm"] == 4.0
+    assert out["TTFT p50 sage-host / vllm at 0.05/s"] == 0.5 and out["TTFT p90 sage-host / vllm at 0.05/s"] == 0.25
+    out = ratios({"configs": {"vllm": config(None, (0.05, 3000, 12000), (0.1, 5000, 20000)), "sage-host": sage}})
+    assert out["TTFT p50 sage-host / vllm at 0.05/s (vLLM missed the SLO there)"] == pytest.approx(1 / 6)
+    assert not any(key.startswith("goodput") for key in out)
 
 
 def test_greedy_agreement_counts_equal_texts_of_requests_both_finished_on_the_same_seed():
