@@ -146,7 +146,8 @@ class Scheduler:
         # a long prompt is cut to the threshold only when someone else could use the rest of the step (vLLM's rule)
         others = len(self.running) + len(self.waiting) > 1
         cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill and others else 0
-        short = self._short_prefill_limit()
+        # short_prefill_first: prompts within the cap are short (alone, there is nobody to hold back)
+        short = cap if self.config.short_prefill_first else 0
         held, self._held = self._held, set()
         if short and not self._short_prefill_ready(short):
             short = 0
@@ -212,14 +213,6 @@ class Scheduler:
             if num_new > 1:
                 computing.append((seq, num_new))
         return batch
-
-    def _short_prefill_limit(self) -> int:
-        """The most prompt tokens left to compute that make a prompt short under short_prefill_first (the long
-        prefill threshold), or 0 when the option is off or has no effect (no chunked prefill, no threshold)."""
-        config = self.config
-        if not (config.short_prefill_first and config.enable_chunked_prefill):
-            return 0
-        return config.long_prefill_token_threshold
 
     def _short_prefill_ready(self, limit: int) -> bool:
         """Whether a prompt with at most `limit` tokens left to compute can run this step: a running one whose
