@@ -204,7 +204,8 @@ def sage_counters(url: str) -> dict[str, float]:
 
 def report_row(name: str, row: dict) -> None:
     print(f"  {name} {row['rate']:g}/s: TTFT p50 {row['ttft_ms']['p50']} ms p90 {row['ttft_ms']['p90']} ms, "
-          f"{row['request_throughput']:.2f} req/s, errors {row['errors']}", flush=True)
+          f"{row['request_throughput']:.2f} req/s, errors {row['errors']}"
+          + (f" {row['errors_seen']}" if row.get("errors_seen") else ""), flush=True)
 
 
 def run_load(server: Server, args: argparse.Namespace, vocab: int, rate: float, seed: int) -> dict:

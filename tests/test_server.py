@@ -220,3 +220,56 @@ def test_engine_failure_fails_requests_with_5xx_and_health_503(model_dir, monkey
         after = httpx.post(f"{broken.url}/v1/completions", json={"model": broken.model, "prompt": "x"}, timeout=30)
         assert after.status_code == 503
         assert "simulated device fault" not in response.text + after.text  # the fault stays in the log
+
+
+def test_an_unexpected_error_is_a_500_to_the_client_and_a_traceback_in_the_log(model_dir, monkeypatch, caplog):
+    """A bug met by one request: the client gets an OpenAI error without internals (a plain 500, or an in-band
+    error event once a stream has started), the operator gets the traceback, and the engine keeps serving."""
+    import logging
+
+    with running_server(model_dir, num_blocks=32) as server:
+        real = server.backend.add_request
+
+        async def failing(job):
+            async def stream():
+                raise RuntimeError("simulated handler bug")
+                yield  # pragma: no cover - makes this an async generator
+
+            return stream()
+
+        monkeypatch.setattr(server.backend, "add_request", failing)
+        body = {"model": server.model, "prompt": "x", "max_tokens": 4}
+        with caplog.at_level(logging.ERROR, logger="sage_infer.server"):
+            plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30)
+        assert_openai_error(plain, 500)
+        assert "simulated" not in plain.text + streamed.text and "Traceback" not in plain.text + streamed.text
+        assert streamed.status_code == 200
+        events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == 500 and events[-1] == "[DONE]"
+        logged = [r for r in caplog.records if r.name == "sage_infer.server" and r.exc_info]
+        assert len(logged) == 2 and all("simulated handler bug" in str(r.exc_info[1]) for r in logged)
+        assert "/v1/completions" in logged[0].getMessage()
+
+        monkeypatch.setattr(server.backend, "add_request", real)
+        ok = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_an_idle_keep_alive_connection_outlives_the_client_pools_expiry(model_dir):
+    """httpx (so the openai client) reuses an idle connection for up to 5 s: the server must not close it first, or
+    a request sent at that moment fails with "server disconnected"."""
+    import socket
+
+    from sage_infer.server.launch import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
+    with running_server(model_dir, num_blocks=32) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for idle in (0, httpx.Limits().keepalive_expiry + 1):  # reused after the client pool's idle limit
+                time.sleep(idle)
+                sock.sendall(request)
+                reply = sock.recv(4096)
+                assert reply.startswith(b"HTTP/1.1 200"), reply

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 # bodies above this are scanned and parsed off the event loop, so other streams keep flowing
 PARSE_IN_THREAD_BYTES = 64 * 1024
+
+log = logging.getLogger("sage_infer.server")
 
 
 def build_app(backend: InferenceBackend, api_key: str | None = None,
@@ -75,7 +78,9 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         return error_response(err.status_code, str(err.detail))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        # the client gets no traceback; the operator does
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
         return error_response(500, "internal server error")
 
     @app.get("/openapi.json", include_in_schema=False)

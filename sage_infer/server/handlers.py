@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -21,6 +22,8 @@ from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest,
 from sage_infer.server.validation import RequestValidator
 
 Started = list[tuple[str, AsyncIterator[RequestOutput]]]  # (request id, its output stream)
+
+log = logging.getLogger("sage_infer.server")
 
 
 class OpenAIHandlers:
@@ -131,6 +134,7 @@ class OpenAIHandlers:
             return error_body(503, str(err))
         if isinstance(err, APIError):
             return error_body(err.status, err.message, err.param)
+        log.error("a streamed generation failed", exc_info=err)  # the client gets no traceback; the operator does
         return error_body(500, "generation failed: internal server error")
 
     @staticmethod

@@ -13,6 +13,10 @@ from sage_infer.config.serve import ServeConfig
 
 HEALTH_WATCH_S = 0.25  # how often the server asks its backend whether the engine still runs
 STATS_LOG_S = 10.0  # `sage llm serve` prints throughput, load, KV use and acceptance this often while it works
+# An idle keep-alive connection stays open this long. Client pools keep idle connections for 5 s (httpx, so the
+# openai client) or 15 s (aiohttp); a server that closes first races a client reusing the connection at that moment,
+# and the request fails with "server disconnected" (uvicorn's own default is 5 s).
+KEEP_ALIVE_S = 30
 DRAIN_MARGIN_S = 1.0  # requests still running this long before the drain ends are cut off with an error
 
 
@@ -87,7 +91,8 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               timeout_graceful_shutdown=drain_seconds, access_log=False)
+                               timeout_graceful_shutdown=drain_seconds, access_log=False,
+                               timeout_keep_alive=KEEP_ALIVE_S)
     app.state.failed = None  # why the server stopped itself (the engine died), else None
     server = uvicorn.Server(uv_config)
     return server, backend, model_name

@@ -19,6 +19,7 @@ from sage_infer.serving_bench.stats import PREFIX_HITS, PREFIX_LOWER_HITS, PREFI
 from sage_infer.serving_bench.workloads import BenchRequest
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+KEEPALIVE_EXPIRY_S = 2.0  # below the keep-alive of the servers it measures (uvicorn: 5 s)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,10 @@ def make_client(url: str, api_key: str | None, concurrency: int) -> httpx.AsyncC
     return httpx.AsyncClient(
         base_url=normalize_url(url),
         headers=headers,
-        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        # idle connections are dropped before a server's keep-alive (5 s in uvicorn, so vLLM) can close them: a
+        # request sent on a connection the server closes at that moment fails with "server disconnected"
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                            keepalive_expiry=KEEPALIVE_EXPIRY_S),
         # No pool timeout: the semaphore already bounds in-flight requests to the pool size.
         timeout=httpx.Timeout(connect=10.0, read=600.0, write=60.0, pool=None),
     )
