@@ -267,9 +267,26 @@ def test_an_idle_keep_alive_connection_outlives_the_client_pools_expiry(model_di
     with running_server(model_dir, num_blocks=32) as server:
         host, port = server.url.removeprefix("http://").split(":")
         request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+        def response(sock) -> bytes:
+            """One whole response: the head, then Content-Length bytes (they may come in several reads)."""
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(4096)
+                assert chunk, f"the server closed the connection: {data!r}"
+                data += chunk
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            while len(body) < length:
+                chunk = sock.recv(4096)
+                assert chunk, "the server closed the connection mid-body"
+                body += chunk
+            return head
+
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             for idle in (0, httpx.Limits().keepalive_expiry + 1):  # reused after the client pool's idle limit
                 time.sleep(idle)
                 sock.sendall(request)
-                reply = sock.recv(4096)
-                assert reply.startswith(b"HTTP/1.1 200"), reply
+                head = response(sock)
+                assert head.startswith(b"HTTP/1.1 200"), head
