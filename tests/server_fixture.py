@@ -65,13 +65,12 @@ def serving(server):
 @contextmanager
 def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None, config=None):
     """The prefill/decode router in front of running workers; its URL."""
-    import uvicorn
-
     from sage_infer.router.app import build_router
     from sage_infer.router.instances import Instances
+    from sage_infer.server.launch import http_server
 
     app = build_router(Instances.of(prefill_urls, decode_urls), api_key, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    server = http_server(app, "127.0.0.1", 0)
     with serving(server) as url:
         yield url
 

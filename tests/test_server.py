@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixture import assert_openai_error, running_server
+from tests.server_fixture import assert_openai_error, running_router, running_server
 
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -257,36 +257,42 @@ def test_an_unexpected_error_is_a_500_to_the_client_and_a_traceback_in_the_log(m
 
 
 def test_an_idle_keep_alive_connection_outlives_the_client_pools_expiry(model_dir):
-    """httpx (so the openai client) reuses an idle connection for up to 5 s: the server must not close it first, or
-    a request sent at that moment fails with "server disconnected"."""
-    import socket
-
+    """httpx (so the openai client) reuses an idle connection for up to 5 s: the model server and the P/D router
+    must not close it first, or a request sent at that moment fails with "server disconnected"."""
     from sage_infer.server.launch import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
-    with running_server(model_dir, num_blocks=32) as server:
-        host, port = server.url.removeprefix("http://").split(":")
-        request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with running_server(model_dir, num_blocks=32) as server, running_router([], [server.url]) as router:
+        for url in (server.url, router):
+            _reuse_after_idle(url)
 
-        def response(sock) -> bytes:
-            """One whole response: the head, then Content-Length bytes (they may come in several reads)."""
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = sock.recv(4096)
-                assert chunk, f"the server closed the connection: {data!r}"
-                data += chunk
-            head, body = data.split(b"\r\n\r\n", 1)
-            length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:")))
-            while len(body) < length:
-                chunk = sock.recv(4096)
-                assert chunk, "the server closed the connection mid-body"
-                body += chunk
-            return head
 
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            for idle in (0, httpx.Limits().keepalive_expiry + 1):  # reused after the client pool's idle limit
-                time.sleep(idle)
-                sock.sendall(request)
-                head = response(sock)
-                assert head.startswith(b"HTTP/1.1 200"), head
+def _reuse_after_idle(url: str) -> None:
+    """GET /health twice on one connection, the second after the client pool's idle limit."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for idle in (0, httpx.Limits().keepalive_expiry + 1):
+            time.sleep(idle)
+            sock.sendall(request)
+            head = _whole_response(sock)
+            assert head.startswith(b"HTTP/1.1 200"), (url, head)
+
+
+def _whole_response(sock) -> bytes:
+    """Read one whole response (the head, then Content-Length bytes, which may come in several reads); its head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the connection mid-body"
+        body += chunk
+    return head

@@ -171,13 +171,11 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], host: str, por
     """Run the router over running workers until SIGINT/SIGTERM; exit code 0. The workers may be sage servers
     (``--role prefill|decode``) or any server speaking vLLM's ``kv_transfer_params`` (vLLM with a P/D connector,
     e.g. SageKVConnector as kv_producer / kv_consumer)."""
-    import uvicorn
-
     from sage_infer.router.app import build_router
-    from sage_infer.server.launch import run_announced
+    from sage_infer.server.launch import http_server, run_announced
 
     app = build_router(Instances.of(prefill_urls, decode_urls), api_key, router)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server = http_server(app, host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     return run_announced(server, host, port, announce or (lambda bound: (

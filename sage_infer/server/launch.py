@@ -37,8 +37,6 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
     while requests run (`sage llm serve` does). `drain_seconds`: the shutdown's drain, `config.drain_timeout_s` unless
     given.
     """
-    import uvicorn
-
     from sage_infer.backends.registry import create_backend
     from sage_infer.server.api import build_app
     from sage_infer.server.metrics import StatsLog
@@ -90,12 +88,18 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
         await asyncio.to_thread(backend.shutdown, 5.0)
 
     app.router.lifespan_context = lifespan
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               timeout_graceful_shutdown=drain_seconds, access_log=False,
-                               timeout_keep_alive=KEEP_ALIVE_S)
     app.state.failed = None  # why the server stopped itself (the engine died), else None
-    server = uvicorn.Server(uv_config)
+    server = http_server(app, config.host, config.port, timeout_graceful_shutdown=drain_seconds)
     return server, backend, model_name
+
+
+def http_server(app, host: str, port: int, **options):
+    """The uvicorn server every sage HTTP front end runs (the model server, the P/D router): quiet, no access log,
+    idle connections kept `KEEP_ALIVE_S`."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                         timeout_keep_alive=KEEP_ALIVE_S, **options))
 
 
 def serve(config: ServeConfig) -> int:
