@@ -50,6 +50,12 @@ def serve(
         "--role", help="prefill | decode | both (default): this instance's part in prefill/decode separation.")] = None,
     pd: Annotated[Optional[str], typer.Option(
         "--pd", help="Run xPyD here, e.g. 1P1D: x prefill and y decode workers behind one router URL.")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        "--replicas", "--data-parallel-size", help="Run N whole-model replicas here, each on its own cores, behind "
+        "one KV-aware router URL.")] = None,
+    routing: Annotated[str, typer.Option(
+        "--routing", help="With --replicas: kv (lowest estimated time to first token from the replicas' KV events), "
+        "round-robin, random, least-load or session.")] = "kv",
     launcher: Annotated[str, typer.Option(
         "--launcher", help="With --pd: local (processes of this command) or ray (Ray actors).")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(
@@ -115,6 +121,7 @@ def serve(
 
     if pd is not None and role is not None:
         raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
+    _check_replicas(replicas, routing, pd, role, launcher)
     if (launcher != "local" or ray_address is not None) and pd is None:
         raise UsageError("--launcher and --ray-address place the workers of --pd xPyD: give --pd too")
     if launcher not in ("local", "ray"):
@@ -127,27 +134,53 @@ def serve(
                           f"{resolved.config.backend}")
     if resolved.config.pd is not None and resolved.config.backend == "vllm" and launcher != "local":
         raise UsageError("--launcher ray: vLLM workers pull KV from 127.0.0.1 (one host); use --launcher local")
-    if resolved.config.pd is not None and resolved.config.role == "both":  # (a worker it starts has a role)
+    if (resolved.config.pd is not None or replicas is not None) and resolved.config.role == "both":
         sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else []),
                 *(f"{field}={value}" for field, (_, value) in vllm_style.items() if value is not None)]
-        raise typer.Exit(_serve_pd(resolved.config, model, preset, config, kv_transport, kv_tiers, sets, launcher,
-                                   ray_address, speculative_config))
+        args, secrets = _worker_args(resolved.config, model, preset, config, kv_transport, kv_tiers, sets,
+                                     speculative_config)
+        if replicas is not None:
+            from sage_infer.router.replicas import serve_replicas
+
+            raise typer.Exit(serve_replicas(replicas, args, resolved.config.host, resolved.config.port,
+                                            secrets.get("SAGE_API_KEY"), routing, resolved.config.tiers.disk_path))
+        raise typer.Exit(_serve_pd(resolved.config, args, secrets, launcher, ray_address))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
 
     raise typer.Exit(run_server(resolved.config))
 
 
-def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, launcher="local", ray_address=None,
-              speculative_config=None) -> int:
-    """`--pd xPyD`: the workers get this command's model and config flags, and through the environment (not
-    the process list) the API key and the transport's shared token (a fresh random one unless set); the
-    router takes its host, port, key and `router` section."""
+def _check_replicas(replicas: int | None, routing: str, pd: str | None, role: str | None, launcher: str) -> None:
+    from sage_infer.errors import UsageError
+    from sage_infer.router.replicas import check_routing
+
+    if replicas is None:
+        if routing != "kv":
+            raise UsageError("--routing chooses among the replicas of --replicas N: give --replicas too")
+        return
+    check_routing(routing)
+    if replicas < 1:
+        raise UsageError(f"--replicas {replicas}: expected at least 1")
+    if pd is not None:
+        raise UsageError("--replicas with --pd (N prefill and M decode replicas behind one router) is not "
+                         "implemented yet; use one of them")
+    if role is not None:
+        raise UsageError("--replicas starts its own replicas: leave out --role")
+    if launcher != "local":
+        raise UsageError("--replicas --launcher ray is not implemented yet: replicas run on this host "
+                         "(--launcher local)")
+
+
+def _worker_args(resolved, model, preset, config, kv_transport, kv_tiers, sets,
+                 speculative_config=None) -> tuple[list[str], dict[str, str]]:
+    """The flags every worker of `--pd` / `--replicas` gets (this command's model and config flags), and the secrets
+    that reach them through the environment, not the process list: the API key and the transport's shared token (a
+    fresh random one unless set)."""
     import os
     import secrets as pysecrets
 
     from sage_infer.config.overrides import without_secrets
-    from sage_infer.router.launch import serve_pd
 
     args: list[str] = []
     for flag, value in (("--model", model), ("--preset", preset), ("--config", config),
@@ -166,10 +199,17 @@ def _serve_pd(resolved, model, preset, config, kv_transport, kv_tiers, sets, lau
                else pysecrets.token_urlsafe(32)}
     secrets = {name: value for name, value in secrets.items() if value is not None}
     os.environ.update(secrets)  # inherited by local workers; Ray workers get them passed
+    return args, secrets
+
+
+def _serve_pd(resolved, args: list[str], secrets: dict[str, str], launcher="local", ray_address=None) -> int:
+    """`--pd xPyD`: the workers get `args`; the router takes this command's host, port, key and `router` section."""
+    from sage_infer.router.launch import serve_pd
+
     transport = resolved.kv_transport
     group = transport.process_group if transport.backend == "torchdist" else None
-    return serve_pd(resolved.pd, args, resolved.host, resolved.port, key, resolved.tiers.disk_path, resolved.router,
-                    launcher, ray_address, group, secrets)
+    return serve_pd(resolved.pd, args, resolved.host, resolved.port, secrets.get("SAGE_API_KEY"),
+                    resolved.tiers.disk_path, resolved.router, launcher, ray_address, group, secrets)
 
 
 @app.command("router")
@@ -178,28 +218,44 @@ def router(
         "--prefill", help="A prefill worker's URL (repeat for several; none: decode workers compute prompts).")] = None,
     decode: Annotated[Optional[list[str]], typer.Option(
         "--decode", help="A decode worker's URL (repeat for several; at least one).")] = None,
+    replica: Annotated[Optional[list[str]], typer.Option(
+        "--replica", help="A whole-model replica's URL, a sage or vLLM server (repeat; instead of --prefill/"
+        "--decode).")] = None,
+    routing: Annotated[str, typer.Option(
+        "--routing", help="With --replica: kv, round-robin, random, least-load or session.")] = "kv",
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", help="Require this bearer token from clients, send it to the workers (or SAGE_API_KEY).")] = None,
 ) -> None:
-    """One OpenAI endpoint in front of running prefill and decode workers: sage servers (--role prefill|decode)
-    or vLLM servers with a P/D KV connector (SageKVConnector kv_producer / kv_consumer; docs/vllm_connector.md)."""
+    """One OpenAI endpoint in front of running servers: whole-model replicas (--replica, routed by their KV
+    events), or prefill and decode workers: sage servers (--role prefill|decode) or vLLM servers with a P/D KV
+    connector (SageKVConnector kv_producer / kv_consumer; docs/vllm_connector.md)."""
     import os
 
     from sage_infer.errors import UsageError
     from sage_infer.router.launch import serve_router
+    from sage_infer.router.replicas import check_routing, probe_replicas, serve_fleet
 
-    if not decode:
-        raise UsageError("--decode: give at least one decode worker URL")
-    for flag, urls in (("--prefill", prefill or []), ("--decode", decode)):
+    if replica and (prefill or decode):
+        raise UsageError("--replica runs a fleet of whole-model replicas; --prefill/--decode a P/D deployment: "
+                         "give one kind")
+    if not decode and not replica:
+        raise UsageError("--decode or --replica: give at least one worker URL")
+    for flag, urls in (("--prefill", prefill or []), ("--decode", decode or []), ("--replica", replica or [])):
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise UsageError(f"{flag} {url}: expected an http(s) URL, e.g. http://127.0.0.1:8100")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port}: expected 0-65535")
     key = api_key or os.environ.get("SAGE_API_KEY") or None
-    raise typer.Exit(serve_router(list(prefill or []), list(decode), host, port, key))
+    if replica:
+        check_routing(routing)
+        probe_replicas(list(replica), key)
+        raise typer.Exit(serve_fleet(list(replica), host, port, key, routing))
+    if routing != "kv":
+        raise UsageError("--routing chooses among --replica servers; a P/D router picks workers by prefix and load")
+    raise typer.Exit(serve_router(list(prefill or []), list(decode or []), host, port, key))
 
 
 @app.command("generate")

@@ -155,6 +155,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
                        num_params=float(sum(p.numel() for p in model.parameters())))
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     transfers = build_transfers(config, pool, device, extra_key, index)
+    publish_kv_events(config, index, hierarchy)
     kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s,
                         flush_on_shutdown_s=config.tiers.flush_on_shutdown_s, transfers=transfers)
     attention = build_attention(config, model, arch.head_dim, device, pool)
@@ -519,12 +520,24 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
                  + (f" at {joined.init_method}" if joined.init_method else ""))
     pipe = KVPipe(pool.schema, transport, backend=backend, listen=config.role == "decode")
     transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key)
-    if config.role == "prefill":
-        index.enable_events()
     where = f", receiving at {pipe.address}" if pipe.address else ""
     auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
     return transfers
+
+
+def publish_kv_events(config: ServeConfig, index: PrefixReuseIndex | None,
+                      hierarchy: HierarchyManager | None) -> None:
+    """Log which blocks this engine holds, in which tier, for KV-aware routers (`prefix_reuse.events`): on every
+    instance that computes prompts (role both or prefill) with prefix caching on; a decode worker's cache is
+    not routed on."""
+    if index is None or config.role == "decode":
+        return
+    events = index.enable_events()
+    for tier in hierarchy.migration.tiers if hierarchy is not None else ():
+        events.add_medium(tier.name, tier.blocks.keys)
+        tier.listener = lambda op, key, medium=tier.name: (events.stored if op == "stored" else events.removed)(
+            key, medium)
 
 
 def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,

@@ -102,6 +102,12 @@ class PrefixView:
         events = self.index.events if self.index is not None else None
         return events.since(since) if events is not None else None
 
+    def read_events(self, since: int):
+        """Every medium's events since event `since`, or the whole current set (an `EventRead`); None when not
+        logged."""
+        events = self.index.events if self.index is not None else None
+        return events.read(since) if events is not None else None
+
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last token),
         as `events` reports them: a router matches one against the other."""

@@ -112,6 +112,12 @@ class KVTransferBackend(Protocol):
         `EventBatch` with `next`, `reset`, `events`), or None when it does not log them."""
         ...
 
+    def kv_events_read(self, since: int):
+        """Every medium's (device, host, disk, remote) block events since event `since`, or the whole current set
+        when `since` is out of the log's range (an `EventRead`: `next`, `reset`, `events`, `snapshot`); None when
+        this instance does not log them."""
+        ...
+
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         """The short hashes of a prompt's blocks, as `kv_events` names them."""
         ...

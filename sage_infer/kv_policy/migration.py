@@ -50,6 +50,8 @@ class LowerTier:
         self.quota = quota
         if quota is not None:
             quota.add_tier(name, capacity_blocks)
+        # hears ("stored" | "removed", key) as blocks enter and leave this tier (the engine's KV events)
+        self.listener: Callable[[str, bytes], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.blocks
@@ -80,6 +82,8 @@ class LowerTier:
         self.policy.on_insert(key, meta.depth, meta.parent)
         if quota is not None:
             quota.added(self.name, meta.tenant)
+        if self.listener is not None:
+            self.listener("stored", key)
         return evicted
 
     def pop(self, key: bytes) -> BlockMeta:
@@ -87,6 +91,8 @@ class LowerTier:
         self.policy.on_remove(key)
         if self.quota is not None:
             self.quota.removed(self.name, meta.tenant)
+        if self.listener is not None:
+            self.listener("removed", key)
         return meta
 
 

@@ -34,27 +34,29 @@ from starlette.background import BackgroundTask
 from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
 from sage_infer.router.admission import Admission, Slo
+from sage_infer.router.http import (
+    CALL_TIMEOUT,
+    MATCH_FIELDS,
+    completion_tokens,
+    encode,
+    passthrough,
+    read_body,
+    several_prompts,
+    usage_event,
+    usage_of,
+)
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
-from sage_infer.server.body import MAX_JSON_DEPTH, json_depth, validate_body
+from sage_infer.server.body import validate_body
 from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
 from sage_infer.server.pd_auth import sign_pull
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
 MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
 EVENTS_POLL_S = 0.1  # how often the router asks each prefill worker what its prefix cache stored and removed
 EVENTS_TIMEOUT_S = 2.0
 BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
 ROUTER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")  # read by the router, not sent to workers
-MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
-CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
-
-
-def encode(body: dict) -> bytes:
-    """A body as a worker gets it: JSON with every non-ASCII character escaped, so a lone surrogate a client sent
-    travels as the ``\\ud800`` it came as (the worker answers it with a 400) instead of failing to encode here."""
-    return json.dumps(body, ensure_ascii=True).encode("ascii")
 
 
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
@@ -80,22 +82,6 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
 
     def authorize(request: Request) -> None:
         check_bearer(request.headers.get("authorization", ""), api_key)
-
-    async def body_of(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        if json_depth(raw) > MAX_JSON_DEPTH:
-            raise APIError(400, f"request JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):  # JSONDecodeError, or an integer of over 4,300 digits
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        if "kv_transfer_params" in body:
-            raise APIError(400, "kv_transfer_params is set by the router, not by clients", "kv_transfer_params")
-        return body
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
@@ -177,7 +163,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
                 metrics.failures.labels(worker.url, worker.role).inc()
                 continue
             if reply.status_code != 200:
-                raise _passthrough(reply)  # the request itself is wrong: the decode worker would say the same
+                raise passthrough(reply)  # the request itself is wrong: the decode worker would say the same
             held = reply.json().get("kv_transfer_params") or {}
             params = {"remote_url": worker.url, **held}
             if api_key and "remote_request_id" in held:  # the decode worker pulls only what its router signed
@@ -243,7 +229,7 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         if reply.status_code >= 500:
             worker.failed(f"HTTP {reply.status_code}")
         elif reply.status_code == 200:
-            tokens = _completion_tokens(reply)
+            tokens = completion_tokens(usage_of(reply))
             if tokens > 1:  # an upper bound: the call's time includes the KV pull and the first token
                 observe_tpot(worker, slo, (time.monotonic() - started) / tokens)
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
@@ -301,9 +287,9 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
                     *events, pending = (pending + chunk).split(b"\n\n")
                     relayed = []
                     for event in events:
-                        usage = _usage_event(event)
+                        usage = usage_event(event)
                         if usage is not None:
-                            tokens = usage
+                            tokens = completion_tokens(usage)
                             if not wants_usage:
                                 continue  # asked for by the router alone: the client never sees it
                         relayed.append(event + b"\n\n")
@@ -324,16 +310,13 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        body = await body_of(request)
-        prompt = body.get("prompt")
-        several = isinstance(prompt, list) and bool(prompt) and not all(isinstance(p, int) for p in prompt) and \
-            len(prompt) > 1
-        return await route("/v1/completions", body, splittable=not several)
+        body = await read_body(request)
+        return await route("/v1/completions", body, splittable=not several_prompts(body))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         authorize(request)
-        return await route("/v1/chat/completions", await body_of(request), splittable=True)
+        return await route("/v1/chat/completions", await read_body(request), splittable=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -385,30 +368,3 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _usage_event(event: bytes) -> int | None:
-    """The completion tokens an SSE event's final usage carries (``choices`` empty), or None for any other."""
-    if not event.startswith(b"data: {") or b'"usage"' not in event:
-        return None
-    try:
-        data = json.loads(event[len(b"data: "):])
-        return int(data["usage"]["completion_tokens"]) if not data.get("choices") else None
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _completion_tokens(reply: httpx.Response) -> int:
-    try:
-        return int(reply.json()["usage"]["completion_tokens"])
-    except (ValueError, KeyError, TypeError):
-        return 0
-
-
-def _passthrough(reply: httpx.Response) -> APIError:
-    """A worker's own OpenAI-style error, as this router's answer."""
-    try:
-        error = reply.json()["error"]
-        return APIError(reply.status_code, error.get("message", "request failed"), error.get("param"))
-    except (ValueError, KeyError, TypeError):
-        return APIError(reply.status_code, f"the worker answered HTTP {reply.status_code}")

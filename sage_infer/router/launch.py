@@ -10,6 +10,7 @@ they meet at ``kv_transport.process_group.init_method`` (a free 127.0.0.1 port u
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -45,6 +46,7 @@ class Worker:
     url: str | None = None
     model: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+    cpus: list[int] | None = None  # the cores it is pinned to (None: not pinned)
 
     @property
     def name(self) -> str:
@@ -90,7 +92,7 @@ def pd_group(config: ProcessGroupConfig, num_prefill: int, num_decode: int, laun
 
 def worker_flags(role: str, index: int, disk_path: str | None, group: PDGroup | None) -> list[str]:
     """The flags that make a worker `role`-`index` of this deployment (after the command's own)."""
-    flags = ["--set", f"role={role}"]
+    flags = ["--set", f"role={role}"] if role in ("prefill", "decode") else []  # a replica runs both
     if disk_path is not None:  # one disk tier directory per worker: they must not share segment files
         flags += ["--set", f"tiers.disk_path={disk_path.rstrip('/')}/{role}-{index}"]
     if group is not None:
@@ -103,24 +105,39 @@ def worker_flags(role: str, index: int, disk_path: str | None, group: PDGroup | 
 def start_workers(num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
                   group: PDGroup | None = None) -> list[Worker]:
     """Start the workers and wait until each says it is serving; ConfigError if one does not."""
-    workers: list[Worker] = []
-    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
-        for i in range(count):
-            args = [sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *worker_args,
-                    *worker_flags(role, i, disk_path, group), "--host", "127.0.0.1", "--port", "0"]
-            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-            worker = Worker(role, i, process)
-            threading.Thread(target=worker.pump, name=f"sage-{worker.name}", daemon=True).start()
-            workers.append(worker)
+    workers = [spawn_worker(role, i, [*worker_args, *worker_flags(role, i, disk_path, group)])
+               for role, count in (("prefill", num_prefill), ("decode", num_decode)) for i in range(count)]
+    wait_ready(workers, "--pd")
+    return workers
+
+
+def spawn_worker(role: str, index: int, args: list[str], cpus: list[int] | None = None) -> Worker:
+    """One `sage llm serve ARGS` on a free loopback port; `cpus`: the cores it runs on (its threads, one per
+    core), else all of this process's."""
+    env = None
+    preexec = None
+    if cpus:
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
+        preexec = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - in the child, before it execs
+    process = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
+                                "--host", "127.0.0.1", "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                               preexec_fn=preexec)
+    worker = Worker(role, index, process, cpus=cpus)
+    threading.Thread(target=worker.pump, name=f"sage-{worker.name}", daemon=True).start()
+    return worker
+
+
+def wait_ready(workers: list[Worker], flag: str) -> None:
+    """Until each worker says it is serving; ConfigError naming the first that does not (all are stopped)."""
     deadline = time.monotonic() + WORKER_START_S
     for worker in workers:
         worker.ready.wait(max(0.0, deadline - time.monotonic()))
         if worker.url is None:
             stop_workers(workers)
             code = worker.process.poll()
-            raise ConfigError(f"--pd: the {worker.name} worker did not start"
+            raise ConfigError(f"{flag}: the {worker.name} worker did not start"
                               + (f" (exit code {code}; its output is above)" if code is not None else ""))
-    return workers
 
 
 def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:

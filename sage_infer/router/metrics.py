@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class RouterMetrics:
@@ -32,3 +32,32 @@ class RouterMetrics:
                            "only; tpot) and whether it was met.", ["target", "met"], registry=r)
         self.retries = Counter("sage:router_decode_retries", "Requests sent to another decode worker because the "
                                "one chosen was unreachable before it answered.", registry=r)
+
+
+class FleetMetrics(RouterMetrics):
+    """The fleet router's metrics: its own, and how well its KV index predicts what the replicas report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.predicted_cached = Counter("sage:router_predicted_cached_tokens", "Prompt tokens the router expected the "
+                                        "chosen replica to hold (kv routing, requests whose replica reported usage).",
+                                        registry=r)
+        self.reported_cached = Counter("sage:router_reported_cached_tokens", "Prompt tokens the replicas reported as "
+                                       "cached (usage.prompt_tokens_details.cached_tokens) for the same requests.",
+                                       registry=r)
+        self.prediction_error = Counter("sage:router_cached_tokens_abs_error", "Sum over those requests of "
+                                        "|predicted - reported| cached tokens (relative error = this / reported).",
+                                        registry=r)
+        self.overhead = Histogram("sage:router_overhead_seconds", "The router's own time per request: from its body "
+                                  "read to the call to the chosen replica (hash lookup and scoring included).",
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.replica_up = Gauge("sage:router_replica_up", "1 while a replica is in the routing, else 0.", ["instance"],
+                                registry=r)
+        self.replica_blocks = Gauge("sage:router_replica_blocks", "Blocks a replica holds per medium, as its KV "
+                                    "events tell the router.", ["instance", "medium"], registry=r)
+        self.fleet_retries = Counter("sage:router_retries", "Requests sent to another replica because the one chosen "
+                                     "was unreachable or refused before it answered.", registry=r)
+        self.lost = Counter("sage:router_replica_lost", "Times a replica left the routing (its event stream broke or "
+                            "went silent, or a call to it failed).", ["instance"], registry=r)
+

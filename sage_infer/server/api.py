@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,6 +20,7 @@ from sage_infer.interfaces.backend import InferenceBackend
 from sage_infer.server.body import parse_body
 from sage_infer.server.errors import APIError, check_bearer, error_response
 from sage_infer.server.handlers import OpenAIHandlers
+from sage_infer.server.kv_events import event_stream
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVMatchRequest, KVSendRequest
 
@@ -43,6 +44,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
     backend.on_finished(metrics.record_finished)
     handlers = OpenAIHandlers(backend, metrics, api_key, allowed_peers)
     app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
+    app.state.closing = False  # set when a shutdown begins: long-lived streams (KV events) end then
     app.state.handlers = handlers  # `cut_off` when a shutdown's drain runs out (server/launch.py)
 
     async def body_of(request: Request, schema):
@@ -164,5 +166,13 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         if not raw.lstrip("-").isdigit() or len(raw) > 20:  # an event number fits in 64 bits
             raise APIError(400, f"since must be an integer, got {raw!r}", "since")
         return JSONResponse(handlers.pd.events(int(raw)))
+
+    @app.get("/v1/kv/events/stream", include_in_schema=False)
+    async def kv_event_stream(request: Request) -> StreamingResponse:
+        """Every tier's block events and this instance's load, pushed as they happen (`server.kv_events`)."""
+        authorize(request)
+        if getattr(backend, "kv_events_read", lambda _: None)(-1) is None:
+            raise APIError(404, "this instance does not publish KV events (prefix caching off, or a decode worker)")
+        return StreamingResponse(event_stream(backend, lambda: app.state.closing), media_type="application/x-ndjson")
 
     return app

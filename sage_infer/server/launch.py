@@ -62,6 +62,7 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
                 if (line := await asyncio.to_thread(stats_log.line)) is not None:
                     print(line, file=sys.stderr, flush=True)
             if server.should_exit and app.state.failed is None:
+                app.state.closing = True
                 now = asyncio.get_running_loop().time()
                 if cut_at is None:
                     cut_at = now + max(0.0, drain_seconds - DRAIN_MARGIN_S)
@@ -75,7 +76,7 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
                 print(f"sage: error: {status.reason}; stopping the server (exit code 1) so that it can be "
                       "restarted", file=sys.stderr, flush=True)
                 app.state.failed = status.reason
-                server.should_exit = True
+                server.should_exit = app.state.closing = True
                 return
 
     @contextlib.asynccontextmanager

@@ -1,0 +1,217 @@
+"""Which replica serves a request: the fleet's block index and the routing policies.
+
+One code path for the router in front of replicas (`router.fleet`) and anything that replays a
+trace through simulated replicas: both feed a `FleetIndex` with each replica's KV events and
+ask a `Router` policy for the replica of each request.
+
+`FleetIndex` keeps, per replica, which blocks (short chained prefix hashes, as `/v1/kv/events`
+names them) it holds in which medium — device, host, disk — and, for the whole fleet, the
+blocks in the shared remote tier, which every replica can load. A prompt's hit on a replica
+mirrors what its engine does: the leading blocks on its device, then the blocks right after
+them that a lower tier (its own, or the shared one) holds.
+
+The ``kv`` policy estimates each replica's time to first token — the prompt tokens already
+queued there, the prompt tokens it would still compute, the tokens it would load from a lower
+tier at that tier's speed, and a charge for the requests it is decoding — and picks the minimum.
+The others are there to compare against and for users who want them: ``round-robin``,
+``random``, ``least-load`` (fewest requests in flight) and ``session`` (a consistent hash of a
+session key: a replica keeps its sessions while the set of live replicas stays the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEVICE, SHARED = "device", "remote"
+LOWER_MEDIA = ("host", "disk")  # a replica's own lower tiers, fastest first; "remote" is the fleet's
+ROUTING_POLICIES = ("kv", "round-robin", "random", "least-load", "session")
+# prompt tokens computed per second, until the router measured its replicas (only the ratios of the terms below
+# decide a kv route; this sets the scale of the predicted TTFT)
+DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
+# how many times faster than computing it a tier gives a token's KV back (the cost model's measured load speeds
+# refine these on a replica; the router only needs their order and rough size)
+LOAD_SPEEDUP = {DEVICE: float("inf"), "host": 20.0, "disk": 6.0, SHARED: 3.0}
+DECODE_CHARGE_TOKENS = 32  # prompt tokens a replica's step time grows by per request it is decoding
+
+
+@dataclass(slots=True)
+class Replica:
+    """What the fleet knows of one replica: its blocks per medium (from its events) and its load."""
+
+    name: str
+    media: dict[str, set[str]] = field(default_factory=lambda: {DEVICE: set(), "host": set(), "disk": set()})
+    up: bool = True
+    outstanding: int = 0  # requests routed here and not finished
+    queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
+    num_waiting: int = 0  # as the replica last reported
+    routed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A prompt's blocks a replica would not compute: on its device, then from a lower tier (by medium)."""
+
+    device_blocks: int = 0
+    lower_blocks: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def blocks(self) -> int:
+        return self.device_blocks + sum(n for _, n in self.lower_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A policy's choice: the replica, and (kv) what it expects there."""
+
+    replica: Replica
+    hit: Hit = Hit()
+    predicted_ttft_s: float | None = None
+
+
+class FleetIndex:
+    """Block hash -> which replicas hold it, in which medium; the shared remote tier counted once for all."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.replicas: list[Replica] = [Replica(n) for n in names]
+        self.shared: Counter[str] = Counter()  # remote-tier hash -> replicas that report it stored
+        self._remote: dict[str, set[str]] = {n: set() for n in names}  # what each replica reported in the remote tier
+
+    def add(self, name: str) -> Replica:
+        replica = Replica(name)
+        self.replicas.append(replica)
+        self._remote[name] = set()
+        return replica
+
+    def replica(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.name == name)
+
+    def apply(self, replica: Replica, op: str, medium: str, block_hash: str) -> None:
+        """One event: ``stored`` or ``removed`` of `block_hash` in `medium` (device, host, disk, remote)."""
+        if medium == SHARED:
+            mine = self._remote[replica.name]
+            if op == "stored" and block_hash not in mine:
+                mine.add(block_hash)
+                self.shared[block_hash] += 1
+            elif op == "removed" and block_hash in mine:
+                mine.discard(block_hash)
+                self._drop_shared(block_hash)
+            return
+        blocks = replica.media.setdefault(medium, set())
+        if op == "stored":
+            blocks.add(block_hash)
+        else:
+            blocks.discard(block_hash)
+
+    def reset(self, replica: Replica, snapshot: dict[str, list[str]]) -> None:
+        """Replace all that is known of `replica` by its snapshot (medium -> hashes)."""
+        self.drop(replica)
+        for medium, hashes in snapshot.items():
+            for block_hash in hashes:
+                self.apply(replica, "stored", medium, block_hash)
+
+    def drop(self, replica: Replica) -> None:
+        """Forget `replica`'s blocks (it died, or will send a fresh snapshot)."""
+        for blocks in replica.media.values():
+            blocks.clear()
+        for block_hash in self._remote[replica.name]:
+            self._drop_shared(block_hash)
+        self._remote[replica.name] = set()
+
+    def _drop_shared(self, block_hash: str) -> None:
+        self.shared[block_hash] -= 1
+        if self.shared[block_hash] <= 0:
+            del self.shared[block_hash]
+
+    def hit(self, replica: Replica, hashes: Sequence[str]) -> Hit:
+        """The leading blocks of a prompt (its hash chain) on `replica`'s device, then the ones right after them a
+        lower tier holds — its own host or disk, or the shared remote tier."""
+        device = replica.media[DEVICE]
+        n = 0
+        while n < len(hashes) and hashes[n] in device:
+            n += 1
+        lower: list[tuple[str, int]] = []
+        for block_hash in hashes[n:]:
+            medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
+            if medium is None and block_hash in self.shared:
+                medium = SHARED
+            if medium is None:
+                break
+            if lower and lower[-1][0] == medium:
+                lower[-1] = (medium, lower[-1][1] + 1)
+            else:
+                lower.append((medium, 1))
+        return Hit(n, tuple(lower))
+
+    def blocks_in(self, replica: Replica, medium: str) -> int:
+        return len(self._remote[replica.name]) if medium == SHARED else len(replica.media.get(medium, ()))
+
+
+@dataclass(slots=True)
+class Request:
+    """What a routing policy sees of a request."""
+
+    prompt_tokens: int
+    hashes: Sequence[str] = ()  # the prompt's block hashes (kv); empty when not asked for
+    tokens_per_block: int = 0
+    session: str | None = None  # session: the consistent-hash key
+
+
+class Router:
+    """Picks a live replica for each request by `policy` (one of `ROUTING_POLICIES`)."""
+
+    def __init__(self, index: FleetIndex, policy: str = "kv", seed: int | None = None,
+                 prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing {policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+        self.index = index
+        self.policy = policy
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self._turn = itertools.count()
+        self._random = random.Random(seed)
+
+    @property
+    def needs_hashes(self) -> bool:
+        return self.policy == "kv"
+
+    def route(self, request: Request, exclude: set[str] | frozenset[str] = frozenset()) -> Route | None:
+        live = [r for r in self.index.replicas if r.up and r.name not in exclude]
+        if not live:
+            return None
+        if self.policy == "kv":
+            return self._by_ttft(request, live)
+        if self.policy == "round-robin":
+            return Route(live[next(self._turn) % len(live)])
+        if self.policy == "random":
+            return Route(self._random.choice(live))
+        if self.policy == "least-load":
+            return Route(min(live, key=lambda r: (r.outstanding, r.queued_tokens)))
+        key = request.session if request.session is not None else (request.hashes[0] if request.hashes else "")
+        return Route(max(live, key=lambda r: _rendezvous(key, r.name)))
+
+    def _by_ttft(self, request: Request, live: list[Replica]) -> Route:
+        best: Route | None = None
+        for replica in live:
+            hit = self.index.hit(replica, request.hashes)
+            seconds = self.predicted_ttft_s(replica, hit, request)
+            if best is None or seconds < best.predicted_ttft_s or (
+                    seconds == best.predicted_ttft_s and replica.outstanding < best.replica.outstanding):
+                best = Route(replica, hit, seconds)
+        return best
+
+    def predicted_ttft_s(self, replica: Replica, hit: Hit, request: Request) -> float:
+        """Queue (prompt tokens ahead of it, requests decoding) + the tokens it computes + the tokens it loads."""
+        bs = request.tokens_per_block
+        compute = max(0, request.prompt_tokens - hit.blocks * bs)
+        load = sum(n * bs / LOAD_SPEEDUP[medium] for medium, n in hit.lower_blocks)
+        ahead = replica.queued_tokens + DECODE_CHARGE_TOKENS * replica.outstanding
+        return (ahead + compute + load) / self.prefill_tokens_per_s
+
+
+def _rendezvous(key: str, name: str) -> int:
+    """Highest-random-weight hashing: the replica a key maps to moves only if that replica leaves."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest(), "big")

@@ -1,0 +1,440 @@
+"""The fleet router: one OpenAI endpoint in front of N replicas that each run the whole model.
+
+Each replica pushes its KV events (``GET /v1/kv/events/stream``: a snapshot, then every block
+stored or removed on its device, host or disk tier or in the shared remote tier, and a load
+heartbeat). The router folds them into one `FleetIndex` and, for each request, asks a
+`kv_policy.routing.Router` for the replica: by default (``kv``) the one with the lowest
+estimated time to first token, which weighs the prompt tokens it already holds (and where)
+against the work queued there. The prediction is checked against what the replica reports
+(``usage.prompt_tokens_details.cached_tokens``), as metrics.
+
+Failures: a replica whose event stream breaks or falls silent for `SILENT_AFTER_S` is out of
+the routing and its blocks are forgotten until it reconnects with a fresh snapshot. A request
+that a replica did not start (unreachable, or a 503) goes to another one; a stream that breaks
+after it started ends with an error event and ``[DONE]``. A replica that publishes no events
+(a vLLM server, prefix caching off) is routed to by load alone, its liveness probed on
+``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sage_infer import __version__
+from sage_infer.kv_policy.routing import LOWER_MEDIA, SHARED, FleetIndex, Replica, Route, Router
+from sage_infer.kv_policy.routing import Request as RouteRequest
+from sage_infer.router.http import (
+    CALL_TIMEOUT,
+    MATCH_FIELDS,
+    cached_tokens,
+    encode,
+    read_body,
+    several_prompts,
+    usage_event,
+    usage_of,
+)
+from sage_infer.router.metrics import FleetMetrics
+from sage_infer.server.body import validate_body
+from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
+from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+SILENT_AFTER_S = 2.0  # a replica's event stream beats every 0.5 s: this long without a line and it is out
+RECONNECT_S = 0.5  # between attempts to (re)open a replica's event stream
+DOWN_FOR_S = 2.0  # a replica that failed a call is skipped this long (its events may still flow)
+HEALTH_POLL_S = 1.0  # liveness of replicas that publish no events
+HASHES_TIMEOUT_S = 2.0
+SESSION_CHARS = 512  # of a prompt's start, the session key when the request names no user or session
+
+
+class ReplicaUnreachable(Exception):
+    """The chosen replica did not start the request: another one may."""
+
+
+@dataclass(slots=True)
+class ReplicaLink:
+    """The router's connection to one replica: its event stream and whether it is in the routing."""
+
+    url: str
+    replica: Replica
+    publishes: bool | None = None  # None until its event stream answered; False: routed by load alone
+    connected: bool = False  # its event stream is open (or, without events, its /health answered)
+    last_heard: float = 0.0
+    down_until: float = 0.0
+
+    def refresh(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.replica.up = self.connected and now >= self.down_until
+
+
+class FleetRouter:
+    """Routes OpenAI requests over `urls` by `routing` (see `kv_policy.routing.ROUTING_POLICIES`)."""
+
+    def __init__(self, urls: list[str], routing: str = "kv", api_key: str | None = None,
+                 seed: int | None = None) -> None:
+        urls = [u.rstrip("/") for u in urls]
+        if not urls:
+            raise ValueError("a fleet router needs at least one replica")
+        self.index = FleetIndex(urls)
+        self.links = {url: ReplicaLink(url, self.index.replica(url)) for url in urls}
+        for link in self.links.values():
+            link.refresh()
+        self.policy = Router(self.index, routing, seed)
+        self.api_key = api_key
+        self.metrics = FleetMetrics()
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=CALL_TIMEOUT, limits=httpx.Limits(max_connections=None,
+                                                                                  max_keepalive_connections=64))
+        self._tasks = [asyncio.create_task(self.follow(link)) for link in self.links.values()]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.aclose()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    async def follow(self, link: ReplicaLink) -> None:
+        """Keep `link`'s replica in the index from its pushed events, reconnecting when the stream ends."""
+        timeout = httpx.Timeout(connect=2.0, read=SILENT_AFTER_S, write=5.0, pool=5.0)
+        while True:
+            why = "its event stream ended"
+            try:
+                async with self.client.stream("GET", f"{link.url}/v1/kv/events/stream", headers=self.headers,
+                                              timeout=timeout) as reply:
+                    if reply.status_code == 404:  # no events here: route by load, watch /health
+                        link.publishes = False
+                        await self.watch_health(link)
+                        continue
+                    if reply.status_code != 200:
+                        why = f"its event stream answered HTTP {reply.status_code}"
+                    else:
+                        link.publishes = True
+                        async for line in reply.aiter_lines():
+                            if line:
+                                self.on_event(link, json.loads(line))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+                why = f"its event stream failed: {err or type(err).__name__}"
+            self.lost(link, why)
+            await asyncio.sleep(RECONNECT_S)
+
+    def on_event(self, link: ReplicaLink, message: dict) -> None:
+        replica, kind = link.replica, message["type"]
+        link.last_heard = time.monotonic()
+        if kind == "snapshot":
+            self.index.reset(replica, message["blocks"])
+            link.connected = True
+            link.refresh()
+        elif kind == "events":
+            for op, medium, block_hash in message["events"]:
+                self.index.apply(replica, op, medium, block_hash)
+        elif kind == "load":
+            replica.num_waiting = int(message["num_waiting"])
+            link.refresh()
+        if kind != "load":
+            for medium in ("device", *LOWER_MEDIA, SHARED):
+                self.metrics.replica_blocks.labels(link.url, medium).set(self.index.blocks_in(replica, medium))
+        self.metrics.replica_up.labels(link.url).set(int(replica.up))
+
+    async def watch_health(self, link: ReplicaLink) -> None:
+        """A replica without events: in the routing while its /health answers 200."""
+        while True:
+            try:
+                ok = (await self.client.get(f"{link.url}/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                return
+            link.connected, link.last_heard = True, time.monotonic()
+            link.refresh()
+            self.metrics.replica_up.labels(link.url).set(int(link.replica.up))
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    def lost(self, link: ReplicaLink, why: str) -> None:
+        if link.connected:
+            self.metrics.lost.labels(link.url).inc()
+        link.connected = False
+        self.index.drop(link.replica)
+        link.refresh()
+        self.metrics.replica_up.labels(link.url).set(0)
+
+    def failed(self, link: ReplicaLink, why: str) -> None:
+        """A call to the replica failed: out of the routing for `DOWN_FOR_S` (its event stream may say more)."""
+        link.down_until = time.monotonic() + DOWN_FOR_S
+        link.refresh()
+        self.metrics.failures.labels(link.url, "replica").inc()
+        self.metrics.replica_up.labels(link.url).set(0)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def describe(self, body: dict, request: Request) -> RouteRequest:
+        """What the policy needs: the prompt's block hashes under kv (asked of a replica: it tokenizes and hashes
+        as it caches), a session key under session."""
+        described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
+        if not self.policy.needs_hashes or several_prompts(body):
+            return described
+        question = {k: body[k] for k in MATCH_FIELDS if k in body}
+        publishing = [link for link in self.links.values() if link.replica.up and link.publishes]
+        for link in sorted(publishing, key=lambda link: link.replica.outstanding)[:2]:
+            try:
+                reply = await self.client.post(f"{link.url}/v1/kv/hashes", content=encode(question),
+                                               headers=self.headers, timeout=HASHES_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            if reply.status_code == 200:
+                answer = reply.json()
+                described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
+                described.tokens_per_block = answer["tokens_per_hash"]
+            break  # a 4xx: the replica that serves it says the same, with the client's answer
+        return described
+
+    async def handle(self, path: str, request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), self.api_key)
+        body = await read_body(request)
+        validate_body(body, CompletionRequest if path == "/v1/completions" else ChatCompletionRequest)
+        started = time.perf_counter()
+        described = await self.describe(body, request)
+        tried: set[str] = set()
+        while (route := self.policy.route(described, exclude=tried)) is not None:
+            tried.add(route.replica.name)
+            if len(tried) == 1:
+                self.metrics.overhead.observe(time.perf_counter() - started)
+            link = self.links[route.replica.name]
+            try:
+                if body.get("stream"):
+                    return await self.stream(link, route, path, body, described)
+                return await self.call(link, route, path, body, described)
+            except ReplicaUnreachable:
+                self.metrics.fleet_retries.inc()
+        raise APIError(503, "no replica is up" if not tried else "no replica could take the request")
+
+    def enter(self, link: ReplicaLink, route: Route, described: RouteRequest) -> int:
+        """Count the request at its replica; the prompt tokens it will compute there (queued until its first
+        token)."""
+        replica = link.replica
+        queued = max(0, described.prompt_tokens - route.hit.blocks * described.tokens_per_block)
+        replica.outstanding += 1
+        replica.queued_tokens += queued
+        replica.routed += 1
+        self.metrics.routed.labels(link.url, "replica").inc()
+        self.metrics.outstanding.labels(link.url, "replica").set(replica.outstanding)
+        return queued
+
+    def leave(self, link: ReplicaLink, queued: int, finished: bool = True) -> None:
+        replica = link.replica
+        replica.queued_tokens -= queued
+        if finished:
+            replica.outstanding -= 1
+            self.metrics.outstanding.labels(link.url, "replica").set(replica.outstanding)
+
+    def check_prediction(self, route: Route, described: RouteRequest, usage: dict) -> None:
+        reported = cached_tokens(usage)
+        if reported is None or not described.hashes:
+            return
+        predicted = route.hit.blocks * described.tokens_per_block
+        self.metrics.prompt_tokens.inc(described.prompt_tokens)
+        self.metrics.overlap_tokens.inc(predicted)
+        self.metrics.predicted_cached.inc(predicted)
+        self.metrics.reported_cached.inc(reported)
+        self.metrics.prediction_error.inc(abs(predicted - reported))
+
+    async def call(self, link: ReplicaLink, route: Route, path: str, body: dict,
+                   described: RouteRequest) -> Response:
+        queued = self.enter(link, route, described)
+        try:
+            reply = await self.client.post(f"{link.url}{path}", content=encode(body), headers=self.headers)
+        except httpx.HTTPError as err:
+            self.failed(link, str(err) or type(err).__name__)
+            raise ReplicaUnreachable from None
+        finally:
+            self.leave(link, queued)
+        if reply.status_code == 503:  # not started there (shutting down, queue full): another replica may take it
+            self.failed(link, "HTTP 503")
+            raise ReplicaUnreachable
+        if reply.status_code == 200:
+            self.check_prediction(route, described, usage_of(reply))
+        return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+    async def stream(self, link: ReplicaLink, route: Route, path: str, body: dict,
+                     described: RouteRequest) -> Response:
+        """Relay the replica's SSE stream; the router asks for the final usage (its cached tokens check the
+        prediction) and passes it on only to a client that asked for it."""
+        options = body.get("stream_options") or {}
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if isinstance(options, dict):
+            body = {**body, "stream_options": {**options, "include_usage": True}}
+        queued = self.enter(link, route, described)
+        try:
+            request = self.client.build_request("POST", f"{link.url}{path}", content=encode(body),
+                                                headers=self.headers)
+            upstream = await self.client.send(request, stream=True)
+        except httpx.HTTPError as err:
+            self.leave(link, queued)
+            self.failed(link, str(err) or type(err).__name__)
+            raise ReplicaUnreachable from None
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            self.leave(link, queued)
+            if upstream.status_code == 503:
+                self.failed(link, "HTTP 503")
+                raise ReplicaUnreachable
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+        relay = _Relay(self, link, route, described, upstream, queued, wants_usage)
+        return StreamingResponse(relay.events(), media_type="text/event-stream",
+                                 background=BackgroundTask(relay.finish))
+
+    # -- other routes ----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), self.api_key)
+        for link in sorted(self.links.values(), key=lambda link: not link.replica.up):
+            try:
+                reply = await self.client.get(f"{link.url}/v1/models", headers=self.headers)
+            except httpx.HTTPError as err:
+                self.failed(link, str(err) or type(err).__name__)
+                continue
+            return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+        raise APIError(503, "no replica is up")
+
+    def health(self, request: Request) -> JSONResponse:
+        """ok (every replica in the routing), degraded (some), down (none: 503). Each replica's URL and state only
+        for a caller with the key (when one is set): the addresses behind the router are not public."""
+        up = sum(link.replica.up for link in self.links.values())
+        try:
+            check_bearer(request.headers.get("authorization", ""), self.api_key)
+            replicas: dict = {url: {"up": link.replica.up, "events": link.publishes,
+                                    "outstanding": link.replica.outstanding} for url, link in self.links.items()}
+        except APIError:
+            replicas = {"up": up, "total": len(self.links)}
+        status = "down" if up == 0 else "ok" if up == len(self.links) else "degraded"
+        return JSONResponse({"status": status, "routing": self.policy.policy, "replicas": replicas},
+                            status_code=503 if up == 0 else 200)
+
+
+class _Relay:
+    """One streamed answer on its way from a replica to the client."""
+
+    def __init__(self, router: FleetRouter, link: ReplicaLink, route: Route, described: RouteRequest,
+                 upstream: httpx.Response, queued: int, wants_usage: bool) -> None:
+        self.router, self.link, self.route, self.described = router, link, route, described
+        self.upstream, self.queued, self.wants_usage = upstream, queued, wants_usage
+        self.first = False
+        self.done = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        pending = b""
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if not self.first:  # the first token: its prompt is computed, no longer queued there
+                    self.first = True
+                    self.router.leave(self.link, self.queued, finished=False)
+                *events, pending = (pending + chunk).split(b"\n\n")
+                relayed = []
+                for event in events:
+                    usage = usage_event(event)
+                    if usage is not None:
+                        self.router.check_prediction(self.route, self.described, usage)
+                        if not self.wants_usage:
+                            continue
+                    relayed.append(event + b"\n\n")
+                if relayed:
+                    yield b"".join(relayed)
+        except httpx.HTTPError as err:  # the replica died mid-stream: end the stream with an error event
+            self.router.failed(self.link, str(err) or type(err).__name__)
+            message = f"replica {self.link.url} stopped during the request"
+            yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Once, however the stream ends (finished, replica gone, client gone before the first byte)."""
+        if self.done:
+            return
+        self.done = True
+        await self.upstream.aclose()
+        self.router.leave(self.link, 0 if self.first else self.queued)
+
+
+def _session_key(body: dict, request: Request) -> str:
+    """The request's session: its ``user``, an ``X-Session-Id`` header, else the start of its prompt."""
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return "user:" + user
+    header = request.headers.get("x-session-id")
+    if header:
+        return "session:" + header
+    start = body.get("messages") if "messages" in body else body.get("prompt")
+    return "prompt:" + json.dumps(start, ensure_ascii=True)[:SESSION_CHARS]
+
+
+def build_fleet_app(router: FleetRouter) -> FastAPI:
+    """The HTTP face of `router`: the client routes a replica answers, plus the router's own health and metrics."""
+    app = FastAPI(title="sage_infer fleet router", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        yield
+        await router.stop()
+
+    app.router.lifespan_context = lifespan
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        return error_response(500, "internal server error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        return router.health(request)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

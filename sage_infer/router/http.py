@@ -1,0 +1,91 @@
+"""What every sage router does with HTTP bodies: read a client's, encode one for a worker, read a worker's answer."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from fastapi import Request
+
+from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
+from sage_infer.server.errors import APIError
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
+# what a worker needs to hash a prompt's blocks (POST /v1/kv/hashes, /v1/kv/match)
+MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
+
+
+def encode(body: dict) -> bytes:
+    """A body as a worker gets it: JSON with every non-ASCII character escaped, so a lone surrogate a client sent
+    travels as the ``\\ud800`` it came as (the worker answers it with a 400) instead of failing to encode here."""
+    return json.dumps(body, ensure_ascii=True).encode("ascii")
+
+
+async def read_body(request: Request) -> dict:
+    """The client's JSON object, or an OpenAI-style 4xx; ``kv_transfer_params`` is the router's to set."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise APIError(400, f"request JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError, or an integer of over 4,300 digits
+        raise APIError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise APIError(400, "kv_transfer_params is set by the router, not by clients", "kv_transfer_params")
+    return body
+
+
+def several_prompts(body: dict) -> bool:
+    """A completions body with more than one prompt (a list of strings or of token lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+
+
+def usage_event(event: bytes) -> dict | None:
+    """The usage an SSE event's final usage chunk (``choices`` empty) carries, or None for any other event."""
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
+        return None
+    try:
+        data = json.loads(event[len(b"data: "):])
+        usage = data["usage"]
+        return usage if not data.get("choices") and isinstance(usage, dict) else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def usage_of(reply: httpx.Response) -> dict:
+    """A JSON answer's usage ({} when it has none)."""
+    try:
+        usage = reply.json()["usage"]
+        return usage if isinstance(usage, dict) else {}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def completion_tokens(usage: dict) -> int:
+    try:
+        return int(usage["completion_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def cached_tokens(usage: dict) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, None when the worker does not report it."""
+    try:
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def passthrough(reply: httpx.Response) -> APIError:
+    """A worker's own OpenAI-style error, as this router's answer."""
+    try:
+        error = reply.json()["error"]
+        return APIError(reply.status_code, error.get("message", "request failed"), error.get("param"))
+    except (ValueError, KeyError, TypeError):
+        return APIError(reply.status_code, f"the worker answered HTTP {reply.status_code}")

@@ -1,0 +1,228 @@
+"""A fleet of whole-model replicas behind the KV-aware router, end to end: real servers on loopback ports, the
+official `openai` client, the replicas' pushed KV events, `/metrics` parsed with prometheus_client, replicas
+killed for real, and `sage llm serve --replicas 2` as a user starts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import TierConfig
+from sage_infer.hal.net import free_port
+from sage_infer.router.fleet import FleetRouter, build_fleet_app
+from sage_infer.server.launch import http_server
+from tests.server_fixture import running_server, serving
+from tests.tiny_models import make_tiny_model
+
+BLOCK = 16
+PREFIX = [5 + (13 * j) % 400 for j in range(4 * BLOCK)]  # 4 full blocks a customer's requests share
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("fleet") / "tiny-llama", "llama")
+
+
+@contextmanager
+def running_fleet(urls: list[str], routing: str = "kv", api_key: str | None = None):
+    """The fleet router in front of running replicas, once it follows every replica's events; (URL, router)."""
+    router = FleetRouter(urls, routing, api_key)
+    with serving(http_server(build_fleet_app(router), "127.0.0.1", 0)) as url:
+        wait_for(lambda: all(link.replica.up for link in router.links.values()), "every replica in the routing")
+        yield url, router
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def complete(url: str, prompt: list[int], **kw):
+    model = client(url).models.list().data[0].id
+    return client(url).completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def holds(router: FleetRouter, url: str, blocks: int) -> bool:
+    return len(router.index.replica(url).media["device"]) >= blocks
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_holds_it_and_the_prediction_matches(model_dir):
+    with running_server(model_dir) as a, running_server(model_dir) as b, running_fleet([a.url, b.url]) as (url, router):
+        first = complete(b.url, PREFIX + [7, 8, 9])  # b computed the prefix (a client that went there directly)
+        wait_for(lambda: holds(router, b.url, 4), "b's stored events")
+        later = [complete(url, PREFIX + [10 + i, 11, 12]) for i in range(3)]
+        assert metric(url, "sage:router_requests_total", instance=b.url) == 3  # every turn went to b, not idle a
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in later] == [4 * BLOCK] * 3
+        assert metric(url, "sage:router_predicted_cached_tokens_total") == 4 * BLOCK * 3
+        assert metric(url, "sage:router_reported_cached_tokens_total") == 4 * BLOCK * 3
+        assert metric(url, "sage:router_cached_tokens_abs_error_total") == 0
+        assert metric(url, "sage:router_overhead_seconds_count") == 3
+        [want] = LLM(str(model_dir), dtype="fp32", num_blocks=64, device="cpu").generate(
+            [PREFIX + [7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert first.choices[0].text == want.outputs[0].text
+        assert complete(url, PREFIX + [7, 8, 9]).choices[0].text == want.outputs[0].text  # the router changes nothing
+
+
+def test_streams_pass_through_and_usage_reaches_only_a_client_that_asked(model_dir):
+    with running_server(model_dir) as a, running_server(model_dir) as b, running_fleet([a.url, b.url]) as (url, _):
+        model = client(url).models.list().data[0].id
+        plain = list(client(url).completions.create(model=model, prompt=PREFIX, max_tokens=4, temperature=0,
+                                                    stream=True))
+        assert all(chunk.usage is None for chunk in plain) and "".join(c.choices[0].text for c in plain)
+        asked = list(client(url).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=4, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert asked[-1].usage is not None and asked[-1].usage.completion_tokens == 4
+        assert metric(url, "sage:router_reported_cached_tokens_total") >= 0  # checked on streams too
+        assert metric(url, "sage:router_overhead_seconds_count") == 2
+
+
+def test_a_replica_pushes_a_snapshot_events_with_their_tier_and_a_heartbeat(model_dir):
+    tiers = TierConfig(host_bytes=1 << 20)
+    with running_server(model_dir, num_blocks=8, tiers=tiers) as server:
+        lines: list[dict] = []
+        with httpx.stream("GET", f"{server.url}/v1/kv/events/stream", timeout=10) as reply:
+            assert reply.headers["content-type"].startswith("application/x-ndjson")
+            for n, line in enumerate(reply.iter_lines()):
+                lines.append(json.loads(line))
+                if n == 0:
+                    assert lines[0]["type"] == "snapshot" and set(lines[0]["blocks"]) == {"device", "host"}
+                    for i in range(3):  # 3 prompts of 4 blocks each through an 8-block pool: some are demoted
+                        complete(server.url, [i + 1] + PREFIX[1:] + [1])
+                events = [e for m in lines if m["type"] == "events" for e in m["events"]]
+                if ("stored", "host") in {(op, medium) for op, medium, _ in events} and \
+                        any(m["type"] == "load" for m in lines[1:]):
+                    break
+        assert ["stored", "device"] == events[0][:2]
+        assert {"num_running", "num_waiting", "kv_usage"} <= set(next(m for m in lines if m["type"] == "load"))
+
+
+def test_without_prefix_caching_or_as_a_decode_worker_there_is_no_event_stream(model_dir):
+    with running_server(model_dir, role="decode") as decode:
+        reply = httpx.get(f"{decode.url}/v1/kv/events/stream")
+        assert reply.status_code == 404 and "does not publish KV events" in reply.json()["error"]["message"]
+
+
+def test_the_router_answers_client_routes_with_openai_errors_and_needs_the_key(model_dir):
+    with running_server(model_dir, api_key="k") as a, running_fleet([a.url], api_key="k") as (url, _):
+        assert httpx.get(f"{url}/version").json()["version"]
+        missing = httpx.get(f"{url}/v1/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+        assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 401
+        headers = {"Authorization": "Bearer k"}
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": -1},
+                         headers=headers)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert httpx.get(f"{url}/health").json()["replicas"] == {"up": 1, "total": 1}  # no addresses without the key
+        assert httpx.get(f"{url}/health", headers=headers).json()["replicas"][a.url]["up"] is True
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0).completions.create(
+            model=a.model, prompt=PREFIX, max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens == 2
+
+
+def start_replica(model_dir, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--model", str(model_dir),
+                             "--set", "model.dtype=fp32", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if "serving" in line:
+            return proc
+    raise AssertionError(f"replica on port {port} did not start (exit {proc.wait()})")
+
+
+def test_a_killed_replica_leaves_the_routing_loses_no_request_and_resyncs_when_it_returns(model_dir):
+    ports = [free_port(), free_port()]
+    procs = [start_replica(model_dir, p) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        with running_fleet(urls) as (url, router):
+            complete(url, PREFIX + [1])
+            owner = next(i for i, u in enumerate(urls) if metric(url, "sage:router_requests_total", instance=u) == 1)
+            wait_for(lambda: holds(router, urls[owner], 4), "the owner's stored events")
+            procs[owner].send_signal(signal.SIGKILL)
+            procs[owner].wait()
+            got = complete(url, PREFIX + [2])  # the prefix's replica is gone: another one answers
+            assert got.usage.completion_tokens == 6
+            wait_for(lambda: not router.links[urls[owner]].replica.up, "the dead replica out of the routing", 5)
+            assert len(router.index.replica(urls[owner]).media["device"]) == 0  # its blocks forgotten
+            assert httpx.get(f"{url}/health").json()["status"] == "degraded"
+            procs[owner] = start_replica(model_dir, ports[owner])  # back, by hand, at the same address
+            wait_for(lambda: router.links[urls[owner]].replica.up, "the replica back in the routing")
+            assert metric(url, "sage:router_replica_lost_total", instance=urls[owner]) == 1
+            assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_replicas_starts_pinned_replicas_behind_one_url_and_stops_them(model_dir):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("SAGE_API_KEY", None)
+    stderr = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--replicas", "2",
+                             "--routing", "least-load", "--port", "0", "--model", str(model_dir),
+                             "--set", "model.dtype=fp32"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(2 replicas, routing least-load: replica-0 (\S+), "
+                          r"replica-1 (\S+)\)", line)
+        assert match, f"unexpected first line: {line!r}"
+        url, replicas = match.group(1), [match.group(2), match.group(3)]
+        got = complete(url, PREFIX)
+        assert got.usage.completion_tokens == 6
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(90)
+    assert code == 0
+    stderr.seek(0)
+    assert re.search(r"--replicas 2: replica-0: cores \S+ \(NUMA node \d+\); replica-1: cores", stderr.read())
+    for replica in replicas:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{replica}/health", timeout=2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["llm", "serve", "--replicas", "0"], "--replicas 0: expected at least 1"),
+    (["llm", "serve", "--replicas", "2", "--routing", "closest"], "--routing closest: expected one of kv"),
+    (["llm", "serve", "--routing", "random"], "give --replicas too"),
+    (["llm", "serve", "--replicas", "4096"], "--replicas 4096: "),
+    (["llm", "serve", "--replicas", "2", "--pd", "1P1D"], "not implemented yet"),
+    (["llm", "router", "--replica", "http://127.0.0.1:9"], "--replica http://127.0.0.1:9: does not answer"),
+    (["llm", "router", "--replica", "localhost:9"], "expected an http(s) URL"),
+])
+def test_bad_fleet_flags_are_one_line_and_exit_2(argv, message):
+    result = subprocess.run([sys.executable, "-m", "sage_infer.cli.main", *argv], capture_output=True, text=True,
+                            timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr

@@ -1,0 +1,155 @@
+"""The fleet's routing decisions, without servers: the block index fed by KV events (every medium), the policies,
+the engine's own event log, and how `--replicas` splits the cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from sage_infer.errors import UsageError
+from sage_infer.kv_policy import make_policy
+from sage_infer.kv_policy.migration import BlockMeta, LowerTier
+from sage_infer.kv_policy.routing import DECODE_CHARGE_TOKENS, FleetIndex, Hit, Request, Router
+from sage_infer.prefix_reuse.events import BlockEvents, short
+from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from sage_infer.router.replicas import split_cores
+
+BS = 16
+
+
+def fleet(*names: str) -> FleetIndex:
+    return FleetIndex(list(names))
+
+
+def test_a_hit_is_the_device_prefix_then_the_lower_tiers_right_after_it():
+    index = fleet("a", "b")
+    a, b = index.replicas
+    index.reset(a, {"device": ["h0", "h1"], "host": ["h2"], "disk": ["h3"]})
+    index.apply(b, "stored", "remote", "h4")  # b wrote it to the shared tier: a can load it too
+    assert index.hit(a, ["h0", "h1", "h2", "h3", "h4", "h5"]) == Hit(2, (("host", 1), ("disk", 1), ("remote", 1)))
+    assert index.hit(b, ["h0"]) == Hit(0, ())
+    index.apply(a, "removed", "device", "h1")
+    assert index.hit(a, ["h0", "h1", "h2"]) == Hit(1, ())  # h1 gone: h2 is not reached
+
+
+def test_the_shared_tier_counts_a_block_while_any_replica_reports_it():
+    index = fleet("a", "b")
+    a, b = index.replicas
+    index.apply(a, "stored", "remote", "x")
+    index.apply(b, "stored", "remote", "x")
+    index.apply(a, "removed", "remote", "x")
+    assert index.hit(a, ["x"]).lower_blocks == (("remote", 1),)
+    index.drop(b)  # b died: what only it reported is gone
+    assert index.hit(a, ["x"]) == Hit(0, ())
+    assert index.blocks_in(a, "remote") == 0
+
+
+def test_a_snapshot_replaces_everything_known_of_a_replica():
+    index = fleet("a")
+    [a] = index.replicas
+    index.reset(a, {"device": ["old"]})
+    index.reset(a, {"device": ["new"], "host": ["h"]})
+    assert index.hit(a, ["old"]) == Hit(0, ()) and index.hit(a, ["new", "h"]) == Hit(1, (("host", 1),))
+
+
+def test_kv_routing_goes_where_the_prefix_is_until_the_queue_there_costs_more_than_recomputing():
+    index = fleet("a", "b")
+    a, b = index.replicas
+    hashes = [f"h{i}" for i in range(8)]
+    index.reset(a, {"device": hashes})
+    router = Router(index, "kv")
+    request = Request(prompt_tokens=8 * BS + 3, hashes=hashes, tokens_per_block=BS)
+    route = router.route(request)
+    assert route.replica is a and route.hit.blocks == 8
+    a.queued_tokens = 8 * BS * 4  # a is busy computing other prompts: recomputing on idle b is faster
+    assert router.route(request).replica is b
+    assert router.route(request, exclude={"b"}).replica is a
+
+
+def test_kv_routing_prefers_a_lower_tier_hit_to_recomputing_and_charges_decoding_requests():
+    index = fleet("a", "b")
+    a, b = index.replicas
+    hashes = ["h0", "h1"]
+    index.reset(b, {"host": hashes})
+    router = Router(index, "kv")
+    request = Request(prompt_tokens=2 * BS + 1, hashes=hashes, tokens_per_block=BS)
+    assert router.route(request).replica is b
+    b.outstanding = 4  # four requests decoding there outweigh loading two blocks from host
+    assert router.predicted_ttft_s(b, Hit(0, (("host", 2),)), request) > router.predicted_ttft_s(a, Hit(), request)
+    assert router.route(request).replica is a
+    assert DECODE_CHARGE_TOKENS > 0
+
+
+def test_the_simple_policies():
+    index = fleet("a", "b", "c")
+    router = Router(index, "round-robin")
+    assert [router.route(Request(1)).replica.name for _ in range(4)] == ["a", "b", "c", "a"]
+    index.replicas[1].up = False  # a replica out of the routing is skipped
+    assert {router.route(Request(1)).replica.name for _ in range(4)} == {"a", "c"}
+    index.replicas[1].up = True
+    least = Router(index, "least-load")
+    index.replicas[0].outstanding, index.replicas[2].outstanding = 3, 1
+    assert least.route(Request(1)).replica.name == "b"
+    session = Router(index, "session")
+    chosen = {session.route(Request(1, session="user:alice")).replica.name for _ in range(5)}
+    assert len(chosen) == 1  # a session sticks to one replica
+    spread = {session.route(Request(1, session=f"user:{i}")).replica.name for i in range(40)}
+    assert spread == {"a", "b", "c"}  # and sessions spread over all of them
+    randomly = Router(index, "random", seed=1)
+    assert {randomly.route(Request(1)).replica.name for _ in range(40)} == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="routing 'bogus'"):
+        Router(index, "bogus")
+    for replica in index.replicas:
+        replica.up = False
+    assert least.route(Request(1)) is None
+
+
+def test_a_session_moves_only_when_its_replica_leaves():
+    index = fleet(*"abcd")
+    router = Router(index, "session")
+    before = {i: router.route(Request(1, session=str(i))).replica.name for i in range(50)}
+    index.replica("b").up = False
+    after = {i: router.route(Request(1, session=str(i))).replica.name for i in range(50)}
+    assert all(after[i] == before[i] for i in range(50) if before[i] != "b")
+    assert all(after[i] != "b" for i in range(50))
+
+
+def test_the_engine_logs_device_and_lower_tier_events_in_one_ordered_stream():
+    index = PrefixReuseIndex(2, make_policy("lru", capacity=8))
+    events = index.enable_events()
+    host = LowerTier("host", 1, make_policy("lru", capacity=1))
+    events.add_medium("host", host.blocks.keys)
+    host.listener = lambda op, key: (events.stored if op == "stored" else events.removed)(key, "host")
+    h0, _ = index.insert(0, None, [1, 2], b"k")
+    first = events.read(-1)
+    assert first.reset and first.snapshot == {"device": [short(h0)], "host": []}
+    index.remove(0)
+    host.insert(h0, BlockMeta(tokens=2, depth=0, parent=None))  # demoted to host
+    host.insert(b"z" * 32, BlockMeta(tokens=2, depth=0, parent=None))  # the host tier holds one block: h0 leaves it
+    later = events.read(first.next)
+    assert not later.reset and later.events == [("removed", "device", short(h0)), ("stored", "host", short(h0)),
+                                                ("removed", "host", short(h0)), ("stored", "host", short(b"z" * 32))]
+    assert events.read(later.next).events == []
+    assert events.since(0).events == [f"+{short(h0)}", f"-{short(h0)}"]  # the polled view: the device's only
+
+
+def test_a_reader_too_far_behind_gets_every_medium_again():
+    held = {b"a" * 32}
+    events = BlockEvents(lambda: held, capacity=2)
+    events.add_medium("disk", lambda: [b"d" * 32])
+    for key in (b"x" * 32, b"y" * 32, b"z" * 32):
+        events.stored(key, "disk")
+    read = events.read(0)
+    assert read.reset and read.snapshot == {"device": [short(b"a" * 32)], "disk": [short(b"d" * 32)]}
+
+
+def test_replicas_get_disjoint_core_shares_within_numa_nodes():
+    numa = {cpu: cpu // 4 for cpu in range(8)}  # two nodes of four cores
+    assert split_cores(2, list(range(8)), numa) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cores(4, list(range(8)), numa) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_cores(3, [0, 1, 2], {}) == [[0], [1], [2]]
+    interleaved = {cpu: cpu % 2 for cpu in range(4)}  # node 0: cores 0, 2; node 1: 1, 3
+    assert split_cores(2, list(range(4)), interleaved) == [[0, 2], [1, 3]]
+    with pytest.raises(UsageError, match="--replicas 3: this machine gives 2 cores"):
+        split_cores(3, [0, 1], {})
+    with pytest.raises(UsageError, match="--replicas 0"):
+        split_cores(0, [0, 1], {})
