@@ -473,3 +473,10 @@ def test_a_body_the_workers_refuse_gets_its_400_at_the_router_with_nothing_held_
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == next(iter(bad)), reply.text
         assert not prefill.backend.engine.has_unfinished_requests()
+
+
+def test_the_router_answers_version_and_an_unknown_path_with_an_openai_404(deployment):
+    _, _, url = deployment
+    assert httpx.get(f"{url}/version").json()["version"]
+    missing = httpx.get(f"{url}/v1/embeddings")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404

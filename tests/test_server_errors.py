@@ -274,3 +274,12 @@ def test_streams_still_running_when_the_drain_ends_get_an_error_event_and_done(m
     manager = backend.engine.kv.block_manager
     manager.check_invariants()
     assert manager.num_used_blocks == 0
+
+
+def test_a_request_of_too_many_sequences_is_400(server):
+    """One request may not hold the engine for minutes by its size: prompts x n is bounded like other fields."""
+    body = {"model": server.model, "prompt": [[5, 6, 7]] * 129, "n": 2, "max_tokens": 1}
+    message = assert_openai_error(post_raw(server, "/v1/completions", json.dumps(body)), 400)
+    assert "at most 256 sequences per request" in message
+    body["n"] = 1
+    assert post_raw(server, "/v1/completions", json.dumps(body)).status_code == 200

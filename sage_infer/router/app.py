@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
@@ -87,9 +88,17 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return err.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail))
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
         return error_response(500, "internal server error")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     async def call(worker: Instance, path: str, body: dict) -> httpx.Response:
         """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""

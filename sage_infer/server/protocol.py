@@ -104,6 +104,9 @@ class SamplingFields(BaseModel):
         return value
 
 
+MAX_SEQUENCES = 256  # prompts x n in one completions request
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -120,6 +123,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if len(self.prompts()) * self.n > MAX_SEQUENCES:  # one request may not hold a replica for minutes by its size
+            raise ValueError(f"at most {MAX_SEQUENCES} sequences per request (prompts x n); send several requests")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -184,4 +189,6 @@ class KVMatchRequest(BaseModel):
             raise ValueError("give prompt or messages")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if len(self.prompts()) * self.n > MAX_SEQUENCES:  # one request may not hold a replica for minutes by its size
+            raise ValueError(f"at most {MAX_SEQUENCES} sequences per request (prompts x n); send several requests")
         return self
