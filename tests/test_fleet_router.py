@@ -226,3 +226,18 @@ def test_bad_fleet_flags_are_one_line_and_exit_2(argv, message):
                             timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_the_router_hashes_token_id_prompts_exactly_as_the_replica_does(model_dir):
+    from sage_infer.kv_policy.routing import Request
+
+    with running_server(model_dir) as a, running_fleet([a.url]) as (_, router):
+        for salt in (None, "tenant-a"):
+            body = {"prompt": PREFIX + [1, 2, 3], **({"cache_salt": salt} if salt else {})}
+            described = Request(0)
+            assert router.hash_here(body, described)
+            asked = httpx.post(f"{a.url}/v1/kv/hashes", json=body).json()
+            assert described.hashes == asked["hashes"] and len(described.hashes) == 4
+            assert (described.prompt_tokens, described.tokens_per_block) == (asked["prompt_tokens"],
+                                                                             asked["tokens_per_hash"])
+        assert not router.hash_here({"prompt": "text is tokenized by the replica"}, Request(0))

@@ -46,9 +46,9 @@ LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 FORBIDDEN: dict[str, set[str]] = {
     "server": {"engine", "scheduler", "kv_runtime", "models", "layers", "prefix_reuse", "kv_policy", "sim"},
     "serving_bench": {"engine", "scheduler", "kv_runtime", "models", "layers", "backends", "server"},
-    # (kv_policy: the routing policies the router shares with fleet replay are pure decisions, like eviction's)
-    "router": {"engine", "scheduler", "kv_runtime", "models", "layers", "prefix_reuse", "sim", "backends",
-               "transport"},
+    # (kv_policy: the routing policies the router shares with fleet replay are pure decisions, like eviction's;
+    # prefix_reuse: the router hashes token-id prompts as the replicas name their blocks)
+    "router": {"engine", "scheduler", "kv_runtime", "models", "layers", "sim", "backends", "transport"},
     "transport": {"engine", "scheduler", "models", "layers", "kv_runtime"},
     "sim": {"layers", "models", "engine"},
     # a backend drives an engine through its public API: the KV manager and the scheduler are the engine's

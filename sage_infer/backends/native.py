@@ -151,6 +151,9 @@ class NativeBackend:
     def kv_events_read(self, since: int):
         return self.engine.prefix.read_events(since)
 
+    def kv_recipe(self) -> dict | None:
+        return self.engine.prefix.recipe()
+
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         return self.engine.prefix.block_hashes(token_ids, cache_salt)
 

@@ -21,7 +21,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.prefix_reuse.events import short
-from sage_infer.prefix_reuse.hashing import ExtraKeys, hash_token_blocks
+from sage_infer.prefix_reuse.hashing import ExtraKeys, prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 
 
@@ -111,6 +111,13 @@ class PrefixView:
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last token),
         as `events` reports them: a router matches one against the other."""
-        bs = self.block_size
-        usable = (len(token_ids) - 1) // bs * bs
-        return [short(h) for h in hash_token_blocks(token_ids[:usable], bs, self.extra_key(cache_salt))]
+        return [short(h) for h in prompt_block_hashes(token_ids, self.block_size, self.extra_key(cache_salt))]
+
+    def recipe(self) -> dict | None:
+        """How this engine names its blocks, for a router that hashes token-id prompts itself: the block size and
+        the parts of the extra key (`prefix_reuse.hashing.ExtraKeys`) besides a request's cache salt."""
+        if self.index is None:
+            return None
+        key = self.extra_key
+        return {"block_size": self.block_size, "model_id": key.model_id, "revision": key.revision,
+                "kv_dtype": key.kv_dtype, "layout": key.layout}

@@ -118,6 +118,11 @@ class KVTransferBackend(Protocol):
         this instance does not log them."""
         ...
 
+    def kv_recipe(self) -> dict | None:
+        """How this instance names its blocks (block size and the extra key's parts besides the cache salt), so a
+        router can hash token-id prompts as it does; None without prefix caching."""
+        ...
+
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         """The short hashes of a prompt's blocks, as `kv_events` names them."""
         ...

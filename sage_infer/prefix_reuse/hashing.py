@@ -94,3 +94,11 @@ def hash_token_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], extra_key)
         hashes.append(parent)
     return hashes
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes) -> list[bytes]:
+    """The hashes of the prompt blocks a prefix hit could cover: every full block before the prompt's last token
+    (that token is always computed, for its logits)."""
+    usable = (len(token_ids) - 1) // block_size * block_size
+    return hash_token_blocks(token_ids[:usable], block_size, extra_key)
+

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sage_infer import __version__
 from sage_infer.kv_policy.routing import LOWER_MEDIA, SHARED, FleetIndex, Replica, Route, Router
 from sage_infer.kv_policy.routing import Request as RouteRequest
+from sage_infer.prefix_reuse.events import short
+from sage_infer.prefix_reuse.hashing import make_extra_key, prompt_block_hashes
 from sage_infer.router.http import (
     CALL_TIMEOUT,
     MATCH_FIELDS,
@@ -50,12 +53,14 @@ from sage_infer.server.body import validate_body
 from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
+log = logging.getLogger("sage_infer.router")
 SILENT_AFTER_S = 2.0  # a replica's event stream beats every 0.5 s: this long without a line and it is out
 RECONNECT_S = 0.5  # between attempts to (re)open a replica's event stream
 DOWN_FOR_S = 2.0  # a replica that failed a call is skipped this long (its events may still flow)
 HEALTH_POLL_S = 1.0  # liveness of replicas that publish no events
 HASHES_TIMEOUT_S = 2.0
 SESSION_CHARS = 512  # of a prompt's start, the session key when the request names no user or session
+MAX_EXTRA_KEYS = 4096  # (recipe, cache salt) pairs whose extra key the router keeps
 
 
 class ReplicaUnreachable(Exception):
@@ -70,6 +75,7 @@ class ReplicaLink:
     replica: Replica
     publishes: bool | None = None  # None until its event stream answered; False: routed by load alone
     connected: bool = False  # its event stream is open (or, without events, its /health answered)
+    recipe: dict | None = None  # how it names its blocks (its snapshot says), for hashing token-id prompts here
     last_heard: float = 0.0
     down_until: float = 0.0
 
@@ -97,6 +103,7 @@ class FleetRouter:
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+        self._extra_keys: dict[tuple, bytes] = {}  # (recipe, cache_salt) -> extra key
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -142,6 +149,7 @@ class FleetRouter:
         link.last_heard = time.monotonic()
         if kind == "snapshot":
             self.index.reset(replica, message["blocks"])
+            link.recipe = message.get("recipe")
             link.connected = True
             link.refresh()
         elif kind == "events":
@@ -172,6 +180,7 @@ class FleetRouter:
     def lost(self, link: ReplicaLink, why: str) -> None:
         if link.connected:
             self.metrics.lost.labels(link.url).inc()
+            log.warning("replica %s is out of the routing: %s", link.url, why)
         link.connected = False
         self.index.drop(link.replica)
         link.refresh()
@@ -181,6 +190,7 @@ class FleetRouter:
         """A call to the replica failed: out of the routing for `DOWN_FOR_S` (its event stream may say more)."""
         link.down_until = time.monotonic() + DOWN_FOR_S
         link.refresh()
+        log.warning("replica %s skipped for %.0f s: %s", link.url, DOWN_FOR_S, why)
         self.metrics.failures.labels(link.url, "replica").inc()
         self.metrics.replica_up.labels(link.url).set(0)
 
@@ -192,6 +202,8 @@ class FleetRouter:
         described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
+        if self.hash_here(body, described):
+            return described
         question = {k: body[k] for k in MATCH_FIELDS if k in body}
         publishing = [link for link in self.links.values() if link.replica.up and link.publishes]
         for link in sorted(publishing, key=lambda link: link.replica.outstanding)[:2]:
@@ -200,12 +212,39 @@ class FleetRouter:
                                                headers=self.headers, timeout=HASHES_TIMEOUT_S)
             except httpx.HTTPError:
                 continue
+            if reply.status_code >= 500:
+                continue
             if reply.status_code == 200:
                 answer = reply.json()
                 described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
                 described.tokens_per_block = answer["tokens_per_hash"]
             break  # a 4xx: the replica that serves it says the same, with the client's answer
         return described
+
+    def hash_here(self, body: dict, described: RouteRequest) -> bool:
+        """Hash a token-id prompt in the router, as the replicas' snapshots say they name blocks (no round trip to
+        a replica); False when the prompt is text or messages (the replica's tokenizer and chat template decide
+        its tokens) or no replica said how it hashes."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+            return False
+        recipe = next((link.recipe for link in self.links.values() if link.replica.up and link.recipe), None)
+        if recipe is None:
+            return False
+        salt = body.get("cache_salt")
+        key = self._extra_keys.get((tuple(recipe.values()), salt))
+        if key is None:
+            if len(self._extra_keys) >= MAX_EXTRA_KEYS:
+                self._extra_keys.clear()
+            key = self._extra_keys[(tuple(recipe.values()), salt)] = make_extra_key(
+                recipe["model_id"], recipe["revision"], recipe["kv_dtype"], recipe["layout"], salt)
+        try:
+            hashes = prompt_block_hashes(prompt, recipe["block_size"], key)
+        except ValueError:  # ids out of int64 range: the replica's 400 says so
+            return False
+        described.hashes = [short(h) for h in hashes]
+        described.prompt_tokens, described.tokens_per_block = len(prompt), recipe["block_size"]
+        return True
 
     async def handle(self, path: str, request: Request) -> Response:
         check_bearer(request.headers.get("authorization", ""), self.api_key)

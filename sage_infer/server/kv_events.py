@@ -2,8 +2,10 @@
 
 One long-lived response of newline-delimited JSON objects, each a line:
 
-- ``{"type": "snapshot", "next": N, "blocks": {"device": [hash16, ...], "host": [...], ...}}`` first, and
-  again whenever the reader fell behind the bounded log: replace everything known of this instance;
+- ``{"type": "snapshot", "next": N, "blocks": {"device": [hash16, ...], "host": [...], ...}, "recipe": {...}}``
+  first, and again whenever the reader fell behind the bounded log: replace everything known of this instance;
+  ``recipe`` says how it names blocks (``block_size``, ``model_id``, ``revision``, ``kv_dtype``, ``layout``: with
+  a request's ``cache_salt``, the extra key of `prefix_reuse.hashing`), so a router hashes token-id prompts itself;
 - ``{"type": "events", "next": N, "events": [["stored" | "removed", medium, hash16], ...]}`` in order;
 - ``{"type": "load", "num_running": r, "num_waiting": w, "kv_usage": u}`` every `HEARTBEAT_S`: the
   router's heartbeat (a replica silent for a few of them is out of the routing) and its queue.
@@ -33,7 +35,7 @@ async def event_stream(backend, closing: Callable[[], bool]) -> AsyncIterator[by
     while not closing():
         read = backend.kv_events_read(cursor)
         if read.reset:
-            yield _line({"type": "snapshot", "next": read.next, "blocks": read.snapshot})
+            yield _line({"type": "snapshot", "next": read.next, "blocks": read.snapshot, "recipe": backend.kv_recipe()})
         elif read.events:
             yield _line({"type": "events", "next": read.next, "events": read.events})
         cursor = read.next

@@ -189,6 +189,4 @@ class KVMatchRequest(BaseModel):
             raise ValueError("give prompt or messages")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
-        if len(self.prompts()) * self.n > MAX_SEQUENCES:  # one request may not hold a replica for minutes by its size
-            raise ValueError(f"at most {MAX_SEQUENCES} sequences per request (prompts x n); send several requests")
         return self
