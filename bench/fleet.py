@@ -11,7 +11,7 @@ spread over the replicas, the router's prediction error (predicted vs reported c
 and its own latency per request (p99 from its histogram), then each policy's goodput (the
 highest load whose TTFT p90 meets the SLO with no error) and its ratio to round-robin's.
 
-    python bench/fleet.py --model qwen3-11m --customers 4 --context-len 2048 --rates 1,2,4 --out out/fleet.json
+    python bench/fleet.py --model qwen3-11m --customers 4 --context-len 2048 --rates 1,2,4,6,8 --out out/fleet.json
 
 Writes JSON (and a PNG of TTFT p90 against load with --plot).
 """
@@ -47,11 +47,12 @@ COUNTERS = ("sage:router_predicted_cached_tokens_total", "sage:router_reported_c
             "sage:router_retries_total")
 
 
-def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: int) -> tuple[Workload, list[float]]:
-    """`rate * duration` one-turn requests, each of a customer drawn uniformly: its context, then a fresh query."""
+def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: int,
+                       duration_s: float) -> tuple[Workload, list[float]]:
+    """`rate * duration_s` one-turn requests, each of a customer drawn uniformly: its context, then a fresh query."""
     rng = random.Random(seed)
     contexts = [random_token_ids(rng, args.context_len, vocab) for _ in range(args.customers)]
-    n = max(4, round(rate * args.duration_s))
+    n = max(4, round(rate * duration_s))
     requests = []
     for i in range(n):
         customer = rng.randrange(args.customers)
@@ -116,8 +117,8 @@ def overhead_p99_ms(before: dict, after: dict) -> float | None:
     return None
 
 
-def measure(args: argparse.Namespace, fleet: Fleet, vocab: int, rate: float) -> dict:
-    workload, arrivals = customers_workload(args, vocab, rate, args.seed)
+def measure(args: argparse.Namespace, fleet: Fleet, vocab: int, rate: float, seed: int, duration_s: float) -> dict:
+    workload, arrivals = customers_workload(args, vocab, rate, seed, duration_s)
     before = router_metrics(fleet.url)
     run = asyncio.run(run_workload(fleet.url, None, None, workload, arrivals, concurrency=256))
     after = router_metrics(fleet.url)
@@ -151,11 +152,11 @@ def main() -> None:
     parser.add_argument("--context-len", type=int, default=2048)
     parser.add_argument("--query-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--kv-blocks", type=int, default=320, help="device KV blocks per replica")
+    parser.add_argument("--kv-blocks", type=int, default=288, help="device KV blocks per replica")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--rates", default="0.5,1,2", help="requests per second, comma-separated")
+    parser.add_argument("--rates", default="1,2,4,6,8", help="requests per second, comma-separated")
     parser.add_argument("--duration-s", type=float, default=30.0, help="of arrivals per load")
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, default=Path("out/models"))
     parser.add_argument("--out", type=Path, default=Path("out/fleet.json"))
@@ -177,12 +178,11 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for routing in routings:
         with Fleet(args, model_dir, routing, args.out.with_name(f"fleet-{routing}.log")) as fleet:
-            measure(args, fleet, facts["vocab_size"], 1.0)  # warm-up (its own seed's contexts: no reuse later)
+            measure(args, fleet, facts["vocab_size"], 1.0, args.seed, 4.0)  # warm-up: its contexts are not reused
             rows = results[routing] = []
-            for rate in rates:
-                args.seed += 1000  # every load draws fresh contexts: no load inherits another's cache
-                row = measure(args, fleet, facts["vocab_size"], rate)
-                args.seed -= 1000
+            for i, rate in enumerate(rates, 1):
+                # every load draws fresh contexts (no load inherits another's cache); each policy gets the same ones
+                row = measure(args, fleet, facts["vocab_size"], rate, args.seed + 1000 * i, args.duration_s)
                 rows.append(row)
                 t = row["ttft_ms"]
                 print(f"{routing:<12} {rate:>5g} req/s  TTFT p50/p90/p99 "

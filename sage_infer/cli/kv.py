@@ -122,8 +122,21 @@ def replay_command(
     plot: Annotated[
         Optional[Path], typer.Option("--plot", dir_okay=False, help="Save hit rate vs capacity curves as a PNG.")
     ] = None,
+    replicas: Annotated[
+        Optional[str], typer.Option("--replicas", help="Replay through a fleet of N replicas (comma-separated for "
+                                    "several N), each with --capacity of device KV, behind --routing.")
+    ] = None,
+    routing: Annotated[
+        str, typer.Option("--routing", help="With --replicas: comma-separated routing policies (kv, round-robin, "
+                          "random, least-load, session).")
+    ] = "kv,round-robin",
+    prefill_tok_s: Annotated[
+        float, typer.Option("--prefill-tok-s", min=1.0, help="With --replicas: prompt tokens one replica computes "
+                            "per second (the time model of queues and TTFT).")
+    ] = 4000.0,
 ) -> None:
-    """Replay a trace through the prefix cache with each policy, next to OPT and the ideal."""
+    """Replay a trace through the prefix cache with each policy, next to OPT and the ideal (or, with --replicas,
+    through a fleet of replicas behind each routing policy, next to one replica holding the fleet's KV)."""
     from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
     from sage_infer.sim.replay import distinct_blocks, load_mooncake
     from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS, TierSpec, run_capacity
@@ -145,6 +158,10 @@ def replay_command(
 
     requests = load_mooncake(trace)[:max_requests]
     distinct = distinct_blocks(requests)
+    if replicas is not None:
+        _replay_fleet(requests, str(trace), replicas, routing, capacity, tier_specs, policies, distinct, prefill_tok_s,
+                      json_out)
+        return
     block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
     if tier_specs and tier_specs[0][0] == "device":
         device_specs = [tier_specs.pop(0)[1]]
@@ -176,6 +193,58 @@ def replay_command(
         typer.echo(f"note: {note}", err=True)
     if plot is not None:
         _plot(plot, documents)
+
+
+def _replay_fleet(requests, trace: str, replicas: str, routing: str, capacity: str | None, tier_specs, policies,
+                  distinct: int, prefill_tok_s: float, json_out: str | None) -> None:
+    """`--replicas N[,M...]`: the fleet replay (`sim.fleet`), one table."""
+    from sage_infer.kv_policy.cost_benefit import ModelShape
+    from sage_infer.kv_policy.routing import ROUTING_POLICIES
+    from sage_infer.sim.fleet import run_fleet
+    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS
+
+    if tier_specs:
+        raise UsageError("--replicas replays device caches only: lower tiers in a fleet replay are not implemented "
+                         "yet; leave out --tiers")
+    if len(policies) != 1:
+        raise UsageError("--replicas: give one eviction --policy (each replica runs it)")
+    counts = []
+    for item in replicas.split(","):
+        if not item.strip().isdigit() or not 1 <= int(item) <= 4096:
+            raise UsageError(f"--replicas {replicas!r}: expected replica counts 1-4096, comma-separated (8,64)")
+        counts.append(int(item))
+    routings = [r.strip() for r in routing.split(",") if r.strip()]
+    for name in routings or [""]:
+        if name not in ROUTING_POLICIES:
+            raise UsageError(f"--routing {name!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+    if capacity is not None and "," in capacity:
+        raise UsageError("--replicas: give one --capacity (each replica's device KV)")
+    block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
+    blocks = capacity_blocks(capacity or "5%", distinct, block_bytes)
+    document = run_fleet(requests, trace, counts, routings, blocks, policies[0], prefill_tok_s)
+    if json_out == "-":
+        from sage_infer.cli.output import emit
+
+        emit(document, True, lambda console: None)
+        return
+    from sage_infer.cli.output import console, table
+
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    rows = []
+    for r in document["results"]:
+        one = document["one_replica"][str(r["replicas"])]
+        ratio = r["hit_rate_vs_one_replica"]
+        rows.append([str(r["replicas"]), r["routing"], _pct(r["prefix_hit_rate"]), _pct(one["prefix_hit_rate"]),
+                     "—" if ratio is None else f"{ratio:.3f}", f"{r['compute_imbalance']:.2f}",
+                     f"{r['routed_imbalance']:.2f}", f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p90']:.2f}",
+                     _pct(r["prediction_error"]) if r["routing"] == "kv" else "—"])
+    title = (f"{trace}: {document['requests']} requests through N replicas of {blocks} device blocks each "
+             f"({blocks / distinct * 100:.1f}% of {distinct} distinct), {policies[0]} eviction, "
+             f"{prefill_tok_s:g} prefill tok/s per replica")
+    console.print(table(title, ["N", "routing", "prefix hit rate", "one replica, N x KV", "÷ one replica",
+                                "compute max/mean", "requests max/mean", "TTFT p50 / p90 (s)", "prediction error"],
+                        rows))
 
 
 def _pct(rate: float | None) -> str | None:

@@ -194,14 +194,19 @@ class Router:
         return Route(max(live, key=lambda r: _rendezvous(key, r.name)))
 
     def _by_ttft(self, request: Request, live: list[Replica]) -> Route:
-        best: Route | None = None
+        """The lowest predicted TTFT; among equals (no hit anywhere, no queue) the replica with the fewest requests
+        in flight, then the emptiest device cache, then the next in turn, so new prefixes spread over the fleet."""
+        routes = []
         for replica in live:
             hit = self.index.hit(replica, request.hashes)
-            seconds = self.predicted_ttft_s(replica, hit, request)
-            if best is None or seconds < best.predicted_ttft_s or (
-                    seconds == best.predicted_ttft_s and replica.outstanding < best.replica.outstanding):
-                best = Route(replica, hit, seconds)
-        return best
+            routes.append(Route(replica, hit, self.predicted_ttft_s(replica, hit, request)))
+        best = min(r.predicted_ttft_s for r in routes)
+        tied = [r for r in routes if r.predicted_ttft_s <= best * (1 + 1e-9)]
+        if len(tied) == 1:
+            return tied[0]
+        turn = next(self._turn)
+        return min(tied, key=lambda r: (r.replica.outstanding, len(r.replica.media[DEVICE]),
+                                        (live.index(r.replica) - turn) % len(live)))
 
     def predicted_ttft_s(self, replica: Replica, hit: Hit, request: Request) -> float:
         """Queue (prompt tokens ahead of it, requests decoding) + the tokens it computes + the tokens it loads."""
