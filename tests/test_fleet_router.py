@@ -241,3 +241,67 @@ def test_the_router_hashes_token_id_prompts_exactly_as_the_replica_does(model_di
             assert (described.prompt_tokens, described.tokens_per_block) == (asked["prompt_tokens"],
                                                                              asked["tokens_per_hash"])
         assert not router.hash_here({"prompt": "text is tokenized by the replica"}, Request(0))
+
+
+def _serve_pid(port: int) -> int:
+    """The pid of the `sage llm serve` listening on `port` (its command line names the port)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+                return int(entry)
+    raise AssertionError(f"no sage llm serve on port {port}")
+
+
+def test_replicas_on_ray_come_back_after_their_server_is_killed(model_dir):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'sage-infer[ray]'): --launcher ray untested")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("SAGE_API_KEY", None)
+    stderr = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--replicas", "2",
+                             "--launcher", "ray", "--port", "0", "--model", str(model_dir),
+                             "--set", "model.dtype=fp32"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(2 replicas, routing kv: replica-0 (\S+), "
+                          r"replica-1 (\S+)\)", line)
+        assert match, f"unexpected first line: {line!r}"
+        url, replicas = match.group(1), [match.group(2), match.group(3)]
+        assert complete(url, PREFIX).usage.completion_tokens == 6
+        os.kill(_serve_pid(int(replicas[0].rsplit(":", 1)[1])), signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "degraded", "the router to drop it", 10)
+        assert complete(url, PREFIX + [1]).usage.completion_tokens == 6  # the other replica serves meanwhile
+        wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "ok", "Ray to restart it", 120)
+        assert httpx.get(f"{replicas[0]}/health").status_code == 200  # back at the same address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    stderr.seek(0)
+    assert code == 0, stderr.read()[-3000:]
+
+
+def test_a_prefix_written_through_to_the_shared_tier_is_every_replicas(model_dir):
+    from tests.redis_fixture import start_redis
+
+    redis = start_redis()
+    tiers = TierConfig(remote_url=redis.url, remote_write_policy="write_through")
+    try:
+        with running_server(model_dir, tiers=tiers) as a, running_server(model_dir, tiers=tiers) as b, \
+                running_fleet([a.url, b.url]) as (url, router):
+            complete(a.url, PREFIX + [1])  # a computes the prefix and writes it through to Redis at once
+            wait_for(lambda: len(router.index.shared) >= 4, "a's remote-tier events")
+            hashes = httpx.post(f"{b.url}/v1/kv/hashes", json={"prompt": PREFIX + [2]}).json()["hashes"]
+            assert router.index.hit(router.index.replica(b.url), hashes).lower_blocks == (("remote", 4),)
+            got = complete(b.url, PREFIX + [2])  # b never computed it: it loads a's blocks from the shared tier
+            assert got.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+    finally:
+        redis.kill()
+
+
+def test_remote_write_through_needs_a_remote_tier():
+    with pytest.raises(ValueError, match="remote_write_policy write_through writes blocks to the remote tier"):
+        TierConfig(remote_write_policy="write_through")

@@ -140,7 +140,7 @@ def test_pd_spec_and_flag_mistakes_are_one_line_exit_2(sage):
 
 def test_launcher_flags_need_pd(sage):
     result = sage("llm", "serve", "--launcher", "ray")
-    assert result.code == 2 and "give --pd too" in result.err
+    assert result.code == 2 and "give one" in result.err
     result = sage("llm", "serve", "--pd", "1P1D", "--launcher", "k8s")
     assert result.code == 2 and "expected local or ray" in result.err
 

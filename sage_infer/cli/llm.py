@@ -57,7 +57,8 @@ def serve(
         "--routing", help="With --replicas: kv (lowest estimated time to first token from the replicas' KV events), "
         "round-robin, random, least-load or session.")] = "kv",
     launcher: Annotated[str, typer.Option(
-        "--launcher", help="With --pd: local (processes of this command) or ray (Ray actors).")] = "local",
+        "--launcher", help="With --pd or --replicas: local (processes of this command) or ray (Ray "
+        "actors).")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(
         "--ray-address", help="With --launcher ray: the Ray cluster to join (default: start a local one).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
@@ -122,8 +123,8 @@ def serve(
     if pd is not None and role is not None:
         raise UsageError("--pd starts its own prefill and decode workers: leave out --role")
     _check_replicas(replicas, routing, pd, role, launcher)
-    if (launcher != "local" or ray_address is not None) and pd is None:
-        raise UsageError("--launcher and --ray-address place the workers of --pd xPyD: give --pd too")
+    if (launcher != "local" or ray_address is not None) and pd is None and replicas is None:
+        raise UsageError("--launcher and --ray-address place the workers of --pd xPyD or --replicas N: give one")
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
     resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
@@ -143,7 +144,8 @@ def serve(
             from sage_infer.router.replicas import serve_replicas
 
             raise typer.Exit(serve_replicas(replicas, args, resolved.config.host, resolved.config.port,
-                                            secrets.get("SAGE_API_KEY"), routing, resolved.config.tiers.disk_path))
+                                            secrets.get("SAGE_API_KEY"), routing, resolved.config.tiers.disk_path,
+                                            launcher, ray_address, secrets))
         raise typer.Exit(_serve_pd(resolved.config, args, secrets, launcher, ray_address))
     _announce_startup(resolved)
     from sage_infer.server.launch import serve as run_server
@@ -167,9 +169,6 @@ def _check_replicas(replicas: int | None, routing: str, pd: str | None, role: st
                          "implemented yet; use one of them")
     if role is not None:
         raise UsageError("--replicas starts its own replicas: leave out --role")
-    if launcher != "local":
-        raise UsageError("--replicas --launcher ray is not implemented yet: replicas run on this host "
-                         "(--launcher local)")
 
 
 def _worker_args(resolved, model, preset, config, kv_transport, kv_tiers, sets,

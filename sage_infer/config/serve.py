@@ -137,6 +137,11 @@ class TierConfig(Strict):
         "background: a crash or SIGKILL loses at most the writes in flight), write_through_selective (also once "
         "the device's prefix cache has hit it twice: only reused blocks cost a write). Needs tiers.disk_path "
         "unless write_back.")
+    remote_write_policy: Literal["write_back", "write_through"] = Field(
+        "write_back", description="When the remote tier gets a block: write_back (when the faster tiers evict it) or "
+        "write_through (also as soon as the device computes it): every server sharing the remote tier can load a "
+        "prefix one of them computed without waiting for its eviction (a fleet's shared cache; a KV-aware router "
+        "counts those blocks for every replica). Needs tiers.remote_url unless write_back.")
     flush_on_shutdown_s: float = Field(30.0, ge=0, le=3600, description="At a graceful end, how long the device's "
                                        "cached blocks and the host tier's may take to be copied into the disk tier "
                                        "for the next start on it (the rest is left out, and the log says so). 0: none.")
@@ -146,6 +151,9 @@ class TierConfig(Strict):
         if self.write_policy != "write_back" and self.disk_path is None:
             raise ValueError(f"write_policy {self.write_policy} writes blocks to the disk tier: set disk_path (and "
                              f"disk_bytes), or use write_back")
+        if self.remote_write_policy != "write_back" and self.remote_url is None:
+            raise ValueError("remote_write_policy write_through writes blocks to the remote tier: set remote_url, or "
+                             "use write_back")
         return self
 
     @field_validator("remote_url")

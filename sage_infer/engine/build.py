@@ -538,6 +538,9 @@ def publish_kv_events(config: ServeConfig, index: PrefixReuseIndex | None,
         events.add_medium(tier.name, tier.blocks.keys)
         tier.listener = lambda op, key, medium=tier.name: (events.stored if op == "stored" else events.removed)(
             key, medium)
+    if hierarchy is not None and hierarchy.shared_level is not None:
+        shared = hierarchy.migration.tiers[hierarchy.shared_level - 1].name
+        hierarchy.on_shared_copy = lambda key: events.stored(key, shared)
 
 
 def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,
@@ -579,5 +582,6 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
                                                                                   capacity=capacity), cost, quota)
     hierarchy.migrator.hot_after = tiers.hot_promote_after
     hierarchy.write_policy = tiers.write_policy
+    hierarchy.remote_write_through = tiers.remote_write_policy == "write_through"
     auto_log.info("%s", hierarchy.describe())
     return hierarchy

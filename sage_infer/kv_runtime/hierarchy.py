@@ -24,7 +24,7 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +141,10 @@ class HierarchyManager:
         # the level of the first store whose blocks outlive this process (the disk tier), None without one
         self.persistent_level = next((i for i, store in enumerate(self.stores, 1) if store.persistent), None)
         self._hits: dict[bytes, int] = {}  # write_through_selective: device hits per block not yet copied
+        self.remote_write_through = False  # tiers.remote_write_policy write_through: the shared store gets copies too
+        self.shared_level = next((i for i, store in enumerate(self.stores, 1) if store.shared), None)
+        # hears the keys a write-through copies into the shared store (the engine's KV events: every server sees them)
+        self.on_shared_copy: Callable[[bytes], None] | None = None
 
     @classmethod
     def build(cls, pool: KVPool, stores: Sequence[KVTier], make_policy, cost=None, quota=None) -> HierarchyManager:
@@ -193,9 +197,11 @@ class HierarchyManager:
 
     def computed(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """The device registered these full blocks (computed, or loaded from below): under `write_through`, copy
-        the ones the persistent store lacks into it."""
+        the ones the persistent store lacks into it; under a remote `write_through`, into the shared store too."""
         if self.write_policy == "write_through":
             self._write_through(keys, block_ids)
+        if self.remote_write_through and self.shared_level is not None:
+            self._write_through(keys, block_ids, self.shared_level)
 
     def hit(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """The device's prefix cache served these blocks: under `write_through_selective`, a block's second hit
@@ -220,8 +226,8 @@ class HierarchyManager:
         """Whether `store` keeps its blocks when the device takes them back (shared, or the write-through copy)."""
         return store.shared or (store.persistent and self.write_policy != "write_back")
 
-    def _write_through(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        level = self.persistent_level
+    def _write_through(self, keys: Sequence[bytes], block_ids: Sequence[int], level: int | None = None) -> None:
+        level = self.persistent_level if level is None else level
         if level is None:
             return
         store = self.store(level)
@@ -238,6 +244,9 @@ class HierarchyManager:
             self.failed(level, err)
             return
         self.stats.tiers[store.name].written_through_blocks += len(missing)
+        if level == self.shared_level and self.on_shared_copy is not None:
+            for i in missing:
+                self.on_shared_copy(keys[i])
 
     # -- lookup and load ------------------------------------------------------------------------
 

@@ -128,3 +128,102 @@ class RayLauncher:
                 pass
         self.workers = []
         self.ray.shutdown()
+
+
+def _replica_actor_class(num_cpus: int):
+    import ray
+
+    @ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0)
+    class ReplicaActor:
+        """Owns one replica's `sage llm serve` on a fixed port. The constructor runs again when Ray restarts the
+        actor, so a replica whose server died (the actor exits with it) comes back at the same address, where the
+        fleet router finds it and takes its snapshot."""
+
+        def __init__(self, args: list[str], host: str, port: int, env: dict[str, str]) -> None:
+            bind = host
+            if host not in LOOPBACK:
+                import ray as _ray
+
+                bind, host = "0.0.0.0", _ray.util.get_node_ip_address()
+            self.stopping = False
+            self.lines: list[str] = []
+            self.proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
+                                          "--host", bind, "--port", str(port)],
+                                         env={**os.environ, "OMP_NUM_THREADS": str(num_cpus), **env},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            for line in self.proc.stdout:
+                self.lines = (self.lines + [line])[-40:]
+                match = READY.search(line)
+                if match:
+                    self.address = (f"http://{host}:{port}", match.group(1))
+                    threading.Thread(target=self._watch, daemon=True).start()
+                    return
+            raise RuntimeError("the replica exited before it served:\n" + "".join(self.lines))
+
+        def _watch(self) -> None:
+            for _ in self.proc.stdout:
+                pass
+            self.proc.wait()
+            if not self.stopping:  # it died: so does the actor, and Ray starts both again
+                os._exit(1)
+
+        def address_of(self) -> tuple[str, str]:
+            return self.address
+
+        def stop(self) -> None:
+            self.stopping = True
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+
+    return ReplicaActor
+
+
+class RayReplicas:
+    """Starts and stops a fleet's replicas as restartable Ray actors, one per replica, each reserving
+    `cpus_per_replica` of the cluster's CPUs (Ray places them; the cores within a node are the OS's to pick)."""
+
+    def __init__(self, address: str | None = None) -> None:
+        why = ray_missing()
+        if why is not None:
+            raise NotAvailableError(f"--launcher ray: {why}")
+        import ray
+
+        self.ray = ray
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                 configure_logging=False)
+        self.actors: list = []
+
+    def cpus(self) -> int:
+        return int(self.ray.cluster_resources().get("CPU", 0))
+
+    def start(self, n: int, cpus_per_replica: int, worker_args: list[str], disk_path: str | None, host: str,
+              secrets: dict[str, str] | None = None) -> list[RayWorker]:
+        from sage_infer.hal.net import free_port
+
+        actor_class = _replica_actor_class(cpus_per_replica)
+        self.actors = [actor_class.remote([*worker_args, *worker_flags("replica", i, disk_path, None)], host,
+                                          free_port(), secrets or {}) for i in range(n)]
+        workers = []
+        for i, actor in enumerate(self.actors):
+            try:
+                url, model = self.ray.get(actor.address_of.remote())
+            except Exception as err:  # noqa: BLE001 - a replica that did not start: say which and why
+                self.stop()
+                raise ConfigError(f"--launcher ray: replica-{i} did not start: {err}") from None
+            workers.append(RayWorker("replica", i, actor, url, model))
+        return workers
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            try:
+                self.ray.get(actor.stop.remote(), timeout=30)
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - stopping what is left; the actor may be gone already
+                pass
+        self.actors = []
+        self.ray.shutdown()
+

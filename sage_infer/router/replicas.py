@@ -72,21 +72,37 @@ def _cpu_list(cpus: list[int]) -> str:
 
 
 def serve_replicas(n: int, worker_args: list[str], host: str, port: int, api_key: str | None,
-                   routing: str = "kv", disk_path: str | None = None) -> int:
-    """Run N local replicas and the fleet router until SIGINT/SIGTERM; exit code 0."""
+                   routing: str = "kv", disk_path: str | None = None, launcher: str = "local",
+                   ray_address: str | None = None, secrets: dict[str, str] | None = None) -> int:
+    """Run N replicas and the fleet router until SIGINT/SIGTERM; exit code 0. `launcher`: local (processes of this
+    command, pinned to core shares) or ray (restartable Ray actors, `router.ray_launch.RayReplicas`)."""
     check_routing(routing)
-    shares = split_cores(n)
-    print(f"sage: --replicas {n}: {describe_split(shares)}", file=sys.stderr, flush=True)
-    workers = [spawn_worker("replica", i, [*worker_args, *worker_flags("replica", i, disk_path, None)], share)
-               for i, share in enumerate(shares)]
-    wait_ready(workers, "--replicas")
+    if launcher == "ray":
+        from sage_infer.router.ray_launch import RayReplicas
+
+        ray_replicas = RayReplicas(ray_address)
+        cpus = ray_replicas.cpus()
+        if not 1 <= n <= min(cpus, MAX_REPLICAS):
+            ray_replicas.stop()
+            raise UsageError(f"--replicas {n}: the Ray cluster has {cpus} CPUs, one at least per replica")
+        print(f"sage: --replicas {n} on Ray: {cpus // n} CPU(s) each of the cluster's {cpus}", file=sys.stderr,
+              flush=True)
+        workers = ray_replicas.start(n, cpus // n, worker_args, disk_path, host, secrets)
+        stop = ray_replicas.stop
+    else:
+        shares = split_cores(n)
+        print(f"sage: --replicas {n}: {describe_split(shares)}", file=sys.stderr, flush=True)
+        workers = [spawn_worker("replica", i, [*worker_args, *worker_flags("replica", i, disk_path, None)], share)
+                   for i, share in enumerate(shares)]
+        wait_ready(workers, "--replicas")
+        stop = lambda: stop_workers(workers)  # noqa: E731
     try:
         return serve_fleet([w.url for w in workers], host, port, api_key, routing,
                            lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
                                           f"({n} replicas, routing {routing}: "
                                           f"{', '.join(f'{w.name} {w.url}' for w in workers)})"))
     finally:
-        stop_workers(workers)
+        stop()
 
 
 def probe_replicas(urls: list[str], api_key: str | None) -> None:
