@@ -1,5 +1,5 @@
-"""`sage`: the default eviction policy. Evicts the cached block with the lowest learned hit
-density among evictable leaves of the prefix tree.
+"""`sage`: a learned eviction policy (`policy.eviction: sage`; the default is `lru`). Evicts the
+cached block with the lowest learned hit density among evictable leaves of the prefix tree.
 
 Three parts:
 
