@@ -126,7 +126,7 @@ def test_a_replica_pushes_a_snapshot_events_with_their_tier_and_a_heartbeat(mode
         assert {"num_running", "num_waiting", "kv_usage"} <= set(next(m for m in lines if m["type"] == "load"))
 
 
-def test_without_prefix_caching_or_as_a_decode_worker_there_is_no_event_stream(model_dir):
+def test_a_decode_worker_publishes_no_event_stream(model_dir):
     with running_server(model_dir, role="decode") as decode:
         reply = httpx.get(f"{decode.url}/v1/kv/events/stream")
         assert reply.status_code == 404 and "does not publish KV events" in reply.json()["error"]["message"]
@@ -185,28 +185,35 @@ def test_a_killed_replica_leaves_the_routing_loses_no_request_and_resyncs_when_i
             proc.wait()
 
 
-def test_serve_replicas_starts_pinned_replicas_behind_one_url_and_stops_them(model_dir):
+@contextmanager
+def serve_replicas(model_dir, *flags: str, routing: str = "kv"):
+    """`sage llm serve --replicas 2 FLAGS` in a subprocess: (router URL, replica URLs, its stderr so far); SIGTERM
+    at the end must stop it with exit code 0."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SAGE_API_KEY", None)
     stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--replicas", "2",
-                             "--routing", "least-load", "--port", "0", "--model", str(model_dir),
+                             "--routing", routing, *flags, "--port", "0", "--model", str(model_dir),
                              "--set", "model.dtype=fp32"],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         line = proc.stdout.readline()
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(2 replicas, routing least-load: replica-0 (\S+), "
+        match = re.search(rf"at (http://127\.0\.0\.1:\d+)/v1 \(2 replicas, routing {routing}: replica-0 (\S+), "
                           r"replica-1 (\S+)\)", line)
         assert match, f"unexpected first line: {line!r}"
-        url, replicas = match.group(1), [match.group(2), match.group(3)]
-        got = complete(url, PREFIX)
-        assert got.usage.completion_tokens == 6
+        yield match.group(1), [match.group(2), match.group(3)], stderr
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(90)
-    assert code == 0
+        code = proc.wait(120)
     stderr.seek(0)
-    assert re.search(r"--replicas 2: replica-0: cores \S+ \(NUMA node \d+\); replica-1: cores", stderr.read())
+    assert code == 0, stderr.read()[-3000:]
+
+
+def test_serve_replicas_starts_pinned_replicas_behind_one_url_and_stops_them(model_dir):
+    with serve_replicas(model_dir, routing="least-load") as (url, replicas, stderr):
+        assert complete(url, PREFIX).usage.completion_tokens == 6
+        stderr.seek(0)
+        assert re.search(r"--replicas 2: replica-0: cores \S+ \(NUMA node \d+\); replica-1: cores", stderr.read())
     for replica in replicas:
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{replica}/health", timeout=2)
@@ -258,30 +265,13 @@ def _serve_pid(port: int) -> int:
 
 def test_replicas_on_ray_come_back_after_their_server_is_killed(model_dir):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'sage-infer[ray]'): --launcher ray untested")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("SAGE_API_KEY", None)
-    stderr = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--replicas", "2",
-                             "--launcher", "ray", "--port", "0", "--model", str(model_dir),
-                             "--set", "model.dtype=fp32"],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 \(2 replicas, routing kv: replica-0 (\S+), "
-                          r"replica-1 (\S+)\)", line)
-        assert match, f"unexpected first line: {line!r}"
-        url, replicas = match.group(1), [match.group(2), match.group(3)]
+    with serve_replicas(model_dir, "--launcher", "ray") as (url, replicas, _):
         assert complete(url, PREFIX).usage.completion_tokens == 6
         os.kill(_serve_pid(int(replicas[0].rsplit(":", 1)[1])), signal.SIGKILL)
         wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "degraded", "the router to drop it", 10)
         assert complete(url, PREFIX + [1]).usage.completion_tokens == 6  # the other replica serves meanwhile
         wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "ok", "Ray to restart it", 120)
         assert httpx.get(f"{replicas[0]}/health").status_code == 200  # back at the same address
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(120)
-    stderr.seek(0)
-    assert code == 0, stderr.read()[-3000:]
 
 
 def test_a_prefix_written_through_to_the_shared_tier_is_every_replicas(model_dir):

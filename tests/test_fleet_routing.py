@@ -8,7 +8,7 @@ import pytest
 from sage_infer.errors import UsageError
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier
-from sage_infer.kv_policy.routing import DECODE_CHARGE_TOKENS, FleetIndex, Hit, Request, Router
+from sage_infer.kv_policy.routing import FleetIndex, Hit, Request, Route, Router
 from sage_infer.prefix_reuse.events import BlockEvents, short
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from sage_infer.router.replicas import split_cores
@@ -73,10 +73,27 @@ def test_kv_routing_prefers_a_lower_tier_hit_to_recomputing_and_charges_decoding
     router = Router(index, "kv")
     request = Request(prompt_tokens=2 * BS + 1, hashes=hashes, tokens_per_block=BS)
     assert router.route(request).replica is b
-    b.outstanding = 4  # four requests decoding there outweigh loading two blocks from host
+    b.outstanding = 4  # four requests in flight there outweigh loading two blocks from host
     assert router.predicted_ttft_s(b, Hit(0, (("host", 2),)), request) > router.predicted_ttft_s(a, Hit(), request)
     assert router.route(request).replica is a
-    assert DECODE_CHARGE_TOKENS > 0
+
+
+def test_the_router_learns_the_prefill_rate_and_what_a_request_ahead_costs():
+    index = fleet("a", "b")
+    a, b = index.replicas
+    hashes = [f"h{i}" for i in range(64)]
+    index.reset(a, {"device": hashes})
+    router = Router(index, "kv", prefill_tokens_per_s=4000, seconds_per_request_ahead=0.001)
+    for _ in range(30):  # alone on its replica, 2,000 tokens took 1 s: 2,000 tok/s
+        router.learn(Route(b, Hit(), 0.5, ahead=0, queued_tokens=0, compute_tokens=2000), 1.0)
+    assert router.prefill_tokens_per_s == pytest.approx(2000, rel=0.01)
+    request = Request(prompt_tokens=64 * BS + 1, hashes=hashes, tokens_per_block=BS)
+    a.outstanding = 20  # a crowd decoding on the prefix's replica
+    assert router.route(request).replica is a  # at 1 ms each, it still looks cheaper than recomputing on b
+    for _ in range(30):  # but a cached request behind 20 others waited 4 s: 0.2 s each
+        router.learn(Route(a, Hit(64), 0.1, ahead=20, queued_tokens=0, compute_tokens=1), 4.0)
+    assert router.seconds_per_request_ahead == pytest.approx(0.2, rel=0.01)
+    assert router.route(request).replica is b  # recomputing on idle b (0.5 s) beats 4 s in a's queue
 
 
 def test_the_simple_policies():

@@ -10,9 +10,15 @@ blocks in the shared remote tier, which every replica can load. A prompt's hit o
 mirrors what its engine does: the leading blocks on its device, then the blocks right after
 them that a lower tier (its own, or the shared one) holds.
 
-The ``kv`` policy estimates each replica's time to first token — the prompt tokens already
-queued there, the prompt tokens it would still compute, the tokens it would load from a lower
-tier at that tier's speed, and a charge for the requests it is decoding — and picks the minimum.
+The ``kv`` policy estimates each replica's time to first token — the requests ahead of it there
+times the measured seconds each costs a newcomer, the prompt tokens already queued there, the
+prompt tokens it would still compute and the tokens it would load from a lower tier at that
+tier's speed, at the measured prefill rate — and picks the minimum, charging each token computed
+again once more (`MISS_CHARGE`): a prefix recomputed on a replica whose cache is full displaces
+another that later requests will recompute, so a prefix moves only when its replica's queue costs
+more than that. Both rates are learned from
+the first tokens the router sees (`Router.learn`): a replica that decodes a crowd is slow for a
+newcomer even when the crowd's prompts were all cached, and only measurement says how slow.
 The others are there to compare against and for users who want them: ``round-robin``,
 ``random``, ``least-load`` (fewest requests in flight) and ``session`` (a consistent hash of a
 session key: a replica keeps its sessions while the set of live replicas stays the same).
@@ -36,7 +42,13 @@ DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 # how many times faster than computing it a tier gives a token's KV back (the cost model's measured load speeds
 # refine these on a replica; the router only needs their order and rough size)
 LOAD_SPEEDUP = {DEVICE: float("inf"), "host": 20.0, "disk": 6.0, SHARED: 3.0}
-DECODE_CHARGE_TOKENS = 32  # prompt tokens a replica's step time grows by per request it is decoding
+# seconds one request already in flight at a replica adds to a newcomer's first token, until measured
+DEFAULT_SECONDS_PER_REQUEST_AHEAD = 0.008
+# a token computed again is charged this much more when choosing (not in the predicted TTFT): the blocks it fills
+# evict a prefix later requests will recompute; without it two replicas near saturation trade customers and thrash
+MISS_CHARGE = 1.0
+LEARN_WEIGHT = 0.2  # of the newest observation in the learned rates' moving averages
+MIN_LEARN_TOKENS = 256  # a first token after fewer computed tokens says too little about the prefill rate
 
 
 @dataclass(slots=True)
@@ -66,11 +78,14 @@ class Hit:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """A policy's choice: the replica, and (kv) what it expects there."""
+    """A policy's choice: the replica, what it expects there (kv), and the replica's load when it was chosen."""
 
     replica: Replica
     hit: Hit = Hit()
     predicted_ttft_s: float | None = None
+    ahead: int = 0  # requests in flight at the replica when this one was routed
+    queued_tokens: int = 0  # prompt tokens queued there then
+    compute_tokens: int = 0  # prompt tokens this request computes there
 
 
 class FleetIndex:
@@ -165,12 +180,14 @@ class Router:
     """Picks a live replica for each request by `policy` (one of `ROUTING_POLICIES`)."""
 
     def __init__(self, index: FleetIndex, policy: str = "kv", seed: int | None = None,
-                 prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> None:
+                 prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                 seconds_per_request_ahead: float = DEFAULT_SECONDS_PER_REQUEST_AHEAD) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing {policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
         self.index = index
         self.policy = policy
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.seconds_per_request_ahead = seconds_per_request_ahead
         self._turn = itertools.count()
         self._random = random.Random(seed)
 
@@ -196,25 +213,47 @@ class Router:
     def _by_ttft(self, request: Request, live: list[Replica]) -> Route:
         """The lowest predicted TTFT; among equals (no hit anywhere, no queue) the replica with the fewest requests
         in flight, then the emptiest device cache, then the next in turn, so new prefixes spread over the fleet."""
-        routes = []
+        routes, scores = [], []
         for replica in live:
             hit = self.index.hit(replica, request.hashes)
-            routes.append(Route(replica, hit, self.predicted_ttft_s(replica, hit, request)))
-        best = min(r.predicted_ttft_s for r in routes)
-        tied = [r for r in routes if r.predicted_ttft_s <= best * (1 + 1e-9)]
+            compute = self._compute_tokens(hit, request)
+            route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,
+                          replica.queued_tokens, compute)
+            routes.append(route)
+            scores.append(route.predicted_ttft_s + MISS_CHARGE * compute / self.prefill_tokens_per_s)
+        best = min(scores)
+        tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
         if len(tied) == 1:
             return tied[0]
         turn = next(self._turn)
         return min(tied, key=lambda r: (r.replica.outstanding, len(r.replica.media[DEVICE]),
                                         (live.index(r.replica) - turn) % len(live)))
 
+    @staticmethod
+    def _compute_tokens(hit: Hit, request: Request) -> int:
+        return max(0, request.prompt_tokens - hit.blocks * request.tokens_per_block)
+
     def predicted_ttft_s(self, replica: Replica, hit: Hit, request: Request) -> float:
-        """Queue (prompt tokens ahead of it, requests decoding) + the tokens it computes + the tokens it loads."""
+        """Requests ahead x their measured cost + (prompt tokens queued + computed + loaded) / the prefill rate."""
         bs = request.tokens_per_block
-        compute = max(0, request.prompt_tokens - hit.blocks * bs)
         load = sum(n * bs / LOAD_SPEEDUP[medium] for medium, n in hit.lower_blocks)
-        ahead = replica.queued_tokens + DECODE_CHARGE_TOKENS * replica.outstanding
-        return (ahead + compute + load) / self.prefill_tokens_per_s
+        tokens = replica.queued_tokens + self._compute_tokens(hit, request) + load
+        return replica.outstanding * self.seconds_per_request_ahead + tokens / self.prefill_tokens_per_s
+
+    def learn(self, route: Route, ttft_s: float) -> None:
+        """Fold one measured first token into the two rates: alone at its replica with enough to compute, it measures
+        the prefill rate; behind others, what each request ahead cost it beyond the tokens it waited for."""
+        if ttft_s <= 0:
+            return
+        if route.ahead == 0 and route.queued_tokens == 0:
+            if route.compute_tokens >= MIN_LEARN_TOKENS:
+                rate = route.compute_tokens / ttft_s
+                self.prefill_tokens_per_s += LEARN_WEIGHT * (rate - self.prefill_tokens_per_s)
+            return
+        tokens_s = (route.queued_tokens + route.compute_tokens) / self.prefill_tokens_per_s
+        per_request = max(0.0, ttft_s - tokens_s) / route.ahead if route.ahead else None
+        if per_request is not None:
+            self.seconds_per_request_ahead += LEARN_WEIGHT * (per_request - self.seconds_per_request_ahead)
 
 
 def _rendezvous(key: str, name: str) -> int:

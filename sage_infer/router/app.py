@@ -30,9 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sage_infer import __version__
 from sage_infer.config.serve import RouterConfig
 from sage_infer.router.admission import Admission, Slo
 from sage_infer.router.http import (
@@ -42,6 +40,7 @@ from sage_infer.router.http import (
     encode,
     passthrough,
     read_body,
+    router_app,
     several_prompts,
     usage_event,
     usage_of,
@@ -49,7 +48,7 @@ from sage_infer.router.http import (
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import validate_body
-from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
+from sage_infer.server.errors import APIError, check_bearer, error_body
 from sage_infer.server.pd_auth import sign_pull
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -62,7 +61,7 @@ ROUTER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")  # read by the router, not sent t
 
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
     """The router app over `instances`; `api_key` is required from clients and sent to workers."""
-    app = FastAPI(title="sage_infer router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = router_app("sage_infer router")
     metrics = RouterMetrics()
     admission = Admission(config or RouterConfig(), len(instances.decode))
     metrics.waiting.set_function(lambda: len(admission.waiting))
@@ -83,22 +82,6 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
 
     def authorize(request: Request) -> None:
         check_bearer(request.headers.get("authorization", ""), api_key)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        return error_response(500, "internal server error")
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
 
     async def call(worker: Instance, path: str, body: dict) -> httpx.Response:
         """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""

@@ -31,9 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sage_infer import __version__
 from sage_infer.kv_policy.routing import LOWER_MEDIA, SHARED, FleetIndex, Replica, Route, Router
 from sage_infer.kv_policy.routing import Request as RouteRequest
 from sage_infer.prefix_reuse.events import short
@@ -44,13 +42,14 @@ from sage_infer.router.http import (
     cached_tokens,
     encode,
     read_body,
+    router_app,
     several_prompts,
     usage_event,
     usage_of,
 )
 from sage_infer.router.metrics import FleetMetrics
 from sage_infer.server.body import validate_body
-from sage_infer.server.errors import APIError, check_bearer, error_body, error_response
+from sage_infer.server.errors import APIError, check_bearer, error_body
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("sage_infer.router")
@@ -296,6 +295,14 @@ class FleetRouter:
         self.metrics.reported_cached.inc(reported)
         self.metrics.prediction_error.inc(abs(predicted - reported))
 
+    def first_token(self, route: Route, seconds: float) -> None:
+        """A streamed request's first token came `seconds` after it was sent: check and refine the prediction."""
+        if route.predicted_ttft_s is None:
+            return
+        self.metrics.ttft_error.inc(abs(seconds - route.predicted_ttft_s))
+        self.metrics.ttft_observed.inc(seconds)
+        self.policy.learn(route, seconds)
+
     async def call(self, link: ReplicaLink, route: Route, path: str, body: dict,
                    described: RouteRequest) -> Response:
         queued = self.enter(link, route, described)
@@ -322,6 +329,7 @@ class FleetRouter:
         if isinstance(options, dict):
             body = {**body, "stream_options": {**options, "include_usage": True}}
         queued = self.enter(link, route, described)
+        sent = time.monotonic()
         try:
             request = self.client.build_request("POST", f"{link.url}{path}", content=encode(body),
                                                 headers=self.headers)
@@ -338,7 +346,7 @@ class FleetRouter:
                 self.failed(link, "HTTP 503")
                 raise ReplicaUnreachable
             return Response(content, status_code=upstream.status_code, media_type="application/json")
-        relay = _Relay(self, link, route, described, upstream, queued, wants_usage)
+        relay = _Relay(self, link, route, described, upstream, queued, wants_usage, sent)
         return StreamingResponse(relay.events(), media_type="text/event-stream",
                                  background=BackgroundTask(relay.finish))
 
@@ -374,9 +382,9 @@ class _Relay:
     """One streamed answer on its way from a replica to the client."""
 
     def __init__(self, router: FleetRouter, link: ReplicaLink, route: Route, described: RouteRequest,
-                 upstream: httpx.Response, queued: int, wants_usage: bool) -> None:
+                 upstream: httpx.Response, queued: int, wants_usage: bool, sent: float) -> None:
         self.router, self.link, self.route, self.described = router, link, route, described
-        self.upstream, self.queued, self.wants_usage = upstream, queued, wants_usage
+        self.upstream, self.queued, self.wants_usage, self.sent = upstream, queued, wants_usage, sent
         self.first = False
         self.done = False
 
@@ -387,6 +395,7 @@ class _Relay:
                 if not self.first:  # the first token: its prompt is computed, no longer queued there
                     self.first = True
                     self.router.leave(self.link, self.queued, finished=False)
+                    self.router.first_token(self.route, time.monotonic() - self.sent)
                 *events, pending = (pending + chunk).split(b"\n\n")
                 relayed = []
                 for event in events:
@@ -428,8 +437,7 @@ def _session_key(body: dict, request: Request) -> str:
 
 def build_fleet_app(router: FleetRouter) -> FastAPI:
     """The HTTP face of `router`: the client routes a replica answers, plus the router's own health and metrics."""
-    app = FastAPI(title="sage_infer fleet router", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = router_app("sage_infer fleet router")
     app.state.router = router
 
     @contextlib.asynccontextmanager
@@ -439,18 +447,6 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
         await router.stop()
 
     app.router.lifespan_context = lifespan
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        return error_response(500, "internal server error")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -467,10 +463,6 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         return router.health(request)
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -3,17 +3,48 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError
+from sage_infer.server.errors import APIError, error_response
+
+log = logging.getLogger("sage_infer.router")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 # what a worker needs to hash a prompt's blocks (POST /v1/kv/hashes, /v1/kv/match)
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
+
+
+def router_app(title: str) -> FastAPI:
+    """A router's FastAPI app: every error OpenAI-style JSON (its own, an unknown path or method, and an unexpected
+    failure: a 500 with no internals for the client, the traceback in the log), and ``/version``."""
+    app = FastAPI(title=title, version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        return error_response(500, "internal server error")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    return app
 
 
 def encode(body: dict) -> bytes:

@@ -58,6 +58,11 @@ class FleetMetrics(RouterMetrics):
                                     "events tell the router.", ["instance", "medium"], registry=r)
         self.fleet_retries = Counter("sage:router_retries", "Requests sent to another replica because the one chosen "
                                      "was unreachable or refused before it answered.", registry=r)
+        self.ttft_error = Counter("sage:router_ttft_prediction_abs_error_seconds", "Sum over streamed kv-routed "
+                                  "requests of |predicted - observed| seconds to the first token (observed: from the "
+                                  "call to the replica).", registry=r)
+        self.ttft_observed = Counter("sage:router_ttft_observed_seconds", "Sum of the same requests' observed seconds "
+                                     "to the first token (relative error = the error / this).", registry=r)
         self.lost = Counter("sage:router_replica_lost", "Times a replica left the routing (its event stream broke or "
                             "went silent, or a call to it failed).", ["instance"], registry=r)
 

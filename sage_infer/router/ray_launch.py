@@ -43,6 +43,47 @@ class RayWorker:
         return f"{self.role}-{self.index}"
 
 
+def _serve_on_node(args: list[str], host: str, port: int, env: dict[str, str]) -> tuple[subprocess.Popen, str, str]:
+    """`sage llm serve ARGS` on this node, on loopback unless `host` is not (then on all interfaces, reached at the
+    node's IP): (its process, URL, model) once it serves; RuntimeError with its last lines if it exits first."""
+    bind = host
+    if host not in LOOPBACK:
+        import ray
+
+        bind, host = "0.0.0.0", ray.util.get_node_ip_address()
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args, "--host", bind,
+                             "--port", str(port)], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines = (lines + [line])[-40:]
+        match = READY.search(line)
+        if match:
+            return proc, f"http://{host}:{match.group(2).rsplit(':', 1)[1]}", match.group(1)
+    raise RuntimeError("the worker exited before it served:\n" + "".join(lines))
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _connect(address: str | None):
+    """Ray, joined to the cluster at `address` (a local instance unless given); NotAvailableError without Ray."""
+    why = ray_missing()
+    if why is not None:
+        raise NotAvailableError(f"--launcher ray: {why}")
+    import ray
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             configure_logging=False)
+    return ray
+
+
 def _actor_class():
     import ray
 
@@ -50,38 +91,18 @@ def _actor_class():
     class ServeActor:
         def __init__(self) -> None:
             self.proc: subprocess.Popen | None = None
-            self.lines: list[str] = []
 
         def start(self, args: list[str], host: str, env: dict[str, str]) -> tuple[str, str]:
-            bind = host
-            if host not in LOOPBACK:
-                import ray as _ray
-
-                bind, host = "0.0.0.0", _ray.util.get_node_ip_address()
-            self.proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
-                                          "--host", bind, "--port", "0"],
-                                         env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, bufsize=1)
-            for line in self.proc.stdout:
-                self.lines = (self.lines + [line])[-40:]
-                match = READY.search(line)
-                if match:
-                    threading.Thread(target=self._drain, daemon=True).start()
-                    port = match.group(2).rsplit(":", 1)[1]
-                    return f"http://{host}:{port}", match.group(1)
-            raise RuntimeError("the worker exited before it served:\n" + "".join(self.lines))
+            self.proc, url, model = _serve_on_node(args, host, 0, env)
+            threading.Thread(target=self._drain, daemon=True).start()
+            return url, model
 
         def _drain(self) -> None:
             for _ in self.proc.stdout:
                 pass
 
         def stop(self) -> None:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+            _stop(self.proc)
 
     return ServeActor
 
@@ -90,14 +111,7 @@ class RayLauncher:
     """Starts and stops the workers of one deployment as Ray actors."""
 
     def __init__(self, address: str | None = None) -> None:
-        why = ray_missing()
-        if why is not None:
-            raise NotAvailableError(f"--launcher ray: {why}")
-        import ray
-
-        self.ray = ray
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                 configure_logging=False)
+        self.ray = _connect(address)
         self.workers: list[RayWorker] = []
 
     def start(self, num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
@@ -140,25 +154,10 @@ def _replica_actor_class(num_cpus: int):
         fleet router finds it and takes its snapshot."""
 
         def __init__(self, args: list[str], host: str, port: int, env: dict[str, str]) -> None:
-            bind = host
-            if host not in LOOPBACK:
-                import ray as _ray
-
-                bind, host = "0.0.0.0", _ray.util.get_node_ip_address()
             self.stopping = False
-            self.lines: list[str] = []
-            self.proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
-                                          "--host", bind, "--port", str(port)],
-                                         env={**os.environ, "OMP_NUM_THREADS": str(num_cpus), **env},
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-            for line in self.proc.stdout:
-                self.lines = (self.lines + [line])[-40:]
-                match = READY.search(line)
-                if match:
-                    self.address = (f"http://{host}:{port}", match.group(1))
-                    threading.Thread(target=self._watch, daemon=True).start()
-                    return
-            raise RuntimeError("the replica exited before it served:\n" + "".join(self.lines))
+            self.proc, url, model = _serve_on_node(args, host, port, {"OMP_NUM_THREADS": str(num_cpus), **env})
+            self.address = (url, model)
+            threading.Thread(target=self._watch, daemon=True).start()
 
         def _watch(self) -> None:
             for _ in self.proc.stdout:
@@ -172,12 +171,7 @@ def _replica_actor_class(num_cpus: int):
 
         def stop(self) -> None:
             self.stopping = True
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+            _stop(self.proc)
 
     return ReplicaActor
 
@@ -187,14 +181,7 @@ class RayReplicas:
     `cpus_per_replica` of the cluster's CPUs (Ray places them; the cores within a node are the OS's to pick)."""
 
     def __init__(self, address: str | None = None) -> None:
-        why = ray_missing()
-        if why is not None:
-            raise NotAvailableError(f"--launcher ray: {why}")
-        import ray
-
-        self.ray = ray
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                 configure_logging=False)
+        self.ray = _connect(address)
         self.actors: list = []
 
     def cpus(self) -> int:
