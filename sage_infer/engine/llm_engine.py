@@ -79,7 +79,8 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.extra_key = parts.extra_key
         self.pd = parts.pd
-        self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key)
+        self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key,
+                                 self.runner.pool.num_blocks)
         self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified, tokens proposed and accepted

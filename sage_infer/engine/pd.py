@@ -85,9 +85,11 @@ class PDRole:
 class PrefixView:
     """What a KV-aware router reads of an engine's device prefix cache (`index` None: prefix caching off)."""
 
-    def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys) -> None:
+    def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys,
+                 num_blocks: int = 0) -> None:
         self.index = index
         self.block_size = block_size
+        self.num_blocks = num_blocks  # the device pool's capacity (a router weighs what a miss would evict)
         self.extra_key = extra_key
 
     def overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
@@ -115,9 +117,10 @@ class PrefixView:
 
     def recipe(self) -> dict | None:
         """How this engine names its blocks, for a router that hashes token-id prompts itself: the block size and
-        the parts of the extra key (`prefix_reuse.hashing.ExtraKeys`) besides a request's cache salt."""
+        the parts of the extra key (`prefix_reuse.hashing.ExtraKeys`) besides a request's cache salt; and how many
+        blocks its device holds."""
         if self.index is None:
             return None
         key = self.extra_key
         return {"block_size": self.block_size, "model_id": key.model_id, "revision": key.revision,
-                "kv_dtype": key.kv_dtype, "layout": key.layout}
+                "kv_dtype": key.kv_dtype, "layout": key.layout, "num_blocks": self.num_blocks}

@@ -13,10 +13,11 @@ them that a lower tier (its own, or the shared one) holds.
 The ``kv`` policy estimates each replica's time to first token — the requests ahead of it there
 times the measured seconds each costs a newcomer, the prompt tokens already queued there, the
 prompt tokens it would still compute and the tokens it would load from a lower tier at that
-tier's speed, at the measured prefill rate — and picks the minimum, charging each token computed
-again once more (`MISS_CHARGE`): a prefix recomputed on a replica whose cache is full displaces
-another that later requests will recompute, so a prefix moves only when its replica's queue costs
-more than that. Both rates are learned from
+tier's speed, at the measured prefill rate — and picks the minimum. On a replica whose device cache
+is full, each token computed again is charged `MISS_CHARGE` times more when choosing: the blocks
+it fills evict a prefix that later requests will recompute, which evicts another in turn, so
+near saturation a prefix moves only when its replica's queue costs far more than that. Both rates
+are learned from
 the first tokens the router sees (`Router.learn`): a replica that decodes a crowd is slow for a
 newcomer even when the crowd's prompts were all cached, and only measurement says how slow.
 The others are there to compare against and for users who want them: ``round-robin``,
@@ -44,9 +45,11 @@ DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 LOAD_SPEEDUP = {DEVICE: float("inf"), "host": 20.0, "disk": 6.0, SHARED: 3.0}
 # seconds one request already in flight at a replica adds to a newcomer's first token, until measured
 DEFAULT_SECONDS_PER_REQUEST_AHEAD = 0.008
-# a token computed again is charged this much more when choosing (not in the predicted TTFT): the blocks it fills
-# evict a prefix later requests will recompute; without it two replicas near saturation trade customers and thrash
-MISS_CHARGE = 1.0
+# on a full device cache, a token computed again is charged this many times more when choosing (not in the predicted
+# TTFT): the blocks it fills evict a prefix later requests will recompute; without the charge two replicas near
+# saturation trade customers and thrash (both caches full, each move evicts the prefix of the next request)
+MISS_CHARGE = 8.0
+FULL_SHARE = 0.9  # a device cache holding this share of its capacity (by its events) counts as full
 LEARN_WEIGHT = 0.2  # of the newest observation in the learned rates' moving averages
 MIN_LEARN_TOKENS = 256  # a first token after fewer computed tokens says too little about the prefill rate
 
@@ -62,6 +65,7 @@ class Replica:
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
     num_waiting: int = 0  # as the replica last reported
     routed: int = 0
+    capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +224,8 @@ class Router:
             route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,
                           replica.queued_tokens, compute)
             routes.append(route)
-            scores.append(route.predicted_ttft_s + MISS_CHARGE * compute / self.prefill_tokens_per_s)
+            charge = MISS_CHARGE if _full(replica, compute, request.tokens_per_block) else 0.0
+            scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
         best = min(scores)
         tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
         if len(tied) == 1:
@@ -254,6 +259,14 @@ class Router:
         per_request = max(0.0, ttft_s - tokens_s) / route.ahead if route.ahead else None
         if per_request is not None:
             self.seconds_per_request_ahead += LEARN_WEIGHT * (per_request - self.seconds_per_request_ahead)
+
+
+def _full(replica: Replica, compute_tokens: int, tokens_per_block: int) -> bool:
+    """Whether computing that many tokens there would evict cached blocks (unknown capacity: assume so)."""
+    if replica.capacity_blocks <= 0:
+        return True
+    needed = -(-compute_tokens // tokens_per_block) if tokens_per_block else 0
+    return len(replica.media[DEVICE]) + needed > FULL_SHARE * replica.capacity_blocks
 
 
 def _rendezvous(key: str, name: str) -> int:

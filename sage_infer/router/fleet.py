@@ -149,6 +149,7 @@ class FleetRouter:
         if kind == "snapshot":
             self.index.reset(replica, message["blocks"])
             link.recipe = message.get("recipe")
+            replica.capacity_blocks = int((link.recipe or {}).get("num_blocks") or 0)
             link.connected = True
             link.refresh()
         elif kind == "events":
@@ -231,12 +232,12 @@ class FleetRouter:
         if recipe is None:
             return False
         salt = body.get("cache_salt")
-        key = self._extra_keys.get((tuple(recipe.values()), salt))
+        parts = (recipe["model_id"], recipe["revision"], recipe["kv_dtype"], recipe["layout"])
+        key = self._extra_keys.get((parts, salt))
         if key is None:
             if len(self._extra_keys) >= MAX_EXTRA_KEYS:
                 self._extra_keys.clear()
-            key = self._extra_keys[(tuple(recipe.values()), salt)] = make_extra_key(
-                recipe["model_id"], recipe["revision"], recipe["kv_dtype"], recipe["layout"], salt)
+            key = self._extra_keys[(parts, salt)] = make_extra_key(*parts, salt)
         try:
             hashes = prompt_block_hashes(prompt, recipe["block_size"], key)
         except ValueError:  # ids out of int64 range: the replica's 400 says so
@@ -256,6 +257,9 @@ class FleetRouter:
             tried.add(route.replica.name)
             if len(tried) == 1:
                 self.metrics.overhead.observe(time.perf_counter() - started)
+                if described.hashes and any(self.index.hit(r, described.hashes).blocks > route.hit.blocks
+                                            for r in self.index.replicas if r.up):
+                    self.metrics.moved.inc()
             link = self.links[route.replica.name]
             try:
                 if body.get("stream"):

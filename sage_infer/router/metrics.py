@@ -63,6 +63,8 @@ class FleetMetrics(RouterMetrics):
                                   "call to the replica).", registry=r)
         self.ttft_observed = Counter("sage:router_ttft_observed_seconds", "Sum of the same requests' observed seconds "
                                      "to the first token (relative error = the error / this).", registry=r)
+        self.moved = Counter("sage:router_prefix_moves", "kv-routed requests sent to a replica holding fewer of their "
+                             "blocks than another live replica did (load outweighed the cache).", registry=r)
         self.lost = Counter("sage:router_replica_lost", "Times a replica left the routing (its event stream broke or "
                             "went silent, or a call to it failed).", ["instance"], registry=r)
 

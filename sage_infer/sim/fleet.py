@@ -83,6 +83,8 @@ def replay_fleet(requests: Sequence[TraceRequest], routing: str, replicas: int, 
     router = Router(index, routing, seed, prefill_tokens_per_s)
     caches = [TraceCache(make_policy(policy, capacity=capacity_blocks), capacity_blocks) for _ in names]
     logs = [cache.index.enable_events() for cache in caches]
+    for replica in index.replicas:
+        replica.capacity_blocks = capacity_blocks
     cursors = [-1] * replicas
     position = {name: i for i, name in enumerate(names)}
     busy_until = [0.0] * replicas
