@@ -16,8 +16,12 @@ from sage_infer.router.replicas import split_cores
 BS = 16
 
 
-def fleet(*names: str) -> FleetIndex:
-    return FleetIndex(list(names))
+def fleet(*names: str, capacity_blocks: int = 1000) -> FleetIndex:
+    """Replicas with room to spare in their device caches (unless `capacity_blocks` says otherwise)."""
+    index = FleetIndex(list(names))
+    for replica in index.replicas:
+        replica.capacity_blocks = capacity_blocks
+    return index
 
 
 def test_a_hit_is_the_device_prefix_then_the_lower_tiers_right_after_it():
@@ -63,6 +67,20 @@ def test_kv_routing_goes_where_the_prefix_is_until_the_queue_there_costs_more_th
     a.queued_tokens = 8 * BS * 4  # a is busy computing other prompts: recomputing on idle b is faster
     assert router.route(request).replica is b
     assert router.route(request, exclude={"b"}).replica is a
+
+
+def test_on_full_caches_a_prefix_moves_only_when_its_replica_is_far_busier():
+    index = fleet("a", "b", capacity_blocks=8)  # both caches full: a move evicts someone else's prefix
+    a, b = index.replicas
+    hashes = [f"h{i}" for i in range(8)]
+    index.reset(a, {"device": hashes})
+    index.reset(b, {"device": [f"other{i}" for i in range(8)]})
+    router = Router(index, "kv")
+    request = Request(prompt_tokens=8 * BS + 3, hashes=hashes, tokens_per_block=BS)
+    a.queued_tokens = 8 * BS * 4  # would move it with room to spare (the test above), not here
+    assert router.route(request).replica is a
+    a.queued_tokens = 8 * BS * 40
+    assert router.route(request).replica is b
 
 
 def test_kv_routing_prefers_a_lower_tier_hit_to_recomputing_and_charges_decoding_requests():
