@@ -26,7 +26,8 @@ class RunningServer:
 def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 128, max_num_seqs: int = 64,
                    max_waiting: int = 1024, drain_seconds: int = 5, tiers: TierConfig | None = None,
                    quota: QuotaConfig | None = None, role: str = "both", kv_transport: dict | None = None,
-                   kv_dtype: str = "auto", speculative: dict | None = None, max_model_len: int | None = None):
+                   kv_dtype: str = "auto", speculative: dict | None = None, max_model_len: int | None = None,
+                   kv_events: dict | None = None):
     config = ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=max_model_len),
         kv_pool=KVPoolConfig(num_blocks=num_blocks, kv_dtype=kv_dtype),
@@ -38,6 +39,7 @@ def running_server(model_dir, *, api_key: str | None = None, num_blocks: int = 1
         role=role,
         kv_transport=kv_transport or {},
         speculative=speculative or {},
+        kv_events=kv_events or {},
     )
     server, backend, model_name = build_server(config, drain_seconds=drain_seconds)
     with serving(server) as url:

@@ -47,6 +47,9 @@ CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
         lambda config: config.scheduler.enable_chunked_prefill and config.scheduler.long_prefill_token_threshold > 0,
         "used only with scheduler.enable_chunked_prefill and a scheduler.long_prefill_token_threshold (the length "
         "that makes a prompt short)"),
+    **{f"kv_events.{name}": (lambda config: config.kv_events.publisher == "zmq",
+                             "used only with kv_events.publisher=zmq")
+       for name in ("endpoint", "replay_endpoint", "buffer_steps", "topic")},
     "kv_transport.process_group": (lambda config: config.kv_transport.backend == "torchdist",
                                    "used only with kv_transport.backend=torchdist (the group its KV moves in)"),
     **{f"kv_transport.process_group.{name}": (

@@ -205,6 +205,21 @@ class PolicyConfig(Strict):
     eviction: Literal["lru", "lfu", "arc", "s3fifo", "cost", "sage"] = "lru"
 
 
+class KVEventsConfig(Strict):
+    """KV block events in vLLM's ZMQ format, for routers built for vLLM (llm-d, Dynamo). sage's own fleet router
+    reads the authenticated HTTP stream (GET /v1/kv/events/stream) instead and needs none of this."""
+
+    publisher: Literal["null", "zmq"] = Field(
+        "null", description="zmq: publish every block stored or removed (device, host, disk, remote) as vLLM's "
+        "KVEventBatch (msgpack) on a ZMQ PUB socket; null: do not. Needs pip install 'sage-infer[events]'.")
+    endpoint: str = Field("tcp://127.0.0.1:5557", pattern=r"^(tcp|ipc)://", description="The PUB socket's address "
+                          "(bound). Loopback unless told otherwise: the ZMQ channel, like vLLM's, carries no key.")
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://", description="A ROUTER socket where a "
+                                        "subscriber that missed batches asks for them again from a sequence number.")
+    buffer_steps: int = Field(10_000, ge=1, le=1_000_000, description="Batches kept for replay.")
+    topic: str = Field("", max_length=256, description="The topic every message is published under.")
+
+
 class RouterConfig(Strict):
     """The prefill/decode router `--pd xPyD` starts (not used by a single server)."""
 
@@ -334,6 +349,7 @@ class ServeConfig(BaseSettings):
     policy: PolicyConfig = PolicyConfig()
     quota: QuotaConfig = QuotaConfig()
     router: RouterConfig = RouterConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_transport: KVTransportConfig = KVTransportConfig()

@@ -47,7 +47,9 @@ class EventRead:
 
     next: int
     reset: bool
-    events: list[tuple[str, str, str]]  # (stored | removed, medium, hash16), in order (empty when reset)
+    # (stored | removed, medium, hash16, parent hash16 or None, token ids), in order (empty when reset); the parent and
+    # tokens of a block the device stored (what vLLM-format consumers hash by), else None and ()
+    events: list[tuple[str, str, str, str | None, tuple[int, ...]]]
     snapshot: dict[str, list[str]]  # reset: medium -> every hash16 it holds now (empty otherwise)
 
 
@@ -58,7 +60,7 @@ class BlockEvents:
 
     def __init__(self, snapshot: Callable[[], Iterable[bytes]], capacity: int = MAX_EVENTS) -> None:
         self._snapshots: dict[str, Callable[[], Iterable[bytes]]] = {DEVICE: snapshot}
-        self._log: deque[tuple[str, str, str]] = deque(maxlen=capacity)
+        self._log: deque[tuple[str, str, str, str | None, tuple[int, ...]]] = deque(maxlen=capacity)
         self._next = 0  # sequence number of the next event
         self._lock = threading.Lock()
 
@@ -70,15 +72,17 @@ class BlockEvents:
     def media(self) -> tuple[str, ...]:
         return tuple(self._snapshots)
 
-    def stored(self, block_hash: bytes, medium: str = DEVICE) -> None:
-        self._append(STORED, medium, block_hash)
+    def stored(self, block_hash: bytes, medium: str = DEVICE, parent: bytes | None = None,
+               token_ids: tuple[int, ...] = ()) -> None:
+        entry = (STORED, medium, short(block_hash), None if parent is None else short(parent), token_ids)
+        with self._lock:
+            self._log.append(entry)
+            self._next += 1
 
     def removed(self, block_hash: bytes, medium: str = DEVICE) -> None:
-        self._append(REMOVED, medium, block_hash)
-
-    def _append(self, op: str, medium: str, block_hash: bytes) -> None:
+        entry = (REMOVED, medium, short(block_hash), None, ())
         with self._lock:
-            self._log.append((op, medium, short(block_hash)))
+            self._log.append(entry)
             self._next += 1
 
     @property
@@ -93,7 +97,7 @@ class BlockEvents:
                 return EventBatch(self._next, True, ["+" + h for h in self._hashes(DEVICE)])
             tail = list(self._log)[n - oldest:]
         return EventBatch(self._next, False, [("+" if op == STORED else "-") + h
-                                              for op, medium, h in tail if medium == DEVICE])
+                                              for op, medium, h, _, _ in tail if medium == DEVICE])
 
     def read(self, n: int) -> EventRead:
         """Every medium's events numbered n and later, or (n out of the log's range) the whole current set."""

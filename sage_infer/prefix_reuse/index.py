@@ -217,7 +217,7 @@ class PrefixReuseIndex:
             parent.num_children += 1
         self.policy.on_insert(block_hash, node.depth, parent_hash)
         if self.events is not None:
-            self.events.stored(block_hash)
+            self.events.stored(block_hash, parent=parent_hash, token_ids=node.token_ids)
         if self._is_in_use is not None and self._is_in_use(block_id):
             self._set_active(node, in_use=True)
         return block_hash, True

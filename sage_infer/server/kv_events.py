@@ -37,7 +37,7 @@ async def event_stream(backend, closing: Callable[[], bool]) -> AsyncIterator[by
         if read.reset:
             yield _line({"type": "snapshot", "next": read.next, "blocks": read.snapshot, "recipe": backend.kv_recipe()})
         elif read.events:
-            yield _line({"type": "events", "next": read.next, "events": read.events})
+            yield _line({"type": "events", "next": read.next, "events": [e[:3] for e in read.events]})
         cursor = read.next
         now = time.monotonic()
         if now - last_beat >= HEARTBEAT_S:

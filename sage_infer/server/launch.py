@@ -46,6 +46,15 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
     model_name = backend.model_info().name
     api_key = config.api_key.get_secret_value() if config.api_key else None
     app = build_app(backend, api_key, allowed_peers=config.kv_transport.allowed_peers)
+    publisher = None
+    if config.kv_events.publisher == "zmq":  # vLLM-format events for routers built for vLLM
+        from sage_infer.server.kv_events_zmq import ZmqEventPublisher
+
+        try:
+            publisher = ZmqEventPublisher(backend, config.kv_events)
+        except Exception:
+            backend.shutdown(5.0)
+            raise
 
     async def watch() -> None:
         """Two things no request sees coming. An engine that died answers every request 503, so the process must
@@ -86,6 +95,8 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
         yield
         watcher.cancel()
         app.state.accepting = False
+        if publisher is not None:
+            publisher.close()
         await asyncio.to_thread(backend.shutdown, 5.0)
 
     app.router.lifespan_context = lifespan
