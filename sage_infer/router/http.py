@@ -8,11 +8,10 @@ import logging
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError, error_response
+from sage_infer.server.errors import APIError, openai_errors
 
 log = logging.getLogger("sage_infer.router")
 
@@ -27,18 +26,7 @@ def router_app(title: str) -> FastAPI:
     failure: a 500 with no internals for the client, the traceback in the log), and ``/version``."""
     app = FastAPI(title=title, version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-        return error_response(500, "internal server error")
+    openai_errors(app, log)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -10,15 +10,13 @@ import uuid
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sage_infer import __version__
 from sage_infer.interfaces.backend import InferenceBackend
 from sage_infer.server.body import parse_body
-from sage_infer.server.errors import APIError, check_bearer, error_response
+from sage_infer.server.errors import APIError, check_bearer, error_response, openai_errors
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.kv_events import event_stream
 from sage_infer.server.metrics import ServerMetrics
@@ -67,23 +65,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         if not app.state.accepting:
             raise APIError(503, "the server is shutting down")
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(err.errors()[0].get("msg", "invalid request")))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
-        # the client gets no traceback; the operator does
-        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-        return error_response(500, "internal server error")
+    openai_errors(app, log)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> JSONResponse:

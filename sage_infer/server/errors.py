@@ -47,3 +47,30 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def openai_errors(app, log) -> None:
+    """Make every error `app` answers OpenAI-style JSON: an `APIError`, a request FastAPI's own validation refused, an
+    unknown path or method, and an unexpected failure (a 500 with no internals; the traceback goes to `log`)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(err.errors()[0].get("msg", "invalid request")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        # the client gets no traceback; the operator does
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        return error_response(500, "internal server error")
+
