@@ -151,3 +151,14 @@ def test_serve_validates_config_before_loading_anything(sage, tmp_path):
     missing = sage("llm", "serve", "--model", str(tmp_path / "no-such-model"), "--kv-transport", "preset=high-bw")
     assert missing.code == 2
     assert "no-such-model" in _one_line(missing.err) and "not found" in missing.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--set", "kv_pool.num_blocks=99999999999999"], "kv_pool.num_blocks: "),
+    (["--kv-tiers", "host=1EiB"], "tiers.host_bytes: "),
+])
+def test_a_size_beyond_the_machine_is_one_line_before_anything_is_allocated(sage, flags, message):
+    result = sage("llm", "generate", "--prompt", "x", "--max-tokens", "1", *flags)
+    assert result.code == 2 and "Traceback" not in result.err, result.err
+    last = result.err.strip().splitlines()[-1]
+    assert message in last and "GiB of host memory this machine has" in last, last

@@ -193,6 +193,8 @@ def resolve_num_blocks(
     per_block = bytes_per_block + draft_block
     sizes = f" (target {bytes_per_block} + draft {draft_block})" if draft is not None else ""
     if pool.num_blocks is not None:
+        _fits("kv_pool.num_blocks", pool.num_blocks * per_block, free_device_bytes,
+              f"{pool.num_blocks} blocks of {per_block} bytes")
         if draft is None:
             return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, "set explicitly")
         return ResolvedValue("kv_pool.num_blocks", pool.num_blocks, (
@@ -236,6 +238,21 @@ def _less_draft_weights(memory: int, what: str, draft: DraftKV | None) -> tuple[
                                          f"{draft.weight_bytes / 2**20:.1f} MiB of draft weights)")
 
 
+def _fits(field: str, nbytes: int, free_device_bytes: int | None, what: str) -> None:
+    """A size set by hand that this machine cannot hold is a config error before anything is allocated: more than
+    the accelerator's free memory (`free_device_bytes`), or, in host memory, more than all of it (the OS may
+    overcommit what is merely available; it cannot give more than it has)."""
+    if free_device_bytes is not None:
+        limit, where = free_device_bytes, "free device memory"
+    else:
+        from sage_infer.hal.cpu import read_meminfo_total
+
+        limit, where = read_meminfo_total(), "host memory"
+    if limit is not None and nbytes > limit:
+        raise ConfigError(f"{field}: {nbytes / 2**30:,.1f} GiB ({what}), more than the {limit / 2**30:,.1f} GiB of "
+                          f"{where} this machine has")
+
+
 def _mib(blocks: int, bytes_per_block: int) -> str:
     return f"{blocks * bytes_per_block / 2**20:.1f} MiB"
 
@@ -253,6 +270,7 @@ def resolve_host_bytes(config: ServeConfig, device_type: str, host_available_byt
     """
     value = config.tiers.host_bytes
     if value != "auto":
+        _fits("tiers.host_bytes", int(value), None, "the host tier")
         return ResolvedValue("tiers.host_bytes", int(value), "set explicitly" if value else "set explicitly: off")
     if device_type == "cpu":
         return ResolvedValue("tiers.host_bytes", 0, "auto: the KV pool is in host memory already (device cpu)")
