@@ -27,6 +27,7 @@ session key: a replica keeps its sessions while the set of live replicas stays t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -63,8 +64,6 @@ class Replica:
     up: bool = True
     outstanding: int = 0  # requests routed here and not finished
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
-    num_waiting: int = 0  # as the replica last reported
-    routed: int = 0
     capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
 
 
@@ -90,6 +89,7 @@ class Route:
     ahead: int = 0  # requests in flight at the replica when this one was routed
     queued_tokens: int = 0  # prompt tokens queued there then
     compute_tokens: int = 0  # prompt tokens this request computes there
+    moved: bool = False  # another live replica held more of its blocks (load outweighed the cache)
 
 
 class FleetIndex:
@@ -228,11 +228,11 @@ class Router:
             scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
         best = min(scores)
         tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
-        if len(tied) == 1:
-            return tied[0]
-        turn = next(self._turn)
-        return min(tied, key=lambda r: (r.replica.outstanding, len(r.replica.media[DEVICE]),
-                                        (live.index(r.replica) - turn) % len(live)))
+        turn = next(self._turn) if len(tied) > 1 else 0
+        chosen = min(tied, key=lambda r: (r.replica.outstanding, len(r.replica.media[DEVICE]),
+                                          (live.index(r.replica) - turn) % len(live)))
+        most = max(r.hit.blocks for r in routes)
+        return dataclasses.replace(chosen, moved=chosen.hit.blocks < most)
 
     @staticmethod
     def _compute_tokens(hit: Hit, request: Request) -> int:

@@ -68,10 +68,6 @@ class BlockEvents:
         """A lower tier whose placements this log carries (`snapshot`: the hashes it holds now)."""
         self._snapshots[medium] = snapshot
 
-    @property
-    def media(self) -> tuple[str, ...]:
-        return tuple(self._snapshots)
-
     def stored(self, block_hash: bytes, medium: str = DEVICE, parent: bytes | None = None,
                token_ids: tuple[int, ...] = ()) -> None:
         entry = (STORED, medium, short(block_hash), None if parent is None else short(parent), token_ids)
@@ -84,10 +80,6 @@ class BlockEvents:
         with self._lock:
             self._log.append(entry)
             self._next += 1
-
-    @property
-    def next(self) -> int:
-        return self._next
 
     def since(self, n: int) -> EventBatch:
         """Device events numbered n and later; with ``reset`` when n is older than the log holds (or negative)."""

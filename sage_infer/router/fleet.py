@@ -155,8 +155,7 @@ class FleetRouter:
         elif kind == "events":
             for op, medium, block_hash in message["events"]:
                 self.index.apply(replica, op, medium, block_hash)
-        elif kind == "load":
-            replica.num_waiting = int(message["num_waiting"])
+        elif kind == "load":  # the heartbeat
             link.refresh()
         if kind != "load":
             for medium in ("device", *LOWER_MEDIA, SHARED):
@@ -257,8 +256,7 @@ class FleetRouter:
             tried.add(route.replica.name)
             if len(tried) == 1:
                 self.metrics.overhead.observe(time.perf_counter() - started)
-                if described.hashes and any(self.index.hit(r, described.hashes).blocks > route.hit.blocks
-                                            for r in self.index.replicas if r.up):
+                if route.moved:
                     self.metrics.moved.inc()
             link = self.links[route.replica.name]
             try:
@@ -276,7 +274,6 @@ class FleetRouter:
         queued = max(0, described.prompt_tokens - route.hit.blocks * described.tokens_per_block)
         replica.outstanding += 1
         replica.queued_tokens += queued
-        replica.routed += 1
         self.metrics.routed.labels(link.url, "replica").inc()
         self.metrics.outstanding.labels(link.url, "replica").set(replica.outstanding)
         return queued
