@@ -31,6 +31,27 @@ from sage_infer.cli.options import (
 
 app = typer.Typer(help="Serve or run a model.", no_args_is_help=True)
 
+# (config field, flag, `serve` parameter): vLLM's serve flags with the same meaning, forwarded to --pd/--replicas
+# workers as --set; then sage's own flags that name a config field
+VLLM_STYLE_FLAGS = (
+    ("model.served_name", "--served-model-name", "served_model_name"),
+    ("model.max_model_len", "--max-model-len", "max_model_len"),
+    ("model.dtype", "--dtype", "dtype"),
+    ("kv_pool.memory_budget", "--kv-cache-memory-bytes", "kv_cache_memory_bytes"),
+    ("kv_pool.memory_utilization", "--gpu-memory-utilization", "gpu_memory_utilization"),
+    ("kv_pool.enable_prefix_caching", "--enable-prefix-caching", "enable_prefix_caching"),
+    ("scheduler.max_num_seqs", "--max-num-seqs", "max_num_seqs"),
+    ("scheduler.max_num_batched_tokens", "--max-num-batched-tokens", "max_num_batched_tokens"),
+    ("scheduler.long_prefill_token_threshold", "--long-prefill-token-threshold", "long_prefill_token_threshold"),
+    ("kv_pool.block_size", "--block-size", "block_size"),
+    ("model.deterministic", "--deterministic", "deterministic"),
+)
+NAMED_FLAGS = (
+    ("model.path", "--model", "model"), ("backend", "--backend", "backend"), ("host", "--host", "host"),
+    ("port", "--port", "port"), ("api_key", "--api-key", "api_key"), ("role", "--role", "role"), ("pd", "--pd", "pd"),
+    ("kv_pool.kv_dtype", "--kv-cache-dtype", "kv_cache_dtype"),
+)
+
 
 @app.command("serve")
 def serve(
@@ -94,30 +115,27 @@ def serve(
     --kv-cache-memory-bytes, --gpu-memory-utilization, --enable-prefix-caching, --max-num-seqs,
     --max-num-batched-tokens, --long-prefill-token-threshold, --block-size) are accepted, so one command line or
     bench script drives both."""
-    vllm_style = {
-        "model.served_name": ("--served-model-name", served_model_name),
-        "model.max_model_len": ("--max-model-len", max_model_len),
-        "model.dtype": ("--dtype", dtype),
-        "kv_pool.memory_budget": ("--kv-cache-memory-bytes", kv_cache_memory_bytes),
-        "kv_pool.memory_utilization": ("--gpu-memory-utilization", gpu_memory_utilization),
-        "kv_pool.enable_prefix_caching": ("--enable-prefix-caching", enable_prefix_caching),
-        "scheduler.max_num_seqs": ("--max-num-seqs", max_num_seqs),
-        "scheduler.max_num_batched_tokens": ("--max-num-batched-tokens", max_num_batched_tokens),
-        "scheduler.long_prefill_token_threshold": ("--long-prefill-token-threshold", long_prefill_token_threshold),
-        "kv_pool.block_size": ("--block-size", block_size),
-        "model.deterministic": ("--deterministic", deterministic),  # (forwarded to --pd workers with the above)
-    }
-    named = {
-        **vllm_style,
-        "model.path": ("--model", model),
-        "backend": ("--backend", backend),
-        "host": ("--host", host),
-        "port": ("--port", port),
-        "api_key": ("--api-key", api_key),
-        "role": ("--role", role),
-        "pd": ("--pd", pd),
-        "kv_pool.kv_dtype": ("--kv-cache-dtype", kv_cache_dtype),
-    }
+    given = dict(locals())  # every flag by parameter name, as typed (None: not given)
+    vllm_style = {field: (flag, given[name]) for field, flag, name in VLLM_STYLE_FLAGS}
+    named = {**vllm_style, **{field: (flag, given[name]) for field, flag, name in NAMED_FLAGS}}
+    _check_launch(pd, role, replicas, routing, launcher, ray_address)
+    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
+    _check_pd_backend(resolved.config, launcher)
+    if (resolved.config.pd is not None or replicas is not None) and resolved.config.role == "both":
+        sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else []),
+                *(f"{field}={value}" for field, (_, value) in vllm_style.items() if value is not None)]
+        args, secrets = _worker_args(resolved.config, model, preset, config, kv_transport, kv_tiers, sets,
+                                     speculative_config)
+        raise typer.Exit(_serve_deployment(resolved.config, args, secrets, replicas, routing, launcher, ray_address))
+    _announce_startup(resolved)
+    from sage_infer.server.launch import serve as run_server
+
+    raise typer.Exit(run_server(resolved.config))
+
+
+def _check_launch(pd: str | None, role: str | None, replicas: int | None, routing: str, launcher: str,
+                  ray_address: str | None) -> None:
+    """The flags that start a deployment (--pd, --replicas, --launcher, --ray-address) agree; UsageError if not."""
     from sage_infer.errors import UsageError
 
     if pd is not None and role is not None:
@@ -127,30 +145,28 @@ def serve(
         raise UsageError("--launcher and --ray-address place the workers of --pd xPyD or --replicas N: give one")
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
-    resolved = resolve_flags(preset, config, kv_transport, set_, named, kv_tiers, speculative_config)
-    if resolved.config.pd is not None and resolved.config.backend not in ("native", "vllm"):
-        from sage_infer.errors import ConfigError
 
+
+def _check_pd_backend(resolved, launcher: str) -> None:
+    """A local P/D deployment runs the native or vllm backend, and vLLM workers on one host only."""
+    from sage_infer.errors import ConfigError, UsageError
+
+    if resolved.pd is not None and resolved.backend not in ("native", "vllm"):
         raise ConfigError(f"pd: a local prefill/decode deployment runs the native or vllm backend, not "
-                          f"{resolved.config.backend}")
-    if resolved.config.pd is not None and resolved.config.backend == "vllm" and launcher != "local":
+                          f"{resolved.backend}")
+    if resolved.pd is not None and resolved.backend == "vllm" and launcher != "local":
         raise UsageError("--launcher ray: vLLM workers pull KV from 127.0.0.1 (one host); use --launcher local")
-    if (resolved.config.pd is not None or replicas is not None) and resolved.config.role == "both":
-        sets = [*(set_ or []), *([f"kv_pool.kv_dtype={kv_cache_dtype}"] if kv_cache_dtype else []),
-                *(f"{field}={value}" for field, (_, value) in vllm_style.items() if value is not None)]
-        args, secrets = _worker_args(resolved.config, model, preset, config, kv_transport, kv_tiers, sets,
-                                     speculative_config)
-        if replicas is not None:
-            from sage_infer.router.replicas import serve_replicas
 
-            raise typer.Exit(serve_replicas(replicas, args, resolved.config.host, resolved.config.port,
-                                            secrets.get("SAGE_API_KEY"), routing, resolved.config.tiers.disk_path,
-                                            launcher, ray_address, secrets))
-        raise typer.Exit(_serve_pd(resolved.config, args, secrets, launcher, ray_address))
-    _announce_startup(resolved)
-    from sage_infer.server.launch import serve as run_server
 
-    raise typer.Exit(run_server(resolved.config))
+def _serve_deployment(resolved, args: list[str], secrets: dict[str, str], replicas: int | None, routing: str,
+                      launcher: str, ray_address: str | None) -> int:
+    """`--replicas N` (a fleet) or `--pd xPyD`, its workers started with `args` and `secrets`."""
+    if replicas is not None:
+        from sage_infer.router.replicas import serve_replicas
+
+        return serve_replicas(replicas, args, resolved.host, resolved.port, secrets.get("SAGE_API_KEY"), routing,
+                              resolved.tiers.disk_path, launcher, ray_address, secrets)
+    return _serve_pd(resolved, args, secrets, launcher, ray_address)
 
 
 def _check_replicas(replicas: int | None, routing: str, pd: str | None, role: str | None, launcher: str) -> None:
