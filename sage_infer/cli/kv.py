@@ -137,9 +137,9 @@ def replay_command(
 ) -> None:
     """Replay a trace through the prefix cache with each policy, next to OPT and the ideal (or, with --replicas,
     through a fleet of replicas behind each routing policy, next to one replica holding the fleet's KV)."""
-    from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
+    from sage_infer.kv_policy.cost_benefit import CostBenefitModel
     from sage_infer.sim.replay import distinct_blocks, load_mooncake
-    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS, TierSpec, run_capacity
+    from sage_infer.sim.tiered import run_capacity
 
     tier_specs = parse_tiers(tiers) if tiers is not None else []
     if tier_specs and tier_specs[0][0] == "device" and capacity is not None:
@@ -162,33 +162,14 @@ def replay_command(
         _replay_fleet(requests, str(trace), replicas, routing, capacity, tier_specs, policies, distinct, prefill_tok_s,
                       json_out)
         return
-    block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
-    if tier_specs and tier_specs[0][0] == "device":
-        device_specs = [tier_specs.pop(0)[1]]
-    else:
-        device_specs = (capacity or "5%").split(",")
-    capacities = [capacity_blocks(s, distinct, block_bytes) for s in device_specs]
-    lower = [TierSpec(name, capacity_blocks(spec, distinct, block_bytes, f"--tiers {name}="))
-             for name, spec in tier_specs]
-
+    capacities, lower = _capacities(capacity, tier_specs, distinct)
     documents = []
     for blocks in capacities:
         document, run_notes = run_capacity(requests, str(trace), blocks, policies, lower, cost)
         documents.append(document)
         notes.extend(n for n in run_notes if n not in notes)
     output = documents[0] if len(documents) == 1 else {"capacities": documents}
-
-    if json_out == "-":
-        from sage_infer.cli.output import emit
-
-        emit(output, True, lambda console: None)
-    else:
-        from sage_infer.cli.output import console
-
-        if json_out is not None:
-            Path(json_out).write_text(json.dumps(output, indent=2) + "\n", encoding="utf-8")
-        for document in documents:
-            console.print(_table(document, cost is not None))
+    _emit(output, json_out, [_table(document, cost is not None) for document in documents])
     for note in notes:
         typer.echo(f"note: {note}", err=True)
     if plot is not None:
@@ -198,10 +179,8 @@ def replay_command(
 def _replay_fleet(requests, trace: str, replicas: str, routing: str, capacity: str | None, tier_specs, policies,
                   distinct: int, prefill_tok_s: float, json_out: str | None) -> None:
     """`--replicas N[,M...]`: the fleet replay (`sim.fleet`), one table."""
-    from sage_infer.kv_policy.cost_benefit import ModelShape
     from sage_infer.kv_policy.routing import ROUTING_POLICIES
     from sage_infer.sim.fleet import run_fleet
-    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS
 
     if tier_specs:
         raise UsageError("--replicas replays device caches only: lower tiers in a fleet replay are not implemented "
@@ -219,18 +198,45 @@ def _replay_fleet(requests, trace: str, replicas: str, routing: str, capacity: s
             raise UsageError(f"--routing {name!r}: expected one of {', '.join(ROUTING_POLICIES)}")
     if capacity is not None and "," in capacity:
         raise UsageError("--replicas: give one --capacity (each replica's device KV)")
-    block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
-    blocks = capacity_blocks(capacity or "5%", distinct, block_bytes)
+    [blocks], _ = _capacities(capacity, [], distinct)
     document = run_fleet(requests, trace, counts, routings, blocks, policies[0], prefill_tok_s)
+    _emit(document, json_out, [_fleet_table(document, trace, blocks, distinct, policies[0], prefill_tok_s)])
+
+
+def _capacities(capacity: str | None, tier_specs: list[tuple[str, str]], distinct: int):
+    """The device capacities to sweep, in blocks (`--capacity`, or `--tiers device=`), and the lower `TierSpec`s."""
+    from sage_infer.kv_policy.cost_benefit import ModelShape
+    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS, TierSpec
+
+    block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
+    if tier_specs and tier_specs[0][0] == "device":
+        device_specs, tier_specs = [tier_specs[0][1]], tier_specs[1:]
+    else:
+        device_specs = (capacity or "5%").split(",")
+    capacities = [capacity_blocks(s, distinct, block_bytes) for s in device_specs]
+    lower = [TierSpec(name, capacity_blocks(spec, distinct, block_bytes, f"--tiers {name}="))
+             for name, spec in tier_specs]
+    return capacities, lower
+
+
+def _emit(output: dict, json_out: str | None, tables: list) -> None:
+    """`--json -`: the JSON on stdout instead of the tables; `--json OUT`: written to OUT, the tables printed too."""
     if json_out == "-":
         from sage_infer.cli.output import emit
 
-        emit(document, True, lambda console: None)
+        emit(output, True, lambda console: None)
         return
-    from sage_infer.cli.output import console, table
+    from sage_infer.cli.output import console
 
     if json_out is not None:
-        Path(json_out).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        Path(json_out).write_text(json.dumps(output, indent=2) + "\n", encoding="utf-8")
+    for rendered in tables:
+        console.print(rendered)
+
+
+def _fleet_table(document: dict, trace: str, blocks: int, distinct: int, policy: str, prefill_tok_s: float):
+    from sage_infer.cli.output import table
+
     rows = []
     for r in document["results"]:
         one = document["one_replica"][str(r["replicas"])]
@@ -240,11 +246,10 @@ def _replay_fleet(requests, trace: str, replicas: str, routing: str, capacity: s
                      f"{r['routed_imbalance']:.2f}", f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p90']:.2f}",
                      _pct(r["prediction_error"]) if r["routing"] == "kv" else "—"])
     title = (f"{trace}: {document['requests']} requests through N replicas of {blocks} device blocks each "
-             f"({blocks / distinct * 100:.1f}% of {distinct} distinct), {policies[0]} eviction, "
+             f"({blocks / distinct * 100:.1f}% of {distinct} distinct), {policy} eviction, "
              f"{prefill_tok_s:g} prefill tok/s per replica")
-    console.print(table(title, ["N", "routing", "prefix hit rate", "one replica, N x KV", "÷ one replica",
-                                "compute max/mean", "requests max/mean", "TTFT p50 / p90 (s)", "prediction error"],
-                        rows))
+    return table(title, ["N", "routing", "prefix hit rate", "one replica, N x KV", "÷ one replica",
+                         "compute max/mean", "requests max/mean", "TTFT p50 / p90 (s)", "prediction error"], rows)
 
 
 def _pct(rate: float | None) -> str | None:
