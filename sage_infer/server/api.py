@@ -74,25 +74,7 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         authorize(request)
         return JSONResponse(app.openapi())
 
-    @app.get("/health")
-    async def health() -> Response:
-        health = backend.health()
-        if not health.ok:
-            return error_response(503, health.reason or "the engine stopped")
-        if health.degraded:  # still serving: what is down costs recompute, not requests
-            return JSONResponse({"status": "degraded", "degraded": health.degraded})
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    extra_registries = getattr(backend, "metrics_registries", lambda: [])()  # e.g. the KV pipe's transport
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body = generate_latest(metrics.registry) + b"".join(generate_latest(r) for r in extra_registries)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+    _operator_routes(app, backend, metrics)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -114,6 +96,15 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         accepting()
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
+
+    _kv_routes(app, backend, handlers, authorize, body_of)
+
+    return app
+
+
+def _kv_routes(app: FastAPI, backend: InferenceBackend, handlers: OpenAIHandlers, authorize, body_of) -> None:
+    """The routes other sage processes call (not in the OpenAI schema): P/D transfers, and what a KV-aware router
+    asks of this instance's cache."""
 
     @app.post("/v1/kv/send", include_in_schema=False)
     async def kv_send(request: Request) -> JSONResponse:
@@ -157,4 +148,26 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
             raise APIError(404, "this instance does not publish KV events (prefix caching off, or a decode worker)")
         return StreamingResponse(event_stream(backend, lambda: app.state.closing), media_type="application/x-ndjson")
 
-    return app
+
+def _operator_routes(app: FastAPI, backend: InferenceBackend, metrics: ServerMetrics) -> None:
+    """/health, /version and /metrics: open without the key, for supervisors and scrapers."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        health = backend.health()
+        if not health.ok:
+            return error_response(503, health.reason or "the engine stopped")
+        if health.degraded:  # still serving: what is down costs recompute, not requests
+            return JSONResponse({"status": "degraded", "degraded": health.degraded})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    extra_registries = getattr(backend, "metrics_registries", lambda: [])()  # e.g. the KV pipe's transport
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = generate_latest(metrics.registry) + b"".join(generate_latest(r) for r in extra_registries)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
