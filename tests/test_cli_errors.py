@@ -3,6 +3,7 @@ stderr naming where it is, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,59 @@ def test_a_size_beyond_the_machine_is_one_line_before_anything_is_allocated(sage
     assert result.code == 2 and "Traceback" not in result.err, result.err
     last = result.err.strip().splitlines()[-1]
     assert message in last and "GiB of host memory this machine has" in last, last
+
+
+def _alias_bomb(levels: int = 9, fan_out: int = 9) -> str:
+    """`levels` anchors, each a list of `fan_out` aliases of the one before: fan_out**levels values."""
+    anchors = [f"l{i}" for i in range(levels)]
+    lines = [f"    {anchors[0]}: &{anchors[0]} [{', '.join(['x'] * fan_out)}]"]
+    for prev, name in zip(anchors, anchors[1:]):
+        lines.append(f"    {name}: &{name} [{', '.join([f'*{prev}'] * fan_out)}]")
+    return "extends: cpu\nname: bomb\nmemory:\n  bomb:\n" + "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def within_seconds():
+    """Fail (instead of hanging the suite) if the test body runs longer than the given seconds."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError("the alias bound did not trigger early")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("argv", [
+    ["config", "show", "--config"],
+    ["config", "show", "--preset"],
+    ["infer", "presets:validate"],
+])
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(sage, tmp_path, within_seconds, argv):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    within_seconds(20)
+    result = sage(*argv, str(path))
+    assert result.code == 2
+    line = _one_line(result.err)
+    assert f"{path}:" in line and "aliases expand" in line, line
+
+
+def test_a_yaml_alias_that_contains_itself_is_refused(sage, tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("extends: cpu\nname: loop\nmemory: &m\n  again: *m\n")
+    result = sage("infer", "presets:validate", str(path))
+    assert result.code == 2
+    assert f"{path}:3" in _one_line(result.err) and "contains it" in result.err
+
+
+def test_a_few_small_aliases_still_load(sage, tmp_path):
+    path = tmp_path / "aliases.yaml"
+    path.write_text("kv_pool:\n  block_size: &n 16\nscheduler:\n  max_num_seqs: *n\n")
+    result = sage("config", "show", "--config", str(path), "--json")
+    assert result.code == 0, result.err
+    fields = {f["field"]: f for f in json.loads(result.out)["fields"]}
+    assert fields["scheduler.max_num_seqs"]["value"] == 16
+    assert fields["scheduler.max_num_seqs"]["source"] == "config"
