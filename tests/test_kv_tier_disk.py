@@ -9,6 +9,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers import DiskTier
+from sage_infer.kv_runtime.tiers.errors import TierConfigError
 from sage_infer.kv_runtime.tiers.segment import HEADER
 from tests.test_kv_tiers import BPB, SCHEMA, chain
 
@@ -20,6 +21,18 @@ def tier(tmp_path):
     tier = DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=8 * RECORD)
     yield tier
     tier.close()
+
+
+def test_a_directory_that_cannot_hold_files_is_refused_at_construction(tmp_path):
+    (tmp_path / "a-file").write_bytes(b"")
+    for directory in ["/proc/self", tmp_path / "a-file"]:
+        with pytest.raises(TierConfigError, match="cannot hold files"):
+            DiskTier(SCHEMA, directory, 64 * BPB)
+
+
+def test_the_start_up_write_probe_leaves_nothing_behind(tmp_path):
+    with DiskTier(SCHEMA, tmp_path / "kv", 64 * BPB):
+        assert list((tmp_path / "kv").iterdir()) == []
 
 
 def test_a_restarted_tier_finds_what_it_wrote(tmp_path):

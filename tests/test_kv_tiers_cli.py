@@ -36,3 +36,12 @@ def test_a_bad_kv_tiers_value_is_one_line_and_exit_2(sage, flag, message):
     assert result.code == 2
     lines = [line for line in result.err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("sage: error:") and message in lines[0]
+
+
+@pytest.mark.parametrize("directory", ["/proc/self", "/proc/self/kv"])
+def test_a_disk_tier_that_cannot_hold_files_fails_at_start_up(sage, directory):
+    result = sage("llm", "generate", "--prompt", "x", "--max-tokens", "1", "--kv-tiers", f"disk={directory}:1GiB")
+    assert result.code == 2 and "Traceback" not in result.err, result.err
+    last = result.err.strip().splitlines()[-1]
+    assert last.startswith("sage: error:") and f"directory {directory}: cannot hold files" in last, last
+    assert "tiers.disk_path" in last

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.kv_runtime.tiers.errors import TierConfigError, TierError
 from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
 
 MiB = 1 << 20
@@ -44,6 +45,27 @@ class _Loc:
 @dataclass(slots=True, eq=False)
 class _Pending:
     row: torch.Tensor  # [bytes_per_block] uint8, our own copy
+
+
+def _check_can_hold_files(directory: Path, name: str) -> None:
+    """Create `directory` and write (then remove) a probe file in it.
+
+    A directory that exists but cannot hold files (``/proc/self``, a read-only mount, one
+    owned by another user) would otherwise be accepted here and fail at the first demotion,
+    in the writer thread, long after start-up.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".sage-probe-", dir=directory)
+        try:
+            os.write(fd, bytes(HEADER.size))
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as err:
+        why = "a file is there, not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        raise TierConfigError(f"{name} tier directory {directory}: cannot hold files: {why}",
+                              hint="give the disk tier (tiers.disk_path) a directory this process can write") from None
 
 
 class DiskTier(KVTier):
@@ -63,7 +85,7 @@ class DiskTier(KVTier):
     ) -> None:
         super().__init__(schema, capacity_bytes, name)
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _check_can_hold_files(self.directory, name)
         self.record_bytes = HEADER.size + self.bytes_per_block
         # at least 4 segments under the cap, so dropping one frees a quarter at most
         self.segment_bytes = max(min(segment_bytes, self.capacity_bytes // 4), self.record_bytes)
