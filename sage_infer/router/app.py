@@ -15,15 +15,18 @@ sends the request to the one holding most, unless it is much busier than the lea
 slo, measured TPOT). A worker that fails a call is skipped for a few seconds. Errors are
 OpenAI-style JSON: a worker's own 4xx passes through; a decode worker found unreachable before it
 answered is replaced by another one that is up (the request is retried there), else it is a 503.
+
+The parts: `PDRouter` takes a request through admission, its prefill worker and its decode
+worker; `PrefillCacheFollower` keeps the router's view of each prefill worker's cache from its
+events; `_DecodeRelay` carries one streamed answer to the client; `build_router` is their HTTP face.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -36,19 +39,22 @@ from sage_infer.router.admission import Admission, Slo
 from sage_infer.router.http import (
     CALL_TIMEOUT,
     MATCH_FIELDS,
+    asking_for_usage,
     completion_tokens,
     encode,
     passthrough,
     read_body,
     router_app,
     several_prompts,
+    stream_error,
     usage_event,
     usage_of,
+    worker_headers,
 )
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import validate_body
-from sage_infer.server.errors import APIError, check_bearer, error_body
+from sage_infer.server.errors import APIError, check_bearer
 from sage_infer.server.pd_auth import sign_pull
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -59,290 +65,269 @@ BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many mo
 ROUTER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")  # read by the router, not sent to workers
 
 
-def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
-    """The router app over `instances`; `api_key` is required from clients and sent to workers."""
-    app = router_app("sage_infer router")
-    metrics = RouterMetrics()
-    admission = Admission(config or RouterConfig(), len(instances.decode))
-    metrics.waiting.set_function(lambda: len(admission.waiting))
-    worker_headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key
-                                                             else {})}
-    app.state.instances, app.state.metrics = instances, metrics
-    client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
+class PrefillCacheFollower:
+    """Keeps each prefill worker's view of its cached blocks current from its ``/v1/kv/events``, polled every
+    `EVENTS_POLL_S`; the view is what `PDRouter.choose_prefill` scores prompts against."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        follower = asyncio.create_task(follow_events()) if len(instances.prefill) > 1 else None
-        yield
-        if follower is not None:
-            follower.cancel()
-        await client.aclose()
+    def __init__(self, workers: list[Instance], client: httpx.AsyncClient, headers: dict,
+                 metrics: RouterMetrics) -> None:
+        self.workers, self.client, self.headers, self.metrics = workers, client, headers, metrics
 
-    app.router.lifespan_context = lifespan
-
-    def authorize(request: Request) -> None:
-        check_bearer(request.headers.get("authorization", ""), api_key)
-
-    async def call(worker: Instance, path: str, body: dict) -> httpx.Response:
-        """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""
-        try:
-            return await client.post(f"{worker.url}{path}", content=encode(body), headers=worker_headers)
-        except httpx.HTTPError as err:
-            worker.failed(str(err) or type(err).__name__)
-            metrics.failures.labels(worker.url, worker.role).inc()
-            raise APIError(503, f"{worker.role} worker {worker.url} is unreachable") from None
-
-    async def follow_events() -> None:
-        """Keep each prefill worker's view of its cached blocks current from its /v1/kv/events."""
+    async def run(self) -> None:
         while True:
-            for worker in instances.prefill:
-                if not worker.up:
-                    continue
-                try:
-                    reply = await client.get(f"{worker.url}/v1/kv/events", params={"since": worker.events_next},
-                                             headers=worker_headers, timeout=EVENTS_TIMEOUT_S)
-                    if reply.status_code == 200:
-                        worker.apply(reply.json())
-                        metrics.cached_blocks.labels(worker.url).set(len(worker.cached))
-                except (httpx.HTTPError, ValueError, KeyError):
-                    pass  # a worker that is down is found by the calls that need it; its view waits
+            for worker in self.workers:
+                if worker.up:
+                    await self.poll(worker)
             await asyncio.sleep(EVENTS_POLL_S)
 
-    async def prompt_hashes(worker: Instance, body: dict) -> dict | None:
+    async def poll(self, worker: Instance) -> None:
+        """Fold the events `worker` published since the last poll into its view."""
+        try:
+            reply = await self.client.get(f"{worker.url}/v1/kv/events", params={"since": worker.events_next},
+                                          headers=self.headers, timeout=EVENTS_TIMEOUT_S)
+            if reply.status_code == 200:
+                worker.apply(reply.json())
+                self.metrics.cached_blocks.labels(worker.url).set(len(worker.cached))
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass  # a worker that is down is found by the calls that need it; its view waits
+
+
+class PDRouter:
+    """Routes OpenAI requests over prefill and decode `instances`; `api_key` is required from clients and sent
+    to workers; `config` sets admission (how many requests run at the decode workers, who goes next)."""
+
+    def __init__(self, instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> None:
+        self.instances, self.api_key = instances, api_key
+        self.metrics = RouterMetrics()
+        self.admission = Admission(config or RouterConfig(), len(instances.decode))
+        self.metrics.waiting.set_function(lambda: len(self.admission.waiting))
+        self.headers = worker_headers(api_key)
+        self.client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
+        self.follower = PrefillCacheFollower(instances.prefill, self.client, self.headers, self.metrics)
+        self._following: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Follow the prefill workers' caches (only worth it when there is a choice between them)."""
+        if len(self.instances.prefill) > 1:
+            self._following = asyncio.create_task(self.follower.run())
+
+    async def stop(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+        await self.client.aclose()
+
+    def authorize(self, request: Request) -> None:
+        check_bearer(request.headers.get("authorization", ""), self.api_key)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    async def handle(self, path: str, request: Request) -> Response:
+        """A client's completions or chat request, answered by a decode worker (after a prefill worker)."""
+        self.authorize(request)
+        body = await read_body(request)
+        splittable = path != "/v1/completions" or not several_prompts(body)
+        return await self.route(path, body, splittable)
+
+    async def route(self, path: str, body: dict, splittable: bool) -> Response:
+        """Admit the request (it may wait for a decode worker slot), then dispatch it; it leaves admission when its
+        answer is complete (a stream: when its relay ends)."""
+        # the workers' own checks first: a body the decode worker would refuse must not get as far as a prefill
+        # worker, which would hold its KV for a pull that never comes
+        schema = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+        validate_body({k: v for k, v in body.items() if k not in ROUTER_FIELDS}, schema)
+        if self.instances.pick("decode") is None:  # before any prefill work that nobody could continue
+            raise APIError(503, "no decode worker is up")
+        slo = self.admission.slo(body, time.monotonic())
+        await self.admission.enter(body, slo.arrival)
+        try:
+            response = await self.dispatch(path, body, splittable, slo)
+        except BaseException:
+            self.admission.leave()
+            raise
+        if isinstance(response, StreamingResponse):
+            return response  # its relay leaves when the stream ends
+        self.admission.leave()
+        return response
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    async def prompt_hashes(self, worker: Instance, body: dict) -> dict | None:
         question = {k: body[k] for k in MATCH_FIELDS if k in body}
         try:
-            reply = await client.post(f"{worker.url}/v1/kv/hashes", content=encode(question), headers=worker_headers,
-                                      timeout=MATCH_TIMEOUT_S)
+            reply = await self.client.post(f"{worker.url}/v1/kv/hashes", content=encode(question),
+                                           headers=self.headers, timeout=MATCH_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         return reply.json() if reply.status_code == 200 else None
 
-    async def choose_prefill(body: dict, tried: set[str]) -> Instance | None:
+    async def choose_prefill(self, body: dict, tried: set[str]) -> Instance | None:
         """The prefill worker whose cache (as its events tell) holds the longest prefix of this prompt, unless
         it is busier than the least loaded one by more than `BALANCE_SLACK` requests; else the least loaded."""
-        live = [w for w in instances.prefill if w.up and w.url not in tried]
+        live = [w for w in self.instances.prefill if w.up and w.url not in tried]
         if len(live) <= 1:
             return live[0] if live else None
         least = min(live, key=lambda w: w.outstanding)
-        prompt = await prompt_hashes(least, body)  # any worker hashes a prompt the same way
+        prompt = await self.prompt_hashes(least, body)  # any worker hashes a prompt the same way
         if prompt is None:
             return least
         hashes = prompt["hashes"]
         best = max(live, key=lambda w: (w.overlap(hashes), -w.outstanding))
         blocks = best.overlap(hashes)
         chosen = best if blocks and best.outstanding <= least.outstanding + BALANCE_SLACK else least
-        metrics.prompt_tokens.inc(prompt["prompt_tokens"])
-        metrics.overlap_tokens.inc(chosen.overlap(hashes) * prompt["tokens_per_hash"])
+        self.metrics.prompt_tokens.inc(prompt["prompt_tokens"])
+        self.metrics.overlap_tokens.inc(chosen.overlap(hashes) * prompt["tokens_per_hash"])
         return chosen
 
-    async def prefill(path: str, body: dict) -> dict | None:
+    async def prefill(self, path: str, body: dict) -> dict | None:
         """Run the prompt on a prefill worker, holding its KV: the decode worker's kv_transfer_params, or
         None when no prefill worker could (the decode worker then computes the prompt itself)."""
         tried: set[str] = set()
-        while (worker := await choose_prefill(body, tried)) is not None:
+        while (worker := await self.choose_prefill(body, tried)) is not None:
             tried.add(worker.url)
             first = {**body, "stream": False, "n": 1, "max_tokens": 1,
                      "kv_transfer_params": {"do_remote_decode": True}}
             first.pop("stream_options", None)
             first.pop("max_completion_tokens", None)
-            with track(worker):
+            with self.track(worker):
                 try:
-                    reply = await call(worker, path, first)
+                    reply = await self.call(worker, path, first)
                 except APIError:
                     continue  # down: try the next prefill worker
             if reply.status_code >= 500:
-                worker.failed(f"HTTP {reply.status_code}")
-                metrics.failures.labels(worker.url, worker.role).inc()
+                self.failed(worker, f"HTTP {reply.status_code}")
                 continue
             if reply.status_code != 200:
                 raise passthrough(reply)  # the request itself is wrong: the decode worker would say the same
-            held = reply.json().get("kv_transfer_params") or {}
-            params = {"remote_url": worker.url, **held}
-            if api_key and "remote_request_id" in held:  # the decode worker pulls only what its router signed
-                params["signature"] = sign_pull(api_key, worker.url, held["remote_request_id"])
-            return params
+            return self.pull_params(worker, reply.json().get("kv_transfer_params") or {})
         return None
 
-    @contextlib.contextmanager
-    def track(worker: Instance):
-        """Count a request as outstanding at a worker while it runs there."""
-        worker.outstanding += 1
-        worker.routed += 1
-        metrics.routed.labels(worker.url, worker.role).inc()
-        metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
-        try:
-            yield
-        finally:
-            worker.outstanding -= 1
-            metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
+    def pull_params(self, worker: Instance, held: dict) -> dict:
+        """What tells the decode worker where to pull the KV `worker` holds (signed when the router has a key)."""
+        params = {"remote_url": worker.url, **held}
+        if self.api_key and "remote_request_id" in held:  # the decode worker pulls only what its router signed
+            params["signature"] = sign_pull(self.api_key, worker.url, held["remote_request_id"])
+        return params
 
-    async def route(path: str, body: dict, splittable: bool) -> Response:
-        # the workers' own checks first: a body the decode worker would refuse must not get as far as a prefill
-        # worker, which would hold its KV for a pull that never comes
-        schema = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
-        validate_body({k: v for k, v in body.items() if k not in ROUTER_FIELDS}, schema)
-        if instances.pick("decode") is None:  # before any prefill work that nobody could continue
-            raise APIError(503, "no decode worker is up")
-        slo = admission.slo(body, time.monotonic())
-        await admission.enter(body, slo.arrival)
-        try:
-            response = await dispatch(path, body, splittable, slo)
-        except BaseException:
-            admission.leave()
-            raise
-        if isinstance(response, StreamingResponse):
-            return response  # its relay leaves when the stream ends
-        admission.leave()
-        return response
+    # -- decode ----------------------------------------------------------------------------------
 
-    async def dispatch(path: str, body: dict, splittable: bool, slo: Slo) -> Response:
+    async def dispatch(self, path: str, body: dict, splittable: bool, slo: Slo) -> Response:
         forwarded = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
-        params = await prefill(path, forwarded) if splittable else None
+        params = await self.prefill(path, forwarded) if splittable else None
         if params is None:
-            metrics.colocated.inc()
+            self.metrics.colocated.inc()
         second = {**forwarded, "kv_transfer_params": params} if params else forwarded
         tried: set[str] = set()
         while True:  # a decode worker found unreachable before it answered: the next one, if any is up
-            worker = instances.pick("decode", exclude=tried, tpot_target=slo.tpot_s)
+            worker = self.instances.pick("decode", exclude=tried, tpot_target=slo.tpot_s)
             if worker is None:
                 raise APIError(503, "no decode worker is up")
             tried.add(worker.url)
             try:
                 if body.get("stream"):
-                    return await stream(worker, path, second, slo)
-                started = time.monotonic()
-                with track(worker):
-                    reply = await call(worker, path, second)
-                break
+                    return await self.stream(worker, path, second, slo)
+                return await self.decode(worker, path, second, slo)
             except APIError as err:
-                if err.status != 503 or instances.pick("decode", exclude=tried) is None:
+                if err.status != 503 or self.instances.pick("decode", exclude=tried) is None:
                     raise
-                metrics.retries.inc()
+                self.metrics.retries.inc()
+
+    async def decode(self, worker: Instance, path: str, body: dict, slo: Slo) -> Response:
+        """A non-streamed answer from `worker`; its time per output token feeds the worker's TPOT."""
+        started = time.monotonic()
+        with self.track(worker):
+            reply = await self.call(worker, path, body)
         if reply.status_code >= 500:
             worker.failed(f"HTTP {reply.status_code}")
         elif reply.status_code == 200:
             tokens = completion_tokens(usage_of(reply))
             if tokens > 1:  # an upper bound: the call's time includes the KV pull and the first token
-                observe_tpot(worker, slo, (time.monotonic() - started) / tokens)
+                self.observe_tpot(worker, slo, (time.monotonic() - started) / tokens)
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
-    def observe_tpot(worker: Instance, slo: Slo, seconds: float) -> None:
-        worker.observe_tpot(seconds)
-        metrics.tpot.labels(worker.url).set(worker.tpot_s)
-        if slo.tpot_s is not None:
-            metrics.slo.labels("tpot", str(seconds <= slo.tpot_s).lower()).inc()
-
-    async def stream(worker: Instance, path: str, body: dict, slo: Slo) -> Response:
+    async def stream(self, worker: Instance, path: str, body: dict, slo: Slo) -> Response:
         """Relay the decode worker's SSE stream; its status line and errors come through as sent."""
-        options = body.get("stream_options") or {}
-        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        if isinstance(options, dict):  # the usage event's token count measures TPOT (a bad value: the worker's 400)
-            body = {**body, "stream_options": {**options, "include_usage": True}}
-        tracking = track(worker)
-        tracking.__enter__()
+        body, wants_usage = asking_for_usage(body)  # its token count measures TPOT (a bad value: the worker's 400)
+        self.enter(worker)
         try:
-            request = client.build_request("POST", f"{worker.url}{path}", content=encode(body), headers=worker_headers)
-            upstream = await client.send(request, stream=True)
+            request = self.client.build_request("POST", f"{worker.url}{path}", content=encode(body),
+                                                headers=self.headers)
+            upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as err:
-            tracking.__exit__(None, None, None)
-            worker.failed(str(err) or type(err).__name__)
-            metrics.failures.labels(worker.url, worker.role).inc()
+            self.leave(worker)
+            self.failed(worker, str(err) or type(err).__name__)
             raise APIError(503, f"decode worker {worker.url} is unreachable") from None
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            tracking.__exit__(None, None, None)
+            self.leave(worker)
             return Response(content, status_code=upstream.status_code, media_type="application/json")  # (leaves)
+        relay = _DecodeRelay(self, worker, upstream, slo, wants_usage)
+        return StreamingResponse(relay.events(), media_type="text/event-stream",
+                                 background=BackgroundTask(relay.finish))
 
-        done = False
+    # -- calls and bookkeeping -------------------------------------------------------------------
 
-        async def finish() -> None:
-            """Once, however the stream ends (finished, worker gone, client gone before the first byte)."""
-            nonlocal done
-            if done:
-                return
-            done = True
-            await upstream.aclose()
-            tracking.__exit__(None, None, None)
-            admission.leave()
+    async def call(self, worker: Instance, path: str, body: dict) -> httpx.Response:
+        """One non-streaming call; an unreachable worker is marked down and raises APIError(503)."""
+        try:
+            return await self.client.post(f"{worker.url}{path}", content=encode(body), headers=self.headers)
+        except httpx.HTTPError as err:
+            self.failed(worker, str(err) or type(err).__name__)
+            raise APIError(503, f"{worker.role} worker {worker.url} is unreachable") from None
 
-        async def relay() -> AsyncIterator[bytes]:
-            pending = b""  # the part of an event not yet complete
-            first = 0.0  # when the first event came: the client's first token
-            tokens = 0  # completion tokens, from the usage event the router asked the worker for
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if not first:
-                        first = time.monotonic()
-                        if slo.ttft_s is not None:
-                            metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
-                    *events, pending = (pending + chunk).split(b"\n\n")
-                    relayed = []
-                    for event in events:
-                        usage = usage_event(event)
-                        if usage is not None:
-                            tokens = completion_tokens(usage)
-                            if not wants_usage:
-                                continue  # asked for by the router alone: the client never sees it
-                        relayed.append(event + b"\n\n")
-                    if relayed:
-                        yield b"".join(relayed)
-                if tokens > 1:  # seconds per output token after the first, as TPOT is defined
-                    observe_tpot(worker, slo, (time.monotonic() - first) / (tokens - 1))
-            except httpx.HTTPError as err:  # the worker died mid-stream: end the stream with an error event
-                worker.failed(str(err) or type(err).__name__)
-                metrics.failures.labels(worker.url, worker.role).inc()
-                message = f"decode worker {worker.url} stopped during the request"  # a half-sent event is dropped
-                yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
-            finally:
-                await finish()
+    def failed(self, worker: Instance, why: str) -> None:
+        """A call to `worker` failed: skipped for a while, and counted."""
+        worker.failed(why)
+        self.metrics.failures.labels(worker.url, worker.role).inc()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(finish))
+    def enter(self, worker: Instance) -> None:
+        """Count a request as outstanding at `worker`."""
+        worker.outstanding += 1
+        worker.routed += 1
+        self.metrics.routed.labels(worker.url, worker.role).inc()
+        self.metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        authorize(request)
-        body = await read_body(request)
-        return await route("/v1/completions", body, splittable=not several_prompts(body))
+    def leave(self, worker: Instance) -> None:
+        worker.outstanding -= 1
+        self.metrics.outstanding.labels(worker.url, worker.role).set(worker.outstanding)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        authorize(request)
-        return await route("/v1/chat/completions", await read_body(request), splittable=True)
+    @contextlib.contextmanager
+    def track(self, worker: Instance) -> Iterator[None]:
+        """Count a request as outstanding at a worker while it runs there."""
+        self.enter(worker)
+        try:
+            yield
+        finally:
+            self.leave(worker)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        authorize(request)
-        worker = instances.pick("decode")
+    def observe_tpot(self, worker: Instance, slo: Slo, seconds: float) -> None:
+        worker.observe_tpot(seconds)
+        self.metrics.tpot.labels(worker.url).set(worker.tpot_s)
+        if slo.tpot_s is not None:
+            self.metrics.slo.labels("tpot", str(seconds <= slo.tpot_s).lower()).inc()
+
+    # -- other routes ----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        worker = self.instances.pick("decode")
         if worker is None:
             raise APIError(503, "no decode worker is up")
         try:
-            reply = await client.get(f"{worker.url}/v1/models", headers=worker_headers)
+            reply = await self.client.get(f"{worker.url}/v1/models", headers=self.headers)
         except httpx.HTTPError:
             worker.failed("unreachable")
             raise APIError(503, f"decode worker {worker.url} is unreachable") from None
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> JSONResponse:
-        """The OpenAPI schema, behind the key when one is set."""
-        authorize(request)
-        return JSONResponse(app.openapi())
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         """Up, degraded (some worker down) or down (no decode worker up). Each worker's URL, role and state
         only for a caller with the key (when one is set): the addresses behind the router are not public."""
-        async def probe(worker: Instance) -> tuple[Instance, bool]:
-            try:
-                reply = await client.get(f"{worker.url}/health", timeout=2.0)
-                return worker, reply.status_code == 200
-            except httpx.HTTPError:
-                return worker, False
-
-        results = await asyncio.gather(*(probe(w) for w in instances.all()))
+        results = await asyncio.gather(*(self.probe(w) for w in self.instances.all()))
         try:
-            authorize(request)
+            self.authorize(request)
             status = {w.url: {"role": w.role, "up": ok} for w, ok in results}
         except APIError:  # counts per role, no addresses
             status = {role: {"up": sum(ok for w, ok in results if w.role == role),
@@ -355,8 +340,102 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
         degraded = not all(ok for _, ok in results)
         return JSONResponse({"status": "degraded" if degraded else "ok", "workers": status})
 
+    async def probe(self, worker: Instance) -> tuple[Instance, bool]:
+        try:
+            reply = await self.client.get(f"{worker.url}/health", timeout=2.0)
+            return worker, reply.status_code == 200
+        except httpx.HTTPError:
+            return worker, False
+
+
+class _DecodeRelay:
+    """One streamed answer on its way from a decode worker to the client: the first event is the client's first
+    token (TTFT under strategy slo), the usage event's token count measures TPOT, and the request leaves the
+    worker and admission once, however the stream ends."""
+
+    def __init__(self, router: PDRouter, worker: Instance, upstream: httpx.Response, slo: Slo,
+                 wants_usage: bool) -> None:
+        self.router, self.worker, self.upstream, self.slo, self.wants_usage = router, worker, upstream, slo, wants_usage
+        self.done = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        router, worker, slo = self.router, self.worker, self.slo
+        pending = b""  # the part of an event not yet complete
+        first = 0.0  # when the first event came: the client's first token
+        tokens = 0  # completion tokens, from the usage event the router asked the worker for
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if not first:
+                    first = time.monotonic()
+                    if slo.ttft_s is not None:
+                        router.metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
+                *events, pending = (pending + chunk).split(b"\n\n")
+                relayed = []
+                for event in events:
+                    usage = usage_event(event)
+                    if usage is not None:
+                        tokens = completion_tokens(usage)
+                        if not self.wants_usage:
+                            continue  # asked for by the router alone: the client never sees it
+                    relayed.append(event + b"\n\n")
+                if relayed:
+                    yield b"".join(relayed)
+            if tokens > 1:  # seconds per output token after the first, as TPOT is defined
+                router.observe_tpot(worker, slo, (time.monotonic() - first) / (tokens - 1))
+        except httpx.HTTPError as err:  # the worker died mid-stream: end the stream with an error event
+            router.failed(worker, str(err) or type(err).__name__)
+            yield stream_error(f"decode worker {worker.url} stopped during the request")  # a half-sent event is dropped
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Once, however the stream ends (finished, worker gone, client gone before the first byte)."""
+        if self.done:
+            return
+        self.done = True
+        await self.upstream.aclose()
+        self.router.leave(self.worker)
+        self.router.admission.leave()
+
+
+def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
+    """The router app over `instances`; `api_key` is required from clients and sent to workers."""
+    router = PDRouter(instances, api_key, config)
+    app = router_app("sage_infer router")
+    app.state.router, app.state.instances, app.state.metrics = router, instances, router.metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        yield
+        await router.stop()
+
+    app.router.lifespan_context = lifespan
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The OpenAPI schema, behind the key when one is set."""
+        router.authorize(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        return await router.health(request)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

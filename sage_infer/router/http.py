@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError, openai_errors
+from sage_infer.server.errors import APIError, error_body, openai_errors
 
 log = logging.getLogger("sage_infer.router")
 
@@ -33,6 +33,11 @@ def router_app(title: str) -> FastAPI:
         return JSONResponse({"version": __version__})
 
     return app
+
+
+def worker_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of every call a router makes to a worker: JSON, and the key when it has one."""
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def encode(body: dict) -> bytes:
@@ -63,6 +68,22 @@ def several_prompts(body: dict) -> bool:
     """A completions body with more than one prompt (a list of strings or of token lists)."""
     prompt = body.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+
+
+def asking_for_usage(body: dict) -> tuple[dict, bool]:
+    """A streamed body that asks its worker for the final usage event (the router reads its token counts), and
+    whether the client asked for it too (else the router drops it). A ``stream_options`` that is not an object
+    goes as it came: the worker's 400 answers it."""
+    options = body.get("stream_options") or {}
+    wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    if isinstance(options, dict):
+        body = {**body, "stream_options": {**options, "include_usage": True}}
+    return body, wants_usage
+
+
+def stream_error(message: str) -> bytes:
+    """The end of a stream whose worker stopped mid-way: an OpenAI-style 503 error event, then ``[DONE]``."""
+    return f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
 
 
 def usage_event(event: bytes) -> dict | None:
