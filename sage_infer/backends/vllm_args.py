@@ -69,42 +69,58 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
     kwargs: dict[str, object] = {"model": model.path, "tokenizer": model.path, "served_model_name": model.name,
                                  "enable_log_requests": False}
     model_dtype = resolve_model_dtype(config, model.facts)
-    kwargs["dtype"] = VLLM_DTYPES[model_dtype.value]
-    values.append(model_dtype)
     max_len = resolve_max_model_len(config, model.facts)
-    kwargs["max_model_len"] = max_len.value
-    values.append(max_len)
-
     kv_dtype = _kv_dtype(config, model_dtype.value, platform)
-    kwargs["kv_cache_dtype"] = kv_dtype.value
-    values.append(kv_dtype)
     block = _block_size(config, platform)
-    kwargs["block_size"] = block.value
-    values.append(block)
-    kwargs["enable_prefix_caching"] = config.kv_pool.enable_prefix_caching
+    kwargs.update(dtype=VLLM_DTYPES[model_dtype.value], max_model_len=max_len.value, kv_cache_dtype=kv_dtype.value,
+                  block_size=block.value, enable_prefix_caching=config.kv_pool.enable_prefix_caching)
+    values += [model_dtype, max_len, kv_dtype, block]
 
     stored = model_dtype.value if kv_dtype.value == "auto" else next(
         sage for sage, theirs in VLLM_KV_DTYPES.items() if theirs == kv_dtype.value)
     block_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * block.value * DTYPE_BYTES[stored]
+    values.append(_kv_pool_size(kwargs, config, platform, block_bytes, block.value, max_len.value,
+                                host_available_bytes))
+    values += _scheduler(kwargs, config, max_len.value)
+    if config.model.revision != "local":
+        values.append(ResolvedValue("model.revision", config.model.revision,
+                                    "a prefix-cache key of sage's own index; vLLM loads the local directory as is"))
+    if config.role != "both":
+        kwargs["kv_transfer_config"], reason = _pd_connector(config, pd_port)
+        values.append(ResolvedValue("role", config.role, reason))
+    speculative = _speculative_config(config)
+    if speculative is not None:
+        kwargs["speculative_config"], value = speculative
+        values.append(value)
+    return VLLMEngineArgs(kwargs, values, max_len.value)
+
+
+def _kv_pool_size(kwargs: dict[str, object], config: ServeConfig, platform: str, block_bytes: int, block_size: int,
+                  max_model_len: int, host_available_bytes: int | None) -> ResolvedValue:
+    """How much KV vLLM allocates: sized here by the native engine's rule on CPU or when set by hand (blocks or
+    a budget), else vLLM's own share of device memory."""
     pool = config.kv_pool
     if platform == "cpu" or pool.num_blocks is not None or pool.memory_budget is not None:
         # the native engine's rule, so both backends size the same pool from the same config
         blocks = resolve_num_blocks(config.model_copy(update={"kv_pool": pool.model_copy(
-            update={"block_size": block.value})}), bytes_per_block=block_bytes, max_model_len=max_len.value,
+            update={"block_size": block_size})}), bytes_per_block=block_bytes, max_model_len=max_model_len,
             free_device_bytes=None, host_available_bytes=host_available_bytes)
         kwargs["kv_cache_memory_bytes"] = blocks.value * block_bytes
         kwargs["num_gpu_blocks_override"] = blocks.value
-        values.append(ResolvedValue("kv_pool.num_blocks", blocks.value,
-                                    f"{blocks.reason}; vLLM kv_cache_memory_bytes = {blocks.value} x {block_bytes}"))
-    else:  # vLLM measures the device after loading the model, as the native engine does
-        kwargs["gpu_memory_utilization"] = pool.memory_utilization
-        values.append(ResolvedValue("kv_pool.memory_utilization", pool.memory_utilization,
-                                    "vLLM gpu_memory_utilization: share of device memory for weights and KV"))
+        return ResolvedValue("kv_pool.num_blocks", blocks.value,
+                             f"{blocks.reason}; vLLM kv_cache_memory_bytes = {blocks.value} x {block_bytes}")
+    # vLLM measures the device after loading the model, as the native engine does
+    kwargs["gpu_memory_utilization"] = pool.memory_utilization
+    return ResolvedValue("kv_pool.memory_utilization", pool.memory_utilization,
+                         "vLLM gpu_memory_utilization: share of device memory for weights and KV")
 
+
+def _scheduler(kwargs: dict[str, object], config: ServeConfig, max_model_len: int) -> list[ResolvedValue]:
+    """The scheduler's settings as vLLM's; one vLLM has no equivalent for is a `ConfigError`."""
     scheduler = config.scheduler
-    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_len.value:
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_model_len:
         raise ConfigError(f"scheduler.max_num_batched_tokens: {scheduler.max_num_batched_tokens} is below "
-                          f"model.max_model_len {max_len.value}, which vLLM requires without chunked prefill",
+                          f"model.max_model_len {max_model_len}, which vLLM requires without chunked prefill",
                           hint="enable scheduler.enable_chunked_prefill or raise max_num_batched_tokens")
     if scheduler.strategy not in SCHEDULING_POLICIES:
         raise ConfigError(f"scheduler.strategy: {scheduler.strategy}: vLLM admits requests fcfs or by priority only",
@@ -118,49 +134,43 @@ def vllm_engine_args(config: ServeConfig, model: VLLMModel, platform: str,
                   scheduling_policy=SCHEDULING_POLICIES[scheduler.strategy],
                   # vLLM counts waiting + running requests: the seats plus sage's waiting room
                   max_num_queued_reqs=scheduler.max_waiting + scheduler.max_num_seqs)
-    values.append(ResolvedValue("scheduler.max_waiting", scheduler.max_waiting,
-                                f"vLLM max_num_queued_reqs = {scheduler.max_waiting} + {scheduler.max_num_seqs} "
-                                "running seats (it counts both)"))
-    if config.model.revision != "local":
-        values.append(ResolvedValue("model.revision", config.model.revision,
-                                    "a prefix-cache key of sage's own index; vLLM loads the local directory as is"))
-    if config.role != "both":
-        kwargs["kv_transfer_config"], reason = _pd_connector(config, pd_port)
-        values.append(ResolvedValue("role", config.role, reason))
+    return [ResolvedValue("scheduler.max_waiting", scheduler.max_waiting,
+                          f"vLLM max_num_queued_reqs = {scheduler.max_waiting} + {scheduler.max_num_seqs} "
+                          "running seats (it counts both)")]
+
+
+# what vLLM's speculative_config takes from each method's settings (besides method and num_speculative_tokens),
+# and the line `sage llm serve` prints for it
+SPECULATIVE_FIELDS = {
+    "ngram": (("prompt_lookup_min", "prompt_lookup_max"),
+              "vLLM speculative_config: ngram with the same num_speculative_tokens, prompt_lookup_min/max and "
+              "disable_by_batch_size"),
+    "suffix": (("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+               "vLLM speculative_config: suffix (needs the arctic-inference package in vLLM's environment) with the "
+               "same num_speculative_tokens and suffix_decoding_* fields"),
+    "draft_model": (("model",), "vLLM speculative_config: draft_model with the same model and "
+                    "num_speculative_tokens"),
+}
+
+
+def _speculative_config(config: ServeConfig) -> tuple[dict, ResolvedValue] | None:
+    """vLLM's speculative_config for the configured method (None when off)."""
     speculative = config.speculative
-    if speculative.method == "ngram":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative.num_speculative_tokens,
-                                        "prompt_lookup_min": speculative.prompt_lookup_min,
-                                        "prompt_lookup_max": speculative.prompt_lookup_max}
-        if speculative.disable_by_batch_size is not None:
-            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
-        values.append(ResolvedValue("speculative.method", "ngram", "vLLM speculative_config: ngram with the same "
-                                    "num_speculative_tokens, prompt_lookup_min/max and disable_by_batch_size"))
-    elif speculative.method == "suffix":
-        kwargs["speculative_config"] = {
-            "method": "suffix", "num_speculative_tokens": speculative.num_speculative_tokens,
-            **{name: getattr(speculative, name) for name in (
-                "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}}
-        if speculative.disable_by_batch_size is not None:
-            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
-        values.append(ResolvedValue("speculative.method", "suffix", "vLLM speculative_config: suffix (needs the "
-                                    "arctic-inference package in vLLM's environment) with the same "
-                                    "num_speculative_tokens and suffix_decoding_* fields"))
-    elif speculative.method == "draft_model":
-        kwargs["speculative_config"] = {"method": "draft_model", "model": speculative.model,
-                                        "num_speculative_tokens": speculative.num_speculative_tokens}
-        if speculative.disable_by_batch_size is not None:
-            kwargs["speculative_config"]["disable_by_batch_size"] = speculative.disable_by_batch_size
-        values.append(ResolvedValue("speculative.method", "draft_model", "vLLM speculative_config: draft_model "
-                                    "with the same model and num_speculative_tokens"))
-    elif speculative.method != "off":
+    if speculative.method == "off":
+        return None
+    if speculative.method not in SPECULATIVE_FIELDS:
         raise ConfigError(f"speculative.method: {speculative.method} is not implemented yet (for either backend); "
                           "use ngram, suffix or draft_model (or off)")
-    if speculative.method != "off" and speculative.adaptive:
+    if speculative.adaptive:
         raise ConfigError(f"speculative.adaptive: vLLM's {speculative.method} proposer has no adaptive k; leave it "
                           "false for --backend vllm")
-    return VLLMEngineArgs(kwargs, values, max_len.value)
+    names, reason = SPECULATIVE_FIELDS[speculative.method]
+    settings = {"method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens,
+                **{name: getattr(speculative, name) for name in names}}
+    if speculative.disable_by_batch_size is not None:
+        settings["disable_by_batch_size"] = speculative.disable_by_batch_size
+    return settings, ResolvedValue("speculative.method", speculative.method, reason)
 
 
 def _pd_connector(config: ServeConfig, pd_port: int | None) -> tuple[dict, str]:
