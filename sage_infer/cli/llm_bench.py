@@ -47,83 +47,80 @@ WORKLOAD_DEFAULTS = {WorkloadKind.multi_turn: {"prefix_len": 0},
                      WorkloadKind.agent: {"prefix_len": 2048, "context_len": 256, "input_len": 64, "turns": 8}}
 
 
+UrlOpt = Annotated[str, typer.Option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is ok).")]
+ApiKeyOpt = Annotated[
+    Optional[str], typer.Option("--api-key", envvar="SAGE_API_KEY", help="Send 'Authorization: Bearer KEY'.")
+]
+ModelIdOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="Model id to request (default: first id of /v1/models).")
+]
+WorkloadOpt = Annotated[WorkloadKind, typer.Option("--workload", "-w", help="What to send.")]
+TraceFileOpt = Annotated[
+    Optional[Path], typer.Option("--trace-file", dir_okay=False, help="Mooncake JSONL trace (--workload trace).")
+]
+NumRequestsOpt = Annotated[int, typer.Option("--num-requests", "-n", min=1, help="Requests to send.")]
+RateOpt = Annotated[
+    Optional[float], typer.Option("--rate", help="Requests/s, Poisson arrivals; inf = all at once. (default inf)")
+]
+ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", min=1, help="Most requests in flight.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds prompts and arrivals; change it to start cache-cold.")]
+InputLenOpt = Annotated[
+    Optional[int], typer.Option("--input-len", min=1, help="Prompt tokens (random: up to; shared-prefix: suffix; "
+                                "multi-turn: new tokens per turn; agent: tool output per step). (default 256; "
+                                "agent 64)")
+]
+OutputLenOpt = Annotated[Optional[int], typer.Option("--output-len", min=1, help="max_tokens (default 64).")]
+PrefixLenOpt = Annotated[
+    Optional[int], typer.Option("--prefix-len", min=0, help="Tokens every request shares (shared-prefix: the "
+                                "prefix, default 256; multi-turn: a system prompt, default 0; agent: "
+                                "instructions and tool definitions, default 2048).")
+]
+ContextLenOpt = Annotated[
+    Optional[int], typer.Option("--context-len", min=0, help="Tokens of each conversation's own context after "
+                                "the shared prefix (multi-turn: default 0; agent: the task, default 256).")
+]
+TurnsOpt = Annotated[Optional[int], typer.Option("--turns", min=1, help="Turns per conversation (default 4), steps "
+                                                 "per agent session (default 8).")]
+TimeScaleOpt = Annotated[
+    Optional[float], typer.Option("--time-scale", min=0.0, help="Multiply trace timestamps (0.1 = 10x faster).")
+]
+LengthScaleOpt = Annotated[
+    Optional[float], typer.Option("--length-scale", help="Multiply trace prompt/output lengths and block size.")
+]
+MaxInputLenOpt = Annotated[
+    Optional[int], typer.Option("--max-input-len", min=1, help="Cut trace prompts to this many tokens.")
+]
+VocabSizeOpt = Annotated[
+    int, typer.Option("--vocab-size", min=11, help="Prompt token ids are drawn from [10, vocab-size).")
+]
+JsonOutOpt = Annotated[
+    Optional[str], typer.Option("--json", metavar="OUT", help="Write all numbers and per-request records to OUT "
+                                "('-': print them instead of the tables).")
+]
+PlotOpt = Annotated[
+    Optional[Path], typer.Option("--plot", dir_okay=False, help="Save TTFT/TPOT/ITL/E2E histograms as a PNG.")
+]
+
+
 def bench(
-    url: Annotated[str, typer.Option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is ok).")],
-    api_key: Annotated[
-        Optional[str], typer.Option("--api-key", envvar="SAGE_API_KEY", help="Send 'Authorization: Bearer KEY'.")
-    ] = None,
-    model: Annotated[
-        Optional[str], typer.Option("--model", "-m", help="Model id to request (default: first id of /v1/models).")
-    ] = None,
-    workload: Annotated[WorkloadKind, typer.Option("--workload", "-w", help="What to send.")] = WorkloadKind.random,
-    trace_file: Annotated[
-        Optional[Path], typer.Option("--trace-file", dir_okay=False, help="Mooncake JSONL trace (--workload trace).")
-    ] = None,
-    num_requests: Annotated[int, typer.Option("--num-requests", "-n", min=1, help="Requests to send.")] = 100,
-    rate: Annotated[
-        Optional[float], typer.Option("--rate", help="Requests/s, Poisson arrivals; inf = all at once. (default inf)")
-    ] = None,
-    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Most requests in flight.")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="Seeds prompts and arrivals; change it to start cache-cold.")] = 0,
-    input_len: Annotated[
-        Optional[int], typer.Option("--input-len", min=1, help="Prompt tokens (random: up to; shared-prefix: suffix; "
-                                    "multi-turn: new tokens per turn; agent: tool output per step). (default 256; "
-                                    "agent 64)")
-    ] = None,
-    output_len: Annotated[Optional[int], typer.Option("--output-len", min=1, help="max_tokens (default 64).")] = None,
-    prefix_len: Annotated[
-        Optional[int], typer.Option("--prefix-len", min=0, help="Tokens every request shares (shared-prefix: the "
-                                    "prefix, default 256; multi-turn: a system prompt, default 0; agent: "
-                                    "instructions and tool definitions, default 2048).")
-    ] = None,
-    context_len: Annotated[
-        Optional[int], typer.Option("--context-len", min=0, help="Tokens of each conversation's own context after "
-                                    "the shared prefix (multi-turn: default 0; agent: the task, default 256).")
-    ] = None,
-    turns: Annotated[Optional[int], typer.Option("--turns", min=1, help="Turns per conversation (default 4), steps "
-                                                 "per agent session (default 8).")] = None,
-    time_scale: Annotated[
-        Optional[float], typer.Option("--time-scale", min=0.0, help="Multiply trace timestamps (0.1 = 10x faster).")
-    ] = None,
-    length_scale: Annotated[
-        Optional[float], typer.Option("--length-scale", help="Multiply trace prompt/output lengths and block size.")
-    ] = None,
-    max_input_len: Annotated[
-        Optional[int], typer.Option("--max-input-len", min=1, help="Cut trace prompts to this many tokens.")
-    ] = None,
-    vocab_size: Annotated[
-        int, typer.Option("--vocab-size", min=11, help="Prompt token ids are drawn from [10, vocab-size).")
-    ] = 512,
-    json_out: Annotated[
-        Optional[str], typer.Option("--json", metavar="OUT", help="Write all numbers and per-request records to OUT "
-                                    "('-': print them instead of the tables).")
-    ] = None,
-    plot: Annotated[
-        Optional[Path], typer.Option("--plot", dir_okay=False, help="Save TTFT/TPOT/ITL/E2E histograms as a PNG.")
-    ] = None,
+    url: UrlOpt, api_key: ApiKeyOpt = None, model: ModelIdOpt = None, workload: WorkloadOpt = WorkloadKind.random,
+    trace_file: TraceFileOpt = None, num_requests: NumRequestsOpt = 100, rate: RateOpt = None,
+    concurrency: ConcurrencyOpt = 16, seed: SeedOpt = 0, input_len: InputLenOpt = None,
+    output_len: OutputLenOpt = None, prefix_len: PrefixLenOpt = None, context_len: ContextLenOpt = None,
+    turns: TurnsOpt = None, time_scale: TimeScaleOpt = None, length_scale: LengthScaleOpt = None,
+    max_input_len: MaxInputLenOpt = None, vocab_size: VocabSizeOpt = 512, json_out: JsonOutOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """Benchmark a running OpenAI-compatible server (sage llm serve, vLLM, SGLang ...)."""
-    from sage_infer.serving_bench.report import bench_document, render, require_matplotlib, write_json
+    from sage_infer.serving_bench.report import bench_document
     from sage_infer.serving_bench.stats import summarize
     from sage_infer.serving_bench.workloads import poisson_arrivals
 
     chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "context_len": context_len,
-              "turns": turns,
-              "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
-    _check_flags(workload, {**{_flag(k): v for k, v in chosen.items()}, "--rate": rate, "--trace-file": trace_file})
-    if rate is not None and not rate > 0:  # also rejects nan
-        raise UsageError(f"--rate must be > 0 or inf, got {rate}")
-    if length_scale is not None and not length_scale > 0:
-        raise UsageError(f"--length-scale must be > 0, got {length_scale}")
-    if workload is WorkloadKind.trace and trace_file is None:
-        raise UsageError("--workload trace needs --trace-file FILE")
-    for flag, out in (("--json", None if json_out in (None, "-") else Path(json_out)), ("--plot", plot)):
-        if out is not None and not out.parent.is_dir():  # fail now, not after the run
-            raise UsageError(f"{flag} {out}: directory {out.parent} does not exist")
-    if plot is not None:
-        require_matplotlib()
+              "turns": turns, "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
+    _check_options(workload, chosen, rate, trace_file, json_out, plot)
     runner = _import_runner()
-    from sage_infer.serving_bench.client import normalize_url
+    from sage_infer.serving_bench.client import normalize_url  # after the check that httpx is there
 
     url = normalize_url(url)
     defaults = {**DEFAULTS, **WORKLOAD_DEFAULTS.get(workload, {})}
@@ -137,18 +134,7 @@ def bench(
               "rate": "trace" if load.arrivals_s else ("inf" if rate in (None, math.inf) else rate),
               "concurrency": concurrency, "seed": seed, "vocab_size": vocab_size,
               **{k: v for k, v in settings.items() if workload in APPLIES_TO[_flag(k)]}, **load.info}
-    document = bench_document(config, summary, run.results)
-
-    if json_out == "-":
-        from sage_infer.cli.output import emit
-
-        emit(document, True, lambda console: None)
-    else:
-        from sage_infer.cli.output import console
-
-        if json_out is not None:
-            write_json(Path(json_out), document)
-        render(console, config, summary, run.results)
+    _emit(bench_document(config, summary, run.results), config, summary, run, json_out)
     if plot is not None:
         from sage_infer.serving_bench.report import plot_latencies
 
@@ -156,6 +142,41 @@ def bench(
     if summary["ok"] == 0:
         first = next(r.error for r in run.results if r.error)
         raise SageError(f"all {summary['requests']} requests failed; first error: {first}")
+
+
+def _check_options(workload: WorkloadKind, chosen: dict[str, object], rate: float | None, trace_file: Path | None,
+                   json_out: str | None, plot: Path | None) -> None:
+    """Every flag the run would trip over, refused before it starts (a `UsageError`)."""
+    from sage_infer.serving_bench.report import require_matplotlib
+
+    _check_flags(workload, {**{_flag(k): v for k, v in chosen.items()}, "--rate": rate, "--trace-file": trace_file})
+    if rate is not None and not rate > 0:  # also rejects nan
+        raise UsageError(f"--rate must be > 0 or inf, got {rate}")
+    length_scale = chosen["length_scale"]
+    if length_scale is not None and not length_scale > 0:
+        raise UsageError(f"--length-scale must be > 0, got {length_scale}")
+    if workload is WorkloadKind.trace and trace_file is None:
+        raise UsageError("--workload trace needs --trace-file FILE")
+    for flag, out in (("--json", None if json_out in (None, "-") else Path(json_out)), ("--plot", plot)):
+        if out is not None and not out.parent.is_dir():  # fail now, not after the run
+            raise UsageError(f"{flag} {out}: directory {out.parent} does not exist")
+    if plot is not None:
+        require_matplotlib()
+
+
+def _emit(document: dict, config: dict, summary: dict, run, json_out: str | None) -> None:
+    """The results: JSON on stdout (``--json -``), else the tables (and the JSON to a file with ``--json OUT``)."""
+    if json_out == "-":
+        from sage_infer.cli.output import emit
+
+        emit(document, True, lambda console: None)
+        return
+    from sage_infer.cli.output import console
+    from sage_infer.serving_bench.report import render, write_json
+
+    if json_out is not None:
+        write_json(Path(json_out), document)
+    render(console, config, summary, run.results)
 
 
 def _check_flags(workload: WorkloadKind, given: dict[str, object]) -> None:
