@@ -279,7 +279,8 @@ def run_workload(model_dir: Path, s: Settings, reqs: list[Req], *, tiers: bool, 
                 f"{now - start:.0f}s", flush=True)
     wall = time.perf_counter() - start
     stats = engine.stats()
-    hierarchy = engine.kv.hierarchy
+    tier_source = engine.kv.source("tiers")
+    hierarchy = tier_source.hierarchy if tier_source is not None else None
     result = {
         "tiers": tiers,
         "steps": busy_steps,

@@ -183,7 +183,8 @@ def run_setup(setup: Setup, model_dir: str, prompts: list[list[int]], args: argp
     warm = random.Random(-1)
     llm.generate([[warm.randrange(FIRST_REGULAR_TOKEN, args.vocab) for _ in range(args.block_size - 1)]] * 2, params)
     watch = Stopwatch()
-    hierarchy = llm.engine.kv.hierarchy
+    tier_source = llm.engine.kv.source("tiers")
+    hierarchy = tier_source.hierarchy if tier_source is not None else None
     if hierarchy is not None:
         hierarchy.read = watch.wrap("load", hierarchy.read)  # the reads, on whichever thread runs them
         manager = llm.engine.kv.block_manager

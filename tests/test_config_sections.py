@@ -189,13 +189,13 @@ def test_host_port_api_key_and_max_waiting_reach_the_server(tiny, bf16_cpu):
 
 
 def test_tiers_build_the_lower_kv_tiers(tiny, tmp_path):
-    assert build(tiny, "kv_pool.num_blocks=8").kv.hierarchy is None
+    assert build(tiny, "kv_pool.num_blocks=8").kv.source("tiers") is None
     engine = build(tiny, "kv_pool.num_blocks=8", "tiers.host_bytes=1MiB", f"tiers.disk_path={tmp_path}",
                    "tiers.disk_bytes=64MiB")
-    stores = engine.kv.hierarchy.stores
+    stores = engine.kv.source("tiers").hierarchy.stores
     assert [s.name for s in stores] == ["host", "disk"]
     assert stores[0].capacity_bytes == 1 << 20 and stores[1].capacity_bytes == 64 << 20
-    assert engine.kv.block_manager.on_evict == engine.kv.hierarchy.on_evict
+    assert engine.kv.block_manager.on_evict == engine.kv.source("tiers").hierarchy.on_evict
 
 
 def test_a_disk_tier_without_a_size_is_one_config_error(tiny, tmp_path):
@@ -241,10 +241,12 @@ def test_roles_build_a_kv_connector_from_kv_transport(tiny):
     decode = build(tiny, "kv_pool.num_blocks=8", "role=decode", "kv_transport.timeout_s=7")
     try:
         info = prefill.pd.info()
-        assert (info.role, info.address) == ("prefill", None) and prefill.kv.transfers.pipe.backend == "tcp"
+        assert (info.role, info.address) == ("prefill", None)
+        assert prefill.kv.source("transfers").transfers.pipe.backend == "tcp"
         info = decode.pd.info()
         assert info.role == "decode" and info.address.startswith("shm://")  # auto: one host, shared memory
-        assert decode.kv.transfers.pipe.config.timeout_s == 7 and info.schema_digest == prefill.kv_schema_digest
+        assert decode.kv.source("transfers").transfers.pipe.config.timeout_s == 7
+        assert info.schema_digest == prefill.kv_schema_digest
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -40,7 +40,7 @@ def engine_hits(model_dir, policy: str, sequence: list[list[int]]) -> tuple[list
     )
     llm = LLM(config=config, device="cpu")
     hits = run_chains(llm, sequence)
-    loaded = llm.engine.kv.hierarchy.stats.tiers["host"].loaded_blocks
+    loaded = llm.engine.kv.source("tiers").hierarchy.stats.tiers["host"].loaded_blocks
     return hits, {"host_loaded": loaded}, getattr(llm.engine.kv.index.policy, "capacity", None)
 
 

@@ -70,8 +70,8 @@ def test_quantized_blocks_come_back_from_the_disk_tier_bit_exact(tmp_path):
     [hot] = first.generate([long_prompt], GREEDY)
     for other in PROMPTS[1:]:  # evict it from the 12-block pool into the disk tier
         first.generate([other * 6], GREEDY)
-    assert first.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks >= 4
-    first.engine.kv.hierarchy.close()
+    assert first.engine.kv.source("tiers").hierarchy.stats.tiers["disk"].demoted_blocks >= 4
+    first.engine.kv.source("tiers").hierarchy.close()
     [again] = make(str(tmp_path)).generate([long_prompt], GREEDY)
     assert again.metrics.num_cached_tokens >= 4 * 16
     assert again.outputs[0].token_ids == hot.outputs[0].token_ids
@@ -87,8 +87,8 @@ def test_blocks_written_in_one_kv_dtype_are_never_read_in_another(tmp_path):
     int8 = make("int8")
     for prompt in PROMPTS:
         int8.generate([prompt * 6], GREEDY)
-    assert int8.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks >= 4
-    int8.engine.kv.hierarchy.close()
+    assert int8.engine.kv.source("tiers").hierarchy.stats.tiers["disk"].demoted_blocks >= 4
+    int8.engine.kv.source("tiers").hierarchy.close()
     [out] = make("fp8_e4m3").generate([PROMPTS[0] * 6], GREEDY)  # same bytes per block, same disk directory
     assert out.metrics.num_cached_tokens == 0
 

@@ -311,7 +311,7 @@ def test_two_engines_share_prefixes_through_mooncake(master, tmp_path):
     writer = make_llm(model_dir, remote_url=master.url, remote_bytes=64 << 20)
     reader = None
     try:
-        [store] = writer.engine.kv.hierarchy.stores
+        [store] = writer.engine.kv.source("tiers").hierarchy.stores
         assert isinstance(store, MooncakeTier) and store.name == "mooncake" and store.shared
         for tokens in (A, B, C):
             run(writer, tokens)
@@ -320,5 +320,5 @@ def test_two_engines_share_prefixes_through_mooncake(master, tmp_path):
     finally:
         for llm in (writer, reader):
             if llm is not None:
-                [store] = llm.engine.kv.hierarchy.stores
+                [store] = llm.engine.kv.source("tiers").hierarchy.stores
                 store.close(wait=True)

@@ -67,7 +67,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier(model_dir, cold):
     llm = make_llm(model_dir, host_bytes=1 << 20)
     for tokens in (A, B, C):
         run(llm, tokens)
-    hierarchy = llm.engine.kv.hierarchy
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
     assert hierarchy.stats.demoted_blocks >= 5
     tokens, cached = run(llm, A)
     assert tokens == cold
@@ -82,7 +82,7 @@ def test_a_corrupt_block_in_the_host_tier_is_recomputed(model_dir, cold):
     llm = make_llm(model_dir, host_bytes=1 << 20)
     for tokens in (A, B, C):
         run(llm, tokens)
-    host = llm.engine.kv.hierarchy.stores[0]
+    host = llm.engine.kv.source("tiers").hierarchy.stores[0]
     engine = llm.engine
     keys = hash_token_blocks(A, BLOCK, make_extra_key(engine.model_id, engine.revision, engine.kv_dtype, "NHD"))
     assert host.drain(10)
@@ -91,15 +91,15 @@ def test_a_corrupt_block_in_the_host_tier_is_recomputed(model_dir, cold):
     assert tokens == cold
     assert cached == 2 * BLOCK  # the verified prefix: blocks 0 and 1
     assert host.stats().checksum_failures == 1
-    assert llm.engine.kv.hierarchy.stats.failures["corrupt"] == 3  # blocks 2..4 were recomputed
+    assert llm.engine.kv.source("tiers").hierarchy.stats.failures["corrupt"] == 3  # blocks 2..4 were recomputed
 
 
 def test_a_restarted_engine_hits_what_the_disk_tier_wrote(model_dir, cold, tmp_path):
     first = make_llm(model_dir, disk_path=str(tmp_path), disk_bytes=64 << 20)
     for tokens in (A, B, C):
         run(first, tokens)
-    assert first.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks >= 5
-    first.engine.kv.hierarchy.close()
+    assert first.engine.kv.source("tiers").hierarchy.stats.tiers["disk"].demoted_blocks >= 5
+    first.engine.kv.source("tiers").hierarchy.close()
     second = make_llm(model_dir, disk_path=str(tmp_path), disk_bytes=64 << 20)
     assert run(second, A) == (cold, 5 * BLOCK)
 
@@ -115,7 +115,7 @@ def test_two_engines_share_prefixes_through_redis(model_dir, cold):
         # the reader loaded A but left it in the shared tier: a third server hits it too
         third = make_llm(model_dir, remote_url=server.url)
         assert run(third, A) == (cold, 5 * BLOCK)
-        redis = reader.engine.kv.hierarchy.stores[0]
+        redis = reader.engine.kv.source("tiers").hierarchy.stores[0]
         assert all(redis.contains(hash_token_blocks(A, BLOCK, _extra_key(reader))))
     finally:
         server.kill()
@@ -131,7 +131,7 @@ def test_a_redis_that_dies_mid_run_costs_recompute_not_requests(model_dir, cold)
         for tokens in (C, B):  # evictions now fail to demote
             run(llm, tokens)
         assert run(llm, A) == (cold, 0)
-        assert llm.engine.kv.hierarchy.stats.tiers["redis"].errors >= 1
+        assert llm.engine.kv.source("tiers").hierarchy.stats.tiers["redis"].errors >= 1
         llm.engine.kv.block_manager.check_invariants()
     finally:
         server.kill()
@@ -146,7 +146,7 @@ def test_the_presets_cost_model_drops_blocks_that_load_slower_than_they_recomput
     llm = LLM(config=resolved.config, device="cpu")
     for tokens in (A, B, C):
         run(llm, tokens)
-    hierarchy = llm.engine.kv.hierarchy
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
     assert hierarchy.stats.demoted_blocks == 0 and hierarchy.stats.dropped_blocks >= 5
     assert "-> drop" in hierarchy.describe()
     assert run(llm, A)[1] == 0
@@ -170,7 +170,7 @@ class HeldTier:
 
 
 def hold_host_tier(llm: LLM) -> HeldTier:
-    hierarchy = llm.engine.kv.hierarchy
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
     held = HeldTier(hierarchy.stores[0])
     hierarchy.stores[0] = held
     return held
@@ -196,7 +196,7 @@ def test_a_request_loading_from_a_tier_waits_while_others_compute(model_dir, col
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished["a"].outputs[0].token_ids == cold
     assert finished["a"].metrics.num_cached_tokens == 5 * BLOCK
-    assert engine.kv.loader.stats.used == 1
+    assert engine.kv.source("tiers").loader.stats.used == 1
 
 
 def test_a_load_past_its_deadline_is_recomputed(model_dir, cold):
@@ -209,15 +209,15 @@ def test_a_load_past_its_deadline_is_recomputed(model_dir, cold):
     finally:
         held.release.set()
     assert tokens == cold and cached == 0
-    assert llm.engine.kv.loader.stats.timeouts == 1
-    assert llm.engine.kv.hierarchy.stats.load_failures == 5
+    assert llm.engine.kv.source("tiers").loader.stats.timeouts == 1
+    assert llm.engine.kv.source("tiers").hierarchy.stats.load_failures == 5
 
 
 def test_remote_bytes_sizes_the_remote_tier(model_dir):
     server = start_redis()
     try:
         llm = make_llm(model_dir, remote_url=server.url, remote_bytes=64 << 10)
-        hierarchy = llm.engine.kv.hierarchy
+        hierarchy = llm.engine.kv.source("tiers").hierarchy
         block = llm.engine.runner.pool.block_nbytes
         assert hierarchy.stores[0].capacity_bytes == 64 << 10
         assert hierarchy.migration.tiers[0].capacity_blocks == (64 << 10) // block
@@ -227,7 +227,7 @@ def test_remote_bytes_sizes_the_remote_tier(model_dir):
 
 def test_a_hot_block_is_promoted_into_free_device_blocks_before_it_is_asked_for(model_dir, cold):
     llm = make_llm(model_dir, host_bytes=1 << 20)  # hot after 2 loads (the default)
-    hierarchy, kv = llm.engine.kv.hierarchy, llm.engine.kv
+    hierarchy, kv = llm.engine.kv.source("tiers").hierarchy, llm.engine.kv
     for _ in range(2):  # A comes back from the host tier twice: hot (B and C once each)
         for tokens in (A, B, C):
             run(llm, tokens)
@@ -250,7 +250,7 @@ def test_hot_promotion_can_be_turned_off(model_dir, cold):
         for tokens in (A, B, C):
             run(llm, tokens)
         assert run(llm, A) == (cold, 5 * BLOCK)
-    assert llm.engine.kv.hierarchy.migrator.stats.hot_promoted == 0
+    assert llm.engine.kv.source("tiers").hierarchy.migrator.stats.hot_promoted == 0
 
 
 def _extra_key(llm: LLM) -> bytes:
@@ -263,7 +263,7 @@ def test_a_waiting_request_asks_the_lower_tiers_once_not_every_step(model_dir):
     for tokens in (A, B, C):
         run(llm, tokens)
     kv = llm.engine.kv
-    host = kv.hierarchy.stores[0]
+    host = kv.source("tiers").hierarchy.stores[0]
     calls = []
     contains = host.contains
     host.contains = lambda keys: calls.append(len(keys)) or contains(keys)
@@ -286,7 +286,8 @@ def test_a_graceful_close_keeps_the_device_and_host_blocks_in_the_disk_tier_for_
     first = make_llm(model_dir, host_bytes=1 << 20, disk_path=str(disk), disk_bytes=64 << 20)
     for tokens in (A, B, C):
         run(first, tokens)
-    assert first.engine.kv.hierarchy.stats.tiers["disk"].demoted_blocks == 0  # everything fit above the disk
+    disk_counters = first.engine.kv.source("tiers").hierarchy.stats.tiers["disk"]
+    assert disk_counters.demoted_blocks == 0  # everything fit above the disk
     first.close()
     second = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20)  # (no host tier this time)
     for tokens in (A, B, C):
@@ -297,7 +298,7 @@ def test_a_graceful_close_keeps_the_device_and_host_blocks_in_the_disk_tier_for_
 
 def _crash(llm: LLM) -> None:
     """What a crash leaves on disk: the writes the disk tier's writer finished (no graceful persist)."""
-    disk = next(store for store in llm.engine.kv.hierarchy.stores if store.persistent)
+    disk = next(store for store in llm.engine.kv.source("tiers").hierarchy.stores if store.persistent)
     disk.flush()
     disk.close()
 
@@ -309,7 +310,7 @@ def test_write_through_puts_what_the_device_computed_on_disk_before_any_eviction
     disk = tmp_path / "kv"
     first = make_llm(model_dir, host_bytes=1 << 20, disk_path=str(disk), disk_bytes=64 << 20, write_policy=policy)
     run(first, A)
-    counters = first.engine.kv.hierarchy.stats.tiers["disk"]
+    counters = first.engine.kv.source("tiers").hierarchy.stats.tiers["disk"]
     assert counters.written_through_blocks == (5 if policy == "write_through" else 0)
     for tokens in (B, C, A):
         run(first, tokens)
@@ -324,7 +325,7 @@ def test_write_through_puts_what_the_device_computed_on_disk_before_any_eviction
 def test_write_through_selective_copies_a_block_on_its_second_hit(model_dir, cold, tmp_path):
     disk = tmp_path / "kv"
     first = make_llm(model_dir, disk_path=str(disk), disk_bytes=64 << 20, write_policy="write_through_selective")
-    counters = first.engine.kv.hierarchy.stats.tiers["disk"]
+    counters = first.engine.kv.source("tiers").hierarchy.stats.tiers["disk"]
     run(first, A)  # computed
     run(first, A)  # first hit
     assert counters.written_through_blocks == 0

@@ -68,7 +68,8 @@ def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir,
     prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
     [out] = [o for o in run_until(prefill, lambda: not prefill.scheduler.has_unfinished()) if o.finished]
     assert out.outputs[0].token_ids == colocated[:1]
-    assert "r1" in prefill.kv.transfers.held  # finished, but its blocks are kept for the decode engine
+    sent = prefill.kv.source("transfers").transfers
+    assert "r1" in sent.held  # finished, but its blocks are kept for the decode engine
 
     decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1",
                                                                              schema_digest=digest)))
@@ -78,9 +79,9 @@ def test_decode_continues_from_the_prefill_engines_kv_token_for_token(model_dir,
     assert final.outputs[0].token_ids == colocated
     assert final.metrics.num_cached_tokens == 5 * BLOCK  # every full prompt block came over the wire
     run_until(prefill, lambda: not prefill.has_unfinished_requests())  # the send was acknowledged: freed
-    assert prefill.kv.transfers.stats.sent == 1 and not prefill.kv.transfers.held
+    assert sent.stats.sent == 1 and not sent.held
     assert prefill.kv.block_manager.num_used_blocks == 0
-    assert decode.kv.transfers.stats.received == 1
+    assert decode.kv.source("transfers").transfers.stats.received == 1
 
     # the received blocks are registered like computed ones: the next request with this prefix hits them
     decode.add(AddRequest("r2", PROMPT, GREEDY))
@@ -127,7 +128,7 @@ def test_a_transfer_that_never_comes_costs_a_recompute_not_a_wrong_token(model_d
     outputs = run_until(decode, lambda: not decode.has_unfinished_requests())
     [final] = [o for o in outputs if o.finished]
     assert final.outputs[0].token_ids == colocated and final.metrics.num_cached_tokens == 0
-    assert decode.kv.transfers.stats.receive_failures == 1
+    assert decode.kv.source("transfers").transfers.stats.receive_failures == 1
     decode.kv.block_manager.check_invariants()
     decode.shutdown()
 
@@ -137,7 +138,8 @@ def test_held_kv_nobody_takes_is_freed_when_the_hold_expires(model_dir):
     prefill.add(AddRequest("r1", PROMPT, SamplingParams(max_tokens=1, temperature=0),
                            kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.has_unfinished_requests())
-    assert prefill.kv.transfers.stats.expired_holds == 1 and prefill.kv.block_manager.num_used_blocks == 0
+    assert prefill.kv.source("transfers").transfers.stats.expired_holds == 1
+    assert prefill.kv.block_manager.num_used_blocks == 0
     with pytest.raises(RequestError, match="no KV is held"):
         prefill.pd.send("r1", "shm:///nowhere", "t")
     prefill.kv.block_manager.check_invariants()
@@ -174,7 +176,7 @@ def test_blocks_whose_sender_hashes_differ_from_the_prompts_are_not_used(model_d
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
     assert final.outputs[0].token_ids == colocated
     assert final.metrics.num_cached_tokens == same_from * BLOCK
-    stats = decode.kv.transfers.stats
+    stats = decode.kv.source("transfers").transfers.stats
     assert stats.hash_mismatches == 1 and stats.received == (1 if same_from else 0)
     assert decode.stats().kv_transfer_hash_mismatches == 1
     run_until(prefill, lambda: not prefill.has_unfinished_requests())
@@ -192,7 +194,7 @@ def test_a_decode_engine_in_another_kv_dtype_gets_the_blocks_converted(model_dir
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
-    held = prefill.kv.transfers.held["r1"].seq.block_table[:5]
+    held = prefill.kv.source("transfers").transfers.held["r1"].seq.block_table[:5]
     # what the decode engine must end up with: the prefill's blocks re-encoded in its dtype
     expected = make_llm(model_dir, decode_dtype).engine.runner.pool
     source = prefill.runner.pool
@@ -204,7 +206,7 @@ def test_a_decode_engine_in_another_kv_dtype_gets_the_blocks_converted(model_dir
     assert prefill.pd.send("r1", address, "t-r1", kv_dtype=decode_dtype) == 5
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
     assert final.metrics.num_cached_tokens == 5 * BLOCK  # the converted blocks were taken, hashes and all
-    assert decode.kv.transfers.stats.hash_mismatches == 0 and len(final.outputs[0].token_ids) == 6
+    assert decode.kv.source("transfers").transfers.stats.hash_mismatches == 0 and len(final.outputs[0].token_ids) == 6
     cached = decode.kv.index.match(PROMPT, decode.extra_key(), record=False)  # registered under its own key
     assert len(cached.block_ids) == 5
     assert torch.equal(decode.runner.pool.read_blocks(cached.block_ids), expected.read_blocks(range(5)))

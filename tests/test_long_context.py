@@ -138,7 +138,7 @@ def test_a_short_lower_tier_load_allocates_only_the_blocks_it_fills(tmp_path):
     for prompt in (a, b, c):
         llm.generate([prompt], greedy)  # a's 5 full blocks end up in the host tier
     engine = llm.engine
-    hierarchy = engine.kv.hierarchy
+    hierarchy = engine.kv.source("tiers").hierarchy
     hierarchy.stores[0] = ShortReads(hierarchy.stores[0], limit=2)
     engine.add_request("a", a, greedy)
     outputs = []

@@ -73,7 +73,7 @@ def test_completions_through_the_router_equal_colocated_and_reuse_the_prefill_kv
     assert got.choices[0].text == want.choices[0].text
     assert got.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK  # every full block came from prefill
     settle(prefill, decode)
-    stats = prefill.backend.engine.kv.transfers.stats
+    stats = prefill.backend.engine.kv.source("transfers").transfers.stats
     assert stats.sent >= 1 and stats.send_failures == 0
     assert prefill.backend.engine.kv.block_manager.num_used_blocks == 0  # freed after the ack
 
@@ -143,14 +143,15 @@ def test_without_a_prefill_worker_the_decode_worker_computes_the_prompt(model_di
 
 def test_kv_the_prefill_worker_does_not_hold_costs_a_recompute_at_once(deployment, colocated):
     prefill, decode, _ = deployment
-    failures = decode.backend.engine.kv.transfers.stats.receive_failures
+    failures = decode.backend.engine.kv.source("transfers").transfers.stats.receive_failures
     params = {"remote_url": prefill.url, "remote_request_id": "cmpl-nobody-0",
               "schema_digest": prefill.backend.kv_transfer_info().schema_digest}
     fresh = [7 + (29 * j) % 400 for j in range(3 * BLOCK + 5)]  # not in the decode worker's prefix cache
     got = complete(decode.url, decode.model, fresh, extra={"kv_transfer_params": params})
     assert got.choices[0].text == complete(colocated.url, colocated.model, fresh).choices[0].text
     assert got.usage.prompt_tokens_details.cached_tokens == 0
-    assert decode.backend.engine.kv.transfers.stats.receive_failures == failures + 1  # gave up on the 404
+    received = decode.backend.engine.kv.source("transfers").transfers
+    assert received.stats.receive_failures == failures + 1  # gave up on the 404
     settle(prefill, decode)
 
 
@@ -171,7 +172,7 @@ def test_a_decode_worker_in_int8_kv_takes_a_fp32_prefill_workers_kv_converted(mo
         assert got.usage.completion_tokens == 8
         # the same tokens as a server keeping int8 KV itself (its prompt blocks are the same codes)
         assert got.choices[0].text == complete(int8_colocated.url, int8_colocated.model).choices[0].text
-        stats = decode.backend.engine.kv.transfers.stats
+        stats = decode.backend.engine.kv.source("transfers").transfers.stats
         assert stats.received == 1 and stats.hash_mismatches == 0
         settle(prefill, decode)
 
@@ -378,7 +379,7 @@ def test_a_prompt_shorter_than_one_block_goes_through_the_router_too(deployment,
     got = complete(url, decode.model, short_prompt)
     assert got.choices[0].text == complete(colocated.url, colocated.model, short_prompt).choices[0].text
     settle(prefill, decode)
-    assert not prefill.backend.engine.kv.transfers.held
+    assert not prefill.backend.engine.kv.source("transfers").transfers.held
 
 
 def test_slo_strategy_measures_decode_tpot_and_counts_the_targets_met(deployment):

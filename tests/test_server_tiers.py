@@ -89,7 +89,7 @@ def test_a_disk_tier_whose_directory_is_deleted_is_counted_rested_and_made_again
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         for seed in (1, 2, 3):
             assert complete(client, server.model, seed) == "length"
-        stores = server.backend.engine.kv.hierarchy.stores
+        stores = server.backend.engine.kv.source("tiers").hierarchy.stores
         stores[0].flush()
         before = samples(server.url)
         assert before["sage:kv_tier_blocks", "disk", ""] >= 5 and before["sage:kv_tier_up", "disk", ""] == 1
@@ -134,7 +134,7 @@ def test_a_disk_tier_that_cannot_write_is_counted_and_rested(model_dir, tmp_path
         monkeypatch.setattr(disk.os, "pwritev", full)
         for seed in (1, 2, 3, 4):
             assert complete(client, server.model, seed) == "length"
-        server.backend.engine.kv.hierarchy.stores[0].flush()
+        server.backend.engine.kv.source("tiers").hierarchy.stores[0].flush()
         deadline = time.monotonic() + 10
         while samples(server.url)["sage:kv_tier_up", "disk", ""] == 1:
             assert time.monotonic() < deadline, "the failed writes were never reported"

@@ -40,7 +40,10 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
+from sage_infer.kv_runtime.sources import KVSource
+from sage_infer.kv_runtime.tier_source import TierSource
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
+from sage_infer.kv_runtime.transfer_source import TransferSource
 from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.attention_backends import (
     AttentionBackend,
@@ -156,8 +159,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
     hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
     transfers = build_transfers(config, pool, device, extra_key, index)
     publish_kv_events(config, index, hierarchy)
-    kv = KVCacheManager(block_manager, hierarchy=hierarchy, load_timeout_s=config.tiers.load_timeout_s,
-                        flush_on_shutdown_s=config.tiers.flush_on_shutdown_s, transfers=transfers)
+    kv = KVCacheManager(block_manager, sources=kv_sources(config, hierarchy, transfers))
     attention = build_attention(config, model, arch.head_dim, device, pool)
     if config.speculative.method == "draft_model":
         proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
@@ -541,6 +543,19 @@ def publish_kv_events(config: ServeConfig, index: PrefixReuseIndex | None,
     if hierarchy is not None and hierarchy.shared_level is not None:
         shared = hierarchy.migration.tiers[hierarchy.shared_level - 1].name
         hierarchy.on_shared_copy = lambda key: events.stored(key, shared)
+
+
+def kv_sources(config: ServeConfig, hierarchy: HierarchyManager | None,
+               transfers: KVTransfers | None) -> list[KVSource]:
+    """What `KVCacheManager` takes prompt blocks from past the device, in the order it asks them: received
+    transfers first (a request they claim is never served from the tiers), then the lower tiers, which claim
+    every other request."""
+    sources: list[KVSource] = []
+    if transfers is not None:
+        sources.append(TransferSource(transfers))
+    if hierarchy is not None:
+        sources.append(TierSource(hierarchy, config.tiers.load_timeout_s, config.tiers.flush_on_shutdown_s))
+    return sources
 
 
 def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None = None,

@@ -234,24 +234,10 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
-            **self._tier_stats(),
+            **self.kv.source_stats(),
             **self._quota_stats(),
             **(self.pd.stats() if self.pd is not None else {}),
         )
-
-    def _tier_stats(self) -> dict:
-        hierarchy = self.kv.hierarchy
-        if hierarchy is None:
-            return {}
-        loads = self.kv.loader.stats if self.kv.loader is not None else None
-        stats, hot = hierarchy.stats, hierarchy.migrator.stats
-        return {"tiers": hierarchy.snapshots(), "tier_dropped_blocks": stats.dropped_blocks,
-                "tier_load_failures": stats.load_failures,
-                "tier_load_failure_reasons": tuple(stats.failures.items()),
-                "tier_load_latency": stats.load_latency.cumulative(), "tier_load_latency_sum": stats.load_latency.total,
-                "hot_promoted": hot.hot_promoted, "hot_used": hot.hot_used,
-                "prefetch_issued": loads.issued if loads else 0, "prefetch_used": loads.used if loads else 0,
-                "prefetch_timeouts": loads.timeouts if loads else 0}
 
     def _quota_stats(self) -> dict:
         quota = self.kv.index.quota if self.kv.index is not None else None

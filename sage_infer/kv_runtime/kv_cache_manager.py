@@ -12,30 +12,27 @@ A request's KV goes through four calls, in this order:
 4. ``free(seq)``: release its blocks, children before parents.
 
 ``allocate`` grows a running sequence; ``on_evict`` is called with the cached blocks an
-allocation evicts (one list), before their slots are reused (the tiers demote instead of dropping).
+allocation evicts (one list), before their slots are reused.
 
-Past the device, a prompt's blocks can come from a `KVSource` (`kv_runtime.sources`): the lower
-tiers of a `HierarchyManager`, or the blocks a prefill instance sent (`KVTransfers`). `match` asks
-the source that claims the request for the chain's next blocks, `admit` takes them into fresh
-device blocks (the longest verified prefix; the rest is recomputed) and registers them. With tiers,
-`commit` also drops lower-tier copies of blocks the device computed again, so the tiers stay
-exclusive, and `promote_hot` / `persist` move blocks between the device and the tiers.
+Past the device, a prompt's blocks can come from a `KVSource` (`kv_runtime.sources`), given at
+construction: the lower tiers (`TierSource`), the blocks a prefill instance sent (`TransferSource`).
+`match` asks the source that claims the request for the chain's next blocks, `admit` takes them into
+fresh device blocks (the longest verified prefix; the rest is recomputed) and registers them. Every
+source hears the device's hits and newly computed blocks, and `promote_hot`, `hold`, `persist`, `poll`
+and `close` are the sources' to carry out: the manager names none of them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
-from sage_infer.kv_runtime.hierarchy import HierarchyManager
-from sage_infer.kv_runtime.sources import KVSource, TierSource, TransferSource
-from sage_infer.kv_runtime.transfers import KVTransfers
+from sage_infer.kv_runtime.sources import KVSource
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
-HOT_PROMOTE_PER_STEP = 8  # hot blocks promoted per step at most
-HOT_RESERVE = 0.10  # fraction of the pool kept free: promotion only uses free blocks beyond it
+HOT_PROMOTE_PER_STEP = 8  # blocks promoted ahead of need per step at most
 
 NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
 
@@ -43,42 +40,29 @@ NO_MATCH = PrefixMatch(block_ids=[], block_hashes=[], num_tokens=0)
 class KVCacheManager:
     """Sequence-level KV bookkeeping over a `BlockManager` and its prefix index (None: prefix caching off).
 
-    `clock` stamps admissions for time-aware eviction policies (the replay passes trace time). `hierarchy`:
-    the lower tiers (read in the background with `load_timeout_s`); `transfers`: prefill/decode separation
-    (a prefill instance holds finished prompts' blocks for it; a decode instance receives them through it).
+    `clock` stamps admissions for time-aware eviction policies (the replay passes trace time). `sources`: where
+    prompt blocks past the device come from, in the order they are asked (the first that claims a request
+    answers for it); each is attached to `block_manager` here.
     """
 
     def __init__(
         self,
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
-        hierarchy: HierarchyManager | None = None,
-        load_timeout_s: float | None = None,
-        flush_on_shutdown_s: float = 30.0,
-        transfers: KVTransfers | None = None,
+        sources: Iterable[KVSource] = (),
     ) -> None:
         self.block_manager = block_manager
-        self.flush_on_shutdown_s = flush_on_shutdown_s  # `persist`'s time budget (`tiers.flush_on_shutdown_s`)
         self.index = block_manager.index
         self.block_size = block_manager.block_size
         self.clock = clock
-        self.hierarchy = hierarchy
-        self.transfers = transfers
-        self.sources: list[KVSource] = []  # the first that claims a request answers for it: the tiers claim all
-        if transfers is not None:
-            if self.index is None:
-                raise ValueError("prefill/decode transfers need prefix caching: received KV is registered under "
-                                 "its block hashes")
-            self.sources.append(TransferSource(transfers))
-        tiers = None
-        if hierarchy is not None:
-            if self.index is None:
-                raise ValueError("KV tiers need prefix caching: blocks are found again by their chained hash")
-            block_manager.on_evict = hierarchy.on_evict
-            tiers = TierSource(hierarchy, load_timeout_s)
-            self.sources.append(tiers)
-        self.loader = tiers.loader if tiers is not None else None  # (its counters are reported)
+        self.sources: list[KVSource] = list(sources)
+        for source in self.sources:
+            source.attach(block_manager)
         self.lower_hit_tokens = 0  # prompt tokens first admissions loaded from the lower tiers
+
+    def source(self, name: str) -> KVSource | None:
+        """The source called `name` (``tiers``, ``transfers``), or None without one."""
+        return next((source for source in self.sources if source.name == name), None)
 
     # -- prefetch ---------------------------------------------------------------------------
 
@@ -92,59 +76,15 @@ class KVCacheManager:
         return next((source for source in self.sources if source.claims(seq)), None)
 
     def promote_hot(self, limit: int = HOT_PROMOTE_PER_STEP) -> int:
-        """Load hot lower-tier blocks into free device blocks ahead of need; returns how many.
-
-        Hot = loaded from below at admission at least `migrator.HOT_AFTER_HITS` times. Only
-        free blocks beyond a reserve of `HOT_RESERVE` of the pool are used (promotion never
-        evicts), parents before children, and each promoted block is registered as cached:
-        the next request with that prefix hits the device, and the room stays available to
-        admission like any cached block.
-        """
-        if self.hierarchy is None or not self.hierarchy.migrator.hot_changed:
-            return 0  # (this runs after every step: no scan while nothing new became hot)
-        manager = self.block_manager
-        room = min(limit, manager.num_free_blocks - int(manager.num_blocks * HOT_RESERVE))
-        if room <= 0:
-            return 0
-        migrator = self.hierarchy.migrator
-        chosen, placed = [], set()
-        for block in migrator.hot_below():
-            if len(chosen) >= room:
-                break
-            if block.parent is None or block.parent in placed or self.index.block_of(block.parent) is not None:
-                chosen.append(block)
-                placed.add(block.key)
-        migrator.hot_changed = len(chosen) >= room  # a full batch: there may be more for the next step
-        if not chosen:
-            return 0
-        rows = self.hierarchy.fetch([block.key for block in chosen])
-        chosen = chosen[: rows.shape[0]]
-        if not chosen:
-            return 0
-        block_ids = manager.allocate(len(chosen))
-        self.hierarchy.pool.write_rows(block_ids, rows)
-        for block_id, block in zip(block_ids, chosen):
-            manager.own(block_id, block.extra_key)
-        kept = []
-        for block_id, block in zip(block_ids, chosen):
-            if block.parent is not None and self.index.block_of(block.parent) is None:
-                kept.append(block_id)  # its parent did not come back (a shorter fetch): not reachable
-                continue
-            block_id, _ = manager.cache_block(block_id, block.parent, block.token_ids, block.extra_key)
-            manager.set_num_tokens(block_id, self.block_size)
-            kept.append(block_id)
-            migrator.promoted_ahead.add(block.key)
-        manager.free(list(reversed(kept)))  # children first: they become cached, evictable leaves
-        migrator.stats.hot_promoted += len(chosen)
-        return len(chosen)
+        """Between steps: the sources bring blocks ahead of need into free device blocks (hot lower-tier
+        blocks); at most `limit` each. How many."""
+        return sum(source.promote(limit) for source in self.sources)
 
     def hold(self, seq: Sequence) -> None:
-        """A finished sequence whose KV a decode instance will take: keep its blocks (see `KVTransfers`).
-        A prompt shorter than one block has nothing to send: its blocks are freed at once."""
-        if seq.num_prompt_tokens < self.block_size:
+        """A finished sequence whose KV another instance will take: the source that takes it keeps its blocks
+        (`TransferSource`, until they are sent); freed at once when none does (nothing to send)."""
+        if not any(source.hold(seq) for source in self.sources):
             self.free(seq)
-            return
-        self.transfers.hold(seq)
 
     def poll(self) -> None:
         """Between steps: take what the sources finished in the background (sends and receipts, tier failures)."""
@@ -156,8 +96,9 @@ class KVCacheManager:
         return any(source.is_loading(seq) for source in self.sources)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing else to run: sleep until a load or transfer finishes, or `timeout` passes (a tier's read is
-        waited for first: a transfer's results are polled at the next step anyway)."""
+        """Nothing else to run: sleep until a load or transfer finishes, or `timeout` passes, on the last source
+        with something in flight (the builder puts the tiers last: their reads are waited for first, a transfer's
+        results are polled at the next step anyway)."""
         for source in reversed(self.sources):
             if source.wait(timeout):
                 return
@@ -166,6 +107,13 @@ class KVCacheManager:
     def busy(self) -> bool:
         """A source has work in flight that must keep the engine stepping (held or expected transfers)."""
         return any(source.busy for source in self.sources)
+
+    def source_stats(self) -> dict[str, object]:
+        """The `EngineStats` fields the sources report (the tiers' state and counters)."""
+        stats: dict[str, object] = {}
+        for source in self.sources:
+            stats.update(source.stats())
+        return stats
 
     # -- the eviction hook ------------------------------------------------------------------
 
@@ -231,9 +179,8 @@ class KVCacheManager:
             self.index.policy.tick(now)
             self.index.record_hit(match, count_query=not seq.admitted_once)
             self.block_manager.acquire(match.block_ids)
-            if self.hierarchy is not None:
-                self.hierarchy.migrator.used_on_device(match.block_hashes)
-                self.hierarchy.hit(match.block_hashes, match.block_ids)
+            for source in self.sources:
+                source.on_hit(match)
         source = self._source_of(seq)
         staged = source.take(seq, match, now) if source is not None else None  # before allocating: see TierSource
         seq.block_table = list(match.block_ids)
@@ -272,12 +219,13 @@ class KVCacheManager:
         return True
 
     def persist(self) -> tuple[int, int]:
-        """A graceful shutdown: copy the device's cached blocks and the faster tiers' into the persistent tier (the
-        disk tier) within `flush_on_shutdown_s`, for a restart on the same directory. (written, left out); (0, 0)
-        without one."""
-        if self.hierarchy is None or self.index is None:
-            return 0, 0
-        return self.hierarchy.persist(self.index.registered(), self.flush_on_shutdown_s)
+        """A graceful shutdown: the sources keep what the cache holds for a restart (the tiers copy the device's
+        cached blocks and the faster tiers' into the disk tier). (written, left out); (0, 0) when none does."""
+        written = left = 0
+        for source in self.sources:
+            kept, missed = source.persist()
+            written, left = written + kept, left + missed
+        return written, left
 
     def close(self) -> None:
         """Stop the sources' background work (the disk tier's writer finishes what it queued; the KV pipe's
@@ -313,9 +261,9 @@ class KVCacheManager:
                 )
                 seq.block_table[i] = block_id
                 seq.block_hashes.append(block_hash)
-            if self.hierarchy is not None and full > first_new:
-                self.hierarchy.discard(seq.block_hashes[first_new:full])
-                self.hierarchy.computed(seq.block_hashes[first_new:full], seq.block_table[first_new:full])
+            if full > first_new:
+                for source in self.sources:
+                    source.on_computed(seq.block_hashes[first_new:full], seq.block_table[first_new:full])
         for i in range(max(0, full - 1), len(seq.block_table)):
             filled = min(bs, max(0, seq.num_computed_tokens - i * bs))
             self.block_manager.set_num_tokens(seq.block_table[i], filled)
