@@ -25,7 +25,7 @@ from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.draft import DraftModelProposer
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.pd import PDRole
+from sage_infer.engine.pd import KVTransferRole
 from sage_infer.engine.step import CppDecodeStep, FusedStep, GraphStep, PythonStep
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
@@ -199,7 +199,7 @@ def build_engine(config: ServeConfig, device: str | torch.device | None = None) 
         max_model_len=max_len,
         device=device,
         extra_key=extra_key,
-        pd=PDRole(transfers, kv_schema_digest(schema), kv_dtype.value) if transfers is not None else None,
+        pd=KVTransferRole(transfers, kv_schema_digest(schema), kv_dtype.value) if transfers is not None else None,
     )
     return LLMEngine(parts)
 

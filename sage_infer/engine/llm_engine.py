@@ -16,7 +16,7 @@ from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.pd import PDRole, PrefixView
+from sage_infer.engine.pd import KVTransferRole, PrefixView
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.layers.sampler import Sampler, skip_draws
@@ -55,7 +55,7 @@ class EngineParts:
     max_model_len: int
     device: torch.device
     extra_key: ExtraKeys  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
-    pd: PDRole | None = None  # prefill/decode separation, for an engine with that role
+    pd: KVTransferRole | None = None  # prefill/decode separation, for an engine with that role
 
 
 def kv_schema_digest(schema) -> str:

@@ -1,6 +1,6 @@
 """An engine's side of prefill/decode separation and of the KV-aware router.
 
-`PDRole` is what a prefill or decode instance does besides serving: check a request's
+`KVTransferRole` is what a prefill or decode instance does besides serving: check a request's
 ``kv_transfer`` against this engine, expect a prompt's blocks from a transfer (decode), send a
 held request's blocks to a decode instance (prefill), give up on a transfer, report the transfers'
 counters. Without a role an engine has none (`LLMEngine.pd` is None).
@@ -25,7 +25,7 @@ from sage_infer.prefix_reuse.hashing import ExtraKeys, prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 
 
-class PDRole:
+class KVTransferRole:
     """A prefill instance (holds and sends prompt KV) or a decode instance (receives it), over `transfers`."""
 
     def __init__(self, transfers: KVTransfers, schema_digest: str, kv_dtype: str) -> None:
