@@ -17,7 +17,7 @@ from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, Inv
 from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
-from sage_infer.server.pd import PDRole
+from sage_infer.server.pd import PDHandlers
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sage_infer.server.validation import RequestValidator
 
@@ -33,7 +33,7 @@ class OpenAIHandlers:
                  allowed_peers: Sequence[str] = ()) -> None:
         self.backend = backend
         self.metrics = metrics
-        self.pd = PDRole(backend, api_key, allowed_peers)
+        self.pd = PDHandlers(backend, api_key, allowed_peers)
         model = backend.model_info()
         self.model_name = model.name
         self.validator = RequestValidator(model)

@@ -34,7 +34,7 @@ log = logging.getLogger("sage_infer.server")
 PULL_TIMEOUT_S = 60.0  # the prefill instance answers /v1/kv/send when the receiver verified the KV
 
 
-class PDRole:
+class PDHandlers:
     """What a prefill or decode instance does with ``kv_transfer_params``; a no-op without a role."""
 
     def __init__(self, backend: InferenceBackend, api_key: str | None, allowed_peers: Sequence[str] = ()) -> None:
