@@ -8,6 +8,6 @@ asked (format/converter.py). Every chunk carries the fixed header of wire.py.
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.buffers import KVReceiveBuffers
 from sage_infer.transport.engine import TransportEngine
-from sage_infer.transport.stats import Priority, TransferStats
+from sage_infer.transport.stats import Priority, TransferRecord
 
-__all__ = ["KVReceiveBuffers", "Priority", "SharedArena", "TransferStats", "TransportEngine"]
+__all__ = ["KVReceiveBuffers", "Priority", "SharedArena", "TransferRecord", "TransportEngine"]

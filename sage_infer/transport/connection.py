@@ -13,7 +13,7 @@ import torch
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
 from sage_infer.transport.base import SendChannel
 from sage_infer.transport.errors import TransportError
-from sage_infer.transport.stats import TransferStats
+from sage_infer.transport.stats import TransferRecord
 
 if TYPE_CHECKING:
     from sage_infer.transport.engine import TransportEngine
@@ -28,7 +28,7 @@ class _Job:
     layer: torch.Tensor = field(compare=False)
     plan: TransportPlan = field(compare=False)
     count: int = field(compare=False)
-    stats: TransferStats = field(compare=False)
+    stats: TransferRecord = field(compare=False)
     source: memoryview | None = field(compare=False)  # the layer's bytes on the host (None: made per chunk)
     done: asyncio.Future = field(compare=False)  # -> seconds from send to verified ACK
 
@@ -53,7 +53,7 @@ class Connection:
         self._pump = asyncio.get_running_loop().create_task(self._run())
 
     def submit(self, priority: int, deadline: float, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
-               count: int, stats: TransferStats, source: memoryview | None = None) -> asyncio.Future:
+               count: int, stats: TransferRecord, source: memoryview | None = None) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, _Job(priority, deadline, next(self._arrivals), chunk, layer, plan, count,
                                          stats, source, done))

@@ -40,7 +40,7 @@ from sage_infer.transport.connection import Connection
 from sage_infer.transport.errors import AuthError, PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
-from sage_infer.transport.stats import Priority, TransferStats
+from sage_infer.transport.stats import Priority, TransferRecord
 from sage_infer.transport.telemetry import TransportTelemetry
 from sage_infer.transport.wire import Checksum, ChunkHeader, Flag, Kind, checksum
 
@@ -119,7 +119,7 @@ class TransportEngine:
         *,
         deadline: float,
         count: int = 1,
-        stats: TransferStats | None = None,
+        stats: TransferRecord | None = None,
         source: memoryview | None = None,
         acked: asyncio.Future | None = None,
         ack_now: bool = True,
@@ -173,14 +173,14 @@ class TransportEngine:
         priority: int = Priority.PREFILL,
         deadline_s: float | None = None,
         wait_placement: bool = False,
-    ) -> TransferStats:
+    ) -> TransferRecord:
         """Send every chunk with up to `max_inflight` unacknowledged (shared by all transfers on
         `conn`; lower `priority` first); returns when all are verified at the receiver. Raises
         `TransportError` (and tells the receiver to drop the transfer) on any failure. With
         `wait_placement`, first wait for a zero-copy receiver to place the request."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (deadline_s if deadline_s is not None else plan.deadline_s)
-        stats = TransferStats(plan.request_id, conn.backend, "send")
+        stats = TransferRecord(plan.request_id, conn.backend, "send")
         start = loop.time()
         retransmits = conn.channel.retransmits
         if wait_placement:  # zero-copy: the receiver says where the KV goes before any byte moves
@@ -232,14 +232,14 @@ class TransportEngine:
         request_ids: Iterable[str],
         *,
         deadline_s: float | None = None,
-    ) -> dict[str, TransferStats]:
+    ) -> dict[str, TransferRecord]:
         """Receive until every listed request is complete. On failure every listed request
         that is not complete is invalidated (nothing of it counts as delivered)."""
         loop = asyncio.get_running_loop()
         wanted = list(request_ids)
         deadline = loop.time() + (deadline_s if deadline_s is not None else self.config.timeout_s)
         backend = channel.backend
-        stats = {rid: TransferStats(rid, backend, "recv") for rid in wanted}
+        stats = {rid: TransferRecord(rid, backend, "recv") for rid in wanted}
         started: dict[str, float] = {}
         try:
             if channel.arena is not None:
@@ -273,7 +273,7 @@ class TransportEngine:
             self._record(s)
         return stats
 
-    def _record(self, stats: TransferStats) -> None:
+    def _record(self, stats: TransferRecord) -> None:
         self.telemetry.bytes.labels(stats.backend, stats.direction).inc(stats.bytes)
         self.telemetry.seconds.labels(stats.backend, stats.direction).observe(stats.seconds)
 

@@ -1,4 +1,4 @@
-"""`TransferStats` (what one transfer did) and `Priority` (who goes first)."""
+"""`TransferRecord` (what one transfer did) and `Priority` (who goes first)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ class Priority(enum.IntEnum):
 
 
 @dataclass(slots=True)
-class TransferStats:
+class TransferRecord:
+    """What one transfer of one request's KV did: its chunks, bytes (as stored and on the wire), time,
+    retransmits and each chunk's round trip."""
+
     request_id: str
     backend: str
     direction: str  # send / recv

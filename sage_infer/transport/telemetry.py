@@ -1,4 +1,4 @@
-"""Transport telemetry: the figures every `TransferStats` carries, also as Prometheus metrics."""
+"""Transport telemetry: the figures every `TransferRecord` carries, also as Prometheus metrics."""
 
 from __future__ import annotations
 
