@@ -35,7 +35,9 @@ log = logging.getLogger("sage_infer.kv_runtime")
 
 
 @dataclass(slots=True)
-class TransferStats:
+class KVTransferCounters:
+    """Totals of an engine's prefill/decode transfers since it started (`KVTransferRole.stats` reports them)."""
+
     sent: int = 0  # transfers a receiver verified
     send_failures: int = 0
     expired_holds: int = 0  # held KV nobody asked for in time (freed)
@@ -80,7 +82,7 @@ class KVTransfers:
         self.sending: dict[str, str] = {}  # transfer id -> request id
         self.expecting: dict[str, Sequence] = {}  # transfer id -> the waiting sequence
         self.received: dict[int, ReceivedKV] = {}  # seq id -> the prompt's first blocks
-        self.stats = TransferStats()
+        self.stats = KVTransferCounters()
         self.wake = threading.Event()  # set when the pipe finished something (or a command came in)
         self._held_lock = threading.Lock()  # `send` may run on a server thread
         pipe.on_result = self.wake.set
