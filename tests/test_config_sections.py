@@ -10,6 +10,7 @@ engine, and `config show` / `llm generate` say so. `tiers` builds the lower KV t
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -51,6 +52,18 @@ def build(tiny, *sets: str, preset: str = "cpu", **kwargs):
 
 def pool_of(engine):
     return engine.runner.pool
+
+
+def test_the_engine_carries_every_value_its_build_decided_as_printed(tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="sage_infer.auto"):
+        engine = build(tiny, "kv_pool.num_blocks=8")
+    lines = [value.line() for value in engine.decisions]
+    printed = [record.getMessage() for record in caplog.records if record.name == "sage_infer.auto"]
+    assert lines == [line for line in printed if line in lines]  # each once, in the order it was printed
+    fields = [value.field for value in engine.decisions]
+    for field in ("device", "model.dtype", "kv_pool.num_blocks", "model.attention", "model.decode_step"):
+        assert field in fields
+    assert dict(zip(fields, (value.value for value in engine.decisions)))["kv_pool.num_blocks"] == 8
 
 
 # --- model -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 
 import torch
 
@@ -89,119 +90,205 @@ from sage_infer.transport.process_group import join_process_group
 
 DEMO_MODEL_NAME = "sage-demo"
 auto_log = logging.getLogger("sage_infer.auto")  # the start-up lines `sage llm serve` prints
+# the decisions of the `EngineBuilder` building now (`_report` adds to it); None outside a build
+_DECISIONS: ContextVar[list[ResolvedValue] | None] = ContextVar("engine_build_decisions", default=None)
 
 
 def build_engine(config: ServeConfig, device: str | torch.device | None = None) -> LLMEngine:
     """The engine for `config`. Every ``auto`` (device, dtypes, context, pool size) comes
     from `sage_infer.config.auto`, which logs each value with its reason; an explicit
-    `device` wins over the hardware preset's."""
-    directory = resolve_model_dir(config.model.path)
-    arch = arch_config(directory)  # config.json only: the dtypes are decided before the weights load
-    facts = ModelFacts(DTYPE_NAMES.get(arch.torch_dtype, "fp32"), arch.max_position_embeddings, arch.sliding_window)
-    chosen = resolve_device(config, device)
-    auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
-    device = auto.device
-    if device.type == "cpu":
-        check_forced_level()  # a SAGE_CPU_ISA this CPU cannot run: one line before the weights load
-    proposer = build_proposer(config.speculative)  # (a method not built yet: one line before the weights load)
-    draft = draft_kv(config, auto.model_dtype)  # (a draft that cannot be read: one line before the weights load)
-    model, arch, directory = load_model(directory, FLOAT_DTYPES[auto.model_dtype], device)
-    use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
-    deterministic = use_deterministic(config.model, model, device)
-    if config.model.huge_pages:
-        use_huge_pages(model)
-    use_host_malloc(config.model.host_malloc, device)
-    if device.type == "cpu":
-        use_cpu_kernels()
-    fused = use_fused_elementwise(config.model.elementwise, device)
-    try:
-        tokenizer = Tokenizer.from_dir(directory)
-    except (FileNotFoundError, ValueError) as err:
-        raise ModelLoadError(f"{directory}: cannot load the tokenizer: {err}") from None
+    `device` wins over the hardware preset's. The steps are `EngineBuilder`'s."""
+    return EngineBuilder(config).build(device)
 
-    max_len = auto.max_model_len
-    kv_dtype = auto.kv_dtype
-    try:  # fp8/int8/int4 KV carries one scale (and min) per token and head
-        schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                               config.kv_pool.block_size).with_dtype(kv_dtype)
-    except ValueError as err:
-        raise ConfigError(f"kv_pool.kv_dtype: {kv_dtype.value}: {err}") from None
-    blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(schema), max_model_len=max_len,
-                                free_device_bytes=free_memory_bytes(device), host_available_bytes=read_mem_available(),
-                                draft=draft)
-    auto.values.append(blocks)
-    host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
-    auto.values.append(host_bytes)
-    auto.log()
-    pool = make_kv_pool(schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
 
-    index = None
-    if config.kv_pool.enable_prefix_caching:
+class EngineBuilder:
+    """`build_engine` as named steps, run in this order by `build`: `resolve` (device, dtypes, the speculative
+    method), `load_model` (weights, tokenizer, and the ``use_*`` probes that change the model or the process),
+    `make_pool`, `make_kv_cache` (prefix index, quotas, KV sources), `choose_attention`, `make_scheduler`,
+    `choose_step` (the step executor), `engine`. Each step sets what the later ones read.
+
+    Every decided value (``field = value (reason)``, the lines `sage llm serve` prints at start-up) is kept in
+    `decisions`, in the order it was decided, and the engine carries them (`LLMEngine.decisions`).
+    """
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.decisions: list[ResolvedValue] = []
+
+    def build(self, device: str | torch.device | None = None) -> LLMEngine:
+        recording = _DECISIONS.set(self.decisions)
         try:
-            policy = make_policy(config.policy.eviction, capacity=pool.num_blocks)
-        except ValueError as err:
-            raise ConfigError(f"policy.eviction: {err}") from None
-        index = PrefixReuseIndex(schema.block_size, policy)
-    block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
-    model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None else directory.name)
+            self.resolve(device)
+            self.load_model()
+            self.make_pool()
+            self.make_kv_cache()
+            self.choose_attention()
+            self.make_scheduler()
+            self.choose_step()
+            return self.engine()
+        finally:
+            _DECISIONS.reset(recording)
 
-    extra_key = ExtraKeys(model_id, config.model.revision, kv_dtype.value, schema.layout.value)
-    quota = build_quota(config.quota, extra_key)
-    if quota is not None:
-        if index is None:
-            raise ConfigError("quota: tenant quotas need kv_pool.enable_prefix_caching (they share cached blocks)")
-        index.quota = quota
-        quota.add_tier(DEVICE, pool.num_blocks)
-    shape = ModelShape(num_layers=arch.num_layers, hidden=arch.hidden_size, num_kv_heads=arch.num_kv_heads,
-                       head_dim=arch.head_dim,
-                       dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
-                       num_params=float(sum(p.numel() for p in model.parameters())))
-    hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=host_bytes.value)
-    transfers = build_transfers(config, pool, device, extra_key, index)
-    publish_kv_events(config, index, hierarchy)
-    kv = KVCacheManager(block_manager, sources=kv_sources(config, hierarchy, transfers))
-    attention = build_attention(config, model, arch.head_dim, device, pool)
-    if config.speculative.method == "draft_model":
-        proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
-                                        attention.decode_in_place, fused)
-    scheduler = Scheduler(config.scheduler, kv, max_len, tokenizer.eos_token_ids, proposer=proposer)
-    if deterministic and not attention.decode_in_place:
-        raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
-                          "run here (model.attention is torch or the kernel is unavailable: see the line above)",
-                          hint="set model.attention: auto, or model.deterministic: false")
-    if not attention.supports_cascade and config.model.cascade_attention:
-        _report(ResolvedValue("model.cascade_attention", "off", "the Triton kernels read each row's shared prefix "
-                                                                "in place"))
-    step = FusedStep() if fused else PythonStep()
-    if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
-                       deterministic):
-        step = CppDecodeStep(model.prepare_decode_step(pool))
-    if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
-        step = GraphStep(DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
-                                      max_blocks=-(-max_len // schema.block_size)))
-        if proposer is not None:
-            auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
-                             "decode steps replay one), so on a GPU speculation has measured slower than none "
-                             "(docs/spec_decode.md)", config.speculative.method)
-    if deterministic and config.model.cascade_attention:
-        _report(ResolvedValue("model.cascade_attention", "off", "model.deterministic: rows that share a prefix "
-                                                                "would reduce it apart from their own context"))
-    runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
-                         row_invariant=deterministic,
-                         step=step)
-    parts = EngineParts(
-        tokenizer=tokenizer,
-        runner=runner,
-        scheduler=scheduler,
-        model_id=model_id,
-        revision=config.model.revision,
-        kv_dtype=kv_dtype.value,
-        max_model_len=max_len,
-        device=device,
-        extra_key=extra_key,
-        pd=KVTransferRole(transfers, kv_schema_digest(schema), kv_dtype.value) if transfers is not None else None,
-    )
-    return LLMEngine(parts)
+    def resolve(self, device: str | torch.device | None) -> None:
+        """Every ``auto`` from config.json and the device, before any weight loads; what cannot run here (a
+        forced CPU ISA, a speculative method not built, a draft that cannot be read) fails now, in one line."""
+        config = self.config
+        self.directory = resolve_model_dir(config.model.path)
+        arch = arch_config(self.directory)  # config.json only: the dtypes are decided before the weights load
+        facts = ModelFacts(DTYPE_NAMES.get(arch.torch_dtype, "fp32"), arch.max_position_embeddings,
+                           arch.sliding_window)
+        chosen = resolve_device(config, device)
+        self.auto = resolve_auto(config, facts, chosen, device_facts(chosen.value))
+        self.device = self.auto.device
+        if self.device.type == "cpu":
+            check_forced_level()
+        self.proposer = build_proposer(config.speculative)
+        self.draft = draft_kv(config, self.auto.model_dtype)
+
+    def load_model(self) -> None:
+        """The weights in the resolved dtype, then the ``use_*`` probes that change the model or the process
+        (packed linears, batch-invariant tiling, huge pages, the host allocator, CPU kernels, fused elementwise
+        ops), and the tokenizer."""
+        config, device = self.config, self.device
+        self.model, self.arch, self.directory = load_model(self.directory, FLOAT_DTYPES[self.auto.model_dtype],
+                                                           device)
+        model = self.model
+        use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
+        self.deterministic = use_deterministic(config.model, model, device)
+        if config.model.huge_pages:
+            use_huge_pages(model)
+        use_host_malloc(config.model.host_malloc, device)
+        if device.type == "cpu":
+            use_cpu_kernels()
+        self.fused = use_fused_elementwise(config.model.elementwise, device)
+        try:
+            self.tokenizer = Tokenizer.from_dir(self.directory)
+        except (FileNotFoundError, ValueError) as err:
+            raise ModelLoadError(f"{self.directory}: cannot load the tokenizer: {err}") from None
+
+    def make_pool(self) -> None:
+        """The KV layout and the pool's size in blocks (with the host tier's bytes, the last ``auto`` values:
+        every one is logged here), then the pool."""
+        config, arch, auto, device = self.config, self.arch, self.auto, self.device
+        try:  # fp8/int8/int4 KV carries one scale (and min) per token and head
+            self.schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                        config.kv_pool.block_size).with_dtype(auto.kv_dtype)
+        except ValueError as err:
+            raise ConfigError(f"kv_pool.kv_dtype: {auto.kv_dtype.value}: {err}") from None
+        blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(self.schema),
+                                    max_model_len=auto.max_model_len, free_device_bytes=free_memory_bytes(device),
+                                    host_available_bytes=read_mem_available(), draft=self.draft)
+        auto.values.append(blocks)
+        host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
+        auto.values.append(host_bytes)
+        auto.log()
+        self.decisions.extend(auto.values)
+        self.host_bytes = host_bytes.value
+        self.pool = make_kv_pool(self.schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
+
+    def make_kv_cache(self) -> None:
+        """The prefix index under the eviction policy, tenant quotas, the lower tiers and prefill/decode
+        transfers, and the `KVCacheManager` over them (`kv_sources`)."""
+        config, pool, schema, arch = self.config, self.pool, self.schema, self.arch
+        index = None
+        if config.kv_pool.enable_prefix_caching:
+            try:
+                policy = make_policy(config.policy.eviction, capacity=pool.num_blocks)
+            except ValueError as err:
+                raise ConfigError(f"policy.eviction: {err}") from None
+            index = PrefixReuseIndex(schema.block_size, policy)
+        block_manager = BlockManager(pool.num_blocks, schema.block_size, index)
+        self.model_id = config.model.served_name or (DEMO_MODEL_NAME if config.model.path is None
+                                                     else self.directory.name)
+        self.extra_key = ExtraKeys(self.model_id, config.model.revision, self.auto.kv_dtype.value,
+                                   schema.layout.value)
+        quota = build_quota(config.quota, self.extra_key)
+        if quota is not None:
+            if index is None:
+                raise ConfigError("quota: tenant quotas need kv_pool.enable_prefix_caching (they share cached "
+                                  "blocks)")
+            index.quota = quota
+            quota.add_tier(DEVICE, pool.num_blocks)
+        shape = ModelShape(num_layers=arch.num_layers, hidden=arch.hidden_size, num_kv_heads=arch.num_kv_heads,
+                           head_dim=arch.head_dim,
+                           dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
+                           num_params=float(sum(p.numel() for p in self.model.parameters())))
+        hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
+        self.transfers = build_transfers(config, pool, self.device, self.extra_key, index)
+        publish_kv_events(config, index, hierarchy)
+        self.kv = KVCacheManager(block_manager, sources=kv_sources(config, hierarchy, self.transfers))
+
+    def choose_attention(self) -> None:
+        """The step's attention backend; with ``speculative.method: draft_model``, the draft's runner, which
+        decodes the way the target's does."""
+        config, model, arch, device, pool = self.config, self.model, self.arch, self.device, self.pool
+        tokenizer, auto, fused, proposer = self.tokenizer, self.auto, self.fused, self.proposer
+        attention = build_attention(config, model, arch.head_dim, device, pool)
+        if config.speculative.method == "draft_model":
+            proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
+                                            attention.decode_in_place, fused)
+        self.attention, self.proposer = attention, proposer
+
+    def make_scheduler(self) -> None:
+        """Continuous batching over the KV cache, with the speculative proposer if one is configured."""
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.auto.max_model_len,
+                                   self.tokenizer.eos_token_ids, proposer=self.proposer)
+
+    def choose_step(self) -> None:
+        """The step executor (Python layers, fused elementwise ops, the C++ decode step, CUDA graphs), and
+        cascade attention where the backend and `model.deterministic` allow it."""
+        config, model, pool, device, attention = self.config, self.model, self.pool, self.device, self.attention
+        fused, deterministic, proposer, schema = self.fused, self.deterministic, self.proposer, self.schema
+        max_len = self.auto.max_model_len
+        if deterministic and not attention.decode_in_place:
+            raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
+                              "run here (model.attention is torch or the kernel is unavailable: see the line above)",
+                              hint="set model.attention: auto, or model.deterministic: false")
+        if not attention.supports_cascade and config.model.cascade_attention:
+            _report(ResolvedValue("model.cascade_attention", "off", "the Triton kernels read each row's shared prefix "
+                                                                    "in place"))
+        step = FusedStep() if fused else PythonStep()
+        if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
+                           deterministic):
+            step = CppDecodeStep(model.prepare_decode_step(pool))
+        if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
+            step = GraphStep(DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
+                                          max_blocks=-(-max_len // schema.block_size)))
+            if proposer is not None:
+                auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
+                                 "decode steps replay one), so on a GPU speculation has measured slower than none "
+                                 "(docs/spec_decode.md)", config.speculative.method)
+        if deterministic and config.model.cascade_attention:
+            _report(ResolvedValue("model.cascade_attention", "off", "model.deterministic: rows that share a prefix "
+                                                                    "would reduce it apart from their own context"))
+        self.step = step
+
+    def engine(self) -> LLMEngine:
+        """The runner over the model, the pool, the attention backend and the step executor; the engine."""
+        config, model, pool, device = self.config, self.model, self.pool, self.device
+        attention, step = self.attention, self.step
+        deterministic = self.deterministic
+        runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
+                             row_invariant=deterministic,
+                             step=step)
+        kv_dtype = self.auto.kv_dtype.value
+        pd = None
+        if self.transfers is not None:
+            pd = KVTransferRole(self.transfers, kv_schema_digest(self.schema), kv_dtype)
+        parts = EngineParts(
+            tokenizer=self.tokenizer,
+            runner=runner,
+            scheduler=self.scheduler,
+            model_id=self.model_id,
+            revision=config.model.revision,
+            kv_dtype=kv_dtype,
+            max_model_len=self.auto.max_model_len,
+            device=device,
+            extra_key=self.extra_key,
+            pd=pd,
+            decisions=tuple(self.decisions),
+        )
+        return LLMEngine(parts)
 
 
 DRAFT_PROBE = "ROMEO: What light through yonder window breaks? 1,234.5 -- ¿qué? 日本語 \n\t<|end|>"
@@ -377,8 +464,12 @@ def _fast_path(field: str, choice: str, why: str | None, fast: str, detail: str,
 
 
 def _report(value: ResolvedValue) -> ResolvedValue:
-    """Log a decided value as `sage llm serve` prints them: ``field = value (reason)``."""
+    """Log a decided value as `sage llm serve` prints them: ``field = value (reason)``; while an `EngineBuilder`
+    builds, it keeps the value too."""
     auto_log.info("%s", value.line())
+    decisions = _DECISIONS.get()
+    if decisions is not None:
+        decisions.append(value)
     return value
 
 

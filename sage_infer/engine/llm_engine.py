@@ -9,6 +9,7 @@ from itertools import count
 
 import torch
 
+from sage_infer.config.auto import ResolvedValue
 from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.messages import AddRequest, EngineStats, ModelInfo
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -56,6 +57,7 @@ class EngineParts:
     device: torch.device
     extra_key: ExtraKeys  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
     pd: KVTransferRole | None = None  # prefill/decode separation, for an engine with that role
+    decisions: tuple[ResolvedValue, ...] = ()  # how the build chose each value, and why (`EngineBuilder`)
 
 
 def kv_schema_digest(schema) -> str:
@@ -79,6 +81,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.extra_key = parts.extra_key
         self.pd = parts.pd
+        self.decisions = parts.decisions  # every value the build decided, with its reason, in order
         self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key,
                                  self.runner.pool.num_blocks)
         self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
