@@ -3,12 +3,16 @@ computed blocks, holds, promotions and shutdown through its own class alone."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_policy import make_policy
+from sage_infer.kv_runtime import kv_cache_manager
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.pool import make_kv_pool
@@ -125,3 +129,13 @@ def test_promotion_and_persistence_are_the_sources_work_summed():
     assert kv.promote_hot(limit=2) == 4
     assert kv.persist() == (6, 2)
     assert KVCacheManager(block_manager()).persist() == (0, 0)
+
+
+def test_the_manager_imports_and_reads_no_particular_source():
+    tree = ast.parse(inspect.getsource(kv_cache_manager))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert imported.isdisjoint({"sage_infer.kv_runtime.hierarchy", "sage_infer.kv_runtime.transfers",
+                                "sage_infer.kv_runtime.tier_source", "sage_infer.kv_runtime.transfer_source",
+                                "sage_infer.kv_runtime.loader"})
+    assert read.isdisjoint({"hierarchy", "transfers", "loader", "migrator"})

@@ -4,7 +4,7 @@
   the batch is copied out of the pool with one read, the policy places each block, and the
   moves are applied deepest first, so every store has made room before a block lands in
   it; each tier then gets one `put` for the whole batch.
-- **promote ahead of need** (`promote_hot`): blocks a lookup keeps finding below the device
+- **promote ahead of need** (`TierSource.promote`): blocks a lookup keeps finding below the device
   (the hotspot set) are loaded into free device blocks while the engine has room, so the
   next request that wants them hits the device instead of waiting for a load.
 
