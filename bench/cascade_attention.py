@@ -134,7 +134,7 @@ def kernel_grid(dtype_name: str, rows_list: list[int], shared_list: list[int], l
             for mode, cascade in MODES.items():
                 runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade)
                 runner.cascade_min_saved_tokens = 0  # time the cascade path even where the engine would not take it
-                metas[mode] = runner.prepare(seqs, [1] * b)[2]
+                metas[mode] = runner.prepare(seqs, [1] * b)[1]
             best = {mode: float("inf") for mode in MODES}
             for _ in range(8):
                 for mode, meta in metas.items():

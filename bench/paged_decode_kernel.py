@@ -46,11 +46,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype  # noqa: E402
-from sage_infer.engine.model_runner import DECODE_GROUP_ROWS, ModelRunner  # noqa: E402
 from sage_infer.kv_runtime import KVPool  # noqa: E402
 from sage_infer.kv_runtime.pool import make_kv_pool  # noqa: E402
-from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, paged_attention  # noqa: E402
-from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE, AttentionBackend, PagedDecode  # noqa: E402
+from sage_infer.layers.attention import AttentionMetadata, DecodeGroup, decode_groups, paged_attention  # noqa: E402
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE, AttentionBackend  # noqa: E402
+from sage_infer.layers.attention_backends.base import DECODE_GROUP_ROWS  # noqa: E402
+from sage_infer.layers.attention_backends.paged_decode import PagedDecode  # noqa: E402
 from sage_infer.layers.cpu_kernels import decode_attention_paged_int8  # noqa: E402
 
 SHAPES = {"qwen3-11m fp32": (6, 2, 64, torch.float32), "qwen2.5-0.5b bf16": (14, 2, 64, torch.bfloat16)}
@@ -70,7 +71,7 @@ class Int8PagedDecode(PagedDecode):
                                            group.context_lens, scale)
 
 
-INT8_PAGED_DECODE = AttentionBackend(decode=Int8PagedDecode())
+INT8_PAGED_DECODE = AttentionBackend(decode=Int8PagedDecode(), prefill=REFERENCE.prefill)
 
 
 def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, lo: int, hi: int,
@@ -95,7 +96,7 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, b
     slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)], device=device)
 
     def meta(in_place: bool) -> AttentionMetadata:
-        groups = ModelRunner._decode_groups(list(range(batch)), tables, lens,
+        groups = decode_groups(list(range(batch)), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long, device=device),
                                             1 << 30 if in_place else DECODE_GROUP_ROWS)
         kernel = INT8_PAGED_DECODE if int8 else PAGED_DECODE

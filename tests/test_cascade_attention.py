@@ -138,8 +138,8 @@ def _step(dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cascade_equals_the_reference_path_for_decode_rows_and_prefill_chunks(dtype, tol):
     pool, seqs, num_new, q, k, v = _step(dtype)
-    _, _, cascade_meta, _, _ = _runner(pool).prepare(seqs, num_new)
-    _, _, plain_meta, _, _ = _runner(pool, cascade=False).prepare(seqs, num_new)
+    _, cascade_meta = _runner(pool).prepare(seqs, num_new)
+    _, plain_meta = _runner(pool, cascade=False).prepare(seqs, num_new)
     shared = cascade_meta.shared
     assert plain_meta.shared is None and shared is not None
     assert shared.num_tokens == SHARED_BLOCKS * BS and len(shared.block_ids) == SHARED_BLOCKS
@@ -161,7 +161,7 @@ def _sharing(computed_and_new: list[tuple[int, int]], runner: ModelRunner | None
         seq = Sequence(i, f"r{i}", 0, list(range(8 * BS)), 8 * BS, Params(), b"")
         seq.block_table, seq.num_computed_tokens = list(range(8)), computed
         seqs.append(seq)
-    _, _, meta, _, _ = runner.prepare(seqs, [n for _, n in computed_and_new])
+    _, meta = runner.prepare(seqs, [n for _, n in computed_and_new])
     return [] if meta.shared is None else meta.shared.block_ids.tolist()
 
 

@@ -14,8 +14,7 @@ import torch
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.sequence import Sequence
-from sage_infer.engine.cuda_graphs import DecodeGraphs
-from sage_infer.engine.step import GraphStep
+from sage_infer.engine.steps.cuda_graphs import DecodeGraphs, GraphStep
 from sage_infer.errors import ConfigError
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from tests.tiny_models import greedy_tokens, make_tiny_model
@@ -80,9 +79,9 @@ def test_padded_static_buffer_steps_give_the_engines_tokens(tiny, max_num_seqs):
     padded = llm(tiny, attention="paged", max_num_seqs=max_num_seqs)
     runner = padded.engine.runner
     assert not isinstance(runner.step, GraphStep)  # auto on a CPU: off
-    graphs = DecodeGraphs(runner.model, runner.pool, runner.device, max_num_seqs,
-                          max_blocks=-(-1024 // runner.pool.block_size), capture=False)
-    runner.step = GraphStep(graphs)
+    runner.step = GraphStep(runner.model, runner.pool, runner.device, max_num_seqs,
+                            max_blocks=-(-1024 // runner.pool.block_size), capture=False, attention=runner.attention)
+    graphs = runner.step.graphs
     assert greedy_tokens(padded, batch, TOKENS) == want
     assert graphs.replays >= 13  # every decode step after the prompts' prefills
     padded.engine.kv.block_manager.check_invariants()

@@ -139,7 +139,7 @@ def test_what_deterministic_needs_is_a_config_error_naming_the_field(model_dir):
     with pytest.raises(ConfigError, match="model.decode_step: sage: model.deterministic"):
         engine(model_dir, True, decode_step="sage")
     llm = engine(model_dir, True)
-    assert llm.engine.runner.row_invariant and not llm.engine.runner.cascade_attention
+    assert llm.engine.runner.attention.row_invariant and not llm.engine.runner.cascade_attention
     assert llm.engine.runner.step.name != "cpp-decode"
 
 

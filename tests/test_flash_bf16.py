@@ -16,9 +16,9 @@ from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
-from sage_infer.layers import attention_backends
+from sage_infer.layers import cpu_kernels
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
-from sage_infer.layers.attention_backends import AttentionBackend, FlashPrefill, TorchPrefill
+from sage_infer.layers.attention_backends import attention_backend
 from sage_infer.layers.cpu_kernels import flash_attention, flash_kernel, flash_unavailable
 from tests.conftest import runnable_cpu_levels
 from tests.test_paged_kernel import LAYER, chunk_step
@@ -166,9 +166,9 @@ def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade):
     metas = []
     for flash in (True, False):
         runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade,
-                             attention=AttentionBackend(prefill=FlashPrefill() if flash else TorchPrefill()))
+                             attention=attention_backend(prefill="flash" if flash else "torch"))
         runner.cascade_min_saved_tokens = 1
-        metas.append(runner.prepare(seqs, num_new)[2])
+        metas.append(runner.prepare(seqs, num_new)[1])
     assert metas[0].backend.prefill.flash and not metas[1].backend.prefill.flash
     assert (metas[0].shared is not None) == cascade
     assert len(metas[0].prefills) + (len(metas[0].shared.prefills) if cascade else 0) >= 3
@@ -211,8 +211,8 @@ def test_fp32_greedy_tokens_equal_the_reference_path(tmp_path):
 @needs_bf16
 def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
     calls = []
-    real = attention_backends.flash_attention
-    monkeypatch.setattr(attention_backends, "flash_attention",
+    real = cpu_kernels.flash_attention
+    monkeypatch.setattr(cpu_kernels, "flash_attention",
                         lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     greedy_tokens(engine(path, "torch"), [list(range(5, 30))], max_tokens=2)

@@ -66,8 +66,9 @@ def test_silu_mul_equals_silu_of_gate_times_up(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_mlp_in_passes_of_rows_equals_one_pass(dtype, monkeypatch):
-    """Prefill rows go through `MLP.forward_fused` in passes that bound the gate/up buffer: the passes (the last one
-    short) give what one pass over all rows gives, and the reference `forward`."""
+    """Prefill rows go through the fused MLP (`FusedOps.gated_mlp`) in passes that bound the gate/up buffer: the
+    passes (the last one short) give what one pass over all rows gives, and the reference ops."""
+    from sage_infer.layers import elementwise
     from sage_infer.models import llama
 
     torch.manual_seed(2)
@@ -75,12 +76,12 @@ def test_the_mlp_in_passes_of_rows_equals_one_pass(dtype, monkeypatch):
     mlp = mlp.to(dtype)
     assert mlp.fuse_projections()
     x = torch.randn(300, 64).to(dtype)
-    whole = mlp.forward_fused(x)
-    monkeypatch.setattr(llama, "MLP_PASS_MIN_ROWS", 1)
-    monkeypatch.setattr(llama, "MLP_PASS_BYTES", 128 * 96 * 2 * 4)  # 128 rows per pass: 128, 128, 44
-    assert mlp.pass_rows() == 128
-    close(mlp.forward_fused(x), whole)
-    close(mlp.forward_fused(x), mlp.forward(x))
+    whole = mlp(x, elementwise.FUSED_OPS)
+    monkeypatch.setattr(elementwise, "MLP_PASS_MIN_ROWS", 1)
+    monkeypatch.setattr(elementwise, "MLP_PASS_BYTES", 128 * 96 * 2 * 4)  # 128 rows per pass: 128, 128, 44
+    assert elementwise.pass_rows(96) == 128
+    close(mlp(x, elementwise.FUSED_OPS), whole)
+    close(mlp(x, elementwise.FUSED_OPS), mlp(x, elementwise.TORCH_OPS))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -140,9 +141,9 @@ def test_fp32_greedy_tokens_are_identical_fused_and_reference(tmp_path, arch):
     rng = random.Random(4)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 9, 16, 40, 77, 130)]
     fused = engine(path, "auto")
-    assert fused.engine.runner.step.fused
+    assert fused.engine.runner.step.ops.name == "fused"
     reference = engine(path, "torch")
-    assert not reference.engine.runner.step.fused
+    assert reference.engine.runner.step.ops.name == "torch"
     assert greedy_tokens(fused, prompts) == greedy_tokens(reference, prompts)
     # chunked prefill: a sequence's prompt split over steps, decode rows beside prefill rows
     chunked = engine(path, "fused", max_num_batched_tokens=24, max_num_seqs=4)

@@ -8,6 +8,7 @@ upward is still a cycle, only hidden.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,11 +55,12 @@ FORBIDDEN: dict[str, set[str]] = {
     # a backend drives an engine through its public API: the KV manager and the scheduler are the engine's
     "backends": {"kv_runtime", "scheduler", "prefix_reuse", "kv_policy", "layers", "spec_decode"},
 }
-# The attention backends and step executors, and the modules allowed to construct one: where they are defined,
-# the runner's reference default, and the one place that chooses (engine/build.py, from config/auto.py's values).
-BACKEND_CLASSES = {"AttentionBackend", "GatheredDecode", "PagedDecode", "TorchPrefill", "FlashPrefill",
-                   "TritonPrefill", "PythonStep", "FusedStep", "CppDecodeStep", "GraphStep"}
-CHOOSERS = {"engine/build.py", "engine/step.py", "engine/model_runner.py", "layers/attention_backends.py"}
+# The registries of attention backends and step executors (name -> "module:Class" in that package), and the
+# modules allowed to pick one by name: the registries' own defaults, the runner's reference default, and the one
+# place that chooses (engine/build.py, from config/auto.py's values).
+REGISTRIES = {"layers/attention_backends": ("DECODE_PARTS", "PREFILL_PARTS"), "engine/steps": ("STEP_EXECUTORS",)}
+CHOOSERS = {"engine/build.py", "engine/model_runner.py", "layers/attention_backends/__init__.py"}
+CHOOSING_CALLS = {"attention_backend", "step_executor", "AttentionBackend"}
 ENGINE_INTERNALS = {"kv", "scheduler", "runner", "requests"}  # what `engine.<name>` a backend must not read
 DATA_ONLY = {"demo_model", "presets"}  # folders of files, no Python
 
@@ -173,8 +175,40 @@ def test_only_build_chooses_an_attention_backend_or_a_step_executor():
         if where in CHOOSERS:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BACKEND_CLASSES:
-                wrong.append(f"{where}:{node.lineno} constructs {node.func.id}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in CHOOSING_CALLS:
+                wrong.append(f"{where}:{node.lineno} calls {node.func.id}")
+    assert wrong == []
+
+
+def registered_parts() -> dict[str, tuple[str, set[str]]]:
+    """Every registered attention part and step executor: its file, and the classes that file defines."""
+    parts = {}
+    for package, tables in REGISTRIES.items():
+        source = (PACKAGE / package / "__init__.py").read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            target = getattr(node, "target", None) or (node.targets[0] if isinstance(node, ast.Assign) else None)
+            if isinstance(target, ast.Name) and target.id in tables:
+                for entry in ast.literal_eval(node.value).values():
+                    module = f"{package}/{entry.split(':')[0]}.py"
+                    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+                    parts[module] = (package, {n.name for n in tree.body if isinstance(n, ast.ClassDef)})
+    return parts
+
+
+def test_a_backend_or_executor_is_named_only_in_its_own_file_and_its_registry():
+    """Adding an attention part or a step executor is one new file and one registry line: nothing else in the
+    package names its classes (the runner, the model, the metadata and the other parts know none of them)."""
+    parts = registered_parts()
+    assert len(parts) == 9  # 2 decode parts, 3 prefill parts, 4 step executors
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text(encoding="utf-8")
+        for module, (package, classes) in parts.items():
+            if where in (module, f"{package}/__init__.py"):
+                continue
+            wrong += [f"{where} names {name} ({module})" for name in sorted(classes)
+                      if re.search(rf"\b{name}\b", text)]
     assert wrong == []
 
 

@@ -15,6 +15,7 @@ from sage_infer.layers.attention import (
     PrefillSpan,
     decode_attention_batched,
     decode_attention_reference,
+    decode_groups,
     paged_attention,
     prefill_attention,
 )
@@ -107,7 +108,7 @@ def test_paged_attention_writes_through_the_slot_mapping():
 
 def test_grouped_decode_through_paged_attention_matches_reference():
     """Decode rows split into length-sorted groups give the per-sequence reference result."""
-    from sage_infer.engine.model_runner import ModelRunner
+    from sage_infer.layers.attention_backends.base import DECODE_GROUP_ROWS
 
     torch.manual_seed(5)
     rng = random.Random(5)
@@ -126,8 +127,8 @@ def test_grouped_decode_through_paged_attention_matches_reference():
     new_k = torch.stack([k[-1] for k, _ in contexts])
     new_v = torch.stack([v[-1] for _, v in contexts])
     slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
-    groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
-                                        lambda values: torch.tensor(values, dtype=torch.long))
+    groups = decode_groups(list(range(len(lens))), tables, lens, lambda values: torch.tensor(values, dtype=torch.long),
+                           DECODE_GROUP_ROWS)
     assert len(groups) == 2
     meta = AttentionMetadata(slots, [], None, groups)
     out = paged_attention(q, new_k, new_v, pool, LAYER, meta, D**-0.5)

@@ -17,6 +17,7 @@ from sage_infer.layers.attention import (
     AttentionMetadata,
     attention_with_lse_reference,
     decode_attention_reference,
+    decode_groups,
     paged_attention,
 )
 from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE
@@ -92,7 +93,7 @@ def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
     slots = torch.tensor([t[(n - 1) // 8] * 8 + (n - 1) % 8 for t, n in zip(tables, lens)])
 
     def run(in_place: bool, group_rows: int) -> torch.Tensor:
-        groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
+        groups = decode_groups(list(range(len(lens))), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long), group_rows)
         meta = AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
         return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5)
@@ -228,13 +229,13 @@ def chunk_step(plan, shared_blocks: int = 0, block_size: int = 4, heads=(6, 2), 
 def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():
     plan = [(100, 5), (37, 64), (40, 65), (0, 9), (20, 1)]  # 5 and 64 in place; 65 and a first chunk are spans
     pool, seqs, num_new, *_ = chunk_step(plan)
-    _, _, meta, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False,
-                                   attention=PAGED_DECODE).prepare(seqs, num_new)
+    _, meta = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False,
+                          attention=PAGED_DECODE).prepare(seqs, num_new)
     (group,) = meta.decode_groups
     assert group.context_lens.tolist() == list(range(101, 106)) + list(range(38, 102)) + [21]
     assert group.rows.tolist() == list(range(5 + 64)) + [sum(num_new) - 1]
     assert [(s.q_len, s.context_len) for s in meta.prefills] == [(65, 105), (9, 9)]
-    _, _, reference, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
+    _, reference = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
         seqs, num_new)
     assert [s.q_len for s in reference.prefills] == [5, 64, 65, 9]  # without the kernel: spans as before
 
@@ -246,9 +247,9 @@ def test_in_place_chunks_attend_what_the_gathered_spans_attend(cascade):
     pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6)
     runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade, attention=PAGED_DECODE)
     runner.cascade_min_saved_tokens = 1
-    _, _, meta, _, _ = runner.prepare(seqs, num_new)
+    _, meta = runner.prepare(seqs, num_new)
     assert (meta.shared is not None) == cascade
-    _, _, reference, _, _ = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
+    _, reference = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
         seqs, num_new)
     got = paged_attention(q, k, v, pool, LAYER, meta, 0.25)
     want = paged_attention(q, k, v, pool, LAYER, reference, 0.25)

@@ -13,7 +13,7 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.kv_runtime.pool import make_kv_pool
 from sage_infer.layers.attention import DecodeGroup, attention_with_lse_reference
-from sage_infer.layers.attention_backends import GatheredDecode
+from sage_infer.layers.attention_backends.gathered_decode import GatheredDecode
 from sage_infer.layers.cpu_kernels import decode_attention_paged_int8, kernel_unavailable, quantize_store_int8_
 
 pytestmark = [pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}"),

@@ -21,17 +21,11 @@ from sage_infer.layers.attention import (
     AttentionMetadata,
     attention_with_lse_reference,
     decode_attention_reference,
+    decode_groups,
     paged_attention,
     prefill_attention,
 )
-from sage_infer.layers.attention_backends import (
-    PAGED_DECODE,
-    REFERENCE,
-    AttentionBackend,
-    PagedDecode,
-    TorchPrefill,
-    TritonPrefill,
-)
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE, attention_backend
 from sage_infer.layers.triton_paged import (
     PREFILL_ROWS,
     decode_attention,
@@ -138,7 +132,7 @@ def test_paged_attention_in_place_equals_the_gathered_groups(dtype):
     slots = torch.tensor([t[(n - 1) // 8] * 8 + (n - 1) % 8 for t, n in zip(tables, lens)], device=DEVICE)
 
     def run(in_place: bool, group_rows: int) -> torch.Tensor:
-        groups = ModelRunner._decode_groups(list(range(len(lens))), tables, lens,
+        groups = decode_groups(list(range(len(lens))), tables, lens,
                                             lambda values: torch.tensor(values, dtype=torch.long, device=DEVICE),
                                             group_rows)
         meta = AttentionMetadata(slots, [], None, groups, backend=PAGED_DECODE if in_place else REFERENCE)
@@ -283,12 +277,12 @@ def test_paged_attention_with_the_prefill_kernel_equals_span_by_span(dtype):
     q, k, v = (torch.randn(sum(news), h, 32).to(dtype).to(DEVICE) for h in (6, 2, 2))
 
     def run(prefill_in_place: bool) -> torch.Tensor:
-        runner = ModelRunner(None, pool, DEVICE, attention=AttentionBackend(
-            decode=PagedDecode(), prefill=TritonPrefill() if prefill_in_place else TorchPrefill()))
-        *_, meta, _, _ = runner.prepare(seqs, news)
-        assert (meta.paged_prefill is not None) == prefill_in_place
+        runner = ModelRunner(None, pool, DEVICE, attention=attention_backend(
+            decode="paged", prefill="triton" if prefill_in_place else "torch"))
+        _, meta = runner.prepare(seqs, news)
+        # the Triton part's context is its block tables and tiles; the torch part's the gathered slots
+        assert isinstance(meta.prefill_context, torch.Tensor) != prefill_in_place
         assert len(meta.prefills) == (5 if prefill_in_place else 4)  # the short chunk: a span, or decode rows
-        assert (meta.prefill_slots is None) == prefill_in_place
         return paged_attention(q, k, v, pool, LAYER, meta, 32**-0.5).float()
 
     torch.testing.assert_close(run(True), run(False), **TOLERANCE[dtype])

@@ -22,12 +22,11 @@ from sage_infer.config.auto import (
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
-from sage_infer.engine.cuda_graphs import DecodeGraphs
 from sage_infer.engine.draft import DraftModelProposer
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.engine.pd import KVTransferRole
-from sage_infer.engine.step import CppDecodeStep, FusedStep, GraphStep, PythonStep
+from sage_infer.engine.steps import step_executor
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
 from sage_infer.hal.device import device_facts, free_memory_bytes
@@ -48,11 +47,7 @@ from sage_infer.kv_runtime.transfer_source import TransferSource
 from sage_infer.kv_runtime.transfers import KVTransfers
 from sage_infer.layers.attention_backends import (
     AttentionBackend,
-    FlashPrefill,
-    GatheredDecode,
-    PagedDecode,
-    TorchPrefill,
-    TritonPrefill,
+    attention_backend,
 )
 from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, describe_tiling, tile_linears
 from sage_infer.layers.cpu_kernels import (
@@ -223,7 +218,8 @@ class EngineBuilder:
         decodes the way the target's does."""
         config, model, arch, device, pool = self.config, self.model, self.arch, self.device, self.pool
         tokenizer, auto, fused, proposer = self.tokenizer, self.auto, self.fused, self.proposer
-        attention = build_attention(config, model, arch.head_dim, device, pool)
+        deterministic = self.deterministic
+        attention = build_attention(config, model, arch.head_dim, device, pool, deterministic)
         if config.speculative.method == "draft_model":
             proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
                                             attention.decode_in_place, fused)
@@ -240,20 +236,16 @@ class EngineBuilder:
         config, model, pool, device, attention = self.config, self.model, self.pool, self.device, self.attention
         fused, deterministic, proposer, schema = self.fused, self.deterministic, self.proposer, self.schema
         max_len = self.auto.max_model_len
-        if deterministic and not attention.decode_in_place:
-            raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
-                              "run here (model.attention is torch or the kernel is unavailable: see the line above)",
-                              hint="set model.attention: auto, or model.deterministic: false")
         if not attention.supports_cascade and config.model.cascade_attention:
             _report(ResolvedValue("model.cascade_attention", "off", "the Triton kernels read each row's shared prefix "
                                                                     "in place"))
-        step = FusedStep() if fused else PythonStep()
+        step = step_executor("fused" if fused else "python")
         if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
                            deterministic):
-            step = CppDecodeStep(model.prepare_decode_step(pool))
+            step = step_executor("cpp-decode", model.prepare_decode_step(pool))
         if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
-            step = GraphStep(DecodeGraphs(model, pool, device, config.scheduler.max_num_seqs,
-                                          max_blocks=-(-max_len // schema.block_size)))
+            step = step_executor("cuda-graphs", model, pool, device, config.scheduler.max_num_seqs,
+                                 -(-max_len // schema.block_size), True, attention)
             if proposer is not None:
                 auto_log.warning("speculative.method = %s: a step with verify rows runs without CUDA graphs (only pure "
                                  "decode steps replay one), so on a GPU speculation has measured slower than none "
@@ -267,9 +259,7 @@ class EngineBuilder:
         """The runner over the model, the pool, the attention backend and the step executor; the engine."""
         config, model, pool, device = self.config, self.model, self.pool, self.device
         attention, step = self.attention, self.step
-        deterministic = self.deterministic
         runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
-                             row_invariant=deterministic,
                              step=step)
         kv_dtype = self.auto.kv_dtype.value
         pd = None
@@ -341,9 +331,9 @@ def build_draft_proposer(config: ServeConfig, target: ArchConfig, tokenizer: Tok
             pass
     block_size = config.kv_pool.block_size
     pool = make_kv_pool(draft_kv_schema(draft, block_size, dtype), blocks, device=device)
-    attention = AttentionBackend(decode=PagedDecode() if decode_in_place else GatheredDecode(), prefill=TorchPrefill())
+    attention = attention_backend(decode="paged" if decode_in_place else "torch")
     runner = ModelRunner(model, pool, device, cascade_attention=False, attention=attention,
-                         step=FusedStep() if fused else PythonStep())
+                         step=step_executor("fused" if fused else "python"))
     params = sum(p.numel() for p in model.parameters())
     _report(ResolvedValue("speculative.model", directory.name, f"draft model, {params / 1e6:.1f}M parameters, "
                           f"{spec.num_speculative_tokens} greedy tokens per step from its own KV pool of {blocks} "
@@ -367,7 +357,7 @@ def use_cpu_kernels() -> str | None:
 
 def use_fused_elementwise(choice: str, device: torch.device) -> bool:
     """`model.elementwise`: whether the model runs its norms, rotary and silu·mul as the C++ passes of
-    `LlamaForCausalLM.forward_fused`."""
+    `sage_infer.layers.elementwise.FusedOps`."""
     if choice == "torch":
         return False
     why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
@@ -375,14 +365,19 @@ def use_fused_elementwise(choice: str, device: torch.device) -> bool:
 
 
 def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, device: torch.device,
-                    pool: KVPool) -> AttentionBackend:
+                    pool: KVPool, deterministic: bool = False) -> AttentionBackend:
     """The step's attention backend (`sage_infer.layers.attention_backends`): the decode part `model.attention`
-    asks for and the prefill part `model.prefill_attention` asks for, each where it can run here."""
-    decode = PagedDecode() if use_paged_attention(config.model.attention, pool, device) else GatheredDecode()
-    prefill = TorchPrefill()
+    asks for and the prefill part `model.prefill_attention` asks for, each where it can run here; with
+    `deterministic`, every query row a decode row of the paged kernel (`AttentionBackend.row_invariant`)."""
+    decode = "paged" if use_paged_attention(config.model.attention, pool, device) else "torch"
+    prefill = "torch"
     if use_flash_attention(config.model.prefill_attention, model, head_dim, device, pool):
-        prefill = TritonPrefill() if device.type == "cuda" else FlashPrefill()
-    return AttentionBackend(decode=decode, prefill=prefill)
+        prefill = "triton" if device.type == "cuda" else "flash"
+    if deterministic and decode != "paged":
+        raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
+                          "run here (model.attention is torch or the kernel is unavailable: see the line above)",
+                          hint="set model.attention: auto, or model.deterministic: false")
+    return attention_backend(decode, prefill, row_invariant=deterministic)
 
 
 def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:
@@ -421,7 +416,7 @@ def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: t
 
 
 def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) -> bool:
-    """`model.cuda_graphs`: whether pure decode steps replay CUDA graphs (`sage_infer.engine.cuda_graphs`)."""
+    """`model.cuda_graphs`: whether pure decode steps replay CUDA graphs (`sage_infer.engine.steps.cuda_graphs`)."""
     if choice == "off":
         return False
     if device.type != "cuda" or torch.version.cuda is None:

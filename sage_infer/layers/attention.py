@@ -32,7 +32,8 @@ class PrefillSpan:
     """One sequence's chunk of queries in the flat token batch.
 
     Queries are rows ``[q_start, q_start + q_len)``; they attend to the sequence's first
-    ``context_len`` tokens, whose slots are ``AttentionMetadata.prefill_slots[slot_start:slot_start + context_len]``.
+    ``context_len`` tokens (over gathered context, their slots are
+    ``AttentionMetadata.prefill_context[slot_start:slot_start + context_len]``).
     """
 
     q_start: int
@@ -51,6 +52,27 @@ class DecodeGroup:
     whole_batch: bool = False  # rows are exactly 0..b-1 (the step's or the participants' every row, in order)
 
 
+def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], tensor,
+                  group_rows: int) -> list[DecodeGroup]:
+    """Decode rows as groups of at most `group_rows`: sorted by context length when there are several, each
+    padded only to its own longest table. `tensor` moves a host list to the step's device."""
+    if len(rows) <= group_rows:  # one group: the order changes nothing (and rows stay in batch order)
+        order = list(range(len(rows)))
+    else:
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+    groups = []
+    for start in range(0, len(order), group_rows):
+        chosen = order[start : start + group_rows]
+        width = max(len(tables[i]) for i in chosen)
+        groups.append(DecodeGroup(
+            rows=tensor([rows[i] for i in chosen]),
+            block_tables=tensor([tables[i] + [0] * (width - len(tables[i])) for i in chosen]),
+            context_lens=tensor([lens[i] for i in chosen]),
+            whole_batch=len(chosen) == len(rows) and rows == list(range(len(rows))),
+        ))
+    return groups
+
+
 @dataclass(slots=True)
 class SharedPrefix:
     """Leading KV blocks that several sequences of the step share, and those sequences' queries.
@@ -59,7 +81,7 @@ class SharedPrefix:
     `prefills` and `decode_groups` describe the suffixes, numbered among the participants:
     query row ``i`` of theirs is row ``rows[i]`` of the flat batch, and ``context_len`` counts
     the tokens after the shared prefix (a span's ``slot_start`` still indexes
-    `AttentionMetadata.prefill_slots`; a group's block tables start after the shared blocks).
+    `AttentionMetadata.prefill_context`; a group's block tables start after the shared blocks).
     """
 
     block_ids: torch.Tensor  # [S] long: the shared blocks, in order
@@ -70,33 +92,23 @@ class SharedPrefix:
 
 
 @dataclass(slots=True)
-class PagedPrefill:
-    """A step's prefill spans (`AttentionMetadata.prefills`, in order) for the Triton prefill kernel, which
-    attends all of them in one launch per layer, reading their context in place from the pool's blocks
-    (`triton_paged.prefill_attention`; `model.prefill_attention` on an NVIDIA GPU)."""
-
-    block_tables: torch.Tensor  # [S, W] long: span s's context blocks, padded with 0
-    spans: torch.Tensor  # [S, 3] int32: first row in the flat batch, queries, context tokens
-    tiles: torch.Tensor  # [N, 2] int32: (span, first query) of each program (`triton_paged.prefill_tiles`)
-
-
-@dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step metadata, built once on the host and moved to the device once.
+    """One step's attention metadata, as the step's backend derived it from the step's batch
+    (`AttentionBackend.prepare`), built on the host and moved to the device once.
 
-    `prefills` and `decode_groups` cover the sequences outside `shared` (all of them without it).
+    `prefills` and `decode_groups` cover the sequences outside `shared` (all of them without it). How prefill
+    spans read their earlier context is the prefill part's own business (`prefill_context`): the gathered parts
+    put the slots of every span with earlier context there (a span's ``slot_start`` indexes them, ``[sum of
+    those context_len]`` long), a part that reads blocks in place puts what its kernel takes.
     """
 
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     prefills: list[PrefillSpan]
-    prefill_slots: torch.Tensor | None  # [sum(context_len)] long
+    prefill_context: object | None  # the prefill part's: gathered slots ([N] long tensor), or its kernel's tables
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     shared: SharedPrefix | None = None
-    # how the step attends (the runner shaped this metadata for it); None: the reference (PyTorch ops only)
+    # the backend that prepared this metadata; None: the reference (PyTorch ops only)
     backend: AttentionBackend | None = None
-    # with a Triton prefill part: every prefill span attended in one launch, in place (None: span by span over
-    # gathered context, `prefill_slots`)
-    paged_prefill: PagedPrefill | None = None
 
     @property
     def decode_in_place(self) -> bool:

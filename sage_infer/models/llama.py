@@ -16,17 +16,11 @@ from torch import nn
 
 from sage_infer.layers import cpu_kernels as kernels
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
+from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.norm import RMSNorm
-from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary
+from sage_infer.layers.rotary import RotaryEmbedding
 from sage_infer.models.arch_config import ArchConfig
-
-# `MLP.forward_fused` runs a prefill step's rows through the MLP in passes whose stacked gate/up product (fp32, the
-# largest activation of a layer) stays within this many bytes: a buffer above glibc's largest mmap threshold (32 MiB)
-# is mapped and page-faulted afresh on every call (sage_infer/hal/malloc.py), which cost 10-20 % of a 2,000-row
-# prefill of the 0.5B shape on a 2-core AVX2 CPU (docs/benchmarks.md "Allocator and fused elementwise ops")
-MLP_PASS_BYTES = 16 << 20
-MLP_PASS_MIN_ROWS = 128
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -78,53 +72,20 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         return True
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pool: KVPool,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """x: [T, hidden]; cos_sin: this step's rotary tables (`RotaryEmbedding.cos_sin`) -> [T, hidden]."""
-        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotary for both
-            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
-            q, k = apply_rotary(qkv[:, : heads + kv_heads], *cos_sin).split([heads, kv_heads], dim=1)
-            v = qkv[:, heads + kv_heads :]
-        else:
-            if self.qkv_proj is not None:
-                q, k, v = self.qkv_proj(x).split([heads * self.head_dim, kv_heads * self.head_dim,
-                                                  kv_heads * self.head_dim], dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q, k = q.view(t, heads, self.head_dim), k.view(t, kv_heads, self.head_dim)
-            v = v.view(t, kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """`forward` with the q/k norms and rotary as in-place C++ passes over the projection's output
-        (`kernels.rope_`); cos_sin: `forward`'s tables without their head axis, [T, head_dim] each."""
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
+                meta: AttentionMetadata, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """x: [T, hidden]; cos_sin: this step's rotary tables (`ops.rotary_tables`) -> [T, hidden]."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = None
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            qk = qkv[:, : heads + kv_heads]
         else:
             q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
             v = self.v_proj(x).view(t, kv_heads, d)
-        cos, sin = cos_sin
-        if self.qk_norm:
-            kernels.rope_(q, cos, sin, self.q_norm.weight, self.q_norm.eps)
-            kernels.rope_(k, cos, sin, self.k_norm.weight, self.k_norm.eps)
-        elif self.qkv_proj is not None:  # q and k side by side: one pass
-            kernels.rope_(qkv[:, : heads + kv_heads], cos, sin)
-        else:
-            kernels.rope_(q, cos, sin)
-            kernels.rope_(k, cos, sin)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q, k = ops.rotary(q, k, qk, cos_sin, *norms)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(t, heads * d))
 
@@ -146,29 +107,10 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return ops.gated_mlp(self.gate_up_proj, self.down_proj, x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with silu(gate) * up as one C++ pass (`kernels.silu_mul`) over the stacked projection; rows in
-        passes of `pass_rows` (each row's result is its own: a pass only bounds the intermediate buffers)."""
-        if self.gate_up_proj is None:
-            return self.forward(x)
-        rows = self.pass_rows()
-        if x.shape[0] <= rows:
-            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
-        out = x.new_empty(x.shape[0], self.down_proj.out_features)
-        for start in range(0, x.shape[0], rows):
-            out[start:start + rows] = self.down_proj(kernels.silu_mul(self.gate_up_proj(x[start:start + rows])))
-        return out
-
-    def pass_rows(self) -> int:
-        """Rows per pass of `forward_fused`: the stacked gate/up product of that many rows fits `MLP_PASS_BYTES` in
-        fp32 (at least `MLP_PASS_MIN_ROWS`)."""
-        return max(MLP_PASS_MIN_ROWS, MLP_PASS_BYTES // (4 * self.down_proj.in_features * 2))
 
 
 class DecoderLayer(nn.Module):
@@ -179,17 +121,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos_sin, pool, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, pool, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, h, residual, next_norm: RMSNorm, cos_sin, pool, meta) -> torch.Tensor:
-        """`forward` as C++ passes: h is this layer's normed input, `residual` its input (updated in
-        place to the output); returns the output normed by `next_norm` (the next layer's input norm, or
-        the model's final norm): each residual add runs in the same pass as the norm after it."""
-        post = self.post_attention_layernorm
-        h = kernels.add_rms_norm_(self.self_attn.forward_fused(h, cos_sin, pool, meta), residual, post.weight, post.eps)
-        return kernels.add_rms_norm_(self.mlp.forward_fused(h), residual, next_norm.weight, next_norm.eps)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, cos_sin, pool: KVPool,
+                meta: AttentionMetadata, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """h is this layer's normed input, `residual` its input (updated in place to the output); returns the
+        output normed by `next_norm` (the next layer's input norm, or the model's final norm): each residual add
+        is the norm after it's first step (`ops.add_rms_norm_`)."""
+        h = ops.add_rms_norm_(self.self_attn(h, cos_sin, pool, meta, ops), residual, self.post_attention_layernorm)
+        return ops.add_rms_norm_(self.mlp(h, ops), residual, next_norm)
 
 
 class DecoderModel(nn.Module):
@@ -212,41 +150,25 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        pool: KVPool,
-        meta: AttentionMetadata,
-        fused: bool = False,
-        decode_step: object | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]; layer ``i`` stores and reads its K/V
-        as layer ``i`` of `pool`. The step executor (`sage_infer.engine.step`) says how: `fused`, the layers'
-        norms, rotary and silu*mul as C++ passes (`forward_fused`); `decode_step` (from `prepare_decode_step`
-        over this `pool`), a decode step's layers in one C++ call."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not per layer
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
+                ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden], normed by the final norm; layer ``i`` stores and
+        reads its K/V as layer ``i`` of `pool`. `ops` runs the elementwise parts (`sage_infer.layers.elementwise`:
+        the step executor's choice)."""
+        x, h, cos_sin = self.embed(input_ids, positions, ops)
         layers = self.model.layers
-        if fused:  # x is the embedding's fresh output: the residual stream, updated in place
-            cos_sin = tuple(table[:, 0] for table in cos_sin)  # [T, D], the shape the C++ rotary takes
-            first = layers[0].input_layernorm
-            h = kernels.rms_norm(x, first.weight, first.eps)
-            if decode_step is not None:  # a decode step: every layer in one C++ call
-                if (group := meta.pure_decode_group()) is not None:
-                    return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
-                                           group.context_lens, None, False)
-                # an int8 pool's shared prefix is attended in Python (its keys dequantized, `gather_blocks`)
-                if pool.supports_block_views and (group := meta.cascade_decode_group(x.shape[0])) is not None:
-                    return decode_step.run(h, x, *cos_sin, meta.slot_mapping, group.block_tables,
-                                           group.context_lens, meta.shared.block_ids, meta.backend.prefill.flash)
-            for i, layer in enumerate(layers):
-                after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                h = layer.forward_fused(h, x, after, cos_sin, pool, meta)
-            return h
-        for layer in layers:
-            x = layer(x, cos_sin, pool, meta)
-        return self.model.norm(x)
+        for i, layer in enumerate(layers):
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = layer(h, x, after, cos_sin, pool, meta, ops)
+        return h
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              ops: TorchOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A step's start: the residual stream (the embeddings, [T, hidden], which every layer updates in place),
+        the first layer's normed input, and the step's rotary tables as `ops` takes them (once per step)."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = ops.rotary_tables(self.model.rotary_emb.cos_sin(positions, x.dtype))
+        return x, ops.rms_norm(x, self.model.layers[0].input_layernorm), cos_sin
 
     def fuse_projections(self) -> int:
         """Stack each layer's q/k/v and gate/up weights into one linear each (`Attention.fuse_projections`,
@@ -289,9 +211,10 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_decode_step(self, pool: KVPool) -> object:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
-        (csrc/decode_step.cpp): the handle `forward(..., fused=True, decode_step=handle)` runs a decode step over
-        `pool` (a pure one, or one whose rows all attend a shared prefix; over an int8 pool a pure one: its codes
-        quantized and read in place) in one call. The caller checked `decode_step_unavailable`."""
+        (csrc/decode_step.cpp): the handle runs a decode step over `pool` (a pure one, or one whose rows all attend
+        a shared prefix; over an int8 pool a pure one: its codes quantized and read in place) in one call, from the
+        embedding and the first layer's normed input to the final norm (`sage_infer.engine.steps.cpp_decode`). The
+        caller checked `decode_step_unavailable`."""
         layers = self.model.layers
         shapes: list[int] = []
         packed: list[torch.Tensor] = []

@@ -66,6 +66,6 @@ def score_windows(engine, windows: torch.Tensor, *, keep_logits: bool = False) -
 
 def _forward(runner, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
     """Logits of every new token of the step, ``[sum(num_new_tokens), vocab]`` fp32."""
-    input_ids, positions, meta, _, _ = runner.prepare(seqs, num_new_tokens)
-    hidden = runner.model(input_ids, positions, runner.pool, meta)
+    batch, meta = runner.prepare(seqs, num_new_tokens)
+    hidden = runner.model(batch.input_ids, batch.positions, runner.pool, meta)
     return runner.model.compute_logits(hidden)

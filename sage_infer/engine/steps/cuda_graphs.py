@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (`model.cuda_graphs`).
+"""`model.cuda_graphs: on`: pure decode steps replayed as CUDA graphs (`GraphStep`, over `DecodeGraphs`).
 
 On a GPU a small model's decode step is host-bound: the engine launches every op of every layer from
 Python, and an H100 waited ~19 of the 27 ms of a 0.5B batch-1 step (`bench/gpu_check.sh`, docs/benchmarks.md). A
@@ -24,14 +24,18 @@ buffers' and the padding's logic with (the C++ paged kernel), since no graph can
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
+from sage_infer.engine.steps.base import StepExecutor
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.layers.attention import AttentionMetadata, DecodeGroup
-from sage_infer.layers.attention_backends import PAGED_DECODE
+from sage_infer.layers.attention_backends import PAGED_DECODE, AttentionBackend
+
+if TYPE_CHECKING:
+    from sage_infer.engine.model_runner import ModelRunner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -41,8 +45,10 @@ class DecodeGraphs:
     `captures` and `replays` count what happened (replays include the eager runs of ``capture=False``)."""
 
     def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, max_batch: int, max_blocks: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, attention: AttentionBackend = PAGED_DECODE) -> None:
+        assert attention.decode_in_place, "a graph's decode rows read their blocks in place, one group of all rows"
         self.model = model
+        self.attention = attention
         self.pool = pool
         self.block_size = pool.block_size
         largest = min(max_batch, BUCKETS[-1])  # bigger batches run eagerly (launches matter less there)
@@ -94,10 +100,8 @@ class DecodeGraphs:
         return logits[:n].clone()  # the graph pool's output is rewritten by the next replay
 
     def _forward(self, bucket: int) -> torch.Tensor:
-        group = DecodeGroup(rows=self.rows[:bucket], block_tables=self.tables[:bucket],
-                            context_lens=self.inputs[3, :bucket], whole_batch=True)
-        meta = AttentionMetadata(slot_mapping=self.inputs[2, :bucket], prefills=[], prefill_slots=None,
-                                 decode_groups=[group], backend=PAGED_DECODE)
+        meta = self.attention.prepare_static_decode(self.inputs[2, :bucket], self.tables[:bucket],
+                                                    self.inputs[3, :bucket], self.rows[:bucket])
         hidden = self.model(self.inputs[0, :bucket], self.inputs[1, :bucket], self.pool, meta)
         return self.model.compute_logits(hidden)
 
@@ -113,3 +117,20 @@ class DecodeGraphs:
             logits = self._forward(bucket)
         self.captures += 1
         return graph, logits
+
+
+class GraphStep(StepExecutor):
+    """A pure decode step within the largest bucket replays a CUDA graph (`DecodeGraphs`, built from the same
+    arguments, which fills its own static inputs from the sequences); other steps run layer by layer with PyTorch's
+    elementwise ops."""
+
+    name = "cuda-graphs"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.graphs = DecodeGraphs(*args, **kwargs)
+
+    def run(self, runner: ModelRunner, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor,
+                                                                                                    list[int]]:
+        if self.graphs.fits(seqs, num_new_tokens):
+            return self.graphs.run(seqs), list(range(len(seqs)))
+        return super().run(runner, seqs, num_new_tokens)

@@ -1,0 +1,258 @@
+"""What every attention backend is: a decode part and a prefill part, and how the two share one step.
+
+`AttentionBackend.prepare` turns the step's neutral batch (`sage_infer.core.step_batch.StepBatch`) into its
+`AttentionMetadata`: which rows are decode rows (the decode part groups them: `DecodePart.groups`), which are
+prefill spans (the prefill part says how they read earlier context: `PrefillPart.prepare`), and which attend a
+shared prefix together. `AttentionBackend.forward` is one layer's attention over that metadata. A part is one
+file of this package and one line of its registry (`sage_infer.layers.attention_backends`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from sage_infer.core.step_batch import SeqSpan, StepBatch
+from sage_infer.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    SharedPrefix,
+    decode_groups,
+    merge_attention,
+)
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
+
+DECODE_GROUP_ROWS = 16  # gathered decode rows are sorted by context length and padded per group of this size
+# with a decode part that reads blocks in place (and a prefill part that does not), a prefill chunk of at most this
+# many tokens after cached context (a turn of a chat, a prompt's unique tail after a shared prefix) is attended as
+# that many decode rows: each reads its causal context in place instead of a gathered copy per span
+IN_PLACE_CHUNK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class DecodePart:
+    """How decode rows attend: `attend` (and `attend_lse` for a shared prefix's suffixes) over one `DecodeGroup`.
+
+    `in_place`: it reads each row's blocks in place, so padding costs nothing and all rows are one group; short
+    chunks after cached context become decode rows (`IN_PLACE_CHUNK_ROWS`)."""
+
+    name: ClassVar[str]
+    in_place: ClassVar[bool] = False
+    group_rows: ClassVar[int] = DECODE_GROUP_ROWS
+
+    def groups(self, rows: list[int], tables: list[list[int]], lens: list[int], batch: StepBatch) -> list[DecodeGroup]:
+        """The decode rows of a step (their block tables, their context lengths) as this part's groups."""
+        return decode_groups(rows, tables, lens, batch.tensor, self.group_rows)
+
+    def attend(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup, scale: float) -> torch.Tensor:
+        """q: [b, H, D] -> [b, H, D] in q's dtype."""
+        raise NotImplementedError
+
+    def attend_lse(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shared prefix's suffixes: q: [b, H, D] -> (out [b, H, D] float32, lse [b, H])."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PrefillPart:
+    """How prefill spans attend. This base attends them one by one over their context (this step's keys, or
+    gathered from the pool by slot), through `attend`; shared prefixes and their suffixes through `prefix_lse`
+    and `attend_lse`. A part that reads blocks in place overrides `prepare` and `attend_spans`.
+
+    `flash`: the C++ decode step may attend a shared prefix with sage's flash kernel, as this part does."""
+
+    name: ClassVar[str]
+    in_place: ClassVar[bool] = False
+    flash: ClassVar[bool] = False
+    supports_cascade: ClassVar[bool] = True  # shared prefixes attended once by all their sequences (`SharedPrefix`)
+
+    def prepare(self, batch: StepBatch, spans: list[SeqSpan],
+                suffixes: list[tuple[int, SeqSpan]]) -> tuple[list[PrefillSpan], object | None, list[PrefillSpan]]:
+        """(the step's prefill spans, how they read earlier context, the shared prefix's suffix spans).
+
+        `suffixes`: (first row among the shared prefix's participants, span) of each participant's chunk that is
+        not decode rows. Only spans with earlier context read keys back from the pool: their slots are gathered,
+        a suffix's from the end of the shared prefix."""
+        slots: list[int] = []
+        prefills = []
+        for span in spans:
+            prefills.append(PrefillSpan(span.q_start, span.q_len, span.context_len, len(slots)))
+            if span.start > 0:
+                slots.extend(batch.slots(span.block_table, 0, span.context_len))
+        shared_tokens = batch.shared_tokens
+        shared = []
+        for row, span in suffixes:
+            shared.append(PrefillSpan(row, span.q_len, span.context_len - shared_tokens, len(slots)))
+            if span.start > shared_tokens:
+                slots.extend(batch.slots(span.block_table, shared_tokens, span.context_len))
+        return prefills, batch.tensor(slots) if slots else None, shared
+
+    def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                     meta: AttentionMetadata, out: torch.Tensor, scale: float) -> None:
+        """Every span of `meta.prefills` into `out` (q's rows, q's dtype)."""
+        for span in meta.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
+                k_ctx, v_ctx = k[rows], v[rows]
+            else:
+                slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+                k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
+            out[rows] = self.attend(q[rows], k_ctx, v_ctx, scale)
+
+    def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
+        """One span, causal to the lower right: q [q_len, H, D]; k/v [ctx_len, KvH, D] -> q's dtype."""
+        raise NotImplementedError
+
+    def attend_lse(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shared prefix's suffix span: (out float32, lse), causal to the lower right."""
+        raise NotImplementedError
+
+    def prefix_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every participant's rows over the shared keys, no mask: (out float32, lse)."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class _DecodeRows:
+    rows: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+
+    def add(self, rows: range, table: list[int], lens: range) -> None:
+        self.rows.extend(rows)
+        self.tables.extend([table] * len(rows))
+        self.lens.extend(lens)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A decode part and a prefill part; `prepare` shapes a step for them, `forward` is one layer's attention.
+
+    `row_invariant` (`model.deterministic`): every query row, a prefill chunk's too, is a decode row of a part
+    that reads blocks in place and reduces each row's context on its own, so a row's attention never depends on
+    how its prompt was chunked or what else the step holds; no cascade."""
+
+    decode: DecodePart
+    prefill: PrefillPart
+    row_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.row_invariant and not self.decode.in_place:
+            raise ValueError("row-invariant steps need a decode part that reads blocks in place (the paged kernel)")
+
+    @property
+    def name(self) -> str:
+        return f"decode {self.decode.name}, prefill {self.prefill.name}"
+
+    @property
+    def decode_in_place(self) -> bool:
+        return self.decode.in_place
+
+    @property
+    def prefill_in_place(self) -> bool:
+        return self.prefill.in_place
+
+    @property
+    def supports_cascade(self) -> bool:
+        return self.prefill.supports_cascade and not self.row_invariant
+
+    def _as_decode_rows(self, span: SeqSpan) -> bool:
+        """Whether a span's rows attend as decode rows, each its causal context (else: a prefill span)."""
+        return span.q_len == 1 or self.row_invariant or (
+            self.decode.in_place and not self.prefill.in_place and span.start > 0 and span.q_len <= IN_PLACE_CHUNK_ROWS)
+
+    def prepare(self, batch: StepBatch) -> AttentionMetadata:
+        """The step's metadata for this backend. A span with one new token after others is decode rows; with a
+        decode part in place so is a short chunk after cached context; any other chunk is a prefill span. The
+        spans of `batch.shared_seqs` go to `AttentionMetadata.shared` with their suffixes."""
+        shared_tokens, num_shared = batch.shared_tokens, len(batch.shared_blocks)
+        decode, shared_decode = _DecodeRows(), _DecodeRows()
+        spans: list[SeqSpan] = []
+        suffixes: list[tuple[int, SeqSpan]] = []
+        shared_rows: list[int] = []  # participants' query rows, prefill spans' first
+        for i, span in enumerate(batch.spans):
+            rows = range(span.q_start, span.q_start + span.q_len)
+            as_rows = self._as_decode_rows(span)
+            if i in batch.shared_seqs:  # the context after the shared blocks is this sequence's suffix
+                if as_rows:  # row j of the chunk sees the suffix up to its own token
+                    shared_decode.add(rows, span.block_table[num_shared:],
+                                      range(span.start + 1 - shared_tokens, span.context_len + 1 - shared_tokens))
+                else:
+                    suffixes.append((len(shared_rows), span))
+                    shared_rows.extend(rows)
+            elif as_rows and (span.start > 0 or self.row_invariant):
+                decode.add(rows, span.block_table, range(span.start + 1, span.context_len + 1))
+            else:
+                spans.append(span)
+        prefills, context, shared_prefills = self.prefill.prepare(batch, spans, suffixes)
+        meta = AttentionMetadata(slot_mapping=batch.slot_mapping, prefills=prefills, prefill_context=context,
+                                 decode_groups=self.decode.groups(decode.rows, decode.tables, decode.lens, batch),
+                                 backend=self)
+        if batch.shared_seqs:
+            local = list(range(len(shared_rows), len(shared_rows) + len(shared_decode.rows)))
+            meta.shared = SharedPrefix(
+                block_ids=batch.tensor(list(batch.shared_blocks)), num_tokens=shared_tokens,
+                rows=batch.tensor(shared_rows + shared_decode.rows), prefills=shared_prefills,
+                decode_groups=self.decode.groups(local, shared_decode.tables, shared_decode.lens, batch))
+        return meta
+
+    def prepare_static_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                              context_lens: torch.Tensor, rows: torch.Tensor) -> AttentionMetadata:
+        """A pure decode step over fixed buffers (a CUDA graph's, captured once and replayed): every row one new
+        token, all rows one group read in place, so nothing in the metadata depends on the step's lengths.
+        slot_mapping, context_lens, rows: [B] long; block_tables: [B, W] long."""
+        assert self.decode.in_place, "fixed buffers need a decode part that reads blocks in place"
+        group = DecodeGroup(rows=rows, block_tables=block_tables, context_lens=context_lens, whole_batch=True)
+        return AttentionMetadata(slot_mapping=slot_mapping, prefills=[], prefill_context=None, decode_groups=[group],
+                                 backend=self)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+        pool.store(layer, k, v, meta.slot_mapping)
+        if (group := meta.pure_decode_group()) is not None:  # no row gather, no scatter back
+            return self.decode.attend(q, pool, layer, group, scale)
+        out = torch.empty_like(q)
+        if meta.prefills:
+            self.prefill.attend_spans(q, k, v, pool, layer, meta, out, scale)
+        for group in meta.decode_groups:
+            out[group.rows] = self.decode.attend(q[group.rows], pool, layer, group, scale)
+        if meta.shared is not None:
+            out[meta.shared.rows] = self.cascade(q, k, v, pool, layer, meta, scale).to(q.dtype)
+        return out
+
+    def cascade(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of the participants of `meta.shared` (K/V of this step already stored).
+
+        q: [T, H, D]; k, v: [T, KvH, D] (this step's) -> [N, H, D] float32 for ``meta.shared.rows``.
+        The shared keys are gathered once and attended by all N query rows in one call; each
+        participant's suffix is attended as the reference path would (with a lower-right causal
+        mask for prefill chunks); the two are merged by their log-sum-exp.
+        """
+        shared = meta.shared
+        q_rows = q[shared.rows]
+        keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
+        prefix_out, prefix_lse = self.prefill.prefix_lse(q_rows, keys[0], values[0], scale)  # before the next gather
+        suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
+        for span in shared.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            if span.context_len == span.q_len:  # the suffix is this step's own tokens
+                own = shared.rows[rows]
+                k_ctx, v_ctx = k[own], v[own]
+            else:
+                slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+                k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
+            suffix_out[rows], suffix_lse[rows] = self.prefill.attend_lse(q_rows[rows], k_ctx, v_ctx, scale)
+        for group in shared.decode_groups:
+            suffix_out[group.rows], suffix_lse[group.rows] = self.decode.attend_lse(q_rows[group.rows], pool, layer,
+                                                                                    group, scale)
+        return merge_attention(prefix_out, prefix_lse, suffix_out, suffix_lse)

@@ -1,0 +1,58 @@
+"""`model.prefill_attention: sage` on an NVIDIA GPU: every prefill span of a step in one Triton launch per layer,
+reading its context in place from the pool's blocks (`sage_infer.layers.triton_paged.prefill_attention`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sage_infer.core.step_batch import SeqSpan, StepBatch
+from sage_infer.layers.attention import AttentionMetadata, PrefillSpan
+from sage_infer.layers.attention_backends.base import PrefillPart
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
+
+
+@dataclass(slots=True)
+class PagedPrefill:
+    """A step's prefill spans (`AttentionMetadata.prefills`, in order) as the kernel takes them: the
+    `AttentionMetadata.prefill_context` of `TritonPrefill`."""
+
+    block_tables: torch.Tensor  # [S, W] long: span s's context blocks, padded with 0
+    spans: torch.Tensor  # [S, 3] int32: first row in the flat batch, queries, context tokens
+    tiles: torch.Tensor  # [N, 2] int32: (span, first query) of each program (`triton_paged.prefill_tiles`)
+
+
+@dataclass(frozen=True)
+class TritonPrefill(PrefillPart):
+    """Every prefill span of a step in one launch per layer, in place (an NVIDIA GPU, a float pool). It reads each
+    row's shared prefix in place too, so there is no cascade."""
+
+    name = "sage"
+    in_place = True
+    supports_cascade = False
+
+    def prepare(self, batch: StepBatch, spans: list[SeqSpan],
+                suffixes: list[tuple[int, SeqSpan]]) -> tuple[list[PrefillSpan], PagedPrefill | None, list]:
+        from sage_infer.layers.triton_paged import prefill_tiles  # imports triton: only where the kernel runs
+
+        assert not suffixes, "the Triton prefill reads shared prefixes in place: no cascade"
+        if not spans:
+            return [], None, []
+        rows = [(span.q_start, span.q_len, span.context_len) for span in spans]
+        tables = [span.block_table[: -(-span.context_len // batch.block_size)] for span in spans]
+        width = max(map(len, tables))
+        context = PagedPrefill(block_tables=batch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                               spans=batch.tensor(rows, torch.int32),
+                               tiles=batch.tensor(prefill_tiles(rows), torch.int32))
+        return [PrefillSpan(*row, slot_start=0) for row in rows], context, []
+
+    def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                     meta: AttentionMetadata, out: torch.Tensor, scale: float) -> None:
+        from sage_infer.layers.triton_paged import prefill_attention  # imports triton
+
+        paged = meta.prefill_context
+        prefill_attention(q, *pool.block_views(layer), out, paged.block_tables, paged.spans, paged.tiles, scale)
