@@ -35,7 +35,7 @@ REGIONS = {
     "prepare": ("sage_infer.engine.model_runner", "ModelRunner", "prepare"),
     "schedule": ("sage_infer.scheduler.scheduler", "Scheduler", "schedule"),
     "postprocess": ("sage_infer.engine.llm_engine", "LLMEngine", "_append_outputs"),
-    "sampling": ("sage_infer.layers.sampler", "Sampler", "__call__"),
+    "sampling": ("sage_infer.engine.sampler", "Sampler", "__call__"),
     "kv store": ("sage_infer.kv_runtime.pool", "KVPool", "store"),
     "kv gather": ("sage_infer.kv_runtime.pool", "KVPool", "gather_blocks"),
     "kv gather (slots)": ("sage_infer.kv_runtime.pool", "KVPool", "gather_slots"),

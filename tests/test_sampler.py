@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sage_infer.core.sampling_params import SamplingParams
-from sage_infer.layers.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from sage_infer.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
 
 VOCAB = 32
 
