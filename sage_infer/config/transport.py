@@ -78,8 +78,9 @@ class KVTransportConfig(Strict):
     timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline for one transfer.")
     checksum: Literal["crc32c", "none"] = Field(
         "crc32c", description="Per-chunk payload checksum. crc32c (default, every backend): a bad copy, a "
-        "scribbled shared-memory ring or a flipped bit on the wire is caught and the chunk resent, for ~15 GB/s "
-        "of CRC per core. none: trust the link (a receiver accepts it only when it is set to none too).")
+        "scribbled shared-memory ring or a flipped bit on the wire is caught and the chunk resent, for one "
+        "CRC32C pass over each chunk (its speed: docs/benchmarks.md, \"KV tiers\"). none: trust the link (a "
+        "receiver accepts it only when it is set to none too).")
     process_group: ProcessGroupConfig = Field(ProcessGroupConfig(), description="The torch.distributed group "
                                               "of backend torchdist.")
 

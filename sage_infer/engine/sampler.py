@@ -109,7 +109,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     most likely token always survives. logits: [batch, vocab], already temperature-scaled.
 
     When every row has a top-k, only the best max(k) logits are sorted (`topk`): a full
-    sort of a 150k vocabulary costs ~100x more and is needed only for top-p without top-k."""
+    sort of a 150k vocabulary costs far more and is needed only for top-p without top-k."""
     use_k = any(p.top_k > 0 for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
     if not use_k and not use_p:

@@ -15,9 +15,9 @@ MIN_SHARED_SEQS = 2  # fewer participants: nothing is attended once instead of s
 MIN_SHARED_BLOCKS = 4  # the shortest shared prefix the break-even below was measured at
 # Cascade attention costs a fixed extra per layer (a second kernel call per decode group, the
 # merge), so it pays off only once the key reads it saves, (participants - 1) x shared tokens,
-# pass a break-even. Measured with `bench/cascade_attention.py --kernel` (decode rows, 6/2
-# heads, head_dim 64, 2 AVX-512 cores; docs/benchmarks.md "Cascade attention"): 6-12K tokens in
-# float32, 250-400 in bf16 and fp16, where the reference path's masked SDPA is 3-4x slower.
+# pass a break-even, measured with `bench/cascade_attention.py --kernel` (docs/benchmarks.md
+# "Cascade attention"). It is far lower in bf16 and fp16, where the reference path's masked SDPA
+# is much slower than in float32.
 MIN_SAVED_TOKENS = {torch.float32: 8192, torch.bfloat16: 384, torch.float16: 384}
 
 

@@ -3,18 +3,18 @@ model.
 
 A batch-1 decode step streams every weight once; with 4 KiB pages that is one TLB miss per page and
 a hardware prefetcher that stops at every page boundary. Backing the packed weights with huge pages
-measured 1.07x the weight-read bandwidth of the 0.5B model's decode GEMVs on the bench machine
-(35.5 against 33.0 GB/s, the two copies timed alternately in one process: `bench/small_linear.py`,
-docs/benchmarks.md). The weights are already written when sage sees them (oneDNN packs
+raises the weight-read bandwidth of the decode GEMVs (the two copies timed alternately in one process:
+`bench/small_linear.py --huge-pages`, docs/benchmarks.md "Huge pages"). The weights are already written
+when sage sees them (oneDNN packs
 them into its own buffers), so each buffer's range, rounded out to 2 MiB, is marked
 ``MADV_HUGEPAGE`` and then collapsed in place with ``MADV_COLLAPSE`` (Linux 6.1+): the kernel
-copies it into huge pages at start-up, about 0.4-0.6 GB/s here. Neighbouring heap memory inside
+copies it into huge pages at start-up, a one-off cost. Neighbouring heap memory inside
 the rounded range is collapsed too, which only changes its page size.
 
 The KV pool is asked for huge pages before it is zeroed (`zeros_on_huge_pages`), so its pages fault
-in huge at no extra cost; decode attention reads scattered 4 KB blocks from it: one decode step's
-attention over a 2 GB pool measured 1.12x faster (`bench/paged_decode_kernel.py --step`, docs/benchmarks.md,
-"Huge pages").
+in huge at no extra cost; decode attention reads scattered 4 KB blocks from it, and a decode step's
+attention over a large pool measured faster on huge pages (`bench/paged_decode_kernel.py --step`,
+docs/benchmarks.md "Huge pages").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Every engine step allocates and frees the same activation tensors (1-32 MiB each at a few
 thousand prefill rows). glibc serves blocks that large with a fresh ``mmap`` and gives them
 back on ``free`` (and trims the heap's top above 2× the mmap threshold), so the next step's
-first write to each page faults and the kernel zero-fills it: on the 2-core bench machine
-that doubled a 2,048-row prefill step of qwen3-11m (729 → 299 ms). vLLM's CPU worker avoids
+first write to each page faults and the kernel zero-fills it, a large share of a long prefill
+step (docs/benchmarks.md "Allocator and fused elementwise ops"). vLLM's CPU worker avoids
 it by preloading tcmalloc; sage stays in-process and raises glibc's two thresholds instead
 (``mallopt``), which it may do at any time. Blocks above glibc's cap (32 MiB on 64-bit) are
 still mapped per call.

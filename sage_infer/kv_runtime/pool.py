@@ -58,8 +58,8 @@ class KVPool:
     ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of the first
     axis is K, 1 is V; tokens in NHD order), so each layer's K and V are dense tensors that
     attention gathers from. A block-major layout (one block = one byte range) copies whole
-    blocks 1.25-1.67x faster but made every decode gather scatter over all layers and cost
-    about 8% of end-to-end decode throughput (docs/benchmarks.md, "KV pool layout"):
+    blocks faster but makes every decode gather scatter over all layers, and end-to-end decode
+    measured slower with it (`bench/kv_pool_layout.py`, docs/benchmarks.md "KV pool layout"):
     attention gathers every step, tiers move a block only when it is evicted or reused.
 
     `read_blocks` / `write_blocks` still speak whole blocks: row ``i`` is block ``i``'s
@@ -102,8 +102,8 @@ class KVPool:
         self._rows = [(k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim))
                       for k, v in self._blocks]
         # Gather workspace, K and V, grown on demand: a fresh multi-MiB output per layer and group
-        # made glibc map and fault in new pages on every call (up to +70% wall on the shared-prefix
-        # bench, docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
+        # made glibc map and fault in new pages on every call (measured on the shared-prefix bench,
+        # docs/benchmarks.md "KV pool layout"). Gathers larger than the cap allocate.
         self._scratch: list[torch.Tensor] = [torch.empty(0, dtype=self.dtype, device=self.device)] * 2
         self._levels = torch.empty(0, dtype=torch.float32, device=self.device)  # `gather_block_levels`
 

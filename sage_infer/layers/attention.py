@@ -202,7 +202,8 @@ def decode_attention_scaled(
     -> [B, H, D]. Two batched matmuls and a softmax in fp32, query heads grouped per KV head (no
     repeat). A quantized pool's key scale multiplies the scores (q·(L·s) = s·(q·L)) and its value
     scale the probabilities (Σ p·(L·s) = Σ (p·s)·L), so K and V are read once, as levels. Masked
-    SDPA on gathered bf16 K/V took 3-4x longer per decode step here (docs/benchmarks.md).
+    SDPA on gathered bf16 K/V measured several times slower per decode step (docs/benchmarks.md,
+    "Decode attention").
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, tokens = levels.shape[2], levels.shape[3]
@@ -245,8 +246,8 @@ def attention_with_lse(
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_with_lse_reference`, on a CPU through PyTorch's flash kernel, which returns the
-    log-sum-exp itself (about half the time of the plain ops for 64 decode queries over 1,024
-    keys; it takes a mask only as an additive bias of q's dtype). The output is computed in q's
+    log-sum-exp itself (faster than the plain ops of the reference; it takes a mask only as an
+    additive bias of q's dtype). The output is computed in q's
     dtype there, the log-sum-exp in float32; both come back float32."""
     if q.device.type != "cpu":
         return attention_with_lse_reference(q, k, v, scale, mask, causal)
@@ -295,7 +296,7 @@ def chunk_attention_lse(
 
     With cached keys before the chunk (ctx_len > q_len), every query sees all of them: they are
     attended without a mask (`shared_keys_attention_lse`), the chunk's own keys causally, and the
-    two merged by their log-sum-exp; 1.1-1.6x faster than one call with a [q_len, ctx_len] mask,
+    two merged by their log-sum-exp: faster than one call with a [q_len, ctx_len] mask,
     which the CPU flash kernel takes as a dense additive bias (`bench/flash_attention.py`, docs/benchmarks.md).
     Otherwise the G query heads of a KV head are a batch dimension ([G, KvH, q_len, D]) over K/V
     expanded without a copy.

@@ -3,21 +3,21 @@
 `torch.nn.functional.linear` on a CPU tensor re-lays the weight out for oneDNN/MKL on every
 call; a small batch (a decode step: one row per sequence) then pays that for each GEMV. Packing
 each weight once into oneDNN's blocked layout (what Inductor's weight freezing does) removes it:
-measured 1.4–2.6x per bf16 layer at 1–16 rows and no loss at 512 (docs/benchmarks.md "Packed
-linear"). The math is oneDNN's either way, so outputs match `nn.Linear` to rounding.
+measured faster per bf16 layer at 1–16 rows and no slower at 512 (docs/benchmarks.md "Packed
+linear layers"). The math is oneDNN's either way, so outputs match `nn.Linear` to rounding.
 
 `pack_linears(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear`, an lm_head tied
 to the embedding too: the packed buffer is then a second copy of that weight (the embedding keeps
-reading rows of the original), e.g. +272 MB for Qwen2.5-0.5B's 151,936 x 896 bf16 head, for 1.6x at
-batch 1 and 2.7x at 8 rows on that head's product against the unpacked head (docs/benchmarks.md, "Tied
+reading rows of the original), e.g. +272 MB for Qwen2.5-0.5B's 151,936 x 896 bf16 head, for a faster
+head product than the unpacked head's at 1 and 8 rows (`bench/tied_head.py`, docs/benchmarks.md, "Tied
 lm_head"), as vLLM's CPU backend also packs the embedding's weight for the head. `model.linear: torch` keeps
 plain `nn.Linear`, the reference path the packed one is tested against.
 
 Where oneDNN cannot pack bf16 weights (a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: bf16 products would be
 emulated), a bf16 layer packs an fp32 copy of its weight and computes in fp32 (its output rounded to bf16, as a
-bf16 product's is): 1.5-8x faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. Products of a
+bf16 product's is): faster than torch's bf16 product from 4 to 512 rows on an AVX2 CPU. Products of a
 few rows, bound by reading the weight, run sage's kernel on the bf16 weight instead (`bf16_rows_linear`: up to 12
-rows, 1.4-4.5x faster than torch's bf16 product there), or torch's bf16 product up to 2 rows without the kernels.
+rows, faster than torch's bf16 product there), or torch's bf16 product up to 2 rows without the kernels.
 The layer keeps the bf16 weight for them next to the fp32 copy (3x the bf16 bytes). bench/packed_linear.py
 measures all three; docs/cpu_isa.md has the numbers.
 """
@@ -32,16 +32,16 @@ from torch import nn
 from sage_infer.layers.cpu_kernels import bf16_rows_linear, kernel_unavailable, packed_layout_matches, small_linear
 
 # the row count oneDNN lays packed weights out for: 2,048 (a prefill step's token budget) measured
-# 1.25-1.6x faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same
-# in bf16 (docs/benchmarks.md "Packed linear layers")
+# faster than 1 for fp32 products of 16-64 rows and no slower at 1 or 2,048 rows, the same in bf16
+# (docs/benchmarks.md "Packed linear layers")
 PACK_BATCH_HINT = 2048
 # `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
 # bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run on the kept bf16
 # weight instead, on sage's kernel or, without the kernels, on torch's bf16 product. Over the 0.5B shape's four
-# products of a layer on AVX2 the kernel is 1.9-2.2x the fp32 copy at 4-8 rows (the copy reads twice the bytes) and
-# 1.2x at 12, the copy 1.1x faster at 16 (docs/cpu_isa.md); torch's product crosses the fp32 copy at 3-4 rows
+# products of a layer on AVX2 the kernel beats the fp32 copy (which reads twice the bytes) up to 12 rows and loses
+# at 16; torch's product beats the copy only at the fewest rows (bench/packed_linear.py, docs/cpu_isa.md)
 BF16_ROWS_KERNEL = 12
 BF16_ROWS_TORCH = 2
 

@@ -11,7 +11,7 @@ Formats. `fp8_e4m3`, `fp8_e5m2`, `fp8_e4m3fnuz` are symmetric: scale = amax / fp
 stored unsigned; x ~ q * scale + min. int4 packs two values per byte, element 2i in the low
 nibble. The wire converter keeps scales and mins in fp32; the pool's `KVCodec` is symmetric, fp16 scales. The math
 runs in fp32; fp8 is decoded by moving its bits into fp16 (exact), because the CPU float8 ->
-float cast is ~10x slower.
+float cast is much slower.
 """
 
 from __future__ import annotations
@@ -149,8 +149,9 @@ class KVCodec:
         """Inverse of `encode`: ``[..., head_dim]`` in `dtype` (math in fp32), into `out` when given.
 
         `work`: an fp32 scratch of the output's shape, used when `dtype` is not fp32. The decode path
-        gathers every step: fresh multi-MiB temporaries made glibc fault pages in on every call (10x
-        the arithmetic), and bf16 elementwise math and `addcmul` measured 2-6x slower than fp32 here.
+        gathers every step: fresh multi-MiB temporaries made glibc fault pages in on every call (costing
+        more than the arithmetic), and bf16 elementwise math and `addcmul` measured slower than fp32
+        (bench/kv_quant_gather.py times this path).
         """
         shape = (*codes.shape[:-1], self.head_dim)
         if dtype == torch.float32:

@@ -132,8 +132,8 @@ def _kv_routes(app: FastAPI, backend: InferenceBackend, handlers: OpenAIHandlers
         """Block hashes the prefix cache stored and removed since event ``since`` (prefill workers).
 
         The query is read by hand: declaring ``since: int`` as a FastAPI parameter made KV transfers
-        through this server 5x slower (1.0 -> 5.3 ms per 777 KiB in bench/pd.py, found by bisection;
-        the mechanism inside FastAPI was not traced)."""
+        through this server several times slower (bench/pd.py, found by bisection; the mechanism
+        inside FastAPI was not traced)."""
         authorize(request)
         raw = request.query_params.get("since", "0")
         if not raw.lstrip("-").isdigit() or len(raw) > 20:  # an event number fits in 64 bits

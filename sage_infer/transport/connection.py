@@ -62,7 +62,7 @@ class Connection:
 
     async def _run(self) -> None:
         # (Preparing the next chunk's CRC on a worker thread while this one is on the wire was
-        # tried and measured: no gain on 2 vCPUs, so the pump stays one simple loop.)
+        # tried and measured no gain (`sage transport bench`), so the pump stays one simple loop.)
         while True:
             job = self._pop_live()
             if job is None:

@@ -77,7 +77,8 @@ class TransferPlanner:
             if loopback and not low <= chunk <= high:
                 reasons.append("note: outside the 1-4 MiB range that suits a CPU loopback")
         elif self.hardware is not None:
-            # About 1 ms of the link's bandwidth: per-chunk overhead (tens of µs) stays a few percent.
+            # About 1 ms of the link's bandwidth: the fixed per-chunk overhead (bench/shm_chunk_cost.py) stays
+            # a small share.
             link = self.hardware.memory.bandwidth_gb_s if loopback else self.hardware.host_link.bandwidth_gb_s
             chunk = 1 << max(12, int(link * 1e6).bit_length() - 1)
             reasons.append(f"~1 ms of {link:g} GB/s: {chunk // 1024} KiB chunks")
@@ -93,7 +94,7 @@ class TransferPlanner:
 
     def _wire_dtype(self, same_host: bool, reasons: list[str]) -> str | None:
         """The config's `target_dtype`, else fp8/int8 across hosts whose NICs are slower than
-        the converter (~3-5 GB/s per CPU core, faster on devices), else as stored."""
+        the converter (`SLOW_LINK_GB_S`; bench/kv_convert.py measures the converter), else as stored."""
         if self.config.target_dtype is not None:
             reasons.append(f"wire dtype {self.config.target_dtype} set in the transport config")
             return self.config.target_dtype

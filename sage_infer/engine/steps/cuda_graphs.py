@@ -1,7 +1,8 @@
 """`model.cuda_graphs: on`: pure decode steps replayed as CUDA graphs (`GraphStep`, over `DecodeGraphs`).
 
 On a GPU a small model's decode step is host-bound: the engine launches every op of every layer from
-Python, and an H100 waited ~19 of the 27 ms of a 0.5B batch-1 step (`bench/gpu_check.sh`, docs/benchmarks.md). A
+Python, and the GPU spends most of a 0.5B batch-1 step waiting for launches (`bench/gpu_check.sh`,
+docs/benchmarks.md "CUDA graphs for decode steps"). A
 captured graph launches the whole step, embedding to logits, at once.
 
 A graph replays fixed shapes at fixed addresses, so a pure decode step (every sequence computes one

@@ -74,8 +74,8 @@ class PagedBlocks:
             out = torch.empty((n, self.bytes_per_block), dtype=torch.uint8)
         rows = out[:n].view(n, self.num_layers, self.layer_bytes)
         self._check(block_ids)
-        # one memcpy per (block, layer) tile: index_select + a strided copy into `rows` measured 5.6 GB/s
-        # against 8.1 for this on 768 KiB blocks (bench/vllm_connector.py --part copy)
+        # one memcpy per (block, layer) tile: index_select + a strided copy into `rows` measured slower
+        # (bench/vllm_connector.py --part copy)
         for i, block in enumerate(block_ids):
             for layer, cache in enumerate(self._layers):
                 rows[i, layer].copy_(cache[block])
@@ -88,7 +88,8 @@ class PagedBlocks:
             raise ValueError(f"rows must be uint8 [{n}, {self.bytes_per_block}], got {rows.dtype} {tuple(rows.shape)}")
         per_layer = rows.view(n, self.num_layers, self.layer_bytes)
         self._check(block_ids)
-        # index_copy_ from the strided per-layer view ran at 1.3 GB/s; a memcpy per tile at 11
+        # one memcpy per tile: index_copy_ from the strided per-layer view measured far slower
+        # (bench/vllm_connector.py --part copy)
         for i, block in enumerate(block_ids):
             for layer, cache in enumerate(self._layers):
                 cache[block].copy_(per_layer[i, layer])

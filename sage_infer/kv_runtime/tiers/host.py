@@ -35,8 +35,8 @@ from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
 from sage_infer.transport.arena import SharedArena
 
 CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
-# below this much per put, copy + checksum in cache beats handing the checksums to the thread (measured:
-# 64 x 16 KiB puts 7.3 GB/s inline vs 5.7 with the thread; 32 x 2 MiB puts 8.3 inline vs 13.0)
+# below this much per put, copy + checksum in cache beats handing the checksums to the thread; above it the
+# thread wins (`bench/tiers_raw.py`: "put, crc inline" against "put, crc on thread")
 BACKGROUND_CRC_MIN_BYTES = 4 << 20
 
 
@@ -45,7 +45,7 @@ def copy_and_crc(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_
 
     Rows are copied in runs (consecutive on both sides, so a fresh slab's batch is a few
     memcpys) of at most ~1 MiB, each checksummed right after its copy while it is still in
-    cache: on this 2-vCPU VM that is ~1.7x faster than one big copy followed by the CRCs.
+    cache, which measured faster than one big copy followed by the CRCs (`bench/tiers_raw.py`).
     """
     chunk = max(1, CACHE_CHUNK // max(1, dst.shape[1]))
     dst_np = dst.numpy()

@@ -149,7 +149,7 @@ class TorchDistRecvChannel(RecvChannel):
     """Receives header, then payload straight into the sink, from one rank on one channel.
     The next header's receive is posted together with a payload's, so the sender never waits
     for us to ask. (Checking the CRC in a thread while the next payload arrives measured no
-    faster on 2 vCPUs, so the check stays inline.)"""
+    faster in `sage transport bench`, so the check stays inline.)"""
 
     backend = "torchdist"
 

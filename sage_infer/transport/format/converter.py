@@ -24,7 +24,7 @@ Payload: one flat uint8 tensor, contiguous, little-endian, no padding:
 The quantization math is `sage_infer.quantization.kv_codec`, shared with the KV pool.
 Everything is vectorized torch, so the CUDA path is this same code. The math runs in an
 fp32 copy of the chunk; fp8 is decoded by moving its bits into fp16 (exact), because the
-CPU float8 cast is ~10x slower. Inputs are assumed finite; casts do not saturate (fp32
+CPU float8 cast is much slower. Inputs are assumed finite; casts do not saturate (fp32
 past the fp16 range becomes inf). On CPU, chunks that outgrow the cache (16 MiB) run
 memory-bound at a fraction of the 1 MiB rate (bench/kv_convert.py).
 """
@@ -48,7 +48,8 @@ _CASTS = FLOAT_DTYPES
 WIRE_FORMATS: tuple[str, ...] = (*_CASTS, *_FP8, *_INT_QMAX)
 GRANULARITIES: tuple[str, ...] = ("per_token", "per_channel")
 _KV_DTYPES = tuple(FLOAT_DTYPES.values())
-# elements per CPU row block: 4 MiB of fp32 work stays in cache; 16 MiB chunks in one block ran 3-4x slower
+# elements per CPU row block: 4 MiB of fp32 work stays in cache; 16 MiB chunks in one block ran memory-bound
+# (bench/kv_convert.py)
 _CPU_BLOCK_ELEMS = 1 << 20
 
 
