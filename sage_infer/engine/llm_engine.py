@@ -18,9 +18,9 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.engine.pd import KVTransferRole, PrefixView
+from sage_infer.engine.sampler import Sampler, skip_draws
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
-from sage_infer.engine.sampler import Sampler, skip_draws
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
 from sage_infer.scheduler.scheduler import Scheduler
