@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers (W8A16, W4A16): activations stay bf16 / fp16 / fp32.
 
 `QuantLinear` is the reference: dequantize the weight (as compressed-tensors does), then
-`F.linear`; it runs on any device (CUDA included: untested here, there is no GPU on this machine).
+`F.linear`; it runs on any device (the tests run it on a CPU; no test covers CUDA).
 On a CPU, `use_quant_kernels(model, dtype)` swaps each for a layer on PyTorch's weight-only kernels, which
 read the int8 / int4 weight directly and so move 2x / 4x fewer bytes in a decode GEMV (where they
 are faster than the reference: bf16 activations for both, fp32 for int8; see `cpu_kernel_for`):
