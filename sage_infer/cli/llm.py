@@ -235,7 +235,8 @@ def router(
         "--decode", help="A decode worker's URL (repeat for several; at least one).")] = None,
     replica: Annotated[Optional[list[str]], typer.Option(
         "--replica", help="A whole-model replica's URL, a sage or vLLM server (repeat; instead of --prefill/"
-        "--decode).")] = None,
+        "--decode). A vLLM server publishing its KV events (--kv-events-config, publisher zmq): "
+        "URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T], routed by its cached blocks.")] = None,
     routing: Annotated[str, typer.Option(
         "--routing", help="With --replica: kv, round-robin, random, least-load or session.")] = "kv",
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
@@ -251,13 +252,15 @@ def router(
     from sage_infer.errors import UsageError
     from sage_infer.router.launch import serve_router
     from sage_infer.router.replicas import check_routing, probe_replicas, serve_fleet
+    from sage_infer.router.vllm_events import parse_replica
 
     if replica and (prefill or decode):
         raise UsageError("--replica runs a fleet of whole-model replicas; --prefill/--decode a P/D deployment: "
                          "give one kind")
     if not decode and not replica:
         raise UsageError("--decode or --replica: give at least one worker URL")
-    for flag, urls in (("--prefill", prefill or []), ("--decode", decode or []), ("--replica", replica or [])):
+    fleet = dict(parse_replica(value) for value in replica or [])
+    for flag, urls in (("--prefill", prefill or []), ("--decode", decode or [])):
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise UsageError(f"{flag} {url}: expected an http(s) URL, e.g. http://127.0.0.1:8100")
@@ -266,8 +269,9 @@ def router(
     key = api_key or os.environ.get("SAGE_API_KEY") or None
     if replica:
         check_routing(routing)
-        probe_replicas(list(replica), key)
-        raise typer.Exit(serve_fleet(list(replica), host, port, key, routing))
+        probe_replicas(list(fleet), key)
+        vllm_events = {url: endpoints for url, endpoints in fleet.items() if endpoints is not None}
+        raise typer.Exit(serve_fleet(list(fleet), host, port, key, routing, vllm_events=vllm_events))
     if routing != "kv":
         raise UsageError("--routing chooses among --replica servers; a P/D router picks workers by prefix and load")
     raise typer.Exit(serve_router(list(prefill or []), list(decode or []), host, port, key))

@@ -9,6 +9,9 @@ names them) it holds in which medium — device, host, disk — and, for the who
 blocks in the shared remote tier, which every replica can load. A prompt's hit on a replica
 mirrors what its engine does: the leading blocks on its device, then the blocks right after
 them that a lower tier (its own, or the shared one) holds.
+A replica that names its blocks its own way (a vLLM server: the router renames its blocks from
+the token ids its events carry, `router.vllm_events`) has a `naming`, and a request carries its
+prompt's hashes under each naming in the fleet.
 
 The ``kv`` policy estimates each replica's time to first token — the requests ahead of it there
 times the measured seconds each costs a newcomer, the prompt tokens already queued there, the
@@ -65,6 +68,7 @@ class Replica:
     outstanding: int = 0  # requests routed here and not finished
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
     capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
+    naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,7 @@ class Route:
     queued_tokens: int = 0  # prompt tokens queued there then
     compute_tokens: int = 0  # prompt tokens this request computes there
     moved: bool = False  # another live replica held more of its blocks (load outweighed the cache)
+    tokens_per_block: int = 0  # of the replica's blocks
 
 
 class FleetIndex:
@@ -178,6 +183,14 @@ class Request:
     hashes: Sequence[str] = ()  # the prompt's block hashes (kv); empty when not asked for
     tokens_per_block: int = 0
     session: str | None = None  # session: the consistent-hash key
+    # the prompt's blocks as replicas of another naming (`Replica.naming`) name them: naming -> (hashes, tokens each)
+    named: dict[str, tuple[Sequence[str], int]] = field(default_factory=dict)
+
+    def blocks_for(self, replica: Replica) -> tuple[Sequence[str], int]:
+        """The prompt's block hashes as `replica` names its blocks, and the tokens per block."""
+        if not replica.naming:
+            return self.hashes, self.tokens_per_block
+        return self.named.get(replica.naming, ((), 0))
 
 
 class Router:
@@ -219,12 +232,13 @@ class Router:
         in flight, then the emptiest device cache, then the next in turn, so new prefixes spread over the fleet."""
         routes, scores = [], []
         for replica in live:
-            hit = self.index.hit(replica, request.hashes)
-            compute = self._compute_tokens(hit, request)
+            hashes, tokens_per_block = request.blocks_for(replica)
+            hit = self.index.hit(replica, hashes)
+            compute = max(0, request.prompt_tokens - hit.blocks * tokens_per_block)
             route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,
-                          replica.queued_tokens, compute)
+                          replica.queued_tokens, compute, tokens_per_block=tokens_per_block)
             routes.append(route)
-            charge = MISS_CHARGE if _full(replica, compute, request.tokens_per_block) else 0.0
+            charge = MISS_CHARGE if _full(replica, compute, tokens_per_block) else 0.0
             scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
         best = min(scores)
         tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
@@ -234,15 +248,11 @@ class Router:
         most = max(r.hit.blocks for r in routes)
         return dataclasses.replace(chosen, moved=chosen.hit.blocks < most)
 
-    @staticmethod
-    def _compute_tokens(hit: Hit, request: Request) -> int:
-        return max(0, request.prompt_tokens - hit.blocks * request.tokens_per_block)
-
     def predicted_ttft_s(self, replica: Replica, hit: Hit, request: Request) -> float:
         """Requests ahead x their measured cost + (prompt tokens queued + computed + loaded) / the prefill rate."""
-        bs = request.tokens_per_block
+        _, bs = request.blocks_for(replica)
         load = sum(n * bs / LOAD_SPEEDUP[medium] for medium, n in hit.lower_blocks)
-        tokens = replica.queued_tokens + self._compute_tokens(hit, request) + load
+        tokens = replica.queued_tokens + max(0, request.prompt_tokens - hit.blocks * bs) + load
         return replica.outstanding * self.seconds_per_request_ahead + tokens / self.prefill_tokens_per_s
 
     def learn(self, route: Route, ttft_s: float) -> None:

@@ -12,8 +12,9 @@ Failures: a replica whose event stream breaks or falls silent for `SILENT_AFTER_
 the routing and its blocks are forgotten until it reconnects with a fresh snapshot. A request
 that a replica did not start (unreachable, or a 503) goes to another one; a stream that breaks
 after it started ends with an error event and ``[DONE]``. A replica that publishes no events
-(a vLLM server, prefix caching off) is routed to by load alone, its liveness probed on
-``/health``.
+(a vLLM server without its events endpoint, prefix caching off) is routed to by load alone, its
+liveness probed on ``/health``. A vLLM server given with its ZMQ events endpoint is routed
+precisely: its events feed the same index (`router.vllm_fleet`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from sage_infer.router.http import (
     usage_of,
 )
 from sage_infer.router.metrics import FleetMetrics
+from sage_infer.router.vllm_events import VllmEndpoints
+from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
 from sage_infer.server.body import validate_body
 from sage_infer.server.errors import APIError, check_bearer, error_body
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -77,6 +80,7 @@ class ReplicaLink:
     recipe: dict | None = None  # how it names its blocks (its snapshot says), for hashing token-id prompts here
     last_heard: float = 0.0
     down_until: float = 0.0
+    vllm: VllmEndpoints | None = None  # a vLLM server's ZMQ KV events (`router.vllm_events`)
 
     def refresh(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -84,15 +88,17 @@ class ReplicaLink:
 
 
 class FleetRouter:
-    """Routes OpenAI requests over `urls` by `routing` (see `kv_policy.routing.ROUTING_POLICIES`)."""
+    """Routes OpenAI requests over `urls` by `routing` (see `kv_policy.routing.ROUTING_POLICIES`); `vllm_events`:
+    replica URL -> where that vLLM server publishes its KV events."""
 
     def __init__(self, urls: list[str], routing: str = "kv", api_key: str | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, vllm_events: dict[str, VllmEndpoints] | None = None) -> None:
         urls = [u.rstrip("/") for u in urls]
         if not urls:
             raise ValueError("a fleet router needs at least one replica")
+        vllm_events = {url.rstrip("/"): endpoints for url, endpoints in (vllm_events or {}).items()}
         self.index = FleetIndex(urls)
-        self.links = {url: ReplicaLink(url, self.index.replica(url)) for url in urls}
+        self.links = {url: ReplicaLink(url, self.index.replica(url), vllm=vllm_events.get(url)) for url in urls}
         for link in self.links.values():
             link.refresh()
         self.policy = Router(self.index, routing, seed)
@@ -109,7 +115,8 @@ class FleetRouter:
     async def start(self) -> None:
         self.client = httpx.AsyncClient(timeout=CALL_TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                                   max_keepalive_connections=64))
-        self._tasks = [asyncio.create_task(self.follow(link)) for link in self.links.values()]
+        self._tasks = [asyncio.create_task(follow_vllm(self, link) if link.vllm else self.follow(link))
+                       for link in self.links.values()]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -196,15 +203,21 @@ class FleetRouter:
     # -- requests --------------------------------------------------------------------------------
 
     async def describe(self, body: dict, request: Request) -> RouteRequest:
-        """What the policy needs: the prompt's block hashes under kv (asked of a replica: it tokenizes and hashes
-        as it caches), a session key under session."""
+        """What the policy needs: under kv, the prompt's block hashes as the sage replicas name blocks (hashed here
+        for token ids, else asked of one: it tokenizes and hashes as it caches) and as the vLLM replicas' events
+        name them; under session, a session key."""
         described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
-        if self.hash_here(body, described):
-            return described
+        if not self.hash_here(body, described):
+            await self.ask_hashes(body, described)
+        await describe_for_vllm(self, body, described)
+        return described
+
+    async def ask_hashes(self, body: dict, described: RouteRequest) -> None:
+        """The prompt's block hashes as the sage replicas name them, asked of one (it tokenizes and hashes)."""
         question = {k: body[k] for k in MATCH_FIELDS if k in body}
-        publishing = [link for link in self.links.values() if link.replica.up and link.publishes]
+        publishing = [link for link in self.links.values() if link.replica.up and link.publishes and not link.vllm]
         for link in sorted(publishing, key=lambda link: link.replica.outstanding)[:2]:
             try:
                 reply = await self.client.post(f"{link.url}/v1/kv/hashes", content=encode(question),
@@ -218,7 +231,6 @@ class FleetRouter:
                 described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
                 described.tokens_per_block = answer["tokens_per_hash"]
             break  # a 4xx: the replica that serves it says the same, with the client's answer
-        return described
 
     def hash_here(self, body: dict, described: RouteRequest) -> bool:
         """Hash a token-id prompt in the router, as the replicas' snapshots say they name blocks (no round trip to
@@ -271,7 +283,7 @@ class FleetRouter:
         """Count the request at its replica; the prompt tokens it will compute there (queued until its first
         token)."""
         replica = link.replica
-        queued = max(0, described.prompt_tokens - route.hit.blocks * described.tokens_per_block)
+        queued = max(0, described.prompt_tokens - route.hit.blocks * route.tokens_per_block)
         replica.outstanding += 1
         replica.queued_tokens += queued
         self.metrics.routed.labels(link.url, "replica").inc()
@@ -287,9 +299,9 @@ class FleetRouter:
 
     def check_prediction(self, route: Route, described: RouteRequest, usage: dict) -> None:
         reported = cached_tokens(usage)
-        if reported is None or not described.hashes:
+        if reported is None or not described.blocks_for(route.replica)[0]:
             return
-        predicted = route.hit.blocks * described.tokens_per_block
+        predicted = route.hit.blocks * route.tokens_per_block
         self.metrics.prompt_tokens.inc(described.prompt_tokens)
         self.metrics.overlap_tokens.inc(predicted)
         self.metrics.predicted_cached.inc(predicted)

@@ -15,7 +15,7 @@ import sys
 
 import httpx
 
-from sage_infer.errors import UsageError
+from sage_infer.errors import NotAvailableError, UsageError
 from sage_infer.hal.cpu import read_numa_nodes
 from sage_infer.kv_policy.routing import ROUTING_POLICIES
 from sage_infer.router.launch import spawn_worker, stop_workers, wait_ready, worker_flags
@@ -118,12 +118,16 @@ def probe_replicas(urls: list[str], api_key: str | None) -> None:
 
 
 def serve_fleet(urls: list[str], host: str, port: int, api_key: str | None, routing: str = "kv",
-                announce=None) -> int:
-    """Run the fleet router over running replicas until SIGINT/SIGTERM; exit code 0."""
+                announce=None, vllm_events: dict | None = None) -> int:
+    """Run the fleet router over running replicas until SIGINT/SIGTERM; exit code 0. `vllm_events`: replica URL ->
+    `router.vllm_events.VllmEndpoints` of a vLLM server publishing its KV events."""
     from sage_infer.router.fleet import FleetRouter, build_fleet_app
+    from sage_infer.router.vllm_events import events_missing
     from sage_infer.server.launch import http_server, run_announced
 
-    app = build_fleet_app(FleetRouter(urls, check_routing(routing), api_key))
+    if vllm_events and (why := events_missing()) is not None:
+        raise NotAvailableError(why)
+    app = build_fleet_app(FleetRouter(urls, check_routing(routing), api_key, vllm_events=vllm_events))
     server = http_server(app, host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

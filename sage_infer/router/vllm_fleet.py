@@ -1,0 +1,111 @@
+"""The fleet router's vLLM replicas: their ZMQ KV events into the fleet index, and prompts named as their blocks.
+
+A vLLM replica given with its events endpoint (`router.vllm_events`) is in the routing while its ``/health``
+answers; meanwhile a `VllmEventFeed` keeps its blocks in the index under the naming ``vllm/<block size>``.
+When ``/health`` stops answering, the replica is out and its blocks are forgotten; when it answers again, a
+fresh feed replays what the server kept. For a request, the router hashes the prompt's tokens — the token ids
+it was given, or those a vLLM replica's ``POST /tokenize`` returns for text or messages — under each vLLM
+naming in the fleet (`vllm_events.prompt_names`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+
+from sage_infer.kv_policy.routing import Request as RouteRequest
+from sage_infer.router.http import encode
+from sage_infer.router.vllm_events import CLEARED, NAMING, Op, VllmEventFeed, prompt_names
+
+if TYPE_CHECKING:
+    from sage_infer.router.fleet import FleetRouter, ReplicaLink
+
+log = logging.getLogger("sage_infer.router")
+TOKENIZE_TIMEOUT_S = 2.0
+RECONNECT_S = 0.5  # between a vLLM replica's /health failing and the next try
+# the fields of a client's body that decide its prompt tokens on vLLM (``/tokenize`` takes them as chat
+# completions and completions do)
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_generation_prompt", "continue_final_message",
+                   "add_special_tokens", "chat_template", "chat_template_kwargs", "tools")
+
+
+async def follow_vllm(router: FleetRouter, link: ReplicaLink) -> None:
+    """Keep a vLLM replica in the routing while its /health answers, its blocks in the index from its events."""
+    link.publishes = True
+    while True:
+        feed = VllmEventFeed(link.vllm)  # a fresh sequence and names for each life of the server
+        reader = asyncio.create_task(feed.run(lambda ops, feed=feed: apply_ops(router, link, feed, ops)))
+        reader.add_done_callback(lambda task: _report(link, task))
+        try:
+            await router.watch_health(link)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        router.lost(link, "its /health stopped answering")
+        await asyncio.sleep(RECONNECT_S)
+
+
+def _report(link: ReplicaLink, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("vLLM replica %s: its KV events stopped: %s", link.url, task.exception())
+
+
+def apply_ops(router: FleetRouter, link: ReplicaLink, feed: VllmEventFeed, ops: list[Op]) -> None:
+    """One batch's ops, in order, into the index (an AllBlocksCleared forgets the replica's blocks)."""
+    if feed.names.block_size:
+        link.replica.naming = NAMING.format(block_size=feed.names.block_size)
+    run: list[Op] = []
+    for op in ops:
+        if op[0] != CLEARED:
+            run.append(op)
+            continue
+        router.on_event(link, {"type": "events", "events": run})
+        router.index.drop(link.replica)
+        run = []
+    router.on_event(link, {"type": "events", "events": run})
+
+
+def vllm_namings(router: FleetRouter) -> dict[str, int]:
+    """The namings of the vLLM replicas in the routing that named blocks: naming -> tokens per block."""
+    return {link.replica.naming: int(link.replica.naming.split("/")[1]) for link in router.links.values()
+            if link.vllm is not None and link.replica.up and link.replica.naming}
+
+
+async def describe_for_vllm(router: FleetRouter, body: dict, described: RouteRequest) -> None:
+    """The prompt's block names under each vLLM naming in the fleet (none when its tokens are not known)."""
+    namings = vllm_namings(router)
+    if not namings:
+        return
+    tokens = await prompt_tokens(router, body)
+    if not tokens:
+        return
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    for naming, block_size in namings.items():
+        described.named[naming] = (prompt_names(tokens, block_size, salt), block_size)
+    described.prompt_tokens = described.prompt_tokens or len(tokens)
+
+
+async def prompt_tokens(router: FleetRouter, body: dict) -> list[int] | None:
+    """The prompt's token ids: as given, or as a vLLM replica in the routing tokenizes its text or messages."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if not isinstance(prompt, str) and not isinstance(body.get("messages"), list):
+        return None
+    question = {k: body[k] for k in TOKENIZE_FIELDS if k in body}
+    vllm = [link for link in router.links.values() if link.vllm is not None and link.replica.up]
+    for link in sorted(vllm, key=lambda link: link.replica.outstanding)[:2]:
+        try:
+            reply = await router.client.post(f"{link.url}/tokenize", content=encode(question),
+                                             headers=router.headers, timeout=TOKENIZE_TIMEOUT_S)
+        except httpx.HTTPError:
+            continue
+        if reply.status_code == 200:
+            tokens = reply.json().get("tokens")
+            return tokens if isinstance(tokens, list) else None
+        if reply.status_code < 500:  # the replica that serves it answers the client the same
+            return None
+    return None

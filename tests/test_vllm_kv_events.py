@@ -1,0 +1,166 @@
+"""sage's fleet router reading vLLM's KV events (`router.vllm_events`): batches laid out as vLLM 0.32 encodes them,
+named by the token ids they carry, so a prompt the router hashes itself matches a vLLM server's cached blocks.
+
+In the vLLM venv, vLLM's own ZMQ publisher sends the batches the feed replays and follows."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sage_infer.errors import UsageError
+from sage_infer.router.vllm_events import (
+    CLEARED,
+    BlockNames,
+    VllmEndpoints,
+    VllmEventFeed,
+    batch_decoder,
+    parse_replica,
+    prompt_names,
+)
+from tests.test_vllm_connector import PYTHON, VENV
+
+msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'sage-infer[events]')")
+pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'sage-infer[events]')")
+
+BS = 4
+PROMPT = [3 + (7 * j) % 97 for j in range(4 * BS + 1)]  # 4 full blocks before the last token
+in_vllm_venv = pytest.mark.skipif(not PYTHON.exists(), reason=f"no vLLM venv at {VENV} (make vllm-venv)")
+
+
+def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str | None = "GPU",
+           **extra) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": medium, "lora_name": None, **extra}
+
+
+def batch(*events: dict) -> bytes:
+    """A KVEventBatch as vLLM's msgspec encoder writes it: an array [ts, events, data_parallel_rank]."""
+    return msgspec.msgpack.encode([time.time(), list(events), 0])
+
+
+def ops_of(names: BlockNames, *events: dict) -> list[tuple[str, str, str]]:
+    return names.translate(batch_decoder().decode(batch(*events)).events)
+
+
+def test_stored_blocks_are_named_as_the_router_hashes_the_prompt():
+    names, want = BlockNames(), prompt_names(PROMPT, BS)
+    first = ops_of(names, stored([b"h0", b"h1"], None, PROMPT[:2 * BS]))
+    later = ops_of(names, stored([b"h2"], b"h1", PROMPT[2 * BS:3 * BS], medium="CPU"))
+    assert first == [("stored", "device", want[0]), ("stored", "device", want[1])]
+    assert later == [("stored", "host", want[2])]
+
+
+def test_removed_and_cleared_name_the_blocks_the_router_knows():
+    names, want = BlockNames(), prompt_names(PROMPT, BS)
+    ops_of(names, stored([b"h0", b"h1"], None, PROMPT[:2 * BS]))
+    removed = ops_of(names, {"type": "BlockRemoved", "block_hashes": [b"h1", b"unknown"], "medium": "GPU"},
+                     {"type": "AllBlocksCleared"})
+    assert removed == [("removed", "device", want[1]), (CLEARED, "", "")]
+
+
+def test_blocks_the_router_cannot_name_are_left_out():
+    names = BlockNames()
+    assert ops_of(names, stored([b"x"], b"never-seen", PROMPT[:BS])) == []  # its parent never arrived
+    assert ops_of(names, stored([b"y"], None, PROMPT[:BS], lora_name="adapter")) == []
+    assert ops_of(names, stored([b"z"], None, PROMPT[:BS], extra_keys=[[["image-1", 0]]])) == []
+    assert ops_of(names, stored([b"w"], None, PROMPT[:BS], group_idx=1)) == []  # another KV cache group
+
+
+def test_a_salted_chain_matches_only_prompts_with_that_salt():
+    names = BlockNames()
+    ops = ops_of(names, stored([b"s0", b"s1"], None, PROMPT[:2 * BS], extra_keys=[["tenant-a"], None]))
+    assert [name for _, _, name in ops] == prompt_names(PROMPT, BS, "tenant-a")[:2]
+    assert not set(name for _, _, name in ops) & set(prompt_names(PROMPT, BS))
+
+
+@pytest.mark.parametrize("value, endpoints", [
+    ("http://h:1", None),
+    ("http://h:1,events=tcp://h:5557", VllmEndpoints("tcp://h:5557")),
+    ("http://h:1,events=tcp://h:5557,replay=tcp://h:5558,topic=kv", VllmEndpoints("tcp://h:5557", "tcp://h:5558",
+                                                                                  "kv")),
+])
+def test_a_replica_flag_names_its_events_endpoints(value, endpoints):
+    assert parse_replica(value) == ("http://h:1", endpoints)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("http://h:1,events=tcp://*:5557", "expected a ZMQ address to connect to"),
+    ("http://h:1,replay=tcp://h:5558", "need events=tcp://HOST:PORT"),
+    ("http://h:1,event=tcp://h:5557", "expected events=, replay= or topic="),
+    ("h:1,events=tcp://h:5557", "expected an http(s) URL"),
+])
+def test_a_bad_replica_flag_is_a_usage_error(value, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        parse_replica(value)
+
+
+def test_a_bad_replica_flag_is_one_line_and_exit_2():
+    result = subprocess.run([sys.executable, "-m", "sage_infer.cli.main", "llm", "router", "--replica",
+                             "http://127.0.0.1:9,events=5557"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "events=5557: expected a ZMQ address" in lines[0]
+
+
+# vLLM's own encoder and publisher, in the vLLM venv
+_PUBLISH = """
+import sys, time
+from vllm.distributed.kv_events import ZmqEventPublisher, KVEventBatch, BlockStored, BlockRemoved
+endpoint, replay, bs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokens = [int(t) for t in sys.argv[4].split(",")]
+pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+def stored(i, parent):
+    return BlockStored(block_hashes=[bytes([i]) * 32], parent_block_hash=parent, token_ids=tokens[i*bs:(i+1)*bs],
+                       block_size=bs, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+pub.publish(KVEventBatch(ts=time.time(), events=[stored(0, None), stored(1, bytes([0]) * 32)]))
+time.sleep(0.5)  # publish() queues: the publisher's thread sends and keeps the batch
+print("published", flush=True)
+sys.stdin.readline()  # the reader has replayed the first batch: the next goes out live
+pub.publish(KVEventBatch(ts=time.time(), events=[stored(2, bytes([1]) * 32)]))
+pub.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[bytes([0]) * 32], medium="GPU")]))
+sys.stdin.readline()
+pub.shutdown()
+"""
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_the_feed_replays_then_follows_vllms_own_zmq_publisher(tmp_path):
+    endpoints = VllmEndpoints(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay")  # vLLM binds ipc:// addresses
+    proc = subprocess.Popen([str(PYTHON), "-c", _PUBLISH, endpoints.events, endpoints.replay, str(BS),
+                             ",".join(map(str, PROMPT))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "published"  # before anyone subscribed: only replay has it
+        got = asyncio.run(_follow(VllmEventFeed(endpoints), proc, 4))
+    finally:
+        proc.stdin.write("\n\n")
+        proc.stdin.flush()
+        proc.wait(60)
+    want = prompt_names(PROMPT, BS)
+    assert got == [("stored", "device", want[0]), ("stored", "device", want[1]), ("stored", "device", want[2]),
+                   ("removed", "device", want[0])]
+
+
+async def _follow(feed: VllmEventFeed, publisher: subprocess.Popen, count: int) -> list:
+    got: list = []
+    reader = asyncio.create_task(feed.run(got.extend))
+    try:
+        await _until(lambda: len(got) >= 2)
+        await asyncio.sleep(0.5)  # the SUB socket has joined
+        publisher.stdin.write("\n")
+        publisher.stdin.flush()
+        await _until(lambda: len(got) >= count)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    return got
+
+
+async def _until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
