@@ -8,7 +8,7 @@ KERNELS_STAMP := $(VENV)/.sage-kernels
 KERNEL_INPUTS := setup.py sage_infer/layers/kernel_build.py sage_infer/hal/isa.py $(wildcard sage_infer/layers/csrc/*)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test serve lint clean vllm-venv test-vllm bench-gate gpu-wheels
+.PHONY: install test serve lint clean vllm-venv test-vllm bench-gate bench-gate-ci gpu-wheels
 
 install: $(STAMP) $(KERNELS_STAMP)
 
@@ -42,6 +42,10 @@ test: install
 
 bench-gate: install
 	$(PY) bench/gate.py
+
+# the gate CI runs after the tests (under 3 minutes on 2 cores): bench/ci_gate.py, table + out/ci_gate.json
+bench-gate-ci: install
+	$(PY) bench/ci_gate.py --json out/ci_gate.json
 
 lint: install
 	$(VENV)/bin/ruff check sage_infer tests bench
