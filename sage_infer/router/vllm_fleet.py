@@ -1,7 +1,8 @@
 """The fleet router's vLLM replicas: their ZMQ KV events into the fleet index, and prompts named as their blocks.
 
 A vLLM replica given with its events endpoint (`router.vllm_events`) is in the routing while its ``/health``
-answers; meanwhile a `VllmEventFeed` keeps its blocks in the index under the naming ``vllm/<block size>``.
+answers; meanwhile a `VllmEventFeed` keeps its blocks in the index under the naming ``vllm/<block size>``, and
+its KV pool's size comes from its ``/metrics``.
 When ``/health`` stops answering, the replica is out and its blocks are forgotten; when it answers again, a
 fresh feed replays what the server kept. For a request, the router hashes the prompt's tokens — the token ids
 it was given, or those a vLLM replica's ``POST /tokenize`` returns for text or messages — under each vLLM
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sage_infer.router")
 TOKENIZE_TIMEOUT_S = 2.0
+METRICS_TIMEOUT_S = 2.0
 RECONNECT_S = 0.5  # between a vLLM replica's /health failing and the next try
 # the fields of a client's body that decide its prompt tokens on vLLM (``/tokenize`` takes them as chat
 # completions and completions do)
@@ -36,6 +38,7 @@ async def follow_vllm(router: FleetRouter, link: ReplicaLink) -> None:
     """Keep a vLLM replica in the routing while its /health answers, its blocks in the index from its events."""
     link.publishes = True
     while True:
+        link.replica.capacity_blocks = await device_blocks(router, link)
         feed = VllmEventFeed(link.vllm)  # a fresh sequence and names for each life of the server
         reader = asyncio.create_task(feed.run(lambda ops, feed=feed: apply_ops(router, link, feed, ops)))
         reader.add_done_callback(lambda task: _report(link, task))
@@ -46,6 +49,23 @@ async def follow_vllm(router: FleetRouter, link: ReplicaLink) -> None:
             await asyncio.gather(reader, return_exceptions=True)
         router.lost(link, "its /health stopped answering")
         await asyncio.sleep(RECONNECT_S)
+
+
+async def device_blocks(router: FleetRouter, link: ReplicaLink) -> int:
+    """The vLLM server's KV pool in blocks (``num_gpu_blocks`` of its ``vllm:cache_config_info`` metric; 0 when it
+    does not say): the kv policy charges a recomputation more on a full cache."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        reply = await router.client.get(f"{link.url}/metrics", headers=router.headers, timeout=METRICS_TIMEOUT_S)
+        families = list(text_string_to_metric_families(reply.text)) if reply.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return 0
+    for family in families:
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info") and sample.labels.get("num_gpu_blocks", "").isdigit():
+                return int(sample.labels["num_gpu_blocks"])
+    return 0
 
 
 def _report(link: ReplicaLink, task: asyncio.Task) -> None:
