@@ -99,7 +99,8 @@ def test_a_replica_publishes_its_blocks_as_vllm_kv_events_and_replays_them(model
         replayed = []
         while True:
             assert dealer.poll(5000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()  # as vLLM 0.32's replay socket sends
+            assert topic == b"kv" or seq == (-1).to_bytes(8, "big", signed=True)
             if seq == (-1).to_bytes(8, "big", signed=True):
                 break
             replayed.append((int.from_bytes(seq, "big"), payload))

@@ -15,7 +15,7 @@ A replica publishes its own log (`prefix_reuse.events`) in that shape: block has
 (lower tiers' placements carry none), and the medium is vLLM's name for the tier (``GPU`` for the
 device pool, ``CPU`` host, ``DISK``, ``REMOTE``). A ROUTER socket (``replay_endpoint``) answers a
 subscriber that missed batches, as vLLM's does: it sends the start sequence number (8 bytes,
-big-endian) and gets every kept batch from there as ``[seq, payload]``, then ``[-1, b""]``.
+big-endian) and gets every kept batch from there as ``[topic, seq, payload]``, then ``[b"", -1, b""]``.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class ZmqEventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.kept):
                 if seq >= first:
-                    self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((client, b"", END_SEQ, b""))
+                    self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         self._stop.set()
