@@ -10,6 +10,8 @@ fleet's prefix hit rate (cached / prompt tokens, from the replicas' usage), how 
 spread over the replicas, the router's prediction error (predicted vs reported cached tokens)
 and its own latency per request (p99 from its histogram), then each policy's goodput (the
 highest load whose TTFT p90 meets the SLO with no error) and its ratio to round-robin's.
+`vllm-<routing>` runs N vLLM-CPU servers behind sage's router instead: `vllm-round-robin` is what
+users run today, `vllm-kv` routes them by the KV events they publish on ZMQ.
 
     python bench/fleet.py --model qwen3-11m --customers 4 --context-len 2048 --rates 1,2,4,6,8 --out out/fleet.json
 
@@ -66,13 +68,15 @@ def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: 
 
 class VllmFleet:
     """N vLLM-CPU servers, each on its own core with sage's per-replica KV budget, behind `sage llm router --replica
-    ... --routing R` (what users run today: replicas behind a plain balancer); the router's URL once all serve."""
+    ... --routing R`: under round-robin what users run today (replicas behind a plain balancer); under kv each server
+    publishes its KV events on ZMQ (loopback ipc sockets) and the router routes by them. The router's URL once all
+    serve."""
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, routing: str, log: Path) -> None:
         self.args, self.model_dir, self.routing, self.log_path = args, model_dir, routing, log
         kv_bytes = args.kv_blocks * args.block_size * model_kv_bytes_per_token(model_dir, args.dtype)
         python = str(REPO / args.vllm_venv / "bin" / "python")
-        self.servers = []
+        self.servers, self.replica_flags = [], []
         for core in range(args.replicas):
             port = free_port()
             env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
@@ -80,7 +84,15 @@ class VllmFleet:
                        "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--dtype",
                        {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "--max-model-len", "4096",
                        "--kv-cache-memory-bytes", str(kv_bytes)]
+            flag = f"http://127.0.0.1:{port}"
+            if routing == "kv":
+                events = f"ipc://{log.parent.resolve()}/{log.stem}-{core}"
+                command += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"{events}.events",
+                    "replay_endpoint": f"{events}.replay"})]
+                flag += f",events={events}.events,replay={events}.replay"
             self.servers.append(Server(f"vllm-{core}", command, env, log.with_name(f"{log.stem}-{core}.log"), port))
+            self.replica_flags.append(flag)
 
     def __enter__(self) -> VllmFleet:
         for server in self.servers:  # one at a time: each compiles its model at start on a shared machine
@@ -88,8 +100,8 @@ class VllmFleet:
         self.router_port = free_port()
         command = [sys.executable, "-m", "sage_infer.cli.main", "llm", "router", "--routing", self.routing, "--port",
                    str(self.router_port)]
-        for server in self.servers:
-            command += ["--replica", server.url]
+        for flag in self.replica_flags:
+            command += ["--replica", flag]
         self.router = Server("router", command, dict(os.environ), self.log_path, self.router_port).__enter__()
         self.url = self.router.url
         return self
@@ -194,7 +206,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--routings", default=",".join(ROUTING_POLICIES),
                         help="sage fleets; vllm-<routing> (e.g. vllm-round-robin): vLLM-CPU servers behind sage's "
-                        "router, which routes them by load alone (they publish no events to it)")
+                        "router (vllm-kv: routed by the KV events they publish on ZMQ)")
     parser.add_argument("--vllm-venv", default=".vllm-venv")
     parser.add_argument("--customers", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=2048)

@@ -266,3 +266,32 @@ def test_a_text_prompt_is_tokenized_by_vllm_and_matched_against_its_blocks(mixed
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached == (first.usage.prompt_tokens - 1) // VLLM_BS * VLLM_BS > 0
     assert metric(url, "sage:router_predicted_cached_tokens_total") - predicted == cached
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_sage_llm_router_replays_a_vllm_servers_blocks_stored_before_it_started(mixed_fleet):
+    import re
+
+    from tests.test_fleet_router import metric, wait_for
+    from tests.test_vllm_pd_router import stop
+
+    _, router, sage_url, vllm_url = mixed_fleet
+    _complete(vllm_url, PREFIX + [1, 2, 3])  # stored before this router exists: only the replay socket has it
+    events = router.links[vllm_url].vllm
+    flag = f"{vllm_url},events={events.events},replay={events.replay},topic={events.topic}"
+    proc = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "router", "--replica", sage_url,
+                             "--replica", flag, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        match = re.search(r"router at (http://127\.0\.0\.1:\d+)/v1", proc.stdout.readline())
+        assert match, "the router did not start"
+        url = match.group(1)
+        wait_for(lambda: metric(url, "sage:router_replica_blocks", instance=vllm_url, medium="device") >= 4,
+                 "the replayed blocks", 30)
+        answer = _complete(url, PREFIX + [4, 5, 6])
+        assert metric(url, "sage:router_requests_total", instance=vllm_url) == 1
+        assert answer.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
+        assert metric(url, "sage:router_predicted_cached_tokens_total") == len(PREFIX)
+    finally:
+        stop(proc)
