@@ -295,3 +295,26 @@ def test_sage_llm_router_replays_a_vllm_servers_blocks_stored_before_it_started(
         assert metric(url, "sage:router_predicted_cached_tokens_total") == len(PREFIX)
     finally:
         stop(proc)
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_chat_messages_are_tokenized_by_vllm_and_matched_against_its_blocks(mixed_fleet):
+    import openai
+
+    from tests.test_fleet_router import metric, wait_for
+    from tests.tiny_models import TEXT
+
+    url, router, _, vllm_url = mixed_fleet
+    messages = [{"role": "system", "content": TEXT[400:800]}, {"role": "user", "content": "and then?"}]
+    before = _vllm_blocks(router, vllm_url)
+    direct = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = direct.models.list().data[0].id
+    first = direct.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    wait_for(lambda: _vllm_blocks(router, vllm_url) > before, "the chat prompt's blocks", 30)
+    predicted = metric(url, "sage:router_predicted_cached_tokens_total")
+    through = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    again = through.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens - 1) // VLLM_BS * VLLM_BS > 0
+    assert metric(url, "sage:router_predicted_cached_tokens_total") - predicted == cached
