@@ -209,9 +209,10 @@ class FleetRouter:
         described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
-        if not self.hash_here(body, described):
-            await self.ask_hashes(body, described)
-        await describe_for_vllm(self, body, described)
+        if self.hash_here(body, described):
+            await describe_for_vllm(self, body, described)
+        else:  # two round trips at once where the fleet has both kinds: one to a sage replica, one to a vLLM one
+            await asyncio.gather(self.ask_hashes(body, described), describe_for_vllm(self, body, described))
         return described
 
     async def ask_hashes(self, body: dict, described: RouteRequest) -> None:

@@ -105,7 +105,7 @@ async def describe_for_vllm(router: FleetRouter, body: dict, described: RouteReq
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     for naming, block_size in namings.items():
         described.named[naming] = (prompt_names(tokens, block_size, salt), block_size)
-    described.prompt_tokens = described.prompt_tokens or len(tokens)
+    described.prompt_tokens = described.prompt_tokens or len(tokens)  # a sage replica's count where it answered
 
 
 async def prompt_tokens(router: FleetRouter, body: dict) -> list[int] | None:
