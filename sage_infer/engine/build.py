@@ -23,9 +23,9 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.core.dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.engine.draft import DraftModelProposer
+from sage_infer.engine.kv_transfer_role import KVTransferRole
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.pd import KVTransferRole
 from sage_infer.engine.steps import step_executor
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available

@@ -16,8 +16,9 @@ from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOut
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.engine.detokenizer import IncrementalDetokenizer
+from sage_infer.engine.kv_transfer_role import KVTransferRole
 from sage_infer.engine.model_runner import ModelRunner
-from sage_infer.engine.pd import KVTransferRole, PrefixView
+from sage_infer.engine.prefix_view import PrefixView
 from sage_infer.engine.sampler import Sampler, skip_draws
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
@@ -67,8 +68,8 @@ def kv_schema_digest(schema) -> str:
 
 
 class LLMEngine:
-    """The step loop over a model runner and a scheduler. Its prefill/decode side is `pd` (None without a role),
-    what a router reads of its prefix cache `prefix` (`engine/pd.py`)."""
+    """The step loop over a model runner and a scheduler. Its prefill/decode side is `pd` (None without a role;
+    `engine/kv_transfer_role.py`), what a router reads of its prefix cache `prefix` (`engine/prefix_view.py`)."""
 
     def __init__(self, parts: EngineParts) -> None:
         self.tokenizer = parts.tokenizer

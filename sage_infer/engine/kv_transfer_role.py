@@ -1,16 +1,11 @@
-"""An engine's side of prefill/decode separation and of the KV-aware router.
+"""An engine's side of prefill/decode separation: its KV-transfer role.
 
 `KVTransferRole` is what a prefill or decode instance does besides serving: check a request's
 ``kv_transfer`` against this engine, expect a prompt's blocks from a transfer (decode), send a
 held request's blocks to a decode instance (prefill), give up on a transfer, report the transfers'
 counters. Without a role an engine has none (`LLMEngine.pd` is None).
 
-`PrefixView` is what a router asks of any engine with prefix caching: how many of a prompt's
-tokens its device cache holds now, the cache's stored/removed events, and a prompt's block hashes
-as those events name them.
-
-The engine assembles both (`engine/build.py`); the server's P/D and router routes reach them
-through `NativeBackend`.
+The engine assembles it (`engine/build.py`); the server's P/D routes reach it through `NativeBackend`.
 """
 
 from __future__ import annotations
@@ -20,9 +15,6 @@ from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.transfers import KVTransfers
-from sage_infer.prefix_reuse.events import short
-from sage_infer.prefix_reuse.hashing import ExtraKeys, prompt_block_hashes
-from sage_infer.prefix_reuse.index import PrefixReuseIndex
 
 
 class KVTransferRole:
@@ -80,47 +72,3 @@ class KVTransferRole:
                 "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds),
                                  ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds)),
                 "kv_transfer_expired_holds": t.expired_holds, "kv_transfer_hash_mismatches": t.hash_mismatches}
-
-
-class PrefixView:
-    """What a KV-aware router reads of an engine's device prefix cache (`index` None: prefix caching off)."""
-
-    def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys,
-                 num_blocks: int = 0) -> None:
-        self.index = index
-        self.block_size = block_size
-        self.num_blocks = num_blocks  # the device pool's capacity (a router weighs what a miss would evict)
-        self.extra_key = extra_key
-
-    def overlap(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Prompt tokens whose KV the device cache holds now. Records nothing; safe to call from another thread
-        (dict reads; a concurrent eviction only makes the answer stale)."""
-        if self.index is None or not token_ids:
-            return 0
-        return self.index.match(token_ids, self.extra_key(cache_salt), record=False).num_tokens
-
-    def events(self, since: int):
-        """Stored/removed block hashes since event `since` (an `EventBatch`), or None when not logged."""
-        events = self.index.events if self.index is not None else None
-        return events.since(since) if events is not None else None
-
-    def read_events(self, since: int):
-        """Every medium's events since event `since`, or the whole current set (an `EventRead`); None when not
-        logged."""
-        events = self.index.events if self.index is not None else None
-        return events.read(since) if events is not None else None
-
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
-        """The short hashes of the prompt blocks a prefix hit could cover (all full blocks before the last token),
-        as `events` reports them: a router matches one against the other."""
-        return [short(h) for h in prompt_block_hashes(token_ids, self.block_size, self.extra_key(cache_salt))]
-
-    def recipe(self) -> dict | None:
-        """How this engine names its blocks, for a router that hashes token-id prompts itself: the block size and
-        the parts of the extra key (`prefix_reuse.hashing.ExtraKeys`) besides a request's cache salt; and how many
-        blocks its device holds."""
-        if self.index is None:
-            return None
-        key = self.extra_key
-        return {"block_size": self.block_size, "model_id": key.model_id, "revision": key.revision,
-                "kv_dtype": key.kv_dtype, "layout": key.layout, "num_blocks": self.num_blocks}
