@@ -93,7 +93,7 @@ class VLLMBackend:
 
     def __init__(self, engine_kwargs: dict, model_info: ModelInfo, pd_role: str | None = None) -> None:
         self._model_info = model_info
-        # prefill | decode: vLLM's KV connector (SageKVConnector) moves the prompt's KV; see server/pd.py
+        # prefill | decode: vLLM's KV connector (SageKVConnector) moves the prompt's KV; see server/pd_handlers.py
         self.pd_role = pd_role
         self._held: collections.OrderedDict[str, dict] = collections.OrderedDict()  # prefill: answers by request
         self._stats = _SchedulerStats()

@@ -17,7 +17,7 @@ from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, Inv
 from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
-from sage_infer.server.pd import PDHandlers
+from sage_infer.server.pd_handlers import PDHandlers
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sage_infer.server.validation import RequestValidator
 
