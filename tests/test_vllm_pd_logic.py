@@ -1,4 +1,4 @@
-"""Prefill/decode between vLLM instances (integrations/vllm/pd.py) without vLLM: the planner, the held
+"""Prefill/decode between vLLM instances (integrations/vllm/pd_transfer.py) without vLLM: the planner, the held
 blocks, and pulls over a real shm transport between a pull server and a receiving KVPipe.
 
 The same path inside two real vLLM instances is tests/test_vllm_pd.py.
@@ -19,7 +19,7 @@ from sage_infer.integrations.vllm import kv_transfer_config
 from sage_infer.integrations.vllm.blocks import block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
 from sage_infer.integrations.vllm.keys import KeySpace, vllm_layout
-from sage_infer.integrations.vllm.pd import HeldBlocks, HeldTransfer, PDPlanner, PullClient, PullServer
+from sage_infer.integrations.vllm.pd_transfer import HeldBlocks, HeldTransfer, PDPlanner, PullClient, PullServer
 from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 

@@ -42,7 +42,7 @@ class SageConnectorConfig(BaseModel):
     eviction: Literal["lru", "lfu", "arc", "s3fifo", "sage"] = "lru"  # which disk blocks go when it is full
     quota: QuotaConfig = QuotaConfig()  # tenant shares of the disk store, tenants by cache_salt
     hardware_preset: str | None = None  # admission: blocks whose load costs more than recomputing are not saved
-    # prefill/decode separation (kv_role kv_producer / kv_consumer; see pd.py)
+    # prefill/decode separation (kv_role kv_producer / kv_consumer; see pd_transfer.py)
     pd_host: str = "127.0.0.1"  # producer: where its worker answers pulls; consumer (tcp): where it receives
     pd_port: int | None = Field(None, ge=1, le=65535)  # producer: the pull port (required)
     pd_backend: Literal["shm", "tcp"] = "shm"  # shm: one host; tcp: across hosts (both instances the same)

@@ -17,7 +17,7 @@ step never waits for disk or Redis. A block that fails to load is reported throu
 `get_block_ids_with_load_errors`; with ``kv_load_failure_policy="recompute"`` vLLM recomputes it.
 
 With ``kv_role`` ``kv_producer`` / ``kv_consumer`` the same connector carries a prompt's KV from a
-prefill instance to a decode instance over sage's transport (`pd.py`); the stores are optional then.
+prefill instance to a decode instance over sage's transport (`pd_transfer.py`); the stores are optional then.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from sage_infer.errors import NotAvailableError
 from sage_infer.integrations.vllm.blocks import PagedBlocks, block_schema
 from sage_infer.integrations.vllm.config import SageConnectorConfig
 from sage_infer.integrations.vllm.keys import KeySpace, vllm_layout
-from sage_infer.integrations.vllm.pd import (
+from sage_infer.integrations.vllm.pd_transfer import (
     TOKEN_ENV,
     HeldBlocks,
     HeldTransfer,

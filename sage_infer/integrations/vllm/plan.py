@@ -19,7 +19,7 @@ from typing import Any
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.integrations.vllm.keys import KeySpace, extend_chain
-from sage_infer.integrations.vllm.pd import HoldIO, PullIO
+from sage_infer.integrations.vllm.pd_transfer import HoldIO, PullIO
 from sage_infer.kv_policy.cost_benefit import ModelShape
 
 

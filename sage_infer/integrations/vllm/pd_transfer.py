@@ -6,7 +6,7 @@ request first to the **producer** (``kv_role: kv_producer``) with ``max_tokens=1
 **consumer** (``kv_role: kv_consumer``) with the ``kv_transfer_params`` the producer answered.
 
 Producer. The scheduler-side connector plans, in each step's metadata, the copy of the
-request's full prompt blocks computed by then (`HoldPlanner`); after the forward the worker
+request's full prompt blocks computed by then (`PDPlanner`); after the forward the worker
 copies them out of vLLM's cache into `HeldBlocks` (so vLLM frees its own blocks when the
 request ends, as for any request), and the finished request answers
 ``{"do_remote_prefill": true, "sage_pd": {"address": "HOST:PORT", "transfer": ID, "num_blocks": N}}``.
