@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from sage_infer.config.serve import RouterConfig
-from sage_infer.server.errors import APIError
+from sage_infer.server.openai_errors import APIError
 
 
 @dataclass(frozen=True, slots=True)

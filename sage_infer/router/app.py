@@ -54,7 +54,7 @@ from sage_infer.router.http import (
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.metrics import RouterMetrics
 from sage_infer.server.body import validate_body
-from sage_infer.server.errors import APIError, check_bearer
+from sage_infer.server.openai_errors import APIError, check_bearer
 from sage_infer.server.pd_auth import sign_pull
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -52,7 +52,7 @@ from sage_infer.router.metrics import FleetMetrics
 from sage_infer.router.vllm_events import VllmEndpoints
 from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
 from sage_infer.server.body import validate_body
-from sage_infer.server.errors import APIError, check_bearer, error_body
+from sage_infer.server.openai_errors import APIError, check_bearer, error_body
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("sage_infer.router")

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.errors import APIError, error_body, openai_errors
+from sage_infer.server.openai_errors import APIError, error_body, openai_errors
 
 log = logging.getLogger("sage_infer.router")
 

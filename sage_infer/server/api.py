@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sage_infer import __version__
 from sage_infer.interfaces.backend import InferenceBackend
 from sage_infer.server.body import parse_body
-from sage_infer.server.errors import APIError, check_bearer, error_response, openai_errors
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.kv_events import event_stream
 from sage_infer.server.metrics import ServerMetrics
+from sage_infer.server.openai_errors import APIError, check_bearer, error_response, openai_errors
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVMatchRequest, KVSendRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

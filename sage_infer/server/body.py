@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from sage_infer.server.errors import APIError
+from sage_infer.server.openai_errors import APIError
 
 # deep enough for any real request (tool schemas nest a few dozen levels at most)
 MAX_JSON_DEPTH = 64

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sage_infer.core.messages import AddRequest, KVTransferParams
 from sage_infer.core.outputs import CompletionOutput, RequestOutput
 from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, InvalidRequestError, QueueFullError
-from sage_infer.server.errors import APIError, error_body
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
+from sage_infer.server.openai_errors import APIError, error_body
 from sage_infer.server.pd_handlers import PDHandlers
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sage_infer.server.validation import RequestValidator

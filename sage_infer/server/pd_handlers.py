@@ -26,7 +26,7 @@ import httpx
 
 from sage_infer.core.messages import GiveUpKV, KVTransferInfo, KVTransferParams, SendKV
 from sage_infer.interfaces.backend import BackendError, InferenceBackend, InvalidRequestError, KVTransferBackend
-from sage_infer.server.errors import APIError
+from sage_infer.server.openai_errors import APIError
 from sage_infer.server.pd_auth import pull_is_allowed
 from sage_infer.server.protocol import KVMatchRequest, KVSendRequest, SamplingFields
 

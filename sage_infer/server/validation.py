@@ -8,7 +8,7 @@ import math
 
 from sage_infer.core.messages import ModelInfo
 from sage_infer.core.sampling_params import SamplingParams
-from sage_infer.server.errors import APIError
+from sage_infer.server.openai_errors import APIError
 from sage_infer.server.protocol import ChatCompletionRequest, SamplingFields
 
 
