@@ -8,7 +8,7 @@ import typer
 
 from sage_infer import __version__
 from sage_infer.cli import compress, config, infer, kv, llm, transport
-from sage_infer.cli.errors import invoke
+from sage_infer.cli.error_report import invoke
 
 app = typer.Typer(
     name="sage",
