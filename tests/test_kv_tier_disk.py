@@ -9,8 +9,8 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers import DiskTier
-from sage_infer.kv_runtime.tiers.errors import TierConfigError
 from sage_infer.kv_runtime.tiers.segment import HEADER
+from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError
 from tests.test_kv_tiers import BPB, SCHEMA, chain
 
 RECORD = HEADER.size + BPB

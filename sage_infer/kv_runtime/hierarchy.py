@@ -34,7 +34,7 @@ from sage_infer.kv_policy.migration import LowerTier, MigrationPolicy
 from sage_infer.kv_runtime.migrator import KVMigrator
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
 log = logging.getLogger("sage_infer.kv_runtime")
 ROLE = {"redis": "remote", "mooncake": "remote"}  # store name -> the tier role the cost model prices

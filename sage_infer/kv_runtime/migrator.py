@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sage_infer.kv_policy.migration import BlockMeta
-from sage_infer.kv_runtime.tiers.errors import TierError
+from sage_infer.kv_runtime.tiers.tier_errors import TierError
 from sage_infer.prefix_reuse.index import EvictedBlock
 
 if TYPE_CHECKING:

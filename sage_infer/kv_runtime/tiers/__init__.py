@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sage_infer.kv_runtime.tiers.errors import TierConfigError, TierError
+from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.tiers.base import KVTier, TierStats, schema_digest

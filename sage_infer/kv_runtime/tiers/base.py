@@ -30,7 +30,7 @@ import crc32c
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.kv_runtime.tiers.errors import TierConfigError
+from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError
 
 KEY_BYTES = 32  # sha256 chained block hash
 SCHEMA_DIGEST_BYTES = 16

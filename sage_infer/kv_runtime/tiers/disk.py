@@ -28,8 +28,8 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.errors import TierConfigError, TierError
 from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
+from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
 MiB = 1 << 20
 _IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)

@@ -40,8 +40,8 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
 from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, pack_value_header, verify_value
-from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.mooncake_url import MIN_SEGMENT_BYTES, MooncakeAddress, parse_mooncake_url
+from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
 VALUE_MAGIC = b"SKM1"
 STAGING_BYTES = 64 << 20  # the registered buffer every call goes through

@@ -33,8 +33,8 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
 from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, value_header, verify_value
-from sage_infer.kv_runtime.tiers.errors import TierError
 from sage_infer.kv_runtime.tiers.redis_url import RedisAddress, parse_redis_url
+from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
 VALUE_MAGIC = b"SKR1"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from sage_infer.kv_runtime.tiers.errors import TierConfigError
+from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError
 
 DEFAULT_PORT = 6379
 
