@@ -23,7 +23,7 @@ from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.transport import KVReceiveBuffers
 from sage_infer.transport.backends.shm import _path_of
 from sage_infer.transport.backends.tcp import parse_address
-from sage_infer.transport.errors import AuthError
+from sage_infer.transport.transport_errors import AuthError
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Kind
 from tests.transport_util import digest, engine, kv
 

@@ -17,7 +17,9 @@ from sage_infer.config.transport import KVTransportConfig
 from sage_infer.transport import KVReceiveBuffers, Priority, base
 from sage_infer.transport.backends import shm
 from sage_infer.transport.base import before
-from sage_infer.transport.errors import (
+from sage_infer.transport.format import converter
+from sage_infer.transport.planner import TransferPlanner
+from sage_infer.transport.transport_errors import (
     BackendUnavailable,
     ChecksumError,
     PeerClosedError,
@@ -25,8 +27,6 @@ from sage_infer.transport.errors import (
     TransportError,
     TruncatedError,
 )
-from sage_infer.transport.format import converter
-from sage_infer.transport.planner import TransferPlanner
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind
 from tests.transport_util import SPAWN, digest, engine, kv, receiver_main
 
@@ -601,7 +601,7 @@ def test_zero_copy_needs_the_shm_backend():
 
 
 def test_receive_buffers_reject_what_does_not_fit_before_allocating():
-    from sage_infer.transport.errors import ProtocolError
+    from sage_infer.transport.transport_errors import ProtocolError
 
     buffers = KVReceiveBuffers()
     buffers.register("a", [torch.zeros(2, 16, 4, 64, dtype=torch.float16)])  # 16 KiB

@@ -16,7 +16,7 @@ import torch
 from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.backends.tcp import TcpSendChannel, parse_address
 from sage_infer.transport.base import get_backend
-from sage_infer.transport.errors import (
+from sage_infer.transport.transport_errors import (
     ChecksumError,
     PeerClosedError,
     ProtocolError,

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from sage_infer.transport.backends.torchdist import TorchDistBackend, TorchDistSendChannel
 from sage_infer.transport.base import get_backend
-from sage_infer.transport.errors import TransportError
+from sage_infer.transport.transport_errors import TransportError
 from sage_infer.transport.wire import ChunkHeader, Flag, Kind, checksum
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

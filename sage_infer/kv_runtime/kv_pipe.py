@@ -47,8 +47,8 @@ from sage_infer.transport.base import RecvChannel
 from sage_infer.transport.buffers import KVReceiveBuffers
 from sage_infer.transport.connection import Connection
 from sage_infer.transport.engine import TransportEngine
-from sage_infer.transport.errors import TransportError
 from sage_infer.transport.telemetry import TransportTelemetry
+from sage_infer.transport.transport_errors import TransportError
 from sage_infer.transport.wire import ChunkHeader
 
 log = logging.getLogger("sage_infer.kv_runtime")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from sage_infer.transport.auth import challenge_peer, socket_io
 from sage_infer.transport.base import Listener, RecvChannel, before
-from sage_infer.transport.errors import AuthError, PeerClosedError, TransferTimeout, TransportError
+from sage_infer.transport.transport_errors import AuthError, PeerClosedError, TransferTimeout, TransportError
 
 log = logging.getLogger("sage_infer.transport")
 OnRefused = Callable[[TransportError], None]

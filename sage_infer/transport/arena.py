@@ -18,7 +18,7 @@ import tempfile
 import numpy as np
 import torch
 
-from sage_infer.transport.errors import TransportError
+from sage_infer.transport.transport_errors import TransportError
 
 ALIGN = 4096  # page-aligned tensors: no chunk straddles a cache line another tensor uses
 

@@ -27,7 +27,7 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 
-from sage_infer.transport.errors import AuthError, PeerClosedError, ProtocolError, TransportError
+from sage_infer.transport.transport_errors import AuthError, PeerClosedError, ProtocolError, TransportError
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Kind
 
 CONTEXT = b"sage-kv-transport/auth/v1"

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
-from sage_infer.transport.errors import (
+from sage_infer.transport.transport_errors import (
     BackendUnavailable,
     ChecksumError,
     PeerClosedError,

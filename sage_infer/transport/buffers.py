@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from sage_infer.transport.arena import SharedArena
-from sage_infer.transport.errors import ProtocolError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import TORCH_OF
+from sage_infer.transport.transport_errors import ProtocolError
 from sage_infer.transport.wire import ChunkHeader
 
 

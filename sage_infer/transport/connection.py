@@ -12,8 +12,8 @@ import torch
 
 from sage_infer.interfaces.transport import KVChunk, TransportPlan
 from sage_infer.transport.base import SendChannel
-from sage_infer.transport.errors import TransportError
 from sage_infer.transport.stats import TransferRecord
+from sage_infer.transport.transport_errors import TransportError
 
 if TYPE_CHECKING:
     from sage_infer.transport.engine import TransportEngine

@@ -37,11 +37,17 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Listener, RecvChannel, before, get_backend
 from sage_infer.transport.buffers import KVReceiveBuffers, as_bytes, host_view
 from sage_infer.transport.connection import Connection
-from sage_infer.transport.errors import AuthError, PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from sage_infer.transport.format import converter
 from sage_infer.transport.planner import PlannedTransfer, TransferPlanner, wire_name
 from sage_infer.transport.stats import Priority, TransferRecord
 from sage_infer.transport.telemetry import TransportTelemetry
+from sage_infer.transport.transport_errors import (
+    AuthError,
+    PeerClosedError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from sage_infer.transport.wire import Checksum, ChunkHeader, Flag, Kind, checksum
 
 CHECKSUMS = {"crc32c": Checksum.CRC32C, "none": Checksum.NONE}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import crc32c as _crc32c
 
-from sage_infer.transport.errors import ChecksumError, ProtocolError
+from sage_infer.transport.transport_errors import ChecksumError, ProtocolError
 
 MAGIC = b"SKVT"
 VERSION = 2  # 2: AUTH opens every shm/tcp connection; an ACK covers `count` sequence numbers

@@ -40,7 +40,7 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.backends.shm_recv import ShmRecvChannel, recv_exactly
 from sage_infer.transport.base import Backend, SendChannel, before, register_backend
-from sage_infer.transport.errors import (
+from sage_infer.transport.transport_errors import (
     PeerClosedError,
     ProtocolError,
     TransportError,

@@ -22,7 +22,13 @@ import numpy as np
 
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import RecvChannel, Sink, before
-from sage_infer.transport.errors import ChecksumError, PeerClosedError, ProtocolError, TransportError, TruncatedError
+from sage_infer.transport.transport_errors import (
+    ChecksumError,
+    PeerClosedError,
+    ProtocolError,
+    TransportError,
+    TruncatedError,
+)
 from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind
 
 ACK_EVERY = 4  # at most this many verified chunks share one ACK (the sender's window is max_inflight, 8 by default)

@@ -26,7 +26,7 @@ import crc32c
 from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
-from sage_infer.transport.errors import (
+from sage_infer.transport.transport_errors import (
     ChecksumError,
     PeerClosedError,
     ProtocolError,

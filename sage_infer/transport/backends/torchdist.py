@@ -54,7 +54,7 @@ from sage_infer.transport.base import (
     before,
     register_backend,
 )
-from sage_infer.transport.errors import (
+from sage_infer.transport.transport_errors import (
     ChecksumError,
     PeerClosedError,
     ProtocolError,
