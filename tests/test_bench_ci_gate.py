@@ -28,6 +28,12 @@ def test_a_ratio_within_its_tolerance_passes():
     assert verdicts({"engine.random": 1.61, "tiers.host.get": 0.4, "prefix.hit": 0.736})["engine.random"] == "ok"
 
 
+def test_on_another_machine_only_a_drop_past_half_the_floor_fails():
+    measured = {"engine.random": 1.2, "tiers.host.get": 0.19, "prefix.hit": 0.5}
+    got = {row["ratio"]: row["verdict"] for row in judge(measured, CI, same_machine=False)}
+    assert got == {"engine.random": "ok", "tiers.host.get": "BELOW", "prefix.hit": "ok"}
+
+
 def test_an_unmeasured_ratio_is_skipped_and_a_new_one_is_not_checked():
     got = verdicts({"engine.random": 2.0, "tiers.host.get": 0.4, "engine.new": 0.01})
     assert got["prefix.hit"] == "skipped (not measured)"
