@@ -401,28 +401,8 @@ class _DecodeRelay:
 def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
     """The router app over `instances`; `api_key` is required from clients and sent to workers."""
     router = PDRouter(instances, api_key, config)
-    app = router_app("sage_infer router")
-    app.state.router, app.state.instances, app.state.metrics = router, instances, router.metrics
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        await router.start()
-        yield
-        await router.stop()
-
-    app.router.lifespan_context = lifespan
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.handle("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.models(request)
+    app = router_app("sage_infer router", router)
+    app.state.instances, app.state.metrics = instances, router.metrics
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> JSONResponse:

@@ -20,7 +20,6 @@ precisely: its events feed the same index (`router.vllm_fleet`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -451,28 +450,7 @@ def _session_key(body: dict, request: Request) -> str:
 
 def build_fleet_app(router: FleetRouter) -> FastAPI:
     """The HTTP face of `router`: the client routes a replica answers, plus the router's own health and metrics."""
-    app = router_app("sage_infer fleet router")
-    app.state.router = router
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        await router.start()
-        yield
-        await router.stop()
-
-    app.router.lifespan_context = lifespan
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.handle("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.models(request)
+    app = router_app("sage_infer fleet router", router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

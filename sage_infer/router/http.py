@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
@@ -21,16 +22,39 @@ CALL_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
 MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "chat_template_kwargs", "tools")
 
 
-def router_app(title: str) -> FastAPI:
+def router_app(title: str, router) -> FastAPI:
     """A router's FastAPI app: every error OpenAI-style JSON (its own, an unknown path or method, and an unexpected
-    failure: a 500 with no internals for the client, the traceback in the log), and ``/version``."""
+    failure: a 500 with no internals for the client, the traceback in the log), ``/version``, and the routes every
+    router answers for clients (completions, chat completions, models), with `router`'s start and stop as the app's
+    lifespan. `router` has ``handle(path, request)``, ``models(request)``, ``start()`` and ``stop()``."""
     app = FastAPI(title=title, version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
 
     openai_errors(app, log)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        yield
+        await router.stop()
+
+    app.router.lifespan_context = lifespan
 
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
 
     return app
 
