@@ -17,7 +17,7 @@ mostly cancels (higher is better for all of them):
 One torch thread: with two on a shared 2-core machine any other runnable thread stalls every parallel region.
 A ratio below floor × (1 - tolerance) is measured once more (its check only) and fails the gate (exit 1) when the
 better of the two is still below; each tolerance comes from the run-to-run spread (`--runs`: 1.5 × the worst drop
-below the median, at least 10 %, 2 % for prefix.hit). A check whose input is missing (the trace) is printed
+below the median, at least 10 %, 4 % for prefix.hit). A check whose input is missing (the trace) is printed
 as skipped. The floors hold for the machine they were measured on (`ci.machine`: CPU model, kernel level, cores); on
 any other only a drop past `OTHER_MACHINE_TOLERANCE` fails. The table is printed and the report written to
 out/ci_gate.json.
@@ -57,7 +57,7 @@ PREFIX_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=4096)
 TIER_OPS = {"tiers.host.put": ("host", "put + checksums"), "tiers.host.get": ("host", "get_prefix(out=)"),
             "tiers.disk.put": ("disk", "put + flush"), "tiers.disk.get": ("disk", "get_prefix(out=)")}
-MIN_TOLERANCE = {"prefix.hit": 0.02}  # no timing in it: it moved by under 1 % between runs
+MIN_TOLERANCE = {"prefix.hit": 0.04}  # no timing in it, yet it moved by about 1 % between runs (0.744-0.752)
 DEFAULT_MIN_TOLERANCE = 0.10
 # on a machine other than the one the floors were measured on (another CPU model, kernel level or core count) the
 # ratios themselves differ (the kernels, the disk, the memory), so only a drop past this share fails there
