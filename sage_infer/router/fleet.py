@@ -44,6 +44,7 @@ from sage_infer.router.http import (
     read_body,
     router_app,
     several_prompts,
+    stream_error,
     usage_event,
     usage_of,
 )
@@ -51,7 +52,7 @@ from sage_infer.router.metrics import FleetMetrics
 from sage_infer.router.vllm_events import VllmEndpoints
 from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
 from sage_infer.server.body import validate_body
-from sage_infer.server.openai_errors import APIError, check_bearer, error_body
+from sage_infer.server.openai_errors import APIError, check_bearer
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("sage_infer.router")
@@ -218,19 +219,26 @@ class FleetRouter:
         """The prompt's block hashes as the sage replicas name them, asked of one (it tokenizes and hashes)."""
         question = {k: body[k] for k in MATCH_FIELDS if k in body}
         publishing = [link for link in self.links.values() if link.replica.up and link.publishes and not link.vllm]
-        for link in sorted(publishing, key=lambda link: link.replica.outstanding)[:2]:
+        reply = await self.ask_least_busy(publishing, "/v1/kv/hashes", question, HASHES_TIMEOUT_S)
+        if reply is not None and reply.status_code == 200:  # a 4xx: the replica that serves it says the same
+            answer = reply.json()
+            described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
+            described.tokens_per_block = answer["tokens_per_hash"]
+
+    async def ask_least_busy(self, links: list[ReplicaLink], path: str, question: dict,
+                             timeout: float) -> httpx.Response | None:
+        """POST `question` at `path` of the two least busy of `links`, in turn: the first reply that is not a server
+        error (a 4xx included: the replica that serves the request would answer the client the same); None when
+        neither gave one."""
+        for link in sorted(links, key=lambda link: link.replica.outstanding)[:2]:
             try:
-                reply = await self.client.post(f"{link.url}/v1/kv/hashes", content=encode(question),
-                                               headers=self.headers, timeout=HASHES_TIMEOUT_S)
+                reply = await self.client.post(f"{link.url}{path}", content=encode(question), headers=self.headers,
+                                               timeout=timeout)
             except httpx.HTTPError:
                 continue
-            if reply.status_code >= 500:
-                continue
-            if reply.status_code == 200:
-                answer = reply.json()
-                described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
-                described.tokens_per_block = answer["tokens_per_hash"]
-            break  # a 4xx: the replica that serves it says the same, with the client's answer
+            if reply.status_code < 500:
+                return reply
+        return None
 
     def hash_here(self, body: dict, described: RouteRequest) -> bool:
         """Hash a token-id prompt in the router, as the replicas' snapshots say they name blocks (no round trip to
@@ -422,8 +430,7 @@ class _Relay:
                     yield b"".join(relayed)
         except httpx.HTTPError as err:  # the replica died mid-stream: end the stream with an error event
             self.router.failed(self.link, str(err) or type(err).__name__)
-            message = f"replica {self.link.url} stopped during the request"
-            yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
+            yield stream_error(f"replica {self.link.url} stopped during the request")
         finally:
             await self.finish()
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import httpx
 
 from sage_infer.kv_policy.routing import Request as RouteRequest
-from sage_infer.router.http import encode
 from sage_infer.router.vllm_events import CLEARED, NAMING, Op, VllmEventFeed, prompt_names
 
 if TYPE_CHECKING:
@@ -117,15 +116,8 @@ async def prompt_tokens(router: FleetRouter, body: dict) -> list[int] | None:
         return None
     question = {k: body[k] for k in TOKENIZE_FIELDS if k in body}
     vllm = [link for link in router.links.values() if link.vllm is not None and link.replica.up]
-    for link in sorted(vllm, key=lambda link: link.replica.outstanding)[:2]:
-        try:
-            reply = await router.client.post(f"{link.url}/tokenize", content=encode(question),
-                                             headers=router.headers, timeout=TOKENIZE_TIMEOUT_S)
-        except httpx.HTTPError:
-            continue
-        if reply.status_code == 200:
-            tokens = reply.json().get("tokens")
-            return tokens if isinstance(tokens, list) else None
-        if reply.status_code < 500:  # the replica that serves it answers the client the same
-            return None
-    return None
+    reply = await router.ask_least_busy(vllm, "/tokenize", question, TOKENIZE_TIMEOUT_S)
+    if reply is None or reply.status_code != 200:
+        return None
+    tokens = reply.json().get("tokens")
+    return tokens if isinstance(tokens, list) else None
