@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 
 
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The pool slots of a sequence's tokens ``[start, end)``."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 @dataclass(slots=True)
 class SeqSpan:
     """One sequence's rows of the step: rows ``[q_start, q_start + q_len)`` of the flat batch are its tokens
@@ -64,8 +69,7 @@ class StepBatch:
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """The pool slots of a sequence's tokens ``[start, end)``."""
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        return token_slots(block_table, start, end, self.block_size)
 
     def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A host list as a tensor on the step's device (one copy)."""

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sage_infer.core.sequence import Sequence
-from sage_infer.core.step_batch import SeqSpan, StepBatch
+from sage_infer.core.step_batch import SeqSpan, StepBatch, token_slots
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.engine.steps import StepExecutor, step_executor
 from sage_infer.kv_runtime.pool import KVPool
@@ -63,9 +63,8 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
-            table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            spans.append(SeqSpan(row, n, start, table, len(drafts)))
+            slot_mapping.extend(token_slots(seq.block_table, start, end, bs))
+            spans.append(SeqSpan(row, n, start, seq.block_table, len(drafts)))
             if end == seq.num_tokens + len(drafts):  # the last row, and every verify row before it
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
                 sampled.extend([i] * (len(drafts) + 1))
