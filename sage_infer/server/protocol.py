@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sage_infer.core.kv_schema import KVDtype
+from sage_infer.server.chat_messages import template_message
 
 
 class StreamOptions(BaseModel):
@@ -148,11 +149,38 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def to_template(self) -> dict:
+    def to_template(self, index: int = 0) -> dict:
+        """This message as the chat template reads it (`chat_messages.template_message`); a `MessageError`
+        names a bad field."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(part.text for part in self.content)
-        return data
+        return template_message(data, index)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -164,7 +192,13 @@ class ChatCompletionRequest(SamplingFields):
     logit_bias: dict | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    tools: list[dict] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def token_limit(self) -> int | None:

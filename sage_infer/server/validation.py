@@ -8,6 +8,7 @@ import math
 
 from sage_infer.core.messages import ModelInfo
 from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.server.chat_messages import MessageError
 from sage_infer.server.openai_errors import APIError
 from sage_infer.server.protocol import ChatCompletionRequest, SamplingFields
 
@@ -67,10 +68,14 @@ class RequestValidator:
     def chat_prompt(self, body: ChatCompletionRequest) -> str:
         """The conversation rendered by the model's chat template; a template failure is a 400
         that says what went wrong in the request, never which Python exception it was."""
-        messages = [m.to_template() for m in body.messages]
+        try:
+            messages = [m.to_template(i) for i, m in enumerate(body.messages)]
+        except MessageError as err:
+            raise APIError(400, str(err), err.param) from None
+        tools = body.template_tools() if hasattr(body, "template_tools") else body.tools
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tools=body.tools, template_kwargs=body.chat_template_kwargs)
+                                                      tools=tools, template_kwargs=body.chat_template_kwargs)
         except ValueError as err:  # the tokenizer's ChatTemplateError: written for clients
             raise APIError(400, f"cannot apply the chat template: {err}", "messages") from None
         except Exception as err:  # noqa: BLE001 - jinja's TemplateError: the template's own words
