@@ -595,9 +595,6 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
     if backend not in PD_BACKENDS:
         raise ConfigError(f"kv_transport.backend: {backend} does not carry prefill/decode KV yet; use shm (one "
                           f"host), tcp or torchdist")
-    if transport.target_dtype is not None:
-        raise ConfigError("kv_transport.target_dtype: prefill/decode transfers send KV as the pool stores it; "
-                          "converting it on the wire is not implemented for them")
     if index is None:
         raise ConfigError("prefill/decode separation needs kv_pool.enable_prefix_caching (received KV is "
                           "registered under its block hashes)")
@@ -606,11 +603,14 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
         joined = join_process_group(transport.process_group, device)
         group = (f", rank {joined.rank} of {joined.world_size} in a {joined.backend} process group"
                  + (f" at {joined.init_method}" if joined.init_method else ""))
-    pipe = KVPipe(pool.schema, transport, backend=backend, listen=config.role == "decode")
-    transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key)
+    # target_dtype: blocks cross in that KV dtype (the pool's codec) and the decode side converts them back
+    wire = KVDtype(transport.target_dtype) if transport.target_dtype is not None else None
+    schema = pool.schema.with_dtype(wire) if wire is not None else pool.schema
+    pipe = KVPipe(schema, transport, backend=backend, listen=config.role == "decode")
+    transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key, wire_dtype=wire)
     where = f", receiving at {pipe.address}" if pipe.address else ""
-    auto_log.info("role = %s (KV over %s%s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
-                  int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
+    auto_log.info("role = %s (KV over %s%s as %s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
+                  schema.dtype.value, int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
     return transfers
 
 

@@ -18,13 +18,13 @@ import math
 
 import torch
 
+from sage_infer.core.dtypes import TORCH_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
 from sage_infer.kv_runtime.pool import (
     GATHER_SCRATCH_MAX_BYTES,
     BlockIds,
     KVPool,
     KVPoolSizeError,
-    make_kv_pool,
     pool_zeros,
 )
 from sage_infer.quantization.kv_codec import PARAMS_DTYPE, KVCodec
@@ -196,20 +196,48 @@ class QuantizedKVPool(KVPool):
                 f"nbytes={self.nbytes})")
 
 
+def decode_rows(rows: torch.Tensor, schema: KVCacheSchema, dtype: torch.dtype) -> torch.Tensor:
+    """Block rows of `schema` (``[n, schema.bytes_per_block]`` uint8, as `read_blocks` makes them) as values:
+    ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` in `dtype` (quantized ones through `KVCodec`)."""
+    n = rows.shape[0]
+    shape = (n, schema.num_layers, 2, schema.block_size, schema.num_kv_heads)
+    if not schema.dtype.is_quantized:
+        return rows.contiguous().view(TORCH_DTYPES[schema.dtype]).view(*shape, schema.head_dim).to(dtype)
+    codec = KVCodec(schema.dtype, schema.head_dim)
+    data = schema.data_bytes_per_block
+    codes = rows[:, :data].reshape(*shape, codec.code_dim)
+    scales = rows[:, data:].contiguous().view(PARAMS_DTYPE).view(*shape, 1)
+    return codec.decode(codes, scales, dtype)
+
+
+def encode_rows(values: torch.Tensor, schema: KVCacheSchema) -> torch.Tensor:
+    """Inverse of `decode_rows`: ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` values ->
+    ``[n, schema.bytes_per_block]`` uint8 rows of `schema` (quantized ones through `KVCodec`)."""
+    n = values.shape[0]
+    if not schema.dtype.is_quantized:
+        return values.to(TORCH_DTYPES[schema.dtype]).contiguous().view(torch.uint8).reshape(n, -1)
+    codes, scales = KVCodec(schema.dtype, schema.head_dim).encode(values)
+    return torch.cat((codes.reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)), dim=1)
+
+
+def convert_rows(rows: torch.Tensor, source: KVCacheSchema, target: KVCacheSchema) -> torch.Tensor:
+    """Block rows of `source` re-encoded in `target` (the same blocks in another KV dtype): ``[n,
+    source.bytes_per_block]`` -> ``[n, target.bytes_per_block]`` uint8. Values go through fp32 (the
+    wider float when both are float); the same rows come back when the schemas are equal."""
+    if source == target:
+        return rows
+    rows = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    floats = [TORCH_DTYPES[s.dtype] for s in (source, target) if not s.dtype.is_quantized]
+    wide = floats[0] if len(floats) == 2 and floats[0].itemsize >= floats[1].itemsize else torch.float32
+    return encode_rows(decode_rows(rows, source, wide), target)
+
+
 def convert_blocks(pool: KVPool, block_ids: BlockIds, schema: KVCacheSchema) -> torch.Tensor:
     """`pool`'s blocks re-encoded in `schema` (same shape, another KV dtype): ``[n, schema.bytes_per_block]`` uint8.
 
-    What a prefill instance sends a decode instance that keeps its KV in another precision. Values go
-    through fp32. Only `read_blocks` touches `pool` (a copy, safe off the engine thread while the
-    blocks are held); the decoding and re-encoding use two private pools of n blocks.
+    What a prefill instance sends: a decode instance that keeps its KV in another precision, or the
+    wire format of `kv_transport.target_dtype`. Only `read_blocks` touches `pool` (a copy, safe off
+    the engine thread while the blocks are held).
     """
     rows = pool.read_blocks(block_ids)
-    n = rows.shape[0]
-    source, target = make_kv_pool(pool.schema, n, device=pool.device), make_kv_pool(schema, n, device=pool.device)
-    source.write_blocks(range(n), rows)
-    every_block = torch.arange(n, device=pool.device)
-    slots = torch.arange(n * pool.block_size, device=pool.device)
-    for layer in range(pool.num_layers):
-        k, v = source.gather_blocks(layer, every_block.view(1, n), torch.float32)
-        target.store(layer, k[0], v[0], slots)
-    return target.read_blocks(every_block).view(torch.uint8).reshape(n, -1)
+    return convert_rows(rows.view(torch.uint8).reshape(rows.shape[0], -1), pool.schema, schema)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +28,7 @@ from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.kv_pipe import KVPipe, TransferResult
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.kv_runtime.quantized_pool import convert_blocks
+from sage_infer.kv_runtime.quantized_pool import convert_blocks, convert_rows
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 
 log = logging.getLogger("sage_infer.kv_runtime")
@@ -71,8 +71,10 @@ class KVTransfers:
 
     def __init__(self, pipe: KVPipe, pool: KVPool, block_size: int, hold_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 extra_key: Callable[[str | None, str], bytes] | None = None) -> None:
-        self.pipe = pipe
+                 extra_key: Callable[[str | None, str], bytes] | None = None,
+                 wire_dtype: KVDtype | None = None) -> None:
+        self.pipe = pipe  # its schema is the wire's: the pool's, or the pool's blocks in `wire_dtype`
+        self.wire_dtype = wire_dtype  # `kv_transport.target_dtype`: blocks travel in it (None: as a pool stores them)
         self.extra_key = extra_key  # (cache_salt, kv_dtype) -> the prefix-cache key part: to convert on send
         self.pool = pool
         self.block_size = block_size
@@ -100,7 +102,9 @@ class KVTransfers:
 
         `on_done` hears the result (verified by the receiver, or the error) from `poll`. A receiver
         whose pool holds another `kv_dtype` gets the blocks converted to it (through fp32), hashed
-        under its key, as a prefill in bf16 and a decode in int8 (say) need.
+        under its key, as a prefill in bf16 and a decode in int8 (say) need. With a `wire_dtype` the
+        blocks travel in it (`convert_blocks`, the pool's own codec); the receiver stores them as they
+        are when its pool keeps that dtype, else converts them to its pool's (`poll`).
 
         Safe to call from a thread other than the engine's (a server answering a pull at once
         rather than between two steps): a held sequence's blocks are neither written nor freed
@@ -120,16 +124,22 @@ class KVTransfers:
             entry.on_done = on_done
             self.sending[transfer_id] = request_id
         ids = seq.block_table[:n]
-        if kv_dtype is None or kv_dtype == self.pool.schema.dtype.value:
+        own = self.pool.schema.dtype.value
+        target = kv_dtype or own  # what the receiver's pool keeps: the key its hashes are under
+        wire = self.wire_dtype.value if self.wire_dtype is not None else target
+        if target == own and wire == own:
             rows = self.pool.read_blocks(ids).view(torch.uint8).reshape(n, -1)
             # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
             self.pipe.start_send(transfer_id, address, rows, seq.block_hashes[:n], ids)
             return n
-        if self.extra_key is None:
+        if target == own:
+            hashes = seq.block_hashes[:n]
+        elif self.extra_key is None:
             raise ValueError(f"this engine cannot convert its KV to {kv_dtype} (no prefix-cache key to hash it)")
-        schema = self.pool.schema.with_dtype(KVDtype(kv_dtype))
-        hashes = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
-                                   self.extra_key(seq.cache_salt, kv_dtype), None)
+        else:
+            hashes = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
+                                       self.extra_key(seq.cache_salt, target), None)
+        schema = self.pool.schema.with_dtype(KVDtype(wire))  # a wire dtype of its own: the receiver converts back
         self.pipe.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
         return n
 
@@ -188,6 +198,8 @@ class KVTransfers:
             seq = self.expecting.pop(result.transfer_id, None)
             if seq is None:
                 continue
+            if result.ok and self.pipe.schema != self.pool.schema:  # the wire's format -> the pool's
+                result = replace(result, rows=convert_rows(result.rows, self.pipe.schema, self.pool.schema))
             received = self._verified(seq, result) if result.ok else None
             if received is not None:
                 self.received[seq.seq_id] = received
