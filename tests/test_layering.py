@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"layers", "sim"},  # attention over the pool API; the trace simulator above the runtime
     {"models"},
     {"pruning"},  # structured pruning of HF checkpoints (calibration from quantization, shapes from models)
+    {"structured"},  # structured outputs: constraints compiled to grammars (llguidance), per-sequence matchers, masks
     {"spec_decode"},  # speculative proposers and the verifier (the scheduler asks, the engine verifies)
     {"scheduler"},
     {"engine"},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sage_infer.core.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -16,7 +18,8 @@ class SamplingParams:
     `repetition_penalty` follows HF/vLLM (divides positive logits, multiplies negative ones,
     over prompt + output tokens); `presence_penalty`/`frequency_penalty` follow OpenAI
     (subtracted from the logits of tokens already in the output). `logprobs=N` returns the
-    sampled token's logprob plus the top-N alternatives (N in 0..20).
+    sampled token's logprob plus the top-N alternatives (N in 0..20). `structured_outputs` constrains every
+    sequence of the request to a grammar (each its own matcher; the logprobs are those of the masked logits).
     """
 
     n: int = 1
@@ -35,6 +38,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -51,6 +51,9 @@ class Sequence:
     # speculative decoding: tokens proposed to follow token_ids, checked by this step's verify rows (their KV is
     # written after num_computed_tokens; the rows the target rejects are rolled back after the step)
     draft_token_ids: list[int] = field(default_factory=list)
+    # structured outputs: this sequence's grammar matcher (`sage_infer.structured.GrammarMatcher`), advanced by
+    # every token appended to the output; None when unconstrained
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -104,6 +104,11 @@ class Tokenizer:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, added special tokens included: what a grammar library reads
+        to map its vocabulary to token bytes (`sage_infer.structured`)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
