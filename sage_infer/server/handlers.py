@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sage_infer.core.messages import AddRequest, KVTransferParams
 from sage_infer.core.outputs import CompletionOutput, RequestOutput
 from sage_infer.interfaces.backend import EngineDeadError, InferenceBackend, InvalidRequestError, QueueFullError
+from sage_infer.server.chat_answer import AnswerShape, ChatFeatures
 from sage_infer.server.logprobs import LogprobFormatter
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.openai_errors import APIError, error_body
@@ -30,7 +31,7 @@ class OpenAIHandlers:
     """The two generation endpoints over any `InferenceBackend`."""
 
     def __init__(self, backend: InferenceBackend, metrics: ServerMetrics, api_key: str | None = None,
-                 allowed_peers: Sequence[str] = ()) -> None:
+                 allowed_peers: Sequence[str] = (), chat_features: ChatFeatures | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.pd = PDHandlers(backend, api_key, allowed_peers)
@@ -38,6 +39,8 @@ class OpenAIHandlers:
         self.model_name = model.name
         self.validator = RequestValidator(model)
         self.logprobs = LogprobFormatter(model.tokenizer)
+        template = getattr(model.tokenizer, "chat_template", None)
+        self.chat_features = chat_features or ChatFeatures(chat_template=template)
         self._in_flight: set[asyncio.Queue] = set()  # the output queue of every request being answered
 
     def cut_off(self, message: str) -> int:
@@ -241,23 +244,28 @@ class OpenAIHandlers:
     async def chat(self, body: ChatCompletionRequest, rid: str) -> Response:
         self._check_model(body.model)
         text = self.validator.chat_prompt(body)
+        shape = self.chat_features.shape(body, text)
+        if shape.tools is not None and shape.tools.needs_special_tokens:
+            body.skip_special_tokens = False  # the format's markers are special tokens
         ids = self.validator.token_ids(text, "messages", add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.token_limit),
                                                 logprobs)
+        params = self.chat_features.constrain(params, shape)
         transfer = self.pd.params(body, 1, rid)
         started = await self._start_pd([self._job(rid, text, ids, params, body, transfer)], body, transfer)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream_chat(started, rid, created, body.n, include_usage),
+            return StreamingResponse(self._stream_chat(started, rid, created, body.n, include_usage, shape),
                                      media_type="text/event-stream")
         final = (await self._collect(started))[0]
         choices = []
         for c in final.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            message, finish_reason = shape.message(c.text, c.finish_reason)
+            choice = {"index": c.index, "message": message,
                       "logprobs": self.logprobs.chat(c.logprobs, c.token_ids) if c.logprobs is not None else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             choices.append(choice)
         reply = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                  "choices": choices, "usage": self._usage([final])}
@@ -265,7 +273,8 @@ class OpenAIHandlers:
             reply["kv_transfer_params"] = self.pd.held_reply(rid)
         return JSONResponse(reply)
 
-    async def _stream_chat(self, started, rid, created, n, include_usage) -> AsyncIterator[str]:
+    async def _stream_chat(self, started, rid, created, n, include_usage,
+                           shape: AnswerShape | None = None) -> AsyncIterator[str]:
         def chunk(choices: list, usage: dict | None = None) -> str:
             data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
@@ -275,6 +284,8 @@ class OpenAIHandlers:
 
         finals: list[RequestOutput] = []
         last_seen: dict = {}
+        shape = shape or AnswerShape()
+        answers = [shape.stream() for _ in range(n)]
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])
@@ -282,15 +293,17 @@ class OpenAIHandlers:
                 for c in output.outputs:
                     self._itl(last_seen, c.index, len(c.delta_token_ids))
                     entries = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs is not None else None
-                    if c.delta_text or c.delta_token_ids:
-                        yield chunk([{"index": c.index, "delta": {"content": c.delta_text},
+                    delta = answers[c.index].feed(c.delta_text, final=c.finished)
+                    if delta or (c.delta_token_ids and (shape.plain or entries is not None)):
+                        yield chunk([{"index": c.index, "delta": delta or {"content": ""},
                                       "logprobs": self.logprobs.chat(entries, c.delta_token_ids)
                                       if entries is not None else None, "finish_reason": None}])
                 if output.finished:
                     finals.append(output)
                     for c in output.outputs:
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                                      "finish_reason": answers[c.index].finish_reason(c.finish_reason),
+                                      "stop_reason": c.stop_reason}])
             if include_usage:
                 yield chunk([], self._usage(finals))
         except Exception as err:  # noqa: BLE001 - the status line is already sent: report in-band
