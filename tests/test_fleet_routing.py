@@ -190,3 +190,16 @@ def test_replicas_get_disjoint_core_shares_within_numa_nodes():
         split_cores(3, [0, 1], {})
     with pytest.raises(UsageError, match="--replicas 0"):
         split_cores(0, [0, 1], {})
+
+
+def test_among_equal_choices_a_miss_goes_to_the_replica_that_computed_least_lately():
+    index = fleet("a", "b", "c")
+    a, b, c = index.replicas
+    router = Router(index, "kv")
+    big = Request(prompt_tokens=40 * BS, hashes=[f"big{i}" for i in range(40)], tokens_per_block=BS)
+    first = router.route(big).replica
+    assert first.recent_work == 40 * BS  # what it was sent to compute
+    # small prompts found nowhere: they go to the two others in turn (by turn alone one would land on `first` too)
+    smalls = [router.route(Request(prompt_tokens=BS, hashes=[f"s{i}"], tokens_per_block=BS)).replica
+              for i in range(6)]
+    assert first not in smalls and {r.name for r in smalls} == {r.name for r in (a, b, c) if r is not first}

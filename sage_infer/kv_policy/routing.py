@@ -56,6 +56,9 @@ MISS_CHARGE = 8.0
 FULL_SHARE = 0.9  # a device cache holding this share of its capacity (by its events) counts as full
 LEARN_WEIGHT = 0.2  # of the newest observation in the learned rates' moving averages
 MIN_LEARN_TOKENS = 256  # a first token after fewer computed tokens says too little about the prefill rate
+# per routed request, what is left of each replica's recent work: among equal choices the kv policy takes the replica
+# that computed least lately, so misses spread by work done and not by turn (requests differ in size)
+WORK_DECAY = 0.999
 
 
 @dataclass(slots=True)
@@ -69,6 +72,7 @@ class Replica:
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
     capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
     naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
+    recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`WORK_DECAY`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +233,8 @@ class Router:
 
     def _by_ttft(self, request: Request, live: list[Replica]) -> Route:
         """The lowest predicted TTFT; among equals (no hit anywhere, no queue) the replica with the fewest requests
-        in flight, then the emptiest device cache, then the next in turn, so new prefixes spread over the fleet."""
+        in flight, then the one that computed least lately, then the emptiest device cache, then the next in turn, so
+        new prefixes spread over the fleet by the work they bring."""
         routes, scores = [], []
         for replica in live:
             hashes, tokens_per_block = request.blocks_for(replica)
@@ -243,8 +248,11 @@ class Router:
         best = min(scores)
         tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
         turn = next(self._turn) if len(tied) > 1 else 0
-        chosen = min(tied, key=lambda r: (r.replica.outstanding, len(r.replica.media[DEVICE]),
+        chosen = min(tied, key=lambda r: (r.replica.outstanding, r.replica.recent_work, len(r.replica.media[DEVICE]),
                                           (live.index(r.replica) - turn) % len(live)))
+        for replica in live:
+            replica.recent_work *= WORK_DECAY
+        chosen.replica.recent_work += chosen.compute_tokens
         most = max(r.hit.blocks for r in routes)
         return dataclasses.replace(chosen, moved=chosen.hit.blocks < most)
 
