@@ -84,7 +84,8 @@ class ToolParser:
 class ToolCallStream:
     """Feeds a growing output to a parser and returns what to send: content pieces and tool-call deltas in
     OpenAI's shape (index, id, type and name once, then arguments pieces). Content is sent stripped at both
-    ends, as `ToolParser.extract` returns it."""
+    ends, as `ToolParser.extract` returns it. A call is sent as soon as its name is known, so one that turns out
+    unfinished or malformed stays a call here (as in vLLM and OpenAI) while `extract` returns it as content."""
 
     def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
@@ -96,6 +97,9 @@ class ToolCallStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
         parsed = self.parser.parse(self.text, final)
+        if final and not set(self.calls_sent).issubset(view.key for view in parsed.calls):
+            # a call already sent did not finish (cut off by max_tokens): it is not sent again as content
+            parsed = self.parser.parse(self.text, False)
         content = parsed.content.strip() if final else parsed.content.lstrip().rstrip()
         piece = content[self.content_sent:] if len(content) > self.content_sent else ""
         self.content_sent += len(piece)
