@@ -235,19 +235,29 @@ def test_bad_fleet_flags_are_one_line_and_exit_2(argv, message):
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
 
 
-def test_the_router_hashes_token_id_prompts_exactly_as_the_replica_does(model_dir):
+def test_the_router_hashes_prompts_exactly_as_the_replica_does(model_dir):
+    """Token ids as given; text and chat messages tokenized in the router by the served model's tokenizer and chat
+    template (`--tokenizer`, implied by `--replicas`): the same hashes the replica names its blocks by."""
     from sage_infer.kv_policy.routing import Request
+    from sage_infer.router.local_prompts import local_prompts
 
+    text = " ".join(f"word{i}" for i in range(60))
+    chat = [{"role": "system", "content": text}, {"role": "user", "content": "and a question?"}]
     with running_server(model_dir) as a, running_fleet([a.url]) as (_, router):
-        for salt in (None, "tenant-a"):
-            body = {"prompt": PREFIX + [1, 2, 3], **({"cache_salt": salt} if salt else {})}
+        assert not router.hash_here({"prompt": text}, Request(0))  # no tokenizer here: the replica is asked
+        router.prompts = local_prompts(str(model_dir))
+        bodies = [{"prompt": PREFIX + [1, 2, 3]}, {"prompt": PREFIX, "cache_salt": "tenant-a"}, {"prompt": text},
+                  {"messages": chat}, {"messages": chat, "cache_salt": "tenant-b", "add_generation_prompt": False}]
+        for body in bodies:
             described = Request(0)
-            assert router.hash_here(body, described)
+            assert router.hash_here(body, described), body
             asked = httpx.post(f"{a.url}/v1/kv/hashes", json=body).json()
-            assert described.hashes == asked["hashes"] and len(described.hashes) == 4
+            assert described.hashes == asked["hashes"] and len(described.hashes) >= 3, body
             assert (described.prompt_tokens, described.tokens_per_block) == (asked["prompt_tokens"],
                                                                              asked["tokens_per_hash"])
-        assert not router.hash_here({"prompt": "text is tokenized by the replica"}, Request(0))
+        # a prompt the replica would refuse is left to it: it answers the client
+        assert not router.hash_here({"prompt": "x" * 10_000_000}, Request(0))
+    assert local_prompts(str(model_dir / "missing")) is None  # not readable here: route by asking
 
 
 def _serve_pid(port: int) -> int:

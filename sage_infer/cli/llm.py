@@ -165,7 +165,7 @@ def _serve_deployment(resolved, args: list[str], secrets: dict[str, str], replic
         from sage_infer.router.replicas import serve_replicas
 
         return serve_replicas(replicas, args, resolved.host, resolved.port, secrets.get("SAGE_API_KEY"), routing,
-                              resolved.tiers.disk_path, launcher, ray_address, secrets)
+                              resolved.tiers.disk_path, launcher, ray_address, secrets, resolved.model.path)
     return _serve_pd(resolved, args, secrets, launcher, ray_address)
 
 
@@ -243,6 +243,9 @@ def router(
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", help="Require this bearer token from clients, send it to the workers (or SAGE_API_KEY).")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(
+        "--tokenizer", help="With --replica and kv routing: the served model's directory; the router tokenizes text "
+        "prompts itself to hash them (without it, it asks a replica for each prompt's hashes).")] = None,
 ) -> None:
     """One OpenAI endpoint in front of running servers: whole-model replicas (--replica, routed by their KV
     events), or prefill and decode workers: sage servers (--role prefill|decode) or vLLM servers with a P/D KV
@@ -271,7 +274,13 @@ def router(
         check_routing(routing)
         probe_replicas(list(fleet), key)
         vllm_events = {url: endpoints for url, endpoints in fleet.items() if endpoints is not None}
-        raise typer.Exit(serve_fleet(list(fleet), host, port, key, routing, vllm_events=vllm_events))
+        if tokenizer is not None:
+            from sage_infer.models.loader import resolve_model_dir
+
+            resolve_model_dir(tokenizer)  # a missing directory: one line, exit 2
+        raise typer.Exit(serve_fleet(list(fleet), host, port, key, routing, vllm_events=vllm_events,
+                                     model_path=str(tokenizer) if tokenizer else None,
+                                     local_tokenizer=tokenizer is not None))
     if routing != "kv":
         raise UsageError("--routing chooses among --replica servers; a P/D router picks workers by prefix and load")
     raise typer.Exit(serve_router(list(prefill or []), list(decode or []), host, port, key))

@@ -48,6 +48,7 @@ from sage_infer.router.http import (
     usage_event,
     usage_of,
 )
+from sage_infer.router.local_prompts import LocalPrompts
 from sage_infer.router.metrics import FleetMetrics
 from sage_infer.router.vllm_events import VllmEndpoints
 from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
@@ -92,7 +93,8 @@ class FleetRouter:
     replica URL -> where that vLLM server publishes its KV events."""
 
     def __init__(self, urls: list[str], routing: str = "kv", api_key: str | None = None,
-                 seed: int | None = None, vllm_events: dict[str, VllmEndpoints] | None = None) -> None:
+                 seed: int | None = None, vllm_events: dict[str, VllmEndpoints] | None = None,
+                 prompts: LocalPrompts | None = None) -> None:
         urls = [u.rstrip("/") for u in urls]
         if not urls:
             raise ValueError("a fleet router needs at least one replica")
@@ -103,6 +105,7 @@ class FleetRouter:
             link.refresh()
         self.policy = Router(self.index, routing, seed)
         self.api_key = api_key
+        self.prompts = prompts  # tokenizes text and messages here (else a replica is asked for their hashes)
         self.metrics = FleetMetrics()
         self.headers = {"Content-Type": "application/json",
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
@@ -204,8 +207,8 @@ class FleetRouter:
 
     async def describe(self, body: dict, request: Request) -> RouteRequest:
         """What the policy needs: under kv, the prompt's block hashes as the sage replicas name blocks (hashed here
-        for token ids, else asked of one: it tokenizes and hashes as it caches) and as the vLLM replicas' events
-        name them; under session, a session key."""
+        for token ids, and for text and messages the router tokenizes itself; else asked of one: it tokenizes and
+        hashes as it caches) and as the vLLM replicas' events name them; under session, a session key."""
         described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
@@ -241,14 +244,17 @@ class FleetRouter:
         return None
 
     def hash_here(self, body: dict, described: RouteRequest) -> bool:
-        """Hash a token-id prompt in the router, as the replicas' snapshots say they name blocks (no round trip to
-        a replica); False when the prompt is text or messages (the replica's tokenizer and chat template decide
-        its tokens) or no replica said how it hashes."""
-        prompt = body.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
-            return False
+        """Hash the prompt in the router, as the replicas' snapshots say they name blocks (no round trip to a
+        replica): token ids as given, text and messages tokenized by `prompts`; False without them, or when no
+        replica said how it hashes."""
         recipe = next((link.recipe for link in self.links.values() if link.replica.up and link.recipe), None)
         if recipe is None:
+            return False
+        prompt = body.get("prompt")
+        ids = prompt if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt) else None
+        if ids is None and self.prompts is not None:
+            ids = self.prompts.token_ids(body)
+        if ids is None:
             return False
         salt = body.get("cache_salt")
         parts = (recipe["model_id"], recipe["revision"], recipe["kv_dtype"], recipe["layout"])
@@ -258,11 +264,11 @@ class FleetRouter:
                 self._extra_keys.clear()
             key = self._extra_keys[(parts, salt)] = make_extra_key(*parts, salt)
         try:
-            hashes = prompt_block_hashes(prompt, recipe["block_size"], key)
+            hashes = prompt_block_hashes(ids, recipe["block_size"], key)
         except ValueError:  # ids out of int64 range: the replica's 400 says so
             return False
         described.hashes = [short(h) for h in hashes]
-        described.prompt_tokens, described.tokens_per_block = len(prompt), recipe["block_size"]
+        described.prompt_tokens, described.tokens_per_block = len(ids), recipe["block_size"]
         return True
 
     async def handle(self, path: str, request: Request) -> Response:

@@ -73,9 +73,11 @@ def _cpu_list(cpus: list[int]) -> str:
 
 def serve_replicas(n: int, worker_args: list[str], host: str, port: int, api_key: str | None,
                    routing: str = "kv", disk_path: str | None = None, launcher: str = "local",
-                   ray_address: str | None = None, secrets: dict[str, str] | None = None) -> int:
+                   ray_address: str | None = None, secrets: dict[str, str] | None = None,
+                   model_path: str | None = None) -> int:
     """Run N replicas and the fleet router until SIGINT/SIGTERM; exit code 0. `launcher`: local (processes of this
-    command, pinned to core shares) or ray (restartable Ray actors, `router.ray_launch.RayReplicas`)."""
+    command, pinned to core shares) or ray (restartable Ray actors, `router.ray_launch.RayReplicas`); `model_path`:
+    the replicas' model (None: the demo), whose tokenizer the router uses to hash prompts itself."""
     check_routing(routing)
     if launcher == "ray":
         from sage_infer.router.ray_launch import RayReplicas
@@ -97,8 +99,8 @@ def serve_replicas(n: int, worker_args: list[str], host: str, port: int, api_key
         wait_ready(workers, "--replicas")
         stop = lambda: stop_workers(workers)  # noqa: E731
     try:
-        return serve_fleet([w.url for w in workers], host, port, api_key, routing,
-                           lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
+        return serve_fleet([w.url for w in workers], host, port, api_key, routing, model_path=model_path,
+                           announce=lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
                                           f"({n} replicas, routing {routing}: "
                                           f"{', '.join(f'{w.name} {w.url}' for w in workers)})"))
     finally:
@@ -118,16 +120,21 @@ def probe_replicas(urls: list[str], api_key: str | None) -> None:
 
 
 def serve_fleet(urls: list[str], host: str, port: int, api_key: str | None, routing: str = "kv",
-                announce=None, vllm_events: dict | None = None) -> int:
+                announce=None, vllm_events: dict | None = None, model_path: str | None = None,
+                local_tokenizer: bool = True) -> int:
     """Run the fleet router over running replicas until SIGINT/SIGTERM; exit code 0. `vllm_events`: replica URL ->
-    `router.vllm_events.VllmEndpoints` of a vLLM server publishing its KV events."""
+    `router.vllm_events.VllmEndpoints` of a vLLM server publishing its KV events; `model_path` (None: the demo)
+    and `local_tokenizer`: the router tokenizes text prompts for kv routing itself with that model's tokenizer."""
     from sage_infer.router.fleet import FleetRouter, build_fleet_app
+    from sage_infer.router.local_prompts import local_prompts
     from sage_infer.router.vllm_events import events_missing
     from sage_infer.server.launch import http_server, run_announced
 
     if vllm_events and (why := events_missing()) is not None:
         raise NotAvailableError(why)
-    app = build_fleet_app(FleetRouter(urls, check_routing(routing), api_key, vllm_events=vllm_events))
+    prompts = local_prompts(model_path) if local_tokenizer and routing == "kv" else None
+    app = build_fleet_app(FleetRouter(urls, check_routing(routing), api_key, vllm_events=vllm_events,
+                                      prompts=prompts))
     server = http_server(app, host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

@@ -130,25 +130,21 @@ class PDHandlers:
 
     def match(self, body: KVMatchRequest, validator) -> dict:
         """``POST /v1/kv/match``: prompt tokens cached here and this instance's queue, for a KV-aware router."""
-        ids = self.prompt_ids(body, validator)
+        ids = validator.match_ids(body)
         overlap = self.backend.prefix_overlap(ids, body.cache_salt) if isinstance(self.backend, KVTransferBackend) \
             else 0
         stats = self.backend.stats()
         return {"cached_tokens": overlap, "prompt_tokens": len(ids), "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting, "kv_usage": stats.kv_usage}
 
-    def prompt_ids(self, body: KVMatchRequest, validator) -> list[int]:
-        if body.messages is not None:
-            return validator.token_ids(validator.chat_prompt(body), "messages", add_special_tokens=False)
-        return validator.token_ids(body.prompt)
-
     def hashes(self, body: KVMatchRequest, validator) -> dict:
         """``POST /v1/kv/hashes``: the prompt's block hashes, as ``/v1/kv/events`` names them."""
         if not isinstance(self.backend, KVTransferBackend):
             raise APIError(404, "this backend does not report KV block hashes")
-        ids = self.prompt_ids(body, validator)
+        ids = validator.match_ids(body)
         hashes = self.backend.block_hashes(ids, body.cache_salt)
-        block_size = (len(ids) - 1) // len(hashes) if hashes else 0
+        recipe = self.backend.kv_recipe() or {}
+        block_size = recipe.get("block_size") or ((len(ids) - 1) // len(hashes) if hashes else 0)
         return {"hashes": hashes, "prompt_tokens": len(ids), "tokens_per_hash": block_size}
 
     def events(self, since: int) -> dict:

@@ -35,6 +35,13 @@ class RequestValidator:
             raise APIError(400, "the prompt is empty", param)
         return ids
 
+    def match_ids(self, body) -> list[int]:
+        """A KV-aware router's question (`KVMatchRequest`): the prompt's token ids, as a completion of that prompt or
+        a chat of those messages gets them."""
+        if body.messages is not None:
+            return self.token_ids(self.chat_prompt(body), "messages", add_special_tokens=False)
+        return self.token_ids(body.prompt)
+
     def check_size(self, text: str, param: str = "prompt") -> None:
         """Reject a text that cannot fit the context without tokenizing it.
 
