@@ -605,9 +605,9 @@ def test_receive_buffers_reject_what_does_not_fit_before_allocating():
 
     buffers = KVReceiveBuffers()
     buffers.register("a", [torch.zeros(2, 16, 4, 64, dtype=torch.float16)])  # 16 KiB
-    good = ChunkHeader(Kind.DATA, "a", layer=0, offset=0, length=64 * 64 + 64 * 8, raw_length=8192,
+    good = ChunkHeader(Kind.DATA, "a", layer=0, offset=0, length=64 * 64 + 64 * 2, raw_length=8192,
                        flags=Flag.CONVERTED, wire_dtype="int8", src_dtype="fp16", cols=64)
-    assert len(buffers.sink(good)) == good.length  # 64 rows of 64 int8 + a scale and a min per row
+    assert len(buffers.sink(good)) == good.length  # 64 rows of 64 int8 + an fp16 scale per row
     huge = ChunkHeader(Kind.DATA, "a", length=1 << 40, raw_length=8192, flags=Flag.CONVERTED,
                        wire_dtype="int8", src_dtype="fp16", cols=64)
     with pytest.raises(ProtocolError, match="carries 1099511627776 bytes"):

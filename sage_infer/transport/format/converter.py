@@ -4,29 +4,27 @@ Applied on send (`encode`) and undone on receive (`decode`). The input is a 2-D 
 `x: [rows, cols]`, one row being one token's vector for a head or a layer.
 
 Formats: `fp32`, `fp16`, `bf16` are plain casts (no scales). `fp8_e4m3`, `fp8_e5m2`,
-`fp8_e4m3fnuz` (the ROCm-family variant) are symmetric: scale = amax / fp8_max per group
-(scale 1 for an all-zero group). `int8`, `int4` are asymmetric: scale = (max - min) / qmax
-(qmax 255 / 15; scale 1 for a constant group, which then decodes exactly) and
-q = round_half_up((x - min) / scale), stored unsigned.
+`fp8_e4m3fnuz` (the ROCm-family variant), `int8` and `int4` are the KV pool's own codec
+(`sage_infer.quantization.kv_codec.quantize_groups`): symmetric, one fp16 scale per group,
+scale = amax / qmax; int8 codes are signed bytes, int4 codes unsigned nibbles (level + 7).
+Converting here is the same arithmetic as the pool quantizing its KV, not a second copy of it.
 
 Granularity: `per_token` has one scale per row, or per (row, `group_size` consecutive
 columns); `per_channel` one per column, or per (`group_size` consecutive rows, column).
 
 Payload: one flat uint8 tensor, contiguous, little-endian, no padding:
 
-    [data][scales: fp32][mins: fp32, int formats only]
+    [data][scales: fp16, quantized formats only]
 
 - data: the [rows, cols] elements row-major in the wire dtype; int4 packs two per byte,
   element 2i in the low nibble and 2i+1 in the high nibble (needs rows * cols even).
-- scales, mins: row-major [rows, cols / group_size] for per_token,
-  [rows / group_size, cols] for per_channel.
+- scales: row-major [rows, cols / group_size] for per_token, [rows / group_size, cols] for
+  per_channel.
 
-The quantization math is `sage_infer.quantization.kv_codec`, shared with the KV pool.
 Everything is vectorized torch, so the CUDA path is this same code. The math runs in an
-fp32 copy of the chunk; fp8 is decoded by moving its bits into fp16 (exact), because the
-CPU float8 cast is much slower. Inputs are assumed finite; casts do not saturate (fp32
-past the fp16 range becomes inf). On CPU, chunks that outgrow the cache (16 MiB) run
-memory-bound at a fraction of the 1 MiB rate (bench/kv_convert.py).
+fp32 copy of the chunk, a cache-sized row block at a time on CPU. Inputs are assumed finite;
+casts do not saturate (fp32 past the fp16 range becomes inf), and a group whose amax exceeds
+65504 * qmax saturates (its scale is fp16).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ import torch
 from sage_infer.core.dtypes import FLOAT_DTYPES
 from sage_infer.quantization.kv_codec import FP8_DTYPES as _FP8
 from sage_infer.quantization.kv_codec import INT_QMAX as _INT_QMAX
-from sage_infer.quantization.kv_codec import fp8_as_fp16, group_params, pack_int4, quantize_groups_, unpack_int4
+from sage_infer.quantization.kv_codec import PARAMS_DTYPE, dequantize_groups, quantize_groups
 
 assert sys.byteorder == "little", "the wire payload is little-endian"
 
@@ -61,7 +59,7 @@ class _Layout:
     group: int
     inner: int
     data_nbytes: int
-    num_params: int  # fp32 tensors after the data: 0 (casts), 1 (scales), 2 (scales, mins)
+    num_params: int  # fp16 scale tensors after the data: 0 (casts) or 1
 
     @property
     def num_scales(self) -> int:
@@ -69,7 +67,7 @@ class _Layout:
 
     @property
     def nbytes(self) -> int:
-        return self.data_nbytes + 4 * self.num_params * self.num_scales
+        return self.data_nbytes + PARAMS_DTYPE.itemsize * self.num_params * self.num_scales
 
 
 def _layout(fmt: str, rows: int, cols: int, granularity: str, group_size: int | None) -> _Layout:
@@ -89,7 +87,7 @@ def _layout(fmt: str, rows: int, cols: int, granularity: str, group_size: int | 
     if fmt in _CASTS:
         data_nbytes, num_params = n * _CASTS[fmt].itemsize, 0
     else:
-        data_nbytes, num_params = (n // 2 if fmt == "int4" else n), (1 if fmt in _FP8 else 2)
+        data_nbytes, num_params = (n // 2 if fmt == "int4" else n), 1
     if granularity == "per_token":
         return _Layout(n // group, group, 1, data_nbytes, num_params)
     return _Layout(rows // group, group, cols, data_nbytes, num_params)
@@ -134,23 +132,14 @@ def _row_blocks(
 
 
 def _encode_block(
-    x: torch.Tensor, fmt: str, lay: _Layout, data: torch.Tensor, params: torch.Tensor, work: torch.Tensor
+    x: torch.Tensor, lay: _Layout, fmt: str, data: torch.Tensor, scales: torch.Tensor, work: torch.Tensor
 ) -> None:
-    """Quantize `x: [rows, cols]` into `data` (uint8) and `params: [num_params, num_scales]` (fp32),
-    using the fp32 scratch `work`."""
-    w = work[: x.numel()].view(x.shape).copy_(x)
-    w3 = w.view(lay.outer, lay.group, lay.inner)
-    scale, mn = group_params(w3, fmt)
-    params[0].copy_(scale.view(-1))
-    if mn is not None:
-        params[1].copy_(mn.view(-1))
-    quantize_groups_(w3, fmt, scale, mn)
-    if fmt in _FP8:
-        data.view(_FP8[fmt]).view(x.shape).copy_(w)
-    elif fmt == "int8":
-        data.view(x.shape).copy_(w)
-    else:
-        data.copy_(pack_int4(torch.empty(x.numel(), dtype=torch.uint8, device=x.device).copy_(w.view(-1))))
+    """Quantize `x: [rows, cols]` into `data` (uint8) and `scales` ([num_scales] fp16), using the fp32 scratch
+    `work`."""
+    w3 = work[: x.numel()].view(x.shape).copy_(x).view(lay.outer, lay.group, lay.inner)
+    codes, scale = quantize_groups(w3, fmt)
+    data.copy_(codes.reshape(-1))
+    scales.copy_(scale.view(-1))
 
 
 def encode(
@@ -185,30 +174,23 @@ def encode(
         return out
     blocks = _row_blocks(fmt, rows, cols, granularity, group_size, x.device)
     work = torch.empty(blocks[0][1] * cols, dtype=torch.float32, device=x.device)
-    params = torch.empty((lay.num_params, lay.num_scales), dtype=torch.float32, device=x.device)
+    scales = torch.empty(lay.num_scales, dtype=PARAMS_DTYPE, device=x.device)  # (int4 data may end mid-word)
     for a, b in blocks:  # data and scales of a row block are contiguous slices, proportional to rows
         d0, d1 = lay.data_nbytes * a // rows, lay.data_nbytes * b // rows
         s0, s1 = lay.num_scales * a // rows, lay.num_scales * b // rows
         blk = _layout(fmt, b - a, cols, granularity, group_size)
-        _encode_block(x[a:b], fmt, blk, data[d0:d1], params[:, s0:s1], work)
-    out[lay.data_nbytes :].copy_(params.view(torch.uint8).view(-1))
+        _encode_block(x[a:b], blk, fmt, data[d0:d1], scales[s0:s1], work)
+    out[lay.data_nbytes :].copy_(scales.view(torch.uint8))
     return out
 
 
 def _decode_block(
-    data: torch.Tensor, fmt: str, lay: _Layout, params: torch.Tensor, result: torch.Tensor, work: torch.Tensor
+    data: torch.Tensor, fmt: str, lay: _Layout, scales: torch.Tensor, result: torch.Tensor, work: torch.Tensor
 ) -> None:
-    """Dequantize `data` with `params: [num_params, num_scales]` into contiguous `result: [rows, cols]`."""
+    """Dequantize `data` with `scales` ([num_scales] fp16) into contiguous `result: [rows, cols]`."""
     # copy_ converts dtypes vectorized; a mixed-dtype mul/add falls back to a scalar loop on CPU
     w = result if result.dtype == torch.float32 else work[: result.numel()].view(result.shape)
-    w3 = w.view(lay.outer, lay.group, lay.inner)
-    scale = params[0].view(lay.outer, 1, lay.inner)
-    if fmt in _FP8:
-        values, factor = fp8_as_fp16(data, _FP8[fmt])
-        w3.copy_(values.view(w3.shape)).mul_(scale * factor)
-    else:
-        q = data if fmt == "int8" else unpack_int4(data)
-        w3.copy_(q.view(w3.shape)).mul_(scale).add_(params[1].view(scale.shape))
+    dequantize_groups(data, scales.view(lay.outer, 1, lay.inner), fmt, w.view(lay.outer, lay.group, lay.inner))
     if w is not result:
         result.copy_(w)
 
@@ -247,14 +229,14 @@ def decode(
     if fmt in _CASTS:
         result.copy_(_typed(data, _CASTS[fmt]).view(rows, cols))
     else:
-        params = _typed(payload[lay.data_nbytes :], torch.float32).view(lay.num_params, lay.num_scales)
+        scales = _typed(payload[lay.data_nbytes :], PARAMS_DTYPE)
         blocks = _row_blocks(fmt, rows, cols, granularity, group_size, payload.device)
         work = torch.empty(blocks[0][1] * cols, dtype=torch.float32, device=payload.device)
         for a, b in blocks:
             d0, d1 = lay.data_nbytes * a // rows, lay.data_nbytes * b // rows
             s0, s1 = lay.num_scales * a // rows, lay.num_scales * b // rows
             blk = _layout(fmt, b - a, cols, granularity, group_size)
-            _decode_block(data[d0:d1], fmt, blk, params[:, s0:s1], result[a:b], work)
+            _decode_block(data[d0:d1], fmt, blk, scales[s0:s1], result[a:b], work)
     if out is not None and result is not out:
         out.copy_(result)
         return out
@@ -266,9 +248,10 @@ def error_bound(
 ) -> torch.Tensor:
     """Elementwise worst case of |x - decode(encode(x))| (decoded to x.dtype), fp32 [rows, cols].
 
-    int: scale / 2 per group; fp8: half an fp8 ulp relative to |x| plus half the subnormal
-    step times the scale; casts: half an ulp of the wire dtype (inf past its range, 0 when
-    x.dtype fits in it). Each adds fp32 arithmetic slack and the rounding back to x.dtype.
+    int: half a step (the group's fp16 scale / 2); fp8: half an fp8 ulp relative to |x| plus half
+    the subnormal step times the scale; both plus what the clamp cuts off where the scale rounded
+    down to fp16 (amax - qmax * scale); casts: half an ulp of the wire dtype (inf past its range,
+    0 when x.dtype fits in it). Each adds fp32 arithmetic slack and the rounding back to x.dtype.
     """
     if x.dim() != 2:
         raise ValueError(f"error_bound expects a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
@@ -283,16 +266,16 @@ def error_bound(
         bound = xf * (info.eps / 2) + info.tiny * info.eps / 2
         bound = torch.where(xf <= info.max, bound, math.inf)
     else:
-        w3 = x.to(torch.float32).contiguous().view(lay.outer, lay.group, lay.inner)
-        scale, mn = group_params(w3, fmt)
-        x3 = xf.view(w3.shape)
+        x3 = xf.view(lay.outer, lay.group, lay.inner)
+        _, scale = quantize_groups(x3.clone(), fmt)
+        scale = scale.float()
+        qmax = torch.finfo(_FP8[fmt]).max if fmt in _FP8 else _INT_QMAX[fmt]
+        clipped = (x3.amax(1, keepdim=True) - qmax * scale).clamp_min_(0)
         if fmt in _FP8:
             info = torch.finfo(_FP8[fmt])
-            bound = x3 * (info.eps / 2 + 2**-20) + scale * (info.tiny * info.eps / 2)
+            bound = x3 * (info.eps / 2 + 2**-20) + scale * (info.tiny * info.eps / 2) + clipped
         else:
-            mx = w3.amax(1, keepdim=True)
-            half_step = torch.where(mx > mn, scale / 2, 0.0)  # a constant group decodes exactly
-            bound = (half_step + torch.maximum(mn.abs(), mx.abs()) * 2**-20).expand_as(x3)
+            bound = (scale / 2 + clipped).expand_as(x3) + x3 * 2**-20
         bound = bound.reshape(xf.shape)
     out_info = torch.finfo(x.dtype)
     return bound + (xf + bound) * (out_info.eps / 2) + out_info.tiny * out_info.eps / 2
