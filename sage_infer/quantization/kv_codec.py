@@ -59,7 +59,7 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, fmt: str, out: 
         values, factor = fp8_as_fp16(codes, FP8_DTYPES[fmt])
         return out.copy_(values.view(out.shape)).mul_(scale.mul_(factor))
     if fmt == "int8":  # signed codes: one widening copy, one multiply
-        return out.copy_(codes.view(torch.int8).view(out.shape)).mul_(scale)
+        return out.copy_(codes.view(torch.int8).reshape(out.shape)).mul_(scale)
     return out.copy_(unpack_int4(codes).view(out.shape)).sub_(INT_QMAX[fmt]).mul_(scale)
 
 
