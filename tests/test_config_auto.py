@@ -79,10 +79,10 @@ def test_a_quantized_kv_dtype_the_preset_does_not_list_is_a_config_error():
         kv(config("ascend-910b", kv_pool={"kv_dtype": "int4"}))
 
 
-def test_context_auto_is_the_sliding_window_when_smaller():
+def test_context_auto_is_max_position_embeddings_whatever_the_sliding_window():
     auto = resolve_auto(config(), ModelFacts("bf16", 32768, sliding_window=4096), CPU, NATIVE_BF16)
-    assert auto.max_model_len == 4096
-    assert auto.values[-1].reason == "auto: the model's sliding_window"
+    assert auto.max_model_len == 32768
+    assert auto.values[-1].reason == "auto: the model's max_position_embeddings"
 
 
 def test_device_explicit_wins_and_cpu_preset_gives_cpu():

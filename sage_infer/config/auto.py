@@ -150,10 +150,9 @@ def _kv_dtype(config: ServeConfig, model_dtype: str, facts: DeviceFacts) -> Reso
 
 
 def resolve_max_model_len(config: ServeConfig, model: ModelFacts) -> ResolvedValue:
+    # a sliding window bounds what a layer attends, not the positions the model takes: the context is
+    # max_position_embeddings whatever the window
     supported, why = model.max_position_embeddings, "max_position_embeddings"
-    if model.sliding_window and model.sliding_window < supported:
-        # attention within the window equals full attention up to it
-        supported, why = model.sliding_window, "sliding_window"
     wanted = config.model.max_model_len
     if wanted is None:
         return ResolvedValue("model.max_model_len", supported, f"auto: the model's {why}")

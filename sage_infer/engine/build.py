@@ -49,6 +49,7 @@ from sage_infer.layers.attention_backends import (
     AttentionBackend,
     attention_backend,
 )
+from sage_infer.layers.attention_kinds import AttentionKind
 from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, describe_tiling, tile_linears
 from sage_infer.layers.cpu_kernels import (
     check_forced_level,
@@ -220,6 +221,11 @@ class EngineBuilder:
         tokenizer, auto, fused, proposer = self.tokenizer, self.auto, self.fused, self.proposer
         deterministic = self.deterministic
         attention = build_attention(config, model, arch.head_dim, device, pool, deterministic)
+        self.kinds = report_attention_kinds(model)
+        if self.kinds and deterministic:
+            raise ConfigError("model.deterministic: the model's sliding-window or soft-capped layers attend through "
+                              "PyTorch, not the paged kernel every row goes through", hint="set model.deterministic: "
+                                                                                          "false")
         if config.speculative.method == "draft_model":
             proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
                                             attention.decode_in_place, fused)
@@ -243,7 +249,11 @@ class EngineBuilder:
         if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
                            deterministic):
             step = step_executor("cpp-decode", model.prepare_decode_step(pool))
-        if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place):
+        if self.kinds and config.model.cascade_attention:
+            _report(ResolvedValue("model.cascade_attention", "off", "its kernels attend every shared key: no sliding "
+                                                                    "window or soft-cap"))
+        if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place, self.kinds,
+                           getattr(model, "is_moe", False)):
             step = step_executor("cuda-graphs", model, pool, device, config.scheduler.max_num_seqs,
                                  -(-max_len // schema.block_size), True, attention)
             if proposer is not None:
@@ -259,8 +269,8 @@ class EngineBuilder:
         """The runner over the model, the pool, the attention backend and the step executor; the engine."""
         config, model, pool, device = self.config, self.model, self.pool, self.device
         attention, step = self.attention, self.step
-        runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention, attention=attention,
-                             step=step)
+        runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention and not self.kinds,
+                             attention=attention, step=step)
         kv_dtype = self.auto.kv_dtype.value
         pd = None
         if self.transfers is not None:
@@ -380,6 +390,24 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
     return attention_backend(decode, prefill, row_invariant=deterministic)
 
 
+def report_attention_kinds(model: torch.nn.Module) -> bool:
+    """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores); if so,
+    a decided line says which, and that they attend through PyTorch (`AttentionBackend.forward_kind`) whatever
+    `model.attention` / `model.prefill_attention` chose: no kernel takes a window or a cap yet."""
+    kinds = [m.kind for m in model.modules() if isinstance(getattr(m, "kind", None), AttentionKind)]
+    special: dict[str, int] = {}
+    for kind in kinds:
+        if not kind.plain:
+            special[kind.describe()] = special.get(kind.describe(), 0) + 1
+    if not special:
+        return False
+    full = len(kinds) - sum(special.values())
+    layers = "; ".join(f"{count} x {what}" for what, count in special.items()) + (f"; {full} x full" if full else "")
+    _report(ResolvedValue("model.layer_attention", layers, "config.json; these layers attend through PyTorch (no "
+                          "kernel takes a sliding window or a soft-cap yet), the others through the parts above"))
+    return True
+
+
 def use_paged_attention(choice: str, pool: KVPool, device: torch.device) -> bool:
     """`model.attention`: whether decode rows read K/V in place through the paged kernel."""
     if choice == "torch":
@@ -415,11 +443,16 @@ def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: t
                       reference="python")
 
 
-def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool) -> bool:
+def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool, kinds: bool = False,
+                    moe: bool = False) -> bool:
     """`model.cuda_graphs`: whether pure decode steps replay CUDA graphs (`sage_infer.engine.steps.cuda_graphs`)."""
     if choice == "off":
         return False
-    if device.type != "cuda" or torch.version.cuda is None:
+    if kinds:
+        why = "the model's sliding-window or soft-capped layers attend through PyTorch, not captured in a graph yet"
+    elif moe:
+        why = "a mixture-of-experts layer sizes its expert products from the step's routing (shapes a graph cannot fix)"
+    elif device.type != "cuda" or torch.version.cuda is None:
         why = f"CUDA graphs need an NVIDIA CUDA device (device is {device.type})"
     elif not decode_in_place:
         why = "CUDA graphs need model.attention paged (the Triton kernel: the torch path's shapes change every step)"

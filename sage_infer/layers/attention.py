@@ -25,6 +25,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
     from sage_infer.layers.attention_backends import AttentionBackend
+    from sage_infer.layers.attention_kinds import AttentionKind
 
 
 @dataclass(slots=True)
@@ -324,10 +325,14 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V of `layer` in `pool`, then attend, as the step's backend does (the reference without
-    one). q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+    one). q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]. `kind`: the layer's sliding window and soft-capping
+    (`sage_infer.layers.attention_kinds`; None: plain causal attention)."""
     backend = meta.backend
     if backend is None:
         from sage_infer.layers.attention_backends import REFERENCE as backend
-    return backend.forward(q, k, v, pool, layer, meta, scale)
+    if kind is None or kind.plain:
+        return backend.forward(q, k, v, pool, layer, meta, scale)
+    return backend.forward(q, k, v, pool, layer, meta, scale, kind)

@@ -7,7 +7,53 @@ from dataclasses import dataclass, field
 import torch
 
 from sage_infer.core.dtypes import parse_dtype_name
-from sage_infer.layers.rotary import rope_parameters
+from sage_infer.layers.attention_kinds import AttentionKind
+from sage_infer.models.layer_types import layer_windows, rope_by_layer_type
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts model's routing and expert shapes, as each family's config.json names them."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_intermediate_size: int
+    renormalize: bool  # top-k probabilities divided by their sum (norm_topk_prob; Mixtral always)
+    sparse_layers: tuple[int, ...]  # layers whose MLP routes to experts (the others are dense)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert, scaled by a sigmoid gate
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over all heads of q and of k, before the head split
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
+
+
+MOE_FAMILIES = ("Qwen2Moe", "Qwen3Moe", "Mixtral", "Olmoe")
+
+
+def moe_config(config: dict, family: str) -> MoeConfig | None:
+    """The MoE fields of a config.json of `family` (None for a dense family). ValueError for a field sage does
+    not run (an activation other than silu, no experts)."""
+    if family not in MOE_FAMILIES:
+        return None
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r}: the experts run silu only")
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    top_k = int(config["num_experts_per_tok"])
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"num_experts {experts} with num_experts_per_tok {top_k}")
+    layers = int(config["num_hidden_layers"])
+    sparse = tuple(range(layers))
+    if family.startswith("Qwen"):  # dense MLPs in mlp_only_layers and off the decoder_sparse_step grid
+        step, dense = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
+    clip = config.get("clip_qkv") if family == "Olmoe" else None
+    return MoeConfig(
+        num_experts=experts, top_k=top_k,
+        expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        renormalize=family == "Mixtral" or bool(config.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+        qk_norm_full=family == "Olmoe", clip_qkv=None if clip is None else float(clip),
+    )
 
 
 @dataclass(slots=True)
@@ -32,6 +78,19 @@ class ArchConfig:
     torch_dtype: torch.dtype
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoeConfig | None = None  # mixture-of-experts layers (`moe_config`); None for a dense model
+    # attention kinds (`sage_infer.models.layer_types`): each layer's sliding window (None: full attention)
+    layer_windows: tuple[int | None, ...] = ()
+    attn_softcap: float | None = None  # Gemma 2: attention scores soft-capped at this
+    final_softcap: float | None = None  # Gemma 2: logits soft-capped at this
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power (else head_dim's)
+    rope_local: dict | None = None  # Gemma 3: the sliding layers' own rope parameters
+    hidden_act: str = "silu"  # the MLP's activation (``hidden_activation`` or ``hidden_act``)
+
+    def attention_kind(self, layer: int) -> AttentionKind:
+        """Layer `layer`'s sliding window and soft-capping."""
+        window = self.layer_windows[layer] if self.layer_windows else None
+        return AttentionKind(window=window, softcap=self.attn_softcap)
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str) -> ArchConfig:
@@ -39,10 +98,10 @@ class ArchConfig:
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
         family = architecture.removesuffix("ForCausalLM")
-        qkv_bias = bool(config.get("attention_bias", family == "Qwen2"))
-        sliding = config.get("sliding_window")
-        if family == "Qwen2" and not config.get("use_sliding_window", False):
-            sliding = None
+        qkv_bias = bool(config.get("attention_bias", config.get("qkv_bias", family in ("Qwen2", "Qwen2Moe"))))
+        num_layers = int(config["num_hidden_layers"])
+        windows = layer_windows(config, family, num_layers)
+        rope, rope_local = rope_by_layer_type(config)
         eos = config.get("eos_token_id")
         dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
         return cls(
@@ -50,20 +109,27 @@ class ArchConfig:
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rope=rope_parameters(config),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope=rope,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.startswith("Gemma"))),
             qkv_bias=qkv_bias,
             o_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=family == "Qwen3",
-            sliding_window=int(sliding) if sliding else None,
+            qk_norm=family in ("Qwen3", "Qwen3Moe"),
+            sliding_window=max((w for w in windows if w is not None), default=None),
             torch_dtype=parse_dtype_name(dtype_name, torch.float32),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            moe=moe_config(config, family),
+            layer_windows=windows,
+            attn_softcap=config.get("attn_logit_softcapping"),
+            final_softcap=config.get("final_logit_softcapping"),
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+            rope_local=rope_local,
+            hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
         )

@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.layer = layer  # which layer's K/V this module stores and reads in the pool
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.kind = cfg.attention_kind(layer)  # its sliding window (Mistral, Qwen2 with use_sliding_window)
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -86,7 +87,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, kv_heads, d)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = ops.rotary(q, k, qk, cos_sin, *norms)
-        out = paged_attention(q, k, v, pool, self.layer, meta, self.scale)
+        out = paged_attention(q, k, v, pool, self.layer, meta, self.scale, self.kind)
         return self.o_proj(out.reshape(t, heads * d))
 
 
@@ -182,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.model.norm.weight.dtype
         if not fused:
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
+        if any(not layer.self_attn.kind.plain for layer in self.model.layers):
+            return "its attention kernel takes no sliding window (the model has sliding-window layers)"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"it runs fp32 and bf16 models (the model is {dtype})"
         if not pool.supports_int8_block_views and (not pool.supports_block_views or pool.dtype != dtype):

@@ -6,10 +6,17 @@ from torch import nn
 
 from sage_infer.models.arch_config import ArchConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Gemma 2 and text-only Gemma 3 (`sage_infer.models.gemma`; Gemma3ForConditionalGeneration is not built)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + GEMMA_ARCHITECTURES
 
 
 def build_model(cfg: ArchConfig) -> nn.Module:
+    if cfg.architecture in GEMMA_ARCHITECTURES:
+        from sage_infer.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM(cfg)
     from sage_infer.models.llama import LlamaForCausalLM
 
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:

@@ -23,6 +23,13 @@ from sage_infer.layers.attention import (
     decode_groups,
     merge_attention,
 )
+from sage_infer.layers.attention_kinds import (
+    FULL_ATTENTION,
+    AttentionKind,
+    kind_decode_attention,
+    kind_prefill_attention,
+    window_tables,
+)
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -104,6 +111,13 @@ class PrefillPart:
                 slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
                 k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
             out[rows] = self.attend(q[rows], k_ctx, v_ctx, scale)
+
+    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int,
+                     span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [context_len, KvH, D] of the `index`-th span of `meta.prefills`, one with earlier context, as
+        copies (the layers whose kind no kernel runs read them: `AttentionBackend.forward_kind`)."""
+        slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+        return pool.gather_slots(layer, slots, dtype)
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         """One span, causal to the lower right: q [q_len, H, D]; k/v [ctx_len, KvH, D] -> q's dtype."""
@@ -215,9 +229,12 @@ class AttentionBackend:
                                  backend=self)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]."""
+                meta: AttentionMetadata, scale: float, kind: AttentionKind = FULL_ATTENTION) -> torch.Tensor:
+        """Store this step's K/V of `layer` in `pool`, then attend. q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D].
+        A layer of another `kind` than plain causal attention runs `forward_kind`."""
         pool.store(layer, k, v, meta.slot_mapping)
+        if not kind.plain:
+            return self.forward_kind(q, k, v, pool, layer, meta, scale, kind)
         if (group := meta.pure_decode_group()) is not None:  # no row gather, no scatter back
             return self.decode.attend(q, pool, layer, group, scale)
         out = torch.empty_like(q)
@@ -227,6 +244,29 @@ class AttentionBackend:
             out[group.rows] = self.decode.attend(q[group.rows], pool, layer, group, scale)
         if meta.shared is not None:
             out[meta.shared.rows] = self.cascade(q, k, v, pool, layer, meta, scale).to(q.dtype)
+        return out
+
+    def forward_kind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
+                     meta: AttentionMetadata, scale: float, kind: AttentionKind) -> torch.Tensor:
+        """A sliding-window or soft-capped layer (K/V already stored): the step's spans and decode groups as this
+        backend prepared them, attended in PyTorch (`sage_infer.layers.attention_kinds`; no kernel takes a window or a
+        cap yet). Decode rows read only the blocks their window reaches. The engine turns cascade attention off for
+        models with such layers."""
+        assert meta.shared is None, "cascade attention attends every shared key: off for windowed/capped layers"
+        out = torch.empty_like(q)
+        for index, span in enumerate(meta.prefills):
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            if span.context_len == span.q_len:
+                k_ctx, v_ctx = k[rows], v[rows]
+            else:
+                k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype)
+            out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
+        for group in meta.decode_groups:
+            tables, lens = group.block_tables, group.context_lens
+            if kind.window is not None:
+                tables, lens = window_tables(tables, lens, kind.window, pool.block_size)
+            keys, values = pool.gather_blocks(layer, tables, q.dtype)
+            out[group.rows] = kind_decode_attention(q[group.rows], keys, values, lens, scale, kind)
         return out
 
     def cascade(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,

@@ -56,3 +56,8 @@ class TritonPrefill(PrefillPart):
 
         paged = meta.prefill_context
         prefill_attention(q, *pool.block_views(layer), out, paged.block_tables, paged.spans, paged.tiles, scale)
+
+    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int,
+                     span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = pool.gather_blocks(layer, meta.prefill_context.block_tables[index : index + 1], dtype)
+        return keys[0, : span.context_len], values[0, : span.context_len]

@@ -1,0 +1,140 @@
+"""Sliding-window attention read from config.json: Mistral's `sliding_window` (every layer) and Qwen2's
+`use_sliding_window` + `max_window_layers` (the layers from that index on). Greedy tokens equal transformers' (eager
+attention, which applies the window) for prompts longer than the window, in a batch of mixed lengths, through the
+reference path and through the fast paths the engine picks here, prefix-cache hits and chunked prefill included; the
+context is max_position_embeddings, not the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig
+from sage_infer.layers.attention_kinds import AttentionKind, kind_decode_attention, kind_prefill_attention
+from sage_infer.models.arch_config import ArchConfig
+from tests.test_engine_vs_transformers import random_prompts
+from tests.tiny_models import make_tiny_model
+
+WINDOW = 16
+MAX_NEW = 12
+LENGTHS = [40, 17, 5, 33, 64, 23]  # most longer than the window
+REFERENCE = {"attention": "torch", "prefill_attention": "torch", "elementwise": "torch"}
+PATHS = {"reference": REFERENCE, "auto": {}}  # auto: every fast path the engine picks on this machine
+
+
+def hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                              pad_token_id=2)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def engine(directory, max_num_batched_tokens: int = 2048, **model) -> LLM:
+    config = ServeConfig.model_validate({"model": {"path": str(directory), "dtype": "fp32", **model},
+                                         "kv_pool": {"num_blocks": 96},
+                                         "scheduler": {"max_num_batched_tokens": max_num_batched_tokens}})
+    return LLM(config=config)
+
+
+def sage_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    directory = make_tiny_model(tmp_path_factory.mktemp("mistral-sw") / "model", "mistral", sliding_window=WINDOW,
+                                head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    prompts = random_prompts(LENGTHS, seed=3)
+    return directory, prompts, hf_greedy(hf, prompts)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    directory = make_tiny_model(tmp_path_factory.mktemp("qwen2-sw") / "model", "qwen2", num_hidden_layers=3,
+                                head_dim=32, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    prompts = random_prompts(LENGTHS, seed=4)
+    return directory, prompts, hf_greedy(hf, prompts)
+
+
+def test_mistral_context_is_max_position_embeddings_and_a_prompt_longer_than_the_window_serves_fully(mistral):
+    directory, prompts, _ = mistral
+    llm = engine(directory, **REFERENCE)
+    decided = {d.field: d for d in llm.engine.decisions}
+    assert decided["model.max_model_len"].value == 1024
+    assert decided["model.max_model_len"].reason == "auto: the model's max_position_embeddings"
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 24 and out.outputs[0].finish_reason == "length"
+    assert engine(directory, max_model_len=1024, **REFERENCE).engine.max_model_len == 1024
+
+
+def test_the_window_changes_transformers_tokens_for_these_prompts(mistral):
+    """The parity tests below would pass with the window ignored unless it changes the tokens."""
+    directory, prompts, windowed = mistral
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=None,
+                                                           attn_implementation="eager").eval()
+    assert hf_greedy(hf, prompts) != windowed
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mistral_sliding_window_matches_transformers(mistral, path):
+    directory, prompts, want = mistral
+    llm = engine(directory, **PATHS[path])
+    assert sage_greedy(llm, prompts) == want
+    assert sage_greedy(llm, prompts) == want  # again: every prompt's blocks hit the prefix cache
+    assert llm.engine.kv.index.metrics.hit_blocks > 0
+
+
+def test_mistral_sliding_window_with_chunked_prefill_matches_transformers(mistral):
+    directory, prompts, want = mistral
+    assert sage_greedy(engine(directory, max_num_batched_tokens=24), prompts) == want
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qwen2_max_window_layers_matches_transformers(qwen2, path):
+    directory, prompts, want = qwen2
+    llm = engine(directory, **PATHS[path])
+    assert [layer.self_attn.kind.window for layer in llm.engine.runner.model.model.layers] == [None, WINDOW, WINDOW]
+    assert sage_greedy(llm, prompts) == want
+
+
+def test_layer_windows_follow_each_family_config_fields():
+    base = {"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 6, "sliding_window": 32}
+    assert ArchConfig.from_hf(base, "MistralForCausalLM").layer_windows == (32,) * 6
+    assert ArchConfig.from_hf(base, "LlamaForCausalLM").layer_windows == (None,) * 6  # transformers ignores it
+    assert ArchConfig.from_hf(base, "Qwen2ForCausalLM").layer_windows == (None,) * 6  # use_sliding_window unset
+    qwen = ArchConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 4}, "Qwen2ForCausalLM")
+    assert qwen.layer_windows == (None,) * 4 + (32,) * 2
+    assert ArchConfig.from_hf(base, "Gemma2ForCausalLM").layer_windows == (32, None) * 3
+    gemma3 = ArchConfig.from_hf({**base, "sliding_window_pattern": 3}, "Gemma3ForCausalLM")
+    assert gemma3.layer_windows == (32, 32, None) * 2
+    types = ["full_attention", "sliding_attention"] * 3
+    assert ArchConfig.from_hf({**base, "layer_types": types}, "Gemma3ForCausalLM").layer_windows == (None, 32) * 3
+    with pytest.raises(ValueError, match="layer_types: 'chunked_attention' is not built"):
+        ArchConfig.from_hf({**base, "layer_types": ["chunked_attention"] * 6}, "Gemma3ForCausalLM")
+
+
+def test_window_math_equals_a_masked_softmax():
+    """The kind math against a dense masked softmax written out here: prefill (a chunk after cached keys) and
+    decode rows, a window and a soft-cap."""
+    torch.manual_seed(0)
+    kind = AttentionKind(window=5, softcap=2.0)
+    q, k, v = torch.randn(7, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * 0.3
+    scores = torch.tanh(scores / 2.0) * 2.0
+    q_pos, k_pos = torch.arange(5, 12)[:, None], torch.arange(12)[None, :]
+    scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos > q_pos - 5)), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(kind_prefill_attention(q, k, v, 0.3, kind), want)
+    decoded = kind_decode_attention(q[-1:], k[None], v[None], torch.tensor([12]), 0.3, kind)
+    torch.testing.assert_close(decoded[0], want[-1])
