@@ -222,9 +222,11 @@ def test_serve_replicas_starts_pinned_replicas_behind_one_url_and_stops_them(mod
 @pytest.mark.parametrize("argv, message", [
     (["llm", "serve", "--replicas", "0"], "--replicas 0: expected at least 1"),
     (["llm", "serve", "--replicas", "2", "--routing", "closest"], "--routing closest: expected one of kv"),
-    (["llm", "serve", "--routing", "random"], "give --replicas too"),
+    (["llm", "serve", "--routing", "random"], "the prefill workers of --pd xPyD: give one"),
+    (["llm", "serve", "--pd", "2P1D", "--routing", "closest"], "--routing closest: expected one of kv"),
+    (["llm", "router", "--replica", "http://127.0.0.1:9", "--tokenizer", "/nonexistent"], "/nonexistent: model"),
     (["llm", "serve", "--replicas", "4096"], "--replicas 4096: "),
-    (["llm", "serve", "--replicas", "2", "--pd", "1P1D"], "not implemented yet"),
+    (["llm", "serve", "--replicas", "2", "--pd", "1P1D"], "--pd xPyD already runs x prefill and y decode"),
     (["llm", "router", "--replica", "http://127.0.0.1:9"], "--replica http://127.0.0.1:9: does not answer"),
     (["llm", "router", "--replica", "localhost:9"], "expected an http(s) URL"),
 ])

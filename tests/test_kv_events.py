@@ -1,11 +1,10 @@
-"""Block events a prefill worker publishes for the router, and the router's view built from them."""
+"""Block events a prefill worker publishes for a router (GET /v1/kv/events)."""
 
 from __future__ import annotations
 
 from sage_infer.kv_policy import make_policy
 from sage_infer.prefix_reuse.events import BlockEvents, short
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
-from sage_infer.router.instances import Instance
 
 
 def test_the_index_logs_stored_and_removed_blocks_in_order():
@@ -28,13 +27,3 @@ def test_a_reader_too_far_behind_gets_the_whole_current_set():
     batch = events.since(0)  # event 0 fell out of the 2-event log
     assert batch.reset and sorted(batch.events) == sorted(f"+{short(k)}" for k in held) and batch.next == 3
     assert events.since(-1).reset and events.since(99).reset
-
-
-def test_the_router_view_follows_events_and_counts_leading_blocks():
-    worker = Instance("http://w", "prefill")
-    worker.apply({"reset": True, "next": 5, "events": ["+a", "+b", "+c"]})
-    assert worker.overlap(["a", "b", "x", "c"]) == 2
-    worker.apply({"reset": False, "next": 7, "events": ["-b", "+x"]})
-    assert worker.overlap(["a", "b"]) == 1 and worker.events_next == 7
-    worker.apply({"reset": True, "next": 9, "events": ["+q"]})
-    assert worker.cached == {"q"}

@@ -190,7 +190,8 @@ def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(m
         with running_router([p0.url, p1.url], [decode.url]) as url:
             def view() -> dict:
                 families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
-                return {s.labels["instance"]: s.value for s in families["sage:router_cached_blocks"].samples}
+                return {s.labels["instance"]: s.value for s in families["sage:router_replica_blocks"].samples
+                        if s.labels["medium"] == "device"}
 
             deadline = time.monotonic() + 10
             while view().get(p1.url, 0) < 4:  # the router's view of p1 caught up with its events
@@ -205,6 +206,9 @@ def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(m
             assert routed.get((p1.url, "prefill")) == 1 and (p0.url, "prefill") not in routed
             overlap = families["sage:router_overlap_tokens"].samples[0].value
             assert overlap == 4 * BLOCK and families["sage:router_prompt_tokens"].samples[0].value == len(prompt)
+            # the prefill worker reported the cached tokens the router predicted (its pushed events, every tier)
+            assert families["sage:router_cached_tokens_abs_error"].samples[0].value == 0
+            assert families["sage:router_reported_cached_tokens"].samples[0].value == 4 * BLOCK
         settle(p0, p1, decode)
 
 

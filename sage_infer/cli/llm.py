@@ -75,8 +75,8 @@ def serve(
         "--replicas", "--data-parallel-size", help="Run N whole-model replicas here, each on its own cores, behind "
         "one KV-aware router URL.")] = None,
     routing: Annotated[str, typer.Option(
-        "--routing", help="With --replicas: kv (lowest estimated time to first token from the replicas' KV events), "
-        "round-robin, random, least-load or session.")] = "kv",
+        "--routing", help="Among the replicas of --replicas, or the prefill workers of --pd: kv (lowest estimated "
+        "time to first token from their KV events), round-robin, random, least-load or session.")] = "kv",
     launcher: Annotated[str, typer.Option(
         "--launcher", help="With --pd or --replicas: local (processes of this command) or ray (Ray "
         "actors).")] = "local",
@@ -166,7 +166,7 @@ def _serve_deployment(resolved, args: list[str], secrets: dict[str, str], replic
 
         return serve_replicas(replicas, args, resolved.host, resolved.port, secrets.get("SAGE_API_KEY"), routing,
                               resolved.tiers.disk_path, launcher, ray_address, secrets, resolved.model.path)
-    return _serve_pd(resolved, args, secrets, launcher, ray_address)
+    return _serve_pd(resolved, args, secrets, launcher, ray_address, routing)
 
 
 def _check_replicas(replicas: int | None, routing: str, pd: str | None, role: str | None, launcher: str) -> None:
@@ -174,15 +174,17 @@ def _check_replicas(replicas: int | None, routing: str, pd: str | None, role: st
     from sage_infer.router.replicas import check_routing
 
     if replicas is None:
-        if routing != "kv":
-            raise UsageError("--routing chooses among the replicas of --replicas N: give --replicas too")
+        if routing != "kv" and pd is None:
+            raise UsageError("--routing chooses among the replicas of --replicas N or the prefill workers of --pd "
+                             "xPyD: give one")
+        check_routing(routing)
         return
     check_routing(routing)
     if replicas < 1:
         raise UsageError(f"--replicas {replicas}: expected at least 1")
     if pd is not None:
-        raise UsageError("--replicas with --pd (N prefill and M decode replicas behind one router) is not "
-                         "implemented yet; use one of them")
+        raise UsageError("--replicas with --pd: --pd xPyD already runs x prefill and y decode replicas behind one "
+                         "router (--routing chooses among the prefill ones); leave out --replicas")
     if role is not None:
         raise UsageError("--replicas starts its own replicas: leave out --role")
 
@@ -217,14 +219,16 @@ def _worker_args(resolved, model, preset, config, kv_transport, kv_tiers, sets,
     return args, secrets
 
 
-def _serve_pd(resolved, args: list[str], secrets: dict[str, str], launcher="local", ray_address=None) -> int:
+def _serve_pd(resolved, args: list[str], secrets: dict[str, str], launcher="local", ray_address=None,
+              routing: str = "kv") -> int:
     """`--pd xPyD`: the workers get `args`; the router takes this command's host, port, key and `router` section."""
     from sage_infer.router.launch import serve_pd
 
     transport = resolved.kv_transport
     group = transport.process_group if transport.backend == "torchdist" else None
     return serve_pd(resolved.pd, args, resolved.host, resolved.port, secrets.get("SAGE_API_KEY"),
-                    resolved.tiers.disk_path, resolved.router, launcher, ray_address, group, secrets)
+                    resolved.tiers.disk_path, resolved.router, launcher, ray_address, group, secrets, routing,
+                    resolved.model.path)
 
 
 @app.command("router")
@@ -238,14 +242,15 @@ def router(
         "--decode). A vLLM server publishing its KV events (--kv-events-config, publisher zmq): "
         "URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T], routed by its cached blocks.")] = None,
     routing: Annotated[str, typer.Option(
-        "--routing", help="With --replica: kv, round-robin, random, least-load or session.")] = "kv",
+        "--routing", help="Among the --replica servers, or the --prefill workers: kv, round-robin, random, "
+        "least-load or session.")] = "kv",
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", help="Require this bearer token from clients, send it to the workers (or SAGE_API_KEY).")] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(
-        "--tokenizer", help="With --replica and kv routing: the served model's directory; the router tokenizes text "
-        "prompts itself to hash them (without it, it asks a replica for each prompt's hashes).")] = None,
+        "--tokenizer", help="With kv routing: the served model's directory; the router tokenizes text prompts "
+        "itself to hash them (without it, it asks a worker for each prompt's hashes).")] = None,
 ) -> None:
     """One OpenAI endpoint in front of running servers: whole-model replicas (--replica, routed by their KV
     events), or prefill and decode workers: sage servers (--role prefill|decode) or vLLM servers with a P/D KV
@@ -270,20 +275,21 @@ def router(
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port}: expected 0-65535")
     key = api_key or os.environ.get("SAGE_API_KEY") or None
+    if tokenizer is not None:
+        from sage_infer.models.loader import resolve_model_dir
+
+        resolve_model_dir(tokenizer)  # a missing directory: one line, exit 2
     if replica:
         check_routing(routing)
         probe_replicas(list(fleet), key)
         vllm_events = {url: endpoints for url, endpoints in fleet.items() if endpoints is not None}
-        if tokenizer is not None:
-            from sage_infer.models.loader import resolve_model_dir
-
-            resolve_model_dir(tokenizer)  # a missing directory: one line, exit 2
         raise typer.Exit(serve_fleet(list(fleet), host, port, key, routing, vllm_events=vllm_events,
                                      model_path=str(tokenizer) if tokenizer else None,
                                      local_tokenizer=tokenizer is not None))
-    if routing != "kv":
-        raise UsageError("--routing chooses among --replica servers; a P/D router picks workers by prefix and load")
-    raise typer.Exit(serve_router(list(prefill or []), list(decode or []), host, port, key))
+    check_routing(routing)
+    raise typer.Exit(serve_router(list(prefill or []), list(decode or []), host, port, key, routing=routing,
+                                  model_path=str(tokenizer) if tokenizer else None,
+                                  local_tokenizer=tokenizer is not None))
 
 
 @app.command("generate")

@@ -74,6 +74,18 @@ class Replica:
     naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
     recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`WORK_DECAY`)
 
+    def take(self, queued_tokens: int) -> None:
+        """A request sent here: in flight until it finishes, its prompt tokens to compute queued until its first
+        token."""
+        self.outstanding += 1
+        self.queued_tokens += queued_tokens
+
+    def release(self, queued_tokens: int, finished: bool = True) -> None:
+        """Its first token came (`finished` False: it still decodes here), or it ended."""
+        self.queued_tokens -= queued_tokens
+        if finished:
+            self.outstanding -= 1
+
 
 @dataclass(frozen=True, slots=True)
 class Hit:

@@ -8,17 +8,17 @@ stream) goes back to the client unchanged. Requests P/D cannot split (several pr
 completions call) and requests arriving while no prefill worker is up go to a decode worker
 whole: it computes their prompts itself.
 
-The prefill worker is chosen by prefix overlap: with more than one up, the router asks each
-(``POST /v1/kv/match``, side-effect free) how many of the prompt's tokens it holds cached, and
-sends the request to the one holding most, unless it is much busier than the least loaded one
-(then load wins). Decode workers are chosen by least outstanding requests (and, under strategy
+The prefill worker is chosen as a fleet router chooses a replica (`router.fleet`, policy
+`--routing`, kv by default): the prefill workers push their KV events (every tier) into one index,
+and the router sends each prompt where its estimated time to first token is lowest — the prefix a
+worker holds (and where) against the work queued there; the prediction is checked against the
+cached tokens the prefill worker reports. Decode workers are chosen by least outstanding requests (and, under strategy
 slo, measured TPOT). A worker that fails a call is skipped for a few seconds. Errors are
 OpenAI-style JSON: a worker's own 4xx passes through; a decode worker found unreachable before it
 answered is replaced by another one that is up (the request is retried there), else it is a 503.
 
 The parts: `PDRouter` takes a request through admission, its prefill worker and its decode
-worker; `PrefillCacheFollower` keeps the router's view of each prefill worker's cache from its
-events; `_DecodeRelay` carries one streamed answer to the client; `build_router` is their HTTP face.
+worker; `_DecodeRelay` carries one streamed answer to the client; `build_router` is their HTTP face.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,10 +36,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from sage_infer.config.serve import RouterConfig
+from sage_infer.kv_policy.routing import Request as RouteRequest
+from sage_infer.kv_policy.routing import Route
 from sage_infer.router.admission import Admission, Slo
+from sage_infer.router.fleet import FleetRouter
 from sage_infer.router.http import (
     CALL_TIMEOUT,
-    MATCH_FIELDS,
     asking_for_usage,
     completion_tokens,
     encode,
@@ -52,70 +55,70 @@ from sage_infer.router.http import (
     worker_headers,
 )
 from sage_infer.router.instances import Instance, Instances
-from sage_infer.router.metrics import RouterMetrics
+from sage_infer.router.local_prompts import LocalPrompts
+from sage_infer.router.metrics import FleetMetrics
 from sage_infer.server.body import validate_body
 from sage_infer.server.openai_errors import APIError, check_bearer
 from sage_infer.server.pd_auth import sign_pull
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
-MATCH_TIMEOUT_S = 0.5  # a worker's answer to "what are this prompt's block hashes?"
-EVENTS_POLL_S = 0.1  # how often the router asks each prefill worker what its prefix cache stored and removed
-EVENTS_TIMEOUT_S = 2.0
-BALANCE_SLACK = 4  # the best-overlap worker is skipped when it has this many more requests than the least loaded
 ROUTER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")  # read by the router, not sent to workers
 
 
-class PrefillCacheFollower:
-    """Keeps each prefill worker's view of its cached blocks current from its ``/v1/kv/events``, polled every
-    `EVENTS_POLL_S`; the view is what `PDRouter.choose_prefill` scores prompts against."""
+@dataclass(slots=True)
+class Prefill:
+    """A prefill worker chosen for a request and, when the fleet's policy chose it, what it predicted there."""
 
-    def __init__(self, workers: list[Instance], client: httpx.AsyncClient, headers: dict,
-                 metrics: RouterMetrics) -> None:
-        self.workers, self.client, self.headers, self.metrics = workers, client, headers, metrics
+    worker: Instance
+    route: Route | None = None
+    described: RouteRequest | None = None
+    sent: float = field(default_factory=time.monotonic)
 
-    async def run(self) -> None:
-        while True:
-            for worker in self.workers:
-                if worker.up:
-                    await self.poll(worker)
-            await asyncio.sleep(EVENTS_POLL_S)
-
-    async def poll(self, worker: Instance) -> None:
-        """Fold the events `worker` published since the last poll into its view."""
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """The request's prompt tokens queued at the worker (as the policy sees it) while it computes them."""
+        if self.route is None:
+            yield
+            return
+        self.route.replica.take(self.route.compute_tokens)
         try:
-            reply = await self.client.get(f"{worker.url}/v1/kv/events", params={"since": worker.events_next},
-                                          headers=self.headers, timeout=EVENTS_TIMEOUT_S)
-            if reply.status_code == 200:
-                worker.apply(reply.json())
-                self.metrics.cached_blocks.labels(worker.url).set(len(worker.cached))
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass  # a worker that is down is found by the calls that need it; its view waits
+            yield
+        finally:
+            self.route.replica.release(self.route.compute_tokens)
+
+    def check(self, fleet: FleetRouter | None, usage: dict) -> None:
+        """The prefill worker answered: its cached tokens check the prediction, its time refines the rates."""
+        if fleet is not None and self.route is not None:
+            fleet.check_prediction(self.route, self.described, usage)
+            fleet.first_token(self.route, time.monotonic() - self.sent)
 
 
 class PDRouter:
     """Routes OpenAI requests over prefill and decode `instances`; `api_key` is required from clients and sent
     to workers; `config` sets admission (how many requests run at the decode workers, who goes next)."""
 
-    def __init__(self, instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> None:
+    def __init__(self, instances: Instances, api_key: str | None = None, config: RouterConfig | None = None,
+                 routing: str = "kv", prompts: LocalPrompts | None = None) -> None:
         self.instances, self.api_key = instances, api_key
-        self.metrics = RouterMetrics()
+        self.metrics = FleetMetrics()
         self.admission = Admission(config or RouterConfig(), len(instances.decode))
         self.metrics.waiting.set_function(lambda: len(self.admission.waiting))
         self.headers = worker_headers(api_key)
         self.client = httpx.AsyncClient(timeout=CALL_TIMEOUT)
-        self.follower = PrefillCacheFollower(instances.prefill, self.client, self.headers, self.metrics)
-        self._following: asyncio.Task | None = None
+        # the prefill workers as a fleet (only worth it when there is a choice between them)
+        prefill = [w.url for w in instances.prefill]
+        self.prefill_fleet = FleetRouter(prefill, routing, api_key, prompts=prompts, metrics=self.metrics) \
+            if len(prefill) > 1 else None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Follow the prefill workers' caches (only worth it when there is a choice between them)."""
-        if len(self.instances.prefill) > 1:
-            self._following = asyncio.create_task(self.follower.run())
+        if self.prefill_fleet is not None:
+            await self.prefill_fleet.start()
 
     async def stop(self) -> None:
-        if self._following is not None:
-            self._following.cancel()
+        if self.prefill_fleet is not None:
+            await self.prefill_fleet.stop()
         await self.client.aclose()
 
     def authorize(self, request: Request) -> None:
@@ -128,9 +131,9 @@ class PDRouter:
         self.authorize(request)
         body = await read_body(request)
         splittable = path != "/v1/completions" or not several_prompts(body)
-        return await self.route(path, body, splittable)
+        return await self.route(path, body, splittable, request.headers)
 
-    async def route(self, path: str, body: dict, splittable: bool) -> Response:
+    async def route(self, path: str, body: dict, splittable: bool, headers: Mapping[str, str]) -> Response:
         """Admit the request (it may wait for a decode worker slot), then dispatch it; it leaves admission when its
         answer is complete (a stream: when its relay ends)."""
         # the workers' own checks first: a body the decode worker would refuse must not get as far as a prefill
@@ -142,7 +145,7 @@ class PDRouter:
         slo = self.admission.slo(body, time.monotonic())
         await self.admission.enter(body, slo.arrival)
         try:
-            response = await self.dispatch(path, body, splittable, slo)
+            response = await self.dispatch(path, body, splittable, slo, headers)
         except BaseException:
             self.admission.leave()
             raise
@@ -153,44 +156,33 @@ class PDRouter:
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    async def prompt_hashes(self, worker: Instance, body: dict) -> dict | None:
-        question = {k: body[k] for k in MATCH_FIELDS if k in body}
-        try:
-            reply = await self.client.post(f"{worker.url}/v1/kv/hashes", content=encode(question),
-                                           headers=self.headers, timeout=MATCH_TIMEOUT_S)
-        except httpx.HTTPError:
-            return None
-        return reply.json() if reply.status_code == 200 else None
-
-    async def choose_prefill(self, body: dict, tried: set[str]) -> Instance | None:
-        """The prefill worker whose cache (as its events tell) holds the longest prefix of this prompt, unless
-        it is busier than the least loaded one by more than `BALANCE_SLACK` requests; else the least loaded."""
+    async def choose_prefill(self, body: dict, tried: set[str], headers: Mapping[str, str]) -> Prefill | None:
+        """The prefill worker the fleet's policy picks among those up and not tried (the least loaded while no
+        worker's events have come in yet); None when none is left."""
         live = [w for w in self.instances.prefill if w.up and w.url not in tried]
-        if len(live) <= 1:
-            return live[0] if live else None
-        least = min(live, key=lambda w: w.outstanding)
-        prompt = await self.prompt_hashes(least, body)  # any worker hashes a prompt the same way
-        if prompt is None:
-            return least
-        hashes = prompt["hashes"]
-        best = max(live, key=lambda w: (w.overlap(hashes), -w.outstanding))
-        blocks = best.overlap(hashes)
-        chosen = best if blocks and best.outstanding <= least.outstanding + BALANCE_SLACK else least
-        self.metrics.prompt_tokens.inc(prompt["prompt_tokens"])
-        self.metrics.overlap_tokens.inc(chosen.overlap(hashes) * prompt["tokens_per_hash"])
-        return chosen
+        if len(live) <= 1 or self.prefill_fleet is None:
+            return Prefill(live[0]) if live else None
+        fleet = self.prefill_fleet
+        described = await fleet.describe(body, headers)
+        route = fleet.policy.route(described, exclude={w.url for w in self.instances.prefill} - {w.url for w in live})
+        if route is None:
+            return Prefill(min(live, key=lambda w: w.outstanding))
+        if route.moved:
+            self.metrics.moved.inc()
+        return Prefill(next(w for w in live if w.url == route.replica.name), route, described)
 
-    async def prefill(self, path: str, body: dict) -> dict | None:
+    async def prefill(self, path: str, body: dict, headers: Mapping[str, str]) -> dict | None:
         """Run the prompt on a prefill worker, holding its KV: the decode worker's kv_transfer_params, or
         None when no prefill worker could (the decode worker then computes the prompt itself)."""
         tried: set[str] = set()
-        while (worker := await self.choose_prefill(body, tried)) is not None:
+        while (chosen := await self.choose_prefill(body, tried, headers)) is not None:
+            worker = chosen.worker
             tried.add(worker.url)
             first = {**body, "stream": False, "n": 1, "max_tokens": 1,
                      "kv_transfer_params": {"do_remote_decode": True}}
             first.pop("stream_options", None)
             first.pop("max_completion_tokens", None)
-            with self.track(worker):
+            with self.track(worker), chosen.queued():
                 try:
                     reply = await self.call(worker, path, first)
                 except APIError:
@@ -200,6 +192,7 @@ class PDRouter:
                 continue
             if reply.status_code != 200:
                 raise passthrough(reply)  # the request itself is wrong: the decode worker would say the same
+            chosen.check(self.prefill_fleet, usage_of(reply))
             return self.pull_params(worker, reply.json().get("kv_transfer_params") or {})
         return None
 
@@ -212,9 +205,10 @@ class PDRouter:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    async def dispatch(self, path: str, body: dict, splittable: bool, slo: Slo) -> Response:
+    async def dispatch(self, path: str, body: dict, splittable: bool, slo: Slo,
+                       headers: Mapping[str, str]) -> Response:
         forwarded = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
-        params = await self.prefill(path, forwarded) if splittable else None
+        params = await self.prefill(path, forwarded, headers) if splittable else None
         if params is None:
             self.metrics.colocated.inc()
         second = {**forwarded, "kv_transfer_params": params} if params else forwarded
@@ -398,9 +392,11 @@ class _DecodeRelay:
         self.router.admission.leave()
 
 
-def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None) -> FastAPI:
-    """The router app over `instances`; `api_key` is required from clients and sent to workers."""
-    router = PDRouter(instances, api_key, config)
+def build_router(instances: Instances, api_key: str | None = None, config: RouterConfig | None = None,
+                 routing: str = "kv", prompts: LocalPrompts | None = None) -> FastAPI:
+    """The router app over `instances`; `api_key` is required from clients and sent to workers; `routing` chooses
+    among the prefill workers, `prompts` tokenizes prompts here for it (`router.local_prompts`)."""
+    router = PDRouter(instances, api_key, config, routing, prompts)
     app = router_app("sage_infer router", router)
     app.state.instances, app.state.metrics = instances, router.metrics
 

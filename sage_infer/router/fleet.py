@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -94,7 +94,7 @@ class FleetRouter:
 
     def __init__(self, urls: list[str], routing: str = "kv", api_key: str | None = None,
                  seed: int | None = None, vllm_events: dict[str, VllmEndpoints] | None = None,
-                 prompts: LocalPrompts | None = None) -> None:
+                 prompts: LocalPrompts | None = None, metrics: FleetMetrics | None = None) -> None:
         urls = [u.rstrip("/") for u in urls]
         if not urls:
             raise ValueError("a fleet router needs at least one replica")
@@ -106,7 +106,7 @@ class FleetRouter:
         self.policy = Router(self.index, routing, seed)
         self.api_key = api_key
         self.prompts = prompts  # tokenizes text and messages here (else a replica is asked for their hashes)
-        self.metrics = FleetMetrics()
+        self.metrics = metrics or FleetMetrics()
         self.headers = {"Content-Type": "application/json",
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.client: httpx.AsyncClient | None = None
@@ -205,11 +205,11 @@ class FleetRouter:
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def describe(self, body: dict, request: Request) -> RouteRequest:
+    async def describe(self, body: dict, headers: Mapping[str, str]) -> RouteRequest:
         """What the policy needs: under kv, the prompt's block hashes as the sage replicas name blocks (hashed here
         for token ids, and for text and messages the router tokenizes itself; else asked of one: it tokenizes and
         hashes as it caches) and as the vLLM replicas' events name them; under session, a session key."""
-        described = RouteRequest(prompt_tokens=0, session=_session_key(body, request))
+        described = RouteRequest(prompt_tokens=0, session=_session_key(body, headers))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
         if self.hash_here(body, described):
@@ -276,7 +276,7 @@ class FleetRouter:
         body = await read_body(request)
         validate_body(body, CompletionRequest if path == "/v1/completions" else ChatCompletionRequest)
         started = time.perf_counter()
-        described = await self.describe(body, request)
+        described = await self.describe(body, request.headers)
         tried: set[str] = set()
         while (route := self.policy.route(described, exclude=tried)) is not None:
             tried.add(route.replica.name)
@@ -296,20 +296,16 @@ class FleetRouter:
     def enter(self, link: ReplicaLink, route: Route, described: RouteRequest) -> int:
         """Count the request at its replica; the prompt tokens it will compute there (queued until its first
         token)."""
-        replica = link.replica
-        queued = max(0, described.prompt_tokens - route.hit.blocks * route.tokens_per_block)
-        replica.outstanding += 1
-        replica.queued_tokens += queued
+        queued = route.compute_tokens
+        link.replica.take(queued)
         self.metrics.routed.labels(link.url, "replica").inc()
-        self.metrics.outstanding.labels(link.url, "replica").set(replica.outstanding)
+        self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
         return queued
 
     def leave(self, link: ReplicaLink, queued: int, finished: bool = True) -> None:
-        replica = link.replica
-        replica.queued_tokens -= queued
+        link.replica.release(queued, finished)
         if finished:
-            replica.outstanding -= 1
-            self.metrics.outstanding.labels(link.url, "replica").set(replica.outstanding)
+            self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
 
     def check_prediction(self, route: Route, described: RouteRequest, usage: dict) -> None:
         reported = cached_tokens(usage)
@@ -449,12 +445,12 @@ class _Relay:
         self.router.leave(self.link, 0 if self.first else self.queued)
 
 
-def _session_key(body: dict, request: Request) -> str:
+def _session_key(body: dict, headers: Mapping[str, str]) -> str:
     """The request's session: its ``user``, an ``X-Session-Id`` header, else the start of its prompt."""
     user = body.get("user")
     if isinstance(user, str) and user:
         return "user:" + user
-    header = request.headers.get("x-session-id")
+    header = headers.get("x-session-id")
     if header:
         return "session:" + header
     start = body.get("messages") if "messages" in body else body.get("prompt")

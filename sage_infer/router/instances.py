@@ -18,30 +18,10 @@ class Instance:
     failures: int = 0
     down_until: float = 0.0
     down_reason: str | None = None
-    cached: set[str] = field(default_factory=set)  # short hashes of the blocks its prefix cache holds (events)
-    events_next: int = -1  # the next event to ask it for (-1: start from its whole current set)
     tpot_s: float | None = None  # decode: moving average of seconds per output token the router measured
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot_s = seconds if self.tpot_s is None else TPOT_WEIGHT * seconds + (1 - TPOT_WEIGHT) * self.tpot_s
-
-    def apply(self, reply: dict) -> None:
-        """Fold one /v1/kv/events answer into `cached`."""
-        if reply["reset"]:
-            self.cached.clear()
-        for event in reply["events"]:
-            if event[0] == "+":
-                self.cached.add(event[1:])
-            else:
-                self.cached.discard(event[1:])
-        self.events_next = reply["next"]
-
-    def overlap(self, hashes: list[str]) -> int:
-        """Leading blocks of a prompt (its chain of hashes) this worker holds, by its events."""
-        n = 0
-        while n < len(hashes) and hashes[n] in self.cached:
-            n += 1
-        return n
 
     @property
     def up(self) -> bool:

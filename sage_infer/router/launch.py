@@ -155,11 +155,12 @@ def stop_workers(workers: list[Worker], timeout: float = 20.0) -> None:
 def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: str | None,
              disk_path: str | None = None, router: RouterConfig | None = None, launcher: str = "local",
              ray_address: str | None = None, process_group: ProcessGroupConfig | None = None,
-             secrets: dict[str, str] | None = None) -> int:
+             secrets: dict[str, str] | None = None, routing: str = "kv", model_path: str | None = None) -> int:
     """Run the deployment until SIGINT/SIGTERM; exit code 0. `launcher`: local (subprocesses of this
     command, which inherit its environment) or ray (Ray actors, see `router.ray_launch`, whose workers
     get `secrets` as environment variables). `process_group`: the workers' torchdist group settings
-    (None: their KV goes over another backend)."""
+    (None: their KV goes over another backend). `routing` chooses among the prefill workers, hashing prompts with
+    the tokenizer of `model_path` (None: the demo)."""
     num_prefill, num_decode = parse_pd(spec)
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
@@ -173,25 +174,32 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
     else:
         workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)
         stop = lambda: stop_workers(workers)  # noqa: E731
+    def announce(bound: int) -> str:
+        return (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 ({num_prefill} prefill + "
+                f"{num_decode} decode workers, prefill routing {routing}: "
+                f"{', '.join(f'{w.name} {w.url}' for w in workers)})")
+
     try:
         return serve_router([w.url for w in workers if w.role == "prefill"],
                             [w.url for w in workers if w.role == "decode"], host, port, api_key, router,
-                            lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
-                                           f"({num_prefill} prefill + {num_decode} decode workers: "
-                                           f"{', '.join(f'{w.name} {w.url}' for w in workers)})"))
+                            announce, routing, model_path)
     finally:
         stop()
 
 
 def serve_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, api_key: str | None,
-                 router: RouterConfig | None = None, announce=None) -> int:
+                 router: RouterConfig | None = None, announce=None, routing: str = "kv",
+                 model_path: str | None = None, local_tokenizer: bool = True) -> int:
     """Run the router over running workers until SIGINT/SIGTERM; exit code 0. The workers may be sage servers
     (``--role prefill|decode``) or any server speaking vLLM's ``kv_transfer_params`` (vLLM with a P/D connector,
-    e.g. SageKVConnector as kv_producer / kv_consumer)."""
+    e.g. SageKVConnector as kv_producer / kv_consumer). `routing` chooses among the prefill workers; with
+    `local_tokenizer`, kv routing hashes prompts with the tokenizer of `model_path` (None: the demo)."""
     from sage_infer.router.app import build_router
+    from sage_infer.router.local_prompts import local_prompts
     from sage_infer.server.launch import http_server, run_announced
 
-    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, router)
+    prompts = local_prompts(model_path) if local_tokenizer and routing == "kv" and len(prefill_urls) > 1 else None
+    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, router, routing, prompts)
     server = http_server(app, host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

@@ -19,8 +19,6 @@ class RouterMetrics:
                                  registry=r)
         self.prompt_tokens = Counter("sage:router_prompt_tokens", "Prompt tokens of requests routed by prefix "
                                      "overlap.", registry=r)
-        self.cached_blocks = Gauge("sage:router_cached_blocks", "Blocks a prefill worker's prefix cache holds, "
-                                   "as its events tell the router.", ["instance"], registry=r)
         self.waiting = Gauge("sage:router_waiting", "Requests waiting in the router for a decode worker slot.",
                              registry=r)
         self.overlap_tokens = Counter("sage:router_overlap_tokens", "Of those, tokens already cached on the "
