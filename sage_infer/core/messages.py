@@ -133,6 +133,8 @@ class EngineStats:
     kv_transfers: tuple[tuple[str, int, int, int, float], ...] = ()
     kv_transfer_expired_holds: int = 0  # prefill: held KV no decode instance asked for in time
     kv_transfer_hash_mismatches: int = 0  # decode: transfers whose block hashes differed from the prompt's
+    # mixture-of-experts models: (layer, expert, tokens routed to it since start), each sparse layer's every expert
+    moe_expert_tokens: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

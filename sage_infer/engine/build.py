@@ -509,6 +509,9 @@ def use_deterministic(model_config, model: torch.nn.Module, device: torch.device
     if device.type != "cpu":
         raise ConfigError(f"model.deterministic: batch-invariant steps are built for CPU devices (device is "
                           f"{device.type})", hint="leave model.deterministic at false")
+    for module in model.modules():  # MoE experts: one linear pair each, so that each is row-tiled too
+        if hasattr(module, "split_linears"):
+            module.split_linears()
     tile_linears(model, DETERMINISTIC_ROWS)
     _report(ResolvedValue("model.deterministic", "on", f"{describe_tiling(model)}; every query row on the paged "
                                                        "decode kernel"))

@@ -239,9 +239,15 @@ class LLMEngine:
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
             **self.kv.source_stats(),
+            moe_expert_tokens=self._expert_tokens(),
             **self._quota_stats(),
             **(self.pd.stats() if self.pd is not None else {}),
         )
+
+    def _expert_tokens(self) -> tuple[tuple[int, int, int], ...]:
+        """An MoE model's tokens routed per layer and expert (`MoeForCausalLM.expert_tokens`); () for a dense one."""
+        load = getattr(self.runner.model, "expert_tokens", None)
+        return tuple((layer, e, n) for layer, counts in load() for e, n in enumerate(counts)) if load else ()
 
     def _quota_stats(self) -> dict:
         quota = self.kv.index.quota if self.kv.index is not None else None

@@ -4,7 +4,10 @@
 A config.json with a ``quantization_config`` (compressed-tensors, weight-only int4 / int8) loads
 its quantized linears as `QuantLinear` (the reference path: dequantize, then F.linear); the
 engine may swap them for CPU kernels afterwards (`sage_infer.layers.quant_linear.use_quant_kernels`).
-Anything else in a quantization_config is a ModelLoadError naming the field."""
+Anything else in a quantization_config is a ModelLoadError naming the field; so are quantized MoE experts.
+
+A tensor whose name no parameter has goes where the model's ``checkpoint_target`` says: MoE checkpoints store
+each expert's weights apart, and the model stacks them (`sage_infer.models.moe`)."""
 
 from __future__ import annotations
 
@@ -138,6 +141,7 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     compressed: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in quantized}
+    filled: dict[str, int] = {}  # elements of a parameter stacked from several tensors (MoE experts) copied so far
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -148,17 +152,7 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
                     if prefix in compressed and name not in params:  # weight_packed, weight_scale, ...; not bias
                         compressed[prefix][suffix] = handle.get_tensor(name)
                         continue
-                    if name not in params:
-                        raise ModelLoadError(f"{file}: unexpected tensor {name!r} for this architecture")
-                    tensor = handle.get_tensor(name)
-                    if tensor.shape != params[name].shape:
-                        raise ModelLoadError(
-                            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(params[name].shape)}"
-                        )
-                    with torch.no_grad():
-                        params[name].copy_(tensor)
-                    loaded.add(name)
+                    _copy_tensor(model, params, file, name, handle.get_tensor(name), loaded, filled)
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: cannot read safetensors: {err}") from None
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
@@ -180,6 +174,51 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
         setattr(parent, child, QuantLinear(qw, None if linear.bias is None else linear.bias.detach()))
 
 
+def _copy_tensor(model: nn.Module, params: dict[str, nn.Parameter], file: Path, name: str, tensor: torch.Tensor,
+                 loaded: set[str], filled: dict[str, int]) -> None:
+    """Copy checkpoint tensor `name` into its parameter: the one of that name, else where the model's
+    ``checkpoint_target`` puts it (a renamed parameter, or one expert's rows of a stacked expert weight, which
+    counts as loaded once every element of it was copied)."""
+    target, index = name, None
+    if name not in params:
+        rule = getattr(model, "checkpoint_target", None)
+        found = rule(name) if rule is not None else None
+        if found is None or found[0] not in params:
+            raise ModelLoadError(f"{file}: unexpected tensor {name!r} for this architecture")
+        target, index = found
+    dest = params[target] if index is None else params[target][index]
+    if tensor.shape != dest.shape:
+        raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+    if index is None:
+        loaded.add(target)
+        return
+    filled[target] = filled.get(target, 0) + tensor.numel()
+    if filled[target] == params[target].numel():
+        loaded.add(target)
+
+
+def moe_quantized_linears(files: list[Path], quantized: dict[str, ConfigGroup]) -> dict[str, ConfigGroup]:
+    """An MoE checkpoint's quantized linears: those of `quantized` (what quantization_config targets) that it
+    stores quantized (its routers match a "Linear" target but are kept float). One that stores experts quantized
+    is refused in one line naming a tensor: sage runs experts from float weights only."""
+    from safetensors import SafetensorError, safe_open
+
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                names.update(handle.keys())
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: cannot read the safetensors header: {err}") from None
+    experts = sorted(n for n in names if ".experts." in n and not n.endswith((".weight", ".bias")))
+    if experts:
+        raise ModelLoadError(f"{files[0].parent}: {experts[0]!r}: quantized MoE experts are not implemented yet "
+                             "(serve the float checkpoint, or one whose quantization_config ignores the experts)")
+    return {prefix: group for prefix, group in quantized.items() if f"{prefix}.weight_scale" in names}
+
+
 def load_model(
     path: str | Path | None, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, ArchConfig, Path]:
@@ -192,6 +231,8 @@ def load_model(
     with torch.device("meta"):
         model = build_model(cfg)
     quantized = quantized_linears(model, quant)
+    if quant is not None and getattr(model, "is_moe", False):
+        quantized = moe_quantized_linears(files, quantized)
     if cfg.tie_word_embeddings and "lm_head" in quantized:
         raise ModelLoadError(f"{directory / 'config.json'}: quantization_config quantizes lm_head, which this "
                              f"model ties to its embeddings (add lm_head to quantization_config.ignore)")

@@ -75,6 +75,13 @@ class _EngineCollector:
         yield from self._tiers(stats, labels, value)
         yield from self._quotas(stats, labels, value)
         yield from _transfer_families(stats, labels, value)
+        if stats.moe_expert_tokens:
+            experts = CounterMetricFamily("sage:moe_expert_tokens", "Tokens routed to each expert of each "
+                                          "mixture-of-experts layer (a token counts once per expert of its top-k).",
+                                          labels=[*labels, "layer", "expert"])
+            for layer, expert, n in stats.moe_expert_tokens:
+                experts.add_metric([*value, str(layer), str(expert)], n)
+            yield experts
         yield from (running, waiting, usage, queries, hits, lower, failures, preemptions)
 
     @staticmethod

@@ -1,0 +1,147 @@
+"""Mixture-of-experts layers: a router that picks each token's top-k experts, and the experts of a step run
+grouped, so each expert's weights are read once per step whatever the batch.
+
+Shapes: T = tokens of the step, H = hidden size, E = experts, K = experts per token (top-k), I = an expert's
+intermediate size. An expert is a gated MLP ``down(silu(gate(x)) * up(x))`` with gate and up stacked into one
+weight: `FusedExperts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], the layout (and the names) of
+transformers' own MoE modules and of vLLM's fused MoE.
+
+A step's (token, expert) pairs are sorted by expert (`group_by_expert`); each expert with tokens runs one
+product over its rows; the rows, scaled by their routing weights, are summed back into their tokens in expert
+order (what transformers computes, pair for pair). This is the reference and the oracle: a faster path is
+checked against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, K] float32, expert ids [T, K]): the softmax over all experts in float32,
+    its top-k, divided by their sum when `renormalize` (``norm_topk_prob``; Mixtral's top-k then softmax is the
+    same numbers)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass(slots=True)
+class ExpertGroups:
+    """A step's (token, expert) pairs sorted by expert: pair ``i`` of the sorted order is flattened pair
+    ``order[i]`` (token ``order[i] // K``); expert ``e``'s rows are ``spans`` entry ``(e, start, end)``."""
+
+    order: torch.Tensor  # [T*K] long: flattened (token, slot) pairs in expert order
+    tokens: torch.Tensor  # [T*K] long: the token of each sorted pair
+    counts: list[int]  # [E] pairs routed to each expert this step
+    spans: list[tuple[int, int, int]]  # (expert, start, end) of each expert with at least one pair
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """ids [T, K] -> the pairs sorted by expert (stable: within an expert, in token order)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the step's one host sync: the spans' sizes
+    spans, start = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            spans.append((expert, start, start + n))
+            start += n
+    return ExpertGroups(order, order // ids.shape[1], counts, spans)
+
+
+class FusedExperts(nn.Module):
+    """E gated-MLP experts, gate and up stacked: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+
+    `split_linears` turns them into one `nn.Linear` pair per expert (``gate_up[e]``, ``down[e]``), which the
+    engine then packs for the CPU kernels like every other linear (`model.linear`); the grouped product is the
+    same either way."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up: nn.ModuleList | None = None
+        self.down: nn.ModuleList | None = None
+
+    def split_linears(self) -> bool:
+        """One `nn.Linear` pair per expert in place of the stacked weights (each a view of them: nothing is
+        copied). False, and nothing changed, when already split."""
+        if self.gate_up is not None:
+            return False
+        weights = [(self.gate_up_proj[e].detach(), self.down_proj[e].detach()) for e in range(self.num_experts)]
+        self.gate_up = nn.ModuleList(_linear(w13) for w13, _ in weights)
+        self.down = nn.ModuleList(_linear(w2) for _, w2 in weights)
+        del self.gate_up_proj, self.down_proj
+        return True
+
+    def expert(self, e: int, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """Expert `e` over rows x [N, H] -> [N, H]."""
+        if self.gate_up is not None:
+            return ops.gated_mlp(self.gate_up[e], self.down[e], x)
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
+                ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
+        outputs times their weights (in the weights' dtype, then x's), summed in expert order."""
+        rows = x.index_select(0, groups.tokens)
+        out = torch.empty_like(rows)
+        for e, start, end in groups.spans:  # one product per expert with tokens: its weights read once
+            out[start:end] = self.expert(e, rows[start:end], ops)
+        scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, groups.tokens, scaled)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP as a mixture of experts: the router ``gate`` [E, H], the ``experts``, and where the
+    model has one (Qwen2-MoE) a ``shared_expert`` every token runs, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    `expert_tokens` counts the (token, expert) pairs routed to each expert since start: the load ``/metrics``
+    reports (``sage:moe_expert_tokens``)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_expert: nn.Module | None = None, weights_in_hidden_dtype: bool = True) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        # transformers rounds the top-k weights to the hidden dtype before scaling (Qwen, OLMoE), Mixtral not
+        self.weights_in_hidden_dtype = weights_in_hidden_dtype
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.expert_tokens = [0] * num_experts
+
+    def fuse_projections(self) -> int:
+        """Before packing (`model.linear`): each expert a pair of linears, the shared expert's gate/up stacked;
+        how many linears were fused."""
+        self.experts.split_linears()
+        return self.shared_expert.fuse_projections() if self.shared_expert is not None else 0
+
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """x [T, H] (the layer's normed input) -> [T, H]."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.weights_in_hidden_dtype:
+            weights = weights.to(x.dtype)
+        groups = group_by_expert(ids, len(self.expert_tokens))
+        self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, groups.counts)]
+        out = self.experts(x, weights, groups, ops)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
+        return out

@@ -1,0 +1,162 @@
+"""Mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE) made by
+transformers: sage's greedy tokens equal transformers' `generate` for a batch of prompts of different lengths
+with prefix caching on; the engine declines the dense-only C++ decode step and says why; /metrics counts the
+tokens routed to each expert of each sparse layer; quantized experts are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.backends.offline import llm_config
+from sage_infer.models.loader import ModelLoadError
+from sage_infer.quantization.compressed_tensors import quantization_config
+from sage_infer.quantization.weights import WeightScheme
+from tests.server_fixture import running_server
+from tests.tiny_models import save_tokenizer
+
+MAX_NEW = 8
+NEAR_TIE = 1e-4
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+TOP_K = 2
+# family -> (config class, model class, its MoE fields); three layers so the Qwen sparse-layer rules matter
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=48)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32, clip_qkv=1.5)),
+}
+SPARSE_LAYERS = {"qwen3_moe": [0, 2], "qwen2_moe": [1], "mixtral": [0, 1, 2], "olmoe": [0, 1, 2]}
+
+
+def make_tiny_moe(directory, family: str, seed: int = 0):
+    """A random `family` checkpoint (3 layers, top-2) saved with a tokenizer; the transformers model. Routers and
+    experts get weights large enough that the routing and the experts' outputs decide the greedy tokens."""
+    config_cls, model_cls, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{
+        **dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+               tie_word_embeddings=False, num_experts_per_tok=TOP_K), **fields})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name and "norm" not in name:
+                param.normal_(0, 0.15)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    save_tokenizer(directory, 512)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny_moe(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param) / "model"
+    return request.param, directory, make_tiny_moe(directory, request.param)
+
+
+def prompts_with_a_shared_prefix(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 500) for _ in range(32)]  # two full 16-token blocks
+    return [system + [rng.randrange(5, 500) for _ in range(n)] for n in (1, 7, 20, 3)]
+
+
+def hf_greedy(hf, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens for each prompt alone, with its logits at each step."""
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                              pad_token_id=2, output_scores=True, return_dict_in_generate=True)
+        expected.append((out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores)[:, 0]))
+    return expected
+
+
+def assert_same_as_hf(expected: list[tuple[list[int], torch.Tensor]], outputs) -> None:
+    """Token for token, except after a near-tie in transformers' own logits (then the rest may differ)."""
+    for (want, scores), output in zip(expected, outputs):
+        got = output.outputs[0].token_ids
+        assert len(got) == MAX_NEW
+        for pos, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                top2 = scores[pos].topk(2).values
+                assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {pos}: {got} vs transformers' {want}"
+                break
+
+
+def test_greedy_tokens_match_transformers_with_prefix_hits(tiny_moe):
+    family, directory, hf = tiny_moe
+    llm = LLM(str(directory), dtype="fp32", num_blocks=64)
+    prompts = prompts_with_a_shared_prefix()
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)  # one batch of three lengths, the shared blocks from the cache
+    assert all(o.metrics.num_cached_tokens == 32 for o in rest)
+    assert_same_as_hf(hf_greedy(hf, prompts), first + rest)
+    decided = {d.field: d for d in llm.engine.decisions}
+    assert decided["model.decode_step"].value == "python"
+    assert "experts" in decided["model.decode_step"].reason
+    load = llm.engine.runner.model.expert_tokens()
+    assert [layer for layer, _ in load] == SPARSE_LAYERS[family]
+    computed = sum(len(p) - o.metrics.num_cached_tokens + MAX_NEW - 1 for p, o in zip(prompts, first + rest))
+    assert all(sum(counts) == computed * TOP_K for _, counts in load)
+
+
+def test_reference_path_and_deterministic_steps_match_transformers(tmp_path):
+    """model.linear / elementwise / attention torch: the stacked experts' PyTorch products; chunked prefill mixes
+    prefill and decode rows in a step. Then model.deterministic: every expert its own row-tiled linears."""
+    hf = make_tiny_moe(tmp_path, "qwen2_moe")
+    prompts = prompts_with_a_shared_prefix(seed=3)
+    expected = hf_greedy(hf, prompts)
+    base = llm_config(str(tmp_path), dtype="fp32", num_blocks=64, max_num_batched_tokens=16)
+    for fields in (dict(linear="torch", elementwise="torch", attention="torch", prefill_attention="torch"),
+                   dict(deterministic=True)):
+        llm = LLM(config=base.model_copy(update={"model": base.model.model_copy(update=fields)}))
+        assert_same_as_hf(expected, llm.generate(prompts, GREEDY))
+    assert {d.field: d.value for d in llm.engine.decisions}["model.deterministic"] == "on"
+
+
+def test_metrics_count_tokens_per_expert_per_layer(tmp_path):
+    make_tiny_moe(tmp_path / "model", "qwen3_moe")
+    with running_server(tmp_path / "model") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        computed = 0
+        for prompt in ([7, 8, 9, 10, 11], list(range(40, 63))):
+            done = client.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+            computed += done.usage.prompt_tokens + done.usage.completion_tokens - 1
+        families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        samples = [s for f in families if f.name == "sage:moe_expert_tokens" for s in f.samples
+                   if s.name.endswith("_total")]
+    per_layer: dict[str, list[float]] = {}
+    for sample in samples:
+        per_layer.setdefault(sample.labels["layer"], []).append(sample.value)
+    assert sorted(per_layer) == ["0", "2"]  # layer 1 is in mlp_only_layers: dense
+    assert all(len(counts) == 8 and sum(counts) == computed * TOP_K for counts in per_layer.values())
+
+
+def test_quantized_experts_are_refused_in_one_line(tmp_path):
+    make_tiny_moe(tmp_path, "mixtral")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"  # stored as a W8A16 checkpoint stores a linear
+    weight = tensors.pop(name)
+    tensors[name.replace(".weight", ".weight_packed")] = weight.to(torch.int8)
+    tensors[name.replace(".weight", ".weight_scale")] = torch.ones(weight.shape[0], 1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = quantization_config(WeightScheme(8))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.w1\.weight_packed.*quantized MoE experts are not "
+                                             r"implemented yet"):
+        LLM(str(tmp_path), dtype="fp32", num_blocks=16)
