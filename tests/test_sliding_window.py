@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from sage_infer import LLM, SamplingParams
+from sage_infer.config.auto import ModelFacts, resolve_max_model_len
 from sage_infer.config.serve import ServeConfig
 from sage_infer.layers.attention_kinds import AttentionKind, kind_decode_attention, kind_prefill_attention
 from sage_infer.models.arch_config import ArchConfig
@@ -25,12 +26,20 @@ PATHS = {"reference": REFERENCE, "auto": {}}  # auto: every fast path the engine
 
 
 def hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's MAX_NEW greedy tokens from transformers' full forward (no KV cache: every step recomputes the
+    whole sequence), on one thread (a tiny model: more only contend)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                              pad_token_id=2)
-            out.append(ids[0, len(prompt):].tolist())
+    try:
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = list(prompt)
+                for _ in range(MAX_NEW):
+                    ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+                out.append(ids[len(prompt):])
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -74,7 +83,8 @@ def test_mistral_context_is_max_position_embeddings_and_a_prompt_longer_than_the
     assert decided["model.max_model_len"].reason == "auto: the model's max_position_embeddings"
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 24 and out.outputs[0].finish_reason == "length"
-    assert engine(directory, max_model_len=1024, **REFERENCE).engine.max_model_len == 1024
+    explicit = ServeConfig.model_validate({"model": {"max_model_len": 1024}})
+    assert resolve_max_model_len(explicit, ModelFacts("fp32", 1024, sliding_window=WINDOW)).value == 1024
 
 
 def test_the_window_changes_transformers_tokens_for_these_prompts(mistral):

@@ -1,0 +1,76 @@
+"""Gemma 2 and Gemma 3 (text) against transformers, fp32 greedy tokens: alternating sliding-window and full layers
+with prompts longer than the window, attention and final logit soft-capping (Gemma 2), query_pre_attn_scalar, the
+(1 + w) norms (random, so they matter), Gemma 3's q/k norms and its sliding layers' own rope theta; through the
+reference path and the fast paths the engine picks here, in a batch of mixed lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from sage_infer.models.arch_config import ArchConfig
+from tests.test_engine_vs_transformers import random_prompts
+from tests.test_sliding_window import PATHS, engine, hf_greedy, sage_greedy
+from tests.tiny_models import save_tokenizer
+
+WINDOW = 16
+LENGTHS = [40, 9, 33, 57]
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1,
+              pad_token_id=2, sliding_window=WINDOW, query_pre_attn_scalar=24)
+
+
+def gemma_config(arch: str):
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**COMMON, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    return transformers.Gemma3TextConfig(**COMMON, sliding_window_pattern=2, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model_cls = transformers.Gemma2ForCausalLM if request.param == "gemma2" else transformers.Gemma3ForCausalLM
+    hf = model_cls(gemma_config(request.param)).eval()
+    with torch.no_grad():  # norms start at zero (a scale of 1): random ones catch a norm taken as w, not 1 + w
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.5)
+    directory = tmp_path_factory.mktemp(request.param) / "model"
+    hf.save_pretrained(directory)
+    save_tokenizer(directory, COMMON["vocab_size"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    prompts = random_prompts(LENGTHS, seed=5)
+    return request.param, directory, prompts, hf_greedy(hf, prompts)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gemma_matches_transformers(gemma, path):
+    arch, directory, prompts, want = gemma
+    llm = engine(directory, **PATHS[path])
+    layers = llm.engine.runner.model.model.layers
+    assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
+    assert llm.engine.max_model_len == 1024
+    assert sage_greedy(llm, prompts) == want
+
+
+def test_gemma3_reads_the_old_config_style_local_rope_theta():
+    cfg = ArchConfig.from_hf({"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 8, "intermediate_size": 8,
+                              "num_hidden_layers": 6, "sliding_window": 512, "rope_theta": 1_000_000.0,
+                              "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                             "Gemma3ForCausalLM")
+    assert cfg.rope["rope_theta"] == 1_000_000.0 and cfg.rope["rope_type"] == "linear"
+    assert cfg.rope_local == {"rope_type": "default", "rope_theta": 10_000.0}
+    assert cfg.tie_word_embeddings and cfg.layer_windows == (512,) * 5 + (None,)
+
+
+def test_gemma_with_another_activation_is_refused_naming_the_field(tmp_path):
+    cfg = ArchConfig.from_hf({"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 8, "intermediate_size": 8,
+                              "num_hidden_layers": 2, "hidden_activation": "relu"}, "Gemma2ForCausalLM")
+    from sage_infer.models.registry import build_model
+
+    with pytest.raises(ValueError, match="hidden_activation: 'relu' is not built"):
+        build_model(cfg)
