@@ -13,10 +13,11 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
-    """One constraint: `kind` in KINDS and its `spec` (a JSON schema serialized with sorted keys, a regex, the
+    """One constraint: `kind` in KINDS and its `spec` (a JSON schema serialized in its own key order, a regex, the
     choices as a JSON list, a Lark or GBNF grammar; "" for json_object). `param` names the request field it came
-    from, for errors. `whitespace_flexible=False` allows no whitespace between JSON tokens (vLLM's
-    `disable_any_whitespace`). Build one with `sage_infer.structured`'s helpers (`json_schema`, `choice`, ...)."""
+    from, for errors. JSON is written on one line, with ", " and ": " as separators; `whitespace_flexible=False`
+    allows no whitespace at all (vLLM's `disable_any_whitespace`). Build one with `sage_infer.structured`'s
+    helpers (`json_schema`, `choice`, ...)."""
 
     kind: str
     spec: str

@@ -26,6 +26,9 @@ from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
 from sage_infer.scheduler.scheduler import Scheduler
 from sage_infer.spec_decode import SpecDecodeStats, accept
+from sage_infer.structured.constraints import StructuredOutputError
+from sage_infer.structured.grammar import compiler_for
+from sage_infer.structured.masks import PendingMasks, TokenMask
 
 log = logging.getLogger("sage_infer.engine")
 LOAD_POLL_S = 0.005  # an idle step waits this long for a lower-tier load before looking again
@@ -139,6 +142,7 @@ class LLMEngine:
             self.pd.check(transfer, params)
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         extra_key = self.extra_key(request.cache_salt)
+        grammars = self._grammar_matchers(params)
         seqs, detoks = [], []
         for i in range(params.n):
             generator = None
@@ -147,7 +151,7 @@ class LLMEngine:
                 generator = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
             seq = Sequence(next(self._seq_ids), request_id, i, list(token_ids), len(token_ids), params,
                            extra_key, priority=request.priority, cache_salt=request.cache_salt,
-                           arrival_time=arrival, generator=generator)
+                           arrival_time=arrival, generator=generator, grammar=grammars[i])
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, list(token_ids), params))
         self.requests[request_id] = _Request(request_id, request.prompt, list(token_ids), seqs, detoks,
@@ -158,6 +162,17 @@ class LLMEngine:
         self.scheduler.add_request(seqs)
         if transfer is not None and transfer.transfer_id is not None:
             self.pd.expect(seqs[0], transfer.transfer_id)
+
+    def _grammar_matchers(self, params: SamplingParams) -> list:
+        """Structured outputs: one grammar matcher per sequence of the request (None each when unconstrained).
+        The constraint is compiled once per process and cached (the server's check already did, usually)."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        try:
+            compiler = compiler_for(self.tokenizer, self.runner.model.config.vocab_size)
+            return [compiler.matcher(params.structured_outputs) for _ in range(params.n)]
+        except StructuredOutputError as err:
+            raise RequestError(f"{err.param}: {err}") from None
 
     def metrics_registries(self) -> list:
         """Prometheus registries of this engine's parts, for the server's /metrics (the KV pipe's transport)."""
@@ -291,15 +306,18 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = seq.num_cached_tokens
+        # structured outputs: the grammars' token masks are computed while the model runs
+        masks = PendingMasks.start(batch.seqs, batch.num_new_tokens, self.runner.model.config.vocab_size)
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
-        emitted = self._sample(logits, [batch.seqs[i] for i in rows])
+        emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)
         self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
                                            if seq.draft_token_ids})
         changed = self._append_outputs(emitted)
         self.scheduler.end_step()
         return self._collect(changed)
 
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> dict[Sequence, tuple[list[int], list]]:
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence],
+                token_mask: TokenMask | None = None) -> dict[Sequence, tuple[list[int], list]]:
         """Sample every logits row (`rows[r]`: its sequence; a sequence with speculative proposals has one row per
         verify position, in order) and verify the proposals (`spec_decode.accept`). Per sequence: the tokens it
         emits this step and their logprobs entries (empty unless it asked)."""
@@ -314,7 +332,7 @@ class LLMEngine:
         states = {seq: seq.generator.get_state() for seq in drafted
                   if seq.draft_token_ids and seq.generator is not None and not seq.params.greedy}
         out = self.sampler(logits, [s.params for s in rows], [s.prompt_token_ids for s in rows], histories,
-                           [s.generator for s in rows])
+                           [s.generator for s in rows], token_mask)
         emitted = {}
         for seq, first in drafted.items():
             drafts = seq.draft_token_ids
@@ -358,10 +376,21 @@ class LLMEngine:
                         seq.finish_reason, seq.stop_reason = "stop", detok.stopped_by
                     else:
                         self.scheduler.finish(seq, "stop", detok.stopped_by)
+                if seq.grammar is not None and not seq.is_finished:
+                    self._advance_grammar(seq, token)
                 if seq.is_finished:
                     self._on_finished(seq)
                     break
         return changed
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """Structured outputs: the sequence's matcher follows its output; a completed grammar ends it ("stop")."""
+        if not seq.grammar.accept(token):  # the mask forbade it: a bug, never the client's doing
+            log.error("request %s: token %d is outside its grammar (%s); ending it", seq.request_id, token,
+                      seq.grammar.error)
+            self.scheduler.finish(seq, "stop")
+        elif seq.grammar.is_finished:
+            self.scheduler.finish(seq, "stop")
 
     def _on_finished(self, seq: Sequence) -> None:
         """A sequence ended (stop, length, abort): flush its text; close the request when all ended."""

@@ -1,9 +1,9 @@
 """Turns one row of logits per running request into one token per request.
 
-Order, as in vLLM: penalties (repetition, presence, frequency) -> greedy rows take the argmax
-of the penalized logits -> temperature -> top-k -> top-p -> min-p -> sample. Everything is
-vectorized across the batch; only seeded rows draw their noise one row at a time, from their
-own `torch.Generator`, so a seeded request samples the same tokens whatever shares its batch.
+Order, as in vLLM: the grammar's token mask (structured outputs) -> penalties (repetition, presence,
+frequency) -> greedy rows take the argmax of the penalized logits -> temperature -> top-k -> top-p ->
+min-p -> sample. Everything is vectorized across the batch; only seeded rows draw their noise one row at a
+time, from their own `torch.Generator`, so a seeded request samples the same tokens whatever shares its batch.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.structured.masks import TokenMask
 
 # Below this a temperature's distribution is a one-hot in float32 anyway; dividing by it
 # would only overflow the logits to inf.
 _MIN_TEMPERATURE = 1e-5
+LOGPROB_FLOOR = -9999.0  # the logprob reported for a token with none (masked by a grammar)
 
 
 @dataclass(slots=True)
@@ -42,13 +44,16 @@ class Sampler:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        token_mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """logits: [batch, vocab] in any float dtype (computed in float32); the other
-        arguments have one entry per row."""
+        arguments have one entry per row. `token_mask`: the tokens each constrained row's grammar allows."""
         batch = logits.shape[0]
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators) == batch
         device = logits.device
         logits = logits.to(torch.float32, copy=True)  # never edit the caller's tensor in place
+        if token_mask is not None:
+            apply_token_mask(logits, token_mask)
         logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
 
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -68,6 +73,21 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids.tolist())
         return _with_logprobs(token_ids, raw_logprobs, params)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Sets to -inf every token a constrained row's grammar forbids. logits: [batch, vocab] float32, edited in
+    place; `mask.bitmask[i]` ([rows, ceil(vocab / 32)] int32, bit t of a row: token t allowed) is for row
+    `mask.rows[i]`. One vectorized unpack of the bits, on the constrained rows only."""
+    vocab = logits.shape[1]
+    bits = (mask.bitmask.unsqueeze(-1) >> _BIT) & 1  # [rows, words, 32]
+    forbidden = bits.view(len(mask.rows), -1)[:, :vocab].to(logits.device) == 0
+    rows = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
+    return logits
 
 
 def apply_penalties(
@@ -196,7 +216,9 @@ def _padded_ids(token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
-    """logprobs: [batch, vocab] log_softmax of the penalized logits."""
+    """logprobs: [batch, vocab] log_softmax of the penalized logits. A token a grammar forbids has -inf, reported
+    as LOGPROB_FLOOR (vLLM's -9999.0): JSON has no infinity."""
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     max_n = max(p.logprobs or 0 for p in params)
     top_values, top_ids = logprobs.topk(max_n, dim=-1)  # max_n == 0 gives [batch, 0]

@@ -26,6 +26,7 @@ from sage_infer.config.serve import SchedulerConfig
 from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.spec_decode import Proposer
+from sage_infer.spec_decode.grammar import grammar_allowed
 
 
 @dataclass(slots=True)
@@ -166,7 +167,7 @@ class Scheduler:
                 self.running.append(seq)
                 continue
             if num_new == 1 and seq.seq_id in proposals:
-                seq.draft_token_ids = proposals[seq.seq_id][:budget - 1]
+                seq.draft_token_ids = grammar_allowed(seq, proposals[seq.seq_id][:budget - 1])
                 num_new += len(seq.draft_token_ids)
             while not self.kv.allocate(seq, num_new):
                 if seq.draft_token_ids:  # proposals are the first thing to go when the pool is short

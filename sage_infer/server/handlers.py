@@ -39,8 +39,7 @@ class OpenAIHandlers:
         self.model_name = model.name
         self.validator = RequestValidator(model)
         self.logprobs = LogprobFormatter(model.tokenizer)
-        template = getattr(model.tokenizer, "chat_template", None)
-        self.chat_features = chat_features or ChatFeatures(chat_template=template)
+        self.chat_features = (chat_features or ChatFeatures()).bind(model)
         self._in_flight: set[asyncio.Queue] = set()  # the output queue of every request being answered
 
     def cut_off(self, message: str) -> int:
@@ -150,11 +149,12 @@ class OpenAIHandlers:
         self._check_model(body.model)
         prompts = body.prompts()
         transfer = self.pd.params(body, len(prompts), rid)
+        structured = await asyncio.to_thread(self.validator.structured_outputs, body)
         jobs = []
         for i, prompt in enumerate(prompts):
             ids = self.validator.token_ids(prompt)
             params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.max_tokens),
-                                                    body.logprobs)
+                                                    body.logprobs, structured)
             jobs.append(self._job(f"{rid}-{i}", prompt, ids, params, body, transfer))
         started = await self._start_pd(jobs, body, transfer)
         created = int(time.time())
@@ -249,9 +249,10 @@ class OpenAIHandlers:
             body.skip_special_tokens = False  # the format's markers are special tokens
         ids = self.validator.token_ids(text, "messages", add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        structured = await asyncio.to_thread(self.validator.structured_outputs, body)
+        structured = await asyncio.to_thread(self.chat_features.structured, shape, structured)
         params = self.validator.sampling_params(body, self.validator.max_tokens(len(ids), body.token_limit),
-                                                logprobs)
-        params = self.chat_features.constrain(params, shape)
+                                                logprobs, structured)
         transfer = self.pd.params(body, 1, rid)
         started = await self._start_pd([self._job(rid, text, ids, params, body, transfer)], body, transfer)
         created = int(time.time())

@@ -61,6 +61,46 @@ class KVSendRequest(BaseModel):
     kv_dtype: KVDtype | None = None  # the receiver's KV dtype, when it differs from the sender's
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``. `strict` is accepted and the schema enforced as written (as vLLM
+    does): a schema OpenAI's strict mode would refuse (optional properties, no additionalProperties) is served."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field("response", max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json (a schema), regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + this product's extras)."""
 
@@ -88,6 +128,21 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: KVTransferFields | None = None
+    # structured outputs (sage_infer.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, value):
+        if value is not None:
+            raise ValueError("not supported; use structured_outputs.disable_any_whitespace")
+        return value
 
     @field_validator("stop")
     @classmethod

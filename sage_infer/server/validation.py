@@ -8,9 +8,15 @@ import math
 
 from sage_infer.core.messages import ModelInfo
 from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.structured_outputs import StructuredOutputsParams
 from sage_infer.server.chat_messages import MessageError
 from sage_infer.server.openai_errors import APIError
 from sage_infer.server.protocol import ChatCompletionRequest, SamplingFields
+from sage_infer.structured.constraints import StructuredOutputError
+from sage_infer.structured.grammar import compiler_for
+from sage_infer.structured.request_constraint import constraint_from_request
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class RequestValidator:
@@ -91,8 +97,25 @@ class RequestValidator:
                 else "the chat template failed to render these messages"
             raise APIError(400, f"cannot apply the chat template: {message}", "messages") from None
 
+    def structured_outputs(self, body: SamplingFields) -> StructuredOutputsParams | None:
+        """The output constraint the body asks for (`response_format`, `structured_outputs` or a `guided_*`
+        field), compiled once here (cached for the engine) so that a malformed schema, an unsupported feature or
+        one that compiles too long is a 400 naming the field. Blocking: call it off the event loop."""
+        try:
+            spec = constraint_from_request(
+                response_format=body.response_format.model_dump(by_alias=True) if body.response_format else None,
+                structured_outputs=body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+                if body.structured_outputs else None,
+                guided={name: getattr(body, name) for name in GUIDED_FIELDS})
+            if spec is not None:
+                compiler_for(self.tokenizer, self.vocab_size).compile(spec)
+        except StructuredOutputError as err:
+            raise APIError(400, f"{err.param}: {err}", err.param) from None
+        return spec
+
     @staticmethod
-    def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The body's sampling fields as engine `SamplingParams` (a bad combination is a 400)."""
         try:
             return SamplingParams(
@@ -105,7 +128,7 @@ class RequestValidator:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
                 ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, structured_outputs=structured,
             )
         except ValueError as err:  # SamplingParams' messages name the field and its range
             raise APIError(400, str(err)) from None

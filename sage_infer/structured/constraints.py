@@ -28,7 +28,7 @@ def json_schema(schema: dict | bool | str, *, whitespace_flexible: bool = True,
             raise StructuredOutputError(f"the JSON schema is not valid JSON: {err}", param) from None
     if not isinstance(schema, dict | bool):
         raise StructuredOutputError("a JSON schema must be an object (or true/false)", param)
-    spec = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    spec = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are written in schema order
     return StructuredOutputsParams("json", spec, whitespace_flexible, param)
 
 
@@ -69,7 +69,7 @@ def grammar(text: str, *, param: str = "structured_outputs.grammar") -> Structur
 
 def lark_json(schema: dict) -> str:
     """A JSON schema as a Lark rule body (``%json {...}``), to embed a JSON value in a grammar."""
-    return "%json " + json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
 def lark_literal(text: str) -> str:

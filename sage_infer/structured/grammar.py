@@ -26,6 +26,12 @@ from sage_infer.structured.matcher import GrammarMatcher
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a template matcher each: kilobytes to a few MB)
 DEFAULT_TIMEOUT_S = 10.0  # longest a compile may take before the request is refused
+# JSON's layout. Any run of whitespace between tokens (JSON's own rule) lets a model drawn to blank lines spend
+# its whole max_tokens there, and llguidance cannot bound a run; so by default a value is written on one line with
+# json.dumps' separators, and with `whitespace_flexible=False` (vLLM's disable_any_whitespace) with none at all.
+# A schema's own "x-guidance" options ({"whitespace_flexible": true}, ...) override both.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _COMPILE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sage-grammar")
 
 
@@ -39,7 +45,7 @@ class TokenizerSource(Protocol):
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet checked: `GrammarCompiler.compile` does)."""
-    defaults = {"whitespace_flexible": spec.whitespace_flexible}
+    defaults = JSON_LAYOUT if spec.whitespace_flexible else JSON_COMPACT
     try:
         if spec.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, defaults=defaults)

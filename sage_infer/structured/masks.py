@@ -47,11 +47,18 @@ def fill_bitmask(entries: list[tuple[GrammarMatcher, list[int]]], vocab_size: in
     num_rows = sum(1 + len(drafts) for _, drafts in entries)
     words = bitmask_words(vocab_size)
     bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)  # rows after a forbidden proposal: never kept
-    jobs, row = [], 0
+    plain, drafted, row = [], [], 0
     for matcher, drafts in entries:
-        jobs.append((matcher.ll, row, list(drafts)))
+        if drafts:
+            drafted.append((matcher.ll, row, list(drafts)))
+        else:
+            plain.append((matcher.ll, row))
         row += 1 + len(drafts)
-    _executor().unsafe_compute_mask_ptr_with_draft_token(jobs, bitmask.data_ptr(), words * 4, num_rows)
+    executor = _executor()
+    if plain:
+        executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, num_rows)
+    if drafted:
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), words * 4, num_rows)
     return bitmask
 
 
