@@ -54,6 +54,8 @@ def test_gemma_matches_transformers(gemma, path):
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
     assert llm.engine.max_model_len == 1024
+    decided = {d.field: d.value for d in llm.engine.decisions}
+    assert decided.get("model.elementwise", "torch") == "torch"  # the fused passes are the Llama family's
     assert sage_greedy(llm, prompts) == want
 
 

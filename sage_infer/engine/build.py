@@ -156,7 +156,7 @@ class EngineBuilder:
         use_host_malloc(config.model.host_malloc, device)
         if device.type == "cpu":
             use_cpu_kernels()
-        self.fused = use_fused_elementwise(config.model.elementwise, device)
+        self.fused = use_fused_elementwise(config.model.elementwise, device, model)
         try:
             self.tokenizer = Tokenizer.from_dir(self.directory)
         except (FileNotFoundError, ValueError) as err:
@@ -365,12 +365,15 @@ def use_cpu_kernels() -> str | None:
     return level
 
 
-def use_fused_elementwise(choice: str, device: torch.device) -> bool:
+def use_fused_elementwise(choice: str, device: torch.device, model: torch.nn.Module | None = None) -> bool:
     """`model.elementwise`: whether the model runs its norms, rotary and silu·mul as the C++ passes of
-    `sage_infer.layers.elementwise.FusedOps`."""
+    `sage_infer.layers.elementwise.FusedOps` (a model whose `fused_elementwise_unavailable` says why not runs its own
+    PyTorch ops)."""
     if choice == "torch":
         return False
     why = f"the fused ops are CPU-only (device is {device.type})" if device.type != "cpu" else kernel_unavailable()
+    if why is None and hasattr(model, "fused_elementwise_unavailable"):
+        why = model.fused_elementwise_unavailable()
     return _fast_path("model.elementwise", choice, why, "fused", "norms, rotary and silu*mul as one C++ pass each")
 
 

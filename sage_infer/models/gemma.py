@@ -7,7 +7,8 @@ by ``1 + weight``, a norm after attention and around the MLP (pre/post feed-forw
 embeddings scaled by sqrt(hidden); Gemma 2 soft-caps attention scores and the logits; Gemma 3 normalizes q and k
 per head and gives its sliding layers their own rope theta (``rope_local_base_freq``).
 
-Every layer runs PyTorch elementwise ops (the step executor's fused ops are the Llama family's norms); attention
+Every layer runs PyTorch elementwise ops (the fused ones are the Llama family's: `model.elementwise` resolves to torch
+for Gemma, `fused_elementwise_unavailable`); attention
 goes through the step's backend like every model (`paged_attention`), each layer with its `AttentionKind`.
 
 Shapes: T = tokens in this step, H = query heads, KvH = KV heads, D = head_dim.
@@ -164,6 +165,10 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def fused_elementwise_unavailable(self) -> str:
+        """Why `model.elementwise: fused` does not apply: the fused passes are the Llama family's norms and MLP."""
+        return "Gemma's (1 + w) norms and GELU MLP run as PyTorch ops (the fused passes are the Llama family's)"
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         """The C++ decode step runs the Llama family's layers only."""
