@@ -42,14 +42,17 @@ def quantize_groups(w3: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     per (outer, inner) group. Codes are uint8 bytes of ``w3``'s elements in row-major order: ``[outer, group,
     inner]`` for fp8 / int8, ``[outer * group * inner / 2]`` for int4 (two per byte)."""
     qmax = _qmax(fmt)
-    amax = w3.abs().amax(1, keepdim=True)
+    # amax and amin, not abs().amax (a full-size temporary) nor aminmax (both measured ~2x and ~7x slower on CPU)
+    amax = torch.maximum(w3.amax(1, keepdim=True), w3.amin(1, keepdim=True).neg_())
     scale = amax.div_(qmax).clamp_(_FP16_SUBNORMAL, _FP16.max).to(PARAMS_DTYPE)
     w3.mul_(scale.float().reciprocal_()).clamp_(-qmax, qmax)
     if fmt in FP8_DTYPES:
         return w3.to(FP8_DTYPES[fmt]).view(torch.uint8), scale
+    # level + qmax + 0.5 lies in [0.5, 2 qmax + 0.5]: the truncating cast rounds the level half up
+    w3.add_(qmax + 0.5)
     if fmt == "int8":
-        return w3.add_(qmax + 0.5).floor_().sub_(qmax).to(torch.int8).view(torch.uint8), scale  # signed
-    return pack_int4(w3.add_(qmax + 0.5).floor_().to(torch.uint8).view(-1)), scale  # round half up; 0..14
+        return w3.to(torch.uint8).sub_(qmax), scale  # wraps to the signed level's byte (two's complement)
+    return pack_int4(w3.to(torch.int8).view(torch.uint8).view(-1)), scale  # 0..14 (the int8 cast is faster)
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, fmt: str, out: torch.Tensor) -> torch.Tensor:
