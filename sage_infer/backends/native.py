@@ -39,6 +39,20 @@ log = logging.getLogger("sage_infer.server")
 _DEAD = "the engine stopped after an internal error; restart the server"
 
 
+@dataclass(frozen=True, slots=True)
+class _Retain:
+    """When a request finishes, retain its context's KV under `key` (a stored conversation turn)."""
+
+    key: str
+    cache_salt: str | None
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    key: str
+
+
 @dataclass(slots=True)
 class _Target:
     """Where the outputs of one request go: its asyncio queue, on the loop that owns it."""
@@ -56,7 +70,8 @@ class NativeBackend:
     def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[AddRequest | AbortRequest | GiveUpKV] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest | GiveUpKV | _Release] = queue.SimpleQueue()
+        self._retain: dict[str, _Retain] = {}  # request id -> what to retain when it finishes (under _lock)
         self._targets: dict[str, _Target] = {}  # every request added and not yet finished
         self._lock = threading.Lock()  # guards _targets and _pending_adds across the two threads
         self._pending_adds = 0  # added on the loop, not yet applied by the engine thread
@@ -90,6 +105,7 @@ class NativeBackend:
         with self._lock:
             waiting = self.engine.num_waiting + self._pending_adds
             if waiting >= self.max_waiting:
+                self._retain.pop(request.request_id, None)
                 raise QueueFullError(f"{waiting} requests are waiting (max {self.max_waiting})")
             if request.request_id in self._targets:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
@@ -165,6 +181,34 @@ class NativeBackend:
         self._wake.set()
         self.engine.wake()
 
+    # -- conversations' KV (the Responses API's stored responses) ---------------------------
+
+    def enable_kv_retention(self, max_share: float) -> bool:
+        """Let `retain_kv` keep at most `max_share` of the device pool (before `start`); False without prefix
+        caching."""
+        return self.engine.sessions.enable(max_share)
+
+    def retain_kv(self, request_id: str, key: str, cache_salt: str | None, ttl_s: float) -> None:
+        """When `request_id` (not yet added) finishes, not aborted, retain the KV of its prompt and output under
+        `key` for `ttl_s`: eviction takes other cached blocks first."""
+        with self._lock:
+            self._retain[request_id] = _Retain(key, cache_salt, ttl_s)
+
+    def release_kv(self, key: str) -> None:
+        """End `key`'s retention (its blocks become ordinary cached blocks)."""
+        self._commands.put(_Release(key))
+        self._wake.set()
+
+    def _retain_finished(self, output: RequestOutput) -> None:
+        with self._lock:
+            retain = self._retain.pop(output.request_id, None)
+        if retain is None or output.error or len(output.outputs) != 1:
+            return
+        completion = output.outputs[0]
+        if completion.finish_reason in ("stop", "length"):  # the last token's KV is never computed
+            tokens = list(output.prompt_token_ids) + list(completion.token_ids[:-1])
+            self.engine.sessions.retain(retain.key, tokens, retain.cache_salt, retain.ttl_s)
+
     # -- beyond the protocol ------------------------------------------------------------
 
     @property
@@ -185,6 +229,8 @@ class NativeBackend:
             elif isinstance(command, AbortRequest):
                 if self.engine.abort_request(command.request_id):
                     self._deliver(self.engine.drain_finished())
+            elif isinstance(command, _Release):
+                self.engine.sessions.release(command.key)
             elif isinstance(command, GiveUpKV):
                 if self.engine.pd is not None:
                     self.engine.pd.give_up(command.transfer_id, command.why)
@@ -232,6 +278,7 @@ class NativeBackend:
         except RequestError as err:
             with self._lock:
                 del self._targets[command.request_id]
+                self._retain.pop(command.request_id, None)
             target.accepted.set_exception(InvalidRequestError(str(err)))
         except Exception as err:  # noqa: BLE001 - a bug met by one request fails that request, not the engine
             log.exception("adding request %s failed", command.request_id)
@@ -239,6 +286,7 @@ class NativeBackend:
                 self.engine.abort_request(command.request_id)  # frees whatever the add had taken
             with self._lock:
                 self._targets.pop(command.request_id, None)
+                self._retain.pop(command.request_id, None)
             self.failed_adds += 1
             target.accepted.set_exception(BackendError(f"the engine could not add this request: {err!r}"))
         else:
@@ -255,6 +303,8 @@ class NativeBackend:
             if output.finished:
                 with self._lock:
                     del self._targets[output.request_id]
+                if self._retain:
+                    self._retain_finished(output)
                 if self._on_finished is not None:
                     self._on_finished(output)
             if not _send(target, output) and not output.finished:

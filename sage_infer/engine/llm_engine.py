@@ -20,6 +20,7 @@ from sage_infer.engine.kv_transfer_role import KVTransferRole
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.engine.prefix_view import PrefixView
 from sage_infer.engine.sampler import Sampler, skip_draws
+from sage_infer.engine.session_kv import SessionKV
 from sage_infer.errors import RequestError
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.models.tokenizer import Tokenizer
@@ -88,6 +89,7 @@ class LLMEngine:
         self.decisions = parts.decisions  # every value the build decided, with its reason, in order
         self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key,
                                  self.runner.pool.num_blocks)
+        self.sessions = SessionKV(self.kv, self.extra_key)  # conversations' KV kept for their next turn
         self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified, tokens proposed and accepted

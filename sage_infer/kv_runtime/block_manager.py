@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager
+from sage_infer.kv_runtime.retention import KVRetention
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixReuseIndex
 
 
@@ -73,6 +74,7 @@ class BlockManager:
         if index is not None:
             index.bind_in_use(self._is_in_use)
         self._owner: list[bytes | None] = [None] * num_blocks  # tenant of each block, counted with quotas
+        self.retention: KVRetention | None = None  # cached blocks evicted only when nothing else is left
 
     @property
     def quota(self) -> QuotaManager | None:
@@ -251,7 +253,17 @@ class BlockManager:
     def _evict_one(self, tenant: bytes | None = None) -> EvictedBlock:
         """Unregister the policy's victim; its KV stays in the slot until the caller reuses it."""
         assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
-        evicted = self.index.evict_block(self._is_unreferenced, tenant)
+        retention = self.retention
+        evicted = None
+        if retention is not None and retention.num_blocks:
+            retention.expire()
+            hash_of = self.index.hash_of
+            evicted = self.index.evict_block(
+                lambda b: self.ref_counts[b] == 0 and not retention.holds(hash_of(b)), tenant)
+            if evicted is None:  # only retained blocks are left: the pool is never starved for them
+                retention.evicted_under_pressure += 1
+        if evicted is None:
+            evicted = self.index.evict_block(self._is_unreferenced, tenant)
         assert evicted is not None, "num_evictable_blocks promised an evictable block"
         self.num_tokens[evicted.block_id] = 0
         return evicted

@@ -1,0 +1,48 @@
+"""`SessionKV`: the KV a conversation's next turn will need, kept ahead of other traffic's (`kv_runtime.retention`).
+
+A front end that keeps a conversation (the Responses API's stored responses) names, when a turn finishes, the turn's
+whole context (prompt + generated tokens); the engine retains the device blocks holding it until the front end
+releases the key or its TTL passes. On the engine's thread only (the native backend applies it between steps).
+"""
+
+from __future__ import annotations
+
+from itertools import takewhile
+
+from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
+from sage_infer.kv_runtime.retention import KVRetention
+from sage_infer.prefix_reuse.hashing import ExtraKeys, hash_token_blocks
+
+
+class SessionKV:
+    """Retention of conversations' KV on one engine; off until `enable` (and always without prefix caching)."""
+
+    def __init__(self, kv: KVCacheManager, extra_key: ExtraKeys) -> None:
+        self._kv = kv
+        self._extra_key = extra_key
+        self.retention: KVRetention | None = None
+
+    def enable(self, max_share: float) -> bool:
+        """Retain at most `max_share` of the device pool's blocks at once; False without prefix caching."""
+        manager = self._kv.block_manager
+        if self._kv.index is None or not 0 < max_share <= 1:
+            return False
+        if self.retention is None:
+            self.retention = manager.retention = KVRetention(int(manager.num_blocks * max_share))
+        return True
+
+    def retain(self, key: str, token_ids: list[int], cache_salt: str | None, ttl_s: float) -> int:
+        """Retain the cached blocks of `token_ids` (tokens whose KV was computed) for `key`; how many blocks (the
+        chain from the first block up to the first one no longer cached)."""
+        if self.retention is None:
+            return 0
+        index = self._kv.index
+        hashes = hash_token_blocks(token_ids, self._kv.block_size, self._extra_key(cache_salt))
+        chain = list(takewhile(lambda h: index.block_of(h) is not None, hashes))
+        return self.retention.retain(key, chain, ttl_s)
+
+    def release(self, key: str) -> bool:
+        return self.retention.release(key) if self.retention is not None else False
+
+    def stats(self) -> dict[str, int]:
+        return self.retention.stats() if self.retention is not None else {}
