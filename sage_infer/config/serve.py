@@ -18,6 +18,7 @@ from pydantic import ByteSize, Field, SecretStr, field_validator, model_validato
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sage_infer.config.hardware import HardwareProfile, Strict
+from sage_infer.config.responses import ResponsesConfig
 from sage_infer.config.transport import KVTransportConfig
 from sage_infer.core.kv_schema import KVDtype
 
@@ -87,6 +88,14 @@ class ModelConfig(Strict):
         "batched with it (every linear product on fixed tiles of rows, every query row through the paged decode "
         "kernel, model.cascade_attention and the C++ decode step off). Slower; without it greedy output under load "
         "can differ from a solo run in near-tie tokens. CPU with the paged kernel (model.attention paged).")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="How tool calls are read from the model's text when a chat request gives tools "
+        "(tool_choice auto): hermes (Qwen / Hermes <tool_call>{json}</tool_call>), llama3_json (Llama 3 JSON), "
+        "mistral ([TOOL_CALLS]), auto (the format the chat template's text shows; none found: calls stay "
+        "content), none (never parsed). See docs/tools.md.")
+    reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+        "none", description="Split a reasoning model's <think>...</think> section off as reasoning_content: qwen3, "
+        "deepseek_r1 (whose answers start inside the section), none (all of the text is content).")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -353,6 +362,7 @@ class ServeConfig(BaseSettings):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_transport: KVTransportConfig = KVTransportConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     hardware: HardwareProfile | None = Field(None, description="The resolved hardware preset.")
 
     def preset_kv_dtype(self) -> KVDtype | None:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models,
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
 /health, /metrics, /version."""
 
 from __future__ import annotations
@@ -14,13 +14,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sage_infer import __version__
+from sage_infer.config.responses import ResponsesConfig
 from sage_infer.interfaces.backend import InferenceBackend
 from sage_infer.server.body import parse_body
+from sage_infer.server.chat_answer import ChatFeatures
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.kv_events import event_stream
 from sage_infer.server.metrics import ServerMetrics
 from sage_infer.server.openai_errors import APIError, check_bearer, error_response, openai_errors
 from sage_infer.server.protocol import ChatCompletionRequest, CompletionRequest, KVMatchRequest, KVSendRequest
+from sage_infer.server.responses.handlers import ResponsesHandlers
+from sage_infer.server.responses.routes import add_responses_routes
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -32,15 +36,18 @@ log = logging.getLogger("sage_infer.server")
 
 
 def build_app(backend: InferenceBackend, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, allowed_peers: Sequence[str] = ()) -> FastAPI:
-    """The app over `backend`; it uses nothing of the backend beyond `InferenceBackend`."""
+              max_body_bytes: int = MAX_BODY_BYTES, allowed_peers: Sequence[str] = (),
+              responses: ResponsesConfig | None = None, responses_dir: str | None = None,
+              chat_features: ChatFeatures | None = None) -> FastAPI:
+    """The app over `backend`; it uses nothing of the backend beyond `InferenceBackend` (and, for stored
+    responses' KV, its optional `retain_kv`). `responses_dir`: where stored responses persist (None: memory)."""
     # the schema is served below, behind the key; the P/D routes between workers are not in it
     app = FastAPI(title="sage_infer", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     model = backend.model_info()
     model_name = model.name
     metrics = ServerMetrics(backend, model_name)
     backend.on_finished(metrics.record_finished)
-    handlers = OpenAIHandlers(backend, metrics, api_key, allowed_peers)
+    handlers = OpenAIHandlers(backend, metrics, api_key, allowed_peers, chat_features)
     app.state.backend, app.state.metrics, app.state.accepting = backend, metrics, True
     app.state.closing = False  # set when a shutdown begins: long-lived streams (KV events) end then
     app.state.handlers = handlers  # `cut_off` when a shutdown's drain runs out (server/launch.py)
@@ -97,6 +104,8 @@ def build_app(backend: InferenceBackend, api_key: str | None = None,
         body = await body_of(request, ChatCompletionRequest)
         return await handlers.chat(body, f"chatcmpl-{uuid.uuid4().hex}")
 
+    app.state.responses = ResponsesHandlers(handlers, responses or ResponsesConfig(), responses_dir)
+    add_responses_routes(app, app.state.responses, authorize, accepting, body_of)
     _kv_routes(app, backend, handlers, authorize, body_of)
 
     return app

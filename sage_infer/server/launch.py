@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from sage_infer.config.serve import ServeConfig
 
@@ -39,13 +40,17 @@ def build_server(config: ServeConfig, drain_seconds: int | None = None, log_stat
     """
     from sage_infer.backends.registry import create_backend
     from sage_infer.server.api import build_app
+    from sage_infer.server.chat_answer import ChatFeatures
     from sage_infer.server.metrics import StatsLog
 
     drain_seconds = config.drain_timeout_s if drain_seconds is None else drain_seconds
     backend = create_backend(config)
     model_name = backend.model_info().name
     api_key = config.api_key.get_secret_value() if config.api_key else None
-    app = build_app(backend, api_key, allowed_peers=config.kv_transport.allowed_peers)
+    responses_dir = str(Path(config.tiers.disk_path) / "responses") if config.tiers.disk_path else None
+    chat_features = ChatFeatures(config.model.tool_call_parser, config.model.reasoning_parser)
+    app = build_app(backend, api_key, allowed_peers=config.kv_transport.allowed_peers, responses=config.responses,
+                    responses_dir=responses_dir, chat_features=chat_features)
     publisher = None
     if config.kv_events.publisher == "zmq":  # vLLM-format events for routers built for vLLM
         from sage_infer.server.kv_events_zmq import ZmqEventPublisher

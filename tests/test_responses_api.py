@@ -1,0 +1,232 @@
+"""`/v1/responses` on a real server (demo model, loopback) through the official `openai` client: create, retrieve,
+continue with `previous_response_id` (served from the kept conversation and its retained KV), streamed events, delete,
+`store: false`, tenant isolation, the store's bounds, persistence next to the disk tier, function calls and
+`text.format` through the chat endpoint's parsers and grammars, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response
+from prometheus_client.parser import text_string_to_metric_families
+
+from sage_infer.config.responses import ResponsesConfig
+from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
+from sage_infer.server.api import build_app
+from sage_infer.server.launch import build_server, http_server
+from tests.server_fixture import serving
+
+FIRST = "Speak, friend, and enter the hall of the king, for the night is cold."
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    return tmp_path_factory.mktemp("responses-disk")
+
+
+@pytest.fixture(scope="module")
+def server(disk):
+    """The demo model with a 24-block device pool (other traffic evicts a conversation unless it is retained), a disk
+    tier (stored responses persist next to it), and a store of at most 6 responses."""
+    config = ServeConfig(model=ModelConfig(dtype="fp32"), kv_pool=KVPoolConfig(num_blocks=24),
+                         scheduler=SchedulerConfig(max_num_seqs=4), port=0,
+                         tiers=TierConfig(host_bytes=0, disk_path=str(disk / "kv"), disk_bytes=1 << 24),
+                         responses=ResponsesConfig(max_stored=6, ttl_s=600))
+    http, backend, name = build_server(config, drain_seconds=2)
+    with serving(http) as url:
+        yield url, name, http.config.app
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="key-a", max_retries=0)
+
+
+def create(client, server, **kwargs) -> Response:
+    kwargs.setdefault("max_output_tokens", 12)
+    return client.responses.create(model=server[1], temperature=0, **kwargs)
+
+
+def flood(client, server, n: int = 6) -> None:
+    """Other traffic: distinct prompts of 5 blocks each through the 24-block pool."""
+    for i in range(n):
+        client.completions.create(model=server[1], prompt=[7 + (i * 53 + 3 * j) % 900 for j in range(80)],
+                                  max_tokens=1, temperature=0)
+
+
+def hits(url: str) -> tuple[float, float]:
+    """Prompt tokens served so far from the device's prefix cache, and loaded from a lower tier (/metrics)."""
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            found[sample.name] = sample.value
+    return found["sage:prefix_cache_hits_total"], found["sage:prefix_cache_lower_hits_total"]
+
+
+def test_create_retrieve_and_continue_hits_the_first_turns_kv_after_other_traffic(client, server):
+    play = "Answer as a player would."
+    first = create(client, server, input=FIRST, instructions=play, metadata={"scene": "1"})
+    assert first.status in ("completed", "incomplete") and first.output_text and first.metadata == {"scene": "1"}
+    assert first.id.startswith("resp_") and first.object == "response" and first.output[0].type == "message"
+    Response.model_validate(first.model_dump())  # the shape OpenAI's types define, strictly
+    again = client.responses.retrieve(first.id)
+    assert again.id == first.id and again.output_text == first.output_text
+    flood(client, server)  # would evict the first turn's blocks, were they not retained
+    # instructions are not carried to the next turn (as OpenAI does): the same ones are given again
+    before = hits(server[0])
+    second = create(client, server, input="And what of the queen?", previous_response_id=first.id, instructions=play)
+    after = hits(server[0])
+    assert second.previous_response_id == first.id
+    context = first.usage.input_tokens + first.usage.output_tokens - 1  # the last token's KV is never computed
+    assert second.usage.input_tokens > context
+    assert second.usage.input_tokens_details.cached_tokens >= context // 16 * 16 > 0
+    # from the device, where retention kept them, not loaded back from the disk tier
+    assert after[0] - before[0] >= context // 16 * 16 and after[1] == before[1]
+
+
+def test_the_next_turn_is_the_previous_context_plus_its_output_plus_the_new_input(client, server):
+    first = create(client, server, input=FIRST)
+    flood(client, server)
+    before = hits(server[0])
+    second = create(client, server, input="And what of the queen?", previous_response_id=first.id)
+    context = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens >= context // 16 * 16 > 0
+    assert hits(server[0])[0] - before[0] >= context // 16 * 16  # device hits (retained)
+    by_hand = client.responses.create(model=server[1], temperature=0, max_output_tokens=12, store=False, input=[
+        {"role": "user", "content": FIRST}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": [{"type": "input_text", "text": "And what of the queen?"}]}])
+    assert by_hand.usage.input_tokens == second.usage.input_tokens
+    assert by_hand.output_text == second.output_text
+
+
+def test_stream_events_parse_in_order_and_the_streamed_response_is_stored(client, server):
+    events = list(client.responses.create(model=server[1], input=FIRST, max_output_tokens=8, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    done = "response.incomplete" if kinds[-1] == "response.incomplete" else "response.completed"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          done]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text == events[-4].text and 1 <= final.usage.output_tokens <= 8
+    assert (final.status == "incomplete") == (final.usage.output_tokens == 8)  # cut by max_output_tokens
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(client, server):
+    unstored = create(client, server, input=FIRST, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        create(client, server, input="Go on.", previous_response_id=unstored.id)
+    assert err.value.body["param"] == "previous_response_id"
+    stored = create(client, server, input=FIRST)
+    client.responses.delete(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(stored.id)
+
+
+def test_another_tenant_can_neither_read_continue_nor_delete(client, server):
+    mine = create(client, server, input=FIRST, extra_body={"cache_salt": "tenant-a"})
+    for other in (openai.OpenAI(base_url=f"{server[0]}/v1", api_key="key-b", max_retries=0),  # another key
+                  client):  # the same key without the salt
+        with pytest.raises(openai.NotFoundError) as err:
+            other.responses.retrieve(mine.id)
+        assert err.value.body["type"] == "not_found_error"
+        with pytest.raises(openai.NotFoundError):
+            create(other, server, input="Go on.", previous_response_id=mine.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(mine.id)
+    salted = {"X-Cache-Salt": "tenant-a"}
+    assert client.responses.retrieve(mine.id, extra_headers=salted).id == mine.id
+    follow = create(client, server, input="Go on.", previous_response_id=mine.id, extra_body={"cache_salt": "tenant-a"})
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_the_store_keeps_at_most_max_stored_and_persists_next_to_the_disk_tier(client, server, disk):
+    ids = [create(client, server, input=f"Line {i}: {FIRST}", max_output_tokens=2).id for i in range(8)]
+    for old in ids[:2]:  # max_stored is 6: the oldest went, with their KV retention
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(old)
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+    store = server[2].state.responses.store
+    assert len(store) == 6 and sorted(p.stem for p in (disk / "kv" / "responses").glob("*.json")) == \
+        sorted(store._items)
+    # a restarted server over the same directory serves them (the engine here is the running one; the store is new)
+    app = build_app(server[2].state.backend, responses=ResponsesConfig(max_stored=6, ttl_s=600),
+                    responses_dir=str(disk / "kv" / "responses"))
+    with serving(http_server(app, "127.0.0.1", 0)) as url:
+        again = openai.OpenAI(base_url=f"{url}/v1", api_key="key-a", max_retries=0)
+        assert again.responses.retrieve(ids[-1]).output_text == client.responses.retrieve(ids[-1]).output_text
+        follow = create(again, server, input="Go on.", previous_response_id=ids[-1])
+        assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_an_expired_response_is_gone(client, server):
+    store = server[2].state.responses.store
+    response = create(client, server, input=FIRST)
+    store._items[response.id][0].expires_at = 0.0  # its TTL passed
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+WEATHER = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome", "Paris"]}}, "required": ["city"],
+                           "additionalProperties": False}}]
+
+
+def test_a_required_tool_choice_is_a_function_call_item_and_its_output_continues_the_conversation(client, server):
+    called = create(client, server, input="The weather in Rome?", tools=WEATHER, tool_choice="required",
+                    parallel_tool_calls=False, max_output_tokens=40)  # one call: the grammar ends after it
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and called.status == "completed"
+    assert json.loads(calls[0].arguments)["city"] in ("Rome", "Paris")
+    assert called.tools[0].name == "get_weather" and called.tool_choice == "required"
+    follow = create(client, server, previous_response_id=called.id, tools=WEATHER, input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.output[0].type == "message" and follow.usage.input_tokens_details.cached_tokens > 0
+    events = list(client.responses.create(model=server[1], input="And in Paris?", tools=WEATHER, temperature=0,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=40, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments)["city"] in ("Rome", "Paris")
+    assert events[-1].response.output[done[0].output_index].arguments == done[0].arguments
+
+
+def test_text_format_json_schema_constrains_the_output(client, server):
+    schema = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}}, "required": ["mood"],
+              "additionalProperties": False}
+    answer = create(client, server, input="How art thou?", max_output_tokens=30,
+                    text={"format": {"type": "json_schema", "name": "mood", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(answer.output_text), schema)
+    assert answer.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": [{"type": "input_image"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+     "text.format.schema"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": WEATHER, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
+    ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
+])
+def test_bad_input_is_an_openai_error_naming_the_field(server, body, param):
+    reply = httpx.post(f"{server[0]}/v1/responses", json={"model": server[1], **body})
+    assert reply.status_code == (404 if param == "previous_response_id" else 400)
+    assert reply.json()["error"]["param"] == param
