@@ -81,7 +81,7 @@ class GrammarCompiler:
                                                    eos_token=list(tokenizer.eos_token_ids) or None)
         self._cache: OrderedDict[str, llguidance.LLMatcher | StructuredOutputError] = OrderedDict()
         self._compiling: dict[str, Future] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a compile that ends at once stores its result from inside `compile`
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher at the grammar's start (a copy of the cached template)."""
@@ -89,7 +89,8 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The template matcher of `spec`, compiled once; raises `StructuredOutputError` (with `spec.param`) for
-        a malformed or unsupported constraint, or one that takes longer than `timeout_s` to compile."""
+        a malformed or unsupported constraint, or one still compiling after `timeout_s` (the compile goes on in
+        the background, one per constraint, and a later request finds its result in the cache)."""
         key = spec.key
         with self._lock:
             found = self._cache.get(key)
@@ -99,25 +100,26 @@ class GrammarCompiler:
                 future = self._compiling.get(key)
                 if future is None:
                     future = self._compiling[key] = _COMPILE_THREADS.submit(self._build, spec)
+                    future.add_done_callback(lambda done: self._store(key, done))
         if found is None:
-            found = self._wait(key, future, spec)
+            try:
+                found = future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                raise StructuredOutputError(f"the grammar took longer than {self.timeout_s:g} s to compile; "
+                                            "simplify it", spec.param) from None
         if isinstance(found, StructuredOutputError):
             raise StructuredOutputError(str(found), spec.param)  # the cached failure, named for this request
         return found
 
-    def _wait(self, key: str, future: Future, spec: StructuredOutputsParams):
-        try:
-            result = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            result = StructuredOutputError(f"the grammar took longer than {self.timeout_s:g} s to compile; "
-                                           "simplify the schema", spec.param)
+    def _store(self, key: str, done: Future) -> None:
+        """A compile ended: keep its result (a template or the reason it failed), the least recently used out."""
+        result = done.result() if done.exception() is None else \
+            StructuredOutputError(f"the grammar failed to compile: {done.exception()}")
         with self._lock:
             self._compiling.pop(key, None)
             self._cache[key] = result
-            self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return result
 
     def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher | StructuredOutputError:
         try:
