@@ -63,6 +63,7 @@ DOWN_FOR_S = 2.0  # a replica that failed a call is skipped this long (its event
 HEALTH_POLL_S = 1.0  # liveness of replicas that publish no events
 HASHES_TIMEOUT_S = 2.0
 SESSION_CHARS = 512  # of a prompt's start, the session key when the request names no user or session
+LONG_PROMPT_CHARS = 16_384  # a text prompt this long is tokenized on a worker thread
 MAX_EXTRA_KEYS = 4096  # (recipe, cache salt) pairs whose extra key the router keeps
 
 
@@ -212,7 +213,10 @@ class FleetRouter:
         described = RouteRequest(prompt_tokens=0, session=_session_key(body, headers))
         if not self.policy.needs_hashes or several_prompts(body):
             return described
-        if self.hash_here(body, described):
+        # a long text takes milliseconds to tokenize: off the event loop, which relays every other stream
+        hashed = await asyncio.to_thread(self.hash_here, body, described) if _long(body) \
+            else self.hash_here(body, described)
+        if hashed:
             await describe_for_vllm(self, body, described)
         else:  # two round trips at once where the fleet has both kinds: one to a sage replica, one to a vLLM one
             await asyncio.gather(self.ask_hashes(body, described), describe_for_vllm(self, body, described))
@@ -443,6 +447,18 @@ class _Relay:
         self.done = True
         await self.upstream.aclose()
         self.router.leave(self.link, 0 if self.first else self.queued)
+
+
+def _long(body: dict) -> bool:
+    """Whether tokenizing the prompt here is long work (its text passes `LONG_PROMPT_CHARS`)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) > LONG_PROMPT_CHARS
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)) \
+        > LONG_PROMPT_CHARS
 
 
 def _session_key(body: dict, headers: Mapping[str, str]) -> str:

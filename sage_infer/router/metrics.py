@@ -49,7 +49,8 @@ class FleetMetrics(RouterMetrics):
                                         registry=r)
         self.overhead = Histogram("sage:router_overhead_seconds", "The router's own time per request: from its body "
                                   "read to the call to the chosen replica (hash lookup and scoring included).",
-                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
+                                  buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                           0.25, 1.0), registry=r)
         self.replica_up = Gauge("sage:router_replica_up", "1 while a replica is in the routing, else 0.", ["instance"],
                                 registry=r)
         self.replica_blocks = Gauge("sage:router_replica_blocks", "Blocks a replica holds per medium, as its KV "
