@@ -5,15 +5,17 @@ logprobs in sage's shape, timings on this process's monotonic clock)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from sage_infer.core.messages import AddRequest
 from sage_infer.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sage_infer.core.sampling_params import SamplingParams
+from sage_infer.core.structured_outputs import StructuredOutputsParams as SageStructuredOutputs
 
 
 def sampling_params(params: SamplingParams) -> VLLMSamplingParams:
@@ -30,8 +32,18 @@ def sampling_params(params: SamplingParams) -> VLLMSamplingParams:
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.DELTA, structured_outputs=structured_outputs(params.structured_outputs),
     )
+
+
+def structured_outputs(spec: SageStructuredOutputs | None) -> StructuredOutputsParams | None:
+    """sage's output constraint as vLLM's (its own grammar backend compiles it; a Lark grammar goes to its
+    llguidance backend)."""
+    if spec is None:
+        return None
+    value = {"json": lambda: json.loads(spec.spec), "json_object": lambda: True, "regex": lambda: spec.spec,
+             "choice": lambda: json.loads(spec.spec), "grammar": lambda: spec.spec}[spec.kind]()
+    return StructuredOutputsParams(**{spec.kind: value}, disable_any_whitespace=not spec.whitespace_flexible)
 
 
 def logprob_entries(token_ids: list[int], entries, top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
