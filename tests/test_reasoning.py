@@ -22,7 +22,7 @@ QWEN3_PROMPT_NO_THINKING = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # e
 
 def test_deepseek_r1_answer_starts_inside_the_reasoning():
     parser = get_reasoning_parser("deepseek_r1")
-    reasoning, content = parser.split(R1, parser.opens(""))
+    reasoning, content = parser.split(R1, parser.state("") == "open")
     assert reasoning.strip() == "Okay, the user wants 2 + 2. That is basic arithmetic: 2 + 2 = 4."
     assert content.strip() == "2 + 2 = **4**."
 
@@ -34,14 +34,15 @@ def test_deepseek_r1_without_an_end_is_all_reasoning():
 
 def test_qwen3_reads_its_think_tags():
     parser = get_reasoning_parser("qwen3")
-    reasoning, content = parser.split(QWEN3_THINKING, parser.opens(""))
+    reasoning, content = parser.split(QWEN3_THINKING, parser.state("") == "open")
     assert reasoning.strip().startswith("Okay, the user asks") and content.strip().startswith("<tool_call>")
 
 
 def test_qwen3_reasoning_follows_the_prompt():
     parser = get_reasoning_parser("qwen3")
-    assert parser.opens(QWEN3_PROMPT_THINKING) and not parser.opens(QWEN3_PROMPT_NO_THINKING)
-    assert parser.split("The answer is 4.", parser.opens(QWEN3_PROMPT_NO_THINKING)) == ("", "The answer is 4.")
+    assert parser.state(QWEN3_PROMPT_THINKING) == "open" and parser.state(QWEN3_PROMPT_NO_THINKING) == "closed"
+    assert parser.state("<|im_start|>assistant\n") == "maybe"
+    assert parser.split("The answer is 4.", False) == ("", "The answer is 4.")
 
 
 def test_unknown_reasoning_parser_lists_the_known_ones():

@@ -24,8 +24,10 @@ from sage_infer.cli.options import (
     KVTransportOpt,
     ModelOpt,
     PresetOpt,
+    ReasoningParserOpt,
     SetOpt,
     SpeculativeOpt,
+    ToolCallParserOpt,
     resolve_flags,
 )
 
@@ -45,6 +47,8 @@ VLLM_STYLE_FLAGS = (
     ("scheduler.long_prefill_token_threshold", "--long-prefill-token-threshold", "long_prefill_token_threshold"),
     ("kv_pool.block_size", "--block-size", "block_size"),
     ("model.deterministic", "--deterministic", "deterministic"),
+    ("model.tool_call_parser", "--tool-call-parser", "tool_call_parser"),
+    ("model.reasoning_parser", "--reasoning-parser", "reasoning_parser"),
 )
 NAMED_FLAGS = (
     ("model.path", "--model", "model"), ("backend", "--backend", "backend"), ("host", "--host", "host"),
@@ -108,12 +112,15 @@ def serve(
     block_size: Annotated[Optional[int], typer.Option(
         "--block-size", help="Tokens per KV block (kv_pool.block_size).")] = None,
     deterministic: DeterministicOpt = None,
+    tool_call_parser: ToolCallParserOpt = None,
+    reasoning_parser: ReasoningParserOpt = None,
 ) -> None:
     """Start the OpenAI-compatible server (or, with --pd, a local prefill/decode deployment).
 
     The vLLM serve flags with the same meaning (--served-model-name, --max-model-len, --dtype,
     --kv-cache-memory-bytes, --gpu-memory-utilization, --enable-prefix-caching, --max-num-seqs,
-    --max-num-batched-tokens, --long-prefill-token-threshold, --block-size) are accepted, so one command line or
+    --max-num-batched-tokens, --long-prefill-token-threshold, --block-size, --tool-call-parser,
+    --reasoning-parser) are accepted, so one command line or
     bench script drives both."""
     given = dict(locals())  # every flag by parameter name, as typed (None: not given)
     vllm_style = {field: (flag, given[name]) for field, flag, name in VLLM_STYLE_FLAGS}

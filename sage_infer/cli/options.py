@@ -41,6 +41,16 @@ SpeculativeOpt = Annotated[
                  """'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, """
                  """"prompt_lookup_max": 5}'."""),
 ]
+ToolCallParserOpt = Annotated[
+    Optional[str],
+    typer.Option("--tool-call-parser", help="How tool calls are read from the model's text (model.tool_call_parser): "
+                 "hermes, llama3_json, mistral, auto (the chat template's own format; default), none."),
+]
+ReasoningParserOpt = Annotated[
+    Optional[str],
+    typer.Option("--reasoning-parser", help="Split <think>...</think> off as reasoning_content "
+                 "(model.reasoning_parser): qwen3, deepseek_r1, none (default)."),
+]
 DeterministicOpt = Annotated[
     Optional[bool],
     typer.Option("--deterministic", help="Batch-invariant output (model.deterministic): a request's tokens and "

@@ -6,14 +6,19 @@ the chat template shows) and gives each request its `AnswerShape`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from sage_infer.core.messages import ModelInfo
+from sage_infer.core.structured_outputs import StructuredOutputsParams
 from sage_infer.server.openai_errors import APIError
 from sage_infer.server.protocol import ChatCompletionRequest
 from sage_infer.server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from sage_infer.server.tool_parsers import ToolCallStream, ToolParser, detect_tool_parser, get_tool_parser
 from sage_infer.server.tool_parsers.choice import ToolChoice, tool_choice_of
-from sage_infer.server.tool_parsers.forced import CallArrayParser, NamedCallParser
+from sage_infer.server.tool_parsers.constraint import after_reasoning, forced_call
+from sage_infer.structured.constraints import StructuredOutputError
+from sage_infer.structured.grammar import compiler_for
 
 
 @dataclass(slots=True)
@@ -25,6 +30,8 @@ class AnswerShape:
     tools: ToolParser | None = None
     max_calls: int | None = None
     choice: ToolChoice | None = None
+    constraint: StructuredOutputsParams | None = None  # what a forced tool choice constrains the output to
+    reasoning_state: str | None = None  # ReasoningParser.state of the prompt
 
     @property
     def plain(self) -> bool:
@@ -86,35 +93,59 @@ class AnswerStream:
 
 class ChatFeatures:
     """The server's reasoning and tool-call parsers. tool_call_parser: a name, ``auto`` (the chat template's
-    own format when its text shows one) or ``none`` (tool calls under ``auto`` stay content)."""
+    own format when its text shows one) or ``none`` (tool calls under ``auto`` stay content). `bind` fits them to
+    the served model."""
 
-    def __init__(self, tool_call_parser: str | None = "auto", reasoning_parser: str | None = None,
-                 chat_template: str | dict | None = None) -> None:
-        name = detect_tool_parser(chat_template) if tool_call_parser == "auto" else tool_call_parser
-        self.tool_parser = get_tool_parser(name) if name and name != "none" else None
-        use_reasoning = reasoning_parser and reasoning_parser != "none"
-        self.reasoning = get_reasoning_parser(reasoning_parser) if use_reasoning else None
+    def __init__(self, tool_call_parser: str = "auto", reasoning_parser: str = "none") -> None:
+        self.tool_call_parser = tool_call_parser
+        self.tool_parser = None if tool_call_parser in ("auto", "none") else get_tool_parser(tool_call_parser)
+        self.reasoning = None if reasoning_parser == "none" else get_reasoning_parser(reasoning_parser)
+        self.compile: Callable[[StructuredOutputsParams], object] | None = None
+
+    def bind(self, model: ModelInfo) -> ChatFeatures:
+        """Resolve ``auto`` from the model's chat template; check constraints with the model's grammar compiler."""
+        tokenizer = model.tokenizer
+        if self.tool_call_parser == "auto" and (name := detect_tool_parser(getattr(tokenizer, "chat_template", None))):
+            self.tool_parser = get_tool_parser(name)
+        if tokenizer is not None:
+            self.compile = lambda spec: compiler_for(tokenizer, model.vocab_size).compile(spec)
+        return self
 
     def shape(self, body: ChatCompletionRequest, prompt: str) -> AnswerShape:
         """How to read this request's answers (a bad tools / tool_choice combination is a 400)."""
         choice = tool_choice_of(body)
-        shape = AnswerShape(self.reasoning, self.reasoning is not None and self.reasoning.opens(prompt),
-                            choice=choice)
+        state = None if self.reasoning is None else self.reasoning.state(prompt)
+        shape = AnswerShape(self.reasoning, state == "open", choice=choice, reasoning_state=state)
         if choice is None or choice.mode == "none":
             return shape
         shape.max_calls = choice.max_calls
         if choice.mode == "auto":
             shape.tools = self.tool_parser
-        elif choice.mode == "required":
-            shape.tools = CallArrayParser()
-        else:
-            shape.tools = NamedCallParser(choice.function)
+            return shape
+        reasoning = None if state in (None, "closed") else state == "open"
+        shape.constraint, shape.tools = forced_call(choice.functions, choice.function, choice.max_calls,
+                                                    self.tool_parser, reasoning)
         return shape
 
-    @staticmethod
-    def constrain(params, shape: AnswerShape):
-        """`params` constrained to the JSON schema of the forced tool choice (``required`` or a named function)."""
-        if shape.choice is None or shape.choice.schema is None:
-            return params
-        raise APIError(400, f"tool_choice: {shape.choice.mode!r} needs structured outputs, which are not "
-                            "implemented yet; use tool_choice auto or none", "tool_choice")
+    def structured(self, shape: AnswerShape, requested: StructuredOutputsParams | None
+                   ) -> StructuredOutputsParams | None:
+        """The constraint of this request's output: the forced tool choice's, or the one the request asked for
+        (``response_format``...), after the reasoning section when there is a reasoning parser. Blocking (it
+        compiles): call it off the event loop."""
+        spec = requested
+        if shape.constraint is not None:
+            if requested is not None:
+                raise APIError(400, f"tool_choice: a forced tool choice cannot be combined with {requested.param}",
+                               "tool_choice")
+            spec = shape.constraint
+        elif spec is not None and shape.reasoning_state in ("open", "maybe"):
+            try:
+                spec = after_reasoning(spec, shape.reasoning_state == "open")
+            except ValueError as err:
+                raise APIError(400, str(err), requested.param) from None
+        if spec is not None and spec is not requested and self.compile is not None:
+            try:
+                self.compile(spec)
+            except StructuredOutputError as err:
+                raise APIError(400, f"{err.param}: {err}", err.param) from None
+        return spec

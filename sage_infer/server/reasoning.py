@@ -22,9 +22,15 @@ class ReasoningParser:
     name: str
     opens_by_default: bool  # the answer is reasoning until END even without START
 
-    def opens(self, prompt: str) -> bool:
-        """Whether an answer to `prompt` starts inside the reasoning section (before any output is seen)."""
-        return self.opens_by_default or prompt.rstrip().endswith(START)
+    def state(self, prompt: str) -> str:
+        """Where an answer to `prompt` starts: ``open`` (inside the reasoning section: the prompt ends with an open
+        ``<think>``, or the model always starts there), ``closed`` (the prompt ends with ``</think>``: the template
+        closed an empty section, as Qwen3's does for ``enable_thinking: false``) or ``maybe`` (the model may open
+        one)."""
+        tail = prompt.rstrip()
+        if tail.endswith(END):
+            return "closed"
+        return "open" if self.opens_by_default or tail.endswith(START) else "maybe"
 
     def split(self, text: str, open_at_start: bool, final: bool = True) -> tuple[str, str]:
         """(reasoning, content) of `text`. Not final: only what can no longer change (a marker's first characters

@@ -1,7 +1,5 @@
-"""What a request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` ask for: checked against each
-other (a bad combination is a 400 naming the field), and, for ``required`` or a named function, the JSON
-schema the output is constrained to (vLLM's shapes: an array of ``{"name", "parameters"}`` objects, or the
-named function's arguments object)."""
+"""What a request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` ask for, checked against each
+other (a bad combination is a 400 naming the field)."""
 
 from __future__ import annotations
 
@@ -17,9 +15,13 @@ class ToolChoice:
     required (at least one call, constrained), named (that function, constrained)."""
 
     mode: str
-    function: str | None = None
+    functions: dict[str, dict]  # name -> JSON schema of its arguments
+    function: str | None = None  # the named one
     max_calls: int | None = None  # 1 when parallel_tool_calls is false
-    schema: dict | None = None  # the constraint of required / named
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
 
 
 def tool_choice_of(body: ChatCompletionRequest) -> ToolChoice | None:
@@ -43,22 +45,8 @@ def tool_choice_of(body: ChatCompletionRequest) -> ToolChoice | None:
         if name not in functions:
             raise APIError(400, f"tool_choice: function {name!r} is not among the tools given "
                                 f"({', '.join(functions)})", "tool_choice.function.name")
-        return ToolChoice("named", name, 1, functions[name])
-    if choice == "required":
-        return ToolChoice("required", None, max_calls, calls_schema(functions, max_calls))
-    return ToolChoice(choice or "auto", None, max_calls)
-
-
-def calls_schema(functions: dict[str, dict], max_calls: int | None) -> dict:
-    """The JSON schema of a non-empty array of calls to the given functions."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, parameters in functions.items()]
-    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
-    if max_calls is not None:
-        schema["maxItems"] = max_calls
-    return schema
+        return ToolChoice("named", functions, name, 1)
+    return ToolChoice(choice or "auto", functions, None, max_calls)
 
 
 def _check_parameters(parameters: dict | None, param: str) -> None:
