@@ -230,3 +230,24 @@ def test_bad_input_is_an_openai_error_naming_the_field(server, body, param):
     reply = httpx.post(f"{server[0]}/v1/responses", json={"model": server[1], **body})
     assert reply.status_code == (404 if param == "previous_response_id" else 400)
     assert reply.json()["error"]["param"] == param
+
+
+def test_the_agent_bench_speaks_chat_and_responses_and_both_send_the_same_conversations(server, sage):
+    """`sage llm bench --workload agent --api chat|responses`: the same sessions as text, the whole history every
+    step (chat) or only the new tool output after previous_response_id (responses); the server renders the same
+    prompts either way, and a continued session's history is a prefix hit."""
+    runs = {}
+    for api in ("chat", "responses"):
+        result = sage("llm", "bench", "--url", server[0], "--workload", "agent", "--api", api, "--num-requests", "6",
+                      "--turns", "3", "--prefix-len", "24", "--context-len", "12", "--input-len", "6",
+                      "--output-len", "4", "--concurrency", "2", "--seed", "3", "--json", "-")
+        assert result.code == 0, result.err
+        runs[api] = json.loads(result.out)
+        assert runs[api]["summary"]["ok"] == 6 and runs[api]["config"]["api"] == api
+    prompts = {api: {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in runs[api]["requests"]}
+               for api in runs}
+    assert prompts["chat"] == prompts["responses"]
+    later = [r for r in runs["responses"]["requests"] if r["turn"] > 0]
+    assert all(r["cached_tokens"] >= 16 for r in later)
+    refused = sage("llm", "bench", "--url", server[0], "--workload", "random", "--api", "responses")
+    assert refused.code == 2 and "--api does not apply to --workload random" in refused.err

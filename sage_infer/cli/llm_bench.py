@@ -26,6 +26,12 @@ class WorkloadKind(str, Enum):
     trace = "trace"
 
 
+class ApiKind(str, Enum):
+    completions = "completions"
+    chat = "chat"
+    responses = "responses"
+
+
 SYNTHETIC = {WorkloadKind.random, WorkloadKind.shared_prefix, WorkloadKind.multi_turn, WorkloadKind.agent}
 # Which workloads read each optional flag: giving one to another workload is an error, not a no-op.
 APPLIES_TO = {
@@ -39,6 +45,7 @@ APPLIES_TO = {
     "--time-scale": {WorkloadKind.trace},
     "--length-scale": {WorkloadKind.trace},
     "--max-input-len": {WorkloadKind.trace},
+    "--api": {WorkloadKind.agent},
 }
 DEFAULTS = {"input_len": 256, "output_len": 64, "prefix_len": 256, "context_len": 0, "turns": 4, "time_scale": 1.0,
             "length_scale": 1.0, "max_input_len": None}
@@ -97,6 +104,11 @@ JsonOutOpt = Annotated[
     Optional[str], typer.Option("--json", metavar="OUT", help="Write all numbers and per-request records to OUT "
                                 "('-': print them instead of the tables).")
 ]
+ApiOpt = Annotated[
+    Optional[ApiKind], typer.Option("--api", help="agent: completions (token-id prompts, the default), chat (text "
+                                    "conversations, the whole history every step) or responses (/v1/responses, "
+                                    "each step continuing the last by previous_response_id).")
+]
 PlotOpt = Annotated[
     Optional[Path], typer.Option("--plot", dir_okay=False, help="Save TTFT/TPOT/ITL/E2E histograms as a PNG.")
 ]
@@ -109,7 +121,7 @@ def bench(
     output_len: OutputLenOpt = None, prefix_len: PrefixLenOpt = None, context_len: ContextLenOpt = None,
     turns: TurnsOpt = None, time_scale: TimeScaleOpt = None, length_scale: LengthScaleOpt = None,
     max_input_len: MaxInputLenOpt = None, vocab_size: VocabSizeOpt = 512, json_out: JsonOutOpt = None,
-    plot: PlotOpt = None,
+    plot: PlotOpt = None, api: ApiOpt = None,
 ) -> None:
     """Benchmark a running OpenAI-compatible server (sage llm serve, vLLM, SGLang ...)."""
     from sage_infer.serving_bench.report import bench_document
@@ -119,6 +131,8 @@ def bench(
     chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "context_len": context_len,
               "turns": turns, "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
     _check_options(workload, chosen, rate, trace_file, json_out, plot)
+    _check_flags(workload, {"--api": api})
+    api_name = (api or ApiKind.completions).value
     runner = _import_runner()
     from sage_infer.serving_bench.client import normalize_url  # after the check that httpx is there
 
@@ -128,11 +142,11 @@ def bench(
     load = _build_workload(workload, trace_file, num_requests, vocab_size, seed, settings)
     arrivals = load.arrivals_s or poisson_arrivals(len(load.conversations), rate or math.inf, seed)
 
-    run = _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency)
+    run = _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api_name)
     summary = summarize(run.results, run.duration_s, run.counters_before, run.counters_after)
     config = {"url": url, "model": run.model, "workload": workload.value, "num_requests": load.num_requests,
               "rate": "trace" if load.arrivals_s else ("inf" if rate in (None, math.inf) else rate),
-              "concurrency": concurrency, "seed": seed, "vocab_size": vocab_size,
+              "concurrency": concurrency, "seed": seed, "vocab_size": vocab_size, "api": api_name,
               **{k: v for k, v in settings.items() if workload in APPLIES_TO[_flag(k)]}, **load.info}
     _emit(bench_document(config, summary, run.results), config, summary, run, json_out)
     if plot is not None:
@@ -222,7 +236,7 @@ def _build_workload(kind: WorkloadKind, trace_file: Path | None, num_requests: i
     return workloads.random_workload(num_requests, s["input_len"], s["output_len"], vocab_size, seed)
 
 
-def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency):
+def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api="completions"):
     """Run the workload with a progress bar on stderr (stdout stays clean for --json -)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -239,4 +253,4 @@ def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency)
             errors += result.error is not None
             progress.update(task, advance=1, errors=errors)
 
-        return asyncio.run(runner.run_workload(url, api_key, model, load, arrivals, concurrency, on_result))
+        return asyncio.run(runner.run_workload(url, api_key, model, load, arrivals, concurrency, on_result, api))

@@ -15,6 +15,7 @@ from sage_infer.serving_bench.client import (
     scrape_prefix_counters,
     send_completion,
 )
+from sage_infer.serving_bench.conversations import Session, send_step
 from sage_infer.serving_bench.workloads import Workload
 
 
@@ -35,9 +36,11 @@ async def run_workload(
     arrivals_s: Sequence[float],
     concurrency: int,
     on_result: Callable[[RequestResult], None] | None = None,
+    api: str = "completions",
 ) -> BenchRun:
     """Send `workload`: conversation i starts at ``arrivals_s[i]``, its turns one after another,
-    at most `concurrency` requests in flight at once."""
+    at most `concurrency` requests in flight at once. `api`: completions (token-id prompts), or chat /
+    responses (an agent workload as text conversations, `serving_bench.conversations`)."""
     assert len(arrivals_s) == len(workload.conversations)
     async with make_client(url, api_key, concurrency) as client:
         model = model or await resolve_model(client)
@@ -51,9 +54,14 @@ async def run_workload(
 
         async def conversation(i: int) -> None:
             await asyncio.sleep(max(0.0, run_start + arrivals_s[i] - time.perf_counter()))
+            session = Session(has_instructions=bool(workload.info.get("tools_len")))
             for turn, request in enumerate(workload.conversations[i]):
                 async with slots:
-                    result = await send_completion(client, model, request, first_index[i] + turn, run_start)
+                    if api == "completions":
+                        result = await send_completion(client, model, request, first_index[i] + turn, run_start)
+                    else:
+                        result = await send_step(client, api, model, request, session, first_index[i] + turn,
+                                                 run_start)
                 results.append(result)
                 if on_result is not None:
                     on_result(result)

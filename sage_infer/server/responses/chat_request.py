@@ -67,6 +67,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletion
     """`body` over the conversation `messages` as a validated chat request (a 400 names the Responses field)."""
     data = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "seed": body.seed, "cache_salt": body.cache_salt, "priority": body.priority, "user": body.user,
+            "ignore_eos": body.ignore_eos,
             "tools": _tools(body.tools), "tool_choice": _tool_choice(body.tool_choice),
             "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body)}
     try:

@@ -125,6 +125,7 @@ class ResponsesRequest(BaseModel):
                                    "stored responses.")
     priority: int = Field(0, ge=-1_000_000, le=1_000_000)
     seed: int | None = None
+    ignore_eos: bool = False
     # OpenAI fields this server does not serve: refused by name, never ignored
     background: bool | None = None
     conversation: str | dict | None = None
