@@ -57,6 +57,7 @@ from sage_infer.router.http import (
 from sage_infer.router.instances import Instance, Instances
 from sage_infer.router.local_prompts import LocalPrompts
 from sage_infer.router.metrics import FleetMetrics
+from sage_infer.router.responses import ResponsesRouting
 from sage_infer.server.body import validate_body
 from sage_infer.server.openai_errors import APIError, check_bearer
 from sage_infer.server.pd_auth import sign_pull
@@ -109,6 +110,12 @@ class PDRouter:
         prefill = [w.url for w in instances.prefill]
         self.prefill_fleet = FleetRouter(prefill, routing, api_key, prompts=prompts, metrics=self.metrics) \
             if len(prefill) > 1 else None
+        # a Responses request runs whole on a decode worker, which keeps the conversation (router.responses)
+        decode = {w.url: w for w in instances.decode}
+        self.responses = ResponsesRouting(
+            lambda: self.client, self.headers,
+            lambda: [w.url for w in sorted(instances.decode, key=lambda w: w.outstanding) if w.up],
+            self.choose_decode, self.hold, lambda url, why: self.failed(decode[url], why))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -204,6 +211,16 @@ class PDRouter:
         return params
 
     # -- decode ----------------------------------------------------------------------------------
+
+    async def choose_decode(self, body: dict, request: Request, exclude: set[str]) -> str | None:
+        worker = self.instances.pick("decode", exclude=exclude)
+        return worker.url if worker is not None else None
+
+    def hold(self, url: str):
+        """Count a request in flight at the decode worker `url` until the returned function is called."""
+        worker = next(w for w in self.instances.decode if w.url == url)
+        self.enter(worker)
+        return lambda: self.leave(worker)
 
     async def dispatch(self, path: str, body: dict, splittable: bool, slo: Slo,
                        headers: Mapping[str, str]) -> Response:

@@ -50,6 +50,7 @@ from sage_infer.router.http import (
 )
 from sage_infer.router.local_prompts import LocalPrompts
 from sage_infer.router.metrics import FleetMetrics
+from sage_infer.router.responses import ResponsesRouting, chat_view
 from sage_infer.router.vllm_events import VllmEndpoints
 from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
 from sage_infer.server.body import validate_body
@@ -112,6 +113,8 @@ class FleetRouter:
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+        self.responses = ResponsesRouting(lambda: self.client, self.headers, self.up_urls, self.choose_url,
+                                          self.hold, lambda url, why: self.failed(self.links[url], why))
         self._extra_keys: dict[tuple, bytes] = {}  # (recipe, cache_salt) -> extra key
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -376,6 +379,26 @@ class FleetRouter:
         relay = _Relay(self, link, route, described, upstream, queued, wants_usage, sent)
         return StreamingResponse(relay.events(), media_type="text/event-stream",
                                  background=BackgroundTask(relay.finish))
+
+    # -- /v1/responses (router.responses) ---------------------------------------------------------
+
+    def up_urls(self) -> list[str]:
+        return [link.url for link in sorted(self.links.values(), key=lambda link: link.replica.outstanding)
+                if link.replica.up]
+
+    async def choose_url(self, body: dict, request: Request, exclude: set[str]) -> str | None:
+        """A new conversation's replica: where the policy sends a chat request with its first turn's messages."""
+        view = chat_view(body)
+        described = await self.describe(view, request.headers) if view else \
+            RouteRequest(prompt_tokens=0, session=_session_key(body, request.headers))
+        route = self.policy.route(described, exclude=exclude)
+        return route.replica.name if route is not None else None
+
+    def hold(self, url: str):
+        """Count a request in flight at `url`'s replica until the returned function is called."""
+        link = self.links[url]
+        link.replica.take(0)
+        return lambda: link.replica.release(0)
 
     # -- other routes ----------------------------------------------------------------------------
 

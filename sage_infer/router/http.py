@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sage_infer import __version__
 from sage_infer.server.body import MAX_JSON_DEPTH, json_depth
-from sage_infer.server.openai_errors import APIError, error_body, openai_errors
+from sage_infer.server.openai_errors import APIError, check_bearer, error_body, openai_errors
 
 log = logging.getLogger("sage_infer.router")
 
@@ -25,8 +25,9 @@ MATCH_FIELDS = ("prompt", "messages", "cache_salt", "add_generation_prompt", "ch
 def router_app(title: str, router) -> FastAPI:
     """A router's FastAPI app: every error OpenAI-style JSON (its own, an unknown path or method, and an unexpected
     failure: a 500 with no internals for the client, the traceback in the log), ``/version``, and the routes every
-    router answers for clients (completions, chat completions, models), with `router`'s start and stop as the app's
-    lifespan. `router` has ``handle(path, request)``, ``models(request)``, ``start()`` and ``stop()``."""
+    router answers for clients (completions, chat completions, models, responses), with `router`'s start and stop
+    as the app's lifespan. `router` has ``handle(path, request)``, ``models(request)``, ``start()``, ``stop()``,
+    ``api_key`` and ``responses`` (a `router.responses.ResponsesRouting`)."""
     app = FastAPI(title=title, version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
 
@@ -55,6 +56,21 @@ def router_app(title: str, router) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await router.models(request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), router.api_key)
+        return await router.responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), router.api_key)
+        return await router.responses.item("GET", response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), router.api_key)
+        return await router.responses.item("DELETE", response_id, request)
 
     return app
 
