@@ -114,11 +114,15 @@ class EngineStats:
     prefetch_issued: int = 0  # lower-tier loads started when a request was queued
     prefetch_used: int = 0  # of those, claimed at admission with at least one verified block
     prefetch_timeouts: int = 0  # past the load deadline at admission: recomputed instead
+    prefetch_wasted: tuple[tuple[str, int], ...] = ()  # (timeout|dropped|evicted, prefetches that ended unused)
+    prefetch_bytes: int = 0  # bytes prefetches moved out of the lower tiers
+    prefetch_wasted_bytes: int = 0  # of those, bytes no request used
     tier_load_failure_reasons: tuple[tuple[str, int], ...] = ()  # (miss|corrupt|error|timeout, blocks)
     tier_load_latency: tuple[tuple[float, int], ...] = ()  # cumulative (upper bound s, reads), last +Inf
     tier_load_latency_sum: float = 0.0  # seconds, all reads
     hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
     hot_used: int = 0  # of those, hit by a later request
+    hot_wasted: int = 0  # of those, evicted again before any request hit them
     request_failures: int = 0  # requests the engine failed alone on an unexpected error (each one, not the engine)
     num_preemptions: int = 0  # running sequences sent back to wait, their KV freed (vLLM's num_preemptions)
     # speculative decoding (none when off): verify groups, tokens proposed, tokens accepted, accepted by position

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
+from sage_infer.kv_runtime.prefetch_stats import PrefetchStats
 
 
 @dataclass(slots=True)
@@ -26,14 +27,6 @@ class PendingLoad:
     device_blocks: int
     future: concurrent.futures.Future
     deadline: float
-
-
-@dataclass(slots=True)
-class LoaderStats:
-    issued: int = 0  # prefetches started
-    used: int = 0  # claimed with at least one verified block
-    timeouts: int = 0  # past the deadline at admission: recomputed instead
-    dropped: int = 0  # abandoned: the request ended, or its device prefix changed meanwhile
 
 
 class KVLoader:
@@ -45,14 +38,14 @@ class KVLoader:
         self.timeout_s = timeout_s
         self.clock = clock
         self.pending: dict[int, PendingLoad] = {}
-        self.stats = LoaderStats()
+        self.stats = PrefetchStats()
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sage-kv-load")
 
     def start(self, seq_id: int, keys: Sequence[bytes], device_blocks: int) -> None:
         keys = list(keys)
         future = self._threads.submit(self.hierarchy.read, keys)
         self.pending[seq_id] = PendingLoad(keys, device_blocks, future, self.clock() + self.timeout_s)
-        self.stats.issued += 1
+        self.stats.issue(len(keys))
 
     def is_loading(self, seq_id: int) -> bool:
         """A read is running and its deadline has not passed (the request should wait)."""
@@ -72,24 +65,25 @@ class KVLoader:
             return None
         common = min(len(keys), len(load.keys))
         if load.device_blocks != device_blocks or list(keys[:common]) != load.keys[:common]:
-            load.future.cancel()
-            self.stats.dropped += 1
+            self._abandon(load, "dropped")
             return None
         if not load.future.done():
-            load.future.cancel()  # a read already running finishes and is ignored
-            self.stats.timeouts += 1
+            self._abandon(load, "timeout")  # a read already running finishes and is ignored
             self.hierarchy.stats.failures["timeout"] += len(load.keys)
             return torch.empty((0, self.hierarchy.pool.block_nbytes), dtype=torch.uint8)
         rows = self.hierarchy.claim(load.keys, load.future.result())[: len(keys)]
-        self.stats.used += rows.shape[0] > 0
+        self.stats.use(rows.shape[0], len(load.keys))
         return rows
+
+    def _abandon(self, load: PendingLoad, reason: str) -> None:
+        """Counted as wasted: its blocks moved for nothing, unless it was cancelled before it started reading."""
+        self.stats.waste(reason, 0 if load.future.cancel() else len(load.keys))
 
     def drop(self, seq_id: int) -> None:
         """The request no longer needs its load (finished, aborted)."""
         load = self.pending.pop(seq_id, None)
         if load is not None:
-            load.future.cancel()
-            self.stats.dropped += 1
+            self._abandon(load, "dropped")
 
     def wait(self, timeout: float) -> None:
         """Block until some load finishes or `timeout` seconds pass (an engine with nothing else to do)."""

@@ -18,6 +18,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.loader import KVLoader
+from sage_infer.kv_runtime.prefetch_stats import PrefetchStats
 from sage_infer.kv_runtime.sources import KVSource
 from sage_infer.prefix_reuse.hashing import hash_token_blocks
 from sage_infer.prefix_reuse.index import PrefixMatch
@@ -183,12 +184,19 @@ class TierSource(KVSource):
                 "tier_load_failures": stats.load_failures,
                 "tier_load_failure_reasons": tuple(stats.failures.items()),
                 "tier_load_latency": stats.load_latency.cumulative(), "tier_load_latency_sum": stats.load_latency.total,
-                "hot_promoted": hot.hot_promoted, "hot_used": hot.hot_used,
-                "prefetch_issued": loads.issued if loads else 0, "prefetch_used": loads.used if loads else 0,
-                "prefetch_timeouts": loads.timeouts if loads else 0}
+                "hot_promoted": hot.hot_promoted, "hot_used": hot.hot_used, "hot_wasted": hot.hot_wasted,
+                **prefetch_fields(loads, self.pool.block_nbytes)}
 
     def close(self) -> None:
         """Stop the background reader and the tiers' work (the disk tier's writer finishes what it queued)."""
         if self.loader is not None:
             self.loader.close()
         self.hierarchy.close()
+
+
+def prefetch_fields(loads: PrefetchStats | None, block_nbytes: int) -> dict[str, object]:
+    """A loader's prefetch counters as `EngineStats` fields (zeros without a loader)."""
+    loads = loads or PrefetchStats()
+    return {"prefetch_issued": loads.issued, "prefetch_used": loads.used, "prefetch_timeouts": loads.timeouts,
+            "prefetch_wasted": tuple(loads.wasted.items()), "prefetch_bytes": loads.blocks_read * block_nbytes,
+            "prefetch_wasted_bytes": loads.blocks_wasted * block_nbytes}

@@ -38,6 +38,27 @@ def _spec_decode_families(stats, labels: list[str], value: list[str]):
     return [*families, by_position]
 
 
+def _prefetch_families(stats, labels: list[str], value: list[str]):
+    """Prefetch hit ratio and wasted bandwidth, by kind: `queued` (a queued request's lower-tier prefix read
+    ahead) and `hot` (hot blocks promoted into free device blocks ahead of need)."""
+    by_kind = [*labels, "kind"]
+    ratio = GaugeMetricFamily("sage:kv_prefetch_hit_ratio", "Prefetches a request used before they were evicted "
+                              "or timed out, divided by prefetches issued (0 before the first).", labels=by_kind)
+    moved = CounterMetricFamily("sage:kv_prefetch_bytes", "Bytes prefetches moved out of the lower tiers.",
+                                labels=by_kind)
+    wasted = CounterMetricFamily("sage:kv_prefetch_wasted_bytes", "Bytes prefetches moved that no request used "
+                                 "(timed out, dropped, evicted first, or read past what admission took).",
+                                 labels=by_kind)
+    hot_wasted_bytes = stats.hot_wasted * stats.block_bytes
+    for kind, issued, used, moved_bytes, wasted_bytes in (
+            ("queued", stats.prefetch_issued, stats.prefetch_used, stats.prefetch_bytes, stats.prefetch_wasted_bytes),
+            ("hot", stats.hot_promoted, stats.hot_used, stats.hot_promoted * stats.block_bytes, hot_wasted_bytes)):
+        ratio.add_metric([*value, kind], used / issued if issued else 0.0)
+        moved.add_metric([*value, kind], moved_bytes)
+        wasted.add_metric([*value, kind], wasted_bytes)
+    return [ratio, moved, wasted]
+
+
 class _EngineCollector:
     """Reads live backend stats on every scrape (no background polling)."""
 
@@ -133,12 +154,15 @@ class _EngineCollector:
                                   "ahead of need, and those a later request hit.", labels=[*labels, "outcome"])
         hot.add_metric([*value, "promoted"], stats.hot_promoted)
         hot.add_metric([*value, "used"], stats.hot_used)
+        hot.add_metric([*value, "wasted"], stats.hot_wasted)
         prefetch = CounterMetricFamily("sage:kv_tier_prefetch", "Lower-tier loads started for queued requests, "
-                                       "by outcome (issued, used, timeout).", labels=[*labels, "outcome"])
+                                       "by outcome (issued, used; wasted: timeout, dropped, evicted).",
+                                       labels=[*labels, "outcome"])
         for outcome, count in (("issued", stats.prefetch_issued), ("used", stats.prefetch_used),
-                               ("timeout", stats.prefetch_timeouts)):
+                               *stats.prefetch_wasted):
             prefetch.add_metric([*value, outcome], count)
         yield from (*families.values(), moved, moved_bytes, dropped, failures, latency, hot, prefetch)
+        yield from _prefetch_families(stats, labels, value)
 
     @staticmethod
     def _quotas(stats, labels: list[str], value: list[str]):
