@@ -53,13 +53,15 @@ COUNTERS = ("sage:router_predicted_cached_tokens_total", "sage:router_reported_c
 
 def customers_workload(args: argparse.Namespace, vocab: int, rate: float, seed: int,
                        duration_s: float) -> tuple[Workload, list[float]]:
-    """`rate * duration_s` one-turn requests, each of a customer drawn uniformly: its context, then a fresh query."""
+    """`rate * duration_s` one-turn requests, each of a customer drawn uniformly (or, with --zipf S, customer k with
+    weight 1 / (k + 1)^S: a few hot customers, as real tenants are): its context, then a fresh query."""
     rng = random.Random(seed)
     contexts = [random_token_ids(rng, args.context_len, vocab) for _ in range(args.customers)]
+    weights = [1.0 / (k + 1) ** args.zipf for k in range(args.customers)]
     n = max(4, round(rate * duration_s))
     requests = []
     for i in range(n):
-        customer = rng.randrange(args.customers)
+        customer = rng.choices(range(args.customers), weights)[0]
         query = random_token_ids(rng, args.query_len, vocab)
         requests.append([BenchRequest([contexts[customer], query], args.context_len + args.query_len,
                                       args.output_len, conversation=i)])
@@ -209,6 +211,7 @@ def main() -> None:
                         "router (vllm-kv: routed by the KV events they publish on ZMQ)")
     parser.add_argument("--vllm-venv", default=".vllm-venv")
     parser.add_argument("--customers", type=int, default=4)
+    parser.add_argument("--zipf", type=float, default=0.0, help="customer popularity skew (0: uniform)")
     parser.add_argument("--context-len", type=int, default=2048)
     parser.add_argument("--query-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
@@ -233,7 +236,8 @@ def main() -> None:
     working_set = args.customers * args.context_len
     print(f"{args.model} {args.dtype}, {args.replicas} replicas x {args.kv_blocks * args.block_size} device KV tokens "
           f"(fleet {args.replicas * args.kv_blocks * args.block_size}) for {args.customers} customers x "
-          f"{args.context_len} context tokens ({working_set}); query {args.query_len}, output {args.output_len}; "
+          f"{args.context_len} context tokens ({working_set}, popularity zipf {args.zipf:g}); "
+          f"query {args.query_len}, output {args.output_len}; "
           f"loads {rates} req/s for {args.duration_s:g} s each; TTFT SLO p90 <= {args.slo_ttft_ms:g} ms")
     results: dict[str, list[dict]] = {}
     for routing in routings:
