@@ -48,6 +48,7 @@ from sage_infer.serving_bench.workloads import BenchRequest, Workload, poisson_a
 READY = re.compile(r"at (http://\S+)/v1 \((\d+) replicas")
 COUNTERS = ("sage:router_predicted_cached_tokens_total", "sage:router_reported_cached_tokens_total",
             "sage:router_cached_tokens_abs_error_total", "sage:router_overhead_seconds_count",
+            "sage:router_overhead_seconds_sum",
             "sage:router_retries_total", "sage:router_prefix_moves_total")
 
 

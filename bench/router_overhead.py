@@ -15,40 +15,19 @@ client's round trip is printed next to it.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
+from fleet import overhead_p99_ms, router_metrics  # noqa: E402
 from multiturn_vs_vllm import REPO, Server, free_port  # noqa: E402
 
 from sage_infer.models.loader import resolve_model_dir  # noqa: E402
 from sage_infer.serving_bench.stats import percentile  # noqa: E402
-
-
-def overhead(url: str) -> dict[str, float]:
-    """The router's overhead histogram: count, sum and cumulative bucket counts."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "sage:router_overhead_seconds_bucket":
-                out[f"le {sample.labels['le']}"] = sample.value
-            elif sample.name in ("sage:router_overhead_seconds_count", "sage:router_overhead_seconds_sum"):
-                out[sample.name.rsplit("_", 1)[1]] = sample.value
-    return out
-
-
-def p99_bound_ms(hist: dict[str, float]) -> float | None:
-    total = hist.get("count", 0)
-    for bound, count in sorted((float(k[3:]), v) for k, v in hist.items() if k.startswith("le ")):
-        if total and count >= 0.99 * total:
-            return bound * 1000 if math.isfinite(bound) else None
-    return None
 
 
 def run_mode(args: argparse.Namespace, replicas: list[str], model_dir: Path, local: bool, log: Path) -> dict:
@@ -69,10 +48,11 @@ def run_mode(args: argparse.Namespace, replicas: list[str], model_dir: Path, loc
             reply = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
             round_trips.append((time.perf_counter() - started) * 1000)
             assert reply.status_code == 200, reply.text
-        hist = overhead(router.url)
+        hist = router_metrics(router.url)
+    count, total = hist.get("sage:router_overhead_seconds_count", 0), hist.get("sage:router_overhead_seconds_sum", 0)
     return {"mode": "router tokenizes" if local else "asks a replica", "requests": args.requests,
-            "overhead_mean_ms": hist["sum"] / hist["count"] * 1000 if hist.get("count") else None,
-            "overhead_p99_bucket_ms": p99_bound_ms(hist),
+            "overhead_mean_ms": total / count * 1000 if count else None,
+            "overhead_p99_bucket_ms": overhead_p99_ms({}, hist),
             "round_trip_ms": {q: percentile(round_trips, p) for q, p in (("p50", 50), ("p99", 99))}}
 
 
