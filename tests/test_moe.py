@@ -1,12 +1,14 @@
 """Mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE) made by
 transformers: sage's greedy tokens equal transformers' `generate` for a batch of prompts of different lengths
 with prefix caching on; the engine declines the dense-only C++ decode step and says why; /metrics counts the
-tokens routed to each expert of each sparse layer; quantized experts are refused in one line."""
+tokens routed to each expert of each sparse layer; W8A16 / W4A16 experts run."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
 
 import httpx
 import openai
@@ -18,9 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.backends.offline import llm_config
-from sage_infer.models.loader import ModelLoadError
-from sage_infer.quantization.compressed_tensors import quantization_config
-from sage_infer.quantization.weights import WeightScheme
+from sage_infer.quantization.compressed_tensors import encode_weight, quantization_config
+from sage_infer.quantization.weights import WeightScheme, quantize_rtn
 from tests.server_fixture import running_server
 from tests.tiny_models import save_tokenizer
 
@@ -146,17 +147,34 @@ def test_metrics_count_tokens_per_expert_per_layer(tmp_path):
     assert all(len(counts) == 8 and sum(counts) == computed * TOP_K for counts in per_layer.values())
 
 
-def test_quantized_experts_are_refused_in_one_line(tmp_path):
-    make_tiny_moe(tmp_path, "mixtral")
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"  # stored as a W8A16 checkpoint stores a linear
-    weight = tensors.pop(name)
-    tensors[name.replace(".weight", ".weight_packed")] = weight.to(torch.int8)
-    tensors[name.replace(".weight", ".weight_scale")] = torch.ones(weight.shape[0], 1)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = quantization_config(WeightScheme(8))
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"experts\.0\.w1\.weight_packed.*quantized MoE experts are not "
-                                             r"implemented yet"):
-        LLM(str(tmp_path), dtype="fp32", num_blocks=16)
+QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj|"
+                       r"block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("qwen3_moe", WeightScheme(8)), ("mixtral", WeightScheme(4, 16))])
+def test_quantized_experts_match_transformers_on_their_dequantized_weights(tmp_path, family, scheme):
+    """Every expert (and attention) linear stored W8A16 / W4A16 as compressed-tensors writes it: sage's tokens
+    equal transformers' on a float checkpoint of the same weights dequantized."""
+    make_tiny_moe(tmp_path / "float", family)
+    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if QUANTIZED.search(name) is None:
+            quantized[name] = dequantized[name] = tensor
+            continue
+        qw = quantize_rtn(tensor, scheme)
+        quantized.update({f"{name.removesuffix('.weight')}.{k}": v.contiguous() for k, v in encode_weight(qw).items()})
+        dequantized[name] = qw.dequantize(tensor.dtype).contiguous()
+    assert any(".experts.1." in name and name.endswith("weight_packed") for name in quantized)
+    shutil.copytree(tmp_path / "float", tmp_path / "quantized")
+    save_file(dequantized, str(tmp_path / "float" / "model.safetensors"))
+    save_file(quantized, str(tmp_path / "quantized" / "model.safetensors"))
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = quantization_config(scheme)
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
+    prompts = prompts_with_a_shared_prefix(seed=5)[:3]
+    llm = LLM(str(tmp_path / "quantized"), dtype="fp32", num_blocks=64)
+    assert_same_as_hf(hf_greedy(hf, prompts), llm.generate(prompts, GREEDY))
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert type(experts.get_submodule("1.down_proj")).__name__ != "Linear"  # a quantized layer, not a float one

@@ -58,36 +58,69 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     return ExpertGroups(order, order // ids.shape[1], counts, spans)
 
 
+class ExpertMLP(nn.Module):
+    """One expert as its own linears: ``down_proj(silu(gate) * up)``, gate and up one ``gate_up_proj`` or, as a
+    checkpoint stores them (quantized ones stay so), ``gate_proj`` and ``up_proj``."""
+
+    def __init__(self, down_proj: nn.Module, gate_up_proj: nn.Module | None = None, gate_proj: nn.Module | None = None,
+                 up_proj: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj, self.gate_proj, self.up_proj, self.down_proj = gate_up_proj, gate_proj, up_proj, down_proj
+
+    def fuse_projections(self) -> int:
+        """Stack plain `nn.Linear` gate and up into one ``gate_up_proj`` (1), else leave them (0)."""
+        if type(self.gate_proj) is not nn.Linear or type(self.up_proj) is not nn.Linear:
+            return 0
+        self.gate_up_proj = _linear(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]))
+        self.gate_proj = self.up_proj = None
+        return 1
+
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return ops.gated_mlp(self.gate_up_proj, self.down_proj, x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class FusedExperts(nn.Module):
     """E gated-MLP experts, gate and up stacked: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
 
-    `split_linears` turns them into one `nn.Linear` pair per expert (``gate_up[e]``, ``down[e]``), which the
-    engine then packs for the CPU kernels like every other linear (`model.linear`); the grouped product is the
-    same either way."""
+    `split_linears` turns them into one `ExpertMLP` per expert (children ``0`` .. ``E-1``, gate and up one
+    linear), which the engine then packs for the CPU kernels like every other linear (`model.linear`);
+    `separate_linears` does so before loading, with gate, up and down as a checkpoint names them
+    (``experts.<e>.gate_proj``), for a checkpoint that stores its experts quantized. The grouped product is the
+    same whichever holds the weights."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.gate_up: nn.ModuleList | None = None
-        self.down: nn.ModuleList | None = None
+        self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                                          hidden_size))
+        self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def split_linears(self) -> bool:
-        """One `nn.Linear` pair per expert in place of the stacked weights (each a view of them: nothing is
-        copied). False, and nothing changed, when already split."""
-        if self.gate_up is not None:
-            return False
-        weights = [(self.gate_up_proj[e].detach(), self.down_proj[e].detach()) for e in range(self.num_experts)]
-        self.gate_up = nn.ModuleList(_linear(w13) for w13, _ in weights)
-        self.down = nn.ModuleList(_linear(w2) for _, w2 in weights)
-        del self.gate_up_proj, self.down_proj
-        return True
+    def split_linears(self) -> int:
+        """One `ExpertMLP` per expert in place of the stacked weights (each weight a view of them: nothing is
+        copied); experts already apart get gate and up stacked. How many experts got a stacked gate/up."""
+        if self.gate_up_proj is None:
+            return sum(self.get_submodule(str(e)).fuse_projections() for e in range(self.num_experts))
+        for e in range(self.num_experts):
+            self.add_module(str(e), ExpertMLP(_linear(self.down_proj[e].detach()),
+                                              gate_up_proj=_linear(self.gate_up_proj[e].detach())))
+        self.gate_up_proj = self.down_proj = None
+        return self.num_experts
+
+    def separate_linears(self) -> None:
+        """Before loading (on the meta device): one `ExpertMLP` of three `nn.Linear` per expert, named as a
+        checkpoint names them, so that quantized ones load as any quantized linear does."""
+        h, i = self.hidden_size, self.intermediate_size
+        for e in range(self.num_experts):
+            self.add_module(str(e), ExpertMLP(nn.Linear(i, h, bias=False), gate_proj=nn.Linear(h, i, bias=False),
+                                              up_proj=nn.Linear(h, i, bias=False)))
+        self.gate_up_proj = self.down_proj = None
 
     def expert(self, e: int, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """Expert `e` over rows x [N, H] -> [N, H]."""
-        if self.gate_up is not None:
-            return ops.gated_mlp(self.gate_up[e], self.down[e], x)
+        if self.gate_up_proj is None:
+            return self._modules[str(e)](x, ops)
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
@@ -129,10 +162,10 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens = [0] * num_experts
 
     def fuse_projections(self) -> int:
-        """Before packing (`model.linear`): each expert a pair of linears, the shared expert's gate/up stacked;
-        how many linears were fused."""
-        self.experts.split_linears()
-        return self.shared_expert.fuse_projections() if self.shared_expert is not None else 0
+        """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared
+        expert's; how many gate/up pairs were stacked."""
+        fused = self.experts.split_linears()
+        return fused + (self.shared_expert.fuse_projections() if self.shared_expert is not None else 0)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x [T, H] (the layer's normed input) -> [T, H]."""

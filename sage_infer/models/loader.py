@@ -4,7 +4,8 @@
 A config.json with a ``quantization_config`` (compressed-tensors, weight-only int4 / int8) loads
 its quantized linears as `QuantLinear` (the reference path: dequantize, then F.linear); the
 engine may swap them for CPU kernels afterwards (`sage_infer.layers.quant_linear.use_quant_kernels`).
-Anything else in a quantization_config is a ModelLoadError naming the field; so are quantized MoE experts.
+Anything else in a quantization_config is a ModelLoadError naming the field. Quantized MoE experts load as one
+`QuantLinear` each (`sage_infer.models.moe.MoeForCausalLM.separate_experts`).
 
 A tensor whose name no parameter has goes where the model's ``checkpoint_target`` says: MoE checkpoints store
 each expert's weights apart, and the model stacks them (`sage_infer.models.moe`)."""
@@ -139,20 +140,22 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
 
     quantized = quantized or {}
     params = dict(model.named_parameters(remove_duplicate=False))
+    rename = getattr(model, "checkpoint_rename", lambda name: name)
     loaded: set[str] = set()
     compressed: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in quantized}
     filled: dict[str, int] = {}  # elements of a parameter stacked from several tensors (MoE experts) copied so far
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    if "rotary_emb.inv_freq" in name:
+                for stored in handle.keys():
+                    if "rotary_emb.inv_freq" in stored:
                         continue
+                    name = rename(stored)
                     prefix, _, suffix = name.rpartition(".")
                     if prefix in compressed and name not in params:  # weight_packed, weight_scale, ...; not bias
-                        compressed[prefix][suffix] = handle.get_tensor(name)
+                        compressed[prefix][suffix] = handle.get_tensor(stored)
                         continue
-                    _copy_tensor(model, params, file, name, handle.get_tensor(name), loaded, filled)
+                    _copy_tensor(model, params, file, name, handle.get_tensor(stored), loaded, filled)
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: cannot read safetensors: {err}") from None
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
@@ -176,9 +179,9 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
 
 def _copy_tensor(model: nn.Module, params: dict[str, nn.Parameter], file: Path, name: str, tensor: torch.Tensor,
                  loaded: set[str], filled: dict[str, int]) -> None:
-    """Copy checkpoint tensor `name` into its parameter: the one of that name, else where the model's
-    ``checkpoint_target`` puts it (a renamed parameter, or one expert's rows of a stacked expert weight, which
-    counts as loaded once every element of it was copied)."""
+    """Copy checkpoint tensor `name` (as the model's ``checkpoint_rename`` names it) into its parameter: the one
+    of that name, else where the model's ``checkpoint_target`` puts it (one expert's rows of a stacked expert
+    weight, which counts as loaded once every element of it was copied)."""
     target, index = name, None
     if name not in params:
         rule = getattr(model, "checkpoint_target", None)
@@ -199,24 +202,31 @@ def _copy_tensor(model: nn.Module, params: dict[str, nn.Parameter], file: Path, 
         loaded.add(target)
 
 
-def moe_quantized_linears(files: list[Path], quantized: dict[str, ConfigGroup]) -> dict[str, ConfigGroup]:
-    """An MoE checkpoint's quantized linears: those of `quantized` (what quantization_config targets) that it
-    stores quantized (its routers match a "Linear" target but are kept float). One that stores experts quantized
-    is refused in one line naming a tensor: sage runs experts from float weights only."""
+def stored_names(model: nn.Module, files: list[Path]) -> set[str]:
+    """The names of the tensors in `files`, as `model` names them (``checkpoint_rename``), from the headers."""
     from safetensors import SafetensorError, safe_open
 
+    rename = getattr(model, "checkpoint_rename", lambda name: name)
     names: set[str] = set()
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
-                names.update(handle.keys())
+                names.update(rename(name) for name in handle.keys())
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: cannot read the safetensors header: {err}") from None
-    experts = sorted(n for n in names if ".experts." in n and not n.endswith((".weight", ".bias")))
-    if experts:
-        raise ModelLoadError(f"{files[0].parent}: {experts[0]!r}: quantized MoE experts are not implemented yet "
-                             "(serve the float checkpoint, or one whose quantization_config ignores the experts)")
-    return {prefix: group for prefix, group in quantized.items() if f"{prefix}.weight_scale" in names}
+    return names
+
+
+def moe_quantized_linears(model: nn.Module, files: list[Path], quant: CompressedTensorsConfig) -> dict[str,
+                                                                                                        ConfigGroup]:
+    """An MoE model's quantized linears: those quantization_config targets that the checkpoint stores quantized
+    (its routers match a "Linear" target but are kept float). Experts stored quantized each become their own
+    linears first (`separate_experts`), loaded as any quantized linear is."""
+    names = stored_names(model, files)
+    if any(".experts." in name and name.endswith(".weight_scale") for name in names):
+        model.separate_experts()
+    return {prefix: group for prefix, group in quantized_linears(model, quant).items()
+            if f"{prefix}.weight_scale" in names}
 
 
 def load_model(
@@ -230,9 +240,10 @@ def load_model(
     files = weight_files(directory)
     with torch.device("meta"):
         model = build_model(cfg)
-    quantized = quantized_linears(model, quant)
     if quant is not None and getattr(model, "is_moe", False):
-        quantized = moe_quantized_linears(files, quantized)
+        quantized = moe_quantized_linears(model, files, quant)
+    else:
+        quantized = quantized_linears(model, quant)
     if cfg.tie_word_embeddings and "lm_head" in quantized:
         raise ModelLoadError(f"{directory / 'config.json'}: quantization_config quantizes lm_head, which this "
                              f"model ties to its embeddings (add lm_head to quantization_config.ignore)")

@@ -6,8 +6,9 @@ families those on the ``decoder_sparse_step`` grid and not in ``mlp_only_layers`
 heads before the head split and are applied by its q/k projections (`NormedProjection`).
 
 Checkpoints store each expert's gate, up and down weights apart (``mlp.experts.<e>.gate_proj.weight``;
-Mixtral ``block_sparse_moe.experts.<e>.w1/w3/w2``); the loader stacks them into the experts' two weights by
-`MoeForCausalLM.checkpoint_target`.
+Mixtral ``block_sparse_moe.experts.<e>.w1/w3/w2``); the loader renames them (`MoeForCausalLM.checkpoint_rename`)
+and stacks them into the experts' two weights (`checkpoint_target`), or, for a checkpoint that stores its experts
+quantized, loads each into its own linear (`separate_experts`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from sage_infer.models.llama import MLP, LlamaForCausalLM
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
 
-_EXPERT_WEIGHT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                            r"\.weight$")
-_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}  # gate rows, then up
+_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.")
+_MIXTRAL_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class NormedProjection(nn.Module):
@@ -69,28 +70,41 @@ class MoeForCausalLM(LlamaForCausalLM):
                                        moe.renormalize, shared,
                                        weights_in_hidden_dtype=cfg.architecture != "MixtralForCausalLM")
 
-    def checkpoint_target(self, name: str) -> tuple[str, tuple[int, slice] | None] | None:
-        """Where checkpoint tensor `name` goes when no parameter has its name: (parameter, index into it or None
-        for all of it), or None when it belongs nowhere. One expert's gate, up or down weight goes to its rows of
-        the stacked ``gate_up_proj`` (gate then up) or ``down_proj``."""
-        if match := _EXPERT_WEIGHT.match(name):
-            prefix, expert, part = match[1], int(match[2]), _PART[match[3]]
-            if part is None:
-                return f"{prefix}.mlp.experts.down_proj", (expert, slice(None))
-            rows = self.config.moe.expert_intermediate_size
-            return f"{prefix}.mlp.experts.gate_up_proj", (expert, slice(part * rows, (part + 1) * rows))
-        if ".block_sparse_moe." in name:  # Mixtral's router
-            return name.replace(".block_sparse_moe.", ".mlp."), None
+    def checkpoint_rename(self, name: str) -> str:
+        """Checkpoint tensor `name` as this model names it: Mixtral's ``block_sparse_moe`` is ``mlp`` and its
+        experts' ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; OLMoE's q/k norms live in its
+        q/k projections (`NormedProjection`)."""
+        if ".block_sparse_moe." in name:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_PART[m[2]]}.", name)
         moe = self.config.moe
-        if moe.qk_norm_full or moe.clip_qkv is not None:  # OLMoE: q/k norms and clamps live in the projections
-            for old, new in ((".self_attn.q_norm.", ".self_attn.q_proj.norm."),
-                             (".self_attn.k_norm.", ".self_attn.k_proj.norm."),
-                             (".self_attn.q_proj.", ".self_attn.q_proj.proj."),
-                             (".self_attn.k_proj.", ".self_attn.k_proj.proj."),
-                             (".self_attn.v_proj.", ".self_attn.v_proj.proj.")):
-                if old in name:
-                    return name.replace(old, new), None
-        return None
+        if moe.qk_norm_full or moe.clip_qkv is not None:
+            wrapped = ("q", "k", "v") if moe.clip_qkv is not None else ("q", "k")
+            for proj in wrapped:
+                name = name.replace(f".self_attn.{proj}_proj.", f".self_attn.{proj}_proj.proj.")
+                name = name.replace(f".self_attn.{proj}_norm.", f".self_attn.{proj}_proj.norm.")
+        return name
+
+    def checkpoint_target(self, name: str) -> tuple[str, tuple[int, slice]] | None:
+        """Where (renamed) checkpoint tensor `name` goes when no parameter has its name: one expert's gate, up
+        or down weight goes to its rows of the stacked ``gate_up_proj`` (gate then up) or ``down_proj``, as
+        (parameter, index into it); None when it belongs nowhere."""
+        match = _EXPERT_WEIGHT.match(name)
+        if match is None:
+            return None
+        prefix, expert, part = match[1], int(match[2]), match[3]
+        if part == "down_proj":
+            return f"{prefix}.down_proj", (expert, slice(None))
+        rows = self.config.moe.expert_intermediate_size
+        start = 0 if part == "gate_proj" else rows
+        return f"{prefix}.gate_up_proj", (expert, slice(start, start + rows))
+
+    def separate_experts(self) -> None:
+        """Before loading: every expert as three linears named as the checkpoint names them
+        (`FusedExperts.separate_linears`), for a checkpoint that stores its experts quantized."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts.separate_linears()
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
         """(layer, (token, expert) pairs routed to each expert since start) for each sparse layer."""
