@@ -144,6 +144,12 @@ def test_the_router_answers_client_routes_with_openai_errors_and_needs_the_key(m
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert httpx.get(f"{url}/health").json()["replicas"] == {"up": 1, "total": 1}  # no addresses without the key
         assert httpx.get(f"{url}/health", headers=headers).json()["replicas"][a.url]["up"] is True
+        # every route a client may call on a replica, the router answers too
+        replica_routes = httpx.get(f"{a.url}/openapi.json", headers=headers).json()["paths"]
+        router_routes = httpx.get(f"{url}/openapi.json", headers=headers).json()["paths"]
+        assert {(p, m) for p, ms in replica_routes.items() for m in ms} <= \
+            {(p, m) for p, ms in router_routes.items() for m in ms}
+        assert httpx.get(f"{url}/openapi.json").status_code == 401
         ok = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0).completions.create(
             model=a.model, prompt=PREFIX, max_tokens=2, temperature=0)
         assert ok.usage.completion_tokens == 2

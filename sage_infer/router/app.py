@@ -417,12 +417,6 @@ def build_router(instances: Instances, api_key: str | None = None, config: Route
     app = router_app("sage_infer router", router)
     app.state.instances, app.state.metrics = instances, router.metrics
 
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> JSONResponse:
-        """The OpenAPI schema, behind the key when one is set."""
-        router.authorize(request)
-        return JSONResponse(app.openapi())
-
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         return await router.health(request)

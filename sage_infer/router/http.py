@@ -45,6 +45,12 @@ def router_app(title: str, router) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The OpenAPI schema of the client routes, behind the key when one is set (as a replica serves it)."""
+        check_bearer(request.headers.get("authorization", ""), router.api_key)
+        return JSONResponse(app.openapi())
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await router.handle("/v1/completions", request)
