@@ -4,13 +4,16 @@ bound, the compile-time bound, and the grammars the builders make (what tool cal
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
 
 from sage_infer.models.loader import DEMO_MODEL_DIR
 from sage_infer.models.tokenizer import Tokenizer
-from sage_infer.structured import StructuredOutputError, choice, grammar, json_schema, regex, tagged_json
+from sage_infer.structured import StructuredOutputError, choice, json_schema, regex, tagged_json
+from sage_infer.structured import grammar as grammar_module
+from sage_infer.structured.constraints import grammar
 from sage_infer.structured.grammar import GrammarCompiler
 from sage_infer.structured.masks import fill_bitmask
 
@@ -42,14 +45,22 @@ def test_a_constraint_compiles_once_and_the_cache_is_bounded(compiler):
 
 
 def test_a_compile_past_the_time_bound_is_refused_and_lands_in_the_cache_later(tokenizer):
-    hurried = GrammarCompiler(tokenizer, tokenizer.vocab_size, timeout_s=1e-6)
-    spec = json_schema({"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{2,9}"}
-                                                         for i in range(40)}})
-    with pytest.raises(StructuredOutputError, match="longer than") as refused:
-        hurried.compile(spec)
-    assert refused.value.param == "response_format.json_schema.schema"
+    """The compile workers are held busy, so the compile cannot end in time, whatever this machine's speed."""
+    hurried = GrammarCompiler(tokenizer, tokenizer.vocab_size, timeout_s=0.05)
+    spec = json_schema({"type": "object", "properties": {"k": {"type": "string", "pattern": "[a-z]{2,9}"}}})
+    release = threading.Event()
+    busy = [grammar_module._COMPILE_THREADS.submit(release.wait) for _ in range(2)]
+    try:
+        with pytest.raises(StructuredOutputError, match="longer than") as refused:
+            hurried.compile(spec)
+        assert refused.value.param == "response_format.json_schema.schema"
+        assert hurried.num_cached == 0
+    finally:
+        release.set()
+    for done in busy:
+        done.result()
     deadline = time.monotonic() + 30
-    while hurried.num_cached == 0:  # the one compile of it finishes in the background
+    while hurried.num_cached == 0:  # its one compile ran once the workers were free
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert hurried.compile(spec) is not None

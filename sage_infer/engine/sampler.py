@@ -75,16 +75,13 @@ class Sampler:
         return _with_logprobs(token_ids, raw_logprobs, params)
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     """Sets to -inf every token a constrained row's grammar forbids. logits: [batch, vocab] float32, edited in
-    place; `mask.bitmask[i]` ([rows, ceil(vocab / 32)] int32, bit t of a row: token t allowed) is for row
-    `mask.rows[i]`. One vectorized unpack of the bits, on the constrained rows only."""
-    vocab = logits.shape[1]
-    bits = (mask.bitmask.unsqueeze(-1) >> _BIT) & 1  # [rows, words, 32]
-    forbidden = bits.view(len(mask.rows), -1)[:, :vocab].to(logits.device) == 0
+    place; `mask.forbidden[i]` ([rows, vocab] bool, unpacked from the grammar's bitmask while the model ran) is
+    for row `mask.rows[i]`."""
+    forbidden = mask.forbidden.to(logits.device, non_blocking=True)
+    if len(mask.rows) == logits.shape[0]:  # every row constrained (rows ascend): no gather
+        return logits.masked_fill_(forbidden, float("-inf"))
     rows = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
     logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
     return logits

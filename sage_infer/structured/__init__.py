@@ -2,7 +2,8 @@
 choices or a grammar, with llguidance (a maintained grammar library; no hand-written schema compiler here).
 
 - `constraints`: builders of `StructuredOutputsParams` (`json_schema`, `any_of_json_schemas`, `json_object`,
-  `regex`, `choice`, `grammar`, `tagged_json` for tool-call blocks, `lark_json`/`lark_literal` to compose
+  `regex`, `choice`, `constraints.grammar` (not re-exported here: `structured.grammar` is the compiler's
+  module), `tagged_json` for tool-call blocks, `lark_json`/`lark_literal` to compose
   grammars) and `StructuredOutputError` (a 400 naming `param`).
 - `request_constraint.constraint_from_request`: the OpenAI/vLLM request fields as one constraint.
 - `grammar.GrammarCompiler` / `compiler_for`: compile once per constraint hash (bounded cache, bounded time).
@@ -21,7 +22,6 @@ from sage_infer.structured.constraints import (
     StructuredOutputError,
     any_of_json_schemas,
     choice,
-    grammar,
     json_object,
     json_schema,
     lark_json,
@@ -31,6 +31,6 @@ from sage_infer.structured.constraints import (
 )
 
 __all__ = [
-    "StructuredOutputError", "StructuredOutputsParams", "any_of_json_schemas", "choice", "grammar", "json_object",
-    "json_schema", "lark_json", "lark_literal", "regex", "tagged_json",
+    "StructuredOutputError", "StructuredOutputsParams", "any_of_json_schemas", "choice", "json_object", "json_schema",
+    "lark_json", "lark_literal", "regex", "tagged_json",
 ]

@@ -34,11 +34,21 @@ def bitmask_words(vocab_size: int) -> int:
 
 @dataclass(slots=True)
 class TokenMask:
-    """`bitmask[i]` ([len(rows), bitmask_words(vocab)] int32) holds the tokens logits row `rows[i]` may take;
-    rows not listed are unconstrained."""
+    """`forbidden[i]` ([len(rows), vocab] bool) marks the tokens logits row `rows[i]` may not take; rows not
+    listed are unconstrained. `rows` ascend."""
 
     rows: list[int]
-    bitmask: torch.Tensor
+    forbidden: torch.Tensor
+
+
+# bit i of byte b, for every byte: a bitmask's bytes (little-endian int32 words) unpack in token order
+_BYTE_BITS = torch.tensor([[b >> i & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit set: allowed) -> [rows, vocab_size] bool, True where forbidden."""
+    allowed = _BYTE_BITS[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
+    return ~allowed[:, :vocab_size]
 
 
 def fill_bitmask(entries: list[tuple[GrammarMatcher, list[int]]], vocab_size: int) -> torch.Tensor:
@@ -76,7 +86,11 @@ class PendingMasks:
                 self._first[i] = row
                 entries.append((seq.grammar, seq.draft_token_ids))
                 row += 1 + len(seq.draft_token_ids)
-        self._future: Future | None = _MASK_THREAD.submit(fill_bitmask, entries, vocab_size) if entries else None
+        self._future: Future | None = _MASK_THREAD.submit(self._compute, entries, vocab_size) if entries else None
+
+    @staticmethod
+    def _compute(entries: list[tuple[GrammarMatcher, list[int]]], vocab_size: int) -> torch.Tensor:
+        return forbidden_tokens(fill_bitmask(entries, vocab_size), vocab_size)
 
     @classmethod
     def start(cls, seqs: list[Sequence], num_new_tokens: list[int], vocab_size: int) -> PendingMasks | None:
@@ -90,7 +104,7 @@ class PendingMasks:
         with proposals once per verify row, consecutively)."""
         if self._future is None:
             return None
-        bitmask = self._future.result()
+        forbidden = self._future.result()
         picked, index = [], []
         seen: dict[int, int] = {}
         for r, i in enumerate(rows):
@@ -98,4 +112,4 @@ class PendingMasks:
             if i in self._first:
                 picked.append(r)
                 index.append(self._first[i] + j)
-        return TokenMask(picked, bitmask[index]) if picked else None
+        return TokenMask(picked, forbidden[index]) if picked else None
