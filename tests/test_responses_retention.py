@@ -9,6 +9,8 @@ import random
 import pytest
 
 from sage_infer import LLM, SamplingParams
+from sage_infer.backends.offline import llm_config
+from sage_infer.config.serve import TierConfig
 from sage_infer.kv_runtime.retention import KVRetention
 from tests.tiny_models import make_tiny_model
 
@@ -102,3 +104,17 @@ def test_retention_is_bounded_and_ends_with_its_ttl():
     assert retention.retain("long", [bytes([3, i]) for i in range(9)], ttl_s=20) == 4  # its first 4 blocks
     now[0] = 25.0
     assert retention.expire() == 1 and retention.num_blocks == 0
+
+
+def test_retained_blocks_pushed_to_the_host_tier_stay_there_while_other_blocks_go(model_dir, engine):
+    config = llm_config(str(model_dir), dtype="fp32", num_blocks=NUM_BLOCKS, block_size=BLOCK)
+    host = TierConfig(host_bytes=8 * engine.engine.runner.pool.block_nbytes)  # 8 blocks
+    llm = LLM(config=config.model_copy(update={"tiers": host}))
+    assert llm.engine.sessions.enable(0.5)
+    second = first_turn(llm, retain=True)
+    # a prompt needing every device block: the retained ones go last, demoted to the 8-block host tier
+    llm.generate([ids(NUM_BLOCKS * BLOCK - 12, seed=99)], SamplingParams(max_tokens=4, temperature=0))
+    flood(llm)  # 40 blocks of other traffic demoted through the host tier: they, not the retained ones, leave it
+    out = llm.generate([second], GREEDY)[0]
+    assert out.metrics.num_cached_tokens >= 64
+    assert llm.engine.stats().prefix_lower_hit_tokens >= 64  # loaded back from the host tier

@@ -29,6 +29,9 @@ class SessionKV:
             return False
         if self.retention is None:
             self.retention = manager.retention = KVRetention(int(manager.num_blocks * max_share))
+            tiers = self._kv.source("tiers")
+            for tier in tiers.hierarchy.migration.tiers if tiers is not None else ():
+                tier.protected = self.retention.holds  # demoted retained blocks go last there too
         return True
 
     def retain(self, key: str, token_ids: list[int], cache_salt: str | None, ttl_s: float) -> int:

@@ -52,6 +52,9 @@ class LowerTier:
             quota.add_tier(name, capacity_blocks)
         # hears ("stored" | "removed", key) as blocks enter and leave this tier (the engine's KV events)
         self.listener: Callable[[str, bytes], None] | None = None
+        # blocks kept ahead of the others (a retained conversation's): the victim is one of them only when the tier
+        # holds nothing else
+        self.protected: Callable[[bytes], bool] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.blocks
@@ -70,12 +73,12 @@ class LowerTier:
             if own is not None:
                 quota.self_evictions[self.name, quota.share(meta.tenant).name] += 1
                 evicted.append((own, self.pop(own)))
+        protected = self.protected
+        unprotected = None if protected is None else (lambda k: not protected(k))
         while len(self.blocks) >= self.capacity_blocks:
-            if quota is None:
-                victim = self.policy.victim(_always)
-            else:
-                victim = quota.pick_victim(self.name, meta.tenant, lambda extra: self.policy.victim(extra or _always),
-                                           lambda k: self.blocks[k].tenant)
+            victim = None if unprotected is None else self._victim(meta.tenant, unprotected)
+            if victim is None:
+                victim = self._victim(meta.tenant, _always)
             assert victim is not None, f"tier {self.name} is full but its policy names no victim"
             evicted.append((victim, self.pop(victim)))
         self.blocks[key] = meta
@@ -85,6 +88,15 @@ class LowerTier:
         if self.listener is not None:
             self.listener("stored", key)
         return evicted
+
+    def _victim(self, tenant, allowed: Callable[[bytes], bool]) -> bytes | None:
+        """The policy's victim among `allowed` keys (with quotas, also by the tenants' shares)."""
+        if self.quota is None:
+            return self.policy.victim(allowed)
+        return self.quota.pick_victim(
+            self.name, tenant, lambda extra: self.policy.victim(allowed if extra is None else
+                                                                lambda k: allowed(k) and extra(k)),
+            lambda k: self.blocks[k].tenant)
 
     def pop(self, key: bytes) -> BlockMeta:
         meta = self.blocks.pop(key)
