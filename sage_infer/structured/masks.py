@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from sage_infer.core.sequence import Sequence
@@ -41,14 +42,12 @@ class TokenMask:
     forbidden: torch.Tensor
 
 
-# bit i of byte b, for every byte: a bitmask's bytes (little-endian int32 words) unpack in token order
-_BYTE_BITS = torch.tensor([[b >> i & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
-
-
 def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask (bit set: allowed) -> [rows, vocab_size] bool, True where forbidden."""
-    allowed = _BYTE_BITS[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
-    return ~allowed[:, :vocab_size]
+    """[rows, words] int32 bitmask (bit set: allowed) -> [rows, vocab_size] bool, True where forbidden. numpy's
+    unpackbits, one pass on one thread: it runs beside the model's forward, whose threads it must not contend
+    with (the words are little-endian, so their bytes unpack LSB-first in token order)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits == 0)
 
 
 def fill_bitmask(entries: list[tuple[GrammarMatcher, list[int]]], vocab_size: int) -> torch.Tensor:
