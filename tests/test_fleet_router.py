@@ -215,11 +215,26 @@ def serve_replicas(model_dir, *flags: str, routing: str = "kv"):
     assert code == 0, stderr.read()[-3000:]
 
 
-def test_serve_replicas_starts_pinned_replicas_behind_one_url_and_stops_them(model_dir):
+def test_serve_replicas_starts_pinned_replicas_behind_one_url_restarts_a_killed_one_and_stops_them(model_dir):
     with serve_replicas(model_dir, routing="least-load") as (url, replicas, stderr):
         assert complete(url, PREFIX).usage.completion_tokens == 6
         stderr.seek(0)
         assert re.search(r"--replicas 2: replica-0: cores \S+ \(NUMA node \d+\); replica-1: cores", stderr.read())
+        killed = _listening_pid(int(replicas[0].rsplit(":", 1)[1]))
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the command starts it again, at the same URL
+            try:
+                if httpx.get(f"{replicas[0]}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.5)
+        assert _listening_pid(int(replicas[0].rsplit(":", 1)[1])) != killed
+        assert all(complete(url, PREFIX).usage.completion_tokens == 6 for _ in range(3))
+        stderr.seek(0)
+        assert "replica-0 exited (code -9): starting it again on port" in stderr.read()
     for replica in replicas:
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{replica}/health", timeout=2)
@@ -266,6 +281,23 @@ def test_the_router_hashes_prompts_exactly_as_the_replica_does(model_dir):
         # a prompt the replica would refuse is left to it: it answers the client
         assert not router.hash_here({"prompt": "x" * 10_000_000}, Request(0))
     assert local_prompts(str(model_dir / "missing")) is None  # not readable here: route by asking
+
+
+def _listening_pid(port: int) -> int:
+    """The pid of the process listening on loopback TCP `port` (/proc/net/tcp, then its socket among /proc/*/fd)."""
+    inodes = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{entry}/fd")):
+                    return int(entry)
+            except OSError:
+                continue
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def _serve_pid(port: int) -> int:

@@ -47,6 +47,7 @@ class Worker:
     model: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     cpus: list[int] | None = None  # the cores it is pinned to (None: not pinned)
+    args: list[str] = field(default_factory=list)  # its `sage llm serve` flags, to start it again as it was
 
     @property
     def name(self) -> str:
@@ -111,19 +112,19 @@ def start_workers(num_prefill: int, num_decode: int, worker_args: list[str], dis
     return workers
 
 
-def spawn_worker(role: str, index: int, args: list[str], cpus: list[int] | None = None) -> Worker:
-    """One `sage llm serve ARGS` on a free loopback port; `cpus`: the cores it runs on (its threads, one per
-    core), else all of this process's."""
+def spawn_worker(role: str, index: int, args: list[str], cpus: list[int] | None = None, port: int = 0) -> Worker:
+    """One `sage llm serve ARGS` on loopback `port` (0: a free one); `cpus`: the cores it runs on (its threads,
+    one per core), else all of this process's."""
     env = None
     preexec = None
     if cpus:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
         preexec = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - in the child, before it execs
     process = subprocess.Popen([sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", *args,
-                                "--host", "127.0.0.1", "--port", "0"],
+                                "--host", "127.0.0.1", "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                                preexec_fn=preexec)
-    worker = Worker(role, index, process, cpus=cpus)
+    worker = Worker(role, index, process, cpus=cpus, args=args)
     threading.Thread(target=worker.pump, name=f"sage-{worker.name}", daemon=True).start()
     return worker
 
@@ -165,6 +166,8 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
     if launcher not in ("local", "ray"):
         raise UsageError(f"--launcher {launcher}: expected local or ray")
     group = None if process_group is None else pd_group(process_group, num_prefill, num_decode, launcher, host)
+    from sage_infer.router.supervise import Supervisor
+
     if launcher == "ray":
         from sage_infer.router.ray_launch import RayLauncher
 
@@ -173,7 +176,13 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
         stop = ray_launcher.stop
     else:
         workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)
-        stop = lambda: stop_workers(workers)  # noqa: E731
+        # a worker that dies is started again at the same URL, except in a torchdist group it could not rejoin
+        supervisor = Supervisor(workers).start() if group is None else None
+
+        def stop() -> None:
+            if supervisor is not None:
+                supervisor.stop()
+            stop_workers(workers)
     def announce(bound: int) -> str:
         return (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 ({num_prefill} prefill + "
                 f"{num_decode} decode workers, prefill routing {routing}: "

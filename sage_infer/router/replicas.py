@@ -4,7 +4,8 @@ the KV-aware fleet router (`router.fleet`).
 `--replicas N` starts N `sage llm serve` processes on this host with the command's model and config
 flags, each pinned to its own share of the cores (split NUMA node by NUMA node, so a replica's share
 stays within one node where the shares allow), then the router on the command's host and port,
-which prints one URL. Stopping the command (SIGINT or SIGTERM) stops the router, then the replicas.
+which prints one URL. A replica that dies is started again at the same URL (`router.supervise`).
+Stopping the command (SIGINT or SIGTERM) stops the router, then the replicas.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sage_infer.errors import NotAvailableError, UsageError
 from sage_infer.hal.cpu import read_numa_nodes
 from sage_infer.kv_policy.routing import ROUTING_POLICIES
 from sage_infer.router.launch import spawn_worker, stop_workers, wait_ready, worker_flags
+from sage_infer.router.supervise import Supervisor
 
 MAX_REPLICAS = 256
 PROBE_TIMEOUT_S = 5.0
@@ -97,7 +99,11 @@ def serve_replicas(n: int, worker_args: list[str], host: str, port: int, api_key
         workers = [spawn_worker("replica", i, [*worker_args, *worker_flags("replica", i, disk_path, None)], share)
                    for i, share in enumerate(shares)]
         wait_ready(workers, "--replicas")
-        stop = lambda: stop_workers(workers)  # noqa: E731
+        supervisor = Supervisor(workers).start()  # a replica that dies is started again, at the same URL
+
+        def stop() -> None:
+            supervisor.stop()
+            stop_workers(workers)
     try:
         return serve_fleet([w.url for w in workers], host, port, api_key, routing, model_path=model_path,
                            announce=lambda bound: (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 "
