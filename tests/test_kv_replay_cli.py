@@ -30,7 +30,8 @@ REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conve
 #   [0,1]   hits 0;   evicts 5
 # 13 accesses, 5 prefix hits (= block hits); 6 distinct blocks, so ideal = 7/13.
 HAND_TRACE = [[0, 1, 2], [0, 1, 3], [0, 1, 2], [4, 5], [0, 1]]
-RESULT_KEYS = {"policy", "hit_rate", "prefix_hit_rate", "tier_hits", "prefill_seconds_saved", "us_per_access"}
+RESULT_KEYS = {"policy", "hit_rate", "prefix_hit_rate", "tier_hits", "prefill_seconds_saved", "us_per_access",
+               "prefetch"}
 DOC_KEYS = {"trace", "requests", "accesses", "distinct", "capacity_blocks", "ideal_hit_rate", "opt", "results"}
 
 

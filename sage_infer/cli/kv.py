@@ -261,21 +261,28 @@ def _table(document: dict, priced: bool):
 
     opt = document["opt"]
     opt_prefix = opt["prefix_hit_rate"] if opt else None
+    prefetched = any(r.get("prefetch") for r in document["results"])  # with lower tiers
     rows = []
     for r in document["results"]:
         ratio = f"{r['prefix_hit_rate'] / opt_prefix:.3f}" if opt_prefix else "—"
         tiers = " ".join(f"{tier}={n}" for tier, n in r["tier_hits"].items())
         saved = "—" if r["prefill_seconds_saved"] is None else f"{r['prefill_seconds_saved']:.1f}"
-        rows.append([r["policy"], _pct(r["hit_rate"]), _pct(r["prefix_hit_rate"]), ratio, tiers, saved,
-                     f"{r['us_per_access']:.2f}"])
+        row = [r["policy"], _pct(r["hit_rate"]), _pct(r["prefix_hit_rate"]), ratio, tiers, saved]
+        if prefetched:
+            p = r["prefetch"]
+            row.append(f"{_pct(p['hit_ratio'])} / {p['bytes_wasted'] / 2**30:.1f} GiB")
+        rows.append([*row, f"{r['us_per_access']:.2f}"])
+    pad = [""] * prefetched
     rows.append(["OPT", _pct(opt["hit_rate"]) if opt else "null", _pct(opt_prefix) if opt else "null",
-                 "1.000" if opt_prefix else "—", "", "", ""])
-    rows.append(["ideal (∞)", _pct(document["ideal_hit_rate"]), _pct(document["ideal_hit_rate"]), "", "", "", ""])
+                 "1.000" if opt_prefix else "—", "", "", *pad, ""])
+    rows.append(["ideal (∞)", _pct(document["ideal_hit_rate"]), _pct(document["ideal_hit_rate"]), "", "", "", *pad,
+                 ""])
     share = document["capacity_blocks"] / document["distinct"] * 100 if document["distinct"] else 0.0
     title = (f"{document['trace']}: {document['requests']} requests, {document['accesses']} block accesses, "
              f"{document['distinct']} distinct; device {document['capacity_blocks']} blocks ({share:.1f}%)")
     columns = ["policy", "hit rate", "prefix hit rate", "÷ OPT (prefix)", "tier hits",
-               "prefill s saved" if priced else "prefill s saved (no --preset)", "µs/access"]
+               "prefill s saved" if priced else "prefill s saved (no --preset)",
+               *(["prefetch hit / wasted"] * prefetched), "µs/access"]
     return table(title, columns, rows)
 
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sage_infer.kv_policy.base import POLICIES, EvictionPolicy, make_policy
-from sage_infer.kv_policy.cost_benefit import CostBenefitModel
+from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.migration import BlockMeta, LowerTier, MigrationPolicy
 from sage_infer.prefix_reuse.hashing import hash_block
+from sage_infer.sim.prefetch import QueuedPrefetch
 from sage_infer.sim.replay import (
     EXTRA_KEY,
     ReplayResult,
@@ -32,6 +33,7 @@ from sage_infer.sim.replay import (
 )
 
 TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id
+TRACE_BLOCK_BYTES = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS  # what a block's KV weighs (the sizes' model)
 LOWER_TIERS = ("host", "disk", "remote")
 PREFERRED_ORDER = ("lru", "lfu", "arc", "s3fifo", "cost", "sage")  # table order; others follow by name
 
@@ -48,11 +50,13 @@ class TieredResult(ReplayResult):
 
     tier_hits: dict[str, int] = field(default_factory=dict)  # prefix-run hits by the tier that served them
     prefill_seconds_saved: float | None = None
+    prefetch: QueuedPrefetch | None = None  # with lower tiers: the queued request's prefetch, counted
 
     def to_json(self) -> dict:
+        prefetch = self.prefetch.to_json(TRACE_BLOCK_BYTES) if self.prefetch is not None else None
         return {"policy": self.policy, "hit_rate": self.hit_rate, "prefix_hit_rate": self.prefix_hit_rate,
                 "tier_hits": dict(self.tier_hits), "prefill_seconds_saved": self.prefill_seconds_saved,
-                "us_per_access": self.us_per_access}
+                "us_per_access": self.us_per_access, "prefetch": prefetch}
 
 
 def block_tokens(request: TraceRequest, k: int) -> int:
@@ -108,7 +112,8 @@ def replay_tiered(
             migration.demote(block.block_hash, meta.pop(block.block_hash))
 
     cache.kv.on_evict = demote
-    result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers})
+    result = TieredResult(device_policy.name, capacity, tier_hits={t.name: 0 for t in tiers},
+                          prefetch=QueuedPrefetch(EXTRA_KEY))
     served: Counter = Counter()
     start = time.perf_counter()
     for i, request in enumerate(requests):
@@ -126,6 +131,9 @@ def replay_tiered(
                 break
             promoted.append((run, key, tier))
             chain, run = key, run + 1
+        result.prefetch.settle([key for _, key, _ in promoted], match.block_hashes)
+        if i + 1 < len(requests):  # the next request waits in the queue while this one runs: read its prefix
+            result.prefetch.issue(requests[i + 1].hash_ids, cache.index, migration)
         present = run
         for token in ids[run:]:  # block-level counting past the first miss
             chain = hash_block(chain, (token,), EXTRA_KEY)
