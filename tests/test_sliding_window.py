@@ -14,6 +14,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.auto import ModelFacts, resolve_max_model_len
 from sage_infer.config.serve import ServeConfig
 from sage_infer.layers.attention_kinds import AttentionKind, kind_decode_attention, kind_prefill_attention
+from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.models.arch_config import ArchConfig
 from tests.test_engine_vs_transformers import random_prompts
 from tests.tiny_models import make_tiny_model
@@ -92,13 +93,17 @@ def test_the_window_changes_transformers_tokens_for_these_prompts(mistral):
     directory, prompts, windowed = mistral
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=None,
                                                            attn_implementation="eager").eval()
-    assert hf_greedy(hf, prompts) != windowed
+    assert hf_greedy(hf, prompts[:2]) != windowed[:2]
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_mistral_sliding_window_matches_transformers(mistral, path):
     directory, prompts, want = mistral
     llm = engine(directory, **PATHS[path])
+    windowed_in_place = llm.engine.runner.attention.decode.windowed  # the paged kernel reads the window's blocks
+    assert windowed_in_place == (path == "auto" and kernel_unavailable() is None)
+    assert ("in place" in {d.field: d for d in llm.engine.decisions}["model.layer_attention"].reason) \
+        == windowed_in_place
     assert sage_greedy(llm, prompts) == want
     assert sage_greedy(llm, prompts) == want  # again: every prompt's blocks hit the prefix cache
     assert llm.engine.kv.index.metrics.hit_blocks > 0
@@ -148,3 +153,27 @@ def test_window_math_equals_a_masked_softmax():
     torch.testing.assert_close(kind_prefill_attention(q, k, v, 0.3, kind), want)
     decoded = kind_decode_attention(q[-1:], k[None], v[None], torch.tensor([12]), 0.3, kind)
     torch.testing.assert_close(decoded[0], want[-1])
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
+@pytest.mark.parametrize("window", [16, 21, 48])
+def test_paged_window_decode_equals_the_gathered_window_math(window):
+    """The in-place split (kernel over the blocks inside the window, the partial block before them in PyTorch)
+    against the gathered math, rows shorter than the window, on a block boundary and in between."""
+    from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+    from sage_infer.kv_runtime import KVPool
+    from sage_infer.layers.attention import DecodeGroup
+    from sage_infer.layers.attention_backends.paged_decode import PagedDecode
+
+    torch.manual_seed(1)
+    block, blocks = 16, 40
+    pool = KVPool(KVCacheSchema(1, 2, 32, block, KVDtype.FP32), blocks)
+    slots = torch.arange(blocks * block)
+    pool.store(0, torch.randn(blocks * block, 2, 32), torch.randn(blocks * block, 2, 32), slots)
+    lens = torch.tensor([1, 15, 16, 17, 47, 48, 49, 64, 100, 130])
+    tables = torch.stack([torch.randperm(blocks)[:9] for _ in lens])
+    group = DecodeGroup(rows=torch.arange(len(lens)), block_tables=tables, context_lens=lens)
+    q = torch.randn(len(lens), 4, 32)
+    keys, values = pool.gather_blocks(0, tables, torch.float32)
+    want = kind_decode_attention(q, keys, values, lens, 0.2, AttentionKind(window=window))
+    torch.testing.assert_close(PagedDecode().attend_window(q, pool, 0, group, 0.2, window), want, atol=2e-5, rtol=1e-4)

@@ -221,7 +221,7 @@ class EngineBuilder:
         tokenizer, auto, fused, proposer = self.tokenizer, self.auto, self.fused, self.proposer
         deterministic = self.deterministic
         attention = build_attention(config, model, arch.head_dim, device, pool, deterministic)
-        self.kinds = report_attention_kinds(model)
+        self.kinds = report_attention_kinds(model, attention)
         if self.kinds and deterministic:
             raise ConfigError("model.deterministic: the model's sliding-window or soft-capped layers attend through "
                               "PyTorch, not the paged kernel every row goes through", hint="set model.deterministic: "
@@ -393,10 +393,10 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
     return attention_backend(decode, prefill, row_invariant=deterministic)
 
 
-def report_attention_kinds(model: torch.nn.Module) -> bool:
+def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) -> bool:
     """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores); if so,
-    a decided line says which, and that they attend through PyTorch (`AttentionBackend.forward_kind`) whatever
-    `model.attention` / `model.prefill_attention` chose: no kernel takes a window or a cap yet."""
+    a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): decode rows of a
+    window in place where the decode part takes one, the rest through PyTorch (no kernel takes a cap yet)."""
     kinds = [m.kind for m in model.modules() if isinstance(getattr(m, "kind", None), AttentionKind)]
     special: dict[str, int] = {}
     for kind in kinds:
@@ -406,8 +406,10 @@ def report_attention_kinds(model: torch.nn.Module) -> bool:
         return False
     full = len(kinds) - sum(special.values())
     layers = "; ".join(f"{count} x {what}" for what, count in special.items()) + (f"; {full} x full" if full else "")
-    _report(ResolvedValue("model.layer_attention", layers, "config.json; these layers attend through PyTorch (no "
-                          "kernel takes a sliding window or a soft-cap yet), the others through the parts above"))
+    how = ("their decode rows read the window's blocks in place (paged kernel), their prefill spans attend through "
+           "PyTorch" if attention.decode.windowed else "they attend through PyTorch")
+    _report(ResolvedValue("model.layer_attention", layers, f"config.json; {how}, soft-capped ones wholly (no kernel "
+                          f"takes a soft-cap yet); full layers run the parts above"))
     return True
 
 

@@ -51,6 +51,7 @@ class DecodePart:
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
     group_rows: ClassVar[int] = DECODE_GROUP_ROWS
+    windowed: ClassVar[bool] = False  # `attend_window`: a sliding window of at least a block, in place
 
     def groups(self, rows: list[int], tables: list[list[int]], lens: list[int], batch: StepBatch) -> list[DecodeGroup]:
         """The decode rows of a step (their block tables, their context lengths) as this part's groups."""
@@ -63,6 +64,12 @@ class DecodePart:
     def attend_lse(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A shared prefix's suffixes: q: [b, H, D] -> (out [b, H, D] float32, lse [b, H])."""
+        raise NotImplementedError
+
+    def attend_window(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup, scale: float,
+                      window: int) -> torch.Tensor:
+        """Rows of a sliding-window layer (`window` >= the pool's block size): q: [b, H, D] -> [b, H, D] in q's
+        dtype. Only parts with `windowed` set."""
         raise NotImplementedError
 
 
@@ -250,8 +257,9 @@ class AttentionBackend:
                      meta: AttentionMetadata, scale: float, kind: AttentionKind) -> torch.Tensor:
         """A sliding-window or soft-capped layer (K/V already stored): the step's spans and decode groups as this
         backend prepared them, attended in PyTorch (`sage_infer.layers.attention_kinds`; no kernel takes a window or a
-        cap yet). Decode rows read only the blocks their window reaches. The engine turns cascade attention off for
-        models with such layers."""
+        cap yet) except decode rows of a window the decode part takes (`DecodePart.attend_window`); other decode rows
+        read only the blocks their window reaches. The engine turns cascade attention off for models with such
+        layers."""
         assert meta.shared is None, "cascade attention attends every shared key: off for windowed/capped layers"
         out = torch.empty_like(q)
         for index, span in enumerate(meta.prefills):
@@ -262,6 +270,9 @@ class AttentionBackend:
                 k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype)
             out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
         for group in meta.decode_groups:
+            if self.decode.windowed and kind.softcap is None and (kind.window or 0) >= pool.block_size:
+                out[group.rows] = self.decode.attend_window(q[group.rows], pool, layer, group, scale, kind.window)
+                continue
             tables, lens = group.block_tables, group.context_lens
             if kind.window is not None:
                 tables, lens = window_tables(tables, lens, kind.window, pool.block_size)
