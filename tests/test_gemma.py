@@ -76,3 +76,9 @@ def test_gemma_with_another_activation_is_refused_naming_the_field(tmp_path):
 
     with pytest.raises(ValueError, match="hidden_activation: 'relu' is not built"):
         build_model(cfg)
+
+
+def test_bidirectional_gemma3_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="use_bidirectional_attention: true is not built"):
+        ArchConfig.from_hf({"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 8, "intermediate_size": 8,
+                            "num_hidden_layers": 2, "use_bidirectional_attention": True}, "Gemma3ForCausalLM")

@@ -21,6 +21,8 @@ QWEN_FAMILIES = ("Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe")
 def sliding_window_of(config: dict, family: str) -> int | None:
     """The window in keys a sliding layer's query sees (its own included), or None when no layer slides."""
     window = config.get("sliding_window")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: true is not built (every layer here attends causally)")
     if family in QWEN_FAMILIES and not config.get("use_sliding_window", False):
         return None
     if family not in UNIFORM_WINDOW_FAMILIES + QWEN_FAMILIES and not family.startswith("Gemma") \
