@@ -32,7 +32,8 @@ import crc32c as _crc32c
 from sage_infer.transport.transport_errors import ChecksumError, ProtocolError
 
 MAGIC = b"SKVT"
-VERSION = 2  # 2: AUTH opens every shm/tcp connection; an ACK covers `count` sequence numbers
+VERSION = 3  # 2: AUTH opens every shm/tcp connection; an ACK covers `count` sequence numbers; 3: converted
+# payloads are the KV pool codec's (fp16 scales, symmetric: no mins)
 _FORMAT = struct.Struct("<4sBBHBBBBIIQQQQIIQII48s")
 HEADER_BYTES = _FORMAT.size + 4
 assert HEADER_BYTES == 128, HEADER_BYTES
