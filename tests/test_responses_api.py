@@ -58,12 +58,17 @@ def flood(client, server, n: int = 6) -> None:
                                   max_tokens=1, temperature=0)
 
 
-def hits(url: str) -> tuple[float, float]:
-    """Prompt tokens served so far from the device's prefix cache, and loaded from a lower tier (/metrics)."""
+def scrape(url: str) -> dict[str, float]:
     found = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for sample in family.samples:
             found[sample.name] = sample.value
+    return found
+
+
+def hits(url: str) -> tuple[float, float]:
+    """Prompt tokens served so far from the device's prefix cache, and loaded from a lower tier (/metrics)."""
+    found = scrape(url)
     return found["sage:prefix_cache_hits_total"], found["sage:prefix_cache_lower_hits_total"]
 
 
@@ -86,6 +91,8 @@ def test_create_retrieve_and_continue_hits_the_first_turns_kv_after_other_traffi
     assert second.usage.input_tokens_details.cached_tokens >= context // 16 * 16 > 0
     # from the device, where retention kept them, not loaded back from the disk tier
     assert after[0] - before[0] >= context // 16 * 16 and after[1] == before[1]
+    retained = scrape(server[0])
+    assert retained["sage:kv_retained_conversations"] >= 2 and retained["sage:kv_retained_blocks"] >= context // 16
 
 
 def test_the_next_turn_is_the_previous_context_plus_its_output_plus_the_new_input(client, server):

@@ -177,8 +177,9 @@ class LLMEngine:
             raise RequestError(f"{err.param}: {err}") from None
 
     def metrics_registries(self) -> list:
-        """Prometheus registries of this engine's parts, for the server's /metrics (the KV pipe's transport)."""
-        return self.pd.registries() if self.pd is not None else []
+        """Prometheus registries of this engine's parts, for the server's /metrics (the KV pipe's transport, the
+        retained conversations' KV)."""
+        return (self.pd.registries() if self.pd is not None else []) + [self.sessions.registry()]
 
     def wake(self) -> None:
         """Cut an idle step's wait short (another thread queued work for this engine)."""

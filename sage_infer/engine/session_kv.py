@@ -49,3 +49,35 @@ class SessionKV:
 
     def stats(self) -> dict[str, int]:
         return self.retention.stats() if self.retention is not None else {}
+
+    def registry(self):
+        """A Prometheus registry of the retention's gauges and counters, read on every scrape (nothing while
+        retention is off): ``sage:kv_retained_conversations``, ``sage:kv_retained_blocks``,
+        ``sage:kv_retained_evicted_total`` (retained blocks evicted because nothing else was left),
+        ``sage:kv_retention_dropped_total`` (retentions ended early to stay under the bound)."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sessions, model = self, self._extra_key.model_id
+
+        class Collector:
+            def collect(self):
+                retention = sessions.retention
+                if retention is None:
+                    return
+                for kind, name, text, value in (
+                        (GaugeMetricFamily, "sage:kv_retained_conversations", "Conversations whose KV is retained "
+                         "for their next turn (stored responses).", len(retention)),
+                        (GaugeMetricFamily, "sage:kv_retained_blocks", "Device KV blocks retained (evicted last).",
+                         retention.num_blocks),
+                        (CounterMetricFamily, "sage:kv_retained_evicted", "Retained blocks evicted because "
+                         "nothing else was left to evict.", retention.evicted_under_pressure),
+                        (CounterMetricFamily, "sage:kv_retention_dropped", "Retentions ended early to stay under "
+                         "responses.kv_share (the oldest first).", retention.dropped)):
+                    family = kind(name, text, labels=["model_name"])
+                    family.add_metric([model], value)
+                    yield family
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Collector())
+        return registry
