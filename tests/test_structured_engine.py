@@ -105,7 +105,7 @@ def test_proposals_are_cut_at_the_first_token_the_grammar_forbids(plain):
 def test_preempted_and_prefix_cached_sequences_keep_their_grammar(reference):
     """A pool too small for every sequence at once preempts and recomputes some; the matcher follows the output
     tokens, which preemption keeps, so nothing changes. The second run finds the prompts in the prefix cache."""
-    llm = engine(num_blocks=8)
+    llm = engine(num_blocks=12)
     first = llm.generate(PROMPTS, constrained())
     assert llm.engine.scheduler.num_preemptions > 0
     again = llm.generate(PROMPTS, constrained())
