@@ -205,10 +205,9 @@ def _replay_fleet(requests, trace: str, replicas: str, routing: str, capacity: s
 
 def _capacities(capacity: str | None, tier_specs: list[tuple[str, str]], distinct: int):
     """The device capacities to sweep, in blocks (`--capacity`, or `--tiers device=`), and the lower `TierSpec`s."""
-    from sage_infer.kv_policy.cost_benefit import ModelShape
-    from sage_infer.sim.tiered import TRACE_BLOCK_TOKENS, TierSpec
+    from sage_infer.sim.tiered import TRACE_BLOCK_BYTES, TierSpec
 
-    block_bytes = ModelShape().kv_bytes_per_token * TRACE_BLOCK_TOKENS
+    block_bytes = TRACE_BLOCK_BYTES
     if tier_specs and tier_specs[0][0] == "device":
         device_specs, tier_specs = [tier_specs[0][1]], tier_specs[1:]
     else:
