@@ -177,3 +177,26 @@ def test_paged_window_decode_equals_the_gathered_window_math(window):
     keys, values = pool.gather_blocks(0, tables, torch.float32)
     want = kind_decode_attention(q, keys, values, lens, 0.2, AttentionKind(window=window))
     torch.testing.assert_close(PagedDecode().attend_window(q, pool, 0, group, 0.2, window), want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_triton_prefill_reads_a_windowed_span_context_from_its_block_table():
+    """The Triton part keeps block tables, not slots: the keys it hands a windowed layer equal the slot gather."""
+    from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+    from sage_infer.kv_runtime import KVPool
+    from sage_infer.layers.attention import AttentionMetadata, PrefillSpan
+    from sage_infer.layers.attention_backends.triton_prefill import PagedPrefill, TritonPrefill
+
+    torch.manual_seed(2)
+    block, blocks = 16, 12
+    pool = KVPool(KVCacheSchema(1, 2, 8, block, KVDtype.FP32), blocks)
+    pool.store(0, torch.randn(blocks * block, 2, 8), torch.randn(blocks * block, 2, 8), torch.arange(blocks * block))
+    table = [7, 2, 9, 4, 0]
+    span = PrefillSpan(q_start=0, q_len=10, context_len=70, slot_start=0)
+    paged = PagedPrefill(block_tables=torch.tensor([table]), spans=torch.zeros(1, 3, dtype=torch.int32),
+                         tiles=torch.zeros(1, 2))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(10, dtype=torch.long), prefills=[span], prefill_context=paged)
+    slots = torch.tensor([table[i // block] * block + i % block for i in range(70)])
+    for start in (0, 16, 37):
+        keys, values = (t.clone() for t in TritonPrefill().span_context(pool, 0, meta, 0, span, torch.float32, start))
+        want_k, want_v = pool.gather_slots(0, slots[start:], torch.float32)  # (gathers reuse the pool's workspace)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)

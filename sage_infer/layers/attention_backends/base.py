@@ -119,11 +119,12 @@ class PrefillPart:
                 k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
             out[rows] = self.attend(q[rows], k_ctx, v_ctx, scale)
 
-    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int,
-                     span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [context_len, KvH, D] of the `index`-th span of `meta.prefills`, one with earlier context, as
-        copies (the layers whose kind no kernel runs read them: `AttentionBackend.forward_kind`)."""
-        slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int, span: PrefillSpan,
+                     dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [context_len - start, KvH, D] of the `index`-th span of `meta.prefills` (one with earlier context)
+        from its token `start` on, as copies (the layers whose kind no kernel runs read them:
+        `AttentionBackend.forward_kind`)."""
+        slots = meta.prefill_context[span.slot_start + start : span.slot_start + span.context_len]
         return pool.gather_slots(layer, slots, dtype)
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -266,8 +267,9 @@ class AttentionBackend:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.context_len == span.q_len:
                 k_ctx, v_ctx = k[rows], v[rows]
-            else:
-                k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype)
+            else:  # a window reads only the keys its queries see (the mask is relative: the same math)
+                start = 0 if kind.window is None else max(0, span.context_len - span.q_len - kind.window + 1)
+                k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype, start)
             out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
         for group in meta.decode_groups:
             if self.decode.windowed and kind.softcap is None and (kind.window or 0) >= pool.block_size:

@@ -57,7 +57,11 @@ class TritonPrefill(PrefillPart):
         paged = meta.prefill_context
         prefill_attention(q, *pool.block_views(layer), out, paged.block_tables, paged.spans, paged.tiles, scale)
 
-    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int,
-                     span: PrefillSpan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = pool.gather_blocks(layer, meta.prefill_context.block_tables[index : index + 1], dtype)
-        return keys[0, : span.context_len], values[0, : span.context_len]
+    def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int, span: PrefillSpan,
+                     dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        first = start // pool.block_size  # only the blocks from the one holding token `start`
+        table = meta.prefill_context.block_tables[index : index + 1, first : -(-span.context_len // pool.block_size)]
+        keys, values = pool.gather_blocks(layer, table, dtype)
+        skip = start - first * pool.block_size
+        return keys[0, skip : span.context_len - first * pool.block_size], \
+            values[0, skip : span.context_len - first * pool.block_size]
