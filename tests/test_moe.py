@@ -36,7 +36,8 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                        decoder_sparse_step=2)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=48)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",  # a window shorter than the prompts: it decides tokens
+                dict(num_local_experts=4, intermediate_size=48, sliding_window=16)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32, clip_qkv=1.5)),
 }
 SPARSE_LAYERS = {"qwen3_moe": [0], "qwen2_moe": [1], "mixtral": [0, 1], "olmoe": [0, 1]}
