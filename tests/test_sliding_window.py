@@ -200,3 +200,13 @@ def test_the_triton_prefill_reads_a_windowed_span_context_from_its_block_table()
         keys, values = (t.clone() for t in TritonPrefill().span_context(pool, 0, meta, 0, span, torch.float32, start))
         want_k, want_v = pool.gather_slots(0, slots[start:], torch.float32)  # (gathers reuse the pool's workspace)
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+
+
+def test_gpt_oss_is_refused_saying_what_it_misses(tmp_path):
+    import json
+
+    from sage_infer.models.loader import ModelLoadError, arch_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="GptOssForCausalLM' is not supported: gpt-oss needs attention sinks"):
+        arch_config(tmp_path)

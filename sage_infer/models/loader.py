@@ -23,7 +23,7 @@ from sage_infer.errors import SageError
 from sage_infer.layers.quant_linear import QuantLinear
 from sage_infer.layers.rotary import inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
-from sage_infer.models.registry import SUPPORTED_ARCHITECTURES, build_model
+from sage_infer.models.registry import SUPPORTED_ARCHITECTURES, build_model, unsupported_architecture
 from sage_infer.quantization.compressed_tensors import (
     CompressedTensorsConfig,
     ConfigGroup,
@@ -66,10 +66,7 @@ def arch_config(directory: Path) -> ArchConfig:
     architectures = config.get("architectures") or []
     arch = architectures[0] if architectures else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{directory / 'config.json'}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        raise ModelLoadError(f"{directory / 'config.json'}: {unsupported_architecture(arch)}")
     try:
         return ArchConfig.from_hf(config, arch)
     except (KeyError, TypeError, ValueError) as err:

@@ -12,6 +12,16 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCa
 # Gemma 2 and text-only Gemma 3 (`sage_infer.models.gemma`; Gemma3ForConditionalGeneration is not built)
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES
+NOT_BUILT = {  # architectures asked for that are not built yet: what they miss
+    "GptOssForCausalLM": "gpt-oss needs attention sinks, its clamped SwiGLU experts and yarn rope, not built yet",
+    "Gemma3ForConditionalGeneration": "multimodal Gemma 3 is not built (text-only Gemma 3 is Gemma3ForCausalLM)",
+}
+
+
+def unsupported_architecture(arch: str | None) -> str:
+    """The one line that refuses `arch`: what it misses when known, and what runs."""
+    why = f": {NOT_BUILT[arch]}" if arch in NOT_BUILT else ""
+    return f"architecture {arch!r} is not supported{why} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
 
 
 def build_model(cfg: ArchConfig) -> nn.Module:
