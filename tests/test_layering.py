@@ -50,7 +50,9 @@ FORBIDDEN: dict[str, set[str]] = {
     "serving_bench": {"engine", "scheduler", "kv_runtime", "models", "layers", "backends", "server"},
     # (kv_policy: the routing policies the router shares with fleet replay are pure decisions, like eviction's;
     # prefix_reuse: the router hashes token-id prompts as the replicas name their blocks)
-    "router": {"engine", "scheduler", "kv_runtime", "models", "layers", "sim", "backends", "transport"},
+    # (models: the tokenizer and config.json of the served model, to hash text prompts as the replicas do; never the
+    # weights: tests/test_layering.py checks the router imports no torch)
+    "router": {"engine", "scheduler", "kv_runtime", "layers", "sim", "backends", "transport"},
     "transport": {"engine", "scheduler", "models", "layers", "kv_runtime"},
     "sim": {"layers", "models", "engine"},
     # a backend drives an engine through its public API: the KV manager and the scheduler are the engine's
@@ -223,3 +225,14 @@ def test_backends_read_no_engine_internals():
                     and (node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id) == "engine"):
                 wrong.append(f"{path.name}:{node.lineno} reads engine.{node.attr}")
     assert wrong == []
+
+
+def test_the_router_imports_no_torch():
+    """A router process holds no model: it tokenizes with the model's tokenizer and never loads torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import sage_infer.router.app, sage_infer.router.fleet, sage_infer.router.local_prompts, "
+            "sage_infer.router.replicas, sage_infer.router.launch, sage_infer.router.supervise; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

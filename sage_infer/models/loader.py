@@ -19,10 +19,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sage_infer.errors import SageError
 from sage_infer.layers.quant_linear import QuantLinear
 from sage_infer.layers.rotary import inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.model_dir import (  # noqa: F401 - where the rest of the package finds them
+    DEMO_DRAFT_DIR,
+    DEMO_MODEL_DIR,
+    ModelLoadError,
+    read_config,
+    resolve_model_dir,
+)
 from sage_infer.models.registry import SUPPORTED_ARCHITECTURES, build_model, unsupported_architecture
 from sage_infer.quantization.compressed_tensors import (
     CompressedTensorsConfig,
@@ -31,34 +37,6 @@ from sage_infer.quantization.compressed_tensors import (
     decode_weight,
     parse_config,
 )
-
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
-DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "demo_model_draft"  # its draft for speculative.model
-
-
-class ModelLoadError(SageError):
-    """A model directory that cannot be loaded: the message names the file or architecture."""
-
-    exit_code = 2
-
-
-def resolve_model_dir(path: str | Path | None) -> Path:
-    """The model directory to load: `path`, or the bundled demo model when None."""
-    directory = DEMO_MODEL_DIR if path is None else Path(path).expanduser()
-    if not directory.is_dir():
-        what = "bundled demo model" if path is None else "model directory"
-        raise ModelLoadError(f"{directory}: {what} not found (models are loaded from local directories only)")
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"{directory / 'config.json'}: not found; expected a Hugging Face model directory")
-    return directory
-
-
-def read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"{path}: cannot read: {err}") from None
 
 
 def arch_config(directory: Path) -> ArchConfig:

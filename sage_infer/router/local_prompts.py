@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from sage_infer.core.messages import ModelInfo
-from sage_infer.models.loader import arch_config, resolve_model_dir
+from sage_infer.models.model_dir import read_config, resolve_model_dir
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.router.http import MATCH_FIELDS
 from sage_infer.server.openai_errors import APIError
@@ -31,10 +31,11 @@ class LocalPrompts:
 
     def __init__(self, directory: Path) -> None:
         tokenizer = Tokenizer.from_dir(directory)
-        arch = arch_config(directory)
+        config = read_config(directory)
+        config = config.get("text_config", config)  # a multimodal checkpoint's language model
         self.validator = RequestValidator(ModelInfo(
             name=directory.name, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
-            vocab_size=arch.vocab_size, max_model_len=arch.max_position_embeddings,
+            vocab_size=int(config["vocab_size"]), max_model_len=int(config.get("max_position_embeddings") or 1 << 20),
             max_bytes_per_token=tokenizer.max_bytes_per_token))
 
     def token_ids(self, body: dict) -> list[int] | None:
