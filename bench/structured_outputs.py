@@ -82,23 +82,35 @@ def compile_cost(tokenizer: Tokenizer) -> dict:
     return {"new_schema_ms": first * 1e3, "cached_ms": (time.perf_counter() - start) * 1e3}
 
 
-def decode_rate(llm: LLM, params: SamplingParams, repeats: int) -> float:
-    """Best of `repeats` runs: generated tokens per second for the 8 prompts at once."""
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(PROMPTS, params)
-        rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start))
-    return max(rates)
+def decode_rate(llm: LLM, params: SamplingParams) -> float:
+    """Generated tokens per second for the 8 prompts at once."""
+    start = time.perf_counter()
+    outputs = llm.generate(PROMPTS, params)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+
+
+def decode_ratio(llm: LLM, plain: SamplingParams, constrained: SamplingParams, pairs: int) -> dict:
+    """Runs without and with the schema alternated, `pairs` times: on a machine whose load drifts, each ratio
+    compares two runs a few seconds apart. The medians."""
+    decode_rate(llm, constrained)  # warm-up: the compile, the first steps
+    without, with_schema = [], []
+    for _ in range(pairs):
+        without.append(decode_rate(llm, plain))
+        with_schema.append(decode_rate(llm, constrained))
+    return {"tok_s_without": statistics.median(without), "tok_s_with_json_schema": statistics.median(with_schema),
+            "ratio": statistics.median(w / p for w, p in zip(with_schema, without)), "pairs": pairs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64, help="mask steps per batch size")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sequence in the decode runs")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="decode runs without and with the schema, alternated")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     report = {"vocab_size": tokenizer.vocab_size, "compile": compile_cost(tokenizer),
@@ -107,10 +119,8 @@ def main() -> None:
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=0,
                                  structured_outputs=json_schema(SPEECH))
-    decode_rate(llm, constrained, 1)  # warm-up: compile, first steps
-    without, with_schema = decode_rate(llm, plain, args.repeats), decode_rate(llm, constrained, args.repeats)
-    report["decode_batch8"] = {"tok_s_without": without, "tok_s_with_json_schema": with_schema,
-                               "ratio": with_schema / without, "max_tokens": args.max_tokens}
+    report["decode_batch8"] = {**decode_ratio(llm, plain, constrained, args.pairs), "max_tokens": args.max_tokens}
+    report["torch_threads"] = torch.get_num_threads()
     for row in report["masks"]:
         print(f"batch {row['batch']:>2}: mask fill {row['fill_us_per_step']:8.1f} us/step "
               f"({row['fill_us_per_token']:6.1f} us/token), apply {row['apply_us_per_step']:6.1f} us/step")
