@@ -77,6 +77,26 @@ def test_a_decode_engine_whose_pool_is_the_wire_dtype_stores_the_blocks_as_they_
         decode.shutdown()
 
 
+@pytest.mark.parametrize("wire", ["int8", "fp32"])  # rows smaller, then larger, than the decode worker's
+def test_workers_with_different_wire_dtypes_fail_the_transfer_at_once_and_compute(model_dir, wire, caplog):
+    prefill = make_llm(model_dir, "bf16", role="prefill", backend="tcp", target_dtype=wire).engine
+    decode = make_llm(model_dir, "bf16", role="decode", backend="tcp", timeout_s=600).engine  # no wire dtype
+    try:
+        first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
+        run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
+        decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
+        prefill.pd.send("r1", decode.pd.info().address, "t-r1")
+        # (a 600 s deadline: only the failure can end the wait within run_until's)
+        [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+        assert final.metrics.num_cached_tokens == 0 and len(final.outputs[0].token_ids) == GREEDY.max_tokens
+        assert decode.kv.source("transfers").transfers.stats.receive_failures == 1
+        assert "both workers must set the same kv_transport.target_dtype" in caplog.text
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 DEMO_PROMPT = ("ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
                "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
 

@@ -49,7 +49,7 @@ from sage_infer.transport.connection import Connection
 from sage_infer.transport.engine import TransportEngine
 from sage_infer.transport.telemetry import TransportTelemetry
 from sage_infer.transport.transport_errors import TransportError
-from sage_infer.transport.wire import ChunkHeader
+from sage_infer.transport.wire import ChunkHeader, Flag
 
 log = logging.getLogger("sage_infer.kv_runtime")
 IDLE_DEADLINE_S = 10**9  # a receive channel waits for its next chunk this long (transfers have their own)
@@ -79,9 +79,10 @@ class _DroppingBuffers(KVReceiveBuffers):
         super().__init__()
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.dropped_chunks = 0
+        self.mismatched: dict[str, str] = {}  # transfer id -> why its rows cannot be the ones expected
 
     def sink(self, header: ChunkHeader) -> memoryview:
-        if header.request_id in self._bytes:
+        if header.request_id in self._bytes and not self._mismatch(header):
             return super().sink(header)
         self.dropped_chunks += 1
         if self._scratch.numel() < header.length:
@@ -89,9 +90,23 @@ class _DroppingBuffers(KVReceiveBuffers):
         return memoryview(self._scratch[: header.length].numpy())
 
     def land(self, header: ChunkHeader) -> float:
-        if header.request_id not in self._bytes:
+        if header.request_id not in self._bytes or header.request_id in self.mismatched:
             return 0.0
         return super().land(header)
+
+    def _mismatch(self, header: ChunkHeader) -> bool:
+        """The rows (layer 0) run past, or end short of, the rows registered for them: the sender's blocks
+        have another size (another `kv_transport.target_dtype`); the transfer fails now, not at its deadline."""
+        rid = header.request_id
+        if rid in self.mismatched:
+            return True
+        expected = self._bytes[rid][0].numel()
+        end = header.offset + header.length
+        if header.layer != 0 or (end <= expected and not (header.flags & Flag.LAST and end < expected)):
+            return False
+        self.mismatched[rid] = (f"the sender's KV rows do not fill the {expected} bytes this worker expects (a "
+                                f"chunk ends at byte {end}): both workers must set the same kv_transport.target_dtype")
+        return True
 
 
 @dataclass(slots=True)
@@ -213,7 +228,12 @@ class KVPipe:
                     return
                 header, _ = got
                 rid = header.request_id
-                if rid in self._expected and self._buffers.complete(rid):
+                why = self._buffers.mismatched.pop(rid, None)
+                if why is not None and rid in self._expected:
+                    self._expected.pop(rid)
+                    self._buffers.release(rid)
+                    self._received.append(TransferResult(rid, None, why))
+                elif rid in self._expected and self._buffers.complete(rid):
                     entry = self._expected.pop(rid)
                     self._buffers.release(rid)
                     hashes = entry.manifest.numpy().tobytes()
