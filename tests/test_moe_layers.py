@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sage_infer.layers.batch_invariant import tile_linears
 from sage_infer.layers.moe import SparseMoeBlock, group_by_expert, route
 
 E, H, INTER, K = 6, 32, 24, 2
@@ -73,3 +74,18 @@ def test_mixtral_top_k_then_softmax_is_the_renormalized_route():
     plain, _ = route(logits, 2, renormalize=False)  # Qwen / OLMoE without norm_topk_prob: the full softmax's share
     torch.testing.assert_close(plain, torch.softmax(logits, dim=-1).topk(2, dim=-1).values)
     assert bool((plain.sum(-1) < 1).all())
+
+
+def test_a_row_tiled_moe_layer_gives_each_token_the_same_bits_in_any_batch():
+    """`model.deterministic`: the router and every expert's linears row-tiled, so a token's routing, its experts'
+    products and their sum do not depend on the tokens beside it."""
+    block, _, _ = make_block(True)
+    block.fuse_projections()
+    tile_linears(block, 16)
+    x = torch.randn(41, H)
+    with torch.no_grad():
+        together = block(x)
+        for i in (0, 9, 40):
+            assert torch.equal(block(x[i : i + 1])[0], together[i])
+        order = torch.randperm(41, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(block(x[order]), together[order])
