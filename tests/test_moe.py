@@ -109,6 +109,8 @@ def test_greedy_tokens_match_transformers_with_prefix_hits(tiny_moe):
     decided = {d.field: d for d in llm.engine.decisions}
     assert decided["model.decode_step"].value == "python"
     assert "experts" in decided["model.decode_step"].reason
+    assert decided["model.experts"].value.endswith(f"top {TOP_K}")
+    assert f"{len(SPARSE_LAYERS[family])} of 2 layers sparse" in decided["model.experts"].reason
     load = llm.engine.runner.model.expert_tokens()
     assert [layer for layer, _ in load] == SPARSE_LAYERS[family]
     computed = sum(len(p) - o.metrics.num_cached_tokens + MAX_NEW - 1 for p, o in zip(prompts, first + rest))

@@ -151,6 +151,8 @@ class EngineBuilder:
         model = self.model
         use_packed_linears(model, config.model.linear, device, config.model.decode_linear)
         self.deterministic = use_deterministic(config.model, model, device)
+        if getattr(model, "is_moe", False):
+            _report(ResolvedValue("model.experts", *model.describe_experts()))
         if config.model.huge_pages:
             use_huge_pages(model)
         use_host_malloc(config.model.host_malloc, device)

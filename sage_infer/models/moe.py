@@ -111,6 +111,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         return [(i, list(layer.mlp.expert_tokens)) for i, layer in enumerate(self.model.layers)
                 if isinstance(layer.mlp, SparseMoeBlock)]
 
+    def describe_experts(self) -> tuple[str, str]:
+        """The start-up line's value and reason: experts and routing, sparse layers, what holds the weights."""
+        moe = self.config.moe
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        apart = all(block.experts.gate_up_proj is None for block in blocks)
+        shared = f", a shared expert of {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size \
+            else ""
+        return (f"{moe.num_experts} x {moe.expert_intermediate_size}, top {moe.top_k}",
+                f"config.json: {len(blocks)} of {len(self.model.layers)} layers sparse, top-k weights "
+                f"{'renormalized' if moe.renormalize else 'as the softmax gives them'}{shared}; a step's experts "
+                f"grouped, one product per active expert, on "
+                f"{'each expert its own linears (model.linear)' if apart else 'the stacked weights (PyTorch)'}")
+
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         return "it runs dense MLPs; this model routes tokens to experts (the layer loop runs them grouped)"
 
