@@ -345,3 +345,38 @@ def test_a_prefix_written_through_to_the_shared_tier_is_every_replicas(model_dir
 def test_remote_write_through_needs_a_remote_tier():
     with pytest.raises(ValueError, match="remote_write_policy write_through writes blocks to the remote tier"):
         TierConfig(remote_write_policy="write_through")
+
+
+def test_a_stream_whose_replica_dies_before_its_first_token_is_sent_to_another(model_dir):
+    """A replica that accepted a streamed chat (its status line and opening role chunk sent) and then died: the
+    client has seen nothing yet, so the router sends the request to another replica instead of failing it. The dying
+    replica is a stand-in that breaks its connection there, as a killed process does."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    dying = FastAPI()
+
+    @dying.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @dying.get("/v1/kv/events/stream")
+    async def no_events():
+        return JSONResponse({"error": {"message": "no events"}}, status_code=404)
+
+    @dying.post("/v1/chat/completions")
+    async def chat():
+        async def events():
+            yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+            raise RuntimeError("the process died")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with running_server(model_dir) as a, serving(http_server(dying, "127.0.0.1", 0)) as stand_in, \
+            running_fleet([stand_in, a.url], routing="round-robin") as (url, router):
+        for i in range(2):  # round-robin: one of them is sent to the stand-in first
+            stream = client(url).chat.completions.create(
+                model=a.model, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=3, stream=True)
+            chunks = list(stream)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # the answer came whole
+        assert metric(url, "sage:router_retries_total") >= 1
+        assert metric(url, "sage:router_requests_total", instance=a.url) >= 2

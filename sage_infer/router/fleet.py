@@ -376,8 +376,17 @@ class FleetRouter:
                 self.failed(link, "HTTP 503")
                 raise ReplicaUnreachable
             return Response(content, status_code=upstream.status_code, media_type="application/json")
+        chunks, head = upstream.aiter_raw(), b""
+        try:  # nothing goes to the client before the first token: a replica that dies before it loses no request
+            while not _past_first_token(head):
+                head += await anext(chunks)
+        except (httpx.HTTPError, StopAsyncIteration) as err:
+            await upstream.aclose()
+            self.leave(link, queued)
+            self.failed(link, f"its stream ended before its first token ({err or type(err).__name__})")
+            raise ReplicaUnreachable from None
         relay = _Relay(self, link, route, described, upstream, queued, wants_usage, sent)
-        return StreamingResponse(relay.events(), media_type="text/event-stream",
+        return StreamingResponse(relay.events(head, chunks), media_type="text/event-stream",
                                  background=BackgroundTask(relay.finish))
 
     # -- /v1/responses (router.responses) ---------------------------------------------------------
@@ -438,14 +447,15 @@ class _Relay:
         self.first = False
         self.done = False
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay `head` (the stream up to its first token, read before the client was answered) and then `rest`."""
+        # the first token came: its prompt is computed, no longer queued there
+        self.first = True
+        self.router.leave(self.link, self.queued, finished=False)
+        self.router.first_token(self.route, time.monotonic() - self.sent)
         pending = b""
         try:
-            async for chunk in self.upstream.aiter_raw():
-                if not self.first:  # the first token: its prompt is computed, no longer queued there
-                    self.first = True
-                    self.router.leave(self.link, self.queued, finished=False)
-                    self.router.first_token(self.route, time.monotonic() - self.sent)
+            async for chunk in _chained(head, rest):
                 *events, pending = (pending + chunk).split(b"\n\n")
                 relayed = []
                 for event in events:
@@ -470,6 +480,26 @@ class _Relay:
         self.done = True
         await self.upstream.aclose()
         self.router.leave(self.link, 0 if self.first else self.queued)
+
+
+def _past_first_token(head: bytes) -> bool:
+    """Whether `head` holds a whole SSE event past a chat stream's opening role chunk (which a replica sends as
+    the request starts): a token, the usage, an error or the end."""
+    for event in head.split(b"\n\n")[:-1]:
+        try:
+            data = json.loads(event.removeprefix(b"data:"))
+        except ValueError:
+            return True  # [DONE]
+        deltas = [c.get("delta") for c in data.get("choices") or []] if isinstance(data, dict) else []
+        if not deltas or any(d != {"role": "assistant", "content": ""} for d in deltas):
+            return True
+    return False
+
+
+async def _chained(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    async for chunk in rest:
+        yield chunk
 
 
 def _long(body: dict) -> bool:
