@@ -138,7 +138,7 @@ class Fleet:
         match = READY.search(line)
         if match is None:
             raise RuntimeError(f"the fleet did not start ({line!r}); see {self.log_path}")
-        self.url = match.group(1)
+        self.url, self.ready_line = match.group(1), line
         return self
 
     def __exit__(self, *exc) -> None:
