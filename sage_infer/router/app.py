@@ -43,6 +43,7 @@ from sage_infer.router.fleet import FleetRouter
 from sage_infer.router.http import (
     CALL_TIMEOUT,
     asking_for_usage,
+    chained,
     completion_tokens,
     encode,
     passthrough,
@@ -50,6 +51,7 @@ from sage_infer.router.http import (
     router_app,
     several_prompts,
     stream_error,
+    up_to_first_token,
     usage_event,
     usage_of,
     worker_headers,
@@ -274,8 +276,15 @@ class PDRouter:
             await upstream.aclose()
             self.leave(worker)
             return Response(content, status_code=upstream.status_code, media_type="application/json")  # (leaves)
+        try:  # nothing goes to the client before the first token: a worker that dies before it loses no request
+            head, rest = await up_to_first_token(upstream)
+        except (httpx.HTTPError, StopAsyncIteration) as err:
+            await upstream.aclose()
+            self.leave(worker)
+            self.failed(worker, f"its stream ended before its first token ({err or type(err).__name__})")
+            raise APIError(503, f"decode worker {worker.url} stopped before its first token") from None
         relay = _DecodeRelay(self, worker, upstream, slo, wants_usage)
-        return StreamingResponse(relay.events(), media_type="text/event-stream",
+        return StreamingResponse(relay.events(head, rest), media_type="text/event-stream",
                                  background=BackgroundTask(relay.finish))
 
     # -- calls and bookkeeping -------------------------------------------------------------------
@@ -360,26 +369,25 @@ class PDRouter:
 
 
 class _DecodeRelay:
-    """One streamed answer on its way from a decode worker to the client: the first event is the client's first
-    token (TTFT under strategy slo), the usage event's token count measures TPOT, and the request leaves the
-    worker and admission once, however the stream ends."""
+    """One streamed answer on its way from a decode worker to the client, from its first token (TTFT under strategy
+    slo): the usage event's token count measures TPOT, and the request leaves the worker and admission once,
+    however the stream ends."""
 
     def __init__(self, router: PDRouter, worker: Instance, upstream: httpx.Response, slo: Slo,
                  wants_usage: bool) -> None:
         self.router, self.worker, self.upstream, self.slo, self.wants_usage = router, worker, upstream, slo, wants_usage
         self.done = False
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay `head` (the stream up to its first token, read before the client was answered), then `rest`."""
         router, worker, slo = self.router, self.worker, self.slo
         pending = b""  # the part of an event not yet complete
-        first = 0.0  # when the first event came: the client's first token
+        first = time.monotonic()  # the client's first token
+        if slo.ttft_s is not None:
+            router.metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
         tokens = 0  # completion tokens, from the usage event the router asked the worker for
         try:
-            async for chunk in self.upstream.aiter_raw():
-                if not first:
-                    first = time.monotonic()
-                    if slo.ttft_s is not None:
-                        router.metrics.slo.labels("ttft", str(first - slo.arrival <= slo.ttft_s).lower()).inc()
+            async for chunk in chained(head, rest):
                 *events, pending = (pending + chunk).split(b"\n\n")
                 relayed = []
                 for event in events:

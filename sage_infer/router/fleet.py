@@ -40,11 +40,13 @@ from sage_infer.router.http import (
     CALL_TIMEOUT,
     MATCH_FIELDS,
     cached_tokens,
+    chained,
     encode,
     read_body,
     router_app,
     several_prompts,
     stream_error,
+    up_to_first_token,
     usage_event,
     usage_of,
 )
@@ -376,10 +378,8 @@ class FleetRouter:
                 self.failed(link, "HTTP 503")
                 raise ReplicaUnreachable
             return Response(content, status_code=upstream.status_code, media_type="application/json")
-        chunks, head = upstream.aiter_raw(), b""
         try:  # nothing goes to the client before the first token: a replica that dies before it loses no request
-            while not _past_first_token(head):
-                head += await anext(chunks)
+            head, chunks = await up_to_first_token(upstream)
         except (httpx.HTTPError, StopAsyncIteration) as err:
             await upstream.aclose()
             self.leave(link, queued)
@@ -455,7 +455,7 @@ class _Relay:
         self.router.first_token(self.route, time.monotonic() - self.sent)
         pending = b""
         try:
-            async for chunk in _chained(head, rest):
+            async for chunk in chained(head, rest):
                 *events, pending = (pending + chunk).split(b"\n\n")
                 relayed = []
                 for event in events:
@@ -480,26 +480,6 @@ class _Relay:
         self.done = True
         await self.upstream.aclose()
         self.router.leave(self.link, 0 if self.first else self.queued)
-
-
-def _past_first_token(head: bytes) -> bool:
-    """Whether `head` holds a whole SSE event past a chat stream's opening role chunk (which a replica sends as
-    the request starts): a token, the usage, an error or the end."""
-    for event in head.split(b"\n\n")[:-1]:
-        try:
-            data = json.loads(event.removeprefix(b"data:"))
-        except ValueError:
-            return True  # [DONE]
-        deltas = [c.get("delta") for c in data.get("choices") or []] if isinstance(data, dict) else []
-        if not deltas or any(d != {"role": "assistant", "content": ""} for d in deltas):
-            return True
-    return False
-
-
-async def _chained(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield head
-    async for chunk in rest:
-        yield chunk
 
 
 def _long(body: dict) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -175,3 +176,32 @@ def passthrough(reply: httpx.Response) -> APIError:
         return APIError(reply.status_code, error.get("message", "request failed"), error.get("param"))
     except (ValueError, KeyError, TypeError):
         return APIError(reply.status_code, f"the worker answered HTTP {reply.status_code}")
+
+
+def past_first_token(head: bytes) -> bool:
+    """Whether `head` holds a whole SSE event past a chat stream's opening role chunk (which a replica sends as
+    the request starts): a token, the usage, an error or the end."""
+    for event in head.split(b"\n\n")[:-1]:
+        try:
+            data = json.loads(event.removeprefix(b"data:"))
+        except ValueError:
+            return True  # [DONE]
+        deltas = [c.get("delta") for c in data.get("choices") or []] if isinstance(data, dict) else []
+        if not deltas or any(d != {"role": "assistant", "content": ""} for d in deltas):
+            return True
+    return False
+
+
+async def chained(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    async for chunk in rest:
+        yield chunk
+
+
+async def up_to_first_token(upstream: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+    """Read a worker's SSE stream up to its first token: (what came so far, the rest). Raises httpx.HTTPError or
+    StopAsyncIteration when the stream breaks or ends before: then nothing of it has reached the client."""
+    chunks, head = upstream.aiter_raw(), b""
+    while not past_first_token(head):
+        head += await anext(chunks)
+    return head, chunks
