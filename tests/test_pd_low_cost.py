@@ -22,8 +22,10 @@ import torch
 from sage_infer import LLM, SamplingParams
 from sage_infer.core.kv_schema import KVDtype
 from sage_infer.core.messages import AddRequest, KVTransferParams
+from sage_infer.kv_runtime.kv_pipe import _DroppingBuffers
 from sage_infer.kv_runtime.quantized_pool import convert_blocks, convert_rows
 from sage_infer.models.loader import DEMO_MODEL_DIR
+from sage_infer.transport.wire import ChunkHeader, Flag, Kind
 from tests.test_kv_transfer_engine import BLOCK, GREEDY, PROMPT, make_llm, run_until
 
 
@@ -32,44 +34,51 @@ def model_dir():
     return DEMO_MODEL_DIR  # the shipped demo model: real weights, nothing to build
 
 
-def transfer(model_dir, decode_dtype: str, wire: str):
-    """Prefill (bf16 pool) -> decode (`decode_dtype` pool) over tcp with `wire` on the wire; returns (the
-    decode's final output, the prefill's held blocks as rows, the decode engine, the decode's transfers)."""
-    prefill = make_llm(model_dir, "bf16", role="prefill", backend="tcp", target_dtype=wire).engine
-    decode = make_llm(model_dir, decode_dtype, role="decode", backend="tcp", target_dtype=wire).engine
+@pytest.fixture(scope="module")
+def prefill(model_dir):
+    """One prefill engine (bf16 pool, int8 on the wire) for every in-process test: each holds its own request."""
+    engine = make_llm(model_dir, "bf16", role="prefill", backend="tcp", target_dtype="int8").engine
+    yield engine
+    engine.shutdown()
+
+
+def transfer(prefill, decode, rid: str, kv_dtype: str | None = None):
+    """`rid`'s prompt computed and held by `prefill`, sent to `decode` over tcp; (the decode's final output, the
+    held blocks in int8 as the prefill's codec encodes them)."""
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
+    prefill.add(AddRequest(rid, PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
     run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
-    held = prefill.kv.source("transfers").transfers.held["r1"].seq.block_table[:5]
-    wire_rows = convert_blocks(prefill.runner.pool, held, prefill.runner.pool.schema.with_dtype(KVDtype(wire)))
-    decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
-    kv_dtype = decode_dtype if decode_dtype != "bf16" else None
-    assert prefill.pd.send("r1", decode.pd.info().address, "t-r1", kv_dtype=kv_dtype) == 5
+    held = prefill.kv.source("transfers").transfers.held[rid].seq.block_table[:5]
+    wire_rows = convert_blocks(prefill.runner.pool, held, prefill.runner.pool.schema.with_dtype(KVDtype.INT8))
+    decode.add(AddRequest(rid, PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id=f"t-{rid}")))
+    assert prefill.pd.send(rid, decode.pd.info().address, f"t-{rid}", kv_dtype=kv_dtype) == 5
     [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
-    prefill.shutdown()
-    return final, wire_rows, decode, decode.kv.source("transfers").transfers
+    return final, wire_rows
 
 
-@pytest.mark.parametrize("wire", ["int8", "int4"])
-def test_a_bf16_decode_engine_converts_the_quantized_wire_blocks_back(model_dir, wire):
-    final, wire_rows, decode, transfers = transfer(model_dir, "bf16", wire)
+def test_a_bf16_decode_engine_converts_the_int8_wire_blocks_back(model_dir, prefill):
+    decode = make_llm(model_dir, "bf16", role="decode", backend="tcp", target_dtype="int8").engine
     try:
+        final, wire_rows = transfer(prefill, decode, "r-bf16")
+        transfers = decode.kv.source("transfers").transfers
         assert final.metrics.num_cached_tokens == 5 * BLOCK and transfers.stats.hash_mismatches == 0
         # the wire carried the quantized rows (plus the 32-byte hashes), not bf16's
         assert transfers.stats.bytes_received == wire_rows.numel() + 5 * 32
         assert wire_rows.shape[1] < decode.runner.pool.block_nbytes
         cached = decode.kv.index.match(PROMPT, decode.extra_key(), record=False)
         pool = decode.runner.pool
-        want = convert_rows(wire_rows, pool.schema.with_dtype(KVDtype(wire)), pool.schema)
+        want = convert_rows(wire_rows, pool.schema.with_dtype(KVDtype.INT8), pool.schema)
         assert torch.equal(pool.read_blocks(cached.block_ids).view(torch.uint8).reshape(5, -1), want)
         assert len(final.outputs[0].token_ids) == GREEDY.max_tokens
     finally:
         decode.shutdown()
 
 
-def test_a_decode_engine_whose_pool_is_the_wire_dtype_stores_the_blocks_as_they_came(model_dir):
-    final, wire_rows, decode, transfers = transfer(model_dir, "int8", "int8")
+def test_a_decode_engine_whose_pool_is_the_wire_dtype_stores_the_blocks_as_they_came(model_dir, prefill):
+    decode = make_llm(model_dir, "int8", role="decode", backend="tcp", target_dtype="int8").engine
     try:
+        final, wire_rows = transfer(prefill, decode, "r-int8", kv_dtype="int8")
+        transfers = decode.kv.source("transfers").transfers
         assert final.metrics.num_cached_tokens == 5 * BLOCK and transfers.stats.hash_mismatches == 0
         cached = decode.kv.index.match(PROMPT, decode.extra_key(), record=False)
         assert torch.equal(decode.runner.pool.read_blocks(cached.block_ids), wire_rows)  # bit-exact, no re-encode
@@ -77,24 +86,29 @@ def test_a_decode_engine_whose_pool_is_the_wire_dtype_stores_the_blocks_as_they_
         decode.shutdown()
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp32"])  # rows smaller, then larger, than the decode worker's
-def test_workers_with_different_wire_dtypes_fail_the_transfer_at_once_and_compute(model_dir, wire, caplog):
-    prefill = make_llm(model_dir, "bf16", role="prefill", backend="tcp", target_dtype=wire).engine
+def test_workers_with_different_wire_dtypes_fail_the_transfer_at_once_and_compute(model_dir, prefill, caplog):
     decode = make_llm(model_dir, "bf16", role="decode", backend="tcp", timeout_s=600).engine  # no wire dtype
     try:
-        first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True)))
-        run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
-        decode.add(AddRequest("r1", PROMPT, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
-        prefill.pd.send("r1", decode.pd.info().address, "t-r1")
-        # (a 600 s deadline: only the failure can end the wait within run_until's)
-        [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+        # the int8 rows are shorter than the bf16 ones expected; a 600 s deadline: only the failure can end
+        # the wait within run_until's
+        final, _ = transfer(prefill, decode, "r-mismatch")
         assert final.metrics.num_cached_tokens == 0 and len(final.outputs[0].token_ids) == GREEDY.max_tokens
         assert decode.kv.source("transfers").transfers.stats.receive_failures == 1
         assert "both workers must set the same kv_transport.target_dtype" in caplog.text
     finally:
-        prefill.shutdown()
         decode.shutdown()
+
+
+def test_rows_past_or_short_of_the_expected_size_mark_the_transfer_mismatched():
+    buffers = _DroppingBuffers()
+    for rid in ("long", "short", "fits"):
+        buffers.register(rid, [torch.empty(100, dtype=torch.uint8), torch.empty(32, dtype=torch.uint8)])
+    buffers.sink(ChunkHeader(Kind.DATA, "long", layer=0, offset=64, length=64))  # runs past byte 100
+    buffers.sink(ChunkHeader(Kind.DATA, "short", layer=0, offset=0, length=60, flags=Flag.LAST))  # ends at 60
+    buffers.sink(ChunkHeader(Kind.DATA, "fits", layer=0, offset=40, length=60, flags=Flag.LAST))
+    buffers.sink(ChunkHeader(Kind.DATA, "fits", layer=1, offset=0, length=32, flags=Flag.LAST))
+    assert set(buffers.mismatched) == {"long", "short"}
+    assert "kv_transport.target_dtype" in buffers.mismatched["long"]
 
 
 DEMO_PROMPT = ("ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
