@@ -38,7 +38,7 @@ def complete(client: openai.OpenAI, model: str, tokens: list[int]) -> None:
 
 def test_a_used_and_a_timed_out_prefetch_in_metrics(model_dir):
     with running_server(model_dir, num_blocks=8, max_num_seqs=1,
-                        tiers=TierConfig(host_bytes=1 << 20, load_timeout_s=1.0)) as server:
+                        tiers=TierConfig(host_bytes=1 << 20, load_timeout_s=2.0)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         engine = server.backend.engine
         block_bytes = engine.runner.pool.block_nbytes
@@ -53,7 +53,7 @@ def test_a_used_and_a_timed_out_prefetch_in_metrics(model_dir):
 
         hierarchy = engine.kv.source("tiers").hierarchy
         held = HeldTier(hierarchy.stores[0])
-        hierarchy.stores[0] = held  # B's read blocks past its 1 s deadline: admission recomputes B instead
+        hierarchy.stores[0] = held  # B's read blocks past its 2 s deadline: admission recomputes B instead
         try:
             complete(client, server.model, B)
         finally:
