@@ -14,7 +14,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.auto import ModelFacts, resolve_max_model_len
 from sage_infer.config.serve import ServeConfig
 from sage_infer.layers.attention_kinds import AttentionKind, kind_decode_attention, kind_prefill_attention
-from sage_infer.layers.cpu_kernels import kernel_unavailable
+from sage_infer.layers.cpu_kernels import flash_unavailable, kernel_unavailable
 from sage_infer.models.arch_config import ArchConfig
 from tests.test_engine_vs_transformers import random_prompts
 from tests.tiny_models import make_tiny_model
@@ -102,8 +102,10 @@ def test_mistral_sliding_window_matches_transformers(mistral, path):
     llm = engine(directory, **PATHS[path])
     windowed_in_place = llm.engine.runner.attention.decode.windowed  # the paged kernel reads the window's blocks
     assert windowed_in_place == (path == "auto" and kernel_unavailable() is None)
-    assert ("in place" in {d.field: d for d in llm.engine.decisions}["model.layer_attention"].reason) \
-        == windowed_in_place
+    reason = {d.field: d for d in llm.engine.decisions}["model.layer_attention"].reason
+    assert ("in place" in reason) == windowed_in_place
+    flash = llm.engine.runner.attention.prefill.windowed  # the flash kernel in window tiles
+    assert flash == (path == "auto" and flash_unavailable(32, torch.float32) is None) == ("window tiles" in reason)
     assert sage_greedy(llm, prompts) == want
     assert sage_greedy(llm, prompts) == want  # again: every prompt's blocks hit the prefix cache
     assert llm.engine.kv.index.metrics.hit_blocks > 0
@@ -210,3 +212,18 @@ def test_gpt_oss_is_refused_saying_what_it_misses(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
     with pytest.raises(ModelLoadError, match="GptOssForCausalLM' is not supported: gpt-oss needs attention sinks"):
         arch_config(tmp_path)
+
+
+@pytest.mark.skipif(flash_unavailable(32, torch.float32) is not None, reason="the CPU flash kernel is not built here")
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_flash_window_prefill_equals_the_window_math(window):
+    """Spans from the start, after cached keys, shorter and longer than the window, through the flash kernel's
+    tiles (own keys causally, the keys before a tile causally reversed)."""
+    from sage_infer.layers.attention_backends.flash_prefill import FlashPrefill
+
+    torch.manual_seed(3)
+    for ctx_len, q_len in [(37, 37), (90, 90), (90, 23), (64, 1), (130, 70)]:
+        q, k, v = torch.randn(q_len, 4, 32), torch.randn(ctx_len, 2, 32), torch.randn(ctx_len, 2, 32)
+        want = kind_prefill_attention(q, k, v, 0.2, AttentionKind(window=window))
+        got = FlashPrefill().attend_window(q, k, v, 0.2, window)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

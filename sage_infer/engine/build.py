@@ -397,8 +397,8 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
 
 def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) -> bool:
     """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores); if so,
-    a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): decode rows of a
-    window in place where the decode part takes one, the rest through PyTorch (no kernel takes a cap yet)."""
+    a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): a window through the
+    parts that take one (`windowed`), the rest through PyTorch (no kernel takes a cap yet)."""
     kinds = [m.kind for m in model.modules() if isinstance(getattr(m, "kind", None), AttentionKind)]
     special: dict[str, int] = {}
     for kind in kinds:
@@ -408,10 +408,13 @@ def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) 
         return False
     full = len(kinds) - sum(special.values())
     layers = "; ".join(f"{count} x {what}" for what, count in special.items()) + (f"; {full} x full" if full else "")
-    how = ("their decode rows read the window's blocks in place (paged kernel), their prefill spans attend through "
-           "PyTorch" if attention.decode.windowed else "they attend through PyTorch")
-    _report(ResolvedValue("model.layer_attention", layers, f"config.json; {how}, soft-capped ones wholly (no kernel "
-                          f"takes a soft-cap yet); full layers run the parts above"))
+    decode = ("decode rows read the window's blocks in place (paged kernel)" if attention.decode.windowed
+              else "decode rows attend through PyTorch")
+    prefill = ("prefill spans run the flash kernel in window tiles" if attention.prefill.windowed
+               else "prefill spans attend through PyTorch")
+    _report(ResolvedValue("model.layer_attention", layers, f"config.json; sliding layers: {decode}, {prefill}; "
+                          f"soft-capped layers wholly through PyTorch (no kernel takes a soft-cap yet); full layers "
+                          f"run the parts above"))
     return True
 
 

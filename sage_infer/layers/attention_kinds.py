@@ -156,3 +156,16 @@ def masked_attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     out = torch.einsum("bkgt,btkd->bkgd", weights, values.float()) / total.clamp(min=1e-30)[..., None]
     lse = torch.log(total) + peak.squeeze(-1)
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def window_tiles(offset: int, q_len: int, window: int) -> list[tuple[int, int]]:
+    """A windowed span's queries (absolute positions ``offset .. offset + q_len - 1``) as tiles ``(first, stop)`` of
+    absolute positions cut at the multiples of `window`: a tile either lies wholly before position `window` (its
+    queries see every earlier key: plain causal attention) or starts at or after it, so its queries' windows all
+    start inside the `window - 1` keys before the tile (what `FlashPrefill.attend_window` relies on)."""
+    tiles, first, end = [], offset, offset + q_len
+    while first < end:
+        stop = min(end, (first // window + 1) * window)
+        tiles.append((first, stop))
+        first = stop
+    return tiles

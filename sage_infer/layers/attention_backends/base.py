@@ -84,6 +84,7 @@ class PrefillPart:
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
     flash: ClassVar[bool] = False
+    windowed: ClassVar[bool] = False  # `attend_window`: a span of a sliding-window layer through its kernel
     supports_cascade: ClassVar[bool] = True  # shared prefixes attended once by all their sequences (`SharedPrefix`)
 
     def prepare(self, batch: StepBatch, spans: list[SeqSpan],
@@ -129,6 +130,11 @@ class PrefillPart:
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         """One span, causal to the lower right: q [q_len, H, D]; k/v [ctx_len, KvH, D] -> q's dtype."""
+        raise NotImplementedError
+
+    def attend_window(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float,
+                      window: int) -> torch.Tensor:
+        """`attend` under a sliding window of `window` keys (parts with `windowed` set)."""
         raise NotImplementedError
 
     def attend_lse(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
@@ -270,7 +276,10 @@ class AttentionBackend:
             else:  # a window reads only the keys its queries see (the mask is relative: the same math)
                 start = 0 if kind.window is None else max(0, span.context_len - span.q_len - kind.window + 1)
                 k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype, start)
-            out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
+            if self.prefill.windowed and kind.softcap is None:
+                out[rows] = self.prefill.attend_window(q[rows], k_ctx, v_ctx, scale, kind.window)
+            else:
+                out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
         for group in meta.decode_groups:
             if self.decode.windowed and kind.softcap is None and (kind.window or 0) >= pool.block_size:
                 out[group.rows] = self.decode.attend_window(q[group.rows], pool, layer, group, scale, kind.window)
