@@ -247,6 +247,7 @@ def test_serve_replicas_starts_pinned_replicas_behind_one_url_restarts_a_killed_
     (["llm", "serve", "--pd", "2P1D", "--routing", "closest"], "--routing closest: expected one of kv"),
     (["llm", "router", "--replica", "http://127.0.0.1:9", "--tokenizer", "/nonexistent"], "/nonexistent: model"),
     (["llm", "serve", "--replicas", "4096"], "--replicas 4096: "),
+    (["llm", "serve", "--pd", "40P40D"], "--pd 40P40D: 80 workers, and this machine gives"),
     (["llm", "serve", "--replicas", "2", "--pd", "1P1D"], "--pd xPyD already runs x prefill and y decode"),
     (["llm", "router", "--replica", "http://127.0.0.1:9"], "--replica http://127.0.0.1:9: does not answer"),
     (["llm", "router", "--replica", "localhost:9"], "expected an http(s) URL"),

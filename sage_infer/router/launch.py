@@ -172,9 +172,16 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
         from sage_infer.router.ray_launch import RayLauncher
 
         ray_launcher = RayLauncher(ray_address)
+        if num_prefill + num_decode > (cpus := ray_launcher.cpus()):
+            ray_launcher.stop()
+            raise UsageError(f"--pd {spec}: {num_prefill + num_decode} workers, and the Ray cluster has {cpus} "
+                             "CPUs, one at least per worker")
         workers = ray_launcher.start(num_prefill, num_decode, worker_args, disk_path, host, group, secrets)
         stop = ray_launcher.stop
     else:
+        if num_prefill + num_decode > (cores := len(os.sched_getaffinity(0))):
+            raise UsageError(f"--pd {spec}: {num_prefill + num_decode} workers, and this machine gives {cores} "
+                             "cores, one at least per worker (fewer workers, or place them on a Ray cluster)")
         workers = start_workers(num_prefill, num_decode, worker_args, disk_path, group)
         # a worker that dies is started again at the same URL, except in a torchdist group it could not rejoin
         supervisor = Supervisor(workers).start() if group is None else None

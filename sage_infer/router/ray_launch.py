@@ -114,6 +114,9 @@ class RayLauncher:
         self.ray = _connect(address)
         self.workers: list[RayWorker] = []
 
+    def cpus(self) -> int:
+        return int(self.ray.cluster_resources().get("CPU", 0))
+
     def start(self, num_prefill: int, num_decode: int, worker_args: list[str], disk_path: str | None,
               host: str, group: PDGroup | None = None, secrets: dict[str, str] | None = None) -> list[RayWorker]:
         """`secrets` (the API key, the transport token) reach the workers as environment variables,
