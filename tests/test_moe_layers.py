@@ -63,6 +63,7 @@ def test_groups_sort_pairs_by_expert_and_skip_idle_experts():
     assert groups.counts == [2, 0, 0, 2, 0, 2]
     assert groups.spans == [(0, 0, 2), (3, 2, 4), (5, 4, 6)]
     assert groups.tokens.tolist() == [0, 1, 0, 2, 1, 2]  # expert 0: tokens 0, 1; expert 3: 0, 2; expert 5: 1, 2
+    assert groups.by_token.tolist() == [0, 2, 1, 4, 3, 5]  # token 0: experts 0, 3; token 1: 0, 5; token 2: 3, 5
 
 
 def test_mixtral_top_k_then_softmax_is_the_renormalized_route():

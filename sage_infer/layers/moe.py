@@ -41,6 +41,7 @@ class ExpertGroups:
 
     order: torch.Tensor  # [T*K] long: flattened (token, slot) pairs in expert order
     tokens: torch.Tensor  # [T*K] long: the token of each sorted pair
+    by_token: torch.Tensor  # [T*K] long: the sorted pairs token by token, each token's in expert order
     counts: list[int]  # [E] pairs routed to each expert this step
     spans: list[tuple[int, int, int]]  # (expert, start, end) of each expert with at least one pair
 
@@ -55,7 +56,8 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
         if n:
             spans.append((expert, start, start + n))
             start += n
-    return ExpertGroups(order, order // ids.shape[1], counts, spans)
+    tokens = order // ids.shape[1]
+    return ExpertGroups(order, tokens, torch.argsort(tokens * num_experts + flat[order]), counts, spans)
 
 
 class ExpertMLP(nn.Module):
@@ -127,13 +129,18 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
-        outputs times their weights (in the weights' dtype, then x's), summed in expert order."""
+        outputs times their weights (in the weights' dtype, then x's), added one by one in expert order (as
+        transformers adds them; the same bits whatever else the batch holds)."""
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
         for e, start, end in groups.spans:  # one product per expert with tokens: its weights read once
             out[start:end] = self.expert(e, rows[start:end], ops)
         scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, groups.tokens, scaled)
+        per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
+        total = per_token[:, 0].clone()
+        for k in range(1, weights.shape[1]):  # K adds, not a reduction whose order could change with T
+            total += per_token[:, k]
+        return total
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
