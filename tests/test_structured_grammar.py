@@ -15,7 +15,7 @@ from sage_infer.structured import StructuredOutputError, choice, json_schema, re
 from sage_infer.structured import grammar as grammar_module
 from sage_infer.structured.constraints import grammar
 from sage_infer.structured.grammar import GrammarCompiler
-from sage_infer.structured.masks import fill_bitmask
+from sage_infer.structured.masks import fill_bitmask, forbidden_tokens
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,11 @@ def test_masks_allow_only_what_the_grammar_allows_after_each_proposed_token(comp
         [t])) for t in allowed[0])
     assert all(("yes".removeprefix(tokenizer.decode([first]))).startswith(tokenizer.decode([t])) for t in allowed[1])
     assert matcher.valid_prefix([first]) == 1  # the masks after the proposal left the matcher where it was
+
+
+def test_logits_past_the_tokenizers_vocabulary_are_always_forbidden(tokenizer):
+    """A model's logits may be wider than its tokenizer (padded embeddings): those ids are no tokens."""
+    wider = GrammarCompiler(tokenizer, tokenizer.vocab_size + 64)
+    matcher = wider.matcher(regex("[a-z ]{1,40}"))
+    forbidden = forbidden_tokens(fill_bitmask([(matcher, [])], wider.vocab_size), wider.vocab_size)[0]
+    assert forbidden[tokenizer.vocab_size:].all() and not forbidden[: tokenizer.vocab_size].all()
