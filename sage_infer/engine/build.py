@@ -34,6 +34,7 @@ from sage_infer.hal.huge_pages import collapse_to_huge_pages
 from sage_infer.hal.malloc import keep_freed_buffers
 from sage_infer.kv_policy import make_policy
 from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
@@ -212,6 +213,7 @@ class EngineBuilder:
                            dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                            num_params=float(sum(p.numel() for p in self.model.parameters())))
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
+        self.load_rates = hierarchy.rates if hierarchy is not None else None
         self.transfers = build_transfers(config, pool, self.device, self.extra_key, index)
         publish_kv_events(config, index, hierarchy)
         self.kv = KVCacheManager(block_manager, sources=kv_sources(config, hierarchy, self.transfers))
@@ -289,6 +291,7 @@ class EngineBuilder:
             extra_key=self.extra_key,
             pd=pd,
             decisions=tuple(self.decisions),
+            load_rates=self.load_rates,
         )
         return LLMEngine(parts)
 
@@ -730,5 +733,6 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     hierarchy.migrator.hot_after = tiers.hot_promote_after
     hierarchy.write_policy = tiers.write_policy
     hierarchy.remote_write_through = tiers.remote_write_policy == "write_through"
+    hierarchy.rates = LoadOrCompute(pool.block_size, pool.block_nbytes)  # a tier hit is loaded where that is faster
     auto_log.info("%s", hierarchy.describe())
     return hierarchy

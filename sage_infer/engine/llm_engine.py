@@ -22,6 +22,7 @@ from sage_infer.engine.prefix_view import PrefixView
 from sage_infer.engine.sampler import Sampler, skip_draws
 from sage_infer.engine.session_kv import SessionKV
 from sage_infer.errors import RequestError
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
@@ -63,6 +64,7 @@ class EngineParts:
     extra_key: ExtraKeys  # (cache_salt=None, kv_dtype=None) -> the prefix-cache key part of this engine's requests
     pd: KVTransferRole | None = None  # prefill/decode separation, for an engine with that role
     decisions: tuple[ResolvedValue, ...] = ()  # how the build chose each value, and why (`EngineBuilder`)
+    load_rates: LoadOrCompute | None = None  # with KV tiers: the measured prefill rate feeds load-or-compute
 
 
 def kv_schema_digest(schema) -> str:
@@ -87,6 +89,7 @@ class LLMEngine:
         self.extra_key = parts.extra_key
         self.pd = parts.pd
         self.decisions = parts.decisions  # every value the build decided, with its reason, in order
+        self.load_rates = parts.load_rates
         self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key,
                                  self.runner.pool.num_blocks)
         self.sessions = SessionKV(self.kv, self.extra_key)  # conversations' KV kept for their next turn
@@ -311,7 +314,11 @@ class LLMEngine:
                 metrics.num_cached_tokens = seq.num_cached_tokens
         # structured outputs: the grammars' token masks are computed while the model runs
         masks = PendingMasks.start(batch.seqs, batch.num_new_tokens, self.runner.model.config.vocab_size)
+        started = time.perf_counter()
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
+        if self.load_rates is not None:  # the prompt tokens this step computed, and how long it took
+            self.load_rates.observe_prefill(sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                                if n > 1 and not seq.draft_token_ids), time.perf_counter() - started)
         emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)
         self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
                                            if seq.draft_token_ids})

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sage_infer.core.messages import TierSnapshot
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.migration import LowerTier, MigrationPolicy
 from sage_infer.kv_runtime.migrator import KVMigrator
 from sage_infer.kv_runtime.pool import KVPool
@@ -68,7 +69,8 @@ class ReadSegment:
 
 
 LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-FAILURE_REASONS = ("miss", "corrupt", "error", "timeout")
+# recompute: found, but computing them again was measured faster than loading them (`kv_policy.load_or_compute`)
+FAILURE_REASONS = ("miss", "corrupt", "error", "timeout", "recompute")
 
 
 @dataclass(slots=True)
@@ -100,7 +102,8 @@ class LoadLatency:
 class HierarchyStats:
     dropped_blocks: int = 0  # evicted from the device (or a tier) and kept nowhere below
     # blocks a lookup found but no tier returned verified (recomputed), by reason: a miss (gone
-    # meanwhile), corrupt (bad CRC32C), error (the store failed), timeout (past the load deadline)
+    # meanwhile), corrupt (bad CRC32C), error (the store failed), timeout (past the load deadline),
+    # recompute (not loaded: computing them was measured faster)
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     tiers: dict[str, TierCounters] = field(default_factory=dict)
     load_latency: LoadLatency = field(default_factory=LoadLatency)
@@ -133,6 +136,7 @@ class HierarchyManager:
         self.migration = migration
         self.level_of = {tier.name: level for level, tier in enumerate(migration.tiers, 1)}
         self.stats = HierarchyStats(tiers={store.name: TierCounters() for store in stores})
+        self.rates: LoadOrCompute | None = None  # measured read and prefill speeds (set by the engine's builder)
         self._down_until: dict[str, float] = {}
         self._down_reason: dict[str, str] = {}
         self.migrator = KVMigrator(self)
@@ -253,9 +257,14 @@ class HierarchyManager:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` some lower tier holds (asked of the stores: a restarted disk tier or a
         Redis another server filled count too). Changes nothing; a failing store counts as empty."""
-        present = [False] * len(keys)
+        return len(self.locate(keys))
+
+    def locate(self, keys: Sequence[bytes]) -> list[int]:
+        """The level (1: the fastest lower tier) of the first store holding each of the leading `keys` that some
+        store holds. Changes nothing; a failing store counts as empty."""
+        levels = [0] * len(keys)
         for level, store in enumerate(self.stores, 1):
-            missing = [i for i, hit in enumerate(present) if not hit]
+            missing = [i for i, at in enumerate(levels) if not at]
             if not missing or not self.usable(store):
                 continue
             try:
@@ -264,11 +273,12 @@ class HierarchyManager:
                 self.failed(level, err)
                 continue
             for i, hit in zip(missing, found):
-                present[i] = hit
+                if hit:
+                    levels[i] = level
         n = 0
-        while n < len(present) and present[n]:
+        while n < len(levels) and levels[n]:
             n += 1
-        return n
+        return levels[:n]
 
     def fetch(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Take `keys` (a chain's next blocks) out of the tiers: ``[k, block_nbytes]`` uint8, the verified prefix.
@@ -297,12 +307,15 @@ class HierarchyManager:
                 if not self.usable(store):
                     continue
                 corrupt_before = store.checksum_failures
+                began = time.perf_counter()
                 try:
                     rows = store.get_prefix(list(keys[done:]))
                 except TierError as err:
                     segments.append(ReadSegment(level, None, err))
                     continue
                 progress = rows.shape[0]
+                if progress and self.rates is not None:
+                    self.rates.observe_read(level, rows.numel() * rows.element_size(), time.perf_counter() - began)
                 corrupt = store.checksum_failures > corrupt_before
                 if progress or corrupt:
                     segments.append(ReadSegment(level, rows, None, corrupt))

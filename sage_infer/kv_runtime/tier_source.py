@@ -45,6 +45,7 @@ class TierSource(KVSource):
         self.loader = KVLoader(hierarchy, load_timeout_s) if load_timeout_s else None
         self.prefetches = self.loader is not None
         self._seen: dict[int, tuple[float, tuple, list[bytes]]] = {}  # seq id -> (when, device prefix, keys)
+        self._declined: dict[int, int] = {}  # seq id -> blocks below it will compute, not load (its last lookup)
 
     def attach(self, block_manager: BlockManager) -> None:
         """Demote what the device evicts into the tiers, before the evicted slots are reused."""
@@ -72,8 +73,12 @@ class TierSource(KVSource):
         else:
             rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
             keys = hash_token_blocks(rest, bs, seq.extra_key, device[1])
-            keys = keys[: self.hierarchy.lookup(keys)]
+            levels = self.hierarchy.locate(keys)
+            # the leading run worth loading; the rest is computed (measured faster than reading it back)
+            load = self.hierarchy.rates.blocks_to_load(levels) if self.hierarchy.rates is not None else len(levels)
+            keys = keys[:load]
             self._seen[seq.seq_id] = (now, device, keys)
+            self._declined[seq.seq_id] = len(levels) - load
         match.lower_block_hashes = list(keys)
         match.num_lower_tokens = len(keys) * bs
 
@@ -89,6 +94,7 @@ class TierSource(KVSource):
     def take(self, seq: Sequence, match: PrefixMatch, now: float) -> torch.Tensor | None:
         """The blocks out of the tiers, before the device allocates (its evictions demote into them)."""
         self._seen.pop(seq.seq_id, None)
+        self.hierarchy.stats.failures["recompute"] += self._declined.pop(seq.seq_id, 0)
         self.hierarchy.tick(now)
         if not match.lower_block_hashes:
             return None
@@ -113,6 +119,7 @@ class TierSource(KVSource):
         if self.loader is not None:
             self.loader.drop(seq.seq_id)
         self._seen.pop(seq.seq_id, None)
+        self._declined.pop(seq.seq_id, None)
 
     def promote(self, limit: int) -> int:
         """Load hot lower-tier blocks into free device blocks ahead of need; returns how many.

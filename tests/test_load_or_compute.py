@@ -1,0 +1,56 @@
+"""Load a lower-tier hit, or compute it again: decided per request from the measured prefill and read speeds.
+Unit cases of the decision, then a real engine with a host tier whose measured reads are slower (then faster) than
+its measured prefill: the evicted prompt is computed (then loaded), its tokens the same either way."""
+
+from __future__ import annotations
+
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute
+from tests.test_kv_tiers_engine import BLOCK, A, B, C, cold, make_llm, model_dir, run  # noqa: F401 - fixtures
+
+MiB = 1 << 20
+
+
+def rates(prefill_tok_s: float, **read_mib_s: float) -> LoadOrCompute:
+    """A block of 16 tokens and 1 MiB; `read_mib_s`: level1=..., level2=... in MiB/s."""
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
+    decide.observe_prefill(int(prefill_tok_s), 1.0)
+    for name, mib_s in read_mib_s.items():
+        decide.observe_read(int(name.removeprefix("level")), int(mib_s * MiB), 1.0)
+    return decide
+
+
+def test_blocks_are_loaded_until_both_speeds_are_measured():
+    assert LoadOrCompute(16, MiB).blocks_to_load([1, 2, 3]) == 3
+    assert rates(16_000).blocks_to_load([1, 1]) == 2  # the tier's reads not measured yet
+    assert rates(16_000, level1=1).blocks_to_load([]) == 0
+
+
+def test_the_leading_run_that_saves_time_is_loaded_and_the_rest_computed():
+    # a block computes in 1 ms at 16k tok/s; it loads in 0.1 ms at 10 GiB/s (host) or 10 ms at 100 MiB/s (disk)
+    decide = rates(16_000, level1=10_240, level2=100)
+    assert decide.blocks_to_load([1, 1, 1]) == 3
+    assert decide.blocks_to_load([2, 2]) == 0  # recomputing is 10 x faster than reading the disk
+    assert decide.blocks_to_load([1, 1, 2, 2]) == 2  # the host's blocks, then compute
+    # a slow block between fast ones is loaded when the run after it pays for it
+    assert rates(16_000, level1=10_240, level2=900).blocks_to_load([1, 2] + [1] * 8) == 10
+    assert rates(16_000, level1=10_240, level2=10).blocks_to_load([1, 2] + [1] * 8) == 1
+
+
+def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_same(model_dir, cold):  # noqa: F811
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
+    assert hierarchy.rates is llm.engine.load_rates
+    nbytes = hierarchy.pool.block_nbytes
+    hierarchy.rates.observe_prefill(16_000, 1.0)  # 1 ms a block
+    hierarchy.rates.observe_read(1, 100 * nbytes, 10.0)  # 100 ms a block from the host tier: a slow tier
+    assert run(llm, A) == (cold, 0)  # computed again
+    assert hierarchy.stats.failures["recompute"] == 5 and hierarchy.stats.tiers["host"].loaded_blocks == 0
+    for tokens in (B, C):  # A goes back down
+        run(llm, tokens)
+    for _ in range(40):  # now the host reads at 100 x the prefill's pace
+        hierarchy.rates.observe_read(1, 1000 * nbytes, 0.01)
+    assert run(llm, A) == (cold, 5 * BLOCK)  # loaded
+    assert hierarchy.stats.tiers["host"].loaded_blocks == 5
+    llm.engine.kv.block_manager.check_invariants()
