@@ -143,7 +143,7 @@ class _EngineCollector:
         dropped.add_metric(value, stats.tier_dropped_blocks)
         failures = CounterMetricFamily("sage:kv_tier_load_failures",
                                        "Blocks found in a tier but not returned verified (recomputed), by reason "
-                                       "(miss, corrupt, error, timeout; recompute: computing them was measured faster).",
+                                       "(miss, corrupt, error, timeout; recompute: computing was measured faster).",
                                        labels=[*labels, "reason"])
         for reason, count in stats.tier_load_failure_reasons:
             failures.add_metric([*value, reason], count)
