@@ -159,7 +159,8 @@ def test_window_math_equals_a_masked_softmax():
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
 @pytest.mark.parametrize("window", [16, 21, 48])
-def test_paged_window_decode_equals_the_gathered_window_math(window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_window_decode_equals_the_gathered_window_math(window, dtype):
     """The in-place split (kernel over the blocks inside the window, the partial block before them in PyTorch)
     against the gathered math, rows shorter than the window, on a block boundary and in between."""
     from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
@@ -169,16 +170,20 @@ def test_paged_window_decode_equals_the_gathered_window_math(window):
 
     torch.manual_seed(1)
     block, blocks = 16, 40
-    pool = KVPool(KVCacheSchema(1, 2, 32, block, KVDtype.FP32), blocks)
+    kv_dtype = KVDtype.FP32 if dtype == torch.float32 else KVDtype.BF16
+    pool = KVPool(KVCacheSchema(1, 2, 32, block, kv_dtype), blocks, dtype=dtype)
     slots = torch.arange(blocks * block)
-    pool.store(0, torch.randn(blocks * block, 2, 32), torch.randn(blocks * block, 2, 32), slots)
+    pool.store(0, torch.randn(blocks * block, 2, 32).to(dtype), torch.randn(blocks * block, 2, 32).to(dtype), slots)
     lens = torch.tensor([1, 15, 16, 17, 47, 48, 49, 64, 100, 130])
     tables = torch.stack([torch.randperm(blocks)[:9] for _ in lens])
     group = DecodeGroup(rows=torch.arange(len(lens)), block_tables=tables, context_lens=lens)
-    q = torch.randn(len(lens), 4, 32)
+    q = torch.randn(len(lens), 4, 32).to(dtype)
     keys, values = pool.gather_blocks(0, tables, torch.float32)
-    want = kind_decode_attention(q, keys, values, lens, 0.2, AttentionKind(window=window))
-    torch.testing.assert_close(PagedDecode().attend_window(q, pool, 0, group, 0.2, window), want, atol=2e-5, rtol=1e-4)
+    want = kind_decode_attention(q.float(), keys, values, lens, 0.2, AttentionKind(window=window))
+    got = PagedDecode().attend_window(q, pool, 0, group, 0.2, window)
+    assert got.dtype == dtype
+    tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tolerance)
 
 
 def test_the_triton_prefill_reads_a_windowed_span_context_from_its_block_table():
@@ -216,14 +221,19 @@ def test_gpt_oss_is_refused_saying_what_it_misses(tmp_path):
 
 @pytest.mark.skipif(flash_unavailable(32, torch.float32) is not None, reason="the CPU flash kernel is not built here")
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
-def test_flash_window_prefill_equals_the_window_math(window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_window_prefill_equals_the_window_math(window, dtype):
     """Spans from the start, after cached keys, shorter and longer than the window, through the flash kernel's
-    tiles (own keys causally, the keys before a tile causally reversed)."""
+    tiles (own keys causally, the keys before a tile causally reversed); bf16 within its rounding."""
     from sage_infer.layers.attention_backends.flash_prefill import FlashPrefill
 
+    if flash_unavailable(32, dtype) is not None:
+        pytest.skip(f"flash kernel: {flash_unavailable(32, dtype)}")
     torch.manual_seed(3)
     for ctx_len, q_len in [(37, 37), (90, 90), (90, 23), (64, 1), (130, 70)]:
-        q, k, v = torch.randn(q_len, 4, 32), torch.randn(ctx_len, 2, 32), torch.randn(ctx_len, 2, 32)
-        want = kind_prefill_attention(q, k, v, 0.2, AttentionKind(window=window))
+        q, k, v = (torch.randn(n, h, 32).to(dtype) for n, h in ((q_len, 4), (ctx_len, 2), (ctx_len, 2)))
+        want = kind_prefill_attention(q.float(), k.float(), v.float(), 0.2, AttentionKind(window=window))
         got = FlashPrefill().attend_window(q, k, v, 0.2, window)
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        assert got.dtype == dtype
+        tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got.float(), want, **tolerance)
