@@ -162,7 +162,7 @@ def window_tiles(offset: int, q_len: int, window: int) -> list[tuple[int, int]]:
     """A windowed span's queries (absolute positions ``offset .. offset + q_len - 1``) as tiles ``(first, stop)`` of
     absolute positions cut at the multiples of `window`: a tile either lies wholly before position `window` (its
     queries see every earlier key: plain causal attention) or starts at or after it, so its queries' windows all
-    start inside the `window - 1` keys before the tile (what `FlashPrefill.attend_window` relies on)."""
+    start inside the `window - 1` keys before the tile (what the flash prefill part's `attend_window` relies on)."""
     tiles, first, end = [], offset, offset + q_len
     while first < end:
         stop = min(end, (first // window + 1) * window)
