@@ -128,8 +128,8 @@ def pin_to_references(llm: LLM, oracle: OracleProposer) -> None:
     model has many): `oracle.forced` counts those rows."""
     sampler = llm.engine.sampler
 
-    def pinned(logits, params, prompts, histories, generators):
-        out = sampler(logits, params, prompts, histories, generators)
+    def pinned(logits, params, prompts, histories, generators, token_mask=None):
+        out = sampler(logits, params, prompts, histories, generators, token_mask)
         for row, (prompt, history) in enumerate(zip(prompts, histories)):
             output = oracle.outputs.get(tuple(prompt))
             done = len(history)

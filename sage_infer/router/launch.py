@@ -192,8 +192,7 @@ def serve_pd(spec: str, worker_args: list[str], host: str, port: int, api_key: s
             stop_workers(workers)
     def announce(bound: int) -> str:
         return (f"sage_infer serving {workers[0].model} at http://{host}:{bound}/v1 ({num_prefill} prefill + "
-                f"{num_decode} decode workers, prefill routing {routing}: "
-                f"{', '.join(f'{w.name} {w.url}' for w in workers)})")
+                f"{num_decode} decode workers: {', '.join(f'{w.name} {w.url}' for w in workers)})")
 
     try:
         return serve_router([w.url for w in workers if w.role == "prefill"],
