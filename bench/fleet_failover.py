@@ -29,27 +29,11 @@ from _report import write_json  # noqa: E402
 from fleet import Fleet, customers_workload  # noqa: E402
 from vllm_models import MODELS, model_facts, prepare_model  # noqa: E402
 
+from sage_infer.hal.net import listening_pid  # noqa: E402
 from sage_infer.serving_bench.runner import run_workload  # noqa: E402
 from sage_infer.serving_bench.stats import percentile  # noqa: E402
 
 REPLICA = re.compile(r"replica-(\d+) (http://[^,)\s]+)")
-
-
-def listening_pid(port: int) -> int | None:
-    """The pid of the process listening on TCP `port` (/proc/net/tcp, then its socket among /proc/*/fd)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
-            inodes.add(f"socket:[{fields[9]}]")
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{entry}/fd")):
-                    return int(entry)
-            except OSError:
-                continue
-    return None
 
 
 class Killer(threading.Thread):

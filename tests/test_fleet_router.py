@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import TierConfig
-from sage_infer.hal.net import free_port
+from sage_infer.hal.net import free_port, listening_pid
 from sage_infer.router.fleet import FleetRouter, build_fleet_app
 from sage_infer.server.launch import http_server
 from tests.server_fixture import running_server, serving
@@ -285,20 +285,9 @@ def test_the_router_hashes_prompts_exactly_as_the_replica_does(model_dir):
 
 
 def _listening_pid(port: int) -> int:
-    """The pid of the process listening on loopback TCP `port` (/proc/net/tcp, then its socket among /proc/*/fd)."""
-    inodes = set()
-    for line in open("/proc/net/tcp").read().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
-            inodes.add(f"socket:[{fields[9]}]")
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{entry}/fd")):
-                    return int(entry)
-            except OSError:
-                continue
-    raise AssertionError(f"nothing listens on port {port}")
+    pid = listening_pid(port)
+    assert pid is not None, f"nothing listens on port {port}"
+    return pid
 
 
 def _serve_pid(port: int) -> int:
