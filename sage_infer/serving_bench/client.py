@@ -46,6 +46,16 @@ class RequestResult:
     def ok(self) -> bool:
         return self.error is None
 
+    def add_text(self, text: str, now: float, sent: float, last: float | None) -> float:
+        """A text chunk that arrived at `now`: the first one's time since `sent` is the TTFT, each later one's gap
+        since `last` an inter-token latency. Returns `now` (the next chunk's `last`)."""
+        self.text += text
+        if last is None:
+            self.ttft_s = now - sent
+        else:
+            self.itl_s.append(now - last)
+        return now
+
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
@@ -198,12 +208,8 @@ class _ChunkTimer:
                 self.result.error = f"malformed SSE chunk: {data[:120]!r}"
                 return True
             if text:
-                self.result.text += text
-                if self.last is None:
-                    self.result.ttft_s = now - self.sent
-                else:
-                    self.result.itl_s.append(now - self.last)
-                self.last, self.text_chunks = now, self.text_chunks + 1
+                self.last = self.result.add_text(text, now, self.sent, self.last)
+                self.text_chunks += 1
         return False
 
     def finish(self) -> None:

@@ -120,12 +120,7 @@ class _StepReader:
                 self.result.error = f"malformed SSE event: {data[:120]!r}"
                 return
             if text:
-                self.result.text += text
-                if self.last is None:
-                    self.result.ttft_s = now - self.sent
-                else:
-                    self.result.itl_s.append(now - self.last)
-                self.last = now
+                self.last = self.result.add_text(text, now, self.sent, self.last)
             if usage:
                 self._usage(usage)
 
