@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseItemList
 from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer.config.responses import ResponsesConfig
@@ -128,6 +128,38 @@ def test_stream_events_parse_in_order_and_the_streamed_response_is_stored(client
     assert client.responses.retrieve(final.id).output_text == text
 
 
+def test_input_items_list_the_conversation_a_page_at_a_time_as_openai_does(client, server):
+    first = create(client, server, input=FIRST, instructions="Answer as a player would.")
+    second = create(client, server, input=[{"role": "user", "content": [{"type": "input_text", "text": "And?"}]}],
+                    previous_response_id=first.id)
+    listed = client.responses.input_items.list(second.id, order="asc", limit=100)
+    ResponseItemList.model_validate(listed.model_dump())  # the shape OpenAI's types define, strictly
+    items = listed.data
+    assert [i.id for i in items[1:-1]] == [i.id for i in first.output]  # the previous output, as it was
+    assert (items[0].role, items[0].content[0].text) == ("user", FIRST)  # instructions are no item
+    assert (items[-1].role, items[-1].content[0].text, items[-1].type) == ("user", "And?", "message")
+    ids = [i.id for i in items]
+    assert len(set(ids)) == len(ids) and not listed.has_more
+    newest_first = client.responses.input_items.list(second.id)  # order desc by default
+    assert [i.id for i in newest_first.data] == ids[::-1]
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=1)] == ids[::-1]  # page by `after`
+    one = client.responses.input_items.list(second.id, limit=1, order="asc", after=ids[0])
+    assert [i.id for i in one.data] == [ids[1]] and one.has_more == (len(ids) > 2)
+    before = client.responses.input_items.list(second.id, limit=2, order="asc", extra_query={"before": ids[-1]})
+    assert [i.id for i in before.data] == ids[-3:-1]
+    assert [i.id for i in client.responses.input_items.list(first.id, order="asc")] == ids[:1]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.input_items.list("resp_" + "0" * 32)
+    assert err.value.body["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):  # another tenant's
+        openai.OpenAI(base_url=f"{server[0]}/v1", api_key="key-b", max_retries=0).responses.input_items.list(first.id)
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after"),
+                         ({"include": ["reasoning.encrypted_content"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.input_items.list(second.id, **query)
+        assert err.value.body["param"] == param
+
+
 def test_store_false_keeps_nothing_and_delete_forgets(client, server):
     unstored = create(client, server, input=FIRST, store=False)
     with pytest.raises(openai.NotFoundError):
@@ -202,6 +234,9 @@ def test_a_required_tool_choice_is_a_function_call_item_and_its_output_continues
     follow = create(client, server, previous_response_id=called.id, tools=WEATHER, input=[
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
     assert follow.output[0].type == "message" and follow.usage.input_tokens_details.cached_tokens > 0
+    given = list(client.responses.input_items.list(follow.id, order="asc"))
+    assert [i.type for i in given] == ["message", *(i.type for i in called.output), "function_call_output"]
+    assert given[-1].call_id == calls[0].call_id and given[-1].output == "sunny"
     events = list(client.responses.create(model=server[1], input="And in Paris?", tools=WEATHER, temperature=0,
                                           tool_choice={"type": "function", "name": "get_weather"},
                                           max_output_tokens=40, stream=True))

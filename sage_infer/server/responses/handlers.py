@@ -1,4 +1,5 @@
-"""`/v1/responses`: create (plain or streamed), retrieve and delete, over the chat endpoint's machinery.
+"""`/v1/responses`: create (plain or streamed), retrieve, list input items and delete, over the chat endpoint's
+machinery.
 
 A request's context is the previous response's conversation (when `previous_response_id` names one of this tenant's
 stored responses) followed by its own input; `instructions` go in front as a system message and, as OpenAI does, are
@@ -23,6 +24,7 @@ from sage_infer.server.chat_answer import AnswerShape
 from sage_infer.server.handlers import OpenAIHandlers
 from sage_infer.server.openai_errors import APIError
 from sage_infer.server.responses.chat_request import chat_request, renamed
+from sage_infer.server.responses.items import item_objects, item_page
 from sage_infer.server.responses.objects import (
     function_call_item,
     message_item,
@@ -50,13 +52,13 @@ def tenant_of(authorization: str, cache_salt: str | None) -> str:
 class _Turn:
     """One create request, prepared: its ids, its job, and what to store when it finishes."""
 
-    __slots__ = ("body", "response_id", "created_at", "tenant", "context", "job", "store", "shape")
+    __slots__ = ("body", "response_id", "created_at", "tenant", "context", "items", "job", "store", "shape")
 
     def __init__(self, body: ResponsesRequest, response_id: str, tenant: str, context: list[dict],
-                 job: AddRequest, store: bool, shape: AnswerShape) -> None:
+                 items: list[dict], job: AddRequest, store: bool, shape: AnswerShape) -> None:
         self.body, self.response_id, self.tenant = body, response_id, tenant
         self.created_at = int(time.time())
-        self.context, self.job, self.store, self.shape = context, job, store, shape
+        self.context, self.items, self.job, self.store, self.shape = context, items, job, store, shape
 
 
 class ResponsesHandlers:
@@ -87,6 +89,9 @@ class ResponsesHandlers:
     def retrieve(self, response_id: str, tenant: str) -> JSONResponse:
         return JSONResponse(self._stored(response_id, tenant).response)
 
+    def input_items(self, response_id: str, tenant: str, query: dict[str, str]) -> JSONResponse:
+        return JSONResponse(item_page(self._stored(response_id, tenant).input_items, query))
+
     def delete(self, response_id: str, tenant: str) -> JSONResponse:
         if not self.store.delete(tenant, self._stored(response_id, tenant).id):
             raise self._not_found(response_id)
@@ -109,10 +114,12 @@ class ResponsesHandlers:
         """Build the conversation and the engine job as a chat completion would (template, tool parsers,
         structured output); every refusal names the Responses field."""
         self.handlers._check_model(body.model)
-        previous = []
+        previous, earlier_items = [], []
         if body.previous_response_id is not None:
-            previous = self._stored(body.previous_response_id, tenant, "previous_response_id").messages
-        context = previous + to_messages(input_items(body.input))
+            stored = self._stored(body.previous_response_id, tenant, "previous_response_id")
+            previous, earlier_items = stored.messages, stored.input_items + stored.response["output"]
+        given = input_items(body.input)
+        context = previous + to_messages(given)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + context
         chat = chat_request(body, messages)
         validator, features = self.handlers.validator, self.handlers.chat_features
@@ -130,7 +137,8 @@ class ResponsesHandlers:
             raise renamed(err) from None
         response_id = f"resp_{uuid.uuid4().hex}"
         job = AddRequest(response_id, ids, params, prompt=text, priority=body.priority, cache_salt=body.cache_salt)
-        return _Turn(body, response_id, tenant, context, job, body.store and self.config.max_stored > 0, shape)
+        return _Turn(body, response_id, tenant, context, earlier_items + item_objects(given), job,
+                     body.store and self.config.max_stored > 0, shape)
 
     def _finish(self, turn: _Turn, final: RequestOutput, streamed: list[dict] | None = None) -> dict:
         """The finished response's object (its output items: `streamed` as the stream sent them, else from the
@@ -148,7 +156,7 @@ class ResponsesHandlers:
                 said["tool_calls"] = message["tool_calls"]
             now = time.time()
             stored = StoredResponse(turn.response_id, turn.tenant, now, now + self.config.ttl_s,
-                                    turn.context + [said], response)
+                                    turn.context + [said], response, turn.items)
             if not self.store.put(stored):
                 response["store"] = False
                 if self.retains_kv:

@@ -1,4 +1,5 @@
-"""The `/v1/responses` routes: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""The `/v1/responses` routes: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, and
+``GET /v1/responses/{id}/input_items``.
 
 The tenant of a request is its bearer token and its cache salt: ``cache_salt`` in the body (POST), the
 ``X-Cache-Salt`` header, or the ``cache_salt`` query parameter (GET, DELETE); given twice, they must agree.
@@ -49,6 +50,13 @@ def add_responses_routes(app: FastAPI, responses: ResponsesHandlers, authorize: 
             raise APIError(400, "stream: replaying a stored response as a stream is not supported", "stream")
         return responses.retrieve(response_id, tenant_of(request.headers.get("authorization", ""),
                                                          salt_of(request)))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> JSONResponse:
+        authorize(request)
+        query = {name: value for name, value in request.query_params.items() if name != "cache_salt"}
+        return responses.input_items(response_id, tenant_of(request.headers.get("authorization", ""),
+                                                            salt_of(request)), query)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> JSONResponse:

@@ -1,10 +1,10 @@
 """`ResponseStore`: the responses the server keeps (``store: true``), per tenant, bounded, optionally on disk.
 
-A stored response keeps its object (what ``GET /v1/responses/{id}`` returns) and the conversation through its output
-as chat messages (what ``previous_response_id`` continues). It lives until its TTL passes, it is deleted, or the store
-is past `max_stored` responses or `max_bytes` of JSON (the oldest go first); `on_drop` hears every id that leaves, so
-the KV retained for it is released too. A response is found only under the tenant that created it: another tenant's
-id and an unknown one look the same.
+A stored response keeps its object (what ``GET /v1/responses/{id}`` returns), the conversation through its output
+as chat messages (what ``previous_response_id`` continues) and its input items (``.../input_items``). It lives until
+its TTL passes, it is deleted, or the store is past `max_stored` responses or `max_bytes` of JSON (the oldest go
+first); `on_drop` hears every id that leaves, so the KV retained for it is released too. A response is found only
+under the tenant that created it: another tenant's id and an unknown one look the same.
 
 With a `directory` (the disk KV tier's), every stored response is also one JSON file there, written atomically and
 read back at the next start, so conversations survive a restart along with their KV blocks. JSON only, never pickle.
@@ -19,7 +19,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("sage_infer.server")
@@ -35,6 +35,7 @@ class StoredResponse:
     expires_at: float
     messages: list[dict]  # the conversation through this response's output (instructions not included)
     response: dict  # the response object
+    input_items: list[dict] = field(default_factory=list)  # what `GET /v1/responses/{id}/input_items` lists
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"))
