@@ -1,8 +1,10 @@
 """`sage llm serve --pd 1P1D`: one command starts a router and its workers and prints one URL; the
-answers through it equal one engine's; SIGTERM stops all three processes."""
+answers through it equal one engine's, structured outputs included (the decode worker constrains); SIGTERM stops
+all three processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -29,11 +32,11 @@ def model_dir(tmp_path_factory):
 
 
 def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], None] | None = None,
-                   inspect=None) -> str:
+                   inspect=None, check_router: Callable[[openai.OpenAI, str], None] | None = None) -> str:
     """`sage llm serve --pd 1P1D ...` in a subprocess: one printed URL, answers equal to one engine's, the
     prompt's KV through the decode worker; SIGTERM stops it (exit 0) and its workers. `check_workers(prefill
     URL, decode URL)` looks at the workers before they stop. Returns what the command wrote to stderr (its
-    workers' output)."""
+    workers' output). `check_router(client, model)` asks the router more."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SAGE_API_KEY", None)
     argv = ["llm", "serve", "--pd", "1P1D", *extra, "--port", "0", "--model", str(model_dir),
@@ -58,6 +61,8 @@ def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], N
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
         if check_workers is not None:
             check_workers(*workers)
+        if check_router is not None:
+            check_router(client, model)
         if inspect is not None:
             inspect(proc)
     finally:
@@ -77,8 +82,33 @@ def run_deployment(model_dir, *extra: str, check_workers: Callable[[str, str], N
     return stderr.read()
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "role": {"enum": ["king", "fool"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def structured_outputs_are_honoured(client: openai.OpenAI, model: str) -> None:
+    """A json_schema response_format through the router: the decode worker constrains every token it samples (the
+    prefill worker's one token is not part of the answer), streamed or not; a schema the grammar library cannot
+    compile is a 400 naming the field."""
+    answer = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    ask = [{"role": "user", "content": "Who enters?"}]
+    reply = client.chat.completions.create(model=model, messages=ask, max_tokens=48, temperature=0,
+                                           response_format=answer)
+    assert reply.choices[0].finish_reason == "stop"  # the grammar completed within the token limit
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model=model, messages=ask, max_tokens=48, temperature=0.8, seed=5,
+                                            response_format=answer, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), PERSON)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+
+
 def test_pd_1p1d_serves_one_url_and_stops_its_workers(model_dir):
-    run_deployment(model_dir)
+    run_deployment(model_dir, check_router=structured_outputs_are_honoured)
 
 
 def worker_processes(parent: int) -> list[tuple[str, dict[str, str]]]:
