@@ -37,8 +37,10 @@ from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.group_kv_manager import NOT_FOR_GROUPS, GroupKVCacheManager
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
+from sage_infer.kv_runtime.kv_groups import KVGroups, kv_groups
 from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
 from sage_infer.kv_runtime.sources import KVSource
@@ -169,13 +171,17 @@ class EngineBuilder:
         """The KV layout and the pool's size in blocks (with the host tier's bytes, the last ``auto`` values:
         every one is logged here), then the pool."""
         config, arch, auto, device = self.config, self.arch, self.auto, self.device
+        self.kv_groups = use_kv_groups(arch, config.kv_pool.block_size)
         try:  # fp8/int8/int4 KV carries one scale (and min) per token and head
-            self.schema = KVCacheSchema(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+            self.schema = KVCacheSchema(self.kv_groups.layers_per_block if self.kv_groups else arch.num_layers,
+                                        arch.num_kv_heads, arch.head_dim,
                                         config.kv_pool.block_size).with_dtype(auto.kv_dtype)
         except ValueError as err:
             raise ConfigError(f"kv_pool.kv_dtype: {auto.kv_dtype.value}: {err}") from None
+        seat_tokens = auto.max_model_len if self.kv_groups is None else \
+            seat_tokens_of_groups(self.kv_groups, auto.max_model_len, config)
         blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(self.schema),
-                                    max_model_len=auto.max_model_len, free_device_bytes=free_memory_bytes(device),
+                                    max_model_len=seat_tokens, free_device_bytes=free_memory_bytes(device),
                                     host_available_bytes=read_mem_available(), draft=self.draft)
         auto.values.append(blocks)
         host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
@@ -212,6 +218,11 @@ class EngineBuilder:
                            head_dim=arch.head_dim,
                            dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                            num_params=float(sum(p.numel() for p in self.model.parameters())))
+        if self.kv_groups is not None:  # one line naming what is not built for a block table per group
+            refuse_for_kv_groups(config, quota, self.host_bytes)
+            self.load_rates, self.transfers = None, None
+            self.kv = GroupKVCacheManager(block_manager, self.kv_groups)
+            return
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
         self.load_rates = hierarchy.rates if hierarchy is not None else None
         self.transfers = build_transfers(config, pool, self.device, self.extra_key, index)
@@ -239,6 +250,10 @@ class EngineBuilder:
         """Continuous batching over the KV cache, with the speculative proposer if one is configured."""
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.auto.max_model_len,
                                    self.tokenizer.eos_token_ids, proposer=self.proposer)
+        if self.kv_groups is not None:  # a sliding group holds only its window: the pool bounds a sequence less
+            alone = self.kv.max_tokens_alone(self.config.scheduler.max_num_batched_tokens)
+            self.scheduler.max_total_tokens = self.auto.max_model_len if alone is None else \
+                min(self.auto.max_model_len, alone)
 
     def choose_step(self) -> None:
         """The step executor (Python layers, fused elementwise ops, the C++ decode step, CUDA graphs), and
@@ -274,7 +289,7 @@ class EngineBuilder:
         config, model, pool, device = self.config, self.model, self.pool, self.device
         attention, step = self.attention, self.step
         runner = ModelRunner(model, pool, device, cascade_attention=config.model.cascade_attention and not self.kinds,
-                             attention=attention, step=step)
+                             attention=attention, step=step, kv_groups=self.kv if self.kv_groups else None)
         kv_dtype = self.auto.kv_dtype.value
         pd = None
         if self.transfers is not None:
@@ -627,6 +642,47 @@ def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:
     if dtype != torch.bfloat16:
         return f"the kernel is bf16-only (the model is {dtype_name(dtype)})"
     return small_linear_unavailable()
+
+
+def use_kv_groups(arch: ArchConfig, block_size: int) -> KVGroups | None:
+    """The model's KV groups when some layer has a sliding window (a block table per group; the window's blocks
+    only), with a decided line saying which; None for a model whose every layer attends fully (one table)."""
+    groups = kv_groups(arch.layer_windows or (None,) * arch.num_layers)
+    if not groups.per_group:
+        return None
+    kinds = "; ".join(f"{group.kind}: layers {','.join(map(str, group.layers))}" for group in groups.groups)
+    _report(ResolvedValue("kv_pool.kv_groups", len(groups.groups),
+                          f"a block table per group, {groups.layers_per_block} layers a block ({kinds}); a sliding "
+                          f"group keeps only the blocks its window reaches"))
+    return groups
+
+
+def seat_tokens_of_groups(groups: KVGroups, max_model_len: int, config: ServeConfig) -> int:
+    """Tokens of blocks one sequence at full context holds over all groups (what sizes a seat of the pool): every
+    token in a full group, the window and a chunk in a sliding one."""
+    chunk = config.scheduler.max_num_batched_tokens
+    bs = config.kv_pool.block_size
+    return sum(max_model_len if group.window is None else
+               min(max_model_len, (-(-group.window // bs) + 1) * bs + chunk) for group in groups.groups)
+
+
+def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None, host_bytes: int | None) -> None:
+    """What moves or names blocks and is not built for a block table per KV group: one line naming the field."""
+    tiers = config.tiers
+    if tiers.host_bytes not in ("auto", 0) or tiers.disk_path or tiers.remote_url:
+        raise ConfigError(f"tiers: {NOT_FOR_GROUPS} (the model has sliding-window layers)",
+                          hint="run without KV tiers")
+    if config.role != "both":
+        raise ConfigError(f"role: {config.role}: prefill/decode transfers are {NOT_FOR_GROUPS} (the model has "
+                          "sliding-window layers)", hint="set role: both")
+    if quota is not None:
+        raise ConfigError(f"quota: tenant quotas are {NOT_FOR_GROUPS} (the model has sliding-window layers)")
+    if host_bytes:
+        auto_log.warning("tiers.host_bytes = 0 (auto chose %d bytes: the host tier is %s)", host_bytes,
+                         NOT_FOR_GROUPS)
+    if config.kv_pool.enable_prefix_caching and config.role != "decode":
+        auto_log.warning("KV events for routers: %s; this engine logs none (the model has sliding-window layers)",
+                         NOT_FOR_GROUPS)
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV pipe can run on today

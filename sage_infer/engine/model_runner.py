@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -9,9 +12,19 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.core.step_batch import SeqSpan, StepBatch, token_slots
 from sage_infer.engine.shared_prefix import MIN_SAVED_TOKENS, find_shared_prefix
 from sage_infer.engine.steps import StepExecutor, step_executor
+from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.layers.attention import AttentionMetadata
 from sage_infer.layers.attention_backends import REFERENCE, AttentionBackend
+
+
+class GroupTables(Protocol):
+    """What the runner reads of a KV manager with a block table per KV group (`GroupKVCacheManager`)."""
+
+    groups: KVGroups
+    num_groups: int
+
+    def tables(self, seq: Sequence) -> list[list[int]]: ...
 
 
 class ModelRunner:
@@ -29,6 +42,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module | None, pool: KVPool, device: torch.device, cascade_attention: bool = True,
         attention: AttentionBackend = REFERENCE, step: StepExecutor | None = None,
+        kv_groups: GroupTables | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -43,6 +57,8 @@ class ModelRunner:
         assert not attention.decode_in_place or pool.supports_block_views or pool.supports_int8_block_views, \
             "the decode kernels read float or int8 blocks"
         self.step = step if step is not None else step_executor("python")  # how the forward runs
+        self.kv_groups = kv_groups  # a model with sliding-window layers: a block table per KV group
+        assert kv_groups is None or not self.cascade_attention, "cascade attention reads one table per sequence"
 
     def batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepBatch:
         """Flatten the step: every sequence's new tokens as rows (a sequence with speculative proposals has them
@@ -82,7 +98,24 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[StepBatch, AttentionMetadata]:
         """The step's batch and the attention backend's metadata for it."""
         batch = self.batch(seqs, num_new_tokens)
-        return batch, self.attention.prepare(batch)
+        if self.kv_groups is None:
+            return batch, self.attention.prepare(batch)
+        return batch, self._prepare_groups(batch, seqs)
+
+    def _prepare_groups(self, batch: StepBatch, seqs: list[Sequence]) -> AttentionMetadata:
+        """The backend's metadata of every KV group (the batch is group 0's): each group's slots and tables; each
+        layer reads its group's (`AttentionMetadata.groups`)."""
+        tables = [self.kv_groups.tables(seq) for seq in seqs]
+        metas = [self.attention.prepare(batch)]
+        for group in range(1, self.kv_groups.num_groups):
+            slots: list[int] = []
+            spans = []
+            for span, seq_tables in zip(batch.spans, tables):
+                slots.extend(token_slots(seq_tables[group], span.start, span.start + span.q_len, self.block_size))
+                spans.append(replace(span, block_table=seq_tables[group]))
+            metas.append(self.attention.prepare(replace(batch, slot_mapping=batch.tensor(slots), spans=spans)))
+        meta = replace(metas[0], groups=tuple(metas), layer_map=self.kv_groups.groups.layer_map)
+        return meta
 
     def _shared_prefix(self, seqs: list[Sequence]) -> tuple[frozenset[int], int]:
         """Indices of the sequences that attend a shared prefix together, and its length in blocks.

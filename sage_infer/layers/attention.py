@@ -110,6 +110,10 @@ class AttentionMetadata:
     shared: SharedPrefix | None = None
     # the backend that prepared this metadata; None: the reference (PyTorch ops only)
     backend: AttentionBackend | None = None
+    # KV groups (a model with sliding-window layers, `sage_infer.kv_runtime.kv_groups`): each group's metadata, and
+    # per model layer (its group, its layer in the pool's blocks); empty: one table for every layer
+    groups: tuple[AttentionMetadata, ...] = ()
+    layer_map: tuple[tuple[int, int], ...] = ()
 
     @property
     def decode_in_place(self) -> bool:
@@ -330,6 +334,9 @@ def paged_attention(
     """Store this step's K/V of `layer` in `pool`, then attend, as the step's backend does (the reference without
     one). q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]. `kind`: the layer's sliding window and soft-capping
     (`sage_infer.layers.attention_kinds`; None: plain causal attention)."""
+    if meta.groups:  # the layer's KV group: its block tables, and its layer within the group's blocks
+        group, layer = meta.layer_map[layer]
+        meta = meta.groups[group]
     backend = meta.backend
     if backend is None:
         from sage_infer.layers.attention_backends import REFERENCE as backend

@@ -1,0 +1,252 @@
+"""`GroupKVCacheManager`: the `KVCacheManager` of a model with sliding-window layers, one block table per KV group.
+
+After vLLM's hybrid allocator (`KVCacheCoordinator` over a `FullAttentionManager` / `SlidingWindowManager` per group):
+
+- **Tables**: every group has a table of the same length per sequence (`tables`): group 0's is `seq.block_table`, the
+  others live here, by sequence id. A sliding group's entries wholly before the window are the null block, which is
+  held for ever and never written or read (the pool's zeros).
+- **Freeing out of the window**: `commit` registers newly full blocks, then gives a sliding group's blocks wholly
+  before ``num_computed_tokens - W + 1`` back to the pool (cached, evictable, when prefix caching is on): between
+  steps a sequence holds about ``W + block_size`` tokens in such a group. Only committed tokens count, so a
+  speculative rollback (`trim`) never needs a freed block.
+- **Prefix hits per group**: a full group 0 keeps the prefix tree of the plain path (its hashes are the chain's);
+  every other group registers each block on its own (a root of the index, keyed by the group and the chain hash
+  before it), so a sliding group's early blocks are evictable while its later ones are in use. A hit needs every
+  full group's blocks of the prefix and only the last ``ceil((W - 1) / block_size)`` of a sliding group's (scanned
+  from the right); its length is the longest every group serves (`match`).
+
+Blocks the prompt finds past the device (tiers, prefill/decode transfers) are not built for groups: the builder
+refuses them for such a model, in one line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sage_infer.core.sequence import Sequence
+from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.kv_cache_manager import NO_MATCH, KVCacheManager
+from sage_infer.kv_runtime.kv_groups import KVGroups
+from sage_infer.prefix_reuse.hashing import hash_block, hash_token_blocks
+from sage_infer.prefix_reuse.index import PrefixMatch
+
+NOT_FOR_GROUPS = "not implemented yet for hybrid KV groups"
+
+
+class GroupMatch(PrefixMatch):
+    """A `PrefixMatch` with each group's blocks of the prefix (`group_block_ids[g]`, the null block where a sliding
+    group needs none); `block_ids` are group 0's."""
+
+    __slots__ = ("group_block_ids",)
+
+    def __init__(self, group_block_ids: list[list[int]], block_hashes: list[bytes], num_tokens: int,
+                 num_query_blocks: int) -> None:
+        super().__init__(group_block_ids[0], block_hashes, num_tokens, num_query_blocks)
+        self.group_block_ids = group_block_ids
+
+
+class GroupKVCacheManager(KVCacheManager):
+    """Sequence-level KV bookkeeping for `groups` (a model with some sliding-window layer) over one `BlockManager`.
+    The calls and their order are `KVCacheManager`'s; every count is in blocks of all groups together."""
+
+    def __init__(self, block_manager: BlockManager, groups: KVGroups,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(block_manager, clock)
+        self.groups = groups
+        self.windows = [group.window for group in groups.groups]
+        self.num_groups = len(self.windows)
+        self.tree = self.windows[0] is None  # group 0 keeps the prefix tree of the plain path
+        self.null_block = block_manager.allocate(1)[0]  # never freed: what a table holds out of a window
+        self._tables: dict[int, list[list[int]]] = {}  # seq id -> the tables of groups 1..
+        self._freed: dict[int, list[int]] = {}  # seq id -> per group: its leading entries that are the null block
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """`seq`'s block table of every group (equal lengths; group 0's is `seq.block_table`)."""
+        return [seq.block_table, *self._tables.get(seq.seq_id, ())]
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks `seq` holds in each group now (its table less the null entries)."""
+        return [sum(1 for block in table if block != self.null_block) for table in self.tables(seq)]
+
+    def max_tokens_alone(self, chunk_tokens: int) -> int | None:
+        """The most tokens one sequence can reach with the pool to itself; None when the pool bounds none (every
+        group slides and its window with a step's chunk of `chunk_tokens` fits)."""
+        bs = self.block_size
+        blocks = self.block_manager.num_blocks - 1  # less the null block
+        full = self.windows.count(None)
+        peak = sum(self.groups.window_blocks(group, bs) + 2 + -(-chunk_tokens // bs)
+                   for group, window in enumerate(self.windows) if window is not None)
+        every = blocks // self.num_groups * bs  # nothing freed
+        if full == 0:
+            return None if peak <= blocks else every
+        return max(every, (blocks - peak) // full * bs)
+
+    def _key(self, seq: Sequence, group: int, before: bytes | None) -> bytes:
+        """The index key of a group's block registered on its own: the group and the chain hash of the block before."""
+        return b"%s\x1fkv-group %d\x1f%s" % (seq.extra_key, group, before or b"")
+
+    # -- prefix hits --------------------------------------------------------------------------
+
+    def match(self, seq: Sequence, *, keep_last_token: bool = True) -> PrefixMatch:
+        """The longest prefix every group serves from the cache, in full blocks. Records nothing."""
+        if self.index is None or seq.block_table:
+            return NO_MATCH
+        bs = self.block_size
+        limit = (seq.num_tokens - 1) // bs if keep_last_token else seq.num_tokens // bs
+        chain = hash_token_blocks(seq.token_ids[: limit * bs], bs, seq.extra_key)
+        tree = self.index.match(seq.token_ids, seq.extra_key, max_blocks=limit, record=False).block_ids \
+            if self.tree else []
+        length = len(tree) if self.tree else limit
+        while True:  # full groups serve any shorter prefix; a sliding group may not: ask again until all agree
+            shortest = min(self._longest(seq, group, chain, length) for group in range(self.num_groups))
+            if shortest == length:
+                break
+            length = shortest
+        ids = [tree[:length] if group == 0 and self.tree else self._blocks(seq, group, chain, length)
+               for group in range(self.num_groups)]
+        return GroupMatch(ids, chain[:length], length * bs, limit)
+
+    def _lookup(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
+        tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+        return self.index.lookup(None, tokens, self._key(seq, group, chain[i - 1] if i else None))
+
+    def _longest(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> int:
+        """The longest prefix of at most `length` blocks `group` serves."""
+        if group == 0 and self.tree:
+            return length  # the tree's match bounds the first length
+        need = self.groups.window_blocks(group, self.block_size)
+        if need < 0:  # full: every block from the start
+            return next((i for i in range(length) if self._lookup(seq, group, chain, i) is None), length)
+        if need == 0:
+            return length
+        run = 0
+        for i in range(length - 1, -1, -1):  # from the right: the last `need` blocks before a prefix end
+            if self._lookup(seq, group, chain, i) is None:
+                run = 0
+                continue
+            run += 1
+            if run == need:
+                return i + need
+        return run  # the window reaches the start: the `run` leading blocks are all it needs
+
+    def _blocks(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> list[int]:
+        need = self.groups.window_blocks(group, self.block_size)
+        first = 0 if need < 0 else max(0, length - need)
+        return [self.null_block] * first + [self._lookup(seq, group, chain, i) for i in range(first, length)]
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
+        """New blocks, all groups together, `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
+        return super().blocks_needed(seq, num_new_tokens, num_computed_tokens) * self.num_groups
+
+    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+        matched = self.num_groups * (match.num_tokens // self.block_size)
+        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens) - matched
+        return needed <= 0 or needed <= self.available_after(match)
+
+    def available_after(self, match: PrefixMatch) -> int:
+        taken = [b for ids in getattr(match, "group_block_ids", ()) for b in ids if b != self.null_block]
+        return self.block_manager.num_available_blocks - (self.index.num_evictable_among(taken) if taken else 0)
+
+    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """`KVCacheManager.admit` for every group: take each group's matched blocks, then room for `num_new_tokens`
+        after them in every table; False, changing nothing, if short."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} is already admitted")
+        if not self.can_admit(seq, match, num_new_tokens):
+            return False
+        tables = [list(ids) for ids in match.group_block_ids] if match.num_tokens else \
+            [[] for _ in range(self.num_groups)]
+        if self.index is not None:
+            self.index.policy.tick(self.clock())
+            if not seq.admitted_once:
+                self.index.metrics.record(match.num_query_blocks, len(match.block_ids), self.block_size)
+            taken = [b for table in tables for b in table if b != self.null_block]
+            for block in reversed(taken):
+                self.index.policy.on_hit(self.index.hash_of(block))
+            self.block_manager.acquire(taken)
+        seq.block_table = tables[0]
+        self._tables[seq.seq_id] = tables[1:]
+        self._freed[seq.seq_id] = [table.count(self.null_block) for table in tables]
+        seq.block_hashes = list(match.block_hashes)
+        seq.num_computed_tokens = match.num_tokens
+        self._grow(seq, num_new_tokens)
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
+        return True
+
+    def _grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = super().blocks_needed(seq, num_new_tokens)
+        if needed:
+            for table in self.tables(seq):
+                table.extend(self.block_manager.allocate(needed, seq.extra_key))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow a running `seq`'s tables to hold `num_new_tokens` more; False if the pool is short."""
+        if not self.block_manager.can_allocate(self.blocks_needed(seq, num_new_tokens)):
+            return False
+        self._grow(seq, num_new_tokens)
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Every group's blocks past `seq`'s computed tokens back to the pool (rejected speculative rows)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for table in self.tables(seq):
+            if len(table) > keep:
+                self.block_manager.free(list(reversed(table[keep:])))
+                del table[keep:]
+
+    # -- after a step -------------------------------------------------------------------------
+
+    def commit(self, seq: Sequence, token_ids: list[int] | None = None) -> None:
+        """Register every group's newly full blocks, then free the sliding groups' blocks out of the window."""
+        bs, manager, null = self.block_size, self.block_manager, self.null_block
+        token_ids = seq.token_ids if token_ids is None else token_ids
+        full = seq.num_computed_tokens // bs
+        tables = self.tables(seq)
+        if self.index is not None:
+            for i in range(len(seq.block_hashes), full):
+                before = seq.block_hashes[i - 1] if i else None
+                tokens = token_ids[i * bs : (i + 1) * bs]
+                chain = hash_block(before, tokens, seq.extra_key)
+                for group, table in enumerate(tables):
+                    if table[i] == null:
+                        continue
+                    if group == 0 and self.tree:  # the chain of the plain path
+                        table[i], chain = manager.cache_block(table[i], before, tokens, seq.extra_key)
+                    else:
+                        table[i] = manager.cache_block(table[i], None, tokens, self._key(seq, group, before))[0]
+                seq.block_hashes.append(chain)
+        for table in tables:
+            for i in range(max(0, full - 1), len(table)):
+                if table[i] != null:
+                    manager.set_num_tokens(table[i], min(bs, max(0, seq.num_computed_tokens - i * bs)))
+        self._free_window(seq, tables)
+
+    def _free_window(self, seq: Sequence, tables: list[list[int]]) -> None:
+        freed = self._freed.get(seq.seq_id)
+        if freed is None:
+            return
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            end = max(0, seq.num_computed_tokens - window + 1) // self.block_size  # blocks wholly before
+            if end <= freed[group]:
+                continue
+            table = tables[group]
+            gone = [table[i] for i in range(freed[group], end) if table[i] != self.null_block]
+            self.block_manager.free(gone)  # oldest first: they age first
+            table[freed[group] : end] = [self.null_block] * (end - freed[group])
+            freed[group] = end
+
+    def free(self, seq: Sequence) -> None:
+        """Release every group's blocks of `seq`, children before parents."""
+        for table in self.tables(seq):
+            self.block_manager.free([b for b in reversed(table) if b != self.null_block])
+        self._tables.pop(seq.seq_id, None)
+        self._freed.pop(seq.seq_id, None)
+        seq.block_table = []
+        seq.block_hashes = []
