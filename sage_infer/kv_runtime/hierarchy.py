@@ -32,7 +32,7 @@ import torch
 from sage_infer.core.messages import TierSnapshot
 from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.migration import LowerTier, MigrationPolicy
-from sage_infer.kv_runtime.migrator import KVMigrator
+from sage_infer.kv_runtime.migrator import KVMigrator, pool_gather
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
@@ -242,8 +242,8 @@ class HierarchyManager:
             missing = [i for i, there in enumerate(store.contains(keys)) if not there]
             if not missing:
                 return
-            rows = self.pool.read_blocks([block_ids[i] for i in missing]).view(torch.uint8).reshape(len(missing), -1)
-            store.put([keys[i] for i in missing], rows)  # (queued: the store's writer thread touches the disk)
+            # gathered from the pool into the store's queue (the disk tier's writer thread touches the disk)
+            store.put_gather([keys[i] for i in missing], pool_gather(self.pool, [block_ids[i] for i in missing]))
         except TierError as err:
             self.failed(level, err)
             return
@@ -301,6 +301,9 @@ class HierarchyManager:
         start = time.perf_counter()
         segments: list[ReadSegment] = []
         done = 0
+        # one buffer for the whole chain: each store reads its run into the rows after the previous store's, so a
+        # chain found in two tiers comes back as one tensor with no second copy
+        buffer = torch.empty((len(keys), self.pool.block_nbytes), dtype=torch.uint8)
         while done < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):
@@ -309,7 +312,7 @@ class HierarchyManager:
                 corrupt_before = store.checksum_failures
                 began = time.perf_counter()
                 try:
-                    rows = store.get_prefix(list(keys[done:]))
+                    rows = store.get_prefix(list(keys[done:]), out=buffer[done:])
                 except TierError as err:
                     segments.append(ReadSegment(level, None, err))
                     continue
@@ -349,7 +352,7 @@ class HierarchyManager:
             self.stats.failures[reason] += len(keys) - done
         if not parts:
             return torch.empty((0, self.pool.block_nbytes), dtype=torch.uint8)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else _joined(parts)
 
     def tick(self, now: float) -> None:
         """Advance the lower tiers' policy clocks (time-aware policies), as the device's is."""
@@ -444,6 +447,17 @@ class HierarchyManager:
     def close(self) -> None:
         for store in self.stores:
             store.close()
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Row blocks as one ``[sum n, row]`` tensor: a view when they lie back to back in one buffer (as `read`
+    leaves them), else a copy."""
+    first, rows = parts[0], 0
+    for part in parts:
+        if part.data_ptr() != first.data_ptr() + rows * first.stride(0) * first.element_size():
+            return torch.cat(parts)
+        rows += part.shape[0]
+    return torch.as_strided(first, (rows, first.shape[1]), first.stride())
 
 
 def _batched(items: list, size: int) -> list[list]:

@@ -15,6 +15,7 @@ that owns this migrator.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from sage_infer.prefix_reuse.index import EvictedBlock
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.hierarchy import HierarchyManager
+    from sage_infer.kv_runtime.pool import KVPool
 
 HOT_AFTER_HITS = 2  # default: a block loaded from below this many times is hot, promoted when there is room
 MAX_HOT_KEYS = 4096  # lookups remembered for the hotspot set (least recent forgotten first)
@@ -47,6 +49,20 @@ class MigratorStats:
     hot_wasted: int = 0  # of those, evicted again before any request hit them
 
 
+Placed = int | torch.Tensor  # a block placed in a tier, not yet put: its device block id, or its bytes [1, n]
+
+
+def pool_gather(pool: KVPool, block_ids: list[int]) -> Callable[[list[int], torch.Tensor], None]:
+    """A `KVTier.put_gather` source: rows `rows` of the batch are device blocks ``block_ids[rows]``, gathered
+    from the pool into the store's buffer with one read per call."""
+
+    def gather(rows: list[int], out: torch.Tensor) -> None:
+        ids = block_ids if len(rows) == len(block_ids) else [block_ids[r] for r in rows]
+        pool.read_blocks(ids, out=out.view(pool.dtype).view(len(rows), *pool.block_shape))
+
+    return gather
+
+
 class KVMigrator:
     """Demotion of evicted device blocks and promotion of hot ones, for one `HierarchyManager`."""
 
@@ -65,14 +81,14 @@ class KVMigrator:
     # -- demote ---------------------------------------------------------------------------------
 
     def on_evict(self, blocks: list[EvictedBlock]) -> None:
-        """The device is about to reuse these blocks' slots: copy them out (one read) and let the policy
-        place each, in eviction order; the stores then get one `put` per tier for the whole batch."""
-        data = self.pool.read_blocks([b.block_id for b in blocks]).view(torch.uint8).reshape(len(blocks), -1)
-        pending: dict[int, dict[bytes, torch.Tensor]] = {}  # level -> blocks placed there, not yet put
+        """The device is about to reuse these blocks' slots: let the policy place each, in eviction order; each
+        tier then gets one batched put, the device's blocks gathered from the pool straight into the store's own
+        buffer (one copy: `KVTier.put_gather`), before this returns and the slots are reused."""
+        pending: dict[int, dict[bytes, Placed]] = {}  # level -> blocks placed there, not yet put
         moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
         self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
         try:
-            for i, block in enumerate(blocks):
+            for block in blocks:
                 moves.clear()
                 if block.block_hash in self.promoted_ahead:
                     self.promoted_ahead.discard(block.block_hash)
@@ -82,16 +98,17 @@ class KVMigrator:
                                                                   self.pool.block_size, block.extra_key))
                 # deepest first: a tier's victims leave before the block that displaced them arrives
                 for key, src, dst in reversed(moves):
-                    self._apply(key, src, dst, data[i : i + 1] if src == 0 else None, pending)
+                    self._apply(key, src, dst, block.block_id if src == 0 else None, pending)
         finally:
             self.migration.listener = None
         for level, placed in pending.items():
             if placed:
                 self._put(level, placed)
 
-    def _apply(self, key: bytes, src: int, dst: int | None, data: torch.Tensor | None,
-               pending: dict[int, dict[bytes, torch.Tensor]]) -> None:
-        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` holds them when src is the device.
+    def _apply(self, key: bytes, src: int, dst: int | None, data: Placed | None,
+               pending: dict[int, dict[bytes, Placed]]) -> None:
+        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` is its device block id when src is the
+        device (the bytes are gathered from the pool at the put).
 
         Placements wait in `pending` for one batched `put` per tier; a block placed and moved on
         within the same batch never touches the store it passed through.
@@ -127,14 +144,20 @@ class KVMigrator:
             if dst is not None:
                 self.forget(key, dst)
 
-    def _put(self, level: int, placed: dict[bytes, torch.Tensor]) -> None:
-        """One `put` of every block the batch placed at `level`."""
+    def _put(self, level: int, placed: dict[bytes, Placed]) -> None:
+        """The blocks the batch placed at `level`: the device's gathered from the pool into the store in one
+        `put_gather`, the ones moved from another tier in one `put`."""
         h = self.hierarchy
         h.poll_background()  # a store whose writes fail in the background rests before it is given more
         store = h.store(level)
         keys = list(placed)
+        device = {key: at for key, at in placed.items() if isinstance(at, int)}
+        moved = {key: rows for key, rows in placed.items() if not isinstance(rows, int)}
         try:
-            store.put(keys, torch.cat(list(placed.values())))
+            if device:
+                store.put_gather(list(device), pool_gather(self.pool, list(device.values())))
+            if moved:
+                store.put(list(moved), torch.cat(list(moved.values())))
         except TierError as err:
             h.failed(level, err)
             for key in keys:

@@ -23,7 +23,7 @@ import json
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -127,6 +127,17 @@ class KVTier(ABC):
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Store `blocks[i]` (``[n, bytes_per_block]`` uint8) under `keys[i]`; evicts, never fails when full."""
 
+    def put_gather(self, keys: Sequence[bytes], gather: Callable[[list[int], torch.Tensor], None]) -> None:
+        """`put` of blocks the caller copies in itself: `gather(rows, out)` writes rows `rows` of the batch into
+        `out` (``[len(rows), bytes_per_block]`` uint8, contiguous, CPU). A store with a buffer of its own (the host
+        tier's slab, the disk tier's queue) hands out its buffer, so a batch gathered from the device pool is
+        copied once; this default gathers into a fresh buffer and puts that."""
+        keys = self._check_keys(keys)
+        out = torch.empty((len(keys), self.bytes_per_block), dtype=torch.uint8)
+        if keys:
+            gather(list(range(len(keys))), out)
+        self.put(keys, out)
+
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (no checksum check: that happens on read)."""
@@ -210,6 +221,8 @@ class KVTier(ABC):
 
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         keys = list(keys)
+        if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:  # (the usual case, in C)
+            return keys
         for key in keys:
             if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
                 raise ValueError(f"a block key is a {KEY_BYTES}-byte hash, got {type(key).__name__} {key!r:.40}")

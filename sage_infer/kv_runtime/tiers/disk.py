@@ -28,6 +28,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
+from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, Gather, crc_rows, move_pool, parallel, tensor_gather
 from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
 from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
@@ -135,6 +136,13 @@ class DiskTier(KVTier):
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Copy the new blocks and queue them for the writer; returns without touching the disk."""
         keys, blocks = self._check_put(keys, blocks)
+        self._queue_batch(keys, tensor_gather(blocks))
+
+    def put_gather(self, keys: Sequence[bytes], gather: Gather) -> None:
+        """`put` of blocks the caller gathers straight into the writer's queue (one `gather` call per batch)."""
+        self._queue_batch(self._check_keys(keys), gather)
+
+    def _queue_batch(self, keys: list[bytes], gather: Gather) -> None:
         with self._lock:
             if self._closing:
                 raise TierError(f"{self.name} tier is closed")
@@ -149,7 +157,8 @@ class DiskTier(KVTier):
                 rows = dict(list(rows.items())[: max(room, 0)])
             if not rows:
                 return
-            copy = blocks.index_select(0, torch.tensor(list(rows.values()), device=blocks.device)).cpu()
+            copy = torch.empty((len(rows), self.bytes_per_block), dtype=torch.uint8)
+            gather(list(rows.values()), copy)
             batch = [(key, _Pending(copy[i])) for i, key in enumerate(rows)]
             self._pending.update(batch)
             self._queue.append(batch)
@@ -173,7 +182,7 @@ class DiskTier(KVTier):
                 batch = self._queue.popleft()
                 self._busy = True
             try:
-                records = [(key, entry.row, crc32c.crc32c(entry.row.numpy()), entry) for key, entry in batch]
+                records = [(key, entry.row, None, entry) for key, entry in batch]  # (checksummed as written)
                 with self._append_lock:
                     self._recreate_if_gone()
                     self._append(records, self._commit_pending, enforce_cap=True)
@@ -235,15 +244,9 @@ class DiskTier(KVTier):
                 start = seg.size
                 seg.size += take * self.record_bytes  # reserve: a concurrent read never sees a half record
             chunk = records[i : i + take]
-            buffers: list = []
-            for key, payload, crc, _ in chunk:
-                buffers.append(encode_header(self.digest, key, self.bytes_per_block, crc))
-                buffers.append(payload.numpy())
-            written = os.pwritev(seg.fd, buffers, start)
-            if written != take * self.record_bytes:
-                raise TierError(f"{self.name} tier: short write to {seg.path} ({written} bytes)")
+            crcs = self._write_records(seg, start, chunk)
             with self._lock:
-                for j, (key, _, crc, token) in enumerate(chunk):
+                for j, ((key, _, _, token), crc) in enumerate(zip(chunk, crcs)):
                     offset = start + j * self.record_bytes
                     if commit(key, token):
                         old = self._index.get(key)
@@ -255,6 +258,31 @@ class DiskTier(KVTier):
                         seg.dead_bytes += self.record_bytes
                         seg.mark_dead(offset)
             i += take
+
+    def _write_records(self, seg: Segment, start: int, records: list[tuple[bytes, torch.Tensor, int | None, object]]
+                       ) -> list[int]:
+        """pwritev `records` at `start` of `seg` in ~1 MiB pieces, each checksummed (where its CRC is None) just
+        before it is written, while it is in cache; a large batch's pieces go out in parallel (queue depth > 1).
+        Returns each record's CRC32C."""
+        per = max(1, CACHE_CHUNK // self.record_bytes)
+
+        def write(first: int) -> list[int]:
+            part = records[first : first + per]
+            crcs = [crc32c.crc32c(payload.numpy()) if crc is None else crc for _, payload, crc, _ in part]
+            buffers: list = []
+            for (key, payload, _, _), crc in zip(part, crcs):
+                buffers += (encode_header(self.digest, key, self.bytes_per_block, crc), payload.numpy())
+            written = os.pwritev(seg.fd, buffers, start + first * self.record_bytes)
+            if written != len(part) * self.record_bytes:
+                raise TierError(f"{self.name} tier: short write to {seg.path} ({written} bytes)")
+            return crcs
+
+        firsts = range(0, len(records), per)
+        if parallel(self.bytes_per_block, len(records) * self.bytes_per_block):
+            done = list(move_pool().map(write, firsts))
+        else:
+            done = [write(first) for first in firsts]
+        return [crc for part in done for crc in part]
 
     def _roll(self) -> Segment:
         seg = Segment.create(self.directory, self._next_id)
@@ -313,24 +341,14 @@ class DiskTier(KVTier):
                     continue
                 loc.segment.readers += 1  # keeps the fd open if the segment is dropped meanwhile
                 reads.append((row, key, loc))
-        out_np = out.numpy()
         bad: list[tuple[bytes, _Loc, bool]] = []  # (key, loc, is_io_error)
         stop = len(keys)
-        for row, key, loc in reads:
-            if row > stop:
-                break
-            try:
-                ok = os.preadv(loc.segment.fd, [out_np[row]], loc.offset + HEADER.size) == self.bytes_per_block
-            except OSError:
-                bad.append((key, loc, True))
-                ok = False
-            else:
-                if not ok or crc32c.crc32c(out_np[row]) != loc.crc:
-                    bad.append((key, loc, False))
-                    ok = False
+        for row, key, loc, ok, io_error in self._read_records(reads, out):
             found[row] = ok
-            if not ok and prefix:
-                stop = row
+            if not ok:
+                bad.append((key, loc, io_error))
+                if prefix:
+                    stop = min(stop, row)
         with self._lock:
             for _, _, loc in reads:
                 seg = loc.segment
@@ -347,6 +365,44 @@ class DiskTier(KVTier):
         if prefix:
             found[stop:] = [False] * (len(keys) - stop)
         return found
+
+    def _read_records(self, reads: list[tuple[int, bytes, _Loc]], out: torch.Tensor
+                      ) -> list[tuple[int, bytes, _Loc, bool, bool]]:
+        """Read (row, key, loc) payloads into ``out[row]`` and verify them: (row, key, loc, ok, io_error) each.
+
+        Records next to each other in one segment, for consecutive rows, are read with one preadv (the headers
+        between the payloads land in a scratch buffer), ~1 MiB at a time and checksummed right after, while in
+        cache; a large read's pieces run in parallel (queue depth > 1)."""
+        out_np = out.numpy()
+        per = max(1, CACHE_CHUNK // self.record_bytes)
+        groups: list[list[tuple[int, bytes, _Loc]]] = []
+        for read in reads:
+            last = groups[-1][-1] if groups else None
+            if (last is not None and len(groups[-1]) < per and read[0] == last[0] + 1
+                    and read[2].segment is last[2].segment and read[2].offset == last[2].offset + self.record_bytes):
+                groups[-1].append(read)
+            else:
+                groups.append([read])
+
+        def read_group(group: list[tuple[int, bytes, _Loc]]) -> list[tuple[int, bytes, _Loc, bool, bool]]:
+            first, n = group[0][0], len(group)
+            scratch = bytearray(HEADER.size)
+            buffers: list = []
+            for j in range(n):
+                buffers += ([scratch] if j else []) + [out_np[first + j]]
+            try:
+                got = os.preadv(group[0][2].segment.fd, buffers, group[0][2].offset + HEADER.size)
+            except OSError:
+                return [(row, key, loc, False, True) for row, key, loc in group]
+            whole = (got + HEADER.size) // self.record_bytes  # records read to their end (a short read stops early)
+            crcs = crc_rows(out_np[first : first + min(whole, n)])
+            return [(row, key, loc, j < whole and crcs[j] == loc.crc, False) for j, (row, key, loc) in enumerate(group)]
+
+        if parallel(self.bytes_per_block, len(reads) * self.bytes_per_block) and len(groups) > 1:
+            done = list(move_pool().map(read_group, groups))
+        else:
+            done = [read_group(group) for group in groups]
+        return [result for part in done for result in part]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = self._check_keys(keys)

@@ -32,46 +32,17 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
+from sage_infer.kv_runtime.tiers.rows import Gather, copy_runs, crc_runs, runs_of, tensor_gather
 from sage_infer.transport.arena import SharedArena
 
-CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
 # below this much per put, copy + checksum in cache beats handing the checksums to the thread; above it the
 # thread wins (`bench/tiers_raw.py`: "put, crc inline" against "put, crc on thread")
 BACKGROUND_CRC_MIN_BYTES = 4 << 20
 
 
-def copy_and_crc(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> list[int]:
-    """``dst[dst_rows[i]] = src[src_rows[i]]``; returns the CRC32C of each copied ``dst`` row.
-
-    Rows are copied in runs (consecutive on both sides, so a fresh slab's batch is a few
-    memcpys) of at most ~1 MiB, each checksummed right after its copy while it is still in
-    cache, which measured faster than one big copy followed by the CRCs (`bench/tiers_raw.py`).
-    """
-    chunk = max(1, CACHE_CHUNK // max(1, dst.shape[1]))
-    dst_np = dst.numpy()
-    crcs: list[int] = []
-    i, n = 0, len(dst_rows)
-    while i < n:
-        j = i + 1
-        while j < n and j - i < chunk and dst_rows[j] == dst_rows[j - 1] + 1 and src_rows[j] == src_rows[j - 1] + 1:
-            j += 1
-        d, s = dst_rows[i], src_rows[i]
-        dst[d : d + j - i].copy_(src[s : s + j - i])
-        crcs.extend(crc32c.crc32c(dst_np[row]) for row in range(d, d + j - i))
-        i = j
-    return crcs
-
-
-def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]``, one copy per run of consecutive rows on both sides."""
-    i, n = 0, len(dst_rows)
-    while i < n:
-        j = i + 1
-        while j < n and dst_rows[j] == dst_rows[j - 1] + 1 and src_rows[j] == src_rows[j - 1] + 1:
-            j += 1
-        d, s = dst_rows[i], src_rows[i]
-        dst[d : d + j - i].copy_(src[s : s + j - i])
-        i = j
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first batch row, count) for each run of consecutive slots of an ascending `slots`."""
+    return [(d, s, n) for d, s, n in runs_of(slots, range(len(slots)))]
 
 
 class HostTier(KVTier):
@@ -110,62 +81,96 @@ class HostTier(KVTier):
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Copy each new block into a slot (evicting LRU blocks when none is free); known keys are only touched."""
         keys, blocks = self._check_put(keys, blocks)
+        self._store(keys, blocks.cpu(), tensor_gather(blocks))
+
+    def put_gather(self, keys: Sequence[bytes], gather: Gather) -> None:
+        """`put` of blocks the caller writes straight into the slab: `gather(rows, out)` fills each run of free
+        slots (one call per run; a fresh or freshly emptied slab gives a batch one run)."""
+        self._store(self._check_keys(keys), None, gather)
+
+    def _store(self, keys: list[bytes], blocks: torch.Tensor | None, gather: Gather) -> None:
         with self._lock:
             self._stats.puts += len(keys)
-            new: dict[bytes, int] = {}  # key -> row of `blocks`, first occurrence
-            for row, key in enumerate(keys):
-                if key in self._slot_of:
-                    self._slot_of.move_to_end(key)  # protect it from this batch's evictions
-                elif key not in new:
-                    new[key] = row
-            if len(new) > self.num_slots:  # keep a chain's head: the tail is useless without it
-                self._stats.dropped += len(new) - self.num_slots
-                new = dict(list(new.items())[: self.num_slots])
-            slots = [self._take_slot() for _ in new]
-            if self._checksummer is None or len(slots) * self.bytes_per_block < self.background_min_bytes:
-                self._crc[slots] = copy_and_crc(self.slab, slots, blocks.cpu(), list(new.values()))
+            new_keys, new_rows = self._new_rows(keys)
+            slots = self._take_slots(len(new_keys))
+            runs = slot_runs(slots)
+            inline = self._checksummer is None or len(slots) * self.bytes_per_block < self.background_min_bytes
+            if blocks is not None and all(new_rows[s + n - 1] - new_rows[s] == n - 1 for _, s, n in runs):
+                # rows consecutive on both sides: copy (and checksum) piece by piece, on threads when large
+                crcs = copy_runs(self.slab, blocks, [(d, new_rows[s], n) for d, s, n in runs],
+                                 crc_of="dst" if inline else None)
             else:
-                copy_rows(self.slab, slots, blocks.cpu(), list(new.values()))
+                for d, s, n in runs:
+                    gather(new_rows[s : s + n], self.slab[d : d + n])
+                crcs = crc_runs(self.slab, [(d, n) for d, _, n in runs]) if inline else []
+            if inline:
+                self._crc[slots] = crcs
+            else:
                 for slot in slots:
                     self._gen[slot] += 1
                     self._pending[slot] = int(self._gen[slot])
                 self._work.notify()
-            for key, slot in zip(reversed(list(new)), reversed(slots)):
-                self._slot_of[key] = slot
-            for key in reversed(keys):  # the batch's head ends most recently used
-                if key in self._slot_of:
-                    self._slot_of.move_to_end(key)
+            self._slot_of.update(zip(reversed(new_keys), reversed(slots)))
+            if len(new_keys) != len(keys):  # some were stored already, or repeated: the batch's head ends newest
+                for key in reversed(keys):
+                    if key in self._slot_of:
+                        self._slot_of.move_to_end(key)
 
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        _, slot = self._slot_of.popitem(last=False)
-        self._stats.evictions += 1
-        return slot
+    def _new_rows(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """The batch's keys not stored yet (first occurrence, at most a slab's worth: a chain's head) and their
+        rows; stored ones are touched first, so this batch's evictions spare them."""
+        slot_of = self._slot_of
+        if not any(map(slot_of.__contains__, keys)) and len(set(keys)) == len(keys):
+            new_keys, new_rows = keys, list(range(len(keys)))
+        else:
+            first: dict[bytes, int] = {}
+            for row, key in enumerate(keys):
+                if key in slot_of:
+                    slot_of.move_to_end(key)
+                elif key not in first:
+                    first[key] = row
+            new_keys, new_rows = list(first), list(first.values())
+        if len(new_keys) > self.num_slots:  # keep a chain's head: the tail is useless without it
+            self._stats.dropped += len(new_keys) - self.num_slots
+            new_keys, new_rows = new_keys[: self.num_slots], new_rows[: self.num_slots]
+        return new_keys, new_rows
+
+    def _take_slots(self, n: int) -> list[int]:
+        """`n` slots, ascending (so a batch lands in runs): free ones first, then the least recently used."""
+        take = min(n, len(self._free))
+        slots = self._free[len(self._free) - take :]
+        del self._free[len(self._free) - take :]
+        for _ in range(n - take):
+            _, slot = self._slot_of.popitem(last=False)
+            slots.append(slot)
+        self._stats.evictions += n - take
+        slots.sort()
+        return slots
 
     def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]:
-        found = [False] * len(keys)
         with self._lock:
-            rows, slots = [], []
-            for row, key in enumerate(keys):
-                slot = self._slot_of.get(key)
-                if slot is None:
-                    if prefix:
-                        break
-                    continue
-                rows.append(row)
-                slots.append(slot)
-            crcs = copy_and_crc(out, rows, self.slab, slots)  # check the copy the caller gets
-            for row, slot, crc in zip(rows, slots, crcs):
-                if self._pending.pop(slot, None) is not None:
-                    self._crc[slot] = crc  # written moments ago and not checksummed yet: this is its checksum
-                elif crc != int(self._crc[slot]):
-                    self._stats.checksum_failures += 1
-                    self._drop(keys[row])
-                    if prefix:
-                        break
-                    continue
-                found[row] = True
+            slots = list(map(self._slot_of.get, keys))
+            if prefix and None in slots:
+                slots = slots[: slots.index(None)]
+            rows = [row for row, slot in enumerate(slots) if slot is not None]
+            slots = [slots[row] for row in rows]
+            runs = runs_of(rows, slots)
+            crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst"), dtype=np.uint32)  # the caller's copy
+            ok = crcs == self._crc[slots]
+            if self._pending:  # written moments ago and not checksummed yet: this is its checksum
+                for i, slot in enumerate(slots):
+                    if self._pending.pop(slot, None) is not None:
+                        self._crc[slot] = crcs[i]
+                        ok[i] = True
+            found = [False] * len(keys)
+            for i in np.flatnonzero(~ok).tolist():
+                self._stats.checksum_failures += 1
+                self._drop(keys[rows[i]])
+            if prefix and not ok.all():
+                rows = rows[: int(np.argmin(ok))]
+                ok = ok[: len(rows)]
+            for row, good in zip(rows, ok.tolist()):
+                found[row] = good
             for row in reversed(rows):
                 if found[row]:
                     self._slot_of.move_to_end(keys[row])

@@ -1,0 +1,142 @@
+"""Moving KV block rows in bulk: runs of consecutive rows, one copy per run, one CRC32C per row.
+
+A tier moves whole blocks, ``[n, bytes_per_block]`` uint8 rows, between a caller's buffer
+and its own (the host tier's slab, the disk tier's queue). The costs a small block pays
+are per-row Python work and per-row calls, so everything here works on *runs*: rows that
+are consecutive on both sides go in one copy. Checksums are taken right after each ~1 MiB
+piece is copied, while it is still in cache. A large move (`PARALLEL_MIN_BYTES` or more, of
+rows crc32c checksums with the GIL released) is split into pieces that a small thread pool
+copies and checksums in parallel: one core does not saturate memory with a copy and a
+checksum (`bench/tiers_raw.py`, "threads" rows).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import crc32c
+import numpy as np
+import torch
+
+CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in cache
+# crc32c checksums a buffer at least this large with the GIL released (its default mode); smaller rows hold
+# the GIL, so two threads only take turns
+GIL_FREE_ROW_BYTES = 32 << 10
+PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more than it saves
+MOVE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+Run = tuple[int, int, int]  # (destination row, source row, rows)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def move_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's row-moving threads (shared by every tier, started on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="sage-kv-rows")
+        return _pool
+
+
+def runs_of(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[Run]:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` as runs consecutive on both sides (in order)."""
+    out: list[Run] = []
+    n = len(dst_rows)
+    i = 0
+    while i < n:
+        d, s = dst_rows[i], src_rows[i]
+        j = i + 1
+        while j < n and dst_rows[j] == d + (j - i) and src_rows[j] == s + (j - i):
+            j += 1
+        out.append((d, s, j - i))
+        i = j
+    return out
+
+
+def pieces(runs: list[Run], rows_per_piece: int) -> list[Run]:
+    """`runs` cut into pieces of at most `rows_per_piece` rows."""
+    out: list[Run] = []
+    for d, s, n in runs:
+        for k in range(0, n, rows_per_piece):
+            out.append((d + k, s + k, min(rows_per_piece, n - k)))
+    return out
+
+
+def crc_rows(rows: np.ndarray) -> list[int]:
+    """CRC32C of each row of a 2-D uint8 array."""
+    return list(map(crc32c.crc32c, rows))
+
+
+def parallel(row_bytes: int, total_bytes: int, crc: bool = True) -> bool:
+    """Whether a move of `total_bytes` in rows of `row_bytes` goes to the thread pool (rows too small for crc32c
+    to release the GIL are checksummed on one thread)."""
+    gil_free = row_bytes >= GIL_FREE_ROW_BYTES or not crc
+    return MOVE_THREADS > 1 and gil_free and total_bytes >= PARALLEL_MIN_BYTES
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str | None = None) -> list[int]:
+    """Copy `runs` of rows from `src` to `dst` (2-D uint8, CPU); with `crc_of` ("dst" or "src") also the CRC32C
+    of each copied row, in run order, taken while the piece is in cache.
+
+    Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
+    """
+    row_bytes = dst.shape[1]
+    rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
+    total = sum(n for _, _, n in runs) * row_bytes
+    dst_np, src_np = dst.numpy(), src.numpy()
+    check = dst_np if crc_of == "dst" else src_np
+
+    def piece(run: Run) -> list[int]:
+        d, s, n = run
+        # numpy, not torch: one thread per copy, the GIL released; torch's OpenMP threads stall whenever
+        # any other thread wants a core (`bench/tiers.py`, "Threads")
+        np.copyto(dst_np[d : d + n], src_np[s : s + n])
+        return crc_rows(check[d : d + n] if crc_of == "dst" else check[s : s + n]) if crc_of else []
+
+    if parallel(row_bytes, total, crc=crc_of is not None):
+        done = move_pool().map(piece, pieces(runs, rows_per_piece if crc_of else max(rows_per_piece, len_per_thread(
+            total, row_bytes))))
+        return [crc for part in done for crc in part]
+    return [crc for run in (pieces(runs, rows_per_piece) if crc_of else runs) for crc in piece(run)]
+
+
+def len_per_thread(total_bytes: int, row_bytes: int) -> int:
+    """Rows per piece when a plain copy is split evenly over the threads."""
+    return max(1, -(-total_bytes // (MOVE_THREADS * row_bytes)))
+
+
+def crc_runs(array: torch.Tensor, runs: list[tuple[int, int]]) -> list[int]:
+    """CRC32C of each row in `runs` of (first row, rows) of a 2-D uint8 CPU tensor, in order."""
+    row_bytes = array.shape[1]
+    arr = array.numpy()
+    total = sum(n for _, n in runs) * row_bytes
+    if not parallel(row_bytes, total):
+        return [crc for s, n in runs for crc in crc_rows(arr[s : s + n])]
+    rows_per_piece = max(1, CACHE_CHUNK // row_bytes)
+    split = [(s + k, min(rows_per_piece, n - k)) for s, n in runs for k in range(0, n, rows_per_piece)]
+    done = move_pool().map(lambda run: crc_rows(arr[run[0] : run[0] + run[1]]), split)
+    return [crc for part in done for crc in part]
+
+
+Gather = Callable[[list[int], torch.Tensor], None]
+
+
+def tensor_gather(blocks: torch.Tensor) -> Gather:
+    """A `Gather` over the rows of a ``[n, bytes_per_block]`` uint8 tensor: one copy per run of rows."""
+
+    def gather(rows: list[int], out: torch.Tensor) -> None:
+        if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[0] + len(rows))):
+            if blocks.device.type == "cpu" and out.device.type == "cpu":
+                copy_runs(out, blocks, [(0, rows[0], len(rows))])
+            else:
+                out.copy_(blocks[rows[0] : rows[0] + len(rows)])
+        elif blocks.device == out.device:
+            torch.index_select(blocks, 0, torch.tensor(rows, dtype=torch.long, device=blocks.device), out=out)
+        else:
+            out.copy_(blocks.index_select(0, torch.tensor(rows, dtype=torch.long, device=blocks.device)))
+
+    return gather
