@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
 KERNELS_STAMP := $(VENV)/.sage-kernels
-KERNEL_INPUTS := setup.py sage_infer/layers/kernel_build.py sage_infer/hal/isa.py $(wildcard sage_infer/layers/csrc/*)
+KERNEL_INPUTS := setup.py sage_infer/hal/kernel_build.py sage_infer/hal/isa.py $(wildcard sage_infer/layers/csrc/*)
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: install test serve lint clean vllm-venv test-vllm bench-gate bench-gate-ci gpu-wheels

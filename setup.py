@@ -1,4 +1,4 @@
-"""Compiles the CPU kernels at install, once per ISA level (sage_infer/layers/kernel_build.py); the rest of the
+"""Compiles the CPU kernels at install, once per ISA level (sage_infer/hal/kernel_build.py); the rest of the
 package metadata is in pyproject.toml.
 
 The build needs torch importable: ``pip install --no-build-isolation .`` after torch (an isolated build
@@ -28,7 +28,7 @@ def kernel_build() -> dict:
         print("sage-infer: torch is not importable in the build environment: no prebuilt CPU kernels (they compile "
               "at first use; `pip install --no-build-isolation .` after torch builds them now)", file=sys.stderr)
         return {}
-    from sage_infer.layers import kernel_build as kb
+    from sage_infer.hal import kernel_build as kb
 
     if kb.compiler() is None:
         print("sage-infer: no C++ compiler (c++ / g++): no CPU kernels; the engine takes the PyTorch path",

@@ -1,4 +1,4 @@
-"""Which kernel build loads (`sage_infer.layers.kernel_build`), and the first-use compile: it says so before it
+"""Which kernel build loads (`sage_infer.hal.kernel_build`), and the first-use compile: it says so before it
 starts, never hangs on a lock left by an interrupted build, and processes that start together compile once.
 
 The compile tests build a tiny extension (a C-API module, ~1 s) through the same `jit_build` the kernels use,
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from sage_infer.hal import kernel_build
 from sage_infer.hal.isa import selected_level
-from sage_infer.layers import cpu_kernels, kernel_build
+from sage_infer.layers import cpu_kernels
 from tests.conftest import runnable_cpu_levels
 
 TINY = """\
@@ -68,7 +69,7 @@ def build_script(cache: Path, name: str) -> str:
         import logging, sys
         from pathlib import Path
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-        from sage_infer.layers.kernel_build import jit_build
+        from sage_infer.hal.kernel_build import jit_build
         source = Path({str(cache)!r}) / "tiny.cpp"
         module = jit_build(Path({str(cache)!r}) / "build", {name!r}, (source,), [], "the tiny test module")
         print("loaded", module.__name__)

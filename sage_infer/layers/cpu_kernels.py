@@ -1,5 +1,5 @@
 """The CPU kernels (csrc/): paged decode attention, the fused elementwise ops, flash attention, the small-row
-bf16 product and the C++ decode step, as one module per ISA level (`sage_infer.layers.kernel_build`).
+bf16 product and the C++ decode step, as one module per ISA level (`sage_infer.hal.kernel_build`).
 
 The install compiles them for every x86-64 level (avx2, avx512, avx512_bf16); `_module()` loads the highest build
 this CPU can run, or the one ``SAGE_CPU_ISA`` forces (`sage_infer.hal.isa`). Each function below reports what its
@@ -32,32 +32,17 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import cache
 from types import ModuleType
 
 import torch
 
-from sage_infer.errors import ConfigError
+from sage_infer.hal import kernel_build
 from sage_infer.hal.isa import ENV, selected_level
-from sage_infer.layers import kernel_build
 
 log = logging.getLogger(__name__)
 
 
-@cache
-def _load(forced: str) -> tuple[ModuleType | None, str | None, str]:
-    """(module, why it is unavailable, how it was chosen and found) for ``SAGE_CPU_ISA=forced`` ('' unset); keyed
-    by the variable's raw value, so each kernel call costs one environment read (`selected_level` normalizes)."""
-    try:
-        level, why_level = selected_level({ENV: forced} if forced else {})
-    except ConfigError as err:
-        return None, str(err), ""
-    if level is None:
-        return None, why_level, ""
-    module, how = kernel_build.load(level)
-    if module is None:
-        return None, how, ""
-    return module, None, f"{level} ({why_level}; {how})"
+_load = kernel_build.load_selected  # (module, why not, how it was found) per SAGE_CPU_ISA value
 
 
 def _current() -> tuple[ModuleType | None, str | None, str]:

@@ -1,4 +1,7 @@
-"""Building and loading the C++ CPU kernels (csrc/), one build per ISA level (`sage_infer.hal.isa`).
+"""Building and loading the C++ CPU kernels (sage_infer/layers/csrc/), one build per ISA level (`sage_infer.hal.isa`).
+
+Here in hal, below every user of the kernels: the layers' kernels (`sage_infer.layers.cpu_kernels`) and the KV
+codec of the pool and the transport (`sage_infer.quantization.kv_codec_kernel`) load the same build.
 
 The install builds them (setup.py calls `extensions()`; `make install` shows the compiler's progress), as
 ``sage_infer/layers/_cpu_kernels_<level>``, each compiled with that level's flags (never
@@ -26,13 +29,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from sage_infer.hal.isa import build_levels, compile_flags
+from sage_infer.errors import ConfigError
+from sage_infer.hal.isa import ENV, build_levels, compile_flags, selected_level
 
 log = logging.getLogger(__name__)
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).resolve().parents[1] / "layers" / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "flash_bf16.cpp",
                                          "flash_avx2.cpp", "decode_step.cpp", "bf16_rows.cpp"))
 HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "flash.h"))
@@ -43,7 +48,7 @@ HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "fl
 BASE_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wno-uninitialized",
               "-Wno-maybe-uninitialized")
 LINK_FLAGS = ("-fopenmp",)
-# what a first-use compile of one level takes (7 files, 2 cores): printed before it starts
+# what a first-use compile of one level takes (8 files, 2 cores): printed before it starts
 COMPILE_SECONDS = "about 1-2 minutes on 2 cores"
 CACHE_ENV = "SAGE_KERNEL_CACHE"
 
@@ -120,6 +125,22 @@ def load(level: str) -> tuple[ModuleType | None, str]:
         module, stale = None, f"the installed {level} build is for other sources or another torch"
     log.info("%s", stale)
     return _compile_at_first_use(level, key)
+
+
+@cache
+def load_selected(forced: str) -> tuple[ModuleType | None, str | None, str]:
+    """(module, why it is unavailable, how it was chosen and found) for ``SAGE_CPU_ISA=forced`` ('' unset); keyed
+    by the variable's raw value, so each kernel call costs one environment read (`selected_level` normalizes)."""
+    try:
+        level, why_level = selected_level({ENV: forced} if forced else {})
+    except ConfigError as err:
+        return None, str(err), ""
+    if level is None:
+        return None, why_level, ""
+    module, how = load(level)
+    if module is None:
+        return None, how, ""
+    return module, None, f"{level} ({why_level}; {how})"
 
 
 def cache_root() -> Path:
