@@ -62,6 +62,8 @@ def test_a_conversation_stays_on_the_replica_that_stores_it_across_a_router_rest
                 other.responses.retrieve(first.id)
         with running_fleet([a.url, b.url], routing="round-robin") as (url, router):  # a new router knows nothing
             assert client(url).responses.retrieve(turn.id).id == turn.id
+            items = client(url).responses.input_items.list(turn.id)  # from the replica that stores it
+            assert items.data and any(getattr(item, "role", None) == "user" for item in items.data)
             again = create(url, input="once more?", previous_response_id=turn.id)
             assert holder((a, b), again.id) == [owner]
             client(url).responses.delete(again.id)

@@ -55,6 +55,40 @@ def test_a_snapshot_replaces_everything_known_of_a_replica():
     assert index.hit(a, ["old"]) == Hit(0, ()) and index.hit(a, ["new", "h"]) == Hit(1, (("host", 1),))
 
 
+def test_blocks_the_queue_ahead_evicts_are_not_counted_and_blocks_it_computes_are():
+    index = fleet("a", capacity_blocks=4)
+    [a] = index.replicas
+    for block_hash in ("p0", "p1", "q0", "q1"):  # used in this order: p is the least recently used prefix
+        index.apply(a, "stored", "device", block_hash)
+    assert index.doomed(a) == frozenset() and index.hit(a, ["p0", "p1"]) == Hit(2, ())
+    index.touch(a, ["q0", "q1", "n0", "n1"])
+    a.take(2 * BS, ["q0", "q1", "n0", "n1"])  # in flight: q hits, n0 and n1 will be computed there
+    assert a.to_allocate == 2
+    assert index.doomed(a) == {"p0", "p1"}  # the 2 new blocks evict the 2 least recently used: p's
+    assert index.hit(a, ["p0", "p1"]) == Hit(0, ())
+    assert index.hit(a, ["q0", "q1", "n0", "n1", "z"]) == Hit(4, ())  # what the request ahead computes is a hit
+    index.apply(a, "removed", "device", "p0")  # n0 computed in p0's place: one fewer block to come
+    index.apply(a, "stored", "device", "n0")
+    assert a.to_allocate == 1 and index.doomed(a) == {"p1"}
+    a.release(2 * BS, blocks=["q0", "q1", "n0", "n1"])
+    assert a.to_allocate == 0 and not a.held and index.doomed(a) == frozenset()
+
+
+def test_kv_routing_does_not_count_on_a_prefix_the_queue_ahead_will_evict():
+    index = fleet("a", "b", capacity_blocks=4)
+    a, b = index.replicas
+    router = Router(index, "kv")
+    for block_hash in ("p0", "p1"):
+        index.apply(a, "stored", "device", block_hash)
+    busy = router.route(Request(4 * BS, ["x0", "x1", "x2", "x3"], BS), exclude={"b"})
+    a.take(busy.compute_tokens, busy.blocks)  # 4 new blocks queued at a: its cache turns over before p's turn
+    route = router.route(Request(3 * BS, ["p0", "p1", "t"], BS))
+    assert route.replica is b and route.hit == Hit(0, ()) and not route.moved
+    b.take(route.compute_tokens, route.blocks)
+    follower = router.route(Request(3 * BS, ["p0", "p1", "u"], BS))  # the next request of that prefix follows it
+    assert follower.replica is b and follower.hit.blocks == 2
+
+
 def test_kv_routing_goes_where_the_prefix_is_until_the_queue_there_costs_more_than_recomputing():
     index = fleet("a", "b")
     a, b = index.replicas

@@ -4,11 +4,9 @@ One code path for the router in front of replicas (`router.fleet`) and anything 
 trace through simulated replicas: both feed a `FleetIndex` with each replica's KV events and
 ask a `Router` policy for the replica of each request.
 
-`FleetIndex` keeps, per replica, which blocks (short chained prefix hashes, as `/v1/kv/events`
-names them) it holds in which medium — device, host, disk — and, for the whole fleet, the
-blocks in the shared remote tier, which every replica can load. A prompt's hit on a replica
-mirrors what its engine does: the leading blocks on its device, then the blocks right after
-them that a lower tier (its own, or the shared one) holds.
+`FleetIndex` (`kv_policy.fleet_index`) keeps which replica holds which block in which medium, and
+which of a replica's device blocks the requests queued there will have evicted by the time a
+newcomer starts.
 A replica that names its blocks its own way (a vLLM server: the router renames its blocks from
 the token ids its events carry, `router.vllm_events`) has a `naming`, and a request carries its
 prompt's hashes under each naming in the fleet.
@@ -34,12 +32,14 @@ import dataclasses
 import hashlib
 import itertools
 import random
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-DEVICE, SHARED = "device", "remote"
-LOWER_MEDIA = ("host", "disk")  # a replica's own lower tiers, fastest first; "remote" is the fleet's
+from sage_infer.kv_policy.fleet_index import DEVICE, LOWER_MEDIA, SHARED, FleetIndex, Hit, Replica
+
+__all__ = ["DEVICE", "LOWER_MEDIA", "ROUTING_POLICIES", "SHARED", "FleetIndex", "Hit", "Replica", "Request", "Route",
+           "Router"]
+
 ROUTING_POLICIES = ("kv", "round-robin", "random", "least-load", "session")
 # prompt tokens computed per second, until the router measured its replicas (only the ratios of the terms below
 # decide a kv route; this sets the scale of the predicted TTFT)
@@ -61,44 +61,6 @@ MIN_LEARN_TOKENS = 256  # a first token after fewer computed tokens says too lit
 WORK_DECAY = 0.999
 
 
-@dataclass(slots=True)
-class Replica:
-    """What the fleet knows of one replica: its blocks per medium (from its events) and its load."""
-
-    name: str
-    media: dict[str, set[str]] = field(default_factory=lambda: {DEVICE: set(), "host": set(), "disk": set()})
-    up: bool = True
-    outstanding: int = 0  # requests routed here and not finished
-    queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
-    capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
-    naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
-    recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`WORK_DECAY`)
-
-    def take(self, queued_tokens: int) -> None:
-        """A request sent here: in flight until it finishes, its prompt tokens to compute queued until its first
-        token."""
-        self.outstanding += 1
-        self.queued_tokens += queued_tokens
-
-    def release(self, queued_tokens: int, finished: bool = True) -> None:
-        """Its first token came (`finished` False: it still decodes here), or it ended."""
-        self.queued_tokens -= queued_tokens
-        if finished:
-            self.outstanding -= 1
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A prompt's blocks a replica would not compute: on its device, then from a lower tier (by medium)."""
-
-    device_blocks: int = 0
-    lower_blocks: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def blocks(self) -> int:
-        return self.device_blocks + sum(n for _, n in self.lower_blocks)
-
-
 @dataclass(frozen=True, slots=True)
 class Route:
     """A policy's choice: the replica, what it expects there (kv), and the replica's load when it was chosen."""
@@ -111,84 +73,7 @@ class Route:
     compute_tokens: int = 0  # prompt tokens this request computes there
     moved: bool = False  # another live replica held more of its blocks (load outweighed the cache)
     tokens_per_block: int = 0  # of the replica's blocks
-
-
-class FleetIndex:
-    """Block hash -> which replicas hold it, in which medium; the shared remote tier counted once for all."""
-
-    def __init__(self, names: Sequence[str] = ()) -> None:
-        self.replicas: list[Replica] = [Replica(n) for n in names]
-        self.shared: Counter[str] = Counter()  # remote-tier hash -> replicas that report it stored
-        self._remote: dict[str, set[str]] = {n: set() for n in names}  # what each replica reported in the remote tier
-
-    def add(self, name: str) -> Replica:
-        replica = Replica(name)
-        self.replicas.append(replica)
-        self._remote[name] = set()
-        return replica
-
-    def replica(self, name: str) -> Replica:
-        return next(r for r in self.replicas if r.name == name)
-
-    def apply(self, replica: Replica, op: str, medium: str, block_hash: str) -> None:
-        """One event: ``stored`` or ``removed`` of `block_hash` in `medium` (device, host, disk, remote)."""
-        if medium == SHARED:
-            mine = self._remote[replica.name]
-            if op == "stored" and block_hash not in mine:
-                mine.add(block_hash)
-                self.shared[block_hash] += 1
-            elif op == "removed" and block_hash in mine:
-                mine.discard(block_hash)
-                self._drop_shared(block_hash)
-            return
-        blocks = replica.media.setdefault(medium, set())
-        if op == "stored":
-            blocks.add(block_hash)
-        else:
-            blocks.discard(block_hash)
-
-    def reset(self, replica: Replica, snapshot: dict[str, list[str]]) -> None:
-        """Replace all that is known of `replica` by its snapshot (medium -> hashes)."""
-        self.drop(replica)
-        for medium, hashes in snapshot.items():
-            for block_hash in hashes:
-                self.apply(replica, "stored", medium, block_hash)
-
-    def drop(self, replica: Replica) -> None:
-        """Forget `replica`'s blocks (it died, or will send a fresh snapshot)."""
-        for blocks in replica.media.values():
-            blocks.clear()
-        for block_hash in self._remote[replica.name]:
-            self._drop_shared(block_hash)
-        self._remote[replica.name] = set()
-
-    def _drop_shared(self, block_hash: str) -> None:
-        self.shared[block_hash] -= 1
-        if self.shared[block_hash] <= 0:
-            del self.shared[block_hash]
-
-    def hit(self, replica: Replica, hashes: Sequence[str]) -> Hit:
-        """The leading blocks of a prompt (its hash chain) on `replica`'s device, then the ones right after them a
-        lower tier holds — its own host or disk, or the shared remote tier."""
-        device = replica.media[DEVICE]
-        n = 0
-        while n < len(hashes) and hashes[n] in device:
-            n += 1
-        lower: list[tuple[str, int]] = []
-        for block_hash in hashes[n:]:
-            medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
-            if medium is None and block_hash in self.shared:
-                medium = SHARED
-            if medium is None:
-                break
-            if lower and lower[-1][0] == medium:
-                lower[-1] = (medium, lower[-1][1] + 1)
-            else:
-                lower.append((medium, 1))
-        return Hit(n, tuple(lower))
-
-    def blocks_in(self, replica: Replica, medium: str) -> int:
-        return len(self._remote[replica.name]) if medium == SHARED else len(replica.media.get(medium, ()))
+    blocks: tuple[str, ...] = ()  # the prompt's blocks as the replica names them (kv): held there while in flight
 
 
 @dataclass(slots=True)
@@ -253,7 +138,7 @@ class Router:
             hit = self.index.hit(replica, hashes)
             compute = max(0, request.prompt_tokens - hit.blocks * tokens_per_block)
             route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,
-                          replica.queued_tokens, compute, tokens_per_block=tokens_per_block)
+                          replica.queued_tokens, compute, tokens_per_block=tokens_per_block, blocks=tuple(hashes))
             routes.append(route)
             charge = MISS_CHARGE if _full(replica, compute, tokens_per_block) else 0.0
             scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
@@ -265,6 +150,7 @@ class Router:
         for replica in live:
             replica.recent_work *= WORK_DECAY
         chosen.replica.recent_work += chosen.compute_tokens
+        self.index.touch(chosen.replica, chosen.blocks)
         most = max(r.hit.blocks for r in routes)
         return dataclasses.replace(chosen, moved=chosen.hit.blocks < most)
 

@@ -83,11 +83,11 @@ class Prefill:
         if self.route is None:
             yield
             return
-        self.route.replica.take(self.route.compute_tokens)
+        self.route.replica.take(self.route.compute_tokens, self.route.blocks)
         try:
             yield
         finally:
-            self.route.replica.release(self.route.compute_tokens)
+            self.route.replica.release(self.route.compute_tokens, blocks=self.route.blocks)
 
     def check(self, fleet: FleetRouter | None, usage: dict) -> None:
         """The prefill worker answered: its cached tokens check the prediction, its time refines the rates."""

@@ -306,13 +306,13 @@ class FleetRouter:
         """Count the request at its replica; the prompt tokens it will compute there (queued until its first
         token)."""
         queued = route.compute_tokens
-        link.replica.take(queued)
+        link.replica.take(queued, route.blocks)
         self.metrics.routed.labels(link.url, "replica").inc()
         self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
         return queued
 
-    def leave(self, link: ReplicaLink, queued: int, finished: bool = True) -> None:
-        link.replica.release(queued, finished)
+    def leave(self, link: ReplicaLink, route: Route, queued: int, finished: bool = True) -> None:
+        link.replica.release(queued, finished, route.blocks if finished else ())
         if finished:
             self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
 
@@ -344,7 +344,7 @@ class FleetRouter:
             self.failed(link, str(err) or type(err).__name__)
             raise ReplicaUnreachable from None
         finally:
-            self.leave(link, queued)
+            self.leave(link, route, queued)
         if reply.status_code == 503:  # not started there (shutting down, queue full): another replica may take it
             self.failed(link, "HTTP 503")
             raise ReplicaUnreachable
@@ -367,13 +367,13 @@ class FleetRouter:
                                                 headers=self.headers)
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as err:
-            self.leave(link, queued)
+            self.leave(link, route, queued)
             self.failed(link, str(err) or type(err).__name__)
             raise ReplicaUnreachable from None
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            self.leave(link, queued)
+            self.leave(link, route, queued)
             if upstream.status_code == 503:
                 self.failed(link, "HTTP 503")
                 raise ReplicaUnreachable
@@ -382,7 +382,7 @@ class FleetRouter:
             head, chunks = await up_to_first_token(upstream)
         except (httpx.HTTPError, StopAsyncIteration) as err:
             await upstream.aclose()
-            self.leave(link, queued)
+            self.leave(link, route, queued)
             self.failed(link, f"its stream ended before its first token ({err or type(err).__name__})")
             raise ReplicaUnreachable from None
         relay = _Relay(self, link, route, described, upstream, queued, wants_usage, sent)
@@ -451,7 +451,7 @@ class _Relay:
         """Relay `head` (the stream up to its first token, read before the client was answered) and then `rest`."""
         # the first token came: its prompt is computed, no longer queued there
         self.first = True
-        self.router.leave(self.link, self.queued, finished=False)
+        self.router.leave(self.link, self.route, self.queued, finished=False)
         self.router.first_token(self.route, time.monotonic() - self.sent)
         pending = b""
         try:
@@ -479,7 +479,7 @@ class _Relay:
             return
         self.done = True
         await self.upstream.aclose()
-        self.router.leave(self.link, 0 if self.first else self.queued)
+        self.router.leave(self.link, self.route, 0 if self.first else self.queued)
 
 
 def _long(body: dict) -> bool:

@@ -79,6 +79,11 @@ def router_app(title: str, router) -> FastAPI:
         check_bearer(request.headers.get("authorization", ""), router.api_key)
         return await router.responses.item("DELETE", response_id, request)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> Response:
+        check_bearer(request.headers.get("authorization", ""), router.api_key)
+        return await router.responses.item("GET", response_id, request, "/input_items")
+
     return app
 
 

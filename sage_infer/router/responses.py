@@ -1,8 +1,8 @@
 """`/v1/responses` behind a router: a stored response lives on the worker that created it.
 
 A replica keeps the conversation of each response it stored, and its KV (`server.responses`), so a
-request continuing one (``previous_response_id``), and ``GET`` / ``DELETE /v1/responses/{id}``, must
-reach that worker and no other. The router learns who holds each response from the answers it relays
+request continuing one (``previous_response_id``), ``GET`` / ``DELETE /v1/responses/{id}`` and
+``GET /v1/responses/{id}/input_items`` must reach that worker and no other. The router learns who holds each response from the answers it relays
 (the ``id`` of a JSON answer, of a stream's ``response.created`` event) into a bounded map; a response
 it has not seen (the router restarted, or another router created it) is looked for on each worker in
 turn. A new conversation goes where the router's policy sends a chat request with the same messages.
@@ -105,13 +105,14 @@ class ResponsesRouting:
                 continue
         raise APIError(503, "no worker is up")
 
-    async def item(self, method: str, response_id: str, request: Request) -> Response:
-        """``GET`` or ``DELETE /v1/responses/{id}`` at the worker holding it."""
+    async def item(self, method: str, response_id: str, request: Request, tail: str = "") -> Response:
+        """``GET`` or ``DELETE /v1/responses/{id}``, or ``GET /v1/responses/{id}/input_items`` (`tail`), at the worker
+        holding it."""
         url = await self.find(response_id, request)
         if url is None:
             raise APIError(404, f"Response with id '{response_id}' not found.")
         try:
-            reply = await self.client().request(method, f"{url}/v1/responses/{response_id}",
+            reply = await self.client().request(method, f"{url}/v1/responses/{response_id}{tail}",
                                                 params=dict(request.query_params), headers=self.forwarded(request))
         except httpx.HTTPError as err:
             self.failed(url, str(err) or type(err).__name__)

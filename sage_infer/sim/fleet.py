@@ -4,15 +4,17 @@ Each replica is a `TraceCache` — the engine's `KVCacheManager` over its own pr
 eviction policy — whose index logs its block events as a serving replica's does; a `FleetIndex`
 follows those events and `kv_policy.routing.Router` picks each request's replica: the code
 `sage llm router` runs. Time is the trace's: a replica computes the blocks it misses at
-`prefill_tokens_per_s`, one request after another, so a request waits for what its replica still
-has to compute when it arrives, and its predicted time to first token is that wait plus its own
-computation (decoding is not modelled: this measures where prefixes are computed, not end-to-end
+`prefill_tokens_per_s`, one request after another in the order they were routed to it, and a request
+looks its prompt up in the cache when it starts — so blocks the router counted on may have been
+evicted by the requests queued ahead of it, as on a serving replica. Its time to first token is its
+wait plus its own computation (decoding is not modelled: this measures where prefixes are computed, not end-to-end
 latency). The baseline is one replica holding the whole fleet's KV (`replicas=1`, N times the
 capacity): what a perfectly shared cache would hit.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,47 +76,91 @@ def trace_hashes(request: TraceRequest) -> list[str]:
     return hashes
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A request routed to a replica and not started there yet."""
+
+    i: int
+    request: TraceRequest
+    arrival: float
+    predicted_blocks: int | None  # the blocks the kv policy expected cached there (None: another policy)
+    predicted_compute: int  # prompt tokens the router expects it to compute there (its queued-tokens count)
+    blocks: tuple[str, ...]  # held at the replica (by the router's count) until it ends
+
+
+class _SimReplica:
+    """One simulated replica: its cache, the requests waiting for it (first come, first served) and when it is free.
+    A request looks its prompt up when it starts, not when it is routed: blocks the router saw may be gone by then,
+    evicted by the requests ahead of it, as on a serving replica."""
+
+    def __init__(self, capacity_blocks: int, policy: str) -> None:
+        self.cache = TraceCache(make_policy(policy, capacity=capacity_blocks), capacity_blocks)
+        self.log = self.cache.index.enable_events()
+        self.cursor = -1
+        self.waiting: deque[_Queued] = deque()
+        self.free_at = 0.0
+        self.running: _Queued | None = None  # started, first token at free_at
+        self.running_seq = None  # its sequence in the cache, holding its blocks until then
+
+
 def replay_fleet(requests: Sequence[TraceRequest], routing: str, replicas: int, capacity_blocks: int,
                  policy: str = "lru", prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                  seed: int = 0) -> FleetReplayResult:
-    """Route every request of the trace to one of `replicas` caches of `capacity_blocks` each."""
+    """Route every request of the trace to one of `replicas` caches of `capacity_blocks` each, in the trace's time."""
     names = [f"replica-{i}" for i in range(replicas)]
     index = FleetIndex(names)
     router = Router(index, routing, seed, prefill_tokens_per_s)
-    caches = [TraceCache(make_policy(policy, capacity=capacity_blocks), capacity_blocks) for _ in names]
-    logs = [cache.index.enable_events() for cache in caches]
+    sims = [_SimReplica(capacity_blocks, policy) for _ in names]
     for replica in index.replicas:
         replica.capacity_blocks = capacity_blocks
-    cursors = [-1] * replicas
     position = {name: i for i, name in enumerate(names)}
-    busy_until = [0.0] * replicas
     result = FleetReplayResult(routing, replicas, capacity_blocks, policy, routed=[0] * replicas,
                                computed=[0] * replicas)
     seconds_per_block = TRACE_BLOCK_TOKENS / prefill_tokens_per_s
     for i, request in enumerate(requests):
         now = request.timestamp_ms / 1000.0
         for r, replica in enumerate(index.replicas):
-            replica.queued_tokens = max(0.0, busy_until[r] - now) / seconds_per_block * TRACE_BLOCK_TOKENS
+            _run_until(index, replica, sims[r], now, seconds_per_block, result, r)
         hashes = trace_hashes(request) if router.needs_hashes or routing == "session" else []
         route = router.route(RouteRequest(len(request.hash_ids) * TRACE_BLOCK_TOKENS, hashes, TRACE_BLOCK_TOKENS))
         r = position[route.replica.name]
-        cache = caches[r]
-        seq, match = cache.begin(i, request)
-        hit = len(match.block_ids)
-        cache.admit_and_compute(seq, match)
-        cache.kv.free(seq)
-        computed = len(request.hash_ids) - hit
-        busy_until[r] = max(now, busy_until[r]) + computed * seconds_per_block
-        result.ttft_s.append(busy_until[r] - now)
-        result.requests += 1
-        result.accesses += len(request.hash_ids)
-        result.prefix_hits += hit
-        result.predicted_hits += route.hit.blocks
-        result.prediction_error += abs(route.hit.blocks - hit) if router.needs_hashes else 0
+        route.replica.take(route.compute_tokens, route.blocks)
+        predicted = route.hit.blocks if router.needs_hashes else None
+        sims[r].waiting.append(_Queued(i, request, now, predicted, route.compute_tokens, route.blocks))
         result.routed[r] += 1
-        result.computed[r] += computed
-        cursors[r] = _follow(index, route.replica, logs[r], cursors[r])
+    for r, replica in enumerate(index.replicas):
+        _run_until(index, replica, sims[r], float("inf"), seconds_per_block, result, r)
     return result
+
+
+def _run_until(index: FleetIndex, replica, sim: _SimReplica, now: float, seconds_per_block: float,
+               result: FleetReplayResult, r: int) -> None:
+    """Start, in order, the requests `sim` starts by `now`; each first token releases its router count."""
+    while True:
+        if sim.running is not None and sim.free_at <= now:
+            sim.cache.kv.free(sim.running_seq)  # its blocks were held while it ran
+            replica.release(sim.running.predicted_compute, blocks=sim.running.blocks)
+            sim.running = None
+        if sim.running is not None or not sim.waiting or max(sim.free_at, sim.waiting[0].arrival) > now:
+            return
+        queued = sim.waiting.popleft()
+        start = max(sim.free_at, queued.arrival)
+        seq, match = sim.cache.begin(queued.i, queued.request)
+        sim.cache.now = start
+        hit = len(match.block_ids)
+        sim.cache.admit_and_compute(seq, match)
+        computed = len(queued.request.hash_ids) - hit
+        sim.free_at = start + computed * seconds_per_block
+        sim.running, sim.running_seq = queued, seq
+        result.ttft_s.append(sim.free_at - queued.arrival)
+        result.requests += 1
+        result.accesses += len(queued.request.hash_ids)
+        result.prefix_hits += hit
+        if queued.predicted_blocks is not None:
+            result.predicted_hits += queued.predicted_blocks
+            result.prediction_error += abs(queued.predicted_blocks - hit)
+        result.computed[r] += computed
+        sim.cursor = _follow(index, replica, sim.log, sim.cursor)
 
 
 def _follow(index: FleetIndex, replica, log, cursor: int) -> int:

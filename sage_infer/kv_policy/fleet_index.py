@@ -1,0 +1,213 @@
+"""The fleet's block index: which replica holds which block (chained prefix hash), in which medium.
+
+`FleetIndex` keeps, per replica, which blocks (short chained prefix hashes, as `/v1/kv/events`
+names them) it holds in which medium — device, host, disk — and, for the whole fleet, the
+blocks in the shared remote tier, which every replica can load. A prompt's hit on a replica
+mirrors what its engine does: the leading blocks on its device, then the blocks right after
+them that a lower tier (its own, or the shared one) holds.
+
+It also keeps, per replica, the order in which that replica will have last used its device blocks
+(`Replica.recency`): a request routed there touches its prompt's blocks when it starts, and the
+requests queued there start in the order they were routed, so the router knows the replica's
+least recently used blocks ahead of time. The prompt tokens queued there allocate new blocks when
+their requests start; past the replica's free blocks each one evicts the least recently used
+(the engine's default `lru` eviction), so `doomed` names the device blocks a newcomer would find
+gone by the time it starts. Without it the router counts on blocks the queue ahead will evict:
+near saturation most of its predicted hits were misses, each of which evicted another prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEVICE, SHARED = "device", "remote"
+LOWER_MEDIA = ("host", "disk")  # a replica's own lower tiers, fastest first; "remote" is the fleet's
+
+
+@dataclass(slots=True)
+class Replica:
+    """What the fleet knows of one replica: its blocks per medium (from its events) and its load."""
+
+    name: str
+    media: dict[str, set[str]] = field(default_factory=lambda: {DEVICE: set(), "host": set(), "disk": set()})
+    up: bool = True
+    outstanding: int = 0  # requests routed here and not finished
+    queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
+    capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
+    naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
+    recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`kv_policy.routing`)
+    # device blocks (and blocks the requests routed here will compute), least recently used first, as the replica
+    # will have used them once the requests routed here have started
+    recency: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    held: Counter[str] = field(default_factory=Counter)  # blocks of the requests in flight here (never evicted)
+    to_allocate: int = 0  # of the held blocks, those not on its device yet: its requests in flight will allocate them
+
+    def take(self, queued_tokens: int, blocks: Sequence[str] = ()) -> None:
+        """A request sent here: in flight until it finishes (its `blocks` held by it, never evicted meanwhile), its
+        prompt tokens to compute queued until its first token."""
+        self.outstanding += 1
+        self.queued_tokens += queued_tokens
+        device = self.media[DEVICE]
+        for block_hash in blocks:
+            if not self.held[block_hash] and block_hash not in device:
+                self.to_allocate += 1
+            self.held[block_hash] += 1
+
+    def release(self, queued_tokens: int, finished: bool = True, blocks: Sequence[str] = ()) -> None:
+        """Its first token came (`finished` False: it still decodes here), or it ended (and lets go of `blocks`)."""
+        self.queued_tokens -= queued_tokens
+        if not finished:
+            return
+        self.outstanding -= 1
+        device = self.media[DEVICE]
+        for block_hash in blocks:
+            self.held[block_hash] -= 1
+            if self.held[block_hash] <= 0:
+                del self.held[block_hash]
+                if block_hash not in device:
+                    self.to_allocate -= 1
+
+    def stored(self, block_hash: str) -> None:
+        """Its device now holds the block."""
+        device = self.media[DEVICE]
+        if block_hash not in device:
+            device.add(block_hash)
+            self.recency.setdefault(block_hash)  # one a routed request touched keeps its place
+            self.to_allocate -= block_hash in self.held
+
+    def removed(self, block_hash: str) -> None:
+        """Its device let the block go."""
+        device = self.media[DEVICE]
+        if block_hash in device:
+            device.discard(block_hash)
+            self.recency.pop(block_hash, None)
+            self.to_allocate += block_hash in self.held
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A prompt's blocks a replica would not compute: on its device, then from a lower tier (by medium)."""
+
+    device_blocks: int = 0
+    lower_blocks: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def blocks(self) -> int:
+        return self.device_blocks + sum(n for _, n in self.lower_blocks)
+
+
+class FleetIndex:
+    """Block hash -> which replicas hold it, in which medium; the shared remote tier counted once for all."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.replicas: list[Replica] = [Replica(n) for n in names]
+        self.shared: Counter[str] = Counter()  # remote-tier hash -> replicas that report it stored
+        self._remote: dict[str, set[str]] = {n: set() for n in names}  # what each replica reported in the remote tier
+
+    def add(self, name: str) -> Replica:
+        replica = Replica(name)
+        self.replicas.append(replica)
+        self._remote[name] = set()
+        return replica
+
+    def replica(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.name == name)
+
+    def apply(self, replica: Replica, op: str, medium: str, block_hash: str) -> None:
+        """One event: ``stored`` or ``removed`` of `block_hash` in `medium` (device, host, disk, remote)."""
+        if medium == SHARED:
+            mine = self._remote[replica.name]
+            if op == "stored" and block_hash not in mine:
+                mine.add(block_hash)
+                self.shared[block_hash] += 1
+            elif op == "removed" and block_hash in mine:
+                mine.discard(block_hash)
+                self._drop_shared(block_hash)
+            return
+        if medium == DEVICE:
+            replica.stored(block_hash) if op == "stored" else replica.removed(block_hash)
+            return
+        blocks = replica.media.setdefault(medium, set())
+        if op == "stored":
+            blocks.add(block_hash)
+        else:
+            blocks.discard(block_hash)
+
+    def reset(self, replica: Replica, snapshot: dict[str, list[str]]) -> None:
+        """Replace all that is known of `replica` by its snapshot (medium -> hashes)."""
+        self.drop(replica)
+        for medium, hashes in snapshot.items():
+            for block_hash in hashes:
+                self.apply(replica, "stored", medium, block_hash)
+        # how recently a snapshot's blocks were used is not known: older than whatever is routed from now on
+
+    def drop(self, replica: Replica) -> None:
+        """Forget `replica`'s blocks (it died, or will send a fresh snapshot)."""
+        for medium, blocks in replica.media.items():
+            for block_hash in list(blocks) if medium == DEVICE else ():
+                replica.removed(block_hash)
+            blocks.clear()
+        replica.recency.clear()
+        for block_hash in self._remote[replica.name]:
+            self._drop_shared(block_hash)
+        self._remote[replica.name] = set()
+
+    def _drop_shared(self, block_hash: str) -> None:
+        self.shared[block_hash] -= 1
+        if self.shared[block_hash] <= 0:
+            del self.shared[block_hash]
+
+    def hit(self, replica: Replica, hashes: Sequence[str]) -> Hit:
+        """The leading blocks of a prompt (its hash chain) on `replica`'s device or that a request in flight there
+        computes first, and not `doomed` by the time it starts; then the ones right after them a lower tier holds —
+        its own host or disk, or the shared remote tier."""
+        device, held = replica.media[DEVICE], replica.held
+        doomed = self.doomed(replica) if hashes else frozenset()
+        n = 0
+        while n < len(hashes) and (hashes[n] in device or hashes[n] in held) and hashes[n] not in doomed:
+            n += 1
+        lower: list[tuple[str, int]] = []
+        for block_hash in hashes[n:]:
+            medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
+            if medium is None and block_hash in self.shared:
+                medium = SHARED
+            if medium is None:
+                break
+            if lower and lower[-1][0] == medium:
+                lower[-1] = (medium, lower[-1][1] + 1)
+            else:
+                lower.append((medium, 1))
+        return Hit(n, tuple(lower))
+
+    def blocks_in(self, replica: Replica, medium: str) -> int:
+        return len(self._remote[replica.name]) if medium == SHARED else len(replica.media.get(medium, ()))
+
+    def touch(self, replica: Replica, hashes: Sequence[str]) -> None:
+        """A request with these blocks was routed to `replica`: once it starts they are its most recently used."""
+        recency = replica.recency
+        for block_hash in hashes:
+            recency[block_hash] = None
+            recency.move_to_end(block_hash)
+        excess = len(recency) - 2 * max(replica.capacity_blocks, len(replica.media[DEVICE])) - len(replica.held)
+        if excess > 0:  # blocks touched but never stored (requests that failed, prompts past the cache): forget them
+            device, held = replica.media[DEVICE], replica.held
+            stale = itertools.islice((h for h in recency if h not in device and h not in held), excess)
+            for block_hash in list(stale):
+                del recency[block_hash]
+
+    def doomed(self, replica: Replica) -> frozenset[str]:
+        """The device blocks `replica` will have evicted by the time a request routed now starts: its requests in
+        flight allocate the blocks they hold that it has not stored yet, and past its capacity each evicts the least
+        recently used (in `recency`'s order, the order the replica starts its requests) of the blocks no request in
+        flight there holds. Held blocks are not counted as lost, though LRU may evict those of a request far ahead
+        in a long queue before the newcomer's turn: counting on them keeps a prefix's requests together on one
+        replica, and together they find it (the stricter forecast spread them and lost the hits it predicted)."""
+        device, held = replica.media[DEVICE], replica.held
+        evicted = len(device) + replica.to_allocate - replica.capacity_blocks
+        if replica.capacity_blocks <= 0 or evicted <= 0:
+            return frozenset()
+        oldest = (h for h in replica.recency if h in device and h not in held)
+        return frozenset(itertools.islice(oldest, evicted))
