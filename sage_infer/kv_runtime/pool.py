@@ -17,6 +17,7 @@ from sage_infer.core.dtypes import TORCH_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError
 from sage_infer.hal.huge_pages import zeros_on_huge_pages
+from sage_infer.kv_runtime.block_rows import gather_blocks, scatter_blocks
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool) -> torch.Tensor:
@@ -270,7 +271,12 @@ class KVPool:
         Each row is `block_nbytes` contiguous bytes. `out`, if given, must be a contiguous
         [n, *block_shape] tensor of the pool's dtype and device.
         """
-        picked = self._kv.index_select(2, self._ids(block_ids))  # [2, L, n, bs, KvH, D]
+        ids = self._ids(block_ids)
+        if self.device.type == "cpu":  # one gather straight into the rows (`block_rows`)
+            rows = out if out is not None else torch.empty((ids.numel(), *self.block_shape), dtype=self.dtype)
+            if gather_blocks(self._kv, ids, rows):
+                return rows
+        picked = self._kv.index_select(2, ids)  # [2, L, n, bs, KvH, D]
         rows = picked.permute(2, 1, 0, 3, 4, 5)  # [n, L, 2, bs, KvH, D]
         if out is None:
             return rows.contiguous()
@@ -287,7 +293,8 @@ class KVPool:
                              f"[{ids.numel()}, *{self.block_shape}]")
         if src.dtype != self.dtype:  # a silent cast would not be bit-exact
             raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
-        self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
+        if not scatter_blocks(self._kv, ids, src):  # one scatter from the rows on a CPU (`block_rows`)
+            self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
 
     def write_rows(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
         """`write_blocks` from raw rows, ``[n, block_nbytes]`` uint8 (what tiers and transfers carry)."""

@@ -1,0 +1,66 @@
+"""Whole KV blocks in and out of a layer-major pool with one gather / one scatter, on a CPU.
+
+A pool stores ``[2, num_layers, num_blocks, *chunk]``: block ``b`` is ``2 * num_layers`` chunks, one per
+(K/V, layer), each ``block_size * num_kv_heads * head_dim`` elements. Viewed as bytes, the storage is
+``[2 * num_layers * num_blocks, chunk_bytes]`` rows, and a block's row format (``[num_layers, 2, *chunk]``)
+is those rows in (layer, K/V) order. So moving n blocks is one numpy gather (``np.take``) or one fancy
+assignment over ``n * 2 * num_layers`` row indices, straight between the pool and a contiguous buffer:
+no temporary, no permuted copy, and no OpenMP team (torch's ``index_select`` + permute ran it through
+two copies and two parallel regions, which stall whenever another thread wants a core on a small
+machine; `bench/tiers_raw.py`, "pool gather").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def chunk_rows(storage: torch.Tensor) -> np.ndarray | None:
+    """`storage` (``[2, L, N, ...]``, contiguous, on the CPU) as bytes ``[2 * L * N, chunk_bytes]``; None when
+    it is not one contiguous CPU tensor (then the caller takes the torch path)."""
+    if storage.device.type != "cpu" or not storage.is_contiguous():
+        return None
+    rows = storage.shape[0] * storage.shape[1] * storage.shape[2]
+    return storage.view(torch.uint8).view(rows, -1).numpy()
+
+
+def block_row_index(block_ids: torch.Tensor, num_layers: int, num_blocks: int) -> np.ndarray:
+    """The byte rows of blocks `block_ids`, ``[n * num_layers * 2]`` in block-row order (block, layer, K/V)."""
+    ids = block_ids.cpu().numpy().astype(np.int64, copy=False).reshape(-1, 1, 1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise IndexError(f"block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
+    layer = np.arange(num_layers, dtype=np.int64).reshape(1, num_layers, 1) * num_blocks
+    kv = np.arange(2, dtype=np.int64).reshape(1, 1, 2) * (num_layers * num_blocks)
+    return (ids + layer + kv).reshape(-1)
+
+
+def byte_rows(tensor: torch.Tensor, rows: int) -> np.ndarray | None:
+    """A contiguous CPU tensor's bytes as ``[rows, -1]``; None otherwise."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return tensor.view(torch.uint8).view(rows, -1).numpy()
+
+
+def gather_blocks(storage: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out[i] = block block_ids[i]`` (rows in the block format) with one gather; False when `storage` or `out`
+    is not a contiguous CPU tensor (nothing was copied)."""
+    src = chunk_rows(storage)
+    index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
+    dst = byte_rows(out, index.size)
+    if src is None or dst is None:
+        return False
+    np.take(src, index, axis=0, out=dst, mode="clip")  # (ids are the pool's: "clip" skips a buffered check)
+    return True
+
+
+def scatter_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> bool:
+    """Block ``block_ids[i]`` = ``src[i]`` (distinct ids) with one scatter; False when `storage` or `src` is not
+    a contiguous CPU tensor (nothing was copied)."""
+    dst = chunk_rows(storage)
+    index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
+    rows = byte_rows(src, index.size)
+    if dst is None or rows is None:
+        return False
+    dst[index] = rows
+    return True
