@@ -1,0 +1,196 @@
+"""KV groups of models with sliding-window layers: a block table per group, a sliding group freeing the blocks that
+fall out of its window (pool counters bound a long decode), prefix hits per group (all full blocks, only the window's
+sliding ones), against transformers' greedy tokens (eager attention, which applies the window), with speculative
+rollback and preemption; what is not built for groups refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from sage_infer import LLM, SamplingParams
+from sage_infer.config.serve import ServeConfig
+from sage_infer.core.sampling_params import SamplingParams as Params
+from sage_infer.core.sequence import Sequence
+from sage_infer.errors import ConfigError
+from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
+from sage_infer.kv_runtime.kv_groups import kv_groups
+from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from tests.test_engine_vs_transformers import random_prompts
+from tests.tiny_models import make_tiny_model, save_tokenizer
+
+WINDOW = 16
+BS = 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread (more only contend on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens from transformers with its own KV cache (sliding layers keep their window)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def llm(directory, num_blocks: int = 64, **sections) -> LLM:
+    config = {"model": {"path": str(directory), "dtype": "fp32"}, "kv_pool": {"num_blocks": num_blocks}}
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
+    return LLM(config=ServeConfig.model_validate(config))
+
+
+def outputs(engine: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    directory = make_tiny_model(tmp_path_factory.mktemp("kvg-mistral") / "model", "mistral", sliding_window=WINDOW,
+                                head_dim=32)
+    return directory, transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                       sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=3.0)
+    directory = tmp_path_factory.mktemp("kvg-gemma2") / "model"
+    transformers.Gemma2ForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(directory, 512)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    return directory, hf
+
+
+def test_groups_follow_the_layer_kinds_with_equal_layer_counts():
+    gemma3 = kv_groups([512] * 5 + [None] + [512] * 5 + [None])  # 5:1: groups of the full layers' count
+    assert [(g.window, g.layers) for g in gemma3.groups] == [(None, (5, 11)), *[(512, (i, i + 6)) for i in range(5)]]
+    assert gemma3.layers_per_block == 2 and gemma3.per_group
+    assert gemma3.layer_map[11] == (0, 1) and gemma3.layer_map[6] == (1, 1)
+    gemma2 = kv_groups([16, None] * 3)
+    assert [(g.window, g.layers) for g in gemma2.groups] == [(None, (1, 3, 5)), (16, (0, 2, 4))]
+    padded = kv_groups([None] * 3 + [8] * 4)  # 4 < 1.5 x 3: one group each, the full one a layer short
+    assert [len(g.layers) for g in padded.groups] == [3, 4] and padded.layers_per_block == 4
+    assert not kv_groups([None] * 4).per_group and len(kv_groups([None] * 4).groups) == 1
+    row = gemma2.describe(bytes_per_block=3 * 2 * BS * 2 * 32 * 2, block_size=BS)[1]
+    assert row["kind"] == "sliding 16" and row["max_tokens_per_sequence"] == 2 * BS
+    assert row["tokens_per_gib"] == (1 << 30) // (3 * 2 * BS * 2 * 32 * 2) * BS
+
+
+def evict(manager: BlockManager, block: int) -> None:
+    """What eviction does to one cached block (the policy would choose which)."""
+    manager.index.remove(block)
+    manager.num_tokens[block] = 0
+    manager.free_block_ids.append(block)
+
+
+def test_a_prefix_hit_needs_every_full_block_but_only_the_windows_sliding_blocks():
+    manager = BlockManager(64, BS, PrefixReuseIndex(BS))
+    kv = GroupKVCacheManager(manager, kv_groups([WINDOW, None]))
+    prompt = list(range(100, 100 + 6 * BS + 3))  # 6 full blocks and 3 tokens
+    first = Sequence(0, "a", 0, list(prompt), len(prompt), Params(), b"key")
+    assert kv.admit(first, kv.match(first), len(prompt))
+    sliding = list(kv.tables(first)[1])
+    first.num_computed_tokens = len(prompt)
+    kv.commit(first)
+    assert kv.held_blocks(first) == [7, 2]  # the full group every block; the sliding one the window's (84..98)
+    assert manager.num_used_blocks == 1 + 7 + 2  # with the null block; the 5 others cached, evictable
+    kv.free(first)
+    manager.check_invariants()
+    again = Sequence(1, "b", 0, prompt + [7, 8], len(prompt) + 2, Params(), b"key")
+    match = kv.match(again)
+    assert match.num_tokens == 6 * BS and match.group_block_ids[1] == [kv.null_block] * 5 + sliding[5:6]
+    for block in sliding[4:6]:  # evicted: a prefix of 5 or 6 blocks lacks its window, one of 4 has it
+        evict(manager, block)
+    match = kv.match(again)
+    assert match.num_tokens == 4 * BS and match.group_block_ids[1] == [kv.null_block] * 3 + sliding[3:4]
+    assert match.group_block_ids[0] == kv.match(again).block_ids[:4]
+    assert kv.admit(again, match, again.num_tokens - match.num_tokens)
+    assert again.block_table[:4] == match.group_block_ids[0] and again.num_computed_tokens == 4 * BS
+    manager.check_invariants()
+    kv.free(again)
+    for block in sliding[:4]:
+        evict(manager, block)
+    assert kv.match(again).num_tokens == 0  # the full group still holds all 6: the sliding one serves none
+    manager.check_invariants()
+
+
+def test_a_sliding_groups_blocks_stay_bounded_while_a_long_sequence_decodes(mistral):
+    """A pool of 5 blocks (80 tokens) holds a 40-token prompt, prefilled in chunks of 16, decoding 64 tokens: the
+    window's blocks only (pool counters); the pool does not bound the sequence's length."""
+    directory, hf = mistral
+    engine = llm(directory, num_blocks=5, scheduler={"max_num_batched_tokens": 16}).engine
+    kv = engine.kv
+    assert isinstance(kv, GroupKVCacheManager) and engine.max_total_tokens == 1024
+    prompt = random_prompts([40], seed=7)[0]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    peak_held = peak_used = 0
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        for seq in engine.scheduler.running:
+            peak_held = max(peak_held, *kv.held_blocks(seq))
+        peak_used = max(peak_used, kv.block_manager.num_used_blocks)
+    assert peak_held == -(-(WINDOW - 1) // BS) + 1  # the window's blocks and the one being written
+    assert peak_used <= 1 + 2 + 1  # the null block, the window's, a chunk's before its commit
+    assert engine.stats().num_preemptions == 0
+    assert tokens == greedy(hf, prompt, 64)
+
+
+def test_gemma2_prefix_hits_chunked_prefill_and_mixed_lengths_match_transformers(gemma2):
+    """Prompts sharing a 70-token prefix (over 4 windows) with their own tails, mixed lengths, chunks of 24 tokens: the
+    second round hits the full group's whole prefix and the sliding group's window of it."""
+    directory, hf = gemma2
+    shared = random_prompts([70], seed=11)[0]
+    prompts = [shared + tail for tail in random_prompts([9, 30, 1], seed=12)] + random_prompts([5, 21], seed=13)
+    want = [greedy(hf, prompt, 8) for prompt in prompts]
+    engine = llm(directory, num_blocks=96, scheduler={"max_num_batched_tokens": 24})
+    kv = engine.engine.kv
+    assert [g.kind for g in kv.groups.groups] == ["full", "sliding 16"] and kv.groups.layers_per_block == 2
+    assert outputs(engine, prompts, 8) == want
+    hits = kv.index.metrics.hit_tokens
+    assert outputs(engine, prompts, 8) == want
+    assert kv.index.metrics.hit_tokens - hits >= 3 * 64  # each shared prompt's 4 blocks at least
+    kv.block_manager.check_invariants()
+    assert kv.block_manager.num_used_blocks == 1  # every sequence freed its blocks: only the null block is held
+
+
+def test_speculative_rollback_and_preemption_per_group_match_transformers(mistral):
+    """ngram proposals (their rejected rows trimmed from every group) and a pool too small for three sequences at
+    once (one preempted, recomputed later)."""
+    directory, hf = mistral
+    prompts = [[7, 8, 9, 10] * 10 + p for p in random_prompts([6, 20, 3], seed=21)]
+    want = [greedy(hf, prompt, 40) for prompt in prompts]
+    spec = llm(directory, num_blocks=64, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_min": 1})
+    assert outputs(spec, prompts, 40) == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+    tight = llm(directory, num_blocks=5, scheduler={"max_num_batched_tokens": 16})
+    assert outputs(tight, prompts, 40) == want
+    assert tight.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize(("section", "values", "field"), [
+    ("tiers", {"disk_path": "/nonexistent", "disk_bytes": 1 << 20}, "tiers"),
+    ("quota", {"tenants": [{"name": "a", "cache_salt": "salt-a", "max_share": 0.5}]}, "quota"),
+    ("role", "prefill", "role"),
+])
+def test_what_moves_blocks_and_is_not_built_for_groups_is_refused_in_one_line(mistral, section, values, field):
+    directory, _ = mistral
+    with pytest.raises(ConfigError, match=f"^{field}: .*not implemented yet for hybrid KV groups"):
+        llm(directory, **{section: values})
