@@ -1,14 +1,20 @@
 """KV tier stores against the raw operation under them, measured in the same run.
 
-    python bench/tiers_raw.py --blocks 64 --json out/tiers_raw.json
+    python bench/tiers_raw.py --json out/tiers_raw.json                  # the sweep: 16 KiB .. 2 MiB blocks
+    python bench/tiers_raw.py --sweep-kib "" --blocks 64 --layers 32 ...  # only `measure` at one block shape
 
-Host tier put/get vs a raw torch copy of the same bytes (put: what the caller waits for — the
-checksums of a put of 4 MiB or more follow on the tier's own thread; put + checksums: until they
-are all taken; put, crc inline / on thread: either way forced); disk tier put/get vs raw
-os.pwrite/os.preadv of the same bytes to a file in the same directory. Both disk sides go
-through the page cache (no fsync, reads of just-written data), so "disk" here is the tier's
-software cost over the kernel's, not the device's speed. CRC32C alone is shown because every
-tier read checks one (and host puts take one). Prints a table and writes JSON.
+`measure` (the CI gate's rows, one block shape): host tier put/get vs a raw torch copy of the same bytes (put:
+what the caller waits for — the checksums of a put of 4 MiB or more follow on the tier's own thread; put +
+checksums: until they are all taken; put, crc inline / on thread: either way forced); disk tier put/get vs raw
+os.pwrite/os.preadv of the same bytes, one call per block, to a file in the same directory. Both disk sides go
+through the page cache (no fsync, reads of just-written data), so "disk" here is the tier's software cost over
+the kernel's, not the device's speed.
+
+`sweep` (`--sweep-kib`, `--batch-mib`): the same batch bytes in blocks of each size, every tier op ÷ the fastest
+raw peer of those bytes: a copy (the better of torch's and numpy's), a gather from a KV pool (`read_blocks`), and
+pwritev / preadv in ~1 MiB pieces at queue depth 1 and at the tier's thread count; "batched" ops take the whole
+batch in one call, "per block" ops one call per block (what batching saves). Raw disk I/O modes (O_DIRECT,
+cold reads) are compared in `bench/tiers_io.py`. Prints tables and writes JSON, with the load average.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ import time
 from pathlib import Path
 
 import crc32c
+import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
+from sage_infer.kv_runtime.migrator import pool_gather
+from sage_infer.kv_runtime.pool import make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier
+from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, MOVE_THREADS, crc_runs, move_pool
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 
 
@@ -110,35 +120,141 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     return rows
 
 
+def raw_io(fd: int, data: np.ndarray, write: bool, depth: int) -> None:
+    """pwritev / preadv of `data` ([n, row] uint8) in ~1 MiB pieces at `fd` offset 0, `depth` at a time."""
+    per = max(1, CACHE_CHUNK // data.shape[1])
+    starts = range(0, data.shape[0], per)
+
+    def piece(first: int) -> None:
+        rows = list(data[first : first + per])
+        (os.pwritev if write else os.preadv)(fd, rows, first * data.shape[1])
+
+    if depth == 1:
+        for first in starts:
+            piece(first)
+    else:
+        list(move_pool().map(piece, starts))
+
+
+def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool) -> list[dict]:
+    """Every tier op on `batch_bytes` in blocks of `kib` KiB, against the fastest raw peer of the same bytes."""
+    schema = KVCacheSchema(num_layers=max(1, kib // 16), num_kv_heads=4, head_dim=64, block_size=16)
+    bpb = schema.bytes_per_block
+    n = max(1, batch_bytes // bpb)
+    total = n * bpb
+    keys = hash_token_blocks(list(range(n * 16)), 16, make_extra_key("m", f"{kib}", "bf16"))
+    blocks = torch.randint(0, 256, (n, bpb), dtype=torch.uint8)
+    out = torch.empty_like(blocks)
+    pool = make_kv_pool(schema, n + 8)
+    ids = torch.randperm(n + 8)[:n].tolist()  # a request's device blocks, anywhere in the pool
+    pool.write_rows(ids, blocks)
+    rows: list[dict] = []
+    best = lambda fn, setup=None: best_seconds(fn, repeats, setup)  # noqa: E731
+
+    def row(tier: str, op: str, seconds: float, peer: str, peer_s: float) -> None:
+        rows.append({"block_kib": kib, "blocks": n, "tier": tier, "op": op, "gb_s": total / seconds / 1e9,
+                     "peer": peer, "peer_gb_s": total / peer_s / 1e9, "ratio_to_peer": peer_s / seconds})
+
+    copy_s = min(best(lambda: out.copy_(blocks)), best(lambda: np.copyto(out.numpy(), blocks.numpy())))
+    gather_s = best(lambda: pool.read_blocks(ids, out=out.view(pool.dtype).view(n, *pool.block_shape)))
+    fd = os.open(directory / "raw.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    depths = sorted({1, MOVE_THREADS})
+    write_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), lambda: os.ftruncate(fd, 0)) for d in depths)
+    raw_io(fd, blocks.numpy(), True, 1)
+    read_s = min(best(lambda d=d: raw_io(fd, out.numpy(), False, d)) for d in depths)
+    os.close(fd)
+    row("-", "crc32c", best(lambda: crc_runs(blocks, [(0, n)])), "raw copy", copy_s)
+
+    host = HostTier(schema, total)
+    reset = lambda: (host.drain(), host.delete(keys))  # noqa: E731
+    row("host", "put", best(lambda: host.put(keys, blocks), reset), "raw copy", copy_s)
+    row("host", "put + checksums", best(lambda: (host.put(keys, blocks), host.drain()), reset), "raw copy", copy_s)
+    row("host", "demote: put_gather from pool", best(lambda: (host.put_gather(keys, pool_gather(pool, ids)),
+                                                              host.drain()), reset), "pool gather", gather_s)
+    row("host", "demote: gather, then put", best(lambda: (host.put(keys, pool.read_blocks(ids)), host.drain()),
+                                                 reset), "pool gather", gather_s)
+    host.put(keys, blocks)
+    host.drain()
+    row("host", "get_prefix(out=)", best(lambda: host.get_prefix(keys, out=out)), "raw copy", copy_s)
+    assert torch.equal(out, blocks)
+    if per_block:
+        row("host", "put, per block", best(lambda: [host.put([k], blocks[i : i + 1]) for i, k in enumerate(keys)],
+                                           reset), "raw copy", copy_s)
+        row("host", "get, per block", best(lambda: [host.get_prefix([k], out=out[i : i + 1])
+                                                    for i, k in enumerate(keys)]), "raw copy", copy_s)
+    host.close()
+
+    tiers: list[DiskTier] = []
+
+    def fresh_disk() -> None:
+        for old in tiers:
+            old.close()
+            shutil.rmtree(old.directory)
+        tiers[:] = [DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * total, max_pending_bytes=2 * total)]
+
+    row("disk", "put + flush", best(lambda: (tiers[0].put(keys, blocks), tiers[0].flush()), fresh_disk),
+        "raw pwritev", write_s)
+    row("disk", "demote: put_gather + flush", best(lambda: (tiers[0].put_gather(keys, pool_gather(pool, ids)),
+                                                            tiers[0].flush()), fresh_disk), "raw pwritev", write_s)
+    row("disk", "get_prefix(out=)", best(lambda: tiers[0].get_prefix(keys, out=out)), "raw preadv", read_s)
+    assert torch.equal(out, blocks)
+    if per_block:
+        row("disk", "get, per block", best(lambda: [tiers[0].get_prefix([k], out=out[i : i + 1])
+                                                    for i, k in enumerate(keys)]), "raw preadv", read_s)
+    fresh_disk()
+    tiers[0].close()
+    shutil.rmtree(tiers[0].directory)
+    return rows
+
+
+def print_rows(rows: list[dict], with_block: bool) -> None:
+    head = f"{'tier':<5} {'op':<29} {'GB/s':>6}  {'peer':<11} {'peer GB/s':>9} {'ratio':>6}"
+    print(f"{'KiB':>5} " * with_block + head)
+    for r in rows:
+        print(f"{r['block_kib']:>5} " * with_block + f"{r['tier']:<5} {r['op']:<29} {r['gb_s']:>6.2f}  "
+              f"{r['peer']:<11} {r['peer_gb_s']:>9.2f} {r['ratio_to_peer']:>6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep-kib", default="16,256,2048", help="block sizes of the sweep ('' = no sweep)")
+    parser.add_argument("--batch-mib", type=int, default=16, help="sweep: bytes per batch, the same at every size")
+    parser.add_argument("--per-block", action="store_true", help="sweep: also one call per block")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--blocks", type=int, default=64, help="blocks per batch")
+    parser.add_argument("--blocks", type=int, default=0, help="measure: blocks per batch (0 = skip measure)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    schema = KVCacheSchema(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                           block_size=args.block_size)
     directory = Path(tempfile.mkdtemp(prefix="sage-tiers-bench-", dir=args.dir))
+    load = os.getloadavg()[0]
+    report: dict = {"torch": torch.__version__, "threads": MOVE_THREADS, "load_average_1m": load}
     try:
-        rows = measure(schema, args.blocks, args.repeats, directory)
+        if args.blocks:
+            schema = KVCacheSchema(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                   block_size=args.block_size)
+            report["measure"] = {"bytes_per_block": schema.bytes_per_block, "blocks": args.blocks,
+                                 "results": measure(schema, args.blocks, args.repeats, directory)}
+            print(f"{args.blocks} blocks of {schema.bytes_per_block / 2**20:.2f} MiB, best of {args.repeats}")
+            print_rows(report["measure"]["results"], False)
+        sizes = [int(k) for k in args.sweep_kib.split(",") if k.strip()]
+        if sizes:
+            report["sweep"] = {"batch_mib": args.batch_mib, "results": [
+                r for kib in sizes for r in sweep_one(kib, args.batch_mib << 20, args.repeats, directory,
+                                                      args.per_block)]}
+            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {MOVE_THREADS} row threads")
+            print_rows(report["sweep"]["results"], True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    mib = schema.bytes_per_block / 2**20
-    print(f"{args.blocks} blocks of {mib:.2f} MiB ({args.blocks * mib:.0f} MiB per batch), "
-          f"torch threads {torch.get_num_threads()}, best of {args.repeats}")
-    print(f"{'tier':<5} {'op':<17} {'GB/s':>7}  {'peer':<11} {'peer GB/s':>9} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['tier']:<5} {r['op']:<17} {r['gb_s']:>7.2f}  {r['peer']:<11} {r['peer_gb_s']:>9.2f} "
-              f"{r['ratio_to_peer']:>6.2f}")
+    report["load_average_1m_after"] = os.getloadavg()[0]
+    print(f"load average (1 min) {load:.2f} before, {report['load_average_1m_after']:.2f} after, "
+          f"{os.cpu_count()} cores")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "bytes_per_block": schema.bytes_per_block, "blocks": args.blocks}
-        args.json.write_text(json.dumps({**meta, "results": rows}, indent=2))
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -106,9 +106,8 @@ class HostTier(KVTier):
             if inline:
                 self._crc[slots] = crcs
             else:
-                for slot in slots:
-                    self._gen[slot] += 1
-                    self._pending[slot] = int(self._gen[slot])
+                self._gen[slots] += 1
+                self._pending.update(zip(slots, self._gen[slots].tolist()))
                 self._work.notify()
             self._slot_of.update(zip(reversed(new_keys), reversed(slots)))
             if len(new_keys) != len(keys):  # some were stored already, or repeated: the batch's head ends newest
@@ -152,8 +151,11 @@ class HostTier(KVTier):
             slots = list(map(self._slot_of.get, keys))
             if prefix and None in slots:
                 slots = slots[: slots.index(None)]
-            rows = [row for row, slot in enumerate(slots) if slot is not None]
-            slots = [slots[row] for row in rows]
+            if None in slots:
+                rows = [row for row, slot in enumerate(slots) if slot is not None]
+                slots = [slots[row] for row in rows]
+            else:
+                rows = list(range(len(slots)))
             runs = runs_of(rows, slots)
             crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst"), dtype=np.uint32)  # the caller's copy
             ok = crcs == self._crc[slots]
