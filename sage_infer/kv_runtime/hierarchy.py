@@ -161,7 +161,8 @@ class HierarchyManager:
 
     def describe(self) -> str:
         """One start-up line: the tiers, their sizes, and what decides a demotion (with the numbers)."""
-        sizes = ", ".join(f"{s.name} {s.capacity_bytes / (1 << 30):.2f} GiB ({t.capacity_blocks} blocks)"
+        sizes = ", ".join(f"{s.name} {s.capacity_bytes / (1 << 30):.2f} GiB ({t.capacity_blocks} blocks"
+                          + (f"; {s.pin_status}" if hasattr(s, "pin_status") else "") + ")"
                           for s, t in zip(self.stores, self.migration.tiers))
         cost = self.migration.cost
         if cost is None:
@@ -303,7 +304,9 @@ class HierarchyManager:
         done = 0
         # one buffer for the whole chain: each store reads its run into the rows after the previous store's, so a
         # chain found in two tiers comes back as one tensor with no second copy
-        buffer = torch.empty((len(keys), self.pool.block_nbytes), dtype=torch.uint8)
+        # (page-locked when the pool is on an accelerator, so the copy up to it runs at the link's speed)
+        buffer = torch.empty((len(keys), self.pool.block_nbytes), dtype=torch.uint8,
+                             pin_memory=self.pool.device.type == "cuda")
         while done < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):

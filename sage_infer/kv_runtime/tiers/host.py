@@ -31,7 +31,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.pinned import pin_host_memory
+from sage_infer.kv_runtime.tiers.pinned import pin_host_memory, pin_status
 from sage_infer.kv_runtime.tiers.rows import Gather, copy_runs, crc_runs, runs_of, tensor_gather
 from sage_infer.transport.arena import SharedArena
 
@@ -55,6 +55,7 @@ class HostTier(KVTier):
         self.arena = SharedArena(self.num_slots * self.bytes_per_block)
         self.slab = self.arena.tensor((self.num_slots, self.bytes_per_block), torch.uint8)
         self.pinned = pin_host_memory(self.slab) if pin else False
+        self.pin_status = pin_status(self.pinned) if pin else "not pinned: pin=False"
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0, 1, 2, ...
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._crc = np.zeros(self.num_slots, dtype=np.uint32)

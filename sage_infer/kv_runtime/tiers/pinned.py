@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import torch
 
+NOT_PINNED_CPU = "not pinned: no accelerator (a CPU pool copies host memory to host memory; nothing to pin for)"
+
+
+def pin_status(pinned: bool) -> str:
+    """What the host tier's start-up line says about its slab."""
+    if pinned:
+        return "pinned (page-locked for the accelerator's copies)"
+    return NOT_PINNED_CPU if not torch.cuda.is_available() else "not pinned: cudaHostRegister refused the slab"
+
 
 def pin_host_memory(tensor: torch.Tensor) -> bool:
     """Page-lock an existing CPU tensor's memory in place (cudaHostRegister) when CUDA is present.
