@@ -138,12 +138,22 @@ class GrammarCompiler:
         return len(self._cache)
 
 
+_UNSUPPORTED = ("Unimplemented keys", "not supported", "only supported", "Unknown format")
+_MAX_REASON = 300
+
+
 def _client_message(spec: StructuredOutputsParams, error: str) -> str:
-    """The library's reason, said as what is wrong with the request's constraint."""
+    """The library's reason, said as what is wrong with the request's constraint: a feature the library does not
+    implement (a keyword, a format, a oneOf it cannot prove exclusive, a regex lookaround) or a malformed one."""
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}[spec.kind]
-    reason = error.strip().splitlines()[0] if error.strip() else "unknown error"
-    if "Unimplemented keys" in error or "not supported" in error.lower():
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    reason = lines[0] if lines else "unknown error"
+    if reason.endswith(":") and len(lines) > 1:  # a regex error: its headline, the pattern, then the cause
+        reason = f"{reason} {lines[-1].removeprefix('error: ')} in /{lines[1]}/"
+    if len(reason) > _MAX_REASON:
+        reason = reason[:_MAX_REASON - 3] + "..."
+    if any(marker in error for marker in _UNSUPPORTED):
         return f"unsupported {what} feature: {reason}"
     return f"invalid {what}: {reason}"
 
