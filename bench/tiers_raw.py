@@ -35,7 +35,8 @@ from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.migrator import pool_gather
 from sage_infer.kv_runtime.pool import make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier
-from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, MOVE_THREADS, crc_runs, move_pool
+from sage_infer.kv_runtime.tiers import rows as tier_rows
+from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, crc_runs, move_pool, set_move_threads
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 
 
@@ -152,13 +153,14 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
     best = lambda fn, setup=None: best_seconds(fn, repeats, setup)  # noqa: E731
 
     def row(tier: str, op: str, seconds: float, peer: str, peer_s: float) -> None:
-        rows.append({"block_kib": kib, "blocks": n, "tier": tier, "op": op, "gb_s": total / seconds / 1e9,
+        rows.append({"block_kib": kib, "blocks": n, "threads": tier_rows.MOVE_THREADS,
+                     "tier": tier, "op": op, "gb_s": total / seconds / 1e9,
                      "peer": peer, "peer_gb_s": total / peer_s / 1e9, "ratio_to_peer": peer_s / seconds})
 
     copy_s = min(best(lambda: out.copy_(blocks)), best(lambda: np.copyto(out.numpy(), blocks.numpy())))
     gather_s = best(lambda: pool.read_blocks(ids, out=out.view(pool.dtype).view(n, *pool.block_shape)))
     fd = os.open(directory / "raw.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    depths = sorted({1, MOVE_THREADS})
+    depths = sorted({1, tier_rows.MOVE_THREADS})
     write_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), lambda: os.ftruncate(fd, 0)) for d in depths)
     raw_io(fd, blocks.numpy(), True, 1)
     read_s = min(best(lambda d=d: raw_io(fd, out.numpy(), False, d)) for d in depths)
@@ -220,6 +222,8 @@ def main() -> None:
     parser.add_argument("--sweep-kib", default="16,256,2048", help="block sizes of the sweep ('' = no sweep)")
     parser.add_argument("--batch-mib", type=int, default=16, help="sweep: bytes per batch, the same at every size")
     parser.add_argument("--per-block", action="store_true", help="sweep: also one call per block")
+    parser.add_argument("--threads", default=f"{tier_rows.MOVE_THREADS},2",
+                        help="sweep: row-moving threads to try, each a pass (default: this machine's default, and 2)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -231,7 +235,7 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="sage-tiers-bench-", dir=args.dir))
     load = os.getloadavg()[0]
-    report: dict = {"torch": torch.__version__, "threads": MOVE_THREADS, "load_average_1m": load}
+    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS, "load_average_1m": load}
     try:
         if args.blocks:
             schema = KVCacheSchema(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -241,12 +245,14 @@ def main() -> None:
             print(f"{args.blocks} blocks of {schema.bytes_per_block / 2**20:.2f} MiB, best of {args.repeats}")
             print_rows(report["measure"]["results"], False)
         sizes = [int(k) for k in args.sweep_kib.split(",") if k.strip()]
-        if sizes:
-            report["sweep"] = {"batch_mib": args.batch_mib, "results": [
-                r for kib in sizes for r in sweep_one(kib, args.batch_mib << 20, args.repeats, directory,
-                                                      args.per_block)]}
-            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {MOVE_THREADS} row threads")
-            print_rows(report["sweep"]["results"], True)
+        report["sweep"] = {"batch_mib": args.batch_mib, "results": []}
+        for threads in dict.fromkeys(int(t) for t in args.threads.split(",")) if sizes else ():
+            set_move_threads(threads)
+            done = [r for kib in sizes for r in sweep_one(kib, args.batch_mib << 20, args.repeats, directory,
+                                                          args.per_block)]
+            report["sweep"]["results"] += done
+            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads")
+            print_rows(done, True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     report["load_average_1m_after"] = os.getloadavg()[0]

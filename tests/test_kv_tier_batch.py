@@ -3,12 +3,13 @@ moved on the row threads (batches past `rows.PARALLEL_MIN_BYTES`), all bit-exact
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.migrator import pool_gather
 from sage_infer.kv_runtime.pool import KVPool
-from sage_infer.kv_runtime.tiers import DiskTier, HostTier
+from sage_infer.kv_runtime.tiers import DiskTier, HostTier, rows
 from sage_infer.kv_runtime.tiers.rows import GIL_FREE_ROW_BYTES, PARALLEL_MIN_BYTES
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
 from tests.test_kv_tiers import corrupt
@@ -18,13 +19,22 @@ BPB = SCHEMA.bytes_per_block
 N = PARALLEL_MIN_BYTES // BPB + 24  # one batch is large enough for the row threads
 
 
+@pytest.fixture(autouse=True)
+def two_move_threads():
+    """Large moves split over two threads, whatever this machine's default (so the threaded path runs)."""
+    before = rows.MOVE_THREADS
+    rows.set_move_threads(2)
+    yield
+    rows.set_move_threads(before)
+
+
 def chain(n: int, salt: str = "b") -> tuple[list[bytes], torch.Tensor]:
     keys = hash_token_blocks(list(range(n * 16)), 16, make_extra_key("m", "r", "bf16", cache_salt=salt))
     return keys, torch.randint(0, 256, (n, BPB), dtype=torch.uint8)
 
 
 def test_the_batch_is_large_enough_to_take_the_threaded_path():
-    assert BPB >= GIL_FREE_ROW_BYTES and N * BPB >= PARALLEL_MIN_BYTES
+    assert rows.parallel(BPB, N * BPB) and BPB >= GIL_FREE_ROW_BYTES and N * BPB >= PARALLEL_MIN_BYTES
 
 
 def test_host_batches_land_in_one_run_of_slots_and_round_trip(tmp_path):

@@ -26,11 +26,26 @@ CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in c
 # the GIL, so two threads only take turns
 GIL_FREE_ROW_BYTES = 32 << 10
 PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more than it saves
-MOVE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# One thread per 4 cores, at most 4: a core or two do not saturate a big host's memory, but on a small machine
+# every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
+# two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
+MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def set_move_threads(threads: int) -> None:
+    """How many threads split a large move (1: none); takes effect for the next move."""
+    global MOVE_THREADS, _pool
+    if threads < 1:
+        raise ValueError(f"move threads must be >= 1, got {threads}")
+    with _pool_lock:
+        MOVE_THREADS = threads
+        old, _pool = _pool, None
+    if old is not None:
+        old.shutdown(wait=False)
 
 
 def move_pool() -> concurrent.futures.ThreadPoolExecutor:
