@@ -34,6 +34,8 @@ from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
 MiB = 1 << 20
 _IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
+# bytes per pwritev: fewer, larger writes measured faster for small records than ~1 MiB pieces checksummed in cache
+WRITE_PIECE = 4 * MiB
 
 
 @dataclass(slots=True, eq=False)
@@ -261,10 +263,10 @@ class DiskTier(KVTier):
 
     def _write_records(self, seg: Segment, start: int, records: list[tuple[bytes, torch.Tensor, int | None, object]]
                        ) -> list[int]:
-        """pwritev `records` at `start` of `seg` in ~1 MiB pieces, each checksummed (where its CRC is None) just
-        before it is written, while it is in cache; a large batch's pieces go out in parallel (queue depth > 1).
+        """pwritev `records` at `start` of `seg` in pieces of up to `WRITE_PIECE` bytes, each checksummed (where its
+        CRC is None) just before it is written; a large batch's pieces go out in parallel (queue depth > 1).
         Returns each record's CRC32C."""
-        per = max(1, CACHE_CHUNK // self.record_bytes)
+        per = max(1, WRITE_PIECE // self.record_bytes)
 
         def write(first: int) -> list[int]:
             part = records[first : first + per]
