@@ -2,7 +2,8 @@
 
 C customers, each with a long context of its own (a system prompt, documents) that all its
 requests share, and short queries; Poisson arrivals from light load to past saturation. The fleet
-is `sage llm serve --replicas N --routing R` (one core per replica on a 2-core machine) with a
+is `sage llm serve --replicas N --routing R` (one core per replica on a 2-core machine; `--launcher ray`: Ray actors
+of one CPU each) with a
 device KV per replica well below the customers' working set, so where a customer's requests go
 decides whether its context is computed once or over and over. Each policy runs the same
 requests (same seed) at each load; the script prints, per policy and load, TTFT p50/p90/p99, the
@@ -128,7 +129,8 @@ class Fleet:
         self.command = [sys.executable, "-m", "sage_infer.cli.main", "llm", "serve", "--model", str(model_dir),
                         "--replicas", str(args.replicas), "--routing", routing, "--port", "0",
                         "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
-                        "--set", f"kv_pool.num_blocks={args.kv_blocks}", "--block-size", str(args.block_size)]
+                        "--set", f"kv_pool.num_blocks={args.kv_blocks}", "--block-size", str(args.block_size),
+                        "--launcher", args.launcher]
         self.log_path = log
 
     def __enter__(self) -> Fleet:
@@ -210,6 +212,9 @@ def main() -> None:
     parser.add_argument("--routings", default=",".join(ROUTING_POLICIES),
                         help="sage fleets; vllm-<routing> (e.g. vllm-round-robin): vLLM-CPU servers behind sage's "
                         "router (vllm-kv: routed by the KV events they publish on ZMQ)")
+    parser.add_argument("--launcher", default="local", choices=("local", "ray"),
+                        help="sage's replicas as processes pinned to core shares, or as Ray actors (a local Ray "
+                        "instance started by the command)")
     parser.add_argument("--vllm-venv", default=".vllm-venv")
     parser.add_argument("--customers", type=int, default=4)
     parser.add_argument("--zipf", type=float, default=0.0, help="customer popularity skew (0: uniform)")

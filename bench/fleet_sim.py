@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
         for routing in routings:
             runs = [replay_fleet(customers_trace(args.customers, args.context_blocks, rate, args.duration_s,
                                                  args.zipf, seed), routing, args.replicas, args.capacity,
-                                 prefill_tokens_per_s=args.prefill_tok_s, seed=seed).to_json()
+                                 args.policy, prefill_tokens_per_s=args.prefill_tok_s, seed=seed).to_json()
                     for seed in range(args.seeds)]
             rows.append({"rate": rate, "routing": routing, **{
                 key: statistics.median(run[key] for run in runs)
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--context-blocks", type=int, default=4, help="trace blocks (512 tokens) per context")
     parser.add_argument("--capacity", type=int, default=9, help="device blocks per replica")
     parser.add_argument("--prefill-tok-s", type=float, default=4000.0)
+    parser.add_argument("--policy", default="lru", help="each replica's device eviction policy (kv_policy)")
     parser.add_argument("--rates", default="2,3,4,5,6,7,8", help="requests per second, comma-separated")
     parser.add_argument("--duration-s", type=float, default=120.0, help="of arrivals per load")
     parser.add_argument("--seeds", type=int, default=3, help="runs per point (medians are reported)")

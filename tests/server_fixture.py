@@ -65,13 +65,14 @@ def serving(server):
 
 
 @contextmanager
-def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None, config=None):
-    """The prefill/decode router in front of running workers; its URL."""
+def running_router(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None, config=None,
+                   routing: str = "kv"):
+    """The prefill/decode router in front of running workers (`routing` among the prefill ones); its URL."""
     from sage_infer.router.app import build_router
     from sage_infer.router.instances import Instances
     from sage_infer.server.launch import http_server
 
-    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, config)
+    app = build_router(Instances.of(prefill_urls, decode_urls), api_key, config, routing)
     server = http_server(app, "127.0.0.1", 0)
     with serving(server) as url:
         yield url

@@ -212,6 +212,21 @@ def test_the_router_sends_a_prompt_to_the_prefill_worker_that_holds_its_prefix(m
         settle(p0, p1, decode)
 
 
+@pytest.mark.parametrize("routing", ["round-robin", "session"])
+def test_the_simple_policies_choose_the_prefill_worker_too(model_dir, colocated, routing):
+    with running_server(model_dir, role="prefill") as p0, running_server(model_dir, role="prefill") as p1, \
+            running_server(model_dir, role="decode") as decode:
+        with running_router([p0.url, p1.url], [decode.url], routing=routing) as url:
+            texts = [complete(url, decode.model, PROMPT, user="customer-7").choices[0].text for _ in range(4)]
+            assert set(texts) == {complete(colocated.url, colocated.model, PROMPT).choices[0].text}
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+            routed = {s.labels["instance"]: s.value for s in families["sage:router_requests"].samples
+                      if s.name.endswith("_total") and s.labels["role"] == "prefill"}
+            # round-robin alternates; session keeps one customer (its `user`) on one prefill worker
+            assert sorted(routed.values()) == ([2.0, 2.0] if routing == "round-robin" else [4.0])
+        settle(p0, p1, decode)
+
+
 def test_workers_report_their_transfers_in_metrics(deployment):
     prefill, decode, url = deployment
     complete(url, decode.model, [3 + (5 * j) % 400 for j in range(2 * BLOCK + 1)])
