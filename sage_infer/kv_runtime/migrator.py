@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +49,33 @@ class MigratorStats:
     hot_wasted: int = 0  # of those, evicted again before any request hit them
 
 
-Placed = int | torch.Tensor  # a block placed in a tier, not yet put: its device block id, or its bytes [1, n]
+@dataclass(frozen=True, slots=True)
+class From:
+    """A block placed in a tier that still sits in lower store `level` (read out at the batch's end)."""
+
+    level: int
+
+
+# a block placed in a tier, not yet put: its device block id, its bytes (``[n]`` uint8), or where it sits
+Placed = int | torch.Tensor | From
+
+
+@dataclass(slots=True)
+class Demotion:
+    """One `on_evict`'s moves, applied at its end (`KVMigrator._finish`)."""
+
+    placed: dict[int, dict[bytes, Placed]] = field(default_factory=dict)  # level -> blocks placed there
+    take: dict[int, dict[bytes, None]] = field(default_factory=dict)  # level -> blocks leaving that store
+    drop: dict[int, list[bytes]] = field(default_factory=dict)  # level -> blocks dropped from that store
+
+
+def rows_gather(rows: list[torch.Tensor]) -> Callable[[list[int], torch.Tensor], None]:
+    """A `KVTier.put_gather` source over separate block rows: one concatenation into the store's buffer."""
+
+    def gather(picked: list[int], out: torch.Tensor) -> None:
+        torch.cat([rows[i].reshape(1, -1) for i in picked], out=out)
+
+    return gather
 
 
 def pool_gather(pool: KVPool, block_ids: list[int]) -> Callable[[list[int], torch.Tensor], None]:
@@ -81,10 +107,11 @@ class KVMigrator:
     # -- demote ---------------------------------------------------------------------------------
 
     def on_evict(self, blocks: list[EvictedBlock]) -> None:
-        """The device is about to reuse these blocks' slots: let the policy place each, in eviction order; each
-        tier then gets one batched put, the device's blocks gathered from the pool straight into the store's own
-        buffer (one copy: `KVTier.put_gather`), before this returns and the slots are reused."""
-        pending: dict[int, dict[bytes, Placed]] = {}  # level -> blocks placed there, not yet put
+        """The device is about to reuse these blocks' slots: let the policy place each, in eviction order, then
+        apply the batch's moves store by store (`_finish`): one read and one delete per store that blocks leave,
+        one put per store that blocks enter, the device's gathered from the pool straight into the store's own
+        buffer (`KVTier.put_gather`), all before this returns and the slots are reused."""
+        batch = Demotion()
         moves: list[tuple[bytes, int, int | None]] = []  # (key, from level, to level or None: dropped)
         self.migration.listener = lambda key, src, dst: moves.append((key, src, dst))
         try:
@@ -96,53 +123,65 @@ class KVMigrator:
                 self._remember_if_hot(block)
                 self.migration.demote(block.block_hash, BlockMeta(block.depth, block.parent_hash,
                                                                   self.pool.block_size, block.extra_key))
-                # deepest first: a tier's victims leave before the block that displaced them arrives
+                # deepest first, as the policy made room: a tier's victims leave before the block that displaced them
                 for key, src, dst in reversed(moves):
-                    self._apply(key, src, dst, block.block_id if src == 0 else None, pending)
+                    self._apply(key, src, dst, block.block_id if src == 0 else None, batch)
         finally:
             self.migration.listener = None
-        for level, placed in pending.items():
-            if placed:
-                self._put(level, placed)
+        self._finish(batch)
 
-    def _apply(self, key: bytes, src: int, dst: int | None, data: Placed | None,
-               pending: dict[int, dict[bytes, Placed]]) -> None:
-        """Move `key`'s bytes from level `src` to `dst` (None: drop); `data` is its device block id when src is the
-        device (the bytes are gathered from the pool at the put).
-
-        Placements wait in `pending` for one batched `put` per tier; a block placed and moved on
-        within the same batch never touches the store it passed through.
-        """
+    def _apply(self, key: bytes, src: int, dst: int | None, data: Placed | None, batch: Demotion) -> None:
+        """Record the move of `key` from level `src` to `dst` (None: drop); `data` is its device block id when src
+        is the device. Nothing touches a store here: a block placed and moved on within the same batch never
+        touches the store it passed through, and a block leaving a lower store is read out with the others."""
         h = self.hierarchy
-        waiting = pending.get(src, {}) if src > 0 else {}
-        try:
+        waiting = batch.placed.get(src, {}) if src > 0 else {}
+        if data is None:  # between lower tiers: what the batch placed at src, or the store holding it
+            data = waiting.pop(key) if key in waiting else From(src)
+            if isinstance(data, From):
+                batch.take.setdefault(data.level, {})[key] = None
+        if dst is None or not h.usable(h.store(dst)):
+            if isinstance(data, From):  # its store still holds it: let it go there (a shared store evicts alone)
+                del batch.take[data.level][key]
+                if not h.store(data.level).shared:
+                    batch.drop.setdefault(data.level, []).append(key)
+            h.stats.dropped_blocks += 1
             if dst is None:
-                if key in waiting:
-                    del waiting[key]
-                elif src > 0 and not h.store(src).shared:  # a shared store evicts on its own
-                    h.store(src).delete([key])
-                h.stats.dropped_blocks += 1
                 self._forget_hot(key)
-                return
-            if data is None:  # between lower tiers: take it from where it is
-                if key in waiting:
-                    data = waiting.pop(key)
-                else:
-                    got = h.store(src).get([key])[0]
-                    h.store(src).delete([key])
-                    if got is None:  # the source store lost it (its own eviction, corruption): nothing to move
-                        self.forget(key, dst)
-                        return
-                    data = got.reshape(1, -1)
-            if not h.usable(h.store(dst)):
+            else:
                 self.forget(key, dst)
-                h.stats.dropped_blocks += 1
-                return
-            pending.setdefault(dst, {})[key] = data
-        except TierError as err:
-            h.failed(dst if dst is not None else src, err)
-            if dst is not None:
-                self.forget(key, dst)
+            return
+        batch.placed.setdefault(dst, {})[key] = data
+
+    def _finish(self, batch: Demotion) -> None:
+        """Apply a batch's moves: read out (and delete) what leaves each lower store, delete what is dropped, then
+        one put per store; a block its source lost meanwhile (or a source that failed) is forgotten."""
+        h = self.hierarchy
+        taken: dict[bytes, torch.Tensor | None] = {}
+        for level, keys in batch.take.items():
+            if not keys:
+                continue
+            try:
+                taken.update(zip(keys, h.store(level).get(list(keys))))  # one read for all of them
+                h.store(level).delete(list(keys))
+            except TierError as err:
+                h.failed(level, err)
+        for level, keys in batch.drop.items():
+            try:
+                h.store(level).delete(keys)
+            except TierError as err:
+                h.failed(level, err)
+        for level, placed in batch.placed.items():
+            ready: dict[bytes, Placed] = {}
+            for key, data in placed.items():
+                if isinstance(data, From):
+                    data = taken.get(key)
+                    if data is None:  # the source store lost it (its own eviction, corruption, a failure)
+                        self.forget(key, level)
+                        continue
+                ready[key] = data
+            if ready:
+                self._put(level, ready)
 
     def _put(self, level: int, placed: dict[bytes, Placed]) -> None:
         """The blocks the batch placed at `level`: the device's gathered from the pool into the store in one
@@ -157,7 +196,7 @@ class KVMigrator:
             if device:
                 store.put_gather(list(device), pool_gather(self.pool, list(device.values())))
             if moved:
-                store.put(list(moved), torch.cat(list(moved.values())))
+                store.put_gather(list(moved), rows_gather(list(moved.values())))
         except TierError as err:
             h.failed(level, err)
             for key in keys:
