@@ -293,3 +293,24 @@ def test_the_agent_bench_speaks_chat_and_responses_and_both_send_the_same_conver
     assert all(r["cached_tokens"] >= 16 for r in later)
     refused = sage("llm", "bench", "--url", server[0], "--workload", "random", "--api", "responses")
     assert refused.code == 2 and "--api does not apply to --workload random" in refused.err
+
+
+def test_the_agent_bench_calls_tools_and_answers_each_call_with_its_output(server, sage):
+    """`--tool-calls`: every step offers tools with tool_choice required (so every answer is a call, constrained),
+    and the next step answers it (a tool message / a function_call_output item); the report counts valid calls."""
+    for api in ("chat", "responses"):
+        result = sage("llm", "bench", "--url", server[0], "--workload", "agent", "--api", api, "--tool-calls",
+                      "--num-requests", "4", "--turns", "2", "--prefix-len", "24", "--context-len", "12",
+                      "--input-len", "6", "--output-len", "48", "--concurrency", "2", "--seed", "4", "--json", "-")
+        assert result.code == 0, result.err
+        run = json.loads(result.out)
+        assert run["summary"]["ok"] == 4 and run["config"]["tool_calls"] is True
+        assert run["summary"]["tool_calls"] == {"steps": 4, "valid": 4, "valid_fraction": 1.0}
+        for step in run["requests"]:
+            [call] = step["tool_calls"]
+            assert step["tool_call_valid"] and step["ttft_ms"] is not None
+            assert call["name"] in ("read_file", "run_command", "search_code") and json.loads(call["arguments"])
+        later = [r for r in run["requests"] if r["turn"] > 0]
+        assert all(r["cached_tokens"] >= 16 for r in later)  # the answered call continued the conversation
+    refused = sage("llm", "bench", "--url", server[0], "--workload", "agent", "--tool-calls")
+    assert refused.code == 2 and "--tool-calls needs --api chat or --api responses" in refused.err

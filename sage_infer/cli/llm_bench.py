@@ -46,6 +46,7 @@ APPLIES_TO = {
     "--length-scale": {WorkloadKind.trace},
     "--max-input-len": {WorkloadKind.trace},
     "--api": {WorkloadKind.agent},
+    "--tool-calls": {WorkloadKind.agent},
 }
 DEFAULTS = {"input_len": 256, "output_len": 64, "prefix_len": 256, "context_len": 0, "turns": 4, "time_scale": 1.0,
             "length_scale": 1.0, "max_input_len": None}
@@ -109,6 +110,11 @@ ApiOpt = Annotated[
                                     "conversations, the whole history every step) or responses (/v1/responses, "
                                     "each step continuing the last by previous_response_id).")
 ]
+ToolCallsOpt = Annotated[
+    bool, typer.Option("--tool-calls", help="agent --api chat|responses: every step offers three function tools "
+                       "with tool_choice required and answers the previous step's call with the tool's output; "
+                       "the report counts the steps that made a valid call.")
+]
 PlotOpt = Annotated[
     Optional[Path], typer.Option("--plot", dir_okay=False, help="Save TTFT/TPOT/ITL/E2E histograms as a PNG.")
 ]
@@ -121,7 +127,7 @@ def bench(
     output_len: OutputLenOpt = None, prefix_len: PrefixLenOpt = None, context_len: ContextLenOpt = None,
     turns: TurnsOpt = None, time_scale: TimeScaleOpt = None, length_scale: LengthScaleOpt = None,
     max_input_len: MaxInputLenOpt = None, vocab_size: VocabSizeOpt = 512, json_out: JsonOutOpt = None,
-    plot: PlotOpt = None, api: ApiOpt = None,
+    plot: PlotOpt = None, api: ApiOpt = None, tool_calls: ToolCallsOpt = False,
 ) -> None:
     """Benchmark a running OpenAI-compatible server (sage llm serve, vLLM, SGLang ...)."""
     from sage_infer.serving_bench.report import bench_document
@@ -131,8 +137,10 @@ def bench(
     chosen = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "context_len": context_len,
               "turns": turns, "time_scale": time_scale, "length_scale": length_scale, "max_input_len": max_input_len}
     _check_options(workload, chosen, rate, trace_file, json_out, plot)
-    _check_flags(workload, {"--api": api})
+    _check_flags(workload, {"--api": api, "--tool-calls": tool_calls or None})
     api_name = (api or ApiKind.completions).value
+    if tool_calls and api_name == "completions":
+        raise UsageError("--tool-calls needs --api chat or --api responses (completions send token ids, no tools)")
     runner = _import_runner()
     from sage_infer.serving_bench.client import normalize_url  # after the check that httpx is there
 
@@ -142,11 +150,12 @@ def bench(
     load = _build_workload(workload, trace_file, num_requests, vocab_size, seed, settings)
     arrivals = load.arrivals_s or poisson_arrivals(len(load.conversations), rate or math.inf, seed)
 
-    run = _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api_name)
+    run = _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api_name, tool_calls)
     summary = summarize(run.results, run.duration_s, run.counters_before, run.counters_after)
     config = {"url": url, "model": run.model, "workload": workload.value, "num_requests": load.num_requests,
               "rate": "trace" if load.arrivals_s else ("inf" if rate in (None, math.inf) else rate),
               "concurrency": concurrency, "seed": seed, "vocab_size": vocab_size, "api": api_name,
+              **({"tool_calls": True} if tool_calls else {}),
               **{k: v for k, v in settings.items() if workload in APPLIES_TO[_flag(k)]}, **load.info}
     _emit(bench_document(config, summary, run.results), config, summary, run, json_out)
     if plot is not None:
@@ -236,7 +245,8 @@ def _build_workload(kind: WorkloadKind, trace_file: Path | None, num_requests: i
     return workloads.random_workload(num_requests, s["input_len"], s["output_len"], vocab_size, seed)
 
 
-def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api="completions"):
+def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency, api="completions",
+                       tool_calls=False):
     """Run the workload with a progress bar on stderr (stdout stays clean for --json -)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -253,4 +263,5 @@ def _run_with_progress(runner, url, api_key, model, load, arrivals, concurrency,
             errors += result.error is not None
             progress.update(task, advance=1, errors=errors)
 
-        return asyncio.run(runner.run_workload(url, api_key, model, load, arrivals, concurrency, on_result, api))
+        return asyncio.run(runner.run_workload(url, api_key, model, load, arrivals, concurrency, on_result, api,
+                                               tool_calls))

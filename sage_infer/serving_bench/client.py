@@ -39,6 +39,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     text: str = ""  # the streamed text, to compare servers' greedy output
+    tool_calls: list[dict] | None = None  # tool-calling mode: the calls the answer made (id, name, arguments)
+    tool_call_valid: bool | None = None  # tool-calling mode: one call or more, each valid for the tools offered
     status: int | None = None
     error: str | None = None
 

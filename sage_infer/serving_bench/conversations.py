@@ -10,6 +10,8 @@ the same on every run and every server), and each step is one of:
   as input (the instructions are given again every step, as OpenAI's API asks); the server keeps the session.
 
 Both stream; TTFT is the first text delta, the prompt and cached tokens come from the usage the server reports.
+With ``--tool-calls`` every step offers tools and answers the previous step's call with the tool's output
+(`serving_bench.agent_tools`); TTFT is then the first text or tool-call delta.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from sage_infer.serving_bench.agent_tools import StreamedCalls, answer_messages, is_valid_call, tool_fields
 from sage_infer.serving_bench.client import JSON_HEADERS, RequestResult, error_message
 from sage_infer.serving_bench.sse import SSEDecoder
 from sage_infer.serving_bench.workloads import BenchRequest
@@ -42,17 +45,22 @@ class Session:
     (responses)."""
 
     has_instructions: bool  # the workload's first segment is the shared instructions and tools
+    tools: bool = False  # tool-calling mode: every step offers the tools (`agent_tools`)
     messages: list[dict] = field(default_factory=list)
     previous_id: str | None = None
+    calls: list[dict] = field(default_factory=list)  # the last step's valid calls, which the next step answers
 
 
 def _payload(api: str, model: str, request: BenchRequest, session: Session) -> dict:
     segments = request.segments
     instructions = words(segments[0]) if session.has_instructions else None
     new = words(segments[-1])  # the task at step 0, then the tool's output
+    tools = tool_fields(api) if session.tools else {}
     if api == "responses":
-        payload = {"model": model, "input": new, "max_output_tokens": request.output_len, "temperature": 0,
-                   "stream": True, "ignore_eos": True}
+        given = ([{"type": "function_call_output", "call_id": call["id"], "output": new} for call in session.calls]
+                 or new)
+        payload = {"model": model, "input": given, "max_output_tokens": request.output_len, "temperature": 0,
+                   "stream": True, "ignore_eos": True, **tools}
         if instructions:
             payload["instructions"] = instructions
         if session.previous_id is not None:
@@ -60,9 +68,10 @@ def _payload(api: str, model: str, request: BenchRequest, session: Session) -> d
         return payload
     if not session.messages:
         session.messages = [{"role": "system", "content": instructions}] if instructions else []
-    session.messages.append({"role": "user", "content": new})
+    session.messages.extend([{"role": "tool", "tool_call_id": call["id"], "content": new} for call in session.calls]
+                            or [{"role": "user", "content": new}])
     return {"model": model, "messages": session.messages, "max_tokens": request.output_len, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **tools}
 
 
 async def send_step(client: httpx.AsyncClient, api: str, model: str, request: BenchRequest, session: Session,
@@ -90,23 +99,29 @@ async def send_step(client: httpx.AsyncClient, api: str, model: str, request: Be
     except httpx.HTTPError as err:
         result.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     if result.error is None:
+        calls = reader.calls.in_order()
+        if session.tools:
+            result.tool_calls = calls
+            result.tool_call_valid = bool(calls) and all(is_valid_call(call) for call in calls)
+        session.calls = calls if result.tool_call_valid else []
         if api == "responses":
             session.previous_id = reader.response_id
         else:
-            session.messages.append({"role": "assistant", "content": result.text})
+            session.messages.append(answer_messages(result.text, session.calls))
     return result
 
 
 class _StepReader:
     """One streamed step's events: text deltas timed, the usage (and the response id) kept."""
 
-    __slots__ = ("api", "result", "sent", "last", "done", "response_id")
+    __slots__ = ("api", "result", "sent", "last", "done", "response_id", "calls")
 
     def __init__(self, api: str, result: RequestResult, sent: float) -> None:
         self.api, self.result, self.sent = api, result, sent
         self.last: float | None = None
         self.done = False
         self.response_id: str | None = None
+        self.calls = StreamedCalls()
 
     def take(self, events: list[str], now: float) -> None:
         for data in events:
@@ -119,7 +134,7 @@ class _StepReader:
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 self.result.error = f"malformed SSE event: {data[:120]!r}"
                 return
-            if text:
+            if text is not None:
                 self.last = self.result.add_text(text, now, self.sent, self.last)
             if usage:
                 self._usage(usage)
@@ -131,12 +146,17 @@ class _StepReader:
             return None, None
         if self.api == "chat":
             choice = event["choices"][0] if event.get("choices") else None
-            return (choice["delta"].get("content") if choice else None), event.get("usage")
-        if event["type"] == "response.output_text.delta":
-            return event["delta"], None
+            delta = choice["delta"] if choice else {}
+            if delta.get("tool_calls"):
+                self.calls.chat_delta(delta["tool_calls"])
+                return delta.get("content") or "", event.get("usage")  # timed as a text delta
+            return delta.get("content") or None, event.get("usage")
+        if event["type"] in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            return (event["delta"] or None) if event["type"] == "response.output_text.delta" else "", None
         if event["type"] in ("response.completed", "response.incomplete"):
             self.done = True
             self.response_id = event["response"]["id"]
+            self.calls.response_output(event["response"]["output"])
             return None, event["response"]["usage"]
         return None, None
 

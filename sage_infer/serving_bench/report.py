@@ -29,6 +29,8 @@ def request_record(result: RequestResult) -> dict[str, object]:
         "e2e_ms": _ms(result.e2e_s), "itl_ms": [_ms(gap) for gap in result.itl_s],
         "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
         "cached_tokens": result.cached_tokens, "status": result.status, "error": result.error,
+        **({} if result.tool_calls is None else {"tool_calls": result.tool_calls,
+                                                  "tool_call_valid": result.tool_call_valid}),
     }
 
 
@@ -66,6 +68,9 @@ def render(console: Console, config: dict[str, object], summary: dict[str, objec
          if hit_rate is None else f"{100 * hit_rate:.1f} %"),
         ("mean cached tokens / request (client)", _fmt(summary["mean_cached_tokens"], ".1f")),
     ]
+    calls = summary.get("tool_calls")
+    if calls:
+        rows.append(("steps with a valid tool call", f"{calls['valid']} / {calls['steps']}"))
     lower = summary.get("prefix_lower_hit_rate")
     if lower:
         rows.insert(6, ("prefix hits from lower KV tiers (server)", f"{100 * lower:.1f} %"))

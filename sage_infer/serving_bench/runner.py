@@ -37,10 +37,12 @@ async def run_workload(
     concurrency: int,
     on_result: Callable[[RequestResult], None] | None = None,
     api: str = "completions",
+    tool_calls: bool = False,
 ) -> BenchRun:
     """Send `workload`: conversation i starts at ``arrivals_s[i]``, its turns one after another,
     at most `concurrency` requests in flight at once. `api`: completions (token-id prompts), or chat /
-    responses (an agent workload as text conversations, `serving_bench.conversations`)."""
+    responses (an agent workload as text conversations, `serving_bench.conversations`), with tools offered and
+    their calls answered every step when `tool_calls`."""
     assert len(arrivals_s) == len(workload.conversations)
     async with make_client(url, api_key, concurrency) as client:
         model = model or await resolve_model(client)
@@ -54,7 +56,7 @@ async def run_workload(
 
         async def conversation(i: int) -> None:
             await asyncio.sleep(max(0.0, run_start + arrivals_s[i] - time.perf_counter()))
-            session = Session(has_instructions=bool(workload.info.get("tools_len")))
+            session = Session(has_instructions=bool(workload.info.get("tools_len")), tools=tool_calls)
             for turn, request in enumerate(workload.conversations[i]):
                 async with slots:
                     if api == "completions":

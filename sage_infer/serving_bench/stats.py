@@ -76,7 +76,18 @@ def summarize(
         "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
         "cached_token_fraction": sum(cached) / input_tokens if cached and input_tokens else None,
         "by_turn": by_turn(ok),
+        **tool_call_counts(ok),
     }
+
+
+def tool_call_counts(ok: Sequence[RequestResult]) -> dict[str, object]:
+    """Tool-calling mode: of the answered steps that offered tools, those whose calls were all valid (and at least
+    one); {} when no step offered tools."""
+    offered = [r for r in ok if r.tool_call_valid is not None]
+    if not offered:
+        return {}
+    valid = sum(bool(r.tool_call_valid) for r in offered)
+    return {"tool_calls": {"steps": len(offered), "valid": valid, "valid_fraction": valid / len(offered)}}
 
 
 def by_turn(ok: Sequence[RequestResult]) -> list[dict[str, object]]:
