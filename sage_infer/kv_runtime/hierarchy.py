@@ -384,18 +384,20 @@ class HierarchyManager:
         Only placements this process made are dropped, and never from a shared tier (another
         server may want the block there); a stale copy is only ever a verified duplicate.
         """
+        gone: dict[int, list[bytes]] = {}  # level -> keys to delete there (one call per store)
         for key in keys:
             tier = self.migration.tier_of(key)
             if tier is None:
                 continue
             self.migration.discard(key)
-            store = self.store(self.level_of[tier.name])
-            if self._keeps_copies(store):
-                continue
+            level = self.level_of[tier.name]
+            if not self._keeps_copies(self.store(level)):
+                gone.setdefault(level, []).append(key)
+        for level, dead in gone.items():
             try:
-                store.delete([key])
+                self.store(level).delete(dead)
             except TierError as err:
-                self.failed(self.level_of[tier.name], err)
+                self.failed(level, err)
 
     def snapshots(self) -> tuple[TierSnapshot, ...]:
         """Every tier's state for stats and /metrics (a store's own `stats()` never raises). Read-only: any
