@@ -45,6 +45,11 @@ def show(
         "transport_preset": resolved.transport_preset,
         "fields": rows,
     }
+    from sage_infer.models.kv_group_report import kv_group_rows  # (reads the model's config.json: torch)
+
+    groups = kv_group_rows(resolved.config)
+    if groups is not None:
+        data["kv_dtype_counted"], data["kv_groups"] = groups
 
     def render(console) -> None:
         shown = [r for r in rows if hardware or not r["field"].startswith("hardware.")]
@@ -65,5 +70,11 @@ def show(
             console.print(f"[red]INACTIVE[/] {section}: {reason}")
         if not hardware:
             console.print("[dim]hardware.* fields hidden; add --hardware to list them[/dim]")
+        if groups is not None:
+            console.print(table(f"KV groups of the model (kv_dtype {groups[0]}; a pool block holds one group's layers)",
+                                ["group", "kind", "layers", "bytes/token", "tokens/GiB", "kept per sequence"],
+                                [(r["group"], r["kind"], ",".join(map(str, r["layers"])), r["bytes_per_token"],
+                                  r["tokens_per_gib"], r["max_tokens_per_sequence"] or "all")
+                                 for r in groups[1]]))
 
     emit(data, as_json, render)
