@@ -243,6 +243,14 @@ def test_a_required_tool_choice_is_a_function_call_item_and_its_output_continues
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments)["city"] in ("Rome", "Paris")
     assert events[-1].response.output[done[0].output_index].arguments == done[0].arguments
+    kinds = [e.type for e in events]  # the call streams as it is written, before the answer's text is done
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments
+    assert kinds.index("response.function_call_arguments.delta") < kinds.index("response.output_text.done")
+    streamed = events[-1].response
+    follow = create(client, server, previous_response_id=streamed.id, tools=WEATHER, input=[
+        {"type": "function_call_output", "call_id": streamed.output[done[0].output_index].call_id, "output": "rain"}])
+    assert follow.usage.input_tokens_details.cached_tokens > 0
 
 
 def test_text_format_json_schema_constrains_the_output(client, server):

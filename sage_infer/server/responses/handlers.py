@@ -32,11 +32,12 @@ from sage_infer.server.responses.objects import (
     reasoning_item,
     response_object,
     status_of,
+    tool_calls_of,
     usage_of,
 )
 from sage_infer.server.responses.protocol import ResponsesRequest, input_items, to_messages
 from sage_infer.server.responses.store import RESPONSE_ID, ResponseStore, StoredResponse
-from sage_infer.server.responses.stream import ResponseEvents
+from sage_infer.server.responses.stream import CallItems, ResponseEvents
 
 
 def tenant_of(authorization: str, cache_salt: str | None) -> str:
@@ -152,8 +153,9 @@ class ResponsesHandlers:
                                    stored=turn.store)
         if turn.store:
             said = {"role": "assistant", "content": message.get("content") or ""}
-            if message.get("tool_calls"):
-                said["tool_calls"] = message["tool_calls"]
+            calls = tool_calls_of(output) if streamed is not None else message.get("tool_calls")
+            if calls:  # as the client saw them (a streamed call's id and arguments as streamed)
+                said["tool_calls"] = calls
             now = time.time()
             stored = StoredResponse(turn.response_id, turn.tenant, now, now + self.config.ttl_s,
                                     turn.context + [said], response, turn.items)
@@ -164,9 +166,11 @@ class ResponsesHandlers:
         return response
 
     async def _stream(self, turn: _Turn, started) -> AsyncIterator[str]:
-        """The answer's text streams as it comes, in the message item; its function calls and reasoning (read
-        from the whole answer, as the plain response does) follow as whole items once it is done."""
+        """The answer's text streams as it comes, in the message item, and its function calls as they are written,
+        each its own item; its reasoning (read from the whole answer, as the plain response does) follows as a
+        whole item once it is done."""
         events = ResponseEvents()
+        calls = CallItems(events)
         item_id = f"msg_{uuid.uuid4().hex}"
         pending = response_object(turn.response_id, turn.created_at, turn.body, self.handlers.model_name,
                                   status="in_progress", output=[], stored=turn.store)
@@ -179,10 +183,12 @@ class ResponsesHandlers:
             async for _, output in self.handlers._merged(started):
                 completion = output.outputs[0]
                 self.handlers._itl(last_seen, 0, len(completion.delta_token_ids))
-                content = answer.feed(completion.delta_text, final=completion.finished).get("content")
-                if content:
-                    text.append(content)
-                    yield events.text_delta(item_id, content)
+                fields = answer.feed(completion.delta_text, final=completion.finished)
+                if fields.get("content"):
+                    text.append(fields["content"])
+                    yield events.text_delta(item_id, fields["content"])
+                for event in calls.feed(fields.get("tool_calls") or []):
+                    yield event
                 if output.finished:
                     final = output
             if final is None or final.error:
@@ -190,21 +196,23 @@ class ResponsesHandlers:
         except Exception as err:  # noqa: BLE001 - the status line is already sent: report in-band
             yield events.error(self.handlers._stream_error(err)["error"])
             return
-        for event in self._closing_events(events, turn, final, message_item(item_id, "".join(text), "")):
+        for event in self._closing_events(events, turn, final, message_item(item_id, "".join(text), ""), calls):
             yield event
 
-    def _closing_events(self, events: ResponseEvents, turn: _Turn, final: RequestOutput, message: dict) -> list[str]:
-        """The stream's last events: the message item done, the function call and reasoning items whole, then the
-        response (stored when asked)."""
+    def _closing_events(self, events: ResponseEvents, turn: _Turn, final: RequestOutput, message: dict,
+                        calls: CallItems) -> list[str]:
+        """The stream's last events: the message item done, the streamed function calls done (or, when none was
+        streamed, the whole answer's as whole items), the reasoning item whole, then the response (stored when
+        asked)."""
         completion = final.outputs[0]
         answer, _ = turn.shape.message(completion.text, completion.finish_reason)
         status, _ = status_of(final)
         message["status"] = status
         part = message["content"][0]
         sent = [events.text_done(message["id"], part["text"]), events.part_done(message["id"], part),
-                events.item_done(0, message)]
-        items = [message]
-        extra = [function_call_item(call, status) for call in answer.get("tool_calls") or []]
+                events.item_done(0, message), *calls.done(status)]
+        items = [message, *calls.items]
+        extra = [] if calls.items else [function_call_item(call, status) for call in answer.get("tool_calls") or []]
         if answer.get("reasoning_content"):
             extra.append(reasoning_item(answer["reasoning_content"], status))
         for item in extra:

@@ -21,6 +21,13 @@ def function_call_item(call: dict, status: str = "completed") -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
+def tool_calls_of(items: list[dict]) -> list[dict]:
+    """The ``function_call`` items among `items` as a chat message's ``tool_calls``."""
+    return [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+            for item in items if item["type"] == "function_call"]
+
+
 def reasoning_item(text: str, status: str = "completed") -> dict:
     return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": status}
