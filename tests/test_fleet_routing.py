@@ -237,3 +237,32 @@ def test_among_equal_choices_a_miss_goes_to_the_replica_that_computed_least_late
     smalls = [router.route(Request(prompt_tokens=BS, hashes=[f"s{i}"], tokens_per_block=BS)).replica
               for i in range(6)]
     assert first not in smalls and {r.name for r in smalls} == {r.name for r in (a, b, c) if r is not first}
+
+
+def test_the_recency_order_finds_the_kth_oldest_evictable_block_as_a_list_would():
+    import random as _random
+
+    from sage_infer.kv_policy.recency import MIN_SIZE, RecencyOrder
+
+    rng = _random.Random(3)
+    order, naive, evictable = RecencyOrder(), [], set()  # naive: blocks oldest first
+    for step in range(4 * MIN_SIZE):  # past several renumberings
+        block = f"b{rng.randrange(300)}"
+        action = rng.random()
+        if action < 0.6:
+            order.touch(block, keep=lambda h: True)
+            naive = [b for b in naive if b != block] + [block]
+        elif action < 0.8 and block in order:
+            flag = rng.random() < 0.7
+            order.set_evictable(block, flag)
+            (evictable.add if flag else evictable.discard)(block)
+        elif action < 0.9:
+            order.discard(block)
+            naive = [b for b in naive if b != block]
+            evictable.discard(block)
+        if step % 97 == 0:
+            eligible = [b for b in naive if b in evictable]
+            for k in (1, len(eligible) // 2, len(eligible)):
+                if k:
+                    threshold = order.oldest_evictable_stamp(k)
+                    assert {b for b in naive if order.among_oldest(b, threshold)} == set(eligible[:k])

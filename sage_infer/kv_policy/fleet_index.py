@@ -18,10 +18,11 @@ near saturation most of its predicted hits were misses, each of which evicted an
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from sage_infer.kv_policy.recency import RecencyOrder
 
 DEVICE, SHARED = "device", "remote"
 LOWER_MEDIA = ("host", "disk")  # a replica's own lower tiers, fastest first; "remote" is the fleet's
@@ -41,7 +42,7 @@ class Replica:
     recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`kv_policy.routing`)
     # device blocks (and blocks the requests routed here will compute), least recently used first, as the replica
     # will have used them once the requests routed here have started
-    recency: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    recency: RecencyOrder = field(default_factory=RecencyOrder)
     held: Counter[str] = field(default_factory=Counter)  # blocks of the requests in flight here (never evicted)
     to_allocate: int = 0  # of the held blocks, those not on its device yet: its requests in flight will allocate them
 
@@ -52,8 +53,11 @@ class Replica:
         self.queued_tokens += queued_tokens
         device = self.media[DEVICE]
         for block_hash in blocks:
-            if not self.held[block_hash] and block_hash not in device:
-                self.to_allocate += 1
+            if not self.held[block_hash]:
+                if block_hash in device:
+                    self.recency.set_evictable(block_hash, False)
+                else:
+                    self.to_allocate += 1
             self.held[block_hash] += 1
 
     def release(self, queued_tokens: int, finished: bool = True, blocks: Sequence[str] = ()) -> None:
@@ -67,7 +71,9 @@ class Replica:
             self.held[block_hash] -= 1
             if self.held[block_hash] <= 0:
                 del self.held[block_hash]
-                if block_hash not in device:
+                if block_hash in device:
+                    self.recency.set_evictable(block_hash, True)
+                else:
                     self.to_allocate -= 1
 
     def stored(self, block_hash: str) -> None:
@@ -75,16 +81,22 @@ class Replica:
         device = self.media[DEVICE]
         if block_hash not in device:
             device.add(block_hash)
-            self.recency.setdefault(block_hash)  # one a routed request touched keeps its place
-            self.to_allocate -= block_hash in self.held
+            self.recency.add(block_hash, self.keeps)  # one a routed request touched keeps its place
+            held = block_hash in self.held
+            self.recency.set_evictable(block_hash, not held)
+            self.to_allocate -= held
 
     def removed(self, block_hash: str) -> None:
         """Its device let the block go."""
         device = self.media[DEVICE]
         if block_hash in device:
             device.discard(block_hash)
-            self.recency.pop(block_hash, None)
+            self.recency.discard(block_hash)
             self.to_allocate += block_hash in self.held
+
+    def keeps(self, block_hash: str) -> bool:
+        """Whether the block's place in `recency` matters: stored here, or held by a request in flight here."""
+        return block_hash in self.media[DEVICE] or block_hash in self.held
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +162,6 @@ class FleetIndex:
             for block_hash in list(blocks) if medium == DEVICE else ():
                 replica.removed(block_hash)
             blocks.clear()
-        replica.recency.clear()
         for block_hash in self._remote[replica.name]:
             self._drop_shared(block_hash)
         self._remote[replica.name] = set()
@@ -165,10 +176,11 @@ class FleetIndex:
         computes first, and not `doomed` by the time it starts; then the ones right after them a lower tier holds —
         its own host or disk, or the shared remote tier."""
         device, held = replica.media[DEVICE], replica.held
-        doomed = self.doomed(replica) if hashes else frozenset()
         n = 0
-        while n < len(hashes) and (hashes[n] in device or hashes[n] in held) and hashes[n] not in doomed:
+        while n < len(hashes) and (hashes[n] in device or hashes[n] in held):
             n += 1
+        if n and (threshold := self.doomed_before(replica)):  # the forecast costs only where there is a hit to cut
+            n = next((i for i in range(n) if replica.recency.among_oldest(hashes[i], threshold)), n)
         lower: list[tuple[str, int]] = []
         for block_hash in hashes[n:]:
             medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
@@ -187,27 +199,23 @@ class FleetIndex:
 
     def touch(self, replica: Replica, hashes: Sequence[str]) -> None:
         """A request with these blocks was routed to `replica`: once it starts they are its most recently used."""
-        recency = replica.recency
         for block_hash in hashes:
-            recency[block_hash] = None
-            recency.move_to_end(block_hash)
-        excess = len(recency) - 2 * max(replica.capacity_blocks, len(replica.media[DEVICE])) - len(replica.held)
-        if excess > 0:  # blocks touched but never stored (requests that failed, prompts past the cache): forget them
-            device, held = replica.media[DEVICE], replica.held
-            stale = itertools.islice((h for h in recency if h not in device and h not in held), excess)
-            for block_hash in list(stale):
-                del recency[block_hash]
+            replica.recency.touch(block_hash, replica.keeps)
+
+    def doomed_before(self, replica: Replica) -> int:
+        """The stamp (in `replica.recency`) at or before which its device blocks will have been evicted by the time a
+        request routed now starts; 0: none. Its requests in flight allocate the blocks they hold that it has not
+        stored yet, and past its capacity each evicts the least recently used (in `recency`'s order, the order the
+        replica starts its requests) of the blocks no request in flight there holds. Held blocks are not counted as
+        lost, though LRU may evict those of a request far ahead in a long queue before the newcomer's turn:
+        counting on them keeps a prefix's requests together on one replica, and together they find it (the
+        stricter forecast spread them and lost the hits it predicted)."""
+        evicted = len(replica.media[DEVICE]) + replica.to_allocate - replica.capacity_blocks
+        if replica.capacity_blocks <= 0 or evicted <= 0:
+            return 0
+        return replica.recency.oldest_evictable_stamp(evicted)
 
     def doomed(self, replica: Replica) -> frozenset[str]:
-        """The device blocks `replica` will have evicted by the time a request routed now starts: its requests in
-        flight allocate the blocks they hold that it has not stored yet, and past its capacity each evicts the least
-        recently used (in `recency`'s order, the order the replica starts its requests) of the blocks no request in
-        flight there holds. Held blocks are not counted as lost, though LRU may evict those of a request far ahead
-        in a long queue before the newcomer's turn: counting on them keeps a prefix's requests together on one
-        replica, and together they find it (the stricter forecast spread them and lost the hits it predicted)."""
-        device, held = replica.media[DEVICE], replica.held
-        evicted = len(device) + replica.to_allocate - replica.capacity_blocks
-        if replica.capacity_blocks <= 0 or evicted <= 0:
-            return frozenset()
-        oldest = (h for h in replica.recency if h in device and h not in held)
-        return frozenset(itertools.islice(oldest, evicted))
+        """The device blocks `doomed_before` counts as evicted (for tests and tools; routing asks per block)."""
+        threshold = self.doomed_before(replica)
+        return frozenset(h for h in replica.media[DEVICE] if replica.recency.among_oldest(h, threshold))
