@@ -29,6 +29,7 @@ from sage_infer.server.responses.objects import (
     function_call_item,
     message_item,
     output_items,
+    output_text_of,
     reasoning_item,
     response_object,
     status_of,
@@ -152,9 +153,9 @@ class ResponsesHandlers:
                                    status=status, output=output, usage=usage_of(final), incomplete=incomplete,
                                    stored=turn.store)
         if turn.store:
-            said = {"role": "assistant", "content": message.get("content") or ""}
-            calls = tool_calls_of(output) if streamed is not None else message.get("tool_calls")
-            if calls:  # as the client saw them (a streamed call's id and arguments as streamed)
+            # the answer as the client saw it (a streamed call's id and arguments as streamed)
+            said = {"role": "assistant", "content": output_text_of(output)}
+            if calls := tool_calls_of(output):
                 said["tool_calls"] = calls
             now = time.time()
             stored = StoredResponse(turn.response_id, turn.tenant, now, now + self.config.ttl_s,
