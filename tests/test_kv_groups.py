@@ -172,6 +172,9 @@ def test_gemma2_prefix_hits_chunked_prefill_and_mixed_lengths_match_transformers
     assert kv.index.metrics.hit_tokens - hits >= 3 * 64  # each shared prompt's 4 blocks at least
     kv.block_manager.check_invariants()
     assert kv.block_manager.num_used_blocks == 1  # every sequence freed its blocks: only the null block is held
+    # a router's overlap and a session's retention count every group: 6 full blocks, the sliding group's last one
+    assert engine.engine.prefix.overlap(prompts[1]) == 6 * BS
+    assert engine.engine.sessions.enable(0.5) and engine.engine.sessions.retain("turn", prompts[1], None, 60) == 7
 
 
 def test_speculative_rollback_and_preemption_per_group_match_transformers(mistral):

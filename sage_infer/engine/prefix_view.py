@@ -8,6 +8,8 @@ name them. The engine assembles it (`LLMEngine.prefix`); the server's router rou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sage_infer.prefix_reuse.events import short
 from sage_infer.prefix_reuse.hashing import ExtraKeys, prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
@@ -17,8 +19,9 @@ class PrefixView:
     """What a KV-aware router reads of an engine's device prefix cache (`index` None: prefix caching off)."""
 
     def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys,
-                 num_blocks: int = 0) -> None:
+                 num_blocks: int = 0, overlap: Callable[[list[int], bytes], int] | None = None) -> None:
         self.index = index
+        self._overlap = overlap  # a KV manager with a table per KV group answers for every group
         self.block_size = block_size
         self.num_blocks = num_blocks  # the device pool's capacity (a router weighs what a miss would evict)
         self.extra_key = extra_key
@@ -28,6 +31,8 @@ class PrefixView:
         (dict reads; a concurrent eviction only makes the answer stale)."""
         if self.index is None or not token_ids:
             return 0
+        if self._overlap is not None:
+            return self._overlap(token_ids, self.extra_key(cache_salt))
         return self.index.match(token_ids, self.extra_key(cache_salt), record=False).num_tokens
 
     def events(self, since: int):

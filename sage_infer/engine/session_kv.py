@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from itertools import takewhile
 
+from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.retention import KVRetention
 from sage_infer.prefix_reuse.hashing import ExtraKeys, hash_token_blocks
@@ -39,6 +40,8 @@ class SessionKV:
         chain from the first block up to the first one no longer cached)."""
         if self.retention is None:
             return 0
+        if isinstance(self._kv, GroupKVCacheManager):  # every KV group's blocks of the hit (a sliding one's window)
+            return self.retention.retain(key, self._kv.cached_hashes(token_ids, self._extra_key(cache_salt)), ttl_s)
         index = self._kv.index
         hashes = hash_token_blocks(token_ids, self._kv.block_size, self._extra_key(cache_salt))
         chain = list(takewhile(lambda h: index.block_of(h) is not None, hashes))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.kv_cache_manager import NO_MATCH, KVCacheManager
@@ -134,6 +135,22 @@ class GroupKVCacheManager(KVCacheManager):
         need = self.groups.window_blocks(group, self.block_size)
         first = 0 if need < 0 else max(0, length - need)
         return [self.null_block] * first + [self._lookup(seq, group, chain, i) for i in range(first, length)]
+
+    def _probe(self, token_ids: list[int], extra_key: bytes) -> PrefixMatch:
+        probe = Sequence(-1, "", 0, list(token_ids), len(token_ids), SamplingParams(), extra_key)
+        return self.match(probe, keep_last_token=False)
+
+    def overlap(self, token_ids: list[int], extra_key: bytes) -> int:
+        """Leading tokens of `token_ids` a prefix hit would serve now (every group); records nothing (dict reads
+        only: safe from another thread, the answer possibly stale)."""
+        return self._probe(token_ids, extra_key).num_tokens
+
+    def cached_hashes(self, token_ids: list[int], extra_key: bytes) -> list[bytes]:
+        """The index hashes of the blocks a prefix hit on `token_ids` would take now, every group's (what a session
+        retains for its next turn)."""
+        match = self._probe(token_ids, extra_key)
+        blocks = [b for ids in getattr(match, "group_block_ids", ()) for b in ids if b != self.null_block]
+        return [self.index.hash_of(block) for block in blocks]
 
     # -- admission ----------------------------------------------------------------------------
 
