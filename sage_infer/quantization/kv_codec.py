@@ -13,6 +13,10 @@ the format allows. fp8 stores x / scale in the fp8 dtype (`fp8_e4m3`, `fp8_e5m2`
 stores round_half_up(x / scale) as a signed byte (-127..127); int4 round_half_up(x / scale) + 7 as an
 unsigned nibble (0..14), two per byte, element 2i in the low nibble. The math runs in fp32; fp8 is
 decoded by moving its bits into fp16 (exact), because the CPU float8 -> float cast is much slower.
+
+On CPU the same arithmetic runs as one C++ pass over the values (`kv_codec_kernel`, csrc/kv_codec.cpp; `KVCodec`
+and the transport's converter call it), equal to the functions here bit for bit; these functions are its
+reference and the path wherever it cannot run (another device, no kernel build: the reason is logged once).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import torch
 
 from sage_infer.core.kv_schema import KVDtype
+from sage_infer.quantization.kv_codec_kernel import FORMAT_CODES, kernel_for
 
 FP8_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
@@ -120,6 +125,12 @@ class KVCodec:
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x: [..., head_dim]`` -> (codes ``[..., code_dim]`` uint8, scales ``[..., 1]`` fp16)."""
         lead = x.shape[:-1]
+        module = kernel_for(x.device, x.dtype, self.fmt, self.head_dim, 1) if x.numel() else None
+        if module is not None:
+            codes = torch.empty((*lead, self.code_dim), dtype=torch.uint8)
+            scales = torch.empty((*lead, 1), dtype=PARAMS_DTYPE)
+            module.kv_encode(x.contiguous(), FORMAT_CODES[self.fmt], self.head_dim, 1, codes, scales, False, 0)
+            return codes, scales
         w = x.to(torch.float32, copy=True).view(-1, self.head_dim, 1)
         codes, scale = quantize_groups(w, self.fmt)
         return codes.reshape(*lead, self.code_dim), scale.view(*lead, 1)
@@ -146,6 +157,12 @@ class KVCodec:
         (bench/kv_quant_gather.py times this path).
         """
         shape = (*codes.shape[:-1], self.head_dim)
+        module = kernel_for(codes.device, dtype, self.fmt, self.head_dim, 1) if codes.numel() else None
+        if module is not None:
+            result = out if out is not None and out.is_contiguous() and out.dtype == dtype else None
+            result = torch.empty(shape, dtype=dtype) if result is None else result
+            module.kv_decode(codes.contiguous(), scales.contiguous(), FORMAT_CODES[self.fmt], self.head_dim, 1, result)
+            return result if out is None or result is out else out.copy_(result)
         if dtype == torch.float32:
             work = out if out is not None else torch.empty(shape, dtype=torch.float32, device=codes.device)
         elif work is None:

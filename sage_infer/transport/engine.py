@@ -140,21 +140,28 @@ class TransportEngine:
             flags |= Flag.ACK_NOW
         convert_seconds = 0.0
         wire, cols, granularity = src, 0, "per_token"
+        algorithm = CHECKSUMS[self.config.checksum]
+        crc = None  # computed here (fused into the conversion) or by the channel as it stages the payload
         if plan.converts and plan.wire_dtype.value != src:
             if src == "raw":
                 raise ValueError(f"cannot convert {layer.dtype} KV to {plan.wire_dtype.value}")
             start = time.perf_counter()
             raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
             wire, cols, granularity = plan.wire_dtype.value, layer.shape[-1], self.granularity
-            payload = host_view(converter.encode(raw.view(layer.dtype).view(-1, cols), wire, granularity))
+            x = raw.view(layer.dtype).view(-1, cols)
+            if algorithm is Checksum.CRC32C and not conn.channel.computes_crc and x.device.type == "cpu":
+                encoded, crc = converter.encode_checksummed(x, wire, granularity)  # one pass: codes and CRC
+            else:
+                encoded = converter.encode(x, wire, granularity)
+            payload = host_view(encoded)
             convert_seconds = time.perf_counter() - start
             flags |= Flag.CONVERTED
         elif source is not None:
             payload = source[chunk.offset : chunk.offset + chunk.length]
         else:
             payload = host_view(as_bytes(layer)[chunk.offset : chunk.offset + chunk.length])
-        algorithm = CHECKSUMS[self.config.checksum]
-        crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
+        if crc is None:
+            crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
         header = ChunkHeader(
             Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
             offset=chunk.offset, length=len(payload), raw_length=chunk.length, count=count, flags=flags,

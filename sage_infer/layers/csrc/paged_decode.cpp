@@ -371,6 +371,8 @@ std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, tor
 torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // decode_step.cpp
 void bind_decode_layers(pybind11::module& m);
+// kv_codec.cpp
+void bind_kv_codec(pybind11::module& m);
 
 // the build's identity (sage_infer/layers/kernel_build.py passes both): a build whose key differs from the
 // sources on disk is not loaded
@@ -401,4 +403,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
   m.def("bf16_rows_linear", &bf16_rows_linear, "x @ W.T + b for 1-4 bf16 rows on the [N, K] bf16 weight");
   bind_decode_layers(m);
+  bind_kv_codec(m);
 }

@@ -21,10 +21,13 @@ Payload: one flat uint8 tensor, contiguous, little-endian, no padding:
 - scales: row-major [rows, cols / group_size] for per_token, [rows / group_size, cols] for
   per_channel.
 
-Everything is vectorized torch, so the CUDA path is this same code. The math runs in an
-fp32 copy of the chunk, a cache-sized row block at a time on CPU. Inputs are assumed finite;
-casts do not saturate (fp32 past the fp16 range becomes inf), and a group whose amax exceeds
-65504 * qmax saturates (its scale is fp16).
+On CPU the quantized formats run the codec's C++ kernel (`kv_codec_kernel`): one pass that reads
+the chunk once and writes codes and scales straight into the payload, with the payload's CRC32C
+computed as it is written (`encode_checksummed`, what the transport engine sends with). Elsewhere
+(a CUDA chunk, no kernel build) it is vectorized torch, the kernel's reference: the math in an
+fp32 copy of the chunk, a cache-sized row block at a time on CPU. Both give the same bytes.
+Inputs are assumed finite; casts do not saturate (fp32 past the fp16 range becomes inf), and a
+group whose amax exceeds 65504 * qmax saturates (its scale is fp16).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from sage_infer.core.dtypes import FLOAT_DTYPES
 from sage_infer.quantization.kv_codec import FP8_DTYPES as _FP8
 from sage_infer.quantization.kv_codec import INT_QMAX as _INT_QMAX
 from sage_infer.quantization.kv_codec import PARAMS_DTYPE, dequantize_groups, quantize_groups
+from sage_infer.quantization.kv_codec_kernel import FORMAT_CODES, crc32c, kernel_for
 
 assert sys.byteorder == "little", "the wire payload is little-endian"
 
@@ -142,6 +146,35 @@ def _encode_block(
     scales.copy_(scale.view(-1))
 
 
+def _payload_for(
+    x: torch.Tensor, fmt: str, granularity: str, group_size: int | None, out: torch.Tensor | None
+) -> tuple[_Layout, torch.Tensor]:
+    """The layout of `x`'s payload and the 1-D uint8 tensor it goes into (`out`, checked, or a new one)."""
+    if x.dim() != 2:
+        raise ValueError(f"encode expects a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    _check_kv(x, "x")
+    lay = _layout(fmt, x.shape[0], x.shape[1], granularity, group_size)
+    if out is None:
+        return lay, torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
+    if out.dtype != torch.uint8 or out.shape != (lay.nbytes,) or out.device != x.device:
+        raise ValueError(
+            f"out must be a 1-D uint8 tensor of {lay.nbytes} bytes on {x.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    return lay, out
+
+
+def _kernel_encode(x: torch.Tensor, fmt: str, lay: _Layout, out: torch.Tensor, crc: int | None) -> tuple[bool, int]:
+    """Encode a quantized format with the C++ kernel into contiguous `out`: (whether it ran, the payload's CRC32C
+    continuing `crc` when one is asked for, else 0)."""
+    module = kernel_for(x.device, x.dtype, fmt, lay.group, lay.inner) if fmt in FORMAT_CODES else None
+    if module is None or not out.is_contiguous():
+        return False, 0
+    data, scales = out[: lay.data_nbytes], out[lay.data_nbytes :]
+    return True, module.kv_encode(x.contiguous(), FORMAT_CODES[fmt], lay.group, lay.inner, data, scales,
+                                  crc is not None, crc or 0)
+
+
 def encode(
     x: torch.Tensor,
     fmt: str,
@@ -153,21 +186,12 @@ def encode(
 
     Returns `out` when given (1-D uint8 of exactly `encoded_nbytes`), else a new tensor.
     """
-    if x.dim() != 2:
-        raise ValueError(f"encode expects a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
-    _check_kv(x, "x")
-    rows, cols = x.shape
-    lay = _layout(fmt, rows, cols, granularity, group_size)
-    if out is None:
-        out = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
-    elif out.dtype != torch.uint8 or out.shape != (lay.nbytes,) or out.device != x.device:
-        raise ValueError(
-            f"out must be a 1-D uint8 tensor of {lay.nbytes} bytes on {x.device}, "
-            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    elif out.storage_offset() % 4 or not out.is_contiguous():
+    lay, out = _payload_for(x, fmt, granularity, group_size, out)
+    if fmt not in _CASTS and _kernel_encode(x, fmt, lay, out, None)[0]:
+        return out  # (the kernel writes bytes: any offset)
+    if out.storage_offset() % 4 or not out.is_contiguous():
         return out.copy_(encode(x, fmt, granularity, group_size))
-
+    rows, cols = x.shape
     data = out[: lay.data_nbytes]
     if fmt in _CASTS:
         data.view(_CASTS[fmt]).view(rows, cols).copy_(x)
@@ -182,6 +206,28 @@ def encode(
         _encode_block(x[a:b], blk, fmt, data[d0:d1], scales[s0:s1], work)
     out[lay.data_nbytes :].copy_(scales.view(torch.uint8))
     return out
+
+
+def encode_checksummed(
+    x: torch.Tensor,
+    fmt: str,
+    granularity: str = "per_token",
+    group_size: int | None = None,
+    out: torch.Tensor | None = None,
+    crc: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """`encode` of a CPU chunk, and the CRC32C of the payload (continuing `crc`; the `crc32c` package's value).
+
+    Quantized formats compute it in the kernel's encoding pass (the payload is not read again); casts, and
+    where the kernel cannot run, checksum the payload after encoding it."""
+    if x.device.type != "cpu":
+        raise ValueError(f"encode_checksummed: the chunk must be on the CPU, got {x.device}")
+    lay, out = _payload_for(x, fmt, granularity, group_size, out)
+    ran, value = _kernel_encode(x, fmt, lay, out, crc) if fmt not in _CASTS else (False, 0)
+    if ran:
+        return out, value
+    encode(x, fmt, granularity, group_size, out=out)
+    return out, crc32c(out, crc)
 
 
 def _decode_block(
@@ -228,6 +274,8 @@ def decode(
     data = payload[: lay.data_nbytes]
     if fmt in _CASTS:
         result.copy_(_typed(data, _CASTS[fmt]).view(rows, cols))
+    elif (module := kernel_for(payload.device, dtype, fmt, lay.group, lay.inner)) is not None:
+        module.kv_decode(data, payload[lay.data_nbytes :], FORMAT_CODES[fmt], lay.group, lay.inner, result)
     else:
         scales = _typed(payload[lay.data_nbytes :], PARAMS_DTYPE)
         blocks = _row_blocks(fmt, rows, cols, granularity, group_size, payload.device)

@@ -1,0 +1,673 @@
+// The KV codec (sage_infer/quantization/kv_codec.py) in one pass over the values: fp8 (e4m3fn, e5m2, e4m3fnuz),
+// int8 and int4 encode and decode of [outer, group, inner] values with one fp16 scale per (outer, inner), and a
+// CRC32C of the encoded bytes computed as they are written (SSE4.2 `crc32`), so the wire path reads the KV once.
+//
+// The arithmetic is the Python codec's, operation for operation, in fp32: scale = fp16(clamp(amax / qmax,
+// 2^-24, 65504)) with amax / qmax an IEEE division; codes from clamp(x * (1 / scale), -qmax, qmax); int levels
+// truncate (level + qmax + 0.5); fp8 rounds to nearest even as c10's Float8 casts do; decoding multiplies the
+// exact level (fp8 widened through fp16 bits, as `fp8_as_fp16`) by the scale, then rounds once to the output
+// dtype. So codes, scales and decoded values equal the Python codec's bit for bit (tests/test_kv_codec_kernel.py).
+// 8-lane AVX2 + F16C in every x86-64 build (the loops are bound by memory, not by lanes); scalar elsewhere.
+#include "kernel.h"
+#include "widen.h"
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------- CRC32C
+constexpr uint32_t POLY = 0x82f63b78u;  // Castagnoli, reflected
+
+uint32_t gf2_times(const uint32_t* mat, uint32_t vec) {
+  uint32_t sum = 0;
+  for (; vec; vec >>= 1, ++mat)
+    if (vec & 1) sum ^= *mat;
+  return sum;
+}
+
+void gf2_square(uint32_t* square, const uint32_t* mat) {
+  for (int n = 0; n < 32; ++n) square[n] = gf2_times(mat, mat[n]);
+}
+
+// the operator that appends `len` zero bytes to a raw CRC state, for len a power of two (Mark Adler's crc32c.c)
+void zeros_op(uint32_t* even, size_t len) {
+  uint32_t odd[32];
+  odd[0] = POLY;
+  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
+  gf2_square(even, odd);  // 2 zero bits
+  gf2_square(odd, even);  // 4 zero bits
+  do {
+    gf2_square(even, odd);
+    len >>= 1;
+    if (len == 0) return;
+    gf2_square(odd, even);
+    len >>= 1;
+  } while (len);
+  std::memcpy(even, odd, sizeof odd);
+}
+
+struct ShiftTable {
+  uint32_t t[4][256];
+  explicit ShiftTable(size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; ++n)
+      for (int k = 0; k < 4; ++k) t[k][n] = gf2_times(op, n << (8 * k));
+  }
+  uint32_t shift(uint32_t crc) const {
+    return t[0][crc & 0xff] ^ t[1][(crc >> 8) & 0xff] ^ t[2][(crc >> 16) & 0xff] ^ t[3][crc >> 24];
+  }
+};
+
+constexpr size_t LONG_BLOCK = 8192, SHORT_BLOCK = 256;
+
+#if defined(__SSE4_2__)
+constexpr bool NATIVE_CRC = true;
+// raw (not pre/post-inverted) CRC32C of len bytes: three interleaved streams per block (the instruction's latency
+// is 3 cycles, its throughput 1), joined by the zero-append operators above
+uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {
+  static const ShiftTable long_shift(LONG_BLOCK), short_shift(SHORT_BLOCK);
+  uint64_t c0 = crc;
+  while (len && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
+    --len;
+  }
+  auto three = [&](size_t block, const ShiftTable& sh) {
+    while (len >= 3 * block) {
+      uint64_t c1 = 0, c2 = 0;
+      const uint8_t* end = p + block;
+      do {
+        uint64_t a, b, c;
+        std::memcpy(&a, p, 8);
+        std::memcpy(&b, p + block, 8);
+        std::memcpy(&c, p + 2 * block, 8);
+        c0 = _mm_crc32_u64(c0, a);
+        c1 = _mm_crc32_u64(c1, b);
+        c2 = _mm_crc32_u64(c2, c);
+        p += 8;
+      } while (p < end);
+      c0 = sh.shift(static_cast<uint32_t>(c0)) ^ c1;
+      c0 = sh.shift(static_cast<uint32_t>(c0)) ^ c2;
+      p += 2 * block;
+      len -= 3 * block;
+    }
+  };
+  three(LONG_BLOCK, long_shift);
+  three(SHORT_BLOCK, short_shift);
+  for (; len >= 8; len -= 8, p += 8) {
+    uint64_t a;
+    std::memcpy(&a, p, 8);
+    c0 = _mm_crc32_u64(c0, a);
+  }
+  for (; len; --len) c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
+  return static_cast<uint32_t>(c0);
+}
+#else
+constexpr bool NATIVE_CRC = false;
+uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {  // bitwise: the generic build's tests only
+  for (; len; --len) {
+    crc ^= *p++;
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (POLY & (0u - (crc & 1)));
+  }
+  return crc;
+}
+#endif
+
+// the CRC32C of the bytes behind `crc` (a finished CRC, as the crc32c package returns) followed by len more
+uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t len) { return ~crc_raw(~crc, p, len); }
+
+// crc(A then B) from crc(A), crc(B) and len(B) (zlib's crc32_combine with the Castagnoli polynomial)
+uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+  if (len2 == 0) return crc1;
+  uint32_t even[32], odd[32];
+  odd[0] = POLY;
+  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
+  gf2_square(even, odd);
+  gf2_square(odd, even);
+  do {
+    gf2_square(even, odd);
+    if (len2 & 1) crc1 = gf2_times(even, crc1);
+    len2 >>= 1;
+    if (len2 == 0) break;
+    gf2_square(odd, even);
+    if (len2 & 1) crc1 = gf2_times(odd, crc1);
+    len2 >>= 1;
+  } while (len2);
+  return crc1 ^ crc2;
+}
+
+// ---------------------------------------------------------------------------------------------------- formats
+enum Fmt : int64_t { FP8_E4M3 = 0, FP8_E5M2 = 1, FP8_E4M3FNUZ = 2, INT8 = 3, INT4 = 4 };
+
+// c10's fp32 -> fp8 conversion constants (Float8_e4m3fn.h, Float8_e5m2.h, Float8_e4m3fnuz.h), and how the byte
+// widens through fp16 bits (kv_codec.fp8_as_fp16: shift, then times `factor`)
+struct Fp8 {
+  uint32_t min_normal, denorm_mask, rebias;
+  int mshift, f16_shift;
+  bool fnuz;
+  float factor;
+};
+constexpr Fp8 FP8_SPECS[3] = {
+    {121u << 23, 141u << 23, (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu, 20, 1, false, 256.f},
+    {113u << 23, 134u << 23, (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu, 21, 0, false, 1.f},
+    {0x78u << 23, 0x8Cu << 23, (static_cast<uint32_t>(8 - 127) << 23) + 0x7FFFFu, 20, 1, true, 128.f},
+};
+constexpr float QMAX[5] = {448.f, 57344.f, 240.f, 127.f, 7.f};
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE a / b as PyTorch divides: -ffast-math may turn a plain `/` into a product with a reciprocal
+inline float ieee_div(float a, float b) {
+#if defined(__x86_64__)
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
+#else
+  volatile float q = a / b;
+  return q;
+#endif
+}
+
+inline uint8_t fp8_byte(float f, const Fp8& s) {
+  const uint32_t u = bits_of(f), sign = u & 0x80000000u, a = u ^ sign;
+  uint32_t r;
+  if (a < s.min_normal) {
+    r = bits_of(float_of(a) + float_of(s.denorm_mask)) - s.denorm_mask;
+    if (s.fnuz && r == 0) return 0;  // fnuz has no negative zero
+  } else {
+    r = (a + s.rebias + ((a >> s.mshift) & 1)) >> s.mshift;
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+inline float fp8_value(uint8_t byte, const Fp8& s) {  // exact, times s.factor (kv_codec.fp8_as_fp16)
+  int16_t w = static_cast<int16_t>(static_cast<uint16_t>(byte) << 8);
+  if (s.f16_shift) w = static_cast<int16_t>((w >> s.f16_shift) & ~(((1 << s.f16_shift) - 1) << (15 - s.f16_shift)));
+  at::Half h;
+  h.x = static_cast<uint16_t>(w);
+  return static_cast<float>(h);
+}
+
+// one value's code: int levels as (level + qmax + 0.5) truncated (the byte for int8, 0..14 for int4), fp8 bytes
+inline uint32_t code_of(float x, float inv, int64_t fmt) {
+  const float q = QMAX[fmt];
+  const float w = std::min(std::max(x * inv, -q), q);
+  if (fmt <= FP8_E4M3FNUZ) return fp8_byte(w, FP8_SPECS[fmt]);
+  const int32_t level = static_cast<int32_t>(w + (q + 0.5f));
+  return fmt == INT8 ? static_cast<uint8_t>(level - 127) : static_cast<uint32_t>(level);
+}
+
+inline float level_of(const uint8_t* codes, int64_t i, int64_t fmt) {  // element i's level (fp8: times factor)
+  if (fmt <= FP8_E4M3FNUZ) return fp8_value(codes[i], FP8_SPECS[fmt]);
+  if (fmt == INT8) return static_cast<float>(static_cast<int8_t>(codes[i]));
+  return static_cast<float>(static_cast<int32_t>((codes[i >> 1] >> (4 * (i & 1))) & 0xF) - 7);
+}
+
+inline at::Half scale_of(float amax, int64_t fmt) {
+  return at::Half(std::min(std::max(ieee_div(amax, QMAX[fmt]), 0x1p-24f), 65504.f));
+}
+
+inline float scale_factor(int64_t fmt) { return fmt <= FP8_E4M3FNUZ ? FP8_SPECS[fmt].factor : 1.f; }
+
+#if defined(__AVX2__) && defined(__F16C__)
+constexpr int64_t W = 8;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(c10::BFloat16* p, __m256 v) {  // round to nearest even (widen.h's narrow; finite values)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// a / b in 8 lanes, IEEE: -ffast-math compiles a vector `/` (and _mm256_div_ps) as a reciprocal estimate refined
+// by a Newton step, which is not the division PyTorch does
+inline __m256 ieee_div8(__m256 a, __m256 b) {
+  __m256 q;
+  asm("vdivps %2, %1, %0" : "=x"(q) : "x"(a), "x"(b));
+  return q;
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+template <int64_t FMT>
+inline __m256i fp8_bytes8(__m256 f) {  // fp8_byte in 8 lanes, one byte in each lane's low 8 bits
+  constexpr Fp8 s = FP8_SPECS[FMT];
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i a = _mm256_xor_si256(u, sign);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(s.denorm_mask));
+  const __m256i den = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(mask))), mask);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, s.mshift), _mm256_set1_epi32(1));
+  const __m256i nor =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>(s.rebias))), odd),
+                        s.mshift);
+  const __m256i is_den = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(s.min_normal)), a);
+  const __m256i r = _mm256_blendv_epi8(nor, den, is_den);
+  __m256i sg = _mm256_srli_epi32(sign, 24);
+  if (s.fnuz) sg = _mm256_andnot_si256(_mm256_cmpeq_epi32(r, _mm256_setzero_si256()), sg);
+  return _mm256_or_si256(r, sg);
+}
+
+// 8 values -> their codes in 8 int32 lanes (the byte for int8 and fp8, 0..14 for int4)
+template <int64_t FMT>
+inline __m256i codes8(__m256 x, __m256 inv) {
+  constexpr float q = QMAX[FMT];
+  const __m256 w = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, inv), _mm256_set1_ps(-q)), _mm256_set1_ps(q));
+  if constexpr (FMT <= FP8_E4M3FNUZ) return fp8_bytes8<FMT>(w);
+  const __m256i v = _mm256_cvttps_epi32(_mm256_add_ps(w, _mm256_set1_ps(q + 0.5f)));
+  if constexpr (FMT == INT8) return _mm256_sub_epi32(v, _mm256_set1_epi32(127));  // -127..127: packs signed
+  return v;
+}
+
+// 8 values -> their 8 codes (4 bytes for int4) at dst
+template <int64_t FMT>
+inline void encode8(__m256 x, __m256 inv, uint8_t* dst) {
+  const __m256i v = codes8<FMT>(x, inv);
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  if constexpr (FMT == INT8) {
+    const __m128i w16 = _mm_packs_epi32(lo, hi);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w16, w16));
+  } else {
+    const __m128i w16 = _mm_packus_epi32(lo, hi);
+    __m128i b = _mm_packus_epi16(w16, w16);
+    if constexpr (FMT == INT4) {
+      b = _mm_or_si128(b, _mm_srli_epi16(b, 4));  // byte 2i: e[2i] | e[2i+1] << 4
+      const int packed = _mm_cvtsi128_si32(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1,
+                                                                               -1, -1, -1, -1, -1)));
+      std::memcpy(dst, &packed, 4);
+    } else {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), b);
+    }
+  }
+}
+
+// 32 values (4 vectors) -> 32 codes (16 bytes for int4) at dst, packed two vectors at a time
+template <int64_t FMT>
+inline void encode32(const __m256* x, __m256 inv, uint8_t* dst) {
+  const __m256i v0 = codes8<FMT>(x[0], inv), v1 = codes8<FMT>(x[1], inv);
+  const __m256i v2 = codes8<FMT>(x[2], inv), v3 = codes8<FMT>(x[3], inv);
+  __m256i b;
+  if constexpr (FMT == INT8) {
+    b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+  } else {
+    b = _mm256_packus_epi16(_mm256_packus_epi32(v0, v1), _mm256_packus_epi32(v2, v3));
+  }
+  // dwords are [v0 lo, v1 lo, v2 lo, v3 lo | v0 hi, v1 hi, v2 hi, v3 hi]: back to element order
+  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if constexpr (FMT == INT4) {
+    b = _mm256_or_si256(b, _mm256_srli_epi16(b, 4));
+    const __m256i even = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, even), 0x08);  // qwords 0 and 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(b));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), b);
+  }
+}
+
+// the 8 levels of elements [i, i + 8) (i a multiple of 8 for int4's bytes), fp8 times its factor
+template <int64_t FMT>
+inline __m256 levels8(const uint8_t* codes, int64_t i) {
+  if constexpr (FMT == INT8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+  } else if constexpr (FMT == INT4) {
+    int32_t four;
+    std::memcpy(&four, codes + i / 2, 4);
+    const __m128i b = _mm_cvtsi32_si128(four), nib = _mm_set1_epi8(0x0F);
+    const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(e), _mm256_set1_epi32(7)));
+  } else {
+    constexpr Fp8 s = FP8_SPECS[FMT];
+    __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))), 8);
+    if constexpr (s.f16_shift != 0) {
+      w = _mm_and_si128(_mm_srai_epi16(w, s.f16_shift),
+                        _mm_set1_epi16(static_cast<int16_t>(~(((1 << s.f16_shift) - 1) << (15 - s.f16_shift)))));
+    }
+    return _mm256_cvtph_ps(w);
+  }
+}
+#else
+constexpr int64_t W = 1;  // the generic build: scalar loops only
+#endif
+
+inline void put_scale(uint8_t* scales, int64_t k, at::Half h) { std::memcpy(scales + 2 * k, &h.x, 2); }
+inline float get_scale(const uint8_t* scales, int64_t k) {
+  at::Half h;
+  std::memcpy(&h.x, scales + 2 * k, 2);
+  return static_cast<float>(h);
+}
+
+// element e of a unit (its codes start at dst; int4: pairs never straddle units, the dispatch checks)
+inline void put_code(uint8_t* dst, int64_t e, uint32_t code, int64_t fmt) {
+  if (fmt != INT4) {
+    dst[e] = static_cast<uint8_t>(code);
+  } else if (e & 1) {
+    dst[e >> 1] = static_cast<uint8_t>(dst[e >> 1] | (code << 4));
+  } else {
+    dst[e >> 1] = static_cast<uint8_t>(code);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------- encode
+template <typename T>
+float group_amax(const T* x, int64_t group) {  // max |x| of contiguous values
+  float amax = 0.f;
+  int64_t g = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;  // 4 chains: a max's latency is 4 cycles
+  for (; g + 4 * W <= group; g += 4 * W) {
+    m0 = _mm256_max_ps(m0, abs8(load8(x + g)));
+    m1 = _mm256_max_ps(m1, abs8(load8(x + g + W)));
+    m2 = _mm256_max_ps(m2, abs8(load8(x + g + 2 * W)));
+    m3 = _mm256_max_ps(m3, abs8(load8(x + g + 3 * W)));
+  }
+  for (; g + W <= group; g += W) m0 = _mm256_max_ps(m0, abs8(load8(x + g)));
+  amax = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+#endif
+  for (; g < group; ++g) amax = std::max(amax, std::fabs(widen(x[g])));
+  return amax;
+}
+
+// the fp16 scales of up to 8 groups (written to scales) and their fp32 reciprocals, 8 at once: one group's chain
+// (division, rounding, widening, division) is ~50 cycles of latency that 8 groups share
+template <int64_t FMT>
+void scales_of(const float* amax, int64_t count, uint8_t* scales, float* inv) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 s = _mm256_min_ps(
+      _mm256_max_ps(ieee_div8(_mm256_loadu_ps(amax), _mm256_set1_ps(QMAX[FMT])), _mm256_set1_ps(0x1p-24f)),
+      _mm256_set1_ps(65504.f));
+  const __m128i h = _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  uint16_t halves[8];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(halves), h);
+  std::memcpy(scales, halves, 2 * count);
+  _mm256_storeu_ps(inv, ieee_div8(_mm256_set1_ps(1.f), _mm256_cvtph_ps(h)));
+#else
+  for (int64_t j = 0; j < count; ++j) {
+    const at::Half h = scale_of(amax[j], FMT);
+    put_scale(scales, j, h);
+    inv[j] = ieee_div(1.f, static_cast<float>(h));
+  }
+#endif
+}
+
+template <typename T, int64_t FMT>
+void encode_group(const T* x, int64_t group, float r, uint8_t* dst) {  // contiguous values, one scale (1 / r)
+  int64_t g = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 rv = _mm256_set1_ps(r);
+  for (; g + 4 * W <= group; g += 4 * W) {
+    const __m256 v[4] = {load8(x + g), load8(x + g + W), load8(x + g + 2 * W), load8(x + g + 3 * W)};
+    encode32<FMT>(v, rv, dst + (FMT == INT4 ? g / 2 : g));
+  }
+  for (; g + W <= group; g += W) encode8<FMT>(load8(x + g), rv, dst + (FMT == INT4 ? g / 2 : g));
+#endif
+  for (; g < group; ++g) put_code(dst, g, code_of(widen(x[g]), r, FMT), FMT);
+}
+
+// units [u0, u1) of [outer, group, 1] values: 8 groups' maxima, their scales at once, then their codes
+template <typename T, int64_t FMT>
+void encode_groups(const T* x, int64_t u0, int64_t u1, int64_t group, uint8_t* codes, uint8_t* scales) {
+  const int64_t unit_bytes = FMT == INT4 ? group / 2 : group;
+  for (int64_t u = u0; u < u1; u += 8) {
+    const int64_t count = std::min<int64_t>(8, u1 - u);
+    float amax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, inv[8];
+    for (int64_t j = 0; j < count; ++j) amax[j] = group_amax(x + (u + j) * group, group);
+    scales_of<FMT>(amax, count, scales + 2 * u, inv);
+    for (int64_t j = 0; j < count; ++j)
+      encode_group<T, FMT>(x + (u + j) * group, group, inv[j], codes + (u + j) * unit_bytes);
+  }
+}
+
+// one unit of [group, inner > 1] values (per_channel): inner scales, each over a column of the group's rows
+template <typename T, int64_t FMT>
+void encode_rows(const T* x, int64_t group, int64_t inner, uint8_t* dst, uint8_t* scales, std::vector<float>& inv) {
+  float* iv = inv.data();
+  std::fill(iv, iv + inner, 0.f);
+  for (int64_t g = 0; g < group; ++g) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + W <= inner; i += W)
+      _mm256_storeu_ps(iv + i, _mm256_max_ps(_mm256_loadu_ps(iv + i), abs8(load8(x + g * inner + i))));
+#endif
+    for (; i < inner; ++i) iv[i] = std::max(iv[i], std::fabs(widen(x[g * inner + i])));
+  }
+  for (int64_t i = 0; i < inner; i += 8)
+    scales_of<FMT>(iv + i, std::min<int64_t>(8, inner - i), scales + 2 * i, iv + i);
+  for (int64_t g = 0; g < group; ++g) {
+    const T* row = x + g * inner;
+    const int64_t e0 = g * inner;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    if (FMT != INT4 || inner % 2 == 0)
+      for (; i + W <= inner; i += W)
+        encode8<FMT>(load8(row + i), _mm256_loadu_ps(iv + i), dst + (FMT == INT4 ? (e0 + i) / 2 : e0 + i));
+#endif
+    for (; i < inner; ++i) put_code(dst, e0 + i, code_of(widen(row[i]), iv[i], FMT), FMT);
+  }
+}
+
+struct Parts {  // outer split into contiguous parts, one per task (so each part's CRC can be joined in order)
+  int64_t count, per;
+};
+
+Parts split(int64_t outer, int64_t unit_elems) {
+  constexpr int64_t MIN_PART_ELEMS = 1 << 16;  // below this a thread costs more than it saves
+  const int64_t by_size = std::max<int64_t>(1, outer * unit_elems / MIN_PART_ELEMS);
+  const int64_t count = std::max<int64_t>(1, std::min<int64_t>({outer, by_size, at::get_num_threads()}));
+  const int64_t per = (outer + count - 1) / count;
+  return {(outer + per - 1) / per, per};
+}
+
+template <typename T, int64_t FMT>
+uint32_t encode_all(const T* x, int64_t outer, int64_t group, int64_t inner, uint8_t* codes, uint8_t* scales,
+                    bool crc, uint32_t crc_init) {
+  const int64_t unit_elems = group * inner;
+  const int64_t unit_bytes = FMT == INT4 ? unit_elems / 2 : unit_elems;
+  const Parts parts = split(outer, unit_elems);
+  std::vector<uint32_t> part_crc(parts.count, 0);
+  // CRC a span of finished units while it is still in L1 / L2
+  const int64_t units_per_span = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, unit_bytes));
+  at::parallel_for(0, parts.count, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> inv(inner + 8);  // scales_of reads and writes 8 at a time
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t a = p * parts.per, b = std::min(outer, a + parts.per);
+      uint32_t c = 0;
+      for (int64_t o = a; o < b; o += units_per_span) {
+        const int64_t e = std::min(b, o + units_per_span);
+        if (inner == 1) {
+          encode_groups<T, FMT>(x, o, e, group, codes, scales);
+        } else {
+          for (int64_t u = o; u < e; ++u)
+            encode_rows<T, FMT>(x + u * unit_elems, group, inner, codes + u * unit_bytes, scales + 2 * u * inner, inv);
+        }
+        if (crc) c = crc_update(c, codes + o * unit_bytes, (e - o) * unit_bytes);
+      }
+      part_crc[p] = c;
+    }
+  });
+  if (!crc) return 0;
+  uint32_t c = crc_init;
+  for (int64_t p = 0; p < parts.count; ++p) {
+    const int64_t a = p * parts.per, b = std::min(outer, a + parts.per);
+    c = crc_combine(c, part_crc[p], static_cast<uint64_t>((b - a) * unit_bytes));
+  }
+  return crc_update(c, scales, static_cast<size_t>(2 * outer * inner));
+}
+
+// ---------------------------------------------------------------------------------------------------- decode
+template <typename T, int64_t FMT>
+void decode_unit(const uint8_t* codes, const uint8_t* scales, int64_t group, int64_t inner, T* out) {
+  const float factor = scale_factor(FMT);
+  if (inner == 1) {
+    const float s = get_scale(scales, 0) * factor;
+    int64_t g = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256 sv = _mm256_set1_ps(s);
+    for (; g + W <= group; g += W) store8(out + g, _mm256_mul_ps(levels8<FMT>(codes, g), sv));
+#endif
+    for (; g < group; ++g) out[g] = narrow<T>(level_of(codes, g, FMT) * s);
+    return;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t e0 = g * inner;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    if (FMT != INT4 || inner % 2 == 0)
+      for (; i + W <= inner; i += W) {
+        const __m256 sv = _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * i))), _mm256_set1_ps(factor));
+        store8(out + e0 + i, _mm256_mul_ps(levels8<FMT>(codes, e0 + i), sv));
+      }
+#endif
+    for (; i < inner; ++i) out[e0 + i] = narrow<T>(level_of(codes, e0 + i, FMT) * (get_scale(scales, i) * factor));
+  }
+}
+
+template <typename T, int64_t FMT>
+void decode_all(const uint8_t* codes, const uint8_t* scales, int64_t outer, int64_t group, int64_t inner, T* out) {
+  const int64_t unit_elems = group * inner;
+  const int64_t unit_bytes = FMT == INT4 ? unit_elems / 2 : unit_elems;
+  const Parts parts = split(outer, unit_elems);
+  at::parallel_for(0, parts.count, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t u = p0 * parts.per; u < std::min(outer, p1 * parts.per); ++u)
+      decode_unit<T, FMT>(codes + u * unit_bytes, scales + 2 * u * inner, group, inner, out + u * unit_elems);
+  });
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {  // fp32, fp16, bf16 (no double)
+  switch (t) {
+    case at::kFloat: return f(static_cast<float*>(nullptr));
+    case at::kHalf: return f(static_cast<at::Half*>(nullptr));
+    case at::kBFloat16: return f(static_cast<c10::BFloat16*>(nullptr));
+    default: TORCH_CHECK(false, what, ": values must be float32, float16 or bfloat16, got ", t);
+  }
+}
+
+template <typename F>
+void dispatch_fmt(int64_t fmt, F&& f) {
+  switch (fmt) {
+    case FP8_E4M3: return f(std::integral_constant<int64_t, FP8_E4M3>{});
+    case FP8_E5M2: return f(std::integral_constant<int64_t, FP8_E5M2>{});
+    case FP8_E4M3FNUZ: return f(std::integral_constant<int64_t, FP8_E4M3FNUZ>{});
+    case INT8: return f(std::integral_constant<int64_t, INT8>{});
+    case INT4: return f(std::integral_constant<int64_t, INT4>{});
+    default: TORCH_CHECK(false, "kv codec: unknown format code ", fmt);
+  }
+}
+
+void check_shape(const torch::Tensor& values, const torch::Tensor& codes, const torch::Tensor& scales, int64_t fmt,
+                 int64_t group, int64_t inner, const char* what) {
+  TORCH_CHECK(values.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(),
+              what, ": values, codes and scales must be contiguous");
+  TORCH_CHECK(values.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), what, ": CPU only");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte, what, ": codes must be uint8");
+  const int64_t n = values.numel();
+  TORCH_CHECK(group > 0 && inner > 0 && n % (group * inner) == 0, what, ": ", n, " values are not [outer, ", group,
+              ", ", inner, "]");
+  TORCH_CHECK(fmt != INT4 || ((group * inner) % 2 == 0 && (inner == 1 || inner % 2 == 0)),
+              what, ": int4 needs an even number of values per unit and per row");
+  TORCH_CHECK(codes.numel() == (fmt == INT4 ? n / 2 : n), what, ": codes hold ", codes.numel(), " bytes");
+  TORCH_CHECK(scales.nbytes() == static_cast<size_t>(2 * (n / group)), what, ": scales hold ", scales.nbytes(),
+              " bytes, need ", 2 * (n / group));
+}
+
+}  // namespace
+
+// values [outer, group, inner] (fp32 / fp16 / bf16) -> codes and fp16 scales (uint8 or fp16 tensors of the right
+// bytes); returns the CRC32C of the codes' then the scales' bytes, continuing crc_init (0 when crc is false)
+int64_t kv_encode(torch::Tensor values, int64_t fmt, int64_t group, int64_t inner, torch::Tensor codes,
+                  torch::Tensor scales, bool crc, int64_t crc_init) {
+  check_shape(values, codes, scales, fmt, group, inner, "kv_encode");
+  const int64_t outer = values.numel() / (group * inner);
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* sp = static_cast<uint8_t*>(scales.data_ptr());
+  uint32_t result = 0;
+  dispatch_dtype(values.scalar_type(), "kv_encode", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    const scalar_t* xp = static_cast<const scalar_t*>(values.data_ptr());
+    dispatch_fmt(fmt, [&](auto f) {
+      result = encode_all<scalar_t, decltype(f)::value>(xp, outer, group, inner, cp, sp, crc,
+                                                        static_cast<uint32_t>(crc_init));
+    });
+  });
+  return result;
+}
+
+// inverse of kv_encode into out (fp32 / fp16 / bf16, [outer, group, inner] contiguous)
+void kv_decode(torch::Tensor codes, torch::Tensor scales, int64_t fmt, int64_t group, int64_t inner,
+               torch::Tensor out) {
+  check_shape(out, codes, scales, fmt, group, inner, "kv_decode");
+  const int64_t outer = out.numel() / (group * inner);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = static_cast<const uint8_t*>(scales.data_ptr());
+  dispatch_dtype(out.scalar_type(), "kv_decode", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    scalar_t* op = static_cast<scalar_t*>(out.data_ptr());
+    dispatch_fmt(fmt, [&](auto f) { decode_all<scalar_t, decltype(f)::value>(cp, sp, outer, group, inner, op); });
+  });
+}
+
+// CRC32C of a contiguous CPU tensor's bytes, continuing `value` (the crc32c package's crc32c(data, value))
+int64_t crc32c_of(torch::Tensor data, int64_t value) {
+  TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "crc32c: a contiguous CPU tensor");
+  return crc_update(static_cast<uint32_t>(value), static_cast<const uint8_t*>(data.data_ptr()), data.nbytes());
+}
+
+// dst = src (contiguous CPU tensors of equal bytes), and the CRC32C of the bytes copied, continuing `value`: each
+// piece is checksummed right after its copy, while it is still in L1
+int64_t copy_crc32c(torch::Tensor dst, torch::Tensor src, int64_t value) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.device().is_cpu() && src.device().is_cpu() &&
+                  dst.nbytes() == src.nbytes(), "copy_crc32c: contiguous CPU tensors of equal bytes");
+  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
+  uint8_t* d = static_cast<uint8_t*>(dst.data_ptr());
+  uint32_t c = static_cast<uint32_t>(value);
+  constexpr size_t PIECE = 16 << 10;
+  for (size_t at = 0, n = src.nbytes(); at < n; at += PIECE) {
+    const size_t len = std::min(PIECE, n - at);
+    std::memcpy(d + at, s + at, len);
+    c = crc_update(c, s + at, len);
+  }
+  return c;
+}
+
+void bind_kv_codec(pybind11::module& m) {
+  m.def("kv_encode", &kv_encode, "KV codec encode of [outer, group, inner] values, with the CRC32C of its bytes");
+  m.def("kv_decode", &kv_decode, "KV codec decode into [outer, group, inner] values");
+  m.def("crc32c", &crc32c_of, "CRC32C of a tensor's bytes, continuing a CRC");
+  m.def("copy_crc32c", &copy_crc32c, "copy, and the CRC32C of the bytes copied");
+  m.def("crc32c_native", [] { return NATIVE_CRC; }, "whether the CRC32C runs on the CPU's crc32 instruction");
+}

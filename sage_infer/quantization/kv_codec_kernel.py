@@ -1,0 +1,81 @@
+"""The KV codec's C++ kernel (sage_infer/layers/csrc/kv_codec.cpp) and the CRC32C it computes as it encodes.
+
+The kernel is part of the CPU kernels' build (one per ISA level, compiled at install, the highest the CPU runs
+loaded at run time: `sage_infer.hal.kernel_build`). It encodes and decodes exactly as the PyTorch codec
+(`kv_codec.quantize_groups` / `dequantize_groups`, the reference its tests compare with bit for bit), reading the
+fp16 / bf16 / fp32 values once: no fp32 copy, no temporaries. With ``crc`` it also returns the CRC32C of the bytes
+it wrote (codes, then scales), computed with SSE4.2's ``crc32`` while they are in L1, so a checksummed wire chunk
+costs no second pass over its payload.
+
+`native()` is the module, or None where it cannot run: no kernel build loads here, the build predates the codec,
+or ``SAGE_KV_CODEC=torch`` asks for the PyTorch codec. The reason is logged once; the callers then take the
+PyTorch codec and the `crc32c` package. `crc32c()` is the package's function on the kernel's instruction loop
+(the same values).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+import crc32c as _crc32c
+import torch
+
+from sage_infer.hal import kernel_build
+from sage_infer.hal.isa import ENV
+
+log = logging.getLogger(__name__)
+FORMAT_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp8_e4m3fnuz": 2, "int8": 3, "int4": 4}
+CODEC_ENV = "SAGE_KV_CODEC"  # "torch": the PyTorch codec where the kernel would load (tests, benchmarks)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_logged: set[str] = set()
+
+
+def unavailable() -> str | None:
+    """None when the kernel runs here, else why not (loads the CPU kernels' build on the first call)."""
+    if os.environ.get(CODEC_ENV, "").strip().lower() == "torch":
+        return f"{CODEC_ENV}=torch"
+    module, why, _ = kernel_build.load_selected(os.environ.get(ENV, ""))
+    if module is not None and not hasattr(module, "kv_encode"):
+        return "the loaded CPU kernel build predates the KV codec kernel (run `make install`)"
+    return why
+
+
+def native() -> ModuleType | None:
+    """The kernel module, or None (the reason logged once per reason) where the PyTorch codec runs instead."""
+    why = unavailable()
+    if why is None:
+        return kernel_build.load_selected(os.environ.get(ENV, ""))[0]
+    if why not in _logged:
+        _logged.add(why)
+        log.info("sage: the KV codec runs on PyTorch ops, not its C++ kernel: %s", why)
+    return None
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, fmt: str, group: int, inner: int) -> ModuleType | None:
+    """The kernel for values of `dtype` on `device` viewed as [outer, group, inner] in `fmt`, or None where the
+    PyTorch codec must run (another device or dtype, an int4 unit or row of odd length, or no kernel here)."""
+    if device.type != "cpu" or dtype not in _KERNEL_DTYPES or fmt not in FORMAT_CODES:
+        return None
+    if fmt == "int4" and ((group * inner) % 2 or (inner > 1 and inner % 2)):
+        return None
+    return native()
+
+
+def crc32c(data: torch.Tensor, value: int = 0) -> int:
+    """CRC32C of a contiguous CPU tensor's bytes, continuing `value` (as ``crc32c.crc32c(data, value)``)."""
+    module = native()
+    if module is not None:
+        return module.crc32c(data, value)
+    return _crc32c.crc32c(memoryview(data.reshape(-1).view(torch.uint8).numpy()), value)
+
+
+def copy_crc32c(dst: torch.Tensor, src: torch.Tensor, value: int = 0) -> int:
+    """``dst.copy_(src)`` (contiguous CPU tensors of equal bytes) and the CRC32C of the bytes, continuing `value`;
+    the kernel checksums each 16 KiB piece right after copying it, while it is in L1."""
+    module = native()
+    if module is not None:
+        return module.copy_crc32c(dst, src, value)
+    dst.copy_(src)
+    return crc32c(src, value)
