@@ -148,6 +148,13 @@ def test_input_items_list_the_conversation_a_page_at_a_time_as_openai_does(clien
     before = client.responses.input_items.list(second.id, limit=2, order="asc", extra_query={"before": ids[-1]})
     assert [i.id for i in before.data] == ids[-3:-1]
     assert [i.id for i in client.responses.input_items.list(first.id, order="asc")] == ids[:1]
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "A player."}]}
+    kept_by_client = create(client, server, max_output_tokens=2, input=[  # a reasoning item leads to its answer
+        {"role": "user", "content": FIRST}, thought, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And?"}])
+    listed = client.responses.input_items.list(kept_by_client.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "reasoning", "message", "message"]
+    assert listed[1].content[0].text == "A player." and listed[2].role == "assistant"
     with pytest.raises(openai.NotFoundError) as err:
         client.responses.input_items.list("resp_" + "0" * 32)
     assert err.value.body["type"] == "not_found_error"
@@ -275,6 +282,10 @@ def test_text_format_json_schema_constrains_the_output(client, server):
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
      "tools[0].parameters"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]}, "input[1]"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}, {"role": "assistant",
+                                                                                  "content": "hi"}]},
+     "input[0].encrypted_content"),
 ])
 def test_bad_input_is_an_openai_error_naming_the_field(server, body, param):
     reply = httpx.post(f"{server[0]}/v1/responses", json={"model": server[1], **body})

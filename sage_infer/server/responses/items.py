@@ -12,7 +12,7 @@ import uuid
 
 from sage_infer.server.openai_errors import APIError
 from sage_infer.server.responses.objects import output_text
-from sage_infer.server.responses.protocol import FunctionCallItem, MessageItem
+from sage_infer.server.responses.protocol import FunctionCallItem, MessageItem, ReasoningItem
 
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
@@ -29,6 +29,10 @@ def item_objects(items: list) -> list[dict]:
                 parts = [output_text(part["text"]) for part in parts]
             objects.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": item.role,
                             "content": parts, "status": "completed"})
+        elif isinstance(item, ReasoningItem):
+            objects.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                            "summary": [part.model_dump() for part in item.summary],
+                            "content": [part.model_dump() for part in item.content or []], "status": "completed"})
         elif isinstance(item, FunctionCallItem):
             objects.append({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": item.call_id,
                             "name": item.name, "arguments": item.arguments, "status": "completed"})

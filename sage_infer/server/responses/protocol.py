@@ -48,6 +48,34 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning section the model wrote earlier (a reasoning parser's ``reasoning`` output item), sent back by
+    a client that keeps the conversation itself; it goes to the template as the next answer's
+    ``reasoning_content``. Encrypted reasoning (another server's) cannot be read here."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _not_encrypted(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("encrypted reasoning cannot be read by this server (send the reasoning's text)")
+        return value
+
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
 class TextFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
@@ -59,11 +87,12 @@ class TextConfig(BaseModel):
 
 
 _ITEMS: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                       "function_call_output": FunctionCallOutputItem}
+                                       "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _UNION_TAGS = {"str", "list[InputText]"}  # pydantic names a union's branches in an error's location
 
 
-def input_items(raw: str | list[dict]) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+def input_items(raw: str | list[dict]) -> list[InputItem]:
     """The body's ``input`` as typed items; a bad item is a 400 naming it (``input[2].role``)."""
     if isinstance(raw, str):
         return [MessageItem(role="user", content=raw)]
@@ -74,7 +103,7 @@ def input_items(raw: str | list[dict]) -> list[MessageItem | FunctionCallItem | 
         kind = item.get("type", "message")
         if kind not in _ITEMS:
             raise APIError(400, f"input[{i}].type: {kind!r} is not supported (message, function_call, "
-                                f"function_call_output)", f"input[{i}].type")
+                                f"function_call_output, reasoning)", f"input[{i}].type")
         try:
             items.append(_ITEMS[kind].model_validate(item))
         except ValidationError as err:
@@ -82,13 +111,30 @@ def input_items(raw: str | list[dict]) -> list[MessageItem | FunctionCallItem | 
             where = f"input[{i}]" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in worst["loc"]
                                             if p not in _UNION_TAGS)
             raise APIError(400, f"{where}: {worst['msg']}", where) from None
+    _check_reasoning_order(items)
     return items
 
 
-def to_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[dict]:
-    """Input items as chat-template messages, in order."""
+def _check_reasoning_order(items: list[InputItem]) -> None:
+    """A reasoning item leads to an answer: the assistant message or function call right after it."""
+    for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            after = items[i + 1] if i + 1 < len(items) else None
+            if not (isinstance(after, FunctionCallItem) or (isinstance(after, MessageItem)
+                                                            and after.role == "assistant")):
+                raise APIError(400, f"input[{i}]: a reasoning item comes right before the assistant message or "
+                                    "function call it led to", f"input[{i}]")
+
+
+def to_messages(items: list[InputItem]) -> list[dict]:
+    """Input items as chat-template messages, in order; a reasoning item becomes the ``reasoning_content`` of
+    the answer after it."""
     messages: list[dict] = []
+    reasoning = None
     for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text()
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -97,6 +143,9 @@ def to_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputI
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if reasoning is not None:
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
     return messages
 
 
