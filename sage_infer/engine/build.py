@@ -183,6 +183,9 @@ class EngineBuilder:
         blocks = resolve_num_blocks(config, bytes_per_block=bytes_per_block(self.schema),
                                     max_model_len=seat_tokens, free_device_bytes=free_memory_bytes(device),
                                     host_available_bytes=read_mem_available(), draft=self.draft)
+        if self.kv_groups is not None:  # what "tokens" counted for a seat
+            blocks = ResolvedValue(blocks.field, blocks.value, f"{blocks.reason}; blocks of {self.schema.num_layers} "
+                                   f"layers, a seat's tokens counted over its {len(self.kv_groups.groups)} KV groups")
         auto.values.append(blocks)
         host_bytes = resolve_host_bytes(config, device.type, read_mem_available())
         auto.values.append(host_bytes)
