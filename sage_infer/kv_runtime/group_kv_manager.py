@@ -64,7 +64,11 @@ class GroupKVCacheManager(KVCacheManager):
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s block table of every group (equal lengths; group 0's is `seq.block_table`)."""
-        return [seq.block_table, *self._tables.get(seq.seq_id, ())]
+        extra = self._tables.get(seq.seq_id)
+        if extra is None and self.num_groups > 1 and seq.block_table:  # (a table made outside this manager)
+            raise NotImplementedError(f"sequence {seq.seq_id} has one block table, not one per KV group: "
+                                      f"blocks taken outside the KV manager are {NOT_FOR_GROUPS}")
+        return [seq.block_table, *(extra or ())]
 
     def held_blocks(self, seq: Sequence) -> list[int]:
         """Blocks `seq` holds in each group now (its table less the null entries)."""
