@@ -2,11 +2,12 @@
 
 A replica keeps the conversation of each response it stored, and its KV (`server.responses`), so a
 request continuing one (``previous_response_id``), ``GET`` / ``DELETE /v1/responses/{id}`` and
-``GET /v1/responses/{id}/input_items`` must reach that worker and no other. The router learns who holds each response from the answers it relays
-(the ``id`` of a JSON answer, of a stream's ``response.created`` event) into a bounded map; a response
-it has not seen (the router restarted, or another router created it) is looked for on each worker in
-turn. A new conversation goes where the router's policy sends a chat request with the same messages.
-A worker that holds a response and is down makes it a 404, as an unknown id is: its state is there only.
+``GET /v1/responses/{id}/input_items`` must reach that worker and no other. The router learns who
+holds each response from the answers it relays (the ``id`` of a JSON answer, of a stream's
+``response.created`` event) into a bounded map; a response it has not seen (the router restarted, or
+another router created it) is looked for on each worker in turn. A new conversation goes where the
+router's policy sends a chat request with the same messages. A worker that holds a response and is
+down makes it a 404, as an unknown id is: its state is there only.
 """
 
 from __future__ import annotations
