@@ -3,6 +3,7 @@ moved on the row threads (batches past `rows.PARALLEL_MIN_BYTES`), all bit-exact
 
 from __future__ import annotations
 
+import crc32c
 import pytest
 import torch
 
@@ -101,3 +102,18 @@ def test_a_corrupt_disk_block_in_a_batch_is_detected_and_dropped(tmp_path):
         assert all(torch.equal(row, blocks[i]) for i, row in enumerate(got) if i != bad)
         assert tier.stats().checksum_failures == 1 and tier.contains([keys[bad]]) == [False]
         assert torch.equal(tier.get_prefix(keys), blocks[:bad])  # a chain stops where it is missing
+
+
+def test_large_rows_checksummed_as_copied_keep_the_crc32c_of_the_bytes():
+    rows.set_move_threads(1)  # (one thread: the single-pass kernel path where the kernel loads)
+    big = KVCacheSchema(num_layers=16, num_kv_heads=4, head_dim=64, block_size=16)  # 256 KiB blocks
+    assert big.bytes_per_block >= rows.FUSED_MIN_ROW_BYTES
+    keys = hash_token_blocks(list(range(3 * 16)), 16, make_extra_key("m", "r", "bf16", cache_salt="big"))
+    blocks = torch.randint(0, 256, (3, big.bytes_per_block), dtype=torch.uint8)
+    with HostTier(big, 4 * big.bytes_per_block, background_crc=False) as tier:
+        tier.put(keys, blocks)
+        stored = [int(tier._crc[tier.slot_of(key)]) for key in keys]
+        assert stored == [crc32c.crc32c(row) for row in blocks.numpy()]  # the same CRC32C the disk and wire use
+        assert torch.equal(tier.get_prefix(keys), blocks)
+        tier.slab[tier.slot_of(keys[1]), 100] ^= 4
+        assert torch.equal(tier.get_prefix(keys), blocks[:1]) and tier.stats().checksum_failures == 1

@@ -4,7 +4,8 @@ A tier moves whole blocks, ``[n, bytes_per_block]`` uint8 rows, between a caller
 and its own (the host tier's slab, the disk tier's queue). The costs a small block pays
 are per-row Python work and per-row calls, so everything here works on *runs*: rows that
 are consecutive on both sides go in one copy. Checksums are taken right after each ~1 MiB
-piece is copied, while it is still in cache. A large move (`PARALLEL_MIN_BYTES` or more, of
+piece is copied, while it is still in cache, or, for large rows where the KV codec's C++ kernel
+loads, as each row is copied (one pass: `copy_crc32c`). A large move (`PARALLEL_MIN_BYTES` or more, of
 rows crc32c checksums with the GIL released) is split into pieces that a small thread pool
 copies and checksums in parallel: one core does not saturate memory with a copy and a
 checksum (`bench/tiers_raw.py`, "threads" rows).
@@ -13,9 +14,11 @@ checksum (`bench/tiers_raw.py`, "threads" rows).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import crc32c
 import numpy as np
@@ -26,6 +29,9 @@ CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in c
 # the GIL, so two threads only take turns
 GIL_FREE_ROW_BYTES = 32 << 10
 PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more than it saves
+# rows this large are copied and checksummed in one pass by the C++ kernel; below it the call per row costs more
+# than the second pass saves (`bench/tiers_raw.py`)
+FUSED_MIN_ROW_BYTES = 256 << 10
 # One thread per 4 cores, at most 4: a core or two do not saturate a big host's memory, but on a small machine
 # every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
 # two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
@@ -33,6 +39,7 @@ MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_kernel: ModuleType | None | bool = False  # False: not looked up yet
 _pool_lock = threading.Lock()
 
 
@@ -55,6 +62,18 @@ def move_pool() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="sage-kv-rows")
         return _pool
+
+
+def fused_kernel() -> ModuleType | None:
+    """The C++ kernel whose ``copy_crc32c`` copies a row and checksums it in one pass (`quantization.
+    kv_codec_kernel`), or None where it does not load (then a numpy copy and the crc32c package: two passes). It
+    holds the GIL, so a move split over threads takes the two-pass path."""
+    global _kernel
+    if _kernel is False:
+        from sage_infer.quantization.kv_codec_kernel import native
+
+        _kernel = native()
+    return _kernel
 
 
 def runs_of(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[Run]:
@@ -117,6 +136,11 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
         np.copyto(dst_np[d : d + n], src_np[s : s + n])
         return crc_rows(check[d : d + n] if crc_of == "dst" else check[s : s + n]) if crc_of else []
 
+    fuse = crc_of and row_bytes >= FUSED_MIN_ROW_BYTES and dst.stride(1) == 1 and src.stride(1) == 1
+    kernel = fused_kernel() if fuse else None
+    if kernel is not None and not parallel(row_bytes, total):  # one pass: each row checksummed as it is copied
+        return [crc for d, s, n in runs for crc in map(kernel.copy_crc32c, dst[d : d + n].unbind(0),
+                                                        src[s : s + n].unbind(0), itertools.repeat(0, n))]
     if parallel(row_bytes, total, crc=crc_of is not None):
         done = move_pool().map(piece, pieces(runs, rows_per_piece if crc_of else max(rows_per_piece, len_per_thread(
             total, row_bytes))))
