@@ -215,3 +215,6 @@ def test_config_show_reports_tokens_per_gib_per_group(gemma2, sage):
          "tokens_per_gib": (1 << 30) // (per_token * BS) * BS, "max_tokens_per_sequence": None},
         {"group": 1, "kind": "sliding 16", "layers": [0, 2], "bytes_per_token": per_token,
          "tokens_per_gib": (1 << 30) // (per_token * BS) * BS, "max_tokens_per_sequence": 2 * BS}]
+    # at 1024 tokens: 64 full blocks, the sliding group's last one (tokens 1009..1023); every layer: 2 x 64
+    assert shown["kv_sequence"] == {"tokens": 1024, "bytes": 65 * per_token * BS,
+                                    "full_attention_bytes": 128 * per_token * BS}

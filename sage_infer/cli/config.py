@@ -49,7 +49,7 @@ def show(
 
     groups = kv_group_rows(resolved.config)
     if groups is not None:
-        data["kv_dtype_counted"], data["kv_groups"] = groups
+        data["kv_dtype_counted"], data["kv_groups"], data["kv_sequence"] = groups
 
     def render(console) -> None:
         shown = [r for r in rows if hardware or not r["field"].startswith("hardware.")]
@@ -76,5 +76,9 @@ def show(
                                 [(r["group"], r["kind"], ",".join(map(str, r["layers"])), r["bytes_per_token"],
                                   r["tokens_per_gib"], r["max_tokens_per_sequence"] or "all")
                                  for r in groups[1]]))
+            seq = groups[2]
+            console.print(f"A sequence of {seq['tokens']} tokens keeps {seq['bytes'] / 2**20:.1f} MiB of KV, "
+                          f"{seq['bytes'] / seq['full_attention_bytes']:.2f} x what every layer keeping every token "
+                          f"would ({seq['full_attention_bytes'] / 2**20:.1f} MiB)")
 
     emit(data, as_json, render)

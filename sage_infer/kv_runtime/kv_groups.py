@@ -68,6 +68,10 @@ class KVGroups:
         window = self.groups[group].window
         return -1 if window is None else -(-(window - 1) // block_size)
 
+    def sequence_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks, all groups together, a sequence of `num_tokens` computed tokens holds between steps."""
+        return sum(group.blocks_per_sequence(num_tokens, block_size) for group in self.groups)
+
     def describe(self, bytes_per_block: int, block_size: int) -> list[dict]:
         """Per group: kind, layers, bytes a token takes in it, tokens one GiB of blocks holds, and how many tokens a
         sequence keeps there at most (None: all of them)."""
