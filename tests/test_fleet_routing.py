@@ -67,6 +67,11 @@ def test_blocks_the_queue_ahead_evicts_are_not_counted_and_blocks_it_computes_ar
     assert index.doomed(a) == {"p0", "p1"}  # the 2 new blocks evict the 2 least recently used: p's
     assert index.hit(a, ["p0", "p1"]) == Hit(0, ())
     assert index.hit(a, ["q0", "q1", "n0", "n1", "z"]) == Hit(4, ())  # what the request ahead computes is a hit
+    later = [f"x{i}" for i in range(6)]  # unless 1.5 capacities of other blocks will be used after it
+    index.touch(a, later)
+    a.take(0, later)
+    assert index.hit(a, ["q0", "q1", "n0", "n1"]) == Hit(0, ())
+    a.release(0, blocks=later)
     index.apply(a, "removed", "device", "p0")  # n0 computed in p0's place: one fewer block to come
     index.apply(a, "stored", "device", "n0")
     assert a.to_allocate == 1 and index.doomed(a) == {"p1"}
@@ -266,3 +271,5 @@ def test_the_recency_order_finds_the_kth_oldest_evictable_block_as_a_list_would(
                 if k:
                     threshold = order.oldest_evictable_stamp(k)
                     assert {b for b in naive if order.among_oldest(b, threshold)} == set(eligible[:k])
+            for block in naive[:: max(1, len(naive) // 5)]:
+                assert order.newer_than(block) == len(naive) - 1 - naive.index(block)  # its LRU stack distance

@@ -9,11 +9,13 @@ them that a lower tier (its own, or the shared one) holds.
 It also keeps, per replica, the order in which that replica will have last used its device blocks
 (`Replica.recency`): a request routed there touches its prompt's blocks when it starts, and the
 requests queued there start in the order they were routed, so the router knows the replica's
-least recently used blocks ahead of time. The prompt tokens queued there allocate new blocks when
-their requests start; past the replica's free blocks each one evicts the least recently used
-(the engine's default `lru` eviction), so `doomed` names the device blocks a newcomer would find
-gone by the time it starts. Without it the router counts on blocks the queue ahead will evict:
-near saturation most of its predicted hits were misses, each of which evicted another prefix.
+least recently used blocks ahead of time. The requests in flight there allocate the blocks they
+hold that it has not stored yet; past its capacity each evicts the least recently used block no
+request in flight holds (the engine's default `lru` eviction), so a prompt's hit stops at a block
+that will be gone by the time it starts. A block a request ahead holds counts as a hit (that
+request computes it first) unless `HELD_HORIZON` capacities of other blocks are used after it.
+Without the forecast the router counts on blocks the queue ahead evicts: near saturation most of
+its predicted hits were misses, each of which evicted another prefix.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from dataclasses import dataclass, field
 from sage_infer.kv_policy.recency import RecencyOrder
 
 DEVICE, SHARED = "device", "remote"
+# a block a request in flight holds counts as a hit until this many times the replica's capacity of other blocks were
+# (or will have been, once the requests routed there have started) used after it: LRU's verdict would be 1.0, but
+# counting on a prefix a little longer keeps its requests together on one replica, where they find it (in the fleet
+# replay of bench/fleet_sim.py 1.5 served the most load within the SLO: 1.0 spreads a prefix's requests and loses
+# their hits; much more counts on blocks a long queue evicts)
+HELD_HORIZON = 1.5
 LOWER_MEDIA = ("host", "disk")  # a replica's own lower tiers, fastest first; "remote" is the fleet's
 
 
@@ -180,7 +188,7 @@ class FleetIndex:
         while n < len(hashes) and (hashes[n] in device or hashes[n] in held):
             n += 1
         if n and (threshold := self.doomed_before(replica)):  # the forecast costs only where there is a hit to cut
-            n = next((i for i in range(n) if replica.recency.among_oldest(hashes[i], threshold)), n)
+            n = next((i for i in range(n) if self._lost(replica, hashes[i], threshold)), n)
         lower: list[tuple[str, int]] = []
         for block_hash in hashes[n:]:
             medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
@@ -206,14 +214,20 @@ class FleetIndex:
         """The stamp (in `replica.recency`) at or before which its device blocks will have been evicted by the time a
         request routed now starts; 0: none. Its requests in flight allocate the blocks they hold that it has not
         stored yet, and past its capacity each evicts the least recently used (in `recency`'s order, the order the
-        replica starts its requests) of the blocks no request in flight there holds. Held blocks are not counted as
-        lost, though LRU may evict those of a request far ahead in a long queue before the newcomer's turn:
-        counting on them keeps a prefix's requests together on one replica, and together they find it (the
-        stricter forecast spread them and lost the hits it predicted)."""
+        replica starts its requests) of the blocks no request in flight there holds."""
         evicted = len(replica.media[DEVICE]) + replica.to_allocate - replica.capacity_blocks
         if replica.capacity_blocks <= 0 or evicted <= 0:
             return 0
         return replica.recency.oldest_evictable_stamp(evicted)
+
+    def _lost(self, replica: Replica, block_hash: str, threshold: int) -> bool:
+        """Whether a block of a prompt's hit will be gone when the request starts: an evictable one among the
+        `doomed_before` oldest; one a request in flight holds (it computes or uses it first) once `HELD_HORIZON`
+        capacities of other blocks were used after it."""
+        recency = replica.recency
+        if block_hash in replica.held:
+            return block_hash in recency and recency.newer_than(block_hash) >= HELD_HORIZON * replica.capacity_blocks
+        return recency.among_oldest(block_hash, threshold)
 
     def doomed(self, replica: Replica) -> frozenset[str]:
         """The device blocks `doomed_before` counts as evicted (for tests and tools; routing asks per block)."""

@@ -22,6 +22,7 @@ class RecencyOrder:
         self.evictable: set[str] = set()  # blocks counted in the tree
         self.size = MIN_SIZE
         self.tree = [0] * (self.size + 1)  # Fenwick tree over stamps 1..size: 1 where an evictable block sits
+        self.known = [0] * (self.size + 1)  # the same over every known block
         self.next = 1
         self.count = 0  # evictable blocks
 
@@ -36,12 +37,15 @@ class RecencyOrder:
         if self.next > self.size:
             self._renumber(keep)
         old = self.stamps.get(block_hash)
-        if old is not None and block_hash in self.evictable:
-            self._add(old, -1)
+        if old is not None:
+            _add(self.known, old, -1)
+            if block_hash in self.evictable:
+                _add(self.tree, old, -1)
         self.stamps[block_hash] = stamp = self.next
         self.next += 1
+        _add(self.known, stamp, 1)
         if block_hash in self.evictable:
-            self._add(stamp, 1)
+            _add(self.tree, stamp, 1)
 
     def add(self, block_hash: str, keep: Callable[[str], bool]) -> None:
         """Known from now on, as the most recently used, unless already known (it keeps its place)."""
@@ -50,9 +54,12 @@ class RecencyOrder:
 
     def discard(self, block_hash: str) -> None:
         stamp = self.stamps.pop(block_hash, None)
-        if stamp is not None and block_hash in self.evictable:
+        if stamp is None:
+            return
+        _add(self.known, stamp, -1)
+        if block_hash in self.evictable:
             self.evictable.discard(block_hash)
-            self._add(stamp, -1)
+            _add(self.tree, stamp, -1)
             self.count -= 1
 
     def set_evictable(self, block_hash: str, evictable: bool) -> None:
@@ -62,11 +69,11 @@ class RecencyOrder:
             return
         if evictable:
             self.evictable.add(block_hash)
-            self._add(stamp, 1)
+            _add(self.tree, stamp, 1)
             self.count += 1
         else:
             self.evictable.discard(block_hash)
-            self._add(stamp, -1)
+            _add(self.tree, stamp, -1)
             self.count -= 1
 
     def clear(self) -> None:
@@ -88,25 +95,40 @@ class RecencyOrder:
         """Whether an evictable `block_hash` is at or before `threshold` (`oldest_evictable_stamp`)."""
         return block_hash in self.evictable and self.stamps[block_hash] <= threshold
 
-    def _add(self, i: int, delta: int) -> None:
-        tree, size = self.tree, self.size
-        while i <= size:
-            tree[i] += delta
-            i += i & -i
+    def newer_than(self, block_hash: str) -> int:
+        """How many known blocks were used after the (known) `block_hash`: its LRU stack distance."""
+        i, below = self.stamps[block_hash], 0
+        while i > 0:
+            below += self.known[i]
+            i -= i & -i
+        return len(self.stamps) - below
 
     def _renumber(self, keep: Callable[[str], bool]) -> None:
         """Stamps 1..n in the same order, forgetting blocks `keep` lets go; room for as many again."""
         order = sorted((s, h) for h, s in self.stamps.items() if h in self.evictable or keep(h))
         self.size = max(MIN_SIZE, 2 * len(order))
-        self.tree = [0] * (self.size + 1)
         self.stamps = {h: i for i, (_, h) in enumerate(order, 1)}
         self.evictable &= self.stamps.keys()
         self.count = len(self.evictable)
-        for i, (_, h) in enumerate(order, 1):  # Fenwick tree built in O(n)
-            if h in self.evictable:
-                self.tree[i] += 1
-        for i in range(1, self.size + 1):
-            parent = i + (i & -i)
-            if parent <= self.size:
-                self.tree[parent] += self.tree[i]
+        self.tree = _built(self.size, [i for i, (_, h) in enumerate(order, 1) if h in self.evictable])
+        self.known = _built(self.size, range(1, len(order) + 1))
         self.next = len(order) + 1
+
+
+def _add(tree: list[int], i: int, delta: int) -> None:
+    size = len(tree) - 1
+    while i <= size:
+        tree[i] += delta
+        i += i & -i
+
+
+def _built(size: int, ones) -> list[int]:
+    """A Fenwick tree over 1..size with a 1 at each of `ones`, in O(size)."""
+    tree = [0] * (size + 1)
+    for i in ones:
+        tree[i] += 1
+    for i in range(1, size + 1):
+        parent = i + (i & -i)
+        if parent <= size:
+            tree[parent] += tree[i]
+    return tree
