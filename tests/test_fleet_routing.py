@@ -72,6 +72,12 @@ def test_blocks_the_queue_ahead_evicts_are_not_counted_and_blocks_it_computes_ar
     a.take(0, later)
     assert index.hit(a, ["q0", "q1", "n0", "n1"]) == Hit(0, ())
     a.release(0, blocks=later)
+    index.reset(b := index.add("b"), {"device": [], "host": []})  # a replica with a host tier demotes its victims
+    b.capacity_blocks = 4
+    for block_hash in ("p0", "p1", "q0", "q1"):
+        index.apply(b, "stored", "device", block_hash)
+    b.take(2 * BS, ["n0", "n1"])
+    assert index.hit(b, ["p0", "p1"]) == Hit(0, (("host", 2),))  # loaded back, not computed
     index.apply(a, "removed", "device", "p0")  # n0 computed in p0's place: one fewer block to come
     index.apply(a, "stored", "device", "n0")
     assert a.to_allocate == 1 and index.doomed(a) == {"p1"}

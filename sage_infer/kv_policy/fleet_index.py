@@ -47,6 +47,7 @@ class Replica:
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
     capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
     naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
+    demotes_to: str | None = None  # its fastest lower tier (its snapshot names it), where its device's victims go
     recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`kv_policy.routing`)
     # device blocks (and blocks the requests routed here will compute), least recently used first, as the replica
     # will have used them once the requests routed here have started
@@ -162,6 +163,7 @@ class FleetIndex:
         for medium, hashes in snapshot.items():
             for block_hash in hashes:
                 self.apply(replica, "stored", medium, block_hash)
+        replica.demotes_to = next((m for m in LOWER_MEDIA if m in snapshot), None)
         # how recently a snapshot's blocks were used is not known: older than whatever is routed from now on
 
     def drop(self, replica: Replica) -> None:
@@ -194,6 +196,8 @@ class FleetIndex:
             medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
             if medium is None and block_hash in self.shared:
                 medium = SHARED
+            if medium is None and block_hash in device:  # evicted before its turn: demoted to its lower tier
+                medium = replica.demotes_to
             if medium is None:
                 break
             if lower and lower[-1][0] == medium:
