@@ -9,11 +9,9 @@ After vLLM's hybrid allocator (`KVCacheCoordinator` over a `FullAttentionManager
   before ``num_computed_tokens - W + 1`` back to the pool (cached, evictable, when prefix caching is on): between
   steps a sequence holds about ``W + block_size`` tokens in such a group. Only committed tokens count, so a
   speculative rollback (`trim`) never needs a freed block.
-- **Prefix hits per group**: a full group 0 keeps the prefix tree of the plain path (its hashes are the chain's);
-  every other group registers each block on its own (a root of the index, keyed by the group and the chain hash
-  before it), so a sliding group's early blocks are evictable while its later ones are in use. A hit needs every
-  full group's blocks of the prefix and only the last ``ceil((W - 1) / block_size)`` of a sliding group's (scanned
-  from the right); its length is the longest every group serves (`match`).
+- **Prefix hits per group** (`sage_infer.kv_runtime.group_prefix`): every full group's blocks of the prefix and
+  only the last ``ceil((W - 1) / block_size)`` of a sliding group's; `commit` registers each group's blocks under
+  the keys `GroupPrefix` looks them up by.
 
 Blocks the prompt finds past the device (tiers, prefill/decode transfers) are not built for groups: the builder
 refuses them for such a model, in one line.
@@ -27,24 +25,13 @@ from collections.abc import Callable
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.group_prefix import GroupPrefix
 from sage_infer.kv_runtime.kv_cache_manager import NO_MATCH, KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups
-from sage_infer.prefix_reuse.hashing import hash_block, hash_token_blocks
+from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.index import PrefixMatch
 
 NOT_FOR_GROUPS = "not implemented yet for hybrid KV groups"
-
-
-class GroupMatch(PrefixMatch):
-    """A `PrefixMatch` with each group's blocks of the prefix (`group_block_ids[g]`, the null block where a sliding
-    group needs none); `block_ids` are group 0's."""
-
-    __slots__ = ("group_block_ids",)
-
-    def __init__(self, group_block_ids: list[list[int]], block_hashes: list[bytes], num_tokens: int,
-                 num_query_blocks: int) -> None:
-        super().__init__(group_block_ids[0], block_hashes, num_tokens, num_query_blocks)
-        self.group_block_ids = group_block_ids
 
 
 class GroupKVCacheManager(KVCacheManager):
@@ -59,6 +46,8 @@ class GroupKVCacheManager(KVCacheManager):
         self.num_groups = len(self.windows)
         self.tree = self.windows[0] is None  # group 0 keeps the prefix tree of the plain path
         self.null_block = block_manager.allocate(1)[0]  # never freed: what a table holds out of a window
+        self.prefix = GroupPrefix(self.index, groups, self.block_size, self.null_block) \
+            if self.index is not None else None
         self._tables: dict[int, list[list[int]]] = {}  # seq id -> the tables of groups 1..
         self._freed: dict[int, list[int]] = {}  # seq id -> per group: its leading entries that are the null block
 
@@ -87,58 +76,14 @@ class GroupKVCacheManager(KVCacheManager):
             return None if peak <= blocks else every
         return max(every, (blocks - peak) // full * bs)
 
-    def _key(self, seq: Sequence, group: int, before: bytes | None) -> bytes:
-        """The index key of a group's block registered on its own: the group and the chain hash of the block before."""
-        return b"%s\x1fkv-group %d\x1f%s" % (seq.extra_key, group, before or b"")
-
-    # -- prefix hits --------------------------------------------------------------------------
+    # -- prefix hits (`GroupPrefix`) ----------------------------------------------------------
 
     def match(self, seq: Sequence, *, keep_last_token: bool = True) -> PrefixMatch:
         """The longest prefix every group serves from the cache, in full blocks. Records nothing."""
-        if self.index is None or seq.block_table:
+        if self.prefix is None or seq.block_table:
             return NO_MATCH
-        bs = self.block_size
-        limit = (seq.num_tokens - 1) // bs if keep_last_token else seq.num_tokens // bs
-        chain = hash_token_blocks(seq.token_ids[: limit * bs], bs, seq.extra_key)
-        tree = self.index.match(seq.token_ids, seq.extra_key, max_blocks=limit, record=False).block_ids \
-            if self.tree else []
-        length = len(tree) if self.tree else limit
-        while True:  # full groups serve any shorter prefix; a sliding group may not: ask again until all agree
-            shortest = min(self._longest(seq, group, chain, length) for group in range(self.num_groups))
-            if shortest == length:
-                break
-            length = shortest
-        ids = [tree[:length] if group == 0 and self.tree else self._blocks(seq, group, chain, length)
-               for group in range(self.num_groups)]
-        return GroupMatch(ids, chain[:length], length * bs, limit)
-
-    def _lookup(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
-        tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-        return self.index.lookup(None, tokens, self._key(seq, group, chain[i - 1] if i else None))
-
-    def _longest(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> int:
-        """The longest prefix of at most `length` blocks `group` serves."""
-        if group == 0 and self.tree:
-            return length  # the tree's match bounds the first length
-        need = self.groups.window_blocks(group, self.block_size)
-        if need < 0:  # full: every block from the start
-            return next((i for i in range(length) if self._lookup(seq, group, chain, i) is None), length)
-        if need == 0:
-            return length
-        run = 0
-        for i in range(length - 1, -1, -1):  # from the right: the last `need` blocks before a prefix end
-            if self._lookup(seq, group, chain, i) is None:
-                run = 0
-                continue
-            run += 1
-            if run == need:
-                return i + need
-        return run  # the window reaches the start: the `run` leading blocks are all it needs
-
-    def _blocks(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> list[int]:
-        need = self.groups.window_blocks(group, self.block_size)
-        first = 0 if need < 0 else max(0, length - need)
-        return [self.null_block] * first + [self._lookup(seq, group, chain, i) for i in range(first, length)]
+        limit = (seq.num_tokens - 1 if keep_last_token else seq.num_tokens) // self.block_size
+        return self.prefix.match(seq, limit)
 
     def _probe(self, token_ids: list[int], extra_key: bytes) -> PrefixMatch:
         probe = Sequence(-1, "", 0, list(token_ids), len(token_ids), SamplingParams(), extra_key)
@@ -190,6 +135,8 @@ class GroupKVCacheManager(KVCacheManager):
             self.block_manager.acquire(taken)
         seq.block_table = tables[0]
         self._tables[seq.seq_id] = tables[1:]
+        if self.prefix is not None:
+            self.prefix.forget(seq)
         self._freed[seq.seq_id] = [table.count(self.null_block) for table in tables]
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
@@ -232,14 +179,15 @@ class GroupKVCacheManager(KVCacheManager):
             for i in range(len(seq.block_hashes), full):
                 before = seq.block_hashes[i - 1] if i else None
                 tokens = token_ids[i * bs : (i + 1) * bs]
-                chain = hash_block(before, tokens, seq.extra_key)
+                chain = None if self.tree else hash_block(before, tokens, seq.extra_key)  # (the tree's: below)
                 for group, table in enumerate(tables):
                     if table[i] == null:
                         continue
                     if group == 0 and self.tree:  # the chain of the plain path
                         table[i], chain = manager.cache_block(table[i], before, tokens, seq.extra_key)
                     else:
-                        table[i] = manager.cache_block(table[i], None, tokens, self._key(seq, group, before))[0]
+                        key = GroupPrefix.key(seq.extra_key, group, before)
+                        table[i] = manager.cache_block(table[i], None, tokens, key)[0]
                 seq.block_hashes.append(chain)
         for table in tables:
             for i in range(max(0, full - 1), len(table)):
@@ -269,5 +217,7 @@ class GroupKVCacheManager(KVCacheManager):
             self.block_manager.free([b for b in reversed(table) if b != self.null_block])
         self._tables.pop(seq.seq_id, None)
         self._freed.pop(seq.seq_id, None)
+        if self.prefix is not None:
+            self.prefix.forget(seq)
         seq.block_table = []
         seq.block_hashes = []
