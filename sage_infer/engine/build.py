@@ -680,6 +680,9 @@ def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None, host_b
                           "sliding-window layers)", hint="set role: both")
     if quota is not None:
         raise ConfigError(f"quota: tenant quotas are {NOT_FOR_GROUPS} (the model has sliding-window layers)")
+    if config.kv_events.publisher != "null":
+        raise ConfigError(f"kv_events.publisher: KV events are {NOT_FOR_GROUPS} (the model has sliding-window "
+                          "layers)", hint="set kv_events.publisher: null")
     if host_bytes:
         auto_log.warning("tiers.host_bytes = 0 (auto chose %d bytes: the host tier is %s)", host_bytes,
                          NOT_FOR_GROUPS)
