@@ -104,6 +104,13 @@ def test_crc32c_is_the_crc32c_packages_at_every_length_and_start():
             assert module.copy_crc32c(dst, data, start) == expected and torch.equal(dst, data)
 
 
+def test_nothing_to_encode_writes_nothing_and_keeps_the_crc():
+    module = kernel()
+    none, codes, scales = torch.empty(0), torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.float16)
+    assert module.kv_encode(none, FORMAT_CODES["int8"], 128, 1, codes, scales, True, 9) == 9
+    module.kv_decode(codes, scales, FORMAT_CODES["int4"], 128, 1, none)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp16", "bf16"])
 @pytest.mark.parametrize("granularity", ["per_token", "per_channel"])
 def test_checksummed_payload_is_the_torch_paths_with_the_packages_crc(fmt, granularity, monkeypatch):

@@ -124,24 +124,33 @@ uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {  // bitwise: the 
 // the CRC32C of the bytes behind `crc` (a finished CRC, as the crc32c package returns) followed by len more
 uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t len) { return ~crc_raw(~crc, p, len); }
 
-// crc(A then B) from crc(A), crc(B) and len(B) (zlib's crc32_combine with the Castagnoli polynomial)
+// a * b modulo the polynomial, reflected (zlib's multmodp)
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+  }
+  return p;
+}
+
+// crc(A then B) from crc(A), crc(B) and len(B): crc(A) times x^(8 len(B)) mod the polynomial, plus crc(B)
+// (zlib's crc32_combine, from a table of x^(2^k); a few hundred cycles)
 uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
-  if (len2 == 0) return crc1;
-  uint32_t even[32], odd[32];
-  odd[0] = POLY;
-  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
-  gf2_square(even, odd);
-  gf2_square(odd, even);
-  do {
-    gf2_square(even, odd);
-    if (len2 & 1) crc1 = gf2_times(even, crc1);
-    len2 >>= 1;
-    if (len2 == 0) break;
-    gf2_square(odd, even);
-    if (len2 & 1) crc1 = gf2_times(odd, crc1);
-    len2 >>= 1;
-  } while (len2);
-  return crc1 ^ crc2;
+  static const std::vector<uint32_t> x2n = [] {
+    std::vector<uint32_t> t(64);
+    t[0] = 1u << 30;  // x^1
+    for (int k = 1; k < 64; ++k) t[k] = multmodp(t[k - 1], t[k - 1]);
+    return t;
+  }();
+  uint32_t p = 1u << 31;  // x^0
+  for (unsigned k = 3; len2; len2 >>= 1, ++k)  // x^(8 len2) = x^(len2 * 2^3)
+    if (len2 & 1) p = multmodp(x2n[k & 63], p);
+  return multmodp(p, crc1) ^ crc2;
 }
 
 // ---------------------------------------------------------------------------------------------------- formats
@@ -483,7 +492,7 @@ struct Parts {  // outer split into contiguous parts, one per task (so each part
   int64_t count, per;
 };
 
-Parts split(int64_t outer, int64_t unit_elems) {
+Parts split(int64_t outer, int64_t unit_elems) {  // outer >= 1
   constexpr int64_t MIN_PART_ELEMS = 1 << 16;  // below this a thread costs more than it saves
   const int64_t by_size = std::max<int64_t>(1, outer * unit_elems / MIN_PART_ELEMS);
   const int64_t count = std::max<int64_t>(1, std::min<int64_t>({outer, by_size, at::get_num_threads()}));
@@ -613,6 +622,7 @@ int64_t kv_encode(torch::Tensor values, int64_t fmt, int64_t group, int64_t inne
                   torch::Tensor scales, bool crc, int64_t crc_init) {
   check_shape(values, codes, scales, fmt, group, inner, "kv_encode");
   const int64_t outer = values.numel() / (group * inner);
+  if (outer == 0) return crc ? crc_init : 0;  // nothing to write, nor to checksum
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint8_t* sp = static_cast<uint8_t*>(scales.data_ptr());
   uint32_t result = 0;
@@ -632,6 +642,7 @@ void kv_decode(torch::Tensor codes, torch::Tensor scales, int64_t fmt, int64_t g
                torch::Tensor out) {
   check_shape(out, codes, scales, fmt, group, inner, "kv_decode");
   const int64_t outer = out.numel() / (group * inner);
+  if (outer == 0) return;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = static_cast<const uint8_t*>(scales.data_ptr());
   dispatch_dtype(out.scalar_type(), "kv_decode", [&](auto* tag) {
