@@ -132,6 +132,63 @@ def test_a_prefix_hit_needs_every_full_block_but_only_the_windows_sliding_blocks
     manager.check_invariants()
 
 
+@pytest.mark.parametrize("windows", [(9, None, 9), (9, 9)], ids=["full-and-sliding", "sliding-only"])
+def test_random_admissions_steps_and_evictions_keep_every_hit_on_the_right_blocks(windows):
+    """Random prompts sharing prefixes, admitted in random chunks through a small pool (a full group and two sliding
+    ones; one sliding group): what every block holds is tracked as the steps write it, and every prefix hit must name
+    blocks holding its own group's tokens at their positions; the pool's invariants hold throughout."""
+    import random
+
+    rng = random.Random(5)
+    bs = 4
+    groups = kv_groups(windows)
+    manager = BlockManager(16 * len(groups.groups), bs, PrefixReuseIndex(bs))
+    kv = GroupKVCacheManager(manager, groups)
+    evicted: list = []
+    manager.on_evict = evicted.extend
+    held: dict[int, tuple] = {}  # block -> (group, position in the sequence, token) of each slot written
+    stems = [[rng.randrange(50) for _ in range(30)] for _ in range(3)]
+    running: list[Sequence] = []
+    for step in range(300):
+        if len(running) < 3 and rng.random() < 0.4:
+            tokens = rng.choice(stems)[: rng.randrange(5, 30)] + [rng.randrange(50) for _ in range(rng.randrange(4))]
+            seq = Sequence(step, str(step), 0, tokens, len(tokens), Params(), b"k")
+            match = kv.match(seq)
+            for group, ids in enumerate(match.group_block_ids if match.num_tokens else ()):
+                need = groups.window_blocks(group, bs)  # every block a query after the hit reads is there
+                assert kv.null_block not in ids[max(0, len(ids) - need) if need >= 0 else 0:]
+                for i, block in enumerate(ids):
+                    if block != kv.null_block:
+                        assert [held.get((block, j)) for j in range(bs)] == \
+                            [(group, i * bs + j, tokens[i * bs + j]) for j in range(bs)]
+            if kv.admit(seq, match, rng.randrange(1, len(tokens) - match.num_tokens + 1)):
+                running.append(seq)
+            continue
+        if not running:
+            continue
+        seq = rng.choice(running)
+        if seq.num_computed_tokens >= seq.num_tokens or rng.random() < 0.1:
+            kv.free(seq)
+            running.remove(seq)
+            continue
+        tables = kv.tables(seq)
+        end = min(seq.num_tokens, len(tables[0]) * bs)
+        for group, table in enumerate(tables):  # the step writes its tokens' KV
+            for pos in range(seq.num_computed_tokens, end):
+                held[(table[pos // bs], pos % bs)] = (group, pos, seq.token_ids[pos])
+        seq.num_computed_tokens = end
+        kv.commit(seq)
+        for group, window in enumerate(kv.windows):
+            if window is not None:
+                gone = max(0, seq.num_computed_tokens - window + 1) // bs
+                assert tables[group][:gone] == [kv.null_block] * gone and kv.null_block not in tables[group][gone:]
+        if end < seq.num_tokens and not kv.allocate(seq, min(bs, seq.num_tokens - end)):
+            kv.free(seq)
+            running.remove(seq)
+        manager.check_invariants()
+    assert manager.index.metrics.hit_tokens >= 100 and len(evicted) >= 20  # hits, under eviction
+
+
 def test_a_sliding_groups_blocks_stay_bounded_while_a_long_sequence_decodes(mistral, cpu_isa):
     """A pool of 5 blocks (80 tokens) holds a 40-token prompt, prefilled in chunks of 16, decoding 64 tokens: the
     window's blocks only (pool counters); the pool does not bound the sequence's length. At every CPU ISA level (the
