@@ -9,8 +9,8 @@ costs no second pass over its payload.
 
 `native()` is the module, or None where it cannot run: no kernel build loads here, the build predates the codec,
 or ``SAGE_KV_CODEC=torch`` asks for the PyTorch codec. The reason is logged once; the callers then take the
-PyTorch codec and the `crc32c` package. `crc32c()` is the package's function on the kernel's instruction loop
-(the same values).
+PyTorch codec and the `crc32c` package (so does the CRC of the generic, non-x86 build, `native_crc()`).
+`crc32c()` is the package's function on the kernel's instruction loop (the same values).
 """
 
 from __future__ import annotations
@@ -63,9 +63,16 @@ def kernel_for(device: torch.device, dtype: torch.dtype, fmt: str, group: int, i
     return native()
 
 
+def native_crc() -> ModuleType | None:
+    """The kernel module where its CRC32C runs on the CPU's instruction (SSE4.2 ``crc32``: every x86-64 build),
+    else None (the generic build's CRC is a bitwise loop: the `crc32c` package checksums instead)."""
+    module = native()
+    return module if module is not None and module.crc32c_native() else None
+
+
 def crc32c(data: torch.Tensor, value: int = 0) -> int:
     """CRC32C of a contiguous CPU tensor's bytes, continuing `value` (as ``crc32c.crc32c(data, value)``)."""
-    module = native()
+    module = native_crc()
     if module is not None:
         return module.crc32c(data, value)
     return _crc32c.crc32c(memoryview(data.reshape(-1).view(torch.uint8).numpy()), value)
@@ -74,7 +81,7 @@ def crc32c(data: torch.Tensor, value: int = 0) -> int:
 def copy_crc32c(dst: torch.Tensor, src: torch.Tensor, value: int = 0) -> int:
     """``dst.copy_(src)`` (contiguous CPU tensors of equal bytes) and the CRC32C of the bytes, continuing `value`;
     the kernel checksums each 16 KiB piece right after copying it, while it is in L1."""
-    module = native()
+    module = native_crc()
     if module is not None:
         return module.copy_crc32c(dst, src, value)
     dst.copy_(src)

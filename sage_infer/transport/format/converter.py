@@ -171,8 +171,9 @@ def _kernel_encode(x: torch.Tensor, fmt: str, lay: _Layout, out: torch.Tensor, c
     if module is None or not out.is_contiguous():
         return False, 0
     data, scales = out[: lay.data_nbytes], out[lay.data_nbytes :]
-    return True, module.kv_encode(x.contiguous(), FORMAT_CODES[fmt], lay.group, lay.inner, data, scales,
-                                  crc is not None, crc or 0)
+    fused = crc is not None and module.crc32c_native()  # (else the package checksums the payload after)
+    value = module.kv_encode(x.contiguous(), FORMAT_CODES[fmt], lay.group, lay.inner, data, scales, fused, crc or 0)
+    return True, value if fused or crc is None else crc32c(out, crc)
 
 
 def encode(
