@@ -270,7 +270,9 @@ class DiskTier(KVTier):
 
         def write(first: int) -> list[int]:
             part = records[first : first + per]
-            crcs = [crc32c.crc32c(payload.numpy()) if crc is None else crc for _, payload, crc, _ in part]
+            # (releasing the GIL: this is the writer thread, beside the engine's)
+            crcs = [crc32c.crc32c(payload.numpy(), gil_release_mode=1) if crc is None else crc
+                    for _, payload, crc, _ in part]
             buffers: list = []
             for (key, payload, _, _), crc in zip(part, crcs):
                 buffers += (encode_header(self.digest, key, self.bytes_per_block, crc), payload.numpy())
@@ -397,7 +399,7 @@ class DiskTier(KVTier):
             except OSError:
                 return [(row, key, loc, False, True) for row, key, loc in group]
             whole = (got + HEADER.size) // self.record_bytes  # records read to their end (a short read stops early)
-            crcs = crc_rows(out_np[first : first + min(whole, n)])
+            crcs = crc_rows(out_np[first : first + min(whole, n)], release_gil=True)  # (a loader thread, mostly)
             return [(row, key, loc, j < whole and crcs[j] == loc.crc, False) for j, (row, key, loc) in enumerate(group)]
 
         if parallel(self.bytes_per_block, len(reads) * self.bytes_per_block) and len(groups) > 1:

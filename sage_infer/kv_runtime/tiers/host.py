@@ -158,7 +158,8 @@ class HostTier(KVTier):
             else:
                 rows = list(range(len(slots)))
             runs = runs_of(rows, slots)
-            crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst"), dtype=np.uint32)  # the caller's copy
+            # the caller's copy checksummed; releasing the GIL per row: reads run on a loader thread, mostly
+            crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst", release_gil=True), dtype=np.uint32)
             ok = crcs == self._crc[slots]
             if self._pending:  # written moments ago and not checksummed yet: this is its checksum
                 for i, slot in enumerate(slots):
@@ -205,7 +206,8 @@ class HostTier(KVTier):
                 if self._closed:
                     return
                 batch = list(self._pending.items())[:256]
-            done = [(slot, gen, crc32c.crc32c(slab[slot])) for slot, gen in batch]
+            # releasing the GIL for each row: this thread must not keep the engine thread waiting for it
+            done = [(slot, gen, crc32c.crc32c(slab[slot], gil_release_mode=1)) for slot, gen in batch]
             with self._lock:
                 for slot, gen, crc in done:
                     if self._pending.get(slot) == gen and self._gen[slot] == gen:  # not rewritten meanwhile

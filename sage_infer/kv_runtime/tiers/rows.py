@@ -14,6 +14,7 @@ checksum (`bench/tiers_raw.py`, "threads" rows).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import os
 import threading
@@ -105,9 +106,16 @@ def pieces(runs: list[Run], rows_per_piece: int) -> list[Run]:
     return out
 
 
-def crc_rows(rows: np.ndarray) -> list[int]:
-    """CRC32C of each row of a 2-D uint8 array."""
+def crc_rows(rows: np.ndarray, release_gil: bool = False) -> list[int]:
+    """CRC32C of each row of a 2-D uint8 array. `release_gil`: even for rows too small for crc32c to release it
+    on its own, so a thread working beside the engine's (the disk writer, a loader, the host tier's checksummer)
+    never keeps it for a switch interval while the engine thread waits for it."""
+    if release_gil:
+        return list(map(_crc_releasing, rows))
     return list(map(crc32c.crc32c, rows))
+
+
+_crc_releasing = functools.partial(crc32c.crc32c, gil_release_mode=1)
 
 
 def parallel(row_bytes: int, total_bytes: int, crc: bool = True) -> bool:
@@ -117,11 +125,13 @@ def parallel(row_bytes: int, total_bytes: int, crc: bool = True) -> bool:
     return MOVE_THREADS > 1 and gil_free and total_bytes >= PARALLEL_MIN_BYTES
 
 
-def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str | None = None) -> list[int]:
+def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str | None = None,
+              release_gil: bool = False) -> list[int]:
     """Copy `runs` of rows from `src` to `dst` (2-D uint8, CPU); with `crc_of` ("dst" or "src") also the CRC32C
     of each copied row, in run order, taken while the piece is in cache.
 
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
+    `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel keeps the GIL, so not it).
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
@@ -134,9 +144,9 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
         # numpy, not torch: one thread per copy, the GIL released; torch's OpenMP threads stall whenever
         # any other thread wants a core (`bench/tiers.py`, "Threads")
         np.copyto(dst_np[d : d + n], src_np[s : s + n])
-        return crc_rows(check[d : d + n] if crc_of == "dst" else check[s : s + n]) if crc_of else []
+        return crc_rows(check[d : d + n] if crc_of == "dst" else check[s : s + n], release_gil) if crc_of else []
 
-    fuse = crc_of and row_bytes >= FUSED_MIN_ROW_BYTES and dst.stride(1) == 1 and src.stride(1) == 1
+    fuse = crc_of and not release_gil and row_bytes >= FUSED_MIN_ROW_BYTES and dst.stride(1) == 1 and src.stride(1) == 1
     kernel = fused_kernel() if fuse else None
     if kernel is not None and not parallel(row_bytes, total):  # one pass: each row checksummed as it is copied
         return [crc for d, s, n in runs for crc in map(kernel.copy_crc32c, dst[d : d + n].unbind(0),
