@@ -38,7 +38,7 @@ from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_kv_manager import NOT_FOR_GROUPS, GroupKVCacheManager
-from sage_infer.kv_runtime.hierarchy import HierarchyManager
+from sage_infer.kv_runtime.hierarchy import ROLE, HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups, kv_groups
 from sage_infer.kv_runtime.kv_pipe import KVPipe
@@ -792,6 +792,8 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     cost = CostBenefitModel(config.hardware, shape) if config.hardware is not None and shape is not None else None
     hierarchy = HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction,
                                                                                   capacity=capacity), cost, quota)
+    if quota is not None and isinstance(remote := stores[-1], RedisTier):  # shared by a fleet: shares fleet-wide
+        quota.share_fleet_wide(ROLE["redis"], remote.tenant_shares(lambda: quota.local_blocks(ROLE["redis"])))
     hierarchy.migrator.hot_after = tiers.hot_promote_after
     hierarchy.write_policy = tiers.write_policy
     hierarchy.remote_write_through = tiers.remote_write_policy == "write_through"

@@ -73,6 +73,8 @@ class LowerTier:
             if own is not None:
                 quota.self_evictions[self.name, quota.share(meta.tenant).name] += 1
                 evicted.append((own, self.pop(own)))
+            else:  # nothing of its own here (its blocks are on other servers of a shared tier): it grows, counted
+                quota.violations[self.name, quota.share(meta.tenant).name, "max"] += 1
         protected = self.protected
         unprotected = None if protected is None else (lambda k: not protected(k))
         while len(self.blocks) >= self.capacity_blocks:

@@ -18,6 +18,12 @@ Lower tiers also hold a tenant at its maximum when the tier is not full (a cap, 
 eviction order); the device cannot, since its blocks are in use by running requests.
 `QuotaManager` only counts and orders: the prefix index (device) and `LowerTier` (below)
 ask it for the order and tell it what they hold.
+
+A remote tier several servers share (a fleet's Redis) is counted fleet-wide: with
+`share_fleet_wide` a tenant's held blocks there are this server's plus what the others
+report (`kv_runtime.tiers.redis_shares`), so its maximum caps it in the whole fleet (to
+within one block per server: a server holding none of a tenant's blocks has none of its own
+to evict for the next one).
 """
 
 from __future__ import annotations
@@ -25,12 +31,20 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from sage_infer.config.serve import QuotaConfig
 
 DEVICE = "device"  # the tier name of the device pool (lower tiers use their `LowerTier.name`)
+
+
+class FleetShares(Protocol):
+    def others(self, tenant: bytes) -> int:
+        """Blocks of `tenant` the other servers sharing the tier hold there."""
+
+    def changed(self) -> None:
+        """This server's own counts changed (publish them when due)."""
 
 @dataclass(frozen=True, slots=True)
 class TenantShare:
@@ -61,6 +75,8 @@ class QuotaManager:
         self.tiers: dict[str, TierUsage] = {}
         self.violations: Counter[tuple[str, str, str]] = Counter()  # (tier, tenant name, "min"|"max") -> events
         self.self_evictions: Counter[tuple[str, str]] = Counter()  # (tier, tenant name) -> own blocks it evicted
+        # tier -> the other servers sharing it (`others(tenant)`: blocks they hold of it), for a tier a fleet shares
+        self.fleet: dict[str, FleetShares] = {}
 
     def share(self, tenant: bytes) -> TenantShare:
         return self.shares.get(tenant, self.default)
@@ -74,6 +90,8 @@ class QuotaManager:
         usage = self.tiers.get(tier)
         if usage is not None:
             usage.blocks[tenant] += 1
+            if tier in self.fleet:
+                self.fleet[tier].changed()
 
     def removed(self, tier: str, tenant: bytes) -> None:
         usage = self.tiers.get(tier)
@@ -81,10 +99,23 @@ class QuotaManager:
             usage.blocks[tenant] -= 1
             if usage.blocks[tenant] <= 0:
                 del usage.blocks[tenant]
+            if tier in self.fleet:
+                self.fleet[tier].changed()
+
+    def share_fleet_wide(self, tier: str, fleet: FleetShares) -> None:
+        """`tier` is shared by several servers: shares count a tenant's blocks there through all of them."""
+        self.fleet[tier] = fleet
+
+    def local_blocks(self, tier: str) -> dict[bytes, int]:
+        """Blocks per tenant this server holds in `tier`."""
+        usage = self.tiers.get(tier)
+        return dict(usage.blocks) if usage is not None else {}
 
     def held(self, tier: str, tenant: bytes) -> int:
         usage = self.tiers.get(tier)
-        return usage.blocks.get(tenant, 0) if usage is not None else 0
+        mine = usage.blocks.get(tenant, 0) if usage is not None else 0
+        fleet = self.fleet.get(tier)
+        return mine + fleet.others(tenant) if fleet is not None else mine
 
     def _limit(self, tier: str, tenant: bytes, which: str) -> float:
         share = self.share(tenant)

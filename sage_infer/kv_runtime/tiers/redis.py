@@ -25,7 +25,7 @@ the caller recomputes. `stats()` itself never raises.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
 from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, value_header, verify_value
+from sage_infer.kv_runtime.tiers.redis_shares import RedisTenantShares
 from sage_infer.kv_runtime.tiers.redis_url import RedisAddress, parse_redis_url
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
@@ -71,6 +72,7 @@ class RedisTier(KVTier):
         self.key_prefix = f"{prefix}{self.digest.hex()}:".encode()
         self.lru_key = self.key_prefix + b"lru"
         self._failures = (redis.RedisError, OSError)
+        self.shares: RedisTenantShares | None = None  # tenant quotas counted across the servers sharing it
         # no retries: a dead store must cost one timeout, then the caller recomputes
         self.client = redis.Redis(
             **self.address.connection_kwargs(),
@@ -78,6 +80,11 @@ class RedisTier(KVTier):
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
         )
+
+    def tenant_shares(self, local: Callable[[], dict[bytes, int]]) -> RedisTenantShares:
+        """The other servers' tenant counts in this shared tier, this server's (`local`) published for them."""
+        self.shares = RedisTenantShares(self.client, self.key_prefix, local, failures=self._failures)
+        return self.shares
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a block hash."""
@@ -201,4 +208,6 @@ class RedisTier(KVTier):
         self._stats.bytes = blocks * self.bytes_per_block
 
     def close(self) -> None:
+        if self.shares is not None:
+            self.shares.close()
         self.client.close()
