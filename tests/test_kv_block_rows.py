@@ -4,8 +4,8 @@ index_select + permute of the same storage."""
 import pytest
 import torch
 
-from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+from sage_infer.kv_runtime.pool import KVPool, make_kv_pool
 
 SCHEMA = KVCacheSchema(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -28,3 +28,31 @@ def test_a_block_id_outside_the_pool_is_refused():
     pool = KVPool(SCHEMA, 4)
     with pytest.raises(IndexError, match="block ids"):
         pool.read_blocks([1, 4])
+
+
+def test_no_blocks_is_an_empty_move():
+    pool = KVPool(SCHEMA, 4)
+    rows = pool.read_blocks([])
+    assert rows.shape == (0, *pool.block_shape)
+    pool.write_blocks([], rows)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.INT4])
+def test_a_quantized_pool_moves_codes_and_scales_as_the_torch_path_does(kv_dtype):
+    pool = make_kv_pool(SCHEMA.with_dtype(kv_dtype), 9)
+    pool._codes.copy_(torch.randint(0, 256, pool._codes.shape, dtype=torch.uint8))
+    pool._params.copy_(torch.randn(pool._params.shape).to(pool._params.dtype))
+    ids = torch.tensor([7, 0, 4, 3])
+    n = ids.numel()
+    codes = pool._codes.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
+    params = pool._params.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1).view(torch.uint8)
+    expected = torch.cat((codes, params), dim=1)  # the row format: codes, then scales
+    assert torch.equal(pool.read_blocks(ids), expected)
+    rows = torch.randint(0, 256, expected.shape, dtype=torch.uint8)
+    rows[:, codes.shape[1]:] = torch.randn(n, params.shape[1] // 2).half().view(torch.uint8)  # finite scales
+    other = torch.tensor([1, 2, 5, 8])
+    before = pool.read_blocks([6])
+    pool.write_blocks(other, rows)
+    assert torch.equal(pool.read_blocks(other), rows) and torch.equal(pool.read_blocks([6]), before)
+    written = pool._codes.index_select(2, other).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
+    assert torch.equal(written, rows[:, : codes.shape[1]])  # where the torch path puts them

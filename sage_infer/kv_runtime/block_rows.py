@@ -42,25 +42,44 @@ def byte_rows(tensor: torch.Tensor, rows: int) -> np.ndarray | None:
     return tensor.view(torch.uint8).view(rows, -1).numpy()
 
 
+def take_blocks(storage: torch.Tensor, block_ids: torch.Tensor, dst: np.ndarray) -> bool:
+    """``dst[i] = block block_ids[i]``'s chunks of `storage`, with `dst` a bytes view ``[n, 2 * L, chunk_bytes]``
+    (it may be a strided part of wider rows, as a quantized pool's codes before its scales); False when `storage`
+    is not one contiguous CPU tensor (nothing was copied)."""
+    src = chunk_rows(storage)
+    if src is None:
+        return False
+    index = block_row_index(block_ids, storage.shape[1], storage.shape[2]).reshape(dst.shape[0], -1)
+    if dst.flags.c_contiguous:
+        np.take(src, index, axis=0, out=dst, mode="clip")  # (ids are checked: "clip" skips a buffered check)
+    else:  # (a strided part of wider rows: numpy's own buffering of `out` measured several times slower)
+        np.copyto(dst, np.take(src, index, axis=0, mode="clip"))
+    return True
+
+
+def put_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: np.ndarray) -> bool:
+    """Block ``block_ids[i]``'s chunks of `storage` = ``src[i]`` (distinct ids; `src` as `take_blocks`' `dst`);
+    False when `storage` is not one contiguous CPU tensor (nothing was copied)."""
+    dst = chunk_rows(storage)
+    if dst is None:
+        return False
+    dst[block_row_index(block_ids, storage.shape[1], storage.shape[2]).reshape(src.shape[0], -1)] = src
+    return True
+
+
 def gather_blocks(storage: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> bool:
     """``out[i] = block block_ids[i]`` (rows in the block format) with one gather; False when `storage` or `out`
     is not a contiguous CPU tensor (nothing was copied)."""
-    src = chunk_rows(storage)
-    index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
-    dst = byte_rows(out, index.size)
-    if src is None or dst is None:
-        return False
-    np.take(src, index, axis=0, out=dst, mode="clip")  # (ids are the pool's: "clip" skips a buffered check)
-    return True
+    if block_ids.numel() == 0:
+        return out.device.type == "cpu"  # (nothing to copy)
+    rows = byte_rows(out, block_ids.numel())
+    return rows is not None and take_blocks(storage, block_ids, rows.reshape(rows.shape[0], 2 * storage.shape[1], -1))
 
 
 def scatter_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> bool:
     """Block ``block_ids[i]`` = ``src[i]`` (distinct ids) with one scatter; False when `storage` or `src` is not
     a contiguous CPU tensor (nothing was copied)."""
-    dst = chunk_rows(storage)
-    index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
-    rows = byte_rows(src, index.size)
-    if dst is None or rows is None:
-        return False
-    dst[index] = rows
-    return True
+    if block_ids.numel() == 0:
+        return storage.device.type == "cpu"  # (nothing to copy)
+    rows = byte_rows(src, block_ids.numel())
+    return rows is not None and put_blocks(storage, block_ids, rows.reshape(rows.shape[0], 2 * storage.shape[1], -1))

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from sage_infer.core.dtypes import TORCH_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype, ScaleLayout
+from sage_infer.kv_runtime.block_rows import put_blocks, take_blocks
 from sage_infer.kv_runtime.pool import (
     GATHER_SCRATCH_MAX_BYTES,
     BlockIds,
@@ -162,10 +165,27 @@ class QuantizedKVPool(KVPool):
 
     # -- tiers and transport: whole blocks, raw bytes ----------------------------------------
 
+    def _row_parts(self, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """Views of contiguous CPU rows ``[n, block_nbytes]`` as (codes, scales), each ``[n, 2 * L, chunk_bytes]``
+        bytes in the rows' (layer, K/V) order, for `block_rows`; None for other rows (the torch path)."""
+        if rows.device.type != "cpu" or not rows.is_contiguous() or rows.dtype != torch.uint8:
+            return None
+        r, n, two_l = rows.numpy(), rows.shape[0], 2 * self.num_layers
+        data = self.schema.data_bytes_per_block
+        scales = self.block_nbytes - data
+        return (as_strided(r[:, :data], (n, two_l, data // two_l), (r.strides[0], data // two_l, 1)),
+                as_strided(r[:, data:], (n, two_l, scales // two_l), (r.strides[0], scales // two_l, 1)))
+
     def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy whole blocks out: [n, block_nbytes] uint8 (codes, then scales; see the module docstring)."""
         ids = self._ids(block_ids)
         n = ids.numel()
+        if self.device.type == "cpu" and n:  # one gather for the codes, one for the scales, into the rows
+            rows = out if out is not None else torch.empty((n, self.block_nbytes), dtype=torch.uint8)
+            parts = self._row_parts(rows)
+            if parts is not None and take_blocks(self._codes, ids, parts[0]) and take_blocks(self._params, ids,
+                                                                                             parts[1]):
+                return rows
         codes = self._codes.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
         params = self._params.index_select(2, ids).permute(2, 1, 0, 3, 4, 5).reshape(n, -1)
         rows = torch.cat((codes, params.view(torch.uint8)), dim=1)
@@ -179,6 +199,9 @@ class QuantizedKVPool(KVPool):
             raise ValueError(f"write_blocks: src shape {tuple(src.shape)} is not [{n}, {self.block_nbytes}]")
         if src.dtype != torch.uint8:
             raise TypeError(f"write_blocks: a {self.schema.dtype.value} pool takes uint8 rows, got {src.dtype}")
+        parts = self._row_parts(src) if self.device.type == "cpu" and n else None
+        if parts is not None and put_blocks(self._codes, ids, parts[0]) and put_blocks(self._params, ids, parts[1]):
+            return
         src = src.to(self.device)
         data = self.schema.data_bytes_per_block
         codes = src[:, :data].reshape(n, self.num_layers, 2, self.block_size, self.num_kv_heads, -1)
