@@ -54,6 +54,20 @@ def best_seconds(fn, repeats: int, setup=None) -> float:
     return best
 
 
+def fresh_disks(schema: KVCacheSchema, directory: Path, total: int):
+    """A one-item list holding the current disk tier, and a function that closes it and opens a fresh one in a new
+    directory (so every repeat of a put writes the same bytes)."""
+    tiers: list[DiskTier] = []
+
+    def fresh_disk() -> None:
+        for old in tiers:
+            old.close()
+            shutil.rmtree(old.directory)
+        tiers[:] = [DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * total, max_pending_bytes=2 * total)]
+
+    return tiers, fresh_disk
+
+
 def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> list[dict]:
     bpb = schema.bytes_per_block
     total = n * bpb
@@ -100,13 +114,7 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     host.close()
 
     # disk tier: a fresh directory for each put so every repeat writes the same bytes
-    tiers: list[DiskTier] = []
-
-    def fresh_disk() -> None:
-        for old in tiers:
-            old.close()
-            shutil.rmtree(old.directory)
-        tiers[:] = [DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * total, max_pending_bytes=2 * total)]
+    tiers, fresh_disk = fresh_disks(schema, directory, total)
 
     row("disk", "put (queued)", best_seconds(lambda: tiers[0].put(keys, blocks), repeats, setup=fresh_disk),
         "raw pwrite", write_s)
@@ -186,13 +194,7 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
                                                     for i, k in enumerate(keys)]), "raw copy", copy_s)
     host.close()
 
-    tiers: list[DiskTier] = []
-
-    def fresh_disk() -> None:
-        for old in tiers:
-            old.close()
-            shutil.rmtree(old.directory)
-        tiers[:] = [DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * total, max_pending_bytes=2 * total)]
+    tiers, fresh_disk = fresh_disks(schema, directory, total)
 
     row("disk", "put + flush", best(lambda: (tiers[0].put(keys, blocks), tiers[0].flush()), fresh_disk),
         "raw pwritev", write_s)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parents[1] / "layers" / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "flash_bf16.cpp",
                                          "flash_avx2.cpp", "decode_step.cpp", "bf16_rows.cpp", "kv_codec.cpp"))
-HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "flash.h"))
+HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "flash.h", "ieee_div.h"))
 # -g0: Python's CFLAGS ask for debug info, which doubles the compile time; -ffast-math: the dot products
 # and exp vectorize only with reassociation allowed; hidden visibility keeps one level's symbols from
 # resolving another's when two builds are loaded in one process (tests force levels); gcc's own AVX-512 intrinsic

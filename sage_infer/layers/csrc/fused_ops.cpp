@@ -8,6 +8,7 @@
 // residual add, the normalised row before the weight, silu before the product, each rotary
 // product), so bf16/fp16 results differ from the reference only by fp32 summation order.
 // `_Pragma`, not `#pragma`: a directive cannot sit inside the AT_DISPATCH macro argument.
+#include "ieee_div.h"
 #include "kernel.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -42,16 +43,6 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   for (int64_t i = 0; i < h; ++i) out[i] = narrow<T>(widen(w[i]) * round_to<T>(widen(x[i]) * r));
 }
 
-// a / b rounded as IEEE division (PyTorch's `/`): -ffast-math may turn a plain `/` into a product with a
-// reciprocal, one ulp away, which the fp16 rounding of a scale can carry into a different code
-inline float ieee_div(float a, float b) {
-#if defined(__x86_64__)
-  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
-#else
-  volatile float q = a / b;
-  return q;
-#endif
-}
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": x must be [N, H] with contiguous rows");

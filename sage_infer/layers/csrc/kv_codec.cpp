@@ -8,6 +8,7 @@
 // exact level (fp8 widened through fp16 bits, as `fp8_as_fp16`) by the scale, then rounds once to the output
 // dtype. So codes, scales and decoded values equal the Python codec's bit for bit (tests/test_kv_codec_kernel.py).
 // 8-lane AVX2 + F16C in every x86-64 build (the loops are bound by memory, not by lanes); scalar elsewhere.
+#include "ieee_div.h"
 #include "kernel.h"
 #include "widen.h"
 #include <torch/csrc/utils/pybind.h>
@@ -182,15 +183,6 @@ inline float float_of(uint32_t u) {
   return f;
 }
 
-// IEEE a / b as PyTorch divides: -ffast-math may turn a plain `/` into a product with a reciprocal
-inline float ieee_div(float a, float b) {
-#if defined(__x86_64__)
-  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
-#else
-  volatile float q = a / b;
-  return q;
-#endif
-}
 
 inline uint8_t fp8_byte(float f, const Fp8& s) {
   const uint32_t u = bits_of(f), sign = u & 0x80000000u, a = u ^ sign;
