@@ -38,7 +38,7 @@ $(KERNELS_STAMP): $(STAMP) $(KERNEL_INPUTS)
 	touch $@
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench-gate: install
 	$(PY) bench/gate.py
