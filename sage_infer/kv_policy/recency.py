@@ -76,9 +76,6 @@ class RecencyOrder:
             _add(self.tree, stamp, -1)
             self.count -= 1
 
-    def clear(self) -> None:
-        self.__init__()
-
     def oldest_evictable_stamp(self, k: int) -> int:
         """The stamp of the k-th oldest evictable block (k >= 1); past the last one, every stamp."""
         if k >= self.count:
