@@ -263,6 +263,16 @@ class HierarchyManager:
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """The level (1: the fastest lower tier) of the first store holding each of the leading `keys` that some
         store holds. Changes nothing; a failing store counts as empty."""
+        levels = self.levels(keys)
+        n = 0
+        while n < len(levels) and levels[n]:
+            n += 1
+        return levels[:n]
+
+    def levels(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key, the level of the first store holding it, 0 where none does (any keys, not only a chain's next
+        ones: the blocks of each KV group a hybrid model's prefix hit needs). One `contains` per store; changes
+        nothing; a failing store counts as empty."""
         levels = [0] * len(keys)
         for level, store in enumerate(self.stores, 1):
             missing = [i for i, at in enumerate(levels) if not at]
@@ -276,10 +286,7 @@ class HierarchyManager:
             for i, hit in zip(missing, found):
                 if hit:
                     levels[i] = level
-        n = 0
-        while n < len(levels) and levels[n]:
-            n += 1
-        return levels[:n]
+        return levels
 
     def fetch(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Take `keys` (a chain's next blocks) out of the tiers: ``[k, block_nbytes]`` uint8, the verified prefix.
