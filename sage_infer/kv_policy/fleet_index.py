@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sage_infer.kv_policy.group_hit import group_key, longest_prefix
 from sage_infer.kv_policy.recency import RecencyOrder
 
 DEVICE, SHARED = "device", "remote"
@@ -181,11 +182,20 @@ class FleetIndex:
         if self.shared[block_hash] <= 0:
             del self.shared[block_hash]
 
-    def hit(self, replica: Replica, hashes: Sequence[str]) -> Hit:
+    def hit(self, replica: Replica, hashes: Sequence[str], needs: Sequence[int] = ()) -> Hit:
         """The leading blocks of a prompt (its hash chain) on `replica`'s device or that a request in flight there
         computes first, and not `doomed` by the time it starts; then the ones right after them a lower tier holds —
-        its own host or disk, or the shared remote tier."""
+        its own host or disk, or the shared remote tier. With `needs` (a model with KV groups: `group_hit`), the
+        longest prefix whose every group holds the blocks a hit needs on the device."""
         device, held = replica.media[DEVICE], replica.held
+        if needs:
+            threshold = self.doomed_before(replica)
+
+            def present(group: int, i: int) -> bool:
+                key = group_key(hashes[i], group)
+                return (key in device or key in held) and not (threshold and self._lost(replica, key, threshold))
+
+            return Hit(longest_prefix(present, len(hashes), needs))
         n = 0
         while n < len(hashes) and (hashes[n] in device or hashes[n] in held):
             n += 1

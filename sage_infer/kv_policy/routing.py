@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sage_infer.kv_policy.fleet_index import DEVICE, LOWER_MEDIA, SHARED, FleetIndex, Hit, Replica
+from sage_infer.kv_policy.group_hit import used_keys
 
 __all__ = ["DEVICE", "LOWER_MEDIA", "ROUTING_POLICIES", "SHARED", "FleetIndex", "Hit", "Replica", "Request", "Route",
            "Router"]
@@ -86,6 +87,8 @@ class Request:
     session: str | None = None  # session: the consistent-hash key
     # the prompt's blocks as replicas of another naming (`Replica.naming`) name them: naming -> (hashes, tokens each)
     named: dict[str, tuple[Sequence[str], int]] = field(default_factory=dict)
+    # a model with KV groups (sliding-window layers): per group the blocks a hit needs (`group_hit.window_needs`)
+    group_needs: tuple[int, ...] = ()
 
     def blocks_for(self, replica: Replica) -> tuple[Sequence[str], int]:
         """The prompt's block hashes as `replica` names its blocks, and the tokens per block."""
@@ -135,10 +138,12 @@ class Router:
         routes, scores = [], []
         for replica in live:
             hashes, tokens_per_block = request.blocks_for(replica)
-            hit = self.index.hit(replica, hashes)
+            needs = request.group_needs if not replica.naming else ()
+            hit = self.index.hit(replica, hashes, needs)
             compute = max(0, request.prompt_tokens - hit.blocks * tokens_per_block)
             route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,
-                          replica.queued_tokens, compute, tokens_per_block=tokens_per_block, blocks=tuple(hashes))
+                          replica.queued_tokens, compute, tokens_per_block=tokens_per_block,
+                          blocks=used_keys(hashes, needs) if needs else tuple(hashes))
             routes.append(route)
             charge = MISS_CHARGE if _full(replica, compute, tokens_per_block) else 0.0
             scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
