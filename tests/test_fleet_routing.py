@@ -209,7 +209,7 @@ def test_the_engine_logs_device_and_lower_tier_events_in_one_ordered_stream():
     assert not later.reset and [e[:3] for e in later.events] == [
         ("removed", "device", short(h0)), ("stored", "host", short(h0)), ("removed", "host", short(h0)),
         ("stored", "host", short(b"z" * 32))]
-    assert first.next == 1 and events.read(0).events[0] == ("stored", "device", short(h0), None, (1, 2))
+    assert first.next == 1 and events.read(0).events[0] == ("stored", "device", short(h0), None, (1, 2), None)
     assert events.read(later.next).events == []
     assert events.since(0).events == [f"+{short(h0)}", f"-{short(h0)}"]  # the polled view: the device's only
 

@@ -224,6 +224,7 @@ class EngineBuilder:
         if self.kv_groups is not None:  # one line naming what is not built for a block table per group
             refuse_for_kv_groups(config, quota, self.host_bytes)
             self.load_rates, self.transfers = None, None
+            publish_kv_events(config, index, None, grouped=True)
             self.kv = GroupKVCacheManager(block_manager, self.kv_groups)
             return
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
@@ -680,14 +681,8 @@ def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None, host_b
                           "sliding-window layers)", hint="set role: both")
     if quota is not None:
         raise ConfigError(f"quota: tenant quotas are {NOT_FOR_GROUPS} (the model has sliding-window layers)")
-    if config.kv_events.publisher != "null":
-        raise ConfigError(f"kv_events.publisher: KV events are {NOT_FOR_GROUPS} (the model has sliding-window "
-                          "layers)", hint="set kv_events.publisher: null")
     if host_bytes:
         auto_log.warning("tiers.host_bytes = 0 (auto chose %d bytes: the host tier is %s)", host_bytes,
-                         NOT_FOR_GROUPS)
-    if config.kv_pool.enable_prefix_caching and config.role != "decode":
-        auto_log.warning("KV events for routers: %s; this engine logs none (the model has sliding-window layers)",
                          NOT_FOR_GROUPS)
 
 
@@ -726,13 +721,14 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
 
 
 def publish_kv_events(config: ServeConfig, index: PrefixReuseIndex | None,
-                      hierarchy: HierarchyManager | None) -> None:
+                      hierarchy: HierarchyManager | None, grouped: bool = False) -> None:
     """Log which blocks this engine holds, in which tier, for KV-aware routers (`prefix_reuse.events`): on every
     instance that computes prompts (role both or prefill) with prefix caching on; a decode worker's cache is
-    not routed on."""
+    not routed on. `grouped`: the engine keeps KV groups, and every event names its group."""
     if index is None or config.role == "decode":
         return
     events = index.enable_events()
+    events.grouped = grouped
     for tier in hierarchy.migration.tiers if hierarchy is not None else ():
         events.add_medium(tier.name, tier.blocks.keys)
         tier.listener = lambda op, key, medium=tier.name: (events.stored if op == "stored" else events.removed)(

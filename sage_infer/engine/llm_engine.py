@@ -91,7 +91,8 @@ class LLMEngine:
         self.decisions = parts.decisions  # every value the build decided, with its reason, in order
         self.load_rates = parts.load_rates
         self.prefix = PrefixView(self.kv.index, self.runner.pool.block_size, self.extra_key,
-                                 self.runner.pool.num_blocks, getattr(self.kv, "overlap", None))
+                                 self.runner.pool.num_blocks, getattr(self.kv, "overlap", None),
+                                 getattr(self.kv, "groups", None))
         self.sessions = SessionKV(self.kv, self.extra_key)  # conversations' KV kept for their next turn
         self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
         self.sampler = Sampler()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.prefix_reuse.events import short
 from sage_infer.prefix_reuse.hashing import ExtraKeys, prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
@@ -19,8 +20,10 @@ class PrefixView:
     """What a KV-aware router reads of an engine's device prefix cache (`index` None: prefix caching off)."""
 
     def __init__(self, index: PrefixReuseIndex | None, block_size: int, extra_key: ExtraKeys,
-                 num_blocks: int = 0, overlap: Callable[[list[int], bytes], int] | None = None) -> None:
+                 num_blocks: int = 0, overlap: Callable[[list[int], bytes], int] | None = None,
+                 groups: KVGroups | None = None) -> None:
         self.index = index
+        self.groups = groups  # the KV groups of a model with sliding-window layers (None: one full group)
         self._overlap = overlap  # a KV manager with a table per KV group answers for every group
         self.block_size = block_size
         self.num_blocks = num_blocks  # the device pool's capacity (a router weighs what a miss would evict)
@@ -54,9 +57,14 @@ class PrefixView:
     def recipe(self) -> dict | None:
         """How this engine names its blocks, for a router that hashes token-id prompts itself: the block size and
         the parts of the extra key (`prefix_reuse.hashing.ExtraKeys`) besides a request's cache salt; and how many
-        blocks its device holds."""
+        blocks its device holds; with KV groups, each group's kind and window (``kv_groups``, in vLLM's words), as its
+        events name the groups."""
         if self.index is None:
             return None
         key = self.extra_key
-        return {"block_size": self.block_size, "model_id": key.model_id, "revision": key.revision,
-                "kv_dtype": key.kv_dtype, "layout": key.layout, "num_blocks": self.num_blocks}
+        recipe = {"block_size": self.block_size, "model_id": key.model_id, "revision": key.revision,
+                  "kv_dtype": key.kv_dtype, "layout": key.layout, "num_blocks": self.num_blocks}
+        if self.groups is not None:
+            recipe["kv_groups"] = [{"kind": "full_attention" if group.window is None else "sliding_window",
+                                    "sliding_window": group.window} for group in self.groups.groups]
+        return recipe

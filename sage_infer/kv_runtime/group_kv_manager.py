@@ -11,7 +11,8 @@ After vLLM's hybrid allocator (`KVCacheCoordinator` over a `FullAttentionManager
   speculative rollback (`trim`) never needs a freed block.
 - **Prefix hits per group** (`sage_infer.kv_runtime.group_prefix`): every full group's blocks of the prefix and
   only the last ``ceil((W - 1) / block_size)`` of a sliding group's; `commit` registers each group's blocks under
-  the keys `GroupPrefix` looks them up by.
+  the keys `GroupPrefix` looks them up by, and, when the index logs events for routers, names each one by its
+  chained prefix hash and group first (`BlockEvents.name`), the name a router hashes a prompt to.
 
 Blocks the prompt finds past the device (tiers, prefill/decode transfers) are not built for groups: the builder
 refuses them for such a model, in one line.
@@ -176,6 +177,7 @@ class GroupKVCacheManager(KVCacheManager):
         full = seq.num_computed_tokens // bs
         tables = self.tables(seq)
         if self.index is not None:
+            events = self.index.events  # a router's log names each group's block by the chain hash (`BlockEvents.name`)
             for i in range(len(seq.block_hashes), full):
                 before = seq.block_hashes[i - 1] if i else None
                 tokens = token_ids[i * bs : (i + 1) * bs]
@@ -187,6 +189,8 @@ class GroupKVCacheManager(KVCacheManager):
                         table[i], chain = manager.cache_block(table[i], before, tokens, seq.extra_key)
                     else:
                         key = GroupPrefix.key(seq.extra_key, group, before)
+                        if events is not None:
+                            events.name(hash_block(None, tokens, key), chain, before, group)
                         table[i] = manager.cache_block(table[i], None, tokens, key)[0]
                 seq.block_hashes.append(chain)
         for table in tables:

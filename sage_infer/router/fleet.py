@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from sage_infer.kv_policy.group_hit import window_needs
 from sage_infer.kv_policy.routing import LOWER_MEDIA, SHARED, FleetIndex, Replica, Route, Router
 from sage_infer.kv_policy.routing import Request as RouteRequest
 from sage_infer.prefix_reuse.events import short
@@ -236,6 +237,8 @@ class FleetRouter:
             answer = reply.json()
             described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
             described.tokens_per_block = answer["tokens_per_hash"]
+            recipe = next((link.recipe for link in publishing if link.recipe), None)
+            described.group_needs = _group_needs(recipe, described.tokens_per_block)
 
     async def ask_least_busy(self, links: list[ReplicaLink], path: str, question: dict,
                              timeout: float) -> httpx.Response | None:
@@ -278,6 +281,7 @@ class FleetRouter:
             return False
         described.hashes = [short(h) for h in hashes]
         described.prompt_tokens, described.tokens_per_block = len(ids), recipe["block_size"]
+        described.group_needs = _group_needs(recipe, recipe["block_size"])
         return True
 
     async def handle(self, path: str, request: Request) -> Response:
@@ -480,6 +484,13 @@ class _Relay:
         self.done = True
         await self.upstream.aclose()
         self.router.leave(self.link, self.route, 0 if self.first else self.queued)
+
+
+def _group_needs(recipe: dict | None, block_size: int) -> tuple[int, ...]:
+    """A model with KV groups (sliding-window layers, its replicas' recipe lists them): per group the blocks a prefix
+    hit needs there; () for one full-attention group."""
+    groups = (recipe or {}).get("kv_groups")
+    return window_needs(groups, block_size) if groups and block_size else ()
 
 
 def _long(body: dict) -> bool:

@@ -6,9 +6,15 @@ One long-lived response of newline-delimited JSON objects, each a line:
   first, and again whenever the reader fell behind the bounded log: replace everything known of this instance;
   ``recipe`` says how it names blocks (``block_size``, ``model_id``, ``revision``, ``kv_dtype``, ``layout``: with
   a request's ``cache_salt``, the extra key of `prefix_reuse.hashing`), so a router hashes token-id prompts itself;
-- ``{"type": "events", "next": N, "events": [["stored" | "removed", medium, hash16], ...]}`` in order;
+  for a model with KV groups (sliding-window layers) also ``kv_groups``: per group its ``kind``
+  (``full_attention`` / ``sliding_window``) and ``sliding_window``;
+- ``{"type": "events", "next": N, "events": [["stored" | "removed", medium, key], ...]}`` in order;
 - ``{"type": "load", "num_running": r, "num_waiting": w, "kv_usage": u}`` every `HEARTBEAT_S`: the
   router's heartbeat (a replica silent for a few of them is out of the routing) and its queue.
+
+A block's key is the first 8 bytes of its chained prefix hash in hex (``hash16``); with KV groups, a block of group
+``g`` ≥ 1 is ``hash16@g`` (the same hash in every group: a router hashes a prompt once and asks each group for the
+blocks a hit needs there, `kv_policy.group_hit`).
 
 The stream ends when the server shuts down; a router reconnects and gets a fresh snapshot.
 """

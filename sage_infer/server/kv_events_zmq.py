@@ -13,9 +13,12 @@ events are maps tagged by ``"type"``:
 A replica publishes its own log (`prefix_reuse.events`) in that shape: block hashes are the first
 8 bytes of sage's chained hashes, the device's stored blocks carry their parent and token ids
 (lower tiers' placements carry none), and the medium is vLLM's name for the tier (``GPU`` for the
-device pool, ``CPU`` host, ``DISK``, ``REMOTE``). A ROUTER socket (``replay_endpoint``) answers a
-subscriber that missed batches, as vLLM's does: it sends the start sequence number (8 bytes,
-big-endian) and gets every kept batch from there as ``[topic, seq, payload]``, then ``[b"", -1, b""]``.
+device pool, ``CPU`` host, ``DISK``, ``REMOTE``). A model with KV groups (sliding-window layers) tags every event
+with its group as vLLM does for its KV cache groups: ``group_idx`` on both, and on ``BlockStored`` the group's
+``kv_cache_spec_kind`` (``full_attention`` / ``sliding_window``) and ``kv_cache_spec_sliding_window``; a block's
+hash is its chained prefix hash in every group (the group tells them apart). A ROUTER socket (``replay_endpoint``)
+answers a subscriber that missed batches, as vLLM's does: it sends the start sequence number (8 bytes, big-endian)
+and gets every kept batch from there as ``[topic, seq, payload]``, then ``[b"", -1, b""]``.
 """
 
 from __future__ import annotations
@@ -42,16 +45,33 @@ def zmq_missing() -> str | None:
     return None
 
 
-def _stored(block_hash: str, parent: str | None, token_ids: tuple[int, ...], block_size: int, medium: str) -> dict:
-    return {"type": "BlockStored", "block_hashes": [bytes.fromhex(block_hash)],
-            "parent_block_hash": None if parent is None else bytes.fromhex(parent), "token_ids": list(token_ids),
-            "block_size": block_size, "lora_id": None, "medium": MEDIUM.get(medium, medium.upper()),
-            "lora_name": None}
+def _hash(key: str) -> bytes:
+    """The 8 hash bytes of a logged block key (``hash16``, or ``hash16@group`` for a KV group's block)."""
+    return bytes.fromhex(key.partition("@")[0])
 
 
-def _removed(block_hash: str, medium: str) -> dict:
-    return {"type": "BlockRemoved", "block_hashes": [bytes.fromhex(block_hash)],
-            "medium": MEDIUM.get(medium, medium.upper())}
+def _group_of(key: str) -> int:
+    return int(key.partition("@")[2] or 0)
+
+
+def _stored(key: str, parent: str | None, token_ids: tuple[int, ...], block_size: int, medium: str,
+            group: int | None = None, spec: dict | None = None) -> dict:
+    event = {"type": "BlockStored", "block_hashes": [_hash(key)],
+             "parent_block_hash": None if parent is None else bytes.fromhex(parent), "token_ids": list(token_ids),
+             "block_size": block_size, "lora_id": None, "medium": MEDIUM.get(medium, medium.upper()),
+             "lora_name": None}
+    if group is not None:  # a model with KV groups: vLLM's per-group fields
+        spec = spec or {}
+        event.update(group_idx=group, kv_cache_spec_kind=spec.get("kind"),
+                     kv_cache_spec_sliding_window=spec.get("sliding_window"))
+    return event
+
+
+def _removed(key: str, medium: str, group: int | None = None) -> dict:
+    event = {"type": "BlockRemoved", "block_hashes": [_hash(key)], "medium": MEDIUM.get(medium, medium.upper())}
+    if group is not None:
+        event["group_idx"] = group
+    return event
 
 
 class ZmqEventPublisher:
@@ -70,6 +90,7 @@ class ZmqEventPublisher:
         self.backend = backend
         recipe = backend.kv_recipe() or {}
         self.block_size = int(recipe.get("block_size", 0))
+        self.groups = recipe.get("kv_groups")  # per KV group its kind and window (None: a model without groups)
         self.topic = config.topic.encode()
         self.encoder = msgspec.msgpack.Encoder()
         self.context = zmq.Context()
@@ -104,11 +125,16 @@ class ZmqEventPublisher:
     def _events(self, read) -> list[dict]:
         if read.reset:  # a fresh start (or a log overrun): everything held now, after a clear
             events = [{"type": "AllBlocksCleared"}]
-            for medium, hashes in read.snapshot.items():
-                events += [_stored(h, None, (), self.block_size, medium) for h in hashes]
+            for medium, keys in read.snapshot.items():
+                events += [self._stored(key, None, (), medium, _group_of(key) if self.groups else None)
+                           for key in keys]
             return events if len(events) > 1 or self.seq else []
-        return [_stored(h, parent, tokens, self.block_size, medium) if op == "stored" else _removed(h, medium)
-                for op, medium, h, parent, tokens in read.events]
+        return [self._stored(key, parent, tokens, medium, group) if op == "stored" else _removed(key, medium, group)
+                for op, medium, key, parent, tokens, group in read.events]
+
+    def _stored(self, key: str, parent: str | None, tokens: tuple[int, ...], medium: str, group: int | None) -> dict:
+        spec = self.groups[group] if group is not None and self.groups and group < len(self.groups) else None
+        return _stored(key, parent, tokens, self.block_size, medium, group, spec)
 
     def _publish(self, events: list[dict]) -> None:
         payload = self.encoder.encode([time.time(), events])  # KVEventBatch is array-like: [ts, events]

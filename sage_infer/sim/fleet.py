@@ -168,7 +168,7 @@ def _follow(index: FleetIndex, replica, log, cursor: int) -> int:
     read = log.read(cursor)
     if read.reset:
         index.reset(replica, read.snapshot)
-    for op, medium, block_hash, _, _ in read.events:
+    for op, medium, block_hash, *_ in read.events:
         index.apply(replica, op, medium, block_hash)
     return read.next
 
