@@ -90,10 +90,27 @@ def test_a_replica_flag_names_its_events_endpoints(value, endpoints):
     assert parse_replica(value) == ("http://h:1", endpoints)
 
 
+def test_each_data_parallel_rank_is_a_replica_with_vllms_endpoints_and_its_rank_header():
+    from sage_infer.router.fleet import RANK_HEADER, FleetRouter
+
+    url, endpoints = parse_replica("http://h:1,events=tcp://h:5557,replay=tcp://h:5600,dp=3")
+    assert endpoints == VllmEndpoints("tcp://h:5557", "tcp://h:5600", "", 3)
+    router = FleetRouter([url, "http://h:2"], "kv", vllm_events={url: endpoints})
+    assert list(router.links) == ["http://h:1#dp0", "http://h:1#dp1", "http://h:1#dp2", "http://h:2"]
+    rank2 = router.links["http://h:1#dp2"]
+    assert (rank2.url, rank2.vllm.events, rank2.vllm.replay) == ("http://h:1", "tcp://h:5559", "tcp://h:5602")
+    assert router.rank_header(rank2) == {RANK_HEADER: "2"} and router.rank_header(router.links["http://h:2"]) == {}
+    assert VllmEndpoints("ipc:///tmp/ev", ranks=2).of_rank(1).events == "ipc:///tmp/ev_dp1"  # vLLM's ipc suffix
+
+
 @pytest.mark.parametrize("value, message", [
     ("http://h:1,events=tcp://*:5557", "expected a ZMQ address to connect to"),
     ("http://h:1,replay=tcp://h:5558", "need events=tcp://HOST:PORT"),
-    ("http://h:1,event=tcp://h:5557", "expected events=, replay= or topic="),
+    ("http://h:1,dp=2", "need events=tcp://HOST:PORT"),
+    ("http://h:1,events=tcp://h:5557,replay=tcp://h:5558,dp=2", "overlap: space events= and replay="),
+    ("http://h:1,events=tcp://h:5557,dp=0", "dp=0: expected the server's data-parallel size"),
+    ("http://h:1,events=tcp://h", "expected a ZMQ address to connect to"),
+    ("http://h:1,event=tcp://h:5557", "expected events=, replay=, topic= or dp="),
     ("h:1,events=tcp://h:5557", "expected an http(s) URL"),
 ])
 def test_a_bad_replica_flag_is_a_usage_error(value, message):

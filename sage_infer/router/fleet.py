@@ -68,7 +68,15 @@ HEALTH_POLL_S = 1.0  # liveness of replicas that publish no events
 HASHES_TIMEOUT_S = 2.0
 SESSION_CHARS = 512  # of a prompt's start, the session key when the request names no user or session
 LONG_PROMPT_CHARS = 16_384  # a text prompt this long is tokenized on a worker thread
+RANK_HEADER = "X-data-parallel-rank"  # vLLM (and SGLang) serve a request on the data-parallel rank it names
 MAX_EXTRA_KEYS = 4096  # (recipe, cache salt) pairs whose extra key the router keeps
+
+
+def _targets(url: str, endpoints: VllmEndpoints | None) -> list[tuple[str, str, VllmEndpoints | None, int | None]]:
+    """The replicas behind one server URL as (name, URL, its events, rank): one, or one per data-parallel rank."""
+    if endpoints is None or endpoints.ranks <= 1:
+        return [(url, url, endpoints, None)]
+    return [(f"{url}#dp{rank}", url, endpoints.of_rank(rank), rank) for rank in range(endpoints.ranks)]
 
 
 class ReplicaUnreachable(Exception):
@@ -87,6 +95,12 @@ class ReplicaLink:
     last_heard: float = 0.0
     down_until: float = 0.0
     vllm: VllmEndpoints | None = None  # a vLLM server's ZMQ KV events (`router.vllm_events`)
+    rank: int | None = None  # a data-parallel rank of the server at `url`: requests name it (`RANK_HEADER`)
+
+    @property
+    def name(self) -> str:
+        """The replica's name in the routing, metrics and logs: its URL, with ``#dp<rank>`` for a rank."""
+        return self.replica.name
 
     def refresh(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -95,7 +109,8 @@ class ReplicaLink:
 
 class FleetRouter:
     """Routes OpenAI requests over `urls` by `routing` (see `kv_policy.routing.ROUTING_POLICIES`); `vllm_events`:
-    replica URL -> where that vLLM server publishes its KV events."""
+    replica URL -> where that vLLM server publishes its KV events. A vLLM server with data-parallel ranks is one
+    replica per rank (``URL#dp<r>``: each rank has its own KV cache and events), its requests sent to the rank."""
 
     def __init__(self, urls: list[str], routing: str = "kv", api_key: str | None = None,
                  seed: int | None = None, vllm_events: dict[str, VllmEndpoints] | None = None,
@@ -104,8 +119,10 @@ class FleetRouter:
         if not urls:
             raise ValueError("a fleet router needs at least one replica")
         vllm_events = {url.rstrip("/"): endpoints for url, endpoints in (vllm_events or {}).items()}
-        self.index = FleetIndex(urls)
-        self.links = {url: ReplicaLink(url, self.index.replica(url), vllm=vllm_events.get(url)) for url in urls}
+        targets = [target for url in urls for target in _targets(url, vllm_events.get(url))]
+        self.index = FleetIndex([name for name, *_ in targets])
+        self.links = {name: ReplicaLink(url, self.index.replica(name), vllm=endpoints, rank=rank)
+                      for name, url, endpoints, rank in targets}
         for link in self.links.values():
             link.refresh()
         self.policy = Router(self.index, routing, seed)
@@ -117,7 +134,8 @@ class FleetRouter:
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         self.responses = ResponsesRouting(lambda: self.client, self.headers, self.up_urls, self.choose_url,
-                                          self.hold, lambda url, why: self.failed(self.links[url], why))
+                                          self.hold, lambda name, why: self.failed(self.links[name], why),
+                                          lambda name: (self.links[name].url, self.rank_header(self.links[name])))
         self._extra_keys: dict[tuple, bytes] = {}  # (recipe, cache_salt) -> extra key
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -176,8 +194,8 @@ class FleetRouter:
             link.refresh()
         if kind != "load":
             for medium in ("device", *LOWER_MEDIA, SHARED):
-                self.metrics.replica_blocks.labels(link.url, medium).set(self.index.blocks_in(replica, medium))
-        self.metrics.replica_up.labels(link.url).set(int(replica.up))
+                self.metrics.replica_blocks.labels(link.name, medium).set(self.index.blocks_in(replica, medium))
+        self.metrics.replica_up.labels(link.name).set(int(replica.up))
 
     async def watch_health(self, link: ReplicaLink) -> None:
         """A replica without events: in the routing while its /health answers 200."""
@@ -190,25 +208,25 @@ class FleetRouter:
                 return
             link.connected, link.last_heard = True, time.monotonic()
             link.refresh()
-            self.metrics.replica_up.labels(link.url).set(int(link.replica.up))
+            self.metrics.replica_up.labels(link.name).set(int(link.replica.up))
             await asyncio.sleep(HEALTH_POLL_S)
 
     def lost(self, link: ReplicaLink, why: str) -> None:
         if link.connected:
-            self.metrics.lost.labels(link.url).inc()
-            log.warning("replica %s is out of the routing: %s", link.url, why)
+            self.metrics.lost.labels(link.name).inc()
+            log.warning("replica %s is out of the routing: %s", link.name, why)
         link.connected = False
         self.index.drop(link.replica)
         link.refresh()
-        self.metrics.replica_up.labels(link.url).set(0)
+        self.metrics.replica_up.labels(link.name).set(0)
 
     def failed(self, link: ReplicaLink, why: str) -> None:
         """A call to the replica failed: out of the routing for `DOWN_FOR_S` (its event stream may say more)."""
         link.down_until = time.monotonic() + DOWN_FOR_S
         link.refresh()
-        log.warning("replica %s skipped for %.0f s: %s", link.url, DOWN_FOR_S, why)
-        self.metrics.failures.labels(link.url, "replica").inc()
-        self.metrics.replica_up.labels(link.url).set(0)
+        log.warning("replica %s skipped for %.0f s: %s", link.name, DOWN_FOR_S, why)
+        self.metrics.failures.labels(link.name, "replica").inc()
+        self.metrics.replica_up.labels(link.name).set(0)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -311,14 +329,14 @@ class FleetRouter:
         token)."""
         queued = route.compute_tokens
         link.replica.take(queued, route.blocks)
-        self.metrics.routed.labels(link.url, "replica").inc()
-        self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
+        self.metrics.routed.labels(link.name, "replica").inc()
+        self.metrics.outstanding.labels(link.name, "replica").set(link.replica.outstanding)
         return queued
 
     def leave(self, link: ReplicaLink, route: Route, queued: int, finished: bool = True) -> None:
         link.replica.release(queued, finished, route.blocks if finished else ())
         if finished:
-            self.metrics.outstanding.labels(link.url, "replica").set(link.replica.outstanding)
+            self.metrics.outstanding.labels(link.name, "replica").set(link.replica.outstanding)
 
     def check_prediction(self, route: Route, described: RouteRequest, usage: dict) -> None:
         reported = cached_tokens(usage)
@@ -343,7 +361,8 @@ class FleetRouter:
                    described: RouteRequest) -> Response:
         queued = self.enter(link, route, described)
         try:
-            reply = await self.client.post(f"{link.url}{path}", content=encode(body), headers=self.headers)
+            reply = await self.client.post(f"{link.url}{path}", content=encode(body),
+                                           headers={**self.headers, **self.rank_header(link)})
         except httpx.HTTPError as err:
             self.failed(link, str(err) or type(err).__name__)
             raise ReplicaUnreachable from None
@@ -368,7 +387,7 @@ class FleetRouter:
         sent = time.monotonic()
         try:
             request = self.client.build_request("POST", f"{link.url}{path}", content=encode(body),
-                                                headers=self.headers)
+                                                headers={**self.headers, **self.rank_header(link)})
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as err:
             self.leave(link, route, queued)
@@ -396,8 +415,14 @@ class FleetRouter:
     # -- /v1/responses (router.responses) ---------------------------------------------------------
 
     def up_urls(self) -> list[str]:
-        return [link.url for link in sorted(self.links.values(), key=lambda link: link.replica.outstanding)
+        """The replicas in the routing by name, least busy first (a name stands for a URL and a rank: `address`)."""
+        return [link.name for link in sorted(self.links.values(), key=lambda link: link.replica.outstanding)
                 if link.replica.up]
+
+    @staticmethod
+    def rank_header(link: ReplicaLink) -> dict[str, str]:
+        """What sends a request to the link's data-parallel rank (nothing for a server without ranks)."""
+        return {} if link.rank is None else {RANK_HEADER: str(link.rank)}
 
     async def choose_url(self, body: dict, request: Request, exclude: set[str]) -> str | None:
         """A new conversation's replica: where the policy sends a chat request with its first turn's messages."""
@@ -473,7 +498,7 @@ class _Relay:
                     yield b"".join(relayed)
         except httpx.HTTPError as err:  # the replica died mid-stream: end the stream with an error event
             self.router.failed(self.link, str(err) or type(err).__name__)
-            yield stream_error(f"replica {self.link.url} stopped during the request")
+            yield stream_error(f"replica {self.link.name} stopped during the request")
         finally:
             await self.finish()
 

@@ -76,18 +76,27 @@ def chat_view(body: dict) -> dict:
 class ResponsesRouting:
     """The `/v1/responses` routes of a router. `urls()`: its workers that are up, least busy first;
     `choose(body, request, exclude)`: the worker for a new conversation (None: none left); `hold(url)`: count a
-    request in flight there, returning what ends the count; `failed(url, why)`: a call to that worker failed."""
+    request in flight there, returning what ends the count; `failed(url, why)`: a call to that worker failed.
+    `address(worker)`: the URL and extra headers a worker's name stands for (a data-parallel rank of one server is a
+    worker of its own; default: the name is the URL)."""
 
     def __init__(self, client: Callable[[], httpx.AsyncClient], headers: dict[str, str],
                  urls: Callable[[], list[str]],
                  choose: Callable[[dict, Request, set[str]], Awaitable[str | None]],
-                 hold: Callable[[str], Callable[[], None]], failed: Callable[[str, str], None]) -> None:
+                 hold: Callable[[str], Callable[[], None]], failed: Callable[[str, str], None],
+                 address: Callable[[str], tuple[str, dict[str, str]]] | None = None) -> None:
         self.client, self.headers, self.urls, self.choose = client, headers, urls, choose
         self.hold, self.failed = hold, failed
+        self.address = address or (lambda worker: (worker, {}))
         self.owners = ResponseOwners()
 
     def forwarded(self, request: Request) -> dict[str, str]:
         return {**self.headers, **{k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}}
+
+    def at(self, worker: str, path: str, request: Request) -> tuple[str, dict[str, str]]:
+        """The URL of `path` at `worker` and the headers of a call there on behalf of `request`."""
+        base, extra = self.address(worker)
+        return f"{base}{path}", {**self.forwarded(request), **extra}
 
     async def create(self, request: Request) -> Response:
         body = await read_body(request)
@@ -112,9 +121,9 @@ class ResponsesRouting:
         url = await self.find(response_id, request)
         if url is None:
             raise APIError(404, f"Response with id '{response_id}' not found.")
+        target, headers = self.at(url, f"/v1/responses/{response_id}{tail}", request)
         try:
-            reply = await self.client().request(method, f"{url}/v1/responses/{response_id}{tail}",
-                                                params=dict(request.query_params), headers=self.forwarded(request))
+            reply = await self.client().request(method, target, params=dict(request.query_params), headers=headers)
         except httpx.HTTPError as err:
             self.failed(url, str(err) or type(err).__name__)
             raise APIError(404, f"Response with id '{response_id}' not found (its worker is down).") from None
@@ -129,9 +138,9 @@ class ResponsesRouting:
         if owner is not None:
             return owner if owner in up else None
         for url in up:
+            target, headers = self.at(url, f"/v1/responses/{response_id}", request)
             try:
-                reply = await self.client().get(f"{url}/v1/responses/{response_id}",
-                                                params=dict(request.query_params), headers=self.forwarded(request))
+                reply = await self.client().get(target, params=dict(request.query_params), headers=headers)
             except httpx.HTTPError:
                 continue
             if reply.status_code == 200:
@@ -142,9 +151,10 @@ class ResponsesRouting:
     async def send(self, url: str, body: dict, request: Request) -> Response:
         """POST the create to `url`: a JSON answer, or its stream relayed; the created id's owner learned."""
         release = self.hold(url)
+        target, headers = self.at(url, "/v1/responses", request)
         try:
             upstream = await self.client().send(self.client().build_request(
-                "POST", f"{url}/v1/responses", content=encode(body), headers=self.forwarded(request)), stream=True)
+                "POST", target, content=encode(body), headers=headers), stream=True)
         except httpx.HTTPError as err:
             release()
             self.failed(url, str(err) or type(err).__name__)

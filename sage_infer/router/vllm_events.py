@@ -22,6 +22,7 @@ for any it missed. Decoding uses msgspec structs laid out as vLLM 0.32's; vLLM i
 """
 
 # no `from __future__ import annotations`: msgspec reads the annotations of the structs `batch_decoder` defines
+import dataclasses
 import functools
 import logging
 from collections import OrderedDict
@@ -38,6 +39,7 @@ MEDIA = {"GPU": "device", None: "device", "CPU": "host", "STORAGE": "disk", "DIS
 MAX_NAMES = 1 << 20  # vLLM hashes the router keeps a name for (oldest forgotten first)
 REPLAY_TIMEOUT_S = 2.0
 END_SEQ = -1
+MAX_RANKS = 256  # data-parallel ranks one --replica may name
 CLEARED = "cleared"  # the op of an AllBlocksCleared: the replica holds nothing now
 NAMING = "vllm/{block_size}"  # `Replica.naming` of a vLLM replica with blocks of that many tokens
 Op = tuple[str, str, str]  # (stored | removed | cleared, medium, short name)
@@ -70,31 +72,61 @@ class VllmEndpoints:
     events: str  # the PUB socket, e.g. tcp://10.0.0.5:5557
     replay: str | None = None  # the ROUTER socket that resends kept batches
     topic: str = ""
+    ranks: int = 1  # data-parallel ranks behind the server's URL (its --data-parallel-size)
+    rank: int | None = None  # the one rank these endpoints are (`of_rank`); None without data parallelism
+
+    def of_rank(self, rank: int) -> "VllmEndpoints":
+        """Where rank `rank` of a data-parallel server publishes: vLLM offsets both endpoints' ports by the rank (an
+        ipc path gets a ``_dp<rank>`` suffix)."""
+        replay = offset_endpoint(self.replay, rank) if self.replay is not None else None
+        return dataclasses.replace(self, events=offset_endpoint(self.events, rank), replay=replay, ranks=1,
+                                   rank=rank)
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's endpoint of a data-parallel rank: tcp://HOST:PORT -> tcp://HOST:PORT+rank, ipc://PATH -> PATH_dp<rank>
+    (rank 0 keeps the endpoint as given)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
 
 
 def parse_replica(value: str) -> tuple[str, VllmEndpoints | None]:
-    """``URL`` or ``URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T]`` -> (URL, endpoints);
-    UsageError naming the value otherwise."""
+    """``URL`` or ``URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T][,dp=N]`` -> (URL, endpoints);
+    UsageError naming the value otherwise. ``dp=N``: the server runs N data-parallel ranks (vLLM's
+    ``--data-parallel-size``), rank r publishing on the ports + r."""
     url, *options = value.split(",")
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--replica {value}: expected an http(s) URL, e.g. http://127.0.0.1:8100")
     fields: dict[str, str] = {}
     for option in options:
         key, sep, setting = option.partition("=")
-        if not sep or key not in ("events", "replay", "topic") or key in fields:
-            raise UsageError(f"--replica {value}: {option!r}: expected events=, replay= or topic=, each once "
-                             "(URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T])")
+        if not sep or key not in ("events", "replay", "topic", "dp") or key in fields:
+            raise UsageError(f"--replica {value}: {option!r}: expected events=, replay=, topic= or dp=, each once "
+                             "(URL,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T][,dp=N])")
         fields[key] = setting
     if not fields:
         return url, None
+    ranks = fields.pop("dp", "1")
+    if not ranks.isdigit() or not 1 <= int(ranks) <= MAX_RANKS:
+        raise UsageError(f"--replica {value}: dp={ranks}: expected the server's data-parallel size, 1 to {MAX_RANKS}")
     for key in ("events", "replay"):
         endpoint = fields.get(key)
-        if endpoint is not None and (not endpoint.startswith(("tcp://", "ipc://")) or "*" in endpoint):
+        if endpoint is not None and (not endpoint.startswith(("tcp://", "ipc://")) or "*" in endpoint
+                                     or endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit()):
             raise UsageError(f"--replica {value}: {key}={endpoint}: expected a ZMQ address to connect to, "
                              "tcp://HOST:PORT or ipc://PATH")
     if "events" not in fields:
-        raise UsageError(f"--replica {value}: replay= and topic= need events=tcp://HOST:PORT")
-    return url, VllmEndpoints(fields["events"], fields.get("replay"), fields.get("topic", ""))
+        raise UsageError(f"--replica {value}: replay=, topic= and dp= need events=tcp://HOST:PORT")
+    endpoints = VllmEndpoints(fields["events"], fields.get("replay"), fields.get("topic", ""), int(ranks))
+    rank_ports = [offset_endpoint(e, r) for e in (endpoints.events, endpoints.replay) if e for r in range(int(ranks))]
+    if len(set(rank_ports)) != len(rank_ports):
+        raise UsageError(f"--replica {value}: with dp={ranks} the ranks' events and replay ports (each + rank) "
+                         "overlap: space events= and replay= at least dp ports apart")
+    return url, endpoints
 
 
 @functools.cache

@@ -69,7 +69,7 @@ async def device_blocks(router: FleetRouter, link: ReplicaLink) -> int:
 
 def _report(link: ReplicaLink, task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.warning("vLLM replica %s: its KV events stopped: %s", link.url, task.exception())
+        log.warning("vLLM replica %s: its KV events stopped: %s", link.name, task.exception())
 
 
 def apply_ops(router: FleetRouter, link: ReplicaLink, feed: VllmEventFeed, ops: list[Op]) -> None:
