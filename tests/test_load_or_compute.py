@@ -1,10 +1,14 @@
 """Load a lower-tier hit, or compute it again: decided per request from the measured prefill and read speeds.
-Unit cases of the decision, then a real engine with a host tier whose measured reads are slower (then faster) than
-its measured prefill: the evicted prompt is computed (then loaded), its tokens the same either way."""
+Unit cases of the decision (a block priced by its position when the model's shape is known), then a real engine
+with a host tier whose measured reads are slower (then faster) than its measured prefill: the evicted prompt is
+computed (then loaded), its tokens the same either way."""
 
 from __future__ import annotations
 
-from sage_infer.kv_policy.load_or_compute import LoadOrCompute
+import pytest
+
+from sage_infer.kv_policy.cost_benefit import ModelShape
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute, Rate
 from tests.test_kv_tiers_engine import BLOCK, A, B, C, cold, make_llm, model_dir, run  # noqa: F401 - fixtures
 
 MiB = 1 << 20
@@ -13,7 +17,7 @@ MiB = 1 << 20
 def rates(prefill_tok_s: float, **read_mib_s: float) -> LoadOrCompute:
     """A block of 16 tokens and 1 MiB; `read_mib_s`: level1=..., level2=... in MiB/s."""
     decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
-    decide.observe_prefill(int(prefill_tok_s), 1.0)
+    decide.observe_prefill([(int(prefill_tok_s), 0)], 1.0)
     for name, mib_s in read_mib_s.items():
         decide.observe_read(int(name.removeprefix("level")), int(mib_s * MiB), 1.0)
     return decide
@@ -36,6 +40,29 @@ def test_the_leading_run_that_saves_time_is_loaded_and_the_rest_computed():
     assert rates(16_000, level1=10_240, level2=10).blocks_to_load([1, 2] + [1] * 8) == 1
 
 
+def test_a_step_below_the_minimum_prompt_tokens_is_not_a_prefill_rate():
+    decide = LoadOrCompute(16, MiB)
+    decide.observe_prefill([(100, 0), (100, 50)], 1.0)  # 200 tokens: mostly the step's overheads
+    assert decide.prefill.per_s is None
+    decide.observe_prefill([(200, 0), (100, 50)], 1.0)
+    assert decide.prefill.per_s == 300
+
+
+def test_with_a_model_shape_a_block_costs_what_its_position_costs():
+    shape = ModelShape(num_layers=6, hidden=384, num_kv_heads=2, head_dim=64, dtype_bytes=4, num_params=11e6)
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=96 * 1024, shape=shape)
+    decide.observe_prefill([(2048, 6144)], 1.0)  # a chunk deep in a long prompt, in one second
+    assert decide.prefill.per_s == pytest.approx(shape.prefill_flops(2048, 6144))
+    deep = decide.prefill_s(16, 16_000)
+    assert deep > 5 * decide.prefill_s(16, 0)  # attention over 16K earlier tokens dominates the block
+    # a tier that reads a block in about what a block at position 2K computes in
+    decide.reads[1] = Rate(per_s=96 * 1024 / decide.prefill_s(16, 2048))
+    assert decide.blocks_to_load([1] * 64) == 0  # a short prompt's blocks: computing them is faster
+    assert decide.blocks_to_load([1] * 64, first_block=1000) == 64  # deep in a long prompt: loading is
+    # a long prompt whose leading blocks are all below: its early blocks lose, the later ones win it back
+    assert decide.blocks_to_load([1] * 1024) == 1024
+
+
 def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_same(model_dir, cold):  # noqa: F811
     llm = make_llm(model_dir, host_bytes=1 << 20)
     for tokens in (A, B, C):
@@ -43,8 +70,8 @@ def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_sam
     hierarchy = llm.engine.kv.source("tiers").hierarchy
     assert hierarchy.rates is llm.engine.load_rates
     nbytes = hierarchy.pool.block_nbytes
-    hierarchy.rates.observe_prefill(16_000, 1.0)  # 1 ms a block
-    hierarchy.rates.observe_read(1, 100 * nbytes, 10.0)  # 100 ms a block from the host tier: a slow tier
+    hierarchy.rates.prefill = Rate(per_s=hierarchy.rates.work(BLOCK, 0) * 1000)  # about 1 ms a block
+    hierarchy.rates.reads[1] = Rate(per_s=nbytes / 0.1)  # 100 ms a block from the host tier: a slow tier
     assert run(llm, A) == (cold, 0)  # computed again
     assert hierarchy.stats.failures["recompute"] == 5 and hierarchy.stats.tiers["host"].loaded_blocks == 0
     for tokens in (B, C):  # A goes back down

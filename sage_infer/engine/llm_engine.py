@@ -317,9 +317,10 @@ class LLMEngine:
         masks = PendingMasks.start(batch.seqs, batch.num_new_tokens, self.runner.model.config.vocab_size)
         started = time.perf_counter()
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
-        if self.load_rates is not None:  # the prompt tokens this step computed, and how long it took
-            self.load_rates.observe_prefill(sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                                if n > 1 and not seq.draft_token_ids), time.perf_counter() - started)
+        if self.load_rates is not None:  # the prompt tokens this step computed (after how many), and how long it took
+            self.load_rates.observe_prefill([(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs,
+                                             batch.num_new_tokens) if n > 1 and not seq.draft_token_ids],
+                                            time.perf_counter() - started)
         emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)
         self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
                                            if seq.draft_token_ids})

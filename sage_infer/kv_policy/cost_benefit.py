@@ -44,6 +44,15 @@ class ModelShape:
     def kv_bytes_per_token(self) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
 
+    def prefill_flops(self, tokens: int, context_tokens: int) -> float:
+        """FLOPs to prefill `tokens` tokens after `context_tokens` cached ones.
+
+        Weights: 2 * params per token. Attention: QK^T and AV cost 2 * hidden FLOPs each
+        per (query, key) pair per layer; token i attends to `context_tokens + i + 1` keys (causal).
+        """
+        pairs = tokens * context_tokens + tokens * (tokens + 1) / 2
+        return 2.0 * self.num_params * tokens + 4.0 * self.num_layers * self.hidden * pairs
+
 
 class CostBenefitModel:
     """Load-vs-recompute arithmetic for one hardware profile and one model shape."""
@@ -77,14 +86,8 @@ class CostBenefitModel:
         return tokens * self.model.kv_bytes_per_token
 
     def prefill_flops(self, block_tokens: int, context_tokens: int) -> float:
-        """FLOPs to prefill `block_tokens` tokens after `context_tokens` cached ones.
-
-        Weights: 2 * params per token. Attention: QK^T and AV cost 2 * hidden FLOPs each
-        per (query, key) pair per layer; token i of the block attends to
-        `context_tokens + i + 1` keys (causal).
-        """
-        pairs = block_tokens * context_tokens + block_tokens * (block_tokens + 1) / 2
-        return 2.0 * self.model.num_params * block_tokens + 4.0 * self.model.num_layers * self.model.hidden * pairs
+        """FLOPs to prefill `block_tokens` tokens after `context_tokens` cached ones (`ModelShape.prefill_flops`)."""
+        return self.model.prefill_flops(block_tokens, context_tokens)
 
     def recompute_seconds(self, block_tokens: int, depth: int, *, context_tokens: int | None = None) -> float:
         """Seconds to recompute a block at position `depth` of its prompt.

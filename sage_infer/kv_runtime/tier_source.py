@@ -75,7 +75,8 @@ class TierSource(KVSource):
             keys = hash_token_blocks(rest, bs, seq.extra_key, device[1])
             levels = self.hierarchy.locate(keys)
             # the leading run worth loading; the rest is computed (measured faster than reading it back)
-            load = self.hierarchy.rates.blocks_to_load(levels) if self.hierarchy.rates is not None else len(levels)
+            rates = self.hierarchy.rates
+            load = rates.blocks_to_load(levels, device[0]) if rates is not None else len(levels)
             keys = keys[:load]
             self._seen[seq.seq_id] = (now, device, keys)
             self._declined[seq.seq_id] = len(levels) - load
