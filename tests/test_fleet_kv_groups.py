@@ -5,7 +5,10 @@ engine's own hit."""
 from __future__ import annotations
 
 import random
+import time
 
+import httpx
+import openai
 import pytest
 
 from sage_infer.core.sampling_params import SamplingParams as Params
@@ -18,8 +21,17 @@ from sage_infer.kv_runtime.kv_groups import kv_groups
 from sage_infer.prefix_reuse.events import short
 from sage_infer.prefix_reuse.hashing import prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from tests.redis_fixture import free_port
+from tests.server_fixture import running_server
+from tests.tiny_models import save_tokenizer
 
 BS = 16
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 6):
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    return api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens,
+                                  temperature=0, extra_body={"ignore_eos": True})
 
 
 def test_a_fleet_hit_needs_every_full_block_and_only_the_window_of_a_sliding_group():
@@ -107,3 +119,85 @@ def test_the_routers_hit_from_a_replicas_group_events_is_the_engines_own(windows
     before = {m: set(v) for m, v in replica.media.items()}
     fleet.reset(replica, events.read(-1).snapshot)  # a router that reconnects: the snapshot names the same keys
     assert {m: set(v) for m, v in replica.media.items()} == before
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    """A tiny random Gemma 2: full-attention layers beside sliding-window ones (window 16): two KV groups."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                       sliding_window=BS, query_pre_attn_scalar=16)
+    directory = tmp_path_factory.mktemp("fleet-gemma2") / "model"
+    transformers.Gemma2ForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(directory, 512)
+    return directory
+
+
+def test_a_hybrid_replica_publishes_each_groups_blocks_as_vllm_tags_them(gemma2_dir):
+    zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'sage-infer[events]')")
+    msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'sage-infer[events]')")
+    from tests.test_kv_events_zmq import PROMPT, KVEventBatch, _decode_with_vllm
+    from tests.test_vllm_connector import PYTHON
+
+    stored_type = msgspec.defstruct("BlockStored", [  # vLLM's BlockStored fields for KV cache groups
+        ("block_hashes", list[bytes]), ("parent_block_hash", bytes | None), ("token_ids", list[int]),
+        ("group_idx", int | None, None), ("kv_cache_spec_kind", str | None, None),
+        ("kv_cache_spec_sliding_window", int | None, None)], tag="BlockStored")
+    batch_type = msgspec.defstruct("Batch", [("ts", float), ("events", list[stored_type])], array_like=True)
+
+    port = free_port()
+    context = zmq.Context()
+    with running_server(gemma2_dir, kv_events={"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}) as server:
+        assert server.backend.kv_recipe()["kv_groups"] == [{"kind": "full_attention", "sliding_window": None},
+                                                           {"kind": "sliding_window", "sliding_window": BS}]
+        sub = context.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.3)  # a SUB socket misses what is sent before it joined
+        complete(server.url, PROMPT, max_tokens=1)
+        payloads, stored = [], []
+        deadline = time.monotonic() + 20
+        while len(stored) < 6:  # 3 full blocks, in each of the 2 groups
+            assert time.monotonic() < deadline, f"timed out; stored so far: {stored}"
+            if sub.poll(100):
+                payloads.append(sub.recv_multipart()[2])
+                stored += msgspec.msgpack.Decoder(batch_type).decode(payloads[-1]).events
+        sub.close(0)
+    context.term()
+    by_group = {g: [e for e in stored if e.group_idx == g] for g in (0, 1)}
+    assert [e.token_ids for e in by_group[0]] == [e.token_ids for e in by_group[1]] == \
+        [PROMPT[i * BS:(i + 1) * BS] for i in range(3)]
+    assert [e.block_hashes for e in by_group[0]] == [e.block_hashes for e in by_group[1]]  # one hash, every group
+    assert [e.parent_block_hash for e in by_group[1]] == [None, *(e.block_hashes[0] for e in by_group[0][:2])]
+    assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in by_group[0]} == {("full_attention", None)}
+    assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in by_group[1]} == {("sliding_window", BS)}
+    # the router's names are the same hashes: what it computes for the prompt is what the events carry
+    names = [short(h) for h in prompt_block_hashes(PROMPT, BS, server.backend.engine.extra_key(None))]
+    assert names == [e.block_hashes[0].hex() for e in by_group[0]]
+    assert msgspec.msgpack.Decoder(KVEventBatch).decode(payloads[0]).events  # vLLM 0.32's layout reads them too
+    if PYTHON.exists():  # and vLLM's own classes
+        assert _decode_with_vllm(payloads[0])[0]["token_ids"] == PROMPT[:BS]
+
+
+def test_kv_routing_sends_a_hybrid_prefix_to_the_replica_holding_every_group_it_needs(gemma2_dir):
+    from tests.test_fleet_router import PREFIX, holds, metric, running_fleet, wait_for
+
+    with running_server(gemma2_dir) as a, running_server(gemma2_dir) as b, \
+            running_fleet([a.url, b.url]) as (url, router):
+        complete(b.url, PREFIX + [7, 8, 9])  # b computed the prefix (a client that went there directly)
+        wait_for(lambda: holds(router, b.url, 8), "b's stored events: 4 blocks in each group")
+        body = {"model": b.model, "prompt": PREFIX + [10, 11, 12]}
+        described = Request(prompt_tokens=0)
+        assert router.hash_here(body, described) and described.group_needs == (-1, 1)
+        asked = httpx.post(f"{b.url}/v1/kv/hashes", json=body, timeout=10).json()
+        assert described.hashes == asked["hashes"] and asked["tokens_per_hash"] == BS
+        later = [complete(url, PREFIX + [10 + i, 11, 12]) for i in range(3)]
+        assert metric(url, "sage:router_requests_total", instance=b.url) == 3  # every one went to b, not idle a
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in later] == [4 * BS] * 3
+        assert metric(url, "sage:router_predicted_cached_tokens_total") == 4 * BS * 3
+        assert metric(url, "sage:router_reported_cached_tokens_total") == 4 * BS * 3
