@@ -57,6 +57,16 @@ def test_a_fleet_hit_needs_every_full_block_and_only_the_window_of_a_sliding_gro
     assert set(route.blocks) == {*names, *(group_key(n, 1) for n in names[4:])}  # what it holds once computed
 
 
+def test_a_hybrid_prompt_fills_a_block_of_every_group_per_block_of_tokens():
+    """The full-cache charge: 5 blocks of tokens fill 10 pool blocks with two groups, past a 10-block cache's 90 %."""
+    from sage_infer.kv_policy.routing import _full
+
+    index = FleetIndex(["a"])
+    replica = index.replica("a")
+    replica.capacity_blocks = 10
+    assert not _full(replica, 5 * BS, BS) and _full(replica, 5 * BS, BS, groups=2)
+
+
 @pytest.mark.parametrize("windows", [(9, None, 9), (9, 9)], ids=["full-and-sliding", "sliding-only"])
 def test_the_routers_hit_from_a_replicas_group_events_is_the_engines_own(windows):
     """Random prompts sharing prefixes through a small pool of a KV manager with groups (stores, frees out of the

@@ -145,7 +145,7 @@ class Router:
                           replica.queued_tokens, compute, tokens_per_block=tokens_per_block,
                           blocks=used_keys(hashes, needs) if needs else tuple(hashes))
             routes.append(route)
-            charge = MISS_CHARGE if _full(replica, compute, tokens_per_block) else 0.0
+            charge = MISS_CHARGE if _full(replica, compute, tokens_per_block, len(needs) or 1) else 0.0
             scores.append(route.predicted_ttft_s + charge * compute / self.prefill_tokens_per_s)
         best = min(scores)
         tied = [r for r, score in zip(routes, scores) if score <= best * (1 + 1e-9)]
@@ -182,11 +182,12 @@ class Router:
             self.seconds_per_request_ahead += LEARN_WEIGHT * (per_request - self.seconds_per_request_ahead)
 
 
-def _full(replica: Replica, compute_tokens: int, tokens_per_block: int) -> bool:
-    """Whether computing that many tokens there would evict cached blocks (unknown capacity: assume so)."""
+def _full(replica: Replica, compute_tokens: int, tokens_per_block: int, groups: int = 1) -> bool:
+    """Whether computing that many tokens there would evict cached blocks (unknown capacity: assume so); a model with
+    KV groups fills a block of each group per block of tokens."""
     if replica.capacity_blocks <= 0:
         return True
-    needed = -(-compute_tokens // tokens_per_block) if tokens_per_block else 0
+    needed = -(-compute_tokens // tokens_per_block) * groups if tokens_per_block else 0
     return len(replica.media[DEVICE]) + needed > FULL_SHARE * replica.capacity_blocks
 
 
