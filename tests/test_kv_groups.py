@@ -250,7 +250,6 @@ def test_speculative_rollback_and_preemption_per_group_match_transformers(mistra
 
 
 @pytest.mark.parametrize(("section", "values", "field"), [
-    ("tiers", {"disk_path": "/nonexistent", "disk_bytes": 1 << 20}, "tiers"),
     ("quota", {"tenants": [{"name": "a", "cache_salt": "salt-a", "max_share": 0.5}]}, "quota"),
     ("role", "prefill", "role"),
 ])

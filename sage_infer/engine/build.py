@@ -38,6 +38,7 @@ from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_kv_manager import NOT_FOR_GROUPS, GroupKVCacheManager
+from sage_infer.kv_runtime.group_tiers import GroupTierSource
 from sage_infer.kv_runtime.hierarchy import ROLE, HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups, kv_groups
@@ -222,12 +223,15 @@ class EngineBuilder:
                            dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                            num_params=float(sum(p.numel() for p in self.model.parameters())))
         if self.kv_groups is not None:  # one line naming what is not built for a block table per group
-            refuse_for_kv_groups(config, quota, self.host_bytes)
-            self.load_rates, self.transfers = None, None
-            publish_kv_events(config, index, None, grouped=True)
-            self.kv = GroupKVCacheManager(block_manager, self.kv_groups)
-            return
+            refuse_for_kv_groups(config, quota)
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
+        if self.kv_groups is not None:  # a block table per group; the tiers load each group's blocks a hit needs
+            self.load_rates, self.transfers = hierarchy.rates if hierarchy is not None else None, None
+            publish_kv_events(config, index, hierarchy, grouped=True)
+            sources = [GroupTierSource(hierarchy, config.tiers.load_timeout_s, config.tiers.flush_on_shutdown_s)] \
+                if hierarchy is not None else []
+            self.kv = GroupKVCacheManager(block_manager, self.kv_groups, sources=sources)
+            return
         self.load_rates = hierarchy.rates if hierarchy is not None else None
         self.transfers = build_transfers(config, pool, self.device, self.extra_key, index)
         publish_kv_events(config, index, hierarchy)
@@ -670,20 +674,13 @@ def seat_tokens_of_groups(groups: KVGroups, max_model_len: int, config: ServeCon
                min(max_model_len, (-(-group.window // bs) + 1) * bs + chunk) for group in groups.groups)
 
 
-def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None, host_bytes: int | None) -> None:
+def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None) -> None:
     """What moves or names blocks and is not built for a block table per KV group: one line naming the field."""
-    tiers = config.tiers
-    if tiers.host_bytes not in ("auto", 0) or tiers.disk_path or tiers.remote_url:
-        raise ConfigError(f"tiers: {NOT_FOR_GROUPS} (the model has sliding-window layers)",
-                          hint="run without KV tiers")
     if config.role != "both":
         raise ConfigError(f"role: {config.role}: prefill/decode transfers are {NOT_FOR_GROUPS} (the model has "
                           "sliding-window layers)", hint="set role: both")
     if quota is not None:
         raise ConfigError(f"quota: tenant quotas are {NOT_FOR_GROUPS} (the model has sliding-window layers)")
-    if host_bytes:
-        auto_log.warning("tiers.host_bytes = 0 (auto chose %d bytes: the host tier is %s)", host_bytes,
-                         NOT_FOR_GROUPS)
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV pipe can run on today

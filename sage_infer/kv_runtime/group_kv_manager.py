@@ -14,21 +14,27 @@ After vLLM's hybrid allocator (`KVCacheCoordinator` over a `FullAttentionManager
   the keys `GroupPrefix` looks them up by, and, when the index logs events for routers, names each one by its
   chained prefix hash and group first (`BlockEvents.name`), the name a router hashes a prompt to.
 
-Blocks the prompt finds past the device (tiers, prefill/decode transfers) are not built for groups: the builder
-refuses them for such a model, in one line.
+- **Lower tiers** (`sage_infer.kv_runtime.group_tiers`): evicted blocks of every group are demoted as the plain
+  path's are; a hit takes each group's blocks from the device or the tiers, block by block, loading only what the
+  hit needs (the full groups' prefix, a sliding group's window). A load that comes back short (a miss, a corrupt
+  block, a dead store) falls back to the longest prefix every group still serves (at least the device's own hit).
+
+Prefill/decode transfers are not built for groups: the builder refuses them for such a model, in one line.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
-from sage_infer.kv_runtime.group_prefix import GroupPrefix
+from sage_infer.kv_runtime.group_prefix import LOAD, GroupMatch, GroupPrefix
+from sage_infer.kv_runtime.group_tiers import GroupTierSource
 from sage_infer.kv_runtime.kv_cache_manager import NO_MATCH, KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups
+from sage_infer.kv_runtime.sources import KVSource
 from sage_infer.prefix_reuse.hashing import hash_block
 from sage_infer.prefix_reuse.index import PrefixMatch
 
@@ -40,8 +46,12 @@ class GroupKVCacheManager(KVCacheManager):
     The calls and their order are `KVCacheManager`'s; every count is in blocks of all groups together."""
 
     def __init__(self, block_manager: BlockManager, groups: KVGroups,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(block_manager, clock)
+                 clock: Callable[[], float] = time.monotonic, sources: Iterable[KVSource] = ()) -> None:
+        sources = list(sources)
+        for source in sources:
+            if not isinstance(source, GroupTierSource):
+                raise NotImplementedError(f"KV source {source.name!r}: {NOT_FOR_GROUPS}")
+        super().__init__(block_manager, clock, sources)
         self.groups = groups
         self.windows = [group.window for group in groups.groups]
         self.num_groups = len(self.windows)
@@ -51,6 +61,8 @@ class GroupKVCacheManager(KVCacheManager):
             if self.index is not None else None
         self._tables: dict[int, list[list[int]]] = {}  # seq id -> the tables of groups 1..
         self._freed: dict[int, list[int]] = {}  # seq id -> per group: its leading entries that are the null block
+        for source in sources:
+            source.prefix = self.prefix
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s block table of every group (equal lengths; group 0's is `seq.block_table`)."""
@@ -84,11 +96,18 @@ class GroupKVCacheManager(KVCacheManager):
         if self.prefix is None or seq.block_table:
             return NO_MATCH
         limit = (seq.num_tokens - 1 if keep_last_token else seq.num_tokens) // self.block_size
-        return self.prefix.match(seq, limit)
+        match = self.prefix.match(seq, limit)
+        source = self._source_of(seq) if self.sources else None
+        if source is not None:
+            source.lookup(seq, match, limit, self.clock())
+        return match
 
     def _probe(self, token_ids: list[int], extra_key: bytes) -> PrefixMatch:
+        """The device's hit alone (a probe from another thread never asks the tiers)."""
+        if self.prefix is None:
+            return NO_MATCH
         probe = Sequence(-1, "", 0, list(token_ids), len(token_ids), SamplingParams(), extra_key)
-        return self.match(probe, keep_last_token=False)
+        return self.prefix.match(probe, len(token_ids) // self.block_size)
 
     def overlap(self, token_ids: list[int], extra_key: bytes) -> int:
         """Leading tokens of `token_ids` a prefix hit would serve now (every group); records nothing (dict reads
@@ -109,13 +128,23 @@ class GroupKVCacheManager(KVCacheManager):
         return super().blocks_needed(seq, num_new_tokens, num_computed_tokens) * self.num_groups
 
     def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
-        matched = self.num_groups * (match.num_tokens // self.block_size)
+        plan = getattr(match, "plan", None)
+        if plan is None:
+            matched = self.num_groups * (match.num_tokens // self.block_size)
+        else:  # a hit's entries that need no new block: the device's and the null ones
+            length, matched = match.total_tokens // self.block_size, 0
+            for group, table in enumerate(plan):
+                first = self.prefix.first_needed(group, length)
+                matched += first + sum(b != LOAD for b in table[first:])
         needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens) - matched
         return needed <= 0 or needed <= self.available_after(match)
 
     def available_after(self, match: PrefixMatch) -> int:
-        taken = [b for ids in getattr(match, "group_block_ids", ()) for b in ids if b != self.null_block]
+        taken = self._device_blocks(getattr(match, "plan", None) or getattr(match, "group_block_ids", ()))
         return self.block_manager.num_available_blocks - (self.index.num_evictable_among(taken) if taken else 0)
+
+    def _device_blocks(self, tables: list[list[int]]) -> list[int]:
+        return [b for table in tables for b in table if b != self.null_block and b != LOAD]
 
     def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
         """`KVCacheManager.admit` for every group: take each group's matched blocks, then room for `num_new_tokens`
@@ -124,6 +153,9 @@ class GroupKVCacheManager(KVCacheManager):
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
         if not self.can_admit(seq, match, num_new_tokens):
             return False
+        if getattr(match, "plan", None) is not None:
+            self._admit_below(seq, match, num_new_tokens)
+            return True
         tables = [list(ids) for ids in match.group_block_ids] if match.num_tokens else \
             [[] for _ in range(self.num_groups)]
         if self.index is not None:
@@ -146,6 +178,64 @@ class GroupKVCacheManager(KVCacheManager):
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.admitted_once = True
         return True
+
+    def _admit_below(self, seq: Sequence, match: GroupMatch, num_new_tokens: int) -> None:
+        """`admit` of a hit that loads blocks from the tiers: take the plan's device blocks, read the lower ones
+        (before allocating: the evictions that causes never push out a block being loaded), keep the longest prefix
+        every group serves with what came back, write the loaded rows into fresh blocks and register them."""
+        now = self.clock()
+        self.index.policy.tick(now)
+        if not seq.admitted_once:
+            self.index.metrics.record(match.num_query_blocks, len(match.block_ids), self.block_size)
+        self.block_manager.acquire(self._device_blocks(match.plan))
+        source = self._source_of(seq)
+        rows = source.take(seq, match, now)
+        loaded = {slot: row for row, slot in enumerate(match.lower_slots[: rows.shape[0] if rows is not None else 0])}
+        tables, length = self._kept_tables(match.plan, loaded)
+        kept = self._device_blocks(tables)  # (before the loaded blocks join them: those register at `commit`)
+        slots = [(group, i) for group, table in enumerate(tables) for i in range(len(table)) if table[i] == LOAD]
+        if slots:
+            fresh = self.block_manager.allocate(len(slots), seq.extra_key)
+            picked = [loaded[slot] for slot in slots]
+            source.pool.write_rows(fresh, rows if picked == list(range(rows.shape[0])) else rows[picked])
+            for (group, i), block in zip(slots, fresh):
+                tables[group][i] = block
+        for block in reversed(kept):
+            self.index.policy.on_hit(self.index.hash_of(block))
+        source.on_device_hit([self.index.hash_of(block) for block in kept], kept)
+        seq.block_table = tables[0]
+        self._tables[seq.seq_id] = tables[1:]
+        self.prefix.forget(seq)
+        self._freed[seq.seq_id] = [table.count(self.null_block) for table in tables]
+        first_loaded = min((i for _, i in slots), default=length)
+        seq.block_hashes = list(match.chain[:first_loaded])  # `commit` registers the loaded blocks from there
+        seq.num_computed_tokens = length * self.block_size
+        if not seq.admitted_once and length * self.block_size > match.num_tokens:
+            self.lower_hit_tokens += length * self.block_size - match.num_tokens
+        self._grow(seq, num_new_tokens)
+        self.commit(seq)
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
+
+    def _kept_tables(self, plan: list[list[int]], loaded: dict[tuple[int, int], int]) -> tuple[list[list[int]], int]:
+        """The tables of the longest prefix every group serves from `plan`'s device blocks and the `loaded` slots
+        ((group, position) -> row), and its length in blocks; the plan's device blocks left out are released (the
+        `LOAD` entries kept are the loaded ones)."""
+        def there(group: int, i: int) -> bool:
+            table = plan[group]
+            return i < len(table) and (table[i] != LOAD and table[i] != self.null_block or (group, i) in loaded)
+
+        length = self.prefix.agreed(len(plan[0]), lambda group, n: self.prefix.served(
+            group, n, lambda i: there(group, i)))
+        tables, released = [], []
+        for group, table in enumerate(plan):
+            first = self.prefix.first_needed(group, length)
+            released += [b for b in table[:first] + table[length:] if b != LOAD and b != self.null_block]
+            tables.append([self.null_block] * first + table[first:length])
+        if released:
+            self.block_manager.free(list(reversed(released)))
+        return tables, length
 
     def _grow(self, seq: Sequence, num_new_tokens: int) -> None:
         needed = super().blocks_needed(seq, num_new_tokens)
@@ -178,6 +268,7 @@ class GroupKVCacheManager(KVCacheManager):
         tables = self.tables(seq)
         if self.index is not None:
             events = self.index.events  # a router's log names each group's block by the chain hash (`BlockEvents.name`)
+            added: list[tuple[bytes, int]] = []  # (key, block) of every group's newly full blocks, for the tiers
             for i in range(len(seq.block_hashes), full):
                 before = seq.block_hashes[i - 1] if i else None
                 tokens = token_ids[i * bs : (i + 1) * bs]
@@ -187,12 +278,17 @@ class GroupKVCacheManager(KVCacheManager):
                         continue
                     if group == 0 and self.tree:  # the chain of the plain path
                         table[i], chain = manager.cache_block(table[i], before, tokens, seq.extra_key)
+                        added.append((chain, table[i]))
                     else:
                         key = GroupPrefix.key(seq.extra_key, group, before)
                         if events is not None:
                             events.name(hash_block(None, tokens, key), chain, before, group)
-                        table[i] = manager.cache_block(table[i], None, tokens, key)[0]
+                        table[i], key = manager.cache_block(table[i], None, tokens, key)
+                        added.append((key, table[i]))
                 seq.block_hashes.append(chain)
+            if added and self.sources:
+                for source in self.sources:
+                    source.on_computed([key for key, _ in added], [block for _, block in added])
         for table in tables:
             for i in range(max(0, full - 1), len(table)):
                 if table[i] != null:
@@ -216,7 +312,9 @@ class GroupKVCacheManager(KVCacheManager):
             freed[group] = end
 
     def free(self, seq: Sequence) -> None:
-        """Release every group's blocks of `seq`, children before parents."""
+        """Release every group's blocks of `seq`, children before parents, and any load it had running."""
+        for source in self.sources:
+            source.forget(seq)
         for table in self.tables(seq):
             self.block_manager.free([b for b in reversed(table) if b != self.null_block])
         self._tables.pop(seq.seq_id, None)

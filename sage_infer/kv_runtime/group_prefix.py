@@ -8,6 +8,11 @@ every block of a full group and only the last ``ceil((W - 1) / block_size)`` of 
 the right (vLLM's ``SlidingWindowManager.find_longest_cache_hit``); its length is the longest every group serves,
 asked again until no group shortens it.
 
+Past the device (`extend`, for the lower KV tiers): the hit may take each group's blocks from the device or from a
+tier, block by block, so a group's block evicted alone is loaded alone; a sliding group's blocks before its window are
+never looked up nor loaded. The tiers are asked about the blocks the device lacks, once per request and key set
+(`kv_runtime.group_tiers`).
+
 A waiting request is matched every step: its chain and its groups' keys are hashed once and kept by sequence id
 until it is admitted (at most `MAX_REMEMBERED` sequences), so a step's lookups are dict reads. Probes (a router's
 overlap question, from another thread) keep nothing.
@@ -21,18 +26,32 @@ from sage_infer.prefix_reuse.hashing import hash_block, hash_token_blocks
 from sage_infer.prefix_reuse.index import PrefixMatch, PrefixReuseIndex
 
 MAX_REMEMBERED = 4096  # sequences whose hashes are kept between steps (dropped all at once past it)
+LOAD = -1  # a `GroupMatch.plan` entry whose block a lower tier holds (never a block id)
 
 
 class GroupMatch(PrefixMatch):
     """A `PrefixMatch` with each group's blocks of the prefix (`group_block_ids[g]`, the null block where a sliding
-    group needs none); `block_ids` are group 0's."""
+    group needs none); `block_ids` are group 0's.
 
-    __slots__ = ("group_block_ids",)
+    With lower tiers (`GroupPrefix.extend`): `plan[g]` is group `g`'s table of the whole hit (`total_tokens`): a device
+    block, the null block, or `LOAD` where `lower_block_hashes[k]` goes (at `lower_slots[k]`, (group, position), in
+    position order); it also names the device's own hit's window blocks, kept should a load come back short.
+    `chain`: the chain hashes of the whole hit."""
+
+    __slots__ = ("group_block_ids", "plan", "lower_slots", "chain")
 
     def __init__(self, group_block_ids: list[list[int]], block_hashes: list[bytes], num_tokens: int,
                  num_query_blocks: int) -> None:
         super().__init__(group_block_ids[0], block_hashes, num_tokens, num_query_blocks)
         self.group_block_ids = group_block_ids
+        self.plan: list[list[int]] | None = None
+        self.lower_slots: list[tuple[int, int]] = []
+        self.chain: list[bytes] = block_hashes
+
+    def drop_plan(self) -> None:
+        """Serve the device's hit only (the lower blocks are not worth loading)."""
+        self.plan, self.lower_slots, self.chain = None, [], self.block_hashes
+        self.lower_block_hashes, self.num_lower_tokens = [], 0
 
 
 class GroupPrefix:
@@ -67,14 +86,97 @@ class GroupPrefix:
             length, chain = len(tree.block_ids), tree.block_hashes
         else:
             length, chain = limit, self._chain(seq, limit)
-        while True:  # full groups serve any shorter prefix; a sliding group may not: ask again until all agree
-            shortest = min(self._longest(seq, group, chain, length) for group in range(self.num_groups))
-            if shortest == length:
-                break
-            length = shortest
+        length = self.agreed(length, lambda group, n: self._longest(seq, group, chain, n))
         ids = [tree.block_ids[:length] if group == 0 and self.tree else self._blocks(seq, group, chain, length)
                for group in range(self.num_groups)]
         return GroupMatch(ids, chain[:length], length * self.block_size, limit)
+
+    def agreed(self, length: int, longest) -> int:
+        """The longest prefix of at most `length` blocks every group serves, `longest(group, n)` being the longest
+        of at most `n` one group serves: full groups serve any shorter prefix, a sliding group may not, so each is
+        asked again until all agree."""
+        while True:
+            shortest = min(longest(group, length) for group in range(self.num_groups))
+            if shortest == length:
+                return length
+            length = shortest
+
+    def served(self, group: int, length: int, has) -> int:
+        """The longest prefix of at most `length` blocks `group` serves when `has(i)` says whether its block `i` is
+        there: every block from the start in a full group, the last `window_blocks` before the prefix's end in a
+        sliding one (found scanning from the right)."""
+        need = self.groups.window_blocks(group, self.block_size)
+        if need < 0:
+            return next((i for i in range(length) if not has(i)), length)
+        if need == 0:
+            return length
+        run = 0
+        for i in range(length - 1, -1, -1):
+            if not has(i):
+                run = 0
+                continue
+            run += 1
+            if run == need:
+                return i + need
+        return run  # the window reaches the start: the `run` leading blocks are all it needs
+
+    def first_needed(self, group: int, length: int) -> int:
+        """The first block of `group` a prefix of `length` blocks needs (the rest before it: the null block)."""
+        need = self.groups.window_blocks(group, self.block_size)
+        return 0 if need < 0 else max(0, length - need)
+
+    def extend(self, seq: Sequence, match: GroupMatch, limit: int, below) -> list[int]:
+        """Extend the device's `match` to the longest prefix of at most `limit` blocks every group serves from the
+        device or the lower tiers: `below(keys)` is ``{key: tier level}`` for the `keys` a tier holds. Sets
+        `match.plan` (None when the tiers add nothing), `lower_block_hashes`, `lower_slots`, `num_lower_tokens`
+        and `chain`; returns each lower block's tier level. Looks the device up afresh (only the tiers' answers
+        may be stale: a load returns what it verifies)."""
+        device_length = match.num_tokens // self.block_size
+        chain = self._chain(seq, limit)
+        held: dict[tuple[int, int], int] = {}  # (group, position) -> device block
+        keys: dict[tuple[int, int], bytes] = {}  # (group, position) -> key, for the blocks the device lacks
+        for group in range(self.num_groups):
+            for i in range(self.first_needed(group, device_length), limit):
+                block = self._device_block(seq, group, chain, i)
+                if block is not None:
+                    held[group, i] = block
+                elif self.groups.window_blocks(group, self.block_size):
+                    keys[group, i] = self.block_key(seq, group, chain, i)
+        levels = below(list(keys.values())) if keys else {}
+
+        def has(group: int, i: int) -> bool:
+            return (group, i) in held or levels.get(keys.get((group, i)), 0) > 0 or \
+                (i < device_length and self.groups.window_blocks(group, self.block_size) < 0)
+
+        length = self.agreed(limit, lambda group, n: self.served(group, n, lambda i: has(group, i)))
+        if length <= device_length:
+            return []
+        plan = []
+        for group, ids in enumerate(match.group_block_ids):
+            needed = self.first_needed(group, length)
+            # the device's own hit stays named (a sliding group's window of it is what a short load falls back on);
+            # past it, a sliding group's blocks before the hit's window are not needed
+            table = list(ids) + [held.get((group, i), LOAD) if i >= needed else self.null_block
+                                 for i in range(device_length, length)]
+            plan.append(table)
+        slots = sorted((i, group) for group, table in enumerate(plan) for i in range(len(table)) if table[i] == LOAD)
+        match.plan, match.chain = plan, chain[:length]
+        match.lower_slots = [(group, i) for i, group in slots]
+        match.lower_block_hashes = [keys[group, i] for i, group in slots]
+        match.num_lower_tokens = (length - device_length) * self.block_size
+        return [levels[key] for key in match.lower_block_hashes]
+
+    def block_key(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> bytes:
+        """The index hash of `group`'s block `i` of `seq` (what the tiers keep it under)."""
+        if group == 0 and self.tree:
+            return chain[i]
+        return self._group_keys(seq, group, chain, i)[i]
+
+    def _device_block(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
+        if group == 0 and self.tree:
+            bs = self.block_size
+            return self.index.lookup(chain[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+        return self._lookup(seq, group, chain, i)
 
     def _chain(self, seq: Sequence, n: int) -> list[bytes]:
         bs = self.block_size
@@ -92,8 +194,8 @@ class GroupPrefix:
             store.clear()
         store[key] = value
 
-    def _lookup(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
-        """Block `i` of `group` for `seq` if the index holds it (tokens verified on a hit)."""
+    def _group_keys(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> list[bytes]:
+        """The index hashes of `group`'s blocks of `seq`, at least up to block `i` (kept by sequence id)."""
         bs = self.block_size
         keys = self._keys.get((seq.seq_id, group), []) if seq.seq_id >= 0 else []
         if len(keys) <= i:
@@ -102,6 +204,12 @@ class GroupPrefix:
                                       self.key(seq.extra_key, group, chain[j - 1] if j else None))
                            for j in range(start, max(i + 1, len(chain)))]
             self._keep(self._keys, (seq.seq_id, group), keys)
+        return keys
+
+    def _lookup(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
+        """Block `i` of `group` for `seq` if the index holds it (tokens verified on a hit)."""
+        bs = self.block_size
+        keys = self._group_keys(seq, group, chain, i)
         if self.index.block_of(keys[i]) is None:
             return None
         tokens = seq.token_ids[i * bs : (i + 1) * bs]
@@ -111,22 +219,8 @@ class GroupPrefix:
         """The longest prefix of at most `length` blocks `group` serves."""
         if group == 0 and self.tree:
             return length  # the tree's match bounds the first length
-        need = self.groups.window_blocks(group, self.block_size)
-        if need < 0:  # full: every block from the start
-            return next((i for i in range(length) if self._lookup(seq, group, chain, i) is None), length)
-        if need == 0:
-            return length
-        run = 0
-        for i in range(length - 1, -1, -1):  # from the right: the last `need` blocks before a prefix end
-            if self._lookup(seq, group, chain, i) is None:
-                run = 0
-                continue
-            run += 1
-            if run == need:
-                return i + need
-        return run  # the window reaches the start: the `run` leading blocks are all it needs
+        return self.served(group, length, lambda i: self._lookup(seq, group, chain, i) is not None)
 
     def _blocks(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> list[int]:
-        need = self.groups.window_blocks(group, self.block_size)
-        first = 0 if need < 0 else max(0, length - need)
+        first = self.first_needed(group, length)
         return [self.null_block] * first + [self._lookup(seq, group, chain, i) for i in range(first, length)]
