@@ -8,6 +8,7 @@ predicts the cached tokens vLLM reports."""
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 import time
@@ -243,18 +244,19 @@ def mixed_fleet(tmp_path_factory):
             vllm.kill()
 
 
-def _start_vllm(model, work, name: str, port: int, events: dict) -> subprocess.Popen:
+def _start_vllm(model, work, name: str, port: int, events: dict, ranks: int = 1) -> subprocess.Popen:
     import json
     import os
     import tempfile
 
     from tests.test_vllm_connector import REPO
 
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    bind = "0-1" if ranks == 1 else "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(ranks))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
     argv = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "512", "--block-size", str(VLLM_BS), "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", name, "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events)]
+            "--kv-events-config", json.dumps(events), "--data-parallel-size", str(ranks)]
     return subprocess.Popen(argv, stdout=(work / "vllm.log").open("a"), stderr=subprocess.STDOUT, env=env,
                             cwd=tempfile.gettempdir(), start_new_session=True)
 
@@ -382,3 +384,55 @@ def test_a_killed_vllm_server_leaves_the_routing_and_its_blocks_come_back_with_i
     again = _complete(url, PREFIX + [8, 8, 8])
     assert metric(url, "sage:router_requests_total", instance=vllm.url) == routed + 1
     assert again.usage.prompt_tokens_details.cached_tokens == len(PREFIX)
+
+
+@pytest.mark.vllm
+@in_vllm_venv
+def test_each_rank_of_a_data_parallel_vllm_server_is_routed_by_its_own_events(tmp_path):
+    """vLLM with --data-parallel-size 2 behind `dp=2`: a new prefix goes to one rank (the header makes vLLM obey),
+    its blocks come back in that rank's events only, and its continuation is predicted and served from there."""
+    from sage_infer.hal.net import free_port
+    from sage_infer.router.fleet import FleetRouter, build_fleet_app
+    from sage_infer.server.launch import http_server
+    from tests.server_fixture import serving
+    from tests.test_fleet_router import metric, wait_for
+    from tests.test_vllm_pd_router import wait_healthy
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", "llama", hidden_size=128)
+    port, events, replay = free_port(), free_port(), free_port()
+    while abs(replay - events) < 2:
+        replay = free_port()
+    proc = _start_vllm(model, tmp_path, "tiny", port, {"enable_kv_cache_events": True, "publisher": "zmq",
+                                                        "endpoint": f"tcp://*:{events}",
+                                                        "replay_endpoint": f"tcp://*:{replay}"}, ranks=2)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, tmp_path / "vllm.log")
+        _, endpoints = parse_replica(f"{url},events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},dp=2")
+        router = FleetRouter([url], "kv", vllm_events={url: endpoints})
+        with serving(http_server(build_fleet_app(router), "127.0.0.1", 0)) as router_url:
+            wait_for(lambda: all(link.replica.up for link in router.links.values()), "both ranks up", 60)
+            ranks = list(router.links)
+            rng = random.Random(0)
+            holders = []
+            for _ in range(4):
+                prompt = [rng.randrange(5, 250) for _ in range(3 * VLLM_BS + 4)]
+                before = [_vllm_blocks(router, name) for name in ranks]
+                _complete(router_url, prompt)
+                stored = sum(before) + 3
+                wait_for(lambda n=stored: sum(_vllm_blocks(router, name) for name in ranks) == n, "3 blocks stored")
+                grown = [name for name, n in zip(ranks, before) if _vllm_blocks(router, name) > n]
+                assert len(grown) == 1
+                holders.append(grown[0])
+                reply = _complete(router_url, prompt + [7, 8])
+                assert reply.usage.prompt_tokens_details.cached_tokens == 3 * VLLM_BS
+            assert set(holders) == set(ranks)  # new prefixes spread over both ranks
+            assert metric(router_url, "sage:router_predicted_cached_tokens_total") == \
+                metric(router_url, "sage:router_reported_cached_tokens_total") == 4 * 3 * VLLM_BS
+    finally:
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
