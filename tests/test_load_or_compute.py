@@ -1,7 +1,7 @@
 """Load a lower-tier hit, or compute it again: decided per request from the measured prefill and read speeds.
-Unit cases of the decision (a block priced by its position when the model's shape is known), then a real engine
-with a host tier whose measured reads are slower (then faster) than its measured prefill: the evicted prompt is
-computed (then loaded), its tokens the same either way."""
+Unit cases of the decision (a block priced by its position when the model's shape is known), the read speed a real
+host tier shows at start-up, then a real engine with a host tier whose measured reads are slower (then faster) than
+its measured prefill: the evicted prompt is computed (then loaded), its tokens the same either way."""
 
 from __future__ import annotations
 
@@ -61,6 +61,13 @@ def test_with_a_model_shape_a_block_costs_what_its_position_costs():
     assert decide.blocks_to_load([1] * 64, first_block=1000) == 64  # deep in a long prompt: loading is
     # a long prompt whose leading blocks are all below: its early blocks lose, the later ones win it back
     assert decide.blocks_to_load([1] * 1024) == 1024
+
+
+def test_each_tier_read_speed_is_measured_when_the_engine_starts(model_dir):  # noqa: F811
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
+    assert hierarchy.rates.reads[1].per_s > 0 and hierarchy.rates.shape is not None
+    assert hierarchy.stores[0].stats().blocks == 0  # the probe's blocks are gone again
 
 
 def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_same(model_dir, cold):  # noqa: F811

@@ -44,6 +44,7 @@ from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups, kv_groups
 from sage_infer.kv_runtime.kv_pipe import KVPipe
 from sage_infer.kv_runtime.pool import KVPool, bytes_per_block, make_kv_pool
+from sage_infer.kv_runtime.read_probe import probe_reads
 from sage_infer.kv_runtime.sources import KVSource
 from sage_infer.kv_runtime.tier_source import TierSource
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier, MooncakeTier, RedisTier, TierError
@@ -790,6 +791,11 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     hierarchy.migrator.hot_after = tiers.hot_promote_after
     hierarchy.write_policy = tiers.write_policy
     hierarchy.remote_write_through = tiers.remote_write_policy == "write_through"
-    hierarchy.rates = LoadOrCompute(pool.block_size, pool.block_nbytes)  # a tier hit is loaded where that is faster
+    # a tier hit is loaded where that is faster; each tier's read speed measured now, before a request needs it
+    hierarchy.rates = LoadOrCompute(pool.block_size, pool.block_nbytes, shape)
+    reads = probe_reads(hierarchy)
+    if reads:
+        auto_log.info("tier reads measured at start: %s", ", ".join(f"{name} {rate / 1e9:.2f} GB/s"
+                                                                    for name, rate in reads.items()))
     auto_log.info("%s", hierarchy.describe())
     return hierarchy
