@@ -211,3 +211,67 @@ def test_kv_routing_sends_a_hybrid_prefix_to_the_replica_holding_every_group_it_
         assert [r.usage.prompt_tokens_details.cached_tokens for r in later] == [4 * BS] * 3
         assert metric(url, "sage:router_predicted_cached_tokens_total") == 4 * BS * 3
         assert metric(url, "sage:router_reported_cached_tokens_total") == 4 * BS * 3
+
+
+def test_a_tenant_over_its_share_pays_with_every_groups_blocks_not_another_tenants():
+    """Tenant quotas with KV groups: a sliding group's blocks (keyed per group in the index) count as their tenant's
+    when a victim is chosen, so a tenant over its maximum gives up its cached sliding blocks before a fair tenant's
+    older ones go."""
+    from sage_infer.kv_policy.quota import DEVICE, QuotaManager, TenantShare
+    from sage_infer.kv_runtime.group_prefix import GroupPrefix
+
+    bs, x, z = 4, b"tenant-x", b"tenant-z"
+    assert GroupPrefix.tenant(GroupPrefix.key(x, 1, None)) == x == GroupPrefix.tenant(x)
+    assert GroupPrefix.tenant(GroupPrefix.key(x, 12, b"\x1f" * 32)) == x
+    groups = kv_groups([None, 2 * bs])  # a full group and a sliding one (2 blocks' window)
+    quota = QuotaManager({x: TenantShare("x", max_share=0.25)})
+    quota.add_tier(DEVICE, 27)
+    index = PrefixReuseIndex(bs)
+    index.quota = quota
+    manager = BlockManager(27, bs, index)  # the null block, z's 6 cached blocks per group, x's 7: full
+    kv = GroupKVCacheManager(manager, groups)
+
+    def run(seq_id: int, tenant: bytes, first: int) -> Sequence:
+        tokens = list(range(first, first + 6 * bs + 1))
+        seq = Sequence(seq_id, str(seq_id), 0, tokens, len(tokens), Params(), tenant)
+        assert kv.admit(seq, kv.match(seq), len(tokens))
+        seq.num_computed_tokens = len(tokens)
+        kv.commit(seq)
+        return seq
+
+    kv.free(run(0, z, 100))  # z's prompt, cached (the oldest blocks)
+    running = run(1, x, 300)  # x's runs on: its full group in use, its sliding blocks out of the window cached
+    assert quota.held(DEVICE, x) == 14 > 0.25 * 27 and manager.num_free_blocks == 0
+    z_again = Sequence(2, "2", 0, list(range(100, 125)), 25, Params(), z)
+    assert kv.match(z_again).num_tokens == 6 * bs
+    manager.allocate(3, z)  # room for z: x's cached sliding blocks go (x is over its share), not z's older ones
+    assert kv.match(z_again).num_tokens == 6 * bs and quota.held(DEVICE, x) == 11
+    kv.free(running)
+    manager.check_invariants()
+
+
+def test_a_noisy_tenant_of_a_hybrid_model_evicts_its_own_prefixes_not_a_quiet_tenants(gemma2_dir):
+    from sage_infer import LLM, SamplingParams
+    from sage_infer.config.serve import ServeConfig
+
+    def make(quota: dict) -> LLM:  # the null block, a quiet prompt's 10 cached blocks and room for one noisy prompt
+        return LLM(config=ServeConfig.model_validate({"model": {"path": str(gemma2_dir), "dtype": "fp32"},
+                                                      "kv_pool": {"num_blocks": 23}, "scheduler": {"max_num_seqs": 1},
+                                                      "quota": quota}))
+
+    def cached(llm: LLM, seed: int, salt: str) -> int:
+        tokens = [5 + (seed * 37 + 11 * j) % 500 for j in range(5 * BS + 1)]
+        [out] = llm.generate([tokens], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), cache_salt=salt)
+        return out.metrics.num_cached_tokens
+
+    plain = make({})
+    limited = make({"tenants": [{"name": "noisy", "cache_salt": "n-salt", "max_share": 0.25}]})
+    for llm in (plain, limited):
+        cached(llm, 1, "q-salt")
+        for seed in (2, 3):
+            cached(llm, seed, "n-salt")
+    assert cached(plain, 1, "q-salt") == 0  # LRU took the quiet tenant's (older) blocks
+    assert cached(limited, 1, "q-salt") == 5 * BS  # the noisy one paid from its own, in both groups
+    events = {(tier, tenant, kind): n for tier, tenant, kind, n in limited.engine.stats().quota_events}
+    assert events["device", "noisy", "self_evict"] >= 8
+    limited.engine.kv.block_manager.check_invariants()

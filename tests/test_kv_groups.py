@@ -250,7 +250,6 @@ def test_speculative_rollback_and_preemption_per_group_match_transformers(mistra
 
 
 @pytest.mark.parametrize(("section", "values", "field"), [
-    ("quota", {"tenants": [{"name": "a", "cache_salt": "salt-a", "max_share": 0.5}]}, "quota"),
     ("role", "prefill", "role"),
 ])
 def test_what_moves_blocks_and_is_not_built_for_groups_is_refused_in_one_line(mistral, section, values, field):

@@ -224,7 +224,7 @@ class EngineBuilder:
                            dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                            num_params=float(sum(p.numel() for p in self.model.parameters())))
         if self.kv_groups is not None:  # one line naming what is not built for a block table per group
-            refuse_for_kv_groups(config, quota)
+            refuse_for_kv_groups(config)
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
         if self.kv_groups is not None:  # a block table per group; the tiers load each group's blocks a hit needs
             self.load_rates, self.transfers = hierarchy.rates if hierarchy is not None else None, None
@@ -675,13 +675,11 @@ def seat_tokens_of_groups(groups: KVGroups, max_model_len: int, config: ServeCon
                min(max_model_len, (-(-group.window // bs) + 1) * bs + chunk) for group in groups.groups)
 
 
-def refuse_for_kv_groups(config: ServeConfig, quota: QuotaManager | None) -> None:
+def refuse_for_kv_groups(config: ServeConfig) -> None:
     """What moves or names blocks and is not built for a block table per KV group: one line naming the field."""
     if config.role != "both":
         raise ConfigError(f"role: {config.role}: prefill/decode transfers are {NOT_FOR_GROUPS} (the model has "
                           "sliding-window layers)", hint="set role: both")
-    if quota is not None:
-        raise ConfigError(f"quota: tenant quotas are {NOT_FOR_GROUPS} (the model has sliding-window layers)")
 
 
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV pipe can run on today

@@ -77,9 +77,11 @@ class QuotaManager:
         self.self_evictions: Counter[tuple[str, str]] = Counter()  # (tier, tenant name) -> own blocks it evicted
         # tier -> the other servers sharing it (`others(tenant)`: blocks they hold of it), for a tier a fleet shares
         self.fleet: dict[str, FleetShares] = {}
+        # a block's tenant key from the key it is stored under (a model with KV groups keys a group's blocks with more)
+        self.tenant_of: Callable[[bytes], bytes] = _same
 
     def share(self, tenant: bytes) -> TenantShare:
-        return self.shares.get(tenant, self.default)
+        return self.shares.get(self.tenant_of(tenant), self.default)
 
     def add_tier(self, tier: str, capacity_blocks: int) -> None:
         self.tiers[tier] = TierUsage(capacity_blocks)
@@ -89,13 +91,14 @@ class QuotaManager:
     def added(self, tier: str, tenant: bytes) -> None:
         usage = self.tiers.get(tier)
         if usage is not None:
-            usage.blocks[tenant] += 1
+            usage.blocks[self.tenant_of(tenant)] += 1
             if tier in self.fleet:
                 self.fleet[tier].changed()
 
     def removed(self, tier: str, tenant: bytes) -> None:
         usage = self.tiers.get(tier)
         if usage is not None:
+            tenant = self.tenant_of(tenant)
             usage.blocks[tenant] -= 1
             if usage.blocks[tenant] <= 0:
                 del usage.blocks[tenant]
@@ -112,6 +115,7 @@ class QuotaManager:
         return dict(usage.blocks) if usage is not None else {}
 
     def held(self, tier: str, tenant: bytes) -> int:
+        tenant = self.tenant_of(tenant)
         usage = self.tiers.get(tier)
         mine = usage.blocks.get(tenant, 0) if usage is not None else 0
         fleet = self.fleet.get(tier)
@@ -148,6 +152,9 @@ class QuotaManager:
         """
         if tier not in self.tiers:
             return victim(None)
+        if self.tenant_of is not _same:
+            keyed, tenant_of = tenant_of, lambda k: self.tenant_of(keyed(k))
+            incoming = None if incoming is None else self.tenant_of(incoming)
         if incoming is not None and self.at_max(tier, incoming):
             key = victim(lambda k: tenant_of(k) == incoming)
             if key is not None:
@@ -171,6 +178,10 @@ class QuotaManager:
                 held[tier, self.share(tenant).name] += n
         return {"held": dict(held), "violations": dict(self.violations),
                 "self_evictions": dict(self.self_evictions)}
+
+
+def _same(key: bytes) -> bytes:
+    return key
 
 
 def build_quota(q: QuotaConfig, tenant_key: Callable[[str], bytes]) -> QuotaManager | None:

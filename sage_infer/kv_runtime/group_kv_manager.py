@@ -59,6 +59,8 @@ class GroupKVCacheManager(KVCacheManager):
         self.null_block = block_manager.allocate(1)[0]  # never freed: what a table holds out of a window
         self.prefix = GroupPrefix(self.index, groups, self.block_size, self.null_block) \
             if self.index is not None else None
+        if self.index is not None and self.index.quota is not None:  # (tiers share it): a group's keys say more
+            self.index.quota.tenant_of = GroupPrefix.tenant
         self._tables: dict[int, list[list[int]]] = {}  # seq id -> the tables of groups 1..
         self._freed: dict[int, list[int]] = {}  # seq id -> per group: its leading entries that are the null block
         for source in sources:

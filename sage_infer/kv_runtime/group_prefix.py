@@ -25,6 +25,8 @@ from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.prefix_reuse.hashing import hash_block, hash_token_blocks
 from sage_infer.prefix_reuse.index import PrefixMatch, PrefixReuseIndex
 
+GROUP_MARK = b"\x1fkv-group "  # what `GroupPrefix.key` puts between a tenant's extra key and the group
+CHAIN_HASH_BYTES = 32  # a chained block hash (sha256)
 MAX_REMEMBERED = 4096  # sequences whose hashes are kept between steps (dropped all at once past it)
 LOAD = -1  # a `GroupMatch.plan` entry whose block a lower tier holds (never a block id)
 
@@ -72,6 +74,16 @@ class GroupPrefix:
     def key(extra_key: bytes, group: int, before: bytes | None) -> bytes:
         """The index key of a group's block registered on its own: the group and the chain hash of the block before."""
         return b"%s\x1fkv-group %d\x1f%s" % (extra_key, group, before or b"")
+
+    @staticmethod
+    def tenant(key: bytes) -> bytes:
+        """The extra key (a tenant's: its salt is in it) a `key` was made from; any other key as it is."""
+        for tail in (0, CHAIN_HASH_BYTES):  # the chain hash before: none (a prefix's first block), or one
+            body = key[: len(key) - tail]
+            cut = body.rfind(GROUP_MARK)
+            if body.endswith(b"\x1f") and cut >= 0 and body[cut + len(GROUP_MARK) : -1].isdigit():
+                return key[:cut]
+        return key
 
     def forget(self, seq: Sequence) -> None:
         """`seq` was admitted or freed: drop its kept hashes."""
