@@ -145,22 +145,18 @@ class GroupPrefix:
         may be stale: a load returns what it verifies)."""
         device_length = match.num_tokens // self.block_size
         chain = self._chain(seq, limit)
-        held: dict[tuple[int, int], int] = {}  # (group, position) -> device block
-        keys: dict[tuple[int, int], bytes] = {}  # (group, position) -> key, for the blocks the device lacks
+        found = _Found(self, seq, chain, below, device_length)
+        bound = limit  # the full groups' bound first (every block from the start), then only the windows before it
         for group in range(self.num_groups):
-            for i in range(self.first_needed(group, device_length), limit):
-                block = self._device_block(seq, group, chain, i)
-                if block is not None:
-                    held[group, i] = block
-                elif self.groups.window_blocks(group, self.block_size):
-                    keys[group, i] = self.block_key(seq, group, chain, i)
-        levels = below(list(keys.values())) if keys else {}
-
-        def has(group: int, i: int) -> bool:
-            return (group, i) in held or levels.get(keys.get((group, i)), 0) > 0 or \
-                (i < device_length and self.groups.window_blocks(group, self.block_size) < 0)
-
-        length = self.agreed(limit, lambda group, n: self.served(group, n, lambda i: has(group, i)))
+            if self.groups.window_blocks(group, self.block_size) < 0:
+                found.look(group, range(device_length, limit))
+                bound = min(bound, self.served(group, bound, lambda i, group=group: found.has(group, i)))
+        for group in range(self.num_groups):
+            need = self.groups.window_blocks(group, self.block_size)
+            if need > 0:
+                found.look(group, range(max(self.first_needed(group, device_length), bound - need), bound))
+        length = self.agreed(bound, lambda group, n: self.served(group, n, lambda i: found.has(group, i)))
+        held, keys, levels = found.held, found.keys, found.levels
         if length <= device_length:
             return []
         plan = []
@@ -184,8 +180,11 @@ class GroupPrefix:
             return chain[i]
         return self._group_keys(seq, group, chain, i)[i]
 
-    def _device_block(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
+    def device_block(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
+        """`group`'s block `i` of `seq` if the device holds it (tokens verified)."""
         if group == 0 and self.tree:
+            if self.index.block_of(chain[i]) is None:
+                return None
             bs = self.block_size
             return self.index.lookup(chain[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
         return self._lookup(seq, group, chain, i)
@@ -236,3 +235,38 @@ class GroupPrefix:
     def _blocks(self, seq: Sequence, group: int, chain: list[bytes], length: int) -> list[int]:
         first = self.first_needed(group, length)
         return [self.null_block] * first + [self._lookup(seq, group, chain, i) for i in range(first, length)]
+
+
+class _Found:
+    """What `GroupPrefix.extend` learned of `seq`'s blocks: each looked-up (group, position)'s device block, or its key
+    and the tier level holding it (the tiers asked once per batch of keys the device lacks)."""
+
+    def __init__(self, prefix: GroupPrefix, seq: Sequence, chain: list[bytes], below, device_length: int) -> None:
+        self.prefix, self.seq, self.chain, self.below = prefix, seq, chain, below
+        self.device_length = device_length
+        self.held: dict[tuple[int, int], int] = {}  # (group, position) -> device block
+        self.keys: dict[tuple[int, int], bytes] = {}  # (group, position) -> key, for the blocks the device lacks
+        self.levels: dict[bytes, int] = {}  # key -> tier level, for the keys a tier holds
+
+    def look(self, group: int, positions) -> None:
+        """Look `group`'s blocks at `positions` up on the device, and the ones it lacks in the tiers."""
+        missing = []
+        for i in positions:
+            if (group, i) in self.held or (group, i) in self.keys:
+                continue
+            block = self.prefix.device_block(self.seq, group, self.chain, i)
+            if block is not None:
+                self.held[group, i] = block
+            else:
+                self.keys[group, i] = self.prefix.block_key(self.seq, group, self.chain, i)
+                missing.append(self.keys[group, i])
+        if missing:
+            self.levels.update(self.below(missing))
+
+    def has(self, group: int, i: int) -> bool:
+        """Whether `group`'s block `i` is on the device or in a tier (looked up now if it was not yet)."""
+        if i < self.device_length and self.prefix.groups.window_blocks(group, self.prefix.block_size) < 0:
+            return True  # (a full group's blocks of the device's hit)
+        if (group, i) not in self.held and (group, i) not in self.keys:
+            self.look(group, (i,))
+        return (group, i) in self.held or self.levels.get(self.keys.get((group, i)), 0) > 0

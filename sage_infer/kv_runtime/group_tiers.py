@@ -64,12 +64,7 @@ class GroupTierSource(TierSource):
         `context` they stand for, by the measured rates (`kv_policy.load_or_compute`); True while a rate is
         unmeasured. All or none: a hit shortened by a block needs another window of each sliding group."""
         rates = self.hierarchy.rates
-        if rates is None:
-            return True
-        if hasattr(rates, "prefill_s"):  # prefill priced by position (FLOPs)
-            compute = rates.prefill_s(tokens, context)
-        else:
-            compute = None if rates.prefill.per_s is None else tokens / rates.prefill.per_s
+        compute = rates.prefill_s(tokens, context) if rates is not None else None
         if compute is None:
             return True
         seconds = 0.0
