@@ -14,6 +14,7 @@ from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
 from sage_infer.core.sampling_params import SamplingParams as Params
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_policy import make_policy
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute, Rate
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
 from sage_infer.kv_runtime.group_tiers import GroupTierSource
@@ -133,6 +134,30 @@ def test_a_short_load_falls_back_to_a_prefix_every_group_serves_and_never_reads_
     assert hierarchy.stats.failures["miss"] == 1
     assert all(b != kv.null_block for table in kv.tables(again) for b in table)
     kv.block_manager.check_invariants()
+
+
+def test_a_hybrid_hit_measured_slower_to_load_than_to_compute_is_computed():
+    kv, pool, hierarchy = tiered_manager([WINDOW, None])
+    prompt = list(range(30, 30 + 6 * BS + 1))
+    first = Sequence(0, "a", 0, list(prompt), len(prompt), Params(), b"k")
+    assert kv.admit(first, kv.match(first), len(prompt))
+    compute(kv, pool, first)
+    kv.free(first)
+    kv.block_manager.reset_prefix_cache()
+    rates = hierarchy.rates = LoadOrCompute(BS, pool.block_nbytes)
+    rates.prefill.observe(1e9, 1.0)  # a billion tokens a second
+    rates.reads.setdefault(1, Rate()).observe(1.0, 1.0)  # the host tier: a byte a second
+    again = Sequence(1, "b", 0, list(prompt), len(prompt), Params(), b"k")
+    match = kv.match(again)
+    assert match.total_tokens == 0 and match.plan is None
+    assert kv.admit(again, match, again.num_tokens)
+    assert hierarchy.stats.loaded_blocks == 0 and hierarchy.stats.failures["recompute"] == 6 + 2
+    rates.reads[1] = Rate()
+    rates.reads[1].observe(1e12, 1.0)  # now reading is faster
+    kv.free(again)
+    kv.block_manager.reset_prefix_cache()
+    third = Sequence(2, "c", 0, list(prompt), len(prompt), Params(), b"k")
+    assert kv.match(third).total_tokens == 6 * BS
 
 
 @pytest.fixture(scope="module")

@@ -168,6 +168,10 @@ class GroupKVCacheManager(KVCacheManager):
             for block in reversed(taken):
                 self.index.policy.on_hit(self.index.hash_of(block))
             self.block_manager.acquire(taken)
+            source = self._source_of(seq) if self.sources else None
+            if source is not None:  # the device's hit alone: the tiers count it (and what they declined to load)
+                source.on_device_hit([self.index.hash_of(block) for block in taken], taken)
+                source.take(seq, match, self.clock())
         seq.block_table = tables[0]
         self._tables[seq.seq_id] = tables[1:]
         if self.prefix is not None:
