@@ -1,10 +1,12 @@
 """Lower KV tiers for a model with KV groups (sliding-window layers): every group's evicted blocks are demoted, and a
 prefix hit loads back only what it needs (every full-attention block of the prefix, a sliding group's window), so it
 moves far fewer bytes than a full-attention layout; a Gemma-3-shaped model (5 sliding layers to 1 full) whose prompt,
-longer than its window, was evicted to the host tier (or written to disk by an engine before) gives transformers'
-greedy tokens when it comes back."""
+longer than its window, was evicted to the host tier (or written to disk by an engine before, or to a Redis another
+engine shares) gives transformers' greedy tokens when it comes back."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from sage_infer.kv_runtime.kv_groups import kv_groups
 from sage_infer.kv_runtime.pool import KVPool
 from sage_infer.kv_runtime.tiers import HostTier
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
+from tests.redis_fixture import start_redis
 from tests.test_engine_vs_transformers import random_prompts
 from tests.test_kv_groups import greedy, llm, one_thread, outputs  # noqa: F401 (one_thread: an autouse fixture)
 from tests.tiny_models import save_tokenizer
@@ -213,3 +216,22 @@ def test_a_restarted_engine_hits_every_group_the_disk_tier_wrote(gemma3, tmp_pat
     [out] = second.generate([prompts[0]], Params(max_tokens=6, temperature=0, ignore_eos=True))
     assert out.outputs[0].token_ids == want[0] and out.metrics.num_cached_tokens == 5 * 16
     assert second.engine.kv.source("tiers").hierarchy.stats.tiers["disk"].loaded_blocks == 10
+
+
+def test_two_engines_share_a_hybrid_prefix_through_redis(gemma3):
+    """The shared tier holds every group's blocks under keys any server computes: a second server loads the first
+    one's prompt, the full group's prefix and a window per sliding group, and gives transformers' tokens."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    directory, prompts, want = gemma3
+    server = start_redis()
+    try:
+        writer = llm(directory, num_blocks=40, tiers={"remote_url": server.url})
+        assert outputs(writer, prompts[:1], 6) == want[:1]
+        writer.engine.kv.block_manager.reset_prefix_cache()
+        reader = llm(directory, num_blocks=40, tiers={"remote_url": server.url})
+        [out] = reader.generate([prompts[0]], Params(max_tokens=6, temperature=0, ignore_eos=True))
+        assert out.outputs[0].token_ids == want[0] and out.metrics.num_cached_tokens == 5 * 16
+        assert reader.engine.kv.source("tiers").hierarchy.stats.tiers["redis"].loaded_blocks == 5 + 5
+    finally:
+        server.kill()
