@@ -14,7 +14,7 @@ import pytest
 from sage_infer.core.sampling_params import SamplingParams as Params
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_policy.group_hit import group_key, window_needs
-from sage_infer.kv_policy.routing import FleetIndex, Request, Router
+from sage_infer.kv_policy.routing import FleetIndex, Hit, Request, Router
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
 from sage_infer.kv_runtime.kv_groups import kv_groups
@@ -49,6 +49,9 @@ def test_a_fleet_hit_needs_every_full_block_and_only_the_window_of_a_sliding_gro
     assert index.hit(replica, names, ()).blocks == 6  # the plain chain: group 0 alone
     index.apply(replica, "removed", "device", group_key(names[5], 1))  # the window of 6 lacks its last block
     assert index.hit(replica, names, needs).blocks == 5  # blocks 3 and 4: the window of a 5-block prefix
+    index.apply(replica, "stored", "host", group_key(names[5], 1))  # it was demoted: loaded back, it serves all 6
+    assert index.hit(replica, names, needs) == Hit(5, (("host", 1),))
+    index.apply(replica, "removed", "host", group_key(names[5], 1))
     index.apply(replica, "removed", "device", group_key(names[2], 0))  # full group: blocks 0..1 only
     assert index.hit(replica, names, needs).blocks == 0  # and the sliding group holds neither 0 nor 1
     route = Router(index).route(Request(prompt_tokens=6 * BS + 1, hashes=names, tokens_per_block=BS,
@@ -275,3 +278,25 @@ def test_a_noisy_tenant_of_a_hybrid_model_evicts_its_own_prefixes_not_a_quiet_te
     events = {(tier, tenant, kind): n for tier, tenant, kind, n in limited.engine.stats().quota_events}
     assert events["device", "noisy", "self_evict"] >= 8
     limited.engine.kv.block_manager.check_invariants()
+
+
+def test_a_groups_block_keeps_its_name_as_it_moves_to_a_lower_tier():
+    """A KV group's block demoted from the device to the host is named by its chained hash and group in both events
+    and in the host's snapshot (what a router matches a hybrid prompt's blocks against)."""
+    from sage_infer.prefix_reuse.events import BlockEvents
+
+    chain, parent, index_hash = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    host: set[bytes] = set()
+    events = BlockEvents(lambda: [])
+    events.grouped = True
+    events.add_medium("host", lambda: host)
+    events.name(index_hash, chain, parent, 1)
+    events.stored(index_hash, token_ids=(7,) * BS)
+    events.removed(index_hash)
+    host.add(index_hash)
+    events.stored(index_hash, "host")
+    key = group_key(short(chain), 1)
+    assert [e[:4] + e[5:] for e in events.read(0).events] == [
+        ("stored", "device", key, short(parent), 1), ("removed", "device", key, None, 1),
+        ("stored", "host", key, None, 1)]
+    assert events.read(-1).snapshot == {"device": [], "host": [key]}

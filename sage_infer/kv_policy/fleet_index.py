@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sage_infer.kv_policy.group_hit import group_key, longest_prefix
+from sage_infer.kv_policy.group_hit import group_hit, group_key
 from sage_infer.kv_policy.recency import RecencyOrder
 
 DEVICE, SHARED = "device", "remote"
@@ -191,11 +191,14 @@ class FleetIndex:
         if needs:
             threshold = self.doomed_before(replica)
 
-            def present(group: int, i: int) -> bool:
+            def where(group: int, i: int) -> str | None:
                 key = group_key(hashes[i], group)
-                return (key in device or key in held) and not (threshold and self._lost(replica, key, threshold))
+                if (key in device or key in held) and not (threshold and self._lost(replica, key, threshold)):
+                    return DEVICE
+                return self._below(replica, key)
 
-            return Hit(longest_prefix(present, len(hashes), needs))
+            length, lower = group_hit(where, len(hashes), needs, DEVICE)
+            return Hit(length - sum(n for _, n in lower), lower)
         n = 0
         while n < len(hashes) and (hashes[n] in device or hashes[n] in held):
             n += 1
@@ -203,11 +206,7 @@ class FleetIndex:
             n = next((i for i in range(n) if self._lost(replica, hashes[i], threshold)), n)
         lower: list[tuple[str, int]] = []
         for block_hash in hashes[n:]:
-            medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
-            if medium is None and block_hash in self.shared:
-                medium = SHARED
-            if medium is None and block_hash in device:  # evicted before its turn: demoted to its lower tier
-                medium = replica.demotes_to
+            medium = self._below(replica, block_hash)
             if medium is None:
                 break
             if lower and lower[-1][0] == medium:
@@ -215,6 +214,16 @@ class FleetIndex:
             else:
                 lower.append((medium, 1))
         return Hit(n, tuple(lower))
+
+    def _below(self, replica: Replica, block_hash: str) -> str | None:
+        """The medium below `replica`'s device a block comes back from: its own host or disk, the shared remote tier,
+        or (a device block evicted before the request's turn) the tier its device demotes to; None: nowhere."""
+        medium = next((m for m in LOWER_MEDIA if block_hash in replica.media.get(m, ())), None)
+        if medium is None and block_hash in self.shared:
+            medium = SHARED
+        if medium is None and block_hash in replica.media[DEVICE]:  # evicted before its turn: demoted below
+            medium = replica.demotes_to
+        return medium
 
     def blocks_in(self, replica: Replica, medium: str) -> int:
         return len(self._remote[replica.name]) if medium == SHARED else len(replica.media.get(medium, ()))

@@ -6,7 +6,7 @@ the chained prefix hash of the block's tokens (the same hash in every group, as 
 block of the prefix in a full-attention group and only the last ``ceil((W - 1) / block_size)`` blocks before its end
 in a sliding group of window ``W`` (`window_needs`); its length is the longest every group serves, asked again until
 no group shortens it — the rule the engine's `GroupPrefix.match` follows, so a router predicts the hit the replica
-will find (`longest_prefix`).
+will find (`longest_prefix`), each group's blocks taken from the device or a tier below it (`group_hit`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,25 @@ def _longest(present: Callable[[int, int], bool], group: int, need: int, length:
         if run == need:
             return i + need
     return run  # the window reaches the start: the `run` leading blocks are all it needs
+
+
+def group_hit(where: Callable[[int, int], str | None], length: int, needs: Sequence[int],
+              device: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """The longest prefix every group serves from `device` or a medium below it (`where(group, i)`: where block ``i``
+    of ``group`` is, None: nowhere), and of its blocks those some group loads from below, by medium in prefix order
+    (a block several groups load counts once, at the first group's medium)."""
+    length = longest_prefix(lambda group, i: where(group, i) is not None, length, needs)
+    lower: list[tuple[str, int]] = []
+    for i in range(length):
+        medium = next((m for group, need in enumerate(needs) if need < 0 or i >= length - need
+                       if (m := where(group, i)) not in (device, None)), None)
+        if medium is None:
+            continue
+        if lower and lower[-1][0] == medium:
+            lower[-1] = (medium, lower[-1][1] + 1)
+        else:
+            lower.append((medium, 1))
+    return length, tuple(lower)
 
 
 def used_keys(names: Sequence[str], needs: Sequence[int]) -> tuple[str, ...]:

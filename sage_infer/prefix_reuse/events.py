@@ -91,7 +91,8 @@ class BlockEvents:
                token_ids: tuple[int, ...] = ()) -> None:
         named = self._names.get(block_hash) if self._names else None
         if named is not None:
-            entry = (STORED, medium, group_key(named[0], named[2]), named[1], token_ids, named[2])
+            entry = (STORED, medium, group_key(named[0], named[2]), named[1] if medium == DEVICE else None, token_ids,
+                     named[2])
         else:
             entry = (STORED, medium, short(block_hash), None if parent is None else short(parent), token_ids,
                      0 if self.grouped else None)
