@@ -1,4 +1,5 @@
-"""Tenant quotas across servers sharing one Redis tier: a tenant's maximum caps it in the whole fleet."""
+"""Tenant quotas across servers sharing one Redis or Mooncake Store tier: a tenant's maximum caps it in the whole
+fleet."""
 
 from __future__ import annotations
 
@@ -15,18 +16,31 @@ X, Y = b"x" * 32, b"y" * 32
 CAPACITY = 16  # blocks of the shared tier; X may hold a quarter: 4
 
 
-@pytest.fixture
-def server():
-    server = start_redis()
+@pytest.fixture(params=["redis", "mooncake"])
+def server(request):
+    if request.param == "redis":
+        server = start_redis()
+    else:
+        from tests.mooncake_fixture import start_master
+
+        server = start_master()
     yield server
     server.kill()
+
+
+def shared_tier(url: str):
+    if url.startswith("mooncake://"):
+        from sage_infer.kv_runtime.tiers.mooncake import MooncakeTier
+
+        return MooncakeTier(SCHEMA, url, capacity_bytes=1 << 20)
+    return RedisTier(SCHEMA, url, capacity_bytes=1 << 20)
 
 
 class Server:
     """One sage server's view of the shared tier: its store, quota and lower tier."""
 
     def __init__(self, url: str) -> None:
-        self.store = RedisTier(SCHEMA, url, capacity_bytes=1 << 20)
+        self.store = shared_tier(url)
         self.quota = QuotaManager({X: TenantShare("x", max_share=0.25)})
         self.tier = LowerTier("remote", CAPACITY, make_policy("lru", capacity=CAPACITY), self.quota)
         self.shares = self.store.tenant_shares(lambda: self.quota.local_blocks("remote"))
@@ -59,9 +73,36 @@ def test_a_tenants_maximum_of_a_shared_tier_holds_across_servers(server):
     assert b.holds(X) == 4
     for s in (a, b):
         s.store.close()
+    if server.url.startswith("mooncake://"):
+        for s in (a, b):
+            s.store.close(wait=True)  # before the master goes
 
 
-def test_a_server_whose_redis_fails_keeps_the_last_counts(server):
+def test_a_mooncake_server_that_stops_publishing_leaves_the_sum_after_the_ttl():
+    """Mooncake Store keeps no expiry: a slot whose counts stop moving is dropped by its readers (Redis expires a
+    server's key itself)."""
+    from tests.mooncake_fixture import start_master
+
+    server = start_master()
+    a, b = Server(server.url), Server(server.url)
+    clock = [0.0]
+    b.shares.clock = lambda: clock[0]
+    for _ in range(3):
+        a.store_block(X)
+    assert b.quota.held("remote", X) == 3
+    clock[0] = b.shares.ttl_s - 1  # a publishes nothing more (its process hung, or died without leaving)
+    assert b.quota.held("remote", X) == 3  # its counts, unchanged since b first read them, still count...
+    clock[0] = b.shares.ttl_s + 1
+    assert b.quota.held("remote", X) == 0  # ...until a TTL of silence: then they are out of the sum
+    assert a.quota.held("remote", X) == 3 and b.quota.held("remote", X) == 3  # a speaks again: it claims a slot
+    for s in (a, b):
+        s.store.close()
+    for s in (a, b):
+        s.store.close(wait=True)
+    server.kill()
+
+
+def test_a_server_whose_store_fails_keeps_the_last_counts(server):
     a, b = Server(server.url), Server(server.url)
     for _ in range(3):
         a.store_block(X)
@@ -69,7 +110,7 @@ def test_a_server_whose_redis_fails_keeps_the_last_counts(server):
     server.kill()
     assert b.quota.held("remote", X) == 3 and b.shares.errors == 1  # the last counts, one warning
     for s in (a, b):
-        s.store.client.close()
+        s.store.close()
 
 
 def test_engines_sharing_a_redis_tier_count_each_others_tenant_blocks(tmp_path_factory):
@@ -100,5 +141,24 @@ def test_engines_sharing_a_redis_tier_count_each_others_tenant_blocks(tmp_path_f
         assert mine > 0
         assert reader_quota.local_blocks("remote").get(noisy, 0) == 0
         assert reader_quota.held("remote", noisy) == mine  # the writer's blocks count against the tenant here too
+    finally:
+        server.kill()
+
+
+def test_an_engine_on_a_mooncake_tier_shares_its_tenant_quotas_with_the_fleet(tmp_path):
+    from sage_infer import LLM
+    from sage_infer.config.serve import KVPoolConfig, ModelConfig, QuotaConfig, ServeConfig, TierConfig
+    from sage_infer.kv_runtime.tiers.mooncake_shares import MooncakeTenantShares
+    from tests.mooncake_fixture import start_master
+    from tests.tiny_models import make_tiny_model
+
+    server = start_master()
+    try:
+        llm = LLM(config=ServeConfig(
+            model=ModelConfig(path=str(make_tiny_model(tmp_path / "model", "llama")), dtype="fp32"),
+            kv_pool=KVPoolConfig(block_size=16, num_blocks=8), tiers=TierConfig(remote_url=server.url),
+            quota=QuotaConfig(tenants=[{"name": "noisy", "cache_salt": "n-salt", "max_share": 0.5}])), device="cpu")
+        assert isinstance(llm.engine.kv.block_manager.quota.fleet["remote"], MooncakeTenantShares)
+        llm.close()
     finally:
         server.kill()

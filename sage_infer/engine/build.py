@@ -784,7 +784,7 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     cost = CostBenefitModel(config.hardware, shape) if config.hardware is not None and shape is not None else None
     hierarchy = HierarchyManager.build(pool, stores, lambda capacity: make_policy(config.policy.eviction,
                                                                                   capacity=capacity), cost, quota)
-    if quota is not None and isinstance(remote := stores[-1], RedisTier):  # shared by a fleet: shares fleet-wide
+    if quota is not None and isinstance(remote := stores[-1], (RedisTier, MooncakeTier)):  # shared: fleet-wide
         quota.share_fleet_wide(ROLE["redis"], remote.tenant_shares(lambda: quota.local_blocks(ROLE["redis"])))
     hierarchy.migrator.hot_after = tiers.hot_promote_after
     hierarchy.write_policy = tiers.write_policy

@@ -40,6 +40,7 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
 from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, pack_value_header, verify_value
+from sage_infer.kv_runtime.tiers.mooncake_shares import SLOT_BYTES, SLOTS, MooncakeTenantShares
 from sage_infer.kv_runtime.tiers.mooncake_url import MIN_SEGMENT_BYTES, MooncakeAddress, parse_mooncake_url
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
@@ -124,6 +125,7 @@ class MooncakeTier(KVTier):
         self._closed = False
         self._leaving: threading.Thread | None = None
         self._joined = False  # setup succeeded: there is something to leave (close() on a store never set up crashes)
+        self.shares: MooncakeTenantShares | None = None  # tenant quotas counted across the servers sharing it
         rows = max(1, min(STAGING_BYTES // self.value_bytes, max(self.max_blocks, 1)))
         self._staging = np.zeros((rows, self.value_bytes), dtype=np.uint8)
         self.store = store_class()
@@ -320,6 +322,18 @@ class MooncakeTier(KVTier):
         self._stats.blocks = len(self._lru)
         self._stats.bytes = len(self._lru) * self.bytes_per_block
 
+    def tenant_shares(self, local: Callable[[], dict[bytes, int]]) -> MooncakeTenantShares:
+        """The other servers' tenant counts in this shared tier, this server's (`local`) published for them."""
+        buffer = np.zeros((SLOTS + 1, SLOT_BYTES), dtype=np.uint8)
+
+        def register(call: _Call) -> None:
+            if self.store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+                raise TierError(f"{self.name} tier at {self.address}: registering the tenant shares' buffer failed")
+        self._call("register", register)
+        self.shares = MooncakeTenantShares(lambda what, fn: self._call(what, lambda _: fn(self.store)), buffer,
+                                           self.key_prefix, local, failures=(TierError,))
+        return self.shares
+
     def close(self, wait: bool = False) -> None:
         """Leave the store in the background: Mooncake's close takes ~2 s even when all is well
         (and more when the master is gone); its segment is released when that finishes.
@@ -328,6 +342,8 @@ class MooncakeTier(KVTier):
             if wait and self._leaving is not None:
                 self._leaving.join(timeout=30)
             return
+        if self.shares is not None:
+            self.shares.close()
         self._closed = True
         store, staging, worker = self.store, self._staging, self._worker
 
