@@ -269,11 +269,28 @@ def main() -> None:
         ratio = f"  ({g / base:.2f}x round-robin)" if g and base else ""
         ratio += f"  ({g / vllm:.2f}x vLLM behind round-robin)" if g and vllm else ""
         print(f"goodput {routing:<18} {'-' if g is None else format(g, 'g')} req/s{ratio}")
+    at_saturation = saturation_ratios(results, args.slo_ttft_ms)
+    if at_saturation:
+        print(f"at {at_saturation['rate']:g} req/s, the lowest load where round-robin misses the SLO: TTFT p90 "
+              + ", ".join(f"{r} {x:.2f}x" for r, x in at_saturation["p90_vs_round_robin"].items()) + " round-robin's")
     write_json(args.out, {"config": vars(args) | {"out": str(args.out), "cache_dir": str(args.cache_dir),
                                                   "plot": str(args.plot)},
-                          "model": facts, "results": results, "goodput": summary})
+                          "model": facts, "results": results, "goodput": summary, "at_saturation": at_saturation})
     if args.plot is not None:
         plot(args.plot, results, args.slo_ttft_ms)
+
+
+def saturation_ratios(results: dict[str, list[dict]], slo_ms: float) -> dict | None:
+    """Each routing's TTFT p90 ÷ round-robin's at the lowest load where round-robin's p90 misses the SLO (None
+    without round-robin, or when it never misses)."""
+    base = {row["rate"]: row["ttft_ms"]["p90"] for row in results.get("round-robin", [])}
+    missed = [rate for rate, p90 in sorted(base.items()) if p90 is not None and p90 > slo_ms]
+    if not missed:
+        return None
+    rate = missed[0]
+    ratios = {routing: row["ttft_ms"]["p90"] / base[rate] for routing, rows in results.items() for row in rows
+              if row["rate"] == rate and row["ttft_ms"]["p90"] is not None}
+    return {"rate": rate, "p90_vs_round_robin": ratios}
 
 
 def plot(path: Path, results: dict[str, list[dict]], slo_ms: float) -> None:
