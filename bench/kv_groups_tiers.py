@@ -14,14 +14,15 @@ Method
              the previous prompt, its `--max-tokens` greedy answer and `--user-tokens` new ones.
   Tiers      a host tier big enough for everything; before every request the device's prefix cache is emptied
              into it (`reset_prefix_cache`: other traffic's eviction pressure, made deterministic), so every
-             turn after the first finds its whole prefix in the host tier and loads it back.
+             turn after the first finds its whole prefix in the host tier and loads it back. No hot promotion
+             (`tiers.hot_promote_after: 0`): every block loaded is one a request asked for.
   Counted    per request, the hierarchy's loaded and demoted blocks x the pool's block bytes; a hit is a request
              that loaded something. TTFT = `metrics.ttft`; hit rate = cached / prompt tokens.
   Checked    the hybrid engine's tokens with tiers equal its tokens without (every request computed; its
              TTFT is the third row).
 
-The ratio the issue asks for is `load_bytes_per_hit` hybrid / full; demotions are reported beside it (a sliding
-group's blocks out of the window are cached on the device, so they are demoted too, though a hit never loads them).
+Ratios hybrid / full: `load_bytes_per_hit`, `demote_bytes_per_hit` (a sliding group's blocks out of the window are
+cached on the device, so they are demoted too, though a hit never loads them), and both directions together.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def make_models(root: Path, layers: int, window: int, hidden: int) -> dict[str, 
 def engine(directory: Path, host_bytes: int, block_size: int) -> LLM:
     config = {"model": {"path": str(directory), "dtype": "fp32"},
               "kv_pool": {"block_size": block_size, "num_blocks": 4096},
-              "scheduler": {"max_num_seqs": 1}, "tiers": {"host_bytes": host_bytes}}
+              "scheduler": {"max_num_seqs": 1}, "tiers": {"host_bytes": host_bytes, "hot_promote_after": 0}}
     return LLM(config=ServeConfig.model_validate(config))
 
 
@@ -149,6 +150,9 @@ def main() -> None:
     report["load_bytes_per_hit_ratio"] = report["hybrid"]["load_bytes_per_hit"] / report["full"]["load_bytes_per_hit"]
     report["demote_bytes_per_hit_ratio"] = (report["hybrid"]["demote_bytes_per_hit"]
                                             / report["full"]["demote_bytes_per_hit"])
+    both = {name: report[name]["load_bytes_per_hit"] + report[name]["demote_bytes_per_hit"]
+            for name in ("hybrid", "full")}
+    report["tier_bytes_per_hit_ratio"] = both["hybrid"] / both["full"]  # both directions
     print(f"{'layout':20} {'hits':>5} {'load MB/hit':>12} {'demote MB/hit':>14} {'hit rate':>9} {'TTFT p50 ms':>12}")
     for name in ("hybrid", "full", "hybrid_without_tiers"):
         row = report[name]
@@ -156,7 +160,8 @@ def main() -> None:
               f"{row['demote_bytes_per_hit'] / 1e6:>14.3f} {row['hit_rate_later_turns']:>9.3f} "
               f"{row['ttft_p50_later_turns_s'] * 1e3:>12.1f}")
     print(f"bytes loaded per hit, hybrid / full: {report['load_bytes_per_hit_ratio']:.3f}; demoted: "
-          f"{report['demote_bytes_per_hit_ratio']:.3f}; hybrid tokens equal without tiers: "
+          f"{report['demote_bytes_per_hit_ratio']:.3f}; both: {report['tier_bytes_per_hit_ratio']:.3f}; "
+          f"hybrid tokens equal without tiers: "
           f"{report['hybrid_tokens_equal_without_tiers']}")
     write_json(args.json, report)
 
