@@ -203,6 +203,8 @@ def test_gemma3_prompts_evicted_to_the_host_tier_come_back_with_transformers_tok
     assert out.outputs[0].token_ids == want[0] and out.metrics.num_cached_tokens == 5 * 16
     # the full group's 5 blocks and one window block in each of the 5 sliding groups, of 30 a full layout moves
     assert hierarchy.stats.loaded_blocks - before == 5 + 5
+    stats = engine.engine.stats()  # (read off the engine thread when the request was queued: tiers.load_timeout_s)
+    assert stats.prefetch_used > 0
     kv.block_manager.check_invariants()
 
 

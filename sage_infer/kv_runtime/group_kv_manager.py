@@ -188,7 +188,8 @@ class GroupKVCacheManager(KVCacheManager):
     def _admit_below(self, seq: Sequence, match: GroupMatch, num_new_tokens: int) -> None:
         """`admit` of a hit that loads blocks from the tiers: take the plan's device blocks, read the lower ones
         (before allocating: the evictions that causes never push out a block being loaded), keep the longest prefix
-        every group serves with what came back, write the loaded rows into fresh blocks and register them."""
+        every group serves with what came back, write the loaded rows into fresh blocks and register them. Rows a
+        short load brought past that prefix are dropped (they left the tiers: recomputed when next needed)."""
         now = self.clock()
         self.index.policy.tick(now)
         if not seq.admitted_once:
