@@ -52,14 +52,14 @@ def wait_for(condition, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
 
 
-def complete(url: str, prompt: list[int], **kw):
-    model = client(url).models.list().data[0].id
-    return client(url).completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True}, **kw)
+def complete(url: str, prompt: list[int], api_key: str = "unused", **kw):
+    model = client(url, api_key).models.list().data[0].id
+    return client(url, api_key).completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                                   extra_body={"ignore_eos": True}, **kw)
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -153,6 +153,38 @@ def test_the_router_answers_client_routes_with_openai_errors_and_needs_the_key(m
         ok = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0).completions.create(
             model=a.model, prompt=PREFIX, max_tokens=2, temperature=0)
         assert ok.usage.completion_tokens == 2
+
+
+def test_replicas_join_and_leave_a_running_router_only_with_its_key(model_dir):
+    headers = {"Authorization": "Bearer k"}
+    with running_server(model_dir, api_key="k") as a, running_server(model_dir, api_key="k") as b, \
+            running_fleet([a.url], api_key="k") as (url, router):
+        admin = f"{url}/v1/router/replicas"
+        assert httpx.post(admin, json={"url": b.url}).status_code == 401
+        for body, param in (({"url": "ftp://x"}, "url"), ({"url": b.url, "dp": "2"}, "dp"), ({"uri": b.url}, "uri"),
+                            ({"url": f"http://127.0.0.1:{free_port()}"}, "url")):
+            bad = httpx.post(admin, json=body, headers=headers)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        added = httpx.post(admin, json={"url": b.url}, headers=headers)
+        assert added.status_code == 201 and added.json() == {"added": [b.url]}
+        assert httpx.post(admin, json={"url": b.url}, headers=headers).status_code == 409
+        wait_for(lambda: router.links[b.url].replica.up, "the new replica in the routing")
+        complete(a.url, PREFIX + [7], api_key="k")  # a holds the prefix: a new prefix goes to the idle newcomer
+        wait_for(lambda: holds(router, a.url, 4), "a's stored events")
+        complete(url, [300 + j for j in range(3 * BLOCK)], api_key="k")
+        assert metric(url, "sage:router_requests_total", instance=b.url) == 1
+        listed = httpx.get(admin, headers=headers).json()["data"]
+        assert [(r["name"], r["up"]) for r in listed] == [(a.url, True), (b.url, True)]
+        removed = httpx.delete(admin, params={"url": a.url}, headers=headers)
+        assert removed.status_code == 200 and removed.json() == {"removed": [a.url]}
+        assert httpx.delete(admin, params={"url": a.url}, headers=headers).status_code == 404
+        assert httpx.delete(admin, params={"url": b.url}, headers=headers).status_code == 409  # the last one stays
+        reply = complete(url, PREFIX + [8], api_key="k")  # a's prefix: only b is left, so b computes it
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        assert metric(url, "sage:router_requests_total", instance=b.url) == 2
+    with running_server(model_dir) as a, running_fleet([a.url]) as (url, _):  # no key: nobody may name a replica
+        refused = httpx.post(f"{url}/v1/router/replicas", json={"url": a.url})
+        assert refused.status_code == 403 and "--api-key" in refused.json()["error"]["message"]
 
 
 def start_replica(model_dir, port: int) -> subprocess.Popen:

@@ -138,6 +138,12 @@ class FleetIndex:
     def replica(self, name: str) -> Replica:
         return next(r for r in self.replicas if r.name == name)
 
+    def remove(self, replica: Replica) -> None:
+        """Take `replica` out of the fleet, its blocks forgotten."""
+        self.drop(replica)
+        self.replicas.remove(replica)
+        del self._remote[replica.name]
+
     def apply(self, replica: Replica, op: str, medium: str, block_hash: str) -> None:
         """One event: ``stored`` or ``removed`` of `block_hash` in `medium` (device, host, disk, remote)."""
         if medium == SHARED:

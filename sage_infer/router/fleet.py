@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from sage_infer.errors import UsageError
 from sage_infer.kv_policy.group_hit import window_needs
 from sage_infer.kv_policy.routing import LOWER_MEDIA, SHARED, FleetIndex, Replica, Route, Router
 from sage_infer.kv_policy.routing import Request as RouteRequest
@@ -54,7 +55,7 @@ from sage_infer.router.http import (
 from sage_infer.router.local_prompts import LocalPrompts
 from sage_infer.router.metrics import FleetMetrics
 from sage_infer.router.responses import ResponsesRouting, chat_view
-from sage_infer.router.vllm_events import VllmEndpoints
+from sage_infer.router.vllm_events import VllmEndpoints, parse_replica
 from sage_infer.router.vllm_fleet import describe_for_vllm, follow_vllm
 from sage_infer.server.body import validate_body
 from sage_infer.server.openai_errors import APIError, check_bearer
@@ -66,6 +67,7 @@ RECONNECT_S = 0.5  # between attempts to (re)open a replica's event stream
 DOWN_FOR_S = 2.0  # a replica that failed a call is skipped this long (its events may still flow)
 HEALTH_POLL_S = 1.0  # liveness of replicas that publish no events
 HASHES_TIMEOUT_S = 2.0
+ADD_PROBE_S = 5.0  # a replica added while the router runs must answer /v1/models within this
 SESSION_CHARS = 512  # of a prompt's start, the session key when the request names no user or session
 LONG_PROMPT_CHARS = 16_384  # a text prompt this long is tokenized on a worker thread
 RANK_HEADER = "X-data-parallel-rank"  # vLLM (and SGLang) serve a request on the data-parallel rank it names
@@ -132,7 +134,7 @@ class FleetRouter:
         self.headers = {"Content-Type": "application/json",
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.client: httpx.AsyncClient | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # replica name -> what follows its events (or health)
         self.responses = ResponsesRouting(lambda: self.client, self.headers, self.up_urls, self.choose_url,
                                           self.hold, lambda name, why: self.failed(self.links[name], why),
                                           lambda name: (self.links[name].url, self.rank_header(self.links[name])))
@@ -143,14 +145,53 @@ class FleetRouter:
     async def start(self) -> None:
         self.client = httpx.AsyncClient(timeout=CALL_TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                                   max_keepalive_connections=64))
-        self._tasks = [asyncio.create_task(follow_vllm(self, link) if link.vllm else self.follow(link))
-                       for link in self.links.values()]
+        for link in self.links.values():
+            self._watch(link)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.client.aclose()
+
+    def _watch(self, link: ReplicaLink) -> None:
+        self._tasks[link.name] = asyncio.create_task(follow_vllm(self, link) if link.vllm else self.follow(link))
+
+    # -- membership (`POST` / `DELETE /v1/router/replicas`) ----------------------------------------
+
+    def add(self, url: str, endpoints: VllmEndpoints | None = None) -> list[str]:
+        """Put the server at `url` in the routing (one replica per data-parallel rank); its names. It routes once
+        its event stream (or /health) answers, as a replica given at start does."""
+        url = url.rstrip("/")
+        targets = _targets(url, endpoints)
+        taken = [name for name, *_ in targets if name in self.links]
+        if taken:
+            raise APIError(409, f"replica {taken[0]} is already in the routing", "url")
+        for name, base, events, rank in targets:
+            link = self.links[name] = ReplicaLink(base, self.index.add(name), vllm=events, rank=rank)
+            link.refresh()
+            self._watch(link)
+        log.info("replica %s added to the routing", url)
+        return [name for name, *_ in targets]
+
+    async def remove(self, url: str) -> list[str]:
+        """Take the server at `url` out of the routing (every rank of it), its blocks forgotten; requests in flight
+        there finish. Its names."""
+        url = url.rstrip("/")
+        names = [name for name, link in self.links.items() if link.url == url]
+        if not names:
+            raise APIError(404, f"no replica at {url} in the routing", "url")
+        if len(names) == len(self.links):
+            raise APIError(409, "the router's last replica stays: add another before removing it", "url")
+        for name in names:
+            task = self._tasks.pop(name)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            link = self.links.pop(name)
+            self.index.remove(link.replica)
+            self.metrics.replica_up.labels(name).set(0)
+        log.info("replica %s removed from the routing", url)
+        return names
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -554,4 +595,57 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/router/replicas", include_in_schema=False)
+    async def replicas(request: Request) -> JSONResponse:
+        _check_admin(router, request)
+        return JSONResponse({"object": "list", "data": [
+            {"name": name, "url": link.url, "rank": link.rank, "up": link.replica.up, "events": link.publishes,
+             "outstanding": link.replica.outstanding} for name, link in router.links.items()]})
+
+    @app.post("/v1/router/replicas", include_in_schema=False)
+    async def add_replica(request: Request) -> JSONResponse:
+        _check_admin(router, request)
+        url, endpoints = _replica_of(await read_body(request))
+        try:
+            reply = await router.client.get(f"{url}/v1/models", headers=router.headers, timeout=ADD_PROBE_S)
+        except httpx.HTTPError as err:
+            raise APIError(400, f"replica {url} does not answer ({err or type(err).__name__})", "url") from None
+        if reply.status_code != 200:
+            raise APIError(400, f"replica {url}: /v1/models answered HTTP {reply.status_code}", "url")
+        return JSONResponse({"added": router.add(url, endpoints)}, status_code=201)
+
+    @app.delete("/v1/router/replicas", include_in_schema=False)
+    async def remove_replica(request: Request, url: str = "") -> JSONResponse:
+        _check_admin(router, request)
+        if not url:
+            raise APIError(400, "name the replica to remove: DELETE /v1/router/replicas?url=URL", "url")
+        return JSONResponse({"removed": await router.remove(url)})
+
     return app
+
+
+def _check_admin(router: FleetRouter, request: Request) -> None:
+    """Managing replicas needs the router's key: the router sends it (and its clients' bearers) to every replica,
+    so without one nobody may name where traffic goes."""
+    if router.api_key is None:
+        raise APIError(403, "managing replicas needs the router's API key (start it with --api-key): the router "
+                       "forwards keys to every replica it routes to")
+    check_bearer(request.headers.get("authorization", ""), router.api_key)
+
+
+def _replica_of(body: dict) -> tuple[str, VllmEndpoints | None]:
+    """A replica to add, from ``{"url": ..., "events": ..., "replay": ..., "topic": ..., "dp": N}`` (the fields of
+    ``--replica URL,events=...``); a 400 naming the field otherwise."""
+    fields = {key: body.get(key) for key in ("url", "events", "replay", "topic", "dp") if body.get(key) is not None}
+    unknown = sorted(set(body) - {"url", "events", "replay", "topic", "dp"})
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}: expected url, events, replay, topic, dp", unknown[0])
+    for key, value in fields.items():
+        if not isinstance(value, int if key == "dp" else str) or isinstance(value, bool) or "," in str(value):
+            raise APIError(400, f"{key}: expected {'an integer' if key == 'dp' else 'a string without commas'}", key)
+    if "url" not in fields:
+        raise APIError(400, "url: the replica's http(s) URL is required", "url")
+    try:
+        return parse_replica(",".join([fields.pop("url"), *(f"{k}={v}" for k, v in fields.items())]))
+    except UsageError as err:
+        raise APIError(400, str(err).removeprefix("--replica "), "url") from None
