@@ -68,7 +68,7 @@ class GroupPrefix:
         self.num_groups = len(groups.groups)
         self.tree = groups.groups[0].window is None  # group 0 keeps the prefix tree of the plain path
         self._chains: dict[int, list[bytes]] = {}  # seq id -> its chain hashes so far
-        self._keys: dict[tuple[int, int], list[bytes]] = {}  # (seq id, group) -> its blocks' index hashes so far
+        self._keys: dict[tuple[int, int], dict[int, bytes]] = {}  # (seq id, group) -> its blocks' index hashes
 
     @staticmethod
     def key(extra_key: bytes, group: int, before: bytes | None) -> bytes:
@@ -178,7 +178,7 @@ class GroupPrefix:
         """The index hash of `group`'s block `i` of `seq` (what the tiers keep it under)."""
         if group == 0 and self.tree:
             return chain[i]
-        return self._group_keys(seq, group, chain, i)[i]
+        return self._group_key(seq, group, chain, i)
 
     def device_block(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
         """`group`'s block `i` of `seq` if the device holds it (tokens verified)."""
@@ -205,23 +205,24 @@ class GroupPrefix:
             store.clear()
         store[key] = value
 
-    def _group_keys(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> list[bytes]:
-        """The index hashes of `group`'s blocks of `seq`, at least up to block `i` (kept by sequence id)."""
-        bs = self.block_size
-        keys = self._keys.get((seq.seq_id, group), []) if seq.seq_id >= 0 else []
-        if len(keys) <= i:
-            start = len(keys)
-            keys = keys + [hash_block(None, seq.token_ids[j * bs : (j + 1) * bs],
-                                      self.key(seq.extra_key, group, chain[j - 1] if j else None))
-                           for j in range(start, max(i + 1, len(chain)))]
+    def _group_key(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> bytes:
+        """The index hash of `group`'s block `i` of `seq` (kept by sequence id; each is hashed only when asked for:
+        a block's key needs only its tokens and the chain before it)."""
+        keys = self._keys.get((seq.seq_id, group)) if seq.seq_id >= 0 else None
+        if keys is None:
+            keys = {}
             self._keep(self._keys, (seq.seq_id, group), keys)
-        return keys
+        key = keys.get(i)
+        if key is None:
+            bs = self.block_size
+            key = keys[i] = hash_block(None, seq.token_ids[i * bs : (i + 1) * bs],
+                                       self.key(seq.extra_key, group, chain[i - 1] if i else None))
+        return key
 
     def _lookup(self, seq: Sequence, group: int, chain: list[bytes], i: int) -> int | None:
         """Block `i` of `group` for `seq` if the index holds it (tokens verified on a hit)."""
         bs = self.block_size
-        keys = self._group_keys(seq, group, chain, i)
-        if self.index.block_of(keys[i]) is None:
+        if self.index.block_of(self._group_key(seq, group, chain, i)) is None:
             return None
         tokens = seq.token_ids[i * bs : (i + 1) * bs]
         return self.index.lookup(None, tokens, self.key(seq.extra_key, group, chain[i - 1] if i else None))
