@@ -4,7 +4,9 @@ engine's own hit."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import time
 
 import httpx
@@ -23,6 +25,7 @@ from sage_infer.prefix_reuse.hashing import prompt_block_hashes
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from tests.redis_fixture import free_port
 from tests.server_fixture import running_server
+from tests.test_vllm_connector import PYTHON, VENV
 from tests.tiny_models import save_tokenizer
 
 BS = 16
@@ -154,8 +157,7 @@ def gemma2_dir(tmp_path_factory):
 def test_a_hybrid_replica_publishes_each_groups_blocks_as_vllm_tags_them(gemma2_dir):
     zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'sage-infer[events]')")
     msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'sage-infer[events]')")
-    from tests.test_kv_events_zmq import PROMPT, KVEventBatch, _decode_with_vllm
-    from tests.test_vllm_connector import PYTHON
+    from tests.test_kv_events_zmq import PROMPT, KVEventBatch
 
     stored_type = msgspec.defstruct("BlockStored", [  # vLLM's BlockStored fields for KV cache groups
         ("block_hashes", list[bytes]), ("parent_block_hash", bytes | None), ("token_ids", list[int]),
@@ -192,9 +194,34 @@ def test_a_hybrid_replica_publishes_each_groups_blocks_as_vllm_tags_them(gemma2_
     # the router's names are the same hashes: what it computes for the prompt is what the events carry
     names = [short(h) for h in prompt_block_hashes(PROMPT, BS, server.backend.engine.extra_key(None))]
     assert names == [e.block_hashes[0].hex() for e in by_group[0]]
-    assert msgspec.msgpack.Decoder(KVEventBatch).decode(payloads[0]).events  # vLLM 0.32's layout reads them too
-    if PYTHON.exists():  # and vLLM's own classes
-        assert _decode_with_vllm(payloads[0])[0]["token_ids"] == PROMPT[:BS]
+    assert msgspec.msgpack.Decoder(KVEventBatch).decode(payloads[0]).events  # the older layout reads them too
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not PYTHON.exists(), reason=f"no vLLM venv at {VENV} (make vllm-venv, or set VLLM_VENV)")
+def test_vllms_own_event_classes_read_the_group_of_each_block():
+    """A batch as a hybrid replica's publisher encodes it, read by vLLM's own `KVEventBatch`: each event's group and,
+    on a stored block, the group's kind and window."""
+    import msgspec
+
+    from sage_infer.server.kv_events_zmq import _removed, _stored
+
+    spec = {"kind": "sliding_window", "sliding_window": 512}
+    events = [_stored("00112233445566ff", None, tuple(range(BS)), BS, "device", 0, {"kind": "full_attention"}),
+              _stored(group_key("00112233445566ff", 1), None, tuple(range(BS)), BS, "device", 1, spec),
+              _removed(group_key("00112233445566ff", 1), "device", 1)]
+    payload = msgspec.msgpack.Encoder().encode([time.time(), events])
+    script = ("import sys, json, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+              "batch = msgspec.msgpack.Decoder(KVEventBatch).decode(sys.stdin.buffer.read()); "
+              "print(json.dumps([[type(e).__name__, e.block_hashes[0].hex(), e.group_idx, "
+              "getattr(e, 'kv_cache_spec_kind', None), getattr(e, 'kv_cache_spec_sliding_window', None)] "
+              "for e in batch.events]))")
+    out = subprocess.run([str(PYTHON), "-c", script], input=payload, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert json.loads(out.stdout.decode().strip().splitlines()[-1]) == [
+        ["BlockStored", "00112233445566ff", 0, "full_attention", None],
+        ["BlockStored", "00112233445566ff", 1, "sliding_window", 512],
+        ["BlockRemoved", "00112233445566ff", 1, None, None]]
 
 
 def test_kv_routing_sends_a_hybrid_prefix_to_the_replica_holding_every_group_it_needs(gemma2_dir):
