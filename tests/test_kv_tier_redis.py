@@ -29,6 +29,19 @@ def test_two_servers_share_blocks_through_one_redis(server):
         assert torch.equal(b.get_prefix(keys), blocks)
 
 
+def test_a_long_read_goes_in_chunks_and_a_prefix_read_stops_at_the_chunk_with_a_gap(server, monkeypatch):
+    monkeypatch.setattr("sage_infer.kv_runtime.tiers.redis.GET_CHUNK_BYTES", 2 * BPB)  # two blocks an MGET
+    keys, blocks = chain(7)
+    with RedisTier(SCHEMA, server.url, 64 * BPB) as tier:
+        tier.put(keys, blocks)
+        assert torch.equal(tier.get_prefix(keys), blocks)  # four round trips, one tensor
+        scores = [server.client().zscore(tier.lru_key, key) for key in keys]
+        assert scores == sorted(scores, reverse=True)  # the chain's head is still the newest
+        tier.delete([keys[3]])
+        assert torch.equal(tier.get_prefix(keys), blocks[:3])
+        assert [row is not None for row in tier.get(keys)] == [True] * 3 + [False] + [True] * 3
+
+
 def test_different_schemas_never_see_each_others_blocks(server):
     other = KVCacheSchema(num_layers=4, num_kv_heads=1, head_dim=8, block_size=4)  # same block size
     keys, blocks = chain(2)

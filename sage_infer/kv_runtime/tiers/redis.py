@@ -16,7 +16,8 @@ Capacity: a sorted set ``<prefix><digest>:lru`` scores each block by its last ac
 a batch, later keys score as older, so a chain loses its tail first. An optional TTL also
 bounds lifetime.
 
-Every call is one pipelined round trip (two when it evicts or finds a corrupt block).
+Every call is one pipelined round trip (two when it evicts or finds a corrupt block; a read of more than 8 MiB
+goes as one round trip per 8 MiB).
 Failures: a refused connection, a timeout (short by default: `socket_timeout=0.5` s) or any
 Redis error raises `TierError` at once, without retries, and is counted in `stats().errors`;
 the caller recomputes. `stats()` itself never raises.
@@ -38,6 +39,7 @@ from sage_infer.kv_runtime.tiers.redis_url import RedisAddress, parse_redis_url
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
 VALUE_MAGIC = b"SKR1"
+GET_CHUNK_BYTES = 8 << 20  # the most one MGET reads (see `_load`)
 
 
 class RedisTier(KVTier):
@@ -146,10 +148,22 @@ class RedisTier(KVTier):
 
     def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]:
         def read() -> list:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.mget([self.redis_key(key) for key in keys])
-            pipe.zadd(self.lru_key, self._scores(keys), xx=True)  # touch: only keys still in the set
-            return pipe.execute()[0]
+            # an MGET's reply is built whole before it is sent: one of hundreds of MiB (a 32K-token prompt) leaves
+            # the socket silent past the timeout on a busy machine, so a long read goes as several MGETs of at most
+            # GET_CHUNK_BYTES, each its own round trip (a prefix read stops at the first chunk with a gap)
+            step = max(1, GET_CHUNK_BYTES // self.bytes_per_block)
+            scores = self._scores(keys)  # (taken once: the chain's head stays the newest across the chunks)
+            values: list = []
+            for start in range(0, len(keys), step):
+                part = keys[start : start + step]
+                pipe = self.client.pipeline(transaction=False)
+                pipe.mget([self.redis_key(key) for key in part])
+                pipe.zadd(self.lru_key, {key: scores[key] for key in part}, xx=True)  # touch: only keys still there
+                got = pipe.execute()[0]
+                values += got
+                if prefix and None in got:
+                    break
+            return values
 
         values = self._call("get", read)
         out_np = out.numpy()
