@@ -40,7 +40,7 @@ from tests.tiny_models import make_tiny_model
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None,
                                 reason=f"--deterministic needs the paged decode kernel: {kernel_unavailable()}")
 
-FILE_LIMIT = 256 << 10  # bytes a file of the server may reach: the disk tier fills it within the first prompts
+FILE_LIMIT = 256 << 10  # bytes a file of the server may grow by: the disk tier fills them within the first prompts
 PROMPTS = [[10 + (11 * p + 5 * j) % 450 for j in range(330)] for p in range(8)]  # 20 full blocks each
 # a 32-block pool (each prompt demotes the last into the tier), --deterministic, and a device this slow that every
 # evicted block is worth keeping (the cost model drops a tiny model's)
@@ -54,10 +54,16 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("chaos") / "tiny-qwen3", "qwen3")
 
 
-def _limit_files() -> None:
-    """In the server process: writes past FILE_LIMIT fail with EFBIG instead of killing it with SIGXFSZ."""
+def _ignore_file_size_signal() -> None:
+    """In the server process: a write past its file size limit fails with EFBIG instead of killing it (SIGXFSZ)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def _limit_files(server: subprocess.Popen, directory) -> None:
+    """From now on the server's files may grow FILE_LIMIT bytes past the disk tier's largest segment (what its
+    start-up read probe wrote is already there)."""
+    written = max((path.stat().st_size for path in directory.glob("*.seg")), default=0)
+    resource.prlimit(server.pid, resource.RLIMIT_FSIZE, (written + FILE_LIMIT, written + FILE_LIMIT))
 
 
 def _serve(model_dir, port: int, *flags: str, drain_s: int | None = None, preexec_fn=None) -> subprocess.Popen:
@@ -105,8 +111,10 @@ def _same(answer: dict, first: dict) -> None:
 
 def test_a_disk_tier_that_hits_a_file_size_limit_is_visible_and_costs_no_token(model_dir, tmp_path):
     port = free_port()
-    server = _serve(model_dir, port, *TIERED, "--kv-tiers", f"disk={tmp_path / 'kv'}:64MiB", preexec_fn=_limit_files)
+    server = _serve(model_dir, port, *TIERED, "--kv-tiers", f"disk={tmp_path / 'kv'}:64MiB",
+                    preexec_fn=_ignore_file_size_signal)
     try:
+        _limit_files(server, tmp_path / "kv")
         first = [_ask(port, prompt) for prompt in PROMPTS]  # a 32-block pool: each prompt demotes the last
         deadline = time.monotonic() + 30
         while _tier(port) == 0:  # the writer thread fails in the background; the next step counts it
