@@ -57,8 +57,8 @@ def test_a_fleet_hit_needs_every_full_block_and_only_the_window_of_a_sliding_gro
     index.apply(replica, "removed", "host", group_key(names[5], 1))
     index.apply(replica, "removed", "device", group_key(names[2], 0))  # full group: blocks 0..1 only
     assert index.hit(replica, names, needs).blocks == 0  # and the sliding group holds neither 0 nor 1
-    route = Router(index).route(Request(prompt_tokens=6 * BS + 1, hashes=names, tokens_per_block=BS,
-                                        group_needs=needs))
+    replica.group_needs = needs
+    route = Router(index).route(Request(prompt_tokens=6 * BS + 1, hashes=names, tokens_per_block=BS))
     assert route.hit.blocks == 0 and route.compute_tokens == 6 * BS + 1
     assert set(route.blocks) == {*names, *(group_key(n, 1) for n in names[4:])}  # what it holds once computed
 
@@ -233,7 +233,7 @@ def test_kv_routing_sends_a_hybrid_prefix_to_the_replica_holding_every_group_it_
         wait_for(lambda: holds(router, b.url, 8), "b's stored events: 4 blocks in each group")
         body = {"model": b.model, "prompt": PREFIX + [10, 11, 12]}
         described = Request(prompt_tokens=0)
-        assert router.hash_here(body, described) and described.group_needs == (-1, 1)
+        assert router.hash_here(body, described) and router.index.replica(b.url).group_needs == (-1, 1)
         asked = httpx.post(f"{b.url}/v1/kv/hashes", json=body, timeout=10).json()
         assert described.hashes == asked["hashes"] and asked["tokens_per_hash"] == BS
         later = [complete(url, PREFIX + [10 + i, 11, 12]) for i in range(3)]
@@ -327,3 +327,36 @@ def test_a_groups_block_keeps_its_name_as_it_moves_to_a_lower_tier():
         ("stored", "device", key, short(parent), 1), ("removed", "device", key, None, 1),
         ("stored", "host", key, None, 1)]
     assert events.read(-1).snapshot == {"device": [], "host": [key]}
+
+
+def test_a_hybrid_vllm_servers_group_events_score_its_hit_per_group():
+    """vLLM's events of a hybrid model (its sliding group first, as vLLM orders Gemma's): each group's blocks keyed
+    by group, and the hit needs every full-attention block but only the sliding group's window."""
+    msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'sage-infer[events]')")
+    from sage_infer.router.vllm_events import BlockNames, batch_decoder, prompt_names
+    from sage_infer.server.kv_events_zmq import _removed, _stored
+
+    tokens = list(range(40, 40 + 4 * BS + 1))
+    hashes = [f"{i + 1:016x}" for i in range(4)]  # vLLM's own hashes (opaque to the router)
+    sliding, full = {"kind": "sliding_window", "sliding_window": 2 * BS}, {"kind": "full_attention"}
+
+    def stored(group: int, spec: dict) -> list[dict]:
+        return [_stored(h, hashes[i - 1] if i else None, tuple(tokens[i * BS:(i + 1) * BS]), BS, "device", group,
+                        spec) for i, h in enumerate(hashes)]
+
+    names = BlockNames()
+    index = FleetIndex(["v"])
+    replica = index.replica("v")
+
+    def feed(events: list[dict]) -> None:
+        for op, medium, key in names.translate(batch_decoder().decode(msgspec.msgpack.encode([0.0, events])).events):
+            index.apply(replica, op, medium, key)
+        replica.group_needs = names.group_needs()
+
+    feed(stored(0, sliding) + stored(1, full) + [_removed(h, "device", 0) for h in hashes[:2]])
+    assert replica.group_needs == (2, -1)
+    prompt = prompt_names(tokens, BS)
+    assert index.hit(replica, prompt, replica.group_needs).blocks == 4  # the window's 2 blocks are enough
+    feed([_removed(hashes[3], "device", 0)])
+    assert index.hit(replica, prompt, replica.group_needs).blocks == 0  # no prefix keeps its window now
+    assert index.hit(replica, prompt, ()).blocks == 0 and len(replica.media["device"]) == 5

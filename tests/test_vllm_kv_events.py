@@ -71,7 +71,9 @@ def test_blocks_the_router_cannot_name_are_left_out():
     assert ops_of(names, stored([b"x"], b"never-seen", PROMPT[:BS])) == []  # its parent never arrived
     assert ops_of(names, stored([b"y"], None, PROMPT[:BS], lora_name="adapter")) == []
     assert ops_of(names, stored([b"z"], None, PROMPT[:BS], extra_keys=[[["image-1", 0]]])) == []
-    assert ops_of(names, stored([b"w"], None, PROMPT[:BS], group_idx=1)) == []  # another KV cache group
+    # another KV cache group's block (a hybrid model) is named as the router names that group's blocks
+    assert ops_of(names, stored([b"w"], None, PROMPT[:BS], group_idx=1)) == [
+        ("stored", "device", f"{prompt_names(PROMPT, BS)[0]}@1")]
 
 
 def test_a_salted_chain_matches_only_prompts_with_that_salt():

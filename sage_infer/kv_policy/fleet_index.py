@@ -48,6 +48,8 @@ class Replica:
     queued_tokens: int = 0  # prompt tokens routed here whose first token has not come yet (the router's count)
     capacity_blocks: int = 0  # its device pool, as it reported (0: not known)
     naming: str = ""  # how its blocks are named: "" as the request's `hashes`, else a key of `Request.named`
+    # a model with KV groups (sliding-window layers): per group the blocks a hit needs (`group_hit.window_needs`)
+    group_needs: tuple[int, ...] = ()
     demotes_to: str | None = None  # its fastest lower tier (its snapshot names it), where its device's victims go
     recent_work: float = 0.0  # prompt tokens the kv policy sent here to compute, decayed (`kv_policy.routing`)
     # device blocks (and blocks the requests routed here will compute), least recently used first, as the replica

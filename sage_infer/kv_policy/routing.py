@@ -87,8 +87,6 @@ class Request:
     session: str | None = None  # session: the consistent-hash key
     # the prompt's blocks as replicas of another naming (`Replica.naming`) name them: naming -> (hashes, tokens each)
     named: dict[str, tuple[Sequence[str], int]] = field(default_factory=dict)
-    # a model with KV groups (sliding-window layers): per group the blocks a hit needs (`group_hit.window_needs`)
-    group_needs: tuple[int, ...] = ()
 
     def blocks_for(self, replica: Replica) -> tuple[Sequence[str], int]:
         """The prompt's block hashes as `replica` names its blocks, and the tokens per block."""
@@ -138,7 +136,7 @@ class Router:
         routes, scores = [], []
         for replica in live:
             hashes, tokens_per_block = request.blocks_for(replica)
-            needs = request.group_needs if not replica.naming else ()
+            needs = replica.group_needs
             hit = self.index.hit(replica, hashes, needs)
             compute = max(0, request.prompt_tokens - hit.blocks * tokens_per_block)
             route = Route(replica, hit, self.predicted_ttft_s(replica, hit, request), replica.outstanding,

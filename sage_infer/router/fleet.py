@@ -226,6 +226,7 @@ class FleetRouter:
             self.index.reset(replica, message["blocks"])
             link.recipe = message.get("recipe")
             replica.capacity_blocks = int((link.recipe or {}).get("num_blocks") or 0)
+            replica.group_needs = _group_needs(link.recipe)
             link.connected = True
             link.refresh()
         elif kind == "events":
@@ -296,8 +297,6 @@ class FleetRouter:
             answer = reply.json()
             described.hashes, described.prompt_tokens = answer["hashes"], answer["prompt_tokens"]
             described.tokens_per_block = answer["tokens_per_hash"]
-            recipe = next((link.recipe for link in publishing if link.recipe), None)
-            described.group_needs = _group_needs(recipe, described.tokens_per_block)
 
     async def ask_least_busy(self, links: list[ReplicaLink], path: str, question: dict,
                              timeout: float) -> httpx.Response | None:
@@ -340,7 +339,6 @@ class FleetRouter:
             return False
         described.hashes = [short(h) for h in hashes]
         described.prompt_tokens, described.tokens_per_block = len(ids), recipe["block_size"]
-        described.group_needs = _group_needs(recipe, recipe["block_size"])
         return True
 
     async def handle(self, path: str, request: Request) -> Response:
@@ -552,11 +550,11 @@ class _Relay:
         self.router.leave(self.link, self.route, 0 if self.first else self.queued)
 
 
-def _group_needs(recipe: dict | None, block_size: int) -> tuple[int, ...]:
-    """A model with KV groups (sliding-window layers, its replicas' recipe lists them): per group the blocks a prefix
-    hit needs there; () for one full-attention group."""
-    groups = (recipe or {}).get("kv_groups")
-    return window_needs(groups, block_size) if groups and block_size else ()
+def _group_needs(recipe: dict | None) -> tuple[int, ...]:
+    """A replica with KV groups (sliding-window layers: its recipe lists them): per group the blocks a prefix hit
+    needs there; () for one full-attention group."""
+    groups, block_size = (recipe or {}).get("kv_groups"), (recipe or {}).get("block_size")
+    return window_needs(groups, int(block_size)) if groups and block_size else ()
 
 
 def _long(body: dict) -> bool:

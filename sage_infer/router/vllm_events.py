@@ -13,8 +13,12 @@ so the router renames each block as it arrives (`BlockNames`): sage's chained ha
 the parent's new name and the block's tokens, under an extra key of its own (`vllm_extra_key`, with the cache
 salt vLLM reports on a salted prompt's first block). A request's prompt, tokenized by a vLLM replica
 (``POST /tokenize``) or given as token ids, is hashed the same way, so the fleet index matches it against those
-blocks. Blocks stored under a LoRA adapter, multimodal inputs or prompt embeddings keep no name here (a
-request with them is routed by load); so do blocks whose parent the router never saw.
+blocks. A hybrid model's events name their KV cache group (``group_idx``; a stored block also its group's
+``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``): a group's block is keyed as a sage replica's are
+(`kv_policy.group_hit.group_key`), and the replica's hit needs each group's blocks as `BlockNames.group_needs` says
+(every block of a full-attention group, the window's of a sliding one). Blocks stored under a LoRA adapter,
+multimodal inputs or prompt embeddings keep no name here (a request with them is routed by load); so do blocks
+whose parent the router never saw.
 
 `VllmEventFeed` subscribes, asks the replay socket for every batch still kept (vLLM sends no snapshot: what the
 replay no longer holds stays unknown until stored again), then follows the live batches in order, asking again
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sage_infer.errors import NotAvailableError, UsageError
+from sage_infer.kv_policy.group_hit import SLIDING_WINDOW, group_key, window_needs
 from sage_infer.prefix_reuse.events import short
 from sage_infer.prefix_reuse.hashing import hash_block, make_extra_key, prompt_block_hashes
 
@@ -147,6 +152,8 @@ def batch_decoder():
         lora_name: str | None = None
         extra_keys: list[list[Any] | None] | None = None
         group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
 
     class BlockRemoved(Event, tag="BlockRemoved"):
         block_hashes: list[bytes | int]
@@ -171,6 +178,7 @@ class BlockNames:
         self.names: OrderedDict[bytes | int, tuple[bytes, bytes]] = OrderedDict()
         self.limit = limit
         self.block_size = 0  # tokens per block, from the first BlockStored
+        self.groups: dict[int, dict] = {}  # KV cache group -> its kind and window, as its BlockStored events say
 
     def translate(self, events: Sequence[Any]) -> list[Op]:
         """One decoded batch's events as the fleet index's ops, in order; events it cannot name are left out."""
@@ -180,14 +188,25 @@ class BlockNames:
             if kind == "AllBlocksCleared":
                 ops.append((CLEARED, "", ""))
                 continue
-            if (getattr(event, "group_idx", None) or 0) != 0 or event.medium not in MEDIA:
-                continue  # another KV cache group (hybrid models), or a medium the index has no tier for
-            medium = MEDIA[event.medium]
+            if event.medium not in MEDIA:
+                continue  # a medium the index has no tier for
+            medium, group = MEDIA[event.medium], getattr(event, "group_idx", None) or 0
             if kind == "BlockStored":
-                ops += [("stored", medium, name) for name in self.stored(event)]
+                if getattr(event, "kv_cache_spec_kind", None) is not None:
+                    self.groups[group] = {"kind": event.kv_cache_spec_kind,
+                                          "sliding_window": event.kv_cache_spec_sliding_window}
+                ops += [("stored", medium, group_key(name, group)) for name in self.stored(event)]
             else:
-                ops += [("removed", medium, short(self.names[h][0])) for h in event.block_hashes if h in self.names]
+                ops += [("removed", medium, group_key(short(self.names[h][0]), group)) for h in event.block_hashes
+                        if h in self.names]
         return ops
+
+    def group_needs(self) -> tuple[int, ...]:
+        """Per KV cache group the blocks a prefix hit needs (`kv_policy.group_hit`); () while every group it has seen
+        attends fully (one block table's hit: the leading blocks)."""
+        if not self.block_size or all(g.get("kind") != SLIDING_WINDOW for g in self.groups.values()):
+            return ()
+        return window_needs([self.groups.get(g, {}) for g in range(max(self.groups) + 1)], self.block_size)
 
     def stored(self, event) -> list[str]:
         """Name the blocks of one BlockStored, each chained on the one before (the first on its parent)."""

@@ -76,6 +76,7 @@ def apply_ops(router: FleetRouter, link: ReplicaLink, feed: VllmEventFeed, ops: 
     """One batch's ops, in order, into the index (an AllBlocksCleared forgets the replica's blocks)."""
     if feed.names.block_size:
         link.replica.naming = NAMING.format(block_size=feed.names.block_size)
+        link.replica.group_needs = feed.names.group_needs()
     run: list[Op] = []
     for op in ops:
         if op[0] != CLEARED:
