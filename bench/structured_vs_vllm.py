@@ -4,10 +4,11 @@ regex / choice requests, batch 8, through the official `openai` client. JSON out
 Both servers are started once (the same threads and KV bytes) and the runs alternate between them, so each ratio
 compares runs seconds apart on a machine whose load drifts:
 
-- **throughput** (per round, per engine): 8 concurrent chat completions without a constraint (`ignore_eos`, all
-  `--max-tokens`), then 8 with each constraint that keeps the rows generating (a JSON schema whose string cannot
-  finish within the run, any JSON object, an unbounded regex). Output tok/s = completion tokens / wall time of the
-  batch; the medians over rounds of with ÷ without per engine and of sage ÷ vLLM with the constraint.
+- **throughput** (per round, per engine): for each constraint that keeps the rows generating (a JSON schema whose
+  string cannot finish within the run, any JSON object, an unbounded regex) a pair of batches of 8 concurrent chat
+  completions, one without a constraint (`ignore_eos`, all `--max-tokens`) and one with it, the unconstrained one
+  first in even rounds and second in odd ones. Output tok/s = completion tokens / wall time of the batch; the
+  medians over rounds of with ÷ without (per pair) per engine and of sage ÷ vLLM.
 - **validity**: 8 requests of each constraint that can finish (a bounded schema, any JSON object, a bounded regex,
   a choice) with room to finish (`--validity-max-tokens`): the share of outputs that are complete and conform
   (`jsonschema`, `re.fullmatch`, membership), the share cut by the token limit, and each complete output that
