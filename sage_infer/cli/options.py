@@ -44,7 +44,8 @@ SpeculativeOpt = Annotated[
 ToolCallParserOpt = Annotated[
     Optional[str],
     typer.Option("--tool-call-parser", help="How tool calls are read from the model's text (model.tool_call_parser): "
-                 "hermes, llama3_json, mistral, auto (the chat template's own format; default), none."),
+                 "hermes, llama3_json, mistral, pythonic, deepseek_v3, auto (the chat template's own format; "
+                 "default), none."),
 ]
 ReasoningParserOpt = Annotated[
     Optional[str],

@@ -88,10 +88,11 @@ class ModelConfig(Strict):
         "batched with it (every linear product on fixed tiles of rows, every query row through the paged decode "
         "kernel, model.cascade_attention and the C++ decode step off). Slower; without it greedy output under load "
         "can differ from a solo run in near-tie tokens. CPU with the paged kernel (model.attention paged).")
-    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3"] = Field(
         "auto", description="How tool calls are read from the model's text when a chat request gives tools "
         "(tool_choice auto): hermes (Qwen / Hermes <tool_call>{json}</tool_call>), llama3_json (Llama 3 JSON), "
-        "mistral ([TOOL_CALLS]), auto (the format the chat template's text shows; none found: calls stay "
+        "mistral ([TOOL_CALLS]), pythonic ([f(a=1), g()], Llama 3.2 / 4 pythonic), deepseek_v3 (DeepSeek V3 / "
+        "V3.1 <｜tool▁calls▁begin｜>), auto (the format the chat template's text shows; none found: calls stay "
         "content), none (never parsed). See docs/tools.md.")
     reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
         "none", description="Split a reasoning model's <think>...</think> section off as reasoning_content: qwen3, "

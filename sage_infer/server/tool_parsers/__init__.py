@@ -11,11 +11,15 @@ TOOL_PARSERS: dict[str, str] = {
     "hermes": "sage_infer.server.tool_parsers.hermes:HermesToolParser",
     "llama3_json": "sage_infer.server.tool_parsers.llama3_json:Llama3JsonToolParser",
     "mistral": "sage_infer.server.tool_parsers.mistral:MistralToolParser",
+    "pythonic": "sage_infer.server.tool_parsers.pythonic:PythonicToolParser",
+    "deepseek_v3": "sage_infer.server.tool_parsers.deepseek_v3:DeepSeekV3ToolParser",
 }
 ALIASES = {"qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes", "llama3": "llama3_json",
-           "llama4_json": "llama3_json"}
+           "llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "deepseekv3": "deepseek_v3",
+           "deepseek_v31": "deepseek_v3", "deepseekv31": "deepseek_v3"}
 # text a chat template holds when it renders tools in a format: the first match names the parser
-_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+                     ("[func_name1(", "pythonic"), ("<|python_tag|>", "llama3_json"),
                      ('"parameters": d', "llama3_json"))
 
 
