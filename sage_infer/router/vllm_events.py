@@ -209,9 +209,13 @@ class BlockNames:
         return window_needs([self.groups.get(g, {}) for g in range(max(self.groups) + 1)], self.block_size)
 
     def stored(self, event) -> list[str]:
-        """Name the blocks of one BlockStored, each chained on the one before (the first on its parent)."""
+        """Name the blocks of one BlockStored, each chained on the one before (the first on its parent). A sliding
+        window group's event carries the tokens of every new full block but the hashes of only those it keeps, the
+        last ones (vLLM skips the blocks before the window): the chain runs over all of them."""
         size, count = event.block_size, len(event.block_hashes)
-        if event.lora_id is not None or event.lora_name or count == 0 or len(event.token_ids) != count * size:
+        total = len(event.token_ids) // size if size > 0 else 0
+        if event.lora_id is not None or event.lora_name or count == 0 or len(event.token_ids) != total * size \
+                or total < count:
             return []
         if self.block_size and size != self.block_size:
             return []
@@ -223,15 +227,18 @@ class BlockNames:
         extra = event.extra_keys or [None] * count
         if len(extra) != count:
             return []
+        skip = total - count  # leading blocks of the tokens the event stores no hash for
         names = []
-        for i, vllm_hash in enumerate(event.block_hashes):
-            if extra[i] is not None:  # a salted first block names its chain; anything else is not the router's
-                if parent is not None or len(extra[i]) != 1 or not isinstance(extra[i][0], str):
+        for i in range(total):
+            extra_key = extra[i - skip] if i >= skip else None
+            if extra_key is not None:  # a salted first block names its chain; anything else is not the router's
+                if parent is not None or len(extra_key) != 1 or not isinstance(extra_key[0], str):
                     break
-                key = vllm_extra_key(extra[i][0])
+                key = vllm_extra_key(extra_key[0])
             parent = hash_block(parent, event.token_ids[i * size:(i + 1) * size], key)
-            self._keep(vllm_hash, parent, key)
-            names.append(short(parent))
+            if i >= skip:
+                self._keep(event.block_hashes[i - skip], parent, key)
+                names.append(short(parent))
         self.block_size = size
         return names
 
