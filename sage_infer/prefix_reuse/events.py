@@ -84,7 +84,8 @@ class BlockEvents:
     def name(self, block_hash: bytes, chain_hash: bytes, parent: bytes | None, group: int) -> None:
         """The device block the index registers as `block_hash` (under a key of its own) is KV group `group`'s block
         of chained prefix hash `chain_hash`, whose parent is `parent`: its events name it so. Called before the index
-        registers it (a block already registered is named the same again)."""
+        registers it (a block already registered is named the same again, and is the newest name kept)."""
+        self._names.pop(block_hash, None)
         self._names[block_hash] = (short(chain_hash), None if parent is None else short(parent), group)
 
     def stored(self, block_hash: bytes, medium: str = DEVICE, parent: bytes | None = None,
