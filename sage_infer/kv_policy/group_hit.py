@@ -36,13 +36,16 @@ def longest_prefix(present: Callable[[int, int], bool], length: int, needs: Sequ
     """The longest prefix, of at most `length` blocks, every group serves: `present(group, i)` says whether block
     ``i`` of ``group`` is held; `needs` as `window_needs` returns them."""
     while True:  # full groups serve any shorter prefix; a sliding group may not: ask again until all agree
-        shortest = min((_longest(present, group, need, length) for group, need in enumerate(needs)), default=length)
+        shortest = min((served_by(present, group, need, length) for group, need in enumerate(needs)), default=length)
         if shortest == length:
             return length
         length = shortest
 
 
-def _longest(present: Callable[[int, int], bool], group: int, need: int, length: int) -> int:
+def served_by(present: Callable[[int, int], bool], group: int, need: int, length: int) -> int:
+    """The longest prefix of at most `length` blocks `group` serves when `present(group, i)` says whether its block
+    `i` is there and a hit needs its last `need` blocks (every block from the start when `need` < 0): the engine's
+    rule (`kv_runtime.group_prefix`) and the router's."""
     if need < 0:  # full: every block from the start
         return next((i for i in range(length) if not present(group, i)), length)
     if need == 0:

@@ -21,6 +21,7 @@ overlap question, from another thread) keep nothing.
 from __future__ import annotations
 
 from sage_infer.core.sequence import Sequence
+from sage_infer.kv_policy.group_hit import served_by
 from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.prefix_reuse.hashing import hash_block, hash_token_blocks
 from sage_infer.prefix_reuse.index import PrefixMatch, PrefixReuseIndex
@@ -117,20 +118,7 @@ class GroupPrefix:
         """The longest prefix of at most `length` blocks `group` serves when `has(i)` says whether its block `i` is
         there: every block from the start in a full group, the last `window_blocks` before the prefix's end in a
         sliding one (found scanning from the right)."""
-        need = self.groups.window_blocks(group, self.block_size)
-        if need < 0:
-            return next((i for i in range(length) if not has(i)), length)
-        if need == 0:
-            return length
-        run = 0
-        for i in range(length - 1, -1, -1):
-            if not has(i):
-                run = 0
-                continue
-            run += 1
-            if run == need:
-                return i + need
-        return run  # the window reaches the start: the `run` leading blocks are all it needs
+        return served_by(lambda _, i: has(i), group, self.groups.window_blocks(group, self.block_size), length)
 
     def first_needed(self, group: int, length: int) -> int:
         """The first block of `group` a prefix of `length` blocks needs (the rest before it: the null block)."""
