@@ -109,6 +109,10 @@ def test_a_server_whose_store_fails_keeps_the_last_counts(server):
     assert b.quota.held("remote", X) == 3
     server.kill()
     assert b.quota.held("remote", X) == 3 and b.shares.errors == 1  # the last counts, one warning
+    if server.url.startswith("mooncake://"):  # a master back on the port: the members leave at once, not after retries
+        from tests.mooncake_fixture import start_master
+
+        server.process = start_master(port=server.port).process
     for s in (a, b):
         s.store.close()
 
