@@ -120,9 +120,9 @@ class VllmFleet:
                    "--kv-cache-memory-bytes", str(kv_bytes), "--data-parallel-size", str(args.replicas)]
         flag = f"http://127.0.0.1:{port}"
         if self.routing == "kv":
-            command += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
-                "replay_endpoint": f"tcp://127.0.0.1:{replay}"})]
+            command += ["--kv-events-config", json.dumps({  # vLLM binds a "*" endpoint (and connects any other)
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}"})]
             flag += f",events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},dp={args.replicas}"
         self.servers.append(Server("vllm-dp", command, env, log.with_name(f"{log.stem}-dp.log"), port))
         self.replica_flags.append(flag)
