@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench.ci_gate import conversation_slice, judge, spread
+from bench.ci_gate import conversation_slice, floors_for, judge, spread
 from bench.gate_slowdown import _slower, apply_slowdown
 from sage_infer.sim.replay import TraceRequest
 
@@ -32,6 +32,16 @@ def test_on_another_machine_only_a_drop_past_half_the_floor_fails():
     measured = {"engine.random": 1.2, "tiers.host.get": 0.19, "prefix.hit": 0.5}
     got = {row["ratio"]: row["verdict"] for row in judge(measured, CI, same_machine=False)}
     assert got == {"engine.random": "ok", "tiers.host.get": "BELOW", "prefix.hit": "ok"}
+
+
+def test_each_machine_is_judged_by_its_own_floors_else_by_its_cpu_models_else_the_first():
+    xeon = {"cpu": "Intel Xeon", "isa": "avx512_bf16", "cores": 2}
+    epyc = {"cpu": "AMD EPYC", "isa": "avx512_bf16", "cores": 2}
+    ci = {**CI, "machine": xeon, "machines": [{"machine": epyc, "floors": {"tiers.host.get": 0.15}}]}
+    assert floors_for(ci, xeon) == (ci, True)
+    assert floors_for(ci, epyc) == (ci["machines"][0], True)
+    assert floors_for(ci, {**epyc, "isa": "avx2"}) == (ci["machines"][0], False)  # the same CPU model, another level
+    assert floors_for(ci, {**xeon, "cpu": "Ampere Altra"}) == (ci, False)
 
 
 def test_an_unmeasured_ratio_is_skipped_and_a_new_one_is_not_checked():
