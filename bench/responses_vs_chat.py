@@ -75,7 +75,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def agent_command(args: argparse.Namespace, url: str, api: str, seed: int, out: Path) -> list[str]:
     return [SAGE, "llm", "bench", "--url", url, "--workload", "agent", "--api", api, "--num-requests",
-            str(args.sessions * args.turns), "--turns", str(args.turns), "--prefix-len", str(args.prefix_len),
+            str(args.agents * args.turns), "--turns", str(args.turns), "--prefix-len", str(args.prefix_len),
             "--context-len", str(args.context_len), "--input-len", str(args.input_len), "--output-len",
             str(args.output_len), "--concurrency", str(args.concurrency), "--seed", str(seed), "--json", str(out)]
 
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--set", action="append", default=[], help="more server settings (KEY=VALUE)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--agents", type=int, default=4, help="agent conversations per run")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=100)
     p.add_argument("--context-len", type=int, default=40)
