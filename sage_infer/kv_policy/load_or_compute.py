@@ -86,6 +86,21 @@ class LoadOrCompute:
             return None
         return compute - self.block_nbytes / read.per_s
 
+    def worth_reading(self, levels: Sequence[int], tokens: int, context: int) -> bool:
+        """Whether reading blocks from tiers `levels` (one entry per block) is faster than computing the `tokens`
+        prompt tokens after `context` they stand for, all or none (a hybrid hit: its blocks cover more tokens than
+        they number); True while a rate is unmeasured."""
+        compute = self.prefill_s(tokens, context)
+        if compute is None:
+            return True
+        seconds = 0.0
+        for level in levels:
+            read = self.reads.get(level)
+            if read is None or read.per_s is None:
+                return True
+            seconds += self.block_nbytes / read.per_s
+        return seconds < compute
+
     def blocks_to_load(self, levels: Sequence[int], first_block: int = 0) -> int:
         """Of a prompt's next blocks below the device (`levels[i]`: the tier holding block ``first_block + i``), how
         many leading ones to load: the run whose loading saves the most time in all (every one while a rate is

@@ -55,25 +55,11 @@ class GroupTierSource(TierSource):
 
         levels = self.prefix.extend(seq, match, max_blocks, below)
         self._declined.pop(seq.seq_id, None)
-        if levels and not self._worth_loading(match.num_tokens, match.num_lower_tokens, levels):
+        # all or none: a hit shortened by a block needs another window of each sliding group
+        rates = self.hierarchy.rates
+        if levels and rates is not None and not rates.worth_reading(levels, match.num_lower_tokens, match.num_tokens):
             self._declined[seq.seq_id] = len(levels)
             match.drop_plan()
-
-    def _worth_loading(self, context: int, tokens: int, levels: list[int]) -> bool:
-        """Whether reading the blocks at tier `levels` is faster than computing the `tokens` prompt tokens after
-        `context` they stand for, by the measured rates (`kv_policy.load_or_compute`); True while a rate is
-        unmeasured. All or none: a hit shortened by a block needs another window of each sliding group."""
-        rates = self.hierarchy.rates
-        compute = rates.prefill_s(tokens, context) if rates is not None else None
-        if compute is None:
-            return True
-        seconds = 0.0
-        for level in levels:
-            read = rates.reads.get(level)
-            if read is None or read.per_s is None:
-                return True
-            seconds += rates.block_nbytes / read.per_s
-        return seconds < compute
 
     def take(self, seq: Sequence, match: PrefixMatch, now: float) -> torch.Tensor | None:
         """The planned lower blocks out of the tiers (a verified prefix of them, in position order), before the
