@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -40,15 +41,18 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import NotAvailableError
 from sage_infer.kv_runtime.tiers.base import VALUE_HEADER, KVTier, pack_value_header, verify_value
-from sage_infer.kv_runtime.tiers.mooncake_shares import SLOT_BYTES, SLOTS, MooncakeTenantShares
 from sage_infer.kv_runtime.tiers.mooncake_url import MIN_SEGMENT_BYTES, MooncakeAddress, parse_mooncake_url
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.tiers.mooncake_shares import MooncakeTenantShares
 
 VALUE_MAGIC = b"SKM1"
 STAGING_BYTES = 64 << 20  # the registered buffer every call goes through
 
 # mooncake ErrorCode values (mooncake-store/include/types.h)
 OBJECT_ALREADY_EXISTS = -705
+OBJECT_NOT_FOUND = -704
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600  # a get into a buffer smaller than the stored value
 UNREACHABLE = {-1: "INTERNAL_ERROR", -900: "RPC_FAIL", -1010: "UNAVAILABLE_IN_CURRENT_STATUS"}
@@ -324,6 +328,8 @@ class MooncakeTier(KVTier):
 
     def tenant_shares(self, local: Callable[[], dict[bytes, int]]) -> MooncakeTenantShares:
         """The other servers' tenant counts in this shared tier, this server's (`local`) published for them."""
+        from sage_infer.kv_runtime.tiers.mooncake_shares import SLOT_BYTES, SLOTS, MooncakeTenantShares
+
         buffer = np.zeros((SLOTS + 1, SLOT_BYTES), dtype=np.uint8)
 
         def register(call: _Call) -> None:

@@ -21,13 +21,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sage_infer.kv_runtime.tiers.mooncake import OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND
 from sage_infer.kv_runtime.tiers.tenant_shares import REFRESH_S, TTL_S, TenantShares, summed
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
 SLOTS = 64  # servers that can share one tier's quotas
 SLOT_BYTES = 16 << 10  # of one server's published counts
-OBJECT_ALREADY_EXISTS = -705  # mooncake's ErrorCode of a put on a key that exists
-OBJECT_NOT_FOUND = -704
 
 
 class MooncakeTenantShares(TenantShares):
