@@ -401,7 +401,7 @@ class FleetRouter:
         queued = self.enter(link, route, described)
         try:
             reply = await self.client.post(f"{link.url}{path}", content=encode(body),
-                                           headers={**self.headers, **self.rank_header(link)})
+                                           headers=self.headers_for(link))
         except httpx.HTTPError as err:
             self.failed(link, str(err) or type(err).__name__)
             raise ReplicaUnreachable from None
@@ -426,7 +426,7 @@ class FleetRouter:
         sent = time.monotonic()
         try:
             request = self.client.build_request("POST", f"{link.url}{path}", content=encode(body),
-                                                headers={**self.headers, **self.rank_header(link)})
+                                                headers=self.headers_for(link))
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as err:
             self.leave(link, route, queued)
@@ -462,6 +462,10 @@ class FleetRouter:
     def rank_header(link: ReplicaLink) -> dict[str, str]:
         """What sends a request to the link's data-parallel rank (nothing for a server without ranks)."""
         return {} if link.rank is None else {RANK_HEADER: str(link.rank)}
+
+    def headers_for(self, link: ReplicaLink) -> dict[str, str]:
+        """The router's headers to a replica, with what names its data-parallel rank."""
+        return {**self.headers, **self.rank_header(link)}
 
     async def choose_url(self, body: dict, request: Request, exclude: set[str]) -> str | None:
         """A new conversation's replica: where the policy sends a chat request with its first turn's messages."""
