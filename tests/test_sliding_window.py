@@ -209,13 +209,13 @@ def test_the_triton_prefill_reads_a_windowed_span_context_from_its_block_table()
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)
 
 
-def test_gpt_oss_is_refused_saying_what_it_misses(tmp_path):
+def test_multimodal_gemma3_is_refused_saying_what_it_misses(tmp_path):
     import json
 
     from sage_infer.models.loader import ModelLoadError, arch_config
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
-    with pytest.raises(ModelLoadError, match="GptOssForCausalLM' is not supported: gpt-oss needs attention sinks"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"]}))
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration' is not supported: multimodal Gemma 3"):
         arch_config(tmp_path)
 
 

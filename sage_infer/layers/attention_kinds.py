@@ -1,11 +1,13 @@
-"""What a layer's attention adds to causal ``softmax(q·kᵀ·scale)·v``: a sliding window, logit soft-capping; and the
-PyTorch math of such a layer (the oracle, and the path every backend runs these layers through until its kernels
-take a window).
+"""What a layer's attention adds to causal ``softmax(q·kᵀ·scale)·v``: a sliding window, logit soft-capping, attention
+sinks; and the PyTorch math of such a layer (the oracle, and the path every backend runs these layers through until its
+kernels take a window).
 
 A sliding window of W keeps Hugging Face's meaning (``masking_utils.sliding_window_overlay``): the query at
 position ``i`` sees the keys at positions ``j`` with ``i - W < j <= i``, W keys with its own. Soft-capping
 (Gemma 2's ``attn_logit_softcapping``) turns each scaled score ``s`` into ``cap · tanh(s / cap)`` before the
-softmax.
+softmax. Attention sinks (gpt-oss's ``self_attn.sinks``, one learned logit per query head) join each softmax's
+denominator as one more score that carries no value: ``p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``. No kernel
+(C++, Triton) takes a soft-cap or sinks: layers with either attend wholly through this module's PyTorch math.
 
 Shapes: q_len queries, ctx_len context keys (the queries are the context's last q_len positions), H query heads,
 KvH KV heads, D head dim.
@@ -13,7 +15,7 @@ KvH KV heads, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,12 @@ QUERY_TILE = 512  # prefill queries per score matrix: [KvH, G, QUERY_TILE, keys]
 @dataclass(frozen=True, slots=True)
 class AttentionKind:
     """A layer's attention beyond the plain causal one: `window` (keys a query sees, its own included; None: all
-    earlier keys) and `softcap` (None: no soft-capping)."""
+    earlier keys), `softcap` (None: no soft-capping) and `sinks` ([H], one extra softmax logit per query head, with
+    no value; None: none). Kinds compare by window and soft-cap only (the sinks are a layer's weights)."""
 
     window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -36,12 +40,19 @@ class AttentionKind:
     @property
     def plain(self) -> bool:
         """Plain causal attention: every backend's kernels run it."""
-        return self.window is None and self.softcap is None
+        return self.window is None and self.softcap is None and self.sinks is None
+
+    @property
+    def window_only(self) -> bool:
+        """A sliding window and nothing else: the backend parts whose kernels take a window (`windowed`) run it."""
+        return self.window is not None and self.softcap is None and self.sinks is None
 
     def describe(self) -> str:
         parts = [f"sliding window {self.window}" if self.window else "full"]
         if self.softcap:
             parts.append(f"soft-capped at {self.softcap:g}")
+        if self.sinks is not None:
+            parts.append("attention sinks")
         return ", ".join(parts)
 
 
@@ -54,6 +65,16 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float, kind: AttentionKi
     if kind.softcap is not None:
         scores = torch.tanh(scores / kind.softcap) * kind.softcap
     return scores
+
+
+def _softmax(scores: torch.Tensor, kind: AttentionKind) -> torch.Tensor:
+    """scores [..., KvH, G, M, T] -> probabilities over the T keys; with sinks, each head's sink logit is one more
+    entry of the softmax, dropped after it (it weighs no value)."""
+    if kind.sinks is None:
+        return scores.softmax(dim=-1)
+    kv_heads, group = scores.shape[-4], scores.shape[-3]
+    sinks = kind.sinks.float().view(kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def kind_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float,
@@ -75,14 +96,14 @@ def kind_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Te
         if kind.window is not None:
             visible &= k_pos > q_pos - kind.window
         rows = q[start:stop]
-        if kind.softcap is None:  # SDPA takes the mask itself
+        if kind.softcap is None and kind.sinks is None:  # SDPA takes the mask itself
             out[start:stop] = F.scaled_dot_product_attention(
                 rows.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=visible, scale=scale, enable_gqa=num_heads != num_kv_heads)[0].transpose(0, 1)
             continue
         grouped = rows.view(stop - start, num_kv_heads, -1, head_dim).permute(1, 2, 0, 3)  # [KvH, G, M, D]
         scores = _scores(grouped, keys.transpose(0, 1), scale, kind).masked_fill(~visible, float("-inf"))
-        probs = scores.softmax(dim=-1)
+        probs = _softmax(scores, kind)
         heads = torch.matmul(probs, values.float().transpose(0, 1).unsqueeze(1))  # [KvH, G, M, D]
         out[start:stop] = heads.permute(2, 0, 1, 3).reshape(stop - start, num_heads, head_dim).to(q.dtype)
     return out
@@ -102,7 +123,7 @@ def kind_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     grouped = q.view(batch, num_kv_heads, -1, 1, head_dim)  # [B, KvH, G, 1, D]
     scores = _scores(grouped, keys.transpose(1, 2), scale, kind)  # [B, KvH, G, 1, T]
     scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
+    probs = _softmax(scores, kind)
     out = torch.matmul(probs, values.float().transpose(1, 2).unsqueeze(2))  # [B, KvH, G, 1, D]
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 

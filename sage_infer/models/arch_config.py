@@ -8,6 +8,7 @@ import torch
 
 from sage_infer.core.dtypes import parse_dtype_name
 from sage_infer.layers.attention_kinds import AttentionKind
+from sage_infer.layers.rotary import inv_frequencies
 from sage_infer.models.layer_types import layer_windows, rope_by_layer_type
 
 
@@ -23,9 +24,18 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert, scaled by a sigmoid gate
     qk_norm_full: bool = False  # OLMoE: RMSNorm over all heads of q and of k, before the head split
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
+    # gpt-oss: experts with biases and the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
+    # g = gate clamped above at `swiglu_limit`; a router with a bias, softmax over the top-k logits
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
-MOE_FAMILIES = ("Qwen2Moe", "Qwen3Moe", "Mixtral", "Olmoe")
+MOE_FAMILIES = ("Qwen2Moe", "Qwen3Moe", "Mixtral", "Olmoe", "GptOss")
+# what transformers' GptOssConfig assumes for a field config.json leaves out, where sage's default differs
+GPT_OSS_DEFAULTS = {"attention_bias": True, "head_dim": 64, "rms_norm_eps": 1e-5, "sliding_window": 128,
+                    "max_position_embeddings": 131072, "num_key_value_heads": 8, "rope_theta": 150000.0}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 def moe_config(config: dict, family: str) -> MoeConfig | None:
@@ -34,7 +44,7 @@ def moe_config(config: dict, family: str) -> MoeConfig | None:
     if family not in MOE_FAMILIES:
         return None
     act = config.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and family != "GptOss":  # gpt-oss's experts run their clamped SwiGLU whatever it says
         raise ValueError(f"hidden_act {act!r}: the experts run silu only")
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     top_k = int(config["num_experts_per_tok"])
@@ -46,14 +56,28 @@ def moe_config(config: dict, family: str) -> MoeConfig | None:
         step, dense = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or ())
         sparse = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
     clip = config.get("clip_qkv") if family == "Olmoe" else None
+    gpt_oss = family == "GptOss"
     return MoeConfig(
         num_experts=experts, top_k=top_k,
         expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
-        renormalize=family == "Mixtral" or bool(config.get("norm_topk_prob", False)),
+        renormalize=family in ("Mixtral", "GptOss") or bool(config.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
         qk_norm_full=family == "Olmoe", clip_qkv=None if clip is None else float(clip),
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)) if gpt_oss else None,
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)) if gpt_oss else None,
     )
+
+
+def with_family_defaults(config: dict, family: str) -> dict:
+    """`config` with the defaults transformers' config class of `family` gives the fields it leaves out, where they
+    differ from sage's (gpt-oss: q/k/v/o biases, a window of 128, yarn rope of theta 150000, ...)."""
+    if family != "GptOss":
+        return config
+    filled = {**GPT_OSS_DEFAULTS, **config}
+    if not config.get("rope_parameters") and not config.get("rope_scaling"):
+        filled["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": filled["rope_theta"]}
+    return filled
 
 
 @dataclass(slots=True)
@@ -94,14 +118,17 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, config: dict, architecture: str) -> ArchConfig:
+        family = architecture.removesuffix("ForCausalLM")
+        config = with_family_defaults(config, family)
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
-        family = architecture.removesuffix("ForCausalLM")
         qkv_bias = bool(config.get("attention_bias", config.get("qkv_bias", family in ("Qwen2", "Qwen2Moe"))))
         num_layers = int(config["num_hidden_layers"])
         windows = layer_windows(config, family, num_layers)
         rope, rope_local = rope_by_layer_type(config)
+        for params in (rope, rope_local or rope):  # a rope sage does not build fails here, before any weight loads
+            inv_frequencies(int(head_dim), params, int(config.get("max_position_embeddings", 2048)))
         eos = config.get("eos_token_id")
         dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
         return cls(

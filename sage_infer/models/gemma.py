@@ -24,7 +24,7 @@ from torch import nn
 
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, inv_frequencies
+from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, attention_scaling, inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
@@ -139,12 +139,13 @@ class GemmaForCausalLM(nn.Module):
         if self._local_inv_freq is None or self._local_inv_freq.device != positions.device:
             self._local_inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_local,
                                                    cfg.max_position_embeddings).to(positions.device)
-        global_inv_freq = rotary.inv_freq
+        global_inv_freq, global_scaling = rotary.inv_freq, rotary.attention_scaling
         rotary.inv_freq = self._local_inv_freq
+        rotary.attention_scaling = attention_scaling(cfg.rope_local, cfg.max_position_embeddings)
         try:
             local = rotary.cos_sin(positions, dtype)
         finally:
-            rotary.inv_freq = global_inv_freq
+            rotary.inv_freq, rotary.attention_scaling = global_inv_freq, global_scaling
         return full, local
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: AttentionMetadata,

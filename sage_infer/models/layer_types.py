@@ -3,8 +3,8 @@ transformers code reads it:
 
 - ``layer_types`` (a list of ``"sliding_attention"`` / ``"full_attention"``, one per layer) when the config has it;
 - else Qwen2/Qwen3 (and their MoE variants): ``use_sliding_window`` with ``max_window_layers`` (layer ``i`` slides
-  when ``i >= max_window_layers``); Gemma 2: every other layer, the first one sliding; Gemma 3: all but every
-  ``sliding_window_pattern``-th layer (default 6); Mistral and Mixtral: every layer;
+  when ``i >= max_window_layers``); Gemma 2 and gpt-oss: every other layer, the first one sliding; Gemma 3: all but
+  every ``sliding_window_pattern``-th layer (default 6); Mistral and Mixtral: every layer;
 - a family whose transformers code ignores ``sliding_window`` (Llama) ignores it here too.
 
 A window applies only where ``sliding_window`` is set (Qwen: and ``use_sliding_window`` is true). Mistral and
@@ -25,7 +25,7 @@ def sliding_window_of(config: dict, family: str) -> int | None:
         raise ValueError("use_bidirectional_attention: true is not built (every layer here attends causally)")
     if family in QWEN_FAMILIES and not config.get("use_sliding_window", False):
         return None
-    if family not in UNIFORM_WINDOW_FAMILIES + QWEN_FAMILIES and not family.startswith("Gemma") \
+    if family not in UNIFORM_WINDOW_FAMILIES + QWEN_FAMILIES + ("GptOss",) and not family.startswith("Gemma") \
             and "layer_types" not in config:
         return None
     if window is not None and int(window) < 1:
@@ -51,7 +51,7 @@ def layer_types_of(config: dict, family: str, num_layers: int) -> tuple[str, ...
     if family in QWEN_FAMILIES:
         first = int(config.get("max_window_layers", num_layers))
         return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
-    if family == "Gemma2":
+    if family in ("Gemma2", "GptOss"):
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
     if family == "Gemma3":
         pattern = int(config.get("sliding_window_pattern", 6))

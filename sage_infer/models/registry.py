@@ -11,9 +11,10 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 # Gemma 2 and text-only Gemma 3 (`sage_infer.models.gemma`; Gemma3ForConditionalGeneration is not built)
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES
+# gpt-oss: attention sinks, sliding and full layers, clamped SwiGLU experts (`sage_infer.models.gpt_oss`)
+GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES + GPT_OSS_ARCHITECTURES
 NOT_BUILT = {  # architectures asked for that are not built yet: what they miss
-    "GptOssForCausalLM": "gpt-oss needs attention sinks, its clamped SwiGLU experts and yarn rope, not built yet",
     "Gemma3ForConditionalGeneration": "multimodal Gemma 3 is not built (text-only Gemma 3 is Gemma3ForCausalLM)",
 }
 
@@ -29,6 +30,10 @@ def build_model(cfg: ArchConfig) -> nn.Module:
         from sage_infer.models.moe import MoeForCausalLM
 
         return MoeForCausalLM(cfg)
+    if cfg.architecture in GPT_OSS_ARCHITECTURES:
+        from sage_infer.models.gpt_oss import GptOssForCausalLM
+
+        return GptOssForCausalLM(cfg)
     if cfg.architecture in GEMMA_ARCHITECTURES:
         from sage_infer.models.gemma import GemmaForCausalLM
 

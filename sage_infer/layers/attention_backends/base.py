@@ -39,6 +39,11 @@ DECODE_GROUP_ROWS = 16  # gathered decode rows are sorted by context length and 
 # many tokens after cached context (a turn of a chat, a prompt's unique tail after a shared prefix) is attended as
 # that many decode rows: each reads its causal context in place instead of a gathered copy per span
 IN_PLACE_CHUNK_ROWS = 64
+# ... unless the prefill part is the flash kernel and the chunk's rows times its context exceed this many (query, key)
+# pairs: the decode kernel reads every key once per row, the flash kernel once per tile of rows, which pays for the
+# gather from about 8 rows on over a long context (16 rows over 16K cached keys: 1.5x faster, 64 rows: 2.6x;
+# bench/profile_engine_step.py --cached-context); below it the decode rows of all sequences share one call
+IN_PLACE_CHUNK_PAIRS = 64 * 2048
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class DecodePart:
     """How decode rows attend: `attend` (and `attend_lse` for a shared prefix's suffixes) over one `DecodeGroup`.
 
     `in_place`: it reads each row's blocks in place, so padding costs nothing and all rows are one group; short
-    chunks after cached context become decode rows (`IN_PLACE_CHUNK_ROWS`)."""
+    chunks after cached context become decode rows (`IN_PLACE_CHUNK_ROWS`, `IN_PLACE_CHUNK_PAIRS`)."""
 
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
@@ -195,7 +200,8 @@ class AttentionBackend:
     def _as_decode_rows(self, span: SeqSpan) -> bool:
         """Whether a span's rows attend as decode rows, each its causal context (else: a prefill span)."""
         return span.q_len == 1 or self.row_invariant or (
-            self.decode.in_place and not self.prefill.in_place and span.start > 0 and span.q_len <= IN_PLACE_CHUNK_ROWS)
+            self.decode.in_place and not self.prefill.in_place and span.start > 0 and span.q_len <= IN_PLACE_CHUNK_ROWS
+            and (not self.prefill.flash or span.q_len * span.context_len <= IN_PLACE_CHUNK_PAIRS))
 
     def prepare(self, batch: StepBatch) -> AttentionMetadata:
         """The step's metadata for this backend. A span with one new token after others is decode rows; with a
@@ -262,11 +268,11 @@ class AttentionBackend:
 
     def forward_kind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
                      meta: AttentionMetadata, scale: float, kind: AttentionKind) -> torch.Tensor:
-        """A sliding-window or soft-capped layer (K/V already stored): the step's spans and decode groups as this
-        backend prepared them, attended in PyTorch (`sage_infer.layers.attention_kinds`; no kernel takes a window or a
-        cap yet) except decode rows of a window the decode part takes (`DecodePart.attend_window`); other decode rows
-        read only the blocks their window reaches. The engine turns cascade attention off for models with such
-        layers."""
+        """A sliding-window, soft-capped or sinks layer (K/V already stored): the step's spans and decode groups as
+        this backend prepared them, attended in PyTorch (`sage_infer.layers.attention_kinds`) except where a part's
+        kernel takes the layer's window and the layer has nothing else (`AttentionKind.window_only`: no kernel takes
+        a soft-cap or sinks); decode rows read only the blocks their window reaches. The engine turns cascade
+        attention off for models with such layers."""
         assert meta.shared is None, "cascade attention attends every shared key: off for windowed/capped layers"
         out = torch.empty_like(q)
         for index, span in enumerate(meta.prefills):
@@ -276,12 +282,12 @@ class AttentionBackend:
             else:  # a window reads only the keys its queries see (the mask is relative: the same math)
                 start = 0 if kind.window is None else max(0, span.context_len - span.q_len - kind.window + 1)
                 k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype, start)
-            if self.prefill.windowed and kind.softcap is None:
+            if self.prefill.windowed and kind.window_only:
                 out[rows] = self.prefill.attend_window(q[rows], k_ctx, v_ctx, scale, kind.window)
             else:
                 out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
         for group in meta.decode_groups:
-            if self.decode.windowed and kind.softcap is None and (kind.window or 0) >= pool.block_size:
+            if self.decode.windowed and kind.window_only and kind.window >= pool.block_size:
                 out[group.rows] = self.decode.attend_window(q[group.rows], pool, layer, group, scale, kind.window)
                 continue
             tables, lens = group.block_tables, group.context_lens

@@ -1,0 +1,83 @@
+"""gpt-oss's mixture of experts: a router with a bias whose top-k logits are softmaxed, and experts with biases
+that run a clamped SwiGLU, grouped by expert as every MoE layer here is (`sage_infer.layers.moe.group_by_expert`).
+
+An expert, after transformers' ``GptOssExperts``: ``gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]`` with gate
+and up interleaved (gate the even columns, up the odd ones); ``g = gate.clamp(max=limit)``,
+``u = up.clamp(-limit, limit)``; ``out = ((u + 1) * g * sigmoid(alpha * g)) @ down_proj[e] + down_proj_bias[e]``.
+
+The weights keep the checkpoint's layout and names (``mlp.router.weight`` / ``.bias``, ``mlp.experts.gate_up_proj``
+[E, H, 2I], ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]) and run as PyTorch
+products on the stacked weights (no packed or quantized expert kernel takes the clamped SwiGLU).
+
+Shapes: T = tokens of the step, H = hidden size, E = experts, K = experts per token, I = an expert's width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
+from sage_infer.layers.moe import ExpertGroups, group_by_expert
+
+
+class ClampedSwigluExperts(nn.Module):
+    """E experts with biases and the clamped SwiGLU, stacked as the checkpoint stores them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` over rows x [N, H] -> [N, H]."""
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
+        outputs times their weights, cast to x's dtype, added in expert order (as transformers adds them)."""
+        rows = x.index_select(0, groups.tokens)
+        out = torch.empty_like(rows)
+        for e, start, end in groups.spans:  # one product per expert with tokens: its weights read once
+            out[start:end] = self.expert(e, rows[start:end])
+        scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
+        per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
+        total = per_token[:, 0].clone()
+        for k in range(1, weights.shape[1]):  # K adds, not a reduction whose order could change with T
+            total += per_token[:, k]
+        return total
+
+
+class TopKSoftmaxMoeBlock(nn.Module):
+    """gpt-oss's MLP: ``router`` (a linear with a bias, [E, H]) picks each token's top-k experts by logit, their
+    weights the softmax over those k logits; the ``experts`` are `ClampedSwigluExperts`.
+
+    `expert_tokens` counts the (token, expert) pairs routed to each expert since start (``sage:moe_expert_tokens``)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, alpha: float,
+                 limit: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)
+        self.experts = ClampedSwigluExperts(num_experts, hidden_size, intermediate_size, alpha, limit)
+        self.expert_tokens = [0] * num_experts
+
+    def fuse_projections(self) -> int:
+        """Nothing to stack: the experts stay on their stacked weights (the packed expert linears run plain SwiGLU)."""
+        return 0
+
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        """x [T, H] (the layer's normed input) -> [T, H]. `ops` is unused: the clamped SwiGLU is PyTorch's."""
+        logits = self.router(x)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=1, dtype=top.dtype)
+        groups = group_by_expert(ids, len(self.expert_tokens))
+        self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, groups.counts)]
+        return self.experts(x, weights, groups)

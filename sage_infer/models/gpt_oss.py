@@ -1,0 +1,84 @@
+"""gpt-oss (`GptOssForCausalLM`), after transformers' ``modeling_gpt_oss``. Parameter names match Hugging Face so a
+checkpoint loads by name.
+
+It is the Llama decoder (`sage_infer.models.llama`: RMSNorms, q/k/v/o projections, here all with biases, neox rotary,
+the same forward path) with three differences:
+
+- attention sinks: each layer's ``self_attn.sinks`` [H] is one more logit per head in the softmax's denominator,
+  with no value (`SinkAttention`: its `AttentionKind` carries them). No kernel takes sinks: every layer (sliding or
+  full) attends through the PyTorch masked path (`sage_infer.layers.attention_kinds`, as soft-capped layers do), the
+  C++ paged decode, flash prefill and Triton kernels included; taking sinks in those kernels is not built;
+- sliding-window layers beside full ones (``layer_types``, ``sliding_window``; every other layer, the first sliding,
+  when config.json has no ``layer_types``), KV kept per group (`sage_infer.kv_runtime.kv_groups`);
+- the MLP is a mixture of experts with a biased router and clamped SwiGLU experts
+  (`sage_infer.layers.moe_swiglu.TopKSoftmaxMoeBlock`), run on their stacked weights in PyTorch.
+
+Rope is YaRN as config.json sets it (`sage_infer.layers.rotary`). Checkpoints whose experts are MXFP4
+(``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) are refused at load naming that field:
+dequantize them to bf16 first. Steps run layer by layer from Python: the C++ decode step and CUDA graphs are declined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from sage_infer.layers.attention_kinds import AttentionKind
+from sage_infer.layers.moe_swiglu import TopKSoftmaxMoeBlock
+from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.llama import Attention, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
+
+
+class SinkAttention(Attention):
+    """The Llama attention with a learned sink logit per query head (``sinks`` [H]), which its `kind` carries to
+    whichever backend attends the layer."""
+
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
+
+    @property
+    def kind(self) -> AttentionKind:
+        """The layer's window (from config.json) with its sinks (loaded weights: taken at each step)."""
+        return dataclasses.replace(self._kind, sinks=self.sinks)
+
+    @kind.setter
+    def kind(self, value: AttentionKind) -> None:
+        self._kind = value
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss: the Llama decoder with attention sinks and clamped-SwiGLU experts in every layer."""
+
+    is_moe = True
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__(cfg)
+        moe = cfg.moe
+        assert moe is not None and moe.swiglu_limit is not None, "gpt-oss's config has its MoE fields"
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = SinkAttention(cfg, i)
+            layer.mlp = TopKSoftmaxMoeBlock(cfg.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size,
+                                            moe.swiglu_alpha, moe.swiglu_limit)
+
+    def expert_tokens(self) -> list[tuple[int, list[int]]]:
+        """(layer, (token, expert) pairs routed to each expert since start) for each layer."""
+        return [(i, list(layer.mlp.expert_tokens)) for i, layer in enumerate(self.model.layers)]
+
+    def describe_experts(self) -> tuple[str, str]:
+        """The start-up line's value and reason: experts and routing, and what runs them."""
+        moe = self.config.moe
+        return (f"{moe.num_experts} x {moe.expert_intermediate_size}, top {moe.top_k}",
+                f"config.json: {len(self.model.layers)} of {len(self.model.layers)} layers sparse, a biased router's "
+                f"top-k logits softmaxed; clamped SwiGLU experts (alpha {moe.swiglu_alpha:g}, limit "
+                f"{moe.swiglu_limit:g}) with biases, a step's experts grouped, one product per active expert, on the "
+                f"stacked weights (PyTorch)")
+
+    def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
+        return "it runs dense MLPs and plain attention; gpt-oss routes tokens to experts and attends with sinks"

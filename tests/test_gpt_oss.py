@@ -1,0 +1,133 @@
+"""gpt-oss (`GptOssForCausalLM`) against transformers, fp32 greedy tokens on random weights: attention sinks (random, so
+they matter), alternating sliding-window (8 keys) and full layers with prompts longer than the window, q/k/v/o biases,
+yarn rope, a biased router over 4 experts (top 2) and clamped SwiGLU experts with biases (a limit low enough that the
+clamp bites); a batch of several prompts through the reference path and the paths the engine picks here, with prefix
+cache hits and with chunked prefill. Config fields sage does not build are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from sage_infer.layers.rotary import attention_scaling, inv_frequencies, rope_parameters
+from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.loader import ModelLoadError, load_model
+from tests.test_engine_vs_transformers import random_prompts
+from tests.test_sliding_window import PATHS, engine, hf_greedy, sage_greedy
+from tests.tiny_models import save_tokenizer
+
+WINDOW = 8
+ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 256}
+CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+              max_position_embeddings=1024, swiglu_limit=0.6, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+              rope_parameters=ROPE)
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Four prompts longer than the window; three share a 32-token (two-block) prefix, so a second run hits it."""
+    system = random_prompts([32], seed=11)[0]
+    return [system + tail for tail in random_prompts([5, 14, 1], seed=12)] + random_prompts([27], seed=13)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    with torch.no_grad():  # sinks, router and expert biases start near zero: random ones decide tokens
+        for name, param in hf.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0, 1.5)
+            elif ".mlp." in name:
+                param.normal_(0, 0.3)
+    directory = tmp_path_factory.mktemp("gpt-oss") / "model"
+    hf.save_pretrained(directory)
+    save_tokenizer(directory, CONFIG["vocab_size"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    prompts = shared_prefix_prompts()
+    return directory, prompts, hf_greedy(hf, prompts)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss, path):
+    directory, prompts, want = gpt_oss
+    llm = engine(directory, **PATHS[path])
+    layers = llm.engine.runner.model.model.layers
+    assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
+    decided = {d.field: d for d in llm.engine.decisions}
+    assert decided["model.layer_attention"].value == "2 x sliding window 8, attention sinks; 2 x full, attention sinks"
+    assert decided["model.decode_step"].value == "python"
+    assert decided["model.experts"].value == "4 x 32, top 2"
+    assert sage_greedy(llm, prompts) == want
+    assert sage_greedy(llm, prompts) == want  # again: the prompts' full blocks come from the prefix cache
+    assert llm.engine.kv.index.metrics.hit_blocks > 0
+    assert sum(sum(counts) for _, counts in llm.engine.runner.model.expert_tokens()) > 0
+
+
+def test_gpt_oss_with_chunked_prefill_matches_transformers(gpt_oss):
+    directory, prompts, want = gpt_oss
+    assert sage_greedy(engine(directory, max_num_batched_tokens=16), prompts) == want
+
+
+def test_the_sinks_decide_tokens(gpt_oss):
+    """Parity above would hold with the sinks ignored unless they change the tokens: zeroed in sage alone, it breaks."""
+    directory, prompts, want = gpt_oss
+    llm = engine(directory)
+    with torch.no_grad():
+        for layer in llm.engine.runner.model.model.layers:
+            layer.self_attn.sinks.zero_()
+    assert sage_greedy(llm, prompts) != want
+
+
+def test_yarn_rope_equals_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for params in (ROPE, {**ROPE, "truncate": True, "mscale": 0.8, "mscale_all_dim": 1.0},
+                   {**ROPE, "attention_factor": 1.25, "beta_fast": 16.0}):
+        config = transformers.GptOssConfig(**{**CONFIG, "rope_parameters": dict(params)})
+        want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config)
+        ours = rope_parameters({"rope_parameters": dict(params)})
+        assert torch.equal(inv_frequencies(16, ours, 1024), want_freq)
+        assert attention_scaling(ours, 1024) == want_scale
+
+
+def test_config_without_layer_types_takes_transformers_defaults():
+    cfg = ArchConfig.from_hf({"num_attention_heads": 4, "hidden_size": 64, "vocab_size": 8, "intermediate_size": 8,
+                              "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+                             "GptOssForCausalLM")
+    assert cfg.layer_windows == (128, None, 128, None) and cfg.qkv_bias and cfg.o_bias and cfg.head_dim == 64
+    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["rope_theta"] == 150000.0 and cfg.rope["factor"] == 32.0
+    assert (cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) == (1.702, 7.0)
+
+
+def test_mxfp4_experts_are_refused_naming_the_field(gpt_oss, tmp_path):
+    """OpenAI's gpt-oss checkpoints store their experts as MXFP4: refused at load, never run as something else."""
+    directory = tmp_path / "model"
+    shutil.copytree(gpt_oss[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"quantization_config\.quant_method: 'mxfp4' is not supported"):
+        load_model(directory)
+
+
+def test_a_rope_sage_does_not_build_is_refused_at_start_up_naming_the_field(gpt_oss, tmp_path):
+    from sage_infer.models.loader import arch_config
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    config = json.loads((gpt_oss[0] / "config.json").read_text())
+    config["rope_parameters"] = {**ROPE, "partial_rotary_factor": 0.5}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="config.json: .*partial_rotary_factor 0.5 is not built"):
+        arch_config(directory)
+    config["rope_parameters"] = {**ROPE, "rope_type": "longrope"}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="config.json: .*rope_type 'longrope' is not built"):
+        arch_config(directory)
