@@ -62,6 +62,8 @@ def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss, path):
     assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
     decided = {d.field: d for d in llm.engine.decisions}
     assert decided["model.layer_attention"].value == "2 x sliding window 8, attention sinks; 2 x full, attention sinks"
+    assert decided["model.layer_attention"].reason == ("config.json; layers with a soft-cap or sinks wholly through "
+                                                       "PyTorch (no kernel takes either yet)")
     assert decided["model.decode_step"].value == "python"
     assert decided["model.experts"].value == "4 x 32, top 2"
     assert sage_greedy(llm, prompts) == want

@@ -423,9 +423,10 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
 
 
 def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) -> bool:
-    """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores); if so,
-    a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): a window through the
-    parts that take one (`windowed`), the rest through PyTorch (no kernel takes a cap yet)."""
+    """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores, attention
+    sinks); if so, a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): a
+    window alone through the parts that take one (`windowed`), a layer with a soft-cap or sinks wholly through PyTorch
+    (no kernel takes either yet)."""
     kinds = [m.kind for m in model.modules() if isinstance(getattr(m, "kind", None), AttentionKind)]
     special: dict[str, int] = {}
     for kind in kinds:
@@ -439,9 +440,12 @@ def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) 
               else "decode rows attend through PyTorch")
     prefill = ("prefill spans run the flash kernel in window tiles" if attention.prefill.windowed
                else "prefill spans attend through PyTorch")
-    _report(ResolvedValue("model.layer_attention", layers, f"config.json; sliding layers: {decode}, {prefill}; "
-                          f"soft-capped layers wholly through PyTorch (no kernel takes a soft-cap yet); full layers "
-                          f"run the parts above"))
+    how = [f"sliding layers: {decode}, {prefill}"] if any(kind.window_only for kind in kinds) else []
+    if any(not kind.plain and not kind.window_only for kind in kinds):
+        how.append("layers with a soft-cap or sinks wholly through PyTorch (no kernel takes either yet)")
+    if full:
+        how.append("full layers run the parts the backend chose")
+    _report(ResolvedValue("model.layer_attention", layers, "; ".join(["config.json", *how])))
     return True
 
 
