@@ -1,7 +1,7 @@
 """KV groups of models with sliding-window layers: a block table per group, a sliding group freeing the blocks that
 fall out of its window (pool counters bound a long decode), prefix hits per group (all full blocks, only the window's
 sliding ones), against transformers' greedy tokens (eager attention, which applies the window), with speculative
-rollback and preemption; what is not built for groups refused in one line."""
+rollback and preemption. (Tiers: tests/test_kv_groups_tiers.py; P/D transfers: tests/test_pd_kv_groups.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
 from sage_infer.core.sampling_params import SamplingParams as Params
 from sage_infer.core.sequence import Sequence
-from sage_infer.errors import ConfigError
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
 from sage_infer.kv_runtime.kv_groups import kv_groups
@@ -247,15 +246,6 @@ def test_speculative_rollback_and_preemption_per_group_match_transformers(mistra
     tight = llm(directory, num_blocks=5, scheduler={"max_num_batched_tokens": 16})
     assert outputs(tight, prompts, 40) == want
     assert tight.engine.stats().num_preemptions > 0
-
-
-@pytest.mark.parametrize(("section", "values", "field"), [
-    ("role", "prefill", "role"),
-])
-def test_what_moves_blocks_and_is_not_built_for_groups_is_refused_in_one_line(mistral, section, values, field):
-    directory, _ = mistral
-    with pytest.raises(ConfigError, match=f"^{field}: .*not implemented yet for hybrid KV groups"):
-        llm(directory, **{section: values})
 
 
 def test_config_show_reports_tokens_per_gib_per_group(gemma2, sage):

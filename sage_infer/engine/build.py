@@ -37,8 +37,9 @@ from sage_infer.kv_policy.cost_benefit import CostBenefitModel, ModelShape
 from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager, build_quota
 from sage_infer.kv_runtime.block_manager import BlockManager
-from sage_infer.kv_runtime.group_kv_manager import NOT_FOR_GROUPS, GroupKVCacheManager
+from sage_infer.kv_runtime.group_kv_manager import GroupKVCacheManager
 from sage_infer.kv_runtime.group_tiers import GroupTierSource
+from sage_infer.kv_runtime.group_transfers import GroupKVTransfers, GroupTransferSource
 from sage_infer.kv_runtime.hierarchy import ROLE, HierarchyManager
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups, kv_groups
@@ -223,20 +224,15 @@ class EngineBuilder:
                            head_dim=arch.head_dim,
                            dtype_bytes=schema.bytes_per_block / schema.num_layers / schema.elements_per_block_per_layer,
                            num_params=float(sum(p.numel() for p in self.model.parameters())))
-        if self.kv_groups is not None:  # one line naming what is not built for a block table per group
-            refuse_for_kv_groups(config)
         hierarchy = build_hierarchy(config, pool, shape, quota, host_bytes=self.host_bytes)
-        if self.kv_groups is not None:  # a block table per group; the tiers load each group's blocks a hit needs
-            self.load_rates, self.transfers = hierarchy.rates if hierarchy is not None else None, None
-            publish_kv_events(config, index, hierarchy, grouped=True)
-            sources = [GroupTierSource(hierarchy, config.tiers.load_timeout_s, config.tiers.flush_on_shutdown_s)] \
-                if hierarchy is not None else []
-            self.kv = GroupKVCacheManager(block_manager, self.kv_groups, sources=sources)
-            return
         self.load_rates = hierarchy.rates if hierarchy is not None else None
-        self.transfers = build_transfers(config, pool, self.device, self.extra_key, index)
-        publish_kv_events(config, index, hierarchy)
-        self.kv = KVCacheManager(block_manager, sources=kv_sources(config, hierarchy, self.transfers))
+        # with KV groups: a block table per group; the tiers and transfers move each group's blocks a hit needs
+        self.transfers = build_transfers(config, pool, self.device, self.extra_key, index, self.kv_groups)
+        grouped = self.kv_groups is not None
+        publish_kv_events(config, index, hierarchy, grouped=grouped)
+        sources = kv_sources(config, hierarchy, self.transfers, grouped)
+        self.kv = GroupKVCacheManager(block_manager, self.kv_groups, sources=sources) if grouped else \
+            KVCacheManager(block_manager, sources=sources)
 
     def choose_attention(self) -> None:
         """The step's attention backend; with ``speculative.method: draft_model``, the draft's runner, which
@@ -302,7 +298,7 @@ class EngineBuilder:
         kv_dtype = self.auto.kv_dtype.value
         pd = None
         if self.transfers is not None:
-            pd = KVTransferRole(self.transfers, kv_schema_digest(self.schema), kv_dtype)
+            pd = KVTransferRole(self.transfers, kv_schema_digest(self.schema, self.kv_groups), kv_dtype)
         parts = EngineParts(
             tokenizer=self.tokenizer,
             runner=runner,
@@ -679,21 +675,15 @@ def seat_tokens_of_groups(groups: KVGroups, max_model_len: int, config: ServeCon
                min(max_model_len, (-(-group.window // bs) + 1) * bs + chunk) for group in groups.groups)
 
 
-def refuse_for_kv_groups(config: ServeConfig) -> None:
-    """What moves or names blocks and is not built for a block table per KV group: one line naming the field."""
-    if config.role != "both":
-        raise ConfigError(f"role: {config.role}: prefill/decode transfers are {NOT_FOR_GROUPS} (the model has "
-                          "sliding-window layers)", hint="set role: both")
-
-
 PD_BACKENDS = ("shm", "tcp", "torchdist")  # what the KV pipe can run on today
 
 
 def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, extra_key,
-                    index: PrefixReuseIndex | None) -> KVTransfers | None:
+                    index: PrefixReuseIndex | None, groups: KVGroups | None = None) -> KVTransfers | None:
     """A prefill or decode instance's KV pipe and transfers, from `config.kv_transport` (joining the process
-    group first for torchdist); None for an engine that does both. A prefill instance logs its prefix cache's
-    events: the router follows what it holds."""
+    group first for torchdist); None for an engine that does both. `groups`: the model's KV groups (each group's
+    blocks a hit needs travel, `GroupKVTransfers`). A prefill instance logs its prefix cache's events: the router
+    follows what it holds."""
     if config.role == "both":
         return None
     transport = config.kv_transport
@@ -713,7 +703,11 @@ def build_transfers(config: ServeConfig, pool: KVPool, device: torch.device, ext
     wire = KVDtype(transport.target_dtype) if transport.target_dtype is not None else None
     schema = pool.schema.with_dtype(wire) if wire is not None else pool.schema
     pipe = KVPipe(schema, transport, backend=backend, listen=config.role == "decode")
-    transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key, wire_dtype=wire)
+    if groups is None:
+        transfers = KVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key, wire_dtype=wire)
+    else:
+        transfers = GroupKVTransfers(pipe, pool, pool.block_size, transport.timeout_s, extra_key=extra_key,
+                                     wire_dtype=wire, groups=groups)
     where = f", receiving at {pipe.address}" if pipe.address else ""
     auto_log.info("role = %s (KV over %s%s as %s, %d KiB chunks, %s s deadline%s)", config.role, backend, group,
                   schema.dtype.value, int(transport.chunk_size) // 1024, f"{transport.timeout_s:g}", where)
@@ -738,16 +732,17 @@ def publish_kv_events(config: ServeConfig, index: PrefixReuseIndex | None,
         hierarchy.on_shared_copy = lambda key: events.stored(key, shared)
 
 
-def kv_sources(config: ServeConfig, hierarchy: HierarchyManager | None,
-               transfers: KVTransfers | None) -> list[KVSource]:
+def kv_sources(config: ServeConfig, hierarchy: HierarchyManager | None, transfers: KVTransfers | None,
+               grouped: bool = False) -> list[KVSource]:
     """What `KVCacheManager` takes prompt blocks from past the device, in the order it asks them: received
     transfers first (a request they claim is never served from the tiers), then the lower tiers, which claim
-    every other request."""
+    every other request. `grouped`: the sources of a block table per KV group."""
     sources: list[KVSource] = []
     if transfers is not None:
-        sources.append(TransferSource(transfers))
+        sources.append(GroupTransferSource(transfers) if grouped else TransferSource(transfers))
     if hierarchy is not None:
-        sources.append(TierSource(hierarchy, config.tiers.load_timeout_s, config.tiers.flush_on_shutdown_s))
+        tiers = GroupTierSource if grouped else TierSource
+        sources.append(tiers(hierarchy, config.tiers.load_timeout_s, config.tiers.flush_on_shutdown_s))
     return sources
 
 

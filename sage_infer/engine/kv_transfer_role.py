@@ -34,13 +34,13 @@ class KVTransferRole:
         """A request's ``kv_transfer`` this engine cannot take raises `RequestError` (before anything is queued)."""
         if transfer.schema_digest is not None and transfer.schema_digest != self.schema_digest:
             raise RequestError(f"kv_transfer: the sender's KV schema {transfer.schema_digest[:12]}... is not this "
-                               f"engine's {self.schema_digest[:12]}... (model, dtype or block size differ)")
+                               f"engine's {self.schema_digest[:12]}... (model, block size or KV groups differ)")
         if transfer.hold and params.n != 1:  # (a decode request may have n > 1: its siblings share the prefix)
             raise RequestError("kv_transfer: a request that holds its KV for a decode instance must have n=1")
 
     def expect(self, seq: Sequence, transfer_id: str) -> None:
-        """Decode: `seq` waits for its prompt's full blocks from `transfer_id` (a prompt under one block has none)."""
-        if seq.num_prompt_tokens >= self.transfers.block_size:
+        """Decode: `seq` waits for its prompt's blocks from `transfer_id` (a prompt under one block has none)."""
+        if self.transfers.num_blocks(seq):
             self.transfers.expect(seq, transfer_id)
 
     def send(self, request_id: str, address: str, transfer_id: str, on_done=None, kv_dtype: str | None = None) -> int:

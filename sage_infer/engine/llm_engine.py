@@ -23,6 +23,8 @@ from sage_infer.engine.sampler import Sampler, skip_draws
 from sage_infer.engine.session_kv import SessionKV
 from sage_infer.errors import RequestError
 from sage_infer.kv_policy.load_or_compute import LoadOrCompute
+from sage_infer.kv_runtime.group_transfers import groups_digest
+from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.kv_runtime.tiers.base import schema_digest
 from sage_infer.models.tokenizer import Tokenizer
 from sage_infer.prefix_reuse.hashing import ExtraKeys
@@ -67,10 +69,11 @@ class EngineParts:
     load_rates: LoadOrCompute | None = None  # with KV tiers: the measured prefill rate feeds load-or-compute
 
 
-def kv_schema_digest(schema) -> str:
-    """The KV block shape (layers, heads, head dim, block size, layout) as hex: both ends of a transfer must agree.
-    The KV dtype may differ: the sender converts (`KVTransfers.send`)."""
-    return schema_digest(schema.with_dtype(KVDtype.FP32)).hex()
+def kv_schema_digest(schema, groups: KVGroups | None = None) -> str:
+    """The KV block shape (layers, heads, head dim, block size, layout) and the model's KV `groups` (each one's
+    window and layers) as hex: both ends of a transfer must agree. The KV dtype may differ: the sender converts
+    (`KVTransfers.send`)."""
+    return groups_digest(schema_digest(schema.with_dtype(KVDtype.FP32)).hex(), groups)
 
 
 class LLMEngine:
@@ -94,7 +97,7 @@ class LLMEngine:
                                  self.runner.pool.num_blocks, getattr(self.kv, "overlap", None),
                                  getattr(self.kv, "groups", None))
         self.sessions = SessionKV(self.kv, self.extra_key)  # conversations' KV kept for their next turn
-        self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema)
+        self.kv_schema_digest = kv_schema_digest(self.runner.pool.schema, getattr(self.kv, "groups", None))
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified, tokens proposed and accepted
         self.requests: dict[str, _Request] = {}

@@ -19,7 +19,9 @@ After vLLM's hybrid allocator (`KVCacheCoordinator` over a `FullAttentionManager
   hit needs (the full groups' prefix, a sliding group's window). A load that comes back short (a miss, a corrupt
   block, a dead store) falls back to the longest prefix every group still serves (at least the device's own hit).
 
-Prefill/decode transfers are not built for groups: the builder refuses them for such a model, in one line.
+- **Prefill/decode transfers** (`sage_infer.kv_runtime.group_transfers`): a prefill worker sends every full group's
+  blocks of the prompt and a window per sliding group, the blocks the decode worker's hit takes; a held sequence's
+  sliding groups free none of them. The decode worker takes them as it takes a tier load (`GroupTransferSource`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.group_prefix import LOAD, GroupMatch, GroupPrefix
 from sage_infer.kv_runtime.group_tiers import GroupTierSource
+from sage_infer.kv_runtime.group_transfers import GroupTransferSource, first_sent
 from sage_infer.kv_runtime.kv_cache_manager import NO_MATCH, KVCacheManager
 from sage_infer.kv_runtime.kv_groups import KVGroups
 from sage_infer.kv_runtime.sources import KVSource
@@ -49,7 +52,7 @@ class GroupKVCacheManager(KVCacheManager):
                  clock: Callable[[], float] = time.monotonic, sources: Iterable[KVSource] = ()) -> None:
         sources = list(sources)
         for source in sources:
-            if not isinstance(source, GroupTierSource):
+            if not isinstance(source, (GroupTierSource, GroupTransferSource)):
                 raise NotImplementedError(f"KV source {source.name!r}: {NOT_FOR_GROUPS}")
         super().__init__(block_manager, clock, sources)
         self.groups = groups
@@ -65,6 +68,8 @@ class GroupKVCacheManager(KVCacheManager):
         self._freed: dict[int, list[int]] = {}  # seq id -> per group: its leading entries that are the null block
         for source in sources:
             source.prefix = self.prefix
+            if isinstance(source, GroupTransferSource):  # a send reads a held sequence's tables
+                source.transfers.tables, source.transfers.null_block = self.tables, self.null_block
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s block table of every group (equal lengths; group 0's is `seq.block_table`)."""
@@ -217,7 +222,7 @@ class GroupKVCacheManager(KVCacheManager):
         first_loaded = min((i for _, i in slots), default=length)
         seq.block_hashes = list(match.chain[:first_loaded])  # `commit` registers the loaded blocks from there
         seq.num_computed_tokens = length * self.block_size
-        if not seq.admitted_once and length * self.block_size > match.num_tokens:
+        if source.counts_as_lower_hit and not seq.admitted_once and length * self.block_size > match.num_tokens:
             self.lower_hit_tokens += length * self.block_size - match.num_tokens
         self._grow(seq, num_new_tokens)
         self.commit(seq)
@@ -310,6 +315,8 @@ class GroupKVCacheManager(KVCacheManager):
             if window is None:
                 continue
             end = max(0, seq.num_computed_tokens - window + 1) // self.block_size  # blocks wholly before
+            if seq.hold_kv:  # a decode worker takes the window of its own hit, which starts up to a block earlier
+                end = min(end, first_sent(self.groups, group, self.block_size, seq.num_prompt_tokens))
             if end <= freed[group]:
                 continue
             table = tables[group]

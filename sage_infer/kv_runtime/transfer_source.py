@@ -63,7 +63,7 @@ class TransferSource(KVSource):
     def hold(self, seq: Sequence) -> bool:
         """Keep a finished prompt's blocks for the decode instance that will take them (see `KVTransfers`). A
         prompt shorter than one block has nothing to send: False, and the manager frees it at once."""
-        if seq.num_prompt_tokens < self.pool.block_size:
+        if not self.transfers.num_blocks(seq):
             return False
         self.transfers.hold(seq)
         return True

@@ -117,37 +117,48 @@ class KVTransfers:
             if entry.transfer_id is not None:
                 raise ValueError(f"request {request_id!r} is already being sent as {entry.transfer_id!r}")
             seq = entry.seq
-            n = seq.num_prompt_tokens // self.block_size
+            n = self.num_blocks(seq)
             if n == 0:
                 raise ValueError(f"request {request_id!r} has no full prompt block to send")
+            own = self.pool.schema.dtype.value
+            target = kv_dtype or own  # what the receiver's pool keeps: the key its hashes are under
+            if target == own:
+                key = None  # its full prompt blocks were registered in the prefix cache (P/D requires it)
+            elif self.extra_key is None:
+                raise ValueError(f"this engine cannot convert its KV to {kv_dtype} (no prefix-cache key to hash it)")
+            else:
+                key = self.extra_key(seq.cache_salt, target)
+            ids, hashes = self.blocks(seq, key)
             entry.transfer_id = transfer_id  # from here on the hold cannot expire under us
             entry.on_done = on_done
             self.sending[transfer_id] = request_id
-        ids = seq.block_table[:n]
-        own = self.pool.schema.dtype.value
-        target = kv_dtype or own  # what the receiver's pool keeps: the key its hashes are under
         wire = self.wire_dtype.value if self.wire_dtype is not None else target
         if target == own and wire == own:
             rows = self.pool.read_blocks(ids).view(torch.uint8).reshape(n, -1)
-            # its full prompt blocks were registered in the prefix cache (P/D requires it) under these hashes
-            self.pipe.start_send(transfer_id, address, rows, seq.block_hashes[:n], ids)
+            self.pipe.start_send(transfer_id, address, rows, hashes, ids)
             return n
-        if target == own:
-            hashes = seq.block_hashes[:n]
-        elif self.extra_key is None:
-            raise ValueError(f"this engine cannot convert its KV to {kv_dtype} (no prefix-cache key to hash it)")
-        else:
-            hashes = hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
-                                       self.extra_key(seq.cache_salt, target), None)
         schema = self.pool.schema.with_dtype(KVDtype(wire))  # a wire dtype of its own: the receiver converts back
         self.pipe.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
         return n
+
+    def num_blocks(self, seq: Sequence) -> int:
+        """Blocks a transfer of `seq`'s prompt carries: its full ones."""
+        return seq.num_prompt_tokens // self.block_size
+
+    def blocks(self, seq: Sequence, extra_key: bytes | None) -> tuple[list[int], list[bytes]]:
+        """A held `seq`'s blocks to send and the hash of each under `extra_key` (None: the ones it was
+        registered under), in the order they travel."""
+        n = self.num_blocks(seq)
+        if extra_key is None:
+            return seq.block_table[:n], seq.block_hashes[:n]
+        return seq.block_table[:n], hash_token_blocks(seq.token_ids[: n * self.block_size], self.block_size,
+                                                      extra_key, None)
 
     # -- decode -----------------------------------------------------------------------------------
 
     def expect(self, seq: Sequence, transfer_id: str, deadline_s: float | None = None) -> int:
         """`seq` waits for its prompt's full blocks from `transfer_id`; how many blocks it expects."""
-        n = seq.num_prompt_tokens // self.block_size
+        n = self.num_blocks(seq)
         if n == 0:
             raise ValueError("the prompt has no full block: there is no KV to receive")
         self.pipe.expect(transfer_id, n, deadline_s)

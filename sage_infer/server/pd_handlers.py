@@ -86,7 +86,7 @@ class PDHandlers:
                 raise APIError(403, f"kv_transfer_params.remote_url: {why}", "kv_transfer_params")
             if fields.schema_digest is not None and fields.schema_digest != self.info.schema_digest:
                 raise APIError(400, "kv_transfer_params.schema_digest: the prefill instance's KV blocks differ "
-                               "from this one's (model or block size)", "kv_transfer_params")
+                               "from this one's (model, block size or KV groups)", "kv_transfer_params")
             # the wire header holds 48 bytes of transfer id: a fresh uuid, not the (longer) request id
             return KVTransferParams(transfer_id=uuid.uuid4().hex, schema_digest=fields.schema_digest)
         return None
