@@ -2,7 +2,8 @@
 they matter), alternating sliding-window (8 keys) and full layers with prompts longer than the window, q/k/v/o biases,
 yarn rope, a biased router over 4 experts (top 2) and clamped SwiGLU experts with biases (a limit low enough that the
 clamp bites); a batch of several prompts through the reference path and the paths the engine picks here, with prefix
-cache hits and with chunked prefill. Config fields sage does not build are refused naming the field."""
+cache hits and with chunked prefill; MXFP4 experts dequantized at load. Config fields sage does not build are refused
+naming the field."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import shutil
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from sage_infer.layers.rotary import attention_scaling, inv_frequencies, rope_parameters
 from sage_infer.models.arch_config import ArchConfig
-from sage_infer.models.loader import ModelLoadError, load_model
+from sage_infer.models.loader import ModelLoadError
 from tests.test_engine_vs_transformers import random_prompts
 from tests.test_sliding_window import PATHS, engine, hf_greedy, sage_greedy
 from tests.tiny_models import save_tokenizer
@@ -30,7 +32,7 @@ CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_l
 
 
 def shared_prefix_prompts() -> list[list[int]]:
-    """Four prompts longer than the window; three share a 32-token (two-block) prefix, so a second run hits it."""
+    """Four prompts longer than the window; three share a 32-token (two-block) prefix."""
     system = random_prompts([32], seed=11)[0]
     return [system + tail for tail in random_prompts([5, 14, 1], seed=12)] + random_prompts([27], seed=13)
 
@@ -66,9 +68,10 @@ def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss, path):
                                                        "PyTorch (no kernel takes either yet)")
     assert decided["model.decode_step"].value == "python"
     assert decided["model.experts"].value == "4 x 32, top 2"
-    assert sage_greedy(llm, prompts) == want
-    assert sage_greedy(llm, prompts) == want  # again: the prompts' full blocks come from the prefix cache
-    assert llm.engine.kv.index.metrics.hit_blocks > 0
+    first = sage_greedy(llm, prompts[:1])
+    rest = sage_greedy(llm, prompts[1:])  # a batch of three; two share the first prompt's 32 tokens, from the cache
+    assert first + rest == want
+    assert llm.engine.kv.index.metrics.hit_blocks >= 4
     assert sum(sum(counts) for _, counts in llm.engine.runner.model.expert_tokens()) > 0
 
 
@@ -108,15 +111,51 @@ def test_config_without_layer_types_takes_transformers_defaults():
     assert (cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) == (1.702, 7.0)
 
 
-def test_mxfp4_experts_are_refused_naming_the_field(gpt_oss, tmp_path):
-    """OpenAI's gpt-oss checkpoints store their experts as MXFP4: refused at load, never run as something else."""
-    directory = tmp_path / "model"
-    shutil.copytree(gpt_oss[0], directory)
+def mxfp4_checkpoint(source, directory) -> None:
+    """`source` with its experts replaced by random MXFP4 blocks and scales, as OpenAI's checkpoints store them."""
+    shutil.copytree(source, directory)
+    generator = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, tensor in load_file(directory / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor
+            continue
+        experts, cols, rows = tensor.shape  # [E, in, out]: MXFP4 blocks run along `in`
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8,
+                                                  generator=generator)
+        tensors[f"{name}_scales"] = torch.randint(121, 127, (experts, rows, cols // 32), dtype=torch.uint8,
+                                                  generator=generator)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"quantization_config\.quant_method: 'mxfp4' is not supported"):
-        load_model(directory)
+
+
+def test_mxfp4_experts_load_dequantized_and_match_transformers(gpt_oss, tmp_path):
+    """OpenAI's gpt-oss checkpoints store their experts as MXFP4: sage dequantizes them at load, as transformers does
+    with ``Mxfp4Config(dequantize=True)``; the tokens are the same."""
+    directory = tmp_path / "model"
+    mxfp4_checkpoint(gpt_oss[0], directory)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    prompts = gpt_oss[1][1:3]
+    got = sage_greedy(engine(directory), prompts)
+    assert got == hf_greedy(hf, prompts)
+    assert got != gpt_oss[2][1:3]  # the experts are the MXFP4 ones, not the float checkpoint's
+
+
+def test_mxfp4_config_sage_does_not_run_is_refused_naming_the_field(tmp_path):
+    from sage_infer.models.loader import quantization_of
+
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    for arch, extra, field in (("Qwen3MoeForCausalLM", {}, "quant_method: 'mxfp4' is built for GptOssForCausalLM"),
+                               ("GptOssForCausalLM", {"group_size": 16}, "quantization_config.group_size: not")):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "quantization_config": {
+            **qc, **extra}}))
+        with pytest.raises(ModelLoadError, match=field):
+            quantization_of(tmp_path)
 
 
 def test_a_rope_sage_does_not_build_is_refused_at_start_up_naming_the_field(gpt_oss, tmp_path):

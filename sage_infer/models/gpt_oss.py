@@ -14,8 +14,10 @@ the same forward path) with three differences:
   (`sage_infer.layers.moe_swiglu.TopKSoftmaxMoeBlock`), run on their stacked weights in PyTorch.
 
 Rope is YaRN as config.json sets it (`sage_infer.layers.rotary`). Checkpoints whose experts are MXFP4
-(``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) are refused at load naming that field:
-dequantize them to bf16 first. Steps run layer by layer from Python: the C++ decode step and CUDA graphs are declined.
+(``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) load dequantized to the model's dtype
+(`checkpoint_combine`, `sage_infer.quantization.mxfp4`): the experts then hold 4x the bytes of the checkpoint's
+(bf16), no MXFP4 kernel runs them. Steps run layer by layer from Python: the C++ decode step and CUDA graphs are
+declined.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sage_infer.layers.attention_kinds import AttentionKind
 from sage_infer.layers.moe_swiglu import TopKSoftmaxMoeBlock
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.llama import Attention, LlamaForCausalLM
+from sage_infer.quantization import mxfp4
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -66,6 +69,17 @@ class GptOssForCausalLM(LlamaForCausalLM):
             layer.self_attn = SinkAttention(cfg, i)
             layer.mlp = TopKSoftmaxMoeBlock(cfg.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size,
                                             moe.swiglu_alpha, moe.swiglu_limit)
+        self._mxfp4: mxfp4.PairedTensors | None = None  # MXFP4 expert tensors read so far (`checkpoint_combine`)
+
+    def checkpoint_combine(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors checkpoint tensor `name` stands for: itself, or for MXFP4 experts' blocks and scales, nothing
+        until both of a weight are read, then that weight dequantized to the model's dtype."""
+        if not name.endswith(mxfp4.SUFFIXES):
+            return [(name, tensor)]
+        if self._mxfp4 is None:
+            self._mxfp4 = mxfp4.PairedTensors(self.model.norm.weight.dtype)
+        done = self._mxfp4.add(name, tensor)
+        return [] if done is None else [done]
 
     def expert_tokens(self) -> list[tuple[int, list[int]]]:
         """(layer, (token, expert) pairs routed to each expert since start) for each layer."""

@@ -8,7 +8,8 @@ Anything else in a quantization_config is a ModelLoadError naming the field. Qua
 `QuantLinear` each (`sage_infer.models.moe.MoeForCausalLM.separate_experts`).
 
 A tensor whose name no parameter has goes where the model's ``checkpoint_target`` says: MoE checkpoints store
-each expert's weights apart, and the model stacks them (`sage_infer.models.moe`)."""
+each expert's weights apart, and the model stacks them (`sage_infer.models.moe`). A model's ``checkpoint_combine``
+may turn tensors into others first: gpt-oss's MXFP4 experts (blocks and scales) become its float expert weights."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ from sage_infer.models.model_dir import (  # noqa: F401 - where the rest of the 
     read_config,
     resolve_model_dir,
 )
-from sage_infer.models.registry import SUPPORTED_ARCHITECTURES, build_model, unsupported_architecture
+from sage_infer.models.registry import (
+    MXFP4_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    build_model,
+    unsupported_architecture,
+)
+from sage_infer.quantization import mxfp4
 from sage_infer.quantization.compressed_tensors import (
     CompressedTensorsConfig,
     ConfigGroup,
@@ -52,14 +59,19 @@ def arch_config(directory: Path) -> ArchConfig:
 
 
 def quantization_of(directory: Path) -> CompressedTensorsConfig | None:
-    """The checkpoint's weight quantization (None for an unquantized one); ModelLoadError naming
+    """The checkpoint's weight quantization (None for an unquantized one, and for MXFP4 experts, which the model
+    dequantizes as they load: `sage_infer.quantization.mxfp4`); ModelLoadError naming
     ``config.json: quantization_config.<field>`` for anything sage cannot run."""
     config = read_config(directory)
     if "quantization_config" not in config:
         return None
+    qc = config["quantization_config"]
     try:
-        return parse_config(config["quantization_config"])
-    except FormatError as err:
+        if isinstance(qc, dict) and qc.get("quant_method") == mxfp4.QUANT_METHOD:
+            mxfp4.check_config(qc, (config.get("architectures") or [None])[0], MXFP4_ARCHITECTURES)
+            return None
+        return parse_config(qc)
+    except (FormatError, ValueError) as err:
         raise ModelLoadError(f"{directory / 'config.json'}: {err}") from None
 
 
@@ -116,6 +128,7 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
     quantized = quantized or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     rename = getattr(model, "checkpoint_rename", lambda name: name)
+    combine = getattr(model, "checkpoint_combine", lambda name, tensor: [(name, tensor)])
     loaded: set[str] = set()
     compressed: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in quantized}
     filled: dict[str, int] = {}  # elements of a parameter stacked from several tensors (MoE experts) copied so far
@@ -130,7 +143,8 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool,
                     if prefix in compressed and name not in params:  # weight_packed, weight_scale, ...; not bias
                         compressed[prefix][suffix] = handle.get_tensor(stored)
                         continue
-                    _copy_tensor(model, params, file, name, handle.get_tensor(stored), loaded, filled)
+                    for target, tensor in combine(name, handle.get_tensor(stored)):  # MXFP4: one of a pair
+                        _copy_tensor(model, params, file, target, tensor, loaded, filled)
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: cannot read safetensors: {err}") from None
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]

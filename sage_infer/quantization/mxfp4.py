@@ -1,0 +1,64 @@
+"""MXFP4 expert weights (``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss), dequantized at load.
+
+A checkpoint stores each expert weight ``W`` [E, out, in] as ``<name>_blocks`` [E, out, in / 32, 16] uint8 (two FP4
+E2M1 codes a byte, the low nibble first) and ``<name>_scales`` [E, out, in / 32] uint8 (one power-of-two exponent per
+32 values, biased by 127). `dequantize` turns them into the float weight in transformers' layout for gpt-oss
+([E, in, out]: ``transformers.integrations.mxfp4.convert_moe_packed_tensors``); every value is an FP4 value times a
+power of two, so fp32 and bf16 hold it exactly. The experts then run as a bf16/fp32 checkpoint's do: no MXFP4 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANT_METHOD = "mxfp4"
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+KNOWN_FIELDS = ("quant_method", "modules_to_not_convert", "dequantize")
+SUFFIXES = ("_blocks", "_scales")
+
+
+def check_config(qc: dict, architecture: str | None, built_for: tuple[str, ...]) -> None:
+    """ValueError naming the ``quantization_config`` field of an MXFP4 config sage does not run: an architecture
+    whose experts it cannot dequantize, or a field it does not know."""
+    if architecture not in built_for:
+        raise ValueError(f"quantization_config.quant_method: {QUANT_METHOD!r} is built for {', '.join(built_for)} "
+                         f"experts only (the model is {architecture})")
+    unknown = sorted(set(qc) - set(KNOWN_FIELDS))
+    if unknown:
+        raise ValueError(f"quantization_config.{unknown[0]}: not supported with {QUANT_METHOD!r} (sage dequantizes "
+                         f"the experts at load and knows {', '.join(KNOWN_FIELDS)})")
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> the weight [E, G * 32, out] in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.empty(*blocks.shape[:-1], blocks.shape[-1] * 2, dtype=torch.float32)
+    values[..., 0::2] = lut[(blocks & 0x0F).long()]
+    values[..., 1::2] = lut[(blocks >> 4).long()]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    experts, rows = blocks.shape[:2]
+    return values.reshape(experts, rows, -1).transpose(1, 2).to(dtype).contiguous()
+
+
+class PairedTensors:
+    """Collects each ``<name>_blocks`` / ``<name>_scales`` pair as a checkpoint's files yield them (in any order,
+    any file); `add` gives the dequantized ``<name>`` once both are in."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """`name` a blocks or scales tensor -> (the weight's name, the weight) when its pair is complete, else
+        None (kept)."""
+        suffix = next(s for s in SUFFIXES if name.endswith(s))
+        weight = name.removesuffix(suffix)
+        pair = self.waiting.setdefault(weight, {})
+        pair[suffix] = tensor
+        if len(pair) < 2:
+            return None
+        del self.waiting[weight]
+        return weight, dequantize(pair["_blocks"], pair["_scales"], self.dtype)
