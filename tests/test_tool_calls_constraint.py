@@ -7,7 +7,7 @@ import pytest
 
 from sage_infer.server.tool_parsers import get_tool_parser
 from sage_infer.server.tool_parsers.constraint import after_reasoning, forced_call
-from sage_infer.structured.constraints import json_schema, regex
+from sage_infer.structured.constraints import choice, grammar, json_schema, regex
 from sage_infer.structured.grammar import compiler_for
 from tests.test_tool_calls import demo_tokenizer
 
@@ -75,6 +75,21 @@ def test_json_schema_applies_after_the_reasoning_section():
     assert not allows(spec, '{"n": 4}')
 
 
-def test_other_constraints_after_reasoning_are_not_implemented():
-    with pytest.raises(ValueError, match="not implemented yet"):
-        after_reasoning(regex("[0-9]+"), True)
+def test_a_regex_applies_after_the_reasoning_section():
+    spec = after_reasoning(regex(r"[0-9]+/[0-9]+ (a|b)"), True)  # a / in the pattern is escaped for Lark
+    assert allows(spec, "Halves of four.</think>\n2/4 a")
+    assert not allows(spec, "Halves of four.</think>\n2/4 c")
+    assert not allows(spec, "2/4 a")  # the reasoning section was opened by the prompt: it comes first
+    may_open = after_reasoning(regex(r"[0-9]+"), False)
+    assert allows(may_open, "<think>Count.</think>\n42") and allows(may_open, "42") and not allows(may_open, "x")
+
+
+def test_a_choice_applies_after_the_reasoning_section():
+    spec = after_reasoning(choice(["yes", "no (maybe)"]), True)
+    assert allows(spec, "Hm.</think>\nyes") and allows(spec, "Hm.</think>\nno (maybe)")
+    assert not allows(spec, "Hm.</think>\nperhaps") and not allows(spec, "Hm.</think>\nyesno")
+
+
+def test_a_clients_grammar_after_reasoning_is_not_implemented():
+    with pytest.raises(ValueError, match="grammar constraint with a reasoning parser is not implemented yet"):
+        after_reasoning(grammar('start: "a"'), True)

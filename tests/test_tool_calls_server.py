@@ -5,6 +5,7 @@ the template and `tool_choice: required` / a named function make even this small
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -160,6 +161,21 @@ def test_thinking_prompt_makes_the_answer_reasoning(client, server):
     assert message == {"content": "", "reasoning_content": reply.message.reasoning_content, "tool_calls": {}}
     plain = chat(client, server, max_tokens=12, extra_body=NO_THINKING).choices[0].message
     assert plain.content and getattr(plain, "reasoning_content", None) is None
+
+
+@pytest.mark.parametrize("constraint, answer", [({"regex": "[0-9]{1,3} (sunny|rainy)"}, r"[0-9]{1,3} (sunny|rainy)"),
+                                                ({"choice": ["yes", "no"]}, "yes|no")])
+def test_a_regex_or_choice_is_accepted_after_an_open_reasoning_section(client, server, constraint, answer):
+    """The constraint leaves the reasoning free (the demo model does not close it within these tokens, so all of its
+    output is reasoning; tests/test_tool_calls_constraint.py checks the answer after `</think>` token by token)."""
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}, "structured_outputs": constraint}
+    reply = chat(client, server, max_tokens=24, extra_body=thinking).choices[0]
+    assert reply.message.reasoning_content
+    assert reply.message.content is None or re.fullmatch(answer, reply.message.content.strip())
+    # the same greedy reasoning as without the constraint, until the unconstrained answer ends (the constraint
+    # forbids the end of text before its answer)
+    free = chat(client, server, max_tokens=24, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert reply.message.reasoning_content.startswith(free.choices[0].message.reasoning_content)
 
 
 BAD = [

@@ -9,6 +9,7 @@ reasoning parser the ``<think>`` section comes first, unconstrained (`reasoning_
 from __future__ import annotations
 
 import json
+import re
 
 from sage_infer.core.structured_outputs import StructuredOutputsParams
 from sage_infer.server.reasoning import END, START
@@ -17,6 +18,7 @@ from sage_infer.server.tool_parsers.forced import CallArrayParser, NamedCallPars
 from sage_infer.structured.constraints import grammar, json_schema, lark_literal
 
 PARAM = "tools"
+UNESCAPED_SLASH = re.compile(r"(?<!\\)((?:\\\\)*)/")  # a / after an even number of backslashes
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as json.dumps writes
 
 
@@ -78,10 +80,19 @@ def reasoning_grammar(body: str, reasoning: bool | None) -> str:
 
 
 def after_reasoning(spec: StructuredOutputsParams, reasoning: bool) -> StructuredOutputsParams:
-    """A JSON constraint (``response_format``, ``structured_outputs.json``) applied after the reasoning section.
-    Other kinds are refused: they would forbid the reasoning the prompt opened."""
-    if spec.kind not in ("json", "json_object"):
-        raise ValueError(f"{spec.param}: a {spec.kind} constraint with a reasoning parser is not implemented yet "
-                         "(JSON schemas and json_object are)")
-    schema = json.loads(spec.spec) if spec.kind == "json" else {"type": "object"}
-    return grammar(reasoning_grammar("body", reasoning) + f"body: {lark_json(schema)}\n", param=spec.param)
+    """A constraint (``response_format``, ``structured_outputs``: JSON, a regex, a choice) applied after the
+    reasoning section. A grammar of the client's is refused: embedding its rules in this one is not built."""
+    if spec.kind == "grammar":
+        raise ValueError(f"{spec.param}: a grammar constraint with a reasoning parser is not implemented yet (JSON "
+                         "schemas, json_object, regex and choice are)")
+    return grammar(reasoning_grammar("body", reasoning) + f"body: {lark_body(spec)}\n", param=spec.param)
+
+
+def lark_body(spec: StructuredOutputsParams) -> str:
+    """The Lark expression of a JSON, regex or choice constraint: JSON through llguidance's ``%json``, a regex as a
+    terminal (a ``/`` in it escaped), a choice as alternatives of literals."""
+    if spec.kind == "regex":
+        return "/" + UNESCAPED_SLASH.sub(r"\1\\/", spec.spec) + "/"
+    if spec.kind == "choice":
+        return "(" + " | ".join(lark_literal(option) for option in json.loads(spec.spec)) + ")"
+    return lark_json(json.loads(spec.spec) if spec.kind == "json" else {"type": "object"})
