@@ -90,6 +90,13 @@ def test_the_sinks_decide_tokens(gpt_oss):
     assert sage_greedy(llm, prompts) != want
 
 
+def test_deterministic_steps_are_refused_since_sinks_attend_through_pytorch(gpt_oss):
+    from sage_infer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sinks layers attend through PyTorch"):
+        engine(gpt_oss[0], deterministic=True)
+
+
 def test_yarn_rope_equals_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

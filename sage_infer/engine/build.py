@@ -243,9 +243,9 @@ class EngineBuilder:
         attention = build_attention(config, model, arch.head_dim, device, pool, deterministic)
         self.kinds = report_attention_kinds(model, attention)
         if self.kinds and deterministic:
-            raise ConfigError("model.deterministic: the model's sliding-window or soft-capped layers attend through "
-                              "PyTorch, not the paged kernel every row goes through", hint="set model.deterministic: "
-                                                                                          "false")
+            raise ConfigError("model.deterministic: the model's sliding-window, soft-capped or sinks layers attend "
+                              "through PyTorch, not the paged kernel every row goes through",
+                              hint="set model.deterministic: false")
         if config.speculative.method == "draft_model":
             proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
                                             attention.decode_in_place, fused)
@@ -275,7 +275,7 @@ class EngineBuilder:
             step = step_executor("cpp-decode", model.prepare_decode_step(pool))
         if self.kinds and config.model.cascade_attention:
             _report(ResolvedValue("model.cascade_attention", "off", "its kernels attend every shared key: no sliding "
-                                                                    "window or soft-cap"))
+                                                                    "window, soft-cap or sinks"))
         if use_cuda_graphs(config.model.cuda_graphs, device, attention.decode_in_place, self.kinds,
                            getattr(model, "is_moe", False)):
             step = step_executor("cuda-graphs", model, pool, device, config.scheduler.max_num_seqs,
@@ -486,7 +486,8 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool, ki
     if choice == "off":
         return False
     if kinds:
-        why = "the model's sliding-window or soft-capped layers attend through PyTorch, not captured in a graph yet"
+        why = ("the model's sliding-window, soft-capped or sinks layers attend through PyTorch, not captured in a "
+               "graph yet")
     elif moe:
         why = "a mixture-of-experts layer sizes its expert products from the step's routing (shapes a graph cannot fix)"
     elif device.type != "cuda" or torch.version.cuda is None:
