@@ -5,11 +5,22 @@ rest (Python: metadata building, scheduling, postprocess).
 
     python bench/profile_engine_step.py --model qwen3-11m --dtype fp32 --workload W1
     python bench/profile_engine_step.py --model qwen2.5-0.5b-shape --dtype bf16 --workload W1 --num-prompts 16
+    python bench/profile_engine_step.py --cached-context 16384 --chunk 16     # a full prefix hit's one step
 
 A step is `decode` when every scheduled sequence computes one token, `prefill` otherwise (a
 mixed step: a prefill chunk plus decode rows, counts as prefill). Output: a table per step kind
 (steps, total and mean wall ms, share of the run) and, for the profiled steps, the split by
 category (torch.profiler CPU time of the ops and `record_function` regions below).
+
+`--cached-context L`: the step a full prefix hit runs instead: qwen3-11m (fp32, context raised to L) computes an
+L-token prompt once, then the same prompt again computes only its last `--chunk` tokens over the L - chunk cached
+ones (`--repeats` times), taking turns: as decode rows of the paged kernel (every chunk of at most
+`IN_PLACE_CHUNK_ROWS`, whatever its context) and as the engine routes it (`IN_PLACE_CHUNK_PAIRS`). Beside that
+step, in the same process and taking turns with it: the attention alone (the paged decode kernel over the pool's
+blocks, every layer), the same attention as a gather plus PyTorch SDPA and as a gather plus the flash kernel, and
+the arithmetic bound (the step's GEMM and attention FLOPs at the GEMM rate measured here on the model's layer
+shapes at the chunk's rows, as bench/arith_bound.py charges them). Medians, and minimums: on a shared machine a
+parallel region whose second thread is descheduled waits for it (a scheduler tick, about 4 ms, each time).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import write_json  # noqa: E402
+from bench.engine_ab import config_for  # noqa: E402
 from bench.engine_vs_vllm import ALL_WORKLOADS, DEFAULT_CACHE, build_workloads  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 
@@ -116,7 +128,6 @@ def categorize(prof) -> dict[str, float]:
 def run_steps(model_dir: Path, args, profile_at: set[int]):
     """Run the workload on a fresh engine: per step wall ms, kinds, tokens generated, total s (and,
     when `profile_at` names steps, their profiles)."""
-    from bench.engine_ab import config_for
     from sage_infer import LLM, SamplingParams
 
     llm = LLM(config=config_for(model_dir, args.dtype, 4, args.set), device=args.device)
@@ -169,6 +180,121 @@ def run_steps(model_dir: Path, args, profile_at: set[int]):
     return walls, kinds, generated, total
 
 
+def _median_ms(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2] * 1e3
+
+
+def _attention_timers(llm, context: int, chunk: int) -> dict:
+    """The chunk's attention over `context` cached tokens, every layer, three ways, as zero-argument timers
+    (the pool's own blocks, scattered as a prefix hit leaves them; the keys' content does not matter)."""
+    import torch.nn.functional as F
+
+    from sage_infer.layers import cpu_kernels
+
+    pool, cfg = llm.engine.runner.pool, llm.engine.runner.model.config
+    heads, head_dim, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
+    blocks = -(-context // pool.block_size)
+    table = torch.randperm(pool.num_blocks - 1)[:blocks] + 1
+    q = torch.randn(chunk, heads, head_dim)
+    lens = torch.arange(context - chunk + 1, context + 1)
+    tables = table[None].expand(chunk, -1).contiguous()
+    scale = head_dim ** -0.5
+    mask = torch.ones(chunk, context, dtype=torch.bool).tril(context - chunk)
+
+    def paged():
+        for layer in range(layers):
+            cpu_kernels.decode_attention_paged(q, *pool.block_views(layer), tables, lens, scale)
+
+    def gathered(attend):
+        def run():
+            for layer in range(layers):
+                keys, values = pool.gather_blocks(layer, table[None], q.dtype)
+                attend(keys[0, :context], values[0, :context])
+        return run
+
+    def sdpa(k, v):
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+
+    return {"attention, paged kernel": paged, "attention, gather + SDPA": gathered(sdpa),
+            "attention, gather + flash": gathered(lambda k, v: cpu_kernels.flash_attention(q, k, v, scale, True))}
+
+
+def cached_hit(args) -> dict:
+    """`--cached-context`: a full prefix hit's step against its attention alone and the arithmetic bound."""
+    import random
+
+    from bench.arith_bound import gemm_rate, layer_shapes
+    from bench.load_vs_recompute import BLOCK, long_model
+    from sage_infer import LLM, SamplingParams
+    from sage_infer.layers.attention_backends import base
+
+    context, chunk = args.cached_context, args.chunk
+    model_dir = long_model(context, args.model_cache)
+    overrides = ["model.max_model_len=" + str(context + BLOCK), f"kv_pool.block_size={BLOCK}",
+                 f"kv_pool.num_blocks={2 * (context // BLOCK) + 64}", *args.set]
+    llm = LLM(config=config_for(model_dir, "fp32", 4, overrides), device="cpu")
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = [random.Random(0).randrange(5, 4096) for _ in range(context)]
+    llm.generate([prompt], one)  # computed once; every later run is a full hit but for the last `chunk` tokens
+    steps: list[float] = []
+    runner = llm.engine.runner
+    original = runner.run
+
+    def timed(seqs, num_new_tokens):
+        start = time.perf_counter()
+        try:
+            return original(seqs, num_new_tokens)
+        finally:
+            steps.append(time.perf_counter() - start)
+
+    runner.run = timed
+    timers = _attention_timers(llm, context, chunk)
+    routes = {"decode rows": sys.maxsize, "as routed": base.IN_PLACE_CHUNK_PAIRS}  # the chunk's route, see base.py
+    samples: dict[str, list[float]] = {**{f"{k} {r}": [] for r in routes for k in ("step,", "ttft,")},
+                                       **{name: [] for name in timers}}
+    for _ in range(args.repeats):
+        for route, pairs in routes.items():
+            base.IN_PLACE_CHUNK_PAIRS = pairs
+            [out] = llm.generate([prompt], one)
+            assert out.metrics.num_cached_tokens == context - chunk, out.metrics.num_cached_tokens
+            samples[f"step, {route}"].append(steps[-1])
+            samples[f"ttft, {route}"].append(out.metrics.ttft)
+        base.IN_PLACE_CHUNK_PAIRS = routes["as routed"]
+        for name, run in timers.items():
+            with torch.inference_mode():
+                start = time.perf_counter()
+                run()
+                samples[name].append(time.perf_counter() - start)
+    cfg = runner.model.config
+    shape = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads, "head_dim": cfg.head_dim,
+             "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size}
+    llm.close()
+    shapes = layer_shapes(shape)
+    gemm_gflop = (2 * sum(i * o for i, o in shapes) * cfg.num_layers * chunk
+                  + 2 * cfg.hidden_size * cfg.vocab_size) / 1e9
+    pairs = sum(range(context - chunk + 1, context + 1))
+    attention_gflop = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs / 1e9
+    rate = gemm_rate(shapes, chunk, torch.float32, 20)
+    ms = {name: _median_ms(xs) for name, xs in samples.items()}
+    ms["arithmetic bound"] = (gemm_gflop + attention_gflop) / rate * 1e3
+    return {"cached_context": context, "chunk": chunk, "repeats": args.repeats, "threads": args.threads,
+            "gemm_gflop": gemm_gflop, "attention_gflop": attention_gflop, "gemm_gflop_s": rate, "median_ms": ms,
+            "min_ms": {name: min(xs) * 1e3 for name, xs in samples.items()}}
+
+
+def print_cached_hit(report: dict) -> None:
+    ms = report["median_ms"]
+    print(f"full prefix hit: {report['chunk']} tokens computed over {report['cached_context']:,} cached "
+          f"(qwen3-11m fp32, {report['threads']} threads; medians of {report['repeats']}, taking turns)")
+    print(f"  arithmetic: {report['gemm_gflop']:.2f} GFLOP GEMM + {report['attention_gflop']:.2f} attention at "
+          f"{report['gemm_gflop_s']:.0f} GFLOP/s (GEMM rate at {report['chunk']} rows)")
+    print(f"  {'':<28} {'median ms':>9} {'÷ bound':>8} {'min ms':>8}")
+    for name, value in ms.items():
+        least = report["min_ms"].get(name, value)
+        print(f"  {name:<28} {value:9.1f} {value / ms['arithmetic bound']:7.2f}x {least:8.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
@@ -185,10 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=0, help="also print the N costliest ops (all profiled steps)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: ops' CPU time is their launch cost; '(gpu kernels busy)' sums the GPU's")
+    parser.add_argument("--cached-context", type=int, default=0, metavar="L",
+                        help="time a full prefix hit's step over L cached tokens instead of a workload (see above)")
+    parser.add_argument("--chunk", type=int, default=16, help="with --cached-context: the tokens the hit computes")
+    parser.add_argument("--repeats", type=int, default=7, help="with --cached-context: hits timed")
     args = parser.parse_args(argv)
     if args.ops:
         OPS_DETAIL["(enabled)"] = 0.0
     torch.set_num_threads(args.threads)
+    if args.cached_context:
+        report = cached_hit(args)
+        print_cached_hit(report)
+        write_json(args.json, report, indent=2)
+        return 0
     instrument()
 
     model_dir = prepare_model(MODELS[args.model], args.model_cache)

@@ -20,8 +20,8 @@ from sage_infer.layers.attention import (
     decode_groups,
     paged_attention,
 )
-from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE
-from sage_infer.layers.cpu_kernels import decode_attention_paged, kernel_unavailable
+from sage_infer.layers.attention_backends import PAGED_DECODE, REFERENCE, attention_backend, base
+from sage_infer.layers.cpu_kernels import decode_attention_paged, flash_unavailable, kernel_unavailable
 from tests.kv_fill import LAYER, LAYERS, filled_pool
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
@@ -238,6 +238,27 @@ def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():
     _, reference = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False).prepare(
         seqs, num_new)
     assert [s.q_len for s in reference.prefills] == [5, 64, 65, 9]  # without the kernel: spans as before
+
+
+@pytest.mark.skipif(flash_unavailable(64, torch.float32) is not None, reason="the fp32 flash kernel cannot run here")
+def test_with_the_flash_prefill_a_chunk_over_many_keys_is_a_span_and_attends_the_same(monkeypatch):
+    """Above `IN_PLACE_CHUNK_PAIRS` (rows x context; made small here) a short chunk after cached context is a flash
+    span, not decode rows; below it, and with the reference prefill part, decode rows as before."""
+    monkeypatch.setattr(base, "IN_PLACE_CHUNK_PAIRS", 1000)
+    plan = [(100, 5), (60, 16), (150, 8), (20, 1)]  # 5 x 105 and 1 x 21 pairs: rows; 16 x 76, 8 x 158: spans
+    pool, seqs, num_new, q, k, v = chunk_step(plan, heads=(6, 2), head_dim=64)
+    flash = attention_backend(decode="paged", prefill="flash")
+    _, meta = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False, attention=flash).prepare(
+        seqs, num_new)
+    (group,) = meta.decode_groups
+    assert group.context_lens.tolist() == list(range(101, 106)) + [21]
+    assert [(s.q_len, s.context_len) for s in meta.prefills] == [(16, 76), (8, 158)]
+    _, rows = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False, attention=PAGED_DECODE).prepare(
+        seqs, num_new)
+    assert not rows.prefills  # the reference prefill part: every chunk here is decode rows
+    got = paged_attention(q, k, v, pool, LAYER, meta, 0.125)
+    want = paged_attention(q, k, v, pool, LAYER, rows, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cascade", [False, True])
