@@ -1,5 +1,6 @@
 """The models bench/engine_vs_vllm.py compares on: the bundled demo model, and random-weight
-Qwen shapes built with `transformers` that carry the demo tokenizer (vocab 4096).
+Qwen shapes built with `transformers` that carry the demo tokenizer (vocab 4096), among them a
+mixture-of-experts one (Qwen3-30B-A3B's layer with 2 layers).
 
 A built model is saved once under the cache directory (fp32 safetensors, tied embeddings) and
 reused; each engine casts it to the dtype of the run.
@@ -38,6 +39,13 @@ MODELS = {
         "qwen2.5-0.5b-shape", "random Qwen2.5-0.5B shape, 362M: hidden 896, 24 layers, 14/2 heads, inter 4864",
         "bf16", arch="qwen2", shape=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                          num_key_value_heads=2, intermediate_size=4864)),
+    "qwen3-30b-a3b-2l": ModelSpec(
+        "qwen3-30b-a3b-2l", "random Qwen3-30B-A3B shape with 2 layers, 1.2B (0.1B active): hidden 2048, 32/4 heads, "
+        "head_dim 128, 128 experts x 768, top 8, norm_topk_prob", "bf16",
+        arch="qwen3_moe", shape=dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+                                     num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                     norm_topk_prob=True)),
 }
 
 
@@ -52,7 +60,8 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
     import transformers
 
     classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
     config_cls, model_cls = classes[spec.arch]
     demo = json.loads((DEMO_DIR / "config.json").read_text())
     settings = dict(vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
