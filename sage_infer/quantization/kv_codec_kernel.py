@@ -10,16 +10,20 @@ costs no second pass over its payload.
 `native()` is the module, or None where it cannot run: no kernel build loads here, the build predates the codec,
 or ``SAGE_KV_CODEC=torch`` asks for the PyTorch codec. The reason is logged once; the callers then take the
 PyTorch codec and the `crc32c` package (so does the CRC of the generic, non-x86 build, `native_crc()`).
-`crc32c()` is the package's function on the kernel's instruction loop (the same values).
+`crc32c()` is the package's function on the kernel's instruction loop (the same values); `copy_crc32c()` and
+`copy_rows_crc32c()` copy and checksum in one pass (each byte loaded once), the data path's moves (tier puts and
+gets, shm sends and receives).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from types import ModuleType
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 
 from sage_infer.hal import kernel_build
@@ -79,10 +83,48 @@ def crc32c(data: torch.Tensor, value: int = 0) -> int:
 
 
 def copy_crc32c(dst: torch.Tensor, src: torch.Tensor, value: int = 0) -> int:
-    """``dst.copy_(src)`` (contiguous CPU tensors of equal bytes) and the CRC32C of the bytes, continuing `value`;
-    the kernel checksums each 16 KiB piece right after copying it, while it is in L1."""
+    """``dst.copy_(src)`` (contiguous CPU tensors of equal bytes) and the CRC32C of the bytes, continuing `value`:
+    the kernel loads each 8 bytes once, stores them and feeds them to the ``crc32`` instruction (one pass, the GIL
+    released; streaming stores from 1 MiB); elsewhere a copy, then the CRC."""
     module = native_crc()
     if module is not None:
         return module.copy_crc32c(dst, src, value)
     dst.copy_(src)
     return crc32c(src, value)
+
+
+def fused_copy() -> ModuleType | None:
+    """The kernel module whose ``copy_rows_crc32c`` / ``copy_crc32c`` copy and checksum in one pass with the GIL
+    released, or None where the CRC would not run on the CPU's instruction or the build predates them."""
+    module = native_crc()
+    return module if module is not None and hasattr(module, "copy_rows_crc32c") else None
+
+
+def copy_rows_crc32c(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]]) -> list[int]:
+    """``dst[d + i] = src[s + i]`` for each run (d, s, n) and i < n, over the rows of 2-D uint8 CPU tensors of
+    equal row bytes (each row contiguous), and the CRC32C of each copied row in run order (the `crc32c` package's
+    value). One kernel call for the whole batch, one pass over its bytes; elsewhere a copy per run, then a CRC per
+    row."""
+    module = fused_copy()
+    if module is not None:
+        return module.copy_rows_crc32c(dst, src, torch.tensor(runs, dtype=torch.long).reshape(-1, 3)).tolist()
+    out: list[int] = []
+    for d, s, n in runs:
+        dst[d : d + n].copy_(src[s : s + n])
+        out += [_crc32c.crc32c(row) for row in dst[d : d + n].numpy()]
+    return out
+
+
+def copy_crc32c_array(dst: np.ndarray, src: np.ndarray, value: int = 0) -> int | None:
+    """`copy_crc32c` of 1-D uint8 numpy arrays (`src` may be read-only, a view of a sender's bytes), or None,
+    copying nothing, where the one-pass kernel does not load."""
+    module = fused_copy()
+    if module is None:
+        return None
+    if src.flags.writeable:
+        source = torch.from_numpy(src)
+    else:
+        with warnings.catch_warnings():  # (torch warns that a read-only array is shared; it is only read)
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(src)
+    return module.copy_crc32c(torch.from_numpy(dst), source, value)

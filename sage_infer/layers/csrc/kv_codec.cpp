@@ -70,14 +70,31 @@ struct ShiftTable {
 
 constexpr size_t LONG_BLOCK = 8192, SHORT_BLOCK = 256;
 
+// What a CRC pass does with the bytes it reads: nothing (a checksum), store them (a copy), or store them
+// non-temporally (a copy that bypasses the cache: no read-for-ownership of the destination, which a large copy's
+// destination would only evict again)
+enum class Store { NONE, PLAIN, STREAM };
+
 #if defined(__SSE4_2__)
 constexpr bool NATIVE_CRC = true;
-// raw (not pre/post-inverted) CRC32C of len bytes: three interleaved streams per block (the instruction's latency
-// is 3 cycles, its throughput 1), joined by the zero-append operators above
-uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {
+
+template <Store S>
+inline void put8(uint8_t* d, uint64_t v) {
+  if constexpr (S == Store::PLAIN) std::memcpy(d, &v, 8);
+  if constexpr (S == Store::STREAM) _mm_stream_si64(reinterpret_cast<long long*>(d), static_cast<long long>(v));
+}
+
+// raw (not pre/post-inverted) CRC32C of len bytes at p, and with S != NONE a copy of them to d made from the same
+// registers (each byte loaded once): three interleaved streams per block (the instruction's latency is 3 cycles,
+// its throughput 1), joined by the zero-append operators above
+template <Store S>
+uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
   static const ShiftTable long_shift(LONG_BLOCK), short_shift(SHORT_BLOCK);
+  constexpr bool copy = S != Store::NONE;
   uint64_t c0 = crc;
-  while (len && (reinterpret_cast<uintptr_t>(p) & 7)) {
+  // align the stores when copying (8-byte stores that never split a line), else the loads
+  while (len && (reinterpret_cast<uintptr_t>(copy ? d : p) & 7)) {
+    if constexpr (copy) *d++ = *p;
     c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
     --len;
   }
@@ -85,19 +102,30 @@ uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {
     while (len >= 3 * block) {
       uint64_t c1 = 0, c2 = 0;
       const uint8_t* end = p + block;
-      do {
-        uint64_t a, b, c;
-        std::memcpy(&a, p, 8);
-        std::memcpy(&b, p + block, 8);
-        std::memcpy(&c, p + 2 * block, 8);
-        c0 = _mm_crc32_u64(c0, a);
-        c1 = _mm_crc32_u64(c1, b);
-        c2 = _mm_crc32_u64(c2, c);
-        p += 8;
+      do {  // 32 bytes of each stream per turn (block is a multiple of 32)
+        uint64_t a[4], b[4], c[4];
+        std::memcpy(a, p, 32);
+        std::memcpy(b, p + block, 32);
+        std::memcpy(c, p + 2 * block, 32);
+        for (int k = 0; k < 4; ++k) {
+          c0 = _mm_crc32_u64(c0, a[k]);
+          c1 = _mm_crc32_u64(c1, b[k]);
+          c2 = _mm_crc32_u64(c2, c[k]);
+        }
+        if constexpr (copy) {
+          for (int k = 0; k < 4; ++k) {
+            put8<S>(d + 8 * k, a[k]);
+            put8<S>(d + block + 8 * k, b[k]);
+            put8<S>(d + 2 * block + 8 * k, c[k]);
+          }
+          d += 32;
+        }
+        p += 32;
       } while (p < end);
       c0 = sh.shift(static_cast<uint32_t>(c0)) ^ c1;
       c0 = sh.shift(static_cast<uint32_t>(c0)) ^ c2;
       p += 2 * block;
+      if constexpr (copy) d += 2 * block;
       len -= 3 * block;
     }
   };
@@ -107,13 +135,22 @@ uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {
     uint64_t a;
     std::memcpy(&a, p, 8);
     c0 = _mm_crc32_u64(c0, a);
+    if constexpr (copy) {
+      put8<S>(d, a);
+      d += 8;
+    }
   }
-  for (; len; --len) c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
+  for (; len; --len) {
+    if constexpr (copy) *d++ = *p;
+    c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
+  }
   return static_cast<uint32_t>(c0);
 }
 #else
 constexpr bool NATIVE_CRC = false;
-uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {  // bitwise: the generic build's tests only
+template <Store S>
+uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {  // bitwise: the generic build's tests
+  if constexpr (S != Store::NONE) std::memcpy(d, p, len);
   for (; len; --len) {
     crc ^= *p++;
     for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (POLY & (0u - (crc & 1)));
@@ -121,6 +158,8 @@ uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) {  // bitwise: the 
   return crc;
 }
 #endif
+
+uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) { return crc_pass<Store::NONE>(crc, p, len, nullptr); }
 
 // the CRC32C of the bytes behind `crc` (a finished CRC, as the crc32c package returns) followed by len more
 uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t len) { return ~crc_raw(~crc, p, len); }
@@ -650,27 +689,79 @@ int64_t crc32c_of(torch::Tensor data, int64_t value) {
   return crc_update(static_cast<uint32_t>(value), static_cast<const uint8_t*>(data.data_ptr()), data.nbytes());
 }
 
-// dst = src (contiguous CPU tensors of equal bytes), and the CRC32C of the bytes copied, continuing `value`: each
-// piece is checksummed right after its copy, while it is still in L1
-int64_t copy_crc32c(torch::Tensor dst, torch::Tensor src, int64_t value) {
+// a copy whose bytes total at least this streams its stores (`stream` < 0): it skips reading the destination in
+// first; measured (bench/copy_crc.py) no slower from 1 MiB with the destination in cache or not, slower at 256 KiB
+constexpr int64_t STREAM_MIN_BYTES = 1 << 20;
+
+bool streams(int64_t stream, int64_t bytes) { return stream < 0 ? bytes >= STREAM_MIN_BYTES : stream > 0; }
+
+// d = s (len bytes) and the CRC32C of them continuing `crc` (a finished CRC), in one pass; a streamed copy is
+// fenced by the caller
+uint32_t copy_update(uint32_t crc, uint8_t* d, const uint8_t* s, size_t len, bool stream) {
+  return ~(stream ? crc_pass<Store::STREAM>(~crc, s, len, d) : crc_pass<Store::PLAIN>(~crc, s, len, d));
+}
+
+void fence(bool stream) {
+#if defined(__SSE4_2__)
+  if (stream) _mm_sfence();  // the streamed stores are visible before the copy returns
+#endif
+}
+
+// dst = src (contiguous CPU tensors of equal bytes), and the CRC32C of the bytes copied, continuing `value`, in one
+// pass: each 8 bytes loaded once, stored and fed to the crc32 instruction. `stream`: 1 streaming stores, 0 plain,
+// < 0 streaming from STREAM_MIN_BYTES. Runs without the GIL.
+int64_t copy_crc32c(torch::Tensor dst, torch::Tensor src, int64_t value, int64_t stream) {
   TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.device().is_cpu() && src.device().is_cpu() &&
                   dst.nbytes() == src.nbytes(), "copy_crc32c: contiguous CPU tensors of equal bytes");
-  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
-  uint8_t* d = static_cast<uint8_t*>(dst.data_ptr());
-  uint32_t c = static_cast<uint32_t>(value);
-  constexpr size_t PIECE = 16 << 10;
-  for (size_t at = 0, n = src.nbytes(); at < n; at += PIECE) {
-    const size_t len = std::min(PIECE, n - at);
-    std::memcpy(d + at, s + at, len);
-    c = crc_update(c, s + at, len);
-  }
+  const bool st = streams(stream, static_cast<int64_t>(src.nbytes()));
+  const uint32_t c = copy_update(static_cast<uint32_t>(value), static_cast<uint8_t*>(dst.data_ptr()),
+                                 static_cast<const uint8_t*>(src.data_ptr()), src.nbytes(), st);
+  fence(st);
   return c;
+}
+
+// dst[d + i] = src[s + i] for each run (d, s, n) of `runs` ([k, 3] int64) and i < n, over the rows of two 2-D
+// uint8 tensors of equal row bytes (each row contiguous); returns the CRC32C of every copied row, in run order
+// (int64 [rows]), each taken in the same pass as its copy. Runs without the GIL.
+torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tensor runs, int64_t stream) {
+  TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.scalar_type() == torch::kByte &&
+                  src.scalar_type() == torch::kByte && dst.device().is_cpu() && src.device().is_cpu() &&
+                  dst.size(1) == src.size(1) && (dst.size(1) <= 1 || (dst.stride(1) == 1 && src.stride(1) == 1)),
+              "copy_rows_crc32c: 2-D uint8 CPU tensors with rows of equal bytes, each row contiguous");
+  TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 3 && runs.scalar_type() == torch::kLong && runs.is_contiguous(),
+              "copy_rows_crc32c: runs must be a contiguous [k, 3] int64 tensor of (dst row, src row, rows)");
+  const int64_t* r = runs.data_ptr<int64_t>();
+  const int64_t k = runs.size(0), row = dst.size(1);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t d = r[3 * i], s = r[3 * i + 1], n = r[3 * i + 2];
+    TORCH_CHECK(n >= 0 && d >= 0 && s >= 0 && d + n <= dst.size(0) && s + n <= src.size(0),
+                "copy_rows_crc32c: run (", d, ", ", s, ", ", n, ") outside ", dst.size(0), " / ", src.size(0), " rows");
+    rows += n;
+  }
+  torch::Tensor out = torch::empty({rows}, torch::kLong);
+  int64_t* crcs = out.data_ptr<int64_t>();
+  const bool st = streams(stream, rows * row);
+  uint8_t* dp = dst.data_ptr<uint8_t>();
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  const int64_t ds = dst.stride(0), ss = src.stride(0);
+  for (int64_t i = 0, j = 0; i < k; ++i)
+    for (int64_t t = 0; t < r[3 * i + 2]; ++t, ++j)
+      crcs[j] = copy_update(0, dp + (r[3 * i] + t) * ds, sp + (r[3 * i + 1] + t) * ss, static_cast<size_t>(row), st);
+  fence(st);
+  return out;
 }
 
 void bind_kv_codec(pybind11::module& m) {
   m.def("kv_encode", &kv_encode, "KV codec encode of [outer, group, inner] values, with the CRC32C of its bytes");
   m.def("kv_decode", &kv_decode, "KV codec decode into [outer, group, inner] values");
   m.def("crc32c", &crc32c_of, "CRC32C of a tensor's bytes, continuing a CRC");
-  m.def("copy_crc32c", &copy_crc32c, "copy, and the CRC32C of the bytes copied");
+  namespace py = pybind11;
+  m.def("copy_crc32c", &copy_crc32c, "copy, and the CRC32C of the bytes copied, in one pass", py::arg("dst"),
+        py::arg("src"), py::arg("value") = 0, py::arg("stream") = -1, py::call_guard<py::gil_scoped_release>());
+  m.def("copy_rows_crc32c", &copy_rows_crc32c, "copy runs of rows, and the CRC32C of each row, in one pass",
+        py::arg("dst"), py::arg("src"), py::arg("runs"), py::arg("stream") = -1,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("copy_stream_min_bytes", [] { return STREAM_MIN_BYTES; }, "copies this large stream their stores");
   m.def("crc32c_native", [] { return NATIVE_CRC; }, "whether the CRC32C runs on the CPU's crc32 instruction");
 }
