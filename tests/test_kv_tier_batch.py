@@ -107,7 +107,6 @@ def test_a_corrupt_disk_block_in_a_batch_is_detected_and_dropped(tmp_path):
 def test_large_rows_checksummed_as_copied_keep_the_crc32c_of_the_bytes():
     rows.set_move_threads(1)  # (one thread: the single-pass kernel path where the kernel loads)
     big = KVCacheSchema(num_layers=16, num_kv_heads=4, head_dim=64, block_size=16)  # 256 KiB blocks
-    assert big.bytes_per_block >= rows.FUSED_MIN_ROW_BYTES
     keys = hash_token_blocks(list(range(3 * 16)), 16, make_extra_key("m", "r", "bf16", cache_salt="big"))
     blocks = torch.randint(0, 256, (3, big.bytes_per_block), dtype=torch.uint8)
     with HostTier(big, 4 * big.bytes_per_block, background_crc=False) as tier:

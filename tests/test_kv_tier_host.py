@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sage_infer.kv_runtime.tiers import HostTier
+from sage_infer.kv_runtime.tiers import HostTier, rows
 from tests.test_kv_tiers import BPB, SCHEMA, chain
 
 
@@ -60,7 +60,8 @@ def test_no_pinning_without_cuda():
         assert tier.pinned is torch.cuda.is_available()
 
 
-def test_checksums_are_taken_off_the_putting_thread_and_then_verified():
+def test_checksums_are_taken_off_the_putting_thread_and_then_verified(monkeypatch):
+    monkeypatch.setattr(rows, "_kernel", None)  # (where the one-pass kernel loads, a put checksums as it copies)
     keys, blocks = chain(4)
     with HostTier(SCHEMA, 8 * BPB, background_min_bytes=0) as tier:  # every put hands its checksums over
         tier.put(keys, blocks)
@@ -71,7 +72,8 @@ def test_checksums_are_taken_off_the_putting_thread_and_then_verified():
         assert tier.stats().checksum_failures == 1
 
 
-def test_a_block_read_before_its_checksum_is_taken_comes_back_whole():
+def test_a_block_read_before_its_checksum_is_taken_comes_back_whole(monkeypatch):
+    monkeypatch.setattr(rows, "_kernel", None)  # (where the one-pass kernel loads, a put checksums as it copies)
     keys, blocks = chain(3)
     with HostTier(SCHEMA, 8 * BPB, background_min_bytes=0) as tier:
         with tier._lock:  # hold the checksum thread off: every slot is still pending when read

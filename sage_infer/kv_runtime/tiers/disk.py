@@ -28,7 +28,17 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, Gather, crc_rows, move_pool, parallel, tensor_gather
+from sage_infer.kv_runtime.tiers.rows import (
+    CACHE_CHUNK,
+    Gather,
+    copy_runs,
+    crc_rows,
+    fused_kernel,
+    move_pool,
+    parallel,
+    runs_of,
+    tensor_gather,
+)
 from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
 from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
@@ -48,6 +58,7 @@ class _Loc:
 @dataclass(slots=True, eq=False)
 class _Pending:
     row: torch.Tensor  # [bytes_per_block] uint8, our own copy
+    crc: int | None = None  # its CRC32C where the copy took it (one pass), else taken as it is written
 
 
 def _check_can_hold_files(directory: Path, name: str) -> None:
@@ -136,15 +147,16 @@ class DiskTier(KVTier):
     # -- put and the writer thread -------------------------------------------------------------
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
-        """Copy the new blocks and queue them for the writer; returns without touching the disk."""
+        """Copy the new blocks and queue them for the writer; returns without touching the disk. Where the one-pass
+        kernel loads, the copy also takes their CRC32Cs, so the writer does not read them again."""
         keys, blocks = self._check_put(keys, blocks)
-        self._queue_batch(keys, tensor_gather(blocks))
+        self._queue_batch(keys, tensor_gather(blocks), blocks.cpu() if fused_kernel() is not None else None)
 
     def put_gather(self, keys: Sequence[bytes], gather: Gather) -> None:
         """`put` of blocks the caller gathers straight into the writer's queue (one `gather` call per batch)."""
         self._queue_batch(self._check_keys(keys), gather)
 
-    def _queue_batch(self, keys: list[bytes], gather: Gather) -> None:
+    def _queue_batch(self, keys: list[bytes], gather: Gather, blocks: torch.Tensor | None = None) -> None:
         with self._lock:
             if self._closing:
                 raise TierError(f"{self.name} tier is closed")
@@ -160,8 +172,12 @@ class DiskTier(KVTier):
             if not rows:
                 return
             copy = torch.empty((len(rows), self.bytes_per_block), dtype=torch.uint8)
-            gather(list(rows.values()), copy)
-            batch = [(key, _Pending(copy[i])) for i, key in enumerate(rows)]
+            crcs: list[int | None] = [None] * len(rows)
+            if blocks is None:
+                gather(list(rows.values()), copy)
+            else:  # copied and checksummed in one pass
+                crcs = copy_runs(copy, blocks, runs_of(range(len(rows)), list(rows.values())), crc_of="dst")
+            batch = [(key, _Pending(copy[i], crc)) for i, (key, crc) in enumerate(zip(rows, crcs))]
             self._pending.update(batch)
             self._queue.append(batch)
             self._queued_bytes += len(batch) * self.record_bytes
@@ -184,7 +200,7 @@ class DiskTier(KVTier):
                 batch = self._queue.popleft()
                 self._busy = True
             try:
-                records = [(key, entry.row, None, entry) for key, entry in batch]  # (checksummed as written)
+                records = [(key, entry.row, entry.crc, entry) for key, entry in batch]  # (None: checksummed as written)
                 with self._append_lock:
                     self._recreate_if_gone()
                     self._append(records, self._commit_pending, enforce_cap=True)

@@ -3,19 +3,18 @@
 A tier moves whole blocks, ``[n, bytes_per_block]`` uint8 rows, between a caller's buffer
 and its own (the host tier's slab, the disk tier's queue). The costs a small block pays
 are per-row Python work and per-row calls, so everything here works on *runs*: rows that
-are consecutive on both sides go in one copy. Checksums are taken right after each ~1 MiB
-piece is copied, while it is still in cache, or, for large rows where the KV codec's C++ kernel
-loads, as each row is copied (one pass: `copy_crc32c`). A large move (`PARALLEL_MIN_BYTES` or more, of
-rows crc32c checksums with the GIL released) is split into pieces that a small thread pool
-copies and checksums in parallel: one core does not saturate memory with a copy and a
-checksum (`bench/tiers_raw.py`, "threads" rows).
+are consecutive on both sides go in one copy. Where the KV codec's C++ kernel loads, a checked
+move is one call for the whole batch that copies and checksums in one pass (`copy_rows_crc32c`:
+each byte loaded once, stored, and fed to the CPU's ``crc32``; the GIL released); elsewhere
+checksums are taken right after each ~1 MiB piece is copied, while it is still in cache. A large
+move (`PARALLEL_MIN_BYTES` or more, of rows that are checksummed with the GIL released) is split
+into pieces that a small thread pool moves in parallel (`bench/tiers_raw.py`, "threads" rows).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -30,9 +29,6 @@ CACHE_CHUNK = 1 << 20  # copy this much, then checksum it while it is still in c
 # the GIL, so two threads only take turns
 GIL_FREE_ROW_BYTES = 32 << 10
 PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more than it saves
-# rows this large are copied and checksummed in one pass by the C++ kernel; below it the call per row costs more
-# than the second pass saves (`bench/tiers_raw.py`)
-FUSED_MIN_ROW_BYTES = 256 << 10
 # One thread per 4 cores, at most 4: a core or two do not saturate a big host's memory, but on a small machine
 # every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
 # two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
@@ -66,14 +62,14 @@ def move_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def fused_kernel() -> ModuleType | None:
-    """The C++ kernel whose ``copy_crc32c`` copies a row and checksums it in one pass (`quantization.
-    kv_codec_kernel`), or None where it does not load (then a numpy copy and the crc32c package: two passes). It
-    holds the GIL, so a move split over threads takes the two-pass path."""
+    """The C++ kernel whose ``copy_rows_crc32c`` copies a batch of rows and checksums each in one pass, with the
+    GIL released (`quantization.kv_codec_kernel.fused_copy`), or None where it does not load (then a numpy copy
+    and the crc32c package: two passes)."""
     global _kernel
     if _kernel is False:
-        from sage_infer.quantization.kv_codec_kernel import native
+        from sage_infer.quantization.kv_codec_kernel import fused_copy
 
-        _kernel = native()
+        _kernel = fused_copy()
     return _kernel
 
 
@@ -131,7 +127,7 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
     of each copied row, in run order, taken while the piece is in cache.
 
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
-    `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel keeps the GIL, so not it).
+    `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel always releases it).
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
@@ -146,16 +142,22 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
         np.copyto(dst_np[d : d + n], src_np[s : s + n])
         return crc_rows(check[d : d + n] if crc_of == "dst" else check[s : s + n], release_gil) if crc_of else []
 
-    fuse = crc_of and not release_gil and row_bytes >= FUSED_MIN_ROW_BYTES and dst.stride(1) == 1 and src.stride(1) == 1
-    kernel = fused_kernel() if fuse else None
-    if kernel is not None and not parallel(row_bytes, total):  # one pass: each row checksummed as it is copied
-        return [crc for d, s, n in runs for crc in map(kernel.copy_crc32c, dst[d : d + n].unbind(0),
-                                                        src[s : s + n].unbind(0), itertools.repeat(0, n))]
+    kernel = fused_kernel() if crc_of and dst.stride(1) == 1 and src.stride(1) == 1 else None
+    if kernel is not None:  # one pass: each row checksummed as it is copied (the CRC of the bytes both sides hold)
+        if not parallel(row_bytes, total, crc=False):  # (the kernel releases the GIL for any row size)
+            return fused_rows(kernel, dst, src, runs)
+        done = move_pool().map(lambda run: fused_rows(kernel, dst, src, [run]), pieces(runs, rows_per_piece))
+        return [crc for part in done for crc in part]
     if parallel(row_bytes, total, crc=crc_of is not None):
         done = move_pool().map(piece, pieces(runs, rows_per_piece if crc_of else max(rows_per_piece, len_per_thread(
             total, row_bytes))))
         return [crc for part in done for crc in part]
     return [crc for run in (pieces(runs, rows_per_piece) if crc_of else runs) for crc in piece(run)]
+
+
+def fused_rows(kernel: ModuleType, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> list[int]:
+    """`copy_runs` with checksums in one kernel call (one pass over the bytes, the GIL released)."""
+    return kernel.copy_rows_crc32c(dst, src, torch.tensor(runs, dtype=torch.long).reshape(-1, 3)).tolist()
 
 
 def len_per_thread(total_bytes: int, row_bytes: int) -> int:
