@@ -178,16 +178,26 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
     """Make the shm sender's copy into the ring come out wrong in one byte (`times` chunks, or every
     chunk when None); its CRC is of the sender's own bytes, so the receiver sees a chunk that fails."""
     left = {"n": times}
-    real = shm.copy_piece
+    real, real_fused = shm.copy_piece, shm.copy_crc32c_array
 
-    def copy_then_flip(dest, src):
-        real(dest, src)
+    def flip(dest):
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1
             dest[len(dest) // 2] ^= 0x5A
 
+    def copy_then_flip(dest, src):
+        real(dest, src)
+        flip(dest)
+
+    def fused_copy_then_flip(dest, src, value=0):  # the one-pass copy + CRC32C, where its kernel loads
+        crc = real_fused(dest, src, value)
+        if crc is not None:
+            flip(dest)
+        return crc
+
     monkeypatch.setattr(shm, "copy_piece", copy_then_flip)
+    monkeypatch.setattr(shm, "copy_crc32c_array", fused_copy_then_flip)
 
 
 def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):

@@ -174,11 +174,13 @@ class ChunkHeader:
         """The packed ACK of the verified run `first_seq` .. `last_seq` (consecutive sequence numbers)."""
         return _ack_body(last_seq, last_seq - first_seq + 1)
 
-    def verify(self, payload) -> None:
-        """Raise `ChecksumError` unless `payload` is this chunk's bytes (nothing to check without a checksum)."""
+    def verify(self, payload, got: int | None = None) -> None:
+        """Raise `ChecksumError` unless `payload` is this chunk's bytes (nothing to check without a checksum);
+        `got`: its checksum where the caller took it already (as it copied the bytes)."""
         if self.algorithm is Checksum.NONE:
             return
-        got = checksum(payload, self.algorithm)
+        if got is None:
+            got = checksum(payload, self.algorithm)
         if got != self.crc:
             raise ChecksumError(
                 f"chunk {self.chunk_index} of layer {self.layer} (request {self.request_id!r}) failed its CRC: "

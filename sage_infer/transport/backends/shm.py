@@ -35,6 +35,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
 from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.auth import answer_challenge, socket_io
@@ -71,12 +72,17 @@ def copy_piece(dest: np.ndarray, src: np.ndarray) -> None:
 
 
 def copy_and_checksum(dest: np.ndarray, payload: memoryview, algorithm) -> int:
-    """Copy `payload` into `dest` piece by piece, checksumming each piece of the *source* right after (it
-    is still in L2): the receiver checks the copy against the sender's bytes, so a bad copy is caught too."""
+    """Copy `payload` into `dest` and checksum it: a CRC32C in one pass with the copy (`copy_crc32c_array`), else
+    piece by piece, checksumming each piece of the *source* right after (it is still in L2). The receiver checks
+    its bytes against this CRC, so a bad copy on either side is caught."""
     src = np.frombuffer(payload, dtype=np.uint8)
     if algorithm is Checksum.NONE:  # one copy, nothing to interleave
         copy_piece(dest, src)
         return 0
+    if algorithm is Checksum.CRC32C:  # one pass where the kernel loads: each byte loaded once, copied and checksummed
+        crc = copy_crc32c_array(dest, src)
+        if crc is not None:
+            return crc
     crc = 0
     for start in range(0, len(src), PIECE):
         piece = src[start : start + PIECE]

@@ -20,6 +20,7 @@ import socket
 
 import numpy as np
 
+from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import RecvChannel, Sink, before
 from sage_infer.transport.transport_errors import (
@@ -29,7 +30,7 @@ from sage_infer.transport.transport_errors import (
     TransportError,
     TruncatedError,
 )
-from sage_infer.transport.wire import HEADER_BYTES, ChunkHeader, Flag, Kind
+from sage_infer.transport.wire import HEADER_BYTES, Checksum, ChunkHeader, Flag, Kind
 
 ACK_EVERY = 4  # at most this many verified chunks share one ACK (the sender's window is max_inflight, 8 by default)
 
@@ -45,6 +46,17 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
         got += n
     return got
 
+
+
+def copy_into(out: np.ndarray, ring: np.ndarray, algorithm: Checksum) -> int | None:
+    """Copy a chunk out of the ring; for a CRC32C chunk, where the one-pass kernel loads, also its CRC32C (the
+    copy's bytes, read once), else None (the caller checksums `out`)."""
+    if algorithm is Checksum.CRC32C:
+        crc = copy_crc32c_array(out, ring)
+        if crc is not None:
+            return crc
+    np.copyto(out, ring)
+    return None
 
 class ShmRecvChannel(RecvChannel):
     """Acknowledges verified chunks in runs: one ACK covers up to `ACK_EVERY` consecutive chunks, or
@@ -87,15 +99,16 @@ class ShmRecvChannel(RecvChannel):
                 if len(dest) != header.length:
                     raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
                 out = np.frombuffer(dest, dtype=np.uint8)
+                got = None  # the CRC32C of `out` where the copy took it
                 if header.flags & Flag.DIRECT:  # already in place: only check where and what
                     if self.arena is None or self.arena.offset_of(out) != header.slot:
                         raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
                 else:
                     if header.slot + header.length > len(self._ring_np):
                         raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
-                    np.copyto(out, self._ring_np[header.slot : header.slot + header.length])
+                    got = copy_into(out, self._ring_np[header.slot : header.slot + header.length], header.algorithm)
                 try:
-                    header.verify(out)
+                    header.verify(out, got)
                 except ChecksumError as err:
                     self._write(header.reply(Kind.NACK).pack())
                     self._note_corrupt(header, err)
