@@ -14,6 +14,7 @@ checked against it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,24 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
             start += n
     tokens = order // ids.shape[1]
     return ExpertGroups(order, tokens, torch.argsort(tokens * num_experts + flat[order]), counts, spans)
+
+
+def run_grouped(x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: `expert(e, rows)` once per
+    expert with tokens (its weights read once), each output times its weight (in the weights' dtype, then x's),
+    a token's K outputs added one by one in expert order (as transformers adds them; the same bits whatever else
+    the batch holds)."""
+    rows = x.index_select(0, groups.tokens)
+    out = torch.empty_like(rows)
+    for e, start, end in groups.spans:
+        out[start:end] = expert(e, rows[start:end])
+    scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
+    per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
+    total = per_token[:, 0].clone()
+    for k in range(1, weights.shape[1]):  # K adds, not a reduction whose order could change with T
+        total += per_token[:, k]
+    return total
 
 
 class ExpertMLP(nn.Module):
@@ -131,16 +150,7 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights (in the weights' dtype, then x's), added one by one in expert order (as
         transformers adds them; the same bits whatever else the batch holds)."""
-        rows = x.index_select(0, groups.tokens)
-        out = torch.empty_like(rows)
-        for e, start, end in groups.spans:  # one product per expert with tokens: its weights read once
-            out[start:end] = self.expert(e, rows[start:end], ops)
-        scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
-        per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
-        total = per_token[:, 0].clone()
-        for k in range(1, weights.shape[1]):  # K adds, not a reduction whose order could change with T
-            total += per_token[:, k]
-        return total
+        return run_grouped(x, weights, groups, lambda e, rows: self.expert(e, rows, ops))
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe import ExpertGroups, group_by_expert
+from sage_infer.layers.moe import ExpertGroups, group_by_expert, run_grouped
 
 
 class ClampedSwigluExperts(nn.Module):
@@ -43,16 +43,7 @@ class ClampedSwigluExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights, cast to x's dtype, added in expert order (as transformers adds them)."""
-        rows = x.index_select(0, groups.tokens)
-        out = torch.empty_like(rows)
-        for e, start, end in groups.spans:  # one product per expert with tokens: its weights read once
-            out[start:end] = self.expert(e, rows[start:end])
-        scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
-        per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
-        total = per_token[:, 0].clone()
-        for k in range(1, weights.shape[1]):  # K adds, not a reduction whose order could change with T
-            total += per_token[:, k]
-        return total
+        return run_grouped(x, weights, groups, self.expert)
 
 
 class TopKSoftmaxMoeBlock(nn.Module):
