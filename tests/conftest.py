@@ -60,6 +60,16 @@ def runnable_cpu_levels() -> list[str]:
     return [] if top is None else list(levels[: levels.index(top) + 1])
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models on one torch thread (more only contend on a shared machine); a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=runnable_cpu_levels() or ["none"])
 def cpu_isa(request, monkeypatch) -> str:
     """Each test that uses it runs once per ISA level this CPU has, with ``SAGE_CPU_ISA`` forcing that level."""

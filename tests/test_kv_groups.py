@@ -27,13 +27,7 @@ BS = 16
 WANT: dict[tuple, list[int]] = {}  # transformers' tokens, once per module and prompt
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread (more only contend on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def greedy(hf, prompt: list[int], n: int) -> list[int]:

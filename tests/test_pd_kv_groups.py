@@ -31,12 +31,7 @@ STEM = random_prompts([70], seed=31)[0]  # 17 full blocks and 2 tokens
 PROMPTS = {"stem": STEM, "whole-blocks": random_prompts([64], seed=32)[0], "longer": STEM + [7, 9, 11] * 4}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
