@@ -104,9 +104,14 @@ def tree_cpu_seconds(pid: int) -> float:
 class VLLMWorker:
     """bench/_vllm_worker.py in the vLLM venv; one JSON line per job, one per result."""
 
-    def __init__(self, python: Path, threads: int, kv_gib: int, log_path: Path, sage_path: Path | None = None) -> None:
-        """`sage_path`: import sage_infer from this tree (the vLLM connector runs inside vLLM's process)."""
+    def __init__(self, python: Path, threads: int, kv_gib: int | None, log_path: Path,
+                 sage_path: Path | None = None) -> None:
+        """`sage_path`: import sage_infer from this tree (the vLLM connector runs inside vLLM's process).
+        `kv_gib` None: no VLLM_CPU_KVCACHE_SPACE, so the load's `kv_cache_memory_bytes` sizes vLLM's KV (the
+        variable, when set, overrides it in whole GiB)."""
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
+        if kv_gib is None:
+            del env["VLLM_CPU_KVCACHE_SPACE"]
         env.pop("PYTHONPATH", None)  # sage's tree must not shadow the venv's packages
         if sage_path is not None:
             env["PYTHONPATH"] = str(sage_path)

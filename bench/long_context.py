@@ -487,8 +487,7 @@ def vllm_docqa(model_dir: Path, q: DocQA, requests: list[tuple[str, list[int]]],
     from bench import _vllm_worker as wire
     from bench.engine_vs_vllm import VLLMWorker, vllm_python
 
-    # VLLM_CPU_KVCACHE_SPACE empty: when set, vLLM-CPU takes it (whole GiB) over kv_cache_memory_bytes
-    worker = VLLMWorker(vllm_python(venv), q.threads, "", log_path)
+    worker = VLLMWorker(vllm_python(venv), q.threads, None, log_path)  # sized by kv_cache_memory_bytes below
     try:
         worker.call(wire.LoadJob(model=str(model_dir), dtype="float32", llm_kwargs={
             "max_model_len": q.max_len, "kv_cache_memory_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
