@@ -1,6 +1,7 @@
 """The models bench/engine_vs_vllm.py compares on: the bundled demo model, and random-weight
 Qwen shapes built with `transformers` that carry the demo tokenizer (vocab 4096), among them a
-mixture-of-experts one (Qwen3-30B-A3B's layer with 2 layers).
+mixture-of-experts one (Qwen3-30B-A3B's layer with 2 layers) and two with sliding-window layers (Gemma-3- and
+gpt-oss-shaped).
 
 A built model is saved once under the cache directory (fp32 safetensors, tied embeddings) and
 reused; each engine casts it to the dtype of the run.
@@ -46,6 +47,21 @@ MODELS = {
                                      num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                      moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                      norm_topk_prob=True)),
+    # sliding-window shapes: max_position_embeddings is 4 windows + 32, so W4's prompts are 4 windows long
+    "gemma3-shape-small": ModelSpec(
+        "gemma3-shape-small", "random Gemma-3-270m shape with 6 layers (5 sliding-window 512 : 1 full), 36M: "
+        "hidden 640, 4/1 heads, head_dim 256, inter 2048, 2,080 positions", "fp32",
+        arch="gemma3", shape=dict(hidden_size=640, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                                  head_dim=256, intermediate_size=2048, query_pre_attn_scalar=256,
+                                  sliding_window=512, max_position_embeddings=2080,
+                                  layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+    "gpt-oss-shape-small": ModelSpec(
+        "gpt-oss-shape-small", "random gpt-oss shape with 4 layers (sliding-window 128 / full, alternating), "
+        "30M: hidden 512, 8/2 heads, head_dim 64, 8 experts x 512, top 4, attention sinks, 544 positions", "fp32",
+        arch="gpt_oss", shape=dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=64, intermediate_size=512, num_local_experts=8,
+                                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=544,
+                                   layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 
 
@@ -61,7 +77,9 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
 
     classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+               "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
     config_cls, model_cls = classes[spec.arch]
     demo = json.loads((DEMO_DIR / "config.json").read_text())
     settings = dict(vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
