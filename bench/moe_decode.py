@@ -14,6 +14,8 @@ read are cold in the caches, as in a real decode; a step's 8 x 9.4 MB per layer 
 - `plain read`: the same number of bytes of the same kind of tensors, the top_k experts' gate, up and down
   weights of a random routing in every layer, summed by `torch.sum` (each expert's weights one contiguous
   tensor, read as fp32 words): what reading those bytes costs with nothing else to do;
+- `one expert alone`: each expert's products on one row by themselves, every expert in turn (median): the
+  kernel's read rate without the rest of the layer;
 - `decode step`: one 128-token prompt then `--decode-tokens` greedy tokens through `LLM.generate`; the step
   time is (wall - first token) / (tokens - 1), its expert read rate expert bytes / step time (the step also
   reads attention and lm_head weights and runs Python: the whole-step rate is the stricter one).
@@ -99,6 +101,19 @@ def touch_all(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtype)
         for e in range(block.experts.num_experts):
             block.experts.expert(e, x, ops)
     plain_read(list(weights.values()))
+
+
+def expert_alone_s(blocks: dict, ops, hidden: int, dtype: torch.dtype) -> float:
+    """Median seconds of one expert's products on one row, every expert of every sparse layer in turn (each
+    cold in the caches: the others were read in between)."""
+    x = torch.randn(1, hidden).to(dtype)
+    times = []
+    for block in blocks.values():
+        for e in range(block.experts.num_experts):
+            start = time.perf_counter()
+            block.experts.expert(e, x, ops)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def timed_turns(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtype, iters: int, seed: int) -> dict:
@@ -195,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = runner.step.ops
     with torch.no_grad():
         turns = timed_turns(blocks, weights, ops, cfg.hidden_size, dtype, args.iters, args.seed)
+        alone_s = expert_alone_s(blocks, ops, cfg.hidden_size, dtype)
         step_s = decode_step_s(llm, cfg.vocab_size, args.decode_tokens, args.seed)
         if args.profile:
             instrument_kernels()
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
               "layer_ms": turns["layer_s"] * 1e3, "plain_read_ms": turns["read_s"] * 1e3,
               "layer_gb_s": rate(turns["layer_s"]), "plain_read_gb_s": rate(turns["read_s"]),
               "layer_ms_min": turns["layer_s_min"] * 1e3, "plain_read_ms_min": turns["read_s_min"] * 1e3,
+              "expert_alone_ms": alone_s * 1e3, "expert_alone_gb_s": expert_bytes / len(blocks) / top_k / alone_s / 1e9,
               "decode_step_ms": step_s * 1e3, "decode_step_expert_gb_s": rate(step_s),
               "read_ratio": turns["read_s"] / turns["layer_s"], "step_ratio": turns["read_s"] / step_s,
               "profiles": {str(rows): ops_ for rows, ops_ in profiles.items()}}
@@ -224,6 +241,8 @@ def print_report(r: dict) -> None:
           f"(min {r['layer_ms_min']:.2f} ms)")
     print(f"  plain read        : {r['plain_read_ms']:7.2f} ms  {r['plain_read_gb_s']:6.1f} GB/s  "
           f"(min {r['plain_read_ms_min']:.2f} ms)")
+    print(f"  one expert alone  : {r['expert_alone_ms']:7.3f} ms  {r['expert_alone_gb_s']:6.1f} GB/s  (median over "
+          f"every expert, each on its own)")
     print(f"  decode step       : {r['decode_step_ms']:7.2f} ms  {r['decode_step_expert_gb_s']:6.1f} GB/s of experts")
     print(f"  read_ratio (layers / plain read) = {r['read_ratio']:.2f}   step_ratio (step / plain read) = "
           f"{r['step_ratio']:.2f}   (target >= 0.8)")
