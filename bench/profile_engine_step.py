@@ -13,7 +13,7 @@ mixed step: a prefill chunk plus decode rows, counts as prefill). Output: a tabl
 category (torch.profiler CPU time of the ops and `record_function` regions below).
 
 `--cached-context L`: the step a full prefix hit runs instead: qwen3-11m (fp32, context raised to L) computes an
-L-token prompt once, then the same prompt again computes only its last `--chunk` tokens over the L - chunk cached
+(L - chunk)-token prompt once, then that prompt with `--chunk` fresh tokens computes only those over the cached
 ones (`--repeats` times), taking turns: as decode rows of the paged kernel (every chunk of at most
 `IN_PLACE_CHUNK_ROWS`, whatever its context) and as the engine routes it (`IN_PLACE_CHUNK_PAIRS`). Beside that
 step, in the same process and taking turns with it: the attention alone (the paged decode kernel over the pool's
@@ -235,8 +235,9 @@ def cached_hit(args) -> dict:
                  f"kv_pool.num_blocks={2 * (context // BLOCK) + 64}", *args.set]
     llm = LLM(config=config_for(model_dir, "fp32", 4, overrides), device="cpu")
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prompt = [random.Random(0).randrange(5, 4096) for _ in range(context)]
-    llm.generate([prompt], one)  # computed once; every later run is a full hit but for the last `chunk` tokens
+    rng = random.Random(0)
+    prefix = [rng.randrange(5, 4096) for _ in range(context - chunk)]
+    llm.generate([prefix], one)  # computed once; every later run adds `chunk` fresh tokens to it
     steps: list[float] = []
     runner = llm.engine.runner
     original = runner.run
@@ -256,7 +257,7 @@ def cached_hit(args) -> dict:
     for _ in range(args.repeats):
         for route, pairs in routes.items():
             base.IN_PLACE_CHUNK_PAIRS = pairs
-            [out] = llm.generate([prompt], one)
+            [out] = llm.generate([prefix + [rng.randrange(5, 4096) for _ in range(chunk)]], one)
             assert out.metrics.num_cached_tokens == context - chunk, out.metrics.num_cached_tokens
             samples[f"step, {route}"].append(steps[-1])
             samples[f"ttft, {route}"].append(out.metrics.ttft)
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=16, help="with --cached-context: the tokens the hit computes")
     parser.add_argument("--repeats", type=int, default=7, help="with --cached-context: hits timed")
     args = parser.parse_args(argv)
+    if args.cached_context and (args.chunk < 16 or args.chunk % 16 or args.chunk >= args.cached_context):
+        parser.error("--chunk: whole 16-token blocks, fewer than --cached-context (the cached part is whole blocks)")
     if args.ops:
         OPS_DETAIL["(enabled)"] = 0.0
     torch.set_num_threads(args.threads)

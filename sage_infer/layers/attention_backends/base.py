@@ -40,10 +40,11 @@ DECODE_GROUP_ROWS = 16  # gathered decode rows are sorted by context length and 
 # that many decode rows: each reads its causal context in place instead of a gathered copy per span
 IN_PLACE_CHUNK_ROWS = 64
 # ... unless the prefill part is the flash kernel and the chunk's rows times its context exceed this many (query, key)
-# pairs: the decode kernel reads every key once per row, the flash kernel once per tile of rows, which pays for the
-# gather from about 8 rows on over a long context (16 rows over 16K cached keys: 1.5x faster, 64 rows: 2.6x;
-# bench/profile_engine_step.py --cached-context); below it the decode rows of all sequences share one call
-IN_PLACE_CHUNK_PAIRS = 64 * 2048
+# pairs: the decode kernel reads every key once per row, the flash kernel once per tile of rows. Over 16K cached keys
+# (one thread, kernels alone) flash with its gather is 1.2x faster at 16 rows, 1.35x at 32, 2.6x at 64; a full
+# prefix hit's step at 64 rows 1.8-2.2x (bench/profile_engine_step.py --cached-context); at 16-32 rows the
+# one-call C++ decode step of decode rows holds up as well or better on a busy machine, so they stay rows to 32 x 16K
+IN_PLACE_CHUNK_PAIRS = 32 * 16384
 
 
 @dataclass(frozen=True)
