@@ -690,7 +690,8 @@ int64_t crc32c_of(torch::Tensor data, int64_t value) {
 }
 
 // a copy whose bytes total at least this streams its stores (`stream` < 0): it skips reading the destination in
-// first; measured (bench/copy_crc.py) no slower from 1 MiB with the destination in cache or not, slower at 256 KiB
+// first. bench/copy_crc.py on a loaded 2-vCPU VM: faster from 1 MiB into destinations not in cache (a tier's slots,
+// a transport ring), slower at 256 KiB; into one buffer rewritten in cache, faster in one run, slower in another
 constexpr int64_t STREAM_MIN_BYTES = 1 << 20;
 
 bool streams(int64_t stream, int64_t bytes) { return stream < 0 ? bytes >= STREAM_MIN_BYTES : stream > 0; }
