@@ -14,8 +14,8 @@ read are cold in the caches, as in a real decode; a step's 8 x 9.4 MB per layer 
 - `plain read`: the same number of bytes of the same kind of tensors, the top_k experts' gate, up and down
   weights of a random routing in every layer, summed by `torch.sum` (each expert's weights one contiguous
   tensor, read as fp32 words): what reading those bytes costs with nothing else to do;
-- `one expert alone`: each expert's products on one row by themselves, every expert in turn (median): the
-  kernel's read rate without the rest of the layer;
+- `one expert alone`: each expert's products on one row by themselves, every expert once in a random order
+  (median): the kernel's read rate without the rest of the layer;
 - `decode step`: one 128-token prompt then `--decode-tokens` greedy tokens through `LLM.generate`; the step
   time is (wall - first token) / (tokens - 1), its expert read rate expert bytes / step time (the step also
   reads attention and lm_head weights and runs Python: the whole-step rate is the stricter one).
@@ -104,15 +104,16 @@ def touch_all(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtype)
 
 
 def expert_alone_s(blocks: dict, ops, hidden: int, dtype: torch.dtype) -> float:
-    """Median seconds of one expert's products on one row, every expert of every sparse layer in turn (each
-    cold in the caches: the others were read in between)."""
+    """Median seconds of one expert's products on one row, every expert of every sparse layer once, in a random
+    order (in index order a neighbour's weights often follow in memory, which the prefetchers reward)."""
     x = torch.randn(1, hidden).to(dtype)
+    pairs = [(block, e) for block in blocks.values() for e in range(block.experts.num_experts)]
     times = []
-    for block in blocks.values():
-        for e in range(block.experts.num_experts):
-            start = time.perf_counter()
-            block.experts.expert(e, x, ops)
-            times.append(time.perf_counter() - start)
+    for i in torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1)).tolist():
+        block, e = pairs[i]
+        start = time.perf_counter()
+        block.experts.expert(e, x, ops)
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
