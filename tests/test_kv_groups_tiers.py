@@ -27,8 +27,10 @@ from sage_infer.kv_runtime.tiers import HostTier
 from sage_infer.prefix_reuse.index import PrefixReuseIndex
 from tests.redis_fixture import start_redis
 from tests.test_engine_vs_transformers import random_prompts
-from tests.test_kv_groups import greedy, llm, one_thread, outputs  # noqa: F401 (one_thread: an autouse fixture)
+from tests.test_kv_groups import greedy, llm, outputs
 from tests.tiny_models import save_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BS = 4
 WINDOW = 8  # a sliding group's hit needs ceil(7 / 4) = 2 blocks
