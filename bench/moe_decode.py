@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import write_json  # noqa: E402
-from bench.engine_vs_vllm import DEFAULT_CACHE  # noqa: E402
+from bench.engine_vs_vllm import DEFAULT_CACHE, sage_isa  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = lambda seconds: expert_bytes / seconds / 1e9  # noqa: E731
     report = {"model": args.model, "model_dir": str(model_dir), "dtype": args.dtype, "threads": args.threads,
               "iters": args.iters, "sparse_layers": list(blocks), "experts": num_experts, "top_k": top_k,
-              "expert_intermediate": inter, "hidden": cfg.hidden_size, "ops": ops.name,
+              "expert_intermediate": inter, "hidden": cfg.hidden_size, "ops": ops.name, "isa": sage_isa(),
               "expert_mb_per_token": expert_bytes / 1e6, "loadavg": list(os.getloadavg()),
               "layer_ms": turns["layer_s"] * 1e3, "plain_read_ms": turns["read_s"] * 1e3,
               "layer_gb_s": rate(turns["layer_s"]), "plain_read_gb_s": rate(turns["read_s"]),
@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(r: dict) -> None:
-    print(f"{r['model']} {r['dtype']}, {r['threads']} threads, ops {r['ops']}: {len(r['sparse_layers'])} sparse "
+    print(f"{r['model']} {r['dtype']}, {r['threads']} threads, kernels {r['isa']}, load {r['loadavg'][0]:.1f}, "
+          f"ops {r['ops']}: {len(r['sparse_layers'])} sparse "
           f"layers x top {r['top_k']} of {r['experts']} experts (x {r['expert_intermediate']}), "
           f"{r['expert_mb_per_token']:.1f} MB of expert weights per token")
     print(f"  MoE layers, 1 row : {r['layer_ms']:7.2f} ms  {r['layer_gb_s']:6.1f} GB/s  "
