@@ -60,10 +60,13 @@ def model_shape(name: str) -> dict:
 
 
 def layer_shapes(s: dict) -> list[tuple[int, int]]:
-    """(in, out) of q/k/v stacked, o, gate/up stacked and down"""
+    """(in, out) of q/k/v stacked, o, gate/up stacked and down. A mixture of experts' MLP is a token's top-k experts:
+    the products of a dense MLP k experts wide (its FLOPs; the GEMM rate measured on that dense shape is at least a
+    grouped expert product's, so the bound stays a bound)"""
     h, d = s["hidden_size"], s["head_dim"]
+    inter = s["num_experts_per_tok"] * s["moe_intermediate_size"] if s.get("num_experts") else s["intermediate_size"]
     return [(h, (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d), (s["num_attention_heads"] * d, h),
-            (h, 2 * s["intermediate_size"]), (s["intermediate_size"], h)]
+            (h, 2 * inter), (inter, h)]
 
 
 def count_work(prompts: list[list[int]], max_tokens: int, s: dict) -> dict:

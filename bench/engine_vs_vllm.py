@@ -173,7 +173,7 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
         f"(len {min(map(len, prompts))}-{max(map(len, prompts))}), {max_new} out each")
     runs: dict[str, list[dict]] = {"vllm": [], "sage": []}
     checks = []
-    params = model_facts(model_dir)["params"] if name == "W3" else 0
+    params = model_facts(model_dir)["read_params"] if name == "W3" else 0
     for rep in range(args.repeats):
         outputs = {}
         engines = ["sage"] if worker is None else (["vllm", "sage"] if rep % 2 == 0 else ["sage", "vllm"])
@@ -215,7 +215,8 @@ def run_workload(name: str, prompts: list[list[int]], max_new: int, args, worker
 
 
 def weight_gb_s(tok_s: float, params: int, dtype: str) -> float:
-    """Batch 1: every decode step reads every weight once."""
+    """Batch 1: every decode step reads `params` weights once (`model_facts`' read_params: a mixture of experts'
+    top-k experts, not all of them)."""
     return tok_s * params * DTYPE_BYTES[dtype] / 1e9
 
 
@@ -277,7 +278,8 @@ def print_table(report: dict) -> None:
     for w in report["workloads"]:
         if w["workload"] == "W3":
             dtypes = {"vllm": h.get("vllm_dtype", h["dtype"]), "sage": h["dtype"]}
-            gbs = {e: weight_gb_s(w[e]["output_tok_s"], h["params"], dtypes[e]) for e in ("vllm", "sage") if e in w}
+            read = h.get("read_params", h["params"])
+            gbs = {e: weight_gb_s(w[e]["output_tok_s"], read, dtypes[e]) for e in ("vllm", "sage") if e in w}
             peak = h.get("read_gb_s")
             share = f"; memory read bandwidth {peak:.1f} GB/s in this run (best of start and end): " + ", ".join(
                 f"{e} {g / peak:.0%}" for e, g in gbs.items()) if peak else ""

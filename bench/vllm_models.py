@@ -99,13 +99,19 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
 
 
 def model_facts(model_dir: Path) -> dict:
-    """vocab, context length and parameter count read from the saved model."""
+    """vocab, context length and parameter count read from the saved model; `read_params`: those one token's
+    forward reads (a mixture of experts reads its top-k of each layer's experts, counted as k / E of them)."""
     from safetensors import safe_open
 
     config = json.loads((model_dir / "config.json").read_text())
-    params = 0
+    params = experts = 0
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         for key in f.keys():
-            params += math.prod(f.get_slice(key).get_shape())
+            n = math.prod(f.get_slice(key).get_shape())
+            params += n
+            experts += n if ".experts." in key else 0
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    active = config["num_experts_per_tok"] / num_experts if num_experts else 1.0
     return {"vocab_size": config["vocab_size"], "max_position_embeddings": config["max_position_embeddings"],
-            "params": params, "architecture": config["architectures"][0]}
+            "params": params, "read_params": round(params - experts * (1 - active)),
+            "architecture": config["architectures"][0]}

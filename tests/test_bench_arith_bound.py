@@ -30,3 +30,8 @@ def test_the_bench_shapes_are_the_built_models():
     assert layer_shapes(qwen3) == [(384, 640), (384, 384), (384, 2048), (1024, 384)]
     demo = model_shape("demo")
     assert demo["head_dim"] == demo["hidden_size"] // demo["num_attention_heads"]
+
+
+def test_a_mixture_of_experts_mlp_counts_a_tokens_top_k_experts():
+    moe = {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 3}
+    assert layer_shapes(moe)[2:] == [(8, 2 * 6), (6, 8)]  # 2 experts of 3: a dense MLP 6 wide, not 16
