@@ -23,6 +23,7 @@ import json
 import struct
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -119,7 +120,9 @@ class KVTier(ABC):
         self.digest = schema_digest(schema)
         self._stats = TierStats(name=name, capacity_bytes=self.capacity_bytes)
         self._lock = threading.RLock()
-        self._background_errors: list[str] = []  # failures off the caller's thread, until taken
+        # failures off the caller's thread, until taken: a deque, so taking them never waits for the tier's lock
+        # (held through a store's or load's copy)
+        self._background_errors: deque[str] = deque()
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -189,9 +192,12 @@ class KVTier(ABC):
     def take_background_errors(self) -> list[str]:
         """What failed since the last call in work the tier does on its own (the disk tier's writer thread), each
         as one line; the caller (`HierarchyManager`) counts them and rests the tier."""
-        with self._lock:
-            errors, self._background_errors = self._background_errors, []
-        return errors
+        errors = []
+        try:
+            while True:  # appends and pops of a deque are atomic: no lock taken
+                errors.append(self._background_errors.popleft())
+        except IndexError:
+            return errors
 
     def stats(self) -> TierStats:
         with self._lock:
