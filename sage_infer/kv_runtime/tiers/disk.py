@@ -150,7 +150,9 @@ class DiskTier(KVTier):
         """Copy the new blocks and queue them for the writer; returns without touching the disk. Where the one-pass
         kernel loads, the copy also takes their CRC32Cs, so the writer does not read them again."""
         keys, blocks = self._check_put(keys, blocks)
-        self._queue_batch(keys, tensor_gather(blocks), blocks.cpu() if fused_kernel() is not None else None)
+        # one pass straight from host memory; a device's blocks come over by the gather alone (no whole-batch copy)
+        fused = fused_kernel() is not None and blocks.device.type == "cpu"
+        self._queue_batch(keys, tensor_gather(blocks), blocks if fused else None)
 
     def put_gather(self, keys: Sequence[bytes], gather: Gather) -> None:
         """`put` of blocks the caller gathers straight into the writer's queue (one `gather` call per batch)."""
