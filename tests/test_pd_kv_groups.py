@@ -55,10 +55,11 @@ def gemma3(tmp_path_factory):
     return directory, want
 
 
-def engine(directory, role: str = "both", kv_dtype: str = "auto", **transport) -> LLMEngine:
+def engine(directory, role: str = "both", kv_dtype: str = "auto", backend: str = "shm",
+           **transport) -> LLMEngine:
     config = ServeConfig(model=ModelConfig(path=str(directory), dtype="fp32"),
                          kv_pool=KVPoolConfig(block_size=BS, num_blocks=160, kv_dtype=kv_dtype), role=role,
-                         kv_transport=KVTransportConfig(backend="shm", **transport))
+                         kv_transport=KVTransportConfig(backend=backend, **transport))
     return LLM(config=config, device="cpu").engine
 
 
@@ -165,3 +166,28 @@ def test_workers_whose_kv_groups_differ_are_refused_before_a_transfer(gemma3):
                                                                                    schema_digest=digest)))
     assert not decode.has_unfinished_requests()
     decode.shutdown()
+
+
+@pytest.mark.parametrize("target_dtype", [None, "int8"])
+def test_a_tcp_transfer_carries_each_groups_blocks(gemma3, target_dtype):
+    """The same per-group transfer over tcp, as stored and with int8 on the wire (converted back on arrival)."""
+    directory, want = gemma3
+    prefill = engine(directory, "prefill", backend="tcp", target_dtype=target_dtype)
+    decode = engine(directory, "decode", backend="tcp", target_dtype=target_dtype)
+    prefill_and_hold(prefill, "r1", STEM)
+    decode.add(AddRequest("r1", STEM, GREEDY, kv_transfer=KVTransferParams(transfer_id="t-r1")))
+    address = decode.pd.info().address
+    assert address.startswith("tcp://")
+    window = decode.kv.groups.window_blocks(1, BS)
+    assert prefill.pd.send("r1", address, "t-r1") == 17 + 2 * window
+    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    assert final.metrics.num_cached_tokens == 17 * BS
+    stats = decode.kv.source("transfers").transfers.stats
+    assert (stats.received, stats.hash_mismatches, stats.receive_failures) == (1, 0, 0)
+    if target_dtype is None:  # as stored: transformers' tokens; int8 on the wire rounds the KV once
+        assert final.outputs[0].token_ids == want["stem"]
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    for worker in (prefill, decode):
+        worker.kv.block_manager.check_invariants()
+        assert worker.kv.block_manager.num_used_blocks == 1
+        worker.shutdown()
