@@ -9,7 +9,9 @@ the other, never at once (this machine has 2 cores). The same workload goes thro
 deployment: TTFT and TPOT p50/p99, output tokens/s, and for 1P1D the KV bytes moved, the mean
 transfer time against the mean prefill time (from the workers' own /metrics), and the achieved
 transfer GB/s against `sage transport bench`'s path on the same backend (the transport engine
-moving the same bytes between two processes, measured in the same run). Greedy outputs must be
+moving the same bytes between two processes, measured in the same run), and the time spent converting KV
+between dtypes (both workers' `sage:pd_transfer_convert_seconds`) as a share of the 1P1D requests' time
+(with `--kv-transport preset=low-cost`, int8 on the wire: the design's "conversion <= 5 %"). Greedy outputs must be
 identical. Model: a random Llama (tests/tiny_models.py) with 16-token blocks.
 """
 
@@ -87,7 +89,8 @@ def summarize(run, label: str, texts: list[list[int]]) -> dict:
             "tpot_p50_ms": 1e3 * percentile(tpot, 50) if tpot else None,
             "tpot_p99_ms": 1e3 * percentile(tpot, 99) if tpot else None,
             "output_tok_s": out_tokens / run.duration_s, "duration_s": run.duration_s,
-            "cached_tokens": sum(r.cached_tokens or 0 for r in ok), "texts": texts}
+            "cached_tokens": sum(r.cached_tokens or 0 for r in ok), "texts": texts,
+            "e2e_s_sum": sum(r.e2e_s for r in ok if r.e2e_s is not None)}
 
 
 def greedy_texts(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -110,6 +113,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="shm", choices=["shm", "tcp", "torchdist"])
+    parser.add_argument("--kv-transport", action="append", default=[], metavar="KEY=VALUE",
+                        help="more transport settings for the 1P1D deployment, e.g. preset=low-cost (repeatable)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -123,7 +128,8 @@ def main() -> None:
     arrivals = [0.0] * args.requests
 
     results, transfer = [], {}
-    for label, extra in (("colocated", []), ("1P1D", ["--pd", "1P1D", "--kv-transport", f"backend={args.backend}"])):
+    for label, extra in (("colocated", []), ("1P1D", ["--pd", "1P1D", "--kv-transport", f"backend={args.backend}",
+                                                    *(a for kv in args.kv_transport for a in ("--kv-transport", kv))])):
         proc, url, workers = start(common + extra)
         try:
             run = asyncio.run(run_workload(url, None, None, workload, arrivals, args.concurrency))
@@ -149,6 +155,9 @@ def main() -> None:
     achieved = moved / max(1e-9, p.get("sage:pd_transfer_seconds_total|send", 0.0)) / 1e9
     peer_gbps = float(run_transport(args.backend, max(per_transfer, 1 << 16), 4 << 20, "fp32", "fp32",
                                     repeats=3)["gbps"])
+    converting = sum(w.get(f"sage:pd_transfer_convert_seconds_total|{side}", 0.0)
+                     for w, side in ((p, "send"), (d, "receive")))
+    request_s = results[1]["e2e_s_sum"]
     same = results[0]["texts"] == results[1]["texts"]
     report = {
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "args": vars(args) | {"json": str(args.json)},
@@ -157,7 +166,9 @@ def main() -> None:
                      "mean_transfer_s": transfer_s, "mean_decode_wait_s": wait_s, "mean_prefill_request_s": prefill_s,
                      "transfer_over_prefill": transfer_s / prefill_s if prefill_s else None,
                      "achieved_gb_s": achieved, "transport_bench_gb_s": peer_gbps,
-                     "achieved_over_transport_bench": achieved / peer_gbps if peer_gbps else None},
+                     "achieved_over_transport_bench": achieved / peer_gbps if peer_gbps else None,
+                     "convert_s": converting, "requests_s": request_s,
+                     "convert_over_requests": converting / request_s if request_s else None},
         "greedy_outputs_identical": same,
     }
     print(f"{'deployment':<10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'out tok/s':>10} errors")
@@ -173,6 +184,8 @@ def main() -> None:
           f"decode waits {1e3 * t['mean_decode_wait_s']:.1f} ms per request (pull request + transfer)")
     print(f"achieved {t['achieved_gb_s']:.2f} GB/s vs transport bench {t['transport_bench_gb_s']:.2f} GB/s "
           f"({args.backend}) -> {t['achieved_over_transport_bench'] or 0:.2f}")
+    print(f"KV dtype conversion {converting:.3f} s over both workers = {t['convert_over_requests'] or 0:.4f} of the "
+          f"1P1D requests' {request_s:.1f} s (send -> end of stream, summed)")
     print(f"greedy outputs identical: {same}")
     if args.json:
         write_json(args.json, report, indent=2)

@@ -70,6 +70,10 @@ def test_a_bf16_decode_engine_converts_the_int8_wire_blocks_back(model_dir, pref
         want = convert_rows(wire_rows, pool.schema.with_dtype(KVDtype.INT8), pool.schema)
         assert torch.equal(pool.read_blocks(cached.block_ids).view(torch.uint8).reshape(5, -1), want)
         assert len(final.outputs[0].token_ids) == GREEDY.max_tokens
+        # both conversions are counted: the prefill's encoding into int8, this engine's decoding back to bf16
+        assert prefill.kv.source("transfers").transfers.stats.send_convert_seconds > 0
+        [_, receive] = decode.stats().kv_transfers
+        assert receive[0] == "receive" and receive[5] == transfers.stats.receive_convert_seconds > 0
     finally:
         decode.shutdown()
 
@@ -82,6 +86,7 @@ def test_a_decode_engine_whose_pool_is_the_wire_dtype_stores_the_blocks_as_they_
         assert final.metrics.num_cached_tokens == 5 * BLOCK and transfers.stats.hash_mismatches == 0
         cached = decode.kv.index.match(PROMPT, decode.extra_key(), record=False)
         assert torch.equal(decode.runner.pool.read_blocks(cached.block_ids), wire_rows)  # bit-exact, no re-encode
+        assert transfers.stats.receive_convert_seconds == 0
     finally:
         decode.shutdown()
 

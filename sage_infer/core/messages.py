@@ -133,8 +133,9 @@ class EngineStats:
     quota_blocks: tuple[tuple[str, str, int], ...] = ()  # (tier, tenant, blocks held) with tenant quotas
     quota_events: tuple[tuple[str, str, str, int], ...] = ()  # (tier, tenant, min|max|self_evict, count)
     kv_transfer_role: str | None = None  # prefill | decode (prefill/decode separation), None otherwise
-    # (direction send|receive, transfers ok, failed, bytes, seconds) of prefill/decode KV transfers
-    kv_transfers: tuple[tuple[str, int, int, int, float], ...] = ()
+    # (direction send|receive, transfers ok, failed, bytes, seconds, KV dtype conversion seconds) of
+    # prefill/decode KV transfers
+    kv_transfers: tuple[tuple[str, int, int, int, float, float], ...] = ()
     kv_transfer_expired_holds: int = 0  # prefill: held KV no decode instance asked for in time
     kv_transfer_hash_mismatches: int = 0  # decode: transfers whose block hashes differed from the prompt's
     # mixture-of-experts models: (layer, expert, tokens routed to it since start), each sparse layer's every expert

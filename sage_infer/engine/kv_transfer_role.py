@@ -69,6 +69,8 @@ class KVTransferRole:
         """The transfers' counters, as `EngineStats` fields."""
         t = self.transfers.stats
         return {"kv_transfer_role": self.role,
-                "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds),
-                                 ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds)),
+                "kv_transfers": (("send", t.sent, t.send_failures, t.bytes_sent, t.send_seconds,
+                                  t.send_convert_seconds),
+                                 ("receive", t.received, t.receive_failures, t.bytes_received, t.receive_seconds,
+                                  t.receive_convert_seconds)),
                 "kv_transfer_expired_holds": t.expired_holds, "kv_transfer_hash_mismatches": t.hash_mismatches}

@@ -48,6 +48,8 @@ class KVTransferCounters:
     bytes_received: int = 0
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
+    send_convert_seconds: float = 0.0  # re-encoding blocks into the wire's or the receiver's KV dtype
+    receive_convert_seconds: float = 0.0  # the wire's KV dtype into this pool's
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,10 @@ class KVTransfers:
             self.pipe.start_send(transfer_id, address, rows, hashes, ids)
             return n
         schema = self.pool.schema.with_dtype(KVDtype(wire))  # a wire dtype of its own: the receiver converts back
-        self.pipe.start_send(transfer_id, address, convert_blocks(self.pool, ids, schema), hashes, ids, schema)
+        start = time.perf_counter()
+        rows = convert_blocks(self.pool, ids, schema)
+        self.stats.send_convert_seconds += time.perf_counter() - start
+        self.pipe.start_send(transfer_id, address, rows, hashes, ids, schema)
         return n
 
     def num_blocks(self, seq: Sequence) -> int:
@@ -210,7 +215,9 @@ class KVTransfers:
             if seq is None:
                 continue
             if result.ok and self.pipe.schema != self.pool.schema:  # the wire's format -> the pool's
+                start = time.perf_counter()
                 result = replace(result, rows=convert_rows(result.rows, self.pipe.schema, self.pool.schema))
+                self.stats.receive_convert_seconds += time.perf_counter() - start
             received = self._verified(seq, result) if result.ok else None
             if received is not None:
                 self.received[seq.seq_id] = received

@@ -198,11 +198,15 @@ def _transfer_families(stats, labels: list[str], value: list[str]):
     seconds = CounterMetricFamily("sage:pd_transfer_seconds", "Wall time of completed transfers (send: first "
                                   "chunk to last verified chunk; receive: from expecting the KV to its last "
                                   "chunk).", labels=[*labels, "direction"])
-    for direction, ok, failed, moved, spent in stats.kv_transfers:
+    convert = CounterMetricFamily("sage:pd_transfer_convert_seconds", "Time spent converting transferred KV "
+                                  "between KV dtypes (send: into the wire's or the receiver's; receive: the "
+                                  "wire's into this pool's).", labels=[*labels, "direction"])
+    for direction, ok, failed, moved, spent, converting in stats.kv_transfers:
         count.add_metric([*value, direction, "ok"], ok)
         count.add_metric([*value, direction, "failed"], failed)
         nbytes.add_metric([*value, direction], moved)
         seconds.add_metric([*value, direction], spent)
+        convert.add_metric([*value, direction], converting)
     expired = CounterMetricFamily("sage:pd_expired_holds", "Held prefill KV no decode instance took "
                                   "in time (freed).", labels=labels)
     expired.add_metric(value, stats.kv_transfer_expired_holds)
@@ -210,7 +214,7 @@ def _transfer_families(stats, labels: list[str], value: list[str]):
                                      "from this prompt's (another salt, revision or prompt): the rest was "
                                      "computed.", labels=labels)
     mismatched.add_metric(value, stats.kv_transfer_hash_mismatches)
-    yield from (count, nbytes, seconds, expired, mismatched)
+    yield from (count, nbytes, seconds, convert, expired, mismatched)
 
 
 class ServerMetrics:
