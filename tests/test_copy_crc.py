@@ -3,7 +3,9 @@ ISA level built for this architecture that this CPU runs, the copy equals a plai
 `crc32c` package's, for every length from 0 to 200 bytes, odd source and destination offsets, lengths around the
 kernel's interleaved blocks, 16 KiB and 2 MiB + 3, with plain and streaming stores; nothing outside the
 destination is written; a batch of row runs returns one CRC per row; and without the kernel the Python fallback
-gives the same bytes and CRCs."""
+gives the same bytes and CRCs. Every CRC method the kernel runs here (carry-less-multiply folding at 16, 32 and
+64 bytes, the crc32 instruction) gives the bitwise definition's CRC for lengths 0..300 and long odd ones, at odd
+offsets, chained; the method chosen by default is the one /proc/cpuinfo's flags allow."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from sage_infer.hal.isa import build_levels, missing_flags, read_cpu_flags, selected_level
 from sage_infer.quantization import kv_codec_kernel
-from sage_infer.quantization.kv_codec_kernel import CODEC_ENV
+from sage_infer.quantization.kv_codec_kernel import CODEC_ENV, crc_method_forced
 
 # every length up to 200 (the unaligned head and the 8-byte tail), around the 3 x 256 and 3 x 8 KiB blocks the
 # three streams take, and large
@@ -101,3 +103,69 @@ def test_the_python_entry_points_agree_with_and_without_the_kernel(with_kernel, 
         assert got == crc32c.crc32c(read_only) and np.array_equal(target, read_only)
     else:
         assert got is None and not target.any()  # the caller copies and checksums on its own
+
+
+def bitwise_crc32c(data: bytes, crc: int = 0) -> int:
+    """CRC32C by its definition: reflected polynomial 0x82F63B78, pre- and post-inverted, one bit at a time."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+# around the folding's thresholds (512 bytes, 4 and 8 vectors, a vector's tail) and long odd lengths
+LONG_SIZES = (511, 512, 513, 575, 1023, 1024 + 15, 4096 + 63, 16383, (256 << 10) + 7, (2 << 20) + 61)
+
+
+def test_the_folding_agrees_with_the_bitwise_definition(cpu_isa):
+    if kv_codec_kernel.fused_copy() is None or not hasattr(kv_codec_kernel.native(), "crc32c_methods"):
+        pytest.skip(f"no CRC32C kernel here: {kv_codec_kernel.unavailable() or 'CRC not native'}")
+    data = bytes(np.random.default_rng(5).integers(0, 256, 1400, dtype=np.uint8))
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for method in kv_codec_kernel.native().crc32c_methods():
+        with crc_method_forced(method) as module:
+            for n, off in ((1400, 0), (1337, 3), (700, 61), (512, 1)):
+                expected = bitwise_crc32c(data[off : off + n], 0x1234567)
+                assert module.crc32c(src[off : off + n], 0x1234567) == expected, (cpu_isa, method, n, off)
+                out = torch.empty(n + 64, dtype=torch.uint8)
+                assert module.copy_crc32c(out[5 : 5 + n], src[off : off + n], 0x1234567, 0) == expected
+
+
+def test_every_crc_method_copies_and_checksums_any_length_and_offset(cpu_isa):
+    if kv_codec_kernel.fused_copy() is None or not hasattr(kv_codec_kernel.native(), "crc32c_methods"):
+        pytest.skip(f"no CRC32C kernel here: {kv_codec_kernel.unavailable() or 'CRC not native'}")
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, ((2 << 20) + 200,), dtype=torch.uint8, generator=gen)
+    dst = torch.empty((2 << 20) + 200, dtype=torch.uint8)
+    for method in kv_codec_kernel.native().crc32c_methods():
+        with crc_method_forced(method) as module:
+            for n in (*range(301), *LONG_SIZES):
+                so, do = n % 7, (3 * n + 1) % 64 if n % 2 else 0
+                seed = (n * 2654435761) & 0xFFFFFFFF
+                part = src[so : so + n]
+                expected = crc32c.crc32c(part.numpy(), seed)
+                assert module.crc32c(part, seed) == expected, (cpu_isa, method, n, so)
+                stream = n % 2 if n < 300 else -1
+                dst[do : do + n + 64].fill_(SENTINEL)
+                assert module.copy_crc32c(dst[do : do + n], part, seed, stream) == expected, (cpu_isa, method, n)
+                assert torch.equal(dst[do : do + n], part) and bool((dst[do + n : do + n + 64] == SENTINEL).all())
+            # a CRC chained over cuts (each continuing the last) is the whole input's
+            whole, crc = src[1 : 1 + (1 << 20) + 77], 0
+            for a, b in ((0, 700), (700, 701), (701, 5000), (5000, (1 << 20) + 77)):
+                crc = module.copy_crc32c(dst[a + 3 : b + 3], whole[a:b], crc, 0)
+            assert crc == crc32c.crc32c(whole.numpy()), (cpu_isa, method)
+
+
+def test_the_default_crc_method_is_what_the_cpu_flags_allow(cpu_isa):
+    module = kv_codec_kernel.native()
+    if module is None or not hasattr(module, "crc32c_methods") or not module.crc32c_native():
+        pytest.skip(f"no CRC32C kernel here: {kv_codec_kernel.unavailable() or 'CRC not native'}")
+    flags = read_cpu_flags() or set()
+    wide = "vpclmulqdq" in flags and "pclmulqdq" in flags
+    expected = ("crc32" if not wide else "vpclmulqdq-256" if cpu_isa == "avx2" else "vpclmulqdq-512")
+    assert module.crc32c_method() == kv_codec_kernel.crc_method() == expected
+    assert ("pclmulqdq" in module.crc32c_methods()) == ("pclmulqdq" in flags)
+    with pytest.raises(RuntimeError, match="unknown method"):
+        module.crc32c_set_method("crc64")

@@ -4,15 +4,22 @@ The kernel is part of the CPU kernels' build (one per ISA level, compiled at ins
 loaded at run time: `sage_infer.hal.kernel_build`). It encodes and decodes exactly as the PyTorch codec
 (`kv_codec.quantize_groups` / `dequantize_groups`, the reference its tests compare with bit for bit), reading the
 fp16 / bf16 / fp32 values once: no fp32 copy, no temporaries. With ``crc`` it also returns the CRC32C of the bytes
-it wrote (codes, then scales), computed with SSE4.2's ``crc32`` while they are in L1, so a checksummed wire chunk
+it wrote (codes, then scales), computed while they are in L1 or L2, so a checksummed wire chunk
 costs no second pass over its payload.
 
 `native()` is the module, or None where it cannot run: no kernel build loads here, the build predates the codec,
 or ``SAGE_KV_CODEC=torch`` asks for the PyTorch codec. The reason is logged once; the callers then take the
 PyTorch codec and the `crc32c` package (so does the CRC of the generic, non-x86 build, `native_crc()`).
-`crc32c()` is the package's function on the kernel's instruction loop (the same values); `copy_crc32c()` and
+`crc32c()` is the package's function on the kernel's loop (the same values); `copy_crc32c()` and
 `copy_rows_crc32c()` copy and checksum in one pass (each byte loaded once), the data path's moves (tier puts and
 gets, shm sends and receives).
+
+How the kernel computes a long CRC (`crc_method()`): ``vpclmulqdq-512`` (carry-less-multiply folding of 64-byte
+vectors, the AVX-512 builds), ``vpclmulqdq-256`` (32-byte vectors, the avx2 build), where the CPU has VPCLMULQDQ;
+else ``crc32`` (the SSE4.2 instruction in three streams). ``pclmulqdq`` (16-byte vectors) runs where the CPU has
+PCLMULQDQ but is chosen only by `crc_method_forced`. The kernel asks the CPU (cpuid) and the first load checks
+its choice against /proc/cpuinfo's flags, falling back to ``crc32`` where they disagree. Below 512 bytes, and for
+the head and tail of longer inputs, the crc32 instruction runs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import crc32c as _crc32c
@@ -27,13 +36,17 @@ import numpy as np
 import torch
 
 from sage_infer.hal import kernel_build
-from sage_infer.hal.isa import ENV
+from sage_infer.hal.isa import ENV, read_cpu_flags
 
 log = logging.getLogger(__name__)
 FORMAT_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp8_e4m3fnuz": 2, "int8": 3, "int4": 4}
 CODEC_ENV = "SAGE_KV_CODEC"  # "torch": the PyTorch codec where the kernel would load (tests, benchmarks)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _logged: set[str] = set()
+# /proc/cpuinfo flags each folding method needs (the kernel asks cpuid; a disagreement falls back to crc32)
+METHOD_CPU_FLAGS = {"pclmulqdq": ("pclmulqdq",), "vpclmulqdq-256": ("pclmulqdq", "vpclmulqdq"),
+                    "vpclmulqdq-512": ("pclmulqdq", "vpclmulqdq", "avx512f")}
+_checked: set[int] = set()
 
 
 def unavailable() -> str | None:
@@ -50,11 +63,47 @@ def native() -> ModuleType | None:
     """The kernel module, or None (the reason logged once per reason) where the PyTorch codec runs instead."""
     why = unavailable()
     if why is None:
-        return kernel_build.load_selected(os.environ.get(ENV, ""))[0]
+        module = kernel_build.load_selected(os.environ.get(ENV, ""))[0]
+        if id(module) not in _checked:
+            _checked.add(id(module))
+            _check_crc_method(module)
+        return module
     if why not in _logged:
         _logged.add(why)
         log.info("sage: the KV codec runs on PyTorch ops, not its C++ kernel: %s", why)
     return None
+
+
+def _check_crc_method(module: ModuleType) -> None:
+    """Fall back to the crc32 instruction where /proc/cpuinfo lacks a flag the kernel's folding method needs."""
+    if not hasattr(module, "crc32c_method"):
+        return
+    method, flags = module.crc32c_method(), read_cpu_flags()
+    missing = [f for f in METHOD_CPU_FLAGS.get(method, ()) if flags is None or f not in flags]
+    if missing:
+        log.info("sage: CRC32C on the crc32 instruction, not %s: /proc/cpuinfo lacks %s", method, ", ".join(missing))
+        module.crc32c_set_method("crc32")
+
+
+def crc_method() -> str | None:
+    """How the kernel computes a long CRC32C (see the module's docstring), or None where it does not run."""
+    module = native_crc()
+    return module.crc32c_method() if module is not None and hasattr(module, "crc32c_method") else None
+
+
+@contextmanager
+def crc_method_forced(method: str) -> Iterator[ModuleType]:
+    """The kernel module with its CRC32C computed by `method` (one of its ``crc32c_methods()``) until the block
+    ends: the benchmarks' old-vs-new rounds and the tests of every method. RuntimeError where it does not run."""
+    module = native_crc()
+    if module is None or not hasattr(module, "crc32c_set_method"):
+        raise RuntimeError(f"no CRC32C kernel with methods here: {unavailable() or 'CRC not native'}")
+    before = module.crc32c_method()
+    module.crc32c_set_method(method)
+    try:
+        yield module
+    finally:
+        module.crc32c_set_method(before)
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, fmt: str, group: int, inner: int) -> ModuleType | None:
@@ -84,7 +133,7 @@ def crc32c(data: torch.Tensor, value: int = 0) -> int:
 
 def copy_crc32c(dst: torch.Tensor, src: torch.Tensor, value: int = 0) -> int:
     """``dst.copy_(src)`` (contiguous CPU tensors of equal bytes) and the CRC32C of the bytes, continuing `value`:
-    the kernel loads each 8 bytes once, stores them and feeds them to the ``crc32`` instruction (one pass, the GIL
+    the kernel loads each byte once, stores it and folds it into the CRC (`crc_method`; one pass, the GIL
     released; streaming stores from 1 MiB); elsewhere a copy, then the CRC."""
     module = native_crc()
     if module is not None:

@@ -1,6 +1,8 @@
 // The KV codec (sage_infer/quantization/kv_codec.py) in one pass over the values: fp8 (e4m3fn, e5m2, e4m3fnuz),
 // int8 and int4 encode and decode of [outer, group, inner] values with one fp16 scale per (outer, inner), and a
-// CRC32C of the encoded bytes computed as they are written (SSE4.2 `crc32`), so the wire path reads the KV once.
+// CRC32C of the encoded bytes computed as they are written, so the wire path reads the KV once. The CRC32C and the
+// one-pass copy + CRC32C of the data path fold 64-byte vectors with VPCLMULQDQ where the CPU has it (32-byte
+// vectors in the avx2 build), else run the SSE4.2 `crc32` instruction in three streams (crc_method).
 //
 // The arithmetic is the Python codec's, operation for operation, in fp32: scale = fp16(clamp(amax / qmax,
 // 2^-24, 65504)) with amax / qmax an IEEE division; codes from clamp(x * (1 / scale), -qmax, qmax); int levels
@@ -14,8 +16,11 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -27,41 +32,46 @@ namespace {
 // ---------------------------------------------------------------------------------------------------- CRC32C
 constexpr uint32_t POLY = 0x82f63b78u;  // Castagnoli, reflected
 
-uint32_t gf2_times(const uint32_t* mat, uint32_t vec) {
-  uint32_t sum = 0;
-  for (; vec; vec >>= 1, ++mat)
-    if (vec & 1) sum ^= *mat;
-  return sum;
+// a * b modulo the polynomial, reflected (zlib's multmodp)
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+  }
+  return p;
 }
 
-void gf2_square(uint32_t* square, const uint32_t* mat) {
-  for (int n = 0; n < 32; ++n) square[n] = gf2_times(mat, mat[n]);
+// x^n modulo the polynomial, reflected (bit 31 is x^0), from a table of x^(2^k)
+uint32_t x_pow_mod(uint64_t n) {
+  static const std::vector<uint32_t> x2n = [] {
+    std::vector<uint32_t> t(64);
+    t[0] = 1u << 30;  // x^1
+    for (int k = 1; k < 64; ++k) t[k] = multmodp(t[k - 1], t[k - 1]);
+    return t;
+  }();
+  uint32_t p = 1u << 31;  // x^0
+  for (unsigned k = 0; n; n >>= 1, ++k)
+    if (n & 1) p = multmodp(x2n[k & 63], p);
+  return p;
 }
 
-// the operator that appends `len` zero bytes to a raw CRC state, for len a power of two (Mark Adler's crc32c.c)
-void zeros_op(uint32_t* even, size_t len) {
-  uint32_t odd[32];
-  odd[0] = POLY;
-  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
-  gf2_square(even, odd);  // 2 zero bits
-  gf2_square(odd, even);  // 4 zero bits
-  do {
-    gf2_square(even, odd);
-    len >>= 1;
-    if (len == 0) return;
-    gf2_square(odd, even);
-    len >>= 1;
-  } while (len);
-  std::memcpy(even, odd, sizeof odd);
-}
+// crc(A then B) from crc(A), crc(B) and len(B): crc(A) times x^(8 len(B)) mod the polynomial, plus crc(B)
+// (zlib's crc32_combine; a few hundred cycles)
+uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) { return multmodp(x_pow_mod(8 * len2), crc1) ^ crc2; }
 
+// the operator that appends `len` zero bytes to a raw CRC state, as a table (the crc32 instruction's streams are
+// joined with it): shift(crc) = crc times x^(8 len)
 struct ShiftTable {
   uint32_t t[4][256];
   explicit ShiftTable(size_t len) {
-    uint32_t op[32];
-    zeros_op(op, len);
+    const uint32_t k = x_pow_mod(8 * len);
     for (uint32_t n = 0; n < 256; ++n)
-      for (int k = 0; k < 4; ++k) t[k][n] = gf2_times(op, n << (8 * k));
+      for (int b = 0; b < 4; ++b) t[b][n] = multmodp(k, n << (8 * b));
   }
   uint32_t shift(uint32_t crc) const {
     return t[0][crc & 0xff] ^ t[1][(crc >> 8) & 0xff] ^ t[2][(crc >> 16) & 0xff] ^ t[3][crc >> 24];
@@ -84,11 +94,11 @@ inline void put8(uint8_t* d, uint64_t v) {
   if constexpr (S == Store::STREAM) _mm_stream_si64(reinterpret_cast<long long*>(d), static_cast<long long>(v));
 }
 
-// raw (not pre/post-inverted) CRC32C of len bytes at p, and with S != NONE a copy of them to d made from the same
-// registers (each byte loaded once): three interleaved streams per block (the instruction's latency is 3 cycles,
-// its throughput 1), joined by the zero-append operators above
+// raw (not pre/post-inverted) CRC32C of len bytes at p on the crc32 instruction, and with S != NONE a copy of them
+// to d made from the same registers (each byte loaded once): three interleaved streams per block (the
+// instruction's latency is 3 cycles, its throughput 1), joined by the zero-append tables above
 template <Store S>
-uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
+uint32_t crc_insn(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
   static const ShiftTable long_shift(LONG_BLOCK), short_shift(SHORT_BLOCK);
   constexpr bool copy = S != Store::NONE;
   uint64_t c0 = crc;
@@ -146,8 +156,212 @@ uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
   }
   return static_cast<uint32_t>(c0);
 }
+
+// ---------------------------------------------------------------------------- CRC32C by carry-less multiplication
+// The bytes are read as 16-byte lanes, each a polynomial C = H x^64 + L (H its first 8 bytes, reflected). Four
+// accumulators of V::BYTES each take one vector per turn; a lane moves forward F bytes as C x^(8F) = H k_lo + L k_hi
+// (two carry-less products of 64 x 32 bits) with k_lo = x^(8F + 31), k_hi = x^(8F - 33) mod P: the -33 undoes the
+// product's one-bit reflection offset and the constants' 32-bit placement. The last lane's 16 bytes go through the
+// crc32 instruction (its CRC from state 0 is that lane's remainder), and so do the head that aligns the stores and
+// the tail under one vector. Constants come from x_pow_mod (tests/test_copy_crc.py checks every length against the
+// bitwise definition). The instruction sets are enabled per function and chosen at run time (crc_method).
+enum CrcMethod : int { CRC_INSN = 0, CLMUL_128 = 1, CLMUL_256 = 2, CLMUL_512 = 3 };
+const char* const METHOD_NAMES[] = {"crc32", "pclmulqdq", "vpclmulqdq-256", "vpclmulqdq-512"};
+
+struct FoldConstant {  // (k_lo, k_hi) for moving a 16-byte lane forward by `bytes`
+  uint64_t lo, hi;
+  explicit FoldConstant(size_t bytes) : lo(x_pow_mod(8 * bytes + 31)), hi(x_pow_mod(8 * bytes - 33)) {}
+};
+
+// lengths from which folding pays (below: the crc32 instruction's loop alone)
+constexpr size_t FOLD_MIN_BYTES = 512;
+
+#pragma GCC push_options
+#pragma GCC target("pclmul")
+struct V128 {
+  using T = __m128i;
+  static constexpr size_t BYTES = 16, ACC = 8;  // (8 accumulators cover the product's latency)
+  static T load(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const T*>(p)); }
+  template <Store S>
+  static void store(uint8_t* d, T v) {  // (d aligned to BYTES)
+    if constexpr (S == Store::PLAIN) _mm_store_si128(reinterpret_cast<T*>(d), v);
+    if constexpr (S == Store::STREAM) _mm_stream_si128(reinterpret_cast<T*>(d), v);
+  }
+  static T add(T a, T b) { return _mm_xor_si128(a, b); }
+  static T of_crc(uint32_t crc) { return _mm_cvtsi32_si128(static_cast<int>(crc)); }
+  static T constant(size_t bytes) {
+    const FoldConstant k(bytes);
+    return _mm_set_epi64x(static_cast<long long>(k.hi), static_cast<long long>(k.lo));
+  }
+  static T fold(T x, T k, T data) {  // x moved forward, plus data
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), data);
+  }
+  static __m128i lanes(T x) { return x; }  // (one lane: nothing to join)
+};
+#pragma GCC pop_options
+
+#if defined(__AVX2__)
+#pragma GCC push_options
+#pragma GCC target("pclmul,vpclmulqdq")
+struct V256 {
+  using T = __m256i;
+  static constexpr size_t BYTES = 32, ACC = 4;
+  static T load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const T*>(p)); }
+  template <Store S>
+  static void store(uint8_t* d, T v) {
+    if constexpr (S == Store::PLAIN) _mm256_store_si256(reinterpret_cast<T*>(d), v);
+    if constexpr (S == Store::STREAM) _mm256_stream_si256(reinterpret_cast<T*>(d), v);
+  }
+  static T add(T a, T b) { return _mm256_xor_si256(a, b); }
+  static T of_crc(uint32_t crc) { return _mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(crc))); }
+  static T constant(size_t bytes) {
+    const FoldConstant k(bytes);
+    return _mm256_set_epi64x(static_cast<long long>(k.hi), static_cast<long long>(k.lo),
+                             static_cast<long long>(k.hi), static_cast<long long>(k.lo));
+  }
+  static T fold(T x, T k, T data) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
+                                             _mm256_clmulepi64_epi128(x, k, 0x11)), data);
+  }
+  static __m128i lanes(T x) {  // lane 0 moved forward 16 bytes onto lane 1
+    return V128::fold(_mm256_castsi256_si128(x), V128::constant(16), _mm256_extracti128_si256(x, 1));
+  }
+};
+#pragma GCC pop_options
+#endif
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("pclmul,vpclmulqdq")
+struct V512 {
+  using T = __m512i;
+  static constexpr size_t BYTES = 64, ACC = 4;
+  static T load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  template <Store S>
+  static void store(uint8_t* d, T v) {
+    if constexpr (S == Store::PLAIN) _mm512_store_si512(d, v);
+    if constexpr (S == Store::STREAM) _mm512_stream_si512(reinterpret_cast<T*>(d), v);
+  }
+  static T add(T a, T b) { return _mm512_xor_si512(a, b); }
+  static T of_crc(uint32_t crc) { return _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))); }
+  static T constant(size_t bytes) {
+    const FoldConstant k(bytes);
+    return _mm512_set_epi64(static_cast<long long>(k.hi), static_cast<long long>(k.lo),
+                            static_cast<long long>(k.hi), static_cast<long long>(k.lo),
+                            static_cast<long long>(k.hi), static_cast<long long>(k.lo),
+                            static_cast<long long>(k.hi), static_cast<long long>(k.lo));
+  }
+  static T fold(T x, T k, T data) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     data, 0x96);  // a ^ b ^ c
+  }
+  static __m128i lanes(T x) {  // lanes 0, 1, 2 moved forward 48, 32, 16 bytes onto lane 3
+    const FoldConstant k48(48), k32(32), k16(16);
+    const T k = _mm512_set_epi64(0, 0, static_cast<long long>(k16.hi), static_cast<long long>(k16.lo),
+                                 static_cast<long long>(k32.hi), static_cast<long long>(k32.lo),
+                                 static_cast<long long>(k48.hi), static_cast<long long>(k48.lo));
+    const T last = _mm512_maskz_mov_epi64(0xc0, x);  // lane 3 as it is; lanes 0-2 through k (lane 3's k is 0)
+    const T y = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                          _mm512_clmulepi64_epi128(x, k, 0x11), last, 0x96);
+    const __m256i h = _mm256_xor_si256(_mm512_castsi512_si256(y), _mm512_extracti64x4_epi64(y, 1));
+    return _mm_xor_si128(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
+};
+#pragma GCC pop_options
+#endif
+
+// raw CRC32C of len bytes at p (len >= FOLD_MIN_BYTES), and with S != NONE a copy to d from the same registers
+#pragma GCC push_options
+#pragma GCC target("pclmul,vpclmulqdq")
+template <class V, Store S>
+uint32_t crc_fold(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
+  using T = typename V::T;
+  constexpr bool copy = S != Store::NONE;
+  constexpr size_t B = V::BYTES, N = V::ACC, STEP = N * B;
+  static const T k_step = V::constant(STEP), k_one = V::constant(B);
+  const size_t head = copy ? (0 - reinterpret_cast<uintptr_t>(d)) & (B - 1) : 0;  // aligns the vector stores
+  if (len < head + 2 * STEP) return crc_insn<S>(crc, p, len, d);
+  crc = crc_insn<S>(crc, p, head, d);
+  p += head, len -= head;
+  if constexpr (copy) d += head;
+  T x[N];
+  for (size_t i = 0; i < N; ++i) x[i] = V::load(p + i * B);
+  if constexpr (copy)
+    for (size_t i = 0; i < N; ++i) V::template store<S>(d + i * B, x[i]);
+  x[0] = V::add(x[0], V::of_crc(crc));  // the state so far enters as the first bytes' remainder
+  for (p += STEP, len -= STEP, d += copy ? STEP : 0; len >= STEP; p += STEP, len -= STEP, d += copy ? STEP : 0) {
+    T v[N];
+    for (size_t i = 0; i < N; ++i) v[i] = V::load(p + i * B);
+    if constexpr (copy)
+      for (size_t i = 0; i < N; ++i) V::template store<S>(d + i * B, v[i]);
+    for (size_t i = 0; i < N; ++i) x[i] = V::fold(x[i], k_step, v[i]);
+  }
+  T acc = x[0];
+  for (size_t i = 1; i < N; ++i) acc = V::fold(acc, k_one, x[i]);
+  for (; len >= B; len -= B, p += B) {
+    const T v = V::load(p);
+    acc = V::fold(acc, k_one, v);
+    if constexpr (copy) {
+      V::template store<S>(d, v);
+      d += B;
+    }
+  }
+  const __m128i lane = V::lanes(acc);
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(lane)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(lane, 1)));
+  return crc_insn<S>(static_cast<uint32_t>(c), p, len, d);
+}
+#pragma GCC pop_options
+
+bool cpu_runs(int method) {  // whether this build and this CPU run `method` (the CPU asked at run time)
+  __builtin_cpu_init();
+  switch (method) {
+    case CRC_INSN: return true;
+    case CLMUL_128: return __builtin_cpu_supports("pclmul");
+#if defined(__AVX2__)
+    case CLMUL_256: return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("vpclmulqdq");
+#endif
+#if defined(__AVX512F__)
+    case CLMUL_512: return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("vpclmulqdq");
+#endif
+    default: return false;
+  }
+}
+
+// the method in use: the widest VPCLMULQDQ this build and CPU run, else the crc32 instruction, unless
+// crc32c_set_method chose. (128-bit PCLMULQDQ folds at half the crc32 instruction's rate beyond 64 KiB on Zen 4 —
+// bench/copy_crc.py — so it is never the default; a CPU with neither runs the crc32 instruction.)
+std::atomic<int>& crc_method() {
+  static std::atomic<int> method{cpu_runs(CLMUL_512) ? CLMUL_512 : cpu_runs(CLMUL_256) ? CLMUL_256 : CRC_INSN};
+  return method;
+}
+
+// raw CRC32C of len bytes at p, and with S != NONE a copy of them to d, each byte loaded once
+template <Store S>
+uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {
+  if (len >= FOLD_MIN_BYTES) {
+    switch (crc_method().load(std::memory_order_relaxed)) {
+#if defined(__AVX512F__)
+      case CLMUL_512: return crc_fold<V512, S>(crc, p, len, d);
+#endif
+#if defined(__AVX2__)
+      case CLMUL_256: return crc_fold<V256, S>(crc, p, len, d);
+#endif
+      case CLMUL_128: return crc_fold<V128, S>(crc, p, len, d);
+      default: break;
+    }
+  }
+  return crc_insn<S>(crc, p, len, d);
+}
 #else
 constexpr bool NATIVE_CRC = false;
+enum CrcMethod : int { BITWISE = 0 };
+const char* const METHOD_NAMES[] = {"bitwise"};
+bool cpu_runs(int method) { return method == BITWISE; }
+std::atomic<int>& crc_method() {
+  static std::atomic<int> method{BITWISE};
+  return method;
+}
 template <Store S>
 uint32_t crc_pass(uint32_t crc, const uint8_t* p, size_t len, uint8_t* d) {  // bitwise: the generic build's tests
   if constexpr (S != Store::NONE) std::memcpy(d, p, len);
@@ -163,35 +377,6 @@ uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t len) { return crc_pass<S
 
 // the CRC32C of the bytes behind `crc` (a finished CRC, as the crc32c package returns) followed by len more
 uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t len) { return ~crc_raw(~crc, p, len); }
-
-// a * b modulo the polynomial, reflected (zlib's multmodp)
-uint32_t multmodp(uint32_t a, uint32_t b) {
-  uint32_t m = 1u << 31, p = 0;
-  for (;;) {
-    if (a & m) {
-      p ^= b;
-      if ((a & (m - 1)) == 0) break;
-    }
-    m >>= 1;
-    b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
-  }
-  return p;
-}
-
-// crc(A then B) from crc(A), crc(B) and len(B): crc(A) times x^(8 len(B)) mod the polynomial, plus crc(B)
-// (zlib's crc32_combine, from a table of x^(2^k); a few hundred cycles)
-uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
-  static const std::vector<uint32_t> x2n = [] {
-    std::vector<uint32_t> t(64);
-    t[0] = 1u << 30;  // x^1
-    for (int k = 1; k < 64; ++k) t[k] = multmodp(t[k - 1], t[k - 1]);
-    return t;
-  }();
-  uint32_t p = 1u << 31;  // x^0
-  for (unsigned k = 3; len2; len2 >>= 1, ++k)  // x^(8 len2) = x^(len2 * 2^3)
-    if (len2 & 1) p = multmodp(x2n[k & 63], p);
-  return multmodp(p, crc1) ^ crc2;
-}
 
 // ---------------------------------------------------------------------------------------------------- formats
 enum Fmt : int64_t { FP8_E4M3 = 0, FP8_E5M2 = 1, FP8_E4M3FNUZ = 2, INT8 = 3, INT4 = 4 };
@@ -765,4 +950,21 @@ void bind_kv_codec(pybind11::module& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_stream_min_bytes", [] { return STREAM_MIN_BYTES; }, "copies this large stream their stores");
   m.def("crc32c_native", [] { return NATIVE_CRC; }, "whether the CRC32C runs on the CPU's crc32 instruction");
+  m.def("crc32c_method", [] { return std::string(METHOD_NAMES[crc_method().load()]); },
+        "how the CRC32C of long inputs is computed: crc32, pclmulqdq, vpclmulqdq-256, vpclmulqdq-512 (or bitwise)");
+  m.def("crc32c_methods", [] {
+    std::vector<std::string> out;
+    for (int m = 0; m < static_cast<int>(std::size(METHOD_NAMES)); ++m)
+      if (cpu_runs(m)) out.emplace_back(METHOD_NAMES[m]);
+    return out;
+  }, "the CRC32C methods this build runs on this CPU, narrowest first");
+  m.def("crc32c_set_method", [](const std::string& name) {
+    for (int m = 0; m < static_cast<int>(std::size(METHOD_NAMES)); ++m)
+      if (name == METHOD_NAMES[m]) {
+        TORCH_CHECK(cpu_runs(m), "crc32c_set_method: ", name, " does not run in this build on this CPU");
+        crc_method().store(m);
+        return;
+      }
+    TORCH_CHECK(false, "crc32c_set_method: unknown method ", name);
+  }, "choose the CRC32C method (benchmarks and tests)");
 }
