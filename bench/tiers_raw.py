@@ -15,6 +15,10 @@ raw peer of those bytes: a copy (the better of torch's and numpy's), a gather fr
 pwritev / preadv in ~1 MiB pieces at queue depth 1 and at the tier's thread count; "batched" ops take the whole
 batch in one call, "per block" ops one call per block (what batching saves). Raw disk I/O modes (O_DIRECT,
 cold reads) are compared in `bench/tiers_io.py`. Prints tables and writes JSON, with the load average.
+
+`--paths new,old`: each block size runs once per path, alternating, so a loaded machine slows both alike: "new"
+is the default data path (the CRC32C method the kernel chose, one-pass disk reads), "old" the crc32 instruction
+and the two-pass disk read (preadv, then the CRC).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.migrator import pool_gather
 from sage_infer.kv_runtime.pool import make_kv_pool
 from sage_infer.kv_runtime.tiers import DiskTier, HostTier
+from sage_infer.kv_runtime.tiers import disk as tier_disk
 from sage_infer.kv_runtime.tiers import rows as tier_rows
 from sage_infer.kv_runtime.tiers.rows import CACHE_CHUNK, crc_runs, move_pool, set_move_threads
 from sage_infer.prefix_reuse.hashing import hash_token_blocks, make_extra_key
+from sage_infer.quantization import kv_codec_kernel
 
 
 def best_seconds(fn, repeats: int, setup=None) -> float:
@@ -213,11 +219,31 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
     return rows
 
 
+def sweep_path(path: str, kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool) -> list[dict]:
+    """`sweep_one` on the "new" data path (the defaults) or the "old" one (crc32 instruction, two-pass disk reads),
+    each row tagged with its path and CRC method."""
+    if path not in ("new", "old"):
+        raise SystemExit(f"--paths: 'new' or 'old', not {path!r}")
+    method = kv_codec_kernel.crc_method()
+    if path == "new" or method is None:
+        done = sweep_one(kib, batch_bytes, repeats, directory, per_block)
+    else:
+        tier_disk.ONE_PASS_READS = False
+        try:
+            with kv_codec_kernel.crc_method_forced("crc32"):
+                method = "crc32"
+                done = sweep_one(kib, batch_bytes, repeats, directory, per_block)
+        finally:
+            tier_disk.ONE_PASS_READS = True
+    return [{**r, "path": path, "crc": method or "package"} for r in done]
+
+
 def print_rows(rows: list[dict], with_block: bool) -> None:
     head = f"{'tier':<5} {'op':<29} {'GB/s':>6}  {'peer':<11} {'peer GB/s':>9} {'ratio':>6}"
-    print(f"{'KiB':>5} " * with_block + head)
+    print(f"{'KiB':>5} {'path':<4} " * with_block + head)
     for r in rows:
-        print((f"{r['block_kib']:>5} " if with_block else "") + f"{r['tier']:<5} {r['op']:<29} {r['gb_s']:>6.2f}  "
+        print((f"{r['block_kib']:>5} {r['path']:<4} " if with_block else "")
+              + f"{r['tier']:<5} {r['op']:<29} {r['gb_s']:>6.2f}  "
               f"{r['peer']:<11} {r['peer_gb_s']:>9.2f} {r['ratio_to_peer']:>6.2f}")
 
 
@@ -226,6 +252,7 @@ def main() -> None:
     parser.add_argument("--sweep-kib", default="16,256,2048", help="block sizes of the sweep ('' = no sweep)")
     parser.add_argument("--batch-mib", type=int, default=16, help="sweep: bytes per batch, the same at every size")
     parser.add_argument("--per-block", action="store_true", help="sweep: also one call per block")
+    parser.add_argument("--paths", default="new", help="sweep: data paths to alternate, 'new' and/or 'old'")
     parser.add_argument("--threads", default=f"{tier_rows.MOVE_THREADS},2",
                         help="sweep: row-moving threads to try, each a pass (default: this machine's default, and 2)")
     parser.add_argument("--layers", type=int, default=32)
@@ -239,7 +266,8 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="sage-tiers-bench-", dir=args.dir))
     load = os.getloadavg()[0]
-    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS, "load_average_1m": load}
+    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS, "load_average_1m": load,
+                    "crc_method": kv_codec_kernel.crc_method()}
     try:
         if args.blocks:
             schema = KVCacheSchema(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -252,10 +280,12 @@ def main() -> None:
         report["sweep"] = {"batch_mib": args.batch_mib, "results": []}
         for threads in dict.fromkeys(int(t) for t in args.threads.split(",")) if sizes else ():
             set_move_threads(threads)
-            done = [r for kib in sizes for r in sweep_one(kib, args.batch_mib << 20, args.repeats, directory,
-                                                          args.per_block)]
+            done = [r for kib in sizes for path in args.paths.split(",")
+                    for r in sweep_path(path.strip(), kib, args.batch_mib << 20, args.repeats, directory,
+                                        args.per_block)]
             report["sweep"]["results"] += done
-            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads")
+            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads, "
+                  f"CRC32C by {kv_codec_kernel.crc_method() or 'the crc32c package'} (new), crc32 (old)")
             print_rows(done, True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -145,3 +145,33 @@ def test_a_torn_tail_counts_as_dead_bytes_once(tmp_path):
     segment.write_bytes(segment.read_bytes()[: RECORD + 100])
     with DiskTier(SCHEMA, tmp_path, 64 * BPB) as tier:
         assert tier.stats().fragmentation == pytest.approx(100 / (RECORD + 100))
+
+
+@pytest.mark.parametrize("piece", [None, 100], ids=["whole-records", "records-in-pieces"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, piece, one_pass):
+    """A batch read (runs of adjacent records, a gap, records larger than the read piece read a piece at a time
+    with the CRC continued) returns the bytes written; a flipped bit anywhere in a payload, even its last piece,
+    is caught; the one-pass read (pread into scratch, copy + CRC) and the two-pass read (preadv, then CRC) agree."""
+    from sage_infer.kv_runtime.tiers import disk
+    from tests.test_kv_tiers import corrupt
+
+    if piece is not None:  # (else records of BPB bytes are read whole, a run of them in one pread)
+        monkeypatch.setattr(disk, "READ_PIECE", piece)
+    monkeypatch.setattr(disk, "ONE_PASS_READS", one_pass)
+    keys, blocks = chain(12)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=8 * RECORD) as tier:
+        tier.put(keys, blocks)
+        tier.flush()
+        order = [*range(6), 9, 7, 8, 10, 11]  # runs, a gap (keys[6] not asked), a segment boundary
+        out = torch.zeros(len(order), BPB, dtype=torch.uint8)
+        assert torch.equal(tier.get_prefix([keys[i] for i in order], out=out), blocks[order])
+        corrupt(tier, keys[4], blocks[4])
+        with open(tier._index[keys[9]].segment.path, "r+b") as f:  # the last byte of a payload
+            f.seek(tier._index[keys[9]].offset + RECORD - 1)
+            last = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([last ^ 0x80]))
+        got = tier.get(keys)
+        assert got[4] is None and got[9] is None and tier.stats().checksum_failures == 2
+        assert all(torch.equal(row, blocks[i]) for i, row in enumerate(got) if i not in (4, 9))

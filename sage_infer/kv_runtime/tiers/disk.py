@@ -6,7 +6,10 @@
 - An in-memory index ``key -> (segment, offset, length, crc)`` is rebuilt at start-up by
   reading every record header (format in `segment.py`); records of another schema, and a
   torn record at a segment's end, are skipped and counted in `skipped_records`.
-- Reads are `os.preadv` from a kept-open fd straight into the caller's rows, then CRC32C.
+- Reads go from a kept-open fd: where the one-pass copy + CRC kernel loads, a run of records is read with
+  one pread into a scratch buffer that stays in cache, then copied into the caller's rows and checksummed in
+  one pass (the caller's rows are written once, never read back); elsewhere `os.preadv` straight into the
+  caller's rows, then CRC32C.
 - Eviction is FIFO by write time, a segment at a time: when the next record would pass the
   cap, the oldest segment's file is removed (its blocks count as evictions).
 - Deletes mark records dead (on disk too); `compact()` rewrites the live records of the most
@@ -22,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import crc32c
 import torch
@@ -46,6 +50,20 @@ MiB = 1 << 20
 _IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
 # bytes per pwritev: fewer, larger writes measured faster for small records than ~1 MiB pieces checksummed in cache
 WRITE_PIECE = 4 * MiB
+# a record larger than this is read into the scratch buffer (and copied + checksummed from it) a piece at a time
+READ_PIECE = 1 * MiB
+# False: reads take the two-pass path (preadv into the caller's rows, then their CRC32C) even where the one-pass
+# kernel loads (bench/tiers_raw.py --paths compares the two)
+ONE_PASS_READS = True
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's read buffer, at least `nbytes` (grown as needed, kept: reads reuse it while it is in cache)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes]
 
 
 @dataclass(slots=True, eq=False)
@@ -406,7 +424,11 @@ class DiskTier(KVTier):
             else:
                 groups.append([read])
 
+        kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
+
         def read_group(group: list[tuple[int, bytes, _Loc]]) -> list[tuple[int, bytes, _Loc, bool, bool]]:
+            if kernel is not None:
+                return self._read_group_fused(kernel, group, out)
             first, n = group[0][0], len(group)
             scratch = bytearray(HEADER.size)
             buffers: list = []
@@ -425,6 +447,35 @@ class DiskTier(KVTier):
         else:
             done = [read_group(group) for group in groups]
         return [result for part in done for result in part]
+
+    def _read_group_fused(self, kernel: ModuleType, group: list[tuple[int, bytes, _Loc]], out: torch.Tensor
+                          ) -> list[tuple[int, bytes, _Loc, bool, bool]]:
+        """`_read_records` of one group in one pass over ``out``: the records' bytes (headers included) are read
+        with one pread into this thread's scratch buffer, then copied from it into ``out``'s rows and checksummed
+        in the same pass (`copy_rows_crc32c`). A record of more than `READ_PIECE` bytes goes a piece at a time,
+        its CRC continued from piece to piece, so the scratch stays in cache."""
+        first, n, loc0 = group[0][0], len(group), group[0][2]
+        bpb, record = self.bytes_per_block, self.record_bytes
+        try:
+            if n == 1 and bpb > READ_PIECE:
+                crc, row, done = 0, out[first], 0
+                while done < bpb:
+                    take = min(READ_PIECE, bpb - done)
+                    piece = _scratch(take)
+                    if os.preadv(loc0.segment.fd, [piece.numpy()], loc0.offset + HEADER.size + done) != take:
+                        break
+                    crc = kernel.copy_crc32c(row[done : done + take], piece, crc, 0)
+                    done += take
+                return [(first, group[0][1], loc0, done == bpb and crc == loc0.crc, False)]
+            buf = _scratch(n * record)
+            got = os.preadv(loc0.segment.fd, [buf[: n * record - HEADER.size].numpy()], loc0.offset + HEADER.size)
+        except OSError:
+            return [(row, key, loc, False, True) for row, key, loc in group]
+        whole = min(n, (got + HEADER.size) // record)  # records read to their end (a short read stops early)
+        # payload j starts j records into the buffer (the read began at the first payload)
+        rows = buf.view(n, record)[:whole, :bpb]
+        crcs = kernel.copy_rows_crc32c(out[first : first + whole], rows, torch.tensor([[0, 0, whole]])).tolist()
+        return [(row, key, loc, j < whole and crcs[j] == loc.crc, False) for j, (row, key, loc) in enumerate(group)]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = self._check_keys(keys)
