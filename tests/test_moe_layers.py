@@ -81,7 +81,7 @@ def test_a_row_tiled_moe_layer_gives_each_token_the_same_bits_in_any_batch():
     """`model.deterministic`: the router and every expert's linears row-tiled, so a token's routing, its experts'
     products and their sum do not depend on the tokens beside it."""
     block, _, _ = make_block(True)
-    block.fuse_projections()
+    block.experts.split_linears()  # as the engine's model.deterministic does
     tile_linears(block, 16)
     x = torch.randn(41, H)
     with torch.no_grad():

@@ -39,7 +39,8 @@ from sage_infer.hal.isa import ENV, build_levels, compile_flags, selected_level
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parents[1] / "layers" / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "flash_bf16.cpp",
-                                         "flash_avx2.cpp", "decode_step.cpp", "bf16_rows.cpp", "kv_codec.cpp"))
+                                         "flash_avx2.cpp", "decode_step.cpp", "bf16_rows.cpp", "kv_codec.cpp",
+                                         "moe_experts.cpp"))
 HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "flash.h", "ieee_div.h"))
 # -g0: Python's CFLAGS ask for debug info, which doubles the compile time; -ffast-math: the dot products
 # and exp vectorize only with reassociation allowed; hidden visibility keeps one level's symbols from
@@ -48,7 +49,7 @@ HEADERS = tuple(CSRC / name for name in ("kernel.h", "widen.h", "vec_exp.h", "fl
 BASE_FLAGS = ("-O3", "-g0", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wno-uninitialized",
               "-Wno-maybe-uninitialized")
 LINK_FLAGS = ("-fopenmp",)
-# what a first-use compile of one level takes (8 files, 2 cores): printed before it starts
+# what a first-use compile of one level takes (9 files, 2 cores): printed before it starts
 COMPILE_SECONDS = "about 1-2 minutes on 2 cores"
 CACHE_ENV = "SAGE_KERNEL_CACHE"
 

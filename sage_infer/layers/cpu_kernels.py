@@ -23,7 +23,8 @@ products for bf16 and AVX-512 FMA for fp32 (csrc/flash_bf16.cpp); without AVX-51
 widened as it is read (csrc/flash_avx2.cpp). `flash_kernel` names the one in use.
 
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
-`PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `decode_layers`: those
+`PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `moe_experts`: all active experts
+of a mixture-of-experts decode step in one call (csrc/moe_experts.cpp). `decode_layers`: those
 kernels, the fused ops and the paged kernel chained over all decoder layers of a decode step in one
 call (csrc/decode_step.cpp; `model.decode_step`).
 """
@@ -219,3 +220,30 @@ def quantize_store_int8_(src: torch.Tensor, codes: torch.Tensor, scales: torch.T
     codes and scales `QuantizedKVPool.store` writes (`KVCodec.encode`), to the bit. What the C++ decode step
     stores into an int8 pool."""
     _module().quantize_store_int8_(src, codes, scales, slots)
+
+
+def moe_experts_unavailable() -> str | None:
+    """None when `moe_experts` can run here, else why not."""
+    return kernel_unavailable()
+
+
+def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                intermediate: int, packed: bool) -> torch.Tensor:
+    """rows: [P, H] bf16 or fp32 (contiguous), a step's (token, expert) rows sorted by expert; spans: [A, 3] int64,
+    (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, the address of each expert's
+    [2I, H] and [H, I] weight, in small_linear's packed bf16 layout (`packed`) or plain row-major in the rows'
+    dtype -> [P, H]: ``down(silu(gate) * up)`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps
+    the weights alive (`sage_infer.layers.moe_grouped`)."""
+    return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed)
+
+
+_MOE_OPS: dict[str, object] = {}
+
+
+def _moe_op(module: ModuleType):
+    """The build's grouped-experts op: csrc/moe_experts.cpp registers it as a torch op in a namespace named after
+    the build (two levels' builds can be loaded in one process)."""
+    op = _MOE_OPS.get(module.__name__)
+    if op is None:
+        op = _MOE_OPS[module.__name__] = getattr(torch.ops, f"sage_moe_{module.isa()}_{module.build_key()}").moe_experts
+    return op

@@ -10,6 +10,11 @@ A step's (token, expert) pairs are sorted by expert (`group_by_expert`); each ex
 product over its rows; the rows, scaled by their routing weights, are summed back into their tokens in expert
 order (what transformers computes, pair for pair). This is the reference and the oracle: a faster path is
 checked against it.
+
+A step whose every active expert has at most `GROUPED_KERNEL_ROWS` pairs (a decode step) runs all its experts in
+one kernel call instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up product in one
+parallel region, every down product in one more, rather than two regions per expert), with the fused elementwise
+ops (`model.elementwise`); the routing weights and the sum over a token's experts stay `run_grouped`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
+from sage_infer.layers.moe_grouped import GroupedExpertWeights
+
+# the most pairs an expert may have in a step that runs all experts in one kernel call (bench/moe_decode.py --rows
+# measures both paths at 1-64 pairs per expert; docs/models.md)
+GROUPED_KERNEL_ROWS = 16
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,15 +72,19 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 
 
 def run_grouped(x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
-                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                expert: Callable[[int, torch.Tensor], torch.Tensor] | None,
+                all_experts: Callable[[torch.Tensor, list], torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: `expert(e, rows)` once per
-    expert with tokens (its weights read once), each output times its weight (in the weights' dtype, then x's),
-    a token's K outputs added one by one in expert order (as transformers adds them; the same bits whatever else
-    the batch holds)."""
+    expert with tokens (its weights read once), or `all_experts(rows, spans)` once for all of them; each output
+    times its weight (in the weights' dtype, then x's), a token's K outputs added one by one in expert order (as
+    transformers adds them; the same bits whatever else the batch holds)."""
     rows = x.index_select(0, groups.tokens)
-    out = torch.empty_like(rows)
-    for e, start, end in groups.spans:
-        out[start:end] = expert(e, rows[start:end])
+    if all_experts is not None:
+        out = all_experts(rows, groups.spans)
+    else:
+        out = torch.empty_like(rows)
+        for e, start, end in groups.spans:
+            out[start:end] = expert(e, rows[start:end])
     scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
     per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
     total = per_token[:, 0].clone()
@@ -117,6 +131,9 @@ class FusedExperts(nn.Module):
         self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                                           hidden_size))
         self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # steps whose experts have at most this many pairs each run on the grouped kernel (0: never)
+        self.kernel_rows = GROUPED_KERNEL_ROWS
+        self._grouped: tuple[object, GroupedExpertWeights | str] | None = None  # (the weights, kernel or why not)
 
     def split_linears(self) -> int:
         """One `ExpertMLP` per expert in place of the stacked weights (each weight a view of them: nothing is
@@ -150,7 +167,25 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights (in the weights' dtype, then x's), added one by one in expert order (as
         transformers adds them; the same bits whatever else the batch holds)."""
+        if ops.name != "torch" and x.device.type == "cpu" and 0 < max(groups.counts) <= self.kernel_rows:
+            kernel = self.grouped_kernel()
+            if isinstance(kernel, GroupedExpertWeights) and kernel.dtype == x.dtype:
+                return run_grouped(x, weights, groups, None, kernel)
         return run_grouped(x, weights, groups, lambda e, rows: self.expert(e, rows, ops))
+
+    def grouped_kernel(self) -> GroupedExpertWeights | str:
+        """The experts' weights as the grouped kernel reads them, or why it cannot: found on first use and again
+        after the weights are replaced (packing, tiling)."""
+        first = self.gate_up_proj if self.gate_up_proj is not None else self._modules["0"].gate_up_proj
+        if self._grouped is None or self._grouped[0] is not first:
+            self._grouped = (first, GroupedExpertWeights.of(self))
+        return self._grouped[1]
+
+    def keeps_stack(self) -> bool:
+        """fp32 stacked experts stay stacked when the grouped kernel can run them: oneDNN packs fp32 in a layout
+        only it reads, and a copy in each layout would double the experts' memory."""
+        return (self.gate_up_proj is not None and self.gate_up_proj.dtype == torch.float32
+                and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
@@ -181,7 +216,7 @@ class SparseMoeBlock(nn.Module):
     def fuse_projections(self) -> int:
         """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared
         expert's; how many gate/up pairs were stacked."""
-        fused = self.experts.split_linears()
+        fused = 0 if self.experts.keeps_stack() else self.experts.split_linears()
         return fused + (self.shared_expert.fuse_projections() if self.shared_expert is not None else 0)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:

@@ -1,0 +1,382 @@
+// The experts of a mixture-of-experts layer for the few rows of a decode step, all active experts at once:
+// every gate/up product of the step in one parallel region, SiLU(gate) * up, then every down product in one
+// more region (sage_infer/layers/moe.py, `FusedExperts`). Per-expert products (two kernel calls each, a
+// parallel region each) open ~34 regions per token in a Qwen3-30B-A3B layer pair; on a shared machine each
+// region waits for its slowest thread. Here the work items are (expert, block of 64 output rows), handed out
+// to the threads one at a time, so a descheduled thread holds up one item, not a fixed share of the step.
+//
+// The weights are read where they are, through one address per expert (the caller keeps them alive):
+// - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/64)][ceil(K/32)*16][64][2], zero
+//   padded; csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
+//   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA;
+// - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
+//   keeps where oneDNN cannot pack bf16), with AVX2 FMA, bf16 widened as it is read.
+// Sums are fp32; each product is rounded once to the rows' dtype, SiLU(gate) * up is computed as csrc/
+// fused_ops.cpp's silu_mul computes it, so only the fp32 summation order can differ from the per-expert path.
+// The routing weights and the sum of a token's K outputs stay with the caller (`run_grouped`).
+#include "kernel.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "widen.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 64;      // output rows per block (and per work item)
+constexpr int64_t kPairStep = 16;  // packed layout: column pairs padded to a multiple of 16 (32 columns)
+constexpr int64_t kSerialSilu = 1 << 16;  // SiLU * up of fewer elements than this runs on the calling thread
+
+inline int64_t padded_pairs(int64_t k) { return (k + 2 * kPairStep - 1) / (2 * kPairStep) * kPairStep; }
+inline int64_t num_blocks(int64_t n) { return (n + kRows - 1) / kRows; }
+
+template <typename T>
+inline float round_to(float f) { return widen(narrow<T>(f)); }
+template <>
+inline float round_to<float>(float f) { return f; }
+
+// f(i) for i in [0, items) over the thread pool, each thread taking the next free item
+template <typename F>
+void run_items(int64_t items, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < items; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      f(i);
+  });
+}
+
+// ---- packed bf16 layout: acc[g][lane] = x row g (bf16 pairs, `xs` pairs apart) . row `lane` of one block
+#if defined(__AVX512BF16__)
+constexpr int kPackedGroup = 6;
+template <int G>
+void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* line = w + p * kRows * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line), w1 = (__m512bh)_mm512_loadu_si512(line + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(line + 64), w3 = (__m512bh)_mm512_loadu_si512(line + 96);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[g * xs + p]));
+      a[g][0] = _mm512_dpbf16_ps(a[g][0], w0, xb);
+      a[g][1] = _mm512_dpbf16_ps(a[g][1], w1, xb);
+      a[g][2] = _mm512_dpbf16_ps(a[g][2], w2, xb);
+      a[g][3] = _mm512_dpbf16_ps(a[g][3], w3, xb);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc[g] + 16 * j, a[g][j]);
+}
+#elif defined(__AVX512F__)
+constexpr int kPackedGroup = 4;
+template <int G>
+void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* line = w + p * kRows * 2;
+    __m512 even[4], odd[4];  // a pair's first column (low half of each 32-bit word) and its second
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(line + 32 * j);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint32_t xp = x[g * xs + p];
+      const __m512 x0 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp << 16)));
+      const __m512 x1 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp & 0xFFFF0000u)));
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(odd[j], x1, _mm512_fmadd_ps(even[j], x0, a[g][j]));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc[g] + 16 * j, a[g][j]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kPackedGroup = 1;  // 8 accumulators a row: one row per pass (the block is in cache after the first)
+template <int G>
+void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+  static_assert(G == 1, "AVX2: one row per pass");
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* line = w + p * kRows * 2;
+    const uint32_t xp = x[p];
+    const __m256 x0 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp << 16)));
+    const __m256 x1 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp & 0xFFFF0000u)));
+    for (int j = 0; j < 8; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * j));
+      a[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), x0, a[j]);
+      a[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, high)), x1, a[j]);
+    }
+  }
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc[0] + 8 * j, a[j]);
+  (void)xs;
+}
+#else
+constexpr int kPackedGroup = 1;
+template <int G>
+void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+  for (int g = 0; g < G; ++g)
+    for (int64_t lane = 0; lane < kRows; ++lane) acc[g][lane] = 0.f;
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int g = 0; g < G; ++g) {
+      const uint32_t xp = x[g * xs + p];
+      uint32_t b0 = xp << 16, b1 = xp & 0xFFFF0000u;
+      float x0, x1;
+      std::memcpy(&x0, &b0, 4);
+      std::memcpy(&x1, &b1, 4);
+      for (int64_t lane = 0; lane < kRows; ++lane) {
+        uint32_t word;
+        std::memcpy(&word, w + (p * kRows + lane) * 2, 4);
+        uint32_t e = word << 16, o = word & 0xFFFF0000u;
+        float we, wo;
+        std::memcpy(&we, &e, 4);
+        std::memcpy(&wo, &o, 4);
+        acc[g][lane] += we * x0 + wo * x1;
+      }
+    }
+}
+#endif
+
+// block `blk` of a packed [n, k] weight times rows [0, m) of x (bf16 pairs, `pairs` apart) -> out[r * os + i]
+void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pairs, const uint32_t* x, int64_t m,
+                    c10::BFloat16* out, int64_t os) {
+  const uint16_t* wb = weight + blk * pairs * kRows * 2;
+  const int64_t valid = std::min(kRows, n - blk * kRows);
+  alignas(64) float acc[kPackedGroup][kRows];
+  for (int64_t r = 0; r < m; r += kPackedGroup) {
+    const int64_t g = std::min<int64_t>(kPackedGroup, m - r);
+    const uint32_t* xr = x + r * pairs;
+    switch (g) {
+#if defined(__AVX512BF16__)
+      case 6: packed_block<6>(wb, xr, pairs, pairs, acc); break;
+      case 5: packed_block<5>(wb, xr, pairs, pairs, acc); break;
+#endif
+#if defined(__AVX512F__)
+      case 4: packed_block<4>(wb, xr, pairs, pairs, acc); break;
+      case 3: packed_block<3>(wb, xr, pairs, pairs, acc); break;
+      case 2: packed_block<2>(wb, xr, pairs, pairs, acc); break;
+#endif
+      default: packed_block<1>(wb, xr, pairs, pairs, acc);
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      c10::BFloat16* o = out + (r + j) * os + blk * kRows;
+      for (int64_t i = 0; i < valid; ++i) o[i] = narrow<c10::BFloat16>(acc[j][i]);
+    }
+  }
+}
+
+// ---- plain layout: out[g] = x row g (fp32, `k` apart) . weight row w ([k] bf16 or fp32)
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+constexpr int kPlainGroup = 4;  // rows per pass: 2 accumulators each, with the weight's 2: 10 of 16 ymm
+
+template <int G, typename W>
+inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0[G], acc1[G];
+  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+  for (; k + 16 <= k_len; k += 16) {
+    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
+    for (int g = 0; g < G; ++g) {
+      acc0[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_len + k), acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_len + k + 8), acc1[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] = hsum(_mm256_add_ps(acc0[g], acc1[g]));
+#else
+  for (int g = 0; g < G; ++g) out[g] = 0.f;
+#endif
+  for (; k < k_len; ++k) {
+    const float wk = widen(w[k]);
+    for (int g = 0; g < G; ++g) out[g] += wk * x[g * k_len + k];
+  }
+}
+
+// rows [r0, r1) of a plain [n, k] weight times rows [0, m) of x (fp32 [m, k]) -> out[r * os + i], rounded to T
+template <typename T>
+void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const float* x, int64_t m, T* out,
+                   int64_t os) {
+  float sums[kPlainGroup];
+  for (int64_t i = r0; i < r1; ++i) {
+    const T* w = weight + i * k;
+    for (int64_t r = 0; r < m; r += kPlainGroup) {
+      const int64_t g = std::min<int64_t>(kPlainGroup, m - r);
+      const float* xr = x + r * k;
+      switch (g) {
+        case 4: plain_dots<4>(xr, w, k, sums); break;
+        case 3: plain_dots<3>(xr, w, k, sums); break;
+        case 2: plain_dots<2>(xr, w, k, sums); break;
+        default: plain_dots<1>(xr, w, k, sums);
+      }
+      for (int64_t j = 0; j < g; ++j) out[(r + j) * os + i] = narrow<T>(sums[j]);
+    }
+  }
+}
+
+struct Span {
+  int64_t expert, start, end;
+};
+
+// silu(gate) * up of [m, 2I] rows -> act [m, lda], as csrc/fused_ops.cpp's silu_mul computes it
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t m, int64_t inter, T* act, int64_t lda) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *g = gate_up + r * 2 * inter, *u = g + inter;
+      T* o = act + r * lda;
+      _Pragma("omp simd")
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = widen(g[i]);
+        o[i] = narrow<T>(round_to<T>(x / (1.f + std::exp(-x))) * widen(u[i]));
+      }
+    }
+  };
+  if (m * inter < kSerialSilu) rows(0, m);
+  else at::parallel_for(0, m, std::max<int64_t>(1, kSerialSilu / inter), rows);
+}
+
+// the packed layout: gate_up, down: bf16 [P, H] rows, sorted by expert
+torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>& spans, const int64_t* gate_up,
+                             const int64_t* down, int64_t inter) {
+  const int64_t m = rows.size(0), h = rows.size(1), n1 = 2 * inter;
+  const int64_t pairs_h = padded_pairs(h), pairs_i = padded_pairs(inter);
+  const int64_t blocks1 = num_blocks(n1), blocks2 = num_blocks(h), active = static_cast<int64_t>(spans.size());
+  // the rows as column pairs, zero padded like the weights
+  std::vector<uint32_t> xp(static_cast<size_t>(m * pairs_h), 0u);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * pairs_h, src + r * h, h * sizeof(uint16_t));
+  auto gu = torch::empty({m, n1}, rows.options());
+  c10::BFloat16* gup = gu.data_ptr<c10::BFloat16>();
+  run_items(active * blocks1, [&](int64_t item) {
+    const Span& s = spans[item / blocks1];
+    packed_product(reinterpret_cast<const uint16_t*>(gate_up[s.expert]), item % blocks1, n1, pairs_h,
+                   xp.data() + s.start * pairs_h, s.end - s.start, gup + s.start * n1, n1);
+  });
+  std::vector<uint32_t> act(static_cast<size_t>(m * pairs_i), 0u);  // bf16 pairs, zero padded
+  silu_mul_rows(gup, m, inter, reinterpret_cast<c10::BFloat16*>(act.data()), 2 * pairs_i);
+  auto out = torch::empty({m, h}, rows.options());
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  run_items(active * blocks2, [&](int64_t item) {
+    const Span& s = spans[item / blocks2];
+    packed_product(reinterpret_cast<const uint16_t*>(down[s.expert]), item % blocks2, h, pairs_i,
+                   act.data() + s.start * pairs_i, s.end - s.start, op + s.start * h, h);
+  });
+  return out;
+}
+
+// the plain layout: gate_up [2I, H] and down [H, I] row-major T per expert; rows T [P, H]
+template <typename T>
+torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& spans, const int64_t* gate_up,
+                            const int64_t* down, int64_t inter) {
+  const int64_t m = rows.size(0), h = rows.size(1), n1 = 2 * inter;
+  const int64_t blocks1 = num_blocks(n1), blocks2 = num_blocks(h), active = static_cast<int64_t>(spans.size());
+  const auto xf = rows.to(at::kFloat).contiguous();
+  const float* x = xf.data_ptr<float>();
+  auto gu = torch::empty({m, n1}, rows.options());
+  T* gup = gu.data_ptr<T>();
+  run_items(active * blocks1, [&](int64_t item) {
+    const Span& s = spans[item / blocks1];
+    const int64_t r0 = item % blocks1 * kRows;
+    plain_product(reinterpret_cast<const T*>(gate_up[s.expert]), r0, std::min(n1, r0 + kRows), h,
+                  x + s.start * h, s.end - s.start, gup + s.start * n1, n1);
+  });
+  auto act = torch::empty({m, inter}, rows.options());
+  silu_mul_rows(gup, m, inter, act.data_ptr<T>(), inter);
+  const auto actf = act.to(at::kFloat).contiguous();
+  const float* a = actf.data_ptr<float>();
+  auto out = torch::empty({m, h}, rows.options());
+  T* op = out.data_ptr<T>();
+  run_items(active * blocks2, [&](int64_t item) {
+    const Span& s = spans[item / blocks2];
+    const int64_t r0 = item % blocks2 * kRows;
+    plain_product(reinterpret_cast<const T*>(down[s.expert]), r0, std::min(h, r0 + kRows), inter,
+                  a + s.start * inter, s.end - s.start, op + s.start * h, h);
+  });
+  return out;
+}
+
+}  // namespace
+
+// rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
+// (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
+// ([2I, H] and [H, I], packed or plain as `packed` says); inter: I -> [P, H], each row's expert output
+// down(silu(gate) * up) in the rows' dtype
+torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
+                          int64_t inter, bool packed) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
+              "moe_experts: rows must be contiguous [P, H] on the CPU");
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
+              "moe_experts: rows must be bf16 (or fp32 with plain weights)");
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
+              "moe_experts: spans must be contiguous [A, 3] int64");
+  TORCH_CHECK(gate_up.dim() == 1 && gate_up.scalar_type() == at::kLong && gate_up.is_contiguous() &&
+                  down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
+              "moe_experts: gate_up and down must be [E] int64 addresses");
+  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
+  const int64_t experts = gate_up.size(0), m = rows.size(0);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  std::vector<Span> list;
+  for (int64_t a = 0; a < spans.size(0); ++a) {
+    const Span s{sp[3 * a], sp[3 * a + 1], sp[3 * a + 2]};
+    TORCH_CHECK(s.expert >= 0 && s.expert < experts && 0 <= s.start && s.start < s.end && s.end <= m,
+                "moe_experts: span ", a, " (", s.expert, ", ", s.start, ", ", s.end, ") is outside the ", experts,
+                " experts or the ", m, " rows");
+    list.push_back(s);
+  }
+  const int64_t* gu = gate_up.data_ptr<int64_t>();
+  const int64_t* dn = down.data_ptr<int64_t>();
+  if (m == 0 || list.empty()) return torch::zeros_like(rows);
+  if (packed) return experts_packed(rows, list, gu, dn, inter);
+  if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, gu, dn, inter);
+  return experts_plain<c10::BFloat16>(rows, list, gu, dn, inter);
+}
+
+// The op's namespace names the build (level and key): two levels' builds loaded in one process (tests force
+// levels) register apart. Python finds it as torch.ops.sage_moe_<isa>_<build key> (sage_infer/layers/cpu_kernels.py).
+#ifndef SAGE_BUILD_KEY
+#define SAGE_BUILD_KEY unknown
+#endif
+#ifndef SAGE_ISA_LEVEL
+#define SAGE_ISA_LEVEL unknown
+#endif
+#define SAGE_MOE_CAT_(level, key) sage_moe_##level##_##key
+#define SAGE_MOE_CAT(level, key) SAGE_MOE_CAT_(level, key)
+#define SAGE_MOE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
+  m.def("moe_experts", &moe_experts);
+}

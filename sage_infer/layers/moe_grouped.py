@@ -1,0 +1,112 @@
+"""All active experts of a decode step in one kernel call (csrc/moe_experts.cpp, `cpu_kernels.moe_experts`): the
+step's gate/up products in one parallel region, SiLU(gate) * up, its down products in one more, over the expert
+weights where they already are (no copy).
+
+`GroupedExpertWeights.of(experts)` finds those weights and their layout, once per set of weights:
+
+- ``packed``: each expert's two `PackedLinear` (bf16) in the oneDNN layout `small_linear` reads; where the layer
+  did not check that layout itself (`small_rows` 0: no AVX512-BF16 kernels in use), one random row per expert
+  through both paths checks it;
+- ``plain``: the stacked [E, 2I, H] / [E, H, I] weights (bf16 or fp32), an expert's plain `nn.Linear` pair, or the
+  bf16 weight a `PackedLinear` keeps where oneDNN cannot pack bf16.
+
+Anything else (quantized experts, separate gate and up, row-tiled linears, fp32 packed by oneDNN in its own
+layout, biases) gets a reason instead, and the experts keep their per-expert products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sage_infer.layers import cpu_kernels
+from sage_infer.layers.linear import PackedLinear
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows, column pairs padded to 16
+
+
+@dataclass(slots=True)
+class GroupedExpertWeights:
+    """The address of each expert's gate/up ([2I, H]) and down ([H, I]) weight, in one layout; `holders` keeps
+    the tensors or modules that own the memory alive."""
+
+    packed: bool
+    dtype: torch.dtype
+    intermediate: int
+    gate_up: torch.Tensor = field(repr=False)  # [E] int64 addresses
+    down: torch.Tensor = field(repr=False)  # [E] int64 addresses
+    holders: list = field(repr=False)
+
+    def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """rows [P, H] sorted by expert, the (expert, start, end) spans -> each row's expert output [P, H]."""
+        return cpu_kernels.moe_experts(rows, torch.tensor(spans, dtype=torch.long), self.gate_up, self.down,
+                                       self.intermediate, self.packed)
+
+    @staticmethod
+    def of(experts: nn.Module) -> GroupedExpertWeights | str:
+        """The grouped weights of a `FusedExperts`, or why the kernel cannot run them."""
+        why = cpu_kernels.moe_experts_unavailable()
+        if why is not None:
+            return why
+        inter = experts.intermediate_size
+        if experts.gate_up_proj is not None:
+            return _stacked(experts.gate_up_proj, experts.down_proj, inter)
+        pairs = [(experts._modules[str(e)].gate_up_proj, experts._modules[str(e)].down_proj)
+                 for e in range(experts.num_experts)]
+        if any(gate_up is None for gate_up, _ in pairs):
+            return "gate and up are separate products (quantized experts)"
+        if all(type(m) is nn.Linear and m.bias is None for pair in pairs for m in pair):
+            return _stacked([g.weight for g, _ in pairs], [d.weight for _, d in pairs], inter)
+        if not all(isinstance(m, PackedLinear) and m.bias is None for pair in pairs for m in pair):
+            return "the experts' linears are neither packed nor plain (row-tiled or quantized)"
+        if all(m.weight_bf16 is not None for pair in pairs for m in pair):  # no bf16 packing on this CPU
+            return _stacked([g.weight_bf16 for g, _ in pairs], [d.weight_bf16 for _, d in pairs], inter, pairs)
+        return _packed(experts, pairs, inter)
+
+
+def _stacked(gate_up, down, inter: int, holders: list | None = None) -> GroupedExpertWeights | str:
+    """Plain weights: a stacked tensor or a list of per-expert [N, K] tensors."""
+    gate_up, down = list(gate_up), list(down)
+    if any(w.dtype not in KERNEL_DTYPES or w.dtype != gate_up[0].dtype or w.device.type != "cpu"
+           or not w.is_contiguous() for w in gate_up + down):
+        return "the expert weights are not contiguous bf16 or fp32 tensors on the CPU"
+    return GroupedExpertWeights(False, gate_up[0].dtype, inter, _addresses(gate_up), _addresses(down),
+                                [gate_up, down, holders])
+
+
+def _packed(experts: nn.Module, pairs: list, inter: int) -> GroupedExpertWeights | str:
+    hidden = experts.hidden_size
+    for gate_up, down in pairs:
+        for m, (n, k) in ((gate_up, (2 * inter, hidden)), (down, (hidden, inter))):
+            if m.dtype != torch.bfloat16 or m.weight_bf16 is not None:
+                return f"the experts are packed by oneDNN as {m.dtype} in a layout of its own"
+            if torch.ops.mkldnn._nbytes(m.packed) != _packed_bytes(n, k):
+                return "oneDNN packed the experts in another layout than small_linear's"
+    weights = GroupedExpertWeights(True, torch.bfloat16, inter,
+                                   _addresses([torch.ops.mkldnn.data_ptr(g.packed) for g, _ in pairs]),
+                                   _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs])
+    unchecked = [e for e, (g, d) in enumerate(pairs) if g.small_rows == 0 or d.small_rows == 0]
+    if unchecked and not _same_as_each_expert(weights, experts, unchecked):
+        return "oneDNN packed the experts in another layout than small_linear's"
+    return weights
+
+
+def _same_as_each_expert(weights: GroupedExpertWeights, experts: nn.Module, ids: list[int]) -> bool:
+    """One random row through each expert of `ids` by the kernel and by the expert's own linears."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(len(ids), experts.hidden_size, generator=gen).to(torch.bfloat16)
+    got = weights(rows, [(e, i, i + 1) for i, e in enumerate(ids)]).float()
+    want = torch.cat([experts._modules[str(e)](rows[i:i + 1]) for i, e in enumerate(ids)]).float()
+    return bool(((got - want).abs() <= 0.02 * want.abs().amax(dim=1, keepdim=True) + 1e-3).all())
+
+
+def _packed_bytes(n: int, k: int) -> int:
+    pairs = (k + 2 * PACKED_PAIR_STEP - 1) // (2 * PACKED_PAIR_STEP) * PACKED_PAIR_STEP
+    return (n + PACKED_ROWS - 1) // PACKED_ROWS * pairs * PACKED_ROWS * 2 * 2
+
+
+def _addresses(items: list) -> torch.Tensor:
+    return torch.tensor([item if isinstance(item, int) else item.data_ptr() for item in items], dtype=torch.long)

@@ -1,0 +1,121 @@
+"""The grouped-experts kernel (csrc/moe_experts.cpp: all active experts of a decode step in one call) against the
+reference grouped loop (`run_grouped` over PyTorch products on the stacked weights), at every ISA level, on each
+layout it reads: the stacked weights (bf16, fp32), each expert's plain linears, and oneDNN's packed bf16 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sage_infer.layers import cpu_kernels
+from sage_infer.layers.cpu_kernels import kernel_unavailable
+from sage_infer.layers.elementwise import FUSED_OPS
+from sage_infer.layers.linear import pack_linears, packing_unavailable
+from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
+from sage_infer.layers.moe_grouped import GroupedExpertWeights
+
+pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+
+E, H, K = 8, 96, 3
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def make_experts(dtype: torch.dtype, inter: int, seed: int = 0) -> FusedExperts:
+    torch.manual_seed(seed)
+    experts = FusedExperts(E, H, inter).requires_grad_(False)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.15)
+        experts.down_proj.normal_(0, 0.15)
+    return experts.to(dtype)
+
+
+def reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, groups) -> torch.Tensor:
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down[e])
+
+    return run_grouped(x, weights, groups, expert)
+
+
+def routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's K distinct experts among E - 3 (so some experts get no row), and its weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 3, generator=gen)[:K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1)
+    return weights, ids
+
+
+def with_layout(experts: FusedExperts, layout: str) -> FusedExperts:
+    """`experts` as the engine may hold them: stacked, each expert's nn.Linear pair, or packed by oneDNN."""
+    if layout != "stacked":
+        experts.split_linears()
+    if layout == "packed":
+        pack_linears(experts, small_rows=32 if cpu_kernels.small_linear_unavailable() is None else 0)
+    return experts
+
+
+@pytest.mark.parametrize("dtype,layout,inter", [
+    (torch.float32, "stacked", 40), (torch.bfloat16, "stacked", 40), (torch.float32, "linears", 72),
+    (torch.bfloat16, "packed", 40), (torch.bfloat16, "packed", 128)])
+def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, inter):
+    if layout == "packed" and packing_unavailable(torch.bfloat16) is not None:
+        pytest.skip(f"oneDNN cannot pack bf16 here: {packing_unavailable(torch.bfloat16)}")
+    experts = make_experts(dtype, inter)
+    want_experts = make_experts(dtype, inter)  # the same weights, kept stacked for the reference
+    with_layout(experts, layout)
+    kernel = experts.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights), kernel
+    assert kernel.packed == (layout == "packed")
+    for tokens, seed in ((1, 0), (5, 1), (9, 2)):
+        weights, ids = routing(tokens, seed)
+        groups = group_by_expert(ids, E)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        with torch.no_grad():
+            got = experts(x, weights.to(dtype), groups, FUSED_OPS)
+            want = reference(want_experts, x, weights.to(dtype), groups)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_every_active_expert_runs_in_one_call_and_large_steps_keep_per_expert_products(monkeypatch):
+    experts = make_experts(torch.float32, 40)
+    calls = []
+    real = cpu_kernels.moe_experts
+
+    def counting(rows, spans, *args):
+        calls.append(spans.tolist())
+        return real(rows, spans, *args)
+
+    monkeypatch.setattr(cpu_kernels, "moe_experts", counting)
+    weights, ids = routing(6, 3)
+    groups = group_by_expert(ids, E)
+    with torch.no_grad():
+        experts(torch.randn(6, H), weights, groups, FUSED_OPS)
+        assert calls == [[list(span) for span in groups.spans]]  # one call, every active expert's span
+        experts.kernel_rows = max(groups.counts) - 1  # an expert with more rows than the kernel takes
+        experts(torch.randn(6, H), weights, groups, FUSED_OPS)
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(cpu_kernels.small_linear_unavailable() is not None, reason="needs small_linear (AVX512-BF16)")
+def test_packed_bf16_experts_give_the_per_expert_kernels_bits():
+    """On AVX512-BF16 the grouped kernel sums each product as small_linear does and SiLU * up as silu_mul does."""
+    experts = with_layout(make_experts(torch.bfloat16, 128), "packed")
+    weights, ids = routing(4, 5)
+    groups = group_by_expert(ids, E)
+    x = torch.randn(4, H).to(torch.bfloat16)
+    with torch.no_grad():
+        got = experts(x, weights.to(torch.bfloat16), groups, FUSED_OPS)
+        experts.kernel_rows = 0
+        want = experts(x, weights.to(torch.bfloat16), groups, FUSED_OPS)
+    assert torch.equal(got, want)
+
+
+def test_spans_outside_the_experts_or_rows_are_refused():
+    kernel = make_experts(torch.float32, 40).grouped_kernel()
+    rows = torch.randn(3, H)
+    for spans in ([(E, 0, 3)], [(0, 0, 4)], [(1, 2, 2)]):
+        with pytest.raises(RuntimeError, match="outside"):
+            kernel(rows, spans)
