@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -147,17 +148,14 @@ def test_a_torn_tail_counts_as_dead_bytes_once(tmp_path):
         assert tier.stats().fragmentation == pytest.approx(100 / (RECORD + 100))
 
 
-@pytest.mark.parametrize("piece", [None, 100], ids=["whole-records", "records-in-pieces"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
-def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, piece, one_pass):
-    """A batch read (runs of adjacent records, a gap, records larger than the read piece read a piece at a time
-    with the CRC continued) returns the bytes written; a flipped bit anywhere in a payload, even its last piece,
-    is caught; the one-pass read (pread into scratch, copy + CRC) and the two-pass read (preadv, then CRC) agree."""
+def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, one_pass):
+    """A batch read (runs of adjacent records, a gap, a segment boundary) returns the bytes written; a flipped
+    bit anywhere in a payload, even its last byte, is caught; a record cut short by a truncated file reads as
+    missing; the one-pass read (the segment mapped, copy + CRC) and the two-pass read (preadv, then CRC) agree."""
     from sage_infer.kv_runtime.tiers import disk
     from tests.test_kv_tiers import corrupt
 
-    if piece is not None:  # (else records of BPB bytes are read whole, a run of them in one pread)
-        monkeypatch.setattr(disk, "READ_PIECE", piece)
     monkeypatch.setattr(disk, "ONE_PASS_READS", one_pass)
     keys, blocks = chain(12)
     with DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=8 * RECORD) as tier:
@@ -175,3 +173,7 @@ def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, pi
         got = tier.get(keys)
         assert got[4] is None and got[9] is None and tier.stats().checksum_failures == 2
         assert all(torch.equal(row, blocks[i]) for i, row in enumerate(got) if i not in (4, 9))
+        loc = tier._index[keys[11]]
+        os.truncate(loc.segment.path, loc.offset + RECORD - 5)  # (a file cut under the tier: a short read)
+        got = tier.get(keys[10:])
+        assert torch.equal(got[0], blocks[10]) and got[1] is None
