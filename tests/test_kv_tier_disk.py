@@ -177,3 +177,14 @@ def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, on
         os.truncate(loc.segment.path, loc.offset + RECORD - 5)  # (a file cut under the tier: a short read)
         got = tier.get(keys[10:])
         assert torch.equal(got[0], blocks[10]) and got[1] is None
+
+
+def test_a_written_batchs_buffer_takes_the_next_put_and_both_batches_read_back(tier):
+    keys, blocks = chain(10)
+    tier.put(keys[:6], blocks[:6])
+    tier.flush()
+    assert len(tier._spare) == 1  # (the written batch's buffer, kept for the next put)
+    tier.put(keys[6:], blocks[6:])  # copied into its first rows
+    assert torch.equal(tier.get_prefix(keys[6:]), blocks[6:])  # (from the buffer while it is queued)
+    tier.flush()
+    assert torch.equal(tier.get_prefix(keys), blocks)
