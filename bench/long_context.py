@@ -58,7 +58,8 @@ Method
              prefix cache (what it evicts it recomputes). Chunked prefill at --budget tokens a step for both, the
              same threads (VLLM_CPU_OMP_THREADS_BIND). Both engines stay up for a length and take turns request by
              request (sage's, then vLLM's, of the same question), so on a shared machine both see the same load;
-             sage's time for a request includes waiting for its tiers' background work (the host tier's checksums).
+             sage's time for a request includes waiting for its tiers' background work (the host tier's checksums
+             of what it demoted; `tier_wait_s`, after the answer).
              Lengths above --vllm-max-length run sage alone.
   Reported   per engine: questions answered per second (requests ÷ the sum of their wall times), TTFT per question
              (mean, median; the first question of each document, computed by both, apart from the later ones),
@@ -515,10 +516,12 @@ class SageDocQA:
         what it demoted), so none of it runs while the other engine is timed."""
         start = time.perf_counter()
         [out] = self.llm.generate([prompt], self.params)
+        answered = time.perf_counter()
         for store in self.stores:
             if hasattr(store, "drain"):
                 store.drain()
-        return {"name": name, "wall_s": time.perf_counter() - start, "ttft_s": out.metrics.ttft,
+        end = time.perf_counter()
+        return {"name": name, "wall_s": end - start, "ttft_s": out.metrics.ttft, "tier_wait_s": end - answered,
                 "cached_tokens": out.metrics.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)}
 
     def memory(self) -> dict:
@@ -560,7 +563,7 @@ class VLLMDocQA:
         result = self.worker.call(self.wire.GenerateJob(name, [prompt], self.q.answer_tokens,
                                                         reset_prefix_cache=False))
         time.sleep(VLLM_BUSY_POLL_S)  # its workers poll their queue a while after a step: not beside sage's turn
-        return {"name": name, "wall_s": result.wall_s, "ttft_s": result.ttft_s[0],
+        return {"name": name, "wall_s": result.wall_s, "ttft_s": result.ttft_s[0], "tier_wait_s": 0.0,
                 "cached_tokens": (result.cached_tokens or [None])[0], "tokens": result.output_token_ids[0]}
 
     def memory(self) -> dict:
@@ -693,7 +696,8 @@ def run_length(q: DocQA, args: argparse.Namespace, with_vllm: bool) -> dict:
                 row["load_1m"] = load
                 rows[label].append(row)
                 print(f"  {q.length} {label:<4} {name}: wall {row['wall_s']:.2f}s, TTFT {row['ttft_s']:.2f}s, "
-                      f"cached {row['cached_tokens']}, load {load:.1f}", flush=True)
+                      f"tier wait {row['tier_wait_s']:.2f}s, cached {row['cached_tokens']}, load {load:.1f}",
+                      flush=True)
         memory = {"sage": sage.memory(), "vllm": vllm.memory() if vllm else None}
     finally:
         sage.close()
