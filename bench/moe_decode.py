@@ -22,6 +22,12 @@ read are cold in the caches, as in a real decode; a step's 8 x 9.4 MB per layer 
 
 `read_ratio` = the layer's rate / the plain read's (the target is >= 0.8); `step_ratio` = the step's rate / the
 plain read's. `--profile 1,8`: torch.profiler over the MoE blocks at those row counts, the top ops by self CPU time.
+
+The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (all
+active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for steps of up to
+`GROUPED_KERNEL_ROWS` pairs per expert) and `per-expert` (one product per active expert, two kernel calls each).
+`--batches 1,8,32,128`: both paths on a decode step of that many rows (random routing, the kernel forced at any
+count), taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from bench.vllm_models import MODELS, prepare_model  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MOE_MODELS = sorted(name for name, spec in MODELS.items() if (spec.arch or "").endswith("moe"))
 PROMPT_TOKENS = 128
+PATHS = ("grouped", "per-expert")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens of the whole-step run")
     parser.add_argument("--profile", default="", help="comma-separated row counts (e.g. 1,8,64) to run the MoE blocks "
                         "at under torch.profiler (none by default)")
+    parser.add_argument("--experts", default="grouped,per-expert", help="expert paths the layer turns time, "
+                        "comma-separated: grouped (one kernel call for all active experts), per-expert")
+    parser.add_argument("--batches", default="", help="comma-separated decode batch sizes (e.g. 1,8,32,128) to time "
+                        "both expert paths at (none by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=DEFAULT_CACHE, help="where built models are kept")
     parser.add_argument("--json", type=Path, default=None)
@@ -67,7 +78,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.profile = [int(rows) for rows in args.profile.split(",") if rows]
     except ValueError:
         parser.error(f"--profile takes row counts such as 1,8,64, not {args.profile!r}")
+    args.experts = tuple(path for path in args.experts.split(",") if path)
+    if not args.experts or any(path not in PATHS for path in args.experts):
+        parser.error(f"--experts takes {' and/or '.join(PATHS)}, not {','.join(args.experts)!r}")
+    try:
+        args.batches = [int(rows) for rows in args.batches.split(",") if rows]
+    except ValueError:
+        parser.error(f"--batches takes batch sizes such as 1,8,32, not {args.batches!r}")
     return args
+
+
+def use_path(blocks: dict, path: str | None, rows: int | None = None) -> None:
+    """The experts of every block on `path` (None: as the engine built them): `grouped` for steps of up to `rows`
+    pairs per expert (default `GROUPED_KERNEL_ROWS`), `per-expert` never."""
+    from sage_infer.layers.moe import GROUPED_KERNEL_ROWS
+
+    for block in blocks.values():
+        if path is not None:
+            block.experts.kernel_rows = (rows or GROUPED_KERNEL_ROWS) if path == "grouped" else 0
 
 
 def expert_weights(model_dir: Path, layers: list[int], num_experts: int, dtype: torch.dtype) -> dict:
@@ -117,28 +145,69 @@ def expert_alone_s(blocks: dict, ops, hidden: int, dtype: torch.dtype) -> float:
     return statistics.median(times)
 
 
-def timed_turns(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtype, iters: int, seed: int) -> dict:
-    """Median seconds of the MoE blocks on one row and of a plain read of as many expert bytes, taking turns."""
+def timed_turns(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtype, iters: int, seed: int,
+                paths: tuple[str, ...] = ()) -> dict:
+    """Median seconds of the MoE blocks on one row and of a plain read of as many expert bytes, taking turns:
+    ``layer_s`` for the blocks as built, or with `paths` ``layer_s_<path>`` for each (their order alternating)."""
     from sage_infer.layers.moe import route
 
     touch_all(blocks, weights, ops, hidden, dtype)
     gen = torch.Generator().manual_seed(seed)
-    layer_s, read_s = [], []
+    names = paths or (None,)
+    layer_s: dict = {path: [] for path in names}
+    read_s = []
     for i in range(iters + 2):  # the first two turns warm up
-        x = torch.randn(1, hidden, generator=gen).to(dtype)
-        start = time.perf_counter()
-        for block in blocks.values():
-            block(x, ops)
-        layer = time.perf_counter() - start
+        times = {}
+        for path in (names if i % 2 == 0 else names[::-1]):
+            use_path(blocks, path)
+            x = torch.randn(1, hidden, generator=gen).to(dtype)  # a fresh routing: cold experts
+            start = time.perf_counter()
+            for block in blocks.values():
+                block(x, ops)
+            times[path] = time.perf_counter() - start
         other = torch.randn(1, hidden, generator=gen).to(dtype)  # another routing: cold experts for the read
         picked = [weights[index, e] for index, block in blocks.items()
                   for e in route(block.gate(other), block.top_k, block.renormalize)[1][0].tolist()]
         read = plain_read(picked)
         if i >= 2:
-            layer_s.append(layer)
+            for path, seconds in times.items():
+                layer_s[path].append(seconds)
             read_s.append(read)
-    return {"layer_s": statistics.median(layer_s), "read_s": statistics.median(read_s),
-            "layer_s_min": min(layer_s), "read_s_min": min(read_s)}
+    result = {"read_s": statistics.median(read_s), "read_s_min": min(read_s)}
+    for path, values in layer_s.items():
+        suffix = f"_{path}" if path else ""
+        result |= {f"layer_s{suffix}": statistics.median(values), f"layer_s_min{suffix}": min(values)}
+    return result
+
+
+def batch_sweep(blocks: dict, ops, hidden: int, dtype: torch.dtype, batches: list[int], iters: int) -> list[dict]:
+    """Median ms of the MoE blocks on a decode step of each batch size, on both expert paths (the grouped kernel
+    forced at any pair count), taking turns; with the most and the mean pairs per active expert."""
+    from sage_infer.layers.moe import group_by_expert, route
+
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        times: dict = {path: [] for path in PATHS}
+        counts = []
+        for i in range(iters + 1):
+            x = torch.randn(batch, hidden, generator=gen).to(dtype)
+            for path in (PATHS if i % 2 == 0 else PATHS[::-1]):
+                use_path(blocks, path, rows=1 << 30)
+                start = time.perf_counter()
+                for block in blocks.values():
+                    block(x, ops)
+                if i:
+                    times[path].append(time.perf_counter() - start)
+            block = next(iter(blocks.values()))
+            groups = group_by_expert(route(block.gate(x), block.top_k, block.renormalize)[1], len(block.expert_tokens))
+            counts.append((max(groups.counts), batch * block.top_k / len(groups.spans)))
+        grouped, per_expert = (statistics.median(times[path]) * 1e3 for path in PATHS)
+        rows.append({"batch": batch, "max_pairs": max(c[0] for c in counts),
+                     "mean_pairs": statistics.mean(c[1] for c in counts), "grouped_ms": grouped,
+                     "per_expert_ms": per_expert, "speedup": per_expert / grouped})
+    use_path(blocks, "grouped")
+    return rows
 
 
 def decode_step_s(llm, vocab: int, tokens: int, seed: int) -> float:
@@ -209,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     expert_bytes = len(blocks) * top_k * 3 * cfg.hidden_size * inter * element
     weights = expert_weights(model_dir, list(blocks), num_experts, dtype)
     ops = runner.step.ops
+    kernel = first.experts.grouped_kernel()
     with torch.no_grad():
-        turns = timed_turns(blocks, weights, ops, cfg.hidden_size, dtype, args.iters, args.seed)
+        turns = timed_turns(blocks, weights, ops, cfg.hidden_size, dtype, args.iters, args.seed, args.experts)
+        sweep = batch_sweep(blocks, ops, cfg.hidden_size, dtype, args.batches, max(3, args.iters // 4))
+        use_path(blocks, "grouped")
         alone_s = expert_alone_s(blocks, ops, cfg.hidden_size, dtype)
         step_s = decode_step_s(llm, cfg.vocab_size, args.decode_tokens, args.seed)
         if args.profile:
@@ -218,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         profiles = {rows: profile_blocks(blocks, ops, cfg.hidden_size, dtype, rows, min(args.iters, 20))
                     for rows in args.profile}
     rate = lambda seconds: expert_bytes / seconds / 1e9  # noqa: E731
-    report = {"model": args.model, "model_dir": str(model_dir), "dtype": args.dtype, "threads": args.threads,
+    paths = {path: {"layer_ms": turns[f"layer_s_{path}"] * 1e3, "layer_ms_min": turns[f"layer_s_min_{path}"] * 1e3,
+                    "layer_gb_s": rate(turns[f"layer_s_{path}"]),
+                    "read_ratio": turns["read_s"] / turns[f"layer_s_{path}"]} for path in args.experts}
+    main_path = args.experts[0]
+    turns |= {"layer_s": turns[f"layer_s_{main_path}"], "layer_s_min": turns[f"layer_s_min_{main_path}"]}
+    report = {"paths": paths, "main_path": main_path, "batch_sweep": sweep,
+              "grouped_kernel": kernel if isinstance(kernel, str) else ("packed bf16" if kernel.packed
+                                                                        else f"plain {kernel.dtype}"),
+              "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype, "threads": args.threads,
               "iters": args.iters, "sparse_layers": list(blocks), "experts": num_experts, "top_k": top_k,
               "expert_intermediate": inter, "hidden": cfg.hidden_size, "ops": ops.name, "isa": sage_isa(),
               "expert_mb_per_token": expert_bytes / 1e6, "loadavg": list(os.getloadavg()),
@@ -239,15 +319,22 @@ def print_report(r: dict) -> None:
           f"ops {r['ops']}: {len(r['sparse_layers'])} sparse "
           f"layers x top {r['top_k']} of {r['experts']} experts (x {r['expert_intermediate']}), "
           f"{r['expert_mb_per_token']:.1f} MB of expert weights per token")
-    print(f"  MoE layers, 1 row : {r['layer_ms']:7.2f} ms  {r['layer_gb_s']:6.1f} GB/s  "
-          f"(min {r['layer_ms_min']:.2f} ms)")
-    print(f"  plain read        : {r['plain_read_ms']:7.2f} ms  {r['plain_read_gb_s']:6.1f} GB/s  "
+    print(f"  grouped kernel: {r['grouped_kernel']}")
+    for path, p in r["paths"].items():
+        print(f"  MoE layers, 1 row, {path:10}: {p['layer_ms']:7.2f} ms  {p['layer_gb_s']:6.1f} GB/s  "
+              f"(min {p['layer_ms_min']:.2f} ms)  read_ratio {p['read_ratio']:.2f}")
+    print(f"  plain read                   : {r['plain_read_ms']:7.2f} ms  {r['plain_read_gb_s']:6.1f} GB/s  "
           f"(min {r['plain_read_ms_min']:.2f} ms)")
-    print(f"  one expert alone  : {r['expert_alone_ms']:7.3f} ms  {r['expert_alone_gb_s']:6.1f} GB/s  (median over "
-          f"every expert, each on its own)")
-    print(f"  decode step       : {r['decode_step_ms']:7.2f} ms  {r['decode_step_expert_gb_s']:6.1f} GB/s of experts")
-    print(f"  read_ratio (layers / plain read) = {r['read_ratio']:.2f}   step_ratio (step / plain read) = "
-          f"{r['step_ratio']:.2f}   (target >= 0.8)")
+    print(f"  one expert alone             : {r['expert_alone_ms']:7.3f} ms  {r['expert_alone_gb_s']:6.1f} GB/s  "
+          f"(median over every expert, each on its own)")
+    print(f"  decode step                  : {r['decode_step_ms']:7.2f} ms  {r['decode_step_expert_gb_s']:6.1f} "
+          f"GB/s of experts")
+    print(f"  read_ratio ({r['main_path']} layers / plain read) = {r['read_ratio']:.2f}   step_ratio (step / plain "
+          f"read) = {r['step_ratio']:.2f}   (target >= 0.8)")
+    for row in r["batch_sweep"]:
+        print(f"  batch {row['batch']:4d} (pairs per expert: max {row['max_pairs']}, mean {row['mean_pairs']:.1f}): "
+              f"grouped {row['grouped_ms']:.2f} ms, per-expert {row['per_expert_ms']:.2f} ms, "
+              f"per-expert / grouped {row['speedup']:.2f}")
     for rows, prof in r["profiles"].items():
         print(f"  profile, {rows} row(s): {prof['pass_ms']:.2f} ms per pass over the sparse layers (profiled), "
               f"{prof['ops_ms']:.2f} ms in ops, the rest Python")
