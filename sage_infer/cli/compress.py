@@ -72,9 +72,12 @@ def quantize_command(
     quantizer, calibration_tokens = None, 0
     if method == "gptq":
         from sage_infer.quantization.calibration import read_calibration_file
-        from sage_infer.quantization.checkpoint import check_shapes
+        from sage_infer.quantization.checkpoint import check_shapes, has_experts
         from sage_infer.quantization.gptq import gptq_quantizer
 
+        if has_experts(model):
+            raise UsageError(f"--method gptq: {model} has mixture-of-experts experts; GPTQ for them is not "
+                             f"implemented yet (--method rtn quantizes them)")
         check_shapes(model, weight_scheme)  # before the calibration pass, not after it
         texts = read_calibration_file(calib_file) if calib_file is not None else None
         quantizer, calibration_tokens = gptq_quantizer(model, weight_scheme, calib_samples or 64,

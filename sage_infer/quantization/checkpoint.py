@@ -1,9 +1,12 @@
 """Write a weight-only quantized copy of a Hugging Face model directory (compressed-tensors
 pack-quantized), what `sage compress quantize` runs.
 
-Quantized: the linear layers of every decoder layer (q/k/v/o projections, gate/up/down). Kept as
-they are: embeddings, norms, biases and lm_head. Every file of the source directory other than
-config.json and the safetensors weights (tokenizer, generation config, chat template, ...) is copied.
+Quantized: the linear layers of every decoder layer (q/k/v/o projections, gate/up/down), a mixture of
+experts' experts one linear each as checkpoints store them (``mlp.experts.<e>.gate_proj``, Mixtral's
+``block_sparse_moe.experts.<e>.w1``) and a shared expert's. Kept as they are: embeddings, norms, biases,
+routers (``mlp.gate``, ``shared_expert_gate``) and lm_head. Experts stored stacked in one tensor are refused.
+Every file of the source directory other than config.json and the safetensors weights (tokenizer, generation
+config, chat template, ...) is copied.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from sage_infer.errors import UsageError
 from sage_infer.quantization.compressed_tensors import encode_weight, quantization_config
 from sage_infer.quantization.weights import QuantizedWeight, WeightScheme, quantize_rtn
 
-# a decoder layer's linear weights, as the Llama family names them
-LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# a decoder layer's linear weights, as the Llama family and its mixture-of-experts kin name them
+LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_expert\.)?"
+                           r"(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+EXPERT_WEIGHT = re.compile(r"\.(experts\.\d+|shared_expert)\.")
+# every expert of a layer in one tensor ([E, 2I, H] / [E, H, I], gpt-oss's and transformers' in-memory layout)
+STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
 INDEX = "model.safetensors.index.json"
 
 # (module name, weight [out, in]) -> its quantized weight
@@ -60,13 +67,28 @@ def source_files(src: Path) -> list[Path]:
     return files
 
 
+def has_experts(src: Path) -> bool:
+    """Whether `src` stores mixture-of-experts expert linears `quantize_checkpoint` would quantize."""
+    from safetensors import safe_open
+
+    for file in source_files(src):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            if any(is_quantized_linear(name) and EXPERT_WEIGHT.search(name) for name in handle.keys()):
+                return True
+    return False
+
+
 def check_shapes(src: Path, scheme: WeightScheme) -> None:
-    """UsageError naming the first linear whose input width the group size does not divide."""
+    """UsageError naming the first linear whose input width the group size does not divide, or the first
+    stacked expert tensor (not implemented)."""
     from safetensors import safe_open
 
     for file in source_files(src):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
+                if STACKED_EXPERTS.search(name):
+                    raise UsageError(f"{name}: experts stacked in one tensor are not implemented yet for "
+                                     f"quantization (one tensor per expert is)")
                 if is_quantized_linear(name):
                     out_f, in_f = handle.get_slice(name).get_shape()
                     if in_f % scheme.group_of(in_f):
