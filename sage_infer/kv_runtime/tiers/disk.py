@@ -439,10 +439,13 @@ class DiskTier(KVTier):
                 groups.append([read])
 
         kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
+        # a large read streams its stores (into rows not in cache) even where each group is under the kernel's
+        # own threshold
+        stream = 1 if kernel is not None and len(reads) * self.bytes_per_block >= kernel.copy_stream_min_bytes() else 0
 
         def read_group(group: list[tuple[int, bytes, _Loc]]) -> list[tuple[int, bytes, _Loc, bool, bool]]:
             if kernel is not None:
-                return self._read_group_fused(kernel, group, out)
+                return self._read_group_fused(kernel, group, out, stream)
             first, n = group[0][0], len(group)
             scratch = bytearray(HEADER.size)
             buffers: list = []
@@ -462,8 +465,8 @@ class DiskTier(KVTier):
             done = [read_group(group) for group in groups]
         return [result for part in done for result in part]
 
-    def _read_group_fused(self, kernel: ModuleType, group: list[tuple[int, bytes, _Loc]], out: torch.Tensor
-                          ) -> list[tuple[int, bytes, _Loc, bool, bool]]:
+    def _read_group_fused(self, kernel: ModuleType, group: list[tuple[int, bytes, _Loc]], out: torch.Tensor,
+                          stream: int) -> list[tuple[int, bytes, _Loc, bool, bool]]:
         """`_read_records` of one group in one pass: the records' span of the segment is mapped (the page cache's
         own pages, no copy) and the kernel copies each payload into ``out``'s rows and checksums it in the same
         pass (`copy_rows_crc32c`). Only what the file holds is mapped: a record past its end reads as short."""
@@ -486,7 +489,8 @@ class DiskTier(KVTier):
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
             rows = flat.as_strided((whole, bpb), (record, 1), start - base)
-            crcs = kernel.copy_rows_crc32c(out[first : first + whole], rows, torch.tensor([[0, 0, whole]])).tolist()
+            crcs = kernel.copy_rows_crc32c(out[first : first + whole], rows, torch.tensor([[0, 0, whole]]),
+                                           stream).tolist()
             del flat, rows
         finally:
             mapped.close()

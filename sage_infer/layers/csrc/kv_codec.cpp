@@ -224,7 +224,8 @@ struct V256 {
                                              _mm256_clmulepi64_epi128(x, k, 0x11)), data);
   }
   static __m128i lanes(T x) {  // lane 0 moved forward 16 bytes onto lane 1
-    return V128::fold(_mm256_castsi256_si128(x), V128::constant(16), _mm256_extracti128_si256(x, 1));
+    static const __m128i k16 = V128::constant(16);  // (static: x_pow_mod costs more than a 16 KiB row's folding)
+    return V128::fold(_mm256_castsi256_si128(x), k16, _mm256_extracti128_si256(x, 1));
   }
 };
 #pragma GCC pop_options
@@ -256,10 +257,12 @@ struct V512 {
                                      data, 0x96);  // a ^ b ^ c
   }
   static __m128i lanes(T x) {  // lanes 0, 1, 2 moved forward 48, 32, 16 bytes onto lane 3
-    const FoldConstant k48(48), k32(32), k16(16);
-    const T k = _mm512_set_epi64(0, 0, static_cast<long long>(k16.hi), static_cast<long long>(k16.lo),
-                                 static_cast<long long>(k32.hi), static_cast<long long>(k32.lo),
-                                 static_cast<long long>(k48.hi), static_cast<long long>(k48.lo));
+    static const T k = [] {  // (static: x_pow_mod costs more than a 16 KiB row's folding)
+      const FoldConstant k48(48), k32(32), k16(16);
+      return _mm512_set_epi64(0, 0, static_cast<long long>(k16.hi), static_cast<long long>(k16.lo),
+                              static_cast<long long>(k32.hi), static_cast<long long>(k32.lo),
+                              static_cast<long long>(k48.hi), static_cast<long long>(k48.lo));
+    }();
     const T last = _mm512_maskz_mov_epi64(0xc0, x);  // lane 3 as it is; lanes 0-2 through k (lane 3's k is 0)
     const T y = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
                                           _mm512_clmulepi64_epi128(x, k, 0x11), last, 0x96);
