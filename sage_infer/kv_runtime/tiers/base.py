@@ -174,9 +174,7 @@ class KVTier(ABC):
         ):
             raise ValueError(f"out must be uint8 [>={len(keys)}, {self.bytes_per_block}], got {tuple(out.shape)}")
         found = self._load(keys, out, prefix=True) if keys else []
-        k = 0
-        while k < len(found) and found[k]:
-            k += 1
+        k = found.index(False) if False in found else len(found)
         self._count_gets(len(keys), k)
         return out[:k]
 

@@ -170,15 +170,18 @@ class HostTier(KVTier):
                     if self._pending.pop(slot, None) is not None:
                         self._crc[slot] = crcs[i]
                         ok[i] = True
-            found = [False] * len(keys)
             for i in np.flatnonzero(~ok).tolist():
                 self._stats.checksum_failures += 1
                 self._drop(keys[rows[i]])
             if prefix and not ok.all():
                 rows = rows[: int(np.argmin(ok))]
                 ok = ok[: len(rows)]
-            for row, good in zip(rows, ok.tolist()):
-                found[row] = good
+            if len(rows) == len(keys):  # every key stored (rows is 0, 1, 2, ...)
+                found = ok.tolist()
+            else:
+                found = [False] * len(keys)
+                for row, good in zip(rows, ok.tolist()):
+                    found[row] = good
             for row in reversed(rows):
                 if found[row]:
                     self._slot_of.move_to_end(keys[row])

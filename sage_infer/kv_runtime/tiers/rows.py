@@ -76,6 +76,8 @@ def fused_kernel() -> ModuleType | None:
 def runs_of(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[Run]:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` as runs consecutive on both sides (in order)."""
     n = len(dst_rows)
+    if n > 32 and consecutive(dst_rows) and consecutive(src_rows):  # (the usual batch: one run, found in C)
+        return [(dst_rows[0], src_rows[0], n)]
     if n > 32:  # (numpy finds the breaks of a long batch faster than a Python loop)
         d, s = np.asarray(dst_rows, dtype=np.int64), np.asarray(src_rows, dtype=np.int64)
         breaks = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
@@ -91,6 +93,13 @@ def runs_of(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[Run]:
         out.append((d, s, j - i))
         i = j
     return out
+
+
+def consecutive(rows: Sequence[int]) -> bool:
+    """Whether `rows` is r, r + 1, r + 2, ... (a range, or a list equal to one)."""
+    if isinstance(rows, range):
+        return rows.step == 1
+    return rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def pieces(runs: list[Run], rows_per_piece: int) -> list[Run]:
