@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text) against transformers, fp32 greedy tokens: alternating sliding-window and full layers
 with prompts longer than the window, attention and final logit soft-capping (Gemma 2), query_pre_attn_scalar, the
 (1 + w) norms (random, so they matter), Gemma 3's q/k norms and its sliding layers' own rope theta; through the
-reference path and the fast paths the engine picks here, in a batch of mixed lengths."""
+reference path and, at each ISA level this CPU runs, the fast paths the engine picks (the paged decode and flash
+prefill kernels taking the window and the soft-cap), in a batch of mixed lengths."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from sage_infer.layers.cpu_kernels import flash_unavailable, kernel_unavailable
 from sage_infer.models.arch_config import ArchConfig
 from tests.test_engine_vs_transformers import random_prompts
 from tests.test_sliding_window import PATHS, engine, hf_greedy, sage_greedy
@@ -47,16 +49,27 @@ def gemma(request, tmp_path_factory):
     return request.param, directory, prompts, hf_greedy(hf, prompts)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_gemma_matches_transformers(gemma, path):
-    arch, directory, prompts, want = gemma
+def check_gemma(arch, directory, prompts, want, path: str):
     llm = engine(directory, **PATHS[path])
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
     assert llm.engine.max_model_len == 1024
-    decided = {d.field: d.value for d in llm.engine.decisions}
-    assert decided.get("model.elementwise", "torch") == "torch"  # the fused passes are the Llama family's
+    decided = {d.field: d for d in llm.engine.decisions}
+    assert getattr(decided.get("model.elementwise"), "value", "torch") == "torch"  # the Llama family's fused passes
+    reason = decided["model.layer_attention"].reason
+    assert ("decode rows through the paged kernel" in reason) == (path == "auto" and kernel_unavailable() is None)
+    flash = path == "auto" and flash_unavailable(32, torch.float32) is None
+    assert ("prefill spans through the flash kernel" in reason) == flash
     assert sage_greedy(llm, prompts) == want
+
+
+def test_gemma_matches_transformers(gemma):
+    check_gemma(*gemma, "reference")
+
+
+def test_gemma_kernels_match_transformers_at_each_isa(gemma, cpu_isa):
+    """The engine's own paths (auto) at each ISA level: Gemma 2's soft-cap and both windows through the kernels."""
+    check_gemma(*gemma, "auto")
 
 
 def test_gemma3_reads_the_old_config_style_local_rope_theta():

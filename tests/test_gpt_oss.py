@@ -1,9 +1,10 @@
 """gpt-oss (`GptOssForCausalLM`) against transformers, fp32 greedy tokens on random weights: attention sinks (random, so
 they matter), alternating sliding-window (8 keys) and full layers with prompts longer than the window, q/k/v/o biases,
 yarn rope, a biased router over 4 experts (top 2) and clamped SwiGLU experts with biases (a limit low enough that the
-clamp bites); a batch of several prompts through the reference path and the paths the engine picks here, with prefix
-cache hits and with chunked prefill; MXFP4 experts dequantized at load. Config fields sage does not build are refused
-naming the field."""
+clamp bites); a batch of several prompts through the reference path and, at each ISA level this CPU runs, the paths
+the engine picks (the paged decode and flash prefill kernels taking the window and sinks), with prefix cache hits and
+with chunked prefill; MXFP4 experts dequantized at load. Config fields sage does not build are refused naming the
+field."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from sage_infer.layers.cpu_kernels import flash_unavailable, kernel_unavailable
 from sage_infer.layers.rotary import attention_scaling, inv_frequencies, rope_parameters
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.loader import ModelLoadError
@@ -26,7 +28,7 @@ WINDOW = 8
 ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 256}
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+              num_key_value_heads=2, head_dim=32, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
               max_position_embeddings=1024, swiglu_limit=0.6, bos_token_id=0, eos_token_id=1, pad_token_id=2,
               rope_parameters=ROPE)
 
@@ -56,16 +58,19 @@ def gpt_oss(tmp_path_factory):
     return directory, prompts, hf_greedy(hf, prompts)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss, path):
-    directory, prompts, want = gpt_oss
+def check_gpt_oss(directory, prompts, want, path: str):
     llm = engine(directory, **PATHS[path])
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
     decided = {d.field: d for d in llm.engine.decisions}
     assert decided["model.layer_attention"].value == "2 x sliding window 8, attention sinks; 2 x full, attention sinks"
-    assert decided["model.layer_attention"].reason == ("config.json; layers with a soft-cap or sinks wholly through "
-                                                       "PyTorch (no kernel takes either yet)")
+    reason = decided["model.layer_attention"].reason
+    if path == "reference":
+        assert reason == ("config.json; decode rows through PyTorch (the gathered decode part is the PyTorch oracle); "
+                          "prefill spans through PyTorch (the torch prefill part is the PyTorch oracle)")
+    else:
+        assert ("decode rows through the paged kernel" in reason) == (kernel_unavailable() is None)
+        assert ("prefill spans through the flash kernel" in reason) == (flash_unavailable(32, torch.float32) is None)
     assert decided["model.decode_step"].value == "python"
     assert decided["model.experts"].value == "4 x 32, top 2"
     first = sage_greedy(llm, prompts[:1])
@@ -73,6 +78,15 @@ def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss, path):
     assert first + rest == want
     assert llm.engine.kv.index.metrics.hit_blocks >= 4
     assert sum(sum(counts) for _, counts in llm.engine.runner.model.expert_tokens()) > 0
+
+
+def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss):
+    check_gpt_oss(*gpt_oss, "reference")
+
+
+def test_gpt_oss_kernels_match_transformers_at_each_isa(gpt_oss, cpu_isa):
+    """The engine's own paths (auto) at each ISA level: sinks and windows through the paged and flash kernels."""
+    check_gpt_oss(*gpt_oss, "auto")
 
 
 def test_gpt_oss_with_chunked_prefill_matches_transformers(gpt_oss):
@@ -90,10 +104,10 @@ def test_the_sinks_decide_tokens(gpt_oss):
     assert sage_greedy(llm, prompts) != want
 
 
-def test_deterministic_steps_are_refused_since_sinks_attend_through_pytorch(gpt_oss):
+def test_deterministic_steps_are_refused_for_sinks_layers(gpt_oss):
     from sage_infer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="sinks layers attend through PyTorch"):
+    with pytest.raises(ConfigError, match="not built for models with sliding-window, soft-capped or sinks layers"):
         engine(gpt_oss[0], deterministic=True)
 
 
@@ -105,7 +119,7 @@ def test_yarn_rope_equals_transformers():
         config = transformers.GptOssConfig(**{**CONFIG, "rope_parameters": dict(params)})
         want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config)
         ours = rope_parameters({"rope_parameters": dict(params)})
-        assert torch.equal(inv_frequencies(16, ours, 1024), want_freq)
+        assert torch.equal(inv_frequencies(CONFIG["head_dim"], ours, 1024), want_freq)
         assert attention_scaling(ours, 1024) == want_scale
 
 

@@ -100,12 +100,11 @@ def test_the_window_changes_transformers_tokens_for_these_prompts(mistral):
 def test_mistral_sliding_window_matches_transformers(mistral, path):
     directory, prompts, want = mistral
     llm = engine(directory, **PATHS[path])
-    windowed_in_place = llm.engine.runner.attention.decode.windowed  # the paged kernel reads the window's blocks
-    assert windowed_in_place == (path == "auto" and kernel_unavailable() is None)
     reason = {d.field: d for d in llm.engine.decisions}["model.layer_attention"].reason
-    assert ("in place" in reason) == windowed_in_place
-    flash = llm.engine.runner.attention.prefill.windowed  # the flash kernel in window tiles
-    assert flash == (path == "auto" and flash_unavailable(32, torch.float32) is None) == ("window tiles" in reason)
+    in_place = path == "auto" and kernel_unavailable() is None  # the paged kernel reads the window's blocks
+    assert ("decode rows through the paged kernel" in reason) == in_place
+    flash = path == "auto" and flash_unavailable(32, torch.float32) is None
+    assert ("prefill spans through the flash kernel" in reason) == flash
     assert sage_greedy(llm, prompts) == want
     assert sage_greedy(llm, prompts) == want  # again: every prompt's blocks hit the prefix cache
     assert llm.engine.kv.index.metrics.hit_blocks > 0
@@ -158,11 +157,11 @@ def test_window_math_equals_a_masked_softmax():
 
 
 @pytest.mark.skipif(kernel_unavailable() is not None, reason=f"paged kernel: {kernel_unavailable()}")
-@pytest.mark.parametrize("window", [16, 21, 48])
+@pytest.mark.parametrize("window", [5, 16, 21, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_window_decode_equals_the_gathered_window_math(window, dtype):
-    """The in-place split (kernel over the blocks inside the window, the partial block before them in PyTorch)
-    against the gathered math, rows shorter than the window, on a block boundary and in between."""
+    """The paged part under a window (the kernel from the block each row's window starts in) against the gathered
+    math, rows shorter than the window, on a block boundary and in between."""
     from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
     from sage_infer.kv_runtime import KVPool
     from sage_infer.layers.attention import DecodeGroup
@@ -180,7 +179,7 @@ def test_paged_window_decode_equals_the_gathered_window_math(window, dtype):
     q = torch.randn(len(lens), 4, 32).to(dtype)
     keys, values = pool.gather_blocks(0, tables, torch.float32)
     want = kind_decode_attention(q.float(), keys, values, lens, 0.2, AttentionKind(window=window))
-    got = PagedDecode().attend_window(q, pool, 0, group, 0.2, window)
+    got = PagedDecode().attend_kind(q, pool, 0, group, 0.2, AttentionKind(window=window))
     assert got.dtype == dtype
     tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want, **tolerance)
@@ -224,7 +223,7 @@ def test_multimodal_gemma3_is_refused_saying_what_it_misses(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_window_prefill_equals_the_window_math(window, dtype):
     """Spans from the start, after cached keys, shorter and longer than the window, through the flash kernel's
-    tiles (own keys causally, the keys before a tile causally reversed); bf16 within its rounding."""
+    window; bf16 within its rounding."""
     from sage_infer.layers.attention_backends.flash_prefill import FlashPrefill
 
     if flash_unavailable(32, dtype) is not None:
@@ -233,7 +232,7 @@ def test_flash_window_prefill_equals_the_window_math(window, dtype):
     for ctx_len, q_len in [(37, 37), (90, 90), (90, 23), (64, 1), (130, 70)]:
         q, k, v = (torch.randn(n, h, 32).to(dtype) for n, h in ((q_len, 4), (ctx_len, 2), (ctx_len, 2)))
         want = kind_prefill_attention(q.float(), k.float(), v.float(), 0.2, AttentionKind(window=window))
-        got = FlashPrefill().attend_window(q, k, v, 0.2, window)
+        got = FlashPrefill().attend_kind(q, k, v, 0.2, AttentionKind(window=window))
         assert got.dtype == dtype
         tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(got.float(), want, **tolerance)

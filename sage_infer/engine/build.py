@@ -241,11 +241,10 @@ class EngineBuilder:
         tokenizer, auto, fused, proposer = self.tokenizer, self.auto, self.fused, self.proposer
         deterministic = self.deterministic
         attention = build_attention(config, model, arch.head_dim, device, pool, deterministic)
-        self.kinds = report_attention_kinds(model, attention)
+        self.kinds = report_attention_kinds(model, attention, device, pool.block_size)
         if self.kinds and deterministic:
-            raise ConfigError("model.deterministic: the model's sliding-window, soft-capped or sinks layers attend "
-                              "through PyTorch, not the paged kernel every row goes through",
-                              hint="set model.deterministic: false")
+            raise ConfigError("model.deterministic is not built for models with sliding-window, soft-capped or sinks "
+                              "layers", hint="set model.deterministic: false")
         if config.speculative.method == "draft_model":
             proposer = build_draft_proposer(config, arch, tokenizer, device, auto.model_dtype, pool.num_blocks,
                                             attention.decode_in_place, fused)
@@ -418,11 +417,11 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
     return attention_backend(decode, prefill, row_invariant=deterministic)
 
 
-def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) -> bool:
+def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend, device: torch.device,
+                           block_size: int) -> bool:
     """Whether `model` has layers other than plain causal attention (a sliding window, soft-capped scores, attention
-    sinks); if so, a decided line says which, and how `attention` runs them (`AttentionBackend.forward_kind`): a
-    window alone through the parts that take one (`windowed`), a layer with a soft-cap or sinks wholly through PyTorch
-    (no kernel takes either yet)."""
+    sinks); if so, a decided line says which, and how `attention` runs them (`AttentionBackend.kind_routes`: each
+    part's kernel, or PyTorch and why)."""
     kinds = [m.kind for m in model.modules() if isinstance(getattr(m, "kind", None), AttentionKind)]
     special: dict[str, int] = {}
     for kind in kinds:
@@ -432,13 +431,7 @@ def report_attention_kinds(model: torch.nn.Module, attention: AttentionBackend) 
         return False
     full = len(kinds) - sum(special.values())
     layers = "; ".join(f"{count} x {what}" for what, count in special.items()) + (f"; {full} x full" if full else "")
-    decode = ("decode rows read the window's blocks in place (paged kernel)" if attention.decode.windowed
-              else "decode rows attend through PyTorch")
-    prefill = ("prefill spans run the flash kernel in window tiles" if attention.prefill.windowed
-               else "prefill spans attend through PyTorch")
-    how = [f"sliding layers: {decode}, {prefill}"] if any(kind.window_only for kind in kinds) else []
-    if any(not kind.plain and not kind.window_only for kind in kinds):
-        how.append("layers with a soft-cap or sinks wholly through PyTorch (no kernel takes either yet)")
+    how = attention.kind_routes([kind for kind in kinds if not kind.plain], device, block_size)
     if full:
         how.append("full layers run the parts the backend chose")
     _report(ResolvedValue("model.layer_attention", layers, "; ".join(["config.json", *how])))

@@ -1,13 +1,13 @@
 """What a layer's attention adds to causal ``softmax(q·kᵀ·scale)·v``: a sliding window, logit soft-capping, attention
-sinks; and the PyTorch math of such a layer (the oracle, and the path every backend runs these layers through until its
-kernels take a window).
+sinks; and the PyTorch math of such a layer (the oracle of the kernels that take a kind, and the path of the backend
+parts that do not: `AttentionBackend.forward_kind`).
 
 A sliding window of W keeps Hugging Face's meaning (``masking_utils.sliding_window_overlay``): the query at
 position ``i`` sees the keys at positions ``j`` with ``i - W < j <= i``, W keys with its own. Soft-capping
 (Gemma 2's ``attn_logit_softcapping``) turns each scaled score ``s`` into ``cap · tanh(s / cap)`` before the
 softmax. Attention sinks (gpt-oss's ``self_attn.sinks``, one learned logit per query head) join each softmax's
-denominator as one more score that carries no value: ``p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``. No kernel
-(C++, Triton) takes a soft-cap or sinks: layers with either attend wholly through this module's PyTorch math.
+denominator as one more score that carries no value: ``p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``. The CPU
+kernels (paged decode, flash prefill) take all three (`kernel_kind_args`); the Triton paged kernel a window alone.
 
 Shapes: q_len queries, ctx_len context keys (the queries are the context's last q_len positions), H query heads,
 KvH KV heads, D head dim.
@@ -44,7 +44,7 @@ class AttentionKind:
 
     @property
     def window_only(self) -> bool:
-        """A sliding window and nothing else: the backend parts whose kernels take a window (`windowed`) run it."""
+        """A sliding window and nothing else."""
         return self.window is not None and self.softcap is None and self.sinks is None
 
     def describe(self) -> str:
@@ -57,6 +57,13 @@ class AttentionKind:
 
 
 FULL_ATTENTION = AttentionKind()
+
+
+def kernel_kind_args(kind: AttentionKind) -> tuple[int, float, torch.Tensor | None]:
+    """`kind` as the CPU kernels' ``window, softcap, sinks`` arguments (csrc/flash.h's `Kind`: 0 for none; the
+    sinks fp32 and contiguous)."""
+    sinks = None if kind.sinks is None else kind.sinks.detach().float().contiguous()
+    return kind.window or 0, kind.softcap or 0.0, sinks
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float, kind: AttentionKind) -> torch.Tensor:
@@ -177,16 +184,3 @@ def masked_attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     out = torch.einsum("bkgt,btkd->bkgd", weights, values.float()) / total.clamp(min=1e-30)[..., None]
     lse = torch.log(total) + peak.squeeze(-1)
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
-
-
-def window_tiles(offset: int, q_len: int, window: int) -> list[tuple[int, int]]:
-    """A windowed span's queries (absolute positions ``offset .. offset + q_len - 1``) as tiles ``(first, stop)`` of
-    absolute positions cut at the multiples of `window`: a tile either lies wholly before position `window` (its
-    queries see every earlier key: plain causal attention) or starts at or after it, so its queries' windows all
-    start inside the `window - 1` keys before the tile (what the flash prefill part's `attend_window` relies on)."""
-    tiles, first, end = [], offset, offset + q_len
-    while first < end:
-        stop = min(end, (first // window + 1) * window)
-        tiles.append((first, stop))
-        first = stop
-    return tiles

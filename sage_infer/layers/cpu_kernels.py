@@ -179,8 +179,8 @@ def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str
         isa = _module().isa()
         why = (f"the bf16 kernel needs AVX512-BF16 (the kernels in use are the {isa} build)" if isa == "avx512"
                else f"the flash kernels need AVX2 and FMA (the kernels in use are the {isa} build)")
-    if why is None and (head_dim % 32 or head_dim > 128):
-        why = f"head_dim {head_dim} is not 32, 64, 96 or 128"
+    if why is None and (head_dim % 32 or head_dim > 256):
+        why = f"head_dim {head_dim} is not a multiple of 32 up to 256"
     return why
 
 

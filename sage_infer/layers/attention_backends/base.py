@@ -57,7 +57,6 @@ class DecodePart:
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
     group_rows: ClassVar[int] = DECODE_GROUP_ROWS
-    windowed: ClassVar[bool] = False  # `attend_window`: a sliding window of at least a block, in place
 
     def groups(self, rows: list[int], tables: list[list[int]], lens: list[int], batch: StepBatch) -> list[DecodeGroup]:
         """The decode rows of a step (their block tables, their context lengths) as this part's groups."""
@@ -72,10 +71,14 @@ class DecodePart:
         """A shared prefix's suffixes: q: [b, H, D] -> (out [b, H, D] float32, lse [b, H])."""
         raise NotImplementedError
 
-    def attend_window(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup, scale: float,
-                      window: int) -> torch.Tensor:
-        """Rows of a sliding-window layer (`window` >= the pool's block size): q: [b, H, D] -> [b, H, D] in q's
-        dtype. Only parts with `windowed` set."""
+    def declines(self, kind: AttentionKind, device: torch.device, block_size: int) -> str | None:
+        """None when `attend_kind` runs rows of a layer of `kind` (not plain) on `device` with blocks of
+        `block_size`, else why not (they then attend through PyTorch: `AttentionBackend.forward_kind`)."""
+        return "the gathered decode part is the PyTorch oracle"
+
+    def attend_kind(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup, scale: float,
+                    kind: AttentionKind) -> torch.Tensor:
+        """Rows of a layer of `kind` (one `declines` does not): q: [b, H, D] -> [b, H, D] in q's dtype."""
         raise NotImplementedError
 
 
@@ -90,7 +93,6 @@ class PrefillPart:
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
     flash: ClassVar[bool] = False
-    windowed: ClassVar[bool] = False  # `attend_window`: a span of a sliding-window layer through its kernel
     supports_cascade: ClassVar[bool] = True  # shared prefixes attended once by all their sequences (`SharedPrefix`)
 
     def prepare(self, batch: StepBatch, spans: list[SeqSpan],
@@ -138,9 +140,14 @@ class PrefillPart:
         """One span, causal to the lower right: q [q_len, H, D]; k/v [ctx_len, KvH, D] -> q's dtype."""
         raise NotImplementedError
 
-    def attend_window(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float,
-                      window: int) -> torch.Tensor:
-        """`attend` under a sliding window of `window` keys (parts with `windowed` set)."""
+    def declines(self, kind: AttentionKind, device: torch.device) -> str | None:
+        """None when `attend_kind` runs spans of a layer of `kind` (not plain) on `device`, else why not (they
+        then attend through PyTorch: `AttentionBackend.forward_kind`)."""
+        return f"the {self.name} prefill part's kernel takes no sliding window, soft-cap or sinks"
+
+    def attend_kind(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float,
+                    kind: AttentionKind) -> torch.Tensor:
+        """`attend` under `kind` (one `declines` does not): q's dtype."""
         raise NotImplementedError
 
     def attend_lse(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
@@ -267,15 +274,34 @@ class AttentionBackend:
             out[meta.shared.rows] = self.cascade(q, k, v, pool, layer, meta, scale).to(q.dtype)
         return out
 
+    def kind_routes(self, kinds: list[AttentionKind], device: torch.device, block_size: int) -> list[str]:
+        """How layers of `kinds` (none plain) attend here, for the start-up line: per part, its kernel or PyTorch
+        with the reason the part gives (`declines`, the one place a declined kind says why)."""
+        routes = []
+        for what, declines in (("decode rows", lambda kind: self.decode.declines(kind, device, block_size)),
+                               ("prefill spans", lambda kind: self.prefill.declines(kind, device))):
+            part = self.decode if what == "decode rows" else self.prefill
+            kernel = "flash" if getattr(part, "flash", False) else part.name
+            by_reason: dict[str | None, list[str]] = {}
+            for kind in kinds:
+                names = by_reason.setdefault(declines(kind), [])
+                if kind.describe() not in names:
+                    names.append(kind.describe())
+            for reason, names in by_reason.items():
+                which = "" if len(by_reason) == 1 else f" of {' / '.join(names)} layers"
+                routes.append(f"{what}{which} through the {kernel} kernel" if reason is None
+                              else f"{what}{which} through PyTorch ({reason})")
+        return routes
+
     def forward_kind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
                      meta: AttentionMetadata, scale: float, kind: AttentionKind) -> torch.Tensor:
         """A sliding-window, soft-capped or sinks layer (K/V already stored): the step's spans and decode groups as
-        this backend prepared them, attended in PyTorch (`sage_infer.layers.attention_kinds`) except where a part's
-        kernel takes the layer's window and the layer has nothing else (`AttentionKind.window_only`: no kernel takes
-        a soft-cap or sinks); decode rows read only the blocks their window reaches. The engine turns cascade
-        attention off for models with such layers."""
+        this backend prepared them, through each part's kernel where it takes the kind (`declines` says why not),
+        else in PyTorch (`sage_infer.layers.attention_kinds`); spans read only the keys their window reaches. The
+        engine turns cascade attention off for models with such layers."""
         assert meta.shared is None, "cascade attention attends every shared key: off for windowed/capped layers"
         out = torch.empty_like(q)
+        prefill_kernel = self.prefill.declines(kind, q.device) is None
         for index, span in enumerate(meta.prefills):
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.context_len == span.q_len:
@@ -283,13 +309,14 @@ class AttentionBackend:
             else:  # a window reads only the keys its queries see (the mask is relative: the same math)
                 start = 0 if kind.window is None else max(0, span.context_len - span.q_len - kind.window + 1)
                 k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype, start)
-            if self.prefill.windowed and kind.window_only:
-                out[rows] = self.prefill.attend_window(q[rows], k_ctx, v_ctx, scale, kind.window)
+            if prefill_kernel:
+                out[rows] = self.prefill.attend_kind(q[rows], k_ctx, v_ctx, scale, kind)
             else:
                 out[rows] = kind_prefill_attention(q[rows], k_ctx, v_ctx, scale, kind)
+        decode_kernel = self.decode.declines(kind, q.device, pool.block_size) is None
         for group in meta.decode_groups:
-            if self.decode.windowed and kind.window_only and kind.window >= pool.block_size:
-                out[group.rows] = self.decode.attend_window(q[group.rows], pool, layer, group, scale, kind.window)
+            if decode_kernel:
+                out[group.rows] = self.decode.attend_kind(q[group.rows], pool, layer, group, scale, kind)
                 continue
             tables, lens = group.block_tables, group.context_lens
             if kind.window is not None:

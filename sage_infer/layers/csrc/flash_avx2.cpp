@@ -4,7 +4,8 @@
 // (sage_infer.layers.attention.attention_with_lse_reference).
 //
 // The contract of csrc/flash_bf16.cpp: q: [Lq, H, D]; k, v: [C, KvH, D] (strided views with contiguous
-// heads); causal aligned to the lower right -> out [Lq, H, D] and lse [Lq, H], fp32. Its fp32 kernel's
+// heads); causal aligned to the lower right; a layer's kind (flash.h's `Kind`) -> out [Lq, H, D] and lse [Lq, H],
+// fp32. Its fp32 kernel's
 // walk too: a task is one KV head and 16 query positions (16 x G rows: the G query heads of the KV head
 // share its keys), and each 64-key tile of the head's keys is read once per task and applied to every group
 // of 6 rows, whose softmax state lives in `RowState`s between tiles. With 16 ymm registers a pass holds 6
@@ -29,6 +30,7 @@
 #if defined(FLASH_AVX2)
 namespace {
 
+using flash::Kind;
 using flash::kNegInf;
 using flash::kTile;
 
@@ -37,7 +39,7 @@ constexpr int kRows = 6;  // rows per pass
 struct RowState {
   float m;  // running max of the scaled scores
   float l;  // softmax denominator
-  alignas(32) float o[128];  // unnormalised output (D <= 128)
+  alignas(32) float o[flash::kMaxHeadDim];  // unnormalised output
 };
 
 inline float max_lanes(__m256 x) {
@@ -71,19 +73,29 @@ inline void scores16(const float* const* qr, const float* kt, int64_t d, float (
   }
 }
 
-// one row's online-softmax step over a tile: s, its 64 unscaled scores (keys past `limit` masked here),
-// become p = exp(score * scale - max) (masked keys 0); m and l are updated -> alpha, the factor the row's
-// output is rescaled by
-inline float softmax_tile(float* s, int64_t k0, int64_t limit, float scale, RowState& st) {
+// one row's online-softmax step over a tile: s, its 64 unscaled scores (soft-capped first when `softcap` > 0;
+// keys before `first` or past `limit` masked here), become p = exp(score * scale - max) (masked keys 0); m and l
+// are updated -> alpha, the factor the row's output is rescaled by (1, p all 0, state kept for a tile the row
+// sees none of)
+inline float softmax_tile(float* s, int64_t k0, int64_t first, int64_t limit, float scale, float softcap,
+                          RowState& st) {
+  if (k0 > limit || k0 + kTile <= first) {
+    std::fill(s, s + kTile, 0.f);
+    return 1.f;
+  }
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 in = _mm256_set1_ps(softcap > 0.f ? scale / softcap : 1.f), out = _mm256_set1_ps(softcap);
+  if (softcap > 0.f) scale = 1.f;  // cap * tanh(score * scale / cap): the scores are scaled from here on
   __m256 v[kTile / 8];
   __m256 tmax = _mm256_set1_ps(kNegInf);  // of the unscaled scores (scale > 0 keeps the order)
   for (int j = 0; j < kTile / 8; ++j) {
     v[j] = _mm256_load_ps(s + 8 * j);
-    if (k0 + 8 * j + 7 > limit) {  // past the row's last key: masked
+    if (softcap > 0.f) v[j] = _mm256_mul_ps(out, tanh8(_mm256_mul_ps(v[j], in)));
+    if (k0 + 8 * j + 7 > limit || k0 + 8 * j < first) {  // keys outside the row's [first, limit]: masked
       const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(k0 + 8 * j)));
-      const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(limit))));
-      v[j] = _mm256_blendv_ps(v[j], _mm256_set1_ps(kNegInf), past);
+      const __m256i past = _mm256_or_si256(_mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(limit))),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(first)), key));
+      v[j] = _mm256_blendv_ps(v[j], _mm256_set1_ps(kNegInf), _mm256_castsi256_ps(past));
     }
     tmax = _mm256_max_ps(tmax, v[j]);
   }
@@ -128,8 +140,8 @@ inline void values16(const float* v, int64_t vs, int64_t nkeys, const float (*p)
 // one 64-key tile for R rows (R <= kRows); kt: the tile's packed keys, 8 blocks [D][8]; vt: its first key's
 // values, `vs` floats apart; nkeys: keys of the tile any row sees (16-key groups past it are not scored)
 template <int R>
-void tile_pass(const float* const* qr, const int64_t* limit, const float* kt, const float* vt, int64_t vs,
-               int64_t nkeys, int64_t k0, int64_t d, float scale, RowState* const* st) {
+void tile_pass(const float* const* qr, const int64_t* first, const int64_t* limit, const float* kt, const float* vt,
+               int64_t vs, int64_t nkeys, int64_t k0, int64_t d, float scale, float softcap, RowState* const* st) {
   alignas(32) float s[R][kTile];
   for (int64_t j = 0; j < kTile; j += 16) {
     if (j < nkeys) {
@@ -139,7 +151,7 @@ void tile_pass(const float* const* qr, const int64_t* limit, const float* kt, co
     }
   }
   float alpha[R];
-  for (int r = 0; r < R; ++r) alpha[r] = softmax_tile(s[r], k0, limit[r], scale, *st[r]);
+  for (int r = 0; r < R; ++r) alpha[r] = softmax_tile(s[r], k0, first[r], limit[r], scale, softcap, *st[r]);
   for (int64_t off = 0; off < d; off += 16) values16<R>(vt + off, vs, nkeys, s, alpha, st, off);
 }
 
@@ -154,7 +166,7 @@ inline void widen_row(const c10::BFloat16* src, float* dst, int64_t d) {
 
 template <typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale, bool causal,
-            float* ob, float* lb) {
+            const Kind& kind, float* ob, float* lb) {
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
   const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
   const T* kb = k.data_ptr<T>();
@@ -170,7 +182,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const float* vf = in_place ? reinterpret_cast<const float*>(vb) : vw;
   const int64_t vs = in_place ? v.stride(0) : d, vh = in_place ? v.stride(1) : c * d;
   at::parallel_for(0, kv_heads * (cp / 8), 1, [&](int64_t b0, int64_t b1) {
-    alignas(32) float row[128];
+    alignas(32) float row[flash::kMaxHeadDim];
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t h = task / (cp / 8), blk = task % (cp / 8);
       float* kdst = kpb + (h * cp + blk * 8) * d;  // [D][8]
@@ -194,7 +206,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     std::vector<RowState*> st;
     std::vector<float> qwide;
     std::vector<const float*> qp;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> first, limit;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task % kv_heads, qblk = flash::task_block(task / kv_heads, qblocks, causal);
       const int64_t p0 = qblk * flash::kRowsPerTask, p1 = std::min(lq, p0 + flash::kRowsPerTask);
@@ -203,8 +215,9 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       st.resize(rows);
       qwide.resize(rows * d);
       qp.resize(rows);
+      first.resize(rows);
       limit.resize(rows);
-      int64_t last = 0;
+      int64_t last = 0, begin = c;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
         const T* src = qb + pos * qs + head * qh;
@@ -215,37 +228,42 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
           qp[r] = qwide.data() + r * d;
         }
         limit[r] = causal ? pos + c - lq : c - 1;
+        first[r] = flash::first_key(limit[r], kind);
         last = std::max(last, limit[r]);
+        begin = std::min(begin, first[r]);
         st[r] = &state[r];
         state[r].m = kNegInf;
         state[r].l = 0.f;
         std::fill(state[r].o, state[r].o + d, 0.f);
       }
       const float* kph = kpb + h * cp * d;
-      for (int64_t k0 = 0; k0 <= last; k0 += kTile) {  // each tile once per task, for every row
+      // each tile once per task, for every row; tiles before every row's window are not read
+      for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {
         const float* kt = kph + k0 * d;
         const float* vt = vf + k0 * vs + h * vh;
         for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
           const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
           const int64_t glast = *std::max_element(limit.begin() + r0, limit.begin() + r0 + n);
-          if (k0 > glast) continue;
+          const int64_t gfirst = *std::min_element(first.begin() + r0, first.begin() + r0 + n);
+          if (k0 > glast || k0 + kTile <= gfirst) continue;
           const int64_t nkeys = std::min<int64_t>(kTile, glast + 1 - k0);
           const float* const* q6 = qp.data() + r0;
+          const int64_t* f6 = first.data() + r0;
           const int64_t* l6 = limit.data() + r0;
           RowState* const* s6 = st.data() + r0;
           switch (n) {
-            case 6: tile_pass<6>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6); break;
-            case 5: tile_pass<5>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6); break;
-            case 4: tile_pass<4>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6); break;
-            case 3: tile_pass<3>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6); break;
-            case 2: tile_pass<2>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6); break;
-            default: tile_pass<1>(q6, l6, kt, vt, vs, nkeys, k0, d, scale, s6);
+            case 6: tile_pass<6>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6); break;
+            case 5: tile_pass<5>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6); break;
+            case 4: tile_pass<4>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6); break;
+            case 3: tile_pass<3>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6); break;
+            case 2: tile_pass<2>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6); break;
+            default: tile_pass<1>(q6, f6, l6, kt, vt, vs, nkeys, k0, d, scale, kind.softcap, s6);
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
-        const float inv = 1.f / state[r].l;
+        const float inv = flash::finish(state[r].m, state[r].l, kind, head);
         float* orow = ob + (pos * heads + head) * d;
         for (int64_t j = 0; j < d; ++j) orow[j] = state[r].o[j] * inv;
         lb[pos * heads + head] = state[r].m + std::log(state[r].l);
@@ -266,7 +284,7 @@ bool flash_avx2_compiled() {
 }
 
 std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal) {
+                                                bool causal, const flash::Kind& kind) {
   const bool fp32 = q.scalar_type() == at::kFloat;
   const auto dtype = fp32 ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
@@ -277,9 +295,9 @@ std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k
 #if defined(FLASH_AVX2)
   const float s = static_cast<float>(scale);
   if (fp32) {
-    attend<float>(q, k, v, s, causal, out.data_ptr<float>(), lse.data_ptr<float>());
+    attend<float>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>());
   } else {
-    attend<c10::BFloat16>(q, k, v, s, causal, out.data_ptr<float>(), lse.data_ptr<float>());
+    attend<c10::BFloat16>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>());
   }
 #else
   TORCH_CHECK(false, "flash_attention_avx2: built without AVX2 and FMA, or with AVX-512");

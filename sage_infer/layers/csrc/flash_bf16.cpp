@@ -3,7 +3,8 @@
 // AVX-512 (below). Builds without AVX-512 run csrc/flash_avx2.cpp instead (`flash_attention`, at the end).
 //
 // q: [Lq, H, D]; k, v: [C, KvH, D] (each may be a strided view with contiguous heads); causal or not. Causal is aligned to the
-// lower right: query i sees keys j <= i + C - Lq (the queries are the last Lq of C positions).
+// lower right: query i sees keys j <= i + C - Lq (the queries are the last Lq of C positions); a layer's kind
+// (flash.h's `Kind`: a sliding window, a soft-cap, sinks) through `flash_attention_kind`.
 // -> out [Lq, H, D] fp32 and lse [Lq, H] fp32 (log-sum-exp of the scaled scores).
 //
 // Per KV head, K is packed once as [C/16][D/2][16][2] (16 keys side by side per column pair) and V
@@ -30,23 +31,35 @@
 
 namespace {
 
+using flash::Kind;
 using flash::kNegInf;
 using flash::kRowsPerTask;
 using flash::kTile;
 using flash::task_block;
 
 #if defined(__AVX512F__)
-// one row's online-softmax step over a 64-key tile, both kernels: s, its 4 x 16 unscaled scores (keys past
-// `limit` masked here); m, l: the running max of the scaled scores and the per-lane denominators, updated;
-// p: exp(score * scale - max) of the tile (masked keys 0) -> alpha, the factor the row's output is rescaled by
-inline float softmax_tile(__m512 (&s)[4], int64_t k0, int64_t limit, float scale, float& m, __m512& l,
-                          __m512 (&p)[4]) {
+// one row's online-softmax step over a 64-key tile, both kernels: s, its 4 x 16 unscaled scores (keys before
+// `first` or past `limit` masked here; soft-capped first when `softcap` > 0); m, l: the running max of the scaled
+// scores and the per-lane denominators, updated; p: exp(score * scale - max) of the tile (masked keys 0) ->
+// alpha, the factor the row's output is rescaled by (1, p all 0, m and l kept for a tile the row sees none of)
+inline float softmax_tile(__m512 (&s)[4], int64_t k0, int64_t first, int64_t limit, float scale, float softcap,
+                          float& m, __m512& l, __m512 (&p)[4]) {
+  if (k0 > limit || k0 + kTile <= first) {
+    for (int j = 0; j < 4; ++j) p[j] = _mm512_setzero_ps();
+    return 1.f;
+  }
+  if (softcap > 0.f) {  // cap * tanh(score * scale / cap): the scores from here on are scaled
+    const __m512 in = _mm512_set1_ps(scale / softcap), out = _mm512_set1_ps(softcap);
+    for (int j = 0; j < 4; ++j) s[j] = _mm512_mul_ps(out, tanh16(_mm512_mul_ps(s[j], in)));
+    scale = 1.f;
+  }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 tmax = _mm512_set1_ps(kNegInf);  // of the unscaled scores (scale > 0 keeps the order)
   for (int j = 0; j < 4; ++j) {
-    if (k0 + 16 * j + 15 > limit) {  // past the row's last key: masked
+    if (k0 + 16 * j + 15 > limit || k0 + 16 * j < first) {  // keys outside the row's [first, limit]: masked
       const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + 16 * j)));
-      const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit)));
+      const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit))) &
+                             _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)));
       s[j] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), s[j]);
     }
     tmax = _mm512_max_ps(tmax, s[j]);
@@ -67,23 +80,28 @@ inline float softmax_tile(__m512 (&s)[4], int64_t k0, int64_t limit, float scale
 #if defined(__AVX512BF16__)
 constexpr int kBf16Rows = 6;  // rows per pass: 6 x 4 score accumulators, 4 keys' vectors
 
-// one group of R rows (R <= kBf16Rows) over all its keys; qp: R rows of D/2 bf16 pairs; limit[r]: last key row r sees
+// one group of R rows (R <= kBf16Rows) over all its keys; qp: R rows of D/2 bf16 pairs; first[r], limit[r]: the
+// first and last key row r sees; heads[r]: its query head (its sink) -> out, lse
 template <int R>
-void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* kp, const uint16_t* vp, int64_t d,
-               float scale, float* const* out, float* lse) {
+void rows_pass(const uint32_t* const* qp, const int64_t* first, const int64_t* limit, const int64_t* heads,
+               const uint16_t* kp, const uint16_t* vp, int64_t d, float scale, const Kind& kind, float* const* out,
+               float* lse) {
   const int64_t pairs = d / 2, chunks = d / 16;
-  int64_t last = 0;
-  for (int r = 0; r < R; ++r) last = std::max(last, limit[r]);
+  int64_t last = 0, begin = first[0];
+  for (int r = 0; r < R; ++r) {
+    last = std::max(last, limit[r]);
+    begin = std::min(begin, first[r]);
+  }
   float m[R];
   __m512 l[R];  // the softmax denominators, per lane: summed across lanes once, at the end
-  alignas(64) float o[R][128];  // D <= 128
+  alignas(64) float o[R][flash::kMaxHeadDim];
   alignas(64) uint16_t pb[R][kTile];  // P of one tile, bf16
   for (int r = 0; r < R; ++r) {
     m[r] = kNegInf;
     l[r] = _mm512_setzero_ps();
     std::memset(o[r], 0, sizeof(float) * d);
   }
-  for (int64_t k0 = 0; k0 <= last; k0 += kTile) {
+  for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {  // tiles before every row's window skipped
     __m512 s[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
@@ -98,7 +116,7 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
     }
     for (int r = 0; r < R; ++r) {
       __m512 pv[4];
-      const float alpha = softmax_tile(s[r], k0, limit[r], scale, m[r], l[r], pv);
+      const float alpha = softmax_tile(s[r], k0, first[r], limit[r], scale, kind.softcap, m[r], l[r], pv);
       for (int j = 0; j < 4; ++j)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv[j]));
       if (alpha != 1.f)
@@ -127,7 +145,8 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float total = _mm512_reduce_add_ps(l[r]), inv = 1.f / total;
+    float total = _mm512_reduce_add_ps(l[r]);
+    const float inv = flash::finish(m[r], total, kind, heads[r]);
     for (int64_t i = 0; i < d; ++i) out[r][i] = o[r][i] * inv;
     lse[r] = m[r] + std::log(total);
   }
@@ -146,7 +165,7 @@ void rows_pass(const uint32_t* const* qp, const int64_t* limit, const uint16_t* 
 struct F32Row {
   __m512 l;  // softmax denominator, per lane
   float m;   // running max of the scaled scores
-  alignas(64) float o[128];  // unnormalised output (D <= 128)
+  alignas(64) float o[flash::kMaxHeadDim];  // unnormalised output
 };
 
 // o[r][off, off + 16 N) = o * alpha[r] + P[r] . V over the tile's first nkeys keys; N is a constant so
@@ -175,8 +194,8 @@ constexpr int kF32Rows = 6;  // rows per tile pass: 6 x 4 score accumulators, 4 
 // one 64-key tile for R rows (R <= kF32Rows); kt: the tile's packed keys, 4 blocks [D][16]; vt: its first
 // key's value row, `vs` floats apart; nkeys: keys of the tile any row sees
 template <int R>
-void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, const float* vt, int64_t vs,
-              int64_t nkeys, int64_t k0, int64_t d, float scale, F32Row* const* st) {
+void f32_tile(const float* const* qr, const int64_t* first, const int64_t* limit, const float* kt, const float* vt,
+              int64_t vs, int64_t nkeys, int64_t k0, int64_t d, float scale, float softcap, F32Row* const* st) {
   __m512 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
@@ -192,7 +211,7 @@ void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, con
   float alpha[R];
   for (int r = 0; r < R; ++r) {
     __m512 pv[4];
-    alpha[r] = softmax_tile(s[r], k0, limit[r], scale, st[r]->m, st[r]->l, pv);
+    alpha[r] = softmax_tile(s[r], k0, first[r], limit[r], scale, softcap, st[r]->m, st[r]->l, pv);
     for (int j = 0; j < 4; ++j) _mm512_store_ps(pb[r] + 16 * j, pv[j]);
   }
   for (int64_t c = 0, chunks = d / 16; c < chunks;) {  // chunks is even (D % 32 == 0)
@@ -210,7 +229,7 @@ void f32_tile(const float* const* qr, const int64_t* limit, const float* kt, con
 }  // namespace
 
 std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal) {
+                                                bool causal, const flash::Kind& kind) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "flash_attention_bf16: bf16 q, k and v");
   flash::check_shapes("flash_attention_bf16", q, k, v, causal);
@@ -255,29 +274,28 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
       for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
         const int n = static_cast<int>(std::min<int64_t>(kBf16Rows, rows - r0));
         const uint32_t* qp[kBf16Rows];
-        int64_t limit[kBf16Rows];
+        int64_t first[kBf16Rows], limit[kBf16Rows], head[kBf16Rows];
         float* orow[kBf16Rows];
         float lsev[kBf16Rows];
         for (int r = 0; r < n; ++r) {
-          const int64_t pos = p0 + (r0 + r) / groups, head = h * groups + (r0 + r) % groups;
-          qp[r] = qw + pos * qs + head * qh;
+          const int64_t pos = p0 + (r0 + r) / groups;
+          head[r] = h * groups + (r0 + r) % groups;
+          qp[r] = qw + pos * qs + head[r] * qh;
           limit[r] = causal ? pos + c - lq : c - 1;
-          orow[r] = ob + (pos * heads + head) * d;
+          first[r] = flash::first_key(limit[r], kind);
+          orow[r] = ob + (pos * heads + head[r]) * d;
         }
         const uint16_t* kph = kpack.data() + h * cp * d;
         const uint16_t* vph = vpack.data() + h * cp * d;
         switch (n) {
-          case 6: rows_pass<6>(qp, limit, kph, vph, d, s, orow, lsev); break;
-          case 5: rows_pass<5>(qp, limit, kph, vph, d, s, orow, lsev); break;
-          case 4: rows_pass<4>(qp, limit, kph, vph, d, s, orow, lsev); break;
-          case 3: rows_pass<3>(qp, limit, kph, vph, d, s, orow, lsev); break;
-          case 2: rows_pass<2>(qp, limit, kph, vph, d, s, orow, lsev); break;
-          default: rows_pass<1>(qp, limit, kph, vph, d, s, orow, lsev);
+          case 6: rows_pass<6>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
+          case 5: rows_pass<5>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
+          case 4: rows_pass<4>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
+          case 3: rows_pass<3>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
+          case 2: rows_pass<2>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
+          default: rows_pass<1>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev);
         }
-        for (int r = 0; r < n; ++r) {
-          const int64_t pos = p0 + (r0 + r) / groups, head = h * groups + (r0 + r) % groups;
-          lb[pos * heads + head] = lsev[r];
-        }
+        for (int r = 0; r < n; ++r) lb[(p0 + (r0 + r) / groups) * heads + head[r]] = lsev[r];
       }
     }
   });
@@ -288,7 +306,7 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
 }
 
 std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                               bool causal) {
+                                               bool causal, const flash::Kind& kind) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "flash_attention_f32: float32 q, k and v");
   flash::check_shapes("flash_attention_f32", q, k, v, causal);
@@ -324,7 +342,7 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
     std::vector<F32Row> state;
     std::vector<F32Row*> st;
     std::vector<const float*> qp;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> first, limit;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task % kv_heads, qblk = task_block(task / kv_heads, qblocks, causal);
       const int64_t p0 = qblk * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
@@ -332,43 +350,50 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
       state.resize(rows);
       st.resize(rows);
       qp.resize(rows);
+      first.resize(rows);
       limit.resize(rows);
-      int64_t last = 0;
+      int64_t last = 0, begin = c;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
         qp[r] = qb + pos * qs + head * qh;
         limit[r] = causal ? pos + c - lq : c - 1;
+        first[r] = flash::first_key(limit[r], kind);
         last = std::max(last, limit[r]);
+        begin = std::min(begin, first[r]);
         st[r] = &state[r];
         state[r].m = kNegInf;
         state[r].l = _mm512_setzero_ps();
         std::memset(state[r].o, 0, sizeof(float) * d);
       }
       const float* kph = kpb + h * cp * d;
-      for (int64_t k0 = 0; k0 <= last; k0 += kTile) {  // each tile once per task, for every row
+      // each tile once per task, for every row; tiles before every row's window are not read
+      for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {
         const float* kt = kph + k0 * d;
         const float* vt = vb + k0 * vs + h * vh;
         for (int64_t r0 = 0; r0 < rows; r0 += kF32Rows) {
           const int n = static_cast<int>(std::min<int64_t>(kF32Rows, rows - r0));
           const int64_t glast = *std::max_element(limit.begin() + r0, limit.begin() + r0 + n);
-          if (k0 > glast) continue;
+          const int64_t gfirst = *std::min_element(first.begin() + r0, first.begin() + r0 + n);
+          if (k0 > glast || k0 + kTile <= gfirst) continue;
           const int64_t nkeys = std::min<int64_t>(kTile, glast + 1 - k0);
           const float* const* q4 = qp.data() + r0;
+          const int64_t* f4 = first.data() + r0;
           const int64_t* l4 = limit.data() + r0;
           F32Row* const* s4 = st.data() + r0;
           switch (n) {
-            case 6: f32_tile<6>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
-            case 5: f32_tile<5>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
-            case 4: f32_tile<4>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
-            case 3: f32_tile<3>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
-            case 2: f32_tile<2>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4); break;
-            default: f32_tile<1>(q4, l4, kt, vt, vs, nkeys, k0, d, s, s4);
+            case 6: f32_tile<6>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
+            case 5: f32_tile<5>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
+            case 4: f32_tile<4>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
+            case 3: f32_tile<3>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
+            case 2: f32_tile<2>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
+            default: f32_tile<1>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4);
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
-        const float total = _mm512_reduce_add_ps(state[r].l), inv = 1.f / total;
+        float total = _mm512_reduce_add_ps(state[r].l);
+        const float inv = flash::finish(state[r].m, total, kind, head);
         float* orow = ob + (pos * heads + head) * d;
         for (int64_t j = 0; j < d; ++j) orow[j] = state[r].o[j] * inv;
         lb[pos * heads + head] = state[r].m + std::log(total);
@@ -384,7 +409,7 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
 // flash_avx2.cpp: the kernel of builds without AVX-512, both dtypes
 bool flash_avx2_compiled();
 std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal);
+                                                bool causal, const flash::Kind& kind);
 
 // the kernel `flash_attention` runs for bf16 (or fp32) q, k and v in this build, in words; "" where none can (bf16
 // on AVX-512 without AVX512-BF16: that build keeps PyTorch's flash kernel, having no measured kernel of its own)
@@ -399,13 +424,28 @@ std::string flash_kernel(bool bf16) {
 #endif
 }
 
-// the kernel of q's dtype in this build (`flash_kernel`)
+// the kernel of q's dtype in this build (`flash_kernel`), under a layer's kind
+static std::vector<torch::Tensor> flash_dispatch(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                 bool causal, const flash::Kind& kind) {
+#if defined(__AVX512F__)
+  if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal, kind);
+  return flash_attention_bf16(q, k, v, scale, causal, kind);
+#else
+  return flash_attention_avx2(q, k, v, scale, causal, kind);
+#endif
+}
+
+// plain attention (causal or not)
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal) {
-#if defined(__AVX512F__)
-  if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal);
-  return flash_attention_bf16(q, k, v, scale, causal);
-#else
-  return flash_attention_avx2(q, k, v, scale, causal);
-#endif
+  return flash_dispatch(q, k, v, scale, causal, flash::Kind{});
+}
+
+// attention under a layer's kind (flash.h's `Kind`): window <= 0 none (else causal only), softcap <= 0 none,
+// sinks: fp32 [H] or None
+std::vector<torch::Tensor> flash_attention_kind(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal, int64_t window, double softcap,
+                                                c10::optional<torch::Tensor> sinks) {
+  const flash::Kind kind = flash::make_kind("flash_attention_kind", window, softcap, sinks, q.size(1), causal);
+  return flash_dispatch(q, k, v, scale, causal, kind);
 }

@@ -8,6 +8,10 @@
 // once). Measured 5-7x faster than gather + masked SDPA per layer (bench/paged_decode_kernel.py).
 // int8 pools (`paged_decode_attention_int8`) are read the same way, codes in place, each token's fp16 scale
 // applied to its score and to its probability (`token_scale`).
+// A layer's kind (flash.h's `Kind`, through the `_kind` entry points): a sliding window (each row's table walked from
+// the block its window starts in, the keys of that block before the window masked), a logit soft-cap (on the
+// scaled scores, before the softmax) and attention sinks (one more logit per query head in the softmax's
+// denominator; the lse returned counts it). The oracle is sage_infer/layers/attention_kinds.py.
 // Tasks run on ATen's thread pool, so
 // torch.set_num_threads applies. The pure-PyTorch oracle is
 // sage_infer.layers.attention.decode_attention_batched over KVPool.gather_blocks.
@@ -22,11 +26,48 @@
 #include <type_traits>
 #include <vector>
 
+#include "flash.h"
+#include "vec_exp.h"
 #include "widen.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// s[0, n) = cap * tanh(s / cap), vectorized (vec_exp.h's tanh: accurate, where libm's is a call per lane)
+static inline void soft_cap(float* s, int64_t n, float cap) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 in16 = _mm512_set1_ps(1.f / cap), out16 = _mm512_set1_ps(cap);
+  for (; t + 16 <= n; t += 16)
+    _mm512_storeu_ps(s + t, _mm512_mul_ps(out16, tanh16(_mm512_mul_ps(_mm512_loadu_ps(s + t), in16))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 in8 = _mm256_set1_ps(1.f / cap), out8 = _mm256_set1_ps(cap);
+  for (; t + 8 <= n; t += 8)
+    _mm256_storeu_ps(s + t, _mm256_mul_ps(out8, tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + t), in8))));
+#endif
+  for (; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
+// one row's softmax over its scores s[0, len) in place, the first `skip` outside its window (probability 0);
+// `sink`: the head's sink logit when `has_sink` -> the row's lse
+static inline float softmax_row(float* s, int64_t skip, int64_t len, float softcap, bool has_sink, float sink) {
+  if (softcap > 0.f) soft_cap(s + skip, len - skip, softcap);
+  float m = has_sink ? std::max(s[skip], sink) : s[skip];  // (no -inf: -ffast-math assumes finite floats)
+  for (int64_t t = skip + 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+  for (int64_t t = 0; t < skip; ++t) s[t] = 0.f;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = skip; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  if (has_sink) sum += std::exp(sink - m);
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = skip; t < len; ++t) s[t] *= inv;
+  return m + std::log(sum);
+}
 
 // D: head_dim as a compile-time constant for the common sizes (full unrolling), 0 for any other
 template <int D, typename kv_t>
@@ -198,12 +239,21 @@ static void values_pass(const kv_t* v_cache, const int64_t* table, int64_t len, 
 
 // One task: `heads` consecutive KV heads of one sequence (all of them when the batch keeps every
 // thread busy, so each token's [KvH, D] row is read once, contiguously; one per task otherwise).
-// Tokens are walked block by block: no division per token.
+// Tokens are walked block by block: no division per token. Under a window the walk starts at the block the
+// window starts in (`table` and `len` from there), its `skip` keys before the window scored and masked.
 template <int D, typename kv_t>
 static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, const c10::Half* k_scale,
                    const c10::Half* v_scale, const int64_t* table, int64_t len, float* out, float* lse, int64_t h0,
                    int64_t heads, int64_t groups, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   float scale, std::vector<float>& scores, std::vector<float>& qs, std::vector<float>& partial) {
+                   float scale, const flash::Kind& kind, std::vector<float>& scores, std::vector<float>& qs,
+                   std::vector<float>& partial) {
+  int64_t skip = 0;
+  if (kind.window > 0 && len > kind.window) {
+    const int64_t start = len - kind.window, first_block = start / block_size;
+    table += first_block;
+    len -= first_block * block_size;
+    skip = start - first_block * block_size;
+  }
   const int64_t token_stride = num_kv_heads * head_dim;  // one token of one block: [KvH, D]
   const int64_t block_stride = block_size * token_stride;
   const int64_t rows = heads * groups;  // query heads of this task, [rows, D] from q + h0 * groups * D
@@ -240,19 +290,9 @@ static void attend(const float* q, const kv_t* k_cache, const kv_t* v_cache, con
   }
   float* o = out + h0 * groups * head_dim;
   for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * len;
-    float m = s[0];  // (no -inf: the file is built with -ffast-math, which assumes finite floats)
-    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    lse[h0 * groups + r] = m + std::log(sum);
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    const int64_t head = h0 * groups + r;
+    lse[head] = softmax_row(scores.data() + r * len, skip, len, kind.softcap, kind.sinks != nullptr,
+                            kind.sinks != nullptr ? kind.sinks[head] : 0.f);
     for (int64_t i = 0; i < head_dim; ++i) o[r * head_dim + i] = 0.f;
   }
 #if defined(__AVX512F__)
@@ -282,7 +322,8 @@ template <typename kv_t>
 static void decode_kernel(const float* q, const kv_t* k_cache, const kv_t* v_cache, const c10::Half* k_scale,
                           const c10::Half* v_scale, const int64_t* block_tables, const int64_t* context_lens,
                           float* out, float* lse, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, int64_t table_width, float scale) {
+                          int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
+                          const flash::Kind& kind) {
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t heads = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per task
   const int64_t per_seq = num_kv_heads / heads;
@@ -293,16 +334,19 @@ static void decode_kernel(const float* q, const kv_t* k_cache, const kv_t* v_cac
       auto run = head_dim == 64 ? attend<64, kv_t> : head_dim == 128 ? attend<128, kv_t> : attend<0, kv_t>;
       run(q + b * num_heads * head_dim, k_cache, v_cache, k_scale, v_scale, block_tables + b * table_width,
           context_lens[b], out + b * num_heads * head_dim, lse + b * num_heads, h0, heads, groups, num_kv_heads,
-          head_dim, block_size, scale, scores, qs, partial);
+          head_dim, block_size, scale, kind, scores, qs, partial);
     }
   });
 }
 
 // q: [B, H, D] fp32; k_cache, v_cache: [num_blocks, block_size, KvH, D] (fp32, bf16 or fp16, contiguous);
 // block_tables: [B, W] int64; context_lens: [B] int64 (each >= 1) -> out [B, H, D] fp32 and each query's
-// log-sum-exp of its scaled scores, lse [B, H] fp32 (for merging with attention over other keys)
-std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+// log-sum-exp of its scaled scores, lse [B, H] fp32 (for merging with attention over other keys); under a layer's
+// kind (`paged_decode_attention_kind`: window <= 0 none, softcap <= 0 none, sinks fp32 [H] or None)
+std::vector<torch::Tensor> paged_decode_attention_kind(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                       torch::Tensor block_tables, torch::Tensor context_lens,
+                                                       double scale, int64_t window, double softcap,
+                                                       c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 3, "q: contiguous fp32 [B, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "k/v cache: contiguous 4-d");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v cache dtypes differ");
@@ -311,6 +355,7 @@ std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  const flash::Kind kind = flash::make_kind("paged_decode_attention", window, softcap, sinks, num_heads, true);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({batch, num_heads}, q.options());
   const float s = static_cast<float>(scale);
@@ -318,17 +363,23 @@ std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor
     decode_kernel<scalar_t>(q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr,
                             nullptr, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                             out.data_ptr<float>(), lse.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim,
-                            block_size, block_tables.size(1), s);
+                            block_size, block_tables.size(1), s, kind);
   });
   return {out, lse};
 }
 
+std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return paged_decode_attention_kind(q, k_cache, v_cache, block_tables, context_lens, scale, 0, 0.0, c10::nullopt);
+}
+
 // The same over an int8 pool read in place: k_codes, v_codes: [num_blocks, block_size, KvH, D] int8 (contiguous);
 // k_scales, v_scales: the fp16 scale of each (block, token, KvH) slot, contiguous (value = code * scale)
-std::vector<torch::Tensor> paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
-                                                       torch::Tensor k_scales, torch::Tensor v_scales,
-                                                       torch::Tensor block_tables, torch::Tensor context_lens,
-                                                       double scale) {
+std::vector<torch::Tensor> paged_decode_attention_int8_kind(torch::Tensor q, torch::Tensor k_codes,
+                                                            torch::Tensor v_codes, torch::Tensor k_scales,
+                                                            torch::Tensor v_scales, torch::Tensor block_tables,
+                                                            torch::Tensor context_lens, double scale, int64_t window,
+                                                            double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous() && q.dim() == 3, "q: contiguous fp32 [B, H, D]");
   TORCH_CHECK(k_codes.scalar_type() == torch::kChar && v_codes.scalar_type() == torch::kChar, "k/v codes: int8");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_codes.dim() == 4 &&
@@ -342,13 +393,23 @@ std::vector<torch::Tensor> paged_decode_attention_int8(torch::Tensor q, torch::T
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_codes.size(1), num_kv_heads = k_codes.size(2);
   TORCH_CHECK(k_codes.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  const flash::Kind kind = flash::make_kind("paged_decode_attention_int8", window, softcap, sinks, num_heads, true);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({batch, num_heads}, q.options());
   decode_kernel<int8_t>(q.data_ptr<float>(), k_codes.data_ptr<int8_t>(), v_codes.data_ptr<int8_t>(),
                         k_scales.data_ptr<at::Half>(), v_scales.data_ptr<at::Half>(), block_tables.data_ptr<int64_t>(),
                         context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(), batch,
-                        num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+                        num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), static_cast<float>(scale),
+                        kind);
   return {out, lse};
+}
+
+std::vector<torch::Tensor> paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
+                                                       torch::Tensor k_scales, torch::Tensor v_scales,
+                                                       torch::Tensor block_tables, torch::Tensor context_lens,
+                                                       double scale) {
+  return paged_decode_attention_int8_kind(q, k_codes, v_codes, k_scales, v_scales, block_tables, context_lens, scale,
+                                          0, 0.0, c10::nullopt);
 }
 
 // fused_ops.cpp, built into the same module
@@ -367,6 +428,9 @@ torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int
 std::string flash_kernel(bool bf16);
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal);
+std::vector<torch::Tensor> flash_attention_kind(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                bool causal, int64_t window, double softcap,
+                                                c10::optional<torch::Tensor> sinks);
 // bf16_rows.cpp
 torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // decode_step.cpp
@@ -391,6 +455,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV blocks (CPU)");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "decode attention over paged int8 KV blocks and their fp16 scales, read in place (CPU)");
+  m.def("paged_decode_attention_kind", &paged_decode_attention_kind,
+        "paged_decode_attention under a sliding window, a logit soft-cap and attention sinks");
+  m.def("paged_decode_attention_int8_kind", &paged_decode_attention_int8_kind,
+        "paged_decode_attention_int8 under a sliding window, a logit soft-cap and attention sinks");
   m.def("rms_norm", &rms_norm, "RMSNorm of [N, H] rows");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [N, 2I]");
@@ -400,6 +468,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
   m.def("flash_kernel", &flash_kernel, "the flash kernel this build runs for bf16 (or fp32) inputs; '' for none");
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
+  m.def("flash_attention_kind", &flash_attention_kind,
+        "flash_attention under a sliding window, a logit soft-cap and attention sinks");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
   m.def("bf16_rows_linear", &bf16_rows_linear, "x @ W.T + b for 1-4 bf16 rows on the [N, K] bf16 weight");
   bind_decode_layers(m);

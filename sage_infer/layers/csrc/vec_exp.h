@@ -1,4 +1,5 @@
-// exp on 16 fp32 lanes held in a register (AVX-512), or 8 (AVX2), for the kernels' softmax loops. Inline: the
+// exp on 16 fp32 lanes held in a register (AVX-512), or 8 (AVX2), for the kernels' softmax loops; tanh on the
+// same (`tanh16`, `tanh8`: a logit soft-cap, `cap * tanh(s / cap)`). Inline: the
 // vectorized libm call the compiler emits for std::exp under `omp simd` (`_ZGVeN16v_expf`) is a
 // function call, around which every live zmm register (a kernel's accumulators) is spilled.
 //
@@ -28,6 +29,26 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// tanh by Cephes' tanhf (within ~2 ulp): |x| < 0.625 by its odd polynomial x + x^3 P(x^2) (no cancellation near
+// 0), above by 1 - 2 / (exp(2|x|) + 1) with x's sign; exp(2|x|) saturates (clamped at 88.7), giving 1
+inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+  const __m512 e = exp16(_mm512_add_ps(ax, ax));
+  __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                             _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));  // bits: -ffast-math may drop a -0.f
+  big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big),  // x's sign (big >= 0)
+                                            _mm512_and_si512(_mm512_castps_si512(x), sign)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -51,5 +72,22 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), keep);
+}
+// `tanh16` on 8 lanes
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 e = exp8(_mm256_add_ps(ax, ax));
+  __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                             _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
 }
 #endif
