@@ -53,7 +53,8 @@ MiB = 1 << 20
 _IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
 # bytes per pwritev: fewer, larger writes measured faster for small records than ~1 MiB pieces checksummed in cache
 WRITE_PIECE = 4 * MiB
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map a read's pages at once (not a fault per few pages)
+_POPULATE = 0  # (mmap.MAP_POPULATE measured slower: 0.30 against 0.43 of a preadv at 256 KiB blocks, loaded VM)
+MAP_GROUP = int(os.environ.get("SAGE_DISK_MAP_GROUP", 8 * MiB))  # bytes of adjacent records mapped at once
 # False: reads take the two-pass path (preadv into the caller's rows, then their CRC32C) even where the one-pass
 # kernel loads (bench/tiers_raw.py --paths compares the two)
 ONE_PASS_READS = True
@@ -428,7 +429,9 @@ class DiskTier(KVTier):
         between the payloads land in a scratch buffer), ~1 MiB at a time and checksummed right after, while in
         cache; a large read's pieces run in parallel (queue depth > 1)."""
         out_np = out.numpy()
-        per = max(1, CACHE_CHUNK // self.record_bytes)
+        kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
+        # (a mapped group has no cache to stay in: larger groups, fewer mappings)
+        per = max(1, (MAP_GROUP if kernel is not None else CACHE_CHUNK) // self.record_bytes)
         groups: list[list[tuple[int, bytes, _Loc]]] = []
         for read in reads:
             last = groups[-1][-1] if groups else None
@@ -438,7 +441,6 @@ class DiskTier(KVTier):
             else:
                 groups.append([read])
 
-        kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
         # a large read streams its stores (into rows not in cache) even where each group is under the kernel's
         # own threshold
         stream = 1 if kernel is not None and len(reads) * self.bytes_per_block >= kernel.copy_stream_min_bytes() else 0
