@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from sage_infer.errors import ConfigError
 from sage_infer.hal.isa import build_levels, missing_flags, read_cpu_flags, selected_level
 from sage_infer.quantization import kv_codec_kernel
 from sage_infer.quantization.kv_codec_kernel import CODEC_ENV, crc_method_forced
@@ -169,3 +170,20 @@ def test_the_default_crc_method_is_what_the_cpu_flags_allow(cpu_isa):
     assert ("pclmulqdq" in module.crc32c_methods()) == ("pclmulqdq" in flags)
     with pytest.raises(RuntimeError, match="unknown method"):
         module.crc32c_set_method("crc64")
+
+
+def test_sage_crc32c_forces_a_method_and_refuses_one_this_cpu_lacks(monkeypatch):
+    module = kv_codec_kernel.native()
+    if module is None or not hasattr(module, "crc32c_methods") or not module.crc32c_native():
+        pytest.skip(f"no CRC32C kernel here: {kv_codec_kernel.unavailable() or 'CRC not native'}")
+    before = module.crc32c_method()
+    try:
+        monkeypatch.setattr(kv_codec_kernel, "_checked", set())  # (the env is read at a build's first load)
+        monkeypatch.setenv(kv_codec_kernel.CRC_ENV, "crc32")
+        assert kv_codec_kernel.crc_method() == "crc32"
+        monkeypatch.setattr(kv_codec_kernel, "_checked", set())
+        monkeypatch.setenv(kv_codec_kernel.CRC_ENV, "crc64")
+        with pytest.raises(ConfigError, match="SAGE_CRC32C=crc64: not a CRC32C method"):
+            kv_codec_kernel.native()
+    finally:
+        module.crc32c_set_method(before)

@@ -17,9 +17,10 @@ gets, shm sends and receives).
 How the kernel computes a long CRC (`crc_method()`): ``vpclmulqdq-512`` (carry-less-multiply folding of 64-byte
 vectors, the AVX-512 builds), ``vpclmulqdq-256`` (32-byte vectors, the avx2 build), where the CPU has VPCLMULQDQ;
 else ``crc32`` (the SSE4.2 instruction in three streams). ``pclmulqdq`` (16-byte vectors) runs where the CPU has
-PCLMULQDQ but is chosen only by `crc_method_forced`. The kernel asks the CPU (cpuid) and the first load checks
-its choice against /proc/cpuinfo's flags, falling back to ``crc32`` where they disagree. Below 512 bytes, and for
-the head and tail of longer inputs, the crc32 instruction runs.
+PCLMULQDQ but is chosen only by `crc_method_forced` or ``SAGE_CRC32C=<method>`` (read at the first load). The
+kernel asks the CPU (cpuid) and the first load checks its choice against /proc/cpuinfo's flags, falling back to
+``crc32`` where they disagree. Below 512 bytes, and for the head and tail of longer inputs, the crc32 instruction
+runs.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ import crc32c as _crc32c
 import numpy as np
 import torch
 
+from sage_infer.errors import ConfigError
 from sage_infer.hal import kernel_build
 from sage_infer.hal.isa import ENV, read_cpu_flags
 
 log = logging.getLogger(__name__)
 FORMAT_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp8_e4m3fnuz": 2, "int8": 3, "int4": 4}
+CRC_ENV = "SAGE_CRC32C"  # a CRC method to force at the kernel's first load (crc32, pclmulqdq, vpclmulqdq-256/-512)
 CODEC_ENV = "SAGE_KV_CODEC"  # "torch": the PyTorch codec where the kernel would load (tests, benchmarks)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _logged: set[str] = set()
@@ -78,6 +81,12 @@ def _check_crc_method(module: ModuleType) -> None:
     """Fall back to the crc32 instruction where /proc/cpuinfo lacks a flag the kernel's folding method needs."""
     if not hasattr(module, "crc32c_method"):
         return
+    forced = os.environ.get(CRC_ENV, "").strip().lower()
+    if forced:  # (a benchmark's old-vs-new runs across processes)
+        if forced not in module.crc32c_methods():
+            raise ConfigError(f"{CRC_ENV}={forced}: not a CRC32C method this kernel build runs on this CPU; one "
+                              f"of {', '.join(module.crc32c_methods())}")
+        module.crc32c_set_method(forced)
     method, flags = module.crc32c_method(), read_cpu_flags()
     missing = [f for f in METHOD_CPU_FLAGS.get(method, ()) if flags is None or f not in flags]
     if missing:
