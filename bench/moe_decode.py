@@ -26,6 +26,7 @@ plain read's. `--profile 1,8`: torch.profiler over the MoE blocks at those row c
 The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (all
 active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for steps of up to
 `GROUPED_KERNEL_ROWS` pairs per expert) and `per-expert` (one product per active expert, two kernel calls each).
+The decode step and `--profile` run on the first path of `--experts`.
 `--batches 1,8,32,128`: both paths on a decode step of that many rows (random routing, the kernel forced at any
 count), taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by).
 """
@@ -206,7 +207,6 @@ def batch_sweep(blocks: dict, ops, hidden: int, dtype: torch.dtype, batches: lis
         rows.append({"batch": batch, "max_pairs": max(c[0] for c in counts),
                      "mean_pairs": statistics.mean(c[1] for c in counts), "grouped_ms": grouped,
                      "per_expert_ms": per_expert, "speedup": per_expert / grouped})
-    use_path(blocks, "grouped")
     return rows
 
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         turns = timed_turns(blocks, weights, ops, cfg.hidden_size, dtype, args.iters, args.seed, args.experts)
         sweep = batch_sweep(blocks, ops, cfg.hidden_size, dtype, args.batches, max(3, args.iters // 4))
-        use_path(blocks, "grouped")
+        use_path(blocks, args.experts[0])  # the decode step and the profiles run on the first path listed
         alone_s = expert_alone_s(blocks, ops, cfg.hidden_size, dtype)
         step_s = decode_step_s(llm, cfg.vocab_size, args.decode_tokens, args.seed)
         if args.profile:
