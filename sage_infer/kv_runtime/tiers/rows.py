@@ -5,7 +5,7 @@ and its own (the host tier's slab, the disk tier's queue). The costs a small blo
 are per-row Python work and per-row calls, so everything here works on *runs*: rows that
 are consecutive on both sides go in one copy. Where the KV codec's C++ kernel loads, a checked
 move is one call for the whole batch that copies and checksums in one pass (`copy_rows_crc32c`:
-each byte loaded once, stored, and fed to the CPU's ``crc32``; the GIL released); elsewhere
+each byte loaded once, stored, and folded into the CRC; the GIL released); elsewhere
 checksums are taken right after each ~1 MiB piece is copied, while it is still in cache. A large
 move (`PARALLEL_MIN_BYTES` or more, of rows that are checksummed with the GIL released) is split
 into pieces that a small thread pool moves in parallel (`bench/tiers_raw.py`, "threads" rows).
