@@ -64,7 +64,8 @@ Method
   Reported   per engine: questions answered per second (requests ÷ the sum of their wall times), TTFT per question
              (mean, median; the first question of each document, computed by both, apart from the later ones),
              cached prompt tokens, greedy agreement; sage ÷ vLLM of each side by side; memory: the KV bytes held at
-             the end (device pool as allocated, plus the host tier's blocks in use) and the peak RSS (VmHWM; vLLM's
+             the end (device pool as allocated, plus the host tier's blocks in use), the KV bytes allocated (the host
+             tier's whole slab, resident from the start) and the peak RSS (VmHWM; vLLM's
              summed over its processes), each also per document token (documents x L); the 1-minute load average at
              each request's start.
 """
@@ -576,11 +577,15 @@ class VLLMDocQA:
 
 
 def memory_per_token(memory: dict, q: DocQA) -> dict:
-    """Bytes per document token: the KV bytes each engine holds (device pool as allocated + lower tiers in use) and
-    its peak RSS, over the documents' tokens (`documents` x `length`)."""
+    """Bytes per document token: the KV bytes each engine holds (device pool as allocated + lower tiers in use), the
+    KV bytes it allocated (the lower tiers' whole capacity: the host tier's slab is resident from the start) and its
+    peak RSS, over the documents' tokens (`documents` x `length`)."""
     tokens = q.documents * q.length
-    kv = (memory.get("device_kv_bytes") or 0) + sum(t["bytes"] for t in memory.get("tiers", {}).values())
+    tiers = memory.get("tiers", {}).values()
+    kv = (memory.get("device_kv_bytes") or 0) + sum(t["bytes"] for t in tiers)
+    allocated = (memory.get("device_kv_bytes") or 0) + sum(t["capacity_bytes"] for t in tiers)
     return {"document_tokens": tokens, "kv_bytes": kv, "kv_bytes_per_token": kv / tokens,
+            "kv_allocated_bytes": allocated, "kv_allocated_bytes_per_token": allocated / tokens,
             "peak_rss_bytes_per_token": memory["peak_rss_mib"] * 2**20 / tokens}
 
 
@@ -626,9 +631,11 @@ def print_docqa(length: int, q: DocQA, result: dict) -> None:
         if result.get(label):
             m, t = result[label]["memory"], result[label]["per_token"]
             print(f"{label}: KV held {t['kv_bytes'] / 2**20:,.0f} MiB (device pool {m['device_kv_bytes'] / 2**20:,.0f}"
-                  + "".join(f", {name} {x['bytes'] / 2**20:,.0f}" for name, x in m.get("tiers", {}).items())
-                  + f") = {t['kv_bytes_per_token']:,.0f} B per document token; peak RSS {m['peak_rss_mib']:,.0f} MiB"
-                  f" = {t['peak_rss_bytes_per_token']:,.0f} B per document token")
+                  + "".join(f", {name} {x['bytes'] / 2**20:,.0f} of {x['capacity_bytes'] / 2**20:,.0f} allocated"
+                            for name, x in m.get("tiers", {}).items())
+                  + f") = {t['kv_bytes_per_token']:,.0f} B per document token ({t['kv_allocated_bytes_per_token']:,.0f}"
+                  f" allocated); peak RSS {m['peak_rss_mib']:,.0f} MiB = {t['peak_rss_bytes_per_token']:,.0f} B per"
+                  " document token")
     if v:
         print(f"greedy answers identical: {result['identical']}/{s['questions']}")
     else:

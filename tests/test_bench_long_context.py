@@ -78,6 +78,7 @@ def test_memory_per_token_counts_the_device_pool_and_the_tiers_over_the_document
     per_token = memory_per_token(memory, q)
     assert per_token["document_tokens"] == 2000 and per_token["kv_bytes"] == 8000
     assert per_token["kv_bytes_per_token"] == pytest.approx(4.0)
+    assert per_token["kv_allocated_bytes"] == 12000 and per_token["kv_allocated_bytes_per_token"] == pytest.approx(6.0)
     assert per_token["peak_rss_bytes_per_token"] == pytest.approx(2**20 / 2000)
     assert memory_per_token({"device_kv_bytes": 3000, "peak_rss_mib": 1.0}, q)["kv_bytes"] == 3000
 
