@@ -53,8 +53,9 @@ MiB = 1 << 20
 _IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
 # bytes per pwritev: fewer, larger writes measured faster for small records than ~1 MiB pieces checksummed in cache
 WRITE_PIECE = 4 * MiB
-_POPULATE = 0  # (mmap.MAP_POPULATE measured slower: 0.30 against 0.43 of a preadv at 256 KiB blocks, loaded VM)
-MAP_GROUP = int(os.environ.get("SAGE_DISK_MAP_GROUP", 8 * MiB))  # bytes of adjacent records mapped at once
+# bytes of adjacent records mapped at once, their pages faulted in by the copy (1 MiB: 0.43 of a preadv at 256 KiB
+# blocks, 8 MiB: 0.95; mapping with MAP_POPULATE: 0.30)
+MAP_GROUP = 8 * MiB
 # False: reads take the two-pass path (preadv into the caller's rows, then their CRC32C) even where the one-pass
 # kernel loads (bench/tiers_raw.py --paths compares the two)
 ONE_PASS_READS = True
@@ -482,7 +483,7 @@ class DiskTier(KVTier):
                 return [(row, key, loc, False, False) for row, key, loc in group]
             base = start - start % mmap.ALLOCATIONGRANULARITY
             span = start - base + (whole - 1) * record + bpb
-            mapped = mmap.mmap(loc0.segment.fd, span, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+            mapped = mmap.mmap(loc0.segment.fd, span, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                                offset=base)
         except OSError:
             return [(row, key, loc, False, True) for row, key, loc in group]
