@@ -266,17 +266,26 @@ def test_requests_waiting_for_a_decode_slot_go_in_the_strategys_order(deployment
             if i is not None:
                 finished.append(i)
 
-        blocker = threading.Thread(target=send, args=(None, {}, 300))  # holds the only slot for a while
+        def router_waiting() -> float:
+            text = httpx.get(f"{url}/metrics").text
+            return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                        if s.name == "sage:router_waiting")
+
+        def until(condition, what: str) -> None:
+            deadline = time.monotonic() + 30
+            while not condition():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.01)
+
+        blocker = threading.Thread(target=send, args=(None, {}, 480))  # holds the only slot for a while
         blocker.start()
-        deadline = time.monotonic() + 20
-        while decode.backend.num_in_flight == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        until(lambda: decode.backend.num_in_flight > 0, "the blocker never reached the decode worker")
         waiting = []
-        for i, extra in enumerate(fields):
+        for i, extra in enumerate(fields):  # arrival order: 0 then 1, each queued before the next is sent
             waiting.append(threading.Thread(target=send, args=(i, extra)))
             waiting[-1].start()
-            time.sleep(0.2)  # arrival order: 0 then 1, both while the slot is taken
+            until(lambda queued=i + 1: router_waiting() == queued or not blocker.is_alive(), "the request never queued")
+        assert blocker.is_alive(), "the blocker finished before both requests queued: the order was not tested"
         for thread in (blocker, *waiting):
             thread.join(120)
         assert finished[0] == first
