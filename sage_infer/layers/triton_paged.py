@@ -36,6 +36,8 @@ from functools import cache
 
 import torch
 
+from sage_infer.layers.attention_kinds import FULL_ATTENTION, AttentionKind, window_tables
+
 try:
     import triton
     import triton.language as tl
@@ -51,19 +53,24 @@ MAX_SPLITS = 64  # merge kernel's padded width; splits are never more than this
 # The kernels are plain functions here (annotations stay strings, so this module imports without triton);
 # `_kernels` compiles them, or wraps them for the interpreter.
 def _partial_attention(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale, tiles_per_split,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, sinks_ptr, scale, softcap, window, tiles_per_split,
     stride_qb, stride_qh, stride_kblk, stride_ktok, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_TOKENS: tl.constexpr, FP32_DOT: tl.constexpr, WIDEN: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """One (row, KV head, split): attention of the KV head's GROUP query heads over the split's tokens."""
+    """One (row, KV head, split): attention of the KV head's GROUP query heads over the split's tokens (those of
+    the row's window when WINDOWED); split 0 holds the sinks' logits (SINKS) in its softmax denominator."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(lens_ptr + row)
     first = split * tiles_per_split * TILE_TOKENS
-    tiles = tl.minimum(tiles_per_split, (context_len - first + TILE_TOKENS - 1) // TILE_TOKENS)
+    stop = tl.minimum(first + tiles_per_split * TILE_TOKENS, context_len)  # past the split's last token
+    if WINDOWED:  # the row's query (position context_len - 1) sees keys from context_len - window on
+        first = tl.maximum(first, context_len - window)
+    tiles = tl.maximum(stop - first + TILE_TOKENS - 1, 0) // TILE_TOKENS  # each tile holds a token it sees
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_PAD)
@@ -79,11 +86,15 @@ def _partial_attention(
 
     m_i = tl.zeros([GROUP_PAD], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if SINKS:  # one more logit per head in split 0's denominator, with no value: exp(sink - m) to l, nothing to acc
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
     offsets = tl.arange(0, TILE_TOKENS)
     for t in range(0, tiles):
         pos = first + t * TILE_TOKENS + offsets
-        valid = pos < context_len
+        valid = pos < stop
         block = tl.load(tables_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
         base = block.to(tl.int64) * stride_kblk + (pos % BLOCK_SIZE) * stride_ktok + kv_head * stride_kh
         kv_mask = valid[:, None] & dim_ok[None, :]
@@ -94,7 +105,11 @@ def _partial_attention(
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        scores = scores * scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow)
+            e = tl.exp(-2.0 * tl.abs(scores / softcap))
+            scores = tl.where(scores < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid token
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -263,16 +278,21 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    kind: AttentionKind = FULL_ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over pool blocks in place. q: [B, H, D] (the model dtype); k_blocks, v_blocks:
     [num_blocks, block_size, KvH, D] contiguous fp32/bf16/fp16 (`KVPool.block_views`); block_tables: [B, W]
     (padding entries are never read); context_lens: [B], each >= 1 and <= W * block_size -> out [B, H, D]
     and lse [B, H], float32. `splits`: how many parts each row's context is cut into (default: `num_splits`'s
-    choice). CPU tensors only under the interpreter (`interpreting`)."""
+    choice). `kind`: a layer's sliding window (the tables cut to the blocks it reaches, then masked to the
+    token), logit soft-cap and sinks (with sinks, lse counts them). CPU tensors only under the interpreter
+    (`interpreting`)."""
     _check_runnable(q)
     partial, merge, _ = _kernels()
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_blocks.shape
+    if kind.window is not None:
+        block_tables, context_lens = window_tables(block_tables, context_lens, kind.window, block_size)
     assert k_blocks.is_contiguous() and v_blocks.stride() == k_blocks.stride(), "pool blocks in one layout"
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -283,13 +303,16 @@ def decode_attention(
     out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     head_pad = max(16, triton.next_power_of_2(head_dim))
+    sinks = q if kind.sinks is None else kind.sinks.detach().float().contiguous()  # q: a pointer never read
     partial[(batch, num_kv_heads, splits)](
-        q, k_blocks, v_blocks, block_tables, context_lens, out, lse, scale, tiles_per_split,
+        q, k_blocks, v_blocks, block_tables, context_lens, out, lse, sinks, scale, kind.softcap or 1.0,
+        kind.window or 0, tiles_per_split,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_TOKENS=TILE, FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype),
-        WIDEN=interpreting(),
+        WIDEN=interpreting(), WINDOWED=kind.window is not None, SOFTCAP=kind.softcap is not None,
+        SINKS=kind.sinks is not None,
     )
     if splits == 1:
         return out.view(batch, num_heads, head_dim), lse.view(batch, num_heads)

@@ -1,7 +1,8 @@
 """`model.attention: paged`: decode rows (and short chunks after cached context) read their blocks in place: the C++
 kernel on a CPU, the Triton kernel on an NVIDIA GPU (`cpu_kernels.decode_attention_paged` dispatches by device);
-an int8 pool's codes and scales through `cpu_kernels.decode_attention_paged_int8` (CPU). On a CPU the kernel also
-takes a layer's sliding window, logit soft-cap and attention sinks (`decode_attention_kind`)."""
+an int8 pool's codes and scales through `cpu_kernels.decode_attention_paged_int8` (CPU). Both kernels also take a
+layer's sliding window, logit soft-cap and attention sinks (`decode_attention_kind` on a CPU,
+`triton_paged.decode_attention`'s `kind` on a GPU)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from sage_infer.layers import cpu_kernels
-from sage_infer.layers.attention import DecodeGroup, merge_attention
+from sage_infer.layers.attention import DecodeGroup
 from sage_infer.layers.attention_backends.base import DecodePart
-from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args, masked_attention_lse, window_split
+from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args
 from sage_infer.layers.cpu_kernels import decode_attention_paged, decode_attention_paged_int8
 
 if TYPE_CHECKING:
@@ -56,27 +57,16 @@ class PagedDecode(DecodePart):
                                            scale)
 
     def declines(self, kind: AttentionKind, device: torch.device, block_size: int) -> str | None:
-        if device.type == "cpu":
-            return None
-        if kind.softcap is not None or kind.sinks is not None:
-            return "the Triton paged kernel takes no soft-cap or sinks"
-        if kind.window < block_size:
-            return f"the Triton paged kernel takes a window of at least a block ({block_size} keys), not {kind.window}"
-        return None
+        return None  # the C++ kernel (CPU) and the Triton kernel (GPU) take any window, soft-cap and sinks
 
     def attend_kind(self, q: torch.Tensor, pool: KVPool, layer: int, group: DecodeGroup, scale: float,
                     kind: AttentionKind) -> torch.Tensor:
-        """On a CPU the kernel takes the whole kind. On a GPU (a window of at least a block, nothing else) the
-        Triton kernel reads the blocks wholly inside each row's window in place; the window's part of the block
-        before them (at most block_size - 1 keys per row) is attended in PyTorch; the two merge by their
-        log-sum-exp (`sage_infer.layers.attention_kinds.window_split`)."""
+        """The whole kind in the kernel, in place: the C++ kernel on a CPU, the Triton kernel on a GPU (each row's
+        tables cut to the blocks its window reaches, the window masked to the token)."""
         if q.device.type == "cpu":
             return decode_attention_kind(q, pool, layer, group.block_tables, group.context_lens, scale, kind)[0].to(
                 q.dtype)
-        tables, lens, head, visible = window_split(group.block_tables, group.context_lens, kind.window,
-                                                   pool.block_size)
-        inner = DecodeGroup(rows=group.rows, block_tables=tables, context_lens=lens, whole_batch=group.whole_batch)
-        out, lse = self.attend_lse(q, pool, layer, inner, scale)
-        keys, values = pool.gather_blocks(layer, head, q.dtype)  # [b, block_size, KvH, D]
-        head_out, head_lse = masked_attention_lse(q, keys, values, visible, scale)
-        return merge_attention(head_out, head_lse, out, lse).to(q.dtype)
+        from sage_infer.layers.triton_paged import decode_attention  # imports triton: only where the kernel runs
+
+        return decode_attention(q, *pool.block_views(layer), group.block_tables, group.context_lens, scale,
+                                kind=kind)[0].to(q.dtype)
