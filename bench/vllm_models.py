@@ -3,8 +3,8 @@ Qwen shapes built with `transformers` that carry the demo tokenizer (vocab 4096)
 mixture-of-experts one (Qwen3-30B-A3B's layer with 2 layers) and two with sliding-window layers (Gemma-3- and
 gpt-oss-shaped).
 
-A built model is saved once under the cache directory (fp32 safetensors, tied embeddings) and
-reused; each engine casts it to the dtype of the run.
+A built model is saved once under the cache directory (fp32 safetensors, tied embeddings unless its shape
+says otherwise) and reused; each engine casts it to the dtype of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = REPO / "sage_infer" / "demo_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-BUILD_VERSION = 1  # bump when a shape or the build changes, so cached copies are rebuilt
+BUILD_VERSION = 1  # bump when the build changes, so every cached copy is rebuilt
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class ModelSpec:
     dtype: str  # the default dtype of a run (the anchor's)
     arch: str | None = None  # None: the bundled demo model, as shipped
     shape: dict = field(default_factory=dict)
+    revision: int = 0  # bump when this shape changes, so its cached copy is rebuilt
 
 
 MODELS = {
@@ -57,11 +58,15 @@ MODELS = {
                                   layer_types=["sliding_attention"] * 5 + ["full_attention"])),
     "gpt-oss-shape-small": ModelSpec(
         "gpt-oss-shape-small", "random gpt-oss shape with 4 layers (sliding-window 128 / full, alternating), "
-        "30M: hidden 512, 8/2 heads, head_dim 64, 8 experts x 512, top 4, attention sinks, 544 positions", "fp32",
+        "30M: hidden 512, 8/2 heads, head_dim 64, 8 experts x 512, top 4, attention sinks, 544 positions, "
+        "untied lm_head", "fp32",
+        # untied as gpt-oss itself is: vLLM's GptOssForCausalLM ignores tie_word_embeddings and would run a
+        # zero lm_head (every greedy token 0) on a tied checkpoint
         arch="gpt_oss", shape=dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                                    num_key_value_heads=2, head_dim=64, intermediate_size=512, num_local_experts=8,
                                    num_experts_per_tok=4, sliding_window=128, max_position_embeddings=544,
-                                   layer_types=["sliding_attention", "full_attention"] * 2)),
+                                   layer_types=["sliding_attention", "full_attention"] * 2,
+                                   tie_word_embeddings=False), revision=1),
 }
 
 
@@ -69,7 +74,8 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
     """The model's directory: the demo model in place, or a random model built (once) under cache_dir."""
     if spec.arch is None:
         return DEMO_DIR
-    directory = cache_dir / f"{spec.name}-seed{seed}-v{BUILD_VERSION}"
+    revision = f"r{spec.revision}" if spec.revision else ""
+    directory = cache_dir / f"{spec.name}-seed{seed}-v{BUILD_VERSION}{revision}"
     if (directory / "config.json").exists():
         return directory
     import torch
