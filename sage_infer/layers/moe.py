@@ -167,6 +167,11 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights (in the weights' dtype, then x's), added one by one in expert order (as
         transformers adds them; the same bits whatever else the batch holds)."""
+        if x.device.type == "cuda":  # the Triton grouped experts, where they take the weights
+            from sage_infer.layers.triton_moe import cuda_experts  # imports triton: only on a GPU
+
+            if (out := cuda_experts(self, x, weights, groups)) is not None:
+                return out
         if ops.name != "torch" and x.device.type == "cpu" and 0 < max(groups.counts) <= self.kernel_rows:
             kernel = self.grouped_kernel()
             if isinstance(kernel, GroupedExpertWeights) and kernel.dtype == x.dtype:

@@ -43,6 +43,11 @@ class ClampedSwigluExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights, cast to x's dtype, added in expert order (as transformers adds them)."""
+        if x.device.type == "cuda":  # the Triton grouped experts (their clamped SwiGLU and biases)
+            from sage_infer.layers.triton_moe import cuda_experts  # imports triton: only on a GPU
+
+            if (out := cuda_experts(self, x, weights, groups)) is not None:
+                return out
         return run_grouped(x, weights, groups, self.expert)
 
 
