@@ -7,7 +7,7 @@ position ``i`` sees the keys at positions ``j`` with ``i - W < j <= i``, W keys 
 (Gemma 2's ``attn_logit_softcapping``) turns each scaled score ``s`` into ``cap · tanh(s / cap)`` before the
 softmax. Attention sinks (gpt-oss's ``self_attn.sinks``, one learned logit per query head) join each softmax's
 denominator as one more score that carries no value: ``p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``. The CPU
-kernels (paged decode, flash prefill) take all three (`kernel_kind_args`); the Triton paged kernel a window alone.
+kernels (paged decode, flash prefill) take all three (`kernel_kind_args`), and so do the Triton paged kernels.
 
 Shapes: q_len queries, ctx_len context keys (the queries are the context's last q_len positions), H query heads,
 KvH KV heads, D head dim.
@@ -147,40 +147,3 @@ def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window
     columns = first[:, None] + torch.arange(width, device=block_tables.device)[None, :]
     return block_tables.gather(1, columns), context_lens - first * block_size
 
-
-def window_split(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode rows under a window of at least one block, split where a kernel without a window can take them: the
-    blocks wholly inside each row's window (its tables from the first such block, and the tokens they hold: >= 1)
-    and the window's part of the block before them (that block's id per row, and which of its slots are in the
-    window: none when the window starts on a block boundary or covers the whole context).
-
-    block_tables: [B, W] long; context_lens: [B] long -> (tables [B, W], lens [B], head block [B, 1],
-    head visible [B, block_size] bool). Tensor ops only."""
-    assert window >= block_size, "a window shorter than a block can end inside the block it starts in"
-    start = (context_lens - window).clamp(min=0)  # each row's first key in its window
-    first = (start + block_size - 1) // block_size  # its first block wholly inside the window
-    width = block_tables.shape[1]
-    columns = (first[:, None] + torch.arange(width, device=block_tables.device)[None, :]).clamp(max=width - 1)
-    head = (first - 1).clamp(min=0)[:, None]
-    slots = head * block_size + torch.arange(block_size, device=block_tables.device)[None, :]
-    visible = (slots >= start[:, None]) & (slots < (first * block_size)[:, None])
-    return block_tables.gather(1, columns), context_lens - first * block_size, block_tables.gather(1, head), visible
-
-
-def masked_attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row over a few keys, some masked, any row possibly with none: q: [B, H, D]; keys, values:
-    [B, T, KvH, D]; visible: [B, T] bool -> (out [B, H, D], lse [B, H]) float32; a row with no visible key gets
-    out 0 and lse -inf (it weighs nothing in `merge_attention`)."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
-    grouped = q.float().view(batch, num_kv_heads, -1, head_dim)  # [B, KvH, G, D]
-    scores = torch.einsum("bkgd,btkd->bkgt", grouped, keys.float()) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True).clamp(min=-1e30)  # finite even for a row with nothing visible
-    weights = torch.exp(scores - peak)
-    total = weights.sum(dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", weights, values.float()) / total.clamp(min=1e-30)[..., None]
-    lse = torch.log(total) + peak.squeeze(-1)
-    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)

@@ -154,12 +154,14 @@ def _merge_splits(
 
 
 def _prefill_attention(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, spans_ptr, tiles_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, spans_ptr, tiles_ptr, sinks_ptr, scale, softcap, window,
     stride_qt, stride_qh, stride_kblk, stride_ktok, stride_kh, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr, TILE_TOKENS: tl.constexpr, FP32_DOT: tl.constexpr, WIDEN: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """One (tile of ROWS queries of a span, query head): causal attention over the span's context in the pool.
+    """One (tile of ROWS queries of a span, query head): causal attention over the span's context in the pool
+    (under a layer's window, soft-cap and sinks where those flags say so).
     spans: [S, 3] (first row in the flat batch, queries, context tokens); tiles: [N, 2] (span, first query)."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -183,12 +185,18 @@ def _prefill_attention(
         q = q.to(k_ptr.dtype.element_ty)
     query_pos = context_len - q_len + m  # a padding row (m >= q_len) sees every key up to `end`: finite, unused
     end = tl.minimum(context_len, context_len - q_len + first_query + ROWS)  # keys the tile's last query sees
+    lo = 0
+    if WINDOWED:  # the first key the tile's first query sees
+        lo = tl.maximum(context_len - q_len + first_query - window + 1, 0)
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if SINKS:  # the head's sink: one more logit in each query's denominator, with no value
+        m_i = tl.zeros([ROWS], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = l_i + 1.0
     acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
     offsets = tl.arange(0, TILE_TOKENS)
-    for start in range(0, end, TILE_TOKENS):
+    for start in range(lo, end, TILE_TOKENS):
         pos = start + offsets
         valid = pos < end
         block = tl.load(tables_ptr + span * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -201,11 +209,19 @@ def _prefill_attention(
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        if SOFTCAP:  # cap * tanh(s / cap), as in the decode kernel
+            e = tl.exp(-2.0 * tl.abs(scores / softcap))
+            scores = tl.where(scores < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
         visible = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: key 0 is in the first tile, and every query sees it
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        if WINDOWED:
+            visible = visible & (pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        # -inf only for a query that has seen no key yet (a window's later rows in an early tile): p and alpha 0
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:
@@ -216,7 +232,7 @@ def _prefill_attention(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i 0 only for padding rows past a window's reach
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -341,12 +357,14 @@ def prefill_attention(
     spans: torch.Tensor,
     tiles: torch.Tensor,
     scale: float,
+    kind: AttentionKind = FULL_ATTENTION,
 ) -> None:
     """Causal attention of every prefill span, written into `out`'s span rows. q, out: [T, H, D] (the model
     dtype; rows outside the spans are left as they are); k_blocks, v_blocks: [num_blocks, block_size, KvH, D]
     contiguous (`KVPool.block_views`), the spans' own keys already stored; block_tables: [S, W] (span s's
     context in its row, padding never read); spans: [S, 3] int (first row in q, queries, context tokens;
-    queries <= context tokens); tiles: [N, 2] int (`prefill_tiles`). CPU tensors only under the interpreter."""
+    queries <= context tokens); tiles: [N, 2] int (`prefill_tiles`); `kind`: a layer's sliding window, logit soft-cap
+    and sinks. CPU tensors only under the interpreter."""
     _check_runnable(q)
     _, _, prefill = _kernels()
     _, num_heads, head_dim = q.shape
@@ -357,11 +375,14 @@ def prefill_attention(
         q = q.contiguous()
     if tiles.shape[0] == 0:
         return
+    sinks = q if kind.sinks is None else kind.sinks.detach().float().contiguous()  # q: a pointer never read
     prefill[(tiles.shape[0], num_heads)](
-        q, k_blocks, v_blocks, out, block_tables, spans.contiguous(), tiles.contiguous(), scale,
+        q, k_blocks, v_blocks, out, block_tables, spans.contiguous(), tiles.contiguous(), sinks, scale,
+        kind.softcap or 1.0, kind.window or 0,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, ROWS=PREFILL_ROWS, TILE_TOKENS=TILE,
-        FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype), WIDEN=interpreting(),
+        FP32_DOT=torch.float32 in (q.dtype, k_blocks.dtype), WIDEN=interpreting(), WINDOWED=kind.window is not None,
+        SOFTCAP=kind.softcap is not None, SINKS=kind.sinks is not None,
     )

@@ -117,8 +117,11 @@ class PrefillPart:
         return prefills, batch.tensor(slots) if slots else None, shared
 
     def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
-                     meta: AttentionMetadata, out: torch.Tensor, scale: float) -> None:
-        """Every span of `meta.prefills` into `out` (q's rows, q's dtype)."""
+                     meta: AttentionMetadata, out: torch.Tensor, scale: float,
+                     kind: AttentionKind = FULL_ATTENTION) -> None:
+        """Every span of `meta.prefills` into `out` (q's rows, q's dtype). A part in place that takes `kind` (not
+        plain) attends every span under it here too (`AttentionBackend.forward_kind`); this one only plain spans."""
+        assert kind.plain, "spans of a layer of another kind attend one by one (AttentionBackend.forward_kind)"
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.context_len == span.q_len:  # nothing cached before: the keys are this step's own
@@ -302,7 +305,10 @@ class AttentionBackend:
         assert meta.shared is None, "cascade attention attends every shared key: off for windowed/capped layers"
         out = torch.empty_like(q)
         prefill_kernel = self.prefill.declines(kind, q.device) is None
-        for index, span in enumerate(meta.prefills):
+        in_place = prefill_kernel and self.prefill.in_place
+        if in_place and meta.prefills:  # every span in one call, its context read in place
+            self.prefill.attend_spans(q, k, v, pool, layer, meta, out, scale, kind)
+        for index, span in enumerate([] if in_place else meta.prefills):
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.context_len == span.q_len:
                 k_ctx, v_ctx = k[rows], v[rows]

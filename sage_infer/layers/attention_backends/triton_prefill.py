@@ -11,6 +11,7 @@ import torch
 from sage_infer.core.step_batch import SeqSpan, StepBatch
 from sage_infer.layers.attention import AttentionMetadata, PrefillSpan
 from sage_infer.layers.attention_backends.base import PrefillPart
+from sage_infer.layers.attention_kinds import FULL_ATTENTION, AttentionKind
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -28,8 +29,9 @@ class PagedPrefill:
 
 @dataclass(frozen=True)
 class TritonPrefill(PrefillPart):
-    """Every prefill span of a step in one launch per layer, in place (an NVIDIA GPU, a float pool). It reads each
-    row's shared prefix in place too, so there is no cascade."""
+    """Every prefill span of a step in one launch per layer, in place (an NVIDIA GPU, a float pool), under the
+    layer's sliding window, logit soft-cap and sinks too. It reads each row's shared prefix in place, so there is
+    no cascade."""
 
     name = "sage"
     in_place = True
@@ -51,11 +53,16 @@ class TritonPrefill(PrefillPart):
         return [PrefillSpan(*row, slot_start=0) for row in rows], context, []
 
     def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int,
-                     meta: AttentionMetadata, out: torch.Tensor, scale: float) -> None:
+                     meta: AttentionMetadata, out: torch.Tensor, scale: float,
+                     kind: AttentionKind = FULL_ATTENTION) -> None:
         from sage_infer.layers.triton_paged import prefill_attention  # imports triton
 
         paged = meta.prefill_context
-        prefill_attention(q, *pool.block_views(layer), out, paged.block_tables, paged.spans, paged.tiles, scale)
+        prefill_attention(q, *pool.block_views(layer), out, paged.block_tables, paged.spans, paged.tiles, scale,
+                          kind)
+
+    def declines(self, kind: AttentionKind, device: torch.device) -> str | None:
+        return None  # the kernel takes any window, soft-cap and sinks (`AttentionBackend.forward_kind`: in place)
 
     def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int, span: PrefillSpan,
                      dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
