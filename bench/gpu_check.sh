@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks for an NVIDIA machine, as one script (each step time-boxed, every log under $OUT): the Triton
-# kernel's, CUDA graphs' and speculative decoding's tests on CUDA, speculative decoding against none
-# (bench/spec_decode.py), the kernel against the PyTorch path (bench/paged_decode_kernel.py --device cuda),
-# and the engine's decode attention A/B on the 0.5B shape.
+# kernels' (attention, its kinds, the grouped MoE experts), CUDA graphs' and speculative decoding's tests on CUDA,
+# speculative decoding against none (bench/spec_decode.py), the kernel against the PyTorch path
+# (bench/paged_decode_kernel.py --device cuda), the Triton MoE experts against the per-expert loop
+# (bench/triton_moe.py), and the engine's decode attention A/B on the 0.5B shape.
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
-#   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel engine prefill profile
-#                                                            # hf hf05
+#   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel moe engine prefill
+#                                                            # profile hf hf05
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -37,10 +38,10 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests spec spec05 kernel engine prefill profile hf hf05}
+STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile hf hf05}
 case " $STEPS " in *" tests "*)
-    step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_cuda_graphs.py \
-        tests/test_spec_decode.py ;; esac
+    step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_triton_kinds.py \
+        tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py ;; esac
 case " $STEPS " in *" spec "*)  # n-gram speculation against none, the demo model in bf16 on the GPU
     step spec 120 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 4 \
         --json "$OUT/spec_decode_cuda.json" ;; esac
@@ -51,6 +52,10 @@ print(prepare_model(MODELS['qwen2.5-0.5b-shape'], Path('/tmp/sage-models')))") |
         --json "$OUT/spec_decode_cuda_05b.json" ;; esac
 case " $STEPS " in *" kernel "*)
     step kernel 120 python3 bench/paged_decode_kernel.py --device cuda --json "$OUT/paged_decode_kernel_cuda.json" ;;
+esac
+case " $STEPS " in *" moe "*)  # the Triton grouped experts against one product per expert, Qwen3-30B-A3B's layer, bf16
+    step moe 120 python3 bench/triton_moe.py --json "$OUT/triton_moe_cuda.json"
+    rm -f "$OUT/moe.log" ;;  # its tail is above
 esac
 case " $STEPS " in *" engine "*)
     for workload in ${WORKLOADS:-W3 W1 W2}; do

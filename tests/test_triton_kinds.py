@@ -118,3 +118,47 @@ def test_forward_kind_with_the_prefill_kernel_equals_the_reference():
         assert len(meta.prefills) == 2
         outs.append(paged_attention(q, k, v, pool, LAYER, meta, 0.3, kind))
     torch.testing.assert_close(outs[0], outs[1], **FP32)
+
+
+# -- the engine on a CUDA device ------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not CUDA, reason="the engine on a CUDA device needs a CUDA GPU")
+
+
+@needs_gpu
+def test_gpt_oss_on_the_gpu_runs_every_kind_and_expert_in_triton_and_matches_transformers(tmp_path, monkeypatch):
+    """gpt-oss (windows of 8 beside full layers, sinks on both, clamped-SwiGLU experts with biases) on the GPU, fp32:
+    decode rows and prefill spans of every layer through the Triton kernels, the experts through the Triton grouped
+    launches; greedy tokens equal transformers' (on the CPU), with prefix hits."""
+    import transformers
+
+    from sage_infer import LLM
+    from sage_infer.config.serve import ServeConfig
+    from sage_infer.layers import triton_moe
+    from tests.test_gpt_oss import CONFIG, shared_prefix_prompts
+    from tests.test_sliding_window import hf_greedy, sage_greedy
+    from tests.tiny_models import save_tokenizer
+
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    with torch.no_grad():  # random sinks, router and expert weights large enough to decide tokens
+        for name, param in hf.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0, 1.5)
+            elif ".mlp." in name:
+                param.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "model")
+    save_tokenizer(tmp_path / "model", CONFIG["vocab_size"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
+                                                           attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    prompts = shared_prefix_prompts()
+    calls, kernel = [], triton_moe.clamped_swiglu_experts
+    monkeypatch.setattr(triton_moe, "clamped_swiglu_experts", lambda *args: calls.append(1) or kernel(*args))
+    config = ServeConfig.model_validate({"model": {"path": str(tmp_path / "model"), "dtype": "fp32"},
+                                         "kv_pool": {"num_blocks": 96}})
+    llm = LLM(config=config, device="cuda")
+    reason = {d.field: d for d in llm.engine.decisions}["model.layer_attention"].reason
+    assert "decode rows through the paged kernel" in reason and "prefill spans through the sage kernel" in reason
+    assert sage_greedy(llm, prompts[:1]) + sage_greedy(llm, prompts[1:]) == hf_greedy(hf, prompts)
+    assert calls

@@ -86,3 +86,30 @@ def test_experts_the_kernels_do_not_take_keep_the_per_expert_loop():
     assert triton_experts(experts.to(torch.bfloat16), x, weights, groups) is None
     experts.split_linears()
     assert triton_experts(experts, x, weights, groups) is None
+
+
+# -- the engine on a CUDA device ------------------------------------------------------------------
+
+
+needs_gpu = pytest.mark.skipif(not CUDA, reason="the engine on a CUDA device needs a CUDA GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_engine_on_the_gpu_runs_the_experts_in_triton_and_matches_transformers(tmp_path, monkeypatch, family):
+    """fp32 greedy tokens of a tiny MoE checkpoint on the GPU against transformers' (on the CPU; a mismatch only
+    after a near-tie of its logits), every MoE layer's experts through the Triton launches."""
+    from sage_infer import LLM
+    from sage_infer.config.serve import ServeConfig
+    from sage_infer.layers import triton_moe
+    from tests.test_moe import GREEDY, assert_same_as_hf, hf_greedy, make_tiny_moe, prompts_with_a_shared_prefix
+
+    hf = make_tiny_moe(tmp_path / "model", family)
+    calls, kernel = [], triton_moe.swiglu_experts
+    monkeypatch.setattr(triton_moe, "swiglu_experts", lambda *args: calls.append(1) or kernel(*args))
+    config = ServeConfig.model_validate({"model": {"path": str(tmp_path / "model"), "dtype": "fp32"},
+                                         "kv_pool": {"num_blocks": 64}})
+    llm = LLM(config=config, device="cuda")
+    prompts = prompts_with_a_shared_prefix()
+    assert_same_as_hf(hf_greedy(hf, prompts), llm.generate(prompts, GREEDY))
+    assert calls
