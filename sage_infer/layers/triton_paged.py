@@ -20,6 +20,13 @@ query head), an online softmax over `TILE`-token tiles up to the tile's last que
 aligned to the lower-right corner (query i of a span of q tokens over c sees keys j <= c - q + i). The
 reference path gathers each span's context (`KVPool.gather_slots`) and attends span by span.
 
+Both kernels take a layer's attention kind (`sage_infer.layers.attention_kinds`, the PyTorch math they are tested
+against): a sliding window (decode: each row's tables cut to the blocks the window reaches, each split's loop from
+the window's first token; prefill: each tile's key loop from its first query's window, keys masked i - W < j <= i),
+a logit soft-cap (``cap * tanh(s / cap)`` on the scaled scores) and attention sinks (each head's sink starts the
+online softmax as its max with weight 1, in split 0 only for decode: the lse counts it). Kinds are constexpr flags:
+a plain layer's kernels compile without them.
+
 Numerics: scores are the model dtype's products accumulated in fp32, then scaled; the probabilities are
 rounded to the value dtype before P·V, as flash attention does. Where the queries or the pool are fp32
 (an fp32 model, or an fp32 pool), everything is IEEE fp32 (no TF32): 16-bit keys and values are widened,
