@@ -20,9 +20,9 @@ from sage_infer.transport.format import converter
 
 FORMATS = list(FORMAT_CODES)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# [outer, group, inner]: head_dim groups, a group with a scalar tail (130 = 4 x 32 + 2), per_channel columns with
-# a tail (10 = 8 + 2), and a tiny group
-SHAPES = ((64, 128, 1), (9, 130, 1), (6, 16, 128), (5, 6, 10), (4, 4, 1))
+# [outer, group, inner]: head_dim groups (4 batches of 16 scales), a group with a scalar tail (130 = 8 x 16 + 2), one
+# with an 8-lane tail (40 = 2 x 16 + 8), per_channel columns with tails (10 = 8 + 2, 24 = 16 + 8), and a tiny group
+SHAPES = ((64, 128, 1), (9, 130, 1), (19, 40, 1), (6, 16, 128), (5, 6, 10), (3, 4, 24), (4, 4, 1))
 
 
 def kernel():
@@ -70,6 +70,15 @@ def test_kernel_encodes_and_decodes_as_the_torch_codec_bit_for_bit(fmt, cpu_isa)
                 got = torch.empty(shape, dtype=out_dtype)
                 module.kv_decode(codes, scales, FORMAT_CODES[fmt], group, inner, got)
                 assert torch.equal(got, exact.to(out_dtype)), (fmt, shape, dtype, out_dtype)
+                fused = torch.empty(shape, dtype=out_dtype)  # decoding with the CRC of what it reads
+                assert module.kv_decode_crc(codes, scales, FORMAT_CODES[fmt], group, inner, fused, 0) == crc
+                assert torch.equal(fused, got), (fmt, shape, dtype, out_dtype)
+
+
+def test_each_level_runs_the_codec_at_its_vector_width(cpu_isa):
+    """16 lanes in the AVX-512 builds, 8 in the avx2 build: the bit-for-bit test above covers each width."""
+    expected = 16 if cpu_isa.startswith("avx512") else 8 if cpu_isa == "avx2" else 1  # (none: the generic build)
+    assert kernel().kv_lanes() == expected
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

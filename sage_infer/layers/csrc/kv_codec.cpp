@@ -9,7 +9,8 @@
 // truncate (level + qmax + 0.5); fp8 rounds to nearest even as c10's Float8 casts do; decoding multiplies the
 // exact level (fp8 widened through fp16 bits, as `fp8_as_fp16`) by the scale, then rounds once to the output
 // dtype. So codes, scales and decoded values equal the Python codec's bit for bit (tests/test_kv_codec_kernel.py).
-// 8-lane AVX2 + F16C in every x86-64 build (the loops are bound by memory, not by lanes); scalar elsewhere.
+// 16-lane AVX-512 in the AVX-512 builds, 8-lane AVX2 + F16C in the avx2 build (and for rows shorter than 16), scalar
+// elsewhere and for tails; every width computes the same bytes. kv_decode_crc checksums a payload as it decodes it.
 #include "ieee_div.h"
 #include "kernel.h"
 #include "widen.h"
@@ -591,6 +592,108 @@ inline __m256 levels8(const uint8_t* codes, int64_t i) {
 constexpr int64_t W = 1;  // the generic build: scalar loops only
 #endif
 
+// ------------------------------------------------------------------------------------ 16 lanes (AVX-512 builds)
+// The 8-lane arithmetic above, operation for operation, on 16 lanes, so the codes are the same bytes: the clamp is
+// one VRANGEPS (the smaller magnitude of w and qmax, w's sign: min(max(w, -qmax), qmax) for every finite w), codes
+// narrow to bytes with VPMOVDB (int4 pairs with VPMOVQB), and fp8's subnormal / normal choice is a mask blend.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__F16C__)
+#define SAGE_KV_W16 1
+constexpr int64_t W16 = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store16(c10::BFloat16* p, __m512 v) {  // round to nearest even, as store8
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+inline __m512 ieee_div16(__m512 a, __m512 b) {  // IEEE division (see ieee_div8)
+  __m512 q;
+  asm("vdivps %2, %1, %0" : "=v"(q) : "v"(a), "v"(b));
+  return q;
+}
+
+template <int64_t FMT>
+inline __m512i fp8_bytes16(__m512 w) {  // fp8_byte of 16 clamped values, one byte in each lane's low 8 bits
+  constexpr Fp8 s = FP8_SPECS[FMT];
+  const __m512i u = _mm512_castps_si512(w);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i mask = _mm512_set1_epi32(static_cast<int>(s.denorm_mask));
+  const __m512i den = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(mask))), mask);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, s.mshift), _mm512_set1_epi32(1));
+  const __m512i nor =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(s.rebias))), odd),
+                        s.mshift);
+  const __mmask16 is_den = _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(static_cast<int>(s.min_normal)));
+  const __m512i r = _mm512_mask_blend_epi32(is_den, nor, den);
+  __m512i sg = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  if (s.fnuz) sg = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(r, r), sg);  // no negative zero
+  return _mm512_or_si512(r, sg);
+}
+
+// 16 values -> their codes in 16 int32 lanes (the byte for int8 and fp8, 0..14 for int4)
+template <int64_t FMT>
+inline __m512i codes16(__m512 x, __m512 inv) {
+  constexpr float q = QMAX[FMT];
+  const __m512 w = _mm512_range_ps(_mm512_mul_ps(x, inv), _mm512_set1_ps(q), 0x02);  // min |.|, sign of w
+  if constexpr (FMT <= FP8_E4M3FNUZ) return fp8_bytes16<FMT>(w);
+  const __m512i v = _mm512_cvttps_epi32(_mm512_add_ps(w, _mm512_set1_ps(q + 0.5f)));
+  if constexpr (FMT == INT8) return _mm512_sub_epi32(v, _mm512_set1_epi32(127));
+  return v;
+}
+
+// 16 values -> their 16 codes (8 bytes for int4) at dst
+template <int64_t FMT>
+inline void encode16(__m512 x, __m512 inv, uint8_t* dst) {
+  const __m512i v = codes16<FMT>(x, inv);
+  if constexpr (FMT == INT4) {  // the low 32 bits of 64-bit lane i: e[2i] | e[2i+1] << 4
+    const __m128i b = _mm512_cvtepi64_epi8(_mm512_or_si512(v, _mm512_srli_epi64(v, 28)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), b);
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(v));
+  }
+}
+
+// the 16 levels of elements [i, i + 16) (i even for int4's bytes), fp8 times its factor
+template <int64_t FMT>
+inline __m512 levels16(const uint8_t* codes, int64_t i) {
+  if constexpr (FMT == INT8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+  } else if constexpr (FMT == INT4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)), nib = _mm_set1_epi8(0x0F);
+    const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(e), _mm512_set1_epi32(7)));
+  } else {
+    constexpr Fp8 s = FP8_SPECS[FMT];
+    __m256i w =
+        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))), 8);
+    if constexpr (s.f16_shift != 0) {
+      w = _mm256_and_si256(_mm256_srai_epi16(w, s.f16_shift),
+                           _mm256_set1_epi16(static_cast<int16_t>(~(((1 << s.f16_shift) - 1) << (15 - s.f16_shift)))));
+    }
+    return _mm512_cvtph_ps(w);
+  }
+}
+constexpr int64_t SCALE_BATCH = 16;  // groups whose scales are computed at once
+#else
+constexpr int64_t W16 = 0;
+constexpr int64_t SCALE_BATCH = 8;
+#endif
+
 inline void put_scale(uint8_t* scales, int64_t k, at::Half h) { std::memcpy(scales + 2 * k, &h.x, 2); }
 inline float get_scale(const uint8_t* scales, int64_t k) {
   at::Half h;
@@ -612,8 +715,19 @@ inline void put_code(uint8_t* dst, int64_t e, uint32_t code, int64_t fmt) {
 // ---------------------------------------------------------------------------------------------------- encode
 template <typename T>
 float group_amax(const T* x, int64_t group) {  // max |x| of contiguous values
-  float amax = 0.f;
+  float amax = 0.f;  // (a maximum is exact: the lanes' order does not change it)
   int64_t g = 0;
+#if defined(SAGE_KV_W16)
+  if (group >= W16) {
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0;  // 2 chains of 16 lanes
+    for (; g + 2 * W16 <= group; g += 2 * W16) {
+      z0 = _mm512_max_ps(z0, _mm512_abs_ps(load16(x + g)));
+      z1 = _mm512_max_ps(z1, _mm512_abs_ps(load16(x + g + W16)));
+    }
+    for (; g + W16 <= group; g += W16) z0 = _mm512_max_ps(z0, _mm512_abs_ps(load16(x + g)));
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(z0, z1));
+  }
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
   __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;  // 4 chains: a max's latency is 4 cycles
   for (; g + 4 * W <= group; g += 4 * W) {
@@ -623,17 +737,27 @@ float group_amax(const T* x, int64_t group) {  // max |x| of contiguous values
     m3 = _mm256_max_ps(m3, abs8(load8(x + g + 3 * W)));
   }
   for (; g + W <= group; g += W) m0 = _mm256_max_ps(m0, abs8(load8(x + g)));
-  amax = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  amax = std::max(amax, hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3))));
 #endif
   for (; g < group; ++g) amax = std::max(amax, std::fabs(widen(x[g])));
   return amax;
 }
 
-// the fp16 scales of up to 8 groups (written to scales) and their fp32 reciprocals, 8 at once: one group's chain
-// (division, rounding, widening, division) is ~50 cycles of latency that 8 groups share
+// the fp16 scales of up to SCALE_BATCH groups (written to scales) and their fp32 reciprocals (SCALE_BATCH of them
+// written), all at once: one group's chain (division, rounding, widening, division) is ~50 cycles of latency that
+// the batch shares
 template <int64_t FMT>
 void scales_of(const float* amax, int64_t count, uint8_t* scales, float* inv) {
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(SAGE_KV_W16)
+  const __m512 s = _mm512_min_ps(
+      _mm512_max_ps(ieee_div16(_mm512_loadu_ps(amax), _mm512_set1_ps(QMAX[FMT])), _mm512_set1_ps(0x1p-24f)),
+      _mm512_set1_ps(65504.f));
+  const __m256i h = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  uint16_t halves[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves), h);
+  std::memcpy(scales, halves, 2 * count);
+  _mm512_storeu_ps(inv, ieee_div16(_mm512_set1_ps(1.f), _mm512_cvtph_ps(h)));
+#elif defined(__AVX2__) && defined(__F16C__)
   const __m256 s = _mm256_min_ps(
       _mm256_max_ps(ieee_div8(_mm256_loadu_ps(amax), _mm256_set1_ps(QMAX[FMT])), _mm256_set1_ps(0x1p-24f)),
       _mm256_set1_ps(65504.f));
@@ -654,6 +778,16 @@ void scales_of(const float* amax, int64_t count, uint8_t* scales, float* inv) {
 template <typename T, int64_t FMT>
 void encode_group(const T* x, int64_t group, float r, uint8_t* dst) {  // contiguous values, one scale (1 / r)
   int64_t g = 0;
+#if defined(SAGE_KV_W16)
+  const __m512 zv = _mm512_set1_ps(r);
+  constexpr int64_t step = FMT == INT4 ? W16 / 2 : W16;
+  for (; g + 2 * W16 <= group; g += 2 * W16) {
+    const __m512 a = load16(x + g), b = load16(x + g + W16);
+    encode16<FMT>(a, zv, dst + g / W16 * step);
+    encode16<FMT>(b, zv, dst + g / W16 * step + step);
+  }
+  for (; g + W16 <= group; g += W16) encode16<FMT>(load16(x + g), zv, dst + g / W16 * step);
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
   const __m256 rv = _mm256_set1_ps(r);
   for (; g + 4 * W <= group; g += 4 * W) {
@@ -665,13 +799,13 @@ void encode_group(const T* x, int64_t group, float r, uint8_t* dst) {  // contig
   for (; g < group; ++g) put_code(dst, g, code_of(widen(x[g]), r, FMT), FMT);
 }
 
-// units [u0, u1) of [outer, group, 1] values: 8 groups' maxima, their scales at once, then their codes
+// units [u0, u1) of [outer, group, 1] values: SCALE_BATCH groups' maxima, their scales at once, then their codes
 template <typename T, int64_t FMT>
 void encode_groups(const T* x, int64_t u0, int64_t u1, int64_t group, uint8_t* codes, uint8_t* scales) {
   const int64_t unit_bytes = FMT == INT4 ? group / 2 : group;
-  for (int64_t u = u0; u < u1; u += 8) {
-    const int64_t count = std::min<int64_t>(8, u1 - u);
-    float amax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, inv[8];
+  for (int64_t u = u0; u < u1; u += SCALE_BATCH) {
+    const int64_t count = std::min<int64_t>(SCALE_BATCH, u1 - u);
+    float amax[SCALE_BATCH] = {}, inv[SCALE_BATCH];
     for (int64_t j = 0; j < count; ++j) amax[j] = group_amax(x + (u + j) * group, group);
     scales_of<FMT>(amax, count, scales + 2 * u, inv);
     for (int64_t j = 0; j < count; ++j)
@@ -686,18 +820,27 @@ void encode_rows(const T* x, int64_t group, int64_t inner, uint8_t* dst, uint8_t
   std::fill(iv, iv + inner, 0.f);
   for (int64_t g = 0; g < group; ++g) {
     int64_t i = 0;
+#if defined(SAGE_KV_W16)
+    for (; i + W16 <= inner; i += W16)
+      _mm512_storeu_ps(iv + i, _mm512_max_ps(_mm512_loadu_ps(iv + i), _mm512_abs_ps(load16(x + g * inner + i))));
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
     for (; i + W <= inner; i += W)
       _mm256_storeu_ps(iv + i, _mm256_max_ps(_mm256_loadu_ps(iv + i), abs8(load8(x + g * inner + i))));
 #endif
     for (; i < inner; ++i) iv[i] = std::max(iv[i], std::fabs(widen(x[g * inner + i])));
   }
-  for (int64_t i = 0; i < inner; i += 8)
-    scales_of<FMT>(iv + i, std::min<int64_t>(8, inner - i), scales + 2 * i, iv + i);
+  for (int64_t i = 0; i < inner; i += SCALE_BATCH)
+    scales_of<FMT>(iv + i, std::min<int64_t>(SCALE_BATCH, inner - i), scales + 2 * i, iv + i);
   for (int64_t g = 0; g < group; ++g) {
     const T* row = x + g * inner;
     const int64_t e0 = g * inner;
     int64_t i = 0;
+#if defined(SAGE_KV_W16)
+    if (FMT != INT4 || inner % 2 == 0)
+      for (; i + W16 <= inner; i += W16)
+        encode16<FMT>(load16(row + i), _mm512_loadu_ps(iv + i), dst + (FMT == INT4 ? (e0 + i) / 2 : e0 + i));
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
     if (FMT != INT4 || inner % 2 == 0)
       for (; i + W <= inner; i += W)
@@ -729,7 +872,7 @@ uint32_t encode_all(const T* x, int64_t outer, int64_t group, int64_t inner, uin
   // CRC a span of finished units while it is still in L1 / L2
   const int64_t units_per_span = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, unit_bytes));
   at::parallel_for(0, parts.count, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> inv(inner + 8);  // scales_of reads and writes 8 at a time
+    std::vector<float> inv(inner + SCALE_BATCH);  // scales_of reads and writes SCALE_BATCH at a time
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t a = p * parts.per, b = std::min(outer, a + parts.per);
       uint32_t c = 0;
@@ -762,6 +905,10 @@ void decode_unit(const uint8_t* codes, const uint8_t* scales, int64_t group, int
   if (inner == 1) {
     const float s = get_scale(scales, 0) * factor;
     int64_t g = 0;
+#if defined(SAGE_KV_W16)
+    const __m512 zv = _mm512_set1_ps(s);
+    for (; g + W16 <= group; g += W16) store16(out + g, _mm512_mul_ps(levels16<FMT>(codes, g), zv));
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
     const __m256 sv = _mm256_set1_ps(s);
     for (; g + W <= group; g += W) store8(out + g, _mm256_mul_ps(levels8<FMT>(codes, g), sv));
@@ -772,6 +919,15 @@ void decode_unit(const uint8_t* codes, const uint8_t* scales, int64_t group, int
   for (int64_t g = 0; g < group; ++g) {
     const int64_t e0 = g * inner;
     int64_t i = 0;
+#if defined(SAGE_KV_W16)
+    if (FMT != INT4 || inner % 2 == 0)
+      for (; i + W16 <= inner; i += W16) {
+        const __m512 sv = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * i))),
+            _mm512_set1_ps(factor));
+        store16(out + e0 + i, _mm512_mul_ps(levels16<FMT>(codes, e0 + i), sv));
+      }
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
     if (FMT != INT4 || inner % 2 == 0)
       for (; i + W <= inner; i += W) {
@@ -793,6 +949,37 @@ void decode_all(const uint8_t* codes, const uint8_t* scales, int64_t outer, int6
     for (int64_t u = p0 * parts.per; u < std::min(outer, p1 * parts.per); ++u)
       decode_unit<T, FMT>(codes + u * unit_bytes, scales + 2 * u * inner, group, inner, out + u * unit_elems);
   });
+}
+
+// decode_all, and the CRC32C of the codes' then the scales' bytes continuing crc_init: each span of codes is
+// checksummed, then decoded while it is in L1 / L2, so the payload is read from memory once
+template <typename T, int64_t FMT>
+uint32_t decode_all_crc(const uint8_t* codes, const uint8_t* scales, int64_t outer, int64_t group, int64_t inner,
+                        T* out, uint32_t crc_init) {
+  const int64_t unit_elems = group * inner;
+  const int64_t unit_bytes = FMT == INT4 ? unit_elems / 2 : unit_elems;
+  const Parts parts = split(outer, unit_elems);
+  std::vector<uint32_t> part_crc(parts.count, 0);
+  const int64_t units_per_span = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, unit_bytes));
+  at::parallel_for(0, parts.count, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t a = p * parts.per, b = std::min(outer, a + parts.per);
+      uint32_t c = 0;
+      for (int64_t o = a; o < b; o += units_per_span) {
+        const int64_t e = std::min(b, o + units_per_span);
+        c = crc_update(c, codes + o * unit_bytes, (e - o) * unit_bytes);
+        for (int64_t u = o; u < e; ++u)
+          decode_unit<T, FMT>(codes + u * unit_bytes, scales + 2 * u * inner, group, inner, out + u * unit_elems);
+      }
+      part_crc[p] = c;
+    }
+  });
+  uint32_t c = crc_init;
+  for (int64_t p = 0; p < parts.count; ++p) {
+    const int64_t a = p * parts.per, b = std::min(outer, a + parts.per);
+    c = crc_combine(c, part_crc[p], static_cast<uint64_t>((b - a) * unit_bytes));
+  }
+  return crc_update(c, scales, static_cast<size_t>(2 * outer * inner));
 }
 
 template <typename F>
@@ -871,6 +1058,27 @@ void kv_decode(torch::Tensor codes, torch::Tensor scales, int64_t fmt, int64_t g
   });
 }
 
+// kv_decode, and the CRC32C of the codes' then the scales' bytes (what kv_encode returns for them), continuing
+// crc_init, taken in the decoding pass: a received payload is read once to check and decode it
+int64_t kv_decode_crc(torch::Tensor codes, torch::Tensor scales, int64_t fmt, int64_t group, int64_t inner,
+                      torch::Tensor out, int64_t crc_init) {
+  check_shape(out, codes, scales, fmt, group, inner, "kv_decode_crc");
+  const int64_t outer = out.numel() / (group * inner);
+  if (outer == 0) return crc_init;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = static_cast<const uint8_t*>(scales.data_ptr());
+  uint32_t result = 0;
+  dispatch_dtype(out.scalar_type(), "kv_decode_crc", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    scalar_t* op = static_cast<scalar_t*>(out.data_ptr());
+    dispatch_fmt(fmt, [&](auto f) {
+      result = decode_all_crc<scalar_t, decltype(f)::value>(cp, sp, outer, group, inner, op,
+                                                            static_cast<uint32_t>(crc_init));
+    });
+  });
+  return result;
+}
+
 // CRC32C of a contiguous CPU tensor's bytes, continuing `value` (the crc32c package's crc32c(data, value))
 int64_t crc32c_of(torch::Tensor data, int64_t value) {
   TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "crc32c: a contiguous CPU tensor");
@@ -944,6 +1152,9 @@ torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tens
 void bind_kv_codec(pybind11::module& m) {
   m.def("kv_encode", &kv_encode, "KV codec encode of [outer, group, inner] values, with the CRC32C of its bytes");
   m.def("kv_decode", &kv_decode, "KV codec decode into [outer, group, inner] values");
+  m.def("kv_decode_crc", &kv_decode_crc,
+        "KV codec decode into [outer, group, inner] values, with the CRC32C of the codes and scales read");
+  m.def("kv_lanes", [] { return W16 ? W16 : W; }, "values per vector in the KV codec's loops (1: scalar)");
   m.def("crc32c", &crc32c_of, "CRC32C of a tensor's bytes, continuing a CRC");
   namespace py = pybind11;
   m.def("copy_crc32c", &copy_crc32c, "copy, and the CRC32C of the bytes copied, in one pass", py::arg("dst"),
