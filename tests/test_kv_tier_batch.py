@@ -116,3 +116,46 @@ def test_large_rows_checksummed_as_copied_keep_the_crc32c_of_the_bytes():
         assert torch.equal(tier.get_prefix(keys), blocks)
         tier.slab[tier.slot_of(keys[1]), 100] ^= 4
         assert torch.equal(tier.get_prefix(keys), blocks[:1]) and tier.stats().checksum_failures == 1
+
+
+def test_a_gather_from_the_pool_checksums_each_block_as_it_copies_it():
+    """`ChunkGather.gather_crc`: a pool's scattered blocks land in rows of any stride (a record's payload after its
+    header), with each block's CRC32C put together from its chunks' — the `crc32c` package's value of the bytes."""
+    if rows.fused_kernel() is None:
+        pytest.skip("the one-pass copy + CRC kernel does not load here (a plain gather then crc32c runs instead)")
+    pool = KVPool(SCHEMA, 40)
+    ids = torch.randperm(40)[:24].tolist()
+    _, blocks = chain(24)
+    pool.write_rows(ids, blocks)
+    gather = pool_gather(pool, ids)
+    assert isinstance(gather, rows.ChunkGather)
+    records = torch.zeros(24, 72 + BPB, dtype=torch.uint8)
+    crcs = gather.gather_crc(range(24), records[:, 72:])
+    assert torch.equal(records[:, 72:], blocks) and not records[:, :72].any()
+    assert crcs.tolist() == [crc32c.crc32c(row.numpy()) for row in blocks]
+    picked = [5, 0, 17]  # some rows of the batch, in any order
+    crcs = gather.gather_crc(picked, records[:3, 72:])
+    assert torch.equal(records[:3, 72:], blocks[picked])
+    assert crcs.tolist() == [crc32c.crc32c(blocks[i].numpy()) for i in picked]
+
+
+def test_the_crc32c_of_pieces_put_end_to_end_is_the_crc32c_of_the_whole():
+    from sage_infer.kv_runtime.tiers.crc_concat import concat_crcs
+
+    generator = torch.Generator().manual_seed(0)
+    for rows_, pieces, size in [(3, 1, 5), (4, 2, 8), (5, 3, 7), (2, 5, 1), (3, 6, 3), (2, 7, 11), (2, 64, 4096)]:
+        data = torch.randint(0, 256, (rows_, pieces, size), dtype=torch.uint8, generator=generator).numpy()
+        parts = [[crc32c.crc32c(data[i, j]) for j in range(pieces)] for i in range(rows_)]
+        assert concat_crcs(parts, size).tolist() == [crc32c.crc32c(data[i].tobytes()) for i in range(rows_)]
+
+
+def test_disk_put_gather_from_the_pool_writes_the_checksums_a_restart_verifies(tmp_path):
+    pool = KVPool(SCHEMA, 40)
+    ids = torch.randperm(40)[:24].tolist()
+    keys, blocks = chain(24, salt="gathered")
+    pool.write_rows(ids, blocks)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=10 * (72 + BPB)) as tier:  # 3 segments
+        tier.put_gather(keys, pool_gather(pool, ids))
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB) as again:
+        assert torch.equal(again.get_prefix(keys), blocks)
+        assert again.stats().checksum_failures == 0 and again.stats().blocks == 24

@@ -188,3 +188,52 @@ def test_a_written_batchs_buffer_takes_the_next_put_and_both_batches_read_back(t
     assert torch.equal(tier.get_prefix(keys[6:]), blocks[6:])  # (from the buffer while it is queued)
     tier.flush()
     assert torch.equal(tier.get_prefix(keys), blocks)
+
+
+def test_a_batchs_headers_filled_at_once_are_the_headers_written_one_by_one():
+    import numpy as np
+
+    from sage_infer.kv_runtime.tiers.segment import encode_header, encode_headers
+
+    keys = [bytes([i]) * 30 + b"\0\0" for i in range(5)]  # trailing zero bytes are kept
+    digest = b"d" * 15 + b"\0"
+    records = torch.full((5, HEADER.size + 3), 0xAA, dtype=torch.uint8)
+    encode_headers(records, digest, keys, 3, np.array([7 * i for i in range(5)], dtype=np.uint32))
+    assert [bytes(r[: HEADER.size].numpy()) for r in records] == [
+        encode_header(digest, key, 3, 7 * i) for i, key in enumerate(keys)]
+    assert (records[:, HEADER.size :] == 0xAA).all()  # the payloads are untouched
+
+
+def test_a_read_takes_queued_blocks_from_memory_and_the_rest_from_disk(tier):
+    keys, blocks = chain(8)
+    tier.put(keys[:4], blocks[:4])
+    tier.flush()
+    with tier._append_lock:  # keys 4.. stay queued
+        tier.put(keys[5:], blocks[5:])
+        got = tier.get(keys)
+        assert [row is not None for row in got] == [True] * 4 + [False] + [True] * 3
+        assert all(torch.equal(row, blocks[i]) for i, row in enumerate(got) if row is not None)
+        assert torch.equal(tier.get_prefix(keys), blocks[:4])  # a chain stops at its first miss
+        order = [6, 1, 7, 0]
+        assert torch.equal(tier.get_prefix([keys[i] for i in order]), blocks[order])
+
+
+def test_a_durable_flush_syncs_only_what_changed_since_the_last_one(tier, monkeypatch):
+    from sage_infer.kv_runtime.tiers import disk
+
+    synced: list[int] = []
+    monkeypatch.setattr(disk, "_fdatasync", synced.append)
+    keys, blocks = chain(12)
+    tier.put(keys[:10], blocks[:10])  # 8 records a segment: two segments
+    tier.flush(sync=True)
+    assert sorted(synced) == sorted(seg.fd for seg in tier._segments.values()) and len(synced) == 2
+    synced.clear()
+    tier.flush(sync=True)
+    assert synced == []  # nothing written since
+    tier.put(keys[10:], blocks[10:])
+    tier.flush(sync=True)
+    assert synced == [tier._active.fd]
+    synced.clear()
+    tier.delete([keys[0]])  # a delete rewrites a record's magic: its segment is synced again
+    tier.flush(sync=True)
+    assert synced == [tier._index[keys[1]].segment.fd]

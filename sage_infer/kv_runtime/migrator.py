@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sage_infer.kv_policy.migration import BlockMeta
+from sage_infer.kv_runtime.tiers.rows import ChunkGather
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 from sage_infer.prefix_reuse.index import EvictedBlock
 
@@ -86,7 +87,8 @@ def pool_gather(pool: KVPool, block_ids: list[int]) -> Callable[[list[int], torc
         ids = block_ids if len(rows) == len(block_ids) else [block_ids[r] for r in rows]
         pool.read_blocks(ids, out=out.view(pool.dtype).view(len(rows), *pool.block_shape))
 
-    return gather
+    chunks = pool.block_chunks(block_ids) if block_ids else None
+    return gather if chunks is None else ChunkGather(*chunks, gather)  # (a store may checksum as it gathers)
 
 
 class KVMigrator:

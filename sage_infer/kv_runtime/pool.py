@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sage_infer.config.serve import KVPoolConfig
@@ -17,7 +18,7 @@ from sage_infer.core.dtypes import TORCH_DTYPES
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError
 from sage_infer.hal.huge_pages import zeros_on_huge_pages
-from sage_infer.kv_runtime.block_rows import gather_blocks, scatter_blocks
+from sage_infer.kv_runtime.block_rows import block_row_index, chunk_rows, gather_blocks, scatter_blocks
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool) -> torch.Tensor:
@@ -281,6 +282,17 @@ class KVPool:
         if out is None:
             return rows.contiguous()
         return out.copy_(rows)
+
+    def block_chunks(self, block_ids: BlockIds) -> tuple[torch.Tensor, np.ndarray] | None:
+        """What `read_blocks` gathers, as byte rows: the storage as ``[2 * L * num_blocks, chunk_bytes]`` uint8 and,
+        per block, the rows that make its row format in order (``[n, 2 * L]`` int64), for a gather that checksums
+        as it copies (`tiers.rows.ChunkGather`); None where the blocks are not chunks of one contiguous CPU tensor
+        (an accelerator, a quantized pool's codes and scales)."""
+        if not self.supports_block_views or chunk_rows(self._kv) is None:
+            return None
+        ids = self._ids(block_ids)
+        source = self._kv.view(torch.uint8).view(2 * self.num_layers * self.num_blocks, -1)
+        return source, block_row_index(ids, self.num_layers, self.num_blocks).reshape(ids.numel(), -1)
 
     def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
         """Copy whole blocks in, bit-exact: ``src: [n, *block_shape]`` in the pool's dtype (any device).

@@ -1,44 +1,46 @@
 """`DiskTier`: KV blocks in append-only segment files under one directory, with a size cap.
 
-- Writes go through one background writer thread: `put` copies the rows into memory and
-  queues them (bounded by `max_pending_bytes`; a full queue drops the batch's tail and counts
-  it), so the engine never waits for the disk. Queued blocks are readable at once.
-- An in-memory index ``key -> (segment, offset, length, crc)`` is rebuilt at start-up by
+- Writes go through one background writer thread: `put` copies the rows into a batch buffer laid out as the
+  records will sit on disk (header, payload, header, payload, ...) and queues it (bounded by `max_pending_bytes`;
+  a full queue drops the batch's tail and counts it), so the engine never waits for the disk. Where the one-pass
+  kernel loads, the copy also takes each payload's CRC32C (a gather from the KV pool too: `rows.ChunkGather`).
+  The writer fills the batch's headers at once (numpy) and writes the batch with one `pwritev` per segment it
+  lands in. Queued blocks are readable at once.
+- An in-memory index ``key -> (segment, offset, crc)`` is rebuilt at start-up by
   reading every record header (format in `segment.py`); records of another schema, and a
   torn record at a segment's end, are skipped and counted in `skipped_records`.
-- Reads go from a kept-open fd: where the one-pass copy + CRC kernel loads, a run of records is mapped
-  (mmap of the page cache's pages) and copied into the caller's rows and checksummed in one pass, each byte
-  read once (`bench/tiers_raw.py`: faster than a preadv alone); elsewhere `os.preadv` straight into the
-  caller's rows, then CRC32C.
+- Reads go from a kept-open fd, a batch planned as arrays (`disk_read.py`): where the one-pass copy + CRC kernel
+  loads, a run of records is mapped (mmap of the page cache's pages) and copied into the caller's rows and
+  checksummed in one pass, each byte read once; elsewhere `os.preadv` straight into the caller's rows, then CRC32C.
 - Eviction is FIFO by write time, a segment at a time: when the next record would pass the
   cap, the oldest segment's file is removed (its blocks count as evictions).
 - Deletes mark records dead (on disk too); `compact()` rewrites the live records of the most
   fragmented segments at the end and removes them. Compacted blocks count as newly written.
+- `flush(sync=True)` fdatasyncs the segments written (or marked) since the last one, and the directory when a
+  segment was created or removed since.
 """
 
 from __future__ import annotations
 
-import mmap
+import operator
 import os
 import tempfile
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
-from types import ModuleType
+from typing import NamedTuple
 
-import crc32c
 import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
+from sage_infer.kv_runtime.tiers.disk_read import read_batch
 from sage_infer.kv_runtime.tiers.rows import (
-    CACHE_CHUNK,
+    ChunkGather,
     Gather,
-    copy_runs,
     crc_rows,
     fused_kernel,
     move_pool,
@@ -46,32 +48,42 @@ from sage_infer.kv_runtime.tiers.rows import (
     runs_of,
     tensor_gather,
 )
-from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_header, segment_paths
+from sage_infer.kv_runtime.tiers.segment import HEADER, Segment, encode_headers, segment_paths
 from sage_infer.kv_runtime.tiers.tier_errors import TierConfigError, TierError
 
 MiB = 1 << 20
-_IOV_MAX = 512  # buffers per pwritev (Linux allows 1024; two per record)
-# bytes per pwritev: fewer, larger writes measured faster for small records than ~1 MiB pieces checksummed in cache
+# a large batch's write is cut into pieces this large where there are row threads to write them side by side
 WRITE_PIECE = 4 * MiB
-# bytes of adjacent records mapped at once, their pages faulted in by the copy (1 MiB: 0.43 of a preadv at 256 KiB
-# blocks, 8 MiB: 0.95; mapping with MAP_POPULATE: 0.30)
-MAP_GROUP = 8 * MiB
 # False: reads take the two-pass path (preadv into the caller's rows, then their CRC32C) even where the one-pass
 # kernel loads (bench/tiers_raw.py --paths compares the two)
 ONE_PASS_READS = True
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # (macOS has no fdatasync)
 
 
-@dataclass(slots=True, eq=False)
-class _Loc:
+class _Loc(NamedTuple):
+    """Where a key's live record is; compared by identity (a read or a compaction checks that the index still
+    holds the very record it worked on)."""
+
     segment: Segment
     offset: int  # of the record header
     crc: int
 
 
-@dataclass(slots=True, eq=False)
-class _Pending:
-    row: torch.Tensor  # [bytes_per_block] uint8, our own copy
-    crc: int | None = None  # its CRC32C where the copy took it (one pass), else taken as it is written
+_new_loc = tuple.__new__  # (_Loc, (segment, offset, crc)) without the namedtuple's Python-level __new__
+
+
+class _Batch:
+    """One `put`'s blocks, queued for the writer: ``records: [n, HEADER.size + bytes_per_block]`` uint8, row i
+    the i-th record as it will sit on disk (its header filled by the writer), `payloads` the rows' payload
+    columns. `crcs`: the payloads' CRC32Cs where the copy took them, else None (the writer takes them).
+    `entries[i]` is ``(self, i)``, the value the tier's pending map holds for ``keys[i]`` while it is queued."""
+
+    __slots__ = ("keys", "records", "payloads", "crcs", "entries")
+
+    def __init__(self, keys: list[bytes], records: torch.Tensor, crcs: np.ndarray | None) -> None:
+        self.keys, self.records, self.crcs = keys, records, crcs
+        self.payloads = records[:, HEADER.size :]
+        self.entries = list(zip(repeat(self), range(len(keys))))
 
 
 def _check_can_hold_files(directory: Path, name: str) -> None:
@@ -119,8 +131,8 @@ class DiskTier(KVTier):
         self.max_pending_bytes = max(max_pending_bytes, self.record_bytes)
         self._segments: dict[int, Segment] = {}  # oldest first (insertion order = id order)
         self._index: dict[bytes, _Loc] = {}
-        self._pending: dict[bytes, _Pending] = {}
-        self._queue: deque[tuple[list[tuple[bytes, _Pending]], torch.Tensor]] = deque()  # (batch, its buffer)
+        self._pending: dict[bytes, tuple[_Batch, int]] = {}  # queued blocks: their batch and row
+        self._queue: deque[_Batch] = deque()
         # buffers of written batches, for the next puts to copy into: fresh memory's first-touch page faults cost
         # more than the copy itself (16 MiB: 1.2 GB/s into a new buffer, 15 GB/s into a reused one, 2-vCPU VM)
         self._spare: list[torch.Tensor] = []
@@ -131,6 +143,8 @@ class DiskTier(KVTier):
         self._append_lock = threading.Lock()  # one appender at a time: the writer thread or compact()
         self._active: Segment | None = None
         self._next_id = 0
+        self._unsynced: set[Segment] = set()  # written or marked since the last flush(sync=True)
+        self._directory_changed = False  # a segment created or removed since then
         self._scan()
         with self._lock:
             self._evict_for(0)
@@ -166,56 +180,104 @@ class DiskTier(KVTier):
         """Copy the new blocks and queue them for the writer; returns without touching the disk. Where the one-pass
         kernel loads, the copy also takes their CRC32Cs, so the writer does not read them again."""
         keys, blocks = self._check_put(keys, blocks)
-        # one pass straight from host memory; a device's blocks come over by the gather alone (no whole-batch copy)
-        fused = fused_kernel() is not None and blocks.device.type == "cpu"
-        self._queue_batch(keys, tensor_gather(blocks), blocks if fused else None)
+        kernel = fused_kernel()
+        if kernel is not None and blocks.device.type == "cpu":  # one pass straight from host memory
+
+            def fill(rows: list[int], payloads: torch.Tensor) -> np.ndarray | None:
+                runs = torch.tensor(runs_of(range(len(rows)), rows), dtype=torch.long).reshape(-1, 3)
+                return kernel.copy_rows_crc32c(payloads, blocks, runs).numpy().astype(np.uint32)
+
+            self._queue_batch(keys, fill)
+        else:  # (a device's blocks come over by the gather alone: no whole-batch copy)
+            self.put_gather(keys, tensor_gather(blocks))
 
     def put_gather(self, keys: Sequence[bytes], gather: Gather) -> None:
-        """`put` of blocks the caller gathers straight into the writer's queue (one `gather` call per batch)."""
-        self._queue_batch(self._check_keys(keys), gather)
+        """`put` of blocks the caller gathers straight into the writer's queue (one `gather` call per batch; a
+        `ChunkGather` checksums as it gathers where the one-pass kernel loads)."""
 
-    def _queue_batch(self, keys: list[bytes], gather: Gather, blocks: torch.Tensor | None = None) -> None:
+        def fill(rows: list[int], payloads: torch.Tensor) -> np.ndarray | None:
+            if isinstance(gather, ChunkGather):
+                crcs = gather.gather_crc(rows, payloads)
+                if crcs is not None:
+                    return crcs
+            staged = torch.empty((len(rows), self.bytes_per_block), dtype=torch.uint8)  # (a gather's out is whole)
+            gather(rows, staged)
+            kernel = fused_kernel()
+            if kernel is not None:
+                return kernel.copy_rows_crc32c(payloads, staged, torch.tensor([[0, 0, len(rows)]])).numpy().astype(
+                    np.uint32)
+            payloads.numpy()[:] = staged.numpy()
+            return None
+
+        self._queue_batch(self._check_keys(keys), fill)
+
+    def _queue_batch(self, keys: list[bytes], fill: Callable[[list[int], torch.Tensor], np.ndarray | None]) -> None:
+        """Queue the batch's new keys; `fill(rows, payloads)` copies batch rows `rows` into `payloads` and returns
+        their CRC32Cs where it took them."""
         with self._lock:
             if self._closing:
                 raise TierError(f"{self.name} tier is closed")
             self._stats.puts += len(keys)
-            rows: dict[bytes, int] = {}
-            for row, key in enumerate(keys):
-                if key not in self._index and key not in self._pending and key not in rows:
-                    rows[key] = row
-            room = (self.max_pending_bytes - self._queued_bytes) // self.record_bytes
+            new_keys, rows = self._new_rows(keys)
+            room = max(0, (self.max_pending_bytes - self._queued_bytes) // self.record_bytes)
             if len(rows) > room:  # keep a chain's head: the tail is useless without it
-                self._stats.dropped += len(rows) - max(room, 0)
-                rows = dict(list(rows.items())[: max(room, 0)])
+                self._stats.dropped += len(rows) - room
+                new_keys, rows = new_keys[:room], rows[:room]
             if not rows:
                 return
-            copy = self._take_buffer(len(rows))
-            crcs: list[int | None] = [None] * len(rows)
-            if blocks is None:
-                gather(list(rows.values()), copy)
-            else:  # copied and checksummed in one pass
-                crcs = copy_runs(copy, blocks, runs_of(range(len(rows)), list(rows.values())), crc_of="dst")
-            batch = [(key, _Pending(copy[i], crc)) for i, (key, crc) in enumerate(zip(rows, crcs))]
-            self._pending.update(batch)
-            self._queue.append((batch, copy))
-            self._queued_bytes += len(batch) * self.record_bytes
+            records = self._take_buffer(len(rows))
+            batch = _Batch(new_keys, records, None)
+            batch.crcs = fill(rows, batch.payloads)
+            self._pending.update(zip(new_keys, batch.entries))
+            self._queue.append(batch)
+            self._queued_bytes += len(rows) * self.record_bytes
             self._cond.notify_all()
 
+    def _new_rows(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """The batch's keys neither stored nor queued (first occurrence) and their rows. Called with the lock held."""
+        index, pending = self._index, self._pending
+        if not any(map(index.__contains__, keys)) and not any(map(pending.__contains__, keys)) and (
+                len(set(keys)) == len(keys)):  # (the usual batch, checked in C)
+            return keys, list(range(len(keys)))
+        rows: dict[bytes, int] = {}
+        for row, key in enumerate(keys):
+            if key not in index and key not in pending and key not in rows:
+                rows[key] = row
+        return list(rows), list(rows.values())
+
     def flush(self, sync: bool = False) -> None:
-        """Wait until every queued block is on disk (in the page cache; `sync=True` fsyncs too)."""
+        """Wait until every queued block is on disk (in the page cache); `sync=True`: durably, with one fdatasync
+        per segment written since the last such flush (and one of the directory where it gained or lost files)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._queue and not self._busy)
-            segments = list(self._segments.values()) if sync else []
-        for seg in segments:
-            os.fsync(seg.fd)
+            if not sync:
+                return
+            segments, self._unsynced = self._unsynced, set()
+            directory, self._directory_changed = self._directory_changed, False
+            for seg in segments:
+                seg.readers += 1  # keeps the fd open if the segment is dropped meanwhile
+        try:
+            for seg in segments:
+                if not seg.doomed:
+                    _fdatasync(seg.fd)
+            if directory:
+                fd = os.open(self.directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            with self._lock:
+                for seg in segments:
+                    self._release(seg)
 
     def _take_buffer(self, rows: int) -> torch.Tensor:
-        """``[rows, bytes_per_block]`` uint8 to queue a batch in: a spare one's leading rows where one is large
+        """``[rows, record_bytes]`` uint8 to queue a batch in: a spare one's leading rows where one is large
         enough, else new. Called with the lock held."""
         for i, buf in enumerate(self._spare):
             if buf.shape[0] >= rows:
                 return self._spare.pop(i)[:rows]
-        return torch.empty((rows, self.bytes_per_block), dtype=torch.uint8)
+        return torch.empty((rows, self.record_bytes), dtype=torch.uint8)
 
     def _spare_buffer(self, buffer: torch.Tensor) -> None:
         """Keep a written batch's buffer (its rows are no longer pending: committed, or deleted and replaced) for
@@ -232,25 +294,27 @@ class DiskTier(KVTier):
                 self._cond.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                batch, buffer = self._queue.popleft()
+                batch = self._queue.popleft()
                 self._busy = True
             try:
-                records = [(key, entry.row, entry.crc, entry) for key, entry in batch]  # (None: checksummed as written)
+                if batch.crcs is None:  # (releasing the GIL: this is the writer thread, beside the engine's)
+                    batch.crcs = np.array(crc_rows(batch.payloads.numpy(), release_gil=True), dtype=np.uint32)
+                encode_headers(batch.records, self.digest, batch.keys, self.bytes_per_block, batch.crcs)
                 with self._append_lock:
                     self._recreate_if_gone()
-                    self._append(records, self._commit_pending, enforce_cap=True)
+                    self._append(batch.keys, batch.records, batch.crcs.tolist(), batch.entries, self._commit_pending,
+                                 enforce_cap=True)
             except Exception as err:  # a dead disk must not kill the writer; the blocks are lost
                 with self._lock:
-                    self._stats.errors += len(batch)
-                    self._background_errors.append(f"{self.name} tier: writing {len(batch)} blocks to "
+                    self._stats.errors += len(batch.keys)
+                    self._background_errors.append(f"{self.name} tier: writing {len(batch.keys)} blocks to "
                                                    f"{self.directory} failed: {err}")
-                    for key, entry in batch:
-                        if self._pending.get(key) is entry:
-                            del self._pending[key]
+                    self._commit_pending(batch.keys, batch.entries)  # (forgets them)
             finally:
                 with self._cond:
-                    self._queued_bytes -= len(batch) * self.record_bytes
-                    self._spare_buffer(buffer)
+                    self._queued_bytes -= len(batch.keys) * self.record_bytes
+                    self._spare_buffer(batch.records)
+                    batch.entries = []  # (none is pending now; and no cycle keeps the batch's buffer alive)
                     self._busy = False
                     self._cond.notify_all()
 
@@ -269,82 +333,96 @@ class DiskTier(KVTier):
             self._background_errors.append(f"{self.name} tier: {self.directory} disappeared; made it again, and the "
                                            f"{lost} blocks stored there are gone")
 
-    def _commit_pending(self, key: bytes, token: object) -> bool:
-        if self._pending.get(key) is not token:
-            return False  # deleted while queued
-        del self._pending[key]
-        return True
+    def _commit_pending(self, keys: list[bytes], entries: list[tuple[_Batch, int]]) -> list[bool]:
+        """Which of a written batch's keys are still queued as its own (the others were deleted, or deleted and
+        queued again, meanwhile); those leave the pending map. Called with the lock held."""
+        pending = self._pending
+        mine = list(map(operator.is_, map(pending.get, keys), entries))
+        for key, ours in zip(keys, mine):
+            if ours:
+                del pending[key]
+        return mine
 
     def _append(
         self,
-        records: list[tuple[bytes, torch.Tensor, int, object]],
-        commit: Callable[[bytes, object], bool],
+        keys: list[bytes],
+        records: torch.Tensor,
+        crcs: list[int],
+        tokens: list,
+        owned: Callable[[list[bytes], list], list[bool]],
         enforce_cap: bool,
     ) -> None:
-        """Write (key, payload, crc, token) records at the end; index each one `commit` accepts.
+        """Write ``records: [n, record_bytes]`` (headers filled) at the end, one pwrite per segment they land in;
+        index each key that `owned(keys, tokens)` (asked under the lock, after the write) still claims.
 
         Called with `_append_lock` held. Layout decisions (segment roll, eviction) are made
-        under the tier lock; the pwritev itself is not, so reads go on during writes.
+        under the tier lock; the pwrite itself is not, so reads go on during writes.
         """
+        flat = records.numpy()
         i = 0
-        while i < len(records):
+        while i < len(keys):
             with self._lock:
                 seg = self._active
                 if seg is None or seg.size + self.record_bytes > self.segment_bytes:
                     seg = self._roll()
-                take = min(len(records) - i, (self.segment_bytes - seg.size) // self.record_bytes, _IOV_MAX // 2)
+                take = min(len(keys) - i, (self.segment_bytes - seg.size) // self.record_bytes)
                 if enforce_cap:
                     self._evict_for(take * self.record_bytes)
                 start = seg.size
                 seg.size += take * self.record_bytes  # reserve: a concurrent read never sees a half record
-            chunk = records[i : i + take]
-            crcs = self._write_records(seg, start, chunk)
+                self._unsynced.add(seg)
+            self._write_at(seg, start, flat[i : i + take])
             with self._lock:
-                for j, ((key, _, _, token), crc) in enumerate(zip(chunk, crcs)):
-                    offset = start + j * self.record_bytes
-                    if commit(key, token):
-                        old = self._index.get(key)
-                        if old is not None:
-                            self._kill(key, old, mark=False)
-                        self._index[key] = _Loc(seg, offset, crc)
-                        seg.keys.add(key)
-                    else:
-                        seg.dead_bytes += self.record_bytes
-                        seg.mark_dead(offset)
+                self._index_written(seg, start, keys[i : i + take], crcs[i : i + take],
+                                    owned(keys[i : i + take], tokens[i : i + take]))
             i += take
 
-    def _write_records(self, seg: Segment, start: int, records: list[tuple[bytes, torch.Tensor, int | None, object]]
-                       ) -> list[int]:
-        """pwritev `records` at `start` of `seg` in pieces of up to `WRITE_PIECE` bytes, each checksummed (where its
-        CRC is None) just before it is written; a large batch's pieces go out in parallel (queue depth > 1).
-        Returns each record's CRC32C."""
-        per = max(1, WRITE_PIECE // self.record_bytes)
+    def _write_at(self, seg: Segment, start: int, records: np.ndarray) -> None:
+        """Write contiguous `records` at `start` of `seg`: one call (a large one in pieces side by side where there
+        are row threads: queue depth > 1)."""
+        data = memoryview(records.reshape(-1))
 
-        def write(first: int) -> list[int]:
-            part = records[first : first + per]
-            # (releasing the GIL: this is the writer thread, beside the engine's)
-            crcs = [crc32c.crc32c(payload.numpy(), gil_release_mode=1) if crc is None else crc
-                    for _, payload, crc, _ in part]
-            buffers: list = []
-            for (key, payload, _, _), crc in zip(part, crcs):
-                buffers += (encode_header(self.digest, key, self.bytes_per_block, crc), payload.numpy())
-            written = os.pwritev(seg.fd, buffers, start + first * self.record_bytes)
-            if written != len(part) * self.record_bytes:
-                raise TierError(f"{self.name} tier: short write to {seg.path} ({written} bytes)")
-            return crcs
+        def write(first: int, end: int) -> None:
+            while first < end:  # (a short write continues; a full disk or a file size limit raises)
+                written = os.pwritev(seg.fd, [data[first:end]], start + first)
+                if written <= 0:
+                    raise TierError(f"{self.name} tier: short write to {seg.path} ({first} bytes)")
+                first += written
 
-        firsts = range(0, len(records), per)
-        if parallel(self.bytes_per_block, len(records) * self.bytes_per_block):
-            done = list(move_pool().map(write, firsts))
+        total = len(data)
+        if parallel(self.bytes_per_block, total):
+            piece = max(self.record_bytes, WRITE_PIECE // self.record_bytes * self.record_bytes)
+            list(move_pool().map(lambda first: write(first, min(total, first + piece)), range(0, total, piece)))
         else:
-            done = [write(first) for first in firsts]
-        return [crc for part in done for crc in part]
+            write(0, total)
+
+    def _index_written(self, seg: Segment, start: int, keys: list[bytes], crcs: list[int], owned: list[bool]
+                       ) -> None:
+        """Index the records just written at `start` of `seg` whose keys are `owned`; the others are dead bytes
+        (marked on disk). Called with the lock held."""
+        offsets = range(start, start + len(keys) * self.record_bytes, self.record_bytes)
+        index = self._index
+        if all(owned) and not any(map(index.__contains__, keys)):  # (the usual batch: no Python per record)
+            index.update(zip(keys, map(_new_loc, repeat(_Loc), zip(repeat(seg), offsets, crcs))))
+            seg.keys.update(keys)
+            return
+        for key, offset, crc, ours in zip(keys, offsets, crcs, owned):
+            if ours:
+                old = index.get(key)
+                if old is not None:
+                    self._kill(key, old, mark=False)
+                index[key] = _Loc(seg, offset, crc)
+                seg.keys.add(key)
+            else:
+                seg.dead_bytes += self.record_bytes
+                seg.mark_dead(offset)
 
     def _roll(self) -> Segment:
         seg = Segment.create(self.directory, self._next_id)
         self._next_id += 1
         self._segments[seg.id] = seg
         self._active = seg
+        self._directory_changed = True
         return seg
 
     def _evict_for(self, incoming: int) -> None:
@@ -366,7 +444,15 @@ class DiskTier(KVTier):
         del self._segments[seg.id]
         seg.doomed = True
         seg.path.unlink(missing_ok=True)
+        self._unsynced.discard(seg)
+        self._directory_changed = True
         if seg.readers == 0:
+            seg.close()
+
+    def _release(self, seg: Segment) -> None:
+        """A read (or sync) of `seg` is done: close a dropped segment's fd after its last one. Under the lock."""
+        seg.readers -= 1
+        if seg.doomed and seg.readers == 0:
             seg.close()
 
     def _kill(self, key: bytes, loc: _Loc, mark: bool) -> None:
@@ -377,127 +463,72 @@ class DiskTier(KVTier):
         loc.segment.dead_bytes += self.record_bytes
         if mark and not loc.segment.doomed:
             loc.segment.mark_dead(loc.offset)
+            self._unsynced.add(loc.segment)
 
     # -- reads ---------------------------------------------------------------------------------
 
     def _load(self, keys: list[bytes], out: torch.Tensor, prefix: bool) -> list[bool]:
-        found = [False] * len(keys)
-        reads: list[tuple[int, bytes, _Loc]] = []
+        n = len(keys)
+        found = np.zeros(n, dtype=bool)
         with self._lock:
-            for row, key in enumerate(keys):
-                entry = self._pending.get(key)
-                if entry is not None:  # still queued: our own copy, in memory
-                    out[row].copy_(entry.row)
-                    found[row] = True
-                    continue
-                loc = self._index.get(key)
-                if loc is None:
-                    if prefix:
-                        break
-                    continue
-                loc.segment.readers += 1  # keeps the fd open if the segment is dropped meanwhile
-                reads.append((row, key, loc))
-        bad: list[tuple[bytes, _Loc, bool]] = []  # (key, loc, is_io_error)
-        stop = len(keys)
-        for row, key, loc, ok, io_error in self._read_records(reads, out):
-            found[row] = ok
-            if not ok:
-                bad.append((key, loc, io_error))
-                if prefix:
-                    stop = min(stop, row)
+            locs = list(map(self._index.get, keys))
+            if self._pending:  # still queued: our own copy, in memory (read under the lock: the buffer is reused
+                # once written)
+                queued = list(map(self._pending.get, keys))
+                stop = next((row for row in range(n) if queued[row] is None and locs[row] is None), n) if prefix else n
+                self._copy_queued(queued[:stop], out, found)
+                reads = [row for row in range(stop) if queued[row] is None and locs[row] is not None]
+                locs = [locs[row] for row in reads]
+            else:
+                stop = locs.index(None) if prefix and None in locs else n
+                if stop == n and None not in locs:
+                    reads = list(range(n))
+                else:
+                    reads = [row for row in range(stop) if locs[row] is not None]
+                    locs = [locs[row] for row in reads]
+            segments = set(map(operator.itemgetter(0), locs))
+            for seg in segments:
+                seg.readers += 1  # keeps the fd open if the segment is dropped meanwhile
+        rows = np.asarray(reads, dtype=np.int64)
+        try:
+            kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
+            ok, io_error = read_batch(locs, rows, out, kernel, self.bytes_per_block)
+        finally:
+            with self._lock:
+                for seg in segments:
+                    self._release(seg)
+        found[rows[ok]] = True
+        bad = np.flatnonzero(~ok)
+        if len(bad):
+            self._forget_bad([keys[reads[j]] for j in bad], [locs[j] for j in bad], io_error[bad].tolist())
+        if prefix and not found[:stop].all():
+            stop = int(np.argmin(found[:stop]))
+        found[stop:] = False
+        return found.tolist()
+
+    def _copy_queued(self, queued: list[tuple[_Batch, int] | None], out: torch.Tensor, found: np.ndarray) -> None:
+        """``out[row]`` = each queued block's row of its batch buffer, batch by batch. Called with the lock held."""
+        by_batch: dict[_Batch, tuple[list[int], list[int]]] = {}
+        for row, entry in enumerate(queued):
+            if entry is not None:
+                rows, sources = by_batch.setdefault(entry[0], ([], []))
+                rows.append(row)
+                sources.append(entry[1])
+        out_np = out.numpy()
+        for batch, (rows, sources) in by_batch.items():
+            out_np[rows] = batch.payloads.numpy()[sources]
+            found[rows] = True
+
+    def _forget_bad(self, keys: list[bytes], locs: list[_Loc], io_errors: list[bool]) -> None:
+        """Count and drop records that read back corrupt (or could not be read)."""
         with self._lock:
-            for _, _, loc in reads:
-                seg = loc.segment
-                seg.readers -= 1
-                if seg.doomed and seg.readers == 0:
-                    seg.close()
-            for key, loc, io_error in bad:
+            for key, loc, io_error in zip(keys, locs, io_errors):
                 if io_error:
                     self._stats.errors += 1
                 else:
                     self._stats.checksum_failures += 1
                 if self._index.get(key) is loc:
                     self._kill(key, loc, mark=True)
-        if prefix:
-            found[stop:] = [False] * (len(keys) - stop)
-        return found
-
-    def _read_records(self, reads: list[tuple[int, bytes, _Loc]], out: torch.Tensor
-                      ) -> list[tuple[int, bytes, _Loc, bool, bool]]:
-        """Read (row, key, loc) payloads into ``out[row]`` and verify them: (row, key, loc, ok, io_error) each.
-
-        Records next to each other in one segment, for consecutive rows, are read with one preadv (the headers
-        between the payloads land in a scratch buffer), ~1 MiB at a time and checksummed right after, while in
-        cache; a large read's pieces run in parallel (queue depth > 1)."""
-        out_np = out.numpy()
-        kernel = fused_kernel() if out.stride(1) == 1 and ONE_PASS_READS else None
-        # (a mapped group has no cache to stay in: larger groups, fewer mappings)
-        per = max(1, (MAP_GROUP if kernel is not None else CACHE_CHUNK) // self.record_bytes)
-        groups: list[list[tuple[int, bytes, _Loc]]] = []
-        for read in reads:
-            last = groups[-1][-1] if groups else None
-            if (last is not None and len(groups[-1]) < per and read[0] == last[0] + 1
-                    and read[2].segment is last[2].segment and read[2].offset == last[2].offset + self.record_bytes):
-                groups[-1].append(read)
-            else:
-                groups.append([read])
-
-        # a large read streams its stores (into rows not in cache) even where each group is under the kernel's
-        # own threshold
-        stream = 1 if kernel is not None and len(reads) * self.bytes_per_block >= kernel.copy_stream_min_bytes() else 0
-
-        def read_group(group: list[tuple[int, bytes, _Loc]]) -> list[tuple[int, bytes, _Loc, bool, bool]]:
-            if kernel is not None:
-                return self._read_group_fused(kernel, group, out, stream)
-            first, n = group[0][0], len(group)
-            scratch = bytearray(HEADER.size)
-            buffers: list = []
-            for j in range(n):
-                buffers += ([scratch] if j else []) + [out_np[first + j]]
-            try:
-                got = os.preadv(group[0][2].segment.fd, buffers, group[0][2].offset + HEADER.size)
-            except OSError:
-                return [(row, key, loc, False, True) for row, key, loc in group]
-            whole = (got + HEADER.size) // self.record_bytes  # records read to their end (a short read stops early)
-            crcs = crc_rows(out_np[first : first + min(whole, n)], release_gil=True)  # (a loader thread, mostly)
-            return [(row, key, loc, j < whole and crcs[j] == loc.crc, False) for j, (row, key, loc) in enumerate(group)]
-
-        if parallel(self.bytes_per_block, len(reads) * self.bytes_per_block) and len(groups) > 1:
-            done = list(move_pool().map(read_group, groups))
-        else:
-            done = [read_group(group) for group in groups]
-        return [result for part in done for result in part]
-
-    def _read_group_fused(self, kernel: ModuleType, group: list[tuple[int, bytes, _Loc]], out: torch.Tensor,
-                          stream: int) -> list[tuple[int, bytes, _Loc, bool, bool]]:
-        """`_read_records` of one group in one pass: the records' span of the segment is mapped (the page cache's
-        own pages, no copy) and the kernel copies each payload into ``out``'s rows and checksums it in the same
-        pass (`copy_rows_crc32c`). Only what the file holds is mapped: a record past its end reads as short."""
-        first, n, loc0 = group[0][0], len(group), group[0][2]
-        bpb, record = self.bytes_per_block, self.record_bytes
-        start = loc0.offset + HEADER.size  # the first payload; payload j starts j records later
-        try:
-            size = os.fstat(loc0.segment.fd).st_size
-            whole = max(0, min(n, (size - start + HEADER.size) // record))  # records the file holds to their end
-            if whole == 0:
-                return [(row, key, loc, False, False) for row, key, loc in group]
-            base = start - start % mmap.ALLOCATIONGRANULARITY
-            span = start - base + (whole - 1) * record + bpb
-            mapped = mmap.mmap(loc0.segment.fd, span, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                               offset=base)
-        except OSError:
-            return [(row, key, loc, False, True) for row, key, loc in group]
-        try:
-            with warnings.catch_warnings():  # (torch warns that the read-only mapping is shared; it is only read)
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
-            rows = flat.as_strided((whole, bpb), (record, 1), start - base)
-            crcs = kernel.copy_rows_crc32c(out[first : first + whole], rows, torch.tensor([[0, 0, whole]]),
-                                           stream).tolist()
-            del flat, rows
-        finally:
-            mapped.close()
-        return [(row, key, loc, j < whole and crcs[j] == loc.crc, False) for j, (row, key, loc) in enumerate(group)]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = self._check_keys(keys)
@@ -540,18 +571,33 @@ class DiskTier(KVTier):
                     if seg.doomed:
                         continue
                     live = [(key, self._index[key]) for key in seg.keys]
-                keys = [key for key, _ in live]
-                rows = torch.empty((len(keys), self.bytes_per_block), dtype=torch.uint8)
-                found = self._load(keys, rows, prefix=False) if keys else []
-                records = [(key, rows[i], loc.crc, loc) for i, (key, loc) in enumerate(live) if found[i]]
-                self._append(records, lambda key, loc: self._index.get(key) is loc, enforce_cap=False)
+                moved = self._move_live(live)
                 with self._lock:
                     if not seg.doomed:
                         reclaimed += seg.size
                         self._stats.evictions += len(seg.keys)  # deleted while being copied: gone anyway
                         self._drop_segment(seg)
-                        reclaimed -= len(records) * self.record_bytes
+                        reclaimed -= moved * self.record_bytes
         return reclaimed
+
+    def _move_live(self, live: list[tuple[bytes, _Loc]]) -> int:
+        """Append the records `live` (key, where it is) again at the end; those still live when written are indexed
+        there. Returns how many were read back whole. Called with `_append_lock` held."""
+        if not live:
+            return 0
+        keys = [key for key, _ in live]
+        records = torch.empty((len(keys), self.record_bytes), dtype=torch.uint8)
+        found = np.array(self._load(keys, records[:, HEADER.size :], prefix=False), dtype=bool)
+        kept = np.flatnonzero(found).tolist()
+        if len(kept) != len(keys):
+            records = records[torch.from_numpy(found)]
+            live = [live[i] for i in kept]
+            keys = [key for key, _ in live]
+        crcs = [loc.crc for _, loc in live]
+        encode_headers(records, self.digest, keys, self.bytes_per_block, np.array(crcs, dtype=np.uint32))
+        self._append(keys, records, crcs, [loc for _, loc in live],
+                     lambda keys, locs: list(map(operator.is_, map(self._index.get, keys), locs)), enforce_cap=False)
+        return len(keys)
 
     def _refresh_stats(self) -> None:
         total = sum(seg.size for seg in self._segments.values())

@@ -190,6 +190,44 @@ def crc_runs(array: torch.Tensor, runs: list[tuple[int, int]]) -> list[int]:
 Gather = Callable[[list[int], torch.Tensor], None]
 
 
+class ChunkGather:
+    """A `Gather` whose batch rows are each made of equal chunks of one source: row i is the source's rows
+    ``index[i]`` end to end (a layer-major KV pool's block is its 2 x num_layers (layer, K/V) chunks,
+    `KVPool.block_chunks`). Called, it copies (`copy`: the plain gather); `gather_crc` also checksums each row in
+    the same pass where the one-pass kernel loads: a CRC32C per chunk as it is copied, then the row's from those
+    (`crc_concat`), so the gathered bytes are never read again.
+
+    `source`: ``[R, chunk_bytes]`` uint8 CPU (each row contiguous); `index`: ``[n, k]`` int64 source rows."""
+
+    def __init__(self, source: torch.Tensor, index: np.ndarray, copy: Gather) -> None:
+        self.source, self.index, self.copy = source, index, copy
+
+    def __call__(self, rows: list[int], out: torch.Tensor) -> None:
+        self.copy(rows, out)
+
+    def gather_crc(self, rows: Sequence[int], out: torch.Tensor) -> np.ndarray | None:
+        """``out[j] = row rows[j]`` and the CRC32C of each (uint32 ``[len(rows)]``) in one pass; None, copying
+        nothing, where the kernel does not load. `out`: ``[len(rows), k * chunk_bytes]`` uint8 CPU whose rows are
+        contiguous (any row stride: a record's payload after its header)."""
+        from sage_infer.kv_runtime.tiers.crc_concat import concat_crcs
+
+        kernel = fused_kernel()
+        if kernel is None or out.stride(1) != 1 or not len(rows):
+            return None
+        index = self.index if len(rows) == len(self.index) and consecutive(rows) and rows[0] == 0 else (
+            self.index[np.asarray(rows, dtype=np.int64)])
+        m, k = index.shape
+        chunk = self.source.shape[1]
+        # out's chunk (j, p) starts p * chunk bytes into row j: one destination "row" per byte offset, so the
+        # kernel can address chunks whatever out's row stride
+        at = (np.arange(m, dtype=np.int64)[:, None] * out.stride(0) + np.arange(k, dtype=np.int64) * chunk)
+        span = (m - 1) * out.stride(0) + k * chunk
+        dst = out.as_strided((span - chunk + 1, chunk), (1, 1))
+        runs = np.stack((at.reshape(-1), index.reshape(-1), np.ones(m * k, dtype=np.int64)), axis=1)
+        crcs = kernel.copy_rows_crc32c(dst, self.source, torch.from_numpy(runs)).numpy()
+        return concat_crcs(crcs.astype(np.uint32).reshape(m, k), chunk)
+
+
 def tensor_gather(blocks: torch.Tensor) -> Gather:
     """A `Gather` over the rows of a ``[n, bytes_per_block]`` uint8 tensor: one copy per run of rows."""
 

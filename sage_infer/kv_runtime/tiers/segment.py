@@ -26,17 +26,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c
+import numpy as np
+import torch
+
+from sage_infer.kv_runtime.tiers.rows import crc_rows, fused_kernel
 
 MAGIC_LIVE = b"SKV1"
 MAGIC_DEAD = b"SKV0"
 VERSION = 1
 HEADER = struct.Struct("<4sHH16s32sQII")
+# the same header as a numpy record, to fill a batch's headers at once
+HEADER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("header_size", "<u2"), ("digest", "S16"),
+                         ("key", "S32"), ("length", "<u8"), ("crc", "<u4"), ("header_crc", "<u4")])
 SUFFIX = ".seg"
 
 
 def encode_header(digest: bytes, key: bytes, length: int, payload_crc: int) -> bytes:
     body = struct.pack("<HH16s32sQI", VERSION, HEADER.size, digest, key, length, payload_crc)
     return MAGIC_LIVE + body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def encode_headers(records: torch.Tensor, digest: bytes, keys: list[bytes], length: int,
+                   payload_crcs: np.ndarray) -> None:
+    """`encode_header` of every record of a batch at once, into the first `HEADER.size` bytes of each row of
+    ``records: [n, >= HEADER.size]`` uint8 (rows contiguous): numpy fills the fields, and the header CRC32Cs are
+    one kernel call for the batch where the one-pass kernel loads (else `crc32c` per row)."""
+    n = len(keys)
+    heads = records[:, : HEADER.size].numpy().view(HEADER_DTYPE)[:, 0]
+    heads["magic"] = MAGIC_LIVE
+    heads["version"] = VERSION
+    heads["header_size"] = HEADER.size
+    heads["digest"] = digest
+    heads["key"] = np.frombuffer(b"".join(keys), dtype="S32", count=n)
+    heads["length"] = length
+    heads["crc"] = payload_crcs
+    body = records[:, 4 : HEADER.size - 4]  # what the header CRC covers (not the magic, so a delete keeps it)
+    kernel = fused_kernel()
+    if kernel is not None:
+        scratch = torch.empty(body.shape, dtype=torch.uint8)
+        heads["header_crc"] = kernel.copy_rows_crc32c(scratch, body, torch.tensor([[0, 0, n]])).numpy()
+    else:
+        heads["header_crc"] = crc_rows(body.numpy())
 
 
 @dataclass(slots=True)
