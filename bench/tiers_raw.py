@@ -16,9 +16,20 @@ pwritev / preadv in ~1 MiB pieces at queue depth 1 and at the tier's thread coun
 batch in one call, "per block" ops one call per block (what batching saves). Raw disk I/O modes (O_DIRECT,
 cold reads) are compared in `bench/tiers_io.py`. Prints tables and writes JSON, with the load average.
 
+The disk tier's puts are measured on a tier that keeps running, each repeat a batch of new keys (so it reuses
+its written batches' buffers, as a serving tier does, and appends to its segments); the raw write peers append the
+same bytes to a file too ("pwritev rewriting a truncated file": the old peer, which got the pages its truncation
+freed back warm). "put + flush" and its peer stop at the page cache; "put + flush(sync)" is the durable write (the
+tier's fdatasync of the segments it wrote, and of the directory when it made a segment) against pwritev +
+fdatasync of the same bytes.
+
 `--paths new,old`: each block size runs once per path, alternating, so a loaded machine slows both alike: "new"
 is the default data path (the CRC32C method the kernel chose, one-pass disk reads), "old" the crc32 instruction
 and the two-pass disk read (preadv, then the CRC).
+
+`--baseline DIR`: each block size runs in a fresh process of this code ("new") and one importing `sage_infer`
+from DIR ("base": another checkout, e.g. ``git worktree add /tmp/base <commit>``), alternating, so two versions
+of the tiers compare side by side in one run.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,18 +73,35 @@ def best_seconds(fn, repeats: int, setup=None) -> float:
     return best
 
 
-def fresh_disks(schema: KVCacheSchema, directory: Path, total: int):
-    """A one-item list holding the current disk tier, and a function that closes it and opens a fresh one in a new
-    directory (so every repeat of a put writes the same bytes)."""
-    tiers: list[DiskTier] = []
+def key_stream(n: int, block_size: int, tag: str):
+    """A function returning a new chain of `n` keys at each call (a put of new blocks every repeat)."""
+    calls = [0]
 
-    def fresh_disk() -> None:
-        for old in tiers:
-            old.close()
-            shutil.rmtree(old.directory)
-        tiers[:] = [DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * total, max_pending_bytes=2 * total)]
+    def next_keys() -> list[bytes]:
+        calls[0] += 1
+        extra = make_extra_key("m", f"{tag}/{calls[0]}", "bf16")
+        return hash_token_blocks(list(range(n * block_size)), block_size, extra)
 
-    return tiers, fresh_disk
+    return next_keys
+
+
+def disk_puts(tier: DiskTier, blocks: torch.Tensor, gather, repeats: int, sync: bool = False) -> float:
+    """Best seconds of put (or put_gather of `gather()`) + flush of `blocks` on a running `tier`, new keys each
+    repeat (made untimed)."""
+    next_keys = key_stream(blocks.shape[0], tier.schema.block_size, f"{id(tier)}/{gather is None}/{sync}")
+    keys: list[bytes] = []
+
+    def new_keys() -> None:
+        keys[:] = next_keys()
+
+    def put() -> None:
+        if gather is None:
+            tier.put(keys, blocks)
+        else:
+            tier.put_gather(keys, gather())
+        tier.flush(sync=sync)
+
+    return best_seconds(put, repeats, setup=new_keys)
 
 
 def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> list[dict]:
@@ -93,8 +123,9 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     fd = os.open(raw, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     data = blocks.numpy()
     out_np = out.numpy()
-    write_s = best_seconds(lambda: [os.pwrite(fd, data[i], i * bpb) for i in range(n)], repeats,
-                           setup=lambda: os.ftruncate(fd, 0))
+    end = [0]  # (appending, as the disk tier does)
+    write_s = best_seconds(lambda: [os.pwrite(fd, data[i], end[0] + i * bpb) for i in range(n)], repeats,
+                           setup=lambda: end.__setitem__(0, os.fstat(fd).st_size))
     read_s = best_seconds(lambda: [os.preadv(fd, [out_np[i]], i * bpb) for i in range(n)], repeats)
     os.close(fd)
     raw.unlink()
@@ -121,30 +152,33 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     row("host", "get", best_seconds(lambda: host.get(keys), repeats), "torch copy", memcpy_s)
     host.close()
 
-    # disk tier: a fresh directory for each put so every repeat writes the same bytes
-    tiers, fresh_disk = fresh_disks(schema, directory, total)
-
-    row("disk", "put (queued)", best_seconds(lambda: tiers[0].put(keys, blocks), repeats, setup=fresh_disk),
+    # disk tier: one running tier, a batch of new keys every repeat
+    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), (2 * repeats + 4) * (total + n * 72),
+                    max_pending_bytes=2 * total)
+    next_keys = key_stream(n, schema.block_size, "measure")
+    fresh: list[bytes] = []
+    row("disk", "put (queued)", best_seconds(lambda: disk.put(fresh, blocks), repeats,
+                                             setup=lambda: (disk.flush(), fresh.__setitem__(slice(None), next_keys()))),
         "raw pwrite", write_s)
-    row("disk", "put + flush", best_seconds(lambda: (tiers[0].put(keys, blocks), tiers[0].flush()), repeats,
-                                            setup=fresh_disk), "raw pwrite", write_s)
-    row("disk", "get_prefix(out=)", best_seconds(lambda: tiers[0].get_prefix(keys, out=out), repeats),
+    row("disk", "put + flush", disk_puts(disk, blocks, None, repeats), "raw pwrite", write_s)
+    disk.put(keys, blocks)
+    disk.flush()
+    row("disk", "get_prefix(out=)", best_seconds(lambda: disk.get_prefix(keys, out=out), repeats),
         "raw preadv", read_s)
     assert torch.equal(out, blocks)
-    fresh_disk()
-    tiers[0].close()
-    shutil.rmtree(tiers[0].directory)
+    disk.close()
+    shutil.rmtree(disk.directory)
     return rows
 
 
-def raw_io(fd: int, data: np.ndarray, write: bool, depth: int) -> None:
-    """pwritev / preadv of `data` ([n, row] uint8) in ~1 MiB pieces at `fd` offset 0, `depth` at a time."""
+def raw_io(fd: int, data: np.ndarray, write: bool, depth: int, at: int = 0) -> None:
+    """pwritev / preadv of `data` ([n, row] uint8) in ~1 MiB pieces at `fd` offset `at`, `depth` at a time."""
     per = max(1, CACHE_CHUNK // data.shape[1])
     starts = range(0, data.shape[0], per)
 
     def piece(first: int) -> None:
         rows = list(data[first : first + per])
-        (os.pwritev if write else os.preadv)(fd, rows, first * data.shape[1])
+        (os.pwritev if write else os.preadv)(fd, rows, at + first * data.shape[1])
 
     if depth == 1:
         for first in starts:
@@ -153,8 +187,18 @@ def raw_io(fd: int, data: np.ndarray, write: bool, depth: int) -> None:
         list(move_pool().map(piece, starts))
 
 
-def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool) -> list[dict]:
-    """Every tier op on `batch_bytes` in blocks of `kib` KiB, against the fastest raw peer of the same bytes."""
+def raw_append(fd: int, data: np.ndarray, depth: int, sync: bool = False) -> None:
+    """`raw_io` writing `data` at the end of the file (as a log-structured store appends), then fdatasync if
+    `sync`."""
+    raw_io(fd, data, True, depth, at=os.fstat(fd).st_size)
+    if sync:
+        os.fdatasync(fd)
+
+
+def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool,
+              tiers: tuple[str, ...] = ("host", "disk")) -> list[dict]:
+    """Every op of `tiers` on `batch_bytes` in blocks of `kib` KiB, against the fastest raw peer of the same
+    bytes."""
     schema = KVCacheSchema(num_layers=max(1, kib // 16), num_kv_heads=4, head_dim=64, block_size=16)
     bpb = schema.bytes_per_block
     n = max(1, batch_bytes // bpb)
@@ -177,12 +221,29 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
     gather_s = best(lambda: pool.read_blocks(ids, out=out.view(pool.dtype).view(n, *pool.block_shape)))
     fd = os.open(directory / "raw.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     depths = sorted({1, tier_rows.MOVE_THREADS})
-    write_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), lambda: os.ftruncate(fd, 0)) for d in depths)
+    # the write peers append, as the disk tier does (a file truncated before each repeat gets the pages its
+    # truncation freed back, warm: faster than any append; the "rewrite" row shows by how much)
+    write_s = min(best(lambda d=d: raw_append(fd, blocks.numpy(), d)) for d in depths)
+    sync_s = min(best(lambda d=d: raw_append(fd, blocks.numpy(), d, sync=True)) for d in depths)
+    rewrite_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), lambda: os.ftruncate(fd, 0)) for d in depths)
     raw_io(fd, blocks.numpy(), True, 1)
     read_s = min(best(lambda d=d: raw_io(fd, out.numpy(), False, d)) for d in depths)
     os.close(fd)
     row("-", "crc32c", best(lambda: crc_runs(blocks, [(0, n)])), "raw copy", copy_s)
+    row("-", "pwritev rewriting a truncated file", rewrite_s, "raw pwritev", write_s)
 
+    if "host" in tiers:
+        host_ops(schema, keys, blocks, out, pool, ids, best, row, per_block, copy_s, gather_s)
+    if "disk" in tiers:
+        disk_ops(schema, keys, blocks, out, pool, ids, best, row, per_block, repeats, directory, write_s, sync_s,
+                 read_s)
+    return rows
+
+
+def host_ops(schema, keys, blocks, out, pool, ids, best, row, per_block: bool, copy_s: float, gather_s: float
+             ) -> None:
+    """The host tier's rows of `sweep_one`."""
+    total = blocks.numel()
     host = HostTier(schema, total)
     reset = lambda: (host.drain(), host.delete(keys))  # noqa: E731
     row("host", "put", best(lambda: host.put(keys, blocks), reset), "raw copy", copy_s)
@@ -202,49 +263,68 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
                                                     for i, k in enumerate(keys)]), "raw copy", copy_s)
     host.close()
 
-    tiers, fresh_disk = fresh_disks(schema, directory, total)
 
-    row("disk", "put + flush", best(lambda: (tiers[0].put(keys, blocks), tiers[0].flush()), fresh_disk),
+def disk_ops(schema, keys, blocks, out, pool, ids, best, row, per_block: bool, repeats: int, directory: Path,
+             write_s: float, sync_s: float, read_s: float) -> None:
+    """The disk tier's rows of `sweep_one`."""
+    n, total = blocks.shape[0], blocks.numel()
+    # a running tier: room for every repeat's new keys, so nothing is evicted while timed
+    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), (4 * repeats + 8) * (total + n * 72),
+                    max_pending_bytes=2 * total)
+    row("disk", "put + flush", disk_puts(disk, blocks, None, repeats), "raw pwritev", write_s)
+    row("disk", "demote: put_gather + flush", disk_puts(disk, blocks, lambda: pool_gather(pool, ids), repeats),
         "raw pwritev", write_s)
-    row("disk", "demote: put_gather + flush", best(lambda: (tiers[0].put_gather(keys, pool_gather(pool, ids)),
-                                                            tiers[0].flush()), fresh_disk), "raw pwritev", write_s)
-    row("disk", "get_prefix(out=)", best(lambda: tiers[0].get_prefix(keys, out=out)), "raw preadv", read_s)
+    row("disk", "put + flush(sync)", disk_puts(disk, blocks, None, repeats, sync=True), "pwritev+fdatasync", sync_s)
+    disk.put(keys, blocks)
+    disk.flush()
+    row("disk", "get_prefix(out=)", best(lambda: disk.get_prefix(keys, out=out)), "raw preadv", read_s)
     assert torch.equal(out, blocks)
     if per_block:
-        row("disk", "get, per block", best(lambda: [tiers[0].get_prefix([k], out=out[i : i + 1])
+        row("disk", "get, per block", best(lambda: [disk.get_prefix([k], out=out[i : i + 1])
                                                     for i, k in enumerate(keys)]), "raw preadv", read_s)
-    fresh_disk()
-    tiers[0].close()
-    shutil.rmtree(tiers[0].directory)
-    return rows
+    disk.close()
+    shutil.rmtree(disk.directory)
 
 
-def sweep_path(path: str, kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool) -> list[dict]:
+def sweep_path(path: str, kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool,
+               tiers: tuple[str, ...] = ("host", "disk")) -> list[dict]:
     """`sweep_one` on the "new" data path (the defaults) or the "old" one (crc32 instruction, two-pass disk reads),
     each row tagged with its path and CRC method."""
     if path not in ("new", "old"):
         raise SystemExit(f"--paths: 'new' or 'old', not {path!r}")
     method = kv_codec_kernel.crc_method()
     if path == "new" or method is None:
-        done = sweep_one(kib, batch_bytes, repeats, directory, per_block)
+        done = sweep_one(kib, batch_bytes, repeats, directory, per_block, tiers)
     else:
         tier_disk.ONE_PASS_READS = False
         try:
             with kv_codec_kernel.crc_method_forced("crc32"):
                 method = "crc32"
-                done = sweep_one(kib, batch_bytes, repeats, directory, per_block)
+                done = sweep_one(kib, batch_bytes, repeats, directory, per_block, tiers)
         finally:
             tier_disk.ONE_PASS_READS = True
     return [{**r, "path": path, "crc": method or "package"} for r in done]
 
 
+def child_sweep(root: Path, label: str, kib: int, threads: int, args: argparse.Namespace, directory: Path
+                ) -> list[dict]:
+    """The sweep of one block size in a fresh process importing `sage_infer` from `root`, rows tagged `label`."""
+    out = directory / f"child-{label}-{kib}.json"
+    command = [sys.executable, __file__, "--sweep-kib", str(kib), "--threads", str(threads), "--paths", "new",
+               "--tiers", args.tiers, "--batch-mib", str(args.batch_mib), "--repeats", str(args.repeats),
+               "--dir", str(directory), "--json", str(out), *(["--per-block"] if args.per_block else [])]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return [{**r, "path": label} for r in json.loads(out.read_text())["sweep"]["results"]]
+
+
 def print_rows(rows: list[dict], with_block: bool) -> None:
-    head = f"{'tier':<5} {'op':<29} {'GB/s':>6}  {'peer':<11} {'peer GB/s':>9} {'ratio':>6}"
+    head = f"{'tier':<5} {'op':<29} {'GB/s':>6}  {'peer':<17} {'peer GB/s':>9} {'ratio':>6}"
     print(f"{'KiB':>5} {'path':<4} " * with_block + head)
     for r in rows:
         print((f"{r['block_kib']:>5} {r['path']:<4} " if with_block else "")
               + f"{r['tier']:<5} {r['op']:<29} {r['gb_s']:>6.2f}  "
-              f"{r['peer']:<11} {r['peer_gb_s']:>9.2f} {r['ratio_to_peer']:>6.2f}")
+              f"{r['peer']:<17} {r['peer_gb_s']:>9.2f} {r['ratio_to_peer']:>6.2f}")
 
 
 def main() -> None:
@@ -253,6 +333,10 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=16, help="sweep: bytes per batch, the same at every size")
     parser.add_argument("--per-block", action="store_true", help="sweep: also one call per block")
     parser.add_argument("--paths", default="new", help="sweep: data paths to alternate, 'new' and/or 'old'")
+    parser.add_argument("--tiers", default="host,disk", help="sweep: the tiers whose ops run")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="sweep: a checkout of sage_infer to compare with, block size by block size, alternating "
+                             "fresh processes (rows 'base' and 'new')")
     parser.add_argument("--threads", default=f"{tier_rows.MOVE_THREADS},2",
                         help="sweep: row-moving threads to try, each a pass (default: this machine's default, and 2)")
     parser.add_argument("--layers", type=int, default=32)
@@ -280,12 +364,20 @@ def main() -> None:
         report["sweep"] = {"batch_mib": args.batch_mib, "results": []}
         for threads in dict.fromkeys(int(t) for t in args.threads.split(",")) if sizes else ():
             set_move_threads(threads)
-            done = [r for kib in sizes for path in args.paths.split(",")
-                    for r in sweep_path(path.strip(), kib, args.batch_mib << 20, args.repeats, directory,
-                                        args.per_block)]
+            done = []
+            for i, kib in enumerate(sizes):
+                if args.baseline is not None:  # alternating which goes first, so a drift in load hits both alike
+                    sides = [(Path(__file__).resolve().parents[1], "new"), (args.baseline.resolve(), "base")]
+                    for root, label in sides[:: 1 if i % 2 == 0 else -1]:
+                        done += child_sweep(root, label, kib, threads, args, directory)
+                    continue
+                for path in args.paths.split(","):
+                    done += sweep_path(path.strip(), kib, args.batch_mib << 20, args.repeats, directory,
+                                       args.per_block, tuple(args.tiers.split(",")))
             report["sweep"]["results"] += done
             print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads, "
-                  f"CRC32C by {kv_codec_kernel.crc_method() or 'the crc32c package'} (new), crc32 (old)")
+                  f"CRC32C by {kv_codec_kernel.crc_method() or 'the crc32c package'}"
+                  + ("" if args.baseline else " (new), crc32 (old)"))
             print_rows(done, True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
