@@ -479,8 +479,8 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool, ki
     if choice == "off":
         return False
     if kinds:
-        why = ("the model's sliding-window, soft-capped or sinks layers attend through PyTorch, not captured in a "
-               "graph yet")
+        why = ("capturing the kernels of sliding-window, soft-capped or sinks layers in a graph is not built yet "
+               "(they run without graphs)")
     elif moe:
         why = "a mixture-of-experts layer sizes its expert products from the step's routing (shapes a graph cannot fix)"
     elif device.type != "cuda" or torch.version.cuda is None:
