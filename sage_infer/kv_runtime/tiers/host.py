@@ -10,7 +10,8 @@ Eviction is LRU by last access (put or hit). Within one batch, later keys count 
 so a chain of blocks loses its tail before its head (the head is what every load needs).
 
 Where the KV codec's C++ kernel loads, a `put` of a batch copies and checksums its blocks in one
-pass (`rows.copy_runs`: each byte loaded once). Elsewhere the checksums of a large `put` (4 MiB
+pass (`rows.copy_runs`: each byte loaded once), and so does a `put_gather` from the KV pool
+(`rows.ChunkGather`). Elsewhere the checksums of a large `put` (4 MiB
 or more) are taken off the caller's thread: the put is one memcpy per run of slots, and a checksum
 thread takes each new slot's CRC32C from the slab right after (`drain` waits for it); a small put
 checksums each ~1 MiB run as it copies it, while it is in cache, which is faster than handing it
@@ -34,7 +35,15 @@ import torch
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.pinned import pin_host_memory, pin_status
-from sage_infer.kv_runtime.tiers.rows import Gather, copy_runs, crc_runs, fused_kernel, runs_of, tensor_gather
+from sage_infer.kv_runtime.tiers.rows import (
+    ChunkGather,
+    Gather,
+    copy_runs,
+    crc_runs,
+    fused_kernel,
+    runs_of,
+    tensor_gather,
+)
 from sage_infer.transport.arena import SharedArena
 
 # below this much per put, copy + checksum in cache beats handing the checksums to the thread; above it the
@@ -98,12 +107,17 @@ class HostTier(KVTier):
             slots = self._take_slots(len(new_keys))
             runs = slot_runs(slots)
             consecutive = blocks is not None and all(new_rows[s + n - 1] - new_rows[s] == n - 1 for _, s, n in runs)
+            one_pass = fused_kernel() is not None and (consecutive or isinstance(gather, ChunkGather))
             inline = (self._checksummer is None or len(slots) * self.bytes_per_block < self.background_min_bytes
-                      or (consecutive and fused_kernel() is not None))  # one pass: nothing left for the thread
+                      or one_pass)  # one pass: nothing left for the thread
             if consecutive:
                 # rows consecutive on both sides: copy (and checksum) piece by piece, on threads when large
                 crcs = copy_runs(self.slab, blocks, [(d, new_rows[s], n) for d, s, n in runs],
                                  crc_of="dst" if inline else None)
+            elif inline and isinstance(gather, ChunkGather) and fused_kernel() is not None:
+                # gathered from the pool and checksummed in the same pass: the slab rows are not read again
+                crcs = [crc for d, s, n in runs
+                        for crc in gather.gather_crc(new_rows[s : s + n], self.slab[d : d + n]).tolist()]
             else:
                 for d, s, n in runs:
                     gather(new_rows[s : s + n], self.slab[d : d + n])
