@@ -24,11 +24,13 @@ read are cold in the caches, as in a real decode; a step's 8 x 9.4 MB per layer 
 plain read's. `--profile 1,8`: torch.profiler over the MoE blocks at those row counts, the top ops by self CPU time.
 
 The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (all
-active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for steps of up to
-`GROUPED_KERNEL_ROWS` pairs per expert) and `per-expert` (one product per active expert, two kernel calls each).
+active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for every step, except packed bf16
+experts at the levels without bf16 dot products, where only steps of up to `GROUPED_KERNEL_ROWS` pairs per expert
+take it) and `per-expert` (one product per active expert, two kernel calls each).
 The decode step and `--profile` run on the first path of `--experts`.
-`--batches 1,8,32,128`: both paths on a decode step of that many rows (random routing, the kernel forced at any
-count), taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by).
+`--batches 1,8,32,128`: both paths on a step of that many rows (random routing, the kernel forced at any count),
+taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by); a
+batch of 512 rows is a prefill chunk's step (32 pairs per expert on Qwen3-30B-A3B's 128 experts, top 8).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The grouped-experts kernel (csrc/moe_experts.cpp: all active experts of a decode step in one call) against the
+"""The grouped-experts kernel (csrc/moe_experts.cpp: all active experts of a step in one call) against the
 reference grouped loop (`run_grouped` over PyTorch products on the stacked weights), at every ISA level, on each
-layout it reads: the stacked weights (bf16, fp32), each expert's plain linears, and oneDNN's packed bf16 weights."""
+layout it reads: the stacked weights (bf16, fp32), each expert's plain linears, and oneDNN's packed bf16 weights;
+decode-sized steps (a few rows per expert) and prefill-sized ones (tens of rows per expert); gpt-oss's experts
+(biases, clamped SwiGLU) against their PyTorch products."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
 from sage_infer.layers.linear import pack_linears, packing_unavailable
 from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
-from sage_infer.layers.moe_grouped import GroupedExpertWeights
+from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, GroupedExpertWeights
+from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
 
@@ -69,7 +72,8 @@ def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, i
     kernel = experts.grouped_kernel()
     assert isinstance(kernel, GroupedExpertWeights), kernel
     assert kernel.packed == (layout == "packed")
-    for tokens, seed in ((1, 0), (5, 1), (9, 2)):
+    experts.kernel_rows = 1 << 20  # the kernel at any rows per expert, whatever the level's default
+    for tokens, seed in ((1, 0), (5, 1), (9, 2), (47, 4)):  # 47 tokens: tens of rows per expert (a prefill chunk)
         weights, ids = routing(tokens, seed)
         groups = group_by_expert(ids, E)
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -79,7 +83,7 @@ def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, i
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
-def test_every_active_expert_runs_in_one_call_and_large_steps_keep_per_expert_products(monkeypatch):
+def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
     experts = make_experts(torch.float32, 40)
     calls = []
     real = cpu_kernels.moe_experts
@@ -89,14 +93,25 @@ def test_every_active_expert_runs_in_one_call_and_large_steps_keep_per_expert_pr
         return real(rows, spans, *args)
 
     monkeypatch.setattr(cpu_kernels, "moe_experts", counting)
-    weights, ids = routing(6, 3)
-    groups = group_by_expert(ids, E)
     with torch.no_grad():
-        experts(torch.randn(6, H), weights, groups, FUSED_OPS)
-        assert calls == [[list(span) for span in groups.spans]]  # one call, every active expert's span
-        experts.kernel_rows = max(groups.counts) - 1  # an expert with more rows than the kernel takes
-        experts(torch.randn(6, H), weights, groups, FUSED_OPS)
-    assert len(calls) == 1
+        for tokens in (6, 40):  # a decode step and a prefill chunk (up to 40 pairs on an expert)
+            weights, ids = routing(tokens, 3)
+            groups = group_by_expert(ids, E)
+            experts(torch.randn(tokens, H), weights, groups, FUSED_OPS)
+            assert calls[-1] == [list(span) for span in groups.spans]  # one call, every active expert's span
+        assert max(groups.counts) > GROUPED_KERNEL_ROWS and len(calls) == 2
+        experts.kernel_rows = max(groups.counts) - 1  # an expert with more rows than the kernel is let take
+        experts(torch.randn(40, H), weights, groups, FUSED_OPS)
+    assert len(calls) == 2
+
+
+def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster():
+    """Plain weights: any step; packed bf16: decode steps only, unless the kernels sum bf16 pairs natively."""
+    plain = make_experts(torch.bfloat16, 40).grouped_kernel()
+    assert plain.max_rows() is None
+    packed = GroupedExpertWeights(True, torch.bfloat16, 40, plain.gate_up, plain.down, [])
+    native = cpu_kernels.moe_experts_native_bf16()
+    assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)
 
 
 @pytest.mark.skipif(cpu_kernels.small_linear_unavailable() is not None, reason="needs small_linear (AVX512-BF16)")
@@ -119,3 +134,33 @@ def test_spans_outside_the_experts_or_rows_are_refused():
     for spans in ([(E, 0, 3)], [(0, 0, 4)], [(1, 2, 2)]):
         with pytest.raises(RuntimeError, match="outside"):
             kernel(rows, spans)
+
+
+def make_clamped(dtype: torch.dtype, inter: int = 24) -> ClampedSwigluExperts:
+    torch.manual_seed(1)
+    experts = ClampedSwigluExperts(E, H, inter, alpha=1.702, limit=1.5).requires_grad_(False)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, 0.3)
+    return experts.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_on_the_grouped_kernel_equal_their_pytorch_products(cpu_isa, dtype):
+    """Biases and the clamped SwiGLU (gate and up interleaved; limit 1.5 so that both clamps bite) as kernel options,
+    on the checkpoint's [E, H, 2I] weights stored transposed: the same parameters' values, the same outputs."""
+    experts = make_clamped(dtype)
+    want_experts = make_clamped(dtype)
+    kernel = experts.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights) and kernel.clamped == (1.702, 1.5), kernel
+    assert torch.equal(experts.gate_up_proj, want_experts.gate_up_proj)
+    assert experts.gate_up_proj.transpose(1, 2).is_contiguous()
+    assert experts.grouped_kernel() is kernel  # found once
+    for tokens, seed in ((1, 0), (6, 1), (40, 2)):
+        weights, ids = routing(tokens, seed)
+        groups = group_by_expert(ids, E)
+        x = (2 * torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))).to(dtype)
+        with torch.no_grad():
+            got = experts(x, weights.to(dtype), groups, FUSED_OPS)
+            want = want_experts(x, weights.to(dtype), groups)  # the torch ops: one PyTorch product per expert
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])

@@ -24,7 +24,7 @@ widened as it is read (csrc/flash_avx2.cpp). `flash_kernel` names the one in use
 
 And `small_linear`: the bf16 products of a decode step's few rows, on the weights oneDNN packed for
 `PackedLinear`, read in place (csrc/small_linear.cpp; `model.decode_linear`). `moe_experts`: all active experts
-of a mixture-of-experts decode step in one call (csrc/moe_experts.cpp). `decode_layers`: those
+of a mixture-of-experts step in one call (csrc/moe_experts.cpp). `decode_layers`: those
 kernels, the fused ops and the paged kernel chained over all decoder layers of a decode step in one
 call (csrc/decode_step.cpp; `model.decode_step`).
 """
@@ -205,13 +205,37 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[torch.Tensor | None],
                   bf16: list[torch.Tensor | None], tensors: list[torch.Tensor], qk_norms: list[torch.Tensor],
                   kv_scales: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                  qk_eps: float, scale: float):
+                  qk_eps: float, scale: float, ff_norms: list[torch.Tensor] = (), layout: list[int] = (),
+                  softcaps: list[float] = (), sinks: list[torch.Tensor | None] = ()):
     """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
-    `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
-    cos, signed_sin, slots, block_tables, context_lens, shared_block_ids or None, flash)`` returns the
-    final-normed hidden states (`LlamaForCausalLM.forward` calls it)."""
-    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, num_heads,
-                                  num_kv_heads, head_dim, eps, qk_eps, scale)
+    `LlamaForCausalLM.prepare_decode_step` and `GemmaForCausalLM.prepare_decode_step`, which say what goes in the
+    lists; `ff_norms` non-empty: Gemma's layers, every norm its fp32 (1 + w); `layout`: (KV group, window, local
+    rope) per layer; `softcaps`, `sinks`: per layer, each layer's attention kind). Its ``run(h, residual, cos,
+    signed_sin, local_cos or None, local_sin or None, slots, block_tables, context_lens, shared_block_ids or None,
+    flash)``, with slots, block_tables and context_lens lists of one tensor per KV group, returns the
+    final-normed hidden states (`sage_infer.engine.steps.cpp_decode` calls it)."""
+    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, list(ff_norms),
+                                  list(layout), list(softcaps), list(sinks), num_heads, num_kv_heads, head_dim, eps,
+                                  qk_eps, scale)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of x: [N, H] (rows may be strided) by `scale`, the fp32 ``1 + weight`` [H], in fp32 and
+    rounded once to x's dtype -> a new [N, H] (csrc/decode_step.cpp; the reference is `GemmaRMSNorm`)."""
+    return _module().gemma_rms_norm(x, scale, eps)
+
+
+def gemma_norm_heads_(x: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    """In place on x: [T, heads, D] (a view with contiguous heads): each head's `gemma_rms_norm` over D (Gemma 3's
+    q/k norms)."""
+    _module().gemma_norm_heads_(x, scale, eps)
+
+
+def gemma_add_rms_norms_(a: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, after: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """A Gemma sublayer's end: ``residual += gemma_rms_norm(a, post)`` in place (contiguous [N, H], the sum rounded
+    to its dtype as PyTorch's add), then ``gemma_rms_norm(residual, after)`` as a new [N, H]."""
+    return _module().gemma_add_rms_norms_(a, residual, post, after, eps)
 
 
 def quantize_store_int8_(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
@@ -227,14 +251,27 @@ def moe_experts_unavailable() -> str | None:
     return kernel_unavailable()
 
 
+def moe_experts_native_bf16() -> bool:
+    """Whether `moe_experts` sums packed bf16 with bf16 dot products (the AVX512-BF16 build), as oneDNN's own
+    products do; the other builds widen each pair to fp32 first (half the rate of multiply-adds)."""
+    return _module().isa() == "avx512_bf16"
+
+
 def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                intermediate: int, packed: bool) -> torch.Tensor:
+                intermediate: int, packed: bool, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, clamped: tuple[float, float] | None = None) -> torch.Tensor:
     """rows: [P, H] bf16 or fp32 (contiguous), a step's (token, expert) rows sorted by expert; spans: [A, 3] int64,
     (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, the address of each expert's
     [2I, H] and [H, I] weight, in small_linear's packed bf16 layout (`packed`) or plain row-major in the rows'
-    dtype -> [P, H]: ``down(silu(gate) * up)`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps
-    the weights alive (`sage_infer.layers.moe_grouped`)."""
-    return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed)
+    dtype; gate_up_bias [E, 2I], down_bias [E, H] (rows' dtype) where the experts have biases; `clamped`: (alpha,
+    limit) of gpt-oss's clamped SwiGLU (gate and up interleaved) in place of SiLU(gate) * up -> [P, H]:
+    ``down(act(gate_up))`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps the weights alive
+    (`sage_infer.layers.moe_grouped`)."""
+    none = torch.empty(0, dtype=rows.dtype)
+    alpha, limit = clamped if clamped is not None else (0.0, 0.0)
+    return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed,
+                              none if gate_up_bias is None else gate_up_bias, none if down_bias is None else down_bias,
+                              clamped is not None, alpha, limit)
 
 
 _MOE_OPS: dict[str, object] = {}

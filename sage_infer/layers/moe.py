@@ -11,10 +11,12 @@ product over its rows; the rows, scaled by their routing weights, are summed bac
 order (what transformers computes, pair for pair). This is the reference and the oracle: a faster path is
 checked against it.
 
-A step whose every active expert has at most `GROUPED_KERNEL_ROWS` pairs (a decode step) runs all its experts in
-one kernel call instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up product in one
-parallel region, every down product in one more, rather than two regions per expert), with the fused elementwise
-ops (`model.elementwise`); the routing weights and the sum over a token's experts stay `run_grouped`'s.
+On a CPU, with the fused elementwise ops (`model.elementwise`), a step runs all its experts in one kernel call
+instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up product in one parallel region, every
+down product in one more, rather than two regions per expert; an expert's many rows of a prefill chunk multiplied as
+one small GEMM), up to the pairs per expert the weights' layout allows (`GroupedExpertWeights.max_rows`: packed bf16
+experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps); the
+routing weights and the sum over a token's experts stay `run_grouped`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe_grouped import GroupedExpertWeights
+from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, GroupedExpertWeights
 
-# the most pairs an expert may have in a step that runs all experts in one kernel call (bench/moe_decode.py --rows
-# measures both paths at 1-64 pairs per expert; docs/models.md)
-GROUPED_KERNEL_ROWS = 16
+__all__ = ["GROUPED_KERNEL_ROWS", "ExpertGroups", "FusedExperts", "SparseMoeBlock", "group_by_expert", "route",
+           "run_grouped", "use_grouped_kernel"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +132,9 @@ class FusedExperts(nn.Module):
         self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                                           hidden_size))
         self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # steps whose experts have at most this many pairs each run on the grouped kernel (0: never)
-        self.kernel_rows = GROUPED_KERNEL_ROWS
+        # steps whose experts have at most this many pairs each run on the grouped kernel (0: never; None: as
+        # many as the weights' layout allows, `GroupedExpertWeights.max_rows`)
+        self.kernel_rows: int | None = None
         self._grouped: tuple[object, GroupedExpertWeights | str] | None = None  # (the weights, kernel or why not)
 
     def split_linears(self) -> int:
@@ -172,10 +174,8 @@ class FusedExperts(nn.Module):
 
             if (out := cuda_experts(self, x, weights, groups)) is not None:
                 return out
-        if ops.name != "torch" and x.device.type == "cpu" and 0 < max(groups.counts) <= self.kernel_rows:
-            kernel = self.grouped_kernel()
-            if isinstance(kernel, GroupedExpertWeights) and kernel.dtype == x.dtype:
-                return run_grouped(x, weights, groups, None, kernel)
+        if use_grouped_kernel(self, x, groups, ops):
+            return run_grouped(x, weights, groups, None, self.grouped_kernel())
         return run_grouped(x, weights, groups, lambda e, rows: self.expert(e, rows, ops))
 
     def grouped_kernel(self) -> GroupedExpertWeights | str:
@@ -191,6 +191,17 @@ class FusedExperts(nn.Module):
         only it reads, and a copy in each layout would double the experts' memory."""
         return (self.gate_up_proj is not None and self.gate_up_proj.dtype == torch.float32
                 and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
+
+
+def use_grouped_kernel(experts: nn.Module, x: torch.Tensor, groups: ExpertGroups, ops: TorchOps) -> bool:
+    """Whether `experts` (with `kernel_rows` and `grouped_kernel()`) run this step in one grouped kernel call."""
+    if ops.name == "torch" or x.device.type != "cpu" or experts.kernel_rows == 0 or not groups.spans:
+        return False
+    kernel = experts.grouped_kernel()
+    if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != x.dtype:
+        return False
+    limit = experts.kernel_rows if experts.kernel_rows is not None else kernel.max_rows()
+    return limit is None or max(groups.counts) <= limit
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

@@ -1,6 +1,6 @@
-"""All active experts of a decode step in one kernel call (csrc/moe_experts.cpp, `cpu_kernels.moe_experts`): the
-step's gate/up products in one parallel region, SiLU(gate) * up, its down products in one more, over the expert
-weights where they already are (no copy).
+"""All active experts of a step in one kernel call (csrc/moe_experts.cpp, `cpu_kernels.moe_experts`): the step's
+gate/up products in one parallel region, SiLU(gate) * up (gpt-oss: its clamped SwiGLU, with the experts' biases),
+its down products in one more, over the expert weights where they already are (no copy).
 
 `GroupedExpertWeights.of(experts)` finds those weights and their layout, once per set of weights:
 
@@ -10,8 +10,16 @@ weights where they already are (no copy).
 - ``plain``: the stacked [E, 2I, H] / [E, H, I] weights (bf16 or fp32), an expert's plain `nn.Linear` pair, or the
   bf16 weight a `PackedLinear` keeps where oneDNN cannot pack bf16.
 
+`GroupedExpertWeights.of_clamped(experts)` does so for gpt-oss's `ClampedSwigluExperts`: their stacked [E, H, 2I] /
+[E, I, H] weights are stored transposed once ([E, 2I, H] / [E, H, I] in memory, the same parameters and values), so
+each expert's weight is a plain [N, K] matrix, and their biases go with them.
+
 Anything else (quantized experts, separate gate and up, row-tiled linears, fp32 packed by oneDNN in its own
-layout, biases) gets a reason instead, and the experts keep their per-expert products.
+layout, biases on packed linears) gets a reason instead, and the experts keep their per-expert products.
+
+How many rows per expert a step may have (`max_rows`): any, except for packed bf16 experts where the kernels in use
+widen bf16 to fp32 (the AVX2 and AVX-512 builds): there oneDNN's bf16 dot products multiply many rows faster, so a
+step with more than `GROUPED_KERNEL_ROWS` pairs on an expert (a prefill chunk) keeps one oneDNN product per expert.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from sage_infer.layers.linear import PackedLinear
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows, column pairs padded to 16
+# the most pairs an expert may have in a step the kernel runs where oneDNN's bf16 products are the faster compute
+# (bench/moe_decode.py --batches measures both paths; docs/models.md)
+GROUPED_KERNEL_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -39,11 +50,40 @@ class GroupedExpertWeights:
     gate_up: torch.Tensor = field(repr=False)  # [E] int64 addresses
     down: torch.Tensor = field(repr=False)  # [E] int64 addresses
     holders: list = field(repr=False)
+    gate_up_bias: torch.Tensor | None = field(default=None, repr=False)  # [E, 2I]
+    down_bias: torch.Tensor | None = field(default=None, repr=False)  # [E, H]
+    clamped: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit)
 
     def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """rows [P, H] sorted by expert, the (expert, start, end) spans -> each row's expert output [P, H]."""
         return cpu_kernels.moe_experts(rows, torch.tensor(spans, dtype=torch.long), self.gate_up, self.down,
-                                       self.intermediate, self.packed)
+                                       self.intermediate, self.packed, self.gate_up_bias, self.down_bias, self.clamped)
+
+    def max_rows(self) -> int | None:
+        """The most pairs per expert of a step the kernel should take (None: any)."""
+        return GROUPED_KERNEL_ROWS if self.packed and not cpu_kernels.moe_experts_native_bf16() else None
+
+    @staticmethod
+    def of_clamped(experts: nn.Module) -> GroupedExpertWeights | str:
+        """The grouped weights of gpt-oss's `ClampedSwigluExperts` (its weights stored transposed on first use),
+        or why the kernel cannot run them."""
+        why = cpu_kernels.moe_experts_unavailable()
+        if why is not None:
+            return why
+        params = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
+        if any(p.device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.dtype != params[0].dtype for p in params):
+            return "the expert weights are not bf16 or fp32 tensors (one dtype) on the CPU"
+        with torch.no_grad():
+            for param in params[:2]:  # [E, K, N] as the checkpoint has it -> each expert's [N, K] contiguous
+                if not param.transpose(1, 2).is_contiguous():
+                    param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+        weights = _stacked(experts.gate_up_proj.detach().transpose(1, 2), experts.down_proj.detach().transpose(1, 2),
+                           experts.gate_up_proj.shape[2] // 2)
+        if isinstance(weights, GroupedExpertWeights):
+            weights.gate_up_bias = experts.gate_up_proj_bias.detach().contiguous()
+            weights.down_bias = experts.down_proj_bias.detach().contiguous()
+            weights.clamped = (float(experts.alpha), float(experts.limit))
+        return weights
 
     @staticmethod
     def of(experts: nn.Module) -> GroupedExpertWeights | str:

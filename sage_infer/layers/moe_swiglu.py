@@ -6,8 +6,11 @@ and up interleaved (gate the even columns, up the odd ones); ``g = gate.clamp(ma
 ``u = up.clamp(-limit, limit)``; ``out = ((u + 1) * g * sigmoid(alpha * g)) @ down_proj[e] + down_proj_bias[e]``.
 
 The weights keep the checkpoint's layout and names (``mlp.router.weight`` / ``.bias``, ``mlp.experts.gate_up_proj``
-[E, H, 2I], ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]) and run as PyTorch
-products on the stacked weights (no packed or quantized expert kernel takes the clamped SwiGLU).
+[E, H, 2I], ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]). On a CPU with the
+fused elementwise ops (`model.elementwise`) a step's experts run in one call of the grouped-experts kernel
+(`sage_infer.layers.moe_grouped`: the biases and the clamped SwiGLU are its options; the weights are stored
+transposed on first use, the same values); otherwise, and as the reference, one PyTorch product per active expert on
+the stacked weights.
 
 Shapes: T = tokens of the step, H = hidden size, E = experts, K = experts per token, I = an expert's width.
 """
@@ -18,7 +21,8 @@ import torch
 from torch import nn
 
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe import ExpertGroups, group_by_expert, run_grouped
+from sage_infer.layers.moe import ExpertGroups, group_by_expert, run_grouped, use_grouped_kernel
+from sage_infer.layers.moe_grouped import GroupedExpertWeights
 
 
 class ClampedSwigluExperts(nn.Module):
@@ -31,6 +35,8 @@ class ClampedSwigluExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.kernel_rows: int | None = None  # as `FusedExperts.kernel_rows`
+        self._grouped: tuple[int, GroupedExpertWeights | str] | None = None  # (the weights' address, kernel or why)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` over rows x [N, H] -> [N, H]."""
@@ -40,7 +46,8 @@ class ClampedSwigluExperts(nn.Module):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
+                ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: each token's experts'
         outputs times their weights, cast to x's dtype, added in expert order (as transformers adds them)."""
         if x.device.type == "cuda":  # the Triton grouped experts (their clamped SwiGLU and biases)
@@ -48,7 +55,16 @@ class ClampedSwigluExperts(nn.Module):
 
             if (out := cuda_experts(self, x, weights, groups)) is not None:
                 return out
+        if use_grouped_kernel(self, x, groups, ops):
+            return run_grouped(x, weights, groups, None, self.grouped_kernel())
         return run_grouped(x, weights, groups, self.expert)
+
+    def grouped_kernel(self) -> GroupedExpertWeights | str:
+        """The experts as the grouped kernel reads them, or why it cannot (found again if the weights change)."""
+        if self._grouped is None or self._grouped[0] != self.gate_up_proj.data_ptr():
+            kernel = GroupedExpertWeights.of_clamped(self)  # may store the weights anew
+            self._grouped = (self.gate_up_proj.data_ptr(), kernel)
+        return self._grouped[1]
 
 
 class TopKSoftmaxMoeBlock(nn.Module):
@@ -70,10 +86,10 @@ class TopKSoftmaxMoeBlock(nn.Module):
         return 0
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        """x [T, H] (the layer's normed input) -> [T, H]. `ops` is unused: the clamped SwiGLU is PyTorch's."""
+        """x [T, H] (the layer's normed input) -> [T, H]; `ops` decides whether the grouped kernel runs."""
         logits = self.router(x)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
         groups = group_by_expert(ids, len(self.expert_tokens))
         self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, groups.counts)]
-        return self.experts(x, weights, groups)
+        return self.experts(x, weights, groups, ops)

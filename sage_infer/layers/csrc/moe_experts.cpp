@@ -1,19 +1,24 @@
-// The experts of a mixture-of-experts layer for the few rows of a decode step, all active experts at once:
-// every gate/up product of the step in one parallel region, SiLU(gate) * up, then every down product in one
-// more region (sage_infer/layers/moe.py, `FusedExperts`). Per-expert products (two kernel calls each, a
-// parallel region each) open ~34 regions per token in a Qwen3-30B-A3B layer pair; on a shared machine each
-// region waits for its slowest thread. Here the work items are (expert, block of 64 output rows), handed out
-// to the threads one at a time, so a descheduled thread holds up one item, not a fixed share of the step.
+// The experts of a mixture-of-experts layer for a step's rows, all active experts at once: every gate/up
+// product of the step in one parallel region, the activation, then every down product in one more region
+// (sage_infer/layers/moe.py, `FusedExperts`; gpt-oss's `ClampedSwigluExperts`). Per-expert products (two kernel
+// calls each, a parallel region each) open ~34 regions per token in a Qwen3-30B-A3B layer pair; on a shared machine
+// each region waits for its slowest thread. Here the work items are (expert, block of 64 output rows), handed out
+// to the threads one at a time, so a descheduled thread holds up one item, not a fixed share of the step. An
+// expert with many rows (a prefill chunk) multiplies them as a small GEMM: each row group of a block reuses the
+// block from the cache, so its weights are read from memory once per step.
 //
 // The weights are read where they are, through one address per expert (the caller keeps them alive):
 // - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/64)][ceil(K/32)*16][64][2], zero
 //   padded; csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
-//   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA;
+//   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA (AVX2:
+//   4 rows of 16 columns at a time where an expert has 4 rows or more, the same sums as one row at a time);
 // - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
 //   keeps where oneDNN cannot pack bf16), with AVX2 FMA, bf16 widened as it is read.
-// Sums are fp32; each product is rounded once to the rows' dtype, SiLU(gate) * up is computed as csrc/
-// fused_ops.cpp's silu_mul computes it, so only the fp32 summation order can differ from the per-expert path.
-// The routing weights and the sum of a token's K outputs stay with the caller (`run_grouped`).
+// Sums are fp32; each product is rounded once to the rows' dtype (with a bias: rounded, the bias added, rounded
+// again, as `x @ w + b` computes it); SiLU(gate) * up is computed as csrc/fused_ops.cpp's silu_mul computes it,
+// gpt-oss's clamped SwiGLU (gate and up interleaved) as PyTorch's ops round it step by step, so only the fp32
+// summation order can differ from the per-expert path. The routing weights and the sum of a token's K outputs
+// stay with the caller (`run_grouped`).
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
@@ -159,11 +164,81 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
 }
 #endif
 
-// block `blk` of a packed [n, k] weight times rows [0, m) of x (bf16 pairs, `pairs` apart) -> out[r * os + i]
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int64_t kStripRows = 4;  // rows per pass of the many-row kernel: 8 accumulators, 4 weights, 2 x
+// acc[g][lane] = x row g (fp32, `xs` apart, the columns' pairs as two floats) . row `lane` of one block, 16
+// lanes at a time: the same FMAs in the same order as packed_block<1> (the same bits whatever the rows)
+template <int G>
+void packed_strips(const uint16_t* w, const float* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int s = 0; s < 4; ++s) {
+    __m256 a[G][2];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    const uint16_t* line = w + 32 * s;
+    for (int64_t p = 0; p < pairs; ++p, line += kRows * 2) {
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(r0, high));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(r1, high));
+      for (int g = 0; g < G; ++g) {
+        const __m256 x0 = _mm256_broadcast_ss(x + g * xs + 2 * p), x1 = _mm256_broadcast_ss(x + g * xs + 2 * p + 1);
+        a[g][0] = _mm256_fmadd_ps(o0, x1, _mm256_fmadd_ps(e0, x0, a[g][0]));
+        a[g][1] = _mm256_fmadd_ps(o1, x1, _mm256_fmadd_ps(e1, x0, a[g][1]));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(acc[g] + 16 * s, a[g][0]);
+      _mm256_storeu_ps(acc[g] + 16 * s + 8, a[g][1]);
+    }
+  }
+}
+
+// rows [0, m) of x (bf16 pairs, `pairs` apart) widened to fp32, kStripRows at a time, times one block
+template <typename Store>
+void packed_strip_rows(const uint16_t* wb, int64_t pairs, const uint32_t* x, int64_t m, const Store& store) {
+  std::vector<float> xf(static_cast<size_t>(kStripRows * 2 * pairs));
+  alignas(64) float acc[kStripRows][kRows];
+  for (int64_t r = 0; r < m; r += kStripRows) {
+    const int64_t g = std::min<int64_t>(kStripRows, m - r);
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint32_t xp = x[(r + j) * pairs + p], lo = xp << 16, hi = xp & 0xFFFF0000u;
+        std::memcpy(&xf[j * 2 * pairs + 2 * p], &lo, 4);
+        std::memcpy(&xf[j * 2 * pairs + 2 * p + 1], &hi, 4);
+      }
+    switch (g) {
+      case 4: packed_strips<4>(wb, xf.data(), 2 * pairs, pairs, acc); break;
+      case 3: packed_strips<3>(wb, xf.data(), 2 * pairs, pairs, acc); break;
+      case 2: packed_strips<2>(wb, xf.data(), 2 * pairs, pairs, acc); break;
+      default: packed_strips<1>(wb, xf.data(), 2 * pairs, pairs, acc);
+    }
+    for (int64_t j = 0; j < g; ++j) store(r + j, acc[j]);
+  }
+}
+#endif
+
+// each product rounded to T, with a bias (nullptr: none) rounded, the bias added, rounded again (x @ w + b)
+template <typename T>
+inline T finish(float sum, const T* bias, int64_t i) {
+  return bias ? narrow<T>(round_to<T>(sum) + widen(bias[i])) : narrow<T>(sum);
+}
+
+// block `blk` of a packed [n, k] weight times rows [0, m) of x (bf16 pairs, `pairs` apart) -> out[r * os + i],
+// plus bias[i] where there is one
 void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pairs, const uint32_t* x, int64_t m,
-                    c10::BFloat16* out, int64_t os) {
+                    c10::BFloat16* out, int64_t os, const c10::BFloat16* bias) {
   const uint16_t* wb = weight + blk * pairs * kRows * 2;
-  const int64_t valid = std::min(kRows, n - blk * kRows);
+  const int64_t valid = std::min(kRows, n - blk * kRows), base = blk * kRows;
+  const c10::BFloat16* b = bias ? bias + base : nullptr;
+  auto store = [&](int64_t r, const float* sums) {
+    c10::BFloat16* o = out + r * os + base;
+    for (int64_t i = 0; i < valid; ++i) o[i] = finish(sums[i], b, i);
+  };
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (m >= kStripRows) return packed_strip_rows(wb, pairs, x, m, store);
+#endif
   alignas(64) float acc[kPackedGroup][kRows];
   for (int64_t r = 0; r < m; r += kPackedGroup) {
     const int64_t g = std::min<int64_t>(kPackedGroup, m - r);
@@ -180,10 +255,7 @@ void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pair
 #endif
       default: packed_block<1>(wb, xr, pairs, pairs, acc);
     }
-    for (int64_t j = 0; j < g; ++j) {
-      c10::BFloat16* o = out + (r + j) * os + blk * kRows;
-      for (int64_t i = 0; i < valid; ++i) o[i] = narrow<c10::BFloat16>(acc[j][i]);
-    }
+    for (int64_t j = 0; j < g; ++j) store(r + j, acc[j]);
   }
 }
 
@@ -227,9 +299,10 @@ inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
 }
 
 // rows [r0, r1) of a plain [n, k] weight times rows [0, m) of x (fp32 [m, k]) -> out[r * os + i], rounded to T
+// (plus bias[i] where there is one)
 template <typename T>
 void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const float* x, int64_t m, T* out,
-                   int64_t os) {
+                   int64_t os, const T* bias) {
   float sums[kPlainGroup];
   for (int64_t i = r0; i < r1; ++i) {
     const T* w = weight + i * k;
@@ -242,7 +315,7 @@ void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const flo
         case 2: plain_dots<2>(xr, w, k, sums); break;
         default: plain_dots<1>(xr, w, k, sums);
       }
-      for (int64_t j = 0; j < g; ++j) out[(r + j) * os + i] = narrow<T>(sums[j]);
+      for (int64_t j = 0; j < g; ++j) out[(r + j) * os + i] = finish(sums[j], bias, i);
     }
   }
 }
@@ -251,17 +324,46 @@ struct Span {
   int64_t expert, start, end;
 };
 
-// silu(gate) * up of [m, 2I] rows -> act [m, lda], as csrc/fused_ops.cpp's silu_mul computes it
+// what runs between the products: SiLU(gate) * up (gate the first I columns, up the last I), or gpt-oss's clamped
+// SwiGLU (gate and up interleaved: gate the even columns); biases [E, 2I] and [E, H] (nullptr: none)
+struct Experts {
+  const int64_t* gate_up;
+  const int64_t* down;
+  int64_t inter;
+  const void* gate_up_bias;
+  const void* down_bias;
+  bool clamped;
+  float alpha, limit;
+};
+
 template <typename T>
-void silu_mul_rows(const T* gate_up, int64_t m, int64_t inter, T* act, int64_t lda) {
+inline float silu_mul(float g, float u) { return round_to<T>(g / (1.f + std::exp(-g))) * u; }
+
+// (up + 1) * (gate * sigmoid(gate * alpha)), gate <= limit, |up| <= limit, each step rounded to T as PyTorch's
+// ops on T tensors round it
+template <typename T>
+inline float clamped_swiglu(float g, float u, float alpha, float limit) {
+  g = std::min(g, limit);
+  u = std::min(std::max(u, -limit), limit);
+  const float s = round_to<T>(1.f / (1.f + std::exp(-round_to<T>(g * alpha))));
+  return round_to<T>(u + 1.f) * round_to<T>(g * s);
+}
+
+// the activation of [m, 2I] rows -> act [m, lda]
+template <typename T>
+void activation_rows(const T* gate_up, int64_t m, const Experts& ex, T* act, int64_t lda) {
+  const int64_t inter = ex.inter;
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T *g = gate_up + r * 2 * inter, *u = g + inter;
+      const T* g = gate_up + r * 2 * inter;
       T* o = act + r * lda;
-      _Pragma("omp simd")
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = widen(g[i]);
-        o[i] = narrow<T>(round_to<T>(x / (1.f + std::exp(-x))) * widen(u[i]));
+      if (ex.clamped) {
+        for (int64_t i = 0; i < inter; ++i)
+          o[i] = narrow<T>(clamped_swiglu<T>(widen(g[2 * i]), widen(g[2 * i + 1]), ex.alpha, ex.limit));
+      } else {
+        const T* u = g + inter;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < inter; ++i) o[i] = narrow<T>(silu_mul<T>(widen(g[i]), widen(u[i])));
       }
     }
   };
@@ -269,10 +371,15 @@ void silu_mul_rows(const T* gate_up, int64_t m, int64_t inter, T* act, int64_t l
   else at::parallel_for(0, m, std::max<int64_t>(1, kSerialSilu / inter), rows);
 }
 
+template <typename T>
+inline const T* bias_of(const void* bias, int64_t expert, int64_t n) {
+  return bias ? static_cast<const T*>(bias) + expert * n : nullptr;
+}
+
 // the packed layout: gate_up, down: bf16 [P, H] rows, sorted by expert
-torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>& spans, const int64_t* gate_up,
-                             const int64_t* down, int64_t inter) {
-  const int64_t m = rows.size(0), h = rows.size(1), n1 = 2 * inter;
+torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>& spans, const Experts& ex) {
+  using B = c10::BFloat16;
+  const int64_t m = rows.size(0), h = rows.size(1), inter = ex.inter, n1 = 2 * inter;
   const int64_t pairs_h = padded_pairs(h), pairs_i = padded_pairs(inter);
   const int64_t blocks1 = num_blocks(n1), blocks2 = num_blocks(h), active = static_cast<int64_t>(spans.size());
   // the rows as column pairs, zero padded like the weights
@@ -280,29 +387,30 @@ torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>&
   const uint16_t* src = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * pairs_h, src + r * h, h * sizeof(uint16_t));
   auto gu = torch::empty({m, n1}, rows.options());
-  c10::BFloat16* gup = gu.data_ptr<c10::BFloat16>();
+  B* gup = gu.data_ptr<B>();
   run_items(active * blocks1, [&](int64_t item) {
     const Span& s = spans[item / blocks1];
-    packed_product(reinterpret_cast<const uint16_t*>(gate_up[s.expert]), item % blocks1, n1, pairs_h,
-                   xp.data() + s.start * pairs_h, s.end - s.start, gup + s.start * n1, n1);
+    packed_product(reinterpret_cast<const uint16_t*>(ex.gate_up[s.expert]), item % blocks1, n1, pairs_h,
+                   xp.data() + s.start * pairs_h, s.end - s.start, gup + s.start * n1, n1,
+                   bias_of<B>(ex.gate_up_bias, s.expert, n1));
   });
   std::vector<uint32_t> act(static_cast<size_t>(m * pairs_i), 0u);  // bf16 pairs, zero padded
-  silu_mul_rows(gup, m, inter, reinterpret_cast<c10::BFloat16*>(act.data()), 2 * pairs_i);
+  activation_rows(gup, m, ex, reinterpret_cast<B*>(act.data()), 2 * pairs_i);
   auto out = torch::empty({m, h}, rows.options());
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  B* op = out.data_ptr<B>();
   run_items(active * blocks2, [&](int64_t item) {
     const Span& s = spans[item / blocks2];
-    packed_product(reinterpret_cast<const uint16_t*>(down[s.expert]), item % blocks2, h, pairs_i,
-                   act.data() + s.start * pairs_i, s.end - s.start, op + s.start * h, h);
+    packed_product(reinterpret_cast<const uint16_t*>(ex.down[s.expert]), item % blocks2, h, pairs_i,
+                   act.data() + s.start * pairs_i, s.end - s.start, op + s.start * h, h,
+                   bias_of<B>(ex.down_bias, s.expert, h));
   });
   return out;
 }
 
 // the plain layout: gate_up [2I, H] and down [H, I] row-major T per expert; rows T [P, H]
 template <typename T>
-torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& spans, const int64_t* gate_up,
-                            const int64_t* down, int64_t inter) {
-  const int64_t m = rows.size(0), h = rows.size(1), n1 = 2 * inter;
+torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& spans, const Experts& ex) {
+  const int64_t m = rows.size(0), h = rows.size(1), inter = ex.inter, n1 = 2 * inter;
   const int64_t blocks1 = num_blocks(n1), blocks2 = num_blocks(h), active = static_cast<int64_t>(spans.size());
   const auto xf = rows.to(at::kFloat).contiguous();
   const float* x = xf.data_ptr<float>();
@@ -311,11 +419,11 @@ torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& 
   run_items(active * blocks1, [&](int64_t item) {
     const Span& s = spans[item / blocks1];
     const int64_t r0 = item % blocks1 * kRows;
-    plain_product(reinterpret_cast<const T*>(gate_up[s.expert]), r0, std::min(n1, r0 + kRows), h,
-                  x + s.start * h, s.end - s.start, gup + s.start * n1, n1);
+    plain_product(reinterpret_cast<const T*>(ex.gate_up[s.expert]), r0, std::min(n1, r0 + kRows), h,
+                  x + s.start * h, s.end - s.start, gup + s.start * n1, n1, bias_of<T>(ex.gate_up_bias, s.expert, n1));
   });
   auto act = torch::empty({m, inter}, rows.options());
-  silu_mul_rows(gup, m, inter, act.data_ptr<T>(), inter);
+  activation_rows(gup, m, ex, act.data_ptr<T>(), inter);
   const auto actf = act.to(at::kFloat).contiguous();
   const float* a = actf.data_ptr<float>();
   auto out = torch::empty({m, h}, rows.options());
@@ -323,31 +431,15 @@ torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& 
   run_items(active * blocks2, [&](int64_t item) {
     const Span& s = spans[item / blocks2];
     const int64_t r0 = item % blocks2 * kRows;
-    plain_product(reinterpret_cast<const T*>(down[s.expert]), r0, std::min(h, r0 + kRows), inter,
-                  a + s.start * inter, s.end - s.start, op + s.start * h, h);
+    plain_product(reinterpret_cast<const T*>(ex.down[s.expert]), r0, std::min(h, r0 + kRows), inter,
+                  a + s.start * inter, s.end - s.start, op + s.start * h, h, bias_of<T>(ex.down_bias, s.expert, h));
   });
   return out;
 }
 
-}  // namespace
-
-// rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
-// (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
-// ([2I, H] and [H, I], packed or plain as `packed` says); inter: I -> [P, H], each row's expert output
-// down(silu(gate) * up) in the rows' dtype
-torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
-                          int64_t inter, bool packed) {
-  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
-              "moe_experts: rows must be contiguous [P, H] on the CPU");
-  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
-              "moe_experts: rows must be bf16 (or fp32 with plain weights)");
+std::vector<Span> checked_spans(const torch::Tensor& spans, int64_t experts, int64_t m) {
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
               "moe_experts: spans must be contiguous [A, 3] int64");
-  TORCH_CHECK(gate_up.dim() == 1 && gate_up.scalar_type() == at::kLong && gate_up.is_contiguous() &&
-                  down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
-              "moe_experts: gate_up and down must be [E] int64 addresses");
-  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
-  const int64_t experts = gate_up.size(0), m = rows.size(0);
   const int64_t* sp = spans.data_ptr<int64_t>();
   std::vector<Span> list;
   for (int64_t a = 0; a < spans.size(0); ++a) {
@@ -357,12 +449,47 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
                 " experts or the ", m, " rows");
     list.push_back(s);
   }
-  const int64_t* gu = gate_up.data_ptr<int64_t>();
-  const int64_t* dn = down.data_ptr<int64_t>();
+  return list;
+}
+
+// a bias: empty (none) or contiguous [E, n] in the rows' dtype -> its address or nullptr
+const void* checked_bias(const torch::Tensor& bias, const torch::Tensor& rows, int64_t experts, int64_t n,
+                         const char* name) {
+  if (bias.numel() == 0) return nullptr;
+  TORCH_CHECK(bias.dim() == 2 && bias.size(0) == experts && bias.size(1) == n && bias.is_contiguous() &&
+                  bias.scalar_type() == rows.scalar_type() && bias.device().is_cpu(),
+              "moe_experts: ", name, " must be empty or contiguous [", experts, ", ", n, "] in the rows' dtype");
+  return bias.data_ptr();
+}
+
+}  // namespace
+
+// rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
+// (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
+// ([2I, H] and [H, I], packed or plain as `packed` says); inter: I; gate_up_bias, down_bias: empty or [E, 2I] and
+// [E, H] in the rows' dtype; clamped: gpt-oss's clamped SwiGLU with gate/up interleaved (alpha, limit) in place of
+// SiLU(gate) * up -> [P, H], each row's expert output down(act(gate_up)) in the rows' dtype
+torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
+                          int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
+                          bool clamped, double alpha, double limit) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
+              "moe_experts: rows must be contiguous [P, H] on the CPU");
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
+              "moe_experts: rows must be bf16 (or fp32 with plain weights)");
+  TORCH_CHECK(gate_up.dim() == 1 && gate_up.scalar_type() == at::kLong && gate_up.is_contiguous() &&
+                  down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
+              "moe_experts: gate_up and down must be [E] int64 addresses");
+  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
+  const int64_t experts = gate_up.size(0), m = rows.size(0);
+  const std::vector<Span> list = checked_spans(spans, experts, m);
+  const Experts ex{gate_up.data_ptr<int64_t>(), down.data_ptr<int64_t>(), inter,
+                   checked_bias(gate_up_bias, rows, experts, 2 * inter, "gate_up_bias"),
+                   checked_bias(down_bias, rows, experts, rows.size(1), "down_bias"), clamped,
+                   static_cast<float>(alpha), static_cast<float>(limit)};
   if (m == 0 || list.empty()) return torch::zeros_like(rows);
-  if (packed) return experts_packed(rows, list, gu, dn, inter);
-  if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, gu, dn, inter);
-  return experts_plain<c10::BFloat16>(rows, list, gu, dn, inter);
+  if (packed) return experts_packed(rows, list, ex);
+  if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, ex);
+  return experts_plain<c10::BFloat16>(rows, list, ex);
 }
 
 // The op's namespace names the build (level and key): two levels' builds loaded in one process (tests force
