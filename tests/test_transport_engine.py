@@ -190,8 +190,8 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
         real(dest, src)
         flip(dest)
 
-    def fused_copy_then_flip(dest, src, value=0):  # the one-pass copy + CRC32C, where its kernel loads
-        crc = real_fused(dest, src, value)
+    def fused_copy_then_flip(dest, src, *args):  # the one-pass copy + CRC32C, where its kernel loads
+        crc = real_fused(dest, src, *args)
         if crc is not None:
             flip(dest)
         return crc
@@ -306,6 +306,42 @@ def test_converted_transfer_is_within_the_formats_error_bound(wire):
         bound = converter.error_bound(wire, src.view(torch.float16).view(-1, 64))
         # + one fp16 rounding of the decoded value
         assert ((x - y).abs() <= bound.float() + y.abs() * 2**-11 + 1e-6).all(), chunk
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8_e4m3"])
+def test_shm_encodes_into_its_ring_and_decodes_from_it_checking_every_chunk(wire, monkeypatch):
+    """The sender encodes each chunk into the ring and the receiver decodes it from there, each taking the CRC in
+    that pass: a chunk spoiled in the ring after its CRC is NACKed, encoded again, and lands as the codec's."""
+    real_write, real_decode = converter.PendingEncode.write, KVReceiveBuffers.decode_from
+    left, crcs = {"n": 1}, []
+
+    def write_then_spoil(self, out, crc=True):
+        value = real_write(self, out, crc)
+        if left["n"]:
+            left["n"] -= 1
+            out[len(out) // 3] ^= 0x5A
+        return value
+
+    def decode_from(self, header, payload):
+        crcs.append(real_decode(self, header, payload))
+        return crcs[-1]
+
+    monkeypatch.setattr(converter.PendingEncode, "write", write_then_spoil)
+    monkeypatch.setattr(KVReceiveBuffers, "decode_from", decode_from)
+    layers = kv(2, **SHAPE)
+    dest = [torch.zeros_like(t) for t in layers]
+    sent, got, _, plan, channel = transfer_once(engine(backend="shm", chunk_size="32KiB", target_dtype=wire),
+                                                layers, dest)
+    assert left["n"] == 0 and sent.retransmits == 1 and channel.checksum_failures == 1
+    assert len(crcs) == len(plan.chunks) + 1 and sent.convert_seconds > 0 and got["a"].convert_seconds > 0
+    if converter.kernel_for(torch.device("cpu"), torch.float16, wire, 64, 1) is not None:
+        assert all(crc is not None for crc in crcs)  # decoded from the ring, not through a staging copy
+    for chunk in plan.chunks:
+        src = layers[chunk.layer].reshape(-1).view(torch.uint8)[chunk.offset : chunk.offset + chunk.length]
+        out = dest[chunk.layer].reshape(-1).view(torch.uint8)[chunk.offset : chunk.offset + chunk.length]
+        x = src.view(torch.float16).view(-1, 64)
+        expected = converter.decode(converter.encode(x, wire), wire, *x.shape, torch.float16)
+        assert torch.equal(out.view(torch.float16).view(-1, 64), expected), chunk
 
 
 def test_decode_critical_transfer_overtakes_bulk_prefetch():

@@ -173,9 +173,20 @@ def copy_rows_crc32c(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int,
     return out
 
 
-def copy_crc32c_array(dst: np.ndarray, src: np.ndarray, value: int = 0) -> int | None:
+def crc32c_array(data: np.ndarray, value: int = 0) -> int | None:
+    """`crc32c` of a 1-D uint8 numpy array (read-only too) on the kernel, or None where it does not load."""
+    module = native_crc()
+    if module is None:
+        return None
+    with warnings.catch_warnings():  # (torch warns that a read-only array is shared; it is only read)
+        warnings.simplefilter("ignore", UserWarning)
+        return module.crc32c(torch.from_numpy(data), value)
+
+
+def copy_crc32c_array(dst: np.ndarray, src: np.ndarray, value: int = 0, stream: int = -1) -> int | None:
     """`copy_crc32c` of 1-D uint8 numpy arrays (`src` may be read-only, a view of a sender's bytes), or None,
-    copying nothing, where the one-pass kernel does not load."""
+    copying nothing, where the one-pass kernel does not load. `stream`: 1 streaming stores (the destination is
+    not read back soon), 0 plain stores (it is: they leave it in cache), -1 streaming from 1 MiB."""
     module = fused_copy()
     if module is None:
         return None
@@ -185,4 +196,4 @@ def copy_crc32c_array(dst: np.ndarray, src: np.ndarray, value: int = 0) -> int |
         with warnings.catch_warnings():  # (torch warns that a read-only array is shared; it is only read)
             warnings.simplefilter("ignore", UserWarning)
             source = torch.from_numpy(src)
-    return module.copy_crc32c(torch.from_numpy(dst), source, value)
+    return module.copy_crc32c(torch.from_numpy(dst), source, value, stream)

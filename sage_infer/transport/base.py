@@ -18,7 +18,7 @@ import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from sage_infer.transport.transport_errors import (
     BackendUnavailable,
@@ -34,6 +34,9 @@ T = TypeVar("T")
 
 # Gives the destination for a chunk's payload: a writable memoryview of exactly `header.length` bytes.
 Sink = Callable[[ChunkHeader], memoryview]
+# Decodes a converted chunk's wire bytes (where the channel holds them) into the chunk's destination and returns
+# their CRC32C, or None where it cannot (then the chunk goes through the sink): `KVReceiveBuffers.decode_from`.
+Decoder = Callable[[ChunkHeader, Any], "int | None"]
 
 
 async def before(aw: Awaitable[T], deadline: float, what: str) -> T:
@@ -74,6 +77,8 @@ class SendChannel(ABC):
 
     backend: ClassVar[str]
     computes_crc: ClassVar[bool] = False  # True: the channel fills in the CRC where it stages the payload
+    # True: `send` takes a `converter.PendingEncode` as the payload and encodes it where it stages the bytes
+    encodes_in_place: ClassVar[bool] = False
 
     def __init__(self, *, max_inflight: int = 8, max_retries: int = 2) -> None:
         self.max_inflight = max_inflight
@@ -256,6 +261,7 @@ class RecvChannel(ABC):
     backend: ClassVar[str]
 
     arena = None  # a SharedArena when the backend delivers straight into registered memory (shm)
+    decodes_in_place: ClassVar[bool] = False  # True: `recv` takes a `decoder` (see `Decoder`)
 
     def __init__(self, *, max_retries: int = 2) -> None:
         self.max_retries = max_retries

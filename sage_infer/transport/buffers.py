@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sage_infer.transport.arena import SharedArena
@@ -37,6 +38,7 @@ class KVReceiveBuffers:
         self._done: dict[str, set[int]] = {}
         self._expected: dict[str, int] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._decoded: dict[tuple[str, int], float] = {}  # chunks decode_from put in place: their decode seconds
 
     def register(self, request_id: str, layers: Sequence[torch.Tensor]) -> None:
         self._layers[request_id] = list(layers)
@@ -48,6 +50,8 @@ class KVReceiveBuffers:
     def release(self, request_id: str) -> None:
         for table in (self._layers, self._bytes, self._arrays, self._done, self._expected):
             table.pop(request_id, None)
+        if self._decoded:  # (a chunk decoded in place whose CRC failed, never landed)
+            self._decoded = {key: s for key, s in self._decoded.items() if key[0] != request_id}
 
     def sink(self, header: ChunkHeader) -> memoryview:
         """Where this chunk's payload goes: straight into the layer, or a staging buffer
@@ -64,6 +68,24 @@ class KVReceiveBuffers:
         if header.layer < len(arrays) and arrays[header.layer] is not None and end <= len(arrays[header.layer]):
             return memoryview(arrays[header.layer][header.offset : end])  # the common case, without torch slicing
         return memoryview(self._region(header, header.length).numpy())  # raises with what does not fit
+
+    def decode_from(self, header: ChunkHeader, payload) -> int | None:
+        """Decode a converted chunk straight from `payload` (its wire bytes where the channel holds them, e.g. the
+        shm ring) into its destination, and return the payload's CRC32C taken in that pass: one read of the chunk
+        instead of a copy into staging, a CRC and a decode. None, with nothing written, where the kernel does not
+        run or the chunk has no registered destination: the caller lands it through `sink` and `land`. Like any
+        chunk, it counts as delivered only once `land` runs after its CRC checked out."""
+        arrays = self._arrays.get(header.request_id)
+        if not header.converted or arrays is None or header.layer >= len(arrays) or arrays[header.layer] is None:
+            return None
+        self._check_encoded_size(header)
+        out = self._region(header, header.raw_length).view(TORCH_OF[header.src_dtype]).view(-1, header.cols)
+        start = time.perf_counter()
+        crc = converter.decode_checksummed(torch.from_numpy(np.asarray(payload)), header.wire_dtype, out,
+                                           header.granularity, header.group_size or None)
+        if crc is not None:
+            self._decoded[(header.request_id, header.seq)] = time.perf_counter() - start
+        return crc
 
     def _check_encoded_size(self, header: ChunkHeader) -> None:
         """A converted chunk must decode into its destination exactly: checked before any
@@ -97,8 +119,9 @@ class KVReceiveBuffers:
 
     def land(self, header: ChunkHeader) -> float:
         """Decode a verified converted chunk into place (returns seconds spent); mark it delivered."""
-        spent = 0.0
-        if header.converted:
+        decoded = self._decoded.pop((header.request_id, header.seq), None)
+        spent = decoded or 0.0
+        if decoded is None and header.converted:
             start = time.perf_counter()
             region = self._region(header, header.raw_length)
             dtype = TORCH_OF[header.src_dtype]

@@ -139,6 +139,7 @@ class TransportEngine:
         if ack_now:
             flags |= Flag.ACK_NOW
         convert_seconds = 0.0
+        pending = None
         wire, cols, granularity = src, 0, "per_token"
         algorithm = CHECKSUMS[self.config.checksum]
         crc = None  # computed here (fused into the conversion) or by the channel as it stages the payload
@@ -149,11 +150,14 @@ class TransportEngine:
             raw = as_bytes(layer)[chunk.offset : chunk.offset + chunk.length]
             wire, cols, granularity = plan.wire_dtype.value, layer.shape[-1], self.granularity
             x = raw.view(layer.dtype).view(-1, cols)
-            if algorithm is Checksum.CRC32C and not conn.channel.computes_crc and x.device.type == "cpu":
+            in_place = conn.channel.encodes_in_place and x.device.type == "cpu" and not converter.is_lossless(wire)
+            if in_place and algorithm is not Checksum.CRC32:
+                payload = pending = converter.PendingEncode(x, wire, granularity)  # encoded where it is staged
+            elif algorithm is Checksum.CRC32C and not conn.channel.computes_crc and x.device.type == "cpu":
                 encoded, crc = converter.encode_checksummed(x, wire, granularity)  # one pass: codes and CRC
+                payload = host_view(encoded)
             else:
-                encoded = converter.encode(x, wire, granularity)
-            payload = host_view(encoded)
+                payload = host_view(converter.encode(x, wire, granularity))
             convert_seconds = time.perf_counter() - start
             flags |= Flag.CONVERTED
         elif source is not None:
@@ -161,13 +165,15 @@ class TransportEngine:
         else:
             payload = host_view(as_bytes(layer)[chunk.offset : chunk.offset + chunk.length])
         if crc is None:
-            crc = 0 if conn.channel.computes_crc else checksum(payload, algorithm)
+            crc = 0 if conn.channel.computes_crc or pending is not None else checksum(payload, algorithm)
         header = ChunkHeader(
             Kind.DATA, chunk.request_id, seq=next(conn.seq), layer=chunk.layer, chunk_index=chunk.chunk_index,
             offset=chunk.offset, length=len(payload), raw_length=chunk.length, count=count, flags=flags,
             wire_dtype=wire, src_dtype=src, granularity=granularity, cols=cols, crc=crc, algorithm=algorithm,
         )  # fmt: skip
         acked = await conn.channel.send(header, payload, deadline, acked)
+        if pending is not None:
+            convert_seconds += pending.seconds
         conn.inflight_gauge.set(conn.channel.inflight)
         if stats is not None:
             stats.chunks += 1
@@ -230,7 +236,10 @@ class TransportEngine:
     ) -> tuple[ChunkHeader, float] | None:
         """The next verified chunk, landed in `buffers` (and its decode seconds); None when
         the sender closed the connection."""
-        header = await channel.recv(buffers.sink, deadline)
+        if channel.decodes_in_place:
+            header = await channel.recv(buffers.sink, deadline, decoder=buffers.decode_from)
+        else:
+            header = await channel.recv(buffers.sink, deadline)
         if header is None:
             return None
         if header.algorithm is Checksum.NONE and self.config.checksum != "none":

@@ -9,12 +9,15 @@ leaks nothing and no other process can open the ring.
 The listener opens every connection (auth.py: the shared-token challenge when it has one)
 before it takes the ring, so an unauthenticated peer never maps a receiver's arena.
 
-Per chunk: the sender copies the payload into a free region of the ring, checksums
-it there (cache-hot), and sends the 128-byte header (region offset in `slot`) over
-the Unix socket. The receiver (shm_recv.py) copies the region into the buffer its sink
-registered, verifies the CRC on the destination, and answers ACK (the region is reused;
-one ACK may cover a run of chunks) or NACK (the sender copies the chunk again from its
-still-registered source). The socket is the only synchronisation (each send/recv is a
+Per chunk: the sender copies the payload into a free region of the ring with its CRC32C
+in the same pass (plain stores: the ring is small and reused, so the receiver reads it
+from cache), and sends the 128-byte header (region offset in `slot`) over the Unix socket.
+A converted chunk is encoded straight into the ring instead (`converter.PendingEncode`: codes,
+scales and their CRC in one pass over the source). The receiver (shm_recv.py) copies the region
+into the buffer its sink registered (or decodes a converted chunk from the ring into its
+destination), taking the CRC in that pass, checks it, and answers ACK (the region is reused;
+one ACK may cover a run of chunks) or NACK (the sender copies or encodes the chunk again from
+its still-registered source). The socket is the only synchronisation (each send/recv is a
 full barrier), and its EOF is how a dead peer is noticed at once.
 
 Zero-copy: a receiver listening with a `SharedArena` hands its descriptor to the sender
@@ -34,6 +37,7 @@ from collections import deque
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
 from sage_infer.transport.accept import AcceptingListener, OnRefused
@@ -41,6 +45,7 @@ from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.backends.shm_recv import ShmRecvChannel, recv_exactly
 from sage_infer.transport.base import Backend, SendChannel, before, register_backend
+from sage_infer.transport.format.converter import PendingEncode
 from sage_infer.transport.transport_errors import (
     PeerClosedError,
     ProtocolError,
@@ -65,22 +70,30 @@ async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHe
 
 
 PIECE = 256 * 1024  # copy, then checksum while the piece is still in L2
+# How the sender's one-pass copy stores (kv_codec_kernel.copy_crc32c_array): plain stores into the ring, which is
+# small, reused and read back at once by the receiver (streamed stores sent every ring byte to memory and back:
+# the receiver's copy out ran 0.7x as fast); streaming from 1 MiB into a zero-copy destination, which is not
+RING_STREAM = 0
+DIRECT_STREAM = -1
 
 
 def copy_piece(dest: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dest, src)
 
 
-def copy_and_checksum(dest: np.ndarray, payload: memoryview, algorithm) -> int:
+def copy_and_checksum(dest: np.ndarray, payload: memoryview | PendingEncode, algorithm, stream: int = -1) -> int:
     """Copy `payload` into `dest` and checksum it: a CRC32C in one pass with the copy (`copy_crc32c_array`), else
-    piece by piece, checksumming each piece of the *source* right after (it is still in L2). The receiver checks
-    its bytes against this CRC, so a bad copy on either side is caught."""
+    piece by piece, checksumming each piece of the *source* right after (it is still in L2). A `PendingEncode` is
+    encoded into `dest` instead, its CRC32C taken in the same pass. The receiver checks its bytes against this
+    CRC, so a bad copy on either side is caught."""
+    if isinstance(payload, PendingEncode):  # (the engine sends no CRC32 chunk this way)
+        return payload.write(torch.from_numpy(dest), algorithm is Checksum.CRC32C)
     src = np.frombuffer(payload, dtype=np.uint8)
     if algorithm is Checksum.NONE:  # one copy, nothing to interleave
         copy_piece(dest, src)
         return 0
     if algorithm is Checksum.CRC32C:  # one pass where the kernel loads: each byte loaded once, copied and checksummed
-        crc = copy_crc32c_array(dest, src)
+        crc = copy_crc32c_array(dest, src, 0, stream)
         if crc is not None:
             return crc
     crc = 0
@@ -137,6 +150,7 @@ class _Regions:
 class ShmSendChannel(SendChannel):
     backend = "shm"
     computes_crc = True
+    encodes_in_place = True
 
     def __init__(self, sock: socket.socket, ring: SharedArena, peer_arena: SharedArena | None = None,
                  **kw) -> None:
@@ -181,7 +195,7 @@ class ShmSendChannel(SendChannel):
                 self._space.clear()
                 await before(self._space.wait(), deadline, "waiting for room in the shm ring (receiver behind)")
         self._region_of[header.seq] = start
-        crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm)
+        crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm, RING_STREAM)
         self._largest = max(self._largest, n)
         if not self._regions.fits(self._largest):  # the next chunk may wait for room: regions must come back
             flags |= Flag.ACK_NOW
@@ -195,7 +209,7 @@ class ShmSendChannel(SendChannel):
                 f"shm: chunk {header.chunk_index} of layer {header.layer} falls outside the buffer the receiver placed"
             )
         start = int(place[header.layer, 0]) + header.offset
-        crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm)
+        crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm, DIRECT_STREAM)
         return header.pack(slot=start, crc=crc, flags=flags | Flag.DIRECT)
 
     async def _send(self, data: bytes, deadline: float) -> None:

@@ -1,8 +1,9 @@
 """The receiving end of a shm connection (see shm.py for the whole backend).
 
 It reads each 128-byte header from the Unix socket, copies the chunk out of the sender's ring
-into the buffer its sink gives (or, for a DIRECT chunk the sender already wrote into the
-receiver's arena, only checks where it landed), verifies the CRC there, and acknowledges.
+into the buffer its sink gives (a converted chunk is decoded from the ring straight into its
+destination by the engine's decoder; a DIRECT chunk the sender already wrote into the
+receiver's arena is only checked where it landed), verifies the CRC its pass took, and acknowledges.
 ACKs go in runs: one covers up to `ACK_EVERY` consecutive verified chunks, or what holds half
 the ring; a chunk flagged ACK_NOW (its sender waits for acknowledgements next) ends the run at
 once, and so does running out of headers to read (the run goes before the channel waits, or
@@ -22,7 +23,7 @@ import numpy as np
 
 from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
 from sage_infer.transport.arena import SharedArena
-from sage_infer.transport.base import RecvChannel, Sink, before
+from sage_infer.transport.base import Decoder, RecvChannel, Sink, before
 from sage_infer.transport.transport_errors import (
     ChecksumError,
     PeerClosedError,
@@ -65,6 +66,7 @@ class ShmRecvChannel(RecvChannel):
     a resend) ends the run at once, and so does having no next header to read."""
 
     backend = "shm"
+    decodes_in_place = True
 
     def __init__(self, sock: socket.socket, ring: SharedArena, arena: SharedArena | None = None, **kw) -> None:
         super().__init__(**kw)
@@ -85,7 +87,9 @@ class ShmRecvChannel(RecvChannel):
         header = ChunkHeader(Kind.PLACE, request_id, length=len(payload), count=len(regions))
         self._write(header.pack() + payload)
 
-    async def recv(self, sink: Sink, deadline: float) -> ChunkHeader | None:
+    async def recv(self, sink: Sink, deadline: float, decoder: Decoder | None = None) -> ChunkHeader | None:
+        """`decoder`: decodes a converted chunk straight out of the ring into its destination and returns the CRC
+        it took reading it (None: it did not, and the chunk goes through `sink` as any other)."""
         try:
             while True:
                 header = await self._next_header(deadline)
@@ -95,18 +99,14 @@ class ShmRecvChannel(RecvChannel):
                     raise TransportError(f"shm: the sender aborted transfer {header.request_id!r}")
                 if header.kind is not Kind.DATA:
                     raise ProtocolError(f"shm: unexpected {header.kind.name} message from the sender")
-                dest = sink(header)
-                if len(dest) != header.length:
-                    raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
-                out = np.frombuffer(dest, dtype=np.uint8)
-                got = None  # the CRC32C of `out` where the copy took it
-                if header.flags & Flag.DIRECT:  # already in place: only check where and what
-                    if self.arena is None or self.arena.offset_of(out) != header.slot:
-                        raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
+                got = None  # the CRC32C of the chunk where the copy (or the decoding) took it
+                if (decoder is not None and header.flags & Flag.CONVERTED and not header.flags & Flag.DIRECT
+                        and header.algorithm is not Checksum.CRC32):  # (the decoder takes a CRC32C)
+                    got = decoder(header, self._region(header))
+                if got is not None:
+                    out = None  # decoded into place: the CRC is the ring's bytes'
                 else:
-                    if header.slot + header.length > len(self._ring_np):
-                        raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
-                    got = copy_into(out, self._ring_np[header.slot : header.slot + header.length], header.algorithm)
+                    out, got = self._land(header, sink)
                 try:
                     header.verify(out, got)
                 except ChecksumError as err:
@@ -118,6 +118,26 @@ class ShmRecvChannel(RecvChannel):
         except BaseException:
             self._flush_acks()  # what was verified stays verified
             raise
+
+    def _region(self, header: ChunkHeader) -> np.ndarray:
+        if header.slot + header.length > len(self._ring_np):
+            raise ProtocolError(f"shm: chunk region {header.slot}+{header.length} lies outside the ring")
+        return self._ring_np[header.slot : header.slot + header.length]
+
+    def _land(self, header: ChunkHeader, sink: Sink) -> tuple[np.ndarray, int | None]:
+        """Copy a chunk out of the ring into the view `sink` gives (a DIRECT chunk is there already: only where it
+        lies is checked): that view as an array, and the CRC32C the copy took (None: the caller checksums it)."""
+        dest = sink(header)
+        if len(dest) != header.length:
+            raise ValueError(f"sink gave {len(dest)} bytes for a {header.length}-byte chunk")
+        out = np.frombuffer(dest, dtype=np.uint8)
+        got = None
+        if header.flags & Flag.DIRECT:  # already in place: only check where and what
+            if self.arena is None or self.arena.offset_of(out) != header.slot:
+                raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
+        else:
+            got = copy_into(out, self._region(header), header.algorithm)
+        return out, got
 
     async def _next_header(self, deadline: float) -> ChunkHeader | None:
         """The next header, or None at a clean EOF. The timer is armed only when it is not here yet."""

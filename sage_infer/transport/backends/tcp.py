@@ -22,10 +22,12 @@ import socket
 import zlib
 
 import crc32c
+import torch
 
 from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.auth import answer_challenge, socket_io
 from sage_infer.transport.base import Backend, Listener, RecvChannel, SendChannel, Sink, before, register_backend
+from sage_infer.transport.format.converter import PendingEncode
 from sage_infer.transport.transport_errors import (
     ChecksumError,
     PeerClosedError,
@@ -252,6 +254,7 @@ class TcpRecvChannel(RecvChannel):
 
 class TcpSendChannel(SendChannel):
     backend = "tcp"
+    encodes_in_place = True  # a converted chunk is encoded into one reused send buffer, its CRC in the same pass
 
     def __init__(self, sock: socket.socket, address: str, *, max_inflight: int = 8, max_retries: int = 2) -> None:
         super().__init__(max_inflight=max_inflight, max_retries=max_retries)
@@ -260,14 +263,23 @@ class TcpSendChannel(SendChannel):
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._writable: asyncio.Future | None = None
+        self._encoded = torch.empty(0, dtype=torch.uint8)  # where converted chunks are encoded (sent one at a time)
         self._reader = self._loop.create_task(self._read_control())
 
     async def _transmit(self, header: ChunkHeader, payload: memoryview, deadline: float) -> None:
         if self._closed:
             raise PeerClosedError(f"tcp: channel to {self.address} is closed")
+        if isinstance(payload, PendingEncode):  # (sendmsg copies the bytes out before the next chunk reuses them)
+            if self._encoded.numel() < len(payload):
+                self._encoded = torch.empty(len(payload), dtype=torch.uint8)
+            out = self._encoded[: len(payload)]
+            head = header.pack(crc=payload.write(out, header.algorithm is Checksum.CRC32C))
+            payload = memoryview(out.numpy())
+        else:
+            head = header.pack()
         if payload.format != "B" or payload.ndim != 1:
             payload = payload.cast("B")
-        buffers = [header.pack(), payload] if payload.nbytes else [header.pack()]
+        buffers = [head, payload] if payload.nbytes else [head]
         while True:
             try:
                 sent = self._sock.sendmsg(buffers)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +230,61 @@ def encode_checksummed(
         return out, value
     encode(x, fmt, granularity, group_size, out=out)
     return out, crc32c(out, crc)
+
+
+class PendingEncode:
+    """A CPU chunk to encode where the channel stages its payload (the shm ring, a tcp send buffer): the codec
+    writes codes and scales straight there and returns their CRC32C from the same pass, so the chunk is read once
+    and no payload tensor is made. A resend encodes again from the (still registered) source."""
+
+    __slots__ = ("x", "fmt", "granularity", "nbytes", "seconds")
+
+    def __init__(self, x: torch.Tensor, fmt: str, granularity: str = "per_token") -> None:
+        """`x: [rows, cols]` on the CPU, in a quantized wire format (casts have nothing to encode)."""
+        if x.device.type != "cpu" or fmt in _CASTS:
+            raise ValueError(f"PendingEncode takes a CPU chunk in a quantized format, got {fmt} on {x.device}")
+        self.x, self.fmt, self.granularity = x, fmt, granularity
+        self.nbytes = encoded_nbytes(fmt, x.shape[0], x.shape[1], granularity)
+        self.seconds = 0.0  # time spent encoding, every write counted
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def write(self, out: torch.Tensor, crc: bool = True) -> int:
+        """Encode into `out` (1-D uint8 of `nbytes`); the payload's CRC32C when `crc`, else 0."""
+        start = time.perf_counter()
+        if crc:
+            value = encode_checksummed(self.x, self.fmt, self.granularity, out=out)[1]
+        else:
+            encode(self.x, self.fmt, self.granularity, out=out)
+            value = 0
+        self.seconds += time.perf_counter() - start
+        return value
+
+
+def decode_checksummed(
+    payload: torch.Tensor,
+    fmt: str,
+    out: torch.Tensor,
+    granularity: str = "per_token",
+    group_size: int | None = None,
+    crc: int = 0,
+) -> int | None:
+    """Decode a quantized payload into contiguous CPU `out: [rows, cols]` and return the payload's CRC32C
+    (continuing `crc`) taken in the same pass, so a received chunk is read once to check and decode it; None,
+    with nothing written, where the kernel cannot (a cast, another device, no kernel build with it)."""
+    if fmt in _CASTS or out.dim() != 2 or not out.is_contiguous() or payload.dtype != torch.uint8:
+        return None
+    rows, cols = out.shape
+    lay = _layout(fmt, rows, cols, granularity, group_size)
+    module = kernel_for(payload.device, out.dtype, fmt, lay.group, lay.inner)
+    if module is None or not hasattr(module, "kv_decode_crc") or not module.crc32c_native():
+        return None
+    if payload.dim() != 1 or payload.numel() != lay.nbytes:
+        raise ValueError(f"payload has {payload.numel()} bytes, {fmt} {granularity} [{rows}, {cols}] needs "
+                         f"{lay.nbytes}")
+    return module.kv_decode_crc(payload[: lay.data_nbytes], payload[lay.data_nbytes :], FORMAT_CODES[fmt], lay.group,
+                                lay.inner, out, crc)
 
 
 def _decode_block(
