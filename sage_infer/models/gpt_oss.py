@@ -91,8 +91,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return (f"{moe.num_experts} x {moe.expert_intermediate_size}, top {moe.top_k}",
                 f"config.json: {len(self.model.layers)} of {len(self.model.layers)} layers sparse, a biased router's "
                 f"top-k logits softmaxed; clamped SwiGLU experts (alpha {moe.swiglu_alpha:g}, limit "
-                f"{moe.swiglu_limit:g}) with biases, a step's experts grouped, one product per active expert, on the "
-                f"stacked weights (PyTorch)")
+                f"{moe.swiglu_limit:g}) with biases, a step's experts grouped on the stacked weights (on a CPU with "
+                f"the fused elementwise ops one grouped-experts kernel call, else one PyTorch product per expert)")
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         return "it runs dense MLPs and plain attention; gpt-oss routes tokens to experts and attends with sinks"
