@@ -2,7 +2,8 @@
 with prompts longer than the window, attention and final logit soft-capping (Gemma 2), query_pre_attn_scalar, the
 (1 + w) norms (random, so they matter), Gemma 3's q/k norms and its sliding layers' own rope theta; through the
 reference path and, at each ISA level this CPU runs, the fast paths the engine picks (the paged decode and flash
-prefill kernels taking the window and the soft-cap), in a batch of mixed lengths."""
+prefill kernels taking the window and the soft-cap, Gemma's norms as C++ passes and every layer of a decode step in
+one C++ call), in a batch of mixed lengths. Gemma's C++ norms against its PyTorch norm."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 import transformers
 
+from sage_infer.layers import cpu_kernels
 from sage_infer.layers.cpu_kernels import flash_unavailable, kernel_unavailable
+from sage_infer.layers.linear import packing_unavailable
 from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.gemma import GemmaRMSNorm
+from tests.test_decode_step import counted
 from tests.test_engine_vs_transformers import random_prompts
 from tests.test_sliding_window import PATHS, engine, hf_greedy, sage_greedy
 from tests.tiny_models import save_tokenizer
@@ -55,12 +60,17 @@ def check_gemma(arch, directory, prompts, want, path: str):
     assert [layer.self_attn.kind.window for layer in layers] == [WINDOW, None, WINDOW, None]
     assert llm.engine.max_model_len == 1024
     decided = {d.field: d for d in llm.engine.decisions}
-    assert getattr(decided.get("model.elementwise"), "value", "torch") == "torch"  # the Llama family's fused passes
+    kernels = path == "auto" and kernel_unavailable() is None
+    assert getattr(decided.get("model.elementwise"), "value", "torch") == ("fused" if kernels else "torch")
     reason = decided["model.layer_attention"].reason
-    assert ("decode rows through the paged kernel" in reason) == (path == "auto" and kernel_unavailable() is None)
+    assert ("decode rows through the paged kernel" in reason) == kernels
     flash = path == "auto" and flash_unavailable(32, torch.float32) is None
     assert ("prefill spans through the flash kernel" in reason) == flash
+    step_runs = kernels and packing_unavailable(torch.float32) is None
+    assert llm.engine.runner.step.name == ("cpp-decode" if step_runs else "python" if path != "auto" else "fused")
+    step = counted(llm) if step_runs else None
     assert sage_greedy(llm, prompts) == want
+    assert step is None or step.calls >= 7  # every decode step in one C++ call, windows and soft-caps too
 
 
 def test_gemma_matches_transformers(gemma):
@@ -70,6 +80,45 @@ def test_gemma_matches_transformers(gemma):
 def test_gemma_kernels_match_transformers_at_each_isa(gemma, cpu_isa):
     """The engine's own paths (auto) at each ISA level: Gemma 2's soft-cap and both windows through the kernels."""
     check_gemma(*gemma, "auto")
+
+
+needs_kernels = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_passes_match_the_pytorch_norm(dtype, cpu_isa):
+    torch.manual_seed(3)
+    hidden, rows = 96, 5
+    norm, after = GemmaRMSNorm(hidden, 1e-6), GemmaRMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.5)
+        after.weight.normal_(0, 0.5)
+    x = torch.randn(rows, 2 * hidden).to(dtype)[:, :hidden]  # strided rows
+    # fp32: the sum of squares in another order, a few ulp; bf16: one rounding step
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(norm.fused(x), norm(x), **tol)
+    residual = torch.randn(rows, hidden).to(dtype)
+    want_residual = residual + norm(x)
+    got = cpu_kernels.gemma_add_rms_norms_(x, residual, norm.scale(), after.scale(), 1e-6)
+    torch.testing.assert_close(residual, want_residual, **tol)
+    torch.testing.assert_close(got, after(want_residual), **tol)
+    heads = torch.randn(rows, 3, hidden).to(dtype)
+    want_heads = norm(heads)
+    cpu_kernels.gemma_norm_heads_(heads, norm.scale(), 1e-6)
+    torch.testing.assert_close(heads, want_heads, **tol)
+
+
+@needs_kernels
+@pytest.mark.skipif(packing_unavailable(torch.bfloat16) is not None, reason="oneDNN cannot pack bf16 here")
+def test_gemma_decode_step_in_bf16_is_the_python_paths_exactly(gemma):
+    """The C++ step chains the passes the fused Python layer loop calls, in the same order: the same tokens."""
+    _, directory, prompts, _ = gemma
+    fast = engine(directory, dtype="bf16", decode_step="sage")
+    step = counted(fast)
+    got = sage_greedy(fast, prompts)
+    assert step.calls >= 7
+    assert got == sage_greedy(engine(directory, dtype="bf16", decode_step="python"), prompts)
 
 
 def test_gemma3_reads_the_old_config_style_local_rope_theta():

@@ -205,13 +205,37 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[torch.Tensor | None],
                   bf16: list[torch.Tensor | None], tensors: list[torch.Tensor], qk_norms: list[torch.Tensor],
                   kv_scales: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                  qk_eps: float, scale: float):
+                  qk_eps: float, scale: float, ff_norms: list[torch.Tensor] = (), layout: list[int] = (),
+                  softcaps: list[float] = (), sinks: list[torch.Tensor | None] = ()):
     """The C++ decode step over a model's layers (csrc/decode_step.cpp; built by
-    `LlamaForCausalLM.prepare_decode_step`, which says what goes in the lists); its ``run(h, residual,
-    cos, signed_sin, slots, block_tables, context_lens, shared_block_ids or None, flash)`` returns the
-    final-normed hidden states (`LlamaForCausalLM.forward` calls it)."""
-    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, num_heads,
-                                  num_kv_heads, head_dim, eps, qk_eps, scale)
+    `LlamaForCausalLM.prepare_decode_step` and `GemmaForCausalLM.prepare_decode_step`, which say what goes in the
+    lists; `ff_norms` non-empty: Gemma's layers, every norm its fp32 (1 + w); `layout`: (KV group, window, local
+    rope) per layer; `softcaps`, `sinks`: per layer, each layer's attention kind). Its ``run(h, residual, cos,
+    signed_sin, local_cos or None, local_sin or None, slots, block_tables, context_lens, shared_block_ids or None,
+    flash)``, with slots, block_tables and context_lens lists of one tensor per KV group, returns the
+    final-normed hidden states (`sage_infer.engine.steps.cpp_decode` calls it)."""
+    return _module().DecodeLayers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, list(ff_norms),
+                                  list(layout), list(softcaps), list(sinks), num_heads, num_kv_heads, head_dim, eps,
+                                  qk_eps, scale)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of x: [N, H] (rows may be strided) by `scale`, the fp32 ``1 + weight`` [H], in fp32 and
+    rounded once to x's dtype -> a new [N, H] (csrc/decode_step.cpp; the reference is `GemmaRMSNorm`)."""
+    return _module().gemma_rms_norm(x, scale, eps)
+
+
+def gemma_norm_heads_(x: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    """In place on x: [T, heads, D] (a view with contiguous heads): each head's `gemma_rms_norm` over D (Gemma 3's
+    q/k norms)."""
+    _module().gemma_norm_heads_(x, scale, eps)
+
+
+def gemma_add_rms_norms_(a: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, after: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """A Gemma sublayer's end: ``residual += gemma_rms_norm(a, post)`` in place (contiguous [N, H], the sum rounded
+    to its dtype as PyTorch's add), then ``gemma_rms_norm(residual, after)`` as a new [N, H]."""
+    return _module().gemma_add_rms_norms_(a, residual, post, after, eps)
 
 
 def quantize_store_int8_(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:

@@ -7,9 +7,11 @@ by ``1 + weight``, a norm after attention and around the MLP (pre/post feed-forw
 embeddings scaled by sqrt(hidden); Gemma 2 soft-caps attention scores and the logits; Gemma 3 normalizes q and k
 per head and gives its sliding layers their own rope theta (``rope_local_base_freq``).
 
-Every layer runs PyTorch elementwise ops (the fused ones are the Llama family's: `model.elementwise` resolves to torch
-for Gemma, `fused_elementwise_unavailable`); attention
-goes through the step's backend like every model (`paged_attention`), each layer with its `AttentionKind`.
+The elementwise parts run as the step executor's `ops` say (`sage_infer.layers.elementwise`): PyTorch ops (the
+reference), or with `model.elementwise: fused` one C++ pass each (`cpu_kernels.gemma_rms_norm`, the residual add
+with the norms around it, the q/k norms, rotary; GELU-tanh stays ATen's). Attention goes through the step's backend
+like every model (`paged_attention`), each layer with its `AttentionKind`. A decode step can run every layer in
+one C++ call (`prepare_decode_step`, csrc/decode_step.cpp).
 
 Shapes: T = tokens in this step, H = query heads, KvH = KV heads, D = head_dim.
 """
@@ -22,10 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sage_infer.layers import cpu_kernels as kernels
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
-from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
+from sage_infer.layers.elementwise import TORCH_OPS, TorchOps, pass_rows
+from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, attention_scaling, inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
+from sage_infer.models.llama import _stacked_linear
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -40,11 +46,34 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        self._scale: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """The fp32 ``1 + weight`` [H] the C++ passes take, made again only when the weight changes."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version, weight.device)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = key, (1.0 + weight.detach().float()).contiguous()
+        return self._scale[1]
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` as one C++ pass (CPU)."""
+        return kernels.gemma_rms_norm(x, self.scale(), self.eps)
+
+
+def add_norms_(a: torch.Tensor, residual: torch.Tensor, post: GemmaRMSNorm, after: GemmaRMSNorm,
+               fused: bool) -> torch.Tensor:
+    """A sublayer's end: ``residual += post(a)`` in place, then ``after(residual)`` (the next sublayer's input);
+    `fused`: one C++ pass."""
+    if fused:
+        return kernels.gemma_add_rms_norms_(a, residual, post.scale(), after.scale(), post.eps)
+    residual.add_(post(a))
+    return after(residual)
 
 
 class GemmaAttention(nn.Module):
@@ -63,19 +92,42 @@ class GemmaAttention(nn.Module):
         if qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Module | None = None  # `fuse_projections`: q, k and v in one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Replace q/k/v_proj by one `qkv_proj` (`LlamaForCausalLM.fuse_projections`' stacking)."""
+        fused = _stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return False
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x: [T, hidden]; cos_sin: this layer's rotary tables ([T, 1, D] each) -> [T, hidden]."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+                meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
+        """x: [T, hidden]; cos_sin: this layer's rotary tables ([T, 1, D] each; `fused`: [T, D], the C++ passes'
+        shape) -> [T, hidden]."""
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = None
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            qk = qkv[:, : heads + kv_heads]
+        else:
+            q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
+            v = self.v_proj(x).view(t, kv_heads, d)
+        if fused:  # in place over the projections' output
+            if self.qk_norm:
+                kernels.gemma_norm_heads_(q, self.q_norm.scale(), self.q_norm.eps)
+                kernels.gemma_norm_heads_(k, self.k_norm.scale(), self.k_norm.eps)
+            for part in (qk,) if qk is not None else (q, k):
+                kernels.rope_(part, *cos_sin)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale, self.kind)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, heads * d))
 
 
 class GemmaMLP(nn.Module):
@@ -84,9 +136,31 @@ class GemmaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # `fuse_projections`: gate and up in one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Replace gate/up_proj by one `gate_up_proj`."""
+        fused = _stacked_linear([self.gate_proj, self.up_proj])
+        if fused is None:
+            return False
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        rows = pass_rows(self.down_proj.in_features)  # each row's result is its own: passes bound the buffers
+        if x.shape[0] <= rows:
+            return self._stacked(x)
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = self._stacked(x[start : start + rows])
+        return out
+
+    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -98,10 +172,13 @@ class GemmaDecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm[0], norm[1]
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm[2], norm[3]
 
-    def forward(self, x: torch.Tensor, cos_sin, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
-        """x: the residual stream [T, hidden] -> the layer's output."""
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, pool, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, after: GemmaRMSNorm, cos_sin, pool: KVPool,
+                meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
+        """h: this layer's normed input; `residual`: its input, the residual stream [T, hidden], updated in place to
+        the layer's output; returns that normed by `after` (the next layer's input norm, or the final norm)."""
+        attended = self.self_attn(h, cos_sin, pool, meta, fused)
+        h = add_norms_(attended, residual, self.post_attention_layernorm, self.pre_feedforward_layernorm, fused)
+        return add_norms_(self.mlp(h), residual, self.post_feedforward_layernorm, after, fused)
 
 
 class GemmaModel(nn.Module):
@@ -150,14 +227,32 @@ class GemmaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] after the final norm. `ops` is ignored: the
-        elementwise parts are Gemma's own (PyTorch)."""
+        """input_ids, positions: [T] -> hidden states [T, hidden] after the final norm. `ops`: PyTorch ops, or
+        (``ops.name == "fused"``) Gemma's C++ passes."""
+        fused = ops.name == "fused"
+        x, h, (cos, sin, local_cos, local_sin) = self.embed(input_ids, positions, ops)
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            local = layer.self_attn.local_rope and local_cos is not None
+            h = layer(h, x, after, (local_cos, local_sin) if local else (cos, sin), pool, meta, fused)
+        return h
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, ops: TorchOps = TORCH_OPS) -> tuple:
+        """A step's start: the residual stream (the embeddings times sqrt(hidden), [T, hidden], which every layer
+        updates in place), the first layer's normed input, and the rotary tables as `ops` takes them: (cos, sin,
+        local cos, local sin), the local ones None unless the sliding layers have their own rope."""
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         full, local = self._rotary_tables(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, local if layer.self_attn.local_rope else full, pool, meta)
-        return self.model.norm(x)
+        tables = (*ops.rotary_tables(full), *(ops.rotary_tables(local) if local is not full else (None, None)))
+        norm = self.model.layers[0].input_layernorm
+        return x, norm.fused(x) if ops.name == "fused" else norm(x), tables
+
+    def fuse_projections(self) -> int:
+        """Stack each layer's q/k/v and gate/up weights into one linear each (fewer, wider GEMMs per step, the same
+        products), before packing (`model.linear`); the reference path keeps the separate projections."""
+        return sum(layer.self_attn.fuse_projections() + layer.mlp.fuse_projections() for layer in self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32, soft-capped when the config says so (Gemma 2)."""
@@ -167,10 +262,63 @@ class GemmaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def fused_elementwise_unavailable(self) -> str:
-        """Why `model.elementwise: fused` does not apply: the fused passes are the Llama family's norms and MLP."""
-        return "Gemma's (1 + w) norms and GELU MLP run as PyTorch ops (the fused passes are the Llama family's)"
-
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
-        """The C++ decode step runs the Llama family's layers only."""
-        return "it runs the Llama family's layers (Gemma has its own norms, MLP and attention kinds)"
+        """Why the C++ decode step (`prepare_decode_step`) cannot run this model over `pool`; None when it can."""
+        dtype = self.model.norm.weight.dtype
+        if not fused:
+            return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs fp32 and bf16 models (the model is {dtype})"
+        if not pool.supports_int8_block_views and (not pool.supports_block_views or pool.dtype != dtype):
+            return (f"it needs a KV pool in the model's dtype, or an int8 one (kv_dtype is {pool.schema.dtype.value}, "
+                    f"the model {dtype})")
+        for layer in self.model.layers:
+            linears = _decode_linears(layer)
+            if not all(isinstance(m, PackedLinear) for m in linears):
+                return "it needs every projection packed (model.linear), q/k/v and gate/up stacked"
+            if any(m.weight_bf16 is not None and not m.rows_kernel for m in linears):
+                return "its bf16 layers on fp32 copies need the bf16 rows kernel, which was not loaded for them"
+        if len({n.eps for n in self.modules() if isinstance(n, GemmaRMSNorm)}) > 1:
+            return "it takes one RMSNorm epsilon for all the layers' norms"
+        return None
+
+    def prepare_decode_step(self, pool: KVPool) -> object:
+        """Hand every layer's packed weights, (1 + w) norms, attention kind, KV group and `pool` rows to the C++
+        decode step (csrc/decode_step.cpp; what goes in the lists: `LlamaForCausalLM.prepare_decode_step`, with
+        Gemma's feed-forward norms in `ff_norms`). The caller checked `decode_step_unavailable`."""
+        cfg, layers = self.config, self.model.layers
+        layer_map = pool_layer_map(cfg, pool)
+        args: dict[str, list] = {name: [] for name in ("shapes", "packed", "biases", "bf16", "tensors", "qk_norms",
+                                                       "kv_scales", "ff_norms", "layout", "softcaps")}
+        for i, layer in enumerate(layers):
+            attn, (group, slot) = layer.self_attn, layer_map[i]
+            for linear in _decode_linears(layer):
+                small = linear.small_rows > 0
+                args["shapes"] += [linear._address if small else 0, linear._nbytes if small else 0,
+                                   linear.out_features, linear.small_rows, linear.bf16_rows]
+                args["packed"].append(linear.packed)
+                args["biases"] += [linear._bias32 if small else None, linear.bias]
+                args["bf16"] += [linear.weight_bf16, linear.bias_bf16]
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            norms = [layer.post_attention_layernorm.scale(), after.scale()]
+            if pool.supports_int8_block_views:
+                k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(slot)
+                rows = [codes.view(-1, *codes.shape[2:]) for codes in (k_codes, v_codes)]
+                args["tensors"] += [*norms, *rows, k_codes, v_codes]
+                args["kv_scales"] += [k_scales, v_scales]
+            else:
+                args["tensors"] += [*norms, *pool.token_rows(slot), *pool.block_views(slot)]
+            if attn.qk_norm:
+                args["qk_norms"] += [attn.q_norm.scale(), attn.k_norm.scale()]
+            args["ff_norms"] += [layer.pre_feedforward_layernorm.scale(), layer.post_feedforward_layernorm.scale()]
+            args["layout"] += layer_layout(group, attn.kind, attn.local_rope)
+            args["softcaps"].append(attn.kind.softcap or 0.0)
+        attn = layers[0].self_attn
+        return kernels.decode_layers(args["shapes"], args["packed"], args["biases"], args["bf16"], args["tensors"],
+                                     args["qk_norms"], args["kv_scales"], attn.num_heads, attn.num_kv_heads,
+                                     attn.head_dim, cfg.rms_norm_eps, cfg.rms_norm_eps, attn.scale,
+                                     ff_norms=args["ff_norms"], layout=args["layout"], softcaps=args["softcaps"])
+
+
+def _decode_linears(layer: GemmaDecoderLayer) -> tuple[nn.Module | None, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj

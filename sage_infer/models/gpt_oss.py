@@ -95,4 +95,5 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 f"the fused elementwise ops one grouped-experts kernel call, else one PyTorch product per expert)")
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
-        return "it runs dense MLPs and plain attention; gpt-oss routes tokens to experts and attends with sinks"
+        return ("it runs dense MLPs; gpt-oss routes each token to experts (biased, clamped SwiGLU) that the layer "
+                "loop runs")

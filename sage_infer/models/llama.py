@@ -21,6 +21,7 @@ from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding
 from sage_infer.models.arch_config import ArchConfig
+from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -183,8 +184,8 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.model.norm.weight.dtype
         if not fused:
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
-        if any(not layer.self_attn.kind.plain for layer in self.model.layers):
-            return "its attention kernel takes no sliding window (the model has sliding-window layers)"
+        if any(not layer.self_attn.kind.plain and not layer.self_attn.kind.window_only for layer in self.model.layers):
+            return "it takes the Llama family's sliding windows, not soft-capped or sinks layers"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"it runs fp32 and bf16 models (the model is {dtype})"
         if not pool.supports_int8_block_views and (not pool.supports_block_views or pool.dtype != dtype):
@@ -226,8 +227,11 @@ class LlamaForCausalLM(nn.Module):
         tensors: list[torch.Tensor] = []
         qk_norms: list[torch.Tensor] = []
         kv_scales: list[torch.Tensor] = []  # an int8 pool's: its codes stand in for the K/V rows and blocks
+        layout: list[int] = []  # each layer's KV group and window
+        layer_map = pool_layer_map(self.config, pool)
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
+            attn, (group, slot) = layer.self_attn, layer_map[i]
+            layout += layer_layout(group, attn.kind)
             for linear in self._decode_linears(layer):
                 small = linear.small_rows > 0
                 shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
@@ -237,19 +241,20 @@ class LlamaForCausalLM(nn.Module):
                 bf16 += [linear.weight_bf16, linear.bias_bf16]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             if pool.supports_int8_block_views:
-                k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(attn.layer)
+                k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(slot)
                 rows = [codes.view(-1, *codes.shape[2:]) for codes in (k_codes, v_codes)]
                 tensors += [layer.post_attention_layernorm.weight, after.weight, *rows, k_codes, v_codes]
                 kv_scales += [k_scales, v_scales]
             else:
-                tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(attn.layer),
-                            *pool.block_views(attn.layer)]
+                tensors += [layer.post_attention_layernorm.weight, after.weight, *pool.token_rows(slot),
+                            *pool.block_views(slot)]
             if attn.qk_norm:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         eps, qk_eps = self._norm_eps()
         attn = layers[0].self_attn
         step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, attn.num_heads,
-                                     attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale)
+                                     attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale,
+                                     layout=layout)
         return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 class CppDecodeStep(StepExecutor):
     """A decode step (every row one new token, in batch order, read in place; with or without a prefix all rows
     share) runs every layer in one C++ call; any other step runs layer by layer with the fused ops. `handle` is
-    the model's C++ step over the runner's pool (`LlamaForCausalLM.prepare_decode_step`)."""
+    the model's C++ step over the runner's pool (`prepare_decode_step` of `LlamaForCausalLM` / `GemmaForCausalLM`).
+    A model with KV groups (sliding-window layers) hands each group's slots and block tables: every group's
+    metadata must be a pure decode step (cascade attention is off for such models)."""
 
     name = "cpp-decode"
     ops = FUSED_OPS
@@ -28,13 +30,16 @@ class CppDecodeStep(StepExecutor):
 
     def forward(self, runner: ModelRunner, batch: StepBatch, meta: AttentionMetadata) -> torch.Tensor:
         shared = None
-        group = meta.pure_decode_group()
+        metas = meta.groups or (meta,)
+        groups = [group_meta.pure_decode_group() for group_meta in metas]
         # an int8 pool's shared prefix is attended in Python (its keys dequantized, `gather_blocks`)
-        if group is None and runner.pool.supports_block_views:
-            group = meta.cascade_decode_group(batch.num_rows)
-            shared = meta.shared.block_ids if group is not None else None
-        if group is None:
+        if groups[0] is None and not meta.groups and runner.pool.supports_block_views:
+            groups = [meta.cascade_decode_group(batch.num_rows)]
+            shared = meta.shared.block_ids if groups[0] is not None else None
+        if any(group is None for group in groups):
             return super().forward(runner, batch, meta)
-        x, h, (cos, sin) = runner.model.embed(batch.input_ids, batch.positions, self.ops)
-        return self.handle.run(h, x, cos, sin, meta.slot_mapping, group.block_tables, group.context_lens, shared,
-                               shared is not None and meta.backend.prefill.flash)
+        x, h, (cos, sin, *local) = runner.model.embed(batch.input_ids, batch.positions, self.ops)
+        local_cos, local_sin = local or (None, None)
+        return self.handle.run(h, x, cos, sin, local_cos, local_sin, [group_meta.slot_mapping for group_meta in metas],
+                               [group.block_tables for group in groups], [group.context_lens for group in groups],
+                               shared, shared is not None and meta.backend.prefill.flash)
