@@ -16,12 +16,13 @@ pwritev / preadv in ~1 MiB pieces at queue depth 1 and at the tier's thread coun
 batch in one call, "per block" ops one call per block (what batching saves). Raw disk I/O modes (O_DIRECT,
 cold reads) are compared in `bench/tiers_io.py`. Prints tables and writes JSON, with the load average.
 
-The disk tier's puts are measured on a tier that keeps running, each repeat a batch of new keys (so it reuses
-its written batches' buffers, as a serving tier does, and appends to its segments); the raw write peers append the
-same bytes to a file too ("pwritev rewriting a truncated file": the old peer, which got the pages its truncation
-freed back warm). "put + flush" and its peer stop at the page cache; "put + flush(sync)" is the durable write (the
-tier's fdatasync of the segments it wrote, and of the directory when it made a segment) against pwritev +
-fdatasync of the same bytes.
+The disk tier's puts are measured on a tier that keeps running (so it reuses its written batches' buffers, as a
+serving tier does); before each repeat the last one's records are deleted and their segments removed, as the raw
+write peer truncates its file before each repeat, so both write into page-cache pages freed just before. (Appending
+past what was freed costs each side far more on a VM whose fresh guest pages fault on the host: 16 MiB appends
+measured 3-8 ms, then ~45 ms each once past ~100 MiB, on the 2-vCPU VM.) "put + flush" and its peer stop at the page
+cache; "put + flush(sync)" is the durable write (the tier's fdatasync of the segment it wrote, and of the directory,
+which gained that segment) against pwritev + fdatasync of the same bytes.
 
 `--paths new,old`: each block size runs once per path, alternating, so a loaded machine slows both alike: "new"
 is the default data path (the CRC32C method the kernel chose, one-pass disk reads), "old" the crc32 instruction
@@ -73,26 +74,15 @@ def best_seconds(fn, repeats: int, setup=None) -> float:
     return best
 
 
-def key_stream(n: int, block_size: int, tag: str):
-    """A function returning a new chain of `n` keys at each call (a put of new blocks every repeat)."""
-    calls = [0]
+def disk_puts(tier: DiskTier, keys: list[bytes], blocks: torch.Tensor, gather, repeats: int, sync: bool = False
+              ) -> float:
+    """Best seconds of put (or put_gather of `gather()`) + flush of `blocks` on a running `tier`; before each
+    repeat (untimed) the last one's records are deleted and their segments removed (`compact`), freeing their pages
+    as a truncation frees the raw peer's."""
 
-    def next_keys() -> list[bytes]:
-        calls[0] += 1
-        extra = make_extra_key("m", f"{tag}/{calls[0]}", "bf16")
-        return hash_token_blocks(list(range(n * block_size)), block_size, extra)
-
-    return next_keys
-
-
-def disk_puts(tier: DiskTier, blocks: torch.Tensor, gather, repeats: int, sync: bool = False) -> float:
-    """Best seconds of put (or put_gather of `gather()`) + flush of `blocks` on a running `tier`, new keys each
-    repeat (made untimed)."""
-    next_keys = key_stream(blocks.shape[0], tier.schema.block_size, f"{id(tier)}/{gather is None}/{sync}")
-    keys: list[bytes] = []
-
-    def new_keys() -> None:
-        keys[:] = next_keys()
+    def clear() -> None:
+        tier.delete(keys)
+        tier.compact(min_fragmentation=0.99)
 
     def put() -> None:
         if gather is None:
@@ -101,7 +91,7 @@ def disk_puts(tier: DiskTier, blocks: torch.Tensor, gather, repeats: int, sync: 
             tier.put_gather(keys, gather())
         tier.flush(sync=sync)
 
-    return best_seconds(put, repeats, setup=new_keys)
+    return best_seconds(put, repeats, setup=clear)
 
 
 def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> list[dict]:
@@ -123,9 +113,8 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     fd = os.open(raw, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     data = blocks.numpy()
     out_np = out.numpy()
-    end = [0]  # (appending, as the disk tier does)
-    write_s = best_seconds(lambda: [os.pwrite(fd, data[i], end[0] + i * bpb) for i in range(n)], repeats,
-                           setup=lambda: end.__setitem__(0, os.fstat(fd).st_size))
+    write_s = best_seconds(lambda: [os.pwrite(fd, data[i], i * bpb) for i in range(n)], repeats,
+                           setup=lambda: os.ftruncate(fd, 0))
     read_s = best_seconds(lambda: [os.preadv(fd, [out_np[i]], i * bpb) for i in range(n)], repeats)
     os.close(fd)
     raw.unlink()
@@ -152,15 +141,12 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     row("host", "get", best_seconds(lambda: host.get(keys), repeats), "torch copy", memcpy_s)
     host.close()
 
-    # disk tier: one running tier, a batch of new keys every repeat
-    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), (2 * repeats + 4) * (total + n * 72),
-                    max_pending_bytes=2 * total)
-    next_keys = key_stream(n, schema.block_size, "measure")
-    fresh: list[bytes] = []
-    row("disk", "put (queued)", best_seconds(lambda: disk.put(fresh, blocks), repeats,
-                                             setup=lambda: (disk.flush(), fresh.__setitem__(slice(None), next_keys()))),
+    # disk tier: one running tier; each repeat's records removed before the next (`disk_puts`)
+    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * (total + n * 72), max_pending_bytes=2 * total)
+    clear = lambda: (disk.flush(), disk.delete(keys), disk.compact(min_fragmentation=0.99))  # noqa: E731
+    row("disk", "put (queued)", best_seconds(lambda: disk.put(keys, blocks), repeats, setup=clear),
         "raw pwrite", write_s)
-    row("disk", "put + flush", disk_puts(disk, blocks, None, repeats), "raw pwrite", write_s)
+    row("disk", "put + flush", disk_puts(disk, keys, blocks, None, repeats), "raw pwrite", write_s)
     disk.put(keys, blocks)
     disk.flush()
     row("disk", "get_prefix(out=)", best_seconds(lambda: disk.get_prefix(keys, out=out), repeats),
@@ -171,28 +157,20 @@ def measure(schema: KVCacheSchema, n: int, repeats: int, directory: Path) -> lis
     return rows
 
 
-def raw_io(fd: int, data: np.ndarray, write: bool, depth: int, at: int = 0) -> None:
-    """pwritev / preadv of `data` ([n, row] uint8) in ~1 MiB pieces at `fd` offset `at`, `depth` at a time."""
+def raw_io(fd: int, data: np.ndarray, write: bool, depth: int) -> None:
+    """pwritev / preadv of `data` ([n, row] uint8) in ~1 MiB pieces at `fd` offset 0, `depth` at a time."""
     per = max(1, CACHE_CHUNK // data.shape[1])
     starts = range(0, data.shape[0], per)
 
     def piece(first: int) -> None:
         rows = list(data[first : first + per])
-        (os.pwritev if write else os.preadv)(fd, rows, at + first * data.shape[1])
+        (os.pwritev if write else os.preadv)(fd, rows, first * data.shape[1])
 
     if depth == 1:
         for first in starts:
             piece(first)
     else:
         list(move_pool().map(piece, starts))
-
-
-def raw_append(fd: int, data: np.ndarray, depth: int, sync: bool = False) -> None:
-    """`raw_io` writing `data` at the end of the file (as a log-structured store appends), then fdatasync if
-    `sync`."""
-    raw_io(fd, data, True, depth, at=os.fstat(fd).st_size)
-    if sync:
-        os.fdatasync(fd)
 
 
 def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_block: bool,
@@ -221,16 +199,13 @@ def sweep_one(kib: int, batch_bytes: int, repeats: int, directory: Path, per_blo
     gather_s = best(lambda: pool.read_blocks(ids, out=out.view(pool.dtype).view(n, *pool.block_shape)))
     fd = os.open(directory / "raw.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     depths = sorted({1, tier_rows.MOVE_THREADS})
-    # the write peers append, as the disk tier does (a file truncated before each repeat gets the pages its
-    # truncation freed back, warm: faster than any append; the "rewrite" row shows by how much)
-    write_s = min(best(lambda d=d: raw_append(fd, blocks.numpy(), d)) for d in depths)
-    sync_s = min(best(lambda d=d: raw_append(fd, blocks.numpy(), d, sync=True)) for d in depths)
-    rewrite_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), lambda: os.ftruncate(fd, 0)) for d in depths)
+    truncate = lambda: os.ftruncate(fd, 0)  # noqa: E731
+    write_s = min(best(lambda d=d: raw_io(fd, blocks.numpy(), True, d), truncate) for d in depths)
+    sync_s = min(best(lambda d=d: (raw_io(fd, blocks.numpy(), True, d), os.fdatasync(fd)), truncate) for d in depths)
     raw_io(fd, blocks.numpy(), True, 1)
     read_s = min(best(lambda d=d: raw_io(fd, out.numpy(), False, d)) for d in depths)
     os.close(fd)
     row("-", "crc32c", best(lambda: crc_runs(blocks, [(0, n)])), "raw copy", copy_s)
-    row("-", "pwritev rewriting a truncated file", rewrite_s, "raw pwritev", write_s)
 
     if "host" in tiers:
         host_ops(schema, keys, blocks, out, pool, ids, best, row, per_block, copy_s, gather_s)
@@ -268,15 +243,13 @@ def disk_ops(schema, keys, blocks, out, pool, ids, best, row, per_block: bool, r
              write_s: float, sync_s: float, read_s: float) -> None:
     """The disk tier's rows of `sweep_one`."""
     n, total = blocks.shape[0], blocks.numel()
-    # a running tier: room for every repeat's new keys, so nothing is evicted while timed
-    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), (4 * repeats + 8) * (total + n * 72),
-                    max_pending_bytes=2 * total)
-    row("disk", "put + flush", disk_puts(disk, blocks, None, repeats), "raw pwritev", write_s)
-    row("disk", "demote: put_gather + flush", disk_puts(disk, blocks, lambda: pool_gather(pool, ids), repeats),
+    # a running tier; each repeat's records removed before the next (`disk_puts`)
+    disk = DiskTier(schema, tempfile.mkdtemp(dir=directory), 4 * (total + n * 72), max_pending_bytes=2 * total)
+    row("disk", "put + flush", disk_puts(disk, keys, blocks, None, repeats), "raw pwritev", write_s)
+    row("disk", "demote: put_gather + flush", disk_puts(disk, keys, blocks, lambda: pool_gather(pool, ids), repeats),
         "raw pwritev", write_s)
-    row("disk", "put + flush(sync)", disk_puts(disk, blocks, None, repeats, sync=True), "pwritev+fdatasync", sync_s)
-    disk.put(keys, blocks)
-    disk.flush()
+    row("disk", "put + flush(sync)", disk_puts(disk, keys, blocks, None, repeats, sync=True), "pwritev+fdatasync",
+        sync_s)
     row("disk", "get_prefix(out=)", best(lambda: disk.get_prefix(keys, out=out)), "raw preadv", read_s)
     assert torch.equal(out, blocks)
     if per_block:
