@@ -19,8 +19,8 @@ cold reads) are compared in `bench/tiers_io.py`. Prints tables and writes JSON, 
 The disk tier's puts are measured on a tier that keeps running (so it reuses its written batches' buffers, as a
 serving tier does); before each repeat the last one's records are deleted and their segments removed, as the raw
 write peer truncates its file before each repeat, so both write into page-cache pages freed just before. (Appending
-past what was freed costs each side far more on a VM whose fresh guest pages fault on the host: 16 MiB appends
-measured 3-8 ms, then ~45 ms each once past ~100 MiB, on the 2-vCPU VM.) "put + flush" and its peer stop at the page
+past what was freed cost far more on the 2-vCPU VM, for a plain pwritev too: 16 MiB appends took 3-8 ms, then ~45 ms
+each once ~100 MiB had been appended; the cause was not isolated.) "put + flush" and its peer stop at the page
 cache; "put + flush(sync)" is the durable write (the tier's fdatasync of the segment it wrote, and of the directory,
 which gained that segment) against pwritev + fdatasync of the same bytes.
 
