@@ -72,14 +72,15 @@ def test_paged_decode_kernel_softmax_with_a_sink_counts_it_in_the_lse():
 
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 32), (torch.float32, 256)])
 def test_flash_kernel_takes_window_softcap_and_sinks(dtype, head_dim):
-    """Spans from the start and after cached keys, shorter and longer than the window and a 64-key tile; bf16
+    """Spans from the start and after cached keys, shorter and longer than the window and a 64-key tile, and one of
+    many tasks (each of up to 64 query positions, some past their window's start); bf16
     within its rounding of P (against the math on the same bf16 inputs)."""
     if flash_unavailable(head_dim, dtype) is not None:
         pytest.skip(f"flash kernel: {flash_unavailable(head_dim, dtype)}")
     torch.manual_seed(head_dim)
     scale = head_dim**-0.5
     tolerance = FP32 if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for ctx_len, q_len, window in [(37, 37, 1), (150, 90, 100), (200, 1, 40), (90, 23, 5)]:
+    for ctx_len, q_len, window in [(37, 37, 1), (150, 90, 100), (200, 1, 40), (90, 23, 5), (700, 600, 100)]:
         q, k, v = (torch.randn(n, h, head_dim).to(dtype) for n, h in ((q_len, HEADS), (ctx_len, KV_HEADS),
                                                                        (ctx_len, KV_HEADS)))
         for kind in kinds(window, 40):

@@ -1,6 +1,7 @@
 """`model.prefill_attention: sage`: the flash kernels (csrc/flash_bf16.cpp on AVX-512 and AVX512-BF16,
 csrc/flash_avx2.cpp on AVX2; bf16 and fp32) against attention in fp32 plain ops, per call at every ISA level
-this CPU runs (causal lower-right and unmasked, GQA, strided views, partial tiles), then in the engine against
+this CPU runs (causal lower-right and unmasked, GQA, strided views, partial tiles, chunks long enough for tasks of
+64 query positions and a partial last one), then in the engine against
 PyTorch's flash kernel (the reference path): the same attention metadata through `paged_attention`, greedy
 tokens within bf16 drift, and in fp32 the same greedy tokens. Skipped where no kernel can run (no AVX2, no
 compiler): each test says why."""
@@ -73,7 +74,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 
 @pytest.mark.usefixtures("bf16_kernel")
 @pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
-                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
+                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False),
+                                           (600, 1900, True), (257, 257, False)])
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((4, 4), 32), ((8, 2), 128), ((4, 2), 96)])
 def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     torch.manual_seed(lq * 31 + c)
@@ -89,7 +91,8 @@ def test_the_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
 
 @pytest.mark.usefixtures("f32_kernel")
 @pytest.mark.parametrize("lq, c, causal", [(1, 1, True), (7, 7, True), (77, 77, True), (300, 300, True),
-                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False)])
+                                           (32, 1056, True), (5, 64, True), (64, 1024, False), (3, 70, False),
+                                           (600, 1900, True), (257, 257, False)])
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((6, 2), 64), ((4, 4), 32), ((8, 2), 128), ((4, 2), 96)])
 def test_the_fp32_kernel_matches_fp32_attention(lq, c, causal, heads, head_dim):
     torch.manual_seed(lq * 17 + c)

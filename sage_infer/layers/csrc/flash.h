@@ -1,16 +1,18 @@
 // What the flash kernels share (flash_bf16.cpp: AVX-512 and AVX512-BF16; flash_avx2.cpp: AVX2): the
-// contract's argument checks, the tile and task sizes, the order tasks are handed out in, and what a layer's attention
+// contract's argument checks, the tile and task sizes, how tasks are handed out, and what a layer's attention
 // kind adds (`Kind`: a sliding window, a logit soft-cap, attention sinks).
 #pragma once
 #include "kernel.h"
+#include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 namespace flash {
 
 constexpr int64_t kTile = 64;         // keys per tile
-constexpr int64_t kRowsPerTask = 16;  // query positions per task
+constexpr int64_t kTaskRows = 192;    // rows a task aims at (query positions x the G query heads of a KV head)
 constexpr float kNegInf = -1e30f;     // finite: the kernels are built with -ffast-math
 constexpr int64_t kMaxHeadDim = 256;  // a multiple of 32 up to this (Gemma's heads are 256 wide)
 
@@ -65,10 +67,33 @@ inline void check_shapes(const char* name, const torch::Tensor& q, const torch::
   TORCH_CHECK(!causal || c >= q.size(0), name, ": causal needs at least as many keys as queries");
 }
 
-// the query block of task i (of `blocks`): causal tasks grow with the block, so alternate ends to keep each
-// thread's share balanced
-inline int64_t task_block(int64_t i, int64_t blocks, bool causal) {
-  return causal ? (i % 2 == 0 ? i / 2 : blocks - 1 - i / 2) : i;
+// Query positions per task. A task reads each tile of its KV head's keys and values once for all its rows, so
+// the more rows the less K/V traffic: about kTaskRows rows (16 to 64 positions, a multiple of 16), fewer where a
+// chunk would give under 4 tasks per thread.
+inline int64_t task_positions(int64_t lq, int64_t kv_heads, int64_t groups) {
+  int64_t positions = std::clamp<int64_t>(kTaskRows / groups / 16 * 16, 16, 64);
+  const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
+  while (positions > 16 && kv_heads * ((lq + positions - 1) / positions) < wanted) positions -= 16;
+  return positions;
+}
+
+// the query block of the i-th task handed out (of `blocks`): causal, the last block first (it sees the most keys),
+// so the short tasks come last and fill in behind the long ones
+inline int64_t task_block(int64_t i, int64_t blocks, bool causal) { return causal ? blocks - 1 - i : i; }
+
+// Runs `body(take)` once on each thread (as many as tasks, at most at::get_num_threads()); `take()` hands out the
+// next of tasks 0 .. tasks - 1 from one shared counter, -1 when none is left. A thread that has its core keeps
+// taking tasks while one that lost it to another process holds only the task it is in, so a region waits for at
+// most one task, not for a fixed half of the work.
+template <typename Body>
+inline void run_tasks(int64_t tasks, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const auto take = [&]() -> int64_t {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < tasks ? i : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(take); });
 }
 
 }  // namespace flash

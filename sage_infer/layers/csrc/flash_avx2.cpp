@@ -1,16 +1,17 @@
 // Attention of many queries (a prefill chunk, or decode rows that all read one shared prefix) on AVX2 + FMA:
-// the flash kernel of the builds without AVX-512 (the avx2 level), fp32 or bf16 q, k, v. bf16 is widened to fp32 as it is read (a 16-bit shift: exact), and from there both are one fp32
+// the flash kernel of the builds without AVX-512 (the avx2 level), fp32 or bf16 q, k, v. bf16 is widened to fp32
+// as it is read (a 16-bit shift: exact), and from there both are one fp32
 // kernel: exact fp32 products, fp32 sums, so only the summation order differs from the reference
 // (sage_infer.layers.attention.attention_with_lse_reference).
 //
 // The contract of csrc/flash_bf16.cpp: q: [Lq, H, D]; k, v: [C, KvH, D] (strided views with contiguous
 // heads); causal aligned to the lower right; a layer's kind (flash.h's `Kind`) -> out [Lq, H, D] and lse [Lq, H],
-// fp32. Its fp32 kernel's
-// walk too: a task is one KV head and 16 query positions (16 x G rows: the G query heads of the KV head
-// share its keys), and each 64-key tile of the head's keys is read once per task and applied to every group
-// of 6 rows, whose softmax state lives in `RowState`s between tiles. With 16 ymm registers a pass holds 6
-// rows x 16 keys of scores (12 accumulators; K packed [C/8][D][8], 8 keys side by side per dimension, one
-// query element broadcast per row), and P·V 6 rows x 16 dimensions (p broadcast, V read by key).
+// fp32. Its fp32 kernel's walk too: a task is one KV head and 16-64 query positions (`flash::task_positions`; the
+// G query heads of the KV head share its keys), handed out from a shared counter (`flash::run_tasks`), and each
+// 64-key tile of the head's keys is read once per task and applied to every group of 6 rows, whose softmax state
+// lives in `RowState`s between tiles. With 16 ymm registers a pass holds 6 rows x 16 keys of scores (12
+// accumulators; K packed [C/8][D][8], 8 keys side by side per dimension, one query element broadcast per row), and
+// P·V 6 rows x 16 dimensions (p broadcast, V read by key).
 #include "flash.h"
 #include "kernel.h"
 #include <ATen/Parallel.h>
@@ -198,25 +199,19 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       }
     }
   });
-  const int64_t qblocks = (lq + flash::kRowsPerTask - 1) / flash::kRowsPerTask, tasks = kv_heads * qblocks;
+  const int64_t positions = flash::task_positions(lq, kv_heads, groups);
+  const int64_t qblocks = (lq + positions - 1) / positions;
   const T* qb = q.data_ptr<T>();
   const int64_t qs = q.stride(0), qh = q.stride(1);
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<RowState> state;
-    std::vector<RowState*> st;
-    std::vector<float> qwide;
-    std::vector<const float*> qp;
-    std::vector<int64_t> first, limit;
-    for (int64_t task = t0; task < t1; ++task) {
+  flash::run_tasks(kv_heads * qblocks, [&](const auto& take) {
+    std::vector<RowState> state(positions * groups);
+    std::vector<RowState*> st(state.size());
+    std::vector<float> qwide(in_place ? 0 : state.size() * d);
+    std::vector<const float*> qp(state.size());
+    std::vector<int64_t> first(state.size()), limit(state.size());
+    for (int64_t task = take(); task >= 0; task = take()) {
       const int64_t h = task % kv_heads, qblk = flash::task_block(task / kv_heads, qblocks, causal);
-      const int64_t p0 = qblk * flash::kRowsPerTask, p1 = std::min(lq, p0 + flash::kRowsPerTask);
-      const int64_t rows = (p1 - p0) * groups;
-      state.resize(rows);
-      st.resize(rows);
-      qwide.resize(rows * d);
-      qp.resize(rows);
-      first.resize(rows);
-      limit.resize(rows);
+      const int64_t p0 = qblk * positions, rows = (std::min(lq, p0 + positions) - p0) * groups;
       int64_t last = 0, begin = c;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = p0 + r / groups, head = h * groups + r % groups;

@@ -8,9 +8,9 @@
 // -> out [Lq, H, D] fp32 and lse [Lq, H] fp32 (log-sum-exp of the scaled scores).
 //
 // Per KV head, K is packed once as [C/16][D/2][16][2] (16 keys side by side per column pair) and V
-// as [C/2][D][2] (2 keys side by side per dimension); a task is one KV head and 16 query positions,
-// i.e. 16 x G rows (the G query heads of the KV head share its keys), taken 6 rows at a time over
-// tiles of 64 keys: scores (24 accumulators of 16 keys), online softmax in fp32, then P·V with P
+// as [C/2][D][2] (2 keys side by side per dimension); a task is one KV head and 16-64 query positions
+// (`attend_tasks`: the G query heads of the KV head share its keys), walked tile by tile of 64 keys, each tile
+// applied to every group of 6 rows: scores (24 accumulators of 16 keys), online softmax in fp32, then P·V with P
 // rounded to bf16 (as PyTorch's CPU flash kernel rounds it for bf16 inputs). Scores are exact bf16
 // products summed in fp32, so only the summation order and that rounding differ from the reference
 // (sage_infer.layers.attention.attention_with_lse_reference).
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -33,9 +34,7 @@ namespace {
 
 using flash::Kind;
 using flash::kNegInf;
-using flash::kRowsPerTask;
 using flash::kTile;
-using flash::task_block;
 
 #if defined(__AVX512F__)
 // one row's online-softmax step over a 64-key tile, both kernels: s, its 4 x 16 unscaled scores (keys before
@@ -77,97 +76,147 @@ inline float softmax_tile(__m512 (&s)[4], int64_t k0, int64_t first, int64_t lim
 }
 #endif
 
-#if defined(__AVX512BF16__)
-constexpr int kBf16Rows = 6;  // rows per pass: 6 x 4 score accumulators, 4 keys' vectors
+#if defined(__AVX512F__)
+// a row's softmax state between tiles, both kernels
+struct F32Row {
+  __m512 l;  // softmax denominator, per lane: summed across lanes once, at the end
+  float m;   // running max of the scaled scores
+  alignas(64) float o[flash::kMaxHeadDim];  // unnormalised output
+};
 
-// one group of R rows (R <= kBf16Rows) over all its keys; qp: R rows of D/2 bf16 pairs; first[r], limit[r]: the
-// first and last key row r sees; heads[r]: its query head (its sink) -> out, lse
-template <int R>
-void rows_pass(const uint32_t* const* qp, const int64_t* first, const int64_t* limit, const int64_t* heads,
-               const uint16_t* kp, const uint16_t* vp, int64_t d, float scale, const Kind& kind, float* const* out,
-               float* lse) {
-  const int64_t pairs = d / 2, chunks = d / 16;
-  int64_t last = 0, begin = first[0];
-  for (int r = 0; r < R; ++r) {
-    last = std::max(last, limit[r]);
-    begin = std::min(begin, first[r]);
-  }
-  float m[R];
-  __m512 l[R];  // the softmax denominators, per lane: summed across lanes once, at the end
-  alignas(64) float o[R][flash::kMaxHeadDim];
-  alignas(64) uint16_t pb[R][kTile];  // P of one tile, bf16
-  for (int r = 0; r < R; ++r) {
-    m[r] = kNegInf;
-    l[r] = _mm512_setzero_ps();
-    std::memset(o[r], 0, sizeof(float) * d);
-  }
-  for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {  // tiles before every row's window skipped
-    __m512 s[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
-    const uint16_t* kt = kp + k0 * d;  // 4 blocks of 16 keys, each [D/2][16][2]
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m512bh kk[4];
-      for (int j = 0; j < 4; ++j) kk[j] = (__m512bh)_mm512_loadu_si512(kt + j * 16 * d + p * 32);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][p]));
-        for (int j = 0; j < 4; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], kk[j], qb);
+// What both AVX-512 kernels' task loop needs to know of a call.
+struct Call {
+  int64_t lq, heads, kv_heads, c, d;
+  bool causal;
+  int64_t qs, qh;  // q's row and head strides, in the kernel's q elements
+  float* out;      // [Lq, H, D]
+  float* lse;      // [Lq, H]
+};
+
+// The task loop of both AVX-512 kernels. A task is one KV head and `flash::task_positions` query positions, i.e.
+// positions x G rows (the G query heads of the KV head share its keys), handed out by `flash::run_tasks`; it walks
+// its head's keys tile-major: each 64-key tile is read once per task and applied to every group of up to 6 rows
+// (`tile(n, q, first, limit, head, k0, nkeys, state)`, n rows), whose softmax state lives in `F32Row`s between
+// tiles. `Q`: q's element type (float, or uint32_t: a bf16 pair).
+template <typename Q, typename Tile>
+void attend_tasks(const Q* qb, const Call& call, const Kind& kind, const Tile& tile) {
+  const int64_t groups = call.heads / call.kv_heads, lq = call.lq, c = call.c, d = call.d;
+  const int64_t positions = flash::task_positions(lq, call.kv_heads, groups);
+  const int64_t qblocks = (lq + positions - 1) / positions;
+  flash::run_tasks(call.kv_heads * qblocks, [&](const auto& take) {
+    std::vector<F32Row> state(positions * groups);
+    std::vector<F32Row*> st(state.size());
+    std::vector<const Q*> qp(state.size());
+    std::vector<int64_t> first(state.size()), limit(state.size());
+    for (int64_t task = take(); task >= 0; task = take()) {
+      const int64_t h = task % call.kv_heads, qblk = flash::task_block(task / call.kv_heads, qblocks, call.causal);
+      const int64_t p0 = qblk * positions, rows = (std::min(lq, p0 + positions) - p0) * groups;
+      int64_t last = 0, begin = c;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
+        qp[r] = qb + pos * call.qs + head * call.qh;
+        limit[r] = call.causal ? pos + c - lq : c - 1;
+        first[r] = flash::first_key(limit[r], kind);
+        last = std::max(last, limit[r]);
+        begin = std::min(begin, first[r]);
+        st[r] = &state[r];
+        state[r].m = kNegInf;
+        state[r].l = _mm512_setzero_ps();
+        std::memset(state[r].o, 0, sizeof(float) * d);
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m512 pv[4];
-      const float alpha = softmax_tile(s[r], k0, first[r], limit[r], scale, kind.softcap, m[r], l[r], pv);
-      for (int j = 0; j < 4; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv[j]));
-      if (alpha != 1.f)
-        for (int64_t c = 0; c < chunks; ++c)
-          _mm512_store_ps(o[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), _mm512_set1_ps(alpha)));
-    }
-    // o[r] += P[r] (64 keys, bf16) . V (64 keys): per key pair, 2 keys' values side by side
-    const uint16_t* vt = vp + k0 * d;  // [32 pairs][D][2]
-    for (int64_t c = 0; c < chunks; c += 4) {
-      const int64_t n = std::min<int64_t>(4, chunks - c);
-      __m512 acc[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < n; ++j) acc[r][j] = _mm512_load_ps(o[r] + 16 * (c + j));
-      for (int64_t kp2 = 0; kp2 < kTile / 2; ++kp2) {
-        __m512bh vv[4];
-        for (int j = 0; j < n; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vt + (kp2 * d + 16 * (c + j)) * 2);
-        for (int r = 0; r < R; ++r) {
-          uint32_t pair;
-          std::memcpy(&pair, pb[r] + 2 * kp2, sizeof pair);
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int j = 0; j < n; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pp);
+      // each tile once per task, for every row; tiles before every row's window are not read
+      for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+          const int n = static_cast<int>(std::min<int64_t>(6, rows - r0));
+          const int64_t glast = *std::max_element(limit.begin() + r0, limit.begin() + r0 + n);
+          const int64_t gfirst = *std::min_element(first.begin() + r0, first.begin() + r0 + n);
+          if (k0 > glast || k0 + kTile <= gfirst) continue;
+          const int64_t nkeys = std::min<int64_t>(kTile, glast + 1 - k0);
+          tile(n, qp.data() + r0, first.data() + r0, limit.data() + r0, h, k0, nkeys, st.data() + r0);
         }
       }
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < n; ++j) _mm512_store_ps(o[r] + 16 * (c + j), acc[r][j]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
+        float total = _mm512_reduce_add_ps(state[r].l);
+        const float inv = flash::finish(state[r].m, total, kind, head);
+        float* orow = call.out + (pos * call.heads + head) * d;
+        for (int64_t j = 0; j < d; ++j) orow[j] = state[r].o[j] * inv;
+        call.lse[pos * call.heads + head] = state[r].m + std::log(total);
+      }
+    }
+  });
+}
+
+// fn(std::integral_constant<int, n>) for n = 1 .. 6: a tile function's row count as a constant
+template <typename Fn>
+inline void with_rows(int n, const Fn& fn) {
+  switch (n) {
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    default: fn(std::integral_constant<int, 1>());
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// one 64-key tile for R rows (R <= 6): scores (R x 4 accumulators of 16 keys, 4 keys' vectors) on `vdpbf16ps`,
+// the online softmax in fp32, then o = o * alpha + P . V with P rounded to bf16; qp: R rows of D/2 bf16 pairs; kt:
+// the tile's packed keys, 4 blocks [D/2][16][2]; vt: its values, 32 key pairs [D][2]
+template <int R>
+void bf16_tile(const uint32_t* const* qp, const int64_t* first, const int64_t* limit, const uint16_t* kt,
+               const uint16_t* vt, int64_t k0, int64_t d, float scale, float softcap, F32Row* const* st) {
+  const int64_t pairs = d / 2, chunks = d / 16;
+  __m512 s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh kk[4];
+    for (int j = 0; j < 4; ++j) kk[j] = (__m512bh)_mm512_loadu_si512(kt + j * 16 * d + p * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][p]));
+      for (int j = 0; j < 4; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], kk[j], qb);
     }
   }
+  alignas(64) uint16_t pb[R][kTile];  // P of the tile, bf16
+  float alpha[R];
   for (int r = 0; r < R; ++r) {
-    float total = _mm512_reduce_add_ps(l[r]);
-    const float inv = flash::finish(m[r], total, kind, heads[r]);
-    for (int64_t i = 0; i < d; ++i) out[r][i] = o[r][i] * inv;
-    lse[r] = m[r] + std::log(total);
+    __m512 pv[4];
+    alpha[r] = softmax_tile(s[r], k0, first[r], limit[r], scale, softcap, st[r]->m, st[r]->l, pv);
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * j), (__m256i)_mm512_cvtneps_pbh(pv[j]));
+  }
+  // o[r] = o[r] * alpha[r] + P[r] (64 keys, bf16) . V (64 keys): per key pair, 2 keys' values side by side
+  for (int64_t c = 0; c < chunks; c += 4) {
+    const int64_t n = std::min<int64_t>(4, chunks - c);
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < n; ++j)
+        acc[r][j] = _mm512_mul_ps(_mm512_load_ps(st[r]->o + 16 * (c + j)), _mm512_set1_ps(alpha[r]));
+    for (int64_t kp2 = 0; kp2 < kTile / 2; ++kp2) {
+      __m512bh vv[4];
+      for (int j = 0; j < n; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vt + (kp2 * d + 16 * (c + j)) * 2);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, pb[r] + 2 * kp2, sizeof pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int j = 0; j < n; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pp);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < n; ++j) _mm512_store_ps(st[r]->o + 16 * (c + j), acc[r][j]);
   }
 }
 #endif
 
 // ---- fp32: q, k, v all float32 (an fp32 model's prefill chunks and shared prefixes) ----
 //
-// The same tasks as the bf16 kernel (one KV head x 16 query positions), walked tile-major: each
-// 64-key tile of the head's keys is read once per task and applied to every group of 6 rows, whose
-// softmax state (running max, per-lane denominators, output) lives in `F32Row`s between tiles.
-// Scores by fp32 FMA (K packed [C/16][D][16]: 16 keys side by side per dimension, one query
-// element broadcast per row), P·V by key (p broadcast, V rows read in place). Exact fp32 products;
-// only the summation order differs from the reference.
+// The same tasks and walk as the bf16 kernel (`attend_tasks`). Scores by fp32 FMA (K packed [C/16][D][16]: 16 keys
+// side by side per dimension, one query element broadcast per row), P·V by key (p broadcast, V rows read in place).
+// Exact fp32 products; only the summation order differs from the reference.
 #if defined(__AVX512F__)
-struct F32Row {
-  __m512 l;  // softmax denominator, per lane
-  float m;   // running max of the scaled scores
-  alignas(64) float o[flash::kMaxHeadDim];  // unnormalised output
-};
-
 // o[r][off, off + 16 N) = o * alpha[r] + P[r] . V over the tile's first nkeys keys; N is a constant so
 // the R x N accumulators stay in registers
 template <int R, int N>
@@ -189,10 +238,8 @@ inline void f32_values(const float* v, int64_t vs, int64_t nkeys, const float (*
     for (int j = 0; j < N; ++j) _mm512_store_ps(st[r]->o + off + 16 * j, acc[r][j]);
 }
 
-constexpr int kF32Rows = 6;  // rows per tile pass: 6 x 4 score accumulators, 4 keys' vectors
-
-// one 64-key tile for R rows (R <= kF32Rows); kt: the tile's packed keys, 4 blocks [D][16]; vt: its first
-// key's value row, `vs` floats apart; nkeys: keys of the tile any row sees
+// one 64-key tile for R rows (R <= 6: 6 x 4 score accumulators, 4 keys' vectors); kt: the tile's packed keys, 4
+// blocks [D][16]; vt: its first key's value row, `vs` floats apart; nkeys: keys of the tile any row sees
 template <int R>
 void f32_tile(const float* const* qr, const int64_t* first, const int64_t* limit, const float* kt, const float* vt,
               int64_t vs, int64_t nkeys, int64_t k0, int64_t d, float scale, float softcap, F32Row* const* st) {
@@ -238,7 +285,7 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
   auto out = torch::empty({lq, heads, d}, q.options().dtype(at::kFloat));
   auto lse = torch::empty({lq, heads}, q.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__)
-  const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
+  const int64_t cp = (c + kTile - 1) / kTile * kTile;
   // packed K: [KvH][cp/16][D/2][16][2]; packed V: [KvH][cp/2][D][2] (zero padded past C)
   std::vector<uint16_t> kpack(kv_heads * cp * d), vpack(kv_heads * cp * d);
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
@@ -260,44 +307,17 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
       }
     }
   });
-  const int64_t qblocks = (lq + kRowsPerTask - 1) / kRowsPerTask, tasks = kv_heads * qblocks;
-  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());  // bf16 pairs
-  const int64_t qs = q.stride(0) / 2, qh = q.stride(1) / 2;
-  float* ob = out.data_ptr<float>();
-  float* lb = lse.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t h = task % kv_heads, qb = task_block(task / kv_heads, qblocks, causal);
-      const int64_t p0 = qb * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
-      const int64_t rows = (p1 - p0) * groups;
-      for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
-        const int n = static_cast<int>(std::min<int64_t>(kBf16Rows, rows - r0));
-        const uint32_t* qp[kBf16Rows];
-        int64_t first[kBf16Rows], limit[kBf16Rows], head[kBf16Rows];
-        float* orow[kBf16Rows];
-        float lsev[kBf16Rows];
-        for (int r = 0; r < n; ++r) {
-          const int64_t pos = p0 + (r0 + r) / groups;
-          head[r] = h * groups + (r0 + r) % groups;
-          qp[r] = qw + pos * qs + head[r] * qh;
-          limit[r] = causal ? pos + c - lq : c - 1;
-          first[r] = flash::first_key(limit[r], kind);
-          orow[r] = ob + (pos * heads + head[r]) * d;
-        }
-        const uint16_t* kph = kpack.data() + h * cp * d;
-        const uint16_t* vph = vpack.data() + h * cp * d;
-        switch (n) {
-          case 6: rows_pass<6>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
-          case 5: rows_pass<5>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
-          case 4: rows_pass<4>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
-          case 3: rows_pass<3>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
-          case 2: rows_pass<2>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev); break;
-          default: rows_pass<1>(qp, first, limit, head, kph, vph, d, s, kind, orow, lsev);
-        }
-        for (int r = 0; r < n; ++r) lb[(p0 + (r0 + r) / groups) * heads + head[r]] = lsev[r];
-      }
-    }
+  const Call call{lq, heads, kv_heads, c, d, causal, q.stride(0) / 2, q.stride(1) / 2, out.data_ptr<float>(),
+                  lse.data_ptr<float>()};
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());  // bf16 pairs
+  attend_tasks(qw, call, kind, [&](int n, const uint32_t* const* qr, const int64_t* first, const int64_t* limit,
+                                   int64_t h, int64_t k0, int64_t, F32Row* const* st) {
+    const uint16_t* kt = kpack.data() + (h * cp + k0) * d;
+    const uint16_t* vt = vpack.data() + (h * cp + k0) * d;
+    with_rows(n, [&](auto rows) {
+      bf16_tile<decltype(rows)::value>(qr, first, limit, kt, vt, k0, d, s, kind.softcap, st);
+    });
   });
 #else
   TORCH_CHECK(false, "flash_attention_bf16: built without AVX512-BF16 (this CPU or compiler lacks it)");
@@ -314,7 +334,7 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
   auto out = torch::empty({lq, heads, d}, q.options());
   auto lse = torch::empty({lq, heads}, q.options());
 #if defined(__AVX512F__)
-  const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
+  const int64_t cp = (c + kTile - 1) / kTile * kTile;
   // packed K: [KvH][cp/16][D][16], zero padded past C (torch's allocator aligns it to 64 bytes)
   auto kpack = torch::empty({kv_heads * cp * d}, q.options());
   float* kpb = kpack.data_ptr<float>();
@@ -332,73 +352,17 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
       }
     }
   });
-  const int64_t qblocks = (lq + kRowsPerTask - 1) / kRowsPerTask, tasks = kv_heads * qblocks;
-  const float* qb = q.data_ptr<float>();
-  const int64_t qs = q.stride(0), qh = q.stride(1);
-  float* ob = out.data_ptr<float>();
-  float* lb = lse.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<F32Row> state;
-    std::vector<F32Row*> st;
-    std::vector<const float*> qp;
-    std::vector<int64_t> first, limit;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t h = task % kv_heads, qblk = task_block(task / kv_heads, qblocks, causal);
-      const int64_t p0 = qblk * kRowsPerTask, p1 = std::min(lq, p0 + kRowsPerTask);
-      const int64_t rows = (p1 - p0) * groups;
-      state.resize(rows);
-      st.resize(rows);
-      qp.resize(rows);
-      first.resize(rows);
-      limit.resize(rows);
-      int64_t last = 0, begin = c;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
-        qp[r] = qb + pos * qs + head * qh;
-        limit[r] = causal ? pos + c - lq : c - 1;
-        first[r] = flash::first_key(limit[r], kind);
-        last = std::max(last, limit[r]);
-        begin = std::min(begin, first[r]);
-        st[r] = &state[r];
-        state[r].m = kNegInf;
-        state[r].l = _mm512_setzero_ps();
-        std::memset(state[r].o, 0, sizeof(float) * d);
-      }
-      const float* kph = kpb + h * cp * d;
-      // each tile once per task, for every row; tiles before every row's window are not read
-      for (int64_t k0 = begin / kTile * kTile; k0 <= last; k0 += kTile) {
-        const float* kt = kph + k0 * d;
-        const float* vt = vb + k0 * vs + h * vh;
-        for (int64_t r0 = 0; r0 < rows; r0 += kF32Rows) {
-          const int n = static_cast<int>(std::min<int64_t>(kF32Rows, rows - r0));
-          const int64_t glast = *std::max_element(limit.begin() + r0, limit.begin() + r0 + n);
-          const int64_t gfirst = *std::min_element(first.begin() + r0, first.begin() + r0 + n);
-          if (k0 > glast || k0 + kTile <= gfirst) continue;
-          const int64_t nkeys = std::min<int64_t>(kTile, glast + 1 - k0);
-          const float* const* q4 = qp.data() + r0;
-          const int64_t* f4 = first.data() + r0;
-          const int64_t* l4 = limit.data() + r0;
-          F32Row* const* s4 = st.data() + r0;
-          switch (n) {
-            case 6: f32_tile<6>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
-            case 5: f32_tile<5>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
-            case 4: f32_tile<4>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
-            case 3: f32_tile<3>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
-            case 2: f32_tile<2>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4); break;
-            default: f32_tile<1>(q4, f4, l4, kt, vt, vs, nkeys, k0, d, s, kind.softcap, s4);
-          }
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = p0 + r / groups, head = h * groups + r % groups;
-        float total = _mm512_reduce_add_ps(state[r].l);
-        const float inv = flash::finish(state[r].m, total, kind, head);
-        float* orow = ob + (pos * heads + head) * d;
-        for (int64_t j = 0; j < d; ++j) orow[j] = state[r].o[j] * inv;
-        lb[pos * heads + head] = state[r].m + std::log(total);
-      }
-    }
+  const Call call{lq, heads, kv_heads, c, d, causal, q.stride(0), q.stride(1), out.data_ptr<float>(),
+                  lse.data_ptr<float>()};
+  attend_tasks(q.data_ptr<float>(), call, kind, [&](int n, const float* const* qr, const int64_t* first,
+                                                    const int64_t* limit, int64_t h, int64_t k0, int64_t nkeys,
+                                                    F32Row* const* st) {
+    const float* kt = kpb + (h * cp + k0) * d;
+    const float* vt = vb + k0 * vs + h * vh;
+    with_rows(n, [&](auto rows) {
+      f32_tile<decltype(rows)::value>(qr, first, limit, kt, vt, vs, nkeys, k0, d, s, kind.softcap, st);
+    });
   });
 #else
   TORCH_CHECK(false, "flash_attention_f32: built without AVX-512 (this CPU or compiler lacks it)");
