@@ -3,6 +3,7 @@
     python bench/flash_attention.py --threads 2 --json out/flash_attention.json
     python bench/flash_attention.py --dtype fp32 --heads 6,2 --json out/flash_attention_fp32.json
     SAGE_CPU_ISA=avx2 python bench/flash_attention.py --lengths 512,2048 --stat median --json out/flash_avx2.json
+    python bench/flash_attention.py --dtype fp32 --heads 6,2 --lengths 4096,16384,32768 --chunk 2048 --repeats 3
 
 Default: Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v; `--dtype fp32
 --heads 6,2` is the qwen3-11m bench model's (an fp32 model's prefill goes to the fp32 kernel). Cases: causal prefill
@@ -12,9 +13,10 @@ keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's 
 it into an unmasked and a causal call merged by log-sum-exp: `chunk_attention_lse`, timed here); the
 shared prefix of W2's decode steps, 64 rows x 14 heads over 1,024 keys unmasked
 (`shared_keys_attention_lse`, G heads folded into rows); `--lengths` keeps only first chunks of those
-lengths. Best (or `--stat median`) of `--repeats` calls each, the reference's and sage's alternating; "max
-diff" is against fp32 plain ops, for both kernels. The kernel is the one of the ISA level in use
-(`SAGE_CPU_ISA` forces a lower one), named in the header and the JSON.
+lengths, and with `--chunk N` the last N-token chunk of each instead (a long prompt's chunked prefill: N queries
+after L - N cached keys, reference `chunk_attention_lse`). Best (or `--stat median`) of `--repeats` calls each,
+the reference's and sage's alternating; "max diff" is against fp32 plain ops, for both kernels. The kernel is the
+one of the ISA level in use (`SAGE_CPU_ISA` forces a lower one), named in the header and the JSON.
 """
 
 from __future__ import annotations
@@ -45,13 +47,19 @@ CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True
          (64, 1024, False), (2016, 4064, True)]
 
 
-def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(groups, 1)) * HEAD_DIM ** -0.5
-    if causal:
-        lq, c = q.shape[0], k.shape[0]
-        scores = scores.masked_fill(torch.arange(c)[None, :] > torch.arange(lq)[:, None] + (c - lq), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v.float().repeat_interleave(groups, 1))
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block: int = 1024) -> torch.Tensor:
+    """fp32 plain ops, `block` queries at a time (the scores of a 32K prompt at once would take 24 GiB)."""
+    groups, lq, c = q.shape[1] // k.shape[1], q.shape[0], k.shape[0]
+    kf, vf = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    out = []
+    for q0 in range(0, lq, block):
+        qb = q[q0:q0 + block].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, kf) * HEAD_DIM ** -0.5
+        if causal:
+            rows = torch.arange(q0, q0 + qb.shape[0])[:, None] + (c - lq)
+            scores = scores.masked_fill(torch.arange(c)[None, :] > rows, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vf))
+    return torch.cat(out)
 
 
 def first_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor]:
@@ -80,6 +88,8 @@ def main() -> None:
     parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS}", help="query heads,KV heads (head_dim 64)")
     parser.add_argument("--lengths", default=None, help="only first chunks (causal, queries = keys) of these "
                         "comma-separated lengths")
+    parser.add_argument("--chunk", type=int, default=None, help="with --lengths: time the last CHUNK queries of "
+                        "each length over the keys before them (chunked prefill) instead of the whole prompt")
     parser.add_argument("--stat", choices=("best", "median"), default="best")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -87,7 +97,7 @@ def main() -> None:
     heads, kv_heads = (int(n) for n in args.heads.split(","))
     if why := flash_unavailable(HEAD_DIM, dtype):
         sys.exit(f"sage's flash kernel cannot run here: {why}")
-    cases = [(n, n, True) for n in map(int, args.lengths.split(","))] if args.lengths else CASES
+    cases = [(min(args.chunk or n, n), n, True) for n in map(int, args.lengths.split(","))] if args.lengths else CASES
     torch.set_num_threads(args.threads)
     scale = HEAD_DIM ** -0.5
     rows = []
