@@ -32,6 +32,7 @@ def test_bench_runs_real_processes_and_writes_the_documented_json(sage, tmp_path
     assert fp16["wire_bytes"] == fp16["total_bytes"] and fp16["convert_share"] == 0
     assert int4["wire_bytes"] < fp16["wire_bytes"] / 3 and int4["convert_share"] > 0
     assert fp16["rel_rmse"] == 0 and 0 < int4["rel_rmse"] < 0.5
+    assert fp16["ratio_to_as_stored"] == 1 and int4["ratio_to_as_stored"] == pytest.approx(int4["gbps"] / fp16["gbps"])
 
 
 def test_probe_uses_measured_transport_bandwidths(sage, tmp_path):

@@ -15,6 +15,7 @@ figures leave those out).
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -64,6 +65,9 @@ class BenchResult:
     # a busy machine disturbs far less than it disturbs GB/s
     sender_cpu_us_per_chunk: float = 0.0
     receiver_cpu_us_per_chunk: float = 0.0
+    # GB/s of KV as stored against the same transfer sent as stored (no conversion: same backend, chunk and
+    # zero-copy mode, in this run); 0 when that was not run
+    ratio_to_as_stored: float = 0.0
 
 
 def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -337,6 +341,9 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                         r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline, kv_memcpy,
                         r["sender_cpu_us_per_chunk"], r["receiver_cpu_us_per_chunk"],
                     ))  # fmt: skip
+    as_stored = {(r.backend, r.chunk_bytes, r.zero_copy): r.gbps for r in results if r.dtype == src_dtype}
+    for r in results:
+        r.ratio_to_as_stored = r.gbps / as_stored.get((r.backend, r.chunk_bytes, r.zero_copy), math.inf)
     return results
 
 
