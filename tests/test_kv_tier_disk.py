@@ -259,3 +259,23 @@ def test_puts_gathers_compaction_and_reads_agree_with_and_without_the_kernel(tmp
         kept = [i for i in range(20) if i not in (0, 2, 4, 6)]
         assert torch.equal(again.get_prefix([keys[i] for i in kept]), blocks[kept])
         assert again.stats().checksum_failures == 0
+
+
+def test_a_delete_leaves_the_disk_writes_to_the_writer_thread(tier, monkeypatch):
+    from sage_infer.kv_runtime.tiers.segment import Segment
+
+    writers: list[str] = []
+    mark_dead = Segment.mark_dead
+    monkeypatch.setattr(Segment, "mark_dead", lambda seg, offset: (writers.append(threading.current_thread().name),
+                                                                   mark_dead(seg, offset)))
+    keys, blocks = chain(6)
+    tier.put(keys, blocks)
+    tier.flush()
+    tier.delete(keys[1:4])
+    assert tier.contains(keys) == [True, False, False, False, True, True]  # gone at once
+    tier.flush()  # (waits for the marks too)
+    assert writers == ["sage-disk-tier-writer"] * 3
+    with open(tier._index[keys[0]].segment.path, "rb") as f:
+        data = f.read()
+    assert [data[i * RECORD : i * RECORD + 4] for i in range(6)] == [b"SKV1", b"SKV0", b"SKV0", b"SKV0", b"SKV1",
+                                                                     b"SKV1"]
