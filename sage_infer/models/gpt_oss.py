@@ -5,13 +5,15 @@ It is the Llama decoder (`sage_infer.models.llama`: RMSNorms, q/k/v/o projection
 the same forward path) with three differences:
 
 - attention sinks: each layer's ``self_attn.sinks`` [H] is one more logit per head in the softmax's denominator,
-  with no value (`SinkAttention`: its `AttentionKind` carries them). No kernel takes sinks: every layer (sliding or
-  full) attends through the PyTorch masked path (`sage_infer.layers.attention_kinds`, as soft-capped layers do), the
-  C++ paged decode, flash prefill and Triton kernels included; taking sinks in those kernels is not built;
+  with no value (`SinkAttention`: its `AttentionKind` carries them). The C++ paged decode and flash prefill kernels
+  and the Triton kernels take them (and the window); the PyTorch masked path (`sage_infer.layers.attention_kinds`)
+  is the reference and the fallback;
 - sliding-window layers beside full ones (``layer_types``, ``sliding_window``; every other layer, the first sliding,
   when config.json has no ``layer_types``), KV kept per group (`sage_infer.kv_runtime.kv_groups`);
 - the MLP is a mixture of experts with a biased router and clamped SwiGLU experts
-  (`sage_infer.layers.moe_swiglu.TopKSoftmaxMoeBlock`), run on their stacked weights in PyTorch.
+  (`sage_infer.layers.moe_swiglu.TopKSoftmaxMoeBlock`), run on their stacked weights: on a CPU by the
+  grouped-experts kernel (`sage_infer.layers.moe_grouped`), on a CUDA device by the Triton grouped experts
+  (`sage_infer.layers.triton_moe`), else one PyTorch product per expert.
 
 Rope is YaRN as config.json sets it (`sage_infer.layers.rotary`). Checkpoints whose experts are MXFP4
 (``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) load dequantized to the model's dtype
@@ -92,7 +94,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 f"config.json: {len(self.model.layers)} of {len(self.model.layers)} layers sparse, a biased router's "
                 f"top-k logits softmaxed; clamped SwiGLU experts (alpha {moe.swiglu_alpha:g}, limit "
                 f"{moe.swiglu_limit:g}) with biases, a step's experts grouped on the stacked weights (on a CPU with "
-                f"the fused elementwise ops one grouped-experts kernel call, else one PyTorch product per expert)")
+                f"the fused elementwise ops one grouped-experts kernel call, on a CUDA device the Triton grouped "
+                f"experts, else one PyTorch product per expert)")
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         return ("it runs dense MLPs; gpt-oss routes each token to experts (biased, clamped SwiGLU) that the layer "

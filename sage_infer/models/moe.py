@@ -28,6 +28,11 @@ from sage_infer.models.llama import MLP, LlamaForCausalLM
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
 
+# what runs stacked experts (`SparseMoeBlock`, `FusedExperts.forward`), for the start-up line
+STACKED_EXPERTS = ("on the stacked weights: on a CPU with the fused elementwise ops one grouped-experts kernel call "
+                   "(packed bf16 experts without AVX512-BF16: up to 16 rows per expert, more through one oneDNN product per "
+                   "expert), on "
+                   "a CUDA device the Triton grouped experts, else one PyTorch product per active expert")
 _EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.")
 _MIXTRAL_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -121,8 +126,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         return (f"{moe.num_experts} x {moe.expert_intermediate_size}, top {moe.top_k}",
                 f"config.json: {len(blocks)} of {len(self.model.layers)} layers sparse, top-k weights "
                 f"{'renormalized' if moe.renormalize else 'as the softmax gives them'}{shared}; a step's experts "
-                f"grouped, one product per active expert, on "
-                f"{'each expert its own linears (model.linear)' if apart else 'the stacked weights (PyTorch)'}")
+                f"grouped, " + ("one product per active expert on each expert's own linears (model.linear)" if apart
+                                else STACKED_EXPERTS))
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         return "it runs dense MLPs; this model routes tokens to experts (the layer loop runs them grouped)"
