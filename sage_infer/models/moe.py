@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 # what runs stacked experts (`SparseMoeBlock`, `FusedExperts.forward`), for the start-up line
 STACKED_EXPERTS = ("on the stacked weights: on a CPU with the fused elementwise ops one grouped-experts kernel call "
-                   "(packed bf16 experts without AVX512-BF16: up to 16 rows per expert, more through one oneDNN product per "
-                   "expert), on "
-                   "a CUDA device the Triton grouped experts, else one PyTorch product per active expert")
+                   "(packed bf16 experts without AVX512-BF16: up to 16 rows per expert, more through one oneDNN "
+                   "product per expert), on a CUDA device the Triton grouped experts, else one PyTorch product per "
+                   "active expert")
 _EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.")
 _MIXTRAL_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
