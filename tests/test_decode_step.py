@@ -65,22 +65,22 @@ def test_greedy_tokens_are_the_python_paths_exactly(tmp_path, arch, dtype):
     assert got == greedy_tokens(engine(path, "python", dtype=dtype), prompts, max_tokens=24)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_sliding_window_layers_run_in_the_step_with_the_python_paths_tokens(tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [("bf16", "auto"), ("fp32", "auto"), ("fp32", "int8")])
+def test_sliding_window_layers_run_in_the_step_with_the_python_paths_tokens(tmp_path, dtype, kv_dtype):
     """Qwen2 with its last two of three layers sliding (window 16, two KV groups: a block table each, blocks out of
     the window freed): each layer stores and reads through its group's slots and tables and attends its window, for
-    prompts past the window."""
+    prompts past the window; over an int8 pool too."""
     if dtype == "bf16" and small_linear_unavailable() is not None and packing_unavailable(torch.bfloat16) is None:
         pytest.skip(f"sage's small-row kernel: {small_linear_unavailable()}")
     path = make_tiny_model(tmp_path / "sw", "qwen2", num_hidden_layers=3, head_dim=32, use_sliding_window=True,
                            sliding_window=16, max_window_layers=1)
     rng = random.Random(8)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 21, 50)]
-    fast = engine(path, "sage", dtype=dtype)
+    fast = engine(path, "sage", dtype=dtype, kv_dtype=kv_dtype)
     step = counted(fast)
     got = greedy_tokens(fast, prompts, max_tokens=20)
     assert step.calls >= 19 and max(step.rows) == len(prompts)
-    assert got == greedy_tokens(engine(path, "python", dtype=dtype), prompts, max_tokens=20)
+    assert got == greedy_tokens(engine(path, "python", dtype=dtype, kv_dtype=kv_dtype), prompts, max_tokens=20)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
