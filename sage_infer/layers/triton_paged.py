@@ -186,10 +186,7 @@ def _prefill_attention(
     rows = (q_start + m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
+    q = q.to(tl.float32 if FP32_DOT else k_ptr.dtype.element_ty)
     query_pos = context_len - q_len + m  # a padding row (m >= q_len) sees every key up to `end`: finite, unused
     end = tl.minimum(context_len, context_len - q_len + first_query + ROWS)  # keys the tile's last query sees
     lo = 0
