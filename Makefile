@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.sage-installed
-KERNELS_STAMP := $(VENV)/.sage-kernels
+KERNELS_STAMP = $(VENV)/.sage-kernels-$(KERNEL_LEVELS)
 KERNEL_INPUTS := setup.py sage_infer/hal/kernel_build.py sage_infer/hal/isa.py $(wildcard sage_infer/layers/csrc/*)
 TORCH_VERSION ?= 2.13.0
+# all: every x86-64 ISA level (the install can move to another CPU); cpu: the levels this CPU runs (faster)
+KERNEL_LEVELS ?= all
 
 .PHONY: install test serve lint clean vllm-venv test-vllm bench-gate bench-gate-ci gpu-wheels
 
@@ -33,8 +35,8 @@ $(STAMP): pyproject.toml setup.py
 # The C++ CPU kernels, once per ISA level (avx2, avx512, avx512_bf16 on x86-64), next to their loader in
 # sage_infer/layers/; ninja recompiles only what changed. Without a C++ compiler: one line, and the PyTorch path.
 $(KERNELS_STAMP): $(STAMP) $(KERNEL_INPUTS)
-	@echo "compiling the CPU kernels for every ISA level (about 5 minutes on 2 cores, once; later only what changed)"
-	$(PY) setup.py -q build_ext --inplace
+	@echo "compiling the CPU kernels, KERNEL_LEVELS=$(KERNEL_LEVELS) (every ISA level: about 4 minutes on 2 cores, once; later only what changed)"
+	SAGE_KERNEL_LEVELS=$(KERNEL_LEVELS) $(PY) setup.py -q build_ext --inplace
 	touch $@
 
 test: install

@@ -3,6 +3,7 @@ package metadata is in pyproject.toml.
 
 The build needs torch importable: ``pip install --no-build-isolation .`` after torch (an isolated build
 environment has no torch, and pip would fetch a CUDA one for it).
+``SAGE_KERNEL_LEVELS=cpu`` builds only the levels this CPU can run (default ``all``: every x86-64 level).
 ``SAGE_BUILD_KERNELS=0`` builds none (`make install` then runs ``setup.py build_ext --inplace``, which
 shows the compiler's progress and recompiles only what changed). Without torch or a C++ compiler here, the
 package installs without kernels, says so in one line, and the kernels compile at first use (or the engine
@@ -36,7 +37,13 @@ def kernel_build() -> dict:
         return {}
     if shutil.which("ninja") is None:
         kb._put_ninja_on_path()
-    return {"ext_modules": kb.extensions(), "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
+    from sage_infer.errors import ConfigError
+
+    try:
+        ext_modules = kb.extensions()
+    except ConfigError as err:
+        raise SystemExit(f"sage-infer: {err}") from None
+    return {"ext_modules": ext_modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
 
 
 setup(**kernel_build())

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -199,7 +200,8 @@ def start_replica(model_dir, port: int) -> subprocess.Popen:
 
 def test_a_killed_replica_leaves_the_routing_loses_no_request_and_resyncs_when_it_returns(model_dir):
     ports = [free_port(), free_port()]
-    procs = [start_replica(model_dir, p) for p in ports]
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda port: start_replica(model_dir, port), ports))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         with running_fleet(urls) as (url, router):

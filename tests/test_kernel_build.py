@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sage_infer.errors import ConfigError
 from sage_infer.hal import kernel_build
 from sage_infer.hal.isa import selected_level
 from sage_infer.layers import cpu_kernels
@@ -176,6 +177,18 @@ def test_the_install_builds_every_level_the_compiler_takes_never_march_native():
         assert not any("march" in flag for flag in extension.extra_compile_args)
         level = extension.name.rsplit("_cpu_kernels_", 1)[1]
         assert f"-DSAGE_BUILD_KEY={kernel_build.build_key(level)}" in extension.extra_compile_args
+
+
+def test_kernel_levels_cpu_builds_the_levels_this_cpu_runs_and_all_builds_every_level():
+    from sage_infer.hal.isa import build_levels
+
+    top, _ = selected_level({})
+    runnable = () if top is None else build_levels()[: build_levels().index(top) + 1]
+    assert kernel_build.install_levels({kernel_build.LEVELS_ENV: "cpu"}) == runnable
+    assert kernel_build.install_levels({kernel_build.LEVELS_ENV: "all"}) == build_levels()
+    assert kernel_build.install_levels({}) == build_levels()
+    with pytest.raises(ConfigError, match="SAGE_KERNEL_LEVELS=native: expected all or cpu"):
+        kernel_build.install_levels({kernel_build.LEVELS_ENV: "native"})
 
 
 def test_an_installed_build_for_other_sources_is_not_loaded(monkeypatch):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -136,9 +137,9 @@ def test_a_receiver_killed_mid_transfer_fails_the_send_and_the_prefill_frees_its
 
 
 def test_a_request_whose_decode_worker_is_gone_is_retried_on_another_one(model_dir):
-    prefill, p_url = worker(model_dir, "prefill")
-    gone, gone_url = worker(model_dir, "decode")
-    alive, alive_url = worker(model_dir, "decode")
+    with ThreadPoolExecutor(3) as pool:  # started together: start-up is mostly waiting on imports and files
+        started = list(pool.map(lambda role: worker(model_dir, role), ("prefill", "decode", "decode")))
+    (prefill, p_url), (gone, gone_url), (alive, alive_url) = started
     try:
         gone.kill()
         gone.wait(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -278,8 +279,8 @@ def test_an_idle_keep_alive_connection_outlives_the_client_pools_expiry(model_di
 
     assert KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
     with running_server(model_dir, num_blocks=32) as server, running_router([], [server.url]) as router:
-        for url in (server.url, router):
-            _reuse_after_idle(url)
+        with ThreadPoolExecutor(2) as pool:  # both idle at once: one wait
+            list(pool.map(_reuse_after_idle, (server.url, router)))
 
 
 def _reuse_after_idle(url: str) -> None:

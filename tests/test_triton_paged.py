@@ -53,6 +53,14 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(ato
              torch.float16: dict(atol=3e-3, rtol=1e-3)}
 
 
+HEADS = [(8, 2, 32), (14, 2, 64), (6, 6, 16), (4, 1, 128)]  # (query heads, KV heads, head_dim)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# the prefill kernel over every dtype x head shape on a GPU; under the interpreter (minutes for the product) each
+# head shape once and each dtype at least once: the kernel's code paths are per dtype and per head_dim
+DTYPES_BY_HEADS = ([(d, h) for d in DTYPES for h in HEADS] if CUDA
+                   else [(DTYPES[i % len(DTYPES)], h) for i, h in enumerate(HEADS)])
+
+
 def filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed=0):
     return kv_fill.filled_pool(lens, num_kv_heads, head_dim, block_size, dtype, seed, DEVICE)
 
@@ -207,8 +215,7 @@ def spans_of(shapes):
     return [(first, q, c) for first, (q, c) in zip(firsts, shapes)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [(8, 2, 32), (14, 2, 64), (6, 6, 16), (4, 1, 128)])
+@pytest.mark.parametrize(("dtype", "heads"), DTYPES_BY_HEADS)
 def test_prefill_kernel_equals_causal_attention_over_each_spans_context(dtype, heads):
     """Whole prompts and chunks after cached context; spans of one query, of exact and partial tiles of
     queries and of keys; the mask aligned to the lower-right corner."""

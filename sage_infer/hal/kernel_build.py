@@ -6,6 +6,7 @@ codec of the pool and the transport (`sage_infer.quantization.kv_codec_kernel`) 
 The install builds them (setup.py calls `extensions()`; `make install` shows the compiler's progress), as
 ``sage_infer/layers/_cpu_kernels_<level>``, each compiled with that level's flags (never
 ``-march=native``), so one install runs on any x86-64 CPU and loads the highest build the CPU can run.
+``SAGE_KERNEL_LEVELS=cpu`` (``make install KERNEL_LEVELS=cpu``) builds only the levels this CPU can run.
 
 Each build carries a key (`build_key`: a hash of the sources, headers, flags, torch and Python versions and
 the level). A build whose key differs from the sources on disk (the C++ was edited after the install, or torch
@@ -52,6 +53,7 @@ LINK_FLAGS = ("-fopenmp",)
 # what a first-use compile of one level takes (9 files, 2 cores): printed before it starts
 COMPILE_SECONDS = "about 1-2 minutes on 2 cores"
 CACHE_ENV = "SAGE_KERNEL_CACHE"
+LEVELS_ENV = "SAGE_KERNEL_LEVELS"
 
 
 def module_name(level: str) -> str:
@@ -91,13 +93,28 @@ def compiler_accepts(flags: list[str], cxx: str | None = None) -> bool:
     return done.returncode == 0
 
 
+def install_levels(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The levels the install builds: every level (``SAGE_KERNEL_LEVELS`` unset or ``all``: the install can move to
+    another x86-64 CPU, a container image for one), or ``cpu``: those this CPU can run (the levels above it compile
+    at first use should the install move to a CPU that has them). ConfigError for another value."""
+    env = os.environ if env is None else env
+    choice = env.get(LEVELS_ENV, "all").strip().lower() or "all"
+    levels = build_levels()
+    if choice == "all":
+        return levels
+    if choice != "cpu":
+        raise ConfigError(f"{LEVELS_ENV}={choice}: expected all or cpu")
+    top, _ = selected_level({})
+    return () if top is None else levels[: levels.index(top) + 1]
+
+
 def extensions() -> list:
-    """The `CppExtension`s of every level the compiler can build here, for setup.py."""
+    """The `CppExtension`s of the install's levels (`install_levels`) the compiler can build here, for setup.py."""
     from torch.utils.cpp_extension import CppExtension
 
     root = Path(__file__).resolve().parents[2]
     result = []
-    for level in build_levels():
+    for level in install_levels():
         flags = level_flags(level)
         if not compiler_accepts(flags):
             print(f"sage-infer: the compiler does not take {' '.join(compile_flags(level))}: no {level} build "
