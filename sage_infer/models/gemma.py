@@ -31,7 +31,7 @@ from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, attention_scaling, inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
-from sage_infer.models.llama import _stacked_linear
+from sage_infer.models.llama import MLP, _stacked_linear
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -130,22 +130,8 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.reshape(t, heads * d))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # `fuse_projections`: gate and up in one GEMM
-
-    def fuse_projections(self) -> bool:
-        """Replace gate/up_proj by one `gate_up_proj`."""
-        fused = _stacked_linear([self.gate_proj, self.up_proj])
-        if fused is None:
-            return False
-        self.gate_up_proj = fused
-        del self.gate_proj, self.up_proj
-        return True
+class GemmaMLP(MLP):
+    """Llama's MLP (and its `fuse_projections`) with GELU (tanh) in place of SiLU, run in passes of rows."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
