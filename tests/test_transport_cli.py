@@ -27,7 +27,9 @@ def test_bench_runs_real_processes_and_writes_the_documented_json(sage, tmp_path
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["p99_chunk_us"] >= r["p50_chunk_us"] > 0
         assert r["ratio_to_baseline"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
         assert r["total_bytes"] >= 8 * 2**20 - 2**16 and r["retransmits"] == 0
-        assert 0 < r["receiver_cpu_share"] < 2
+        # one thread's CPU over the whole receive call against the transfer's own seconds (first chunk to last):
+        # above 1 by the call's setup, more so for a short transfer on a busy machine; a sanity bound
+        assert 0 < r["receiver_cpu_share"] < 4
     fp16, int4 = data["results"][0], data["results"][2]
     assert fp16["wire_bytes"] == fp16["total_bytes"] and fp16["convert_share"] == 0
     assert int4["wire_bytes"] < fp16["wire_bytes"] / 3 and int4["convert_share"] > 0
