@@ -11,7 +11,7 @@
 // - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/64)][ceil(K/32)*16][64][2], zero
 //   padded; csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
 //   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA (AVX2:
-//   4 rows of 16 columns at a time where an expert has 4 rows or more, the same sums as one row at a time);
+//   4 rows of 16 columns at a time where an expert has more than 16 rows, the same sums as one row at a time);
 // - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
 //   keeps where oneDNN cannot pack bf16), with AVX2 FMA, bf16 widened as it is read.
 // Sums are fp32; each product is rounded once to the rows' dtype (with a bias: rounded, the bias added, rounded
@@ -165,6 +165,11 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// up to kRowPassRows rows a block goes one row at a time through packed_block<1>, the block re-read from cache
+// for each row: faster than the strips below at 1-64 rows on a 2-vCPU Zen 5 (a decode step of 64 tokens over
+// Qwen3-30B-A3B's experts, about 4 rows each: 47 against 82 ms a layer); the engine hands this level at most
+// `GROUPED_KERNEL_ROWS` (16) rows an expert, so the strips only run for more, on CPUs whose L2 may not hold a block
+constexpr int64_t kRowPassRows = 16;
 constexpr int64_t kStripRows = 4;  // rows per pass of the many-row kernel: 8 accumulators, 4 weights, 2 x
 // acc[g][lane] = x row g (fp32, `xs` apart, the columns' pairs as two floats) . row `lane` of one block, 16
 // lanes at a time: the same FMAs in the same order as packed_block<1> (the same bits whatever the rows)
@@ -195,25 +200,29 @@ void packed_strips(const uint16_t* w, const float* x, int64_t xs, int64_t pairs,
   }
 }
 
-// rows [0, m) of x (bf16 pairs, `pairs` apart) widened to fp32, kStripRows at a time, times one block
+// rows [0, m) of x (bf16 pairs, `pairs` apart) widened to fp32, kStripRows at a time, times one block; the last
+// m % kStripRows rows one at a time through packed_block<1> (its 8 accumulators hide the FMA latency that a strip
+// of fewer rows waits on; the same sums in the same order, so the same bits)
 template <typename Store>
 void packed_strip_rows(const uint16_t* wb, int64_t pairs, const uint32_t* x, int64_t m, const Store& store) {
   std::vector<float> xf(static_cast<size_t>(kStripRows * 2 * pairs));
   alignas(64) float acc[kStripRows][kRows];
   for (int64_t r = 0; r < m; r += kStripRows) {
     const int64_t g = std::min<int64_t>(kStripRows, m - r);
+    if (g < kStripRows) {
+      for (int64_t j = r; j < m; ++j) {
+        packed_block<1>(wb, x + j * pairs, pairs, pairs, acc);
+        store(j, acc[0]);
+      }
+      return;
+    }
     for (int64_t j = 0; j < g; ++j)
       for (int64_t p = 0; p < pairs; ++p) {
         const uint32_t xp = x[(r + j) * pairs + p], lo = xp << 16, hi = xp & 0xFFFF0000u;
         std::memcpy(&xf[j * 2 * pairs + 2 * p], &lo, 4);
         std::memcpy(&xf[j * 2 * pairs + 2 * p + 1], &hi, 4);
       }
-    switch (g) {
-      case 4: packed_strips<4>(wb, xf.data(), 2 * pairs, pairs, acc); break;
-      case 3: packed_strips<3>(wb, xf.data(), 2 * pairs, pairs, acc); break;
-      case 2: packed_strips<2>(wb, xf.data(), 2 * pairs, pairs, acc); break;
-      default: packed_strips<1>(wb, xf.data(), 2 * pairs, pairs, acc);
-    }
+    packed_strips<kStripRows>(wb, xf.data(), 2 * pairs, pairs, acc);
     for (int64_t j = 0; j < g; ++j) store(r + j, acc[j]);
   }
 }
@@ -237,7 +246,7 @@ void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pair
     for (int64_t i = 0; i < valid; ++i) o[i] = finish(sums[i], b, i);
   };
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if (m >= kStripRows) return packed_strip_rows(wb, pairs, x, m, store);
+  if (m > kRowPassRows) return packed_strip_rows(wb, pairs, x, m, store);
 #endif
   alignas(64) float acc[kPackedGroup][kRows];
   for (int64_t r = 0; r < m; r += kPackedGroup) {
