@@ -41,8 +41,9 @@ def kernel_build() -> dict:
 
     try:
         ext_modules = kb.extensions()
-    except ConfigError as err:
-        raise SystemExit(f"sage-infer: {err}") from None
+    except ConfigError as err:  # one line, exit 2, as for any bad setting
+        print(f"sage-infer: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     return {"ext_modules": ext_modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
 
 
