@@ -31,7 +31,7 @@ from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, attention_scaling, inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
-from sage_infer.models.llama import MLP, _stacked_linear
+from sage_infer.models.llama import MLP, QKVProjections
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -76,7 +76,7 @@ def add_norms_(a: torch.Tensor, residual: torch.Tensor, post: GemmaRMSNorm, afte
     return after(residual)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(QKVProjections, nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
         self.layer = layer
@@ -94,28 +94,12 @@ class GemmaAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None  # `fuse_projections`: q, k and v in one GEMM
 
-    def fuse_projections(self) -> bool:
-        """Replace q/k/v_proj by one `qkv_proj` (`LlamaForCausalLM.fuse_projections`' stacking)."""
-        fused = _stacked_linear([self.q_proj, self.k_proj, self.v_proj])
-        if fused is None:
-            return False
-        self.qkv_proj = fused
-        del self.q_proj, self.k_proj, self.v_proj
-        return True
-
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
                 meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         """x: [T, hidden]; cos_sin: this layer's rotary tables ([T, 1, D] each; `fused`: [T, D], the C++ passes'
         shape) -> [T, hidden]."""
-        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk = None
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
-            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-            qk = qkv[:, : heads + kv_heads]
-        else:
-            q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
-            v = self.v_proj(x).view(t, kv_heads, d)
+        t, heads, d = x.shape[0], self.num_heads, self.head_dim
+        q, k, v, qk = self.project(x)
         if fused:  # in place over the projections' output
             if self.qk_norm:
                 kernels.gemma_norm_heads_(q, self.q_norm.scale(), self.q_norm.eps)

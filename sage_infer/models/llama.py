@@ -47,7 +47,32 @@ def _stacked_linear(linears: list[nn.Module]) -> nn.Linear | None:
     return fused
 
 
-class Attention(nn.Module):
+class QKVProjections:
+    """q/k/v_proj of an attention module (Llama's, Gemma's), stacked into one `qkv_proj` by `fuse_projections`."""
+
+    def fuse_projections(self) -> bool:
+        """Replace q/k/v_proj by one `qkv_proj` (their weights stacked: the same products, one GEMM
+        call instead of three); False, and nothing changed, unless all three are plain `nn.Linear`."""
+        fused = _stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return False
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KvH, D], and q and k as one view ([T, H + KvH, D]) where they
+        come from one stacked GEMM (the C++ rotary pass takes both at once), else None."""
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            return q, k, v, qkv[:, : heads + kv_heads]
+        q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
+        return q, k, self.v_proj(x).view(t, kv_heads, d), None
+
+
+class Attention(QKVProjections, nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # which layer's K/V this module stores and reads in the pool
@@ -64,28 +89,11 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv_proj: nn.Module | None = None  # `fuse_projections`: q, k and v in one GEMM
 
-    def fuse_projections(self) -> bool:
-        """Replace q/k/v_proj by one `qkv_proj` (their weights stacked: the same products, one GEMM
-        call instead of three); False, and nothing changed, unless all three are plain `nn.Linear`."""
-        fused = _stacked_linear([self.q_proj, self.k_proj, self.v_proj])
-        if fused is None:
-            return False
-        self.qkv_proj = fused
-        del self.q_proj, self.k_proj, self.v_proj
-        return True
-
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
                 meta: AttentionMetadata, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x: [T, hidden]; cos_sin: this step's rotary tables (`ops.rotary_tables`) -> [T, hidden]."""
-        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk = None
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, d)
-            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-            qk = qkv[:, : heads + kv_heads]
-        else:
-            q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
-            v = self.v_proj(x).view(t, kv_heads, d)
+        t, heads, d = x.shape[0], self.num_heads, self.head_dim
+        q, k, v, qk = self.project(x)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = ops.rotary(q, k, qk, cos_sin, *norms)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale, self.kind)
