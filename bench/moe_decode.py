@@ -26,7 +26,9 @@ plain read's. `--profile 1,8`: torch.profiler over the MoE blocks at those row c
 The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (all
 active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for every step, except packed bf16
 experts at the levels without bf16 dot products, where only steps of up to `GROUPED_KERNEL_ROWS` pairs per expert
-take it) and `per-expert` (one product per active expert, two kernel calls each).
+take it; the pairs grouped by expert in the kernel, `moe_experts_routed`), `grouped-python` (the same kernel with the
+pairs grouped and the outputs summed by PyTorch ops, the engine's path for steps the kernel may not take whatever their
+routing) and `per-expert` (one product per active expert, two kernel calls each).
 The decode step and `--profile` run on the first path of `--experts`.
 `--batches 1,8,32,128`: both paths on a step of that many rows (random routing, the kernel forced at any count),
 taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by); a
@@ -51,11 +53,13 @@ if str(REPO) not in sys.path:
 from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, sage_isa  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
+from sage_infer.layers.moe import run_routed as ROUTED  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MOE_MODELS = sorted(name for name, spec in MODELS.items() if (spec.arch or "").endswith("moe"))
 PROMPT_TOKENS = 128
-PATHS = ("grouped", "per-expert")
+PATHS = ("grouped", "per-expert")  # `--batches`
+EXPERT_PATHS = ("grouped", "grouped-python", "per-expert")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default="", help="comma-separated row counts (e.g. 1,8,64) to run the MoE blocks "
                         "at under torch.profiler (none by default)")
     parser.add_argument("--experts", default="grouped,per-expert", help="expert paths the layer turns time, "
-                        "comma-separated: grouped (one kernel call for all active experts), per-expert")
+                        "comma-separated: grouped (one kernel call for all active experts), grouped-python (the "
+                        "same, grouped by PyTorch ops), per-expert")
     parser.add_argument("--batches", default="", help="comma-separated decode batch sizes (e.g. 1,8,32,128) to time "
                         "both expert paths at (none by default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -82,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--profile takes row counts such as 1,8,64, not {args.profile!r}")
     args.experts = tuple(path for path in args.experts.split(",") if path)
-    if not args.experts or any(path not in PATHS for path in args.experts):
-        parser.error(f"--experts takes {' and/or '.join(PATHS)}, not {','.join(args.experts)!r}")
+    if not args.experts or any(path not in EXPERT_PATHS for path in args.experts):
+        parser.error(f"--experts takes {', '.join(EXPERT_PATHS)}, not {','.join(args.experts)!r}")
     try:
         args.batches = [int(rows) for rows in args.batches.split(",") if rows]
     except ValueError:
@@ -93,12 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def use_path(blocks: dict, path: str | None, rows: int | None = None) -> None:
     """The experts of every block on `path` (None: as the engine built them): `grouped` for steps of up to `rows`
-    pairs per expert (default `GROUPED_KERNEL_ROWS`), `per-expert` never."""
-    from sage_infer.layers.moe import GROUPED_KERNEL_ROWS
+    pairs per expert (default `GROUPED_KERNEL_ROWS`), `grouped-python` too with the pairs grouped by PyTorch ops
+    (`run_routed` declines every step), `per-expert` never."""
+    from sage_infer.layers import moe, moe_swiglu
 
+    routed = ROUTED if path != "grouped-python" else (lambda *args: None)
+    moe.run_routed = moe_swiglu.run_routed = routed
     for block in blocks.values():
         if path is not None:
-            block.experts.kernel_rows = (rows or GROUPED_KERNEL_ROWS) if path == "grouped" else 0
+            block.experts.kernel_rows = (rows or moe.GROUPED_KERNEL_ROWS) if path.startswith("grouped") else 0
 
 
 def expert_weights(model_dir: Path, layers: list[int], num_experts: int, dtype: torch.dtype) -> dict:

@@ -164,3 +164,50 @@ def test_gpt_oss_experts_on_the_grouped_kernel_equal_their_pytorch_products(cpu_
             got = experts(x, weights.to(dtype), groups, FUSED_OPS)
             want = want_experts(x, weights.to(dtype), groups)  # the torch ops: one PyTorch product per expert
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,layout,weights_dtype", [
+    (torch.float32, "stacked", torch.float32), (torch.bfloat16, "stacked", torch.bfloat16),
+    (torch.bfloat16, "stacked", torch.float32), (torch.float32, "linears", torch.float32),
+    (torch.bfloat16, "packed", torch.bfloat16)])
+def test_the_routed_kernel_gives_run_groupeds_bits_and_counts_each_experts_pairs(cpu_isa, dtype, layout,
+                                                                                 weights_dtype):
+    """The grouping, the routing weights and the sum over a token's experts in C++ (`moe_experts_routed`): the
+    bits of the Python grouping (`group_by_expert` + `run_grouped`) over the same kernel, with the weights in fp32
+    (Mixtral) or the hidden dtype (Qwen, OLMoE)."""
+    experts = with_layout(make_experts(dtype, 40), layout)
+    kernel = experts.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights), kernel
+    counts = torch.zeros(E, dtype=torch.long)
+    want_counts = torch.zeros(E, dtype=torch.long)
+    for tokens, seed in ((1, 0), (5, 1), (12, 3)):
+        weights, ids = routing(tokens, seed)
+        weights = weights.to(weights_dtype)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        groups = group_by_expert(ids, E)
+        want_counts += torch.tensor(groups.counts)
+        with torch.no_grad():
+            got = kernel.routed(x, weights, ids, counts)
+            want = run_grouped(x, weights, groups, None, kernel)
+        assert got.dtype == dtype and torch.equal(got, want), (tokens, (got.float() - want.float()).abs().max())
+    assert torch.equal(counts, want_counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_routed_in_cpp_give_run_groupeds_bits(cpu_isa, dtype):
+    experts = make_clamped(dtype)
+    kernel = experts.grouped_kernel()
+    for tokens, seed in ((1, 0), (6, 1)):
+        weights, ids = routing(tokens, seed)
+        x = (2 * torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))).to(dtype)
+        with torch.no_grad():
+            got = kernel.routed(x, weights.to(dtype), ids, None)
+            want = run_grouped(x, weights.to(dtype), group_by_expert(ids, E), None, kernel)
+        assert torch.equal(got, want)
+
+
+def test_routed_expert_ids_outside_the_experts_are_refused():
+    kernel = make_experts(torch.float32, 40).grouped_kernel()
+    for bad in (E, -1):
+        with pytest.raises(RuntimeError, match="outside"):
+            kernel.routed(torch.randn(1, H), torch.ones(1, 2), torch.tensor([[0, bad]]), None)

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from sage_infer.layers import moe
 from sage_infer.layers.batch_invariant import tile_linears
+from sage_infer.layers.cpu_kernels import kernel_unavailable
+from sage_infer.layers.elementwise import FUSED_OPS
 from sage_infer.layers.moe import SparseMoeBlock, group_by_expert, route
 
 E, H, INTER, K = 6, 32, 24, 2
@@ -55,6 +59,27 @@ def test_expert_token_counts_add_up_to_tokens_times_top_k():
         block(torch.randn(11, H))
     assert sum(block.expert_tokens) == 16 * K
     assert sum(1 for n in block.expert_tokens if n) > K  # routing spreads tokens over experts
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+def test_a_step_on_the_grouped_kernel_is_grouped_in_cpp_with_the_python_groupings_bits(monkeypatch):
+    """With the fused ops, a step whose routing the kernel takes whatever it is never runs `group_by_expert`: the
+    same bits and the same per-expert counts as the Python grouping over the same kernel."""
+    block, _, _ = make_block(True)
+    x = torch.randn(7, H)
+    with torch.no_grad():
+        with monkeypatch.context() as patch:
+            patch.setattr(moe, "run_routed", lambda *args: None)
+            want = block(x, FUSED_OPS)
+        want_counts = block.expert_tokens
+
+        def refuse(*args):
+            raise AssertionError("grouped in Python")
+
+        monkeypatch.setattr(moe, "group_by_expert", refuse)
+        got = block(x, FUSED_OPS)
+    assert torch.equal(got, want)
+    assert block.expert_tokens == [2 * n for n in want_counts] and sum(want_counts) == 7 * K
 
 
 def test_groups_sort_pairs_by_expert_and_skip_idle_experts():

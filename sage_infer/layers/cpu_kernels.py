@@ -274,13 +274,31 @@ def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, 
                               clamped is not None, alpha, limit)
 
 
-_MOE_OPS: dict[str, object] = {}
+def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
+                       gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: bool,
+                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       clamped: tuple[float, float] | None = None) -> torch.Tensor:
+    """A step from its routing: x [T, H] (bf16 or fp32, contiguous), the routing weights [T, K] (fp32 or x's
+    dtype) and expert ids [T, K] int64 -> [T, H], each token's expert outputs times their weights, added in expert
+    order: the bits of `sage_infer.layers.moe.run_grouped` over `moe_experts` (the other arguments as it takes
+    them), the pairs grouped by expert in C++ rather than in Python. `counts` ([E] int64), where given, grows by the
+    pairs routed to each expert."""
+    none = torch.empty(0, dtype=x.dtype)
+    alpha, limit = clamped if clamped is not None else (0.0, 0.0)
+    return _moe_op(_module(), "moe_experts_routed")(
+        x, weights, ids, torch.empty(0, dtype=torch.long) if counts is None else counts, gate_up, down, intermediate,
+        packed, none if gate_up_bias is None else gate_up_bias, none if down_bias is None else down_bias,
+        clamped is not None, alpha, limit)
 
 
-def _moe_op(module: ModuleType):
-    """The build's grouped-experts op: csrc/moe_experts.cpp registers it as a torch op in a namespace named after
-    the build (two levels' builds can be loaded in one process)."""
-    op = _MOE_OPS.get(module.__name__)
+_MOE_OPS: dict[tuple[str, str], object] = {}
+
+
+def _moe_op(module: ModuleType, name: str = "moe_experts"):
+    """One of the build's grouped-experts ops: csrc/moe_experts.cpp registers them as torch ops in a namespace
+    named after the build (two levels' builds can be loaded in one process)."""
+    op = _MOE_OPS.get((module.__name__, name))
     if op is None:
-        op = _MOE_OPS[module.__name__] = getattr(torch.ops, f"sage_moe_{module.isa()}_{module.build_key()}").moe_experts
+        namespace = getattr(torch.ops, f"sage_moe_{module.isa()}_{module.build_key()}")
+        op = _MOE_OPS[module.__name__, name] = getattr(namespace, name)
     return op

@@ -31,8 +31,8 @@ from torch import nn
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, GroupedExpertWeights
 
-__all__ = ["GROUPED_KERNEL_ROWS", "ExpertGroups", "FusedExperts", "SparseMoeBlock", "group_by_expert", "route",
-           "run_grouped", "use_grouped_kernel"]
+__all__ = ["GROUPED_KERNEL_ROWS", "ExpertGroups", "FusedExperts", "SparseMoeBlock", "count_groups", "expert_counter",
+           "group_by_expert", "route", "run_grouped", "run_routed", "use_grouped_kernel"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,13 +195,46 @@ class FusedExperts(nn.Module):
 
 def use_grouped_kernel(experts: nn.Module, x: torch.Tensor, groups: ExpertGroups, ops: TorchOps) -> bool:
     """Whether `experts` (with `kernel_rows` and `grouped_kernel()`) run this step in one grouped kernel call."""
-    if ops.name == "torch" or x.device.type != "cpu" or experts.kernel_rows == 0 or not groups.spans:
+    if not groups.spans:
+        return False
+    limit = _kernel_limit(experts, x, ops)
+    return limit is not False and (limit is None or max(groups.counts) <= limit)
+
+
+def run_routed(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               counts: torch.Tensor, ops: TorchOps) -> torch.Tensor | None:
+    """The step on the grouped kernel with the grouping done in C++ (`GroupedExpertWeights.routed`: the bits
+    `run_grouped` gives, without its Python ops), where the kernel takes a step of x's rows whatever their routing
+    (no expert can get more pairs than there are rows); `counts` [E] grows by each expert's pairs. None: it does
+    not, and the caller groups the pairs itself."""
+    limit = _kernel_limit(experts, x, ops)
+    if limit is False or (limit is not None and x.shape[0] > limit):
+        return None
+    return experts.grouped_kernel().routed(x, weights, ids, counts)
+
+
+def _kernel_limit(experts: nn.Module, x: torch.Tensor, ops: TorchOps) -> int | None | bool:
+    """The most pairs per expert a step of `experts` may have on the grouped kernel (None: any), False where the
+    kernel does not run them at all."""
+    if ops.name == "torch" or x.device.type != "cpu" or experts.kernel_rows == 0:
         return False
     kernel = experts.grouped_kernel()
     if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != x.dtype:
         return False
-    limit = experts.kernel_rows if experts.kernel_rows is not None else kernel.max_rows()
-    return limit is None or max(groups.counts) <= limit
+    return experts.kernel_rows if experts.kernel_rows is not None else kernel.max_rows()
+
+
+def expert_counter(num_experts: int) -> torch.Tensor:
+    """The pairs routed to each expert since start: [E] int64 on the CPU (the grouped kernel adds to it in place),
+    whatever device the model is built on."""
+    return torch.zeros(num_experts, dtype=torch.long, device="cpu")
+
+
+def count_groups(counts: torch.Tensor, ids: torch.Tensor) -> ExpertGroups:
+    """The step's pairs by expert (`group_by_expert`), each expert's pairs added to `counts`."""
+    groups = group_by_expert(ids, counts.shape[0])
+    counts += torch.tensor(groups.counts, dtype=torch.long)
+    return groups
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
@@ -215,7 +248,10 @@ class SparseMoeBlock(nn.Module):
     model has one (Qwen2-MoE) a ``shared_expert`` every token runs, scaled by ``sigmoid(shared_expert_gate(x))``.
 
     `expert_tokens` counts the (token, expert) pairs routed to each expert since start: the load ``/metrics``
-    reports (``sage:moe_expert_tokens``)."""
+    reports (``sage:moe_expert_tokens``).
+
+    Where the grouped kernel takes the step whatever its routing, the pairs are grouped in C++ (`run_routed`);
+    otherwise here (`group_by_expert`), and the experts run grouped or one by one."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_expert: nn.Module | None = None, weights_in_hidden_dtype: bool = True) -> None:
@@ -227,7 +263,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
-        self.expert_tokens = [0] * num_experts
+        self.expert_counts = expert_counter(num_experts)
+
+    @property
+    def expert_tokens(self) -> list[int]:
+        return self.expert_counts.tolist()
 
     def fuse_projections(self) -> int:
         """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared
@@ -240,9 +280,9 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.weights_in_hidden_dtype:
             weights = weights.to(x.dtype)
-        groups = group_by_expert(ids, len(self.expert_tokens))
-        self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, groups.counts)]
-        out = self.experts(x, weights, groups, ops)
+        out = run_routed(self.experts, x, weights, ids, self.expert_counts, ops)
+        if out is None:
+            out = self.experts(x, weights, count_groups(self.expert_counts, ids), ops)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
         return out

@@ -59,6 +59,13 @@ class GroupedExpertWeights:
         return cpu_kernels.moe_experts(rows, torch.tensor(spans, dtype=torch.long), self.gate_up, self.down,
                                        self.intermediate, self.packed, self.gate_up_bias, self.down_bias, self.clamped)
 
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the routing weights and expert ids [T, K] -> [T, H]: the step with its grouping in the kernel
+        (`cpu_kernels.moe_experts_routed`); `counts` [E] grows by each expert's pairs."""
+        return cpu_kernels.moe_experts_routed(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
+                                              self.gate_up, self.down, self.intermediate, self.packed,
+                                              self.gate_up_bias, self.down_bias, self.clamped)
+
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""
         return GROUPED_KERNEL_ROWS if self.packed and not cpu_kernels.moe_experts_native_bf16() else None

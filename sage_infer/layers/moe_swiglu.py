@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe import ExpertGroups, group_by_expert, run_grouped, use_grouped_kernel
+from sage_infer.layers.moe import (
+    ExpertGroups,
+    count_groups,
+    expert_counter,
+    run_grouped,
+    run_routed,
+    use_grouped_kernel,
+)
 from sage_infer.layers.moe_grouped import GroupedExpertWeights
 
 
@@ -79,7 +86,11 @@ class TopKSoftmaxMoeBlock(nn.Module):
         self.top_k = top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=True)
         self.experts = ClampedSwigluExperts(num_experts, hidden_size, intermediate_size, alpha, limit)
-        self.expert_tokens = [0] * num_experts
+        self.expert_counts = expert_counter(num_experts)
+
+    @property
+    def expert_tokens(self) -> list[int]:
+        return self.expert_counts.tolist()
 
     def fuse_projections(self) -> int:
         """Nothing to stack: the experts stay on their stacked weights (the packed expert linears run plain SwiGLU)."""
@@ -90,6 +101,5 @@ class TopKSoftmaxMoeBlock(nn.Module):
         logits = self.router(x)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
-        groups = group_by_expert(ids, len(self.expert_tokens))
-        self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, groups.counts)]
-        return self.experts(x, weights, groups, ops)
+        out = run_routed(self.experts, x, weights, ids, self.expert_counts, ops)
+        return out if out is not None else self.experts(x, weights, count_groups(self.expert_counts, ids), ops)

@@ -332,6 +332,7 @@ void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const flo
 struct Span {
   int64_t expert, start, end;
 };
+static_assert(sizeof(Span) == 3 * sizeof(int64_t), "a Span is one row of the [A, 3] int64 spans tensor");
 
 // what runs between the products: SiLU(gate) * up (gate the first I columns, up the last I), or gpt-oss's clamped
 // SwiGLU (gate and up interleaved: gate the even columns); biases [E, 2I] and [E, H] (nullptr: none)
@@ -471,6 +472,95 @@ const void* checked_bias(const torch::Tensor& bias, const torch::Tensor& rows, i
   return bias.data_ptr();
 }
 
+// a step's (token, slot) pairs sorted by expert, stable (as argsort of the flattened ids is): sorted row i is pair
+// order[i], pair p sits at sorted row position[p]; spans as `moe_experts` takes them; counts[e] (where given) grows
+// by each expert's pairs
+struct Routing {
+  std::vector<int64_t> order, position;
+  std::vector<Span> spans;
+};
+
+Routing sort_by_expert(const int64_t* ids, int64_t pairs, int64_t experts, int64_t* counts) {
+  std::vector<int64_t> next(static_cast<size_t>(experts), 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "moe_experts_routed: expert id ", ids[p], " is outside the ",
+                experts, " experts");
+    ++next[ids[p]];
+  }
+  Routing r{std::vector<int64_t>(static_cast<size_t>(pairs)), std::vector<int64_t>(static_cast<size_t>(pairs)), {}};
+  int64_t at = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = next[e];
+    if (counts) counts[e] += n;
+    if (n) r.spans.push_back({e, at, at + n});
+    next[e] = at;
+    at += n;
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = next[ids[p]]++;
+    r.order[row] = p;
+    r.position[p] = row;
+  }
+  return r;
+}
+
+// each token's K expert outputs (out: [P, H] sorted by expert) times their weights (w: [T, K], fp32 or the rows'
+// dtype), each product rounded to T, then added one by one in expert order, each sum rounded to T: the bits of
+// `run_grouped`'s ``(out * w).to(T)`` and ``total += per_token[:, k]`` (products and sums in separate passes, so
+// no multiply-add fuses them)
+template <typename T, typename W>
+void combine(const T* out, const W* w, const int64_t* ids, const std::vector<int64_t>& position, int64_t tokens,
+             int64_t k, int64_t h, T* total) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 14) / (k * h)), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots(static_cast<size_t>(k));
+    std::vector<float> scaled(static_cast<size_t>(h));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* tid = ids + t * k;
+      for (int64_t j = 0; j < k; ++j) slots[j] = j;
+      std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return tid[a] < tid[b]; });
+      T* dst = total + t * h;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pair = t * k + slots[j];
+        const float wf = widen(w[pair]);
+        const T* src = out + position[pair] * h;
+        for (int64_t c = 0; c < h; ++c) scaled[c] = round_to<T>(widen(src[c]) * wf);
+        if (j == 0) {
+          for (int64_t c = 0; c < h; ++c) dst[c] = narrow<T>(scaled[c]);
+        } else {
+          for (int64_t c = 0; c < h; ++c) dst[c] = narrow<T>(widen(dst[c]) + scaled[c]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+torch::Tensor gather_rows(const torch::Tensor& x, const std::vector<int64_t>& order, int64_t k) {
+  const int64_t pairs = static_cast<int64_t>(order.size()), h = x.size(1);
+  auto rows = torch::empty({pairs, h}, x.options());
+  const T* src = x.data_ptr<T>();
+  T* dst = rows.data_ptr<T>();
+  at::parallel_for(0, pairs, std::max<int64_t>(1, (1 << 15) / h), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) std::memcpy(dst + p * h, src + order[p] / k * h, h * sizeof(T));
+  });
+  return rows;
+}
+
+template <typename T>
+torch::Tensor combine_for(const torch::Tensor& out, const torch::Tensor& weights, const torch::Tensor& ids,
+                          const Routing& r) {
+  const int64_t tokens = ids.size(0), k = ids.size(1), h = out.size(1);
+  auto total = torch::empty({tokens, h}, out.options());
+  if (weights.scalar_type() == at::kFloat) {
+    combine<T, float>(out.data_ptr<T>(), weights.data_ptr<float>(), ids.data_ptr<int64_t>(), r.position, tokens,
+                      k, h, total.data_ptr<T>());
+  } else {
+    combine<T, T>(out.data_ptr<T>(), weights.data_ptr<T>(), ids.data_ptr<int64_t>(), r.position, tokens, k, h,
+                  total.data_ptr<T>());
+  }
+  return total;
+}
+
 }  // namespace
 
 // rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
@@ -501,6 +591,36 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
   return experts_plain<c10::BFloat16>(rows, list, ex);
 }
 
+// A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
+// expert ids [T, K] int64; counts: empty or [E] int64, grown in place by each expert's pairs; the weights as
+// `moe_experts` takes them -> [T, H], each token's expert outputs times their weights, added in expert order: the
+// bits `sage_infer.layers.moe.run_grouped` gives for the same experts, without its Python grouping
+torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
+                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                                 torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
+                                 double limit) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "moe_experts_routed: x must be contiguous [T, H] on the CPU");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts_routed: ids must be contiguous [T, K] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
+                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
+              "moe_experts_routed: weights must be contiguous [T, K] in fp32 or x's dtype");
+  const int64_t experts = gate_up.size(0), k = ids.size(1);
+  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
+                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
+              "moe_experts_routed: counts must be empty or contiguous [E] int64");
+  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
+                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
+  torch::Tensor spans = torch::empty({static_cast<int64_t>(r.spans.size()), 3}, torch::kLong);
+  std::memcpy(spans.data_ptr<int64_t>(), r.spans.data(), r.spans.size() * sizeof(Span));
+  const auto out = moe_experts(rows, spans, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
+                               limit);
+  return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
+}
+
 // The op's namespace names the build (level and key): two levels' builds loaded in one process (tests force
 // levels) register apart. Python finds it as torch.ops.sage_moe_<isa>_<build key> (sage_infer/layers/cpu_kernels.py).
 #ifndef SAGE_BUILD_KEY
@@ -515,4 +635,5 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
 
 SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
   m.def("moe_experts", &moe_experts);
+  m.def("moe_experts_routed", &moe_experts_routed);
 }
