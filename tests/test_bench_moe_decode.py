@@ -37,3 +37,27 @@ def test_turns_time_the_blocks_and_a_read_of_as_many_expert_tensors():
     assert set(turns) == {"layer_s", "read_s", "layer_s_min", "read_s_min"}
     assert all(v > 0 for v in turns.values())
     assert sum(block.expert_tokens) == (3 + 2) * K  # every turn, warm-ups included, ran the block on one row
+
+
+def test_moe_rows_times_each_layout_and_writes_the_crossover(tmp_path):
+    """bench/moe_rows.py on a tiny shape: every layout either times both paths at each step size or says why the
+    kernel does not run it here; bad arguments are refused."""
+    import json
+
+    from bench import moe_rows
+
+    with pytest.raises(SystemExit):
+        moe_rows.parse_args(["--layouts", "packed-bf16"])
+    with pytest.raises(SystemExit):
+        moe_rows.parse_args(["--shape", "4,16,8,5"])  # top-k above the experts
+    out = tmp_path / "rows.json"
+    assert moe_rows.main(["--shape", "4,16,8,2", "--rows", "1,6", "--iters", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["layouts"]) == set(moe_rows.LAYOUTS)
+    for layout in report["layouts"].values():
+        if "skipped" in layout:
+            assert layout["skipped"]  # the reason
+            continue
+        assert [r["rows"] for r in layout["results"]] == [1, 6]
+        for r in layout["results"]:
+            assert r["kernel_ms"] > 0 and r["per_expert_ms"] > 0 and 1 <= r["max_pairs"] <= r["rows"]

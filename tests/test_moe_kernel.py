@@ -15,7 +15,12 @@ from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
 from sage_infer.layers.linear import pack_linears, packing_unavailable
 from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
-from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, GroupedExpertWeights
+from sage_infer.layers.moe_grouped import (
+    GROUPED_KERNEL_ROWS,
+    PLAIN_BF16_ROWS,
+    PLAIN_FP32_ROWS,
+    GroupedExpertWeights,
+)
 from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
@@ -85,6 +90,7 @@ def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, i
 
 def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
     experts = make_experts(torch.float32, 40)
+    experts.kernel_rows = 1 << 20  # any rows per expert (plain fp32's own limit is PLAIN_FP32_ROWS)
     calls = []
     real = cpu_kernels.moe_experts
 
@@ -106,9 +112,12 @@ def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
 
 
 def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster():
-    """Plain weights: any step; packed bf16: decode steps only, unless the kernels sum bf16 pairs natively."""
+    """Packed bf16: decode steps only, unless the kernels sum bf16 pairs natively; plain fp32: up to
+    PLAIN_FP32_ROWS pairs an expert; plain bf16: up to PLAIN_BF16_ROWS where oneDNN multiplies bf16."""
     plain = make_experts(torch.bfloat16, 40).grouped_kernel()
-    assert plain.max_rows() is None
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert plain.max_rows() == (PLAIN_BF16_ROWS if onednn_bf16 else None)
+    assert make_experts(torch.float32, 40).grouped_kernel().max_rows() == PLAIN_FP32_ROWS
     packed = GroupedExpertWeights(True, torch.bfloat16, 40, plain.gate_up, plain.down, [])
     native = cpu_kernels.moe_experts_native_bf16()
     assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)
@@ -156,6 +165,7 @@ def test_gpt_oss_experts_on_the_grouped_kernel_equal_their_pytorch_products(cpu_
     assert torch.equal(experts.gate_up_proj, want_experts.gate_up_proj)
     assert experts.gate_up_proj.transpose(1, 2).is_contiguous()
     assert experts.grouped_kernel() is kernel  # found once
+    experts.kernel_rows = 1 << 20  # the kernel at any rows per expert, prefill-sized steps too
     for tokens, seed in ((1, 0), (6, 1), (40, 2)):
         weights, ids = routing(tokens, seed)
         groups = group_by_expert(ids, E)

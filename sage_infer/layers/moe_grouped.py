@@ -17,9 +17,16 @@ each expert's weight is a plain [N, K] matrix, and their biases go with them.
 Anything else (quantized experts, separate gate and up, row-tiled linears, fp32 packed by oneDNN in its own
 layout, biases on packed linears) gets a reason instead, and the experts keep their per-expert products.
 
-How many rows per expert a step may have (`max_rows`): any, except for packed bf16 experts where the kernels in use
-widen bf16 to fp32 (the AVX2 and AVX-512 builds): there oneDNN's bf16 dot products multiply many rows faster, so a
-step with more than `GROUPED_KERNEL_ROWS` pairs on an expert (a prefill chunk) keeps one oneDNN product per expert.
+How many rows per expert a step may have (`max_rows`), past which one PyTorch/oneDNN product per expert (a GEMM
+that keeps each weight block in registers across many rows) is the faster path; measured with `bench/moe_decode.py
+--batches` and `bench/moe_rows.py` on a 2-vCPU Zen 5 (docs/models.md):
+
+- packed bf16: any where the kernels sum bf16 pairs natively (the AVX512-BF16 build), else `GROUPED_KERNEL_ROWS`
+  (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products);
+- plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 4 rows at a time);
+- plain bf16 (gpt-oss's experts, transformers' stacked bf16 experts): `PLAIN_BF16_ROWS` where oneDNN multiplies bf16
+  (`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX-512 and up), since the kernel widens each bf16 weight to fp32;
+  any elsewhere (PyTorch's bf16 product without oneDNN was not measured against it).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows,
 # the most pairs an expert may have in a step the kernel runs where oneDNN's bf16 products are the faster compute
 # (bench/moe_decode.py --batches measures both paths; docs/models.md)
 GROUPED_KERNEL_ROWS = 16
+PLAIN_FP32_ROWS = 16  # plain fp32: 1.5-3x the per-expert sgemm at up to 13 pairs an expert, 0.9-1.4x at 21-25
+PLAIN_BF16_ROWS = 4  # plain bf16 beside oneDNN's bf16 products: 1.3-2x them at up to 3-4 pairs, 0.8-0.9x at 6-8
 
 
 @dataclass(slots=True)
@@ -68,7 +77,11 @@ class GroupedExpertWeights:
 
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""
-        return GROUPED_KERNEL_ROWS if self.packed and not cpu_kernels.moe_experts_native_bf16() else None
+        if self.packed:
+            return None if cpu_kernels.moe_experts_native_bf16() else GROUPED_KERNEL_ROWS
+        if self.dtype == torch.float32:
+            return PLAIN_FP32_ROWS
+        return PLAIN_BF16_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
     @staticmethod
     def of_clamped(experts: nn.Module) -> GroupedExpertWeights | str:
