@@ -18,7 +18,9 @@ from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
 from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
     PLAIN_BF16_ROWS,
+    PLAIN_BF16_ROWS_AVX2,
     PLAIN_FP32_ROWS,
+    PLAIN_FP32_ROWS_AVX2,
     GroupedExpertWeights,
 )
 from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
@@ -111,13 +113,16 @@ def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
     assert len(calls) == 2
 
 
-def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster():
+def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster(cpu_isa):
     """Packed bf16: decode steps only, unless the kernels sum bf16 pairs natively; plain fp32: up to
-    PLAIN_FP32_ROWS pairs an expert; plain bf16: up to PLAIN_BF16_ROWS where oneDNN multiplies bf16."""
+    PLAIN_FP32_ROWS pairs an expert (16-lane FMA) or PLAIN_FP32_ROWS_AVX2; plain bf16: up to PLAIN_BF16_ROWS (or
+    the AVX2 level's) where oneDNN multiplies bf16."""
     plain = make_experts(torch.bfloat16, 40).grouped_kernel()
+    wide = cpu_isa != "avx2"
     onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert plain.max_rows() == (PLAIN_BF16_ROWS if onednn_bf16 else None)
-    assert make_experts(torch.float32, 40).grouped_kernel().max_rows() == PLAIN_FP32_ROWS
+    assert plain.max_rows() == ((PLAIN_BF16_ROWS if wide else PLAIN_BF16_ROWS_AVX2) if onednn_bf16 else None)
+    fp32 = make_experts(torch.float32, 40).grouped_kernel()
+    assert fp32.max_rows() == (PLAIN_FP32_ROWS if wide else PLAIN_FP32_ROWS_AVX2)
     packed = GroupedExpertWeights(True, torch.bfloat16, 40, plain.gate_up, plain.down, [])
     native = cpu_kernels.moe_experts_native_bf16()
     assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)

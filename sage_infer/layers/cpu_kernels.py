@@ -257,6 +257,11 @@ def moe_experts_native_bf16() -> bool:
     return _module().isa() == "avx512_bf16"
 
 
+def moe_experts_wide_fma() -> bool:
+    """Whether `moe_experts` multiplies plain weights with 16-lane FMA (the AVX-512 builds) rather than 8-lane."""
+    return _module().isa() in ("avx512", "avx512_bf16")
+
+
 def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 intermediate: int, packed: bool, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, clamped: tuple[float, float] | None = None) -> torch.Tensor:

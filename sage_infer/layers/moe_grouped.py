@@ -23,10 +23,11 @@ that keeps each weight block in registers across many rows) is the faster path; 
 
 - packed bf16: any where the kernels sum bf16 pairs natively (the AVX512-BF16 build), else `GROUPED_KERNEL_ROWS`
   (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products);
-- plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 4 rows at a time);
-- plain bf16 (gpt-oss's experts, transformers' stacked bf16 experts): `PLAIN_BF16_ROWS` where oneDNN multiplies bf16
-  (`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX-512 and up), since the kernel widens each bf16 weight to fp32;
-  any elsewhere (PyTorch's bf16 product without oneDNN was not measured against it).
+- plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 8 rows at a time with 16-lane FMA in
+  the AVX-512 builds, 4 rows with 8-lane FMA at AVX2: `PLAIN_FP32_ROWS_AVX2`);
+- plain bf16 (gpt-oss's experts, transformers' stacked bf16 experts): `PLAIN_BF16_ROWS` (`PLAIN_BF16_ROWS_AVX2`)
+  where oneDNN multiplies bf16 (`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX-512 and up), since the kernel
+  widens each bf16 weight to fp32; any elsewhere (PyTorch's bf16 product without oneDNN was not measured against it).
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows,
 # the most pairs an expert may have in a step the kernel runs where oneDNN's bf16 products are the faster compute
 # (bench/moe_decode.py --batches measures both paths; docs/models.md)
 GROUPED_KERNEL_ROWS = 16
-PLAIN_FP32_ROWS = 16  # plain fp32: 1.5-3x the per-expert sgemm at up to 13 pairs an expert, 0.9-1.4x at 21-25
-PLAIN_BF16_ROWS = 4  # plain bf16 beside oneDNN's bf16 products: 1.3-2x them at up to 3-4 pairs, 0.8-0.9x at 6-8
+# plain fp32, per-expert sgemm ÷ kernel: AVX-512 1.2-1.4 at 23-25 pairs an expert, 1.0-1.1 at 41; AVX2 1.7-3.7 at
+# up to 13, 0.9-1.4 at 21-25
+PLAIN_FP32_ROWS, PLAIN_FP32_ROWS_AVX2 = 32, 16
+# plain bf16, oneDNN's bf16 products ÷ kernel: AVX-512 1.1-1.2 at 5-8 pairs, 0.6 at 11-13; AVX2 1.3-2 at up to 3-4,
+# 0.8-0.9 at 5-8
+PLAIN_BF16_ROWS, PLAIN_BF16_ROWS_AVX2 = 6, 4
 
 
 @dataclass(slots=True)
@@ -79,9 +84,12 @@ class GroupedExpertWeights:
         """The most pairs per expert of a step the kernel should take (None: any)."""
         if self.packed:
             return None if cpu_kernels.moe_experts_native_bf16() else GROUPED_KERNEL_ROWS
+        wide = cpu_kernels.moe_experts_wide_fma()
         if self.dtype == torch.float32:
-            return PLAIN_FP32_ROWS
-        return PLAIN_BF16_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+            return PLAIN_FP32_ROWS if wide else PLAIN_FP32_ROWS_AVX2
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return PLAIN_BF16_ROWS if wide else PLAIN_BF16_ROWS_AVX2
 
     @staticmethod
     def of_clamped(experts: nn.Module) -> GroupedExpertWeights | str:

@@ -13,7 +13,8 @@
 //   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA (AVX2:
 //   4 rows of 16 columns at a time where an expert has more than 16 rows, the same sums as one row at a time);
 // - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
-//   keeps where oneDNN cannot pack bf16), with AVX2 FMA, bf16 widened as it is read.
+//   keeps where oneDNN cannot pack bf16), with FMA (AVX-512: 16 lanes, 8 rows a pass; AVX2: 8 lanes, 4 rows),
+//   bf16 widened as it is read.
 // Sums are fp32; each product is rounded once to the rows' dtype (with a bias: rounded, the bias added, rounded
 // again, as `x @ w + b` computes it); SiLU(gate) * up is computed as csrc/fused_ops.cpp's silu_mul computes it,
 // gpt-oss's clamped SwiGLU (gate and up interleaved) as PyTorch's ops round it step by step, so only the fp32
@@ -282,12 +283,39 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+constexpr int kPlainGroup = 8;  // rows per pass: 2 accumulators each, with the weight's 2: 18 of 32 zmm
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#else
 constexpr int kPlainGroup = 4;  // rows per pass: 2 accumulators each, with the weight's 2: 10 of 16 ymm
+#endif
 
+// each row's sums in one order whatever G (the same bits whatever the step's other rows): AVX-512 32 columns a
+// step in two accumulators, then 16, then one at a time; AVX2 16 a step, then one at a time
 template <int G, typename W>
 inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
   int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  __m512 acc0[G], acc1[G];
+  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm512_setzero_ps();
+  for (; k + 32 <= k_len; k += 32) {
+    const __m512 w0 = load16(w + k), w1 = load16(w + k + 16);
+    for (int g = 0; g < G; ++g) {
+      acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
+      acc1[g] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * k_len + k + 16), acc1[g]);
+    }
+  }
+  if (k + 16 <= k_len) {
+    const __m512 w0 = load16(w + k);
+    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
+    k += 16;
+  }
+  for (int g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[g], acc1[g]));
+#elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc0[G], acc1[G];
   for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
   for (; k + 16 <= k_len; k += 16) {
@@ -319,6 +347,12 @@ void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const flo
       const int64_t g = std::min<int64_t>(kPlainGroup, m - r);
       const float* xr = x + r * k;
       switch (g) {
+#if defined(__AVX512F__)
+        case 8: plain_dots<8>(xr, w, k, sums); break;
+        case 7: plain_dots<7>(xr, w, k, sums); break;
+        case 6: plain_dots<6>(xr, w, k, sums); break;
+        case 5: plain_dots<5>(xr, w, k, sums); break;
+#endif
         case 4: plain_dots<4>(xr, w, k, sums); break;
         case 3: plain_dots<3>(xr, w, k, sums); break;
         case 2: plain_dots<2>(xr, w, k, sums); break;
