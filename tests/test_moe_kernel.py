@@ -226,3 +226,15 @@ def test_routed_expert_ids_outside_the_experts_are_refused():
     for bad in (E, -1):
         with pytest.raises(RuntimeError, match="outside"):
             kernel.routed(torch.randn(1, H), torch.ones(1, 2), torch.tensor([[0, bad]]), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_or_among_many_rows_of_its_expert(cpu_isa, dtype):
+    """Plain weights: each row's sums run in one order whatever the rows passed with it (8 or 4 to a pass, then
+    fewer), so a token's output does not depend on the batch it decodes in."""
+    kernel = make_experts(dtype, 40).grouped_kernel()
+    rows = torch.randn(11, H, generator=torch.Generator().manual_seed(7)).to(dtype)
+    with torch.no_grad():
+        together = kernel(rows, [(2, 0, 11)])
+        alone = torch.cat([kernel(rows[i:i + 1], [(2, 0, 1)]) for i in range(11)])
+    assert torch.equal(together, alone)
