@@ -290,6 +290,11 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16_masked(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(__mmask16 m, const c10::BFloat16* p) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
 #else
 constexpr int kPlainGroup = 4;  // rows per pass: 2 accumulators each, with the weight's 2: 10 of 16 ymm
 #endif
@@ -314,6 +319,12 @@ inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
     for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
     k += 16;
   }
+  if (k < k_len) {  // the last columns as one more step, masked (a scalar tail would vectorize differently per G)
+    const __mmask16 m = static_cast<__mmask16>((1u << (k_len - k)) - 1u);
+    const __m512 w0 = load16_masked(m, w + k);
+    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m, x + g * k_len + k), acc0[g]);
+    k = k_len;
+  }
   for (int g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[g], acc1[g]));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc0[G], acc1[G];
@@ -324,6 +335,18 @@ inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
       acc0[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_len + k), acc0[g]);
       acc1[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_len + k + 8), acc1[g]);
     }
+  }
+  if (k < k_len) {  // the last columns as one more step, zero padded (a scalar tail would vectorize differently per G)
+    alignas(32) float wt[16] = {}, xt[16] = {};
+    const int64_t n = k_len - k;
+    for (int64_t i = 0; i < n; ++i) wt[i] = widen(w[k + i]);
+    const __m256 w0 = _mm256_load_ps(wt), w1 = _mm256_load_ps(wt + 8);
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(xt, x + g * k_len + k, n * sizeof(float));
+      acc0[g] = _mm256_fmadd_ps(w0, _mm256_load_ps(xt), acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(w1, _mm256_load_ps(xt + 8), acc1[g]);
+    }
+    k = k_len;
   }
   for (int g = 0; g < G; ++g) out[g] = hsum(_mm256_add_ps(acc0[g], acc1[g]));
 #else
