@@ -8,7 +8,9 @@ Layouts (random weights of `--shape` E,H,I,K: experts, hidden, expert width, top
 
 - `stacked-fp32` / `stacked-bf16`: `FusedExperts` on their stacked [E, 2I, H] / [E, H, I] weights (the kernel's plain
   path: a dot product over 4 rows at a time, bf16 widened to fp32 as it is read);
-- `clamped-fp32` / `clamped-bf16`: gpt-oss's `ClampedSwigluExperts` (biases, clamped SwiGLU), plain too.
+- `clamped-fp32` / `clamped-bf16`: gpt-oss's `ClampedSwigluExperts` (biases, clamped SwiGLU), plain too;
+- `mxfp4-fp32` / `mxfp4-bf16`: the same experts holding MXFP4 weights (random codes and exponents), which the kernel
+  reads in place and the per-expert products dequantize one expert at a time.
 
 Each row count is timed on a fresh random routing (distinct experts per token) with the kernel forced at any rows
 per expert; `max_pairs` is the most pairs an expert got, what `GroupedExpertWeights.max_rows` is compared with.
@@ -35,7 +37,7 @@ if str(REPO) not in sys.path:
 from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import sage_isa  # noqa: E402
 
-LAYOUTS = ("stacked-fp32", "stacked-bf16", "clamped-fp32", "clamped-bf16")
+LAYOUTS = ("stacked-fp32", "stacked-bf16", "clamped-fp32", "clamped-bf16", "mxfp4-fp32", "mxfp4-bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--shape takes E,H,I,K and --rows T1,T2,... as integers")
     if len(args.shape) != 4 or min(args.shape) < 1 or args.shape[3] > args.shape[0] or not args.rows:
         parser.error(f"--shape takes E,H,I,K with K <= E, not {args.shape}")
+    if any(name.startswith("mxfp4") for name in args.layouts) and (args.shape[1] % 32 or args.shape[2] % 32):
+        parser.error("the mxfp4 layouts need H and I in multiples of 32 (MXFP4's blocks)")
     return args
 
 
@@ -71,9 +75,15 @@ def make_experts(layout: str, shape: tuple[int, int, int, int]) -> torch.nn.Modu
     torch.manual_seed(0)
     experts = (FusedExperts(num_experts, hidden, inter) if kind == "stacked"
                else ClampedSwigluExperts(num_experts, hidden, inter, alpha=1.702, limit=7.0))
+    if kind == "mxfp4":
+        experts.keep_mxfp4()
     with torch.no_grad():
-        for param in experts.parameters():
-            param.normal_(0, 0.02)
+        for name, param in experts.named_parameters():
+            if param.dtype == torch.uint8:  # FP4 codes, or exponents near 2^-6 (weights of about 0.02)
+                param.copy_(torch.randint(0, 256, param.shape, dtype=torch.uint8) if name.endswith("_blocks")
+                            else torch.randint(118, 124, param.shape, dtype=torch.uint8))
+            else:
+                param.normal_(0, 0.02)
     experts = experts.requires_grad_(False).to(DTYPES[dtype])
     experts.kernel_rows = 1 << 30  # the kernel at any rows per expert: the comparison sets the limit
     return experts
@@ -85,7 +95,7 @@ def time_rows(experts: torch.nn.Module, shape: tuple[int, int, int, int], rows: 
 
     num_experts, hidden, _, top_k = shape
     kernel = experts.grouped_kernel()
-    dtype = next(experts.parameters()).dtype
+    dtype = experts.gate_up_proj_bias.dtype if hasattr(experts, "gate_up_proj_bias") else experts.gate_up_proj.dtype
     gen = torch.Generator().manual_seed(rows)
     times: dict[str, list[float]] = {"kernel": [], "per_expert": []}
     most = 0

@@ -51,7 +51,7 @@ def test_moe_rows_times_each_layout_and_writes_the_crossover(tmp_path):
     with pytest.raises(SystemExit):
         moe_rows.parse_args(["--shape", "4,16,8,5"])  # top-k above the experts
     out = tmp_path / "rows.json"
-    assert moe_rows.main(["--shape", "4,16,8,2", "--rows", "1,6", "--iters", "1", "--json", str(out)]) == 0
+    assert moe_rows.main(["--shape", "4,32,32,2", "--rows", "1,6", "--iters", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["layouts"]) == set(moe_rows.LAYOUTS)
     for layout in report["layouts"].values():

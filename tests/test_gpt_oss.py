@@ -3,8 +3,8 @@ they matter), alternating sliding-window (8 keys) and full layers with prompts l
 yarn rope, a biased router over 4 experts (top 2) and clamped SwiGLU experts with biases (a limit low enough that the
 clamp bites); a batch of several prompts through the reference path and, at each ISA level this CPU runs, the paths
 the engine picks (the paged decode and flash prefill kernels taking the window and sinks), with prefix cache hits and
-with chunked prefill; MXFP4 experts dequantized at load. Config fields sage does not build are refused naming the
-field."""
+with chunked prefill; MXFP4 experts kept MXFP4 on the grouped kernel, dequantized per expert or at load. Config
+fields sage does not build are refused naming the field."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_config_without_layer_types_takes_transformers_defaults():
     assert (cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) == (1.702, 7.0)
 
 
-def mxfp4_checkpoint(source, directory) -> None:
+def mxfp4_checkpoint(source, directory, **quantization) -> None:
     """`source` with its experts replaced by random MXFP4 blocks and scales, as OpenAI's checkpoints store them."""
     shutil.copytree(source, directory)
     generator = torch.Generator().manual_seed(7)
@@ -149,22 +149,59 @@ def mxfp4_checkpoint(source, directory) -> None:
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], **quantization}
     (directory / "config.json").write_text(json.dumps(config))
 
 
-def test_mxfp4_experts_load_dequantized_and_match_transformers(gpt_oss, tmp_path):
-    """OpenAI's gpt-oss checkpoints store their experts as MXFP4: sage dequantizes them at load, as transformers does
-    with ``Mxfp4Config(dequantize=True)``; the tokens are the same."""
-    directory = tmp_path / "model"
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """The gpt-oss checkpoint with MXFP4 experts, and transformers' greedy tokens on it (``Mxfp4Config(dequantize=
+    True)``: transformers runs MXFP4 only on a GPU, dequantized elsewhere)."""
+    directory = tmp_path_factory.mktemp("gpt-oss-mxfp4") / "model"
     mxfp4_checkpoint(gpt_oss[0], directory)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
         quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
     prompts = gpt_oss[1][1:3]
-    got = sage_greedy(engine(directory), prompts)
-    assert got == hf_greedy(hf, prompts)
-    assert got != gpt_oss[2][1:3]  # the experts are the MXFP4 ones, not the float checkpoint's
+    want = hf_greedy(hf, prompts)
+    assert want != gpt_oss[2][1:3]  # the experts are the MXFP4 ones, not the float checkpoint's
+    return directory, prompts, want
+
+
+def expert_tensors(llm) -> dict[str, torch.dtype]:
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    return {name: param.dtype for name, param in experts.named_parameters()}
+
+
+def test_mxfp4_experts_stay_mxfp4_on_the_grouped_kernel_and_match_transformers(gpt_oss_mxfp4, cpu_isa):
+    """OpenAI's gpt-oss checkpoints store their experts as MXFP4: on a CPU with the kernels they stay MXFP4 in
+    memory (a quarter of bf16's bytes), read in place by the grouped-experts kernel at each ISA level; the tokens
+    are transformers' on the dequantized experts."""
+    directory, prompts, want = gpt_oss_mxfp4
+    llm = engine(directory)
+    reason = {d.field: d for d in llm.engine.decisions}["model.experts"].reason
+    assert ("MXFP4 experts kept as they are" in reason) == (kernel_unavailable() is None)
+    if kernel_unavailable() is None:
+        assert expert_tensors(llm) == {"gate_up_proj_bias": torch.float32, "down_proj_bias": torch.float32,
+                                       **{f"{w}_{part}": torch.uint8 for w in ("gate_up_proj", "down_proj")
+                                          for part in ("blocks", "scales")}}
+    assert sage_greedy(llm, prompts) == want
+
+
+def test_mxfp4_experts_on_the_per_expert_products_and_dequantized_at_load_match_transformers(gpt_oss_mxfp4,
+                                                                                           tmp_path):
+    """The PyTorch path (``model.elementwise: torch``) dequantizes each MXFP4 expert it runs; a config with
+    ``dequantize: true`` gets float experts at load, as transformers' ``Mxfp4Config(dequantize=True)`` does."""
+    directory, prompts, want = gpt_oss_mxfp4
+    assert sage_greedy(engine(directory, **PATHS["reference"]), prompts) == want
+    dequantized = tmp_path / "model"
+    shutil.copytree(directory, dequantized)
+    config = json.loads((dequantized / "config.json").read_text())
+    config["quantization_config"]["dequantize"] = True
+    (dequantized / "config.json").write_text(json.dumps(config))
+    llm = engine(dequantized)
+    assert set(expert_tensors(llm).values()) == {torch.float32}
+    assert sage_greedy(llm, prompts) == want
 
 
 def test_mxfp4_config_sage_does_not_run_is_refused_naming_the_field(tmp_path):

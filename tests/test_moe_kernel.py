@@ -238,3 +238,74 @@ def test_a_row_gets_the_same_bits_alone_or_among_many_rows_of_its_expert(cpu_isa
         together = kernel(rows, [(2, 0, 11)])
         alone = torch.cat([kernel(rows[i:i + 1], [(2, 0, 1)]) for i in range(11)])
     assert torch.equal(together, alone)
+
+
+def mxfp4_pair(dtype: torch.dtype, inter: int = 64) -> tuple[ClampedSwigluExperts, ClampedSwigluExperts]:
+    """gpt-oss experts holding random MXFP4 tensors (some exponents tiny: denormal weights), and the same experts
+    with those tensors dequantized (`sage_infer.quantization.mxfp4.dequantize`), the biases shared."""
+    from sage_infer.quantization import mxfp4
+
+    gen = torch.Generator().manual_seed(3)
+    packed = ClampedSwigluExperts(E, H, inter, alpha=1.702, limit=1.5).requires_grad_(False)
+    packed.keep_mxfp4()
+    for name in ("gate_up_proj", "down_proj"):
+        blocks, scales = getattr(packed, f"{name}_blocks"), getattr(packed, f"{name}_scales")
+        blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=gen))
+        scales.copy_(torch.randint(120, 130, scales.shape, dtype=torch.uint8, generator=gen))
+        scales.view(-1)[::7] = 1
+    with torch.no_grad():
+        packed.gate_up_proj_bias.normal_(0, 0.3, generator=gen)
+        packed.down_proj_bias.normal_(0, 0.3, generator=gen)
+    packed = packed.to(dtype)
+    plain = ClampedSwigluExperts(E, H, inter, alpha=1.702, limit=1.5).requires_grad_(False).to(dtype)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(plain, name).copy_(mxfp4.dequantize(getattr(packed, f"{name}_blocks"),
+                                                        getattr(packed, f"{name}_scales"), dtype))
+            getattr(plain, f"{name}_bias").copy_(getattr(packed, f"{name}_bias"))
+    return packed, plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_experts_give_the_bits_of_their_dequantized_weights(cpu_isa, dtype):
+    """The kernel reads MXFP4 codes and exponents in place: each value exact in fp32, the same FMAs in the same order
+    as over the dequantized weights, so the same bits at every level, on decode- and prefill-sized steps; the
+    per-expert PyTorch path (each expert dequantized as it runs) gives the dequantized experts' products."""
+    packed, plain = mxfp4_pair(dtype)
+    kernel, want_kernel = packed.grouped_kernel(), plain.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights) and kernel.mxfp4_scales is not None, kernel
+    assert packed.gate_up_proj_blocks.dtype == torch.uint8 and packed.gate_up_proj is None
+    for tokens, seed in ((1, 0), (6, 1), (40, 2)):
+        weights, ids = routing(tokens, seed)
+        groups = group_by_expert(ids, E)
+        x = (2 * torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))).to(dtype)
+        with torch.no_grad():
+            got = run_grouped(x, weights.to(dtype), groups, None, kernel)
+            assert torch.equal(got, run_grouped(x, weights.to(dtype), groups, None, want_kernel))
+            per_expert = run_grouped(x, weights.to(dtype), groups, packed.expert)
+            want = run_grouped(x, weights.to(dtype), groups, plain.expert)
+        tol = TOL[dtype] if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-3)  # outputs of up to ~100
+        torch.testing.assert_close(per_expert.float(), want.float(), **tol)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_mxfp4_experts_need_widths_in_whole_blocks():
+    kernel = mxfp4_pair(torch.float32)[0].grouped_kernel()
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        kernel(torch.randn(1, H + 1), [(0, 0, 1)])
+
+
+@pytest.mark.parametrize("clamped", [False, True])
+def test_gates_far_below_zero_give_pytorchs_zeros_not_nans(cpu_isa, clamped):
+    """A gate under -52 (gpt-oss: times alpha under -88.7) overflows exp(-gate) in the activation: PyTorch's sigmoid
+    and SiLU are then 0; the kernel's must be too (its build assumes finite math), never NaN."""
+    experts = make_clamped(torch.float32) if clamped else make_experts(torch.float32, 40)
+    experts.kernel_rows = 1 << 20
+    weights, ids = routing(3, 5)
+    groups = group_by_expert(ids, E)
+    x = 400 * torch.randn(3, H, generator=torch.Generator().manual_seed(5))  # gates of hundreds, either sign
+    with torch.no_grad():
+        got = experts(x, weights, groups, FUSED_OPS)
+        want = run_grouped(x, weights, groups, experts.expert)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)

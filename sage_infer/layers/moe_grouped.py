@@ -67,18 +67,22 @@ class GroupedExpertWeights:
     gate_up_bias: torch.Tensor | None = field(default=None, repr=False)  # [E, 2I]
     down_bias: torch.Tensor | None = field(default=None, repr=False)  # [E, H]
     clamped: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit)
+    # MXFP4 experts: each expert's exponent bytes ([E] int64 addresses, gate_up's and down's); gate_up and down then
+    # address its FP4 codes
+    mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """rows [P, H] sorted by expert, the (expert, start, end) spans -> each row's expert output [P, H]."""
         return cpu_kernels.moe_experts(rows, torch.tensor(spans, dtype=torch.long), self.gate_up, self.down,
-                                       self.intermediate, self.packed, self.gate_up_bias, self.down_bias, self.clamped)
+                                       self.intermediate, self.packed, self.gate_up_bias, self.down_bias, self.clamped,
+                                       self.mxfp4_scales)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [T, H], the routing weights and expert ids [T, K] -> [T, H]: the step with its grouping in the kernel
         (`cpu_kernels.moe_experts_routed`); `counts` [E] grows by each expert's pairs."""
         return cpu_kernels.moe_experts_routed(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
                                               self.gate_up, self.down, self.intermediate, self.packed,
-                                              self.gate_up_bias, self.down_bias, self.clamped)
+                                              self.gate_up_bias, self.down_bias, self.clamped, self.mxfp4_scales)
 
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""
@@ -98,6 +102,8 @@ class GroupedExpertWeights:
         why = cpu_kernels.moe_experts_unavailable()
         if why is not None:
             return why
+        if experts.is_mxfp4:
+            return _mxfp4(experts)
         params = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
         if any(p.device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.dtype != params[0].dtype for p in params):
             return "the expert weights are not bf16 or fp32 tensors (one dtype) on the CPU"
@@ -143,6 +149,21 @@ def _stacked(gate_up, down, inter: int, holders: list | None = None) -> GroupedE
         return "the expert weights are not contiguous bf16 or fp32 tensors on the CPU"
     return GroupedExpertWeights(False, gate_up[0].dtype, inter, _addresses(gate_up), _addresses(down),
                                 [gate_up, down, holders])
+
+
+def _mxfp4(experts: nn.Module) -> GroupedExpertWeights | str:
+    """gpt-oss's MXFP4 experts (`ClampedSwigluExperts.keep_mxfp4`): each expert's codes and exponents in place."""
+    tensors = [getattr(experts, f"{name}_{part}") for name in ("gate_up_proj", "down_proj") for part in ("blocks",
+                                                                                                        "scales")]
+    biases = (experts.gate_up_proj_bias, experts.down_proj_bias)
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors + list(biases)):
+        return "the MXFP4 experts are not contiguous tensors on the CPU"
+    if biases[0].dtype not in KERNEL_DTYPES or biases[1].dtype != biases[0].dtype:
+        return "the experts' biases are not bf16 or fp32 (one dtype)"
+    gate_up_blocks, gate_up_scales, down_blocks, down_scales = (_addresses(list(t.unbind(0))) for t in tensors)
+    return GroupedExpertWeights(False, biases[0].dtype, tensors[2].shape[2] * 32, gate_up_blocks, down_blocks,
+                                [tensors], biases[0].detach(), biases[1].detach(),
+                                (float(experts.alpha), float(experts.limit)), (gate_up_scales, down_scales))
 
 
 def _packed(experts: nn.Module, pairs: list, inter: int) -> GroupedExpertWeights | str:

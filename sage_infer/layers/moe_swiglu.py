@@ -30,10 +30,15 @@ from sage_infer.layers.moe import (
     use_grouped_kernel,
 )
 from sage_infer.layers.moe_grouped import GroupedExpertWeights
+from sage_infer.quantization import mxfp4
 
 
 class ClampedSwigluExperts(nn.Module):
-    """E experts with biases and the clamped SwiGLU, stacked as the checkpoint stores them."""
+    """E experts with biases and the clamped SwiGLU, stacked as the checkpoint stores them: float weights, or after
+    `keep_mxfp4` the checkpoint's MXFP4 tensors (``gate_up_proj_blocks`` [E, 2I, H / 32, 16] uint8 FP4 codes,
+    ``gate_up_proj_scales`` [E, 2I, H / 32] uint8 exponents, ``down_proj_blocks`` / ``down_proj_scales`` likewise
+    [E, H, I / 32, ...]), which the grouped kernel reads in place (a quarter of bf16's bytes) and the per-expert
+    products dequantize one expert at a time."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
         super().__init__()
@@ -45,13 +50,37 @@ class ClampedSwigluExperts(nn.Module):
         self.kernel_rows: int | None = None  # as `FusedExperts.kernel_rows`
         self._grouped: tuple[int, GroupedExpertWeights | str] | None = None  # (the weights' address, kernel or why)
 
+    def keep_mxfp4(self) -> None:
+        """Before loading (on the meta device): hold the experts' weights as the checkpoint's MXFP4 blocks and
+        scales (loaded as they are) in place of the float ``gate_up_proj`` / ``down_proj``."""
+        experts, hidden, two_inter = self.gate_up_proj.shape
+        for name, rows, cols in (("gate_up_proj", two_inter, hidden), ("down_proj", hidden, two_inter // 2)):
+            setattr(self, name, None)
+            blocks = torch.empty(experts, rows, cols // 32, 16, dtype=torch.uint8)
+            self.register_parameter(f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
+            scales = torch.empty(experts, rows, cols // 32, dtype=torch.uint8)
+            self.register_parameter(f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+
+    @property
+    def is_mxfp4(self) -> bool:
+        return self.gate_up_proj is None
+
+    def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `e`'s gate_up [H, 2I] and down [I, H] weights (MXFP4 ones dequantized to `dtype`)."""
+        if not self.is_mxfp4:
+            return self.gate_up_proj[e], self.down_proj[e]
+        return tuple(mxfp4.dequantize(getattr(self, f"{name}_blocks")[e : e + 1],
+                                      getattr(self, f"{name}_scales")[e : e + 1], dtype)[0]
+                     for name in ("gate_up_proj", "down_proj"))
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` over rows x [N, H] -> [N, H]."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate_up_w, down_w = self.weights(e, x.dtype)
+        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+        return ((up + 1) * glu) @ down_w + self.down_proj_bias[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
@@ -68,9 +97,10 @@ class ClampedSwigluExperts(nn.Module):
 
     def grouped_kernel(self) -> GroupedExpertWeights | str:
         """The experts as the grouped kernel reads them, or why it cannot (found again if the weights change)."""
-        if self._grouped is None or self._grouped[0] != self.gate_up_proj.data_ptr():
+        first = self.gate_up_proj_blocks if self.is_mxfp4 else self.gate_up_proj
+        if self._grouped is None or self._grouped[0] != first.data_ptr():
             kernel = GroupedExpertWeights.of_clamped(self)  # may store the weights anew
-            self._grouped = (self.gate_up_proj.data_ptr(), kernel)
+            self._grouped = (first.data_ptr(), kernel)
         return self._grouped[1]
 
 

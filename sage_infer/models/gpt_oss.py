@@ -72,11 +72,20 @@ class GptOssForCausalLM(LlamaForCausalLM):
             layer.mlp = TopKSoftmaxMoeBlock(cfg.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size,
                                             moe.swiglu_alpha, moe.swiglu_limit)
         self._mxfp4: mxfp4.PairedTensors | None = None  # MXFP4 expert tensors read so far (`checkpoint_combine`)
+        self._keeps_mxfp4 = False
+
+    def keep_mxfp4(self) -> None:
+        """Before loading: every layer's experts hold the checkpoint's MXFP4 tensors as they are
+        (`ClampedSwigluExperts.keep_mxfp4`), not dequantized."""
+        for layer in self.model.layers:
+            layer.mlp.experts.keep_mxfp4()
+        self._keeps_mxfp4 = True
 
     def checkpoint_combine(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The tensors checkpoint tensor `name` stands for: itself, or for MXFP4 experts' blocks and scales, nothing
-        until both of a weight are read, then that weight dequantized to the model's dtype."""
-        if not name.endswith(mxfp4.SUFFIXES):
+        """The tensors checkpoint tensor `name` stands for: itself, or for MXFP4 experts' blocks and scales (unless
+        the experts keep them as they are), nothing until both of a weight are read, then that weight dequantized
+        to the model's dtype."""
+        if self._keeps_mxfp4 or not name.endswith(mxfp4.SUFFIXES):
             return [(name, tensor)]
         if self._mxfp4 is None:
             self._mxfp4 = mxfp4.PairedTensors(self.model.norm.weight.dtype)
@@ -95,7 +104,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 f"top-k logits softmaxed; clamped SwiGLU experts (alpha {moe.swiglu_alpha:g}, limit "
                 f"{moe.swiglu_limit:g}) with biases, a step's experts grouped on the stacked weights (on a CPU with "
                 f"the fused elementwise ops one grouped-experts kernel call, on a CUDA device the Triton grouped "
-                f"experts, else one PyTorch product per expert)")
+                f"experts, else one PyTorch product per expert)"
+                + ("; the checkpoint's MXFP4 experts kept as they are (FP4 codes and exponents, read in place by the "
+                   "grouped-experts kernel)" if self._keeps_mxfp4 else ""))
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
         return ("it runs dense MLPs; gpt-oss routes each token to experts (biased, clamped SwiGLU) that the layer "

@@ -75,6 +75,17 @@ def quantization_of(directory: Path) -> CompressedTensorsConfig | None:
         raise ModelLoadError(f"{directory / 'config.json'}: {err}") from None
 
 
+def keeps_mxfp4(directory: Path, device: str | torch.device) -> bool:
+    """Whether an MXFP4 checkpoint's experts stay MXFP4 in memory, run by the grouped-experts kernel on the CPU:
+    unless its config asks ``quantization_config.dequantize: true``, the model is on another device, or the CPU
+    kernels are not built here (then they are dequantized as they load)."""
+    from sage_infer.layers import cpu_kernels
+
+    qc = read_config(directory).get("quantization_config")
+    return (isinstance(qc, dict) and qc.get("quant_method") == mxfp4.QUANT_METHOD and not qc.get("dequantize")
+            and torch.device(device).type == "cpu" and cpu_kernels.moe_experts_unavailable() is None)
+
+
 def quantized_linears(model: nn.Module, quant: CompressedTensorsConfig | None) -> dict[str, ConfigGroup]:
     """Module name -> config group, for every nn.Linear of `model` the checkpoint stores quantized."""
     if quant is None:
@@ -240,6 +251,8 @@ def load_model(
         linear = model.get_submodule(prefix)
         del linear.weight
         linear.register_parameter("weight", None)
+    if keeps_mxfp4(directory, device):  # the experts' MXFP4 tensors load as they are: no float experts allocated
+        model.keep_mxfp4()
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty materializes shared parameters separately: tie again
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -358,14 +358,107 @@ inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
   }
 }
 
+// ---- MXFP4 rows (gpt-oss's checkpoints): each 32 values of a row one E8M0 exponent byte and 16 bytes of FP4 E2M1
+// codes, the low nibble first. A value is FP4_VALUES[code] * 2^(exponent - 127), exact in fp32, so a row's sums
+// take the same FMAs in the same order as plain_dots over the same row dequantized to bf16 or fp32 (the same bits)
+struct Mxfp4Row {
+  const uint8_t* codes;   // k / 2 bytes
+  const uint8_t* scales;  // k / 32 exponents
+};
+
+// 2^(e - 127) for each exponent byte, as torch.ldexp gives it in fp32
+inline const float* e8m0_scales() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int e = 0; e < 256; ++e) t[e] = std::ldexp(1.0f, e - 127);
+    return t;
+  }();
+  return table.data();
+}
+
+constexpr float kFp4Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+#if defined(__AVX512F__)
+// the 16 values of 8 code bytes, times scale
+inline __m512 fp4x16(const uint8_t* c, __m512 scale) {
+  const __m128i dup = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m512i codes = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(dup),  // the index is a lane's low 4 bits
+                                          _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+  return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kFp4Values)), scale);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// the 8 values of 4 code bytes, times scale
+inline __m256 fp4x8(const uint8_t* c, __m256 scale) {
+  int32_t word;
+  std::memcpy(&word, c, sizeof word);
+  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(word),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i codes = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(dup), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kFp4Values), codes);  // the low 3 bits
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+  return _mm256_mul_ps(_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign)), scale);
+}
+#endif
+
+// plain_dots over an MXFP4 row (k_len a multiple of 32): the same steps and accumulators as over a plain row
+template <int G>
+inline void plain_dots(const float* x, Mxfp4Row w, int64_t k_len, float* out) {
+  const float* scale = e8m0_scales();
+#if defined(__AVX512F__)
+  __m512 acc0[G], acc1[G];
+  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; k += 32) {
+    const __m512 s = _mm512_set1_ps(scale[w.scales[k / 32]]);
+    const __m512 w0 = fp4x16(w.codes + k / 2, s), w1 = fp4x16(w.codes + k / 2 + 8, s);
+    for (int g = 0; g < G; ++g) {
+      acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
+      acc1[g] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * k_len + k + 16), acc1[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[g], acc1[g]));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0[G], acc1[G];
+  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_len; k += 16) {
+    const __m256 s = _mm256_set1_ps(scale[w.scales[k / 32]]);
+    const __m256 w0 = fp4x8(w.codes + k / 2, s), w1 = fp4x8(w.codes + k / 2 + 4, s);
+    for (int g = 0; g < G; ++g) {
+      acc0[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_len + k), acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_len + k + 8), acc1[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] = hsum(_mm256_add_ps(acc0[g], acc1[g]));
+#else
+  for (int g = 0; g < G; ++g) out[g] = 0.f;
+  for (int64_t k = 0; k < k_len; ++k) {
+    const uint8_t byte = w.codes[k / 2];
+    const float wk = kFp4Values[k % 2 ? byte >> 4 : byte & 15] * scale[w.scales[k / 32]];
+    for (int g = 0; g < G; ++g) out[g] += wk * x[g * k_len + k];
+  }
+#endif
+}
+
+// an expert's weight rows: plain [n, k] T, or MXFP4 codes [n, k / 2] and exponents [n, k / 32]
+template <typename T>
+struct PlainRows {
+  const T* weight;
+  const T* row(int64_t i, int64_t k) const { return weight + i * k; }
+};
+struct Mxfp4Rows {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  Mxfp4Row row(int64_t i, int64_t k) const { return {codes + i * k / 2, scales + i * k / 32}; }
+};
+
 // rows [r0, r1) of a plain [n, k] weight times rows [0, m) of x (fp32 [m, k]) -> out[r * os + i], rounded to T
 // (plus bias[i] where there is one)
-template <typename T>
-void plain_product(const T* weight, int64_t r0, int64_t r1, int64_t k, const float* x, int64_t m, T* out,
+template <typename T, typename Rows>
+void plain_product(const Rows& weight, int64_t r0, int64_t r1, int64_t k, const float* x, int64_t m, T* out,
                    int64_t os, const T* bias) {
   float sums[kPlainGroup];
   for (int64_t i = r0; i < r1; ++i) {
-    const T* w = weight + i * k;
+    const auto w = weight.row(i, k);
     for (int64_t r = 0; r < m; r += kPlainGroup) {
       const int64_t g = std::min<int64_t>(kPlainGroup, m - r);
       const float* xr = x + r * k;
@@ -401,10 +494,18 @@ struct Experts {
   const void* down_bias;
   bool clamped;
   float alpha, limit;
+  const int64_t* gate_up_scales;  // MXFP4 experts: each expert's exponents (gate_up / down then its codes); else null
+  const int64_t* down_scales;
 };
 
+// exp(-x) overflows below x = -88.72, where PyTorch's 1 / (1 + inf) is 0 (and x / inf is -0); these builds assume
+// finite math (-ffast-math), so those values are taken before any infinity is made
+constexpr float kExpOverflow = -88.72f;
+
 template <typename T>
-inline float silu_mul(float g, float u) { return round_to<T>(g / (1.f + std::exp(-g))) * u; }
+inline float silu_mul(float g, float u) {
+  return (g < kExpOverflow ? -0.f : round_to<T>(g / (1.f + std::exp(-g)))) * u;
+}
 
 // (up + 1) * (gate * sigmoid(gate * alpha)), gate <= limit, |up| <= limit, each step rounded to T as PyTorch's
 // ops on T tensors round it
@@ -412,7 +513,8 @@ template <typename T>
 inline float clamped_swiglu(float g, float u, float alpha, float limit) {
   g = std::min(g, limit);
   u = std::min(std::max(u, -limit), limit);
-  const float s = round_to<T>(1.f / (1.f + std::exp(-round_to<T>(g * alpha))));
+  const float z = round_to<T>(g * alpha);
+  const float s = z < kExpOverflow ? 0.f : round_to<T>(1.f / (1.f + std::exp(-z)));
   return round_to<T>(u + 1.f) * round_to<T>(g * s);
 }
 
@@ -474,7 +576,7 @@ torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>&
   return out;
 }
 
-// the plain layout: gate_up [2I, H] and down [H, I] row-major T per expert; rows T [P, H]
+// the plain layout: gate_up [2I, H] and down [H, I] row-major T per expert, or MXFP4 rows; rows T [P, H]
 template <typename T>
 torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& spans, const Experts& ex) {
   const int64_t m = rows.size(0), h = rows.size(1), inter = ex.inter, n1 = 2 * inter;
@@ -483,11 +585,23 @@ torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& 
   const float* x = xf.data_ptr<float>();
   auto gu = torch::empty({m, n1}, rows.options());
   T* gup = gu.data_ptr<T>();
+  // expert e's rows [r0, r1) of weight `w` (gate_up or down, with its exponents if MXFP4) times k-wide rows
+  auto product = [&](const int64_t* w, const int64_t* scales, const Span& s, int64_t r0, int64_t r1, int64_t k,
+                     const float* in, T* o, int64_t os, const void* bias, int64_t n) {
+    const T* b = bias_of<T>(bias, s.expert, n);
+    if (scales) {
+      const Mxfp4Rows rows_of{reinterpret_cast<const uint8_t*>(w[s.expert]),
+                              reinterpret_cast<const uint8_t*>(scales[s.expert])};
+      plain_product(rows_of, r0, r1, k, in + s.start * k, s.end - s.start, o + s.start * os, os, b);
+    } else {
+      plain_product(PlainRows<T>{reinterpret_cast<const T*>(w[s.expert])}, r0, r1, k, in + s.start * k,
+                    s.end - s.start, o + s.start * os, os, b);
+    }
+  };
   run_items(active * blocks1, [&](int64_t item) {
-    const Span& s = spans[item / blocks1];
     const int64_t r0 = item % blocks1 * kRows;
-    plain_product(reinterpret_cast<const T*>(ex.gate_up[s.expert]), r0, std::min(n1, r0 + kRows), h,
-                  x + s.start * h, s.end - s.start, gup + s.start * n1, n1, bias_of<T>(ex.gate_up_bias, s.expert, n1));
+    product(ex.gate_up, ex.gate_up_scales, spans[item / blocks1], r0, std::min(n1, r0 + kRows), h, x, gup, n1,
+            ex.gate_up_bias, n1);
   });
   auto act = torch::empty({m, inter}, rows.options());
   activation_rows(gup, m, ex, act.data_ptr<T>(), inter);
@@ -496,10 +610,9 @@ torch::Tensor experts_plain(const torch::Tensor& rows, const std::vector<Span>& 
   auto out = torch::empty({m, h}, rows.options());
   T* op = out.data_ptr<T>();
   run_items(active * blocks2, [&](int64_t item) {
-    const Span& s = spans[item / blocks2];
     const int64_t r0 = item % blocks2 * kRows;
-    plain_product(reinterpret_cast<const T*>(ex.down[s.expert]), r0, std::min(h, r0 + kRows), inter,
-                  a + s.start * inter, s.end - s.start, op + s.start * h, h, bias_of<T>(ex.down_bias, s.expert, h));
+    product(ex.down, ex.down_scales, spans[item / blocks2], r0, std::min(h, r0 + kRows), inter, a, op, h,
+            ex.down_bias, h);
   });
   return out;
 }
@@ -624,10 +737,13 @@ torch::Tensor combine_for(const torch::Tensor& out, const torch::Tensor& weights
 // (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
 // ([2I, H] and [H, I], packed or plain as `packed` says); inter: I; gate_up_bias, down_bias: empty or [E, 2I] and
 // [E, H] in the rows' dtype; clamped: gpt-oss's clamped SwiGLU with gate/up interleaved (alpha, limit) in place of
-// SiLU(gate) * up -> [P, H], each row's expert output down(act(gate_up)) in the rows' dtype
+// SiLU(gate) * up; gate_up_scales, down_scales: empty, or for MXFP4 experts [E] int64, each expert's exponent
+// bytes ([2I, H / 32] and [H, I / 32]; gate_up and down then address its codes, [2I, H / 2] and [H, I / 2] bytes)
+// -> [P, H], each row's expert output down(act(gate_up)) in the rows' dtype
 torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
                           int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
-                          bool clamped, double alpha, double limit) {
+                          bool clamped, double alpha, double limit, torch::Tensor gate_up_scales,
+                          torch::Tensor down_scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
               "moe_experts: rows must be contiguous [P, H] on the CPU");
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
@@ -637,11 +753,20 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
               "moe_experts: gate_up and down must be [E] int64 addresses");
   TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
   const int64_t experts = gate_up.size(0), m = rows.size(0);
+  const bool mxfp4 = gate_up_scales.numel() > 0;
+  TORCH_CHECK(!mxfp4 || (!packed && gate_up_scales.sizes() == gate_up.sizes() && down_scales.sizes() == gate_up.sizes() &&
+                         gate_up_scales.scalar_type() == at::kLong && down_scales.scalar_type() == at::kLong &&
+                         gate_up_scales.is_contiguous() && down_scales.is_contiguous()),
+              "moe_experts: gate_up_scales and down_scales must be empty or [E] int64 addresses (plain weights)");
+  TORCH_CHECK(!mxfp4 || (rows.size(1) % 32 == 0 && inter % 32 == 0),
+              "moe_experts: MXFP4 experts need the hidden size and the expert width in multiples of 32");
   const std::vector<Span> list = checked_spans(spans, experts, m);
   const Experts ex{gate_up.data_ptr<int64_t>(), down.data_ptr<int64_t>(), inter,
                    checked_bias(gate_up_bias, rows, experts, 2 * inter, "gate_up_bias"),
                    checked_bias(down_bias, rows, experts, rows.size(1), "down_bias"), clamped,
-                   static_cast<float>(alpha), static_cast<float>(limit)};
+                   static_cast<float>(alpha), static_cast<float>(limit),
+                   mxfp4 ? gate_up_scales.data_ptr<int64_t>() : nullptr,
+                   mxfp4 ? down_scales.data_ptr<int64_t>() : nullptr};
   if (m == 0 || list.empty()) return torch::zeros_like(rows);
   if (packed) return experts_packed(rows, list, ex);
   if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, ex);
@@ -655,7 +780,7 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
 torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
                                  torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
                                  torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
-                                 double limit) {
+                                 double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "moe_experts_routed: x must be contiguous [T, H] on the CPU");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
@@ -674,7 +799,7 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   torch::Tensor spans = torch::empty({static_cast<int64_t>(r.spans.size()), 3}, torch::kLong);
   std::memcpy(spans.data_ptr<int64_t>(), r.spans.data(), r.spans.size() * sizeof(Span));
   const auto out = moe_experts(rows, spans, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
-                               limit);
+                               limit, gate_up_scales, down_scales);
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
