@@ -25,6 +25,7 @@ that keeps each weight block in registers across many rows) is the faster path; 
   (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products);
 - plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 8 rows at a time with 16-lane FMA in
   the AVX-512 builds, 4 rows with 8-lane FMA at AVX2: `PLAIN_FP32_ROWS_AVX2`);
+- MXFP4 (gpt-oss's checkpoints kept as they are): any (per expert, each expert would be dequantized first);
 - plain bf16 (gpt-oss's experts, transformers' stacked bf16 experts): `PLAIN_BF16_ROWS` (`PLAIN_BF16_ROWS_AVX2`)
   where oneDNN multiplies bf16 (`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX-512 and up), since the kernel
   widens each bf16 weight to fp32; any elsewhere (PyTorch's bf16 product without oneDNN was not measured against it).
@@ -88,6 +89,8 @@ class GroupedExpertWeights:
         """The most pairs per expert of a step the kernel should take (None: any)."""
         if self.packed:
             return None if cpu_kernels.moe_experts_native_bf16() else GROUPED_KERNEL_ROWS
+        if self.mxfp4_scales is not None:  # the per-expert products would dequantize every expert they run first
+            return None
         wide = cpu_kernels.moe_experts_wide_fma()
         if self.dtype == torch.float32:
             return PLAIN_FP32_ROWS if wide else PLAIN_FP32_ROWS_AVX2

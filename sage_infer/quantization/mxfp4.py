@@ -34,13 +34,25 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
                          f"{tuple(scales.shape)} {scales.dtype}")
+    return rows(blocks, scales).transpose(1, 2).to(dtype).contiguous()
+
+
+def rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> the weight's rows [E, out, G * 32] in fp32: each
+    code's FP4 value times 2^(exponent - 127), exact (what torch.ldexp gives), by two table lookups."""
+    values = _byte_values()[blocks.int()]  # [E, out, G, 16, 2]: each byte's low nibble's value, then its high one's
+    values = values.view(*blocks.shape[:-1], 32) * _exponent_values()[scales.int()].unsqueeze(-1)
+    return values.reshape(*blocks.shape[:2], -1)
+
+
+def _byte_values() -> torch.Tensor:
+    codes = torch.arange(256)
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    values = torch.empty(*blocks.shape[:-1], blocks.shape[-1] * 2, dtype=torch.float32)
-    values[..., 0::2] = lut[(blocks & 0x0F).long()]
-    values[..., 1::2] = lut[(blocks >> 4).long()]
-    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
-    experts, rows = blocks.shape[:2]
-    return values.reshape(experts, rows, -1).transpose(1, 2).to(dtype).contiguous()
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=1)
+
+
+def _exponent_values() -> torch.Tensor:
+    return torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)
 
 
 class PairedTensors:
