@@ -17,6 +17,8 @@ from sage_infer.layers.linear import pack_linears, packing_unavailable
 from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
 from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
+    MXFP4_BF16_ROWS,
+    MXFP4_BF16_ROWS_AVX2,
     PLAIN_BF16_ROWS,
     PLAIN_BF16_ROWS_AVX2,
     PLAIN_FP32_ROWS,
@@ -274,6 +276,8 @@ def test_mxfp4_experts_give_the_bits_of_their_dequantized_weights(cpu_isa, dtype
     packed, plain = mxfp4_pair(dtype)
     kernel, want_kernel = packed.grouped_kernel(), plain.grouped_kernel()
     assert isinstance(kernel, GroupedExpertWeights) and kernel.mxfp4_scales is not None, kernel
+    wide = cpu_isa != "avx2"
+    assert kernel.max_rows() == (None if dtype == torch.float32 else MXFP4_BF16_ROWS if wide else MXFP4_BF16_ROWS_AVX2)
     assert packed.gate_up_proj_blocks.dtype == torch.uint8 and packed.gate_up_proj is None
     for tokens, seed in ((1, 0), (6, 1), (40, 2)):
         weights, ids = routing(tokens, seed)
@@ -309,3 +313,20 @@ def test_gates_far_below_zero_give_pytorchs_zeros_not_nans(cpu_isa, clamped):
         want = run_grouped(x, weights, groups, experts.expert)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_rows_dequantized_by_the_kernel_are_the_table_lookups_bits(cpu_isa, dtype, monkeypatch):
+    """`mxfp4.expert_rows` on the CPU kernel (what a step past the row limit and a load with ``dequantize: true``
+    use) gives each value's bits as the PyTorch table lookups do: -0, denormal exponents and all."""
+    from sage_infer.quantization import mxfp4
+
+    gen = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (48, 3, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 255, (48, 3), dtype=torch.uint8, generator=gen)  # 255 is E8M0's NaN
+    got = mxfp4.expert_rows(blocks, scales, dtype)
+    monkeypatch.setattr(cpu_kernels, "moe_experts_unavailable", lambda: "the PyTorch lookups")
+    want = mxfp4.expert_rows(blocks, scales, dtype)
+    assert got.dtype == want.dtype == dtype and got.shape == (48, 96)
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

@@ -257,6 +257,12 @@ def moe_experts_native_bf16() -> bool:
     return _module().isa() == "avx512_bf16"
 
 
+def mxfp4_rows(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """MXFP4 rows dequantized into `out` [N, K] (fp32 or bf16, contiguous): codes [N, K / 2] and exponents
+    [N, K / 32] uint8, each value its FP4 value times 2^(exponent - 127), exact (csrc/moe_experts.cpp)."""
+    _moe_op(_module(), "mxfp4_rows")(codes, scales, out)
+
+
 def moe_experts_wide_fma() -> bool:
     """Whether `moe_experts` multiplies plain weights with 16-lane FMA (the AVX-512 builds) rather than 8-lane."""
     return _module().isa() in ("avx512", "avx512_bf16")

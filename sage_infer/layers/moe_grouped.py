@@ -25,7 +25,9 @@ that keeps each weight block in registers across many rows) is the faster path; 
   (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products);
 - plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 8 rows at a time with 16-lane FMA in
   the AVX-512 builds, 4 rows with 8-lane FMA at AVX2: `PLAIN_FP32_ROWS_AVX2`);
-- MXFP4 (gpt-oss's checkpoints kept as they are): any (per expert, each expert would be dequantized first);
+- MXFP4 (gpt-oss's checkpoints kept as they are) in a bf16 model: `MXFP4_BF16_ROWS` (`MXFP4_BF16_ROWS_AVX2`), past
+  which each active expert is dequantized (`mxfp4.expert_rows`, the CPU kernel) and multiplied by oneDNN; in an fp32
+  model any (PyTorch's fp32 product on the dequantized expert was slower at every row count measured);
 - plain bf16 (gpt-oss's experts, transformers' stacked bf16 experts): `PLAIN_BF16_ROWS` (`PLAIN_BF16_ROWS_AVX2`)
   where oneDNN multiplies bf16 (`torch.ops.mkldnn._is_mkldnn_bf16_supported`: AVX-512 and up), since the kernel
   widens each bf16 weight to fp32; any elsewhere (PyTorch's bf16 product without oneDNN was not measured against it).
@@ -52,6 +54,9 @@ PLAIN_FP32_ROWS, PLAIN_FP32_ROWS_AVX2 = 32, 16
 # plain bf16, oneDNN's bf16 products ÷ kernel: AVX-512 1.1-1.2 at 5-8 pairs, 0.6 at 11-13; AVX2 1.3-2 at up to 3-4,
 # 0.8-0.9 at 5-8
 PLAIN_BF16_ROWS, PLAIN_BF16_ROWS_AVX2 = 6, 4
+# MXFP4 in a bf16 model, the expert dequantized + oneDNN's bf16 product ÷ kernel (gpt-oss-20b's experts): AVX-512
+# 1.1-1.3 at 14-20 pairs, 0.8 at 24, 0.5 at 42-46; AVX2 1.4 at 14, 0.9 at 20
+MXFP4_BF16_ROWS, MXFP4_BF16_ROWS_AVX2 = 20, 16
 
 
 @dataclass(slots=True)
@@ -89,8 +94,10 @@ class GroupedExpertWeights:
         """The most pairs per expert of a step the kernel should take (None: any)."""
         if self.packed:
             return None if cpu_kernels.moe_experts_native_bf16() else GROUPED_KERNEL_ROWS
-        if self.mxfp4_scales is not None:  # the per-expert products would dequantize every expert they run first
-            return None
+        if self.mxfp4_scales is not None:  # past the limit each expert is dequantized, then one bf16 GEMM
+            if self.dtype == torch.float32:
+                return None
+            return MXFP4_BF16_ROWS if cpu_kernels.moe_experts_wide_fma() else MXFP4_BF16_ROWS_AVX2
         wide = cpu_kernels.moe_experts_wide_fma()
         if self.dtype == torch.float32:
             return PLAIN_FP32_ROWS if wide else PLAIN_FP32_ROWS_AVX2

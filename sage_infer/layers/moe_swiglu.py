@@ -69,8 +69,8 @@ class ClampedSwigluExperts(nn.Module):
         """Expert `e`'s gate_up [H, 2I] and down [I, H] weights (MXFP4 ones dequantized to `dtype`)."""
         if not self.is_mxfp4:
             return self.gate_up_proj[e], self.down_proj[e]
-        return tuple(mxfp4.rows(getattr(self, f"{name}_blocks")[e : e + 1],
-                                getattr(self, f"{name}_scales")[e : e + 1])[0].to(dtype).t()  # [in, out], a view
+        return tuple(mxfp4.expert_rows(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e],
+                                       dtype).t()  # [in, out], a view of [out, in] rows
                      for name in ("gate_up_proj", "down_proj"))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""MXFP4 expert weights (``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss), dequantized at load.
+"""MXFP4 expert weights (``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss), dequantized.
 
 A checkpoint stores each expert weight ``W`` [E, out, in] as ``<name>_blocks`` [E, out, in / 32, 16] uint8 (two FP4
 E2M1 codes a byte, the low nibble first) and ``<name>_scales`` [E, out, in / 32] uint8 (one power-of-two exponent per
 32 values, biased by 127). `dequantize` turns them into the float weight in transformers' layout for gpt-oss
 ([E, in, out]: ``transformers.integrations.mxfp4.convert_moe_packed_tensors``); every value is an FP4 value times a
-power of two, so fp32 and bf16 hold it exactly. The experts then run as a bf16/fp32 checkpoint's do: no MXFP4 kernel.
+power of two, so fp32 and bf16 hold it exactly. On a CPU with the kernels the experts may instead stay MXFP4
+(`sage_infer.layers.moe_swiglu.ClampedSwigluExperts.keep_mxfp4`), `expert_rows` dequantizing one expert where a
+step needs its float weight.
 """
 
 from __future__ import annotations
@@ -34,25 +36,34 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
                          f"{tuple(scales.shape)} {scales.dtype}")
-    return rows(blocks, scales).transpose(1, 2).to(dtype).contiguous()
+    return torch.stack([expert_rows(b, s, dtype).t() for b, s in zip(blocks, scales)])
 
 
-def rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> the weight's rows [E, out, G * 32] in fp32: each
-    code's FP4 value times 2^(exponent - 127), exact (what torch.ldexp gives), by two table lookups."""
-    values = _byte_values()[blocks.int()]  # [E, out, G, 16, 2]: each byte's low nibble's value, then its high one's
-    values = values.view(*blocks.shape[:-1], 32) * _exponent_values()[scales.int()].unsqueeze(-1)
-    return values.reshape(*blocks.shape[:2], -1)
+def expert_rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's blocks [out, G, 16] uint8 and scales [out, G] uint8 -> its weight's rows [out, G * 32] in
+    `dtype`: each code's FP4 value times 2^(exponent - 127), exact (what torch.ldexp gives); by the CPU kernel
+    (`cpu_kernels.mxfp4_rows`, the threads splitting the rows) where it runs, else two table lookups."""
+    from sage_infer.layers import cpu_kernels
+
+    out_rows, groups = scales.shape
+    if (blocks.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.moe_experts_unavailable() is None):
+        out = torch.empty(out_rows, groups * 32, dtype=dtype)
+        cpu_kernels.mxfp4_rows(blocks.reshape(out_rows, groups * 16).contiguous(), scales.contiguous(), out)
+        return out
+    values = _byte_values(blocks.device)[blocks.int()]  # [out, G, 16, 2]: each byte's low nibble, then its high one
+    values = values.view(out_rows, groups, 32) * _exponent_values(blocks.device)[scales.int()].unsqueeze(-1)
+    return values.reshape(out_rows, -1).to(dtype)
 
 
-def _byte_values() -> torch.Tensor:
-    codes = torch.arange(256)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+def _byte_values(device: torch.device) -> torch.Tensor:
+    codes = torch.arange(256, device=device)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
     return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=1)
 
 
-def _exponent_values() -> torch.Tensor:
-    return torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)
+def _exponent_values(device: torch.device) -> torch.Tensor:
+    return torch.ldexp(torch.ones(256, device=device), torch.arange(256, dtype=torch.int32, device=device) - 127)
 
 
 class PairedTensors:

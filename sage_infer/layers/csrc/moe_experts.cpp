@@ -803,6 +803,49 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
+// MXFP4 rows dequantized: codes [N, K / 2] uint8, exponents [N, K / 32] uint8 (contiguous; K a multiple of 32) ->
+// out [N, K] bf16 or fp32, each value FP4_VALUES[code] * 2^(exponent - 127) (exact: the bits of
+// `sage_infer.quantization.mxfp4.rows`), rows split over the threads
+void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  scales.is_contiguous() && out.is_contiguous() && codes.dim() == 2 && scales.dim() == 2 &&
+                  out.dim() == 2 && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "mxfp4_rows: codes and scales must be contiguous 2-D uint8, out contiguous 2-D fp32 or bf16");
+  const int64_t n = out.size(0), k = out.size(1);
+  TORCH_CHECK(k % 32 == 0 && codes.size(0) == n && codes.size(1) == k / 2 && scales.size(0) == n &&
+                  scales.size(1) == k / 32,
+              "mxfp4_rows: codes [N, K / 2] and scales [N, K / 32] for out [N, K], K a multiple of 32");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* e = scales.data_ptr<uint8_t>();
+  const float* scale = e8m0_scales();
+  const bool fp32 = out.scalar_type() == at::kFloat;
+  void* base = out.data_ptr();
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / k), [&](int64_t r0, int64_t r1) {
+    alignas(64) float row[32];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* codes32 = c + r * (k / 2) + b * 16;
+        const float s = scale[e[r * (k / 32) + b]];
+#if defined(__AVX512F__)
+        _mm512_store_ps(row, fp4x16(codes32, _mm512_set1_ps(s)));
+        _mm512_store_ps(row + 16, fp4x16(codes32 + 8, _mm512_set1_ps(s)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int q = 0; q < 4; ++q) _mm256_store_ps(row + 8 * q, fp4x8(codes32 + 4 * q, _mm256_set1_ps(s)));
+#else
+        for (int i = 0; i < 32; ++i) row[i] = kFp4Values[i % 2 ? codes32[i / 2] >> 4 : codes32[i / 2] & 15] * s;
+#endif
+        const int64_t at = r * k + b * 32;
+        if (fp32) {
+          std::memcpy(static_cast<float*>(base) + at, row, sizeof row);
+        } else {
+          c10::BFloat16* o = static_cast<c10::BFloat16*>(base) + at;
+          for (int i = 0; i < 32; ++i) o[i] = narrow<c10::BFloat16>(row[i]);
+        }
+      }
+    }
+  });
+}
+
 // The op's namespace names the build (level and key): two levels' builds loaded in one process (tests force
 // levels) register apart. Python finds it as torch.ops.sage_moe_<isa>_<build key> (sage_infer/layers/cpu_kernels.py).
 #ifndef SAGE_BUILD_KEY
@@ -818,4 +861,5 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
 SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
   m.def("moe_experts", &moe_experts);
   m.def("moe_experts_routed", &moe_experts_routed);
+  m.def("mxfp4_rows", &mxfp4_rows);
 }
