@@ -269,98 +269,10 @@ void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pair
   }
 }
 
-// ---- plain layout: out[g] = x row g (fp32, `k` apart) . weight row w ([k] bf16 or fp32)
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-#endif
-
-#if defined(__AVX512F__)
-constexpr int kPlainGroup = 8;  // rows per pass: 2 accumulators each, with the weight's 2: 18 of 32 zmm
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16_masked(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16_masked(__mmask16 m, const c10::BFloat16* p) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#else
-constexpr int kPlainGroup = 4;  // rows per pass: 2 accumulators each, with the weight's 2: 10 of 16 ymm
-#endif
-
-// each row's sums in one order whatever G (the same bits whatever the step's other rows): AVX-512 32 columns a
-// step in two accumulators, then 16, then one at a time; AVX2 16 a step, then one at a time
-template <int G, typename W>
-inline void plain_dots(const float* x, const W* w, int64_t k_len, float* out) {
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 acc0[G], acc1[G];
-  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm512_setzero_ps();
-  for (; k + 32 <= k_len; k += 32) {
-    const __m512 w0 = load16(w + k), w1 = load16(w + k + 16);
-    for (int g = 0; g < G; ++g) {
-      acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
-      acc1[g] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * k_len + k + 16), acc1[g]);
-    }
-  }
-  if (k + 16 <= k_len) {
-    const __m512 w0 = load16(w + k);
-    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
-    k += 16;
-  }
-  if (k < k_len) {  // the last columns as one more step, masked (a scalar tail would vectorize differently per G)
-    const __mmask16 m = static_cast<__mmask16>((1u << (k_len - k)) - 1u);
-    const __m512 w0 = load16_masked(m, w + k);
-    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m, x + g * k_len + k), acc0[g]);
-    k = k_len;
-  }
-  for (int g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[g], acc1[g]));
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0[G], acc1[G];
-  for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
-  for (; k + 16 <= k_len; k += 16) {
-    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
-    for (int g = 0; g < G; ++g) {
-      acc0[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_len + k), acc0[g]);
-      acc1[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_len + k + 8), acc1[g]);
-    }
-  }
-  if (k < k_len) {  // the last columns as one more step, zero padded (a scalar tail would vectorize differently per G)
-    alignas(32) float wt[16] = {}, xt[16] = {};
-    const int64_t n = k_len - k;
-    for (int64_t i = 0; i < n; ++i) wt[i] = widen(w[k + i]);
-    const __m256 w0 = _mm256_load_ps(wt), w1 = _mm256_load_ps(wt + 8);
-    for (int g = 0; g < G; ++g) {
-      std::memcpy(xt, x + g * k_len + k, n * sizeof(float));
-      acc0[g] = _mm256_fmadd_ps(w0, _mm256_load_ps(xt), acc0[g]);
-      acc1[g] = _mm256_fmadd_ps(w1, _mm256_load_ps(xt + 8), acc1[g]);
-    }
-    k = k_len;
-  }
-  for (int g = 0; g < G; ++g) out[g] = hsum(_mm256_add_ps(acc0[g], acc1[g]));
-#else
-  for (int g = 0; g < G; ++g) out[g] = 0.f;
-#endif
-  for (; k < k_len; ++k) {
-    const float wk = widen(w[k]);
-    for (int g = 0; g < G; ++g) out[g] += wk * x[g * k_len + k];
-  }
-}
-
 // ---- MXFP4 rows (gpt-oss's checkpoints): each 32 values of a row one E8M0 exponent byte and 16 bytes of FP4 E2M1
 // codes, the low nibble first. A value is FP4_VALUES[code] * 2^(exponent - 127), exact in fp32, so a row's sums
-// take the same FMAs in the same order as plain_dots over the same row dequantized to bf16 or fp32 (the same bits)
+// take the same FMAs in the same order as plain_dots over the same row dequantized to bf16 or fp32 (the same bits):
+// plain_dots reads either through the loaders below
 struct Mxfp4Row {
   const uint8_t* codes;   // k / 2 bytes
   const uint8_t* scales;  // k / 32 exponents
@@ -387,7 +299,8 @@ inline __m512 fp4x16(const uint8_t* c, __m512 scale) {
                                           _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
   return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kFp4Values)), scale);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 // the 8 values of 4 code bytes, times scale
 inline __m256 fp4x8(const uint8_t* c, __m256 scale) {
   int32_t word;
@@ -401,42 +314,113 @@ inline __m256 fp4x8(const uint8_t* c, __m256 scale) {
 }
 #endif
 
-// plain_dots over an MXFP4 row (k_len a multiple of 32): the same steps and accumulators as over a plain row
-template <int G>
-inline void plain_dots(const float* x, Mxfp4Row w, int64_t k_len, float* out) {
-  const float* scale = e8m0_scales();
+// ---- plain layout: out[g] = x row g (fp32, `k` apart) . weight row w ([k] bf16 or fp32, or an MXFP4 row)
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const Mxfp4Row& w, int64_t k) {  // k a multiple of 8
+  return fp4x8(w.codes + k / 2, _mm256_set1_ps(e8m0_scales()[w.scales[k / 32]]));
+}
+template <typename T>
+inline __m256 load8(const T* w, int64_t k) { return load8(w + k); }
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+#if defined(__AVX512F__)
+constexpr int kPlainGroup = 8;  // rows per pass: 2 accumulators each, with the weight's 2: 18 of 32 zmm
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_masked(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(__mmask16 m, const c10::BFloat16* p) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const Mxfp4Row& w, int64_t k) {  // k a multiple of 16
+  return fp4x16(w.codes + k / 2, _mm512_set1_ps(e8m0_scales()[w.scales[k / 32]]));
+}
+inline __m512 load16_masked(__mmask16 m, const Mxfp4Row& w, int64_t k) { return _mm512_maskz_mov_ps(m, load16(w, k)); }
+template <typename T>
+inline __m512 load16(const T* w, int64_t k) { return load16(w + k); }
+template <typename T>
+inline __m512 load16_masked(__mmask16 m, const T* w, int64_t k) { return load16_masked(m, w + k); }
+#else
+constexpr int kPlainGroup = 4;  // rows per pass: 2 accumulators each, with the weight's 2: 10 of 16 ymm
+#endif
+
+template <typename T>
+inline float weight_at(const T* w, int64_t k) { return widen(w[k]); }
+inline float weight_at(const Mxfp4Row& w, int64_t k) {
+  const uint8_t byte = w.codes[k / 2];
+  return kFp4Values[k % 2 ? byte >> 4 : byte & 15] * e8m0_scales()[w.scales[k / 32]];
+}
+
+// each row's sums in one order whatever G (the same bits whatever the step's other rows): AVX-512 32 columns a
+// step in two accumulators, then 16, then one at a time; AVX2 16 a step, then one at a time
+template <int G, typename W>
+inline void plain_dots(const float* x, const W& w, int64_t k_len, float* out) {
+  int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 acc0[G], acc1[G];
   for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; k += 32) {
-    const __m512 s = _mm512_set1_ps(scale[w.scales[k / 32]]);
-    const __m512 w0 = fp4x16(w.codes + k / 2, s), w1 = fp4x16(w.codes + k / 2 + 8, s);
+  for (; k + 32 <= k_len; k += 32) {
+    const __m512 w0 = load16(w, k), w1 = load16(w, k + 16);
     for (int g = 0; g < G; ++g) {
       acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
       acc1[g] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * k_len + k + 16), acc1[g]);
     }
   }
+  if (k + 16 <= k_len) {
+    const __m512 w0 = load16(w, k);
+    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * k_len + k), acc0[g]);
+    k += 16;
+  }
+  if (k < k_len) {  // the last columns as one more step, masked (a scalar tail would vectorize differently per G)
+    const __mmask16 m = static_cast<__mmask16>((1u << (k_len - k)) - 1u);
+    const __m512 w0 = load16_masked(m, w, k);
+    for (int g = 0; g < G; ++g) acc0[g] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m, x + g * k_len + k), acc0[g]);
+    k = k_len;
+  }
   for (int g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[g], acc1[g]));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc0[G], acc1[G];
   for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_len; k += 16) {
-    const __m256 s = _mm256_set1_ps(scale[w.scales[k / 32]]);
-    const __m256 w0 = fp4x8(w.codes + k / 2, s), w1 = fp4x8(w.codes + k / 2 + 4, s);
+  for (; k + 16 <= k_len; k += 16) {
+    const __m256 w0 = load8(w, k), w1 = load8(w, k + 8);
     for (int g = 0; g < G; ++g) {
       acc0[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_len + k), acc0[g]);
       acc1[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_len + k + 8), acc1[g]);
     }
   }
+  if (k < k_len) {  // the last columns as one more step, zero padded (a scalar tail would vectorize differently per G)
+    alignas(32) float wt[16] = {}, xt[16] = {};
+    const int64_t n = k_len - k;
+    for (int64_t i = 0; i < n; ++i) wt[i] = weight_at(w, k + i);
+    const __m256 w0 = _mm256_load_ps(wt), w1 = _mm256_load_ps(wt + 8);
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(xt, x + g * k_len + k, n * sizeof(float));
+      acc0[g] = _mm256_fmadd_ps(w0, _mm256_load_ps(xt), acc0[g]);
+      acc1[g] = _mm256_fmadd_ps(w1, _mm256_load_ps(xt + 8), acc1[g]);
+    }
+    k = k_len;
+  }
   for (int g = 0; g < G; ++g) out[g] = hsum(_mm256_add_ps(acc0[g], acc1[g]));
 #else
   for (int g = 0; g < G; ++g) out[g] = 0.f;
-  for (int64_t k = 0; k < k_len; ++k) {
-    const uint8_t byte = w.codes[k / 2];
-    const float wk = kFp4Values[k % 2 ? byte >> 4 : byte & 15] * scale[w.scales[k / 32]];
+#endif
+  for (; k < k_len; ++k) {
+    const float wk = weight_at(w, k);
     for (int g = 0; g < G; ++g) out[g] += wk * x[g * k_len + k];
   }
-#endif
 }
 
 // an expert's weight rows: plain [n, k] T, or MXFP4 codes [n, k / 2] and exponents [n, k / 32]
