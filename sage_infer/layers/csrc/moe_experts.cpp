@@ -26,7 +26,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -278,15 +280,14 @@ struct Mxfp4Row {
   const uint8_t* scales;  // k / 32 exponents
 };
 
-// 2^(e - 127) for each exponent byte, as torch.ldexp gives it in fp32
-inline const float* e8m0_scales() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int e = 0; e < 256; ++e) t[e] = std::ldexp(1.0f, e - 127);
-    return t;
-  }();
-  return table.data();
-}
+// 2^(e - 127) for each exponent byte, as torch.ldexp gives it in fp32: the exponent field itself (e = 0: the
+// denormal 2^-127; e = 255: infinity)
+constexpr std::array<float, 256> kE8m0 = [] {
+  std::array<float, 256> t{};
+  for (uint32_t e = 0; e < 256; ++e) t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e << 23);
+  return t;
+}();
+inline const float* e8m0_scales() { return kE8m0.data(); }
 
 constexpr float kFp4Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
