@@ -316,16 +316,16 @@ def test_gates_far_below_zero_give_pytorchs_zeros_not_nans(cpu_isa, clamped):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_rows_dequantized_by_the_kernel_are_the_table_lookups_bits(cpu_isa, dtype, monkeypatch):
-    """`mxfp4.expert_rows` on the CPU kernel (what a step past the row limit and a load with ``dequantize: true``
-    use) gives each value's bits as the PyTorch table lookups do: -0, denormal exponents and all."""
+def test_mxfp4_rows_dequantized_by_the_kernel_are_the_table_lookups_bits(cpu_isa, dtype):
+    """`mxfp4_rows` on the CPU kernel (what a step past the row limit and a load with ``dequantize: true`` use)
+    gives each value's bits as PyTorch's table lookups (`mxfp4.expert_rows`) do: -0, denormal exponents and all."""
+    from sage_infer.layers.moe_swiglu import mxfp4_rows
     from sage_infer.quantization import mxfp4
 
     gen = torch.Generator().manual_seed(4)
     blocks = torch.randint(0, 256, (48, 3, 16), dtype=torch.uint8, generator=gen)
     scales = torch.randint(0, 255, (48, 3), dtype=torch.uint8, generator=gen)  # 255 is E8M0's NaN
-    got = mxfp4.expert_rows(blocks, scales, dtype)
-    monkeypatch.setattr(cpu_kernels, "moe_experts_unavailable", lambda: "the PyTorch lookups")
+    got = mxfp4_rows(blocks, scales, dtype)
     want = mxfp4.expert_rows(blocks, scales, dtype)
     assert got.dtype == want.dtype == dtype and got.shape == (48, 96)
     assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

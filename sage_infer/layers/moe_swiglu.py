@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.moe import (
     ExpertGroups,
@@ -31,6 +32,19 @@ from sage_infer.layers.moe import (
 )
 from sage_infer.layers.moe_grouped import GroupedExpertWeights
 from sage_infer.quantization import mxfp4
+
+
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`mxfp4.expert_rows` (one expert's MXFP4 blocks [out, G, 16] and scales [out, G] -> its rows [out, G * 32] in
+    `dtype`) on the CPU kernel where it runs (`cpu_kernels.mxfp4_rows`, the threads splitting the rows; the same
+    bits), else by PyTorch's table lookups."""
+    if (blocks.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+            or cpu_kernels.moe_experts_unavailable() is not None):
+        return mxfp4.expert_rows(blocks, scales, dtype)
+    out_rows, groups = scales.shape
+    out = torch.empty(out_rows, groups * 32, dtype=dtype)
+    cpu_kernels.mxfp4_rows(blocks.reshape(out_rows, groups * 16).contiguous(), scales.contiguous(), out)
+    return out
 
 
 class ClampedSwigluExperts(nn.Module):
@@ -69,8 +83,8 @@ class ClampedSwigluExperts(nn.Module):
         """Expert `e`'s gate_up [H, 2I] and down [I, H] weights (MXFP4 ones dequantized to `dtype`)."""
         if not self.is_mxfp4:
             return self.gate_up_proj[e], self.down_proj[e]
-        return tuple(mxfp4.expert_rows(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e],
-                                       dtype).t()  # [in, out], a view of [out, in] rows
+        return tuple(mxfp4_rows(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e],
+                                dtype).t()  # [in, out], a view of [out, in] rows
                      for name in ("gate_up_proj", "down_proj"))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sage_infer.layers.attention_kinds import AttentionKind
-from sage_infer.layers.moe_swiglu import TopKSoftmaxMoeBlock
+from sage_infer.layers.moe_swiglu import TopKSoftmaxMoeBlock, mxfp4_rows
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.llama import Attention, LlamaForCausalLM
 from sage_infer.quantization import mxfp4
@@ -88,7 +88,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if self._keeps_mxfp4 or not name.endswith(mxfp4.SUFFIXES):
             return [(name, tensor)]
         if self._mxfp4 is None:
-            self._mxfp4 = mxfp4.PairedTensors(self.model.norm.weight.dtype)
+            self._mxfp4 = mxfp4.PairedTensors(self.model.norm.weight.dtype, mxfp4_rows)
         done = self._mxfp4.add(name, tensor)
         return [] if done is None else [done]
 

@@ -5,8 +5,8 @@ E2M1 codes a byte, the low nibble first) and ``<name>_scales`` [E, out, in / 32]
 32 values, biased by 127). `dequantize` turns them into the float weight in transformers' layout for gpt-oss
 ([E, in, out]: ``transformers.integrations.mxfp4.convert_moe_packed_tensors``); every value is an FP4 value times a
 power of two, so fp32 and bf16 hold it exactly. On a CPU with the kernels the experts may instead stay MXFP4
-(`sage_infer.layers.moe_swiglu.ClampedSwigluExperts.keep_mxfp4`), `expert_rows` dequantizing one expert where a
-step needs its float weight.
+(`sage_infer.layers.moe_swiglu.ClampedSwigluExperts.keep_mxfp4`), one expert dequantized where a step needs its
+float weight.
 """
 
 from __future__ import annotations
@@ -31,26 +31,21 @@ def check_config(qc: dict, architecture: str | None, built_for: tuple[str, ...])
                          f"the experts at load and knows {', '.join(KNOWN_FIELDS)})")
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> the weight [E, G * 32, out] in `dtype`."""
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows_of=None) -> torch.Tensor:
+    """blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> the weight [E, G * 32, out] in `dtype`, each
+    expert's rows made by `rows_of` (default `expert_rows`; the CPU kernel's, where the model passes it)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
                          f"{tuple(scales.shape)} {scales.dtype}")
-    return torch.stack([expert_rows(b, s, dtype).t() for b, s in zip(blocks, scales)])
+    rows_of = rows_of or expert_rows
+    return torch.stack([rows_of(b, s, dtype).t() for b, s in zip(blocks, scales)])
 
 
 def expert_rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One expert's blocks [out, G, 16] uint8 and scales [out, G] uint8 -> its weight's rows [out, G * 32] in
-    `dtype`: each code's FP4 value times 2^(exponent - 127), exact (what torch.ldexp gives); by the CPU kernel
-    (`cpu_kernels.mxfp4_rows`, the threads splitting the rows) where it runs, else two table lookups."""
-    from sage_infer.layers import cpu_kernels
-
+    `dtype`: each code's FP4 value times 2^(exponent - 127), exact (what torch.ldexp gives), by two table lookups
+    (`sage_infer.layers.moe_swiglu.mxfp4_rows` does it on the CPU kernel, the same bits)."""
     out_rows, groups = scales.shape
-    if (blocks.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and cpu_kernels.moe_experts_unavailable() is None):
-        out = torch.empty(out_rows, groups * 32, dtype=dtype)
-        cpu_kernels.mxfp4_rows(blocks.reshape(out_rows, groups * 16).contiguous(), scales.contiguous(), out)
-        return out
     values = _byte_values(blocks.device)[blocks.int()]  # [out, G, 16, 2]: each byte's low nibble, then its high one
     values = values.view(out_rows, groups, 32) * _exponent_values(blocks.device)[scales.int()].unsqueeze(-1)
     return values.reshape(out_rows, -1).to(dtype)
@@ -70,8 +65,8 @@ class PairedTensors:
     """Collects each ``<name>_blocks`` / ``<name>_scales`` pair as a checkpoint's files yield them (in any order,
     any file); `add` gives the dequantized ``<name>`` once both are in."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, rows_of=None) -> None:
+        self.dtype, self.rows_of = dtype, rows_of
         self.waiting: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
@@ -84,4 +79,4 @@ class PairedTensors:
         if len(pair) < 2:
             return None
         del self.waiting[weight]
-        return weight, dequantize(pair["_blocks"], pair["_scales"], self.dtype)
+        return weight, dequantize(pair["_blocks"], pair["_scales"], self.dtype, self.rows_of)
