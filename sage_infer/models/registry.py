@@ -13,7 +13,7 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCa
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # gpt-oss: attention sinks, sliding and full layers, clamped SwiGLU experts (`sage_infer.models.gpt_oss`)
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
-MXFP4_ARCHITECTURES = GPT_OSS_ARCHITECTURES  # MXFP4 experts dequantized at load (`sage_infer.quantization.mxfp4`)
+MXFP4_ARCHITECTURES = GPT_OSS_ARCHITECTURES  # MXFP4 experts (`sage_infer.quantization.mxfp4`)
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES + GPT_OSS_ARCHITECTURES
 NOT_BUILT = {  # architectures asked for that are not built yet: what they miss
     "Gemma3ForConditionalGeneration": "multimodal Gemma 3 is not built (text-only Gemma 3 is Gemma3ForCausalLM)",

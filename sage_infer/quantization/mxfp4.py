@@ -21,14 +21,14 @@ SUFFIXES = ("_blocks", "_scales")
 
 def check_config(qc: dict, architecture: str | None, built_for: tuple[str, ...]) -> None:
     """ValueError naming the ``quantization_config`` field of an MXFP4 config sage does not run: an architecture
-    whose experts it cannot dequantize, or a field it does not know."""
+    whose experts it does not build MXFP4 for, or a field it does not know."""
     if architecture not in built_for:
         raise ValueError(f"quantization_config.quant_method: {QUANT_METHOD!r} is built for {', '.join(built_for)} "
                          f"experts only (the model is {architecture})")
     unknown = sorted(set(qc) - set(KNOWN_FIELDS))
     if unknown:
-        raise ValueError(f"quantization_config.{unknown[0]}: not supported with {QUANT_METHOD!r} (sage dequantizes "
-                         f"the experts at load and knows {', '.join(KNOWN_FIELDS)})")
+        raise ValueError(f"quantization_config.{unknown[0]}: not supported with {QUANT_METHOD!r} (sage knows "
+                         f"{', '.join(KNOWN_FIELDS)})")
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows_of=None) -> torch.Tensor:
