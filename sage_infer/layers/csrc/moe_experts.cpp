@@ -287,7 +287,6 @@ constexpr std::array<float, 256> kE8m0 = [] {
   for (uint32_t e = 0; e < 256; ++e) t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e << 23);
   return t;
 }();
-inline const float* e8m0_scales() { return kE8m0.data(); }
 
 constexpr float kFp4Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
@@ -323,7 +322,7 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline __m256 load8(const Mxfp4Row& w, int64_t k) {  // k a multiple of 8
-  return fp4x8(w.codes + k / 2, _mm256_set1_ps(e8m0_scales()[w.scales[k / 32]]));
+  return fp4x8(w.codes + k / 2, _mm256_set1_ps(kE8m0[w.scales[k / 32]]));
 }
 template <typename T>
 inline __m256 load8(const T* w, int64_t k) { return load8(w + k); }
@@ -347,7 +346,7 @@ inline __m512 load16_masked(__mmask16 m, const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline __m512 load16(const Mxfp4Row& w, int64_t k) {  // k a multiple of 16
-  return fp4x16(w.codes + k / 2, _mm512_set1_ps(e8m0_scales()[w.scales[k / 32]]));
+  return fp4x16(w.codes + k / 2, _mm512_set1_ps(kE8m0[w.scales[k / 32]]));
 }
 inline __m512 load16_masked(__mmask16 m, const Mxfp4Row& w, int64_t k) { return _mm512_maskz_mov_ps(m, load16(w, k)); }
 template <typename T>
@@ -362,7 +361,7 @@ template <typename T>
 inline float weight_at(const T* w, int64_t k) { return widen(w[k]); }
 inline float weight_at(const Mxfp4Row& w, int64_t k) {
   const uint8_t byte = w.codes[k / 2];
-  return kFp4Values[k % 2 ? byte >> 4 : byte & 15] * e8m0_scales()[w.scales[k / 32]];
+  return kFp4Values[k % 2 ? byte >> 4 : byte & 15] * kE8m0[w.scales[k / 32]];
 }
 
 // each row's sums in one order whatever G (the same bits whatever the step's other rows): AVX-512 32 columns a
@@ -467,7 +466,6 @@ void plain_product(const Rows& weight, int64_t r0, int64_t r1, int64_t k, const 
 struct Span {
   int64_t expert, start, end;
 };
-static_assert(sizeof(Span) == 3 * sizeof(int64_t), "a Span is one row of the [A, 3] int64 spans tensor");
 
 // what runs between the products: SiLU(gate) * up (gate the first I columns, up the last I), or gpt-oss's clamped
 // SwiGLU (gate and up interleaved: gate the even columns); biases [E, 2I] and [E, H] (nullptr: none)
@@ -716,6 +714,45 @@ torch::Tensor combine_for(const torch::Tensor& out, const torch::Tensor& weights
   return total;
 }
 
+// the experts' arguments checked against the rows [P, H] -> what the passes read
+Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up, const torch::Tensor& down,
+                        int64_t inter, bool packed, const torch::Tensor& gate_up_bias, const torch::Tensor& down_bias,
+                        bool clamped, double alpha, double limit, const torch::Tensor& gate_up_scales,
+                        const torch::Tensor& down_scales) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
+              "moe_experts: rows must be contiguous [P, H] on the CPU");
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
+              "moe_experts: rows must be bf16 (or fp32 with plain weights)");
+  TORCH_CHECK(gate_up.dim() == 1 && gate_up.scalar_type() == at::kLong && gate_up.is_contiguous() &&
+                  down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
+              "moe_experts: gate_up and down must be [E] int64 addresses");
+  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
+  const int64_t experts = gate_up.size(0);
+  const bool mxfp4 = gate_up_scales.numel() > 0;
+  TORCH_CHECK(!mxfp4 || (!packed && gate_up_scales.sizes() == gate_up.sizes() && down_scales.sizes() == gate_up.sizes() &&
+                         gate_up_scales.scalar_type() == at::kLong && down_scales.scalar_type() == at::kLong &&
+                         gate_up_scales.is_contiguous() && down_scales.is_contiguous()),
+              "moe_experts: gate_up_scales and down_scales must be empty or [E] int64 addresses (plain weights)");
+  TORCH_CHECK(!mxfp4 || (rows.size(1) % 32 == 0 && inter % 32 == 0),
+              "moe_experts: MXFP4 experts need the hidden size and the expert width in multiples of 32");
+  const Experts ex{gate_up.data_ptr<int64_t>(), down.data_ptr<int64_t>(), inter,
+                   checked_bias(gate_up_bias, rows, experts, 2 * inter, "gate_up_bias"),
+                   checked_bias(down_bias, rows, experts, rows.size(1), "down_bias"), clamped,
+                   static_cast<float>(alpha), static_cast<float>(limit),
+                   mxfp4 ? gate_up_scales.data_ptr<int64_t>() : nullptr,
+                   mxfp4 ? down_scales.data_ptr<int64_t>() : nullptr};
+  return ex;
+}
+
+// the experts over rows sorted by expert, each active expert's rows a span
+
+torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& list, const Experts& ex, bool packed) {
+  if (rows.size(0) == 0 || list.empty()) return torch::zeros_like(rows);
+  if (packed) return experts_packed(rows, list, ex);
+  if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, ex);
+  return experts_plain<c10::BFloat16>(rows, list, ex);
+}
+
 }  // namespace
 
 // rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
@@ -729,33 +766,9 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
                           int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
                           bool clamped, double alpha, double limit, torch::Tensor gate_up_scales,
                           torch::Tensor down_scales) {
-  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
-              "moe_experts: rows must be contiguous [P, H] on the CPU");
-  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 || (!packed && rows.scalar_type() == at::kFloat),
-              "moe_experts: rows must be bf16 (or fp32 with plain weights)");
-  TORCH_CHECK(gate_up.dim() == 1 && gate_up.scalar_type() == at::kLong && gate_up.is_contiguous() &&
-                  down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
-              "moe_experts: gate_up and down must be [E] int64 addresses");
-  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
-  const int64_t experts = gate_up.size(0), m = rows.size(0);
-  const bool mxfp4 = gate_up_scales.numel() > 0;
-  TORCH_CHECK(!mxfp4 || (!packed && gate_up_scales.sizes() == gate_up.sizes() && down_scales.sizes() == gate_up.sizes() &&
-                         gate_up_scales.scalar_type() == at::kLong && down_scales.scalar_type() == at::kLong &&
-                         gate_up_scales.is_contiguous() && down_scales.is_contiguous()),
-              "moe_experts: gate_up_scales and down_scales must be empty or [E] int64 addresses (plain weights)");
-  TORCH_CHECK(!mxfp4 || (rows.size(1) % 32 == 0 && inter % 32 == 0),
-              "moe_experts: MXFP4 experts need the hidden size and the expert width in multiples of 32");
-  const std::vector<Span> list = checked_spans(spans, experts, m);
-  const Experts ex{gate_up.data_ptr<int64_t>(), down.data_ptr<int64_t>(), inter,
-                   checked_bias(gate_up_bias, rows, experts, 2 * inter, "gate_up_bias"),
-                   checked_bias(down_bias, rows, experts, rows.size(1), "down_bias"), clamped,
-                   static_cast<float>(alpha), static_cast<float>(limit),
-                   mxfp4 ? gate_up_scales.data_ptr<int64_t>() : nullptr,
-                   mxfp4 ? down_scales.data_ptr<int64_t>() : nullptr};
-  if (m == 0 || list.empty()) return torch::zeros_like(rows);
-  if (packed) return experts_packed(rows, list, ex);
-  if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, ex);
-  return experts_plain<c10::BFloat16>(rows, list, ex);
+  const Experts ex = checked_experts(rows, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
+                                     limit, gate_up_scales, down_scales);
+  return run_experts(rows, checked_spans(spans, gate_up.size(0), rows.size(0)), ex, packed);
 }
 
 // A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
@@ -777,20 +790,19 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
                                       counts.scalar_type() == at::kLong && counts.is_contiguous()),
               "moe_experts_routed: counts must be empty or contiguous [E] int64");
+  const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha, limit,
+                                     gate_up_scales, down_scales);
   const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
                                    counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
-  torch::Tensor spans = torch::empty({static_cast<int64_t>(r.spans.size()), 3}, torch::kLong);
-  std::memcpy(spans.data_ptr<int64_t>(), r.spans.data(), r.spans.size() * sizeof(Span));
-  const auto out = moe_experts(rows, spans, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
-                               limit, gate_up_scales, down_scales);
+  const auto out = run_experts(rows, r.spans, ex, packed);
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
 // MXFP4 rows dequantized: codes [N, K / 2] uint8, exponents [N, K / 32] uint8 (contiguous; K a multiple of 32) ->
 // out [N, K] bf16 or fp32, each value FP4_VALUES[code] * 2^(exponent - 127) (exact: the bits of
-// `sage_infer.quantization.mxfp4.rows`), rows split over the threads
+// `sage_infer.quantization.mxfp4.expert_rows`), rows split over the threads
 void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte && codes.is_contiguous() &&
                   scales.is_contiguous() && out.is_contiguous() && codes.dim() == 2 && scales.dim() == 2 &&
@@ -802,7 +814,6 @@ void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
               "mxfp4_rows: codes [N, K / 2] and scales [N, K / 32] for out [N, K], K a multiple of 32");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint8_t* e = scales.data_ptr<uint8_t>();
-  const float* scale = e8m0_scales();
   const bool fp32 = out.scalar_type() == at::kFloat;
   void* base = out.data_ptr();
   at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / k), [&](int64_t r0, int64_t r1) {
@@ -810,7 +821,7 @@ void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < k / 32; ++b) {
         const uint8_t* codes32 = c + r * (k / 2) + b * 16;
-        const float s = scale[e[r * (k / 32) + b]];
+        const float s = kE8m0[e[r * (k / 32) + b]];
 #if defined(__AVX512F__)
         _mm512_store_ps(row, fp4x16(codes32, _mm512_set1_ps(s)));
         _mm512_store_ps(row + 16, fp4x16(codes32 + 8, _mm512_set1_ps(s)));
