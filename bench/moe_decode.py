@@ -23,12 +23,12 @@ read are cold in the caches, as in a real decode; a step's 8 x 9.4 MB per layer 
 `read_ratio` = the layer's rate / the plain read's (the target is >= 0.8); `step_ratio` = the step's rate / the
 plain read's. `--profile 1,8`: torch.profiler over the MoE blocks at those row counts, the top ops by self CPU time.
 
-The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (all
-active experts in one kernel call, csrc/moe_experts.cpp; the engine's path for every step, except packed bf16
-experts at the levels without bf16 dot products, where only steps of up to `GROUPED_KERNEL_ROWS` pairs per expert
-take it; the pairs grouped by expert in the kernel, `moe_experts_routed`), `grouped-python` (the same kernel with the
-pairs grouped and the outputs summed by PyTorch ops, the engine's path for steps the kernel may not take whatever their
-routing) and `per-expert` (one product per active expert, two kernel calls each).
+The layers run on each expert path of `--experts` in the same turns, the paths' order alternating: `grouped` (the
+router, its top-k and all active experts in one kernel call, csrc/moe_experts.cpp's `moe_block`; the engine's path
+for every step, except packed bf16 experts at the levels without bf16 dot products, where only steps of up to
+`GROUPED_KERNEL_ROWS` pairs per expert take it), `grouped-python` (the same experts' kernel with the router's
+product, its top-k, the grouping and the sum of the outputs by PyTorch ops) and `per-expert` (one product per active
+expert, two kernel calls each).
 The decode step and `--profile` run on the first path of `--experts`.
 `--batches 1,8,32,128`: both paths on a step of that many rows (random routing, the kernel forced at any count),
 taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by); a
@@ -53,7 +53,9 @@ if str(REPO) not in sys.path:
 from bench._report import write_json  # noqa: E402
 from bench.engine_vs_vllm import DEFAULT_CACHE, sage_isa  # noqa: E402
 from bench.vllm_models import MODELS, prepare_model  # noqa: E402
-from sage_infer.layers.moe import run_routed as ROUTED  # noqa: E402
+from sage_infer.layers.moe import routes_in_kernel, run_block, run_routed  # noqa: E402
+
+KERNEL_STEPS = (run_block, run_routed, routes_in_kernel)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MOE_MODELS = sorted(name for name, spec in MODELS.items() if (spec.arch or "").endswith("moe"))
@@ -72,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default="", help="comma-separated row counts (e.g. 1,8,64) to run the MoE blocks "
                         "at under torch.profiler (none by default)")
     parser.add_argument("--experts", default="grouped,per-expert", help="expert paths the layer turns time, "
-                        "comma-separated: grouped (one kernel call for all active experts), grouped-python (the "
-                        "same, grouped by PyTorch ops), per-expert")
+                        "comma-separated: grouped (one kernel call for the router and all active experts), "
+                        "grouped-python (the same experts' kernel, routed and grouped by PyTorch ops), per-expert")
     parser.add_argument("--batches", default="", help="comma-separated decode batch sizes (e.g. 1,8,32,128) to time "
                         "both expert paths at (none by default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -98,12 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def use_path(blocks: dict, path: str | None, rows: int | None = None) -> None:
     """The experts of every block on `path` (None: as the engine built them): `grouped` for steps of up to `rows`
-    pairs per expert (default `GROUPED_KERNEL_ROWS`), `grouped-python` too with the pairs grouped by PyTorch ops
-    (`run_routed` declines every step), `per-expert` never."""
-    from sage_infer.layers import moe, moe_swiglu
+    pairs per expert (default `GROUPED_KERNEL_ROWS`), `grouped-python` too with the router's product, its top-k and
+    the grouping by PyTorch ops (`run_block`, `run_routed` and the C++ routing declined), `per-expert` never."""
+    from sage_infer.layers import moe
 
-    routed = ROUTED if path != "grouped-python" else (lambda *args: None)
-    moe.run_routed = moe_swiglu.run_routed = routed
+    python = path == "grouped-python"
+    moe.run_block, moe.run_routed, moe.routes_in_kernel = (
+        (lambda *args: None), (lambda *args: None), (lambda *args: False)) if python else KERNEL_STEPS
     for block in blocks.values():
         if path is not None:
             block.experts.kernel_rows = (rows or moe.GROUPED_KERNEL_ROWS) if path.startswith("grouped") else 0

@@ -282,10 +282,10 @@ def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, 
     ``down(act(gate_up))`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps the weights alive
     (`sage_infer.layers.moe_grouped`)."""
     return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed,
-                              *_moe_options(rows.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
+                              *moe_options(rows.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
 
 
-def _moe_options(dtype: torch.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales) -> tuple:
+def moe_options(dtype: torch.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales) -> tuple:
     """The ops' trailing arguments: the biases, the clamped SwiGLU's flag and numbers, the MXFP4 exponents (empty
     tensors for none)."""
     none, no_scales = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.long)
@@ -293,6 +293,27 @@ def _moe_options(dtype: torch.dtype, gate_up_bias, down_bias, clamped, mxfp4_sca
     gate_up_scales, down_scales = mxfp4_scales if mxfp4_scales is not None else (no_scales, no_scales)
     return (none if gate_up_bias is None else gate_up_bias, none if down_bias is None else down_bias,
             clamped is not None, alpha, limit, gate_up_scales, down_scales)
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int, mode: int,
+              renormalize: bool, weights_in_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's routing: x [T, H] (bf16 or fp32, contiguous), the router's weight [E, H] and bias ([E] or None) in
+    x's dtype -> (weights [T, K]: fp32, or x's dtype where `weights_in_dtype`; expert ids [T, K] int64). The logits
+    are the router's product rounded to x's dtype, each summed in one order whatever the step's other rows; mode 0:
+    the softmax over every expert in fp32, its top k, divided by their sum where `renormalize`; mode 1: the top k
+    logits softmaxed among themselves. Of equal values the lower expert id ranks first (csrc/moe_experts.cpp)."""
+    return _moe_op(_module(), "moe_route")(x, router, torch.empty(0, dtype=x.dtype) if bias is None else bias,
+                                           top_k, mode, renormalize, weights_in_dtype)
+
+
+def moe_block(x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, routing: tuple,
+              counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: bool,
+              options: tuple) -> torch.Tensor:
+    """A mixture-of-experts layer's step in one call: `moe_route` (`routing`: its top_k, mode, renormalize and
+    weights_in_dtype), then `moe_experts_routed` (`options`: `moe_options` of the experts) -> [T, H]."""
+    return _moe_op(_module(), "moe_block")(
+        x, router, torch.empty(0, dtype=x.dtype) if router_bias is None else router_bias, *routing, counts, gate_up,
+        down, intermediate, packed, *options)
 
 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
@@ -307,7 +328,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     pairs routed to each expert."""
     return _moe_op(_module(), "moe_experts_routed")(
         x, weights, ids, torch.empty(0, dtype=torch.long) if counts is None else counts, gate_up, down, intermediate,
-        packed, *_moe_options(x.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
+        packed, *moe_options(x.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
 
 
 _MOE_OPS: dict[tuple[str, str], object] = {}

@@ -28,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, GroupedExpertWeights
+from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights
 
-__all__ = ["GROUPED_KERNEL_ROWS", "ExpertGroups", "FusedExperts", "SparseMoeBlock", "count_groups", "expert_counter",
-           "group_by_expert", "route", "run_grouped", "run_routed", "use_grouped_kernel"]
+__all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
+           "Routing", "SparseMoeBlock", "count_groups", "expert_counter", "group_by_expert", "moe_step", "route",
+           "route_tokens", "routes_in_kernel", "run_block", "run_grouped", "run_routed", "use_grouped_kernel"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +46,54 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+SOFTMAX_TOP_K, TOP_K_SOFTMAX = 0, 1  # how a router's logits pick experts (csrc/moe_experts.cpp's route modes)
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a layer's router logits become each token's experts and weights: SOFTMAX_TOP_K (the softmax over every
+    expert in fp32, its top k, divided by their sum where `renormalize`: `route`) or TOP_K_SOFTMAX (gpt-oss: the top
+    k logits softmaxed among themselves in their dtype); `weights_in_dtype`: the weights rounded to the hidden dtype
+    before they scale the experts' outputs (transformers' Qwen, OLMoE and gpt-oss; Mixtral keeps fp32)."""
+
+    top_k: int
+    mode: int = SOFTMAX_TOP_K
+    renormalize: bool = False
+    weights_in_dtype: bool = True
+
+
+class RouterLinear(nn.Linear):
+    """A mixture-of-experts router, [E, H] (with a bias where the model has one). `pack_linears` leaves it plain
+    (`keep_plain`): on a CPU with the fused ops (`model.elementwise`) its product, softmax and top-k run in C++
+    (`cpu_kernels.moe_route`, or `moe_block` with the experts), each logit summed in one order whatever the step's
+    other rows, so a token's experts do not depend on the batch it is in."""
+
+    keep_plain = True
+
+
+def routes_in_kernel(router: nn.Module, x: torch.Tensor, ops: TorchOps) -> bool:
+    """Whether `router`'s routing of x runs in C++ (`route_tokens`)."""
+    return (isinstance(router, RouterLinear) and ops.name != "torch" and x.device.type == "cpu"
+            and x.dtype in KERNEL_DTYPES and router.weight.dtype == x.dtype and cpu_kernels.moe_experts_unavailable()
+            is None)
+
+
+def route_tokens(router: nn.Module, x: torch.Tensor, routing: Routing, ops: TorchOps) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """x [T, H] -> (weights [T, K], expert ids [T, K]) as `routing` says: in C++ where `routes_in_kernel`, else
+    from the router's logits by PyTorch ops (the reference; of equal weights the two may pick different experts,
+    and their softmaxes can differ in the last bits)."""
+    if routes_in_kernel(router, x, ops):
+        return cpu_kernels.moe_route(x.contiguous(), router.weight, router.bias, routing.top_k, routing.mode,
+                                     routing.renormalize, routing.weights_in_dtype)
+    logits = router(x)
+    if routing.mode == TOP_K_SOFTMAX:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), ids
+    weights, ids = route(logits, routing.top_k, routing.renormalize)
+    return (weights.to(x.dtype) if routing.weights_in_dtype else weights), ids
 
 
 @dataclass(slots=True)
@@ -207,10 +257,38 @@ def run_routed(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: 
     `run_grouped` gives, without its Python ops), where the kernel takes a step of x's rows whatever their routing
     (no expert can get more pairs than there are rows); `counts` [E] grows by each expert's pairs. None: it does
     not, and the caller groups the pairs itself."""
-    limit = _kernel_limit(experts, x, ops)
-    if limit is False or (limit is not None and x.shape[0] > limit):
+    if not _kernel_takes(experts, x, ops):
         return None
     return experts.grouped_kernel().routed(x, weights, ids, counts)
+
+
+def run_block(router: nn.Module, experts: nn.Module, x: torch.Tensor, routing: Routing, counts: torch.Tensor,
+              ops: TorchOps) -> torch.Tensor | None:
+    """The whole step in one kernel call (`GroupedExpertWeights.block`: the router's product and top-k, the grouping,
+    the experts), where the router routes in C++ (`routes_in_kernel`) and the grouped kernel takes the step whatever
+    its routing; None otherwise."""
+    if not routes_in_kernel(router, x, ops) or not _kernel_takes(experts, x, ops):
+        return None
+    return experts.grouped_kernel().block(x, router.weight, router.bias, routing, counts)
+
+
+def moe_step(router: nn.Module, experts: nn.Module, x: torch.Tensor, routing: Routing, counts: torch.Tensor,
+             ops: TorchOps) -> torch.Tensor:
+    """x [T, H] -> [T, H]: the experts' outputs of each token, weighted and summed, in one kernel call where it can
+    run (`run_block`), else routed (`route_tokens`) and then grouped in C++ (`run_routed`) or here; `counts` grows
+    by each expert's pairs."""
+    out = run_block(router, experts, x, routing, counts, ops)
+    if out is not None:
+        return out
+    weights, ids = route_tokens(router, x, routing, ops)
+    out = run_routed(experts, x, weights, ids, counts, ops)
+    return out if out is not None else experts(x, weights, count_groups(counts, ids), ops)
+
+
+def _kernel_takes(experts: nn.Module, x: torch.Tensor, ops: TorchOps) -> bool:
+    """Whether the grouped kernel runs a step of x's rows whatever their routing."""
+    limit = _kernel_limit(experts, x, ops)
+    return limit is not False and (limit is None or x.shape[0] <= limit)
 
 
 def _kernel_limit(experts: nn.Module, x: torch.Tensor, ops: TorchOps) -> int | None | bool:
@@ -250,8 +328,9 @@ class SparseMoeBlock(nn.Module):
     `expert_tokens` counts the (token, expert) pairs routed to each expert since start: the load ``/metrics``
     reports (``sage:moe_expert_tokens``).
 
-    Where the grouped kernel takes the step whatever its routing, the pairs are grouped in C++ (`run_routed`);
-    otherwise here (`group_by_expert`), and the experts run grouped or one by one."""
+    A step runs as `moe_step` says: where the grouped kernel takes it whatever its routing, routing, grouping and
+    experts in one C++ call; otherwise routed (`route_tokens`), the pairs grouped here (`group_by_expert`), and the
+    experts run grouped or one by one."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_expert: nn.Module | None = None, weights_in_hidden_dtype: bool = True) -> None:
@@ -259,7 +338,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         # transformers rounds the top-k weights to the hidden dtype before scaling (Qwen, OLMoE), Mixtral not
         self.weights_in_hidden_dtype = weights_in_hidden_dtype
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.routing = Routing(top_k, SOFTMAX_TOP_K, renormalize, weights_in_hidden_dtype)
+        self.gate = RouterLinear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
@@ -277,12 +357,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x [T, H] (the layer's normed input) -> [T, H]."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        if self.weights_in_hidden_dtype:
-            weights = weights.to(x.dtype)
-        out = run_routed(self.experts, x, weights, ids, self.expert_counts, ops)
-        if out is None:
-            out = self.experts(x, weights, count_groups(self.expert_counts, ids), ops)
+        out = moe_step(self.gate, self.experts, x, self.routing, self.expert_counts, ops)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
         return out

@@ -76,6 +76,7 @@ class GroupedExpertWeights:
     # MXFP4 experts: each expert's exponent bytes ([E] int64 addresses, gate_up's and down's); gate_up and down then
     # address its FP4 codes
     mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _options: tuple = field(default=(), repr=False)  # the ops' trailing arguments, made on the first `block`
 
     def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """rows [P, H] sorted by expert, the (expert, start, end) spans -> each row's expert output [P, H]."""
@@ -89,6 +90,18 @@ class GroupedExpertWeights:
         return cpu_kernels.moe_experts_routed(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
                                               self.gate_up, self.down, self.intermediate, self.packed,
                                               self.gate_up_bias, self.down_bias, self.clamped, self.mxfp4_scales)
+
+    def block(self, x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, routing,
+              counts: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the router's weight [E, H] and bias, and how it routes (`sage_infer.layers.moe.Routing`) ->
+        [T, H]: the layer's step in one kernel call (`cpu_kernels.moe_block`); `counts` [E] grows by each expert's
+        pairs."""
+        if not self._options:
+            self._options = cpu_kernels.moe_options(self.dtype, self.gate_up_bias, self.down_bias, self.clamped,
+                                                    self.mxfp4_scales)
+        return cpu_kernels.moe_block(x.contiguous(), router, router_bias,
+                                     (routing.top_k, routing.mode, routing.renormalize, routing.weights_in_dtype),
+                                     counts, self.gate_up, self.down, self.intermediate, self.packed, self._options)
 
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""

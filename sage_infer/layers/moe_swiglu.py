@@ -23,11 +23,13 @@ from torch import nn
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.moe import (
+    TOP_K_SOFTMAX,
     ExpertGroups,
-    count_groups,
+    RouterLinear,
+    Routing,
     expert_counter,
+    moe_step,
     run_grouped,
-    run_routed,
     use_grouped_kernel,
 )
 from sage_infer.layers.moe_grouped import GroupedExpertWeights
@@ -128,7 +130,8 @@ class TopKSoftmaxMoeBlock(nn.Module):
                  limit: float) -> None:
         super().__init__()
         self.top_k = top_k
-        self.router = nn.Linear(hidden_size, num_experts, bias=True)
+        self.routing = Routing(top_k, TOP_K_SOFTMAX)
+        self.router = RouterLinear(hidden_size, num_experts, bias=True)
         self.experts = ClampedSwigluExperts(num_experts, hidden_size, intermediate_size, alpha, limit)
         self.expert_counts = expert_counter(num_experts)
 
@@ -142,8 +145,4 @@ class TopKSoftmaxMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """x [T, H] (the layer's normed input) -> [T, H]; `ops` decides whether the grouped kernel runs."""
-        logits = self.router(x)
-        top, ids = torch.topk(logits, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=1, dtype=top.dtype)
-        out = run_routed(self.experts, x, weights, ids, self.expert_counts, ops)
-        return out if out is not None else self.experts(x, weights, count_groups(self.expert_counts, ids), ops)
+        return moe_step(self.router, self.experts, x, self.routing, self.expert_counts, ops)

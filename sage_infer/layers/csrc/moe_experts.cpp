@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "widen.h"
@@ -771,14 +772,14 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
   return run_experts(rows, checked_spans(spans, gate_up.size(0), rows.size(0)), ex, packed);
 }
 
-// A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
-// expert ids [T, K] int64; counts: empty or [E] int64, grown in place by each expert's pairs; the weights as
-// `moe_experts` takes them -> [T, H], each token's expert outputs times their weights, added in expert order: the
-// bits `sage_infer.layers.moe.run_grouped` gives for the same experts, without its Python grouping
-torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
-                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
-                                 torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
-                                 double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
+namespace {
+
+// the checks and the work of a step from its routing (`moe_experts_routed`, `moe_block`)
+torch::Tensor routed_step(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
+                          const torch::Tensor& counts, const torch::Tensor& gate_up, const torch::Tensor& down,
+                          int64_t inter, bool packed, const torch::Tensor& gate_up_bias,
+                          const torch::Tensor& down_bias, bool clamped, double alpha, double limit,
+                          const torch::Tensor& gate_up_scales, const torch::Tensor& down_scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "moe_experts_routed: x must be contiguous [T, H] on the CPU");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
@@ -798,6 +799,150 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
   const auto out = run_experts(rows, r.spans, ex, packed);
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
+}
+
+// ---- routing: the router's logits, each token's top k and their weights
+enum RouteMode : int64_t {
+  kSoftmaxTopK = 0,  // softmax over all experts in fp32, its top k (Qwen-MoE, OLMoE, Mixtral)
+  kTopKSoftmax = 1,  // the top k logits, softmaxed among themselves in the logits' dtype (gpt-oss)
+};
+constexpr int64_t kRouteTokens = 32, kRouteExperts = 16;  // a work item: this many tokens by this many experts
+
+// the k largest of v[0, n), largest first; of equal values the lower index first (NaNs never taken)
+inline void top_k(const float* v, int64_t n, int64_t k, float* top, int64_t* ids) {
+  int64_t have = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!(v[j] == v[j])) continue;
+    if (have == k && !(v[j] > top[k - 1])) continue;
+    int64_t at = have < k ? have++ : k - 1;
+    for (; at > 0 && v[j] > top[at - 1]; --at) {
+      top[at] = top[at - 1];
+      ids[at] = ids[at - 1];
+    }
+    top[at] = v[j];
+    ids[at] = j;
+  }
+  for (; have < k; ++have) top[have] = 0.f, ids[have] = 0;  // only where every logit was NaN
+}
+
+// logits [T, E] (the product plus the bias in fp32, rounded once to T as the router's linear rounds it), then each
+// token's routing
+template <typename T, typename W>
+void route_tokens(const torch::Tensor& x, const T* router, const T* bias, int64_t experts, int64_t k, int64_t mode,
+                  bool renormalize, W* weights, int64_t* ids) {
+  const int64_t tokens = x.size(0), h = x.size(1);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> logits(static_cast<size_t>(tokens * experts));
+  const int64_t token_blocks = (tokens + kRouteTokens - 1) / kRouteTokens;
+  const int64_t expert_blocks = (experts + kRouteExperts - 1) / kRouteExperts;
+  run_items(token_blocks * expert_blocks, [&](int64_t item) {  // each logit summed in one order whatever the step
+    const int64_t t0 = item / expert_blocks * kRouteTokens, e0 = item % expert_blocks * kRouteExperts;
+    const int64_t t1 = std::min(tokens, t0 + kRouteTokens), e1 = std::min(experts, e0 + kRouteExperts);
+    float* l = logits.data() + t0 * experts;
+    plain_product(PlainRows<T>{router}, e0, e1, h, xp + t0 * h, t1 - t0, l, experts,
+                  static_cast<const float*>(nullptr));
+    for (int64_t t = 0; t < t1 - t0; ++t)  // the bias added to the fp32 sum, then rounded once (F.linear's addmm)
+      for (int64_t e = e0; e < e1; ++e)
+        l[t * experts + e] = round_to<T>(bias ? l[t * experts + e] + widen(bias[e]) : l[t * experts + e]);
+  });
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / experts), [&](int64_t begin, int64_t end) {
+    std::vector<float> v(static_cast<size_t>(experts)), top(static_cast<size_t>(k));
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = logits.data() + t * experts;
+      float* w = top.data();
+      if (mode == kSoftmaxTopK) {
+        float m = l[0], sum = 0.f;
+        for (int64_t e = 1; e < experts; ++e) m = std::max(m, l[e]);
+        for (int64_t e = 0; e < experts; ++e) sum += v[e] = std::exp(l[e] - m);
+        for (int64_t e = 0; e < experts; ++e) v[e] /= sum;
+        top_k(v.data(), experts, k, w, ids + t * k);
+        if (renormalize) {
+          float s = 0.f;
+          for (int64_t j = 0; j < k; ++j) s += w[j];
+          for (int64_t j = 0; j < k; ++j) w[j] /= s;
+        }
+      } else {
+        top_k(l, experts, k, w, ids + t * k);
+        float sum = 0.f;
+        const float m = w[0];
+        for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(w[j] - m);
+        for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+      }
+      for (int64_t j = 0; j < k; ++j) weights[t * k + j] = narrow<W>(w[j]);
+    }
+  });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> route_step(const torch::Tensor& x, const torch::Tensor& router,
+                                                    const torch::Tensor& bias, int64_t k, int64_t mode,
+                                                    bool renormalize, bool weights_in_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "moe_route: x must be contiguous [T, H] bf16 or fp32 on the CPU");
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.is_contiguous() &&
+                  router.scalar_type() == x.scalar_type() && router.device().is_cpu(),
+              "moe_route: router must be contiguous [E, H] in x's dtype");
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == experts && bias.is_contiguous() &&
+                                    bias.scalar_type() == x.scalar_type()),
+              "moe_route: bias must be empty or contiguous [E] in x's dtype");
+  TORCH_CHECK(k >= 1 && k <= experts, "moe_route: top_k must be in [1, ", experts, "]");
+  TORCH_CHECK(mode == kSoftmaxTopK || mode == kTopKSoftmax, "moe_route: mode must be 0 or 1");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto ids = torch::empty({x.size(0), k}, x.options().dtype(at::kLong));
+  auto weights = torch::empty({x.size(0), k}, x.options().dtype(weights_in_dtype ? x.scalar_type() : at::kFloat));
+  if (x.size(0) == 0) return {weights, ids};
+  int64_t* id = ids.data_ptr<int64_t>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* b = bias.numel() ? bias.data_ptr<T>() : nullptr;
+    if (weights_in_dtype)
+      route_tokens<T, T>(x, router.data_ptr<T>(), b, experts, k, mode, renormalize, weights.data_ptr<T>(), id);
+    else
+      route_tokens<T, float>(x, router.data_ptr<T>(), b, experts, k, mode, renormalize, weights.data_ptr<float>(), id);
+  };
+  if (bf16) run(c10::BFloat16{});
+  else run(float{});
+  return {weights, ids};
+}
+
+}  // namespace
+
+// A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
+// expert ids [T, K] int64; counts: empty or [E] int64, grown in place by each expert's pairs; the weights as
+// `moe_experts` takes them -> [T, H], each token's expert outputs times their weights, added in expert order: the
+// bits `sage_infer.layers.moe.run_grouped` gives for the same experts, without its Python grouping
+torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
+                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                                 torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
+                                 double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
+  return routed_step(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
+                     limit, gate_up_scales, down_scales);
+}
+
+// A step's routing: x [T, H] (bf16 or fp32), the router's weight [E, H] and bias (empty or [E]) in x's dtype ->
+// (weights [T, K] in fp32, or x's dtype where `weights_in_dtype`; expert ids [T, K] int64). The logits are the
+// router's product rounded to x's dtype (a bias added as `moe_experts` adds one), each summed in one order whatever
+// the step's other rows; mode 0: softmax over every expert in fp32, its top k, divided by their sum where
+// `renormalize`; mode 1: the top k logits softmaxed among themselves. Of equal values the lower expert id ranks
+// first. The exponentials are not PyTorch's, so weights can differ from its softmax in the last bits.
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor router, torch::Tensor bias,
+                                                   int64_t top_k, int64_t mode, bool renormalize,
+                                                   bool weights_in_dtype) {
+  return route_step(x, router, bias, top_k, mode, renormalize, weights_in_dtype);
+}
+
+// A mixture-of-experts layer's step in one call: `moe_route`'s routing, then `moe_experts_routed` (the arguments as
+// those take them) -> [T, H]
+torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor router_bias, int64_t top_k,
+                        int64_t mode, bool renormalize, bool weights_in_dtype, torch::Tensor counts,
+                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                        torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
+                        torch::Tensor gate_up_scales, torch::Tensor down_scales) {
+  const auto [weights, ids] = route_step(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype);
+  return routed_step(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
+                     limit, gate_up_scales, down_scales);
 }
 
 // MXFP4 rows dequantized: codes [N, K / 2] uint8, exponents [N, K / 32] uint8 (contiguous; K a multiple of 32) ->
@@ -857,5 +1002,7 @@ void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
 SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
   m.def("moe_experts", &moe_experts);
   m.def("moe_experts_routed", &moe_experts_routed);
+  m.def("moe_route", &moe_route);
+  m.def("moe_block", &moe_block);
   m.def("mxfp4_rows", &mxfp4_rows);
 }
