@@ -56,9 +56,12 @@ def test_routing_in_cpp_picks_pytorchs_experts_with_its_weights(cpu_isa, dtype, 
     router = make_router(dtype, bias=routing.mode == TOP_K_SOFTMAX)
     x = torch.randn(19, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
-        weights, ids = route_tokens(router, x, routing, FUSED_OPS)
+        weights, ids = cpu_kernels.moe_route(x, router.weight, router.bias, routing.top_k, routing.mode,
+                                             routing.renormalize, routing.weights_in_dtype)
         want, want_ids = route_tokens(router, x, routing, TORCH_OPS)
         logits = router(x)
+        small = route_tokens(router, x[:moe.ROUTE_KERNEL_ROWS], routing, FUSED_OPS)  # a decode-sized step: the kernel
+    assert torch.equal(small[0], weights[:moe.ROUTE_KERNEL_ROWS]) and torch.equal(small[1], ids[:moe.ROUTE_KERNEL_ROWS])
     assert ids.dtype == torch.long and ids.shape == (19, routing.top_k)
     assert weights.dtype == (dtype if routing.weights_in_dtype else torch.float32)
     if dtype == torch.float32:  # fp32 logits of random weights: no ties, the same experts in the same order
@@ -78,16 +81,30 @@ def test_routing_in_cpp_picks_pytorchs_experts_with_its_weights(cpu_isa, dtype, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_routing_is_the_same_alone_or_in_a_batch(cpu_isa, dtype):
+def test_the_kernel_routes_a_row_the_same_alone_or_in_a_batch(cpu_isa, dtype):
     """Each logit is summed in one order whatever the step's rows (70 rows: three blocks of tokens)."""
     router = make_router(dtype, bias=True)
     x = torch.randn(70, H, generator=torch.Generator().manual_seed(2)).to(dtype)
-    for routing in ROUTINGS:
-        with torch.no_grad():
-            weights, ids = route_tokens(router, x, routing, FUSED_OPS)
-            for row in (0, 33, 69):
-                alone_w, alone_ids = route_tokens(router, x[row:row + 1], routing, FUSED_OPS)
-                assert torch.equal(alone_ids[0], ids[row]) and torch.equal(alone_w[0], weights[row]), (routing, row)
+    for r in ROUTINGS:
+        args = (router.weight, router.bias, r.top_k, r.mode, r.renormalize, r.weights_in_dtype)
+        weights, ids = cpu_kernels.moe_route(x, *args)
+        for row in (0, 33, 69):
+            alone_w, alone_ids = cpu_kernels.moe_route(x[row:row + 1].contiguous(), *args)
+            assert torch.equal(alone_ids[0], ids[row]) and torch.equal(alone_w[0], weights[row]), (r, row)
+
+
+def test_steps_past_the_kernels_rows_are_routed_by_pytorch(monkeypatch):
+    router = make_router(torch.float32, bias=False)
+    x = torch.randn(moe.ROUTE_KERNEL_ROWS + 1, H)
+
+    def refuse(*args):
+        raise AssertionError("routed in C++")
+
+    monkeypatch.setattr(cpu_kernels, "moe_route", refuse)
+    with torch.no_grad():
+        weights, ids = route_tokens(router, x, ROUTINGS[1], FUSED_OPS)
+        want, want_ids = route_tokens(router, x, ROUTINGS[1], TORCH_OPS)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want)
 
 
 def test_equal_scores_go_to_the_lower_expert():
@@ -114,12 +131,19 @@ def test_bad_routing_arguments_are_refused():
         cpu_kernels.moe_route(x, router.weight, torch.zeros(E + 1), 2, SOFTMAX_TOP_K, False, False)
 
 
-def test_packing_leaves_the_router_plain():
+def test_packing_keeps_the_routers_plain_weight_beside_its_packed_copy():
     if packing_unavailable(torch.float32) is not None:
         pytest.skip(f"oneDNN cannot pack here: {packing_unavailable(torch.float32)}")
-    model = torch.nn.Sequential(RouterLinear(H, E, bias=False), torch.nn.Linear(H, H))
-    assert pack_linears(model) == 1
-    assert type(model[0]) is RouterLinear and isinstance(model[1], PackedLinear)
+    router = make_router(torch.float32, bias=False)
+    model = torch.nn.Sequential(router, torch.nn.Linear(H, H))
+    x = torch.randn(12, H)
+    with torch.no_grad():
+        want = router(x)
+        assert pack_linears(model) == 2
+        assert model[0] is router and isinstance(model[1], PackedLinear)
+        assert isinstance(router.packed_linear, PackedLinear) and router.weight.shape == (E, H)
+        assert [name for name, _ in router.named_modules()] == [""]  # the packed copy is not a layer of its own
+        torch.testing.assert_close(router(x), want, rtol=1e-5, atol=1e-5)
 
 
 def make_block(kind: str, dtype: torch.dtype) -> torch.nn.Module:

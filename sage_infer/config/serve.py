@@ -58,7 +58,7 @@ class ModelConfig(Strict):
     elementwise: Literal["auto", "fused", "torch"] = Field(
         "auto", description="A decoder layer's elementwise glue: fused (the residual add with the RMSNorm after it, "
         "Qwen3's q/k norm with rotary, silu(gate)*up: one C++ pass each, built with the paged kernel; a mixture-of-"
-        "experts layer's router, top-k and experts in one C++ call; CPU), torch "
+        "experts layer's experts, and a decode step's routing, in C++; CPU), torch "
         "(PyTorch ops, the reference path), auto (fused where it can run, else torch).")
     decode_step: Literal["auto", "sage", "python"] = Field(
         "auto", description="A pure decode step (every row one new token, no shared prefix) of an fp32 or bf16 model "

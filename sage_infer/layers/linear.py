@@ -118,18 +118,22 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, small_rows: int = 0) -> int:
-    """Replace the `nn.Linear` modules of a CPU model by `PackedLinear` (passing `small_rows`), all but those that
-    say `keep_plain` (a mixture-of-experts router, read by its own kernel); how many were packed. A weight tied to
+    """Replace the `nn.Linear` modules of a CPU model by `PackedLinear` (passing `small_rows`); one that says
+    `keep_plain` (a mixture-of-experts router, whose plain weight a kernel reads) keeps its weight and multiplies
+    by the packed one (`use_packed`); how many were packed. A weight tied to
     another module (`tied_linear_bytes` says how many bytes) is packed as a copy; the other module keeps the
     original.
 
     RuntimeError (and the model unchanged) when oneDNN cannot pack its weights on this CPU.
     """
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
-               and module.weight.device.type == "cpu" and not getattr(module, "keep_plain", False)]
+               and module.weight.device.type == "cpu"]
     # all first: a failure leaves the model as it was
     packed = [PackedLinear(module, small_rows=small_rows) for _, module in targets]
-    for (name, _), replacement in zip(targets, packed):
+    for (name, module), replacement in zip(targets, packed):
+        if getattr(module, "keep_plain", False):
+            module.use_packed(replacement)
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, replacement)

@@ -65,19 +65,32 @@ class Routing:
 
 
 class RouterLinear(nn.Linear):
-    """A mixture-of-experts router, [E, H] (with a bias where the model has one). `pack_linears` leaves it plain
-    (`keep_plain`): on a CPU with the fused ops (`model.elementwise`) its product, softmax and top-k run in C++
-    (`cpu_kernels.moe_route`, or `moe_block` with the experts), each logit summed in one order whatever the step's
-    other rows, so a token's experts do not depend on the batch it is in."""
+    """A mixture-of-experts router, [E, H] (with a bias where the model has one). `pack_linears` gives it a packed
+    copy to multiply by (`use_packed`) and leaves its plain weight, which the C++ routing reads: on a CPU with the
+    fused ops (`model.elementwise`) a step of up to `ROUTE_KERNEL_ROWS` rows has its router product, softmax and
+    top-k in one C++ call (`cpu_kernels.moe_route`, or `moe_block` with the experts)."""
 
     keep_plain = True
+    packed_linear: nn.Module | None = None  # not a submodule: the packed copy is this layer, not a layer of its own
+
+    def use_packed(self, packed: nn.Module) -> None:
+        object.__setattr__(self, "packed_linear", packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed_linear(x) if self.packed_linear is not None else super().forward(x)
+
+
+# a step of up to this many rows is routed in C++, larger ones by the packed product and PyTorch's softmax and top-k,
+# since oneDNN's GEMM reads x once for all experts (Qwen3-30B-A3B's router, 2-vCPU Zen 4, PyTorch ÷ C++: bf16
+# 1.4-1.9 at 1-4 rows, 0.75-0.95 at 8, 0.4-0.6 at 12-16; fp32 1.5-4.7 at 1-4, 0.8-1.1 at 8; AVX2 and AVX512-BF16)
+ROUTE_KERNEL_ROWS = 8
 
 
 def routes_in_kernel(router: nn.Module, x: torch.Tensor, ops: TorchOps) -> bool:
     """Whether `router`'s routing of x runs in C++ (`route_tokens`)."""
-    return (isinstance(router, RouterLinear) and ops.name != "torch" and x.device.type == "cpu"
-            and x.dtype in KERNEL_DTYPES and router.weight.dtype == x.dtype and cpu_kernels.moe_experts_unavailable()
-            is None)
+    return (isinstance(router, RouterLinear) and x.shape[0] <= ROUTE_KERNEL_ROWS and ops.name != "torch"
+            and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and router.weight.dtype == x.dtype
+            and cpu_kernels.moe_experts_unavailable() is None)
 
 
 def route_tokens(router: nn.Module, x: torch.Tensor, routing: Routing, ops: TorchOps) -> tuple[torch.Tensor,
