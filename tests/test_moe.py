@@ -107,8 +107,11 @@ def test_greedy_tokens_match_transformers_with_prefix_hits(tiny_moe):
     assert all(o.metrics.num_cached_tokens == 32 for o in rest)
     assert_same_as_hf(hf_greedy(hf, prompts), first + rest)
     decided = {d.field: d for d in llm.engine.decisions}
-    assert decided["model.decode_step"].value == "python"
-    assert "experts" in decided["model.decode_step"].reason
+    if family in ("qwen3_moe", "mixtral"):  # its decode steps (3 rows) in the C++ step, experts and all
+        assert decided["model.decode_step"].value == "sage", decided["model.decode_step"].reason
+        assert "steps of up to 8 rows" in decided["model.decode_step"].reason
+    else:  # Qwen2-MoE's shared expert; OLMoE's q/k norms over all heads
+        assert decided["model.decode_step"].value == "python"
     assert decided["model.experts"].value.endswith(f"top {TOP_K}")
     assert f"{len(SPARSE_LAYERS[family])} of 2 layers sparse" in decided["model.experts"].reason
     load = llm.engine.runner.model.expert_tokens()
@@ -181,3 +184,41 @@ def test_quantized_experts_match_transformers_on_their_dequantized_weights(tmp_p
     assert_same_as_hf(hf_greedy(hf, prompts), llm.generate(prompts, GREEDY))
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert type(experts.get_submodule("1.down_proj")).__name__ != "Linear"  # a quantized layer, not a float one
+
+
+class RowsOfEachStep:
+    """The C++ step of a model, noting each step's rows."""
+
+    def __init__(self, step, rows: list[int]) -> None:
+        self.step, self.rows = step, rows
+
+    def run(self, h, *args):
+        self.rows.append(h.shape[0])
+        return self.step.run(h, *args)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_path, family, dtype):
+    """`model.decode_step: sage`: decode steps of up to `decode_step_rows` rows run each sparse layer's routing and
+    experts in one kernel call inside the C++ step (the layer loop's op on the same values: the same tokens and
+    per-expert counts, in bf16 too); a step of more rows runs layer by layer."""
+    make_tiny_moe(tmp_path, family)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 20, 33, 5, 12, 7, 18, 26, 4, 11)]
+    base = llm_config(str(tmp_path), dtype=dtype, num_blocks=96)
+    results = {}
+    for choice in ("sage", "python"):
+        llm = LLM(config=base.model_copy(update={"model": base.model.model_copy(update={"decode_step": choice})}))
+        runner = llm.engine.runner
+        calls = []
+        if choice == "sage":
+            runner.step.handle = RowsOfEachStep(runner.step.handle, calls)
+            assert runner.step.max_rows == 8
+        small = llm.generate(prompts[:4], GREEDY)  # 4 rows a decode step: in C++
+        large = llm.generate(prompts, GREEDY)  # 11 rows a decode step: layer by layer
+        results[choice] = ([o.outputs[0].token_ids for o in small + large], runner.model.expert_tokens(), calls)
+    (tokens, counts, calls), (want_tokens, want_counts, _) = results["sage"], results["python"]
+    assert tokens == want_tokens
+    assert counts == want_counts
+    assert calls and max(calls) == 4  # the 4-row steps in C++, none of the 11-row ones

@@ -271,7 +271,8 @@ class EngineBuilder:
         step = step_executor("fused" if fused else "python")
         if use_decode_step(config.model.decode_step, model, pool, device, attention.decode_in_place, fused,
                            deterministic):
-            step = step_executor("cpp-decode", model.prepare_decode_step(pool))
+            rows = model.decode_step_rows() if hasattr(model, "decode_step_rows") else None
+            step = step_executor("cpp-decode", model.prepare_decode_step(pool), rows)
         if self.kinds and config.model.cascade_attention:
             _report(ResolvedValue("model.cascade_attention", "off", "its kernels attend every shared key: no sliding "
                                                                     "window, soft-cap or sinks"))
@@ -469,8 +470,10 @@ def use_decode_step(choice: str, model: torch.nn.Module, pool: KVPool, device: t
         why = "it chains the paged decode kernel (model.attention is torch or cannot run)"
     else:
         why = model.decode_step_unavailable(pool, fused)
-    return _fast_path("model.decode_step", choice, why, "sage", "a decode step's layers in one C++ call",
-                      reference="python")
+    rows = model.decode_step_rows() if why is None and hasattr(model, "decode_step_rows") else None
+    detail = "a decode step's layers in one C++ call" + (
+        f" (steps of up to {rows} rows: the experts' kernel call; larger ones layer by layer)" if rows else "")
+    return _fast_path("model.decode_step", choice, why, "sage", detail, reference="python")
 
 
 def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool, kinds: bool = False,

@@ -362,6 +362,32 @@ class SparseMoeBlock(nn.Module):
     def expert_tokens(self) -> list[int]:
         return self.expert_counts.tolist()
 
+    def decode_step_unavailable(self, dtype: torch.dtype) -> str | None:
+        """Why the C++ decode step (csrc/decode_step.cpp) cannot run this MLP in a `dtype` model; None when it can
+        (its decode steps of up to `decode_step_rows` rows then run `moe_block` there)."""
+        if self.shared_expert is not None:
+            return "Qwen2-MoE's shared expert runs in the layer loop"
+        if type(self.gate) is not RouterLinear or self.gate.weight.dtype != dtype:
+            return "its router is not a plain linear in the model's dtype (model.deterministic tiles it)"
+        kernel = self.experts.grouped_kernel() if self.experts.kernel_rows != 0 else "it is turned off"
+        if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != dtype:
+            return f"its experts are not on the grouped-experts kernel in the model's dtype ({kernel})"
+        return None
+
+    def decode_step_rows(self) -> int:
+        """The most rows of a decode step this MLP runs in one kernel call (`run_block`): routed in C++ and taken by
+        the grouped kernel whatever their routing."""
+        limit = self.experts.kernel_rows
+        limit = self.experts.grouped_kernel().max_rows() if limit is None else limit
+        return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
+
+    def decode_step_args(self) -> tuple:
+        """`moe_block`'s arguments but x, as the C++ decode step takes them (`DecodeLayers.set_moe`)."""
+        kernel, routing = self.experts.grouped_kernel(), self.routing
+        return (self.gate.weight, torch.empty(0, dtype=self.gate.weight.dtype), routing.top_k, routing.mode,
+                routing.renormalize, routing.weights_in_dtype, self.expert_counts, kernel.gate_up, kernel.down,
+                kernel.intermediate, kernel.packed, *kernel.options())
+
     def fuse_projections(self) -> int:
         """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared
         expert's; how many gate/up pairs were stacked."""

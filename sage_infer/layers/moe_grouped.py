@@ -96,12 +96,17 @@ class GroupedExpertWeights:
         """x [T, H], the router's weight [E, H] and bias, and how it routes (`sage_infer.layers.moe.Routing`) ->
         [T, H]: the layer's step in one kernel call (`cpu_kernels.moe_block`); `counts` [E] grows by each expert's
         pairs."""
+        return cpu_kernels.moe_block(x.contiguous(), router, router_bias,
+                                     (routing.top_k, routing.mode, routing.renormalize, routing.weights_in_dtype),
+                                     counts, self.gate_up, self.down, self.intermediate, self.packed, self.options())
+
+    def options(self) -> tuple:
+        """The kernel ops' trailing arguments (`cpu_kernels.moe_options`: biases, clamped SwiGLU, MXFP4 exponents),
+        made once."""
         if not self._options:
             self._options = cpu_kernels.moe_options(self.dtype, self.gate_up_bias, self.down_bias, self.clamped,
                                                     self.mxfp4_scales)
-        return cpu_kernels.moe_block(x.contiguous(), router, router_bias,
-                                     (routing.top_k, routing.mode, routing.renormalize, routing.weights_in_dtype),
-                                     counts, self.gate_up, self.down, self.intermediate, self.packed, self._options)
+        return self._options
 
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""

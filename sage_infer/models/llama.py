@@ -219,7 +219,17 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _decode_linears(layer: DecoderLayer) -> tuple[nn.Module | None, ...]:
-        return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+        """The layer's linears the C++ step multiplies by: q/k/v, o, and a dense MLP's gate/up and down (a mixture
+        of experts, `decode_step_args`, runs its own kernel)."""
+        attn = layer.self_attn
+        if hasattr(layer.mlp, "decode_step_args"):
+            return attn.qkv_proj, attn.o_proj
+        return attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+    def decode_step_rows(self) -> int | None:
+        """The most rows a decode step may have to run in the C++ step (None: any); more run layer by layer."""
+        limits = [layer.mlp.decode_step_rows() for layer in self.model.layers if hasattr(layer.mlp, "decode_step_rows")]
+        return min(limits) if limits else None
 
     def prepare_decode_step(self, pool: KVPool) -> object:
         """Hand every layer's packed weights, norms and `pool` rows to the C++ decode step
@@ -240,13 +250,19 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn, (group, slot) = layer.self_attn, layer_map[i]
             layout += layer_layout(group, attn.kind)
-            for linear in self._decode_linears(layer):
+            linears = self._decode_linears(layer)
+            for linear in linears:
                 small = linear.small_rows > 0
                 shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
                            linear.small_rows, linear.bf16_rows]
                 packed.append(linear.packed)
                 biases += [linear._bias32 if small else None, linear.bias]
                 bf16 += [linear.weight_bf16, linear.bias_bf16]
+            for _ in range(4 - len(linears)):  # a mixture of experts: no dense gate/up and down (`set_moe` below)
+                shapes += [0] * 5
+                packed.append(torch.empty(0))
+                biases += [None, None]
+                bf16 += [None, None]
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             if pool.supports_int8_block_views:
                 k_codes, v_codes, k_scales, v_scales = pool.int8_block_views(slot)
@@ -263,6 +279,9 @@ class LlamaForCausalLM(nn.Module):
         step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, attn.num_heads,
                                      attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale,
                                      layout=layout)
+        for i, layer in enumerate(layers):
+            if hasattr(layer.mlp, "decode_step_args"):
+                step.set_moe(i, *layer.mlp.decode_step_args())
         return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,9 @@ class NormedProjection(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """The Llama decoder with mixture-of-experts MLPs (`registry.MOE_ARCHITECTURES`). Its steps run layer by layer from
-    Python: the C++ decode step and CUDA graphs run dense MLPs and are declined for it at build."""
+    """The Llama decoder with mixture-of-experts MLPs (`registry.MOE_ARCHITECTURES`). The C++ decode step runs its
+    decode steps of up to `decode_step_rows` rows (each sparse layer's routing and experts one kernel call); CUDA
+    graphs run dense MLPs and are declined for it at build."""
 
     is_moe = True
 
@@ -130,7 +131,17 @@ class MoeForCausalLM(LlamaForCausalLM):
                                 else STACKED_EXPERTS))
 
     def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
-        return "it runs dense MLPs; this model routes tokens to experts (the layer loop runs them grouped)"
+        """The Llama family's conditions, and every sparse layer's MLP on the grouped-experts kernel with its router
+        in C++ (`SparseMoeBlock.decode_step_unavailable`): decode steps of up to `decode_step_rows` rows then run
+        each layer's routing and experts in one kernel call inside the C++ step."""
+        why = super().decode_step_unavailable(pool, fused)
+        if why is not None:
+            return why
+        dtype = self.model.norm.weight.dtype
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock) and (why := layer.mlp.decode_step_unavailable(dtype)):
+                return why
+        return None
 
 
 def _olmoe_projections(attn: nn.Module, cfg: ArchConfig) -> None:

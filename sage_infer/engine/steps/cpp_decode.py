@@ -25,10 +25,13 @@ class CppDecodeStep(StepExecutor):
     name = "cpp-decode"
     ops = FUSED_OPS
 
-    def __init__(self, handle: object) -> None:
+    def __init__(self, handle: object, max_rows: int | None = None) -> None:
         self.handle = handle
+        self.max_rows = max_rows  # more rows run layer by layer (a mixture of experts' kernel limits)
 
     def forward(self, runner: ModelRunner, batch: StepBatch, meta: AttentionMetadata) -> torch.Tensor:
+        if self.max_rows is not None and batch.num_rows > self.max_rows:
+            return super().forward(runner, batch, meta)
         shared = None
         metas = meta.groups or (meta,)
         groups = [group_meta.pure_decode_group() for group_meta in metas]

@@ -1,8 +1,9 @@
 // A decode step's decoder layers in one call (`model.decode_step: sage`; every row one new token, read in
 // place, with or without a prefix that all rows share): for each layer, the
 // stacked q/k/v product, rotary (after Qwen3's q/k norms), the K/V store into the pool, paged
-// attention, the o product, the residual add with the next norm, gate/up, silu*mul, down and the
-// residual add with the next layer's norm, with no Python between them. The kernels are the ones the
+// attention, the o product, the residual add with the next norm, gate/up, silu*mul, down (a mixture-of-experts
+// layer: moe_experts.cpp's moe_block, its routing, grouping and experts) and the residual add with the next layer's
+// norm, with no Python between them. The kernels are the ones the
 // Python path calls one by one (small_linear.cpp or oneDNN's packed linear, as `PackedLinear` picks;
 // fused_ops.cpp; paged_decode.cpp) in the same order on the same values, so the result is the Python
 // path's to the bit; what goes is the interpreter's time around ~12 calls per layer (about a fifth of
@@ -48,6 +49,12 @@ std::vector<torch::Tensor> paged_decode_attention_int8(torch::Tensor q, torch::T
                                                        torch::Tensor block_tables, torch::Tensor context_lens,
                                                        double scale);
 void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor scales, torch::Tensor slots);
+// moe_experts.cpp: a mixture-of-experts layer's routing, grouping and experts in one call
+torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor router_bias, int64_t top_k,
+                        int64_t mode, bool renormalize, bool weights_in_dtype, torch::Tensor counts,
+                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                        torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
+                        torch::Tensor gate_up_scales, torch::Tensor down_scales);
 std::vector<torch::Tensor> paged_decode_attention_kind(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                        torch::Tensor block_tables, torch::Tensor context_lens,
                                                        double scale, int64_t window, double softcap,
@@ -195,8 +202,21 @@ struct Linear {
   }
 };
 
+// a mixture-of-experts MLP: moe_block's arguments but x (`SparseMoeBlock.decode_step_args`)
+struct Moe {
+  torch::Tensor router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales;
+  int64_t top_k, mode, inter;
+  bool renormalize, weights_in_dtype, packed, clamped;
+  double alpha, limit;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return moe_block(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype, counts, gate_up, down, inter,
+                     packed, gate_up_bias, down_bias, clamped, alpha, limit, gate_up_scales, down_scales);
+  }
+};
+
 struct Layer {
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;  // gate_up and down unused where the layer's MLP is a mixture of experts
   // post-attention norm; the next layer's input norm (or the final); Gemma: fp32 (1 + w)
   torch::Tensor post_norm, next_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's / Gemma 3's per-head norms
@@ -210,6 +230,7 @@ struct Layer {
   double softcap = 0.0;
   c10::optional<torch::Tensor> sinks;
   bool local_rope = false;  // rotates by the step's second (local) rotary tables
+  c10::optional<Moe> moe;   // its MLP as a mixture of experts (`set_moe`), else the dense gate_up and down
 
   bool plain() const { return window <= 0 && softcap <= 0.0 && !sinks.has_value(); }
 };
@@ -288,6 +309,18 @@ class DecodeLayers {
       check_layer(layer);
       layers_.push_back(std::move(layer));
     }
+  }
+
+  // layer i's MLP as a mixture of experts: moe_block's arguments but x (the Llama family's layers only)
+  void set_moe(int64_t i, torch::Tensor router, torch::Tensor router_bias, int64_t top_k, int64_t mode,
+               bool renormalize, bool weights_in_dtype, torch::Tensor counts, torch::Tensor gate_up, torch::Tensor down,
+               int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped,
+               double alpha, double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && !gemma_,
+                "DecodeLayers.set_moe: a layer of this Llama-family step");
+    layers_[i].moe = Moe{router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
+                         down_scales, top_k, mode, inter, renormalize, weights_in_dtype, packed, clamped, alpha,
+                         limit};
   }
 
   // h: the first layer's normed input [B, hidden]; residual: its input, updated in place; cos, signed_sin: [B, D]
@@ -382,7 +415,8 @@ class DecodeLayers {
   // the residual add with the next norm
   torch::Tensor feed_forward(const Layer& layer, const torch::Tensor& attended, torch::Tensor& residual) const {
     auto h = add_rms_norm_(layer.o(attended), residual, layer.post_norm, eps_);
-    return add_rms_norm_(layer.down(silu_mul(layer.gate_up(h))), residual, layer.next_norm, eps_);
+    auto mlp = layer.moe.has_value() ? (*layer.moe)(h) : layer.down(silu_mul(layer.gate_up(h)));
+    return add_rms_norm_(mlp, residual, layer.next_norm, eps_);
   }
 
   // Gemma's: o, its post-attention norm added to the residual, the pre-feed-forward norm, gate/up, gelu_tanh*mul,
@@ -446,6 +480,7 @@ void bind_decode_layers(pybind11::module& m) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<int64_t>, std::vector<double>, std::vector<c10::optional<torch::Tensor>>,
                           int64_t, int64_t, int64_t, double, double, double>())
+      .def("set_moe", &DecodeLayers::set_moe, "a layer's MLP as a mixture of experts (moe_block's arguments)")
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm of [N, H] rows by the fp32 (1 + w)");
   m.def("gemma_norm_heads_", &gemma_norm_heads_, "in place: Gemma's RMSNorm of each head of [T, heads, D]");
