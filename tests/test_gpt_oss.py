@@ -71,7 +71,9 @@ def check_gpt_oss(directory, prompts, want, path: str):
     else:
         assert ("decode rows through the paged kernel" in reason) == (kernel_unavailable() is None)
         assert ("prefill spans through the flash kernel" in reason) == (flash_unavailable(32, torch.float32) is None)
-    assert decided["model.decode_step"].value == "python"
+    # the engine's own paths: decode steps in the C++ step (sinks, windows, biases and the experts' kernel call)
+    want_step = "sage" if path == "auto" and kernel_unavailable() is None else "python"
+    assert decided["model.decode_step"].value == want_step, decided["model.decode_step"].reason
     assert decided["model.experts"].value == "4 x 32, top 2"
     first = sage_greedy(llm, prompts[:1])
     rest = sage_greedy(llm, prompts[1:])  # a batch of three; two share the first prompt's 32 tokens, from the cache
@@ -87,6 +89,21 @@ def test_gpt_oss_matches_transformers_with_prefix_hits(gpt_oss):
 def test_gpt_oss_kernels_match_transformers_at_each_isa(gpt_oss, cpu_isa):
     """The engine's own paths (auto) at each ISA level: sinks and windows through the paged and flash kernels."""
     check_gpt_oss(*gpt_oss, "auto")
+
+
+@pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(gpt_oss, dtype):
+    """Decode steps of up to `decode_step_rows` rows in the C++ step (each layer's sinks and window, its biased
+    projections, and its router and experts in one `moe_block` call) give the layer loop's tokens and per-expert counts
+    exactly, bf16 too."""
+    directory, prompts, _ = gpt_oss
+    got = {}
+    for choice in ("sage", "python"):
+        llm = engine(directory, dtype=dtype, decode_step=choice)
+        assert llm.engine.runner.step.name == ("cpp-decode" if choice == "sage" else "fused")
+        got[choice] = (sage_greedy(llm, prompts), llm.engine.runner.model.expert_tokens())
+    assert got["sage"] == got["python"]
 
 
 def test_gpt_oss_with_chunked_prefill_matches_transformers(gpt_oss):

@@ -334,7 +334,38 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-class SparseMoeBlock(nn.Module):
+class ExpertsInDecodeStep:
+    """What the C++ decode step (csrc/decode_step.cpp, `DecodeLayers.set_moe`) needs of a mixture-of-experts MLP
+    with a `router_linear`, `experts`, `routing` and `expert_counts`: whether it can run it, for steps of how many
+    rows, and `moe_block`'s arguments."""
+
+    def decode_step_unavailable(self, dtype: torch.dtype) -> str | None:
+        """Why the C++ decode step cannot run this MLP in a `dtype` model; None when it can (its decode steps of up
+        to `decode_step_rows` rows then run `moe_block` there, the call `run_block` makes)."""
+        router = self.router_linear
+        if type(router) is not RouterLinear or router.weight.dtype != dtype:
+            return "its router is not a plain linear in the model's dtype (model.deterministic tiles it)"
+        kernel = self.experts.grouped_kernel() if self.experts.kernel_rows != 0 else "it is turned off"
+        if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != dtype:
+            return f"its experts are not on the grouped-experts kernel in the model's dtype ({kernel})"
+        return None
+
+    def decode_step_rows(self) -> int:
+        """The most rows of a decode step this MLP runs in one kernel call (`run_block`): routed in C++ and taken by
+        the grouped kernel whatever their routing."""
+        limit = self.experts.kernel_rows
+        limit = self.experts.grouped_kernel().max_rows() if limit is None else limit
+        return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
+
+    def decode_step_args(self) -> tuple:
+        """`moe_block`'s arguments but x, as the C++ decode step takes them (`DecodeLayers.set_moe`)."""
+        kernel, routing, router = self.experts.grouped_kernel(), self.routing, self.router_linear
+        bias = router.bias if router.bias is not None else torch.empty(0, dtype=router.weight.dtype)
+        return (router.weight, bias, routing.top_k, routing.mode, routing.renormalize, routing.weights_in_dtype,
+                self.expert_counts, kernel.gate_up, kernel.down, kernel.intermediate, kernel.packed, *kernel.options())
+
+
+class SparseMoeBlock(ExpertsInDecodeStep, nn.Module):
     """A decoder layer's MLP as a mixture of experts: the router ``gate`` [E, H], the ``experts``, and where the
     model has one (Qwen2-MoE) a ``shared_expert`` every token runs, scaled by ``sigmoid(shared_expert_gate(x))``.
 
@@ -362,31 +393,14 @@ class SparseMoeBlock(nn.Module):
     def expert_tokens(self) -> list[int]:
         return self.expert_counts.tolist()
 
+    @property
+    def router_linear(self) -> nn.Module:
+        return self.gate
+
     def decode_step_unavailable(self, dtype: torch.dtype) -> str | None:
-        """Why the C++ decode step (csrc/decode_step.cpp) cannot run this MLP in a `dtype` model; None when it can
-        (its decode steps of up to `decode_step_rows` rows then run `moe_block` there)."""
         if self.shared_expert is not None:
             return "Qwen2-MoE's shared expert runs in the layer loop"
-        if type(self.gate) is not RouterLinear or self.gate.weight.dtype != dtype:
-            return "its router is not a plain linear in the model's dtype (model.deterministic tiles it)"
-        kernel = self.experts.grouped_kernel() if self.experts.kernel_rows != 0 else "it is turned off"
-        if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != dtype:
-            return f"its experts are not on the grouped-experts kernel in the model's dtype ({kernel})"
-        return None
-
-    def decode_step_rows(self) -> int:
-        """The most rows of a decode step this MLP runs in one kernel call (`run_block`): routed in C++ and taken by
-        the grouped kernel whatever their routing."""
-        limit = self.experts.kernel_rows
-        limit = self.experts.grouped_kernel().max_rows() if limit is None else limit
-        return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
-
-    def decode_step_args(self) -> tuple:
-        """`moe_block`'s arguments but x, as the C++ decode step takes them (`DecodeLayers.set_moe`)."""
-        kernel, routing = self.experts.grouped_kernel(), self.routing
-        return (self.gate.weight, torch.empty(0, dtype=self.gate.weight.dtype), routing.top_k, routing.mode,
-                routing.renormalize, routing.weights_in_dtype, self.expert_counts, kernel.gate_up, kernel.down,
-                kernel.intermediate, kernel.packed, *kernel.options())
+        return super().decode_step_unavailable(dtype)
 
     def fuse_projections(self) -> int:
         """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared

@@ -25,6 +25,7 @@ from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.moe import (
     TOP_K_SOFTMAX,
     ExpertGroups,
+    ExpertsInDecodeStep,
     RouterLinear,
     Routing,
     expert_counter,
@@ -120,7 +121,7 @@ class ClampedSwigluExperts(nn.Module):
         return self._grouped[1]
 
 
-class TopKSoftmaxMoeBlock(nn.Module):
+class TopKSoftmaxMoeBlock(ExpertsInDecodeStep, nn.Module):
     """gpt-oss's MLP: ``router`` (a linear with a bias, [E, H]) picks each token's top-k experts by logit, their
     weights the softmax over those k logits; the ``experts`` are `ClampedSwigluExperts`.
 
@@ -138,6 +139,10 @@ class TopKSoftmaxMoeBlock(nn.Module):
     @property
     def expert_tokens(self) -> list[int]:
         return self.expert_counts.tolist()
+
+    @property
+    def router_linear(self) -> nn.Module:
+        return self.router
 
     def fuse_projections(self) -> int:
         """Nothing to stack: the experts stay on their stacked weights (the packed expert linears run plain SwiGLU)."""

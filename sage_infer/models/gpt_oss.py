@@ -25,7 +25,6 @@ declined.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,9 +34,6 @@ from sage_infer.layers.moe_swiglu import TopKSoftmaxMoeBlock, mxfp4_rows
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.llama import Attention, LlamaForCausalLM
 from sage_infer.quantization import mxfp4
-
-if TYPE_CHECKING:
-    from sage_infer.kv_runtime.pool import KVPool
 
 
 class SinkAttention(Attention):
@@ -107,7 +103,3 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 f"experts, else one PyTorch product per expert)"
                 + ("; the checkpoint's MXFP4 experts kept as they are (FP4 codes and exponents, read in place by the "
                    "grouped-experts kernel)" if self._keeps_mxfp4 else ""))
-
-    def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
-        return ("it runs dense MLPs; gpt-oss routes each token to experts (biased, clamped SwiGLU) that the layer "
-                "loop runs")

@@ -16,6 +16,7 @@ from torch import nn
 
 from sage_infer.layers import cpu_kernels as kernels
 from sage_infer.layers.attention import AttentionMetadata, paged_attention
+from sage_infer.layers.attention_kinds import kernel_kind_args
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
 from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.norm import RMSNorm
@@ -192,8 +193,8 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.model.norm.weight.dtype
         if not fused:
             return "it chains the fused elementwise ops (model.elementwise is torch or cannot run)"
-        if any(not layer.self_attn.kind.plain and not layer.self_attn.kind.window_only for layer in self.model.layers):
-            return "it takes the Llama family's sliding windows, not soft-capped or sinks layers"
+        if any(layer.self_attn.kind.softcap is not None for layer in self.model.layers):
+            return "it takes the Llama family's sliding windows and sinks, not soft-capped layers"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"it runs fp32 and bf16 models (the model is {dtype})"
         if not pool.supports_int8_block_views and (not pool.supports_block_views or pool.dtype != dtype):
@@ -207,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         eps, qk_eps = self._norm_eps()
         if len(eps) > 1 or len(qk_eps) > 1:
             return "it takes one RMSNorm epsilon for the layers' norms and one for the q/k norms"
+        for layer in self.model.layers:  # mixture-of-experts MLPs (`ExpertsInDecodeStep`)
+            if hasattr(layer.mlp, "decode_step_unavailable") and (why := layer.mlp.decode_step_unavailable(dtype)):
+                return why
         return None
 
     def _norm_eps(self) -> tuple[set[float], set[float]]:
@@ -276,9 +280,10 @@ class LlamaForCausalLM(nn.Module):
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         eps, qk_eps = self._norm_eps()
         attn = layers[0].self_attn
+        sinks = [kernel_kind_args(layer.self_attn.kind)[2] for layer in layers]  # gpt-oss's, as the kernel reads them
         step = kernels.decode_layers(shapes, packed, biases, bf16, tensors, qk_norms, kv_scales, attn.num_heads,
                                      attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale,
-                                     layout=layout)
+                                     layout=layout, sinks=sinks if any(t is not None for t in sinks) else ())
         for i, layer in enumerate(layers):
             if hasattr(layer.mlp, "decode_step_args"):
                 step.set_moe(i, *layer.mlp.decode_step_args())

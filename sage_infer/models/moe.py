@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,9 +23,6 @@ from sage_infer.layers.moe import SparseMoeBlock
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.llama import MLP, LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from sage_infer.kv_runtime.pool import KVPool
 
 # what runs stacked experts (`SparseMoeBlock`, `FusedExperts.forward`), for the start-up line
 STACKED_EXPERTS = ("on the stacked weights: on a CPU with the fused elementwise ops one grouped-experts kernel call "
@@ -130,18 +126,6 @@ class MoeForCausalLM(LlamaForCausalLM):
                 f"grouped, " + ("one product per active expert on each expert's own linears (model.linear)" if apart
                                 else STACKED_EXPERTS))
 
-    def decode_step_unavailable(self, pool: KVPool, fused: bool) -> str | None:
-        """The Llama family's conditions, and every sparse layer's MLP on the grouped-experts kernel with its router
-        in C++ (`SparseMoeBlock.decode_step_unavailable`): decode steps of up to `decode_step_rows` rows then run
-        each layer's routing and experts in one kernel call inside the C++ step."""
-        why = super().decode_step_unavailable(pool, fused)
-        if why is not None:
-            return why
-        dtype = self.model.norm.weight.dtype
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock) and (why := layer.mlp.decode_step_unavailable(dtype)):
-                return why
-        return None
 
 
 def _olmoe_projections(attn: nn.Module, cfg: ArchConfig) -> None:

@@ -436,8 +436,25 @@ struct Mxfp4Rows {
   Mxfp4Row row(int64_t i, int64_t k) const { return {codes + i * k / 2, scales + i * k / 32}; }
 };
 
+// plain_dots of g (1..kPlainGroup) rows
+template <typename W>
+inline void plain_dots_of(int64_t g, const float* x, const W& w, int64_t k, float* sums) {
+  switch (g) {
+#if defined(__AVX512F__)
+    case 8: plain_dots<8>(x, w, k, sums); break;
+    case 7: plain_dots<7>(x, w, k, sums); break;
+    case 6: plain_dots<6>(x, w, k, sums); break;
+    case 5: plain_dots<5>(x, w, k, sums); break;
+#endif
+    case 4: plain_dots<4>(x, w, k, sums); break;
+    case 3: plain_dots<3>(x, w, k, sums); break;
+    case 2: plain_dots<2>(x, w, k, sums); break;
+    default: plain_dots<1>(x, w, k, sums);
+  }
+}
+
 // rows [r0, r1) of a plain [n, k] weight times rows [0, m) of x (fp32 [m, k]) -> out[r * os + i], rounded to T
-// (plus bias[i] where there is one)
+// (plus bias[i] where there is one); each weight row is read once, x once per weight row
 template <typename T, typename Rows>
 void plain_product(const Rows& weight, int64_t r0, int64_t r1, int64_t k, const float* x, int64_t m, T* out,
                    int64_t os, const T* bias) {
@@ -446,19 +463,7 @@ void plain_product(const Rows& weight, int64_t r0, int64_t r1, int64_t k, const 
     const auto w = weight.row(i, k);
     for (int64_t r = 0; r < m; r += kPlainGroup) {
       const int64_t g = std::min<int64_t>(kPlainGroup, m - r);
-      const float* xr = x + r * k;
-      switch (g) {
-#if defined(__AVX512F__)
-        case 8: plain_dots<8>(xr, w, k, sums); break;
-        case 7: plain_dots<7>(xr, w, k, sums); break;
-        case 6: plain_dots<6>(xr, w, k, sums); break;
-        case 5: plain_dots<5>(xr, w, k, sums); break;
-#endif
-        case 4: plain_dots<4>(xr, w, k, sums); break;
-        case 3: plain_dots<3>(xr, w, k, sums); break;
-        case 2: plain_dots<2>(xr, w, k, sums); break;
-        default: plain_dots<1>(xr, w, k, sums);
-      }
+      plain_dots_of(g, x + r * k, w, k, sums);
       for (int64_t j = 0; j < g; ++j) out[(r + j) * os + i] = finish(sums[j], bias, i);
     }
   }
@@ -840,11 +845,15 @@ void route_tokens(const torch::Tensor& x, const T* router, const T* bias, int64_
     const int64_t t0 = item / expert_blocks * kRouteTokens, e0 = item % expert_blocks * kRouteExperts;
     const int64_t t1 = std::min(tokens, t0 + kRouteTokens), e1 = std::min(experts, e0 + kRouteExperts);
     float* l = logits.data() + t0 * experts;
-    plain_product(PlainRows<T>{router}, e0, e1, h, xp + t0 * h, t1 - t0, l, experts,
-                  static_cast<const float*>(nullptr));
-    for (int64_t t = 0; t < t1 - t0; ++t)  // the bias added to the fp32 sum, then rounded once (F.linear's addmm)
-      for (int64_t e = e0; e < e1; ++e)
-        l[t * experts + e] = round_to<T>(bias ? l[t * experts + e] + widen(bias[e]) : l[t * experts + e]);
+    float sums[kPlainGroup];
+    for (int64_t r = 0; r < t1 - t0; r += kPlainGroup) {  // each pass of x rows against every router row of the item
+      const int64_t g = std::min<int64_t>(kPlainGroup, t1 - t0 - r);
+      for (int64_t e = e0; e < e1; ++e) {
+        plain_dots_of(g, xp + (t0 + r) * h, router + e * h, h, sums);
+        for (int64_t j = 0; j < g; ++j)  // the bias added to the fp32 sum, then rounded once (F.linear's addmm)
+          l[(r + j) * experts + e] = round_to<T>(bias ? sums[j] + widen(bias[e]) : sums[j]);
+      }
+    }
   });
   at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / experts), [&](int64_t begin, int64_t end) {
     std::vector<float> v(static_cast<size_t>(experts)), top(static_cast<size_t>(k));
