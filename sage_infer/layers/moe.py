@@ -15,8 +15,9 @@ On a CPU, with the fused elementwise ops (`model.elementwise`), a step runs all 
 instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up product in one parallel region, every
 down product in one more, rather than two regions per expert; an expert's many rows of a prefill chunk multiplied as
 one small GEMM), up to the pairs per expert the weights' layout allows (`GroupedExpertWeights.max_rows`: packed bf16
-experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps); the
-routing weights and the sum over a token's experts stay `run_grouped`'s.
+experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps), with the
+grouping, the routing weights and the sum over a token's experts done in the same call to `run_grouped`'s bits; a
+decode-sized step (`ROUTE_KERNEL_ROWS`) has its router's product and top-k in that call too (`moe_step`).
 """
 
 from __future__ import annotations
