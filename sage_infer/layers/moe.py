@@ -82,8 +82,8 @@ class RouterLinear(nn.Linear):
 
 
 # a step of up to this many rows is routed in C++, larger ones by the packed product and PyTorch's softmax and top-k,
-# since oneDNN's GEMM reads x once for all experts (Qwen3-30B-A3B's router, 2-vCPU Zen 4, PyTorch ÷ C++: bf16
-# 1.4-1.9 at 1-4 rows, 0.75-0.95 at 8, 0.4-0.6 at 12-16; fp32 1.5-4.7 at 1-4, 0.8-1.1 at 8; AVX2 and AVX512-BF16)
+# which oneDNN's GEMM makes faster there (Qwen3-30B-A3B's router, 2-vCPU Zen 4, PyTorch ÷ C++: bf16 1.3-2.6 at 1-4
+# rows, 0.7-1.2 at 8, 0.4-0.9 at 12-16; fp32 1.5-2.9 at 1-4, 0.8-1.3 at 8; AVX2 and AVX512-BF16 kernels)
 ROUTE_KERNEL_ROWS = 8
 
 
