@@ -330,3 +330,25 @@ def test_mxfp4_rows_dequantized_by_the_kernel_are_the_table_lookups_bits(cpu_isa
     assert got.dtype == want.dtype == dtype and got.shape == (48, 96)
     assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_in_one_pass_equals_pytorchs_ops(cpu_isa, dtype):
+    """gpt-oss's activation as the per-expert path past the grouped kernel's row limit runs it (`expert_fused`):
+    PyTorch's six ops on the strided gate/up halves, to the last bit of a sigmoid (both clamps biting); and a step
+    on that path gives the reference's outputs."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (3 * torch.randn(37, 2 * 40, generator=gen)).to(dtype)
+    gate = gate_up[:, ::2].clamp(max=1.5)
+    up = gate_up[:, 1::2].clamp(min=-1.5, max=1.5)
+    want = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+    got = cpu_kernels.clamped_swiglu(gate_up, 1.702, 1.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    ulp = 2e-7 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)
+    experts = make_clamped(dtype)
+    x = torch.randn(3, H, generator=gen).to(dtype)
+    with torch.no_grad():
+        for e in range(E):
+            torch.testing.assert_close(experts.expert_fused(e, x).float(), experts.expert(e, x).float(),
+                                       **TOL[dtype])

@@ -263,6 +263,13 @@ def mxfp4_rows(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> 
     _moe_op(_module(), "mxfp4_rows")(codes, scales, out)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of gate_up [N, 2I] (bf16 or fp32, contiguous; gate the even columns, up the odd)
+    -> [N, I]: ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = gate.clamp(max=limit)``, each
+    step rounded as PyTorch's ops round it, in one pass (csrc/moe_experts.cpp)."""
+    return _moe_op(_module(), "clamped_swiglu")(gate_up, alpha, limit)
+
+
 def moe_experts_wide_fma() -> bool:
     """Whether `moe_experts` multiplies plain weights with 16-lane FMA (the AVX-512 builds) rather than 8-lane."""
     return _module().isa() in ("avx512", "avx512_bf16")

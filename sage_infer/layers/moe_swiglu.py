@@ -33,7 +33,7 @@ from sage_infer.layers.moe import (
     run_grouped,
     use_grouped_kernel,
 )
-from sage_infer.layers.moe_grouped import GroupedExpertWeights
+from sage_infer.layers.moe_grouped import KERNEL_DTYPES, GroupedExpertWeights
 from sage_infer.quantization import mxfp4
 
 
@@ -91,13 +91,21 @@ class ClampedSwigluExperts(nn.Module):
                      for name in ("gate_up_proj", "down_proj"))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` over rows x [N, H] -> [N, H]."""
+        """Expert `e` over rows x [N, H] -> [N, H] (the reference: PyTorch's ops throughout)."""
         gate_up_w, down_w = self.weights(e, x.dtype)
         gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
         return ((up + 1) * glu) @ down_w + self.down_proj_bias[e]
+
+    def expert_fused(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """`expert` with its clamped SwiGLU in one C++ pass over the interleaved gate/up (`cpu_kernels.clamped_swiglu`)
+        in place of six PyTorch ops on strided halves: what a CPU step past the grouped kernel's row limit runs."""
+        gate_up_w, down_w = self.weights(e, x.dtype)
+        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
+        act = cpu_kernels.clamped_swiglu(gate_up, float(self.alpha), float(self.limit))
+        return act @ down_w + self.down_proj_bias[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
@@ -110,7 +118,9 @@ class ClampedSwigluExperts(nn.Module):
                 return out
         if use_grouped_kernel(self, x, groups, ops):
             return run_grouped(x, weights, groups, None, self.grouped_kernel())
-        return run_grouped(x, weights, groups, self.expert)
+        fused = (ops.name != "torch" and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
+                 and cpu_kernels.moe_experts_unavailable() is None)
+        return run_grouped(x, weights, groups, self.expert_fused if fused else self.expert)
 
     def grouped_kernel(self) -> GroupedExpertWeights | str:
         """The experts as the grouped kernel reads them, or why it cannot (found again if the weights change)."""

@@ -954,6 +954,24 @@ torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor rou
                      limit, gate_up_scales, down_scales);
 }
 
+// gpt-oss's clamped SwiGLU of [N, 2I] rows (gate and up interleaved: gate the even columns), bf16 or fp32,
+// contiguous -> [N, I], each step rounded to the rows' dtype as PyTorch's ops round it (the kernel's own activation;
+// the exponential is not PyTorch's, so a sigmoid can differ in its last bit)
+torch::Tensor clamped_swiglu_rows(torch::Tensor gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() && gate_up.device().is_cpu() &&
+                  (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
+              "clamped_swiglu: gate_up must be contiguous [N, 2I] bf16 or fp32 on the CPU");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  Experts ex{};
+  ex.inter = inter, ex.clamped = true, ex.alpha = static_cast<float>(alpha), ex.limit = static_cast<float>(limit);
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    activation_rows(gate_up.data_ptr<float>(), rows, ex, out.data_ptr<float>(), inter);
+  else
+    activation_rows(gate_up.data_ptr<c10::BFloat16>(), rows, ex, out.data_ptr<c10::BFloat16>(), inter);
+  return out;
+}
+
 // MXFP4 rows dequantized: codes [N, K / 2] uint8, exponents [N, K / 32] uint8 (contiguous; K a multiple of 32) ->
 // out [N, K] bf16 or fp32, each value FP4_VALUES[code] * 2^(exponent - 127) (exact: the bits of
 // `sage_infer.quantization.mxfp4.expert_rows`), rows split over the threads
@@ -1014,4 +1032,5 @@ SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
   m.def("moe_route", &moe_route);
   m.def("moe_block", &moe_block);
   m.def("mxfp4_rows", &mxfp4_rows);
+  m.def("clamped_swiglu", &clamped_swiglu_rows);
 }
