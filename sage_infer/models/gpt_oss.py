@@ -16,10 +16,11 @@ the same forward path) with three differences:
   (`sage_infer.layers.triton_moe`), else one PyTorch product per expert.
 
 Rope is YaRN as config.json sets it (`sage_infer.layers.rotary`). Checkpoints whose experts are MXFP4
-(``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) load dequantized to the model's dtype
-(`checkpoint_combine`, `sage_infer.quantization.mxfp4`): the experts then hold 4x the bytes of the checkpoint's
-(bf16), no MXFP4 kernel runs them. Steps run layer by layer from Python: the C++ decode step and CUDA graphs are
-declined.
+(``quantization_config.quant_method: mxfp4``, how OpenAI ships gpt-oss) keep them MXFP4 on a CPU with the kernels
+(`keep_mxfp4`: read in place by the grouped-experts kernel); elsewhere, or with ``dequantize: true``, they load
+dequantized to the model's dtype (`checkpoint_combine`, `sage_infer.quantization.mxfp4`). The C++ decode step runs
+decode steps of up to `decode_step_rows` rows (sinks, windows, and each layer's router and experts in one kernel
+call); CUDA graphs are declined.
 """
 
 from __future__ import annotations
