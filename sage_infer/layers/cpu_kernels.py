@@ -276,25 +276,22 @@ def moe_experts_wide_fma() -> bool:
 
 
 def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                intermediate: int, packed: bool, gate_up_bias: torch.Tensor | None = None,
-                down_bias: torch.Tensor | None = None, clamped: tuple[float, float] | None = None,
-                mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                intermediate: int, packed: bool, options: tuple) -> torch.Tensor:
     """rows: [P, H] bf16 or fp32 (contiguous), a step's (token, expert) rows sorted by expert; spans: [A, 3] int64,
     (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, the address of each expert's
     [2I, H] and [H, I] weight, in small_linear's packed bf16 layout (`packed`) or plain row-major in the rows'
-    dtype; gate_up_bias [E, 2I], down_bias [E, H] (rows' dtype) where the experts have biases; `clamped`: (alpha,
-    limit) of gpt-oss's clamped SwiGLU (gate and up interleaved) in place of SiLU(gate) * up; `mxfp4_scales`:
-    for MXFP4 experts ([E] int64 each) the address of each expert's exponent bytes ([2I, H / 32], [H, I / 32]),
-    gate_up and down then addressing its FP4 codes ([2I, H / 2], [H, I / 2] bytes) -> [P, H]:
-    ``down(act(gate_up))`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps the weights alive
-    (`sage_infer.layers.moe_grouped`)."""
-    return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed,
-                              *moe_options(rows.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
+    dtype; `options`: `moe_options` of the experts -> [P, H]: ``down(act(gate_up))`` of each row by its expert
+    (csrc/moe_experts.cpp). The caller keeps the weights alive (`sage_infer.layers.moe_grouped`)."""
+    return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed, *options)
 
 
-def moe_options(dtype: torch.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales) -> tuple:
-    """The ops' trailing arguments: the biases, the clamped SwiGLU's flag and numbers, the MXFP4 exponents (empty
-    tensors for none)."""
+def moe_options(dtype: torch.dtype, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                clamped: tuple[float, float] | None, mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """The experts ops' trailing arguments (empty tensors for none): gate_up_bias [E, 2I] and down_bias [E, H] in
+    the rows' dtype where the experts have biases; `clamped`: (alpha, limit) of gpt-oss's clamped SwiGLU (gate and
+    up interleaved) in place of SiLU(gate) * up; `mxfp4_scales`: for MXFP4 experts ([E] int64 each) the address of
+    each expert's exponent bytes ([2I, H / 32], [H, I / 32]), gate_up and down then addressing its FP4 codes
+    ([2I, H / 2], [H, I / 2] bytes)."""
     none, no_scales = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.long)
     alpha, limit = clamped if clamped is not None else (0.0, 0.0)
     gate_up_scales, down_scales = mxfp4_scales if mxfp4_scales is not None else (no_scales, no_scales)
@@ -325,9 +322,7 @@ def moe_block(x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor |
 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
                        gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: bool,
-                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                       clamped: tuple[float, float] | None = None,
-                       mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       options: tuple) -> torch.Tensor:
     """A step from its routing: x [T, H] (bf16 or fp32, contiguous), the routing weights [T, K] (fp32 or x's
     dtype) and expert ids [T, K] int64 -> [T, H], each token's expert outputs times their weights, added in expert
     order: the bits of `sage_infer.layers.moe.run_grouped` over `moe_experts` (the other arguments as it takes
@@ -335,7 +330,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     pairs routed to each expert."""
     return _moe_op(_module(), "moe_experts_routed")(
         x, weights, ids, torch.empty(0, dtype=torch.long) if counts is None else counts, gate_up, down, intermediate,
-        packed, *moe_options(x.dtype, gate_up_bias, down_bias, clamped, mxfp4_scales))
+        packed, *options)
 
 
 _MOE_OPS: dict[tuple[str, str], object] = {}

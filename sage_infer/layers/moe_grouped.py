@@ -76,20 +76,18 @@ class GroupedExpertWeights:
     # MXFP4 experts: each expert's exponent bytes ([E] int64 addresses, gate_up's and down's); gate_up and down then
     # address its FP4 codes
     mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _options: tuple = field(default=(), repr=False)  # the ops' trailing arguments, made on the first `block`
+    _options: tuple = field(default=(), repr=False)  # the ops' trailing arguments (`options`), made on first use
 
     def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """rows [P, H] sorted by expert, the (expert, start, end) spans -> each row's expert output [P, H]."""
         return cpu_kernels.moe_experts(rows, torch.tensor(spans, dtype=torch.long), self.gate_up, self.down,
-                                       self.intermediate, self.packed, self.gate_up_bias, self.down_bias, self.clamped,
-                                       self.mxfp4_scales)
+                                       self.intermediate, self.packed, self.options())
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [T, H], the routing weights and expert ids [T, K] -> [T, H]: the step with its grouping in the kernel
         (`cpu_kernels.moe_experts_routed`); `counts` [E] grows by each expert's pairs."""
         return cpu_kernels.moe_experts_routed(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
-                                              self.gate_up, self.down, self.intermediate, self.packed,
-                                              self.gate_up_bias, self.down_bias, self.clamped, self.mxfp4_scales)
+                                              self.gate_up, self.down, self.intermediate, self.packed, self.options())
 
     def block(self, x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, routing,
               counts: torch.Tensor) -> torch.Tensor:

@@ -751,7 +751,6 @@ Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up,
 }
 
 // the experts over rows sorted by expert, each active expert's rows a span
-
 torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& list, const Experts& ex, bool packed) {
   if (rows.size(0) == 0 || list.empty()) return torch::zeros_like(rows);
   if (packed) return experts_packed(rows, list, ex);
@@ -778,33 +777,6 @@ torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor
 }
 
 namespace {
-
-// the checks and the work of a step from its routing (`moe_experts_routed`, `moe_block`)
-torch::Tensor routed_step(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
-                          const torch::Tensor& counts, const torch::Tensor& gate_up, const torch::Tensor& down,
-                          int64_t inter, bool packed, const torch::Tensor& gate_up_bias,
-                          const torch::Tensor& down_bias, bool clamped, double alpha, double limit,
-                          const torch::Tensor& gate_up_scales, const torch::Tensor& down_scales) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "moe_experts_routed: x must be contiguous [T, H] on the CPU");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "moe_experts_routed: ids must be contiguous [T, K] int64");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
-                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
-              "moe_experts_routed: weights must be contiguous [T, K] in fp32 or x's dtype");
-  const int64_t experts = gate_up.size(0), k = ids.size(1);
-  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
-                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
-              "moe_experts_routed: counts must be empty or contiguous [E] int64");
-  const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha, limit,
-                                     gate_up_scales, down_scales);
-  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
-                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
-  const auto out = run_experts(rows, r.spans, ex, packed);
-  return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
-}
 
 // ---- routing: the router's logits, each token's top k and their weights
 enum RouteMode : int64_t {
@@ -883,39 +855,6 @@ void route_tokens(const torch::Tensor& x, const T* router, const T* bias, int64_
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> route_step(const torch::Tensor& x, const torch::Tensor& router,
-                                                    const torch::Tensor& bias, int64_t k, int64_t mode,
-                                                    bool renormalize, bool weights_in_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "moe_route: x must be contiguous [T, H] bf16 or fp32 on the CPU");
-  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.is_contiguous() &&
-                  router.scalar_type() == x.scalar_type() && router.device().is_cpu(),
-              "moe_route: router must be contiguous [E, H] in x's dtype");
-  const int64_t experts = router.size(0);
-  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == experts && bias.is_contiguous() &&
-                                    bias.scalar_type() == x.scalar_type()),
-              "moe_route: bias must be empty or contiguous [E] in x's dtype");
-  TORCH_CHECK(k >= 1 && k <= experts, "moe_route: top_k must be in [1, ", experts, "]");
-  TORCH_CHECK(mode == kSoftmaxTopK || mode == kTopKSoftmax, "moe_route: mode must be 0 or 1");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto ids = torch::empty({x.size(0), k}, x.options().dtype(at::kLong));
-  auto weights = torch::empty({x.size(0), k}, x.options().dtype(weights_in_dtype ? x.scalar_type() : at::kFloat));
-  if (x.size(0) == 0) return {weights, ids};
-  int64_t* id = ids.data_ptr<int64_t>();
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    const T* b = bias.numel() ? bias.data_ptr<T>() : nullptr;
-    if (weights_in_dtype)
-      route_tokens<T, T>(x, router.data_ptr<T>(), b, experts, k, mode, renormalize, weights.data_ptr<T>(), id);
-    else
-      route_tokens<T, float>(x, router.data_ptr<T>(), b, experts, k, mode, renormalize, weights.data_ptr<float>(), id);
-  };
-  if (bf16) run(c10::BFloat16{});
-  else run(float{});
-  return {weights, ids};
-}
-
 }  // namespace
 
 // A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
@@ -926,20 +865,65 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
                                  torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
                                  torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
                                  double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
-  return routed_step(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
-                     limit, gate_up_scales, down_scales);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "moe_experts_routed: x must be contiguous [T, H] on the CPU");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts_routed: ids must be contiguous [T, K] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
+                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
+              "moe_experts_routed: weights must be contiguous [T, K] in fp32 or x's dtype");
+  const int64_t experts = gate_up.size(0), k = ids.size(1);
+  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
+                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
+              "moe_experts_routed: counts must be empty or contiguous [E] int64");
+  const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha, limit,
+                                     gate_up_scales, down_scales);
+  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
+                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
+  const auto out = run_experts(rows, r.spans, ex, packed);
+  return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
 // A step's routing: x [T, H] (bf16 or fp32), the router's weight [E, H] and bias (empty or [E]) in x's dtype ->
 // (weights [T, K] in fp32, or x's dtype where `weights_in_dtype`; expert ids [T, K] int64). The logits are the
-// router's product rounded to x's dtype (a bias added as `moe_experts` adds one), each summed in one order whatever
-// the step's other rows; mode 0: softmax over every expert in fp32, its top k, divided by their sum where
-// `renormalize`; mode 1: the top k logits softmaxed among themselves. Of equal values the lower expert id ranks
+// router's product plus its bias in fp32, rounded once to x's dtype (as F.linear rounds them), each summed in one
+// order whatever the step's other rows; mode 0: softmax over every expert in fp32, its top k, divided by their sum
+// where `renormalize`; mode 1: the top k logits softmaxed among themselves. Of equal values the lower expert id ranks
 // first. The exponentials are not PyTorch's, so weights can differ from its softmax in the last bits.
 std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor router, torch::Tensor bias,
                                                    int64_t top_k, int64_t mode, bool renormalize,
                                                    bool weights_in_dtype) {
-  return route_step(x, router, bias, top_k, mode, renormalize, weights_in_dtype);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "moe_route: x must be contiguous [T, H] bf16 or fp32 on the CPU");
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.is_contiguous() &&
+                  router.scalar_type() == x.scalar_type() && router.device().is_cpu(),
+              "moe_route: router must be contiguous [E, H] in x's dtype");
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == experts && bias.is_contiguous() &&
+                                    bias.scalar_type() == x.scalar_type()),
+              "moe_route: bias must be empty or contiguous [E] in x's dtype");
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_route: top_k must be in [1, ", experts, "]");
+  TORCH_CHECK(mode == kSoftmaxTopK || mode == kTopKSoftmax, "moe_route: mode must be 0 or 1");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto ids = torch::empty({x.size(0), top_k}, x.options().dtype(at::kLong));
+  auto weights = torch::empty({x.size(0), top_k}, x.options().dtype(weights_in_dtype ? x.scalar_type() : at::kFloat));
+  if (x.size(0) == 0) return {weights, ids};
+  int64_t* id = ids.data_ptr<int64_t>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* b = bias.numel() ? bias.data_ptr<T>() : nullptr;
+    if (weights_in_dtype)
+      route_tokens<T, T>(x, router.data_ptr<T>(), b, experts, top_k, mode, renormalize, weights.data_ptr<T>(), id);
+    else
+      route_tokens<T, float>(x, router.data_ptr<T>(), b, experts, top_k, mode, renormalize, weights.data_ptr<float>(),
+                             id);
+  };
+  if (bf16) run(c10::BFloat16{});
+  else run(float{});
+  return {weights, ids};
 }
 
 // A mixture-of-experts layer's step in one call: `moe_route`'s routing, then `moe_experts_routed` (the arguments as
@@ -949,9 +933,9 @@ torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor rou
                         torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
                         torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
                         torch::Tensor gate_up_scales, torch::Tensor down_scales) {
-  const auto [weights, ids] = route_step(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype);
-  return routed_step(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
-                     limit, gate_up_scales, down_scales);
+  const auto [weights, ids] = moe_route(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype);
+  return moe_experts_routed(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped,
+                            alpha, limit, gate_up_scales, down_scales);
 }
 
 // gpt-oss's clamped SwiGLU of [N, 2I] rows (gate and up interleaved: gate the even columns), bf16 or fp32,
