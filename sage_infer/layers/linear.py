@@ -120,9 +120,8 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, small_rows: int = 0) -> int:
     """Replace the `nn.Linear` modules of a CPU model by `PackedLinear` (passing `small_rows`); one that says
     `keep_plain` (a mixture-of-experts router, whose plain weight a kernel reads) keeps its weight and multiplies
-    by the packed one (`use_packed`); how many were packed. A weight tied to
-    another module (`tied_linear_bytes` says how many bytes) is packed as a copy; the other module keeps the
-    original.
+    by the packed one (`use_packed`); how many were packed. A weight tied to another module (`tied_linear_bytes`
+    says how many bytes) is packed as a copy; the other module keeps the original.
 
     RuntimeError (and the model unchanged) when oneDNN cannot pack its weights on this CPU.
     """

@@ -90,22 +90,23 @@ class ClampedSwigluExperts(nn.Module):
                                 dtype).t()  # [in, out], a view of [out, in] rows
                      for name in ("gate_up_proj", "down_proj"))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` over rows x [N, H] -> [N, H] (the reference: PyTorch's ops throughout)."""
+    def expert(self, e: int, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """Expert `e` over rows x [N, H] -> [N, H]: PyTorch's ops throughout (the reference), or with `fused` its
+        clamped SwiGLU in one C++ pass over the interleaved gate/up (`cpu_kernels.clamped_swiglu`) in place of six
+        PyTorch ops on strided halves."""
         gate_up_w, down_w = self.weights(e, x.dtype)
         gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ down_w + self.down_proj_bias[e]
+        if fused:
+            act = cpu_kernels.clamped_swiglu(gate_up, float(self.alpha), float(self.limit))
+        else:
+            gate = gate_up[..., ::2].clamp(max=self.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return act @ down_w + self.down_proj_bias[e]
 
     def expert_fused(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """`expert` with its clamped SwiGLU in one C++ pass over the interleaved gate/up (`cpu_kernels.clamped_swiglu`)
-        in place of six PyTorch ops on strided halves: what a CPU step past the grouped kernel's row limit runs."""
-        gate_up_w, down_w = self.weights(e, x.dtype)
-        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]
-        act = cpu_kernels.clamped_swiglu(gate_up, float(self.alpha), float(self.limit))
-        return act @ down_w + self.down_proj_bias[e]
+        """`expert` with the C++ clamped SwiGLU: what a CPU step past the grouped kernel's row limit runs."""
+        return self.expert(e, x, fused=True)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
