@@ -158,10 +158,12 @@ class HeldTier:
     def __init__(self, store) -> None:
         self.store = store
         self.release = threading.Event()
+        self.started = threading.Event()  # a read reached the tier (the loader thread may start it late)
         self.reads = 0
 
     def get_prefix(self, keys, out=None):
         self.reads += 1
+        self.started.set()
         self.release.wait()
         return self.store.get_prefix(keys, out)
 
@@ -190,6 +192,7 @@ def test_a_request_loading_from_a_tier_waits_while_others_compute(model_dir, col
         if "d" in finished:
             break
     assert "d" in finished and "a" not in finished
+    assert held.started.wait(timeout=30)  # on a busy machine the loader thread can be scheduled after d finished
     assert held.reads == 1 and engine.kv.is_loading(engine.requests["a"].seqs[0])
     held.release.set()
     while engine.has_unfinished_requests():
