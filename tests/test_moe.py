@@ -107,10 +107,10 @@ def test_greedy_tokens_match_transformers_with_prefix_hits(tiny_moe):
     assert all(o.metrics.num_cached_tokens == 32 for o in rest)
     assert_same_as_hf(hf_greedy(hf, prompts), first + rest)
     decided = {d.field: d for d in llm.engine.decisions}
-    if family in ("qwen3_moe", "mixtral"):  # its decode steps (3 rows) in the C++ step, experts and all
+    if family != "olmoe":  # its decode steps (3 rows) in the C++ step, experts (and Qwen2-MoE's shared one) and all
         assert decided["model.decode_step"].value == "sage", decided["model.decode_step"].reason
         assert "steps of up to 8 rows" in decided["model.decode_step"].reason
-    else:  # Qwen2-MoE's shared expert; OLMoE's q/k norms over all heads
+    else:  # OLMoE's q/k norms over all heads
         assert decided["model.decode_step"].value == "python"
     assert decided["model.experts"].value.endswith(f"top {TOP_K}")
     assert f"{len(SPARSE_LAYERS[family])} of 2 layers sparse" in decided["model.experts"].reason
@@ -198,11 +198,12 @@ class RowsOfEachStep:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_path, family, dtype):
     """`model.decode_step: sage`: decode steps of up to `decode_step_rows` rows run each sparse layer's routing and
     experts in one kernel call inside the C++ step (the layer loop's op on the same values: the same tokens and
-    per-expert counts, in bf16 too); a step of more rows runs layer by layer."""
+    per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it; a step of more rows
+    runs layer by layer."""
     make_tiny_moe(tmp_path, family)
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 20, 33, 5, 12, 7, 18, 26, 4, 11)]
@@ -214,7 +215,8 @@ def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_
         calls = []
         if choice == "sage":
             runner.step.handle = RowsOfEachStep(runner.step.handle, calls)
-            assert runner.step.max_rows == 8
+            # 8 (routing in C++), fewer where the experts' kernel takes fewer (plain bf16 stacks: AMX CPUs)
+            assert runner.step.max_rows == runner.model.decode_step_rows() >= 4
         small = llm.generate(prompts[:4], GREEDY)  # 4 rows a decode step: in C++
         large = llm.generate(prompts, GREEDY)  # 11 rows a decode step: layer by layer
         results[choice] = ([o.outputs[0].token_ids for o in small + large], runner.model.expert_tokens(), calls)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
-from sage_infer.layers.linear import pack_linears, packing_unavailable
+from sage_infer.layers.linear import PACK_BATCH_HINT, pack_linears, packing_unavailable
 from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
 from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
@@ -31,6 +31,28 @@ pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU k
 
 E, H, K = 8, 96, 3
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _packed_layout_here() -> str | None:
+    """Why the kernel cannot read oneDNN's packed bf16 weights on this CPU (None: it can). oneDNN picks the blocking
+    per CPU (on one with AMX, its tiles'), and the kernel reads only small_linear's; the engine then keeps bf16
+    experts stacked (`FusedExperts.keeps_stack`)."""
+    if packing_unavailable(torch.bfloat16) is not None:
+        return f"oneDNN cannot pack bf16 here: {packing_unavailable(torch.bfloat16)}"
+    weight = torch.randn(128, H).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    if cpu_kernels.packed_layout_matches(torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed), weight):
+        return None
+    amx = " (this CPU has AMX)" if "amx_bf16" in open("/proc/cpuinfo").read() else ""
+    return f"oneDNN packs bf16 weights in another layout than the kernel's on this CPU{amx}"
+
+
+PACKED_LAYOUT = _packed_layout_here()
+
+
+def skip_packed_unless_readable(layout: str) -> None:
+    if layout == "packed" and PACKED_LAYOUT is not None:
+        pytest.skip(PACKED_LAYOUT)
 
 
 def make_experts(dtype: torch.dtype, inter: int, seed: int = 0) -> FusedExperts:
@@ -73,8 +95,7 @@ def with_layout(experts: FusedExperts, layout: str) -> FusedExperts:
     (torch.float32, "stacked", 40), (torch.bfloat16, "stacked", 40), (torch.float32, "linears", 72),
     (torch.bfloat16, "packed", 40), (torch.bfloat16, "packed", 128)])
 def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, inter):
-    if layout == "packed" and packing_unavailable(torch.bfloat16) is not None:
-        pytest.skip(f"oneDNN cannot pack bf16 here: {packing_unavailable(torch.bfloat16)}")
+    skip_packed_unless_readable(layout)
     experts = make_experts(dtype, inter)
     want_experts = make_experts(dtype, inter)  # the same weights, kept stacked for the reference
     with_layout(experts, layout)
@@ -133,7 +154,9 @@ def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_fas
 @pytest.mark.skipif(cpu_kernels.small_linear_unavailable() is not None, reason="needs small_linear (AVX512-BF16)")
 def test_packed_bf16_experts_give_the_per_expert_kernels_bits():
     """On AVX512-BF16 the grouped kernel sums each product as small_linear does and SiLU * up as silu_mul does."""
+    skip_packed_unless_readable("packed")
     experts = with_layout(make_experts(torch.bfloat16, 128), "packed")
+    assert isinstance(experts.grouped_kernel(), GroupedExpertWeights), experts.grouped_kernel()
     weights, ids = routing(4, 5)
     groups = group_by_expert(ids, E)
     x = torch.randn(4, H).to(torch.bfloat16)
@@ -183,6 +206,22 @@ def test_gpt_oss_experts_on_the_grouped_kernel_equal_their_pytorch_products(cpu_
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+def test_bf16_experts_stay_on_the_grouped_kernel_once_packed_as_the_engine_packs_them():
+    """Stacked bf16 experts are split into linears for oneDNN to pack only where the kernel reads its packed layout;
+    where it does not (AMX) they stay stacked (`keeps_stack`): either way the grouped kernel runs them after
+    `pack_linears`, packed or plain."""
+    experts = make_experts(torch.bfloat16, 128)
+    kept = experts.keeps_stack()
+    packs = packing_unavailable(torch.bfloat16) is None
+    assert kept == (packs and PACKED_LAYOUT is not None)
+    if not kept:
+        experts.split_linears()
+    pack_linears(experts)
+    kernel = experts.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights), kernel
+    assert kernel.packed == (packs and not kept)
+
+
 @pytest.mark.parametrize("dtype,layout,weights_dtype", [
     (torch.float32, "stacked", torch.float32), (torch.bfloat16, "stacked", torch.bfloat16),
     (torch.bfloat16, "stacked", torch.float32), (torch.float32, "linears", torch.float32),
@@ -192,6 +231,7 @@ def test_the_routed_kernel_gives_run_groupeds_bits_and_counts_each_experts_pairs
     """The grouping, the routing weights and the sum over a token's experts in C++ (`moe_experts_routed`): the
     bits of the Python grouping (`group_by_expert` + `run_grouped`) over the same kernel, with the weights in fp32
     (Mixtral) or the hidden dtype (Qwen, OLMoE)."""
+    skip_packed_unless_readable(layout)
     experts = with_layout(make_experts(dtype, 40), layout)
     kernel = experts.grouped_kernel()
     assert isinstance(kernel, GroupedExpertWeights), kernel

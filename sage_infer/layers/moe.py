@@ -31,7 +31,8 @@ from torch import nn
 
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights
+from sage_infer.layers.linear import PackedLinear, packing_unavailable
+from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights, packed_experts
 
 __all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
            "Routing", "SparseMoeBlock", "count_groups", "expert_counter", "group_by_expert", "moe_step", "route",
@@ -251,10 +252,19 @@ class FusedExperts(nn.Module):
         return self._grouped[1]
 
     def keeps_stack(self) -> bool:
-        """fp32 stacked experts stay stacked when the grouped kernel can run them: oneDNN packs fp32 in a layout
-        only it reads, and a copy in each layout would double the experts' memory."""
-        return (self.gate_up_proj is not None and self.gate_up_proj.dtype == torch.float32
-                and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
+        """Stacked experts stay stacked where the grouped kernel runs them as they are but would not once packed:
+        oneDNN packs fp32, and bf16 on a CPU where it packs for AMX tiles (expert 0 is packed once to see), in a
+        layout only it reads, and a copy in each layout would double the experts' memory."""
+        if self.gate_up_proj is None or not isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights):
+            return False
+        if self.gate_up_proj.dtype == torch.float32:
+            return True
+        if packing_unavailable(torch.bfloat16) is not None:  # split, each expert keeps its bf16 weight to read
+            return False
+        probe = ExpertMLP(PackedLinear(_linear(self.down_proj[0].detach())),
+                          gate_up_proj=PackedLinear(_linear(self.gate_up_proj[0].detach())))
+        return not isinstance(packed_experts([(probe.gate_up_proj, probe.down_proj)], self.hidden_size,
+                                             self.intermediate_size, lambda e, rows: probe(rows)), GroupedExpertWeights)
 
 
 def use_grouped_kernel(experts: nn.Module, x: torch.Tensor, groups: ExpertGroups, ops: TorchOps) -> bool:
@@ -358,6 +368,11 @@ class ExpertsInDecodeStep:
         limit = self.experts.grouped_kernel().max_rows() if limit is None else limit
         return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
 
+    def decode_step_shared(self) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+        """A shared expert's gate/up and down linears and its sigmoid gate, which the C++ step runs beside
+        `decode_step_args`' kernel call; None without one."""
+        return None
+
     def decode_step_args(self) -> tuple:
         """`moe_block`'s arguments but x, as the C++ decode step takes them (`DecodeLayers.set_moe`)."""
         kernel, routing, router = self.experts.grouped_kernel(), self.routing, self.router_linear
@@ -399,9 +414,13 @@ class SparseMoeBlock(ExpertsInDecodeStep, nn.Module):
         return self.gate
 
     def decode_step_unavailable(self, dtype: torch.dtype) -> str | None:
-        if self.shared_expert is not None:
-            return "Qwen2-MoE's shared expert runs in the layer loop"
+        if self.shared_expert is not None and self.shared_expert.gate_up_proj is None:
+            return "its shared expert's gate and up are not one stacked linear"
         return super().decode_step_unavailable(dtype)
+
+    def decode_step_shared(self) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+        shared = self.shared_expert
+        return None if shared is None else (shared.gate_up_proj, shared.down_proj, self.shared_expert_gate)
 
     def fuse_projections(self) -> int:
         """Before packing (`model.linear`): each expert its own linears, gate and up stacked, and the shared

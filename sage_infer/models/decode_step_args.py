@@ -1,6 +1,7 @@
-"""What a model hands the C++ decode step (csrc/decode_step.cpp, `cpu_kernels.decode_layers`) about its layers'
-places in the KV pool: each layer's KV group and its layer within the group's blocks, as the engine lays out the pool
-(`sage_infer.engine.build.use_kv_groups`), and its attention kind."""
+"""What a model hands the C++ decode step (csrc/decode_step.cpp, `cpu_kernels.decode_layers`) about its layers: each
+packed linear's numbers and tensors (`step_linear`), and their places in the KV pool: each layer's KV group and its
+layer within the group's blocks, as the engine lays out the pool (`sage_infer.engine.build.use_kv_groups`), and its
+attention kind."""
 
 from __future__ import annotations
 
@@ -11,7 +12,21 @@ from sage_infer.layers.attention_kinds import AttentionKind
 from sage_infer.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from sage_infer.kv_runtime.pool import KVPool
+    from sage_infer.layers.linear import PackedLinear
+
+
+def step_linear(linear: PackedLinear) -> tuple[list[int], torch.Tensor, tuple, tuple]:
+    """A `PackedLinear` as the C++ step's ``Linear`` takes it: (address, nbytes, out_features, small_rows, bf16_rows),
+    the packed weight, its biases (fp32 for small_linear's rows, the model's dtype) and its bf16 weight and bias (a
+    bf16 layer oneDNN could not pack)."""
+    small = linear.small_rows > 0
+    shape = [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features, linear.small_rows,
+             linear.bf16_rows]
+    return shape, linear.packed, (linear._bias32 if small else None, linear.bias), (linear.weight_bf16,
+                                                                                     linear.bias_bf16)
 
 
 def pool_layer_map(cfg: ArchConfig, pool: KVPool) -> tuple[tuple[int, int], ...]:

@@ -30,7 +30,7 @@ from sage_infer.layers.elementwise import TORCH_OPS, TorchOps, pass_rows
 from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.rotary import RotaryEmbedding, apply_rotary, attention_scaling, inv_frequencies
 from sage_infer.models.arch_config import ArchConfig
-from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
+from sage_infer.models.decode_step_args import layer_layout, pool_layer_map, step_linear
 from sage_infer.models.llama import MLP, QKVProjections
 
 if TYPE_CHECKING:
@@ -263,12 +263,11 @@ class GemmaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn, (group, slot) = layer.self_attn, layer_map[i]
             for linear in _decode_linears(layer):
-                small = linear.small_rows > 0
-                args["shapes"] += [linear._address if small else 0, linear._nbytes if small else 0,
-                                   linear.out_features, linear.small_rows, linear.bf16_rows]
-                args["packed"].append(linear.packed)
-                args["biases"] += [linear._bias32 if small else None, linear.bias]
-                args["bf16"] += [linear.weight_bf16, linear.bias_bf16]
+                shape, weight, biases, bf16 = step_linear(linear)
+                args["shapes"] += shape
+                args["packed"].append(weight)
+                args["biases"] += biases
+                args["bf16"] += bf16
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             norms = [layer.post_attention_layernorm.scale(), after.scale()]
             if pool.supports_int8_block_views:

@@ -22,7 +22,7 @@ from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.norm import RMSNorm
 from sage_infer.layers.rotary import RotaryEmbedding
 from sage_infer.models.arch_config import ArchConfig
-from sage_infer.models.decode_step_args import layer_layout, pool_layer_map
+from sage_infer.models.decode_step_args import layer_layout, pool_layer_map, step_linear
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -224,10 +224,10 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _decode_linears(layer: DecoderLayer) -> tuple[nn.Module | None, ...]:
         """The layer's linears the C++ step multiplies by: q/k/v, o, and a dense MLP's gate/up and down (a mixture
-        of experts, `decode_step_args`, runs its own kernel)."""
+        of experts, `decode_step_args`, runs its own kernel; a shared expert's gate/up, down and sigmoid gate)."""
         attn = layer.self_attn
         if hasattr(layer.mlp, "decode_step_args"):
-            return attn.qkv_proj, attn.o_proj
+            return attn.qkv_proj, attn.o_proj, *(layer.mlp.decode_step_shared() or ())
         return attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
     def decode_step_rows(self) -> int | None:
@@ -254,14 +254,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn, (group, slot) = layer.self_attn, layer_map[i]
             layout += layer_layout(group, attn.kind)
-            linears = self._decode_linears(layer)
+            linears = self._decode_linears(layer)[:4]  # a shared expert's gate goes to `set_shared_expert` below
             for linear in linears:
-                small = linear.small_rows > 0
-                shapes += [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features,
-                           linear.small_rows, linear.bf16_rows]
-                packed.append(linear.packed)
-                biases += [linear._bias32 if small else None, linear.bias]
-                bf16 += [linear.weight_bf16, linear.bias_bf16]
+                shape, weight, biases_of, bf16_of = step_linear(linear)
+                shapes += shape
+                packed.append(weight)
+                biases += biases_of
+                bf16 += bf16_of
             for _ in range(4 - len(linears)):  # a mixture of experts: no dense gate/up and down (`set_moe` below)
                 shapes += [0] * 5
                 packed.append(torch.empty(0))
@@ -287,6 +286,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             if hasattr(layer.mlp, "decode_step_args"):
                 step.set_moe(i, *layer.mlp.decode_step_args())
+                if (shared := layer.mlp.decode_step_shared()) is not None:  # its gate/up and down went in above
+                    shape, weight, biases_of, bf16_of = step_linear(shared[2])
+                    step.set_shared_expert(i, shape, weight, *biases_of, *bf16_of)
         return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -216,7 +216,8 @@ struct Moe {
 };
 
 struct Layer {
-  Linear qkv, o, gate_up, down;  // gate_up and down unused where the layer's MLP is a mixture of experts
+  // where the layer's MLP is a mixture of experts, gate_up and down are its shared expert's (Qwen2-MoE), or unused
+  Linear qkv, o, gate_up, down;
   // post-attention norm; the next layer's input norm (or the final); Gemma: fp32 (1 + w)
   torch::Tensor post_norm, next_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's / Gemma 3's per-head norms
@@ -231,6 +232,7 @@ struct Layer {
   c10::optional<torch::Tensor> sinks;
   bool local_rope = false;  // rotates by the step's second (local) rotary tables
   c10::optional<Moe> moe;   // its MLP as a mixture of experts (`set_moe`), else the dense gate_up and down
+  c10::optional<Linear> shared_gate;  // with `moe`: the shared expert's gate [1, hidden] (`set_shared_expert`)
 
   bool plain() const { return window <= 0 && softcap <= 0.0 && !sinks.has_value(); }
 };
@@ -321,6 +323,18 @@ class DecodeLayers {
     layers_[i].moe = Moe{router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
                          down_scales, top_k, mode, inter, renormalize, weights_in_dtype, packed, clamped, alpha,
                          limit};
+  }
+
+  // layer i's mixture of experts (`set_moe` first) has a shared expert (Qwen2-MoE): the layer's gate_up and down,
+  // scaled by sigmoid of this gate's product; `shape`: (address, nbytes, out_features, small_rows, bf16_rows), the
+  // rest as the constructor takes a linear's
+  void set_shared_expert(int64_t i, std::vector<int64_t> shape, torch::Tensor packed, c10::optional<torch::Tensor> bias32,
+                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
+                         c10::optional<torch::Tensor> bias_bf16) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 5,
+                "DecodeLayers.set_shared_expert: a mixture-of-experts layer (set_moe), 5 linear numbers");
+    layers_[i].shared_gate = Linear{shape[0], shape[1], shape[2], shape[3], shape[4], packed, bias32, bias,
+                                    weight_bf16, bias_bf16};
   }
 
   // h: the first layer's normed input [B, hidden]; residual: its input, updated in place; cos, signed_sin: [B, D]
@@ -416,6 +430,8 @@ class DecodeLayers {
   torch::Tensor feed_forward(const Layer& layer, const torch::Tensor& attended, torch::Tensor& residual) const {
     auto h = add_rms_norm_(layer.o(attended), residual, layer.post_norm, eps_);
     auto mlp = layer.moe.has_value() ? (*layer.moe)(h) : layer.down(silu_mul(layer.gate_up(h)));
+    if (layer.shared_gate.has_value())  // SparseMoeBlock.forward: out += sigmoid(gate(x)) * shared_expert(x)
+      mlp.add_(at::sigmoid((*layer.shared_gate)(h)) * layer.down(silu_mul(layer.gate_up(h))));
     return add_rms_norm_(mlp, residual, layer.next_norm, eps_);
   }
 
@@ -481,6 +497,8 @@ void bind_decode_layers(pybind11::module& m) {
                           std::vector<int64_t>, std::vector<double>, std::vector<c10::optional<torch::Tensor>>,
                           int64_t, int64_t, int64_t, double, double, double>())
       .def("set_moe", &DecodeLayers::set_moe, "a layer's MLP as a mixture of experts (moe_block's arguments)")
+      .def("set_shared_expert", &DecodeLayers::set_shared_expert,
+           "a mixture-of-experts layer's shared expert: the layer's gate_up and down, and its sigmoid gate")
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm of [N, H] rows by the fp32 (1 + w)");
   m.def("gemma_norm_heads_", &gemma_norm_heads_, "in place: Gemma's RMSNorm of each head of [T, heads, D]");
