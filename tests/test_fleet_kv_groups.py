@@ -202,7 +202,7 @@ def test_a_hybrid_replica_publishes_each_groups_blocks_as_vllm_tags_them(gemma2_
 def test_vllms_own_event_classes_read_the_group_of_each_block():
     """A batch as a hybrid replica's publisher encodes it, read by vLLM's own `KVEventBatch`: each event's group and,
     on a stored block, the group's kind and window."""
-    import msgspec
+    msgspec = pytest.importorskip("msgspec", reason="the events extra is not installed (pip install -e '.[events]')")
 
     from sage_infer.server.kv_events_zmq import _removed, _stored
 
