@@ -22,6 +22,7 @@ from sage_infer import LLM, SamplingParams
 from sage_infer.backends.offline import llm_config
 from sage_infer.quantization.compressed_tensors import encode_weight, quantization_config
 from sage_infer.quantization.weights import WeightScheme, quantize_rtn
+from tests.packed_layout import packed_bf16_layout
 from tests.server_fixture import running_server
 from tests.tiny_models import save_tokenizer
 
@@ -204,6 +205,8 @@ def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_
     experts in one kernel call inside the C++ step (the layer loop's op on the same values: the same tokens and
     per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it; a step of more rows
     runs layer by layer."""
+    if dtype == "bf16" and packed_bf16_layout() is not None:
+        pytest.skip(f"bf16 experts are packed by oneDNN, not on the grouped kernel: {packed_bf16_layout()}")
     make_tiny_moe(tmp_path, family)
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 20, 33, 5, 12, 7, 18, 26, 4, 11)]
@@ -215,8 +218,7 @@ def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_
         calls = []
         if choice == "sage":
             runner.step.handle = RowsOfEachStep(runner.step.handle, calls)
-            # 8 (routing in C++), fewer where the experts' kernel takes fewer (plain bf16 stacks: AMX CPUs)
-            assert runner.step.max_rows == runner.model.decode_step_rows() >= 4
+            assert runner.step.max_rows == 8
         small = llm.generate(prompts[:4], GREEDY)  # 4 rows a decode step: in C++
         large = llm.generate(prompts, GREEDY)  # 11 rows a decode step: layer by layer
         results[choice] = ([o.outputs[0].token_ids for o in small + large], runner.model.expert_tokens(), calls)

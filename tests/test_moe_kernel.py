@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
-from sage_infer.layers.linear import PACK_BATCH_HINT, pack_linears, packing_unavailable
+from sage_infer.layers.linear import pack_linears
 from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
 from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
@@ -26,6 +26,7 @@ from sage_infer.layers.moe_grouped import (
     GroupedExpertWeights,
 )
 from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
+from tests.packed_layout import packed_bf16_layout
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
 
@@ -33,21 +34,7 @@ E, H, K = 8, 96, 3
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def _packed_layout_here() -> str | None:
-    """Why the kernel cannot read oneDNN's packed bf16 weights on this CPU (None: it can). oneDNN picks the blocking
-    per CPU (on one with AMX, its tiles'), and the kernel reads only small_linear's; the engine then keeps bf16
-    experts stacked (`FusedExperts.keeps_stack`)."""
-    if packing_unavailable(torch.bfloat16) is not None:
-        return f"oneDNN cannot pack bf16 here: {packing_unavailable(torch.bfloat16)}"
-    weight = torch.randn(128, H).to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-    if cpu_kernels.packed_layout_matches(torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed), weight):
-        return None
-    amx = " (this CPU has AMX)" if "amx_bf16" in open("/proc/cpuinfo").read() else ""
-    return f"oneDNN packs bf16 weights in another layout than the kernel's on this CPU{amx}"
-
-
-PACKED_LAYOUT = _packed_layout_here()
+PACKED_LAYOUT = packed_bf16_layout()
 
 
 def skip_packed_unless_readable(layout: str) -> None:
@@ -204,22 +191,6 @@ def test_gpt_oss_experts_on_the_grouped_kernel_equal_their_pytorch_products(cpu_
             got = experts(x, weights.to(dtype), groups, FUSED_OPS)
             want = want_experts(x, weights.to(dtype), groups)  # the torch ops: one PyTorch product per expert
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
-
-
-def test_bf16_experts_stay_on_the_grouped_kernel_once_packed_as_the_engine_packs_them():
-    """Stacked bf16 experts are split into linears for oneDNN to pack only where the kernel reads its packed layout;
-    where it does not (AMX) they stay stacked (`keeps_stack`): either way the grouped kernel runs them after
-    `pack_linears`, packed or plain."""
-    experts = make_experts(torch.bfloat16, 128)
-    kept = experts.keeps_stack()
-    packs = packing_unavailable(torch.bfloat16) is None
-    assert kept == (packs and PACKED_LAYOUT is not None)
-    if not kept:
-        experts.split_linears()
-    pack_linears(experts)
-    kernel = experts.grouped_kernel()
-    assert isinstance(kernel, GroupedExpertWeights), kernel
-    assert kernel.packed == (packs and not kept)
 
 
 @pytest.mark.parametrize("dtype,layout,weights_dtype", [

@@ -17,25 +17,14 @@ from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_mod
 from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear_unavailable
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, packing_available
+from tests.packed_layout import packed_bf16_layout
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = "this torch has no oneDNN (mkldnn) linear" if not packing_available() else small_linear_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's small-row kernel cannot run here: {WHY}")
 
 
-def _layout_here() -> str | None:
-    """Why oneDNN's packed bf16 weights are not in the kernel's layout on this CPU (None: they are). oneDNN picks the
-    blocking per CPU, and the kernel reads only the one it was written for; elsewhere `auto` keeps oneDNN."""
-    if WHY is not None:
-        return WHY
-    probe = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16), small_rows=SMALL_LINEAR_ROWS)
-    if probe.small_rows == SMALL_LINEAR_ROWS:
-        return None
-    amx = " (this CPU has AMX)" if "amx_bf16" in open("/proc/cpuinfo").read() else ""
-    return f"oneDNN packs bf16 weights in another layout than the kernel's on this CPU{amx}"
-
-
-LAYOUT = _layout_here()
+LAYOUT = WHY or packed_bf16_layout()
 needs_layout = pytest.mark.skipif(LAYOUT is not None, reason=f"the kernel cannot read the weights in place: {LAYOUT}")
 
 

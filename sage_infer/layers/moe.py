@@ -31,8 +31,7 @@ from torch import nn
 
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
-from sage_infer.layers.linear import PackedLinear, packing_unavailable
-from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights, packed_experts
+from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights
 
 __all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
            "Routing", "SparseMoeBlock", "count_groups", "expert_counter", "group_by_expert", "moe_step", "route",
@@ -252,19 +251,12 @@ class FusedExperts(nn.Module):
         return self._grouped[1]
 
     def keeps_stack(self) -> bool:
-        """Stacked experts stay stacked where the grouped kernel runs them as they are but would not once packed:
-        oneDNN packs fp32, and bf16 on a CPU where it packs for AMX tiles (expert 0 is packed once to see), in a
-        layout only it reads, and a copy in each layout would double the experts' memory."""
-        if self.gate_up_proj is None or not isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights):
-            return False
-        if self.gate_up_proj.dtype == torch.float32:
-            return True
-        if packing_unavailable(torch.bfloat16) is not None:  # split, each expert keeps its bf16 weight to read
-            return False
-        probe = ExpertMLP(PackedLinear(_linear(self.down_proj[0].detach())),
-                          gate_up_proj=PackedLinear(_linear(self.gate_up_proj[0].detach())))
-        return not isinstance(packed_experts([(probe.gate_up_proj, probe.down_proj)], self.hidden_size,
-                                             self.intermediate_size, lambda e, rows: probe(rows)), GroupedExpertWeights)
+        """fp32 stacked experts stay stacked when the grouped kernel can run them: oneDNN packs fp32 in a layout
+        only it reads, and a copy in each layout would double the experts' memory. bf16 ones are split and packed
+        even where oneDNN packs bf16 for AMX tiles, which the kernel cannot read: there its products of a prefill's
+        or a batch's rows per expert run faster than on the plain weights (docs/models.md)."""
+        return (self.gate_up_proj is not None and self.gate_up_proj.dtype == torch.float32
+                and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
 
 
 def use_grouped_kernel(experts: nn.Module, x: torch.Tensor, groups: ExpertGroups, ops: TorchOps) -> bool:

@@ -35,7 +35,6 @@ that keeps each weight block in registers across many rows) is the faster path; 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -165,7 +164,7 @@ class GroupedExpertWeights:
             return "the experts' linears are neither packed nor plain (row-tiled or quantized)"
         if all(m.weight_bf16 is not None for pair in pairs for m in pair):  # no bf16 packing on this CPU
             return _stacked([g.weight_bf16 for g, _ in pairs], [d.weight_bf16 for _, d in pairs], inter, pairs)
-        return packed_experts(pairs, experts.hidden_size, inter, lambda e, rows: experts._modules[str(e)](rows))
+        return _packed(experts, pairs, inter)
 
 
 def _stacked(gate_up, down, inter: int, holders: list | None = None) -> GroupedExpertWeights | str:
@@ -193,11 +192,8 @@ def _mxfp4(experts: nn.Module) -> GroupedExpertWeights | str:
                                 (float(experts.alpha), float(experts.limit)), (gate_up_scales, down_scales))
 
 
-def packed_experts(pairs: list, hidden: int, inter: int,
-                   expert: Callable[[int, torch.Tensor], torch.Tensor]) -> GroupedExpertWeights | str:
-    """The experts' (gate/up, down) `PackedLinear` pairs as the kernel reads them, or why it cannot (oneDNN packed
-    them in a layout of its own: fp32, or bf16 for AMX tiles); `expert(e, rows)` is expert e by its own linears,
-    which a pair the layer did not check itself is checked against."""
+def _packed(experts: nn.Module, pairs: list, inter: int) -> GroupedExpertWeights | str:
+    hidden = experts.hidden_size
     for gate_up, down in pairs:
         for m, (n, k) in ((gate_up, (2 * inter, hidden)), (down, (hidden, inter))):
             if m.dtype != torch.bfloat16 or m.weight_bf16 is not None:
@@ -208,18 +204,17 @@ def packed_experts(pairs: list, hidden: int, inter: int,
                                    _addresses([torch.ops.mkldnn.data_ptr(g.packed) for g, _ in pairs]),
                                    _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs])
     unchecked = [e for e, (g, d) in enumerate(pairs) if g.small_rows == 0 or d.small_rows == 0]
-    if unchecked and not _same_as_each_expert(weights, hidden, expert, unchecked):
+    if unchecked and not _same_as_each_expert(weights, experts, unchecked):
         return "oneDNN packed the experts in another layout than small_linear's"
     return weights
 
 
-def _same_as_each_expert(weights: GroupedExpertWeights, hidden: int,
-                         expert: Callable[[int, torch.Tensor], torch.Tensor], ids: list[int]) -> bool:
+def _same_as_each_expert(weights: GroupedExpertWeights, experts: nn.Module, ids: list[int]) -> bool:
     """One random row through each expert of `ids` by the kernel and by the expert's own linears."""
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(len(ids), hidden, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(len(ids), experts.hidden_size, generator=gen).to(torch.bfloat16)
     got = weights(rows, [(e, i, i + 1) for i, e in enumerate(ids)]).float()
-    want = torch.cat([expert(e, rows[i:i + 1]) for i, e in enumerate(ids)]).float()
+    want = torch.cat([experts._modules[str(e)](rows[i:i + 1]) for i, e in enumerate(ids)]).float()
     return bool(((got - want).abs() <= 0.02 * want.abs().amax(dim=1, keepdim=True) + 1e-3).all())
 
 
