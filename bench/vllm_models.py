@@ -48,6 +48,13 @@ MODELS = {
                                      num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                      moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                      norm_topk_prob=True)),
+    "qwen1.5-moe-a2.7b-2l": ModelSpec(
+        "qwen1.5-moe-a2.7b-2l", "random Qwen1.5-MoE-A2.7B shape (Qwen2-MoE) with 2 layers, 0.8B: hidden 2048, 16/16 "
+        "heads, 60 experts x 1408, top 4, a shared expert of 5632 with its sigmoid gate", "bf16",
+        arch="qwen2_moe", shape=dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                                     num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
+                                     shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                                     norm_topk_prob=False)),
     # sliding-window shapes: max_position_embeddings is 4 windows + 32, so W4's prompts are 4 windows long
     "gemma3-shape-small": ModelSpec(
         "gemma3-shape-small", "random Gemma-3-270m shape with 6 layers (5 sliding-window 512 : 1 full), 36M: "
@@ -84,6 +91,7 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
     classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
                "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
     config_cls, model_cls = classes[spec.arch]
