@@ -127,7 +127,8 @@ def read_peer(linears: list[nn.Linear], rounds: int, nbytes: int) -> dict:
         for address, size, block in buffers:
             peer.stream_read(address, size, block)
 
-    products = [(x, layer._address, layer._nbytes, layer.out_features, layer._bias32) for layer, x in zip(sage, inputs)]
+    products = [(x, layer._address, layer._nbytes, layer.out_features, layer._bias32, layer._block_rows)
+                for layer, x in zip(sage, inputs)]
 
     def kernel() -> None:  # straight into the kernel, as the C++ decode step calls it (no Python per product)
         for args in products:

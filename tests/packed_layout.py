@@ -25,3 +25,13 @@ def packed_bf16_layout() -> str | None:
         return None
     amx = " (this CPU has AMX)" if "amx_bf16" in open("/proc/cpuinfo").read() else ""
     return f"oneDNN packs bf16 weights in another layout than the kernels' on this CPU{amx}"
+
+
+def pack_blocks(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """bf16 [N, K] -> small_linear's layout with blocks of `rows` rows ([N/rows][K/32*16][rows][2], zero padded), as
+    oneDNN packs it (64: AVX512-BF16; 32: AMX tiles), built here so that either layout is tested on any CPU."""
+    n, k = weight.shape
+    pairs = (k + 31) // 32 * 16
+    padded = torch.zeros((n + rows - 1) // rows * rows, pairs * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(-1, rows, pairs, 2).permute(0, 2, 1, 3).contiguous()

@@ -26,7 +26,7 @@ from sage_infer.layers.moe_grouped import (
     GroupedExpertWeights,
 )
 from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
-from tests.packed_layout import packed_bf16_layout
+from tests.packed_layout import pack_blocks, packed_bf16_layout
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"CPU kernels: {kernel_unavailable()}")
 
@@ -88,7 +88,7 @@ def test_the_grouped_kernel_equals_the_per_expert_loop(cpu_isa, dtype, layout, i
     with_layout(experts, layout)
     kernel = experts.grouped_kernel()
     assert isinstance(kernel, GroupedExpertWeights), kernel
-    assert kernel.packed == (layout == "packed")
+    assert bool(kernel.packed) == (layout == "packed")
     experts.kernel_rows = 1 << 20  # the kernel at any rows per expert, whatever the level's default
     for tokens, seed in ((1, 0), (5, 1), (9, 2), (47, 4)):  # 47 tokens: tens of rows per expert (a prefill chunk)
         weights, ids = routing(tokens, seed)
@@ -133,9 +133,32 @@ def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_fas
     assert plain.max_rows() == ((PLAIN_BF16_ROWS if wide else PLAIN_BF16_ROWS_AVX2) if onednn_bf16 else None)
     fp32 = make_experts(torch.float32, 40).grouped_kernel()
     assert fp32.max_rows() == (PLAIN_FP32_ROWS if wide else PLAIN_FP32_ROWS_AVX2)
-    packed = GroupedExpertWeights(True, torch.bfloat16, 40, plain.gate_up, plain.down, [])
+    packed = GroupedExpertWeights(64, torch.bfloat16, 40, plain.gate_up, plain.down, [])
     native = cpu_kernels.moe_experts_native_bf16()
     assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)
+
+
+@pytest.mark.parametrize("inter", [40, 128])
+def test_both_packed_layouts_give_the_same_bits(cpu_isa, inter):
+    """Experts packed in blocks of 64 rows (oneDNN on AVX512-BF16) and of 32 (oneDNN for AMX tiles), built here: the
+    same bits from either at every ISA level, decode- and prefill-sized, within bf16 rounding of the reference."""
+    experts = make_experts(torch.bfloat16, inter)
+    options = cpu_kernels.moe_options(torch.bfloat16, None, None, None, None)
+    weights, ids = routing(47, 4)
+    groups = group_by_expert(ids, E)
+    x = torch.randn(47, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    rows = x.index_select(0, groups.tokens).contiguous()
+    spans = torch.tensor(groups.spans, dtype=torch.long)
+    outs = []
+    for block in (64, 32):
+        held = [[pack_blocks(w[e], block) for e in range(E)] for w in (experts.gate_up_proj, experts.down_proj)]
+        addresses = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in held]
+        outs.append(cpu_kernels.moe_experts(rows, spans, *addresses, inter, block, options))
+    assert torch.equal(outs[0], outs[1])
+    with torch.no_grad():
+        want = reference(experts, x, weights.to(torch.bfloat16), groups)
+        got = run_grouped(x, weights.to(torch.bfloat16), groups, None, lambda r, s: outs[1])
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
 
 
 @pytest.mark.skipif(cpu_kernels.small_linear_unavailable() is not None, reason="needs small_linear (AVX512-BF16)")

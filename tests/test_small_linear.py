@@ -15,9 +15,9 @@ from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_mod
-from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear_unavailable
+from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear, small_linear_unavailable
 from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, packing_available
-from tests.packed_layout import packed_bf16_layout
+from tests.packed_layout import pack_blocks, packed_bf16_layout
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = "this torch has no oneDNN (mkldnn) linear" if not packing_available() else small_linear_unavailable()
@@ -76,6 +76,29 @@ def test_the_layout_check_compares_the_bytes_not_just_the_size():
     other = torch.randn(160, 96).to(torch.bfloat16)
     assert not packed_layout_matches(address, nbytes, other)  # same shape, other values
     assert not packed_layout_matches(address, nbytes, torch.zeros(161, 96, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fan_in, fan_out", [(96, 160), (30, 100), (1000, 33), (64, 64), (2, 3)])
+def test_both_packed_layouts_are_found_and_give_the_same_bits(fan_in, fan_out):
+    """Blocks of 64 rows (oneDNN on AVX512-BF16) and of 32 (oneDNN for AMX tiles), built here: the layout check
+    names each (and neither for other values), and the kernel gives the same bits over either, which are within a
+    rounding of fp32 arithmetic."""
+    torch.manual_seed(fan_in + fan_out)
+    weight = torch.randn(fan_out, fan_in).to(torch.bfloat16)
+    bias = torch.randn(fan_out)
+    x = torch.randn(7, fan_in).to(torch.bfloat16)
+    outs = []
+    for rows in (64, 32):
+        packed = pack_blocks(weight, rows)
+        address, nbytes = packed.data_ptr(), packed.numel() * 2
+        found = packed_layout_matches(address, nbytes, weight)
+        assert found == rows or (found == 64 and torch.equal(pack_blocks(weight, 64), packed)), (found, rows)
+        assert not packed_layout_matches(address, nbytes, weight + 1)
+        outs.append([small_linear(x[:m], address, nbytes, fan_out, bias, rows) for m in (1, 4, 7)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    exact = x.float() @ weight.float().T + bias
+    assert (outs[1][2].float() - exact).abs().max() <= exact.abs().max() * 2 ** -7 + 1e-2
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -157,17 +157,18 @@ def small_linear_unavailable() -> str | None:
     return why
 
 
-def packed_layout_matches(address: int, nbytes: int, weight: torch.Tensor) -> bool:
-    """Whether oneDNN's packed buffer at `address` (`nbytes` long) holds the bf16 [N, K] `weight` in
-    `small_linear`'s layout ([N/64][K/32*16][64][2], zero padded)."""
+def packed_layout_matches(address: int, nbytes: int, weight: torch.Tensor) -> int:
+    """The rows per block of `small_linear`'s layout ([N/R][K/32*16][R][2], zero padded; R = 64, or 32 where oneDNN
+    packs for AMX tiles) in which oneDNN's packed buffer at `address` (`nbytes` long) holds the bf16 [N, K]
+    `weight`; 0 when neither."""
     return _module().layout_matches(address, nbytes, weight)
 
 
 def small_linear(x: torch.Tensor, address: int, nbytes: int, out_features: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] bf16 (a few rows) times the packed weight that `packed_layout_matches` accepted, plus the
-    fp32 `bias` -> [M, N] bf16. The caller keeps the packed weight alive."""
-    return _module().small_linear(x, address, nbytes, out_features, bias)
+                 bias: torch.Tensor | None = None, block_rows: int = 64) -> torch.Tensor:
+    """x: [M, K] bf16 (a few rows) times the packed weight that `packed_layout_matches` accepted (in its blocks of
+    `block_rows`), plus the fp32 `bias` -> [M, N] bf16. The caller keeps the packed weight alive."""
+    return _module().small_linear(x, address, nbytes, out_features, bias, block_rows)
 
 
 def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -276,12 +277,13 @@ def moe_experts_wide_fma() -> bool:
 
 
 def moe_experts(rows: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                intermediate: int, packed: bool, options: tuple) -> torch.Tensor:
+                intermediate: int, packed: int, options: tuple) -> torch.Tensor:
     """rows: [P, H] bf16 or fp32 (contiguous), a step's (token, expert) rows sorted by expert; spans: [A, 3] int64,
     (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, the address of each expert's
-    [2I, H] and [H, I] weight, in small_linear's packed bf16 layout (`packed`) or plain row-major in the rows'
-    dtype; `options`: `moe_options` of the experts -> [P, H]: ``down(act(gate_up))`` of each row by its expert
-    (csrc/moe_experts.cpp). The caller keeps the weights alive (`sage_infer.layers.moe_grouped`)."""
+    [2I, H] and [H, I] weight, in small_linear's packed bf16 layout (`packed`: its rows per block, 64 or 32) or
+    plain row-major in the rows' dtype (`packed` 0); `options`: `moe_options` of the experts -> [P, H]:
+    ``down(act(gate_up))`` of each row by its expert (csrc/moe_experts.cpp). The caller keeps the weights alive
+    (`sage_infer.layers.moe_grouped`)."""
     return _moe_op(_module())(rows, spans, gate_up, down, intermediate, packed, *options)
 
 
@@ -311,7 +313,7 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def moe_block(x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, routing: tuple,
-              counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: bool,
+              counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: int,
               options: tuple) -> torch.Tensor:
     """A mixture-of-experts layer's step in one call: `moe_route` (`routing`: its top_k, mode, renormalize and
     weights_in_dtype), then `moe_experts_routed` (`options`: `moe_options` of the experts) -> [T, H]."""
@@ -321,7 +323,7 @@ def moe_block(x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor |
 
 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
-                       gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: bool,
+                       gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: int,
                        options: tuple) -> torch.Tensor:
     """A step from its routing: x [T, H] (bf16 or fp32, contiguous), the routing weights [T, K] (fp32 or x's
     dtype) and expert ids [T, K] int64 -> [T, H], each token's expert outputs times their weights, added in expert

@@ -94,14 +94,15 @@ class PackedLinear(nn.Module):
         self.small_rows = 0
         if small_rows > 0 and weight.dtype == torch.bfloat16:
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
-            if packed_layout_matches(address, nbytes, weight):
-                self.small_rows, self._address, self._nbytes = small_rows, address, nbytes
+            block_rows = packed_layout_matches(address, nbytes, weight)  # 64, or 32 where oneDNN packs for AMX
+            if block_rows:
+                self.small_rows, self._address, self._nbytes, self._block_rows = small_rows, address, nbytes, block_rows
                 self._bias32 = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if 0 < flat.shape[0] <= self.small_rows and flat.dtype == torch.bfloat16:
-            out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32)
+            out = small_linear(flat, self._address, self._nbytes, self.out_features, self._bias32, self._block_rows)
         elif self.weight_bf16 is not None:  # bf16 weights computed in fp32 (no bf16 packing on this CPU)
             if flat.shape[0] <= self.bf16_rows:
                 out = (bf16_rows_linear(flat, self.weight_bf16, self.bias_bf16) if self.rows_kernel

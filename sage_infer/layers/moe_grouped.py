@@ -4,9 +4,9 @@ its down products in one more, over the expert weights where they already are (n
 
 `GroupedExpertWeights.of(experts)` finds those weights and their layout, once per set of weights:
 
-- ``packed``: each expert's two `PackedLinear` (bf16) in the oneDNN layout `small_linear` reads; where the layer
-  did not check that layout itself (`small_rows` 0: no AVX512-BF16 kernels in use), one random row per expert
-  through both paths checks it;
+- ``packed``: each expert's two `PackedLinear` (bf16) in the oneDNN layout `small_linear` reads (blocks of 64 rows, or
+  32 where oneDNN packs for AMX tiles); where the layer did not check that layout itself (`small_rows` 0: no
+  AVX512-BF16 kernels in use), one random row per expert through both paths checks it;
 - ``plain``: the stacked [E, 2I, H] / [E, H, I] weights (bf16 or fp32), an expert's plain `nn.Linear` pair, or the
   bf16 weight a `PackedLinear` keeps where oneDNN cannot pack bf16.
 
@@ -64,7 +64,7 @@ class GroupedExpertWeights:
     """The address of each expert's gate/up ([2I, H]) and down ([H, I]) weight, in one layout; `holders` keeps
     the tensors or modules that own the memory alive."""
 
-    packed: bool
+    packed: int  # packed weights' rows per block (64, or 32 where oneDNN packs for AMX tiles); 0: plain
     dtype: torch.dtype
     intermediate: int
     gate_up: torch.Tensor = field(repr=False)  # [E] int64 addresses
@@ -173,7 +173,7 @@ def _stacked(gate_up, down, inter: int, holders: list | None = None) -> GroupedE
     if any(w.dtype not in KERNEL_DTYPES or w.dtype != gate_up[0].dtype or w.device.type != "cpu"
            or not w.is_contiguous() for w in gate_up + down):
         return "the expert weights are not contiguous bf16 or fp32 tensors on the CPU"
-    return GroupedExpertWeights(False, gate_up[0].dtype, inter, _addresses(gate_up), _addresses(down),
+    return GroupedExpertWeights(0, gate_up[0].dtype, inter, _addresses(gate_up), _addresses(down),
                                 [gate_up, down, holders])
 
 
@@ -187,26 +187,33 @@ def _mxfp4(experts: nn.Module) -> GroupedExpertWeights | str:
     if biases[0].dtype not in KERNEL_DTYPES or biases[1].dtype != biases[0].dtype:
         return "the experts' biases are not bf16 or fp32 (one dtype)"
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = (_addresses(list(t.unbind(0))) for t in tensors)
-    return GroupedExpertWeights(False, biases[0].dtype, tensors[2].shape[2] * 32, gate_up_blocks, down_blocks,
+    return GroupedExpertWeights(0, biases[0].dtype, tensors[2].shape[2] * 32, gate_up_blocks, down_blocks,
                                 [tensors], biases[0].detach(), biases[1].detach(),
                                 (float(experts.alpha), float(experts.limit)), (gate_up_scales, down_scales))
 
 
 def _packed(experts: nn.Module, pairs: list, inter: int) -> GroupedExpertWeights | str:
+    """Each expert's two `PackedLinear` in small_linear's layout, in blocks of 64 rows or (where oneDNN packs for AMX
+    tiles) 32: the layers' own finding where they checked it (`small_rows` > 0), else the first whose sizes fit and
+    whose products of one random row per expert agree with the experts' own."""
     hidden = experts.hidden_size
-    for gate_up, down in pairs:
-        for m, (n, k) in ((gate_up, (2 * inter, hidden)), (down, (hidden, inter))):
-            if m.dtype != torch.bfloat16 or m.weight_bf16 is not None:
-                return f"the experts are packed by oneDNN as {m.dtype} in a layout of its own"
-            if torch.ops.mkldnn._nbytes(m.packed) != _packed_bytes(n, k):
-                return "oneDNN packed the experts in another layout than small_linear's"
-    weights = GroupedExpertWeights(True, torch.bfloat16, inter,
-                                   _addresses([torch.ops.mkldnn.data_ptr(g.packed) for g, _ in pairs]),
-                                   _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs])
+    shapes = [(m, (n, k)) for gate_up, down in pairs for m, (n, k) in ((gate_up, (2 * inter, hidden)),
+                                                                       (down, (hidden, inter)))]
+    for m, _ in shapes:
+        if m.dtype != torch.bfloat16 or m.weight_bf16 is not None:
+            return f"the experts are packed by oneDNN as {m.dtype} in a layout of its own"
+    found = {m._block_rows for m, _ in shapes if m.small_rows > 0}
     unchecked = [e for e, (g, d) in enumerate(pairs) if g.small_rows == 0 or d.small_rows == 0]
-    if unchecked and not _same_as_each_expert(weights, experts, unchecked):
-        return "oneDNN packed the experts in another layout than small_linear's"
-    return weights
+    for rows in sorted(found, reverse=True) if found else (PACKED_ROWS, PACKED_ROWS // 2):
+        sizes_fit = all(torch.ops.mkldnn._nbytes(m.packed) == _packed_bytes(n, k, rows) for m, (n, k) in shapes)
+        if len(found) > 1 or not sizes_fit:
+            continue
+        weights = GroupedExpertWeights(rows, torch.bfloat16, inter,
+                                       _addresses([torch.ops.mkldnn.data_ptr(g.packed) for g, _ in pairs]),
+                                       _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs])
+        if not unchecked or _same_as_each_expert(weights, experts, unchecked):
+            return weights
+    return "oneDNN packed the experts in another layout than small_linear's"
 
 
 def _same_as_each_expert(weights: GroupedExpertWeights, experts: nn.Module, ids: list[int]) -> bool:
@@ -218,9 +225,9 @@ def _same_as_each_expert(weights: GroupedExpertWeights, experts: nn.Module, ids:
     return bool(((got - want).abs() <= 0.02 * want.abs().amax(dim=1, keepdim=True) + 1e-3).all())
 
 
-def _packed_bytes(n: int, k: int) -> int:
+def _packed_bytes(n: int, k: int, rows: int) -> int:
     pairs = (k + 2 * PACKED_PAIR_STEP - 1) // (2 * PACKED_PAIR_STEP) * PACKED_PAIR_STEP
-    return (n + PACKED_ROWS - 1) // PACKED_ROWS * pairs * PACKED_ROWS * 2 * 2
+    return (n + rows - 1) // rows * pairs * rows * 2 * 2
 
 
 def _addresses(items: list) -> torch.Tensor:

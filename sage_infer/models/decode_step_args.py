@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 
 
 def step_linear(linear: PackedLinear) -> tuple[list[int], torch.Tensor, tuple, tuple]:
-    """A `PackedLinear` as the C++ step's ``Linear`` takes it: (address, nbytes, out_features, small_rows, bf16_rows),
-    the packed weight, its biases (fp32 for small_linear's rows, the model's dtype) and its bf16 weight and bias (a
-    bf16 layer oneDNN could not pack)."""
+    """A `PackedLinear` as the C++ step's ``Linear`` takes it: (address, nbytes, out_features, small_rows, bf16_rows,
+    small_linear's rows per block), the packed weight, its biases (fp32 for small_linear's rows, the model's dtype)
+    and its bf16 weight and bias (a bf16 layer oneDNN could not pack)."""
     small = linear.small_rows > 0
     shape = [linear._address if small else 0, linear._nbytes if small else 0, linear.out_features, linear.small_rows,
-             linear.bf16_rows]
+             linear.bf16_rows, linear._block_rows if small else 0]
     return shape, linear.packed, (linear._bias32 if small else None, linear.bias), (linear.weight_bf16,
                                                                                      linear.bias_bf16)
 

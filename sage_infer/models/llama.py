@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
                 biases += biases_of
                 bf16 += bf16_of
             for _ in range(4 - len(linears)):  # a mixture of experts: no dense gate/up and down (`set_moe` below)
-                shapes += [0] * 5
+                shapes += [0] * 6
                 packed.append(torch.empty(0))
                 biases += [None, None]
                 bf16 += [None, None]

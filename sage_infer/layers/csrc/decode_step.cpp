@@ -33,7 +33,7 @@
 
 // small_linear.cpp, fused_ops.cpp, flash_bf16.cpp, paged_decode.cpp: built into the same module
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
-                           c10::optional<torch::Tensor> bias);
+                           c10::optional<torch::Tensor> bias, int64_t block_rows);
 torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -52,7 +52,7 @@ void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor 
 // moe_experts.cpp: a mixture-of-experts layer's routing, grouping and experts in one call
 torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor router_bias, int64_t top_k,
                         int64_t mode, bool renormalize, bool weights_in_dtype, torch::Tensor counts,
-                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
                         torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
                         torch::Tensor gate_up_scales, torch::Tensor down_scales);
 std::vector<torch::Tensor> paged_decode_attention_kind(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -188,12 +188,12 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // could not pack (`weight_bf16` set) runs up to `bf16_rows` rows on bf16_rows_linear, the rest in fp32 on its
 // packed fp32 copy (fp32 bias), rounded back to bf16
 struct Linear {
-  int64_t address, nbytes, n, small_rows, bf16_rows;
+  int64_t address, nbytes, n, small_rows, bf16_rows, block_rows;  // block_rows: small_linear's layout (64, 32)
   torch::Tensor packed;
   c10::optional<torch::Tensor> bias32, bias, weight_bf16, bias_bf16;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16) return small_linear(x, address, nbytes, n, bias32);
+    if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16) return small_linear(x, address, nbytes, n, bias32, block_rows);
     if (weight_bf16.has_value()) {
       if (x.size(0) <= bf16_rows) return bf16_rows_linear(x, *weight_bf16, bias_bf16);
       return onednn_linear(x.to(at::kFloat), packed, bias).to(x.scalar_type());
@@ -205,8 +205,8 @@ struct Linear {
 // a mixture-of-experts MLP: moe_block's arguments but x (`SparseMoeBlock.decode_step_args`)
 struct Moe {
   torch::Tensor router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales;
-  int64_t top_k, mode, inter;
-  bool renormalize, weights_in_dtype, packed, clamped;
+  int64_t top_k, mode, inter, packed;  // packed: the experts' rows per packed block (64, 32), 0: plain
+  bool renormalize, weights_in_dtype, clamped;
   double alpha, limit;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -260,7 +260,8 @@ struct GroupMeta {
 class DecodeLayers {
  public:
   // per layer, in order: linears (qkv, o, gate_up, down) as (address, nbytes, out_features, small_rows,
-  // bf16_rows) x 4 in `shapes` (address and nbytes 0 where small_rows is), their packed weights x 4 in `packed`,
+  // bf16_rows, block_rows) x 4 in `shapes` (address, nbytes and block_rows 0 where small_rows is 0), their packed
+  // weights x 4 in `packed`,
   // biases as (fp32, model dtype) x 4 in `biases` (none where absent), (bf16 weight, bf16 bias) x 4 in `bf16`
   // (none but for bf16 layers on fp32 copies), and in `tensors` post_norm, next_norm, k_rows, v_rows, k_blocks,
   // v_blocks; `qk_norms`: q_norm, k_norm per layer, or empty; `kv_scales`: an int8 pool's k_scales, v_scales
@@ -277,18 +278,18 @@ class DecodeLayers {
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), qk_eps_(qk_eps), scale_(scale),
         int8_(!kv_scales.empty()), gemma_(!ff_norms.empty()) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 20 && packed.size() == n * 4 &&
+    TORCH_CHECK(tensors.size() == n * 6 && shapes.size() == n * 24 && packed.size() == n * 4 &&
                     biases.size() == n * 8 && bf16.size() == n * 8 && (qk_norms.empty() || qk_norms.size() == n * 2) &&
                     (kv_scales.empty() || kv_scales.size() == n * 2) && (ff_norms.empty() || ff_norms.size() == n * 2) &&
                     (layout.empty() || layout.size() == n * 3) && (softcaps.empty() || softcaps.size() == n) &&
                     (sinks.empty() || sinks.size() == n),
-                "DecodeLayers: per layer 20 linear numbers, 4 packed weights, 8 biases, 8 bf16 weights/biases, 6 "
+                "DecodeLayers: per layer 24 linear numbers, 4 packed weights, 8 biases, 8 bf16 weights/biases, 6 "
                 "tensors (and 2 q/k norms, 2 int8 scale tensors, 2 feed-forward norms, 3 layout numbers, a soft-cap, "
                 "sinks)");
     for (size_t i = 0; i < n; ++i) {
       auto linear = [&](size_t j) {
-        const int64_t* s = shapes.data() + i * 20 + j * 5;
-        return Linear{s[0], s[1], s[2], s[3], s[4], packed[i * 4 + j], biases[i * 8 + j * 2],
+        const int64_t* s = shapes.data() + i * 24 + j * 6;
+        return Linear{s[0], s[1], s[2], s[3], s[4], s[5], packed[i * 4 + j], biases[i * 8 + j * 2],
                       biases[i * 8 + j * 2 + 1], bf16[i * 8 + j * 2], bf16[i * 8 + j * 2 + 1]};
       };
       Layer layer{linear(0), linear(1), linear(2), linear(3), tensors[i * 6], tensors[i * 6 + 1]};
@@ -316,24 +317,24 @@ class DecodeLayers {
   // layer i's MLP as a mixture of experts: moe_block's arguments but x (the Llama family's layers only)
   void set_moe(int64_t i, torch::Tensor router, torch::Tensor router_bias, int64_t top_k, int64_t mode,
                bool renormalize, bool weights_in_dtype, torch::Tensor counts, torch::Tensor gate_up, torch::Tensor down,
-               int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped,
+               int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped,
                double alpha, double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && !gemma_,
                 "DecodeLayers.set_moe: a layer of this Llama-family step");
     layers_[i].moe = Moe{router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
-                         down_scales, top_k, mode, inter, renormalize, weights_in_dtype, packed, clamped, alpha,
+                         down_scales, top_k, mode, inter, packed, renormalize, weights_in_dtype, clamped, alpha,
                          limit};
   }
 
   // layer i's mixture of experts (`set_moe` first) has a shared expert (Qwen2-MoE): the layer's gate_up and down,
-  // scaled by sigmoid of this gate's product; `shape`: (address, nbytes, out_features, small_rows, bf16_rows), the
+  // scaled by sigmoid of this gate's product; `shape`: a linear's 6 numbers (as the constructor takes them), the
   // rest as the constructor takes a linear's
   void set_shared_expert(int64_t i, std::vector<int64_t> shape, torch::Tensor packed, c10::optional<torch::Tensor> bias32,
                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
                          c10::optional<torch::Tensor> bias_bf16) {
-    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 5,
-                "DecodeLayers.set_shared_expert: a mixture-of-experts layer (set_moe), 5 linear numbers");
-    layers_[i].shared_gate = Linear{shape[0], shape[1], shape[2], shape[3], shape[4], packed, bias32, bias,
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 6,
+                "DecodeLayers.set_shared_expert: a mixture-of-experts layer (set_moe), 6 linear numbers");
+    layers_[i].shared_gate = Linear{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], packed, bias32, bias,
                                     weight_bf16, bias_bf16};
   }
 

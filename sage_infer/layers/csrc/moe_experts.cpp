@@ -8,8 +8,8 @@
 // block from the cache, so its weights are read from memory once per step.
 //
 // The weights are read where they are, through one address per expert (the caller keeps them alive):
-// - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/64)][ceil(K/32)*16][64][2], zero
-//   padded; csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
+// - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/R)][ceil(K/32)*16][R][2], zero
+//   padded, R = 64 or, where oneDNN packs for AMX tiles, 32; kernel.h, csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
 //   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA (AVX2:
 //   4 rows of 16 columns at a time where an expert has more than 16 rows, the same sums as one row at a time);
 // - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
@@ -75,14 +75,16 @@ void run_items(int64_t items, const F& f) {
 #if defined(__AVX512BF16__)
 constexpr int kPackedGroup = 6;
 template <int G>
-void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64_t xs, int64_t pairs,
+                  float (*acc)[kRows]) {
   __m512 a[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* line = w + p * kRows * 2;
+    const uint16_t* line = w + p * lines.stride;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line), w1 = (__m512bh)_mm512_loadu_si512(line + 32),
-                   w2 = (__m512bh)_mm512_loadu_si512(line + 64), w3 = (__m512bh)_mm512_loadu_si512(line + 96);
+                   w2 = (__m512bh)_mm512_loadu_si512(line + lines.half),
+                   w3 = (__m512bh)_mm512_loadu_si512(line + lines.half + 32);
     for (int g = 0; g < G; ++g) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[g * xs + p]));
       a[g][0] = _mm512_dpbf16_ps(a[g][0], w0, xb);
@@ -97,16 +99,17 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
 #elif defined(__AVX512F__)
 constexpr int kPackedGroup = 4;
 template <int G>
-void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64_t xs, int64_t pairs,
+                  float (*acc)[kRows]) {
   __m512 a[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* line = w + p * kRows * 2;
+    const uint16_t* line = w + p * lines.stride;
     __m512 even[4], odd[4];  // a pair's first column (low half of each 32-bit word) and its second
     for (int j = 0; j < 4; ++j) {
-      const __m512i raw = _mm512_loadu_si512(line + 32 * j);
+      const __m512i raw = _mm512_loadu_si512(line + (j < 2 ? 32 * j : lines.half + 32 * (j - 2)));
       even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
       odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
     }
@@ -123,18 +126,20 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kPackedGroup = 1;  // 8 accumulators a row: one row per pass (the block is in cache after the first)
 template <int G>
-void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64_t xs, int64_t pairs,
+                  float (*acc)[kRows]) {
   static_assert(G == 1, "AVX2: one row per pass");
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* line = w + p * kRows * 2;
+    const uint16_t* line = w + p * lines.stride;
     const uint32_t xp = x[p];
     const __m256 x0 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp << 16)));
     const __m256 x1 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp & 0xFFFF0000u)));
     for (int j = 0; j < 8; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * j));
+      const __m256i raw =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + (j < 4 ? 16 * j : lines.half + 16 * (j - 4))));
       a[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), x0, a[j]);
       a[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, high)), x1, a[j]);
     }
@@ -145,7 +150,8 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
 #else
 constexpr int kPackedGroup = 1;
 template <int G>
-void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64_t xs, int64_t pairs,
+                  float (*acc)[kRows]) {
   for (int g = 0; g < G; ++g)
     for (int64_t lane = 0; lane < kRows; ++lane) acc[g][lane] = 0.f;
   for (int64_t p = 0; p < pairs; ++p)
@@ -157,7 +163,7 @@ void packed_block(const uint16_t* w, const uint32_t* x, int64_t xs, int64_t pair
       std::memcpy(&x1, &b1, 4);
       for (int64_t lane = 0; lane < kRows; ++lane) {
         uint32_t word;
-        std::memcpy(&word, w + (p * kRows + lane) * 2, 4);
+        std::memcpy(&word, w + p * lines.stride + (lane < 32 ? lane * 2 : lines.half + (lane - 32) * 2), 4);
         uint32_t e = word << 16, o = word & 0xFFFF0000u;
         float we, wo;
         std::memcpy(&we, &e, 4);
@@ -178,13 +184,14 @@ constexpr int64_t kStripRows = 4;  // rows per pass of the many-row kernel: 8 ac
 // acc[g][lane] = x row g (fp32, `xs` apart, the columns' pairs as two floats) . row `lane` of one block, 16
 // lanes at a time: the same FMAs in the same order as packed_block<1> (the same bits whatever the rows)
 template <int G>
-void packed_strips(const uint16_t* w, const float* x, int64_t xs, int64_t pairs, float (*acc)[kRows]) {
+void packed_strips(const uint16_t* w, PackedLines lines, const float* x, int64_t xs, int64_t pairs,
+                   float (*acc)[kRows]) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int s = 0; s < 4; ++s) {
     __m256 a[G][2];
     for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
-    const uint16_t* line = w + 32 * s;
-    for (int64_t p = 0; p < pairs; ++p, line += kRows * 2) {
+    const uint16_t* line = w + (s < 2 ? 32 * s : lines.half + 32 * (s - 2));
+    for (int64_t p = 0; p < pairs; ++p, line += lines.stride) {
       const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
       const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16));
       const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16));
@@ -208,14 +215,15 @@ void packed_strips(const uint16_t* w, const float* x, int64_t xs, int64_t pairs,
 // m % kStripRows rows one at a time through packed_block<1> (its 8 accumulators hide the FMA latency that a strip
 // of fewer rows waits on; the same sums in the same order, so the same bits)
 template <typename Store>
-void packed_strip_rows(const uint16_t* wb, int64_t pairs, const uint32_t* x, int64_t m, const Store& store) {
+void packed_strip_rows(const uint16_t* wb, PackedLines lines, int64_t pairs, const uint32_t* x, int64_t m,
+                       const Store& store) {
   std::vector<float> xf(static_cast<size_t>(kStripRows * 2 * pairs));
   alignas(64) float acc[kStripRows][kRows];
   for (int64_t r = 0; r < m; r += kStripRows) {
     const int64_t g = std::min<int64_t>(kStripRows, m - r);
     if (g < kStripRows) {
       for (int64_t j = r; j < m; ++j) {
-        packed_block<1>(wb, x + j * pairs, pairs, pairs, acc);
+        packed_block<1>(wb, lines, x + j * pairs, pairs, pairs, acc);
         store(j, acc[0]);
       }
       return;
@@ -226,7 +234,7 @@ void packed_strip_rows(const uint16_t* wb, int64_t pairs, const uint32_t* x, int
         std::memcpy(&xf[j * 2 * pairs + 2 * p], &lo, 4);
         std::memcpy(&xf[j * 2 * pairs + 2 * p + 1], &hi, 4);
       }
-    packed_strips<kStripRows>(wb, xf.data(), 2 * pairs, pairs, acc);
+    packed_strips<kStripRows>(wb, lines, xf.data(), 2 * pairs, pairs, acc);
     for (int64_t j = 0; j < g; ++j) store(r + j, acc[j]);
   }
 }
@@ -238,19 +246,20 @@ inline T finish(float sum, const T* bias, int64_t i) {
   return bias ? narrow<T>(round_to<T>(sum) + widen(bias[i])) : narrow<T>(sum);
 }
 
-// block `blk` of a packed [n, k] weight times rows [0, m) of x (bf16 pairs, `pairs` apart) -> out[r * os + i],
-// plus bias[i] where there is one
-void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pairs, const uint32_t* x, int64_t m,
-                    c10::BFloat16* out, int64_t os, const c10::BFloat16* bias) {
-  const uint16_t* wb = weight + blk * pairs * kRows * 2;
+// item `blk` (64 rows) of a packed [n, k] weight in blocks of `block_rows` rows times rows [0, m) of x (bf16 pairs,
+// `pairs` apart) -> out[r * os + i], plus bias[i] where there is one
+void packed_product(const uint16_t* weight, int64_t block_rows, int64_t blk, int64_t n, int64_t pairs,
+                    const uint32_t* x, int64_t m, c10::BFloat16* out, int64_t os, const c10::BFloat16* bias) {
+  const uint16_t* wb = weight + blk * pairs * kRows * 2;  // the same offset in either layout: two 32-row blocks
   const int64_t valid = std::min(kRows, n - blk * kRows), base = blk * kRows;
+  const PackedLines lines = packed_lines(block_rows, pairs, valid);
   const c10::BFloat16* b = bias ? bias + base : nullptr;
   auto store = [&](int64_t r, const float* sums) {
     c10::BFloat16* o = out + r * os + base;
     for (int64_t i = 0; i < valid; ++i) o[i] = finish(sums[i], b, i);
   };
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if (m > kRowPassRows) return packed_strip_rows(wb, pairs, x, m, store);
+  if (m > kRowPassRows) return packed_strip_rows(wb, lines, pairs, x, m, store);
 #endif
   alignas(64) float acc[kPackedGroup][kRows];
   for (int64_t r = 0; r < m; r += kPackedGroup) {
@@ -258,15 +267,15 @@ void packed_product(const uint16_t* weight, int64_t blk, int64_t n, int64_t pair
     const uint32_t* xr = x + r * pairs;
     switch (g) {
 #if defined(__AVX512BF16__)
-      case 6: packed_block<6>(wb, xr, pairs, pairs, acc); break;
-      case 5: packed_block<5>(wb, xr, pairs, pairs, acc); break;
+      case 6: packed_block<6>(wb, lines, xr, pairs, pairs, acc); break;
+      case 5: packed_block<5>(wb, lines, xr, pairs, pairs, acc); break;
 #endif
 #if defined(__AVX512F__)
-      case 4: packed_block<4>(wb, xr, pairs, pairs, acc); break;
-      case 3: packed_block<3>(wb, xr, pairs, pairs, acc); break;
-      case 2: packed_block<2>(wb, xr, pairs, pairs, acc); break;
+      case 4: packed_block<4>(wb, lines, xr, pairs, pairs, acc); break;
+      case 3: packed_block<3>(wb, lines, xr, pairs, pairs, acc); break;
+      case 2: packed_block<2>(wb, lines, xr, pairs, pairs, acc); break;
 #endif
-      default: packed_block<1>(wb, xr, pairs, pairs, acc);
+      default: packed_block<1>(wb, lines, xr, pairs, pairs, acc);
     }
     for (int64_t j = 0; j < g; ++j) store(r + j, acc[j]);
   }
@@ -485,6 +494,7 @@ struct Experts {
   float alpha, limit;
   const int64_t* gate_up_scales;  // MXFP4 experts: each expert's exponents (gate_up / down then its codes); else null
   const int64_t* down_scales;
+  int64_t packed_rows;  // packed weights: their rows per block (64, 32); 0: plain
 };
 
 // exp(-x) overflows below x = -88.72, where PyTorch's 1 / (1 + inf) is 0 (and x / inf is -0); these builds assume
@@ -548,7 +558,7 @@ torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>&
   B* gup = gu.data_ptr<B>();
   run_items(active * blocks1, [&](int64_t item) {
     const Span& s = spans[item / blocks1];
-    packed_product(reinterpret_cast<const uint16_t*>(ex.gate_up[s.expert]), item % blocks1, n1, pairs_h,
+    packed_product(reinterpret_cast<const uint16_t*>(ex.gate_up[s.expert]), ex.packed_rows, item % blocks1, n1, pairs_h,
                    xp.data() + s.start * pairs_h, s.end - s.start, gup + s.start * n1, n1,
                    bias_of<B>(ex.gate_up_bias, s.expert, n1));
   });
@@ -558,7 +568,7 @@ torch::Tensor experts_packed(const torch::Tensor& rows, const std::vector<Span>&
   B* op = out.data_ptr<B>();
   run_items(active * blocks2, [&](int64_t item) {
     const Span& s = spans[item / blocks2];
-    packed_product(reinterpret_cast<const uint16_t*>(ex.down[s.expert]), item % blocks2, h, pairs_i,
+    packed_product(reinterpret_cast<const uint16_t*>(ex.down[s.expert]), ex.packed_rows, item % blocks2, h, pairs_i,
                    act.data() + s.start * pairs_i, s.end - s.start, op + s.start * h, h,
                    bias_of<B>(ex.down_bias, s.expert, h));
   });
@@ -722,7 +732,7 @@ torch::Tensor combine_for(const torch::Tensor& out, const torch::Tensor& weights
 
 // the experts' arguments checked against the rows [P, H] -> what the passes read
 Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up, const torch::Tensor& down,
-                        int64_t inter, bool packed, const torch::Tensor& gate_up_bias, const torch::Tensor& down_bias,
+                        int64_t inter, int64_t packed, const torch::Tensor& gate_up_bias, const torch::Tensor& down_bias,
                         bool clamped, double alpha, double limit, const torch::Tensor& gate_up_scales,
                         const torch::Tensor& down_scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
@@ -733,6 +743,8 @@ Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up,
                   down.sizes() == gate_up.sizes() && down.scalar_type() == at::kLong && down.is_contiguous(),
               "moe_experts: gate_up and down must be [E] int64 addresses");
   TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
+  TORCH_CHECK(packed == 0 || packed == 64 || packed == 32, "moe_experts: packed is 0 (plain weights) or the packed "
+              "layout's rows per block (64, 32)");
   const int64_t experts = gate_up.size(0);
   const bool mxfp4 = gate_up_scales.numel() > 0;
   TORCH_CHECK(!mxfp4 || (!packed && gate_up_scales.sizes() == gate_up.sizes() && down_scales.sizes() == gate_up.sizes() &&
@@ -746,14 +758,14 @@ Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up,
                    checked_bias(down_bias, rows, experts, rows.size(1), "down_bias"), clamped,
                    static_cast<float>(alpha), static_cast<float>(limit),
                    mxfp4 ? gate_up_scales.data_ptr<int64_t>() : nullptr,
-                   mxfp4 ? down_scales.data_ptr<int64_t>() : nullptr};
+                   mxfp4 ? down_scales.data_ptr<int64_t>() : nullptr, packed};
   return ex;
 }
 
 // the experts over rows sorted by expert, each active expert's rows a span
-torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& list, const Experts& ex, bool packed) {
+torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& list, const Experts& ex) {
   if (rows.size(0) == 0 || list.empty()) return torch::zeros_like(rows);
-  if (packed) return experts_packed(rows, list, ex);
+  if (ex.packed_rows) return experts_packed(rows, list, ex);
   if (rows.scalar_type() == at::kFloat) return experts_plain<float>(rows, list, ex);
   return experts_plain<c10::BFloat16>(rows, list, ex);
 }
@@ -762,18 +774,18 @@ torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& li
 
 // rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
 // (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
-// ([2I, H] and [H, I], packed or plain as `packed` says); inter: I; gate_up_bias, down_bias: empty or [E, 2I] and
+// ([2I, H] and [H, I], packed in blocks of `packed` rows (64, 32) or plain (0)); inter: I; gate_up_bias, down_bias: empty or [E, 2I] and
 // [E, H] in the rows' dtype; clamped: gpt-oss's clamped SwiGLU with gate/up interleaved (alpha, limit) in place of
 // SiLU(gate) * up; gate_up_scales, down_scales: empty, or for MXFP4 experts [E] int64, each expert's exponent
 // bytes ([2I, H / 32] and [H, I / 32]; gate_up and down then address its codes, [2I, H / 2] and [H, I / 2] bytes)
 // -> [P, H], each row's expert output down(act(gate_up)) in the rows' dtype
 torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
-                          int64_t inter, bool packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
+                          int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
                           bool clamped, double alpha, double limit, torch::Tensor gate_up_scales,
                           torch::Tensor down_scales) {
   const Experts ex = checked_experts(rows, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
                                      limit, gate_up_scales, down_scales);
-  return run_experts(rows, checked_spans(spans, gate_up.size(0), rows.size(0)), ex, packed);
+  return run_experts(rows, checked_spans(spans, gate_up.size(0), rows.size(0)), ex);
 }
 
 namespace {
@@ -862,7 +874,7 @@ void route_tokens(const torch::Tensor& x, const T* router, const T* bias, int64_
 // `moe_experts` takes them -> [T, H], each token's expert outputs times their weights, added in expert order: the
 // bits `sage_infer.layers.moe.run_grouped` gives for the same experts, without its Python grouping
 torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
-                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
                                  torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
                                  double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
@@ -882,7 +894,7 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
                                    counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
-  const auto out = run_experts(rows, r.spans, ex, packed);
+  const auto out = run_experts(rows, r.spans, ex);
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
@@ -930,7 +942,7 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tenso
 // those take them) -> [T, H]
 torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor router_bias, int64_t top_k,
                         int64_t mode, bool renormalize, bool weights_in_dtype, torch::Tensor counts,
-                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, bool packed,
+                        torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
                         torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
                         torch::Tensor gate_up_scales, torch::Tensor down_scales) {
   const auto [weights, ids] = moe_route(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype);

@@ -421,9 +421,9 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::op
 void quantize_store_int8_(torch::Tensor src, torch::Tensor codes, torch::Tensor scales, torch::Tensor slots);
 // small_linear.cpp
 bool small_linear_compiled();
-bool layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
+int64_t layout_matches(int64_t address, int64_t nbytes, torch::Tensor weight);
 torch::Tensor small_linear(torch::Tensor x, int64_t address, int64_t nbytes, int64_t n,
-                           c10::optional<torch::Tensor> bias);
+                           c10::optional<torch::Tensor> bias, int64_t block_rows);
 // flash_bf16.cpp (and flash_avx2.cpp)
 std::string flash_kernel(bool bf16);
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
@@ -465,7 +465,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
   m.def("quantize_store_int8_", &quantize_store_int8_, "K or V rows quantized into an int8 pool's slots, in place");
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
-  m.def("layout_matches", &layout_matches, "whether oneDNN's packed bf16 weight is in small_linear's layout");
+  m.def("layout_matches", &layout_matches, "the rows per block (64, 32) of small_linear's layout oneDNN's packed bf16 weight is in; 0: neither");
   m.def("flash_kernel", &flash_kernel, "the flash kernel this build runs for bf16 (or fp32) inputs; '' for none");
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("flash_attention_kind", &flash_attention_kind,
