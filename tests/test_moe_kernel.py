@@ -19,6 +19,7 @@ from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
     MXFP4_BF16_ROWS,
     MXFP4_BF16_ROWS_AVX2,
+    PACKED_AMX_ROWS,
     PLAIN_BF16_ROWS,
     PLAIN_BF16_ROWS_AVX2,
     PLAIN_FP32_ROWS,
@@ -124,7 +125,8 @@ def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
 
 
 def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster(cpu_isa):
-    """Packed bf16: decode steps only, unless the kernels sum bf16 pairs natively; plain fp32: up to
+    """Packed bf16: decode steps only, unless the kernels sum bf16 pairs natively (in oneDNN's AMX layout up to
+    PACKED_AMX_ROWS pairs an expert); plain fp32: up to
     PLAIN_FP32_ROWS pairs an expert (16-lane FMA) or PLAIN_FP32_ROWS_AVX2; plain bf16: up to PLAIN_BF16_ROWS (or
     the AVX2 level's) where oneDNN multiplies bf16."""
     plain = make_experts(torch.bfloat16, 40).grouped_kernel()
@@ -136,6 +138,8 @@ def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_fas
     packed = GroupedExpertWeights(64, torch.bfloat16, 40, plain.gate_up, plain.down, [])
     native = cpu_kernels.moe_experts_native_bf16()
     assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)
+    amx = GroupedExpertWeights(32, torch.bfloat16, 40, plain.gate_up, plain.down, [])  # oneDNN's AMX layout
+    assert amx.max_rows() == PACKED_AMX_ROWS
 
 
 @pytest.mark.parametrize("inter", [40, 128])

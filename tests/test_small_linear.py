@@ -16,8 +16,8 @@ from sage_infer.config.serve import ServeConfig
 from sage_infer.errors import ConfigError
 from sage_infer.layers import linear as linear_mod
 from sage_infer.layers.cpu_kernels import packed_layout_matches, small_linear, small_linear_unavailable
-from sage_infer.layers.linear import SMALL_LINEAR_ROWS, PackedLinear, packing_available
-from tests.packed_layout import pack_blocks, packed_bf16_layout
+from sage_infer.layers.linear import SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS_AMX, PackedLinear, packing_available
+from tests.packed_layout import pack_blocks, packed_bf16_layout, packed_block_rows
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
 
 WHY = "this torch has no oneDNN (mkldnn) linear" if not packing_available() else small_linear_unavailable()
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"sage's small-row kerne
 
 
 LAYOUT = WHY or packed_bf16_layout()
+# the rows a layer takes on the kernel here: fewer where oneDNN packs for AMX tiles
+ROWS_HERE = SMALL_LINEAR_ROWS if packed_block_rows() == 64 else SMALL_LINEAR_ROWS_AMX
 needs_layout = pytest.mark.skipif(LAYOUT is not None, reason=f"the kernel cannot read the weights in place: {LAYOUT}")
 
 
@@ -40,11 +42,12 @@ def layers(fan_in: int, fan_out: int, bias: bool) -> tuple[nn.Linear, PackedLine
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_matches_onednn_on_the_same_packed_weights(fan_in, fan_out, bias):
     ref, onednn, sage = layers(fan_in, fan_out, bias)
-    assert sage.small_rows == SMALL_LINEAR_ROWS  # oneDNN's layout was the kernel's for this weight
-    for rows in (1, 3, 4, 5, 8, 17, SMALL_LINEAR_ROWS):
+    assert sage.small_rows == ROWS_HERE  # oneDNN's layout was one of the kernel's for this weight
+    for rows in (1, 3, 4, 5, 8, 17, SMALL_LINEAR_ROWS):  # the kernel itself, past the layer's limit too
         x = torch.randn(rows, fan_in, dtype=torch.bfloat16)
         exact = x.float() @ ref.weight.float().T + (ref.bias.float() if bias else 0)
-        got, want = sage(x), onednn(x)
+        got = small_linear(x, sage._address, sage._nbytes, fan_out, sage._bias32, sage._block_rows)
+        want = onednn(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, fan_out)
         ulp = exact.abs().clamp(min=1e-3) * 2 ** -8  # one bf16 rounding step, plus fp32 summation order
         assert ((got.float() - exact).abs() <= ulp + 1e-4 * fan_in ** 0.5).all()
@@ -57,17 +60,18 @@ def test_rows_past_the_limit_and_fp32_weights_stay_on_onednn(monkeypatch):
     real = linear_mod.small_linear
     monkeypatch.setattr(linear_mod, "small_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     _, onednn, sage = layers(96, 160, True)
-    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)  # leading dims flatten: 10 rows
-    assert torch.equal(sage(x), sage(x.view(10, 96)).view(2, 5, 160))
-    assert calls == [10, 10]
-    big = torch.randn(SMALL_LINEAR_ROWS + 1, 96, dtype=torch.bfloat16)
+    limit = sage.small_rows
+    x = torch.randn(limit, 1, 96, dtype=torch.bfloat16)  # leading dims flatten: `limit` rows
+    assert torch.equal(sage(x), sage(x.view(limit, 96)).view(limit, 1, 160))
+    assert calls == [limit, limit]
+    big = torch.randn(limit + 1, 96, dtype=torch.bfloat16)
     assert torch.equal(sage(big), onednn(big))  # oneDNN's own product, bit for bit
-    assert calls == [10, 10]
+    assert calls == [limit, limit]
     fp32 = PackedLinear(nn.Linear(96, 160), small_rows=SMALL_LINEAR_ROWS)
     assert fp32.small_rows == 0
     assert fp32(torch.empty(0, 96)).shape == (0, 160)  # no rows: oneDNN's empty product, not the kernel
     assert onednn(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 160)
-    assert calls == [10, 10]
+    assert calls == [limit, limit]
 
 
 def test_the_layout_check_compares_the_bytes_not_just_the_size():
@@ -147,7 +151,7 @@ def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path
     fp32 = engine(path, "auto", dtype="fp32")
     assert all(m.small_rows == 0 for m in fp32.engine.runner.model.modules() if isinstance(m, PackedLinear))
     bf16 = engine(path, "auto")  # the kernel where oneDNN's layout is its own, else oneDNN
-    want = SMALL_LINEAR_ROWS if LAYOUT is None else 0
+    want = ROWS_HERE if LAYOUT is None else 0
     assert all(m.small_rows == want for m in bf16.engine.runner.model.modules() if isinstance(m, PackedLinear))
     if LAYOUT is not None:
         with pytest.raises(ConfigError, match="^model.decode_linear: sage: oneDNN packed no layer in the kernel's "):

@@ -633,11 +633,13 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
                                                     f"or gate/up stacked{tied_note}"))
     if decode == "onednn":
         return
-    on_kernel = sum(isinstance(m, PackedLinear) and m.small_rows > 0 for m in model.modules())
-    if small_why is None and on_kernel == 0:  # oneDNN packed them in another layout: never on this CPU so far
+    rows = [m.small_rows for m in model.modules() if isinstance(m, PackedLinear) and m.small_rows > 0]
+    if small_why is None and not rows:  # oneDNN packed them in another layout: never on this CPU so far
         small_why = "oneDNN packed no layer in the kernel's layout here"
-    _fast_path("model.decode_linear", decode, small_why, "sage", f"bf16 products of up to {SMALL_LINEAR_ROWS} rows "
-               f"on sage's kernel: {on_kernel} of {count} packed layers", "onednn")
+    amx = " (oneDNN packs for AMX tiles here, and its own products win from 4 rows)" if max(rows, default=0) \
+        < SMALL_LINEAR_ROWS else ""
+    _fast_path("model.decode_linear", decode, small_why, "sage", f"bf16 products of up to {max(rows, default=0)} "
+               f"rows on sage's kernel{amx}: {len(rows)} of {count} packed layers", "onednn")
 
 
 def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:

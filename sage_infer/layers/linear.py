@@ -38,6 +38,9 @@ PACK_BATCH_HINT = 2048
 # `model.decode_linear: sage`: bf16 products of up to this many rows run sage's kernel (csrc/small_linear.cpp)
 # on the packed weights; bench/small_linear.py measured it against oneDNN at 1-64 rows
 SMALL_LINEAR_ROWS = 32
+# where oneDNN packs bf16 for AMX tiles (32-row blocks) its own products win from 4 rows (bench/small_linear.py on a
+# 2-vCPU Xeon with AMX: sage ÷ oneDNN 1.29x at 1 row, 1.01x at 2, 0.96x at 4, 0.71x at 8, 0.36x at 32)
+SMALL_LINEAR_ROWS_AMX = 2
 # bf16 layers on fp32 copies (no bf16 packing on this CPU): products of up to this many rows run on the kept bf16
 # weight instead, on sage's kernel or, without the kernels, on torch's bf16 product. Over the 0.5B shape's four
 # products of a layer on AVX2 the kernel beats the fp32 copy (which reads twice the bytes) up to 12 rows and loses
@@ -66,9 +69,9 @@ class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with `W` packed for oneDNN once. x: [..., in] -> [..., out].
 
     With ``small_rows`` > 0 (a bf16 weight, and `small_linear_unavailable()` None), products of up to
-    that many rows go through sage's `small_linear` kernel, which reads the same packed bytes; the layer
-    checks once that they are in the kernel's layout, and keeps oneDNN for every product otherwise
-    (`small_rows` is then 0).
+    that many rows (`SMALL_LINEAR_ROWS_AMX` where oneDNN packs for AMX tiles) go through sage's `small_linear`
+    kernel, which reads the same packed bytes; the layer checks once that they are in one of the kernel's
+    layouts, and keeps oneDNN for every product otherwise (`small_rows` is then 0).
     """
 
     def __init__(self, linear: nn.Linear, batch_hint: int = PACK_BATCH_HINT, small_rows: int = 0) -> None:
@@ -96,7 +99,8 @@ class PackedLinear(nn.Module):
             address, nbytes = torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
             block_rows = packed_layout_matches(address, nbytes, weight)  # 64, or 32 where oneDNN packs for AMX
             if block_rows:
-                self.small_rows, self._address, self._nbytes, self._block_rows = small_rows, address, nbytes, block_rows
+                self.small_rows = small_rows if block_rows == 64 else min(small_rows, SMALL_LINEAR_ROWS_AMX)
+                self._address, self._nbytes, self._block_rows = address, nbytes, block_rows
                 self._bias32 = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

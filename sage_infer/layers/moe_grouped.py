@@ -22,7 +22,8 @@ that keeps each weight block in registers across many rows) is the faster path; 
 --batches` and `bench/moe_rows.py` on a 2-vCPU Zen 5 (docs/models.md):
 
 - packed bf16: any where the kernels sum bf16 pairs natively (the AVX512-BF16 build), else `GROUPED_KERNEL_ROWS`
-  (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products);
+  (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products); in oneDNN's AMX layout
+  `PACKED_AMX_ROWS` (its AMX products win past it);
 - plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 8 rows at a time with 16-lane FMA in
   the AVX-512 builds, 4 rows with 8-lane FMA at AVX2: `PLAIN_FP32_ROWS_AVX2`);
 - MXFP4 (gpt-oss's checkpoints kept as they are) in a bf16 model: `MXFP4_BF16_ROWS` (`MXFP4_BF16_ROWS_AVX2`), past
@@ -48,6 +49,9 @@ PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows,
 # the most pairs an expert may have in a step the kernel runs where oneDNN's bf16 products are the faster compute
 # (bench/moe_decode.py --batches measures both paths; docs/models.md)
 GROUPED_KERNEL_ROWS = 16
+# packed bf16 in oneDNN's AMX layout (32-row blocks), one oneDNN product per expert ÷ kernel (Qwen3-30B-A3B's
+# experts, 2-vCPU Xeon with AMX): 1.2-1.5 up to 29 pairs an expert, 0.78 at 51
+PACKED_AMX_ROWS = 32
 # plain fp32, per-expert sgemm ÷ kernel: AVX-512 1.2-1.4 at 23-25 pairs an expert, 1.0-1.1 at 41; AVX2 1.7-3.7 at
 # up to 13, 0.9-1.4 at 21-25
 PLAIN_FP32_ROWS, PLAIN_FP32_ROWS_AVX2 = 32, 16
@@ -108,6 +112,8 @@ class GroupedExpertWeights:
 
     def max_rows(self) -> int | None:
         """The most pairs per expert of a step the kernel should take (None: any)."""
+        if self.packed == PACKED_ROWS // 2:  # oneDNN's AMX layout: its own products win past this many pairs
+            return PACKED_AMX_ROWS
         if self.packed:
             return None if cpu_kernels.moe_experts_native_bf16() else GROUPED_KERNEL_ROWS
         if self.mxfp4_scales is not None:  # past the limit each expert is dequantized, then one bf16 GEMM
