@@ -119,9 +119,10 @@ def test_every_active_expert_runs_in_one_call_prefill_steps_too(monkeypatch):
             experts(torch.randn(tokens, H), weights, groups, FUSED_OPS)
             assert calls[-1] == [list(span) for span in groups.spans]  # one call, every active expert's span
         assert max(groups.counts) > GROUPED_KERNEL_ROWS and len(calls) == 2
-        experts.kernel_rows = max(groups.counts) - 1  # an expert with more rows than the kernel is let take
+        experts.kernel_rows = max(groups.counts) - 1  # experts with more rows than the kernel is let take run alone
         experts(torch.randn(40, H), weights, groups, FUSED_OPS)
-    assert len(calls) == 2
+    assert len(calls) == 3
+    assert [e for e, _, _ in calls[-1]] == [e for e, n in enumerate(groups.counts) if 0 < n <= experts.kernel_rows]
 
 
 def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_faster(cpu_isa):
@@ -140,6 +141,32 @@ def test_many_rows_per_expert_go_to_the_kernel_unless_onednn_multiplies_them_fas
     assert packed.max_rows() == (None if native else GROUPED_KERNEL_ROWS)
     amx = GroupedExpertWeights(32, torch.bfloat16, 40, plain.gate_up, plain.down, [])  # oneDNN's AMX layout
     assert amx.max_rows() == PACKED_AMX_ROWS
+
+
+def test_experts_past_the_kernels_limit_run_alone_and_the_rest_in_one_call(monkeypatch):
+    """A step where some experts have more pairs than the kernel's limit: those run one product each, the others
+    still in one kernel call (their rows gathered, spans renumbered); together the reference's outputs."""
+    experts = make_experts(torch.float32, 40)
+    weights, ids = routing(12, 3)
+    groups = group_by_expert(ids, E)
+    experts.kernel_rows = min(n for n in groups.counts if n)  # the experts with the fewest pairs on the kernel
+    few = [e for e, n in enumerate(groups.counts) if 0 < n <= experts.kernel_rows]
+    many = [e for e, n in enumerate(groups.counts) if n > experts.kernel_rows]
+    assert few and many
+    calls, alone = [], []
+    real, real_expert = cpu_kernels.moe_experts, experts.expert
+    monkeypatch.setattr(cpu_kernels, "moe_experts", lambda rows, spans, *a: calls.append(spans.tolist())
+                        or real(rows, spans, *a))
+    monkeypatch.setattr(experts, "expert", lambda e, rows, ops: alone.append(e) or real_expert(e, rows, ops))
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = experts(x, weights, groups, FUSED_OPS)
+        want = reference(make_experts(torch.float32, 40), x, weights, groups)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert len(calls) == 1 and [e for e, _, _ in calls[0]] == few
+    assert [end - start for _, start, end in calls[0]] == [groups.counts[e] for e in few]
+    assert calls[0][0][1] == 0 and all(a[2] == b[1] for a, b in zip(calls[0], calls[0][1:]))
+    assert alone == many
 
 
 @pytest.mark.parametrize("inter", [40, 128])

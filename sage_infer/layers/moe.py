@@ -22,6 +22,7 @@ decode-sized step (`ROUTE_KERNEL_ROWS`) has its router's product and top-k in th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, Gr
 
 __all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
            "Routing", "SparseMoeBlock", "count_groups", "expert_counter", "group_by_expert", "moe_step", "route",
-           "route_tokens", "routes_in_kernel", "run_block", "run_grouped", "run_routed", "use_grouped_kernel"]
+           "route_tokens", "routes_in_kernel", "run_block", "run_experts", "run_grouped", "run_routed"]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,18 +139,25 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 
 def run_grouped(x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
                 expert: Callable[[int, torch.Tensor], torch.Tensor] | None,
-                all_experts: Callable[[torch.Tensor, list], torch.Tensor] | None = None) -> torch.Tensor:
+                all_experts: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+                all_rows: int | None = None) -> torch.Tensor:
     """x [T, H], the routing weights [T, K] and the step's pairs by expert -> [T, H]: `expert(e, rows)` once per
-    expert with tokens (its weights read once), or `all_experts(rows, spans)` once for all of them; each output
-    times its weight (in the weights' dtype, then x's), a token's K outputs added one by one in expert order (as
-    transformers adds them; the same bits whatever else the batch holds)."""
+    expert with tokens (its weights read once), or `all_experts(rows, spans)` once for all of them (with `all_rows`:
+    for those with at most that many pairs, `expert` for the others); each output times its weight (in the weights'
+    dtype, then x's), a token's K outputs added one by one in expert order (as transformers adds them)."""
     rows = x.index_select(0, groups.tokens)
-    if all_experts is not None:
+    if all_experts is not None and all_rows is None:
         out = all_experts(rows, groups.spans)
     else:
         out = torch.empty_like(rows)
+        fewer = [span for span in groups.spans if all_experts is not None and span[2] - span[1] <= all_rows]
+        if fewer:  # their rows gathered into one call, spans renumbered
+            index = torch.cat([torch.arange(start, end) for _, start, end in fewer])
+            starts = [0, *itertools.accumulate(end - start for _, start, end in fewer)]
+            out[index] = all_experts(rows[index], [(e, starts[i], starts[i + 1]) for i, (e, _, _) in enumerate(fewer)])
         for e, start, end in groups.spans:
-            out[start:end] = expert(e, rows[start:end])
+            if all_experts is None or end - start > all_rows:
+                out[start:end] = expert(e, rows[start:end])
     scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
     per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
     total = per_token[:, 0].clone()
@@ -238,9 +246,7 @@ class FusedExperts(nn.Module):
 
             if (out := cuda_experts(self, x, weights, groups)) is not None:
                 return out
-        if use_grouped_kernel(self, x, groups, ops):
-            return run_grouped(x, weights, groups, None, self.grouped_kernel())
-        return run_grouped(x, weights, groups, lambda e, rows: self.expert(e, rows, ops))
+        return run_experts(self, x, weights, groups, ops, lambda e, rows: self.expert(e, rows, ops))
 
     def grouped_kernel(self) -> GroupedExpertWeights | str:
         """The experts' weights as the grouped kernel reads them, or why it cannot: found on first use and again
@@ -259,12 +265,17 @@ class FusedExperts(nn.Module):
                 and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
 
 
-def use_grouped_kernel(experts: nn.Module, x: torch.Tensor, groups: ExpertGroups, ops: TorchOps) -> bool:
-    """Whether `experts` (with `kernel_rows` and `grouped_kernel()`) run this step in one grouped kernel call."""
-    if not groups.spans:
-        return False
-    limit = _kernel_limit(experts, x, ops)
-    return limit is not False and (limit is None or max(groups.counts) <= limit)
+def run_experts(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups, ops: TorchOps,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`run_grouped` of `experts` (with `kernel_rows` and `grouped_kernel()`) over the step: every expert in one
+    grouped kernel call where the kernel takes them all; where some have more pairs than its
+    limit, those one product each (`expert(e, rows)`) and the rest still in one call; else one product each."""
+    limit = _kernel_limit(experts, x, ops) if groups.spans else False
+    if limit is False:
+        return run_grouped(x, weights, groups, expert)
+    if limit is None or max(groups.counts) <= limit:
+        return run_grouped(x, weights, groups, None, experts.grouped_kernel())
+    return run_grouped(x, weights, groups, expert, experts.grouped_kernel(), limit)
 
 
 def run_routed(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -30,8 +30,7 @@ from sage_infer.layers.moe import (
     Routing,
     expert_counter,
     moe_step,
-    run_grouped,
-    use_grouped_kernel,
+    run_experts,
 )
 from sage_infer.layers.moe_grouped import KERNEL_DTYPES, GroupedExpertWeights
 from sage_infer.quantization import mxfp4
@@ -117,11 +116,9 @@ class ClampedSwigluExperts(nn.Module):
 
             if (out := cuda_experts(self, x, weights, groups)) is not None:
                 return out
-        if use_grouped_kernel(self, x, groups, ops):
-            return run_grouped(x, weights, groups, None, self.grouped_kernel())
         fused = (ops.name != "torch" and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
                  and cpu_kernels.moe_experts_unavailable() is None)
-        return run_grouped(x, weights, groups, self.expert_fused if fused else self.expert)
+        return run_experts(self, x, weights, groups, ops, self.expert_fused if fused else self.expert)
 
     def grouped_kernel(self) -> GroupedExpertWeights | str:
         """The experts as the grouped kernel reads them, or why it cannot (found again if the weights change)."""

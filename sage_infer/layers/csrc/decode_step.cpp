@@ -193,7 +193,8 @@ struct Linear {
   c10::optional<torch::Tensor> bias32, bias, weight_bf16, bias_bf16;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16) return small_linear(x, address, nbytes, n, bias32, block_rows);
+    if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16)
+      return small_linear(x, address, nbytes, n, bias32, block_rows);
     if (weight_bf16.has_value()) {
       if (x.size(0) <= bf16_rows) return bf16_rows_linear(x, *weight_bf16, bias_bf16);
       return onednn_linear(x.to(at::kFloat), packed, bias).to(x.scalar_type());
@@ -329,8 +330,8 @@ class DecodeLayers {
   // layer i's mixture of experts (`set_moe` first) has a shared expert (Qwen2-MoE): the layer's gate_up and down,
   // scaled by sigmoid of this gate's product; `shape`: a linear's 6 numbers (as the constructor takes them), the
   // rest as the constructor takes a linear's
-  void set_shared_expert(int64_t i, std::vector<int64_t> shape, torch::Tensor packed, c10::optional<torch::Tensor> bias32,
-                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
+  void set_shared_expert(int64_t i, std::vector<int64_t> shape, torch::Tensor packed,
+                         c10::optional<torch::Tensor> bias32, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
                          c10::optional<torch::Tensor> bias_bf16) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 6,
                 "DecodeLayers.set_shared_expert: a mixture-of-experts layer (set_moe), 6 linear numbers");

@@ -9,9 +9,10 @@
 //
 // The weights are read where they are, through one address per expert (the caller keeps them alive):
 // - packed: bf16 in oneDNN's blocked layout that `small_linear` reads ([ceil(N/R)][ceil(K/32)*16][R][2], zero
-//   padded, R = 64 or, where oneDNN packs for AMX tiles, 32; kernel.h, csrc/small_linear.cpp), on AVX512-BF16 with `vdpbf16ps` exactly as small_linear sums, at AVX-512
-//   and AVX2 each bf16 pair widened to two fp32 (a shift and a mask) and summed with FMA (AVX2:
-//   4 rows of 16 columns at a time where an expert has more than 16 rows, the same sums as one row at a time);
+//   padded, R = 64 or, where oneDNN packs for AMX tiles, 32; kernel.h, csrc/small_linear.cpp), on AVX512-BF16
+//   with `vdpbf16ps` exactly as small_linear sums, at AVX-512 and AVX2 each bf16 pair widened to two fp32 (a shift
+//   and a mask) and summed with FMA (AVX2: 4 rows of 16 columns at a time where an expert has more than 16 rows,
+//   the same sums as one row at a time);
 // - plain: [N, K] row-major bf16 or fp32 (transformers' stacked experts, or the bf16 weight a `PackedLinear`
 //   keeps where oneDNN cannot pack bf16), with FMA (AVX-512: 16 lanes, 8 rows a pass; AVX2: 8 lanes, 4 rows),
 //   bf16 widened as it is read.
@@ -732,7 +733,8 @@ torch::Tensor combine_for(const torch::Tensor& out, const torch::Tensor& weights
 
 // the experts' arguments checked against the rows [P, H] -> what the passes read
 Experts checked_experts(const torch::Tensor& rows, const torch::Tensor& gate_up, const torch::Tensor& down,
-                        int64_t inter, int64_t packed, const torch::Tensor& gate_up_bias, const torch::Tensor& down_bias,
+                        int64_t inter, int64_t packed, const torch::Tensor& gate_up_bias,
+                        const torch::Tensor& down_bias,
                         bool clamped, double alpha, double limit, const torch::Tensor& gate_up_scales,
                         const torch::Tensor& down_scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
@@ -774,10 +776,11 @@ torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<Span>& li
 
 // rows: [P, H] bf16 or fp32, contiguous, a step's (token, expert) rows sorted by expert; spans: [A, 3] int64
 // (expert, start, end) of each active expert's rows; gate_up, down: [E] int64, each expert's weight address
-// ([2I, H] and [H, I], packed in blocks of `packed` rows (64, 32) or plain (0)); inter: I; gate_up_bias, down_bias: empty or [E, 2I] and
-// [E, H] in the rows' dtype; clamped: gpt-oss's clamped SwiGLU with gate/up interleaved (alpha, limit) in place of
-// SiLU(gate) * up; gate_up_scales, down_scales: empty, or for MXFP4 experts [E] int64, each expert's exponent
-// bytes ([2I, H / 32] and [H, I / 32]; gate_up and down then address its codes, [2I, H / 2] and [H, I / 2] bytes)
+// ([2I, H] and [H, I], packed in blocks of `packed` rows (64, 32) or plain (0)); inter: I; gate_up_bias, down_bias:
+// empty or [E, 2I] and [E, H] in the rows' dtype; clamped: gpt-oss's clamped SwiGLU with gate/up interleaved (alpha,
+// limit) in place of SiLU(gate) * up; gate_up_scales, down_scales: empty, or for MXFP4 experts [E] int64, each expert's
+// exponent bytes ([2I, H / 32] and [H, I / 32]; gate_up and down then address its codes, [2I, H / 2] and [H, I / 2]
+// bytes)
 // -> [P, H], each row's expert output down(act(gate_up)) in the rows' dtype
 torch::Tensor moe_experts(torch::Tensor rows, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down,
                           int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,

@@ -465,7 +465,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in place: optional per-head RMSNorm, then neox rotary");
   m.def("quantize_store_int8_", &quantize_store_int8_, "K or V rows quantized into an int8 pool's slots, in place");
   m.def("small_linear_compiled", &small_linear_compiled, "whether small_linear was built (AVX512-BF16)");
-  m.def("layout_matches", &layout_matches, "the rows per block (64, 32) of small_linear's layout oneDNN's packed bf16 weight is in; 0: neither");
+  m.def("layout_matches", &layout_matches,
+        "the rows per block (64, 32) of small_linear's layout oneDNN's packed bf16 weight is in; 0: neither");
   m.def("flash_kernel", &flash_kernel, "the flash kernel this build runs for bf16 (or fp32) inputs; '' for none");
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("flash_attention_kind", &flash_attention_kind,
