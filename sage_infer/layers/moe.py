@@ -15,9 +15,10 @@ On a CPU, with the fused elementwise ops (`model.elementwise`), a step runs all 
 instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up product in one parallel region, every
 down product in one more, rather than two regions per expert; an expert's many rows of a prefill chunk multiplied as
 one small GEMM), up to the pairs per expert the weights' layout allows (`GroupedExpertWeights.max_rows`: packed bf16
-experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps), with the
-grouping, the routing weights and the sum over a token's experts done in the same call to `run_grouped`'s bits; a
-decode-sized step (`ROUTE_KERNEL_ROWS`) has its router's product and top-k in that call too (`moe_step`).
+experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps; an expert
+with more runs its own products and the others still share one call, `run_experts`), with the grouping, the routing
+weights and the sum over a token's experts done in the same call to `run_grouped`'s bits; a decode-sized step
+(`ROUTE_KERNEL_ROWS`) has its router's product and top-k in that call too (`moe_step`).
 """
 
 from __future__ import annotations
@@ -258,9 +259,9 @@ class FusedExperts(nn.Module):
 
     def keeps_stack(self) -> bool:
         """fp32 stacked experts stay stacked when the grouped kernel can run them: oneDNN packs fp32 in a layout
-        only it reads, and a copy in each layout would double the experts' memory. bf16 ones are split and packed
-        even where oneDNN packs bf16 for AMX tiles, which the kernel cannot read: there its products of a prefill's
-        or a batch's rows per expert run faster than on the plain weights (docs/models.md)."""
+        only it reads, and a copy in each layout would double the experts' memory. bf16 ones are split and packed:
+        the kernel reads oneDNN's bf16 layouts (blocks of 64 rows, or 32 for AMX tiles), and oneDNN's products of
+        many rows per expert run faster on packed weights than on plain ones (docs/models.md)."""
         return (self.gate_up_proj is not None and self.gate_up_proj.dtype == torch.float32
                 and isinstance(GroupedExpertWeights.of(self), GroupedExpertWeights))
 
@@ -268,8 +269,8 @@ class FusedExperts(nn.Module):
 def run_experts(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups, ops: TorchOps,
                 expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`run_grouped` of `experts` (with `kernel_rows` and `grouped_kernel()`) over the step: every expert in one
-    grouped kernel call where the kernel takes them all; where some have more pairs than its
-    limit, those one product each (`expert(e, rows)`) and the rest still in one call; else one product each."""
+    grouped kernel call where the kernel takes them all; where some have more pairs than its limit, those one
+    product each (`expert(e, rows)`) and the rest still in one call; else one product each."""
     limit = _kernel_limit(experts, x, ops) if groups.spans else False
     if limit is False:
         return run_grouped(x, weights, groups, expert)
