@@ -328,11 +328,11 @@ class DecodeLayers {
   }
 
   // layer i's mixture of experts (`set_moe` first) has a shared expert (Qwen2-MoE): the layer's gate_up and down,
-  // scaled by sigmoid of this gate's product; `shape`: a linear's 6 numbers (as the constructor takes them), the
-  // rest as the constructor takes a linear's
+  // scaled by the sigmoid of this gate's product; the gate as the constructor takes a linear (6 numbers, the packed
+  // weight, its biases and bf16 weight and bias)
   void set_shared_expert(int64_t i, std::vector<int64_t> shape, torch::Tensor packed,
-                         c10::optional<torch::Tensor> bias32, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
-                         c10::optional<torch::Tensor> bias_bf16) {
+                         c10::optional<torch::Tensor> bias32, c10::optional<torch::Tensor> bias,
+                         c10::optional<torch::Tensor> weight_bf16, c10::optional<torch::Tensor> bias_bf16) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 6,
                 "DecodeLayers.set_shared_expert: a mixture-of-experts layer (set_moe), 6 linear numbers");
     layers_[i].shared_gate = Linear{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], packed, bias32, bias,
