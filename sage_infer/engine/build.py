@@ -67,6 +67,7 @@ from sage_infer.layers.cpu_kernels import (
 )
 from sage_infer.layers.linear import (
     SMALL_LINEAR_ROWS,
+    SMALL_LINEAR_ROWS_AMX,
     PackedLinear,
     pack_linears,
     packing_available,
@@ -633,13 +634,14 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
                                                     f"or gate/up stacked{tied_note}"))
     if decode == "onednn":
         return
-    rows = [m.small_rows for m in model.modules() if isinstance(m, PackedLinear) and m.small_rows > 0]
-    if small_why is None and not rows:  # oneDNN packed them in another layout: never on this CPU so far
+    on_kernel = [m for m in model.modules() if isinstance(m, PackedLinear) and m.small_rows > 0]
+    if small_why is None and not on_kernel:  # oneDNN packed them in another layout: never on this CPU so far
         small_why = "oneDNN packed no layer in the kernel's layout here"
-    amx = " (oneDNN packs for AMX tiles here, and its own products win from 4 rows)" if max(rows, default=0) \
-        < SMALL_LINEAR_ROWS else ""
-    _fast_path("model.decode_linear", decode, small_why, "sage", f"bf16 products of up to {max(rows, default=0)} "
-               f"rows on sage's kernel{amx}: {len(rows)} of {count} packed layers", "onednn")
+    amx = any(m._block_rows == 32 for m in on_kernel)
+    note = " (oneDNN packs for AMX tiles here, and its own products win from 4 rows)" if amx else ""
+    _fast_path("model.decode_linear", decode, small_why, "sage", f"bf16 products of up to "
+               f"{SMALL_LINEAR_ROWS_AMX if amx else SMALL_LINEAR_ROWS} rows on sage's kernel{note}: "
+               f"{len(on_kernel)} of {count} packed layers", "onednn")
 
 
 def small_linear_why(choice: str, dtype: torch.dtype) -> str | None:

@@ -151,14 +151,15 @@ def run_grouped(x: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
         out = all_experts(rows, groups.spans)
     else:
         out = torch.empty_like(rows)
-        fewer = [span for span in groups.spans if all_experts is not None and span[2] - span[1] <= all_rows]
+        fewer, alone = [], []
+        for span in groups.spans:
+            (fewer if all_experts is not None and span[2] - span[1] <= all_rows else alone).append(span)
         if fewer:  # their rows gathered into one call, spans renumbered
             index = torch.cat([torch.arange(start, end) for _, start, end in fewer])
             starts = [0, *itertools.accumulate(end - start for _, start, end in fewer)]
             out[index] = all_experts(rows[index], [(e, starts[i], starts[i + 1]) for i, (e, _, _) in enumerate(fewer)])
-        for e, start, end in groups.spans:
-            if all_experts is None or end - start > all_rows:
-                out[start:end] = expert(e, rows[start:end])
+        for e, start, end in alone:
+            out[start:end] = expert(e, rows[start:end])
     scaled = (out * weights.reshape(-1)[groups.order].unsqueeze(1)).to(x.dtype)
     per_token = scaled[groups.by_token].view(x.shape[0], weights.shape[1], x.shape[1])
     total = per_token[:, 0].clone()
