@@ -30,8 +30,10 @@ for every step, except packed bf16 experts at the levels without bf16 dot produc
 product, its top-k, the grouping and the sum of the outputs by PyTorch ops) and `per-expert` (one product per active
 expert, two kernel calls each).
 The decode step and `--profile` run on the first path of `--experts`.
-`--batches 1,8,32,128`: both paths on a step of that many rows (random routing, the kernel forced at any count),
-taking turns: where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by); a
+`--batches 1,8,32,128`: three paths on a step of that many rows (random routing), taking turns: `grouped` with the
+kernel forced at any pair count, `per-expert`, and `engine` (the engine's own split: the kernel up to its limit of
+pairs per expert, where it has one, and for packed bf16 experts the busier experts on their own oneDNN weights, all
+grouped in C++): where the grouped kernel stops paying (the pairs per expert `GROUPED_KERNEL_ROWS` is set by); a
 batch of 512 rows is a prefill chunk's step (32 pairs per expert on Qwen3-30B-A3B's 128 experts, top 8).
 """
 
@@ -60,7 +62,7 @@ KERNEL_STEPS = (run_block, run_routed, routes_in_kernel)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MOE_MODELS = sorted(name for name, spec in MODELS.items() if (spec.arch or "").endswith("moe"))
 PROMPT_TOKENS = 128
-PATHS = ("grouped", "per-expert")  # `--batches`
+PATHS = ("grouped", "per-expert", "engine")  # `--batches`
 EXPERT_PATHS = ("grouped", "grouped-python", "per-expert")
 
 
@@ -101,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def use_path(blocks: dict, path: str | None, rows: int | None = None) -> None:
     """The experts of every block on `path` (None: as the engine built them): `grouped` for steps of up to `rows`
     pairs per expert (default `GROUPED_KERNEL_ROWS`), `grouped-python` too with the router's product, its top-k and
-    the grouping by PyTorch ops (`run_block`, `run_routed` and the C++ routing declined), `per-expert` never."""
+    the grouping by PyTorch ops (`run_block`, `run_routed` and the C++ routing declined), `per-expert` never,
+    `engine` up to the kernel's own limit (`kernel_rows` None)."""
     from sage_infer.layers import moe
 
     python = path == "grouped-python"
@@ -109,7 +112,8 @@ def use_path(blocks: dict, path: str | None, rows: int | None = None) -> None:
         (lambda *args: None), (lambda *args: None), (lambda *args: False)) if python else KERNEL_STEPS
     for block in blocks.values():
         if path is not None:
-            block.experts.kernel_rows = (rows or moe.GROUPED_KERNEL_ROWS) if path.startswith("grouped") else 0
+            block.experts.kernel_rows = (None if path == "engine" else
+                                         (rows or moe.GROUPED_KERNEL_ROWS) if path.startswith("grouped") else 0)
 
 
 def expert_weights(model_dir: Path, layers: list[int], num_experts: int, dtype: torch.dtype) -> dict:
@@ -195,8 +199,8 @@ def timed_turns(blocks: dict, weights: dict, ops, hidden: int, dtype: torch.dtyp
 
 
 def batch_sweep(blocks: dict, ops, hidden: int, dtype: torch.dtype, batches: list[int], iters: int) -> list[dict]:
-    """Median ms of the MoE blocks on a decode step of each batch size, on both expert paths (the grouped kernel
-    forced at any pair count), taking turns; with the most and the mean pairs per active expert."""
+    """Median ms of the MoE blocks on a step of each batch size, on each of `PATHS` (`grouped`: the kernel forced at
+    any pair count), taking turns; with the most and the mean pairs per active expert."""
     from sage_infer.layers.moe import group_by_expert, route
 
     rows = []
@@ -216,10 +220,11 @@ def batch_sweep(blocks: dict, ops, hidden: int, dtype: torch.dtype, batches: lis
             block = next(iter(blocks.values()))
             groups = group_by_expert(route(block.gate(x), block.top_k, block.renormalize)[1], len(block.expert_tokens))
             counts.append((max(groups.counts), batch * block.top_k / len(groups.spans)))
-        grouped, per_expert = (statistics.median(times[path]) * 1e3 for path in PATHS)
+        grouped, per_expert, engine = (statistics.median(times[path]) * 1e3 for path in PATHS)
         rows.append({"batch": batch, "max_pairs": max(c[0] for c in counts),
                      "mean_pairs": statistics.mean(c[1] for c in counts), "grouped_ms": grouped,
-                     "per_expert_ms": per_expert, "speedup": per_expert / grouped})
+                     "per_expert_ms": per_expert, "engine_ms": engine, "speedup": per_expert / grouped,
+                     "engine_speedup": per_expert / engine})
     return rows
 
 
@@ -346,8 +351,9 @@ def print_report(r: dict) -> None:
           f"read) = {r['step_ratio']:.2f}   (target >= 0.8)")
     for row in r["batch_sweep"]:
         print(f"  batch {row['batch']:4d} (pairs per expert: max {row['max_pairs']}, mean {row['mean_pairs']:.1f}): "
-              f"grouped {row['grouped_ms']:.2f} ms, per-expert {row['per_expert_ms']:.2f} ms, "
-              f"per-expert / grouped {row['speedup']:.2f}")
+              f"grouped {row['grouped_ms']:.2f} ms, per-expert {row['per_expert_ms']:.2f} ms, engine "
+              f"{row['engine_ms']:.2f} ms; per-expert / grouped {row['speedup']:.2f}, per-expert / engine "
+              f"{row['engine_speedup']:.2f}")
     for rows, prof in r["profiles"].items():
         print(f"  profile, {rows} row(s): {prof['pass_ms']:.2f} ms per pass over the sparse layers (profiled), "
               f"{prof['ops_ms']:.2f} ms in ops, the rest Python")

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sage_infer.layers import cpu_kernels
+from sage_infer.layers import cpu_kernels, elementwise, moe
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
 from sage_infer.layers.linear import pack_linears
-from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped
+from sage_infer.layers.moe import FusedExperts, group_by_expert, run_grouped, run_routed
 from sage_infer.layers.moe_grouped import (
     GROUPED_KERNEL_ROWS,
     MXFP4_BF16_ROWS,
@@ -273,6 +273,37 @@ def test_the_routed_kernel_gives_run_groupeds_bits_and_counts_each_experts_pairs
             want = run_grouped(x, weights, groups, None, kernel)
         assert got.dtype == dtype and torch.equal(got, want), (tokens, (got.float() - want.float()).abs().max())
     assert torch.equal(counts, want_counts)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("on_kernel,passes", [("some", False), ("none", False), ("some", True)])
+def test_experts_past_the_limit_run_on_their_own_onednn_weights_from_cpp_with_the_python_paths_bits(
+        monkeypatch, cpu_isa, weights_dtype, on_kernel, passes):
+    """Packed bf16 experts in a prefill-sized step whose busiest experts have more pairs than the kernel's limit
+    (`run_routed` -> `moe_experts_linears`): those on their own oneDNN weights, the rest on the kernel in one call,
+    grouped and combined in C++; the bits of the Python path (`run_experts`: the same split, each expert's
+    `ExpertMLP` through `FusedOps.gated_mlp`, in passes of the same rows), and the same counts."""
+    skip_packed_unless_readable("packed")
+    experts = with_layout(make_experts(torch.bfloat16, 40), "packed")
+    kernel = experts.grouped_kernel()
+    assert isinstance(kernel, GroupedExpertWeights) and kernel.linears is not None
+    weights, ids = routing(40, 3)
+    weights = weights.to(weights_dtype)
+    groups = group_by_expert(ids, E)
+    active = sorted(n for n in groups.counts if n)
+    experts.kernel_rows = active[1] if on_kernel == "some" else active[0] - 1  # the limit: 2 experts, or none
+    assert max(groups.counts) > experts.kernel_rows
+    if passes:  # a busy expert's rows in passes of 7 (both paths)
+        monkeypatch.setattr(moe, "pass_rows", lambda inter: 7)
+        monkeypatch.setattr(elementwise, "pass_rows", lambda inter: 7)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    counts = torch.zeros(E, dtype=torch.long)
+    with torch.no_grad():
+        got = run_routed(experts, x, weights, ids, counts, FUSED_OPS)
+        want = experts(x, weights, groups, FUSED_OPS)
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert counts.tolist() == groups.counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sage_infer.layers import cpu_kernels
-from sage_infer.layers.elementwise import TORCH_OPS, TorchOps
+from sage_infer.layers.elementwise import TORCH_OPS, TorchOps, pass_rows
 from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights
 
 __all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
@@ -282,13 +282,20 @@ def run_experts(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, grou
 
 def run_routed(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                counts: torch.Tensor, ops: TorchOps) -> torch.Tensor | None:
-    """The step on the grouped kernel with the grouping done in C++ (`GroupedExpertWeights.routed`: the bits
-    `run_grouped` gives, without its Python ops), where the kernel takes a step of x's rows whatever their routing
-    (no expert can get more pairs than there are rows); `counts` [E] grows by each expert's pairs. None: it does
-    not, and the caller groups the pairs itself."""
-    if not _kernel_takes(experts, x, ops):
+    """The step with its grouping done in C++ (the bits `run_experts` gives, without its Python ops): on the grouped
+    kernel where it takes a step of x's rows whatever their routing (no expert can get more pairs than there are
+    rows: `GroupedExpertWeights.routed`), or, for packed experts, the experts past the kernel's limit on their own
+    oneDNN products and the rest on the kernel (`routed_with_linears`); `counts` [E] grows by each expert's pairs.
+    None: neither, and the caller groups the pairs itself."""
+    limit = _kernel_limit(experts, x, ops)
+    if limit is False:
         return None
-    return experts.grouped_kernel().routed(x, weights, ids, counts)
+    kernel = experts.grouped_kernel()
+    if limit is None or x.shape[0] <= limit:
+        return kernel.routed(x, weights, ids, counts)
+    if kernel.linears is None or x.dtype != torch.bfloat16:
+        return None
+    return kernel.routed_with_linears(x, weights, ids, counts, limit, pass_rows(kernel.intermediate))
 
 
 def run_block(router: nn.Module, experts: nn.Module, x: torch.Tensor, routing: Routing, counts: torch.Tensor,

@@ -23,7 +23,8 @@ that keeps each weight block in registers across many rows) is the faster path; 
 
 - packed bf16: any where the kernels sum bf16 pairs natively (the AVX512-BF16 build), else `GROUPED_KERNEL_ROWS`
   (the kernels in use widen bf16 to fp32 at half the rate of oneDNN's bf16 dot products); in oneDNN's AMX layout
-  `PACKED_AMX_ROWS` (its AMX products win past it);
+  `PACKED_AMX_ROWS` (its AMX products win past it). Past the limit, each busier expert runs on its own `PackedLinear`
+  weights and the others still on the kernel, grouped in C++ (`routed_with_linears`, `cpu_kernels.moe_experts_linears`);
 - plain fp32: `PLAIN_FP32_ROWS` (the kernel's plain path is a dot product over 8 rows at a time with 16-lane FMA in
   the AVX-512 builds, 4 rows with 8-lane FMA at AVX2: `PLAIN_FP32_ROWS_AVX2`);
 - MXFP4 (gpt-oss's checkpoints kept as they are) in a bf16 model: `MXFP4_BF16_ROWS` (`MXFP4_BF16_ROWS_AVX2`), past
@@ -49,9 +50,11 @@ PACKED_ROWS, PACKED_PAIR_STEP = 64, 16  # small_linear's blocks: 64 output rows,
 # the most pairs an expert may have in a step the kernel runs where oneDNN's bf16 products are the faster compute
 # (bench/moe_decode.py --batches measures both paths; docs/models.md)
 GROUPED_KERNEL_ROWS = 16
-# packed bf16 in oneDNN's AMX layout (32-row blocks), one oneDNN product per expert ÷ kernel (Qwen3-30B-A3B's
-# experts, 2-vCPU Xeon with AMX): 1.2-1.5 up to 29 pairs an expert, 0.78 at 51
-PACKED_AMX_ROWS = 32
+# packed bf16 in oneDNN's AMX layout (32-row blocks): experts with more pairs than this run on their own oneDNN (AMX)
+# products, the rest on the kernel, all grouped in C++ (`routed_with_linears`); the step's time on Qwen3-30B-A3B's
+# experts (2-vCPU Xeon with AMX, `bench/moe_decode.py --batches`) at limits 8 / 12 / 16 / 24: 170 / 170 / 185 / 190 ms
+# at 128 rows, 181 / 185 / 237 / 312 ms at 256, 212 / 212 / 222 / 236 ms at 512, 307 / 282 / 292 / 302 ms at 1024
+PACKED_AMX_ROWS = 12
 # plain fp32, per-expert sgemm ÷ kernel: AVX-512 1.2-1.4 at 23-25 pairs an expert, 1.0-1.1 at 41; AVX2 1.7-3.7 at
 # up to 13, 0.9-1.4 at 21-25
 PLAIN_FP32_ROWS, PLAIN_FP32_ROWS_AVX2 = 32, 16
@@ -80,6 +83,9 @@ class GroupedExpertWeights:
     # MXFP4 experts: each expert's exponent bytes ([E] int64 addresses, gate_up's and down's); gate_up and down then
     # address its FP4 codes
     mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # packed experts: each expert's oneDNN weights (`PackedLinear.packed` of gate_up, then of down), which
+    # multiply the experts past `max_rows` pairs from C++ (`routed_with_linears`)
+    linears: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
     _options: tuple = field(default=(), repr=False)  # the ops' trailing arguments (`options`), made on first use
 
     def __call__(self, rows: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -92,6 +98,14 @@ class GroupedExpertWeights:
         (`cpu_kernels.moe_experts_routed`); `counts` [E] grows by each expert's pairs."""
         return cpu_kernels.moe_experts_routed(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
                                               self.gate_up, self.down, self.intermediate, self.packed, self.options())
+
+    def routed_with_linears(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                            limit: int, pass_rows: int) -> torch.Tensor:
+        """`routed` where experts past `limit` pairs run on their own oneDNN weights (`linears`; passes of
+        `pass_rows` rows) and the others on the kernel, all grouped in C++ (`cpu_kernels.moe_experts_linears`)."""
+        return cpu_kernels.moe_experts_linears(x.contiguous(), weights.contiguous(), ids.contiguous(), counts,
+                                               self.linears, limit, pass_rows, self.gate_up, self.down,
+                                               self.intermediate, self.packed, self.options())
 
     def block(self, x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, routing,
               counts: torch.Tensor) -> torch.Tensor:
@@ -216,7 +230,8 @@ def _packed(experts: nn.Module, pairs: list, inter: int) -> GroupedExpertWeights
             continue
         weights = GroupedExpertWeights(rows, torch.bfloat16, inter,
                                        _addresses([torch.ops.mkldnn.data_ptr(g.packed) for g, _ in pairs]),
-                                       _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs])
+                                       _addresses([torch.ops.mkldnn.data_ptr(d.packed) for _, d in pairs]), [pairs],
+                                       linears=([g.packed for g, _ in pairs], [d.packed for _, d in pairs]))
         if not unchecked or _same_as_each_expert(weights, experts, unchecked):
             return weights
     return "oneDNN packed the experts in another layout than small_linear's"

@@ -24,6 +24,8 @@
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -901,6 +903,99 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
+namespace {
+
+// oneDNN's product of rows [N, K] by a weight it packed (`PackedLinear.packed`, no bias), through the dispatcher: the
+// op and arguments `PackedLinear.forward` calls from Python
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<std::optional<c10::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// `run_experts` where the experts with more than `limit` pairs run alone, each a pair of oneDNN products on its own
+// packed linears (gate_up, the activation, down; in passes of `pass_rows` rows, as `FusedOps.gated_mlp` runs an
+// `ExpertMLP`), and the others in one `run_experts` call over their rows gathered (spans renumbered)
+torch::Tensor experts_with_linears(const torch::Tensor& rows, const std::vector<Span>& spans, const Experts& ex,
+                                   const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+                                   int64_t limit, int64_t pass_rows) {
+  using B = c10::BFloat16;
+  std::vector<Span> fewer, alone;
+  for (const Span& s : spans) (s.end - s.start <= limit ? fewer : alone).push_back(s);
+  if (alone.empty()) return run_experts(rows, spans, ex);
+  const int64_t h = rows.size(1), bytes = h * static_cast<int64_t>(sizeof(B));
+  auto out = torch::empty_like(rows);
+  if (!fewer.empty()) {
+    std::vector<Span> renumbered;
+    int64_t n = 0;
+    for (const Span& s : fewer) renumbered.push_back({s.expert, n, n + s.end - s.start}), n += s.end - s.start;
+    auto sub = torch::empty({n, h}, rows.options());
+    auto copy_spans = [&](const char* from, char* to, bool gather) {
+      for (size_t i = 0; i < fewer.size(); ++i) {
+        const int64_t at = fewer[i].start * bytes, here = renumbered[i].start * bytes;
+        const int64_t len = (fewer[i].end - fewer[i].start) * bytes;
+        std::memcpy(to + (gather ? here : at), from + (gather ? at : here), len);
+      }
+    };
+    copy_spans(static_cast<const char*>(rows.data_ptr()), static_cast<char*>(sub.data_ptr()), true);
+    const auto got = run_experts(sub, renumbered, ex);
+    copy_spans(static_cast<const char*>(got.data_ptr()), static_cast<char*>(out.data_ptr()), false);
+  }
+  for (const Span& s : alone) {
+    for (int64_t start = s.start; start < s.end; start += pass_rows) {
+      const int64_t n = std::min(pass_rows, s.end - start);
+      const auto gu = packed_linear(rows.narrow(0, start, n), gate_up[s.expert]).contiguous();
+      auto act = torch::empty({n, ex.inter}, rows.options());
+      activation_rows(gu.data_ptr<B>(), n, ex, act.data_ptr<B>(), ex.inter);
+      out.narrow(0, start, n).copy_(packed_linear(act, down[s.expert]));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// `moe_experts_routed` of packed bf16 experts without biases (the arguments as it takes them) whose own oneDNN
+// products win past `limit` pairs an expert: gate_up_linears, down_linears [E], each expert's packed weights
+// (`PackedLinear.packed`); an expert of more than `limit` pairs runs on those (in passes of `pass_rows` rows), the
+// others on the kernel in one call -> [T, H], the bits of `run_grouped` with each expert's `ExpertMLP` past the
+// limit, without its Python grouping
+torch::Tensor moe_experts_linears(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
+                                  std::vector<at::Tensor> gate_up_linears, std::vector<at::Tensor> down_linears,
+                                  int64_t limit, int64_t pass_rows, torch::Tensor gate_up, torch::Tensor down,
+                                  int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
+                                  bool clamped, double alpha, double limit_swiglu, torch::Tensor gate_up_scales,
+                                  torch::Tensor down_scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
+                  packed != 0 && gate_up_bias.numel() == 0 && down_bias.numel() == 0 && gate_up_scales.numel() == 0,
+              "moe_experts_linears: contiguous bf16 x [T, H] and packed experts without biases");
+  const int64_t experts = gate_up.size(0), k = ids.size(1);
+  TORCH_CHECK(static_cast<int64_t>(gate_up_linears.size()) == experts &&
+                  static_cast<int64_t>(down_linears.size()) == experts,
+              "moe_experts_linears: one gate_up and one down packed weight per expert");
+  TORCH_CHECK(limit >= 0 && pass_rows > 0, "moe_experts_linears: limit >= 0, pass_rows > 0");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts_linears: ids must be contiguous [T, K] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
+                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
+              "moe_experts_linears: weights must be contiguous [T, K] in fp32 or x's dtype");
+  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
+                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
+              "moe_experts_linears: counts must be empty or contiguous [E] int64");
+  const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
+                                     limit_swiglu, gate_up_scales, down_scales);
+  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
+                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
+  const auto rows = gather_rows<c10::BFloat16>(x, r.order, k);
+  const auto out = rows.size(0) ? experts_with_linears(rows, r.spans, ex, gate_up_linears, down_linears, limit,
+                                                        pass_rows)
+                                : torch::zeros_like(rows);
+  return combine_for<c10::BFloat16>(out, weights, ids, r);
+}
+
 // A step's routing: x [T, H] (bf16 or fp32), the router's weight [E, H] and bias (empty or [E]) in x's dtype ->
 // (weights [T, K] in fp32, or x's dtype where `weights_in_dtype`; expert ids [T, K] int64). The logits are the
 // router's product plus its bias in fp32, rounded once to x's dtype (as F.linear rounds them), each summed in one
@@ -1028,6 +1123,7 @@ void mxfp4_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor out) {
 SAGE_MOE_LIBRARY(SAGE_MOE_CAT(SAGE_ISA_LEVEL, SAGE_BUILD_KEY), m) {
   m.def("moe_experts", &moe_experts);
   m.def("moe_experts_routed", &moe_experts_routed);
+  m.def("moe_experts_linears", &moe_experts_linears);
   m.def("moe_route", &moe_route);
   m.def("moe_block", &moe_block);
   m.def("mxfp4_rows", &mxfp4_rows);
