@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sage_infer.layers import cpu_kernels, elementwise, moe
+from sage_infer.layers import cpu_kernels, moe
 from sage_infer.layers.cpu_kernels import kernel_unavailable
 from sage_infer.layers.elementwise import FUSED_OPS
 from sage_infer.layers.linear import pack_linears
@@ -275,14 +275,19 @@ def test_the_routed_kernel_gives_run_groupeds_bits_and_counts_each_experts_pairs
     assert torch.equal(counts, want_counts)
 
 
+LINEAR_ROWS = 32  # csrc/moe_experts.cpp `kLinearRows`: oneDNN's expert products run on a multiple of this many rows
+
+
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("on_kernel,passes", [("some", False), ("none", False), ("some", True)])
-def test_experts_past_the_limit_run_on_their_own_onednn_weights_from_cpp_with_the_python_paths_bits(
-        monkeypatch, cpu_isa, weights_dtype, on_kernel, passes):
+def test_experts_past_the_limit_run_on_their_own_onednn_weights_from_cpp(monkeypatch, cpu_isa, weights_dtype, on_kernel,
+                                                                         passes):
     """Packed bf16 experts in a prefill-sized step whose busiest experts have more pairs than the kernel's limit
     (`run_routed` -> `moe_experts_linears`): those on their own oneDNN weights, the rest on the kernel in one call,
-    grouped and combined in C++; the bits of the Python path (`run_experts`: the same split, each expert's
-    `ExpertMLP` through `FusedOps.gated_mlp`, in passes of the same rows), and the same counts."""
+    grouped and combined in C++. The bits of `run_grouped` over the same split with each busy expert's products run
+    here on oneDNN (in passes of `pass_rows` rows, each padded with zeros to a multiple of `LINEAR_ROWS`: a row's bits
+    depend on the product's row count, not on the other rows), within bf16 rounding of the Python path (unpadded
+    products), and the same counts."""
     skip_packed_unless_readable("packed")
     experts = with_layout(make_experts(torch.bfloat16, 40), "packed")
     kernel = experts.grouped_kernel()
@@ -293,16 +298,31 @@ def test_experts_past_the_limit_run_on_their_own_onednn_weights_from_cpp_with_th
     active = sorted(n for n in groups.counts if n)
     experts.kernel_rows = active[1] if on_kernel == "some" else active[0] - 1  # the limit: 2 experts, or none
     assert max(groups.counts) > experts.kernel_rows
-    if passes:  # a busy expert's rows in passes of 7 (both paths)
-        monkeypatch.setattr(moe, "pass_rows", lambda inter: 7)
-        monkeypatch.setattr(elementwise, "pass_rows", lambda inter: 7)
+    step = 7 if passes else moe.pass_rows(40)
+    if passes:  # a busy expert's rows in passes of 7
+        monkeypatch.setattr(moe, "pass_rows", lambda inter: step)
+
+    def onednn(rows: torch.Tensor, linear) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, linear.packed, None, "none", [], "")
+
+    def padded_products(e: int, rows: torch.Tensor) -> torch.Tensor:
+        mlp, out = experts._modules[str(e)], []
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start:start + step]
+            chunk = torch.cat([chunk, chunk.new_zeros(-chunk.shape[0] % LINEAR_ROWS, H)])
+            out.append(onednn(cpu_kernels.silu_mul(onednn(chunk, mlp.gate_up_proj)), mlp.down_proj))
+            out[-1] = out[-1][:min(step, rows.shape[0] - start)]
+        return torch.cat(out)
+
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     counts = torch.zeros(E, dtype=torch.long)
     with torch.no_grad():
         got = run_routed(experts, x, weights, ids, counts, FUSED_OPS)
-        want = experts(x, weights, groups, FUSED_OPS)
+        want = run_grouped(x, weights, groups, padded_products, kernel, experts.kernel_rows)
+        python = experts(x, weights, groups, FUSED_OPS)
     assert got is not None and got.dtype == torch.bfloat16
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    torch.testing.assert_close(got.float(), python.float(), **TOL[torch.bfloat16])
     assert counts.tolist() == groups.counts
 
 

@@ -16,7 +16,8 @@ instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up pr
 down product in one more, rather than two regions per expert; an expert's many rows of a prefill chunk multiplied as
 one small GEMM), up to the pairs per expert the weights' layout allows (`GroupedExpertWeights.max_rows`: packed bf16
 experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps; an expert
-with more runs its own products and the others still share one call, `run_experts`), with the grouping, the routing
+with more runs its own products and the others still share one call, `run_experts`, in C++ for oneDNN's packed bf16
+experts: `run_routed`), with the grouping, the routing
 weights and the sum over a token's experts done in the same call to `run_grouped`'s bits; a decode-sized step
 (`ROUTE_KERNEL_ROWS`) has its router's product and top-k in that call too (`moe_step`).
 """

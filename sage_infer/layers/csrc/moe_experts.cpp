@@ -916,9 +916,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
   return stack[0].toTensor();
 }
 
+// oneDNN's products of an expert's rows run on a multiple of this many rows: oneDNN makes (JIT-compiles) and caches a
+// kernel for each row count it meets, and experts' row counts vary from step to step; a row count met for the first
+// time cost 2-4x the product itself (Qwen3-30B-A3B's gate_up, 96-166 rows, 2-vCPU Xeon with AMX), a multiple of
+// 32 is met again within a few steps. oneDNN's bits for a row depend on the row count of the product (its blocking),
+// not on the other rows' values
+constexpr int64_t kLinearRows = 32;
+
 // `run_experts` where the experts with more than `limit` pairs run alone, each a pair of oneDNN products on its own
 // packed linears (gate_up, the activation, down; in passes of `pass_rows` rows, as `FusedOps.gated_mlp` runs an
-// `ExpertMLP`), and the others in one `run_experts` call over their rows gathered (spans renumbered)
+// `ExpertMLP`, each pass's rows rounded up to `kLinearRows`), and the others in one `run_experts` call over their
+// rows gathered (spans renumbered)
 torch::Tensor experts_with_linears(const torch::Tensor& rows, const std::vector<Span>& spans, const Experts& ex,
                                    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
                                    int64_t limit, int64_t pass_rows) {
@@ -944,13 +952,24 @@ torch::Tensor experts_with_linears(const torch::Tensor& rows, const std::vector<
     const auto got = run_experts(sub, renumbered, ex);
     copy_spans(static_cast<const char*>(got.data_ptr()), static_cast<char*>(out.data_ptr()), false);
   }
+  const int64_t m = rows.size(0);
   for (const Span& s : alone) {
     for (int64_t start = s.start; start < s.end; start += pass_rows) {
-      const int64_t n = std::min(pass_rows, s.end - start);
-      const auto gu = packed_linear(rows.narrow(0, start, n), gate_up[s.expert]).contiguous();
-      auto act = torch::empty({n, ex.inter}, rows.options());
+      const int64_t n = std::min(pass_rows, s.end - start), padded = (n + kLinearRows - 1) / kLinearRows * kLinearRows;
+      // the product of `padded` rows: the rows after the pass's (the next experts', or zeros past the last row) are
+      // multiplied too and dropped
+      torch::Tensor in;
+      if (start + padded <= m) {
+        in = rows.narrow(0, start, padded);
+      } else {
+        in = torch::zeros({padded, h}, rows.options());
+        in.narrow(0, 0, m - start).copy_(rows.narrow(0, start, m - start));
+      }
+      const auto gu = packed_linear(in, gate_up[s.expert]).contiguous();
+      auto act = torch::empty({padded, ex.inter}, rows.options());
       activation_rows(gu.data_ptr<B>(), n, ex, act.data_ptr<B>(), ex.inter);
-      out.narrow(0, start, n).copy_(packed_linear(act, down[s.expert]));
+      act.narrow(0, n, padded - n).zero_();
+      out.narrow(0, start, n).copy_(packed_linear(act, down[s.expert]).narrow(0, 0, n));
     }
   }
   return out;
@@ -962,7 +981,7 @@ torch::Tensor experts_with_linears(const torch::Tensor& rows, const std::vector<
 // products win past `limit` pairs an expert: gate_up_linears, down_linears [E], each expert's packed weights
 // (`PackedLinear.packed`); an expert of more than `limit` pairs runs on those (in passes of `pass_rows` rows), the
 // others on the kernel in one call -> [T, H], the bits of `run_grouped` with each expert's `ExpertMLP` past the
-// limit, without its Python grouping
+// limit run on its rows padded to a multiple of `kLinearRows`, without its Python grouping
 torch::Tensor moe_experts_linears(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
                                   std::vector<at::Tensor> gate_up_linears, std::vector<at::Tensor> down_linears,
                                   int64_t limit, int64_t pass_rows, torch::Tensor gate_up, torch::Tensor down,
