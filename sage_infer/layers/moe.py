@@ -336,6 +336,12 @@ def _kernel_limit(experts: nn.Module, x: torch.Tensor, ops: TorchOps) -> int | N
     kernel = experts.grouped_kernel()
     if not isinstance(kernel, GroupedExpertWeights) or kernel.dtype != x.dtype:
         return False
+    return _pairs_limit(experts, kernel)
+
+
+def _pairs_limit(experts: nn.Module, kernel: GroupedExpertWeights) -> int | None:
+    """The most pairs an expert of `experts` may have in a step on `kernel` (None: any): their `kernel_rows` where
+    set, else the weights' layout's own (`max_rows`)."""
     return experts.kernel_rows if experts.kernel_rows is not None else kernel.max_rows()
 
 
@@ -377,8 +383,7 @@ class ExpertsInDecodeStep:
     def decode_step_rows(self) -> int:
         """The most rows of a decode step this MLP runs in one kernel call (`run_block`): routed in C++ and taken by
         the grouped kernel whatever their routing."""
-        limit = self.experts.kernel_rows
-        limit = self.experts.grouped_kernel().max_rows() if limit is None else limit
+        limit = _pairs_limit(self.experts, self.experts.grouped_kernel())
         return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
 
     def decode_step_shared(self) -> tuple[nn.Module, nn.Module, nn.Module] | None:

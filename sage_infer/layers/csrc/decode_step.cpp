@@ -172,9 +172,8 @@ static torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up) {
   return at::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
 }
 
-namespace {
-
-// oneDNN's product on a packed weight: torch.ops.mkldnn._linear_pointwise, as `PackedLinear` calls it
+// oneDNN's product on a packed weight: torch.ops.mkldnn._linear_pointwise, as `PackedLinear` calls it (moe_experts.cpp
+// calls it too)
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
@@ -182,6 +181,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   op.callBoxed(&stack);
   return stack.back().toTensor();
 }
+
+namespace {
 
 // one `PackedLinear`: products of up to `small_rows` bf16 rows on small_linear (its fp32 bias), the
 // rest on oneDNN (its bias in the model's dtype), as `PackedLinear.forward` chooses; a bf16 layer that oneDNN
@@ -431,9 +432,10 @@ class DecodeLayers {
   // the residual add with the next norm
   torch::Tensor feed_forward(const Layer& layer, const torch::Tensor& attended, torch::Tensor& residual) const {
     auto h = add_rms_norm_(layer.o(attended), residual, layer.post_norm, eps_);
-    auto mlp = layer.moe.has_value() ? (*layer.moe)(h) : layer.down(silu_mul(layer.gate_up(h)));
+    const auto dense = [&] { return layer.down(silu_mul(layer.gate_up(h))); };  // the MLP, or Qwen2-MoE's shared expert
+    auto mlp = layer.moe.has_value() ? (*layer.moe)(h) : dense();
     if (layer.shared_gate.has_value())  // SparseMoeBlock.forward: out += sigmoid(gate(x)) * shared_expert(x)
-      mlp.add_(at::sigmoid((*layer.shared_gate)(h)) * layer.down(silu_mul(layer.gate_up(h))));
+      mlp.add_(at::sigmoid((*layer.shared_gate)(h)) * dense());
     return add_rms_norm_(mlp, residual, layer.next_norm, eps_);
   }
 

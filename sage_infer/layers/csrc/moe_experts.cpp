@@ -24,8 +24,6 @@
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -903,18 +901,12 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
   return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
 }
 
-namespace {
+// oneDNN's product of rows by a weight it packed (`PackedLinear.packed`), as `PackedLinear.forward` calls it
+// (decode_step.cpp)
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias);
 
-// oneDNN's product of rows [N, K] by a weight it packed (`PackedLinear.packed`, no bias), through the dispatcher: the
-// op and arguments `PackedLinear.forward` calls from Python
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<std::optional<c10::Scalar>>(),
-                          std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
+namespace {
 
 // oneDNN's products of an expert's rows run on a multiple of this many rows: oneDNN makes (JIT-compiles) and caches a
 // kernel for each row count it meets, and experts' row counts vary from step to step; a row count met for the first
@@ -965,11 +957,11 @@ torch::Tensor experts_with_linears(const torch::Tensor& rows, const std::vector<
         in = torch::zeros({padded, h}, rows.options());
         in.narrow(0, 0, m - start).copy_(rows.narrow(0, start, m - start));
       }
-      const auto gu = packed_linear(in, gate_up[s.expert]).contiguous();
+      const auto gu = onednn_linear(in, gate_up[s.expert], c10::nullopt).contiguous();
       auto act = torch::empty({padded, ex.inter}, rows.options());
       activation_rows(gu.data_ptr<B>(), n, ex, act.data_ptr<B>(), ex.inter);
       act.narrow(0, n, padded - n).zero_();
-      out.narrow(0, start, n).copy_(packed_linear(act, down[s.expert]).narrow(0, 0, n));
+      out.narrow(0, start, n).copy_(onednn_linear(act, down[s.expert], c10::nullopt).narrow(0, 0, n));
     }
   }
   return out;
