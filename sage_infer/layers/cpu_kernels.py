@@ -335,19 +335,19 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         packed, *options)
 
 
-
 def moe_experts_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor | None,
                         linears: tuple[list[torch.Tensor], list[torch.Tensor]], limit: int, pass_rows: int,
                         gate_up: torch.Tensor, down: torch.Tensor, intermediate: int, packed: int,
                         options: tuple) -> torch.Tensor:
     """`moe_experts_routed` of packed bf16 experts (bf16 x, no biases) with each expert's own oneDNN weights
     (`linears`: every expert's `PackedLinear.packed` of gate_up, then of down): an expert with more than `limit`
-    pairs in the step is multiplied by those (in passes of `pass_rows` rows, as `FusedOps.gated_mlp` runs it), the
-    others by the kernel in one call; the bits of `sage_infer.layers.moe.run_grouped` over the same split, grouped
-    and combined in C++."""
+    pairs in the step is multiplied by those (in passes of `pass_rows` rows, as `FusedOps.gated_mlp` runs it, each
+    pass's rows rounded up to a multiple of 32 so that oneDNN meets few row counts), the others by the kernel in one
+    call; grouped and combined in C++ as `sage_infer.layers.moe.run_grouped` does it."""
     return _moe_op(_module(), "moe_experts_linears")(
         x, weights, ids, torch.empty(0, dtype=torch.long) if counts is None else counts, linears[0], linears[1],
         limit, pass_rows, gate_up, down, intermediate, packed, *options)
+
 
 _MOE_OPS: dict[tuple[str, str], object] = {}
 

@@ -16,10 +16,10 @@ instead (`sage_infer.layers.moe_grouped`, csrc/moe_experts.cpp: every gate/up pr
 down product in one more, rather than two regions per expert; an expert's many rows of a prefill chunk multiplied as
 one small GEMM), up to the pairs per expert the weights' layout allows (`GroupedExpertWeights.max_rows`: packed bf16
 experts at the levels without bf16 dot products only steps of at most `GROUPED_KERNEL_ROWS`, decode steps; an expert
-with more runs its own products and the others still share one call, `run_experts`, in C++ for oneDNN's packed bf16
-experts: `run_routed`), with the grouping, the routing
-weights and the sum over a token's experts done in the same call to `run_grouped`'s bits; a decode-sized step
-(`ROUTE_KERNEL_ROWS`) has its router's product and top-k in that call too (`moe_step`).
+with more runs its own products and the others still share one call, `run_experts`, all in one C++ call for oneDNN's
+packed bf16 experts, `run_routed`), with the grouping, the routing weights and the sum over a token's experts done in
+the same call to `run_grouped`'s bits; a decode-sized step (`ROUTE_KERNEL_ROWS`) has its router's product and top-k
+in that call too (`moe_step`).
 """
 
 from __future__ import annotations
@@ -283,18 +283,19 @@ def run_experts(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, grou
 
 def run_routed(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                counts: torch.Tensor, ops: TorchOps) -> torch.Tensor | None:
-    """The step with its grouping done in C++ (the bits `run_experts` gives, without its Python ops): on the grouped
-    kernel where it takes a step of x's rows whatever their routing (no expert can get more pairs than there are
-    rows: `GroupedExpertWeights.routed`), or, for packed experts, the experts past the kernel's limit on their own
-    oneDNN products and the rest on the kernel (`routed_with_linears`); `counts` [E] grows by each expert's pairs.
-    None: neither, and the caller groups the pairs itself."""
+    """The step with its grouping done in C++, without `run_experts`' Python ops: on the grouped kernel where it takes
+    a step of x's rows whatever their routing (no expert can get more pairs than there are rows:
+    `GroupedExpertWeights.routed`, `run_experts`' bits), or, for oneDNN's packed experts, the experts past the
+    kernel's limit on their own oneDNN products (on row counts rounded up to 32: within rounding of `run_experts`)
+    and the rest on the kernel (`routed_with_linears`); `counts` [E] grows by each expert's pairs. None: neither, and
+    the caller groups the pairs itself."""
     limit = _kernel_limit(experts, x, ops)
     if limit is False:
         return None
     kernel = experts.grouped_kernel()
     if limit is None or x.shape[0] <= limit:
         return kernel.routed(x, weights, ids, counts)
-    if kernel.linears is None or x.dtype != torch.bfloat16:
+    if kernel.linears is None:
         return None
     return kernel.routed_with_linears(x, weights, ids, counts, limit, pass_rows(kernel.intermediate))
 

@@ -20,7 +20,9 @@
 // again, as `x @ w + b` computes it); SiLU(gate) * up is computed as csrc/fused_ops.cpp's silu_mul computes it,
 // gpt-oss's clamped SwiGLU (gate and up interleaved) as PyTorch's ops round it step by step, so only the fp32
 // summation order can differ from the per-expert path. The routing weights and the sum of a token's K outputs
-// stay with the caller (`run_grouped`).
+// stay with the caller (`run_grouped`), or are done here too (`moe_experts_routed`, `moe_block`); in
+// `moe_experts_linears` the experts with more pairs than the kernel should take run on their own oneDNN weights
+// (packed bf16, where oneDNN's AMX products beat the kernel) from the same call.
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
