@@ -75,12 +75,23 @@ void run_items(int64_t items, const F& f) {
 }
 
 // ---- packed bf16 layout: acc[g][lane] = x row g (bf16 pairs, `xs` pairs apart) . row `lane` of one block
-#if defined(__AVX512BF16__)
-constexpr int kPackedGroup = 6;
+#if defined(__AVX2__) && defined(__FMA__)
 // the weights' lines this many column pairs ahead are prefetched (2 KiB a stream): without it the grouped layers of
 // Qwen3-30B-A3B read their experts at 0.76x the rate (64-row steps) and 0.88x (batch 1) on the 2-vCPU Xeon with
-// AMX, whose cores keep too few misses in flight for the hardware prefetchers alone (docs/models.md)
+// AMX at AVX512-BF16, 0.90-0.93x at the AVX-512 and AVX2 levels forced there: its cores keep too few misses in
+// flight for the hardware prefetchers alone (docs/models.md; the many-row AVX2 strips do not prefetch)
 constexpr int64_t kPrefetchPairs = 16;
+// a 64-row item's four 64-byte pieces of the column pair `kPrefetchPairs` after `line` (in the 32-row layout an
+// item of up to 32 rows has half 0: two pieces, each asked for twice)
+inline void prefetch_ahead(const uint16_t* line, PackedLines lines) {
+  const uint16_t* ahead = line + kPrefetchPairs * lines.stride;
+  for (const uint16_t* piece : {ahead, ahead + 32, ahead + lines.half, ahead + lines.half + 32})
+    _mm_prefetch(reinterpret_cast<const char*>(piece), _MM_HINT_T0);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int kPackedGroup = 6;
 template <int G>
 void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64_t xs, int64_t pairs,
                   float (*acc)[kRows]) {
@@ -89,10 +100,7 @@ void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64
     for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* line = w + p * lines.stride;
-    _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchPairs * lines.stride), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchPairs * lines.stride + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchPairs * lines.stride + lines.half), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchPairs * lines.stride + lines.half + 32), _MM_HINT_T0);
+    prefetch_ahead(line, lines);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line), w1 = (__m512bh)_mm512_loadu_si512(line + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(line + lines.half),
                    w3 = (__m512bh)_mm512_loadu_si512(line + lines.half + 32);
@@ -118,6 +126,7 @@ void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* line = w + p * lines.stride;
+    prefetch_ahead(line, lines);
     __m512 even[4], odd[4];  // a pair's first column (low half of each 32-bit word) and its second
     for (int j = 0; j < 4; ++j) {
       const __m512i raw = _mm512_loadu_si512(line + (j < 2 ? 32 * j : lines.half + 32 * (j - 2)));
@@ -145,6 +154,7 @@ void packed_block(const uint16_t* w, PackedLines lines, const uint32_t* x, int64
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* line = w + p * lines.stride;
+    prefetch_ahead(line, lines);
     const uint32_t xp = x[p];
     const __m256 x0 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp << 16)));
     const __m256 x1 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(xp & 0xFFFF0000u)));
