@@ -892,6 +892,40 @@ void route_tokens(const torch::Tensor& x, const T* router, const T* bias, int64_
 
 }  // namespace
 
+namespace {
+
+// a routed step's arguments checked (`op` names the caller): x [T, H] contiguous on the CPU, ids [T, K] int64,
+// weights [T, K] in fp32 or x's dtype, counts empty or [E] int64
+void check_routing(const char* op, const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
+                   const torch::Tensor& counts, int64_t experts) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), op,
+              ": x must be contiguous [T, H] on the CPU");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(), op,
+              ": ids must be contiguous [T, K] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
+                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
+              op, ": weights must be contiguous [T, K] in fp32 or x's dtype");
+  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
+                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
+              op, ": counts must be empty or contiguous [E] int64");
+}
+
+// a checked routed step: the pairs sorted by expert (counts grown), x's rows gathered in that order,
+// `run(rows, spans)` for each row's expert output, then each token's outputs weighted and added (`combine`)
+template <typename Run>
+torch::Tensor routed_rows(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids,
+                          const torch::Tensor& counts, int64_t experts, const Run& run) {
+  const int64_t k = ids.size(1);
+  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
+                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
+  const auto out = run(rows, r.spans);
+  return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
+}
+
+}  // namespace
+
 // A step from its routing, grouped here: x [T, H] (bf16 or fp32), the routing weights [T, K] (fp32 or x's dtype) and
 // expert ids [T, K] int64; counts: empty or [E] int64, grown in place by each expert's pairs; the weights as
 // `moe_experts` takes them -> [T, H], each token's expert outputs times their weights, added in expert order: the
@@ -900,25 +934,13 @@ torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::
                                  torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
                                  torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
                                  double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "moe_experts_routed: x must be contiguous [T, H] on the CPU");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "moe_experts_routed: ids must be contiguous [T, K] int64");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
-                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
-              "moe_experts_routed: weights must be contiguous [T, K] in fp32 or x's dtype");
-  const int64_t experts = gate_up.size(0), k = ids.size(1);
-  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
-                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
-              "moe_experts_routed: counts must be empty or contiguous [E] int64");
+  check_routing("moe_experts_routed", x, weights, ids, counts, gate_up.size(0));
   const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha, limit,
                                      gate_up_scales, down_scales);
-  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
-                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const auto rows = bf16 ? gather_rows<c10::BFloat16>(x, r.order, k) : gather_rows<float>(x, r.order, k);
-  const auto out = run_experts(rows, r.spans, ex);
-  return bf16 ? combine_for<c10::BFloat16>(out, weights, ids, r) : combine_for<float>(out, weights, ids, r);
+  return routed_rows(x, weights, ids, counts, gate_up.size(0),
+                     [&](const torch::Tensor& rows, const std::vector<Span>& spans) {
+                       return run_experts(rows, spans, ex);
+                     });
 }
 
 // oneDNN's product of rows by a weight it packed (`PackedLinear.packed`), as `PackedLinear.forward` calls it
@@ -1000,31 +1022,20 @@ torch::Tensor moe_experts_linears(torch::Tensor x, torch::Tensor weights, torch:
                                   int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
                                   bool clamped, double alpha, double limit_swiglu, torch::Tensor gate_up_scales,
                                   torch::Tensor down_scales) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
-                  packed != 0 && gate_up_bias.numel() == 0 && down_bias.numel() == 0 && gate_up_scales.numel() == 0,
-              "moe_experts_linears: contiguous bf16 x [T, H] and packed experts without biases");
-  const int64_t experts = gate_up.size(0), k = ids.size(1);
+  const int64_t experts = gate_up.size(0);
+  check_routing("moe_experts_linears", x, weights, ids, counts, experts);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed != 0 && gate_up_bias.numel() == 0 &&
+                  down_bias.numel() == 0 && gate_up_scales.numel() == 0,
+              "moe_experts_linears: bf16 x and packed experts without biases");
   TORCH_CHECK(static_cast<int64_t>(gate_up_linears.size()) == experts &&
                   static_cast<int64_t>(down_linears.size()) == experts,
               "moe_experts_linears: one gate_up and one down packed weight per expert");
   TORCH_CHECK(limit >= 0 && pass_rows > 0, "moe_experts_linears: limit >= 0, pass_rows > 0");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "moe_experts_linears: ids must be contiguous [T, K] int64");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() &&
-                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type()),
-              "moe_experts_linears: weights must be contiguous [T, K] in fp32 or x's dtype");
-  TORCH_CHECK(counts.numel() == 0 || (counts.dim() == 1 && counts.size(0) == experts &&
-                                      counts.scalar_type() == at::kLong && counts.is_contiguous()),
-              "moe_experts_linears: counts must be empty or contiguous [E] int64");
   const Experts ex = checked_experts(x, gate_up, down, inter, packed, gate_up_bias, down_bias, clamped, alpha,
                                      limit_swiglu, gate_up_scales, down_scales);
-  const Routing r = sort_by_expert(ids.data_ptr<int64_t>(), ids.numel(), experts,
-                                   counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
-  const auto rows = gather_rows<c10::BFloat16>(x, r.order, k);
-  const auto out = rows.size(0) ? experts_with_linears(rows, r.spans, ex, gate_up_linears, down_linears, limit,
-                                                        pass_rows)
-                                : torch::zeros_like(rows);
-  return combine_for<c10::BFloat16>(out, weights, ids, r);
+  return routed_rows(x, weights, ids, counts, experts, [&](const torch::Tensor& rows, const std::vector<Span>& spans) {
+    return experts_with_linears(rows, spans, ex, gate_up_linears, down_linears, limit, pass_rows);
+  });
 }
 
 // A step's routing: x [T, H] (bf16 or fp32), the router's weight [E, H] and bias (empty or [E]) in x's dtype ->
