@@ -4,9 +4,11 @@
     python bench/flash_attention.py --dtype fp32 --heads 6,2 --json out/flash_attention_fp32.json
     SAGE_CPU_ISA=avx2 python bench/flash_attention.py --lengths 512,2048 --stat median --json out/flash_avx2.json
     python bench/flash_attention.py --dtype fp32 --heads 6,2 --lengths 4096,16384,32768 --chunk 2048 --repeats 3
+    python bench/flash_attention.py --heads 32,4 --head-dim 128 --json out/flash_attention_30b.json
 
 Default: Qwen2.5-0.5B's attention shape (14 query / 2 KV heads x 64), bf16 q/k/v; `--dtype fp32
---heads 6,2` is the qwen3-11m bench model's (an fp32 model's prefill goes to the fp32 kernel). Cases: causal prefill
+--heads 6,2` is the qwen3-11m bench model's (an fp32 model's prefill goes to the fp32 kernel), `--heads 32,4
+--head-dim 128` Qwen3-30B-A3B's. Cases: causal prefill
 chunks of W1's prompt lengths (100-500) and a 2,048-token one (reference: `prefill_attention`, one
 causal SDPA call); a 32-token chunk after 1,024 cached
 keys (W2's unique tail: PyTorch has no lower-right causal mask, so the engine's reference path splits
@@ -16,7 +18,8 @@ shared prefix of W2's decode steps, 64 rows x 14 heads over 1,024 keys unmasked
 lengths, and with `--chunk N` the last N-token chunk of each instead (a long prompt's chunked prefill: N queries
 after L - N cached keys, reference `chunk_attention_lse`). Best (or `--stat median`) of `--repeats` calls each,
 the reference's and sage's alternating; "max diff" is against fp32 plain ops, for both kernels. The kernel is the
-one of the ISA level in use (`SAGE_CPU_ISA` forces a lower one), named in the header and the JSON.
+one of the ISA level in use (`SAGE_CPU_ISA` forces a lower one), named in the header and the JSON, with the kernel
+the engine's bf16 prefill takes here (PyTorch's on a CPU with AMX tiles: `cpu_kernels.amx_flash_attention`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ from sage_infer.layers.attention import (  # noqa: E402
     prefill_attention,
     shared_keys_attention_lse,
 )
-from sage_infer.layers.cpu_kernels import flash_attention, flash_kernel, flash_unavailable, kernel_level  # noqa: E402
+from sage_infer.layers.cpu_kernels import (  # noqa: E402
+    amx_flash_attention,
+    flash_attention,
+    flash_kernel,
+    flash_unavailable,
+    kernel_level,
+)
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 CASES = [(100, 100, True), (300, 300, True), (500, 500, True), (2048, 2048, True), (32, 1056, True),
@@ -54,7 +63,7 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block
     out = []
     for q0 in range(0, lq, block):
         qb = q[q0:q0 + block].float()
-        scores = torch.einsum("qhd,khd->hqk", qb, kf) * HEAD_DIM ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", qb, kf) * q.shape[-1] ** -0.5
         if causal:
             rows = torch.arange(q0, q0 + qb.shape[0])[:, None] + (c - lq)
             scores = scores.masked_fill(torch.arange(c)[None, :] > rows, float("-inf"))
@@ -85,7 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS}", help="query heads,KV heads (head_dim 64)")
+    parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS}", help="query heads,KV heads")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--lengths", default=None, help="only first chunks (causal, queries = keys) of these "
                         "comma-separated lengths")
     parser.add_argument("--chunk", type=int, default=None, help="with --lengths: time the last CHUNK queries of "
@@ -95,20 +105,22 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     heads, kv_heads = (int(n) for n in args.heads.split(","))
-    if why := flash_unavailable(HEAD_DIM, dtype):
+    head_dim = args.head_dim
+    if why := flash_unavailable(head_dim, dtype):
         sys.exit(f"sage's flash kernel cannot run here: {why}")
     cases = [(min(args.chunk or n, n), n, True) for n in map(int, args.lengths.split(","))] if args.lengths else CASES
     torch.set_num_threads(args.threads)
-    scale = HEAD_DIM ** -0.5
+    scale = head_dim ** -0.5
     rows = []
-    print(f"sage: {flash_kernel(dtype)}, kernels {kernel_level()}")
+    engine_takes = "PyTorch's (AMX tiles)" if amx_flash_attention(dtype) else "sage's"
+    print(f"sage: {flash_kernel(dtype)}, kernels {kernel_level()}; the engine's prefill takes {engine_takes} here")
     print(f"{'queries x keys':>16} {'causal':>6} {'torch ms':>9} {'sage ms':>8} {'sage GFLOP/s':>13} "
-          f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.dtype}, {heads}/{kv_heads} heads, "
-          f"{args.threads} threads, {args.stat} of {args.repeats})")
+          f"{'sage/torch':>11} {'max diff torch / sage':>22}   ({args.dtype}, {heads}/{kv_heads} heads x "
+          f"{head_dim}, {args.threads} threads, {args.stat} of {args.repeats})")
     for lq, c, causal in cases:
         torch.manual_seed(lq + c)
-        q = torch.randn(lq, heads, HEAD_DIM).to(dtype)
-        k, v = torch.randn(c, kv_heads, HEAD_DIM).to(dtype), torch.randn(c, kv_heads, HEAD_DIM).to(dtype)
+        q = torch.randn(lq, heads, head_dim).to(dtype)
+        k, v = torch.randn(c, kv_heads, head_dim).to(dtype), torch.randn(c, kv_heads, head_dim).to(dtype)
         if lq == c:  # a first chunk: one causal SDPA call (`prefill_attention`)
             reference = partial(first_chunk, q, k, v, scale)
         else:
@@ -117,7 +129,7 @@ def main() -> None:
         want = exact(q, k, v, causal)
         diffs = [(fn()[0].float() - want).abs().max().item() for fn in (reference, sage)]
         t_ref, t_sage = timed((reference, sage), args.repeats, args.stat)
-        flops = 4 * heads * HEAD_DIM * (lq * c - (lq * lq / 2 if causal else 0))
+        flops = 4 * heads * head_dim * (lq * c - (lq * lq / 2 if causal else 0))
         row = {"queries": lq, "keys": c, "causal": causal, "torch_ms": t_ref * 1e3, "sage_ms": t_sage * 1e3,
                "sage_gflop_s": flops / t_sage / 1e9, "speedup": t_ref / t_sage, "max_diff_torch": diffs[0],
                "max_diff_sage": diffs[1]}
@@ -127,7 +139,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "dtype": args.dtype,
-                                         "shape": [heads, kv_heads, HEAD_DIM], "torch": torch.__version__,
+                                         "shape": [heads, kv_heads, head_dim], "torch": torch.__version__,
+                                         "engine_takes": engine_takes,
                                          "kernel": flash_kernel(dtype), "kernels": kernel_level(),
                                          "stat": args.stat, "repeats": args.repeats, "rows": rows}, indent=1))
         print(f"wrote {args.json}")

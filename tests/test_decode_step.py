@@ -135,7 +135,8 @@ def shared_prefix_engines(path, dtype: str, prefill_attention: str) -> tuple[LLM
 
 @pytest.mark.parametrize(("dtype", "prefill_attention"), [("bf16", "auto"), ("bf16", "torch"), ("fp32", "auto")])
 def test_a_decode_step_over_a_shared_prefix_is_the_python_cascade_exactly(tmp_path, dtype, prefill_attention):
-    """bf16 attends the shared blocks with sage's flash kernel (auto) or PyTorch's (torch), fp32 with PyTorch's."""
+    """bf16 attends the shared blocks with sage's flash kernel (auto; PyTorch's on a CPU with AMX tiles) or
+    PyTorch's (torch), fp32 with sage's fp32 kernel (auto)."""
     if dtype == "bf16" and small_linear_unavailable() is not None and packing_unavailable(torch.bfloat16) is None:
         pytest.skip(f"sage's small-row kernel: {small_linear_unavailable()}")
     path = make_tiny_model(tmp_path / "q3", "qwen3")

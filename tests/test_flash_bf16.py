@@ -17,10 +17,11 @@ from sage_infer import LLM
 from sage_infer.config.serve import ServeConfig
 from sage_infer.engine.model_runner import ModelRunner
 from sage_infer.errors import ConfigError
+from sage_infer.hal.isa import ENV
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
-from sage_infer.layers.attention_backends import attention_backend
-from sage_infer.layers.cpu_kernels import flash_attention, flash_kernel, flash_unavailable
+from sage_infer.layers.attention_backends import attention_backend, flash_prefill
+from sage_infer.layers.cpu_kernels import amx_flash_attention, flash_attention, flash_kernel, flash_unavailable
 from tests.conftest import runnable_cpu_levels
 from tests.test_paged_kernel import LAYER, chunk_step
 from tests.tiny_models import assert_within_bf16_drift, greedy_tokens, make_tiny_model
@@ -160,16 +161,18 @@ def test_bad_shapes_are_clear_errors():
 
 
 @needs_bf16
+@pytest.mark.parametrize("part", ["flash", "flash_amx"])
 @pytest.mark.parametrize("cascade", [False, True])
-def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade):
+def test_paged_attention_with_the_kernel_matches_the_reference_path(cascade, part):
     """One bf16 step: first chunks, chunks after cached context and decode rows, with and without a shared
-    prefix attended once (cascade): the kernel's spans and prefix against PyTorch's flash kernel."""
+    prefix attended once (cascade): the kernel's spans and prefix against PyTorch's flash kernel (the AMX part
+    runs PyTorch's kernel too, split as the torch part splits it, on any CPU)."""
     plan = [(24 + c, n) for c, n in ((0, 1), (3, 7), (5, 40), (1, 2), (2, 70), (0, 1))] + [(0, 33)]
     pool, seqs, num_new, q, k, v = chunk_step(plan, shared_blocks=6, heads=(8, 2), head_dim=64, dtype=torch.bfloat16)
     metas = []
     for flash in (True, False):
         runner = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=cascade,
-                             attention=attention_backend(prefill="flash" if flash else "torch"))
+                             attention=attention_backend(prefill=part if flash else "torch"))
         runner.cascade_min_saved_tokens = 1
         metas.append(runner.prepare(seqs, num_new)[1])
     assert metas[0].backend.prefill.flash and not metas[1].backend.prefill.flash
@@ -188,7 +191,12 @@ def engine(path, prefill_attention: str, dtype: str = "bf16") -> LLM:
 
 
 @needs_bf16
-def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path):
+@pytest.mark.parametrize("forced", [False, True])
+def test_bf16_greedy_tokens_agree_with_the_reference_within_drift(tmp_path, monkeypatch, forced):
+    """`forced`: this CPU's own level named in SAGE_CPU_ISA, so sage's kernel runs even where the engine would take
+    PyTorch's on AMX tiles (`amx_flash_attention`)."""
+    if forced:
+        monkeypatch.setenv(ENV, cpu_kernels._module().isa())
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     rng = random.Random(8)
     shared = [rng.randrange(5, 500) for _ in range(48)]  # a prefix cached after the first prompt
@@ -212,16 +220,35 @@ def test_fp32_greedy_tokens_equal_the_reference_path(tmp_path):
 
 
 @needs_bf16
-def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch):
-    calls = []
-    real = cpu_kernels.flash_attention
+@pytest.mark.parametrize("forced", [False, True])
+def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch, forced):
+    """sage's kernel, or on a CPU with AMX tiles PyTorch's through the AMX part (not with a forced level)."""
+    if forced:
+        monkeypatch.setenv(ENV, cpu_kernels._module().isa())
+    calls, amx_calls = [], []
+    real, real_amx = cpu_kernels.flash_attention, flash_prefill.prefill_attention
     monkeypatch.setattr(cpu_kernels, "flash_attention",
                         lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(flash_prefill, "prefill_attention",
+                        lambda *a, **kw: amx_calls.append(a[0].shape[0]) or real_amx(*a, **kw))
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     greedy_tokens(engine(path, "torch"), [list(range(5, 30))], max_tokens=2)
-    assert calls == []
-    greedy_tokens(engine(path, "sage"), [list(range(5, 30))], max_tokens=2)
-    assert calls == [25] * 2  # the prompt's chunk, in each of the 2 layers; decode rows take the paged kernel
+    assert calls == amx_calls == []
+    amx = amx_flash_attention(torch.bfloat16)
+    assert amx == (not forced and torch.cpu._is_amx_tile_supported())
+    llm = engine(path, "sage")
+    assert type(llm.engine.runner.attention.prefill).__name__ == ("AmxFlashPrefill" if amx else "FlashPrefill")
+    greedy_tokens(llm, [list(range(5, 30))], max_tokens=2)
+    # the prompt's chunk, in each of the 2 layers; decode rows take the paged kernel
+    assert (amx_calls, calls) == (([25] * 2, []) if amx else ([], [25] * 2))
+
+
+def test_amx_flash_attention_is_bf16_on_amx_tiles_without_a_forced_level(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert amx_flash_attention(torch.bfloat16) == bool(torch.cpu._is_amx_tile_supported())
+    assert not amx_flash_attention(torch.float32)
+    monkeypatch.setenv(ENV, "avx2")
+    assert not amx_flash_attention(torch.bfloat16)
 
 
 @needs_bf16

@@ -51,7 +51,9 @@ class ModelConfig(Strict):
     prefill_attention: Literal["auto", "sage", "torch"] = Field(
         "auto", description="Prefill chunks (and, on CPU, prompt prefixes shared by a step's sequences): sage (on "
         "CPU a flash kernel for bf16 or fp32 models, at the ISA level of the CPU kernels in use "
-        "(docs/cpu_isa.md); head_dim a multiple of 32 up to 256. On an NVIDIA GPU a Triton kernel that "
+        "(docs/cpu_isa.md); head_dim a multiple of 32 up to 256; a bf16 model on a CPU with AMX tiles runs its plain "
+        "layers through PyTorch's CPU flash kernel instead, on AMX, and sage's kernel for windowed, soft-capped and "
+        "sink layers. On an NVIDIA GPU a Triton kernel that "
         "attends every prefill span of a step in one launch per layer, reading K/V in place from a float pool; "
         "model.cascade_attention is then off, each row reading its shared prefix in place), torch (PyTorch's flash "
         "kernel per span, the reference path), auto (sage where it can run, else torch).")

@@ -58,6 +58,7 @@ from sage_infer.layers.attention_backends import (
 from sage_infer.layers.attention_kinds import AttentionKind
 from sage_infer.layers.batch_invariant import DETERMINISTIC_ROWS, describe_tiling, tile_linears
 from sage_infer.layers.cpu_kernels import (
+    amx_flash_attention,
     check_forced_level,
     flash_kernel,
     flash_unavailable,
@@ -411,7 +412,8 @@ def build_attention(config: ServeConfig, model: torch.nn.Module, head_dim: int, 
     decode = "paged" if use_paged_attention(config.model.attention, pool, device) else "torch"
     prefill = "torch"
     if use_flash_attention(config.model.prefill_attention, model, head_dim, device, pool):
-        prefill = "triton" if device.type == "cuda" else "flash"
+        prefill = "triton" if device.type == "cuda" else "flash_amx" if amx_flash_attention(model_dtype(model)) \
+            else "flash"
     if deterministic and decode != "paged":
         raise ConfigError("model.deterministic: every query row goes through the paged decode kernel, which cannot "
                           "run here (model.attention is torch or the kernel is unavailable: see the line above)",
@@ -497,6 +499,11 @@ def use_cuda_graphs(choice: str, device: torch.device, decode_in_place: bool, ki
                       reference="off")
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter."""
+    return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+
+
 def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, device: torch.device,
                         pool: KVPool) -> bool:
     """`model.prefill_attention`: whether prefill chunks run sage's kernel: on a CPU the flash kernel (bf16 or
@@ -509,7 +516,7 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
             why = f"kv_dtype {pool.schema.dtype.value} is quantized (the kernel reads float blocks)"
         return _fast_path("model.prefill_attention", choice, why, "sage",
                           "Triton kernel: every prefill span in one launch per layer, K/V read in place")
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    dtype = model_dtype(model)
     if device.type != "cpu":
         why = f"the kernels run on CPUs (C++) and NVIDIA GPUs (Triton); device is {device.type}"
     elif dtype not in (torch.bfloat16, torch.float32):
@@ -517,6 +524,9 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
     else:
         why = flash_unavailable(head_dim, dtype)
     kind = flash_kernel(dtype) if why is None else "the CPU flash kernel"
+    if why is None and amx_flash_attention(dtype):
+        kind = ("PyTorch's CPU flash kernel on AMX tiles for plain layers (4-7x sage's bf16 kernel on such a CPU), "
+                f"sage's {kind} for windowed, soft-capped and sink layers")
     return _fast_path("model.prefill_attention", choice, why, "sage", kind)
 
 
@@ -597,7 +607,7 @@ def use_packed_linears(model: torch.nn.Module, choice: str, device: torch.device
         return
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu:
-        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+        dtype = model_dtype(model)
         swapped, kept = use_quant_kernels(model, dtype)
         if swapped or kept:
             auto_log.info("model.linear: %d quantized linear layers on CPU int8/int4 kernels%s", swapped,

@@ -45,4 +45,4 @@ class CppDecodeStep(StepExecutor):
         local_cos, local_sin = local or (None, None)
         return self.handle.run(h, x, cos, sin, local_cos, local_sin, [group_meta.slot_mapping for group_meta in metas],
                                [group.block_tables for group in groups], [group.context_lens for group in groups],
-                               shared, shared is not None and meta.backend.prefill.flash)
+                               shared, shared is not None and meta.backend.prefill.sage_flash_prefix)

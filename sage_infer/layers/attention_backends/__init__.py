@@ -10,6 +10,7 @@ never breaks `import sage_infer`):
 | decode `paged` | `attention: paged` | `paged_decode.py` | rows read blocks in place: C++ (CPU), Triton (GPU) |
 | prefill `torch` | `prefill_attention: torch` | `torch_prefill.py` | spans one by one, PyTorch SDPA (the oracle) |
 | prefill `flash` | `prefill_attention: sage`, CPU | `flash_prefill.py` | spans and shared prefixes, sage flash kernel |
+| prefill `flash_amx` | `sage`, bf16, CPU with AMX | `flash_prefill.py` | the same through PyTorch's (AMX) |
 | prefill `triton` | `prefill_attention: sage`, GPU | `triton_prefill.py` | every span in one launch, in place |
 
 (`attention` and `prefill_attention` are fields of the config's `model` section.)
@@ -33,6 +34,7 @@ DECODE_PARTS: dict[str, str] = {  # name -> module:class, imported when chosen
 PREFILL_PARTS: dict[str, str] = {
     "torch": "torch_prefill:TorchPrefill",
     "flash": "flash_prefill:FlashPrefill",
+    "flash_amx": "flash_prefill:AmxFlashPrefill",
     "triton": "triton_prefill:TritonPrefill",
 }
 

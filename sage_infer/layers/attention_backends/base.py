@@ -88,11 +88,14 @@ class PrefillPart:
     gathered from the pool by slot), through `attend`; shared prefixes and their suffixes through `prefix_lse`
     and `attend_lse`. A part that reads blocks in place overrides `prepare` and `attend_spans`.
 
-    `flash`: the C++ decode step may attend a shared prefix with sage's flash kernel, as this part does."""
+    `flash`: a flash kernel, reading every key once per tile of query rows (`IN_PLACE_CHUNK_PAIRS`);
+    `sage_flash_prefix`: the C++ decode step attends a shared prefix with sage's flash kernel, as this part does
+    (else with PyTorch's)."""
 
     name: ClassVar[str]
     in_place: ClassVar[bool] = False
     flash: ClassVar[bool] = False
+    sage_flash_prefix: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = True  # shared prefixes attended once by all their sequences (`SharedPrefix`)
 
     def prepare(self, batch: StepBatch, spans: list[SeqSpan],

@@ -1,6 +1,6 @@
 """`model.prefill_attention: sage` on a CPU: prefill spans and shared prefixes through sage's CPU flash kernel
 (bf16 and fp32 models), which also takes a layer's sliding window, logit soft-cap and attention sinks
-(`flash_attention_kind`)."""
+(`flash_attention_kind`); for bf16 on a CPU with AMX tiles, through PyTorch's CPU flash kernel (`AmxFlashPrefill`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sage_infer.layers import cpu_kernels
+from sage_infer.layers.attention import chunk_attention_lse, prefill_attention, shared_keys_attention_lse
 from sage_infer.layers.attention_backends.base import PrefillPart
 from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args
 
@@ -29,6 +30,7 @@ class FlashPrefill(PrefillPart):
 
     name = "sage"
     flash = True
+    sage_flash_prefix = True
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         return cpu_kernels.flash_attention(q, k_ctx, v_ctx, scale, causal=True)[0].to(q.dtype)
@@ -47,3 +49,25 @@ class FlashPrefill(PrefillPart):
     def attend_kind(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float,
                     kind: AttentionKind) -> torch.Tensor:
         return flash_attention_kind(q, k_ctx, v_ctx, scale, kind)[0].to(q.dtype)
+
+
+@dataclass(frozen=True)
+class AmxFlashPrefill(FlashPrefill):
+    """A bf16 model on a CPU with AMX tiles (`cpu_kernels.amx_flash_attention`): plain spans, shared prefixes and
+    their suffixes through PyTorch's CPU flash kernel, whose tiles run on oneDNN's AMX micro-kernels (4-7x sage's
+    AVX512-BF16 kernel there), split as the torch part splits them (a span after cached context: its cached keys
+    unmasked, then its own causal, merged by log-sum-exp); layers of another kind (a window, a soft-cap, sinks)
+    through sage's kernel, which takes them."""
+
+    sage_flash_prefix = False  # the C++ decode step attends a shared prefix with PyTorch's kernel too
+
+    def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
+        return prefill_attention(q, k_ctx, v_ctx, scale)
+
+    def attend_lse(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunk_attention_lse(q, k_ctx, v_ctx, scale)
+
+    def prefix_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return shared_keys_attention_lse(q, keys, values, scale)
