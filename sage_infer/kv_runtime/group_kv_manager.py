@@ -153,9 +153,15 @@ class GroupKVCacheManager(KVCacheManager):
     def _device_blocks(self, tables: list[list[int]]) -> list[int]:
         return [b for table in tables for b in table if b != self.null_block and b != LOAD]
 
-    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+    def takes_in_step(self, seq: Sequence, match: PrefixMatch) -> bool:
+        """Never: a sequence's tables per group would each take the other's blocks (not built); it waits a step."""
+        return False
+
+    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, borrowed: tuple[int, ...] = ()) -> bool:
         """`KVCacheManager.admit` for every group: take each group's matched blocks, then room for `num_new_tokens`
         after them in every table; False, changing nothing, if short."""
+        if borrowed:
+            raise ValueError("blocks computed in the same step are not taken with KV groups (takes_in_step)")
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
         if not self.can_admit(seq, match, num_new_tokens):

@@ -59,6 +59,7 @@ class KVCacheManager:
         for source in self.sources:
             source.attach(block_manager)
         self.lower_hit_tokens = 0  # prompt tokens first admissions loaded from the lower tiers
+        self.in_step_tokens = 0  # prompt tokens admissions took from blocks another sequence computed in their step
 
     def source(self, name: str) -> KVSource | None:
         """The source called `name` (``tiers``, ``transfers``), or None without one."""
@@ -147,22 +148,36 @@ class KVCacheManager:
         computed = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - len(seq.block_table))
 
-    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
-        """Whether `admit` would succeed, without changing anything.
+    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, num_borrowed: int = 0) -> bool:
+        """Whether `admit` would succeed (with `num_borrowed` blocks taken in step), without changing anything.
 
         Matched blocks that are cached now count as available until `admit` takes them, so
         they are subtracted from what the pool can hand out.
         """
-        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens) - len(match.block_ids)
+        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens + num_borrowed * self.block_size) \
+            - len(match.block_ids) - num_borrowed
         return needed <= 0 or needed <= self.available_after(match)
+
+    def takes_in_step(self, seq: Sequence, match: PrefixMatch) -> bool:
+        """Whether `seq` may take blocks another sequence computes in this very step (`admit`'s `borrowed`): prefix
+        caching on, and nothing for a source to stage into the blocks after `match` (no lower-tier hit, no
+        transfer)."""
+        source = self._source_of(seq)
+        return self.index is not None and not match.lower_block_hashes and (
+            source is None or source.stages_lower_hits_only)
 
     def available_after(self, match: PrefixMatch) -> int:
         """Blocks the pool could still hand out once `match`'s blocks are taken (they stop being evictable)."""
         taken = self.index.num_evictable_among(match.block_ids) if match.block_ids else 0
         return self.block_manager.num_available_blocks - taken
 
-    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, borrowed: tuple[int, ...] = ()) -> bool:
         """Take `match`'s blocks and allocate room for `num_new_tokens` after them; False, changing nothing, if short.
+
+        `borrowed` (`takes_in_step`): the full blocks of `seq`'s prompt right after `match`'s that another sequence
+        computes in this step, same tokens, same key; taken as computed, since a step stores each layer's K/V
+        before any row attends. They are registered when that sequence's step is committed (and again, to the
+        same blocks, when this one's is). `num_new_tokens` then counts from after them.
 
         `num_new_tokens` counts from `match.total_tokens`: blocks found in a lower tier are
         loaded here. A load that comes back short (miss, corruption, dead tier) leaves the
@@ -172,8 +187,10 @@ class KVCacheManager:
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
-        if not self.can_admit(seq, match, num_new_tokens):
+        if not self.can_admit(seq, match, num_new_tokens, len(borrowed)):
             return False
+        if borrowed and not self.takes_in_step(seq, match):
+            raise ValueError(f"sequence {seq.seq_id} cannot take blocks computed in its step (takes_in_step)")
         now = self.clock()
         if self.index is not None:
             self.index.policy.tick(now)
@@ -186,6 +203,11 @@ class KVCacheManager:
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
+        if borrowed:
+            self.block_manager.acquire(borrowed)
+            seq.block_table.extend(borrowed)
+            seq.num_computed_tokens += len(borrowed) * self.block_size
+            self.in_step_tokens += len(borrowed) * self.block_size
         # room for what the load returned, not what the lookup promised: a short load's
         # missing blocks are computed by later chunks, which allocate them then
         loaded = staged.shape[0] if staged is not None else 0

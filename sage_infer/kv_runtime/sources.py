@@ -44,6 +44,7 @@ class KVSource:
     pool: KVPool  # the device pool the taken rows are written into
     counts_as_lower_hit = False  # loaded tokens count in `KVCacheManager.lower_hit_tokens` (tier hits)
     prefetches = False  # `prefetch` starts a background read (else the manager does not look up at queueing)
+    stages_lower_hits_only = False  # `take` stages rows only for a match's lower-tier blocks (the tiers)
     block_manager: BlockManager  # set by `attach`
 
     def attach(self, block_manager: BlockManager) -> None:

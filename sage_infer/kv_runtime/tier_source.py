@@ -36,6 +36,7 @@ class TierSource(KVSource):
 
     name = "tiers"
     counts_as_lower_hit = True
+    stages_lower_hits_only = True
 
     def __init__(self, hierarchy: HierarchyManager, load_timeout_s: float | None = None,
                  flush_on_shutdown_s: float = 30.0) -> None:

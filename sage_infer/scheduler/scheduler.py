@@ -2,7 +2,9 @@
 
 `schedule()`: running sequences first (decodes and unfinished prefill chunks), preempting
 the lowest-priority running sequence by recompute when the pool is short; then waiting
-sequences are admitted (prefix hits first) while budget, seats and blocks last. Under
+sequences are admitted (prefix hits first) while budget, seats and blocks last; one whose next prompt blocks
+another sequence computes in the same step takes them as computed (requests behind one new system prompt
+compute it once, all in the first step: `_computed_this_step`). Under
 `short_prefill_first`, a step in which a short prompt can compute holds the long ones back.
 
 With a speculative `proposer`, a decode row also carries the tokens proposed to follow it
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from sage_infer.config.serve import SchedulerConfig
 from sage_infer.core.sequence import Sequence, SequenceStatus
 from sage_infer.kv_runtime.kv_cache_manager import KVCacheManager
+from sage_infer.prefix_reuse.index import PrefixMatch
 from sage_infer.spec_decode import Proposer
 from sage_infer.spec_decode.grammar import grammar_allowed
 
@@ -73,7 +76,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept in service order
         self.running: list[Sequence] = []  # kept in service order; the last is preempted first
         self._siblings: dict[str, list[Sequence]] = {}  # request id -> sequences waiting for its prompt
-        self.deferred = 0  # admissions put off a step because their next prompt block was computed in it
+        self.deferred = 0  # admissions put off a step: their next prompt block was computed in it, not takeable
         self._held: set[int] = set()  # long prompts held back last step for a short one (short_prefill_first)
         self.num_preemptions = 0  # running sequences sent back to wait (their KV freed, recomputed later)
 
@@ -198,12 +201,14 @@ class Scheduler:
                 self._held.add(seq.seq_id)
                 position += 1
                 continue
-            if self._computed_this_step(seq, match.total_tokens, computing):
+            borrowed = self._computed_this_step(seq, match, computing)
+            if borrowed is None:
                 self.deferred += 1
                 position += 1  # next step its prefix is cached; the others go first
                 continue
-            num_new = self._chunk(seq.num_tokens - match.total_tokens, budget, cap)
-            if num_new == 0 or not self.kv.admit(seq, match, num_new):
+            num_new = self._chunk(seq.num_tokens - match.total_tokens - len(borrowed) * self.kv.block_size, budget,
+                                  cap)
+            if num_new == 0 or not self.kv.admit(seq, match, num_new, borrowed):
                 break
             candidates.pop(position)
             self.waiting.remove(seq)
@@ -255,20 +260,36 @@ class Scheduler:
             rows.append((seq.seq_id, seq.token_ids, min(budget - 1, room), seq.extra_key))
         return {row[0]: tokens for row, tokens in zip(rows, self.proposer.propose_batch(rows))}
 
-    def _computed_this_step(self, seq: Sequence, cached_tokens: int, computing: list[tuple[Sequence, int]]) -> bool:
-        """Whether the next full block of `seq`'s prompt (past its cached prefix) is one another sequence in
-        this step computes: the same tokens from the start, the same prefix-cache key. Such a request waits
-        one step and then finds that block (and the rest of the shared prefix) cached, instead of computing
-        it a second time in this step (64 requests behind one system prompt would otherwise compute it in
-        every request the first step admits)."""
+    def _computed_this_step(self, seq: Sequence, match: PrefixMatch,
+                            computing: list[tuple[Sequence, int]]) -> tuple[int, ...] | None:
+        """The blocks of `seq`'s prompt past its cached prefix that another sequence computes in this step (the
+        same tokens from the start, the same prefix-cache key), for `seq` to take as computed: 64 requests behind
+        one new system prompt compute it once, in the first request, and all 64 attend it in that same step.
+        Empty when no such sequence exists. None when one does but its blocks cannot be taken (`takes_in_step`:
+        a lower-tier hit, KV groups; or that sequence computes only part of what the two share this step): then
+        `seq` waits a step and finds them cached, rather than compute them a second time."""
         bs = self.kv.block_size
-        end = cached_tokens + bs  # the tokens up to and including that block
+        cached = match.total_tokens
+        end = cached + bs  # the tokens up to and including the next block
         if self.kv.index is None or not computing or end > seq.num_tokens - 1:
-            return False
+            return ()
         prefix = seq.token_ids[:end]
-        return any(other.num_computed_tokens <= cached_tokens and other.num_computed_tokens + n >= end
-                   and other.extra_key == seq.extra_key and other.token_ids[:end] == prefix
-                   for other, n in computing)
+        for other, n in computing:
+            if not (other.num_computed_tokens <= cached and other.num_computed_tokens + n >= end
+                    and other.extra_key == seq.extra_key and other.token_ids[:end] == prefix):
+                continue
+            first = cached // bs
+            if not self.kv.takes_in_step(seq, match) or other.block_table[:first] != list(match.block_ids):
+                return None
+            last = min((seq.num_tokens - 1) // bs, len(other.token_ids) // bs)  # a token is left to compute
+            shared = first + 1
+            while shared < last and other.token_ids[shared * bs:(shared + 1) * bs] == \
+                    seq.token_ids[shared * bs:(shared + 1) * bs]:
+                shared += 1
+            if shared * bs > other.num_computed_tokens + n:  # the rest of what they share comes in later steps
+                return None
+            return tuple(other.block_table[first:shared])
+        return ()
 
     # -- after the step -------------------------------------------------------------------
 
