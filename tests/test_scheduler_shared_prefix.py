@@ -6,10 +6,15 @@ the prefix cached. Outputs equal those of each request served alone."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
+from sage_infer.server.metrics import ServerMetrics
 from tests.tiny_models import make_tiny_model
 
 BLOCK = 16
@@ -24,6 +29,13 @@ def tiny(tmp_path_factory):
 def prompts(prefix_blocks: int = 4, n: int = 6) -> list[list[int]]:
     shared = [5 + (3 * i) % 400 for i in range(prefix_blocks * BLOCK)]
     return [shared + [100 + 7 * j + i for i in range(10 + 3 * j)] for j in range(n)]
+
+
+def scraped(llm: LLM) -> dict[str, float]:
+    """The engine's counters as `/metrics` renders them, parsed back with prometheus_client."""
+    metrics = ServerMetrics(SimpleNamespace(stats=llm.engine.stats), "tiny")
+    text = generate_latest(metrics.registry).decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def served_alone(tiny, batch: list[list[int]]) -> list[list[int]]:
@@ -44,6 +56,7 @@ def test_a_batch_behind_one_new_prefix_computes_it_once_in_one_step(tiny, prefil
     scheduler, kv = llm.engine.scheduler, llm.engine.kv
     assert scheduler.deferred == 0 and scheduler.num_running == 6
     assert kv.in_step_tokens == 5 * 4 * BLOCK
+    assert scraped(llm)["sage:prefix_cache_same_step_hits_total"] == 5 * 4 * BLOCK
     assert llm.engine.runner.cascade_steps == int(cascade)
     tables = [seq.block_table[:4] for seq in scheduler.running]
     assert all(table == tables[0] for table in tables)  # the same four blocks, not copies

@@ -108,6 +108,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens found there
     prefix_lower_hit_tokens: int = 0  # prompt tokens loaded from a lower KV tier instead (not in prefix_hit_tokens)
+    prefix_same_step_tokens: int = 0  # prompt tokens taken from blocks another request computed in the same step
     tiers: tuple[TierSnapshot, ...] = ()  # lower KV tiers, fastest first
     tier_dropped_blocks: int = 0  # evicted blocks no tier kept
     tier_load_failures: int = 0  # blocks a lookup found below but no tier returned verified

@@ -259,6 +259,7 @@ class LLMEngine:
             prefix_query_tokens=metrics.query_tokens if metrics is not None else 0,
             prefix_hit_tokens=metrics.hit_tokens if metrics is not None else 0,
             prefix_lower_hit_tokens=self.kv.lower_hit_tokens,
+            prefix_same_step_tokens=self.kv.in_step_tokens,
             spec_drafts=self.spec_stats.num_drafts,
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,

@@ -83,9 +83,13 @@ class _EngineCollector:
         lower = CounterMetricFamily("sage:prefix_cache_lower_hits", "Prompt tokens loaded from a lower KV tier "
                                     "(host, disk, remote) instead of computed; not in prefix_cache_hits.",
                                     labels=labels)
+        same_step = CounterMetricFamily("sage:prefix_cache_same_step_hits", "Prompt tokens taken from blocks another "
+                                        "request computed in the same step (requests behind one new prefix compute "
+                                        "it once); not in prefix_cache_hits.", labels=labels)
         queries.add_metric(value, stats.prefix_query_tokens)
         hits.add_metric(value, stats.prefix_hit_tokens)
         lower.add_metric(value, stats.prefix_lower_hit_tokens)
+        same_step.add_metric(value, stats.prefix_same_step_tokens)
         failures = CounterMetricFamily("sage:request_engine_failures", "Requests failed alone on an unexpected "
                                        "engine error (the engine went on serving the others).", labels=labels)
         failures.add_metric(value, stats.request_failures)
@@ -103,7 +107,7 @@ class _EngineCollector:
             for layer, expert, n in stats.moe_expert_tokens:
                 experts.add_metric([*value, str(layer), str(expert)], n)
             yield experts
-        yield from (running, waiting, usage, queries, hits, lower, failures, preemptions)
+        yield from (running, waiting, usage, queries, hits, lower, same_step, failures, preemptions)
 
     @staticmethod
     def _tiers(stats, labels: list[str], value: list[str]):
