@@ -257,3 +257,24 @@ def test_config_show_reports_tokens_per_gib_per_group(gemma2, sage):
     # at 1024 tokens: 64 full blocks, the sliding group's last one (tokens 1009..1023); every layer: 2 x 64
     assert shown["kv_sequence"] == {"tokens": 1024, "bytes": 65 * per_token * BS,
                                     "full_attention_bytes": 128 * per_token * BS}
+
+
+def test_a_burst_behind_one_new_prefix_waits_a_step_with_kv_groups(mistral):
+    """Requests arriving together behind one uncached prefix: with KV groups the others do not take the first's
+    blocks in its step (`takes_in_step` is False), they wait one and find the prefix cached; tokens equal
+    transformers'."""
+    directory, hf = mistral
+    shared = random_prompts([64], seed=21)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 9, 3], seed=22)]
+    engine = llm(directory, num_blocks=96)
+    for i, prompt in enumerate(prompts):
+        engine.engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.engine.step()
+    assert engine.engine.scheduler.deferred == 2 and engine.engine.kv.in_step_tokens == 0
+    done = {}
+    while engine.engine.has_unfinished_requests():
+        for out in engine.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[f"r{i}"] for i in range(3)] == [greedy(hf, prompt, 6) for prompt in prompts]
+    engine.engine.kv.block_manager.check_invariants()
