@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from sage_infer import LLM, SamplingParams
 from sage_infer.backends.offline import llm_config
 from sage_infer.layers.linear import packing_unavailable
+from sage_infer.layers.moe_grouped import GroupedExpertWeights
 from sage_infer.quantization.compressed_tensors import encode_weight, quantization_config
 from sage_infer.quantization.weights import WeightScheme, quantize_rtn
 from tests.packed_layout import packed_bf16_layout
@@ -201,29 +202,44 @@ class RowsOfEachStep:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_path, family, dtype):
+def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_path, family, dtype, monkeypatch):
     """`model.decode_step: sage`: decode steps of up to `decode_step_rows` rows run each sparse layer's routing and
     experts in one kernel call inside the C++ step (the layer loop's op on the same values: the same tokens and
-    per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it; a step of more rows
+    per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it. Where the router is
+    packed and the experts past the kernel's limit have their own oneDNN weights (`decode_step_rows_args`: bf16 in
+    oneDNN's AMX layout), steps of any rows run there as the layer loop runs them (the router's product and
+    PyTorch's top-k past 8 rows, the busy experts on their own weights past the limit); else a step of more rows
     runs layer by layer."""
     if dtype == "bf16" and packing_unavailable(torch.bfloat16) is None and packed_bf16_layout() is not None:
         pytest.skip(f"bf16 experts are packed by oneDNN, not on the grouped kernel: {packed_bf16_layout()}")
     make_tiny_moe(tmp_path, family)
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 9, 20, 33, 5, 12, 7, 18, 26, 4, 11)]
-    base = llm_config(str(tmp_path), dtype=dtype, num_blocks=96)
+    many = [[rng.randrange(5, 500) for _ in range(rng.randrange(3, 30))] for _ in range(32)]
+    base = llm_config(str(tmp_path), dtype=dtype, num_blocks=160)
     results = {}
+    past_limit = []
+    real = GroupedExpertWeights.routed_with_linears
+    monkeypatch.setattr(GroupedExpertWeights, "routed_with_linears",
+                        lambda self, x, *a: past_limit.append(x.shape[0]) or real(self, x, *a))
     for choice in ("sage", "python"):
         llm = LLM(config=base.model_copy(update={"model": base.model.model_copy(update={"decode_step": choice})}))
         runner = llm.engine.runner
         calls = []
+        sparse = [layer.mlp for layer in runner.model.model.layers if hasattr(layer.mlp, "decode_step_rows_args")]
+        any_rows = all(mlp.decode_step_rows_args() is not None for mlp in sparse)
         if choice == "sage":
             runner.step.handle = RowsOfEachStep(runner.step.handle, calls)
-            assert runner.step.max_rows == 8
+            assert runner.step.max_rows == (None if any_rows else 8)
         small = llm.generate(prompts[:4], GREEDY)  # 4 rows a decode step: in C++
-        large = llm.generate(prompts, GREEDY)  # 11 rows a decode step: layer by layer
-        results[choice] = ([o.outputs[0].token_ids for o in small + large], runner.model.expert_tokens(), calls)
+        large = llm.generate(prompts, GREEDY)  # 11 rows a decode step: in C++ where it takes any rows
+        larger = llm.generate(many, GREEDY)  # 32: some experts past the kernel's limit where it has one
+        results[choice] = ([o.outputs[0].token_ids for o in small + large + larger], runner.model.expert_tokens(),
+                           calls)
     (tokens, counts, calls), (want_tokens, want_counts, _) = results["sage"], results["python"]
     assert tokens == want_tokens
     assert counts == want_counts
-    assert calls and max(calls) == 4  # the 4-row steps in C++, none of the 11-row ones
+    # the 4-row steps in C++, and the 11- and 32-row ones where it takes any rows
+    assert calls and max(calls) == (32 if any_rows else 4)
+    if any_rows and any(mlp.decode_step_rows_args()[2] >= 0 for mlp in sparse):  # the layer loop went past the limit
+        assert 32 in past_limit

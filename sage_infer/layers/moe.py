@@ -34,6 +34,7 @@ from torch import nn
 
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.elementwise import TORCH_OPS, TorchOps, pass_rows
+from sage_infer.layers.linear import PackedLinear
 from sage_infer.layers.moe_grouped import GROUPED_KERNEL_ROWS, KERNEL_DTYPES, GroupedExpertWeights
 
 __all__ = ["GROUPED_KERNEL_ROWS", "SOFTMAX_TOP_K", "TOP_K_SOFTMAX", "ExpertGroups", "FusedExperts", "RouterLinear",
@@ -381,11 +382,29 @@ class ExpertsInDecodeStep:
             return f"its experts are not on the grouped-experts kernel in the model's dtype ({kernel})"
         return None
 
-    def decode_step_rows(self) -> int:
-        """The most rows of a decode step this MLP runs in one kernel call (`run_block`): routed in C++ and taken by
-        the grouped kernel whatever their routing."""
+    def decode_step_rows(self) -> int | None:
+        """The most rows of a decode step the C++ step runs this MLP for (None: any): any where it takes larger
+        steps as `moe_step` runs them (`decode_step_rows_args`), else those of one kernel call (`run_block`):
+        routed in C++ and taken by the grouped kernel whatever their routing."""
+        if self.decode_step_rows_args() is not None:
+            return None
         limit = _pairs_limit(self.experts, self.experts.grouped_kernel())
         return ROUTE_KERNEL_ROWS if limit is None else min(ROUTE_KERNEL_ROWS, limit)
+
+    def decode_step_rows_args(self) -> tuple | None:
+        """What `DecodeLayers.set_moe_rows` takes for steps of any rows, as `moe_step` runs them: the router's
+        `PackedLinear` (its product past `ROUTE_KERNEL_ROWS` rows, then PyTorch's softmax and top-k), those rows, the
+        grouped kernel's pairs limit (-1: none), rows per pass and each expert's own packed gate_up and down weights
+        past it (`run_routed`). None where the router is not packed or the experts have no weights of their own past
+        a limit (`GroupedExpertWeights.linears`)."""
+        packed = self.router_linear.packed_linear
+        kernel = self.experts.grouped_kernel()
+        limit = _pairs_limit(self.experts, kernel)
+        if not isinstance(packed, PackedLinear) or (limit is not None and kernel.linears is None):
+            return None
+        gate_up, down = kernel.linears if limit is not None else ([], [])
+        return (packed, ROUTE_KERNEL_ROWS, -1 if limit is None else limit, pass_rows(kernel.intermediate),
+                list(gate_up), list(down))
 
     def decode_step_shared(self) -> tuple[nn.Module, nn.Module, nn.Module] | None:
         """A shared expert's gate/up and down linears and its sigmoid gate, which the C++ step runs beside

@@ -233,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
     def decode_step_rows(self) -> int | None:
         """The most rows a decode step may have to run in the C++ step (None: any); more run layer by layer."""
         limits = [layer.mlp.decode_step_rows() for layer in self.model.layers if hasattr(layer.mlp, "decode_step_rows")]
+        limits = [limit for limit in limits if limit is not None]
         return min(limits) if limits else None
 
     def prepare_decode_step(self, pool: KVPool) -> object:
@@ -286,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             if hasattr(layer.mlp, "decode_step_args"):
                 step.set_moe(i, *layer.mlp.decode_step_args())
+                if (rows := layer.mlp.decode_step_rows_args()) is not None:  # steps of any rows
+                    router, *rest = rows
+                    shape, weight, biases_of, bf16_of = step_linear(router)
+                    step.set_moe_rows(i, shape, weight, *biases_of, *bf16_of, *rest)
                 if (shared := layer.mlp.decode_step_shared()) is not None:  # its gate/up and down went in above
                     shape, weight, biases_of, bf16_of = step_linear(shared[2])
                     step.set_shared_expert(i, shape, weight, *biases_of, *bf16_of)

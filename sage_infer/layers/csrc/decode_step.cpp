@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "widen.h"
@@ -55,6 +56,19 @@ torch::Tensor moe_block(torch::Tensor x, torch::Tensor router, torch::Tensor rou
                         torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
                         torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha, double limit,
                         torch::Tensor gate_up_scales, torch::Tensor down_scales);
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor router, torch::Tensor bias,
+                                                   int64_t top_k, int64_t mode, bool renormalize,
+                                                   bool weights_in_dtype);
+torch::Tensor moe_experts_routed(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
+                                 torch::Tensor gate_up, torch::Tensor down, int64_t inter, int64_t packed,
+                                 torch::Tensor gate_up_bias, torch::Tensor down_bias, bool clamped, double alpha,
+                                 double limit, torch::Tensor gate_up_scales, torch::Tensor down_scales);
+torch::Tensor moe_experts_linears(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor counts,
+                                  std::vector<at::Tensor> gate_up_linears, std::vector<at::Tensor> down_linears,
+                                  int64_t limit, int64_t pass_rows, torch::Tensor gate_up, torch::Tensor down,
+                                  int64_t inter, int64_t packed, torch::Tensor gate_up_bias, torch::Tensor down_bias,
+                                  bool clamped, double alpha, double limit_swiglu, torch::Tensor gate_up_scales,
+                                  torch::Tensor down_scales);
 std::vector<torch::Tensor> paged_decode_attention_kind(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                        torch::Tensor block_tables, torch::Tensor context_lens,
                                                        double scale, int64_t window, double softcap,
@@ -204,16 +218,42 @@ struct Linear {
   }
 };
 
-// a mixture-of-experts MLP: moe_block's arguments but x (`SparseMoeBlock.decode_step_args`)
+// a mixture-of-experts MLP: moe_block's arguments but x (`SparseMoeBlock.decode_step_args`); with `router_linear`
+// (`set_moe_rows`) steps of any rows, each as `moe_step` runs it: past `route_rows` rows the router's product on its
+// PackedLinear and PyTorch's softmax and top-k (`route_tokens`), past `pairs_limit` rows (-1: none) the experts past
+// that many pairs on their own oneDNN weights (`run_routed`: moe_experts_linears)
 struct Moe {
   torch::Tensor router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales;
   int64_t top_k, mode, inter, packed;  // packed: the experts' rows per packed block (64, 32), 0: plain
   bool renormalize, weights_in_dtype, clamped;
   double alpha, limit;
+  c10::optional<Linear> router_linear;
+  std::vector<torch::Tensor> gate_up_linears, down_linears;  // per expert, where pairs_limit >= 0
+  int64_t route_rows = 0, pairs_limit = -1, pass_rows = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return moe_block(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype, counts, gate_up, down, inter,
-                     packed, gate_up_bias, down_bias, clamped, alpha, limit, gate_up_scales, down_scales);
+    const int64_t rows = x.size(0);
+    const bool kernel_takes = pairs_limit < 0 || rows <= pairs_limit;
+    if (!router_linear.has_value() || (rows <= route_rows && kernel_takes))
+      return moe_block(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype, counts, gate_up, down,
+                       inter, packed, gate_up_bias, down_bias, clamped, alpha, limit, gate_up_scales, down_scales);
+    torch::Tensor weights, ids;
+    if (rows <= route_rows) {
+      std::tie(weights, ids) = moe_route(x, router, router_bias, top_k, mode, renormalize, weights_in_dtype);
+    } else if (mode == 1) {  // route_tokens, TOP_K_SOFTMAX: the top k logits softmaxed in their dtype
+      auto [top, top_ids] = at::topk((*router_linear)(x), top_k, -1);
+      weights = at::softmax(top, 1, top.scalar_type()), ids = top_ids;
+    } else {  // moe.route: the softmax over every expert in fp32, its top k, divided by their sum
+      auto [top, top_ids] = at::topk(at::softmax((*router_linear)(x), -1, at::kFloat), top_k, -1);
+      if (renormalize) top = top / top.sum(-1, true);
+      weights = weights_in_dtype ? top.to(x.scalar_type()) : top, ids = top_ids;
+    }
+    if (kernel_takes)
+      return moe_experts_routed(x, weights, ids, counts, gate_up, down, inter, packed, gate_up_bias, down_bias,
+                                clamped, alpha, limit, gate_up_scales, down_scales);
+    return moe_experts_linears(x, weights, ids, counts, gate_up_linears, down_linears, pairs_limit, pass_rows, gate_up,
+                               down, inter, packed, gate_up_bias, down_bias, clamped, alpha, limit, gate_up_scales,
+                               down_scales);
   }
 };
 
@@ -326,6 +366,28 @@ class DecodeLayers {
     layers_[i].moe = Moe{router, router_bias, counts, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
                          down_scales, top_k, mode, inter, packed, renormalize, weights_in_dtype, clamped, alpha,
                          limit};
+  }
+
+  // layer i's mixture of experts (`set_moe` first) takes steps of any rows: its router as a linear (6 numbers, the
+  // packed weight, its biases and bf16 weight and bias, as the constructor takes one) for steps of more than
+  // `route_rows`; past `pairs_limit` rows (-1: none) the experts' own packed weights, one gate_up and one down per
+  // expert, in passes of `pass_rows` rows (`Moe`)
+  void set_moe_rows(int64_t i, std::vector<int64_t> shape, torch::Tensor packed, c10::optional<torch::Tensor> bias32,
+                    c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> weight_bf16,
+                    c10::optional<torch::Tensor> bias_bf16, int64_t route_rows, int64_t pairs_limit,
+                    int64_t pass_rows, std::vector<torch::Tensor> gate_up_linears,
+                    std::vector<torch::Tensor> down_linears) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && layers_[i].moe.has_value() && shape.size() == 6,
+                "DecodeLayers.set_moe_rows: a mixture-of-experts layer (set_moe), 6 linear numbers");
+    auto& moe = *layers_[i].moe;
+    const auto experts = static_cast<size_t>(moe.gate_up.size(0));
+    TORCH_CHECK(pairs_limit < 0 || (gate_up_linears.size() == experts && down_linears.size() == experts &&
+                                    pass_rows > 0),
+                "DecodeLayers.set_moe_rows: with a pairs limit, one gate_up and one down weight per expert");
+    moe.router_linear = Linear{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], packed, bias32, bias,
+                               weight_bf16, bias_bf16};
+    moe.route_rows = route_rows, moe.pairs_limit = pairs_limit, moe.pass_rows = pass_rows;
+    moe.gate_up_linears = std::move(gate_up_linears), moe.down_linears = std::move(down_linears);
   }
 
   // layer i's mixture of experts (`set_moe` first) has a shared expert (Qwen2-MoE): the layer's gate_up and down,
@@ -501,6 +563,8 @@ void bind_decode_layers(pybind11::module& m) {
                           std::vector<int64_t>, std::vector<double>, std::vector<c10::optional<torch::Tensor>>,
                           int64_t, int64_t, int64_t, double, double, double>())
       .def("set_moe", &DecodeLayers::set_moe, "a layer's MLP as a mixture of experts (moe_block's arguments)")
+      .def("set_moe_rows", &DecodeLayers::set_moe_rows,
+           "a mixture-of-experts layer's steps of any rows: its router as a linear, its experts' own weights")
       .def("set_shared_expert", &DecodeLayers::set_shared_expert,
            "a mixture-of-experts layer's shared expert: the layer's gate_up and down, and its sigmoid gate")
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
