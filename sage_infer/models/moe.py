@@ -51,8 +51,9 @@ class NormedProjection(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama decoder with mixture-of-experts MLPs (`registry.MOE_ARCHITECTURES`). The C++ decode step runs its
-    decode steps of up to `decode_step_rows` rows (each sparse layer's routing and experts one kernel call); CUDA
-    graphs run dense MLPs and are declined for it at build."""
+    decode steps of up to `decode_step_rows` rows (each sparse layer's routing and experts one kernel call; any rows
+    where the router is packed and the busy experts have their own weights: `decode_step_rows_args`); CUDA graphs
+    run dense MLPs and are declined for it at build."""
 
     is_moe = True
 
