@@ -525,7 +525,7 @@ def use_flash_attention(choice: str, model: torch.nn.Module, head_dim: int, devi
         why = flash_unavailable(head_dim, dtype)
     kind = flash_kernel(dtype) if why is None else "the CPU flash kernel"
     if why is None and amx_flash_attention(dtype):
-        kind = ("PyTorch's CPU flash kernel on AMX tiles for plain layers (4-7x sage's bf16 kernel on such a CPU), "
+        kind = ("PyTorch's CPU flash kernel on AMX tiles for plain layers (3-5x sage's bf16 kernel on such a CPU), "
                 f"sage's {kind} for windowed, soft-capped and sink layers")
     return _fast_path("model.prefill_attention", choice, why, "sage", kind)
 

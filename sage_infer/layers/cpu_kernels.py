@@ -31,6 +31,7 @@ call (csrc/decode_step.cpp; `model.decode_step`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from types import ModuleType
@@ -188,23 +189,18 @@ def flash_unavailable(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str
 def amx_flash_attention(dtype: torch.dtype) -> bool:
     """Whether bf16 prefill attention here runs PyTorch's CPU flash kernel instead of sage's: a bf16 model on a
     CPU with AMX tiles that this process may use (PyTorch's own check), whose tiles that kernel runs on oneDNN's
-    AMX micro-kernels (`bench/flash_attention.py --vs-torch` on a 2-vCPU Xeon with AMX: 4-7x sage's AVX512-BF16
-    kernel from 32 to 2,048 rows). Not under a forced ``SAGE_CPU_ISA`` level: those runs test sage's kernels as a
-    CPU of that level runs them."""
+    AMX micro-kernels (`bench/flash_attention.py --heads 32,4 --head-dim 128` on a 2-vCPU Xeon with AMX: 3-5x sage's
+    AVX512-BF16 kernel from 100 to 2,048 rows). Not under a forced ``SAGE_CPU_ISA`` level: those runs test sage's
+    kernels as a CPU of that level runs them."""
     if dtype != torch.bfloat16 or os.environ.get(ENV, "").strip():
         return False
     return _amx_tiles()
 
 
+@functools.cache
 def _amx_tiles() -> bool:
-    global _AMX
-    if _AMX is None:
-        supported, init = getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_init_amx", None)
-        _AMX = bool(supported is not None and init is not None and supported() and init())
-    return _AMX
-
-
-_AMX: bool | None = None
+    supported, init = getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_init_amx", None)
+    return bool(supported is not None and init is not None and supported() and init())
 
 
 def flash_kernel(dtype: torch.dtype) -> str:

@@ -54,7 +54,7 @@ class FlashPrefill(PrefillPart):
 @dataclass(frozen=True)
 class AmxFlashPrefill(FlashPrefill):
     """A bf16 model on a CPU with AMX tiles (`cpu_kernels.amx_flash_attention`): plain spans, shared prefixes and
-    their suffixes through PyTorch's CPU flash kernel, whose tiles run on oneDNN's AMX micro-kernels (4-7x sage's
+    their suffixes through PyTorch's CPU flash kernel, whose tiles run on oneDNN's AMX micro-kernels (3-5x sage's
     AVX512-BF16 kernel there), split as the torch part splits them (a span after cached context: its cached keys
     unmasked, then its own causal, merged by log-sum-exp); layers of another kind (a window, a soft-cap, sinks)
     through sage's kernel, which takes them."""
