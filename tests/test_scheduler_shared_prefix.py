@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sage_infer import LLM, SamplingParams
 from sage_infer.config.serve import ServeConfig
+from sage_infer.core.outputs import RequestOutput
 from sage_infer.server.metrics import ServerMetrics
 from tests.tiny_models import make_tiny_model
 
@@ -38,6 +39,14 @@ def scraped(llm: LLM) -> dict[str, float]:
     return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
+def finished(llm: LLM) -> dict[str, RequestOutput]:
+    """Step the engine until every request ended: each one's final output, by request id."""
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        outputs.update({out.request_id: out for out in llm.engine.step() if out.finished})
+    return outputs
+
+
 def served_alone(tiny, batch: list[list[int]]) -> list[list[int]]:
     alone = LLM(str(tiny), dtype="fp32", num_blocks=128, enable_prefix_caching=False)
     return [alone.generate([p], GREEDY)[0].outputs[0].token_ids for p in batch]
@@ -60,11 +69,7 @@ def test_a_batch_behind_one_new_prefix_computes_it_once_in_one_step(tiny, prefil
     assert llm.engine.runner.cascade_steps == int(cascade)
     tables = [seq.block_table[:4] for seq in scheduler.running]
     assert all(table == tables[0] for table in tables)  # the same four blocks, not copies
-    outputs = {}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
+    outputs = finished(llm)
     assert [outputs[f"r{i}"].metrics.num_cached_tokens for i in range(6)] == [0] + [4 * BLOCK] * 5
     assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(6)] == served_alone(tiny, prompts())
     kv.block_manager.check_invariants()
@@ -78,11 +83,7 @@ def test_an_abort_of_the_request_that_computed_the_prefix_leaves_the_others_whol
         llm.engine.add_request(f"r{i}", p, GREEDY)
     llm.engine.step()
     llm.engine.abort_request("r0")
-    outputs = {}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
+    outputs = finished(llm)
     assert [outputs[f"r{i}"].outputs[0].token_ids for i in (1, 2)] == served_alone(tiny, batch[1:])
     llm.engine.kv.block_manager.check_invariants()
 
@@ -97,11 +98,7 @@ def test_a_prefix_computed_over_several_steps_makes_the_others_wait(tiny):
     llm.engine.step()
     assert llm.engine.scheduler.deferred == 2 and llm.engine.scheduler.num_running == 1
     assert llm.engine.kv.in_step_tokens == 0
-    done = {}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finished(llm)
     outputs = [done[f"r{i}"] for i in range(3)]
     assert llm.engine.kv.in_step_tokens == 2 * 2 * BLOCK  # blocks 2 and 3, by r1 and r2 in the second step
     assert [o.metrics.num_cached_tokens for o in outputs] == [0, 4 * BLOCK, 4 * BLOCK]
