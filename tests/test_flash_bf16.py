@@ -20,7 +20,7 @@ from sage_infer.errors import ConfigError
 from sage_infer.hal.isa import ENV
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.attention import attention_with_lse_reference, paged_attention
-from sage_infer.layers.attention_backends import attention_backend, torch_prefill
+from sage_infer.layers.attention_backends import attention_backend, flash_prefill
 from sage_infer.layers.cpu_kernels import amx_flash_attention, flash_attention, flash_kernel, flash_unavailable
 from tests.conftest import runnable_cpu_levels
 from tests.test_paged_kernel import LAYER, chunk_step
@@ -225,23 +225,22 @@ def test_the_setting_decides_which_kernel_runs(tmp_path, monkeypatch, forced):
     """sage's kernel, or on a CPU with AMX tiles PyTorch's through the AMX part (not with a forced level)."""
     if forced:
         monkeypatch.setenv(ENV, cpu_kernels._module().isa())
-    calls, torch_calls = [], []  # sage's kernel; PyTorch's, as the torch part and the AMX part call it
-    real, real_torch = cpu_kernels.flash_attention, torch_prefill.prefill_attention
+    calls, amx_calls = [], []
+    real, real_amx = cpu_kernels.flash_attention, flash_prefill.prefill_attention
     monkeypatch.setattr(cpu_kernels, "flash_attention",
                         lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    monkeypatch.setattr(torch_prefill, "prefill_attention",
-                        lambda *a, **kw: torch_calls.append(a[0].shape[0]) or real_torch(*a, **kw))
+    monkeypatch.setattr(flash_prefill, "prefill_attention",
+                        lambda *a, **kw: amx_calls.append(a[0].shape[0]) or real_amx(*a, **kw))
     path = make_tiny_model(tmp_path / "q3", "qwen3", head_dim=32)
     greedy_tokens(engine(path, "torch"), [list(range(5, 30))], max_tokens=2)
-    assert (torch_calls, calls) == ([25] * 2, [])
-    torch_calls.clear()
+    assert calls == amx_calls == []
     amx = amx_flash_attention(torch.bfloat16)
     assert amx == (not forced and torch.cpu._is_amx_tile_supported())
     llm = engine(path, "sage")
     assert type(llm.engine.runner.attention.prefill).__name__ == ("AmxFlashPrefill" if amx else "FlashPrefill")
     greedy_tokens(llm, [list(range(5, 30))], max_tokens=2)
     # the prompt's chunk, in each of the 2 layers; decode rows take the paged kernel
-    assert (torch_calls, calls) == (([25] * 2, []) if amx else ([], [25] * 2))
+    assert (amx_calls, calls) == (([25] * 2, []) if amx else ([], [25] * 2))
 
 
 def test_amx_flash_attention_is_bf16_on_amx_tiles_without_a_forced_level(monkeypatch):

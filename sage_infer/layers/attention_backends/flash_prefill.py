@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from sage_infer.layers import cpu_kernels
+from sage_infer.layers.attention import chunk_attention_lse, prefill_attention, shared_keys_attention_lse
 from sage_infer.layers.attention_backends.base import PrefillPart
-from sage_infer.layers.attention_backends.torch_prefill import TorchPrefill
 from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args
 
 
@@ -55,12 +55,19 @@ class FlashPrefill(PrefillPart):
 class AmxFlashPrefill(FlashPrefill):
     """A bf16 model on a CPU with AMX tiles (`cpu_kernels.amx_flash_attention`): plain spans, shared prefixes and
     their suffixes through PyTorch's CPU flash kernel, whose tiles run on oneDNN's AMX micro-kernels (3-5x sage's
-    AVX512-BF16 kernel there): the torch part's methods (a span after cached context: its cached keys unmasked,
-    then its own causal, merged by log-sum-exp); layers of another kind (a window, a soft-cap, sinks)
+    AVX512-BF16 kernel there), split as the torch part splits them (a span after cached context: its cached keys
+    unmasked, then its own causal, merged by log-sum-exp); layers of another kind (a window, a soft-cap, sinks)
     through sage's kernel, which takes them."""
 
     sage_flash_prefix = False  # the C++ decode step attends a shared prefix with PyTorch's kernel too
 
-    attend = TorchPrefill.attend
-    attend_lse = TorchPrefill.attend_lse
-    prefix_lse = TorchPrefill.prefix_lse
+    def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
+        return prefill_attention(q, k_ctx, v_ctx, scale)
+
+    def attend_lse(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunk_attention_lse(q, k_ctx, v_ctx, scale)
+
+    def prefix_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return shared_keys_attention_lse(q, keys, values, scale)
