@@ -182,7 +182,7 @@ class GroupKVCacheManager(KVCacheManager):
             source = self._source_of(seq) if self.sources else None
             if source is not None:  # the device's hit alone: the tiers count it (and what they declined to load)
                 source.on_device_hit([self.index.hash_of(block) for block in taken], taken)
-                source.take(seq, match, self.clock())
+                source.release(source.take(seq, match, self.clock()))
         seq.block_table = tables[0]
         self._tables[seq.seq_id] = tables[1:]
         if self.prefix is not None:
@@ -218,6 +218,7 @@ class GroupKVCacheManager(KVCacheManager):
             source.pool.write_rows(fresh, rows if picked == list(range(rows.shape[0])) else rows[picked])
             for (group, i), block in zip(slots, fresh):
                 tables[group][i] = block
+        source.release(rows)
         for block in reversed(kept):
             self.index.policy.on_hit(self.index.hash_of(block))
         source.on_device_hit([self.index.hash_of(block) for block in kept], kept)

@@ -34,6 +34,7 @@ from sage_infer.kv_policy.load_or_compute import LoadOrCompute
 from sage_infer.kv_policy.migration import LowerTier, MigrationPolicy
 from sage_infer.kv_runtime.migrator import KVMigrator, pool_gather
 from sage_infer.kv_runtime.pool import KVPool
+from sage_infer.kv_runtime.staging import StagingBuffers
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 
@@ -140,6 +141,7 @@ class HierarchyManager:
         self._down_until: dict[str, float] = {}
         self._down_reason: dict[str, str] = {}
         self.migrator = KVMigrator(self)
+        self.staging = StagingBuffers(pool.block_nbytes, pin=pool.device.type == "cuda")  # `read`'s buffers
         self.on_evict = self.migrator.on_evict  # the block manager's eviction hook
         self.write_policy = "write_back"  # tiers.write_policy; the others need a persistent store
         # the level of the first store whose blocks outlive this process (the disk tier), None without one
@@ -310,10 +312,9 @@ class HierarchyManager:
         segments: list[ReadSegment] = []
         done = 0
         # one buffer for the whole chain: each store reads its run into the rows after the previous store's, so a
-        # chain found in two tiers comes back as one tensor with no second copy
-        # (page-locked when the pool is on an accelerator, so the copy up to it runs at the link's speed)
-        buffer = torch.empty((len(keys), self.pool.block_nbytes), dtype=torch.uint8,
-                             pin_memory=self.pool.device.type == "cuda")
+        # chain found in two tiers comes back as one tensor with no second copy; a kept one (`staging`), so the
+        # read does not pay for fresh pages (page-locked when the pool is on an accelerator)
+        buffer = self.staging.acquire(len(keys))
         while done < len(keys):
             progress = 0
             for level, store in enumerate(self.stores, 1):
@@ -337,8 +338,14 @@ class HierarchyManager:
             if not progress:
                 break
             done += progress
+        if not done:
+            self.staging.release(buffer)
         self.stats.load_latency.observe(time.perf_counter() - start)
         return segments
+
+    def release(self, rows: torch.Tensor | None) -> None:
+        """The rows `fetch` / `claim` returned were written into the pool: their buffer serves the next read."""
+        self.staging.release(rows)
 
     def claim(self, keys: Sequence[bytes], segments: list[ReadSegment]) -> torch.Tensor:
         """On the engine thread: move what `read` got out of the tiers' books; the rows, ``[k, block_nbytes]``."""

@@ -217,6 +217,7 @@ class KVCacheManager:
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
             source.pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
+            source.release(staged)
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             if source.counts_as_lower_hit and not seq.admitted_once:
                 self.lower_hit_tokens += staged.shape[0] * self.block_size

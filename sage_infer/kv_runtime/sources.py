@@ -12,6 +12,7 @@ what it does:
 - ``is_loading(seq)``: its rows are still on their way: the scheduler admits other requests meanwhile;
 - ``take(seq, match, now)``: at admission, the rows for ``match.lower_block_hashes`` (a verified prefix of
   them, possibly none), which the manager writes into fresh device blocks and registers;
+- ``release(rows)``: the manager wrote `take`'s rows into the pool: their buffer may serve the next read;
 - ``on_hit(match)``: admission took `match`'s device blocks (every source hears it);
 - ``on_computed(block_hashes, block_ids)``: those blocks were registered as newly full on the device;
 - ``forget(seq)``: the request ended; drop whatever is pending for it;
@@ -63,6 +64,9 @@ class KVSource:
         return False
 
     def take(self, seq: Sequence, match: PrefixMatch, now: float) -> torch.Tensor | None:
+        return None
+
+    def release(self, rows: torch.Tensor | None) -> None:
         return None
 
     def on_hit(self, match: PrefixMatch) -> None:

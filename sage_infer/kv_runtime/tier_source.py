@@ -106,6 +106,10 @@ class TierSource(KVSource):
             staged = self.loader.take(seq.seq_id, match.lower_block_hashes, len(match.block_ids))
         return staged if staged is not None else self.hierarchy.fetch(match.lower_block_hashes)
 
+    def release(self, rows: torch.Tensor | None) -> None:
+        """`take`'s rows are in the pool: their staging buffer serves the next load."""
+        self.hierarchy.release(rows)
+
     def on_hit(self, match: PrefixMatch) -> None:
         """The device served these blocks: the hot set and the write policy count the hit."""
         self.hierarchy.migrator.used_on_device(match.block_hashes)
@@ -155,6 +159,7 @@ class TierSource(KVSource):
             return 0
         block_ids = manager.allocate(len(chosen))
         self.pool.write_rows(block_ids, rows)
+        self.hierarchy.release(rows)
         for block_id, block in zip(block_ids, chosen):
             manager.own(block_id, block.extra_key)
         kept = []
