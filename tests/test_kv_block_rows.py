@@ -5,13 +5,30 @@ import pytest
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema, KVDtype
+from sage_infer.kv_runtime import block_rows
 from sage_infer.kv_runtime.pool import KVPool, make_kv_pool
+from sage_infer.kv_runtime.tiers.rows import fused_kernel
 
 SCHEMA = KVCacheSchema(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 
 
+@pytest.fixture(params=["numpy", "kernel"])
+def copier(request, monkeypatch):
+    """Each move through numpy's fancy indexing and through the C++ row copy (every size takes it here)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(block_rows, "KERNEL_MIN_BYTES", 1 << 62)
+        return None
+    if fused_kernel() is None:
+        pytest.skip("the C++ KV codec kernel does not load on this machine: moves take numpy's path")
+    monkeypatch.setattr(block_rows, "KERNEL_MIN_BYTES", 0)
+    calls = []
+    real = block_rows.kernel_copy
+    monkeypatch.setattr(block_rows, "kernel_copy", lambda *a: calls.append(real(*a)) or calls[-1])
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_read_and_write_blocks_match_the_torch_layout(dtype):
+def test_read_and_write_blocks_match_the_torch_layout(dtype, copier):
     pool = KVPool(SCHEMA, 9, dtype=dtype)
     pool._kv.copy_(torch.randn(pool._kv.shape).to(dtype))
     ids = torch.tensor([7, 0, 4, 3])
@@ -22,6 +39,8 @@ def test_read_and_write_blocks_match_the_torch_layout(dtype):
     pool.write_blocks(ids, rows)
     before.index_copy_(2, ids, rows.permute(2, 1, 0, 3, 4, 5))
     assert torch.equal(pool._kv.view(torch.uint8), before.view(torch.uint8))  # and every other block untouched
+    if copier is not None:
+        assert copier == [True, True]  # the gather and the scatter both ran in the kernel
 
 
 def test_a_block_id_outside_the_pool_is_refused():
@@ -38,7 +57,7 @@ def test_no_blocks_is_an_empty_move():
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.INT4])
-def test_a_quantized_pool_moves_codes_and_scales_as_the_torch_path_does(kv_dtype):
+def test_a_quantized_pool_moves_codes_and_scales_as_the_torch_path_does(kv_dtype, copier):
     pool = make_kv_pool(SCHEMA.with_dtype(kv_dtype), 9)
     pool._codes.copy_(torch.randint(0, 256, pool._codes.shape, dtype=torch.uint8))
     pool._params.copy_(torch.randn(pool._params.shape).to(pool._params.dtype))

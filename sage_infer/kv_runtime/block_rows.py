@@ -42,6 +42,35 @@ def byte_rows(tensor: torch.Tensor, rows: int) -> np.ndarray | None:
     return tensor.view(torch.uint8).view(rows, -1).numpy()
 
 
+KERNEL_MIN_BYTES = 256 << 10  # moves this large take the C++ row copy (smaller ones: numpy, no runs to build)
+
+
+def kernel_copy(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> bool:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D byte arrays, one C++ call (the fused row copy of
+    `tiers.rows.fused_kernel`, its checksums unused): measured 1.7x numpy's fancy-indexed assignment for a
+    16K-token load of 8 KiB chunks (9.0 against 15.1 ms for 96 MiB on the Xeon VM). False where the kernel does
+    not load, the move is small, or a side is not rows of contiguous bytes (the caller copies with numpy)."""
+    if dst_rows.size * dst.shape[1] < KERNEL_MIN_BYTES or dst.strides[1] != 1 or src.strides[1] != 1:
+        return False
+    from sage_infer.kv_runtime.tiers.rows import fused_kernel
+
+    kernel = fused_kernel()
+    if kernel is None:
+        return False
+    runs = np.stack((dst_rows, src_rows, np.ones_like(dst_rows)), axis=1)
+    kernel.copy_rows_crc32c(torch.from_numpy(dst), torch.from_numpy(src), torch.from_numpy(runs))
+    return True
+
+
+def flat_rows(blocks: np.ndarray) -> np.ndarray | None:
+    """A ``[n, 2 * L, chunk_bytes]`` view as ``[n * 2 * L, chunk_bytes]`` rows, None when its strides do not allow it
+    (a strided part of wider rows)."""
+    if blocks.strides[0] != blocks.shape[1] * blocks.strides[1]:
+        return None
+    return np.lib.stride_tricks.as_strided(blocks, (blocks.shape[0] * blocks.shape[1], blocks.shape[2]),
+                                           blocks.strides[1:])
+
+
 def take_blocks(storage: torch.Tensor, block_ids: torch.Tensor, dst: np.ndarray) -> bool:
     """``dst[i] = block block_ids[i]``'s chunks of `storage`, with `dst` a bytes view ``[n, 2 * L, chunk_bytes]``
     (it may be a strided part of wider rows, as a quantized pool's codes before its scales); False when `storage`
@@ -50,6 +79,9 @@ def take_blocks(storage: torch.Tensor, block_ids: torch.Tensor, dst: np.ndarray)
     if src is None:
         return False
     index = block_row_index(block_ids, storage.shape[1], storage.shape[2]).reshape(dst.shape[0], -1)
+    rows = flat_rows(dst)
+    if rows is not None and kernel_copy(rows, np.arange(index.size), src, index.reshape(-1)):
+        return True
     if dst.flags.c_contiguous:
         np.take(src, index, axis=0, out=dst, mode="clip")  # (ids are checked: "clip" skips a buffered check)
     else:  # (a strided part of wider rows: numpy's own buffering of `out` measured several times slower)
@@ -63,7 +95,10 @@ def put_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: np.ndarray) 
     dst = chunk_rows(storage)
     if dst is None:
         return False
-    dst[block_row_index(block_ids, storage.shape[1], storage.shape[2]).reshape(src.shape[0], -1)] = src
+    index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
+    rows = flat_rows(src)
+    if rows is None or not kernel_copy(dst, index, rows, np.arange(index.size)):
+        dst[index.reshape(src.shape[0], -1)] = src
     return True
 
 
