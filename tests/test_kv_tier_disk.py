@@ -179,6 +179,32 @@ def test_reads_copy_and_verify_every_record_of_a_batch(tmp_path, monkeypatch, on
         assert torch.equal(got[0], blocks[10]) and got[1] is None
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_a_chain_written_leaf_first_reads_back_in_chain_order_in_one_read_per_segment(tmp_path, monkeypatch,
+                                                                                        one_pass):
+    """Demotion writes a chain leaf first; a load asks for it root first. The records are read in file order (one
+    group per segment, not one per record) and each lands in the row its key asked for; a corrupt one is caught and
+    the prefix stops before it."""
+    from sage_infer.kv_runtime.tiers import disk, disk_read
+    from tests.test_kv_tiers import corrupt
+
+    monkeypatch.setattr(disk, "ONE_PASS_READS", one_pass)
+    groups = []
+    real_plan = disk_read.plan
+    monkeypatch.setattr(disk_read, "plan", lambda *a: groups.append(real_plan(*a)) or groups[-1])
+    keys, blocks = chain(12)
+    with DiskTier(SCHEMA, tmp_path, 64 * BPB, segment_bytes=8 * RECORD) as tier:
+        tier.put(keys[::-1], blocks.flip(0))  # leaf first, as a chain is evicted
+        tier.flush()
+        out = torch.zeros(12, BPB, dtype=torch.uint8)
+        assert torch.equal(tier.get_prefix(keys, out=out), blocks)
+        assert len(groups[-1]) == 2  # the 12 records span two 8-record segments
+        shuffled = [3, 0, 11, 7, 1]
+        assert all(torch.equal(row, blocks[i]) for i, row in zip(shuffled, tier.get([keys[i] for i in shuffled])))
+        corrupt(tier, keys[5], blocks[5])
+        assert torch.equal(tier.get_prefix(keys, out=out), blocks[:5])
+
+
 def test_a_written_batchs_buffer_takes_the_next_put_and_both_batches_read_back(tier):
     keys, blocks = chain(10)
     tier.put(keys[:6], blocks[:6])
