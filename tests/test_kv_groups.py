@@ -259,22 +259,34 @@ def test_config_show_reports_tokens_per_gib_per_group(gemma2, sage):
                                     "full_attention_bytes": 128 * per_token * BS}
 
 
-def test_a_burst_behind_one_new_prefix_waits_a_step_with_kv_groups(mistral):
-    """Requests arriving together behind one uncached prefix: with KV groups the others do not take the first's
-    blocks in its step (`takes_in_step` is False), they wait one and find the prefix cached; tokens equal
-    transformers'."""
-    directory, hf = mistral
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_a_burst_behind_one_new_prefix_computes_it_once_in_one_step_with_kv_groups(model, request):
+    """Requests arriving together behind one uncached prefix, with KV groups (Mistral: every layer sliding; Gemma 2:
+    a full and a sliding group): the first computes the prefix and the others take its blocks of every group in
+    that same step (none waits); the full group's prefix blocks are shared, each sliding group's blocks out of the
+    window are freed at the first commit, and the tokens equal transformers'."""
+    directory, hf = request.getfixturevalue(model)
     shared = random_prompts([64], seed=21)[0]
     prompts = [shared + tail for tail in random_prompts([5, 9, 3], seed=22)]
     engine = llm(directory, num_blocks=96)
     for i, prompt in enumerate(prompts):
         engine.engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     engine.engine.step()
-    assert engine.engine.scheduler.deferred == 2 and engine.engine.kv.in_step_tokens == 0
+    kv = engine.engine.kv
+    assert engine.engine.scheduler.deferred == 0 and kv.in_step_tokens == 2 * 64
+    seqs = [engine.engine.requests[f"r{i}"].seqs[0] for i in range(3)]
+    assert all(seq.num_computed_tokens == len(prompt) for seq, prompt in zip(seqs, prompts))
+    tables = [kv.tables(seq) for seq in seqs]
+    for group, window in enumerate(kv.windows):
+        if window is None:  # a full group: the 4 prefix blocks are the first sequence's, in every table
+            assert tables[1][group][:4] == tables[2][group][:4] == tables[0][group][:4]
+        else:  # only the window's last prefix block is held (the first three freed by the commit)
+            assert all(t[group][:3] == [kv.null_block] * 3 for t in tables)
+            assert tables[1][group][3] == tables[2][group][3] == tables[0][group][3] != kv.null_block
     done = {}
     while engine.engine.has_unfinished_requests():
         for out in engine.engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done[f"r{i}"] for i in range(3)] == [greedy(hf, prompt, 6) for prompt in prompts]
-    engine.engine.kv.block_manager.check_invariants()
+    kv.block_manager.check_invariants()

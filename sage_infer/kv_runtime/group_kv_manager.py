@@ -134,16 +134,16 @@ class GroupKVCacheManager(KVCacheManager):
         """New blocks, all groups together, `seq` needs to hold `num_new_tokens` more tokens than it has computed."""
         return super().blocks_needed(seq, num_new_tokens, num_computed_tokens) * self.num_groups
 
-    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+    def can_admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, num_borrowed: int = 0) -> bool:
         plan = getattr(match, "plan", None)
         if plan is None:
-            matched = self.num_groups * (match.num_tokens // self.block_size)
+            matched = self.num_groups * (match.num_tokens // self.block_size + num_borrowed)
         else:  # a hit's entries that need no new block: the device's and the null ones
             length, matched = match.total_tokens // self.block_size, 0
             for group, table in enumerate(plan):
                 first = self.prefix.first_needed(group, length)
                 matched += first + sum(b != LOAD for b in table[first:])
-        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens) - matched
+        needed = self.blocks_needed(seq, num_new_tokens, match.total_tokens + num_borrowed * self.block_size) - matched
         return needed <= 0 or needed <= self.available_after(match)
 
     def available_after(self, match: PrefixMatch) -> int:
@@ -154,18 +154,30 @@ class GroupKVCacheManager(KVCacheManager):
         return [b for table in tables for b in table if b != self.null_block and b != LOAD]
 
     def takes_in_step(self, seq: Sequence, match: PrefixMatch) -> bool:
-        """Never: a sequence's tables per group would each take the other's blocks (not built); it waits a step."""
-        return False
+        """`KVCacheManager.takes_in_step`, and no lower-tier plan (a hit that loads takes its blocks from below)."""
+        return super().takes_in_step(seq, match) and getattr(match, "plan", None) is None
 
-    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, borrowed: tuple[int, ...] = ()) -> bool:
-        """`KVCacheManager.admit` for every group: take each group's matched blocks, then room for `num_new_tokens`
+    def lend(self, other: Sequence, match: PrefixMatch, first: int, shared: int) -> tuple | None:
+        """Every group's blocks ``first .. shared - 1`` of `other` (one tuple of group blocks per position): a
+        sliding group's too, all of them (those that fall out of the taker's window are freed at its first
+        commit); None when `other`'s blocks before them are not the ones `match` found where `match` needs one."""
+        tables = self.tables(other)
+        wanted = getattr(match, "group_block_ids", None) or [[] for _ in tables]
+        for table, ids in zip(tables, wanted):
+            if any(block != self.null_block and block != table[i] for i, block in enumerate(ids[:first])):
+                return None
+        return tuple(zip(*(table[first:shared] for table in tables)))
+
+    def admit(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int, borrowed: tuple = ()) -> bool:
+        """`KVCacheManager.admit` for every group: take each group's matched blocks, then those `borrowed` (`lend`:
+        per position, every group's block another sequence computes in this step), then room for `num_new_tokens`
         after them in every table; False, changing nothing, if short."""
-        if borrowed:
-            raise ValueError("blocks computed in the same step are not taken with KV groups (takes_in_step)")
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is already admitted")
-        if not self.can_admit(seq, match, num_new_tokens):
+        if not self.can_admit(seq, match, num_new_tokens, len(borrowed)):
             return False
+        if borrowed and not self.takes_in_step(seq, match):
+            raise ValueError(f"sequence {seq.seq_id} cannot take blocks computed in its step (takes_in_step)")
         if getattr(match, "plan", None) is not None:
             self._admit_below(seq, match, num_new_tokens)
             return True
@@ -183,13 +195,18 @@ class GroupKVCacheManager(KVCacheManager):
             if source is not None:  # the device's hit alone: the tiers count it (and what they declined to load)
                 source.on_device_hit([self.index.hash_of(block) for block in taken], taken)
                 source.release(source.take(seq, match, self.clock()))
+        if borrowed:
+            self.block_manager.acquire([block for blocks in borrowed for block in blocks])
+            for table, blocks in zip(tables, zip(*borrowed)):
+                table.extend(blocks)
+            self.in_step_tokens += len(borrowed) * self.block_size
         seq.block_table = tables[0]
         self._tables[seq.seq_id] = tables[1:]
         if self.prefix is not None:
             self.prefix.forget(seq)
         self._freed[seq.seq_id] = [table.count(self.null_block) for table in tables]
         seq.block_hashes = list(match.block_hashes)
-        seq.num_computed_tokens = match.num_tokens
+        seq.num_computed_tokens = match.num_tokens + len(borrowed) * self.block_size
         self._grow(seq, num_new_tokens)
         if not seq.admitted_once:
             seq.num_cached_tokens = seq.num_computed_tokens

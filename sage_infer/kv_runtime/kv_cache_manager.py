@@ -166,6 +166,14 @@ class KVCacheManager:
         return self.index is not None and not match.lower_block_hashes and (
             source is None or source.stages_lower_hits_only)
 
+    def lend(self, other: Sequence, match: PrefixMatch, first: int, shared: int) -> tuple | None:
+        """The blocks ``first .. shared - 1`` of `other`, which computes them in this step, for a sequence whose cached
+        prefix is `match` (its first `first` blocks) to take (`admit`'s `borrowed`, one entry per block); None
+        when `other`'s blocks before them are not the ones `match` found."""
+        if other.block_table[:first] != list(match.block_ids):
+            return None
+        return tuple(other.block_table[first:shared])
+
     def available_after(self, match: PrefixMatch) -> int:
         """Blocks the pool could still hand out once `match`'s blocks are taken (they stop being evictable)."""
         taken = self.index.num_evictable_among(match.block_ids) if match.block_ids else 0

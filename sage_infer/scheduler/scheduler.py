@@ -266,8 +266,9 @@ class Scheduler:
         same tokens from the start, the same prefix-cache key), for `seq` to take as computed: 64 requests behind
         one new system prompt compute it once, in the first request, and all 64 attend it in that same step.
         Empty when no such sequence exists. None when one does but its blocks cannot be taken (`takes_in_step`:
-        a lower-tier hit, KV groups; or that sequence computes only part of what the two share this step): then
-        `seq` waits a step and finds them cached, rather than compute them a second time."""
+        a lower-tier hit; `lend`: its blocks before them are not the ones `seq` found; or that sequence computes
+        only part of what the two share this step): then `seq` waits a step and finds them cached, rather than
+        compute them a second time."""
         bs = self.kv.block_size
         cached = match.total_tokens
         end = cached + bs  # the tokens up to and including the next block
@@ -279,7 +280,7 @@ class Scheduler:
                     and other.extra_key == seq.extra_key and other.token_ids[:end] == prefix):
                 continue
             first = cached // bs
-            if not self.kv.takes_in_step(seq, match) or other.block_table[:first] != list(match.block_ids):
+            if not self.kv.takes_in_step(seq, match):
                 return None
             last = min((seq.num_tokens - 1) // bs, len(other.token_ids) // bs)  # a token is left to compute
             shared = first + 1
@@ -288,7 +289,7 @@ class Scheduler:
                 shared += 1
             if shared * bs > other.num_computed_tokens + n:  # the rest of what they share comes in later steps
                 return None
-            return tuple(other.block_table[first:shared])
+            return self.kv.lend(other, match, first, shared)
         return ()
 
     # -- after the step -------------------------------------------------------------------
