@@ -242,16 +242,18 @@ def test_a_short_chunk_after_cached_context_becomes_causal_in_place_rows():
 
 @pytest.mark.skipif(flash_unavailable(64, torch.float32) is not None, reason="the fp32 flash kernel cannot run here")
 def test_with_the_flash_prefill_a_chunk_over_many_keys_is_a_span_and_attends_the_same(monkeypatch):
-    """Above `IN_PLACE_CHUNK_PAIRS` (rows x context; made small here) a short chunk after cached context is a flash
-    span, not decode rows; below it, and with the reference prefill part, decode rows as before."""
+    """Above `IN_PLACE_CHUNK_PAIRS` (rows x context; made small here) a short chunk of more than `IN_PLACE_MIN_ROWS`
+    rows after cached context is a flash span, not decode rows; below either, and with the reference prefill part,
+    decode rows as before."""
     monkeypatch.setattr(base, "IN_PLACE_CHUNK_PAIRS", 1000)
-    plan = [(100, 5), (60, 16), (150, 8), (20, 1)]  # 5 x 105 and 1 x 21 pairs: rows; 16 x 76, 8 x 158: spans
+    monkeypatch.setattr(base, "IN_PLACE_MIN_ROWS", 6)
+    plan = [(300, 5), (60, 16), (150, 8), (20, 1)]  # 5 rows (5 x 305 pairs), 1 x 21: rows; 16 x 76, 8 x 158: spans
     pool, seqs, num_new, q, k, v = chunk_step(plan, heads=(6, 2), head_dim=64)
     flash = attention_backend(decode="paged", prefill="flash")
     _, meta = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False, attention=flash).prepare(
         seqs, num_new)
     (group,) = meta.decode_groups
-    assert group.context_lens.tolist() == list(range(101, 106)) + [21]
+    assert group.context_lens.tolist() == list(range(301, 306)) + [21]
     assert [(s.q_len, s.context_len) for s in meta.prefills] == [(16, 76), (8, 158)]
     _, rows = ModelRunner(None, pool, torch.device("cpu"), cascade_attention=False, attention=PAGED_DECODE).prepare(
         seqs, num_new)

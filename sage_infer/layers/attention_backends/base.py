@@ -39,12 +39,14 @@ DECODE_GROUP_ROWS = 16  # gathered decode rows are sorted by context length and 
 # many tokens after cached context (a turn of a chat, a prompt's unique tail after a shared prefix) is attended as
 # that many decode rows: each reads its causal context in place instead of a gathered copy per span
 IN_PLACE_CHUNK_ROWS = 64
-# ... unless the prefill part is the flash kernel and the chunk's rows times its context exceed this many (query, key)
-# pairs: the decode kernel reads every key once per row, the flash kernel once per tile of rows. Over 16K cached keys
-# (one thread, kernels alone) flash with its gather is 1.2x faster at 16 rows, 1.35x at 32, 2.6x at 64; a full
-# prefix hit's step at 64 rows 1.8-2.2x (bench/profile_engine_step.py --cached-context); at 16-32 rows the
-# one-call C++ decode step of decode rows holds up as well or better on a busy machine, so they stay rows to 32 x 16K
-IN_PLACE_CHUNK_PAIRS = 32 * 16384
+# ... unless the prefill part is the flash kernel, the chunk has more than IN_PLACE_MIN_ROWS rows and its rows times
+# its context exceed IN_PLACE_CHUNK_PAIRS (query, key) pairs: the decode kernel reads every key once per row, the
+# flash kernel once per tile of rows (but runs in the per-layer loop, not the one-call C++ decode step). A chunk's
+# TTFT after 1-16K cached tokens (`qwen3-11m`, fp32 and bf16, also at a forced avx2 level; quiet Xeon VM, both
+# routes alternating in one process) crossed over at 24 rows x 2K, 12 x 4K, 8 x 8K, 6-8 x 16K: flash was 1.5-1.7x
+# faster at 16 x 16K and 1.6-2.4x at 32-64 x 4K, decode rows up to 1.4x faster for a few rows over a long context
+IN_PLACE_MIN_ROWS = 6
+IN_PLACE_CHUNK_PAIRS = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ class AttentionBackend:
         """Whether a span's rows attend as decode rows, each its causal context (else: a prefill span)."""
         return span.q_len == 1 or self.row_invariant or (
             self.decode.in_place and not self.prefill.in_place and span.start > 0 and span.q_len <= IN_PLACE_CHUNK_ROWS
-            and (not self.prefill.flash or span.q_len * span.context_len <= IN_PLACE_CHUNK_PAIRS))
+            and (not self.prefill.flash or span.q_len <= IN_PLACE_MIN_ROWS
+                 or span.q_len * span.context_len <= IN_PLACE_CHUNK_PAIRS))
 
     def prepare(self, batch: StepBatch) -> AttentionMetadata:
         """The step's metadata for this backend. A span with one new token after others is decode rows; with a
