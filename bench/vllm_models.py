@@ -55,6 +55,12 @@ MODELS = {
                                      num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
                                      shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
                                      norm_topk_prob=False)),
+    "olmoe-1b-7b-2l": ModelSpec(
+        "olmoe-1b-7b-2l", "random OLMoE-1B-7B shape with 2 layers, 0.9B: hidden 2048, 16/16 heads, head_dim 128, "
+        "64 experts x 1024, top 8, q/k norms over all heads", "bf16",
+        arch="olmoe", shape=dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                                 num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                                 num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5)),
     # sliding-window shapes: max_position_embeddings is 4 windows + 32, so W4's prompts are 4 windows long
     "gemma3-shape-small": ModelSpec(
         "gemma3-shape-small", "random Gemma-3-270m shape with 6 layers (5 sliding-window 512 : 1 full), 36M: "
@@ -92,6 +98,7 @@ def prepare_model(spec: ModelSpec, cache_dir: Path, seed: int = 0) -> Path:
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
                "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+               "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
                "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
     config_cls, model_cls = classes[spec.arch]

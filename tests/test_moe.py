@@ -110,11 +110,10 @@ def test_greedy_tokens_match_transformers_with_prefix_hits(tiny_moe):
     assert all(o.metrics.num_cached_tokens == 32 for o in rest)
     assert_same_as_hf(hf_greedy(hf, prompts), first + rest)
     decided = {d.field: d for d in llm.engine.decisions}
-    if family != "olmoe":  # its decode steps (3 rows) in the C++ step, experts (and Qwen2-MoE's shared one) and all
-        assert decided["model.decode_step"].value == "sage", decided["model.decode_step"].reason
-        assert "steps of up to 8 rows" in decided["model.decode_step"].reason
-    else:  # OLMoE's q/k norms over all heads
-        assert decided["model.decode_step"].value == "python"
+    # its decode steps (3 rows) in the C++ step, experts (and Qwen2-MoE's shared one, OLMoE's q/k norms over all
+    # heads and its clamp) and all
+    assert decided["model.decode_step"].value == "sage", decided["model.decode_step"].reason
+    assert "steps of up to 8 rows" in decided["model.decode_step"].reason
     assert decided["model.experts"].value.endswith(f"top {TOP_K}")
     assert f"{len(SPARSE_LAYERS[family])} of 2 layers sparse" in decided["model.experts"].reason
     load = llm.engine.runner.model.expert_tokens()
@@ -201,11 +200,12 @@ class RowsOfEachStep:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_the_cpp_decode_step_gives_the_layer_loops_tokens_and_expert_counts(tmp_path, family, dtype, monkeypatch):
     """`model.decode_step: sage`: decode steps of up to `decode_step_rows` rows run each sparse layer's routing and
     experts in one kernel call inside the C++ step (the layer loop's op on the same values: the same tokens and
-    per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it. Where the router is
+    per-expert counts, in bf16 too), Qwen2-MoE's shared expert and its sigmoid gate beside it, OLMoE's q/k norms
+    over all heads and its clamp of q, k and v before the rotary. Where the router is
     packed and the experts past the kernel's limit have their own oneDNN weights (`decode_step_rows_args`: bf16 in
     oneDNN's AMX layout), steps of any rows run there as the layer loop runs them (the router's product and
     PyTorch's top-k past 8 rows, the busy experts on their own weights past the limit); else a step of more rows

@@ -72,6 +72,18 @@ class QKVProjections:
         q, k = self.q_proj(x).view(t, heads, d), self.k_proj(x).view(t, kv_heads, d)
         return q, k, self.v_proj(x).view(t, kv_heads, d), None
 
+    def norm_and_clip(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """OLMoE's q and k RMSNorms over all heads (`qk_norm_full`: before the head split), then q, k and v clamped
+        to +-`clip_qkv`, in place (q, k, v: `project`'s views)."""
+        t = q.shape[0]
+        if self.qk_norm_full:
+            for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+                flat = x.view(t, -1)
+                flat.copy_(norm(flat))
+        if self.clip_qkv is not None:
+            for x in (q, k, v):
+                x.clamp_(-self.clip_qkv, self.clip_qkv)
+
 
 class Attention(QKVProjections, nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
@@ -88,6 +100,12 @@ class Attention(QKVProjections, nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        # OLMoE (`cfg.moe`): q/k norms over all heads, and q, k and v clamped (`norm_and_clip`)
+        self.qk_norm_full = cfg.moe is not None and cfg.moe.qk_norm_full
+        self.clip_qkv = cfg.moe.clip_qkv if cfg.moe is not None else None
+        if self.qk_norm_full:
+            self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None  # `fuse_projections`: q, k and v in one GEMM
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], pool: KVPool,
@@ -95,6 +113,8 @@ class Attention(QKVProjections, nn.Module):
         """x: [T, hidden]; cos_sin: this step's rotary tables (`ops.rotary_tables`) -> [T, hidden]."""
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
         q, k, v, qk = self.project(x)
+        if self.qk_norm_full or self.clip_qkv is not None:
+            self.norm_and_clip(q, k, v)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = ops.rotary(q, k, qk, cos_sin, *norms)
         out = paged_attention(q, k, v, pool, self.layer, meta, self.scale, self.kind)
@@ -217,7 +237,9 @@ class LlamaForCausalLM(nn.Module):
         """The epsilons of the layers' (and the final) RMSNorms, and of the q/k norms (none without them)."""
         layers = self.model.layers
         eps = {self.model.norm.eps} | {n.eps for layer in layers
-                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)} | {
+            n.eps for layer in layers if layer.self_attn.qk_norm_full  # (the C++ step norms OLMoE's with the layers')
+            for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
         return eps, {n.eps for layer in layers if layer.self_attn.qk_norm
                      for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
 
@@ -285,6 +307,10 @@ class LlamaForCausalLM(nn.Module):
                                      attn.num_kv_heads, attn.head_dim, eps.pop(), (qk_eps or {1e-6}).pop(), attn.scale,
                                      layout=layout, sinks=sinks if any(t is not None for t in sinks) else ())
         for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            if attn.qk_norm_full or attn.clip_qkv is not None:  # OLMoE
+                norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm_full else (None, None)
+                step.set_qk_full(i, *norms, attn.clip_qkv or 0.0)
             if hasattr(layer.mlp, "decode_step_args"):
                 step.set_moe(i, *layer.mlp.decode_step_args())
                 if (rows := layer.mlp.decode_step_rows_args()) is not None:  # steps of any rows

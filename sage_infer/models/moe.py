@@ -3,7 +3,7 @@
 Each is the Llama decoder (`sage_infer.models.llama`: the same attention, norms and forward path) whose MLP is a
 `SparseMoeBlock` (`sage_infer.layers.moe`) in the layers the config makes sparse (all of them, or for the Qwen
 families those on the ``decoder_sparse_step`` grid and not in ``mlp_only_layers``). OLMoE's q/k norms span all
-heads before the head split and are applied by its q/k projections (`NormedProjection`).
+heads before the head split, and it may clamp q, k and v (`Attention.norm_and_clip`).
 
 Checkpoints store each expert's gate, up and down weights apart (``mlp.experts.<e>.gate_proj.weight``;
 Mixtral ``block_sparse_moe.experts.<e>.w1/w3/w2``); the loader renames them (`MoeForCausalLM.checkpoint_rename`)
@@ -16,11 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import torch
-from torch import nn
-
 from sage_infer.layers.moe import SparseMoeBlock
-from sage_infer.layers.norm import RMSNorm
 from sage_infer.models.arch_config import ArchConfig
 from sage_infer.models.llama import MLP, LlamaForCausalLM
 
@@ -32,21 +28,6 @@ STACKED_EXPERTS = ("on the stacked weights: on a CPU with the fused elementwise 
 _EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.")
 _MIXTRAL_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-class NormedProjection(nn.Module):
-    """OLMoE's q or k projection: ``proj`` then an RMSNorm over its whole output (all heads) and, with
-    ``clip_qkv``, a clamp; v's is only clamped."""
-
-    def __init__(self, proj: nn.Module, norm: RMSNorm | None, clip: float | None) -> None:
-        super().__init__()
-        self.proj, self.norm, self.clip = proj, norm, clip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        if self.norm is not None:
-            h = self.norm(h)
-        return h.clamp(-self.clip, self.clip) if self.clip is not None else h
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -62,8 +43,6 @@ class MoeForCausalLM(LlamaForCausalLM):
         moe = cfg.moe
         assert moe is not None, "an MoE architecture's config has MoE fields"
         for i, layer in enumerate(self.model.layers):
-            if moe.qk_norm_full or moe.clip_qkv is not None:
-                _olmoe_projections(layer.self_attn, cfg)
             if i not in moe.sparse_layers:
                 continue
             shared = None
@@ -75,17 +54,10 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_rename(self, name: str) -> str:
         """Checkpoint tensor `name` as this model names it: Mixtral's ``block_sparse_moe`` is ``mlp`` and its
-        experts' ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; OLMoE's q/k norms live in its
-        q/k projections (`NormedProjection`)."""
+        experts' ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``."""
         if ".block_sparse_moe." in name:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_PART[m[2]]}.", name)
-        moe = self.config.moe
-        if moe.qk_norm_full or moe.clip_qkv is not None:
-            wrapped = ("q", "k", "v") if moe.clip_qkv is not None else ("q", "k")
-            for proj in wrapped:
-                name = name.replace(f".self_attn.{proj}_proj.", f".self_attn.{proj}_proj.proj.")
-                name = name.replace(f".self_attn.{proj}_norm.", f".self_attn.{proj}_proj.norm.")
         return name
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple[int, slice]] | None:
@@ -126,16 +98,3 @@ class MoeForCausalLM(LlamaForCausalLM):
                 f"{'renormalized' if moe.renormalize else 'as the softmax gives them'}{shared}; a step's experts "
                 f"grouped, " + ("one product per active expert on each expert's own linears (model.linear)" if apart
                                 else STACKED_EXPERTS))
-
-
-
-def _olmoe_projections(attn: nn.Module, cfg: ArchConfig) -> None:
-    """Wrap `attn`'s q, k (and v, when clamped) projections in `NormedProjection`s."""
-    clip = cfg.moe.clip_qkv
-    full = cfg.moe.qk_norm_full
-    attn.q_proj = NormedProjection(attn.q_proj, RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
-                                   if full else None, clip)
-    attn.k_proj = NormedProjection(attn.k_proj, RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
-                                   if full else None, clip)
-    if clip is not None:
-        attn.v_proj = NormedProjection(attn.v_proj, None, clip)

@@ -263,6 +263,9 @@ struct Layer {
   // post-attention norm; the next layer's input norm (or the final); Gemma: fp32 (1 + w)
   torch::Tensor post_norm, next_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's / Gemma 3's per-head norms
+  // OLMoE's q and k norms over all heads [H * D], [KvH * D] (`set_qk_full`), and its clamp of q, k and v (0: none)
+  c10::optional<torch::Tensor> q_norm_full, k_norm_full;
+  double clip_qkv = 0.0;
   c10::optional<torch::Tensor> pre_ff, post_ff;  // Gemma's feed-forward norms, fp32 (1 + w)
   torch::Tensor k_rows, v_rows;                // the pool's token rows [slots, KvH, D] (KVPool.token_rows)
   torch::Tensor k_blocks, v_blocks;            // the same memory as [blocks, block_size, KvH, D]
@@ -402,6 +405,20 @@ class DecodeLayers {
                                     weight_bf16, bias_bf16};
   }
 
+  // layer i's OLMoE attention (`Attention.norm_and_clip`): RMSNorms of q and of k over all heads (weights
+  // [H * D] and [KvH * D] in the model's dtype, the layers' epsilon; none: no norm), then q, k and v clamped to
+  // +-clip (clip <= 0: no clamp)
+  void set_qk_full(int64_t i, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double clip) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && q_norm.has_value() == k_norm.has_value(),
+                "DecodeLayers.set_qk_full: a layer, and both norms or neither");
+    TORCH_CHECK(!q_norm.has_value() || (q_norm->numel() == heads_ * head_dim_ && k_norm->numel() == kv_heads_ *
+                                        head_dim_ && !layers_[i].q_norm.has_value()),
+                "DecodeLayers.set_qk_full: norms of [H * D] and [KvH * D], on a layer without per-head norms");
+    layers_[i].q_norm_full = q_norm;
+    layers_[i].k_norm_full = k_norm;
+    layers_[i].clip_qkv = clip;
+  }
+
   // h: the first layer's normed input [B, hidden]; residual: its input, updated in place; cos, signed_sin: [B, D]
   // in the model's dtype (local_cos, local_sin: the same for the layers with their own rope, or none); slots: [B]
   // long, block_tables: [B, W] long, context_lens: [B] long, one of each per KV group; shared: the blocks that
@@ -468,6 +485,16 @@ class DecodeLayers {
     auto heads = qkv.view({batch, heads_ + 2 * kv_heads_, head_dim_});
     auto q = heads.narrow(1, 0, heads_), k = heads.narrow(1, heads_, kv_heads_);
     auto v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
+    if (layer.q_norm_full.has_value()) {  // as sage_infer.layers.norm.RMSNorm computes it
+      const auto norm = [&](torch::Tensor flat, const torch::Tensor& w) {
+        auto x = flat.to(at::kFloat);
+        x = x * at::rsqrt(x.pow(2).mean(-1, true) + eps_);
+        flat.copy_(w * x.to(flat.scalar_type()));
+      };
+      norm(qkv.narrow(1, 0, heads_ * head_dim_), *layer.q_norm_full);
+      norm(qkv.narrow(1, heads_ * head_dim_, kv_heads_ * head_dim_), *layer.k_norm_full);
+    }
+    if (layer.clip_qkv > 0.0) qkv.clamp_(-layer.clip_qkv, layer.clip_qkv);
     if (layer.q_norm.has_value() && !gemma_) {
       rope_(q, cos, signed_sin, layer.q_norm, qk_eps_);
       rope_(k, cos, signed_sin, layer.k_norm, qk_eps_);
@@ -567,6 +594,8 @@ void bind_decode_layers(pybind11::module& m) {
            "a mixture-of-experts layer's steps of any rows: its router as a linear, its experts' own weights")
       .def("set_shared_expert", &DecodeLayers::set_shared_expert,
            "a mixture-of-experts layer's shared expert: the layer's gate_up and down, and its sigmoid gate")
+      .def("set_qk_full", &DecodeLayers::set_qk_full,
+           "OLMoE: a layer's q and k norms over all heads, and its clamp of q, k and v")
       .def("run", &DecodeLayers::run, "the decoder layers of a decode step (CPU)");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm of [N, H] rows by the fp32 (1 + w)");
   m.def("gemma_norm_heads_", &gemma_norm_heads_, "in place: Gemma's RMSNorm of each head of [T, heads, D]");
