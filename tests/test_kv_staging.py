@@ -77,3 +77,26 @@ def test_the_engine_loads_a_prompt_twice_through_one_kept_buffer(model_dir, cold
     assert hierarchy.stats.tiers["host"].loaded_blocks >= 10
     assert hierarchy.staging.reused >= 1 and hierarchy.staging.kept_bytes > 0
     llm.engine.kv.block_manager.check_invariants()
+
+
+def test_a_buffer_never_released_is_freed_with_its_last_reference():
+    """The books hold what they lent weakly: a view of the rows still brings the buffer back, and a buffer nobody
+    refers to any more is freed, not kept by the books."""
+    import gc
+    import weakref
+
+    staging = StagingBuffers(row_bytes=32)
+    abandoned = staging.acquire(4)  # an abandoned load's: never released
+    view = abandoned[:2]
+    del abandoned
+    gc.collect()
+    staging.release(view)  # while a view lives, the buffer can still come back
+    assert staging.kept_bytes == ROUND_ROWS * 32
+    other = staging.acquire(4)
+    assert other.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    staging2 = StagingBuffers(row_bytes=32)
+    lost = staging2.acquire(4)
+    gone = weakref.ref(lost)
+    del lost
+    gc.collect()
+    assert gone() is None  # the books did not keep it alive

@@ -8,14 +8,15 @@ fresh page-locked buffer costs a `cudaHostAlloc` per load as well.
 
 A buffer is handed out by `acquire` and comes back only through `release` (after its rows were
 written into the pool), so one a load still writes into (an abandoned, timed-out read) is never
-handed out again; the books remember the last `LENT_TRACKED` buffers handed out, so one never released
-(abandoned) is dropped with its last reference, as before. At most `RETAIN_BUFFERS` buffers
+handed out again. The books hold the buffers handed out by weak reference (the last `LENT_TRACKED`),
+so one never released is freed with its last reference, as before. At most `RETAIN_BUFFERS` buffers
 of `RETAIN_MAX_BYTES` in all are kept; a larger load allocates its own.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -35,7 +36,8 @@ class StagingBuffers:
         self.retain_bytes = retain_bytes
         self.retain_buffers = retain_buffers
         self._free: list[torch.Tensor] = []  # released buffers, smallest first
-        self._lent: dict[int, torch.Tensor] = {}  # storage address -> a buffer handed out, oldest first
+        # storage address -> a buffer handed out, oldest first (weakly: an abandoned one is not kept alive here)
+        self._lent: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
         self.reused = 0  # loads served from a kept buffer (tests and benches read it)
         self.allocated = 0
@@ -58,7 +60,7 @@ class StagingBuffers:
         return buffer
 
     def _lend(self, buffer: torch.Tensor) -> None:
-        self._lent[buffer.untyped_storage().data_ptr()] = buffer
+        self._lent[buffer.untyped_storage().data_ptr()] = weakref.ref(buffer)
         while len(self._lent) > LENT_TRACKED:
             del self._lent[next(iter(self._lent))]
 
@@ -67,8 +69,9 @@ class StagingBuffers:
         if rows is None or rows.device.type != "cpu":
             return
         with self._lock:
-            buffer = self._lent.pop(rows.untyped_storage().data_ptr(), None)
-            if buffer is None:
+            lent = self._lent.pop(rows.untyped_storage().data_ptr(), None)
+            buffer = lent() if lent is not None else None
+            if buffer is None or buffer.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
                 return
             self._free.append(buffer)
             self._free.sort(key=lambda b: b.shape[0])

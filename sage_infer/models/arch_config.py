@@ -56,6 +56,8 @@ def moe_config(config: dict, family: str) -> MoeConfig | None:
         step, dense = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or ())
         sparse = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
     clip = config.get("clip_qkv") if family == "Olmoe" else None
+    if clip is not None and not float(clip) > 0:
+        raise ValueError(f"clip_qkv {clip}: q, k and v are clamped to +-clip_qkv, which must be above 0")
     gpt_oss = family == "GptOss"
     return MoeConfig(
         num_experts=experts, top_k=top_k,
