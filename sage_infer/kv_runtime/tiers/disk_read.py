@@ -111,6 +111,11 @@ def read_batch(locs: Sequence[tuple], rows: np.ndarray, out: torch.Tensor, kerne
     return held & (got == expected), io_error
 
 
+def _consecutive(rows: np.ndarray) -> bool:
+    """Whether a group's rows are ``r, r + 1, ...`` (one slice of the caller's rows), not another order."""
+    return not (np.diff(rows) != 1).any()
+
+
 def _whole(segment: Segment, offset: int, count: int, record: int) -> int:
     """How many of `count` records from `offset` the segment's file holds to their end (fstat: the file may have
     been cut under the tier)."""
@@ -140,12 +145,12 @@ def _read_mapped(kernel: ModuleType, group: Group, out: torch.Tensor, bpb: int, 
             flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
         src = flat.as_strided((whole, bpb), (record, 1), start - base)
         rows = group.rows[:whole]
-        if whole > 1 and (rows[-1] - rows[0] != whole - 1 or (np.diff(rows) != 1).any()):  # rows in another order
-            runs = torch.from_numpy(np.stack((rows, np.arange(whole), np.ones(whole, dtype=np.int64)), axis=1))
-            crcs = kernel.copy_rows_crc32c(out, src, runs, stream)
-        else:
+        if _consecutive(rows):
             crcs = kernel.copy_rows_crc32c(out[int(rows[0]) : int(rows[0]) + whole], src,
                                            torch.tensor([[0, 0, whole]]), stream)
+        else:  # each record into its own row
+            runs = torch.from_numpy(np.stack((rows, np.arange(whole), np.ones(whole, dtype=np.int64)), axis=1))
+            crcs = kernel.copy_rows_crc32c(out, src, runs, stream)
         del flat, src
     finally:
         mapped.close()
@@ -156,7 +161,7 @@ def _read_preadv(group: Group, out: torch.Tensor, bpb: int) -> tuple[np.ndarray 
     """One group with one preadv straight into its rows (the headers between payloads into a scratch buffer),
     then the CRC32C of each row while it is in cache."""
     out_np = out.numpy()
-    rows = group.rows.tolist()
+    rows = group.rows
     scratch = bytearray(HEADER.size)
     buffers: list = []
     for j, row in enumerate(rows):
@@ -167,7 +172,8 @@ def _read_preadv(group: Group, out: torch.Tensor, bpb: int) -> tuple[np.ndarray 
         return None, 0
     whole = min(len(rows), (got + HEADER.size) // (HEADER.size + bpb))  # records read to their end (a short read stops)
     # (releasing the GIL: a loader thread, mostly)
-    if whole and rows[whole - 1] - rows[0] == whole - 1:  # (ascending rows: one slice)
-        return np.array(crc_rows(out_np[rows[0] : rows[0] + whole], release_gil=True), dtype=np.uint32), whole
+    if _consecutive(rows[:whole]):
+        first = int(rows[0]) if whole else 0
+        return np.array(crc_rows(out_np[first : first + whole], release_gil=True), dtype=np.uint32), whole
     return np.array([crc for row in rows[:whole] for crc in crc_rows(out_np[row : row + 1], release_gil=True)],
                     dtype=np.uint32), whole
