@@ -82,6 +82,29 @@ def test_a_batch_of_row_runs_is_copied_with_one_crc_per_row(level, monkeypatch):
         module.copy_rows_crc32c(out, wide[:, 20:80], torch.tensor([(2, 0, 3)]))
 
 
+@pytest.mark.parametrize("level", build_levels())
+def test_a_large_batch_split_over_threads_is_the_one_thread_copy(level, monkeypatch):
+    """`threads` cuts the batch's rows into ranges, one per thread (at least 1 MiB each): every row is copied and
+    checksummed once, into its own place, with its CRC at its own index, whatever the split and the runs."""
+    module = fused_at(level, monkeypatch)
+    row = (64 << 10) + 24  # (not a multiple of a vector)
+    src = torch.randint(0, 256, (90, row), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    # runs out of order, one empty, one row long, crossing where a split would fall
+    runs = torch.tensor([(60, 0, 31), (0, 40, 0), (3, 31, 1), (10, 45, 45), (91, 32, 8)])
+    expected = [crc32c.crc32c(src[s + i].numpy()) for _, s, n in runs.tolist() for i in range(n)]
+    for threads in (1, 2, 3, 7, 200):
+        for stream in (0, 1):
+            dst = torch.full((100, row), SENTINEL, dtype=torch.uint8)
+            assert module.copy_rows_crc32c(dst, src, runs, stream, threads).tolist() == expected, (threads, stream)
+            for d, s, n in runs.tolist():
+                assert torch.equal(dst[d : d + n], src[s : s + n]), (threads, stream, d)
+            named = {d + i for d, _, n in runs.tolist() for i in range(n)}
+            untouched = [r for r in range(100) if r not in named]
+            assert bool((dst[untouched] == SENTINEL).all()), (threads, stream)
+    with pytest.raises(RuntimeError, match="threads must be >= 1"):
+        module.copy_rows_crc32c(dst, src, runs, -1, 0)
+
+
 @pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "fallback"])
 def test_the_python_entry_points_agree_with_and_without_the_kernel(with_kernel, monkeypatch):
     if not with_kernel:

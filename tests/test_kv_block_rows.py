@@ -43,6 +43,23 @@ def test_read_and_write_blocks_match_the_torch_layout(dtype, copier):
         assert copier == [True, True]  # the gather and the scatter both ran in the kernel
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_large_write_split_over_threads_is_the_same_write(threads, copier):
+    """`write_rows(..., threads)` (admission, the engine waiting): the kernel splits the rows, the pool ends the
+    same as after torch's index_copy."""
+    schema = KVCacheSchema(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=KVDtype.FP32)
+    pool = make_kv_pool(schema, 300)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(3))[:200]  # 200 blocks: 25 MiB
+    rows = torch.randint(0, 256, (200, schema.bytes_per_block), dtype=torch.uint8)
+    expected = pool._kv.clone()
+    expected.index_copy_(2, ids, rows.view(torch.float32).view(200, *pool.block_shape).permute(2, 1, 0, 3, 4, 5))
+    pool.write_rows(ids.tolist(), rows, threads)
+    assert torch.equal(pool._kv.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(pool.read_blocks(ids).view(torch.uint8).reshape(200, -1), rows)
+    if copier is not None:
+        assert copier == [True, True]
+
+
 def test_a_block_id_outside_the_pool_is_refused():
     pool = KVPool(SCHEMA, 4)
     with pytest.raises(IndexError, match="block ids"):

@@ -42,14 +42,22 @@ def byte_rows(tensor: torch.Tensor, rows: int) -> np.ndarray | None:
     return tensor.view(torch.uint8).view(rows, -1).numpy()
 
 
+def engine_move_threads() -> int:
+    """Threads a pool copy may split over where the engine thread waits for it (admitting a load): torch's
+    intra-op threads, idle until the copy returns."""
+    return torch.get_num_threads()
+
+
 KERNEL_MIN_BYTES = 256 << 10  # moves this large take the C++ row copy (smaller ones: numpy, no runs to build)
 
 
-def kernel_copy(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> bool:
+def kernel_copy(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray, threads: int = 1
+                ) -> bool:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D byte arrays, one C++ call (the fused row copy of
-    `tiers.rows.fused_kernel`, its checksums unused): measured 1.7x numpy's fancy-indexed assignment for a
-    16K-token load of 8 KiB chunks (9.0 against 15.1 ms for 96 MiB on the Xeon VM). False where the kernel does
-    not load, the move is small, or a side is not rows of contiguous bytes (the caller copies with numpy)."""
+    `tiers.rows.fused_kernel`, its checksums unused), its rows split over `threads`: measured 1.7x numpy's
+    fancy-indexed assignment for a 16K-token load of 8 KiB chunks (9.0 against 15.1 ms for 96 MiB on the Xeon
+    VM, one thread). False where the kernel does not load, the move is small, or a side is not rows of contiguous
+    bytes (the caller copies with numpy)."""
     if dst_rows.size * dst.shape[1] < KERNEL_MIN_BYTES or dst.strides[1] != 1 or src.strides[1] != 1:
         return False
     from sage_infer.kv_runtime.tiers.rows import fused_kernel
@@ -58,7 +66,7 @@ def kernel_copy(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows
     if kernel is None:
         return False
     runs = np.stack((dst_rows, src_rows, np.ones_like(dst_rows)), axis=1)
-    kernel.copy_rows_crc32c(torch.from_numpy(dst), torch.from_numpy(src), torch.from_numpy(runs))
+    kernel.copy_rows_crc32c(torch.from_numpy(dst), torch.from_numpy(src), torch.from_numpy(runs), threads=threads)
     return True
 
 
@@ -89,15 +97,16 @@ def take_blocks(storage: torch.Tensor, block_ids: torch.Tensor, dst: np.ndarray)
     return True
 
 
-def put_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: np.ndarray) -> bool:
-    """Block ``block_ids[i]``'s chunks of `storage` = ``src[i]`` (distinct ids; `src` as `take_blocks`' `dst`);
-    False when `storage` is not one contiguous CPU tensor (nothing was copied)."""
+def put_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: np.ndarray, threads: int = 1) -> bool:
+    """Block ``block_ids[i]``'s chunks of `storage` = ``src[i]`` (distinct ids; `src` as `take_blocks`' `dst`),
+    a large move split over `threads`; False when `storage` is not one contiguous CPU tensor (nothing was
+    copied)."""
     dst = chunk_rows(storage)
     if dst is None:
         return False
     index = block_row_index(block_ids, storage.shape[1], storage.shape[2])
     rows = flat_rows(src)
-    if rows is None or not kernel_copy(dst, index, rows, np.arange(index.size)):
+    if rows is None or not kernel_copy(dst, index, rows, np.arange(index.size), threads):
         dst[index.reshape(src.shape[0], -1)] = src
     return True
 
@@ -111,10 +120,11 @@ def gather_blocks(storage: torch.Tensor, block_ids: torch.Tensor, out: torch.Ten
     return rows is not None and take_blocks(storage, block_ids, rows.reshape(rows.shape[0], 2 * storage.shape[1], -1))
 
 
-def scatter_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> bool:
-    """Block ``block_ids[i]`` = ``src[i]`` (distinct ids) with one scatter; False when `storage` or `src` is not
-    a contiguous CPU tensor (nothing was copied)."""
+def scatter_blocks(storage: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, threads: int = 1) -> bool:
+    """Block ``block_ids[i]`` = ``src[i]`` (distinct ids) with one scatter (a large one split over `threads`);
+    False when `storage` or `src` is not a contiguous CPU tensor (nothing was copied)."""
     if block_ids.numel() == 0:
         return storage.device.type == "cpu"  # (nothing to copy)
     rows = byte_rows(src, block_ids.numel())
-    return rows is not None and put_blocks(storage, block_ids, rows.reshape(rows.shape[0], 2 * storage.shape[1], -1))
+    return rows is not None and put_blocks(storage, block_ids, rows.reshape(rows.shape[0], 2 * storage.shape[1], -1),
+                                           threads)

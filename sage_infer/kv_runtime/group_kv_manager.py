@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from sage_infer.core.sampling_params import SamplingParams
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.block_rows import engine_move_threads
 from sage_infer.kv_runtime.group_prefix import LOAD, GroupMatch, GroupPrefix
 from sage_infer.kv_runtime.group_tiers import GroupTierSource
 from sage_infer.kv_runtime.group_transfers import GroupTransferSource, first_sent
@@ -232,7 +233,8 @@ class GroupKVCacheManager(KVCacheManager):
         if slots:
             fresh = self.block_manager.allocate(len(slots), seq.extra_key)
             picked = [loaded[slot] for slot in slots]
-            source.pool.write_rows(fresh, rows if picked == list(range(rows.shape[0])) else rows[picked])
+            source.pool.write_rows(fresh, rows if picked == list(range(rows.shape[0])) else rows[picked],
+                                   engine_move_threads())
             for (group, i), block in zip(slots, fresh):
                 tables[group][i] = block
         source.release(rows)

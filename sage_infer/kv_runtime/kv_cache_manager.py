@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.block_rows import engine_move_threads
 from sage_infer.kv_runtime.sources import KVSource
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
@@ -224,7 +225,7 @@ class KVCacheManager:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
-            source.pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged)
+            source.pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged, engine_move_threads())
             source.release(staged)
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             if source.counts_as_lower_hit and not seq.admitted_once:

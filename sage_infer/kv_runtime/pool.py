@@ -294,10 +294,11 @@ class KVPool:
         source = self._kv.view(torch.uint8).view(2 * self.num_layers * self.num_blocks, -1)
         return source, block_row_index(ids, self.num_layers, self.num_blocks).reshape(ids.numel(), -1)
 
-    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor, threads: int = 1) -> None:
         """Copy whole blocks in, bit-exact: ``src: [n, *block_shape]`` in the pool's dtype (any device).
 
-        Block ids must be distinct (the copy order of duplicates is undefined).
+        Block ids must be distinct (the copy order of duplicates is undefined). `threads`: how many threads a
+        large copy on a CPU may split over (`engine_move_threads()` where the engine waits for it).
         """
         ids = self._ids(block_ids)
         if tuple(src.shape) != (ids.numel(), *self.block_shape):
@@ -305,12 +306,12 @@ class KVPool:
                              f"[{ids.numel()}, *{self.block_shape}]")
         if src.dtype != self.dtype:  # a silent cast would not be bit-exact
             raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
-        if not scatter_blocks(self._kv, ids, src):  # one scatter from the rows on a CPU (`block_rows`)
+        if not scatter_blocks(self._kv, ids, src, threads):  # one scatter from the rows on a CPU (`block_rows`)
             self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
 
-    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
+    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor, threads: int = 1) -> None:
         """`write_blocks` from raw rows, ``[n, block_nbytes]`` uint8 (what tiers and transfers carry)."""
-        self.write_blocks(block_ids, rows.view(self.dtype).reshape(rows.shape[0], *self.block_shape))
+        self.write_blocks(block_ids, rows.view(self.dtype).reshape(rows.shape[0], *self.block_shape), threads)
 
     def __repr__(self) -> str:
         return (

@@ -191,8 +191,9 @@ class QuantizedKVPool(KVPool):
         rows = torch.cat((codes, params.view(torch.uint8)), dim=1)
         return rows if out is None else out.copy_(rows)
 
-    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor) -> None:
-        """Copy whole blocks in, bit-exact: ``src: [n, block_nbytes]`` uint8 as `read_blocks` makes them."""
+    def write_blocks(self, block_ids: BlockIds, src: torch.Tensor, threads: int = 1) -> None:
+        """Copy whole blocks in, bit-exact: ``src: [n, block_nbytes]`` uint8 as `read_blocks` makes them (`threads`
+        as `KVPool.write_blocks`)."""
         ids = self._ids(block_ids)
         n = ids.numel()
         if tuple(src.shape) != (n, self.block_nbytes):
@@ -200,7 +201,8 @@ class QuantizedKVPool(KVPool):
         if src.dtype != torch.uint8:
             raise TypeError(f"write_blocks: a {self.schema.dtype.value} pool takes uint8 rows, got {src.dtype}")
         parts = self._row_parts(src) if self.device.type == "cpu" and n else None
-        if parts is not None and put_blocks(self._codes, ids, parts[0]) and put_blocks(self._params, ids, parts[1]):
+        if parts is not None and put_blocks(self._codes, ids, parts[0], threads) and put_blocks(
+                self._params, ids, parts[1], threads):
             return
         src = src.to(self.device)
         data = self.schema.data_bytes_per_block
@@ -210,8 +212,8 @@ class QuantizedKVPool(KVPool):
         self._codes.index_copy_(2, ids, codes.permute(2, 1, 0, 3, 4, 5))
         self._params.index_copy_(2, ids, params.permute(2, 1, 0, 3, 4, 5))
 
-    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
-        self.write_blocks(block_ids, rows)
+    def write_rows(self, block_ids: BlockIds, rows: torch.Tensor, threads: int = 1) -> None:
+        self.write_blocks(block_ids, rows, threads)
 
     def __repr__(self) -> str:
         return (f"QuantizedKVPool(kv_dtype={self.schema.dtype.value}, num_blocks={self.num_blocks}, "

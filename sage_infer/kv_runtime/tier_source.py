@@ -16,6 +16,7 @@ import torch
 
 from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.block_rows import engine_move_threads
 from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.loader import KVLoader
 from sage_infer.kv_runtime.prefetch_stats import PrefetchStats
@@ -158,7 +159,7 @@ class TierSource(KVSource):
         if not chosen:
             return 0
         block_ids = manager.allocate(len(chosen))
-        self.pool.write_rows(block_ids, rows)
+        self.pool.write_rows(block_ids, rows, engine_move_threads())
         self.hierarchy.release(rows)
         for block_id, block in zip(block_ids, chosen):
             manager.own(block_id, block.extra_key)

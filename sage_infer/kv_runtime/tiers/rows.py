@@ -33,6 +33,11 @@ PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more
 # every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
 # two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
 MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# A read (a load a request waits for) splits over every core, at most 4: the kernel starts one thread per range of
+# rows, so nothing goes through Python. A 16K-token `qwen3-11m` load (96 MiB) read from the host tier inside the
+# engine in 12.3-13.3 ms on one thread, 7.8-13.4 (mean 10.5) on two, on the 2-vCPU Xeon VM
+# (`bench/load_vs_recompute.py`); out of cache its copy runs at 0.8-1.0 of a two-thread memcpy, one thread 0.66.
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -40,13 +45,15 @@ _kernel: ModuleType | None | bool = False  # False: not looked up yet
 _pool_lock = threading.Lock()
 
 
-def set_move_threads(threads: int) -> None:
-    """How many threads split a large move (1: none); takes effect for the next move."""
-    global MOVE_THREADS, _pool
-    if threads < 1:
-        raise ValueError(f"move threads must be >= 1, got {threads}")
+def set_move_threads(threads: int, read_threads: int | None = None) -> None:
+    """How many threads split a large move (1: none), and a large read (default: as many); takes effect for the
+    next move."""
+    global MOVE_THREADS, READ_THREADS, _pool
+    read_threads = threads if read_threads is None else read_threads
+    if threads < 1 or read_threads < 1:
+        raise ValueError(f"move threads must be >= 1, got {threads} and {read_threads} for reads")
     with _pool_lock:
-        MOVE_THREADS = threads
+        MOVE_THREADS, READ_THREADS = threads, read_threads
         old, _pool = _pool, None
     if old is not None:
         old.shutdown(wait=False)
@@ -123,20 +130,22 @@ def crc_rows(rows: np.ndarray, release_gil: bool = False) -> list[int]:
 _crc_releasing = functools.partial(crc32c.crc32c, gil_release_mode=1)
 
 
-def parallel(row_bytes: int, total_bytes: int, crc: bool = True) -> bool:
-    """Whether a move of `total_bytes` in rows of `row_bytes` goes to the thread pool (rows too small for crc32c
-    to release the GIL are checksummed on one thread)."""
+def parallel(row_bytes: int, total_bytes: int, crc: bool = True, threads: int | None = None) -> bool:
+    """Whether a move of `total_bytes` in rows of `row_bytes` splits over `threads` (default `MOVE_THREADS`; rows
+    too small for crc32c to release the GIL are checksummed on one thread)."""
     gil_free = row_bytes >= GIL_FREE_ROW_BYTES or not crc
-    return MOVE_THREADS > 1 and gil_free and total_bytes >= PARALLEL_MIN_BYTES
+    return (threads or MOVE_THREADS) > 1 and gil_free and total_bytes >= PARALLEL_MIN_BYTES
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str | None = None,
-              release_gil: bool = False) -> list[int]:
+              release_gil: bool = False, threads: int | None = None) -> list[int]:
     """Copy `runs` of rows from `src` to `dst` (2-D uint8, CPU); with `crc_of` ("dst" or "src") also the CRC32C
     of each copied row, in run order, taken while the piece is in cache.
 
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
     `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel always releases it).
+    `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`; `READ_THREADS`
+    for a read); without the kernel, the pieces go to the `MOVE_THREADS` pool.
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
@@ -153,10 +162,9 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
 
     kernel = fused_kernel() if crc_of and dst.stride(1) == 1 and src.stride(1) == 1 else None
     if kernel is not None:  # one pass: each row checksummed as it is copied (the CRC of the bytes both sides hold)
-        if not parallel(row_bytes, total, crc=False):  # (the kernel releases the GIL for any row size)
-            return fused_rows(kernel, dst, src, runs)
-        done = move_pool().map(lambda run: fused_rows(kernel, dst, src, [run]), pieces(runs, rows_per_piece))
-        return [crc for part in done for crc in part]
+        # (split over MOVE_THREADS inside the kernel: one range of rows per thread, none handed through Python)
+        threads = threads or MOVE_THREADS
+        return fused_rows(kernel, dst, src, runs, threads if parallel(row_bytes, total, False, threads) else 1)
     if parallel(row_bytes, total, crc=crc_of is not None):
         done = move_pool().map(piece, pieces(runs, rows_per_piece if crc_of else max(rows_per_piece, len_per_thread(
             total, row_bytes))))
@@ -164,9 +172,12 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
     return [crc for run in (pieces(runs, rows_per_piece) if crc_of else runs) for crc in piece(run)]
 
 
-def fused_rows(kernel: ModuleType, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> list[int]:
-    """`copy_runs` with checksums in one kernel call (one pass over the bytes, the GIL released)."""
-    return kernel.copy_rows_crc32c(dst, src, torch.tensor(runs, dtype=torch.long).reshape(-1, 3)).tolist()
+def fused_rows(kernel: ModuleType, dst: torch.Tensor, src: torch.Tensor, runs: list[Run], threads: int = 1
+               ) -> list[int]:
+    """`copy_runs` with checksums in one kernel call (one pass over the bytes, the GIL released), its rows split
+    over `threads`."""
+    return kernel.copy_rows_crc32c(dst, src, torch.tensor(runs, dtype=torch.long).reshape(-1, 3),
+                                   threads=threads).tolist()
 
 
 def len_per_thread(total_bytes: int, row_bytes: int) -> int:
@@ -224,7 +235,8 @@ class ChunkGather:
         span = (m - 1) * out.stride(0) + k * chunk
         dst = out.as_strided((span - chunk + 1, chunk), (1, 1))
         runs = np.stack((at.reshape(-1), index.reshape(-1), np.ones(m * k, dtype=np.int64)), axis=1)
-        crcs = kernel.copy_rows_crc32c(dst, self.source, torch.from_numpy(runs)).numpy()
+        threads = MOVE_THREADS if parallel(chunk, m * k * chunk, crc=False) else 1
+        crcs = kernel.copy_rows_crc32c(dst, self.source, torch.from_numpy(runs), threads=threads).numpy()
         return concat_crcs(crcs.astype(np.uint32).reshape(m, k), chunk)
 
 

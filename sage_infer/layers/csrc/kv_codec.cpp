@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -1177,35 +1178,56 @@ int64_t copy_crc32c(torch::Tensor dst, torch::Tensor src, int64_t value, int64_t
   return c;
 }
 
+// a row copy splits over `threads` only where each thread gets at least this much: starting and joining a thread
+// costs tens of microseconds, a 1 MiB copy about 70
+constexpr int64_t THREAD_MIN_BYTES = 1 << 20;
+
 // dst[d + i] = src[s + i] for each run (d, s, n) of `runs` ([k, 3] int64) and i < n, over the rows of two 2-D
 // uint8 tensors of equal row bytes (each row contiguous); returns the CRC32C of every copied row, in run order
-// (int64 [rows]), each taken in the same pass as its copy. Runs without the GIL.
-torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tensor runs, int64_t stream) {
+// (int64 [rows]), each taken in the same pass as its copy. Runs without the GIL. `threads` > 1 splits the rows
+// into that many consecutive ranges (fewer when the move is small), one per thread (the caller's included): one
+// core's loads and stores do not saturate a server's memory (1 thread 14.5 GB/s, 2 threads 23-24 GB/s on a
+// 2-vCPU Xeon VM).
+torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tensor runs, int64_t stream,
+                               int64_t threads) {
   TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.scalar_type() == torch::kByte &&
                   src.scalar_type() == torch::kByte && dst.device().is_cpu() && src.device().is_cpu() &&
                   dst.size(1) == src.size(1) && (dst.size(1) <= 1 || (dst.stride(1) == 1 && src.stride(1) == 1)),
               "copy_rows_crc32c: 2-D uint8 CPU tensors with rows of equal bytes, each row contiguous");
   TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 3 && runs.scalar_type() == torch::kLong && runs.is_contiguous(),
               "copy_rows_crc32c: runs must be a contiguous [k, 3] int64 tensor of (dst row, src row, rows)");
+  TORCH_CHECK(threads >= 1, "copy_rows_crc32c: threads must be >= 1, got ", threads);
   const int64_t* r = runs.data_ptr<int64_t>();
   const int64_t k = runs.size(0), row = dst.size(1);
-  int64_t rows = 0;
+  std::vector<int64_t> start(k + 1, 0);  // start[i]: the first row of run i in the output's order
   for (int64_t i = 0; i < k; ++i) {
     const int64_t d = r[3 * i], s = r[3 * i + 1], n = r[3 * i + 2];
     TORCH_CHECK(n >= 0 && d >= 0 && s >= 0 && d + n <= dst.size(0) && s + n <= src.size(0),
                 "copy_rows_crc32c: run (", d, ", ", s, ", ", n, ") outside ", dst.size(0), " / ", src.size(0), " rows");
-    rows += n;
+    start[i + 1] = start[i] + n;
   }
+  const int64_t rows = start[k];
   torch::Tensor out = torch::empty({rows}, torch::kLong);
   int64_t* crcs = out.data_ptr<int64_t>();
   const bool st = streams(stream, rows * row);
   uint8_t* dp = dst.data_ptr<uint8_t>();
   const uint8_t* sp = src.data_ptr<uint8_t>();
   const int64_t ds = dst.stride(0), ss = src.stride(0);
-  for (int64_t i = 0, j = 0; i < k; ++i)
-    for (int64_t t = 0; t < r[3 * i + 2]; ++t, ++j)
+  auto copy = [&](int64_t first, int64_t last) {  // the output's rows [first, last)
+    int64_t i = std::upper_bound(start.begin(), start.end(), first) - start.begin() - 1;
+    for (int64_t j = first; j < last; ++j) {
+      while (j >= start[i + 1]) ++i;  // (past empty runs too)
+      const int64_t t = j - start[i];
       crcs[j] = copy_update(0, dp + (r[3 * i] + t) * ds, sp + (r[3 * i + 1] + t) * ss, static_cast<size_t>(row), st);
-  fence(st);
+    }
+    fence(st);  // (each thread fences its own streamed stores; the join orders them for the caller)
+  };
+  const int64_t parts = std::max<int64_t>(1, std::min({threads, rows, rows * row / THREAD_MIN_BYTES}));
+  std::vector<std::thread> helpers;
+  helpers.reserve(parts - 1);
+  for (int64_t p = 1; p < parts; ++p) helpers.emplace_back(copy, rows * p / parts, rows * (p + 1) / parts);
+  copy(0, rows / parts);
+  for (auto& h : helpers) h.join();
   return out;
 }
 
@@ -1220,7 +1242,7 @@ void bind_kv_codec(pybind11::module& m) {
   m.def("copy_crc32c", &copy_crc32c, "copy, and the CRC32C of the bytes copied, in one pass", py::arg("dst"),
         py::arg("src"), py::arg("value") = 0, py::arg("stream") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows_crc32c", &copy_rows_crc32c, "copy runs of rows, and the CRC32C of each row, in one pass",
-        py::arg("dst"), py::arg("src"), py::arg("runs"), py::arg("stream") = -1,
+        py::arg("dst"), py::arg("src"), py::arg("runs"), py::arg("stream") = -1, py::arg("threads") = 1,
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_stream_min_bytes", [] { return STREAM_MIN_BYTES; }, "copies this large stream their stores");
   m.def("crc32c_native", [] { return NATIVE_CRC; }, "whether the CRC32C runs on the CPU's crc32 instruction");
