@@ -139,6 +139,26 @@ def test_a_gather_from_the_pool_checksums_each_block_as_it_copies_it():
     assert crcs.tolist() == [crc32c.crc32c(blocks[i].numpy()) for i in picked]
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_large_gather_split_over_threads_lands_each_block_with_its_crc(threads):
+    """A demotion's gather of >= 4 MiB splits its chunks over threads (`ChunkGather.threads`; the engine thread
+    waits for it): the same rows, each block's CRC32C, into rows with a header between them."""
+    if rows.fused_kernel() is None:
+        pytest.skip("the one-pass copy + CRC kernel does not load here (a plain gather then crc32c runs instead)")
+    big = KVCacheSchema(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16)  # 128 KiB blocks
+    n, bpb = 48, big.bytes_per_block  # 6 MiB
+    pool = KVPool(big, 64)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(4))[:n].tolist()
+    blocks = torch.randint(0, 256, (n, bpb), dtype=torch.uint8)
+    pool.write_rows(ids, blocks)
+    gather = pool_gather(pool, ids)
+    gather.threads = threads
+    records = torch.zeros(n, 72 + bpb, dtype=torch.uint8)
+    crcs = gather.gather_crc(range(n), records[:, 72:])
+    assert torch.equal(records[:, 72:], blocks) and not records[:, :72].any()
+    assert crcs.tolist() == [crc32c.crc32c(row.numpy()) for row in blocks]
+
+
 def test_the_crc32c_of_pieces_put_end_to_end_is_the_crc32c_of_the_whole():
     from sage_infer.kv_runtime.tiers.crc_concat import concat_crcs
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sage_infer.kv_policy.migration import BlockMeta
+from sage_infer.kv_runtime.block_rows import engine_move_threads
 from sage_infer.kv_runtime.tiers.rows import ChunkGather
 from sage_infer.kv_runtime.tiers.tier_errors import TierError
 from sage_infer.prefix_reuse.index import EvictedBlock
@@ -81,14 +82,17 @@ def rows_gather(rows: list[torch.Tensor]) -> Callable[[list[int], torch.Tensor],
 
 def pool_gather(pool: KVPool, block_ids: list[int]) -> Callable[[list[int], torch.Tensor], None]:
     """A `KVTier.put_gather` source: rows `rows` of the batch are device blocks ``block_ids[rows]``, gathered
-    from the pool into the store's buffer with one read per call."""
+    from the pool into the store's buffer with one read per call. Made and called on the engine thread (a
+    demotion before an evicted block is reused, a write-through), which waits for it: a large one-pass gather
+    splits over torch's threads."""
 
     def gather(rows: list[int], out: torch.Tensor) -> None:
         ids = block_ids if len(rows) == len(block_ids) else [block_ids[r] for r in rows]
         pool.read_blocks(ids, out=out.view(pool.dtype).view(len(rows), *pool.block_shape))
 
     chunks = pool.block_chunks(block_ids) if block_ids else None
-    return gather if chunks is None else ChunkGather(*chunks, gather)  # (a store may checksum as it gathers)
+    # (a store may checksum as it gathers)
+    return gather if chunks is None else ChunkGather(*chunks, gather, engine_move_threads())
 
 
 class KVMigrator:

@@ -208,10 +208,11 @@ class ChunkGather:
     the same pass where the one-pass kernel loads: a CRC32C per chunk as it is copied, then the row's from those
     (`crc_concat`), so the gathered bytes are never read again.
 
-    `source`: ``[R, chunk_bytes]`` uint8 CPU (each row contiguous); `index`: ``[n, k]`` int64 source rows."""
+    `source`: ``[R, chunk_bytes]`` uint8 CPU (each row contiguous); `index`: ``[n, k]`` int64 source rows;
+    `threads`: how many a large `gather_crc` may split over (default `MOVE_THREADS`)."""
 
-    def __init__(self, source: torch.Tensor, index: np.ndarray, copy: Gather) -> None:
-        self.source, self.index, self.copy = source, index, copy
+    def __init__(self, source: torch.Tensor, index: np.ndarray, copy: Gather, threads: int | None = None) -> None:
+        self.source, self.index, self.copy, self.threads = source, index, copy, threads
 
     def __call__(self, rows: list[int], out: torch.Tensor) -> None:
         self.copy(rows, out)
@@ -235,7 +236,8 @@ class ChunkGather:
         span = (m - 1) * out.stride(0) + k * chunk
         dst = out.as_strided((span - chunk + 1, chunk), (1, 1))
         runs = np.stack((at.reshape(-1), index.reshape(-1), np.ones(m * k, dtype=np.int64)), axis=1)
-        threads = MOVE_THREADS if parallel(chunk, m * k * chunk, crc=False) else 1
+        threads = self.threads or MOVE_THREADS
+        threads = threads if parallel(chunk, m * k * chunk, False, threads) else 1
         crcs = kernel.copy_rows_crc32c(dst, self.source, torch.from_numpy(runs), threads=threads).numpy()
         return concat_crcs(crcs.astype(np.uint32).reshape(m, k), chunk)
 
