@@ -33,10 +33,10 @@ PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more
 # every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
 # two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
 MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
-# A read (a load a request waits for) splits over every core, at most 4: the kernel starts one thread per range of
-# rows, so nothing goes through Python. A 16K-token `qwen3-11m` load (96 MiB) read from the host tier inside the
-# engine in 12.3-13.3 ms on one thread, 7.8-13.4 (mean 10.5) on two, on the 2-vCPU Xeon VM
-# (`bench/load_vs_recompute.py`); out of cache its copy runs at 0.8-1.0 of a two-thread memcpy, one thread 0.66.
+# A read (a load a request waits for) splits over every core, at most 4 (the kernel hands each thread of the
+# reader's OpenMP team a range of rows; nothing goes through Python). On the 2-vCPU Xeon VM a 96 MiB host-tier read
+# (a 16K-token `qwen3-11m` load) out of cache took 6.3-6.9 ms on two threads against 11.5 on one; inside the engine
+# it took 7.2-13.4 ms with either count (the engine's threads share both cores).
 READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
