@@ -17,7 +17,8 @@ category (torch.profiler CPU time of the ops and `record_function` regions below
 ones (`--repeats` times), taking turns: as decode rows of the paged kernel (every chunk of at most
 `IN_PLACE_CHUNK_ROWS`, whatever its context) and as the engine routes it (`IN_PLACE_CHUNK_PAIRS`). Beside that
 step, in the same process and taking turns with it: the attention alone (the paged decode kernel over the pool's
-blocks, every layer), the same attention as a gather plus PyTorch SDPA and as a gather plus the flash kernel, and
+blocks, every layer), the same attention as a gather plus PyTorch SDPA, as a gather plus the flash kernel and as
+the flash kernel reading the pool's rows in place (what the engine runs), and
 the arithmetic bound (the step's GEMM and attention FLOPs at the GEMM rate measured here on the model's layer
 shapes at the chunk's rows, as bench/arith_bound.py charges them). Medians, and minimums: on a shared machine a
 parallel region whose second thread is descheduled waits for it (a scheduler tick, about 4 ms, each time).
@@ -185,7 +186,7 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def _attention_timers(llm, context: int, chunk: int) -> dict:
-    """The chunk's attention over `context` cached tokens, every layer, three ways, as zero-argument timers
+    """The chunk's attention over `context` cached tokens, every layer, four ways, as zero-argument timers
     (the pool's own blocks, scattered as a prefix hit leaves them; the keys' content does not matter)."""
     import torch.nn.functional as F
 
@@ -216,8 +217,15 @@ def _attention_timers(llm, context: int, chunk: int) -> dict:
         F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale, enable_gqa=True)
 
+    slots = (table[:, None] * pool.block_size + torch.arange(pool.block_size)).reshape(-1)[:context].contiguous()
+
+    def in_place():  # what the engine runs: the flash kernel packs the keys straight from the pool's rows
+        for layer in range(layers):
+            cpu_kernels.flash_attention_slots(q, *pool.token_rows(layer), slots, scale)
+
     return {"attention, paged kernel": paged, "attention, gather + SDPA": gathered(sdpa),
-            "attention, gather + flash": gathered(lambda k, v: cpu_kernels.flash_attention(q, k, v, scale, True))}
+            "attention, gather + flash": gathered(lambda k, v: cpu_kernels.flash_attention(q, k, v, scale, True)),
+            "attention, flash in place": in_place}
 
 
 def cached_hit(args) -> dict:

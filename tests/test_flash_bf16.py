@@ -260,3 +260,39 @@ def test_sage_where_it_cannot_run_is_a_config_error_and_auto_falls_back(tmp_path
     assert not engine(path, "auto", dtype="fp16").engine.runner.attention.prefill.flash
     assert engine(path, "auto").engine.runner.attention.prefill.flash
     assert engine(path, "auto", dtype="fp32").engine.runner.attention.prefill.flash == (WHY_F32 is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq, c", [(1, 1), (16, 300), (5, 64), (40, 1000)])
+@pytest.mark.parametrize("window, softcap, with_sinks", [(0, 0.0, False), (100, 0.0, False), (0, 30.0, True)])
+def test_keys_read_in_place_from_pool_rows_are_the_gathered_keys(cpu_isa, dtype, lq, c, window, softcap,
+                                                                 with_sinks):
+    """`flash_attention_slots` packs a span's context straight from a pool's token rows: the same bits as the
+    kernel over the gathered copy ``k_rows[slots]`` (the chunk-after-cached-context path without its gather),
+    under each kind, at every ISA level this CPU has."""
+    if why := flash_unavailable(64, dtype):
+        pytest.skip(f"no {dtype} flash kernel at {cpu_isa}: {why}")
+    generator = torch.Generator().manual_seed(lq * 7 + c)
+    heads, kv_heads, d = 6, 2, 64
+    rows = 1200
+    k_rows = torch.randn(rows, kv_heads, d, generator=generator).to(dtype)
+    v_rows = torch.randn(rows, kv_heads, d, generator=generator).to(dtype)
+    slots = torch.randperm(rows, generator=generator)[:c]  # a sequence's slots, anywhere in the pool
+    q = torch.randn(lq, heads, d, generator=generator).to(dtype)
+    sinks = torch.randn(heads, generator=generator) if with_sinks else None
+    scale = d**-0.5
+    out, lse = cpu_kernels.flash_attention_slots(q, k_rows, v_rows, slots, scale, window, softcap, sinks)
+    want_out, want_lse = cpu_kernels._module().flash_attention_kind(
+        q, k_rows[slots], v_rows[slots], scale, True, window, softcap, sinks)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_slots_outside_the_rows_are_refused(cpu_isa):
+    if why := flash_unavailable(64, torch.float32):
+        pytest.skip(f"no fp32 flash kernel at {cpu_isa}: {why}")
+    rows = torch.zeros(10, 1, 64)
+    with pytest.raises(RuntimeError, match="outside k and v's 10 rows"):
+        cpu_kernels.flash_attention_slots(torch.zeros(2, 1, 64), rows, rows, torch.tensor([3, 10]), 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_kernels.flash_attention_slots(torch.zeros(2, 1, 64), rows, rows, torch.tensor([3, 4], dtype=torch.int32),
+                                          1.0)

@@ -221,6 +221,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out, lse
 
 
+def flash_attention_slots(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
+                          scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention` (causal) over keys read in place from a KV pool's rows: k_rows, v_rows ``[S, KvH, D]``
+    (`KVPool.token_rows`), key j being row ``slots[j]`` (``[C]`` int64) -- the result over ``k_rows[slots]``
+    without gathering that copy first; under a layer's kind (`attention_kinds.kernel_kind_args`)."""
+    if q.dtype == torch.bfloat16 and (q.stride(0) % 2 or q.stride(1) % 2):
+        q = q.contiguous()
+    out, lse = _module().flash_attention_slots(q, k_rows, v_rows, slots.contiguous(), scale, True, window, softcap,
+                                               sinks)
+    return out, lse
+
+
 def decode_layers(shapes: list[int], packed: list[torch.Tensor], biases: list[torch.Tensor | None],
                   bf16: list[torch.Tensor | None], tensors: list[torch.Tensor], qk_norms: list[torch.Tensor],
                   kv_scales: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,

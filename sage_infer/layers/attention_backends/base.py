@@ -133,16 +133,30 @@ class PrefillPart:
                 k_ctx, v_ctx = k[rows], v[rows]
             else:
                 slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+                if (done := self.attend_in_pool(q[rows], pool, layer, slots, scale, kind)) is not None:
+                    out[rows] = done
+                    continue
                 k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
             out[rows] = self.attend(q[rows], k_ctx, v_ctx, scale)
+
+    def attend_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                       kind: AttentionKind) -> torch.Tensor | None:
+        """One span (q's rows, causal to the lower right) whose context is the pool's rows `slots` of `layer`, read
+        in place where this part's kernel can (q's dtype); None where it cannot: the caller gathers the context
+        and calls `attend` / `attend_kind`."""
+        return None
 
     def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int, span: PrefillSpan,
                      dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [context_len - start, KvH, D] of the `index`-th span of `meta.prefills` (one with earlier context)
         from its token `start` on, as copies (the layers whose kind no kernel runs read them:
         `AttentionBackend.forward_kind`)."""
-        slots = meta.prefill_context[span.slot_start + start : span.slot_start + span.context_len]
-        return pool.gather_slots(layer, slots, dtype)
+        return pool.gather_slots(layer, self.span_slots(meta, span, start), dtype)
+
+    @staticmethod
+    def span_slots(meta: AttentionMetadata, span: PrefillSpan, start: int = 0) -> torch.Tensor:
+        """The slots of a span's context (one with earlier context) from its token `start` on."""
+        return meta.prefill_context[span.slot_start + start : span.slot_start + span.context_len]
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         """One span, causal to the lower right: q [q_len, H, D]; k/v [ctx_len, KvH, D] -> q's dtype."""
@@ -320,6 +334,10 @@ class AttentionBackend:
                 k_ctx, v_ctx = k[rows], v[rows]
             else:  # a window reads only the keys its queries see (the mask is relative: the same math)
                 start = 0 if kind.window is None else max(0, span.context_len - span.q_len - kind.window + 1)
+                if prefill_kernel and (done := self.prefill.attend_in_pool(
+                        q[rows], pool, layer, self.prefill.span_slots(meta, span, start), scale, kind)) is not None:
+                    out[rows] = done
+                    continue
                 k_ctx, v_ctx = self.prefill.span_context(pool, layer, meta, index, span, q.dtype, start)
             if prefill_kernel:
                 out[rows] = self.prefill.attend_kind(q[rows], k_ctx, v_ctx, scale, kind)

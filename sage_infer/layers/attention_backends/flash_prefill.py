@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from sage_infer.layers import cpu_kernels
 from sage_infer.layers.attention import chunk_attention_lse, prefill_attention, shared_keys_attention_lse
 from sage_infer.layers.attention_backends.base import PrefillPart
 from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args
+
+if TYPE_CHECKING:
+    from sage_infer.kv_runtime.pool import KVPool
 
 
 def flash_attention_kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -50,6 +54,16 @@ class FlashPrefill(PrefillPart):
                     kind: AttentionKind) -> torch.Tensor:
         return flash_attention_kind(q, k_ctx, v_ctx, scale, kind)[0].to(q.dtype)
 
+    def attend_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                       kind: AttentionKind) -> torch.Tensor | None:
+        """The kernel packs the span's keys and values straight from the pool's rows (`flash_attention_slots`):
+        no gathered copy of the context. None where the pool's rows are not q's dtype on this CPU."""
+        if not pool.supports_block_views or pool.device.type != "cpu" or pool.dtype != q.dtype:
+            return None
+        k_rows, v_rows = pool.token_rows(layer)
+        return cpu_kernels.flash_attention_slots(q, k_rows, v_rows, slots, scale, *kernel_kind_args(kind))[0].to(
+            q.dtype)
+
 
 @dataclass(frozen=True)
 class AmxFlashPrefill(FlashPrefill):
@@ -60,6 +74,11 @@ class AmxFlashPrefill(FlashPrefill):
     through sage's kernel, which takes them."""
 
     sage_flash_prefix = False  # the C++ decode step attends a shared prefix with PyTorch's kernel too
+
+    def attend_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                       kind: AttentionKind) -> torch.Tensor | None:
+        """Plain spans go to PyTorch's kernel over a gathered copy (None); other kinds to sage's, in place."""
+        return None if kind.plain else super().attend_in_pool(q, pool, layer, slots, scale, kind)
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         return prefill_attention(q, k_ctx, v_ctx, scale)

@@ -55,17 +55,33 @@ inline Kind make_kind(const char* name, int64_t window, double softcap, const c1
   return kind;
 }
 
-// the shape and layout checks of every kernel (their dtype checks are their own)
+// the shape and layout checks of every kernel (their dtype checks are their own); `c`: the keys attended (-1: all
+// of k's rows; else a call through `slots`, whose k and v rows are any rows of a pool)
 inline void check_shapes(const char* name, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         bool causal) {
+                         bool causal, int64_t c = -1) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q [Lq, H, D], k/v [C, KvH, D]");
-  const int64_t d = q.size(2), c = k.size(0), kv_heads = k.size(1);
-  TORCH_CHECK(v.size(0) == c && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d &&
+  const int64_t d = q.size(2), kv_heads = k.size(1);
+  if (c < 0) c = k.size(0);
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == kv_heads && k.size(2) == d && v.size(2) == d &&
                   q.size(1) % kv_heads == 0, name, ": shapes disagree");
   TORCH_CHECK(d % 32 == 0 && d <= kMaxHeadDim, name, ": head_dim must be a multiple of 32 up to 256");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, name, ": heads must be contiguous");
   TORCH_CHECK(!causal || c >= q.size(0), name, ": causal needs at least as many keys as queries");
 }
+
+// A call whose keys are rows `slots` of k and v (a KV pool's rows of one layer, read in place: no gathered copy):
+// key j is row slots[j]. Checks the slots (a contiguous int64 CPU vector, each a row of k) -> their data.
+inline const int64_t* check_slots(const char* name, const torch::Tensor& slots, int64_t rows) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.device().is_cpu(),
+              name, ": slots must be a contiguous int64 CPU vector");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0, n = slots.numel(); i < n; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < rows, name, ": slot ", s[i], " is outside k and v's ", rows, " rows");
+  return s;
+}
+
+// key j's row of k and v: slots[j], or j itself without slots
+inline int64_t key_row(const int64_t* slots, int64_t key) { return slots ? slots[key] : key; }
 
 // Query positions per task. A task reads each tile of its KV head's keys and values once for all its rows, so
 // the more rows the less K/V traffic: about kTaskRows rows (16 to 64 positions, a multiple of 16), fewer where a

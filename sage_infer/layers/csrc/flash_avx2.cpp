@@ -165,23 +165,25 @@ inline void widen_row(const c10::BFloat16* src, float* dst, int64_t d) {
   }
 }
 
+// `slots` (or null): key j is row slots[j] of k and v, `c` keys (flash.h's `check_slots`)
 template <typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale, bool causal,
-            const Kind& kind, float* ob, float* lb) {
-  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+            const Kind& kind, float* ob, float* lb, const int64_t* slots, int64_t c) {
+  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   const int64_t groups = heads / kv_heads, cp = (c + kTile - 1) / kTile * kTile;
   const T* kb = k.data_ptr<T>();
   const T* vb = v.data_ptr<T>();
   const int64_t ks = k.stride(0), kh = k.stride(1);
   // packed K: [KvH][cp/8][D][8], zero padded past C (torch's allocator aligns it to 64 bytes); V: read in place
-  // when fp32, else widened once to [KvH][C][D]
+  // when fp32 and its rows are consecutive (no slots), else copied (widened) once to [KvH][C][D]
   auto kpack = torch::empty({kv_heads * cp * d}, q.options().dtype(at::kFloat));
   float* kpb = kpack.data_ptr<float>();
-  constexpr bool in_place = std::is_same_v<T, float>;
-  torch::Tensor vwide = in_place ? torch::Tensor() : torch::empty({kv_heads, c, d}, kpack.options());
-  float* vw = in_place ? nullptr : vwide.data_ptr<float>();
-  const float* vf = in_place ? reinterpret_cast<const float*>(vb) : vw;
-  const int64_t vs = in_place ? v.stride(0) : d, vh = in_place ? v.stride(1) : c * d;
+  constexpr bool in_place = std::is_same_v<T, float>;  // (q's rows read in place)
+  const bool v_in_place = in_place && slots == nullptr;
+  torch::Tensor vwide = v_in_place ? torch::Tensor() : torch::empty({kv_heads, c, d}, kpack.options());
+  float* vw = v_in_place ? nullptr : vwide.data_ptr<float>();
+  const float* vf = v_in_place ? reinterpret_cast<const float*>(vb) : vw;
+  const int64_t vs = v_in_place ? v.stride(0) : d, vh = v_in_place ? v.stride(1) : c * d;
   at::parallel_for(0, kv_heads * (cp / 8), 1, [&](int64_t b0, int64_t b1) {
     alignas(32) float row[flash::kMaxHeadDim];
     for (int64_t task = b0; task < b1; ++task) {
@@ -190,8 +192,9 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       for (int64_t t = 0; t < 8; ++t) {
         const int64_t key = blk * 8 + t;
         if (key < c) {
-          widen_row(kb + key * ks + h * kh, row, d);
-          if constexpr (!in_place) widen_row(vb + key * v.stride(0) + h * v.stride(1), vw + (h * c + key) * d, d);
+          const int64_t at = flash::key_row(slots, key);
+          widen_row(kb + at * ks + h * kh, row, d);
+          if (!v_in_place) widen_row(vb + at * v.stride(0) + h * v.stride(1), vw + (h * c + key) * d, d);
         } else {
           std::fill(row, row + d, 0.f);
         }
@@ -279,20 +282,22 @@ bool flash_avx2_compiled() {
 }
 
 std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal, const flash::Kind& kind) {
+                                                bool causal, const flash::Kind& kind, const int64_t* slots,
+                                                int64_t c) {
   const bool fp32 = q.scalar_type() == at::kFloat;
   const auto dtype = fp32 ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
               fp32 ? "flash_attention_avx2: float32 q, k and v" : "flash_attention_avx2: bf16 q, k and v");
-  flash::check_shapes("flash_attention_avx2", q, k, v, causal);
+  flash::check_shapes("flash_attention_avx2", q, k, v, causal, c);
+  if (c < 0) c = k.size(0);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
 #if defined(FLASH_AVX2)
   const float s = static_cast<float>(scale);
   if (fp32) {
-    attend<float>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>());
+    attend<float>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>(), slots, c);
   } else {
-    attend<c10::BFloat16>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>());
+    attend<c10::BFloat16>(q, k, v, s, causal, kind, out.data_ptr<float>(), lse.data_ptr<float>(), slots, c);
   }
 #else
   TORCH_CHECK(false, "flash_attention_avx2: built without AVX2 and FMA, or with AVX-512");

@@ -275,13 +275,16 @@ void f32_tile(const float* const* qr, const int64_t* first, const int64_t* limit
 
 }  // namespace
 
+// `slots` (or null): key j is row slots[j] of k and v, `c` keys (flash.h's `check_slots`); both packs read them
 std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal, const flash::Kind& kind) {
+                                                bool causal, const flash::Kind& kind, const int64_t* slots = nullptr,
+                                                int64_t c = -1) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "flash_attention_bf16: bf16 q, k and v");
-  flash::check_shapes("flash_attention_bf16", q, k, v, causal);
+  flash::check_shapes("flash_attention_bf16", q, k, v, causal, c);
   TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0, "flash_attention_bf16: q's row and head strides must be even");
-  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+  if (c < 0) c = k.size(0);
+  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   auto out = torch::empty({lq, heads, d}, q.options().dtype(at::kFloat));
   auto lse = torch::empty({lq, heads}, q.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__)
@@ -298,8 +301,9 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
       uint16_t* vdst = vpack.data() + (h * cp + blk * 16) * d;  // 8 key pairs of [D][2]
       for (int64_t t = 0; t < 16; ++t) {
         const int64_t key = blk * 16 + t;
-        const uint16_t* krow = key < c ? kb + key * ks + h * kh : nullptr;
-        const uint16_t* vrow = key < c ? vb + key * vs + h * vh : nullptr;
+        const int64_t row = key < c ? flash::key_row(slots, key) : 0;
+        const uint16_t* krow = key < c ? kb + row * ks + h * kh : nullptr;
+        const uint16_t* vrow = key < c ? vb + row * vs + h * vh : nullptr;
         for (int64_t i = 0; i < d; ++i) {
           kdst[((i / 2) * 16 + t) * 2 + (i & 1)] = krow ? krow[i] : 0;
           vdst[((t / 2) * d + i) * 2 + (t & 1)] = vrow ? vrow[i] : 0;
@@ -325,12 +329,15 @@ std::vector<torch::Tensor> flash_attention_bf16(torch::Tensor q, torch::Tensor k
   return {out, lse};
 }
 
+// `slots`, `c`: as `flash_attention_bf16`'s; with slots, V is packed too ([KvH][cp][D]: its rows are anywhere)
 std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                               bool causal, const flash::Kind& kind) {
+                                               bool causal, const flash::Kind& kind, const int64_t* slots = nullptr,
+                                               int64_t c = -1) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "flash_attention_f32: float32 q, k and v");
-  flash::check_shapes("flash_attention_f32", q, k, v, causal);
-  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), c = k.size(0), kv_heads = k.size(1);
+  flash::check_shapes("flash_attention_f32", q, k, v, causal, c);
+  if (c < 0) c = k.size(0);
+  const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   auto out = torch::empty({lq, heads, d}, q.options());
   auto lse = torch::empty({lq, heads}, q.options());
 #if defined(__AVX512F__)
@@ -339,19 +346,26 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
   auto kpack = torch::empty({kv_heads * cp * d}, q.options());
   float* kpb = kpack.data_ptr<float>();
   const float* kb = k.data_ptr<float>();
-  const float* vb = v.data_ptr<float>();
-  const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+  const float* vsrc = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), kh = k.stride(1);
+  torch::Tensor vpack = slots ? torch::empty({kv_heads * cp * d}, q.options()) : torch::Tensor();
+  float* vpb = slots ? vpack.data_ptr<float>() : nullptr;
   at::parallel_for(0, kv_heads * (cp / 16), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t h = task / (cp / 16), blk = task % (cp / 16);
       float* kdst = kpb + (h * cp + blk * 16) * d;  // [D][16]
       for (int64_t t = 0; t < 16; ++t) {
         const int64_t key = blk * 16 + t;
-        const float* krow = kb + key * ks + h * kh;
+        const float* krow = kb + (key < c ? flash::key_row(slots, key) : 0) * ks + h * kh;
         for (int64_t i = 0; i < d; ++i) kdst[i * 16 + t] = key < c ? krow[i] : 0.f;
+        if (vpb != nullptr && key < c)  // (keys past c are never read from V)
+          std::memcpy(vpb + (h * cp + key) * d, vsrc + flash::key_row(slots, key) * v.stride(0) + h * v.stride(1),
+                      sizeof(float) * d);
       }
     }
   });
+  const float* vb = slots ? vpb : vsrc;
+  const int64_t vs = slots ? d : v.stride(0), vh = slots ? cp * d : v.stride(1);
   const float s = static_cast<float>(scale);
   const Call call{lq, heads, kv_heads, c, d, causal, q.stride(0), q.stride(1), out.data_ptr<float>(),
                   lse.data_ptr<float>()};
@@ -373,7 +387,8 @@ std::vector<torch::Tensor> flash_attention_f32(torch::Tensor q, torch::Tensor k,
 // flash_avx2.cpp: the kernel of builds without AVX-512, both dtypes
 bool flash_avx2_compiled();
 std::vector<torch::Tensor> flash_attention_avx2(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                bool causal, const flash::Kind& kind);
+                                                bool causal, const flash::Kind& kind, const int64_t* slots,
+                                                int64_t c);
 
 // the kernel `flash_attention` runs for bf16 (or fp32) q, k and v in this build, in words; "" where none can (bf16
 // on AVX-512 without AVX512-BF16: that build keeps PyTorch's flash kernel, having no measured kernel of its own)
@@ -390,12 +405,13 @@ std::string flash_kernel(bool bf16) {
 
 // the kernel of q's dtype in this build (`flash_kernel`), under a layer's kind
 static std::vector<torch::Tensor> flash_dispatch(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                                 bool causal, const flash::Kind& kind) {
+                                                 bool causal, const flash::Kind& kind, const int64_t* slots = nullptr,
+                                                 int64_t c = -1) {
 #if defined(__AVX512F__)
-  if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal, kind);
-  return flash_attention_bf16(q, k, v, scale, causal, kind);
+  if (q.scalar_type() == at::kFloat) return flash_attention_f32(q, k, v, scale, causal, kind, slots, c);
+  return flash_attention_bf16(q, k, v, scale, causal, kind, slots, c);
 #else
-  return flash_attention_avx2(q, k, v, scale, causal, kind);
+  return flash_attention_avx2(q, k, v, scale, causal, kind, slots, c);
 #endif
 }
 
@@ -412,4 +428,15 @@ std::vector<torch::Tensor> flash_attention_kind(torch::Tensor q, torch::Tensor k
                                                 c10::optional<torch::Tensor> sinks) {
   const flash::Kind kind = flash::make_kind("flash_attention_kind", window, softcap, sinks, q.size(1), causal);
   return flash_dispatch(q, k, v, scale, causal, kind);
+}
+
+// attention over keys read in place from a KV pool's rows: k, v [S, KvH, D] (one layer's slots), key j being row
+// slots[j] ([C] int64) -- what flash_attention_kind computes over k[slots], v[slots], without that gathered copy
+// (the kernels pack K, and V, straight from the rows)
+std::vector<torch::Tensor> flash_attention_slots(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                                                 double scale, bool causal, int64_t window, double softcap,
+                                                 c10::optional<torch::Tensor> sinks) {
+  const flash::Kind kind = flash::make_kind("flash_attention_slots", window, softcap, sinks, q.size(1), causal);
+  const int64_t* rows = flash::check_slots("flash_attention_slots", slots, k.size(0));
+  return flash_dispatch(q, k, v, scale, causal, kind, rows, slots.numel());
 }

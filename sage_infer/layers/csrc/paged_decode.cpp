@@ -431,6 +431,9 @@ std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, tor
 std::vector<torch::Tensor> flash_attention_kind(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                                 bool causal, int64_t window, double softcap,
                                                 c10::optional<torch::Tensor> sinks);
+std::vector<torch::Tensor> flash_attention_slots(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                                                 double scale, bool causal, int64_t window, double softcap,
+                                                 c10::optional<torch::Tensor> sinks);
 // bf16_rows.cpp
 torch::Tensor bf16_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // decode_step.cpp
@@ -471,6 +474,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention, "bf16 or fp32 attention of many queries, out and lse (CPU)");
   m.def("flash_attention_kind", &flash_attention_kind,
         "flash_attention under a sliding window, a logit soft-cap and attention sinks");
+  m.def("flash_attention_slots", &flash_attention_slots,
+        "flash_attention_kind over rows `slots` of a KV pool's K and V, read in place (no gathered copy)");
   m.def("small_linear", &small_linear, "x @ W.T + b over oneDNN's packed bf16 weight, for a few rows");
   m.def("bf16_rows_linear", &bf16_rows_linear, "x @ W.T + b for 1-4 bf16 rows on the [N, K] bf16 weight");
   bind_decode_layers(m);
