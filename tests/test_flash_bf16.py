@@ -287,6 +287,22 @@ def test_keys_read_in_place_from_pool_rows_are_the_gathered_keys(cpu_isa, dtype,
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shared_prefix_read_in_place_is_the_gathered_one(cpu_isa, dtype):
+    """Not causal (a shared prefix's keys, every query row sees all of them), through whole blocks' slots."""
+    if why := flash_unavailable(64, dtype):
+        pytest.skip(f"no {dtype} flash kernel at {cpu_isa}: {why}")
+    generator = torch.Generator().manual_seed(5)
+    k_rows = torch.randn(64 * 16, 2, 64, generator=generator).to(dtype)
+    v_rows = torch.randn(64 * 16, 2, 64, generator=generator).to(dtype)
+    blocks = torch.tensor([9, 3, 40, 41, 7])
+    slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
+    q = torch.randn(100, 4, 64, generator=generator).to(dtype)  # more rows than keys: fine without a mask
+    out, lse = cpu_kernels.flash_attention_slots(q, k_rows, v_rows, slots, 0.125, causal=False)
+    want_out, want_lse = cpu_kernels._module().flash_attention(q, k_rows[slots], v_rows[slots], 0.125, False)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 def test_slots_outside_the_rows_are_refused(cpu_isa):
     if why := flash_unavailable(64, torch.float32):
         pytest.skip(f"no fp32 flash kernel at {cpu_isa}: {why}")

@@ -222,15 +222,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def flash_attention_slots(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
-                          scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flash_attention` (causal) over keys read in place from a KV pool's rows: k_rows, v_rows ``[S, KvH, D]``
+                          scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                          causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention` over keys read in place from a KV pool's rows: k_rows, v_rows ``[S, KvH, D]``
     (`KVPool.token_rows`), key j being row ``slots[j]`` (``[C]`` int64) -- the result over ``k_rows[slots]``
     without gathering that copy first; under a layer's kind (`attention_kinds.kernel_kind_args`)."""
     if q.dtype == torch.bfloat16 and (q.stride(0) % 2 or q.stride(1) % 2):
         q = q.contiguous()
-    out, lse = _module().flash_attention_slots(q, k_rows, v_rows, slots.contiguous(), scale, True, window, softcap,
-                                               sinks)
+    out, lse = _module().flash_attention_slots(q, k_rows, v_rows, slots.contiguous(), scale, causal, window,
+                                               softcap, sinks)
     return out, lse
 
 

@@ -144,6 +144,14 @@ class PrefillPart:
         """One span (q's rows, causal to the lower right) whose context is the pool's rows `slots` of `layer`, read
         in place where this part's kernel can (q's dtype); None where it cannot: the caller gathers the context
         and calls `attend` / `attend_kind`."""
+        got = self.lse_in_pool(q, pool, layer, slots, scale, kind)
+        return None if got is None else got[0].to(q.dtype)
+
+    def lse_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                    kind: AttentionKind = FULL_ATTENTION, causal: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attend_in_pool`'s (out, lse) in float32, causal or not (a shared prefix's keys); None where this part
+        reads no context in place."""
         return None
 
     def span_context(self, pool: KVPool, layer: int, meta: AttentionMetadata, index: int, span: PrefillSpan,
@@ -366,8 +374,13 @@ class AttentionBackend:
         """
         shared = meta.shared
         q_rows = q[shared.rows]
-        keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
-        prefix_out, prefix_lse = self.prefill.prefix_lse(q_rows, keys[0], values[0], scale)  # before the next gather
+        ids = shared.block_ids.reshape(-1, 1)
+        prefix_slots = (ids * pool.block_size + torch.arange(pool.block_size, device=ids.device)).reshape(-1)
+        got = self.prefill.lse_in_pool(q_rows, pool, layer, prefix_slots, scale, causal=False)
+        if got is None:
+            keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
+            got = self.prefill.prefix_lse(q_rows, keys[0], values[0], scale)  # before the next gather
+        prefix_out, prefix_lse = got
         suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
         for span in shared.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
@@ -376,6 +389,9 @@ class AttentionBackend:
                 k_ctx, v_ctx = k[own], v[own]
             else:
                 slots = meta.prefill_context[span.slot_start : span.slot_start + span.context_len]
+                if (got := self.prefill.lse_in_pool(q_rows[rows], pool, layer, slots, scale)) is not None:
+                    suffix_out[rows], suffix_lse[rows] = got
+                    continue
                 k_ctx, v_ctx = pool.gather_slots(layer, slots, q.dtype)
             suffix_out[rows], suffix_lse[rows] = self.prefill.attend_lse(q_rows[rows], k_ctx, v_ctx, scale)
         for group in shared.decode_groups:

@@ -12,7 +12,7 @@ import torch
 from sage_infer.layers import cpu_kernels
 from sage_infer.layers.attention import chunk_attention_lse, prefill_attention, shared_keys_attention_lse
 from sage_infer.layers.attention_backends.base import PrefillPart
-from sage_infer.layers.attention_kinds import AttentionKind, kernel_kind_args
+from sage_infer.layers.attention_kinds import FULL_ATTENTION, AttentionKind, kernel_kind_args
 
 if TYPE_CHECKING:
     from sage_infer.kv_runtime.pool import KVPool
@@ -54,15 +54,16 @@ class FlashPrefill(PrefillPart):
                     kind: AttentionKind) -> torch.Tensor:
         return flash_attention_kind(q, k_ctx, v_ctx, scale, kind)[0].to(q.dtype)
 
-    def attend_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
-                       kind: AttentionKind) -> torch.Tensor | None:
+    def lse_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                    kind: AttentionKind = FULL_ATTENTION, causal: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kernel packs the span's keys and values straight from the pool's rows (`flash_attention_slots`):
         no gathered copy of the context. None where the pool's rows are not q's dtype on this CPU."""
         if not pool.supports_block_views or pool.device.type != "cpu" or pool.dtype != q.dtype:
             return None
         k_rows, v_rows = pool.token_rows(layer)
-        return cpu_kernels.flash_attention_slots(q, k_rows, v_rows, slots, scale, *kernel_kind_args(kind))[0].to(
-            q.dtype)
+        return cpu_kernels.flash_attention_slots(q, k_rows, v_rows, slots, scale, *kernel_kind_args(kind),
+                                                 causal=causal)
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,12 @@ class AmxFlashPrefill(FlashPrefill):
 
     sage_flash_prefix = False  # the C++ decode step attends a shared prefix with PyTorch's kernel too
 
-    def attend_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
-                       kind: AttentionKind) -> torch.Tensor | None:
-        """Plain spans go to PyTorch's kernel over a gathered copy (None); other kinds to sage's, in place."""
-        return None if kind.plain else super().attend_in_pool(q, pool, layer, slots, scale, kind)
+    def lse_in_pool(self, q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, scale: float,
+                    kind: AttentionKind = FULL_ATTENTION, causal: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Plain spans and shared prefixes go to PyTorch's kernel over a gathered copy (None); other kinds to
+        sage's, in place."""
+        return None if kind.plain else super().lse_in_pool(q, pool, layer, slots, scale, kind, causal)
 
     def attend(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         return prefill_attention(q, k_ctx, v_ctx, scale)

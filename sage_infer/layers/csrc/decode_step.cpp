@@ -42,6 +42,9 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor signed_sin, c10::op
            double eps);
 std::vector<torch::Tensor> flash_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                            bool causal);
+std::vector<torch::Tensor> flash_attention_slots(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                                                 double scale, bool causal, int64_t window, double softcap,
+                                                 c10::optional<torch::Tensor> sinks);
 std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                                   torch::Tensor block_tables, torch::Tensor context_lens,
                                                   double scale);
@@ -549,13 +552,17 @@ class DecodeLayers {
                                               layer.softcap, layer.sinks);
     if (!shared.has_value()) return suffix[0];
     const auto rows = q.contiguous();  // cascade_attention's q[shared.rows]: every row, in order
-    const auto keys = layer.k_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
-    const auto values = layer.v_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
     torch::Tensor prefix_out, prefix_lse;
-    if (flash) {
-      auto prefix = flash_attention(rows, keys, values, scale_, false);
+    if (flash) {  // the prefix's keys packed straight from the pool's blocks (no gathered copy)
+      const int64_t bs = layer.k_blocks.size(1);
+      const auto slots = (shared->unsqueeze(1) * bs + at::arange(bs, shared->options())).reshape({-1});
+      auto prefix = flash_attention_slots(rows, layer.k_blocks.view({-1, kv_heads_, head_dim_}),
+                                          layer.v_blocks.view({-1, kv_heads_, head_dim_}), slots, scale_, false, 0,
+                                          0.0, c10::nullopt);
       prefix_out = prefix[0], prefix_lse = prefix[1];
     } else {  // attention._shared_keys_attention_lse: each KV head's query heads folded into its query rows
+      const auto keys = layer.k_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
+      const auto values = layer.v_blocks.index_select(0, *shared).view({-1, kv_heads_, head_dim_});
       const int64_t n = rows.size(0), groups = heads_ / kv_heads_;
       auto folded = rows.view({n, kv_heads_, groups, head_dim_}).transpose(0, 1).reshape({1, kv_heads_, n * groups,
                                                                                          head_dim_});
