@@ -198,7 +198,9 @@ class DiskTier(KVTier):
 
         def fill(rows: list[int], payloads: torch.Tensor) -> np.ndarray | None:
             if isinstance(gather, ChunkGather):
-                crcs = gather.gather_crc(rows, payloads)
+                # (one thread: a second one's OpenMP spin after the copy took the core the writer thread needs
+                # next, `bench/tiers_raw.py` "disk demote" 0.41-0.43 of a pwritev on one, 0.25-0.45 on two)
+                crcs = gather.gather_crc(rows, payloads, threads=1)
                 if crcs is not None:
                     return crcs
             staged = torch.empty((len(rows), self.bytes_per_block), dtype=torch.uint8)  # (a gather's out is whole)

@@ -217,10 +217,10 @@ class ChunkGather:
     def __call__(self, rows: list[int], out: torch.Tensor) -> None:
         self.copy(rows, out)
 
-    def gather_crc(self, rows: Sequence[int], out: torch.Tensor) -> np.ndarray | None:
+    def gather_crc(self, rows: Sequence[int], out: torch.Tensor, threads: int | None = None) -> np.ndarray | None:
         """``out[j] = row rows[j]`` and the CRC32C of each (uint32 ``[len(rows)]``) in one pass; None, copying
         nothing, where the kernel does not load. `out`: ``[len(rows), k * chunk_bytes]`` uint8 CPU whose rows are
-        contiguous (any row stride: a record's payload after its header)."""
+        contiguous (any row stride: a record's payload after its header). `threads` overrides the gather's own."""
         from sage_infer.kv_runtime.tiers.crc_concat import concat_crcs
 
         kernel = fused_kernel()
@@ -236,7 +236,7 @@ class ChunkGather:
         span = (m - 1) * out.stride(0) + k * chunk
         dst = out.as_strided((span - chunk + 1, chunk), (1, 1))
         runs = np.stack((at.reshape(-1), index.reshape(-1), np.ones(m * k, dtype=np.int64)), axis=1)
-        threads = self.threads or MOVE_THREADS
+        threads = threads or self.threads or MOVE_THREADS
         threads = threads if parallel(chunk, m * k * chunk, False, threads) else 1
         crcs = kernel.copy_rows_crc32c(dst, self.source, torch.from_numpy(runs), threads=threads).numpy()
         return concat_crcs(crcs.astype(np.uint32).reshape(m, k), chunk)
