@@ -311,8 +311,7 @@ def main() -> None:
                         help="sweep: a checkout of sage_infer to compare with, block size by block size, alternating "
                              "fresh processes (rows 'base' and 'new')")
     parser.add_argument("--threads", default=f"{tier_rows.MOVE_THREADS},2",
-                        help="sweep: row-moving threads to try, each a pass, for puts and reads alike (default: this "
-                             "machine's default for puts, and 2)")
+                        help="sweep: row-moving threads to try, each a pass (default: this machine's default, and 2)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -324,8 +323,7 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="sage-tiers-bench-", dir=args.dir))
     load = os.getloadavg()[0]
-    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS,
-                    "default_read_threads": tier_rows.READ_THREADS, "load_average_1m": load,
+    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS, "load_average_1m": load,
                     "crc_method": kv_codec_kernel.crc_method()}
     try:
         if args.blocks:

@@ -31,13 +31,10 @@ GIL_FREE_ROW_BYTES = 32 << 10
 PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more than it saves
 # One thread per 4 cores, at most 4: a core or two do not saturate a big host's memory, but on a small machine
 # every core is the engine's (or a neighbour's) already, and copy threads only steal from it: on the 2-vCPU VM
-# two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`)
+# two threads measured slower than one whenever anything else ran (`bench/tiers_raw.py --threads 2`), and host-tier
+# reads split over two threads of the loader thread's OpenMP team (whose second thread spins on after the copy)
+# took a 4K-token load's TTFT from 22 to 31 ms (`bench/load_vs_recompute.py`, Xeon VM)
 MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
-# A read (a load a request waits for) splits over every core, at most 4 (the kernel hands each thread of the
-# reader's OpenMP team a range of rows; nothing goes through Python). On the 2-vCPU Xeon VM a 96 MiB host-tier read
-# (a 16K-token `qwen3-11m` load) out of cache took 6.3-6.9 ms on two threads against 11.5 on one; inside the engine
-# it took 7.2-13.4 ms with either count (the engine's threads share both cores).
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -45,15 +42,13 @@ _kernel: ModuleType | None | bool = False  # False: not looked up yet
 _pool_lock = threading.Lock()
 
 
-def set_move_threads(threads: int, read_threads: int | None = None) -> None:
-    """How many threads split a large move (1: none), and a large read (default: as many); takes effect for the
-    next move."""
-    global MOVE_THREADS, READ_THREADS, _pool
-    read_threads = threads if read_threads is None else read_threads
-    if threads < 1 or read_threads < 1:
-        raise ValueError(f"move threads must be >= 1, got {threads} and {read_threads} for reads")
+def set_move_threads(threads: int) -> None:
+    """How many threads split a large move (1: none); takes effect for the next move."""
+    global MOVE_THREADS, _pool
+    if threads < 1:
+        raise ValueError(f"move threads must be >= 1, got {threads}")
     with _pool_lock:
-        MOVE_THREADS, READ_THREADS = threads, read_threads
+        MOVE_THREADS = threads
         old, _pool = _pool, None
     if old is not None:
         old.shutdown(wait=False)
@@ -144,8 +139,8 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
 
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
     `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel always releases it).
-    `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`; `READ_THREADS`
-    for a read); without the kernel, the pieces go to the `MOVE_THREADS` pool.
+    `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`); without the
+    kernel, the pieces go to the `MOVE_THREADS` pool.
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
