@@ -9,6 +9,8 @@ offsets, chained; the method chosen by default is the one /proc/cpuinfo's flags 
 
 from __future__ import annotations
 
+import itertools
+
 import crc32c
 import numpy as np
 import pytest
@@ -92,15 +94,15 @@ def test_a_large_batch_split_over_threads_is_the_one_thread_copy(level, monkeypa
     # runs out of order, one empty, one row long, crossing where a split would fall
     runs = torch.tensor([(60, 0, 31), (0, 40, 0), (3, 31, 1), (10, 45, 45), (91, 32, 8)])
     expected = [crc32c.crc32c(src[s + i].numpy()) for _, s, n in runs.tolist() for i in range(n)]
-    for threads in (1, 2, 3, 7, 200):
-        for stream in (0, 1):
-            dst = torch.full((100, row), SENTINEL, dtype=torch.uint8)
-            assert module.copy_rows_crc32c(dst, src, runs, stream, threads).tolist() == expected, (threads, stream)
-            for d, s, n in runs.tolist():
-                assert torch.equal(dst[d : d + n], src[s : s + n]), (threads, stream, d)
-            named = {d + i for d, _, n in runs.tolist() for i in range(n)}
-            untouched = [r for r in range(100) if r not in named]
-            assert bool((dst[untouched] == SENTINEL).all()), (threads, stream)
+    for threads, stream, spawn in itertools.product((1, 2, 3, 7, 200), (0, 1), (False, True)):
+        case = (threads, stream, spawn)  # (spawn: threads started for the call, not the caller's OpenMP team)
+        dst = torch.full((100, row), SENTINEL, dtype=torch.uint8)
+        assert module.copy_rows_crc32c(dst, src, runs, stream, threads, spawn).tolist() == expected, case
+        for d, s, n in runs.tolist():
+            assert torch.equal(dst[d : d + n], src[s : s + n]), (case, d)
+        named = {d + i for d, _, n in runs.tolist() for i in range(n)}
+        untouched = [r for r in range(100) if r not in named]
+        assert bool((dst[untouched] == SENTINEL).all()), case
     with pytest.raises(RuntimeError, match="threads must be >= 1"):
         module.copy_rows_crc32c(dst, src, runs, -1, 0)
 

@@ -35,6 +35,11 @@ PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more
 # reads split over two threads of the loader thread's OpenMP team (whose second thread spins on after the copy)
 # took a 4K-token load's TTFT from 22 to 31 ms (`bench/load_vs_recompute.py`, Xeon VM)
 MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# A host-tier read (a load a request waits for) splits over every core, at most 4, on threads started for the call
+# (`copy_rows_crc32c(spawn=True)`: no OpenMP team left spinning). A 16K-token `qwen3-11m` load (96 MiB) inside the
+# engine: 9.6-13.0 ms against 12.5-12.9 on one thread, its 4K load's TTFT unchanged (21.3-22.4 ms against 21.7-22.0);
+# Xeon VM, 2 vCPUs, `bench/load_vs_recompute.py`, alternating.
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -133,14 +138,15 @@ def parallel(row_bytes: int, total_bytes: int, crc: bool = True, threads: int | 
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str | None = None,
-              release_gil: bool = False, threads: int | None = None) -> list[int]:
+              release_gil: bool = False, threads: int | None = None, spawn: bool = False) -> list[int]:
     """Copy `runs` of rows from `src` to `dst` (2-D uint8, CPU); with `crc_of` ("dst" or "src") also the CRC32C
     of each copied row, in run order, taken while the piece is in cache.
 
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
     `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel always releases it).
-    `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`); without the
-    kernel, the pieces go to the `MOVE_THREADS` pool.
+    `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`), `spawn`: on
+    threads started for the call rather than the caller's OpenMP team; without the kernel, the pieces go to the
+    `MOVE_THREADS` pool.
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
@@ -159,7 +165,7 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
     if kernel is not None:  # one pass: each row checksummed as it is copied (the CRC of the bytes both sides hold)
         # (split over MOVE_THREADS inside the kernel: one range of rows per thread, none handed through Python)
         threads = threads or MOVE_THREADS
-        return fused_rows(kernel, dst, src, runs, threads if parallel(row_bytes, total, False, threads) else 1)
+        return fused_rows(kernel, dst, src, runs, threads if parallel(row_bytes, total, False, threads) else 1, spawn)
     if parallel(row_bytes, total, crc=crc_of is not None):
         done = move_pool().map(piece, pieces(runs, rows_per_piece if crc_of else max(rows_per_piece, len_per_thread(
             total, row_bytes))))
@@ -167,12 +173,12 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
     return [crc for run in (pieces(runs, rows_per_piece) if crc_of else runs) for crc in piece(run)]
 
 
-def fused_rows(kernel: ModuleType, dst: torch.Tensor, src: torch.Tensor, runs: list[Run], threads: int = 1
-               ) -> list[int]:
+def fused_rows(kernel: ModuleType, dst: torch.Tensor, src: torch.Tensor, runs: list[Run], threads: int = 1,
+               spawn: bool = False) -> list[int]:
     """`copy_runs` with checksums in one kernel call (one pass over the bytes, the GIL released), its rows split
-    over `threads`."""
+    over `threads` (`spawn`: started for the call)."""
     return kernel.copy_rows_crc32c(dst, src, torch.tensor(runs, dtype=torch.long).reshape(-1, 3),
-                                   threads=threads).tolist()
+                                   threads=threads, spawn=spawn).tolist()
 
 
 def len_per_thread(total_bytes: int, row_bytes: int) -> int:

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -1186,9 +1187,12 @@ constexpr int64_t THREAD_MIN_BYTES = 1 << 20;
 // into that many consecutive ranges (fewer when the move is small, at most torch's threads), one per thread of
 // the caller's OpenMP team (the engine thread's own, idle while it waits): one core's loads and stores do not
 // saturate a server's memory. On a 2-vCPU Xeon VM, 16 MiB of 64 KiB rows: one thread 1.19 ms, two 0.63 (a 2 MiB
-// move 109 -> 45 us; starting a std::thread per range instead cost 60-70 us a move).
+// move 109 -> 45 us; starting a std::thread per range instead cost 60-70 us a move). `spawn`: threads started for
+// this call instead, for a caller that is not the engine's thread: its own OpenMP team's threads spin on after the
+// region, on the cores the engine's team needs next (a 4K-token load read over two threads of the loader's team:
+// the load's TTFT 22 -> 31 ms on that VM).
 torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tensor runs, int64_t stream,
-                               int64_t threads) {
+                               int64_t threads, bool spawn) {
   TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.scalar_type() == torch::kByte &&
                   src.scalar_type() == torch::kByte && dst.device().is_cpu() && src.device().is_cpu() &&
                   dst.size(1) == src.size(1) && (dst.size(1) <= 1 || (dst.stride(1) == 1 && src.stride(1) == 1)),
@@ -1224,6 +1228,12 @@ torch::Tensor copy_rows_crc32c(torch::Tensor dst, torch::Tensor src, torch::Tens
   const int64_t parts = std::max<int64_t>(1, std::min({threads, rows, rows * row / THREAD_MIN_BYTES}));
   if (parts == 1) {
     copy(0, rows);
+  } else if (spawn) {
+    std::vector<std::thread> helpers;
+    helpers.reserve(parts - 1);
+    for (int64_t p = 1; p < parts; ++p) helpers.emplace_back(copy, rows * p / parts, rows * (p + 1) / parts);
+    copy(0, rows / parts);
+    for (auto& h : helpers) h.join();
   } else {
     at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
       for (int64_t p = first; p < last; ++p) copy(rows * p / parts, rows * (p + 1) / parts);
@@ -1244,7 +1254,7 @@ void bind_kv_codec(pybind11::module& m) {
         py::arg("src"), py::arg("value") = 0, py::arg("stream") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows_crc32c", &copy_rows_crc32c, "copy runs of rows, and the CRC32C of each row, in one pass",
         py::arg("dst"), py::arg("src"), py::arg("runs"), py::arg("stream") = -1, py::arg("threads") = 1,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("spawn") = false, py::call_guard<py::gil_scoped_release>());
   m.def("copy_stream_min_bytes", [] { return STREAM_MIN_BYTES; }, "copies this large stream their stores");
   m.def("crc32c_native", [] { return NATIVE_CRC; }, "whether the CRC32C runs on the CPU's crc32 instruction");
   m.def("crc32c_method", [] { return std::string(METHOD_NAMES[crc_method().load()]); },
