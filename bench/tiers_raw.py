@@ -323,8 +323,7 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="sage-tiers-bench-", dir=args.dir))
     load = os.getloadavg()[0]
-    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS,
-                    "read_threads": tier_rows.READ_THREADS, "load_average_1m": load,
+    report: dict = {"torch": torch.__version__, "default_threads": tier_rows.MOVE_THREADS, "load_average_1m": load,
                     "crc_method": kv_codec_kernel.crc_method()}
     try:
         if args.blocks:
@@ -349,8 +348,7 @@ def main() -> None:
                     done += sweep_path(path.strip(), kib, args.batch_mib << 20, args.repeats, directory,
                                        args.per_block, tuple(args.tiers.split(",")))
             report["sweep"]["results"] += done
-            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads "
-                  f"(host reads: {tier_rows.READ_THREADS}), "
+            print(f"\nsweep: {args.batch_mib} MiB per batch, best of {args.repeats}, {threads} row threads, "
                   f"CRC32C by {kv_codec_kernel.crc_method() or 'the crc32c package'}"
                   + ("" if args.baseline else " (new), crc32 (old)"))
             print_rows(done, True)

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
-from sage_infer.kv_runtime.tiers import rows as tier_rows
 from sage_infer.kv_runtime.tiers.base import KVTier
 from sage_infer.kv_runtime.tiers.pinned import pin_host_memory, pin_status
 from sage_infer.kv_runtime.tiers.rows import (
@@ -178,8 +177,8 @@ class HostTier(KVTier):
                 rows = list(range(len(slots)))
             runs = runs_of(rows, slots)
             # the caller's copy checksummed; releasing the GIL per row: reads run on a loader thread, mostly
-            crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst", release_gil=True,
-                                      threads=tier_rows.READ_THREADS, spawn=True), dtype=np.uint32)
+            crcs = np.array(copy_runs(out, self.slab, runs, crc_of="dst", release_gil=True, spawn=True),
+                            dtype=np.uint32)
             ok = crcs == self._crc[slots]
             if self._pending:  # written moments ago and not checksummed yet: this is its checksum
                 for i, slot in enumerate(slots):

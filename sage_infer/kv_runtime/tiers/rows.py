@@ -35,11 +35,6 @@ PARALLEL_MIN_BYTES = 4 << 20  # below this, handing pieces to threads costs more
 # reads split over two threads of the loader thread's OpenMP team (whose second thread spins on after the copy)
 # took a 4K-token load's TTFT from 22 to 31 ms (`bench/load_vs_recompute.py`, Xeon VM)
 MOVE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
-# A host-tier read (a load a request waits for) splits over every core, at most 4, on threads started for the call
-# (`copy_rows_crc32c(spawn=True)`: no OpenMP team left spinning). A 16K-token `qwen3-11m` load (96 MiB) inside the
-# engine: 9.6-13.0 ms against 12.5-12.9 on one thread, its 4K load's TTFT unchanged (21.3-22.4 ms against 21.7-22.0);
-# Xeon VM, 2 vCPUs, `bench/load_vs_recompute.py`, alternating.
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Run = tuple[int, int, int]  # (destination row, source row, rows)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -145,8 +140,10 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run], crc_of: str
     Both sides' rows must be `bytes_per_block` wide. The pieces of a large move run on the thread pool.
     `release_gil`: a call off the engine thread (see `crc_rows`; the one-pass kernel always releases it).
     `threads`: how many the one-pass kernel may split a large move over (default `MOVE_THREADS`), `spawn`: on
-    threads started for the call rather than the caller's OpenMP team; without the kernel, the pieces go to the
-    `MOVE_THREADS` pool.
+    threads started for the call rather than the caller's OpenMP team (a thread beside the engine's: the host
+    tier's reads on the loader thread, whose own team's threads spin on after a region, on the engine's cores: a
+    4K-token load's TTFT 22 -> 31 ms over two of them on the 2-vCPU Xeon VM); without the kernel, the pieces go
+    to the `MOVE_THREADS` pool.
     """
     row_bytes = dst.shape[1]
     rows_per_piece = max(1, CACHE_CHUNK // max(1, row_bytes))
