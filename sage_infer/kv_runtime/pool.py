@@ -222,6 +222,12 @@ class KVPool:
         k_rows, v_rows = self._rows[layer]
         return self._select(0, k_rows, slots).to(dtype), self._select(1, v_rows, slots).to(dtype)
 
+    def block_slots(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """The slots of every token of the blocks `block_tables` names (any shape), block by block: ``[n *
+        block_size]`` long (slot ``b * block_size + i`` is token ``i`` of block ``b``)."""
+        offsets = torch.arange(self.block_size, device=block_tables.device)
+        return (block_tables.reshape(-1, 1) * self.block_size + offsets).reshape(-1)
+
     def gather_blocks(
         self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,16 +132,12 @@ class QuantizedKVPool(KVPool):
         out = work if dtype == torch.float32 else self._buffer("out", shape, dtype)
         return self.codec.decode(codes, scales, dtype, out=out, work=work)
 
-    def _block_slots(self, block_tables: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.block_size, device=block_tables.device)
-        return (block_tables.reshape(-1, 1) * self.block_size + offsets).reshape(-1)
-
     def gather_block_levels(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` for padded block tables as fp32 levels and scales, head-major for batched matmuls:
         levels ``[2, B, num_kv_heads, W * block_size, head_dim]`` and scales ``[2, B, num_kv_heads, W * block_size]``
         (value = level * scale). Views of pool-owned workspaces, valid until the next `gather_*` call."""
         batch, heads = block_tables.shape[0], self.num_kv_heads
-        codes, scales = self._gather_codes(layer, self._block_slots(block_tables))
+        codes, scales = self._gather_codes(layer, self.block_slots(block_tables))
         narrow, factor = self.codec.levels(codes)
         tokens = narrow.shape[1] // batch
         shape = (2, batch, heads, tokens, self.head_dim)
@@ -159,7 +155,7 @@ class QuantizedKVPool(KVPool):
 
     def gather_blocks(self, layer: int, block_tables: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._decode(layer, self._block_slots(block_tables), dtype)
+        kv = self._decode(layer, self.block_slots(block_tables), dtype)
         kv = kv.view(2, block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
         return kv[0], kv[1]
 

@@ -374,9 +374,7 @@ class AttentionBackend:
         """
         shared = meta.shared
         q_rows = q[shared.rows]
-        ids = shared.block_ids.reshape(-1, 1)
-        prefix_slots = (ids * pool.block_size + torch.arange(pool.block_size, device=ids.device)).reshape(-1)
-        got = self.prefill.lse_in_pool(q_rows, pool, layer, prefix_slots, scale, causal=False)
+        got = self.prefill.lse_in_pool(q_rows, pool, layer, pool.block_slots(shared.block_ids), scale, causal=False)
         if got is None:
             keys, values = pool.gather_blocks(layer, shared.block_ids[None], q.dtype)  # [1, num_tokens, KvH, D]
             got = self.prefill.prefix_lse(q_rows, keys[0], values[0], scale)  # before the next gather
