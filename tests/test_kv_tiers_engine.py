@@ -348,3 +348,20 @@ def test_a_write_policy_other_than_write_back_needs_a_disk_tier():
 
     with pytest.raises(ValidationError, match="write_policy write_through writes blocks to the disk tier"):
         TierConfig(host_bytes=1 << 20, write_policy="write_through")
+
+
+def test_a_prompt_is_hashed_once_from_its_lookups_through_its_load_and_registration(model_dir, cold, monkeypatch):
+    """The device match of every step it waits, the tiers' lookup and the loaded blocks' registration share one
+    chain of hashes per sequence."""
+    from sage_infer.prefix_reuse import hashing
+
+    llm = make_llm(model_dir, host_bytes=1 << 20)
+    for tokens in (A, B, C):
+        run(llm, tokens)
+    calls = []
+    real = hashing.hash_block
+    monkeypatch.setattr(hashing, "hash_block", lambda *a: calls.append(a[1]) or real(*a))
+    tokens, cached = run(llm, A)
+    assert (tokens, cached) == (cold, 5 * BLOCK)
+    assert llm.engine.kv.source("tiers").hierarchy.stats.tiers["host"].loaded_blocks == 5
+    assert [list(block) for block in calls] == [A[i * BLOCK : (i + 1) * BLOCK] for i in range(5)]

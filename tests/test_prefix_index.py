@@ -277,3 +277,29 @@ def test_check_invariants_catches_a_wrong_child_count():
     index._by_block[0].num_children = 0
     with pytest.raises(AssertionError, match="child count"):
         index.check_invariants()
+
+
+def test_a_kept_chain_is_the_same_hashes_and_hashes_each_block_once(monkeypatch):
+    from sage_infer.prefix_reuse import hashing
+    from sage_infer.prefix_reuse.hashing import extend_chain
+
+    kept: list[bytes] = []
+    assert extend_chain(kept, TOKENS, BS, KEY, 2) == hash_token_blocks(TOKENS[: 2 * BS], BS, KEY)
+    assert extend_chain(kept, TOKENS, BS, KEY, 3) == hash_token_blocks(TOKENS, BS, KEY)
+    index = PrefixReuseIndex(BS, LRUPolicy())
+    hashes = chain(index, [7, 8], TOKENS[: 2 * BS])
+    expected = hash_token_blocks(TOKENS, BS, KEY)
+    calls = []
+    real = hashing.hash_block
+    monkeypatch.setattr(hashing, "hash_block", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(index_module, "hash_block", hashing.hash_block)
+    fresh: list[bytes] = []
+    for _ in range(3):  # a waiting request matched every step
+        match = index.match(TOKENS, KEY, record=False, chain=fresh)
+        assert (match.block_ids, match.block_hashes) == ([7, 8], hashes)
+    assert len(calls) == 3  # three blocks, hashed once (the third, a miss, is hashed for its registration)
+    assert fresh == expected
+    assert index.match(TOKENS, KEY, record=False).block_hashes == hashes  # without a chain: hashed again
+    assert len(calls) == 6
+    block_hash, registered = index.insert(9, hashes[-1], TOKENS[2 * BS :], KEY, fresh[2])
+    assert registered and block_hash == fresh[2] and len(calls) == 6

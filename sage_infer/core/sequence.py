@@ -38,6 +38,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks, registered
+    # chained hashes of token_ids' leading full blocks as far as some lookup asked (`hashing.extend_chain`),
+    # registered or not: the prefix match, the tiers' lookup and registration hash each block once. A full
+    # block's tokens never change once it is hashed (output tokens are only appended)
+    hash_chain: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

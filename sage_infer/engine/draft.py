@@ -82,6 +82,7 @@ class DraftModelProposer(Proposer):
         while common < limit and old[common] == token_ids[common]:
             common += 1
         draft.token_ids = list(token_ids)
+        del draft.hash_chain[common // self.block_size :]  # (unused: the draft pool has no prefix index)
         draft.num_computed_tokens = min(common, len(token_ids) - 1)  # the last token is fed: its logits propose
         keep = -(-draft.num_computed_tokens // self.block_size)
         if len(draft.block_table) > keep:

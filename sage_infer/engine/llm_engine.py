@@ -123,7 +123,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.runner.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         self.add(AddRequest(request_id, token_ids, params, prompt=text, priority=priority, cache_salt=cache_salt,
                             arrival_time=arrival_time))

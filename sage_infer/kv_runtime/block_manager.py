@@ -207,7 +207,8 @@ class BlockManager:
                 self._disown(block_id)
 
     def cache_block(
-        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes
+        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes,
+        block_hash: bytes | None = None,
     ) -> tuple[int, bytes]:
         """Register an in-use full block for reuse; returns `(block_id to keep, block hash)`.
 
@@ -215,12 +216,12 @@ class BlockManager:
         computed the same prefix at once), this reference moves to that block and the
         caller's copy is freed: the caller must put the returned id in its block table.
         Holding the registered block keeps the chain alive, so the next block's
-        `parent_hash` can never be an evicted (orphan) parent.
+        `parent_hash` can never be an evicted (orphan) parent. `block_hash`: its hash when the caller has it.
         """
         if self.index is None:
             raise RuntimeError("cache_block needs a prefix index; this block manager has prefix caching off")
         assert self.ref_counts[block_id] > 0, f"cache_block on block {block_id}, which is not in use"
-        block_hash, registered = self.index.insert(block_id, parent_hash, token_ids, extra_key)
+        block_hash, registered = self.index.insert(block_id, parent_hash, token_ids, extra_key, block_hash)
         if registered:
             return block_id, block_hash
         existing = self.index.lookup(parent_hash, token_ids, extra_key)

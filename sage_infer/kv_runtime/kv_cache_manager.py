@@ -31,6 +31,7 @@ from sage_infer.core.sequence import Sequence
 from sage_infer.kv_runtime.block_manager import BlockManager
 from sage_infer.kv_runtime.block_rows import engine_move_threads
 from sage_infer.kv_runtime.sources import KVSource
+from sage_infer.prefix_reuse.hashing import extend_chain
 from sage_infer.prefix_reuse.index import EvictedBlock, PrefixMatch
 
 HOT_PROMOTE_PER_STEP = 8  # blocks promoted ahead of need per step at most
@@ -138,7 +139,8 @@ class KVCacheManager:
         if self.index is None or seq.block_table:
             return NO_MATCH
         max_blocks = (seq.num_tokens - 1) // self.block_size if keep_last_token else None
-        match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False)
+        match = self.index.match(seq.token_ids, seq.extra_key, max_blocks=max_blocks, record=False,
+                                 chain=seq.hash_chain)
         source = self._source_of(seq)
         if source is not None:
             source.lookup(seq, match, max_blocks, self.clock())
@@ -284,12 +286,13 @@ class KVCacheManager:
         full = seq.num_computed_tokens // bs
         first_new = len(seq.block_hashes)
         if self.index is not None:
+            chain = extend_chain(seq.hash_chain, token_ids, bs, seq.extra_key, full)
             for i in range(first_new, full):
                 parent = seq.block_hashes[i - 1] if i else None
                 # a twin computed in the same step may already own this hash: then we move
                 # onto its block, so our chain never hangs off an evictable copy
                 block_id, block_hash = self.block_manager.cache_block(
-                    seq.block_table[i], parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key
+                    seq.block_table[i], parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key, chain[i]
                 )
                 seq.block_table[i] = block_id
                 seq.block_hashes.append(block_hash)

@@ -21,7 +21,7 @@ from sage_infer.kv_runtime.hierarchy import HierarchyManager
 from sage_infer.kv_runtime.loader import KVLoader
 from sage_infer.kv_runtime.prefetch_stats import PrefetchStats
 from sage_infer.kv_runtime.sources import KVSource
-from sage_infer.prefix_reuse.hashing import hash_token_blocks
+from sage_infer.prefix_reuse.hashing import extend_chain
 from sage_infer.prefix_reuse.index import PrefixMatch
 
 LOWER_LOOKUP_TTL_S = 0.5  # a waiting request's lower-tier lookup is reused this long (see TierSource.lookup)
@@ -73,8 +73,9 @@ class TierSource(KVSource):
         if seen is not None and seen[1] == device and now - seen[0] < LOWER_LOOKUP_TTL_S:
             keys = seen[2]
         else:
-            rest = seq.token_ids[len(match.block_ids) * bs : match.num_query_blocks * bs]
-            keys = hash_token_blocks(rest, bs, seq.extra_key, device[1])
+            # the chain the device match kept: these blocks' hashes continue its prefix's
+            keys = extend_chain(seq.hash_chain, seq.token_ids, bs, seq.extra_key,
+                                match.num_query_blocks)[len(match.block_ids) :]
             levels = self.hierarchy.locate(keys)
             # the leading run worth loading; the rest is computed (measured faster than reading it back)
             rates = self.hierarchy.rates

@@ -96,6 +96,18 @@ def hash_token_blocks(
     return hashes
 
 
+def extend_chain(
+    chain: list[bytes], token_ids: Sequence[int], block_size: int, extra_key: bytes, num_blocks: int
+) -> list[bytes]:
+    """Grow `chain` (the hashes of `token_ids`' leading full blocks, computed so far) in place to `num_blocks`
+    hashes and return its first `num_blocks`. The caller keeps the list, so each block is hashed once however
+    often it is asked for (a waiting request is matched every step)."""
+    for i in range(len(chain), num_blocks):
+        chain.append(hash_block(chain[-1] if chain else None, token_ids[i * block_size : (i + 1) * block_size],
+                                extra_key))
+    return chain[:num_blocks]
+
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes) -> list[bytes]:
     """The hashes of the prompt blocks a prefix hit could cover: every full block before the prompt's last token
     (that token is always computed, for its logits)."""

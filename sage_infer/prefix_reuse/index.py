@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from sage_infer.kv_policy import EvictionPolicy, make_policy
 from sage_infer.kv_policy.quota import DEVICE, QuotaManager
 from sage_infer.prefix_reuse.events import BlockEvents
-from sage_infer.prefix_reuse.hashing import hash_block
+from sage_infer.prefix_reuse.hashing import extend_chain, hash_block
 from sage_infer.prefix_reuse.metrics import PrefixReuseMetrics
 
 
@@ -96,22 +96,30 @@ class PrefixReuseIndex:
         self.events: BlockEvents | None = None  # stored/removed hashes for a KV-aware router (`enable_events`)
 
     def match(
-        self, token_ids: Sequence[int], extra_key: bytes, *, max_blocks: int | None = None, record: bool = True
+        self, token_ids: Sequence[int], extra_key: bytes, *, max_blocks: int | None = None, record: bool = True,
+        chain: list[bytes] | None = None,
     ) -> PrefixMatch:
         """Longest chain of full blocks from the start of `token_ids` that is cached with identical tokens.
 
         Counts one query in `metrics` and marks the matched blocks as hit, deepest
         first, so a parent is always more recent than its children. `record=False`
         is a dry run: no metrics, no recency change (`record_hit` records it later).
+        `chain`: the caller's kept list of these blocks' chained hashes (`hashing.extend_chain`), grown as far
+        as the match reads, so a prompt matched again is not hashed again.
         """
         num_blocks = len(token_ids) // self.block_size
         if max_blocks is not None:
             num_blocks = max(0, min(num_blocks, max_blocks))
         nodes: list[_Node] = []
         parent: _Node | None = None
+        # with a kept chain every block is hashed up front (its registration needs the hash anyway)
+        hashes = extend_chain(chain, token_ids, self.block_size, extra_key, num_blocks) if chain is not None else None
         for i in range(num_blocks):
             block = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block_hash = hash_block(parent.block_hash if parent else None, block, extra_key)
+            if hashes is None:
+                block_hash = hash_block(parent.block_hash if parent else None, block, extra_key)
+            else:
+                block_hash = hashes[i]
             node = self._by_hash.get(block_hash)
             if node is None or node.parent is not parent or node.extra_key != extra_key:
                 break
@@ -188,14 +196,16 @@ class PrefixReuseIndex:
         return len(self._by_block) - self._num_active
 
     def insert(
-        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes
+        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes,
+        block_hash: bytes | None = None,
     ) -> tuple[bytes, bool]:
         """Register the full block `block_id`; returns `(hash, registered)`.
 
         When the hash is already registered (another block holds the same KV, or this
         block was registered before) nothing changes and `registered` is False: the
         caller keeps using its block, which is freed normally. An unregistered
-        `parent_hash` raises ValueError, so the tree never holds an orphan.
+        `parent_hash` raises ValueError, so the tree never holds an orphan. `block_hash`: the block's hash when
+        the caller has it (`hash_block(parent_hash, token_ids, extra_key)`, from its kept chain).
         """
         if len(token_ids) != self.block_size:
             raise ValueError(f"only full blocks are registered: {len(token_ids)} tokens, block_size {self.block_size}")
@@ -204,7 +214,8 @@ class PrefixReuseIndex:
             parent = self._by_hash.get(parent_hash)
             if parent is None:
                 raise ValueError(f"parent block {parent_hash.hex()[:16]}... is not registered (no orphans)")
-        block_hash = hash_block(parent_hash, token_ids, extra_key)
+        if block_hash is None:
+            block_hash = hash_block(parent_hash, token_ids, extra_key)
         if block_hash in self._by_hash:
             return block_hash, False
         if block_id in self._by_block:
