@@ -15,6 +15,9 @@ when the pool needs a block, and then the caller removes the key):
   trimmed to |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (cases IV.A/B).
 * `on_release` refreshes a block's recency inside its list without promoting it, so a
   chain released leaf-first keeps parents more recent than their children.
+* Blocks requests hold (`on_use` .. `on_release`) wait outside T1 and T2 (counted in their
+  list's size), since their release puts them at their list's MRU end anyway: `victim`
+  then never walks past the blocks of running requests, which fill most of a busy pool.
 * With `capacity` None, c follows the number of live blocks.
 """
 
@@ -30,7 +33,7 @@ from sage_infer.kv_policy.base import EvictionPolicy, register_policy
 class ARCPolicy(EvictionPolicy):
     """ARC with T1/T2 (live) and B1/B2 (ghost) LRU lists and an adaptive T1 target `p`."""
 
-    __slots__ = ("capacity", "p", "_t1", "_t2", "_b1", "_b2")
+    __slots__ = ("capacity", "p", "_t1", "_t2", "_b1", "_b2", "_held", "_held_t1")
     uses_capacity = True
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -42,14 +45,19 @@ class ARCPolicy(EvictionPolicy):
         self._t2: OrderedDict[bytes, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._held: dict[bytes, bool] = {}  # held by requests: key -> whether it belongs to T1 (else T2)
+        self._held_t1 = 0  # how many of them belong to T1
+
+    def _n1(self) -> int:
+        return len(self._t1) + self._held_t1
 
     @property
     def c(self) -> int:
         """The cache size ARC adapts to: `capacity`, or the live block count when none was given."""
-        return self.capacity if self.capacity is not None else max(1, len(self._t1) + len(self._t2))
+        return self.capacity if self.capacity is not None else max(1, len(self))
 
     def on_insert(self, key: bytes, depth: int = 0, parent: bytes | None = None) -> None:
-        if key in self._t1 or key in self._t2:
+        if key in self._t1 or key in self._t2 or key in self._held:
             self.on_hit(key)
             return
         b1, b2 = len(self._b1), len(self._b2)
@@ -66,17 +74,39 @@ class ARCPolicy(EvictionPolicy):
         self._trim_ghosts()
 
     def on_hit(self, key: bytes) -> None:  # case I
-        if key in self._t1:
+        if key in self._held:
+            if self._held[key]:
+                self._held[key] = False
+                self._held_t1 -= 1
+        elif key in self._t1:
             del self._t1[key]
             self._t2[key] = None
         else:
             self._t2.move_to_end(key)
 
+    def on_use(self, key: bytes) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._held[key] = True
+            self._held_t1 += 1
+        elif key in self._t2:
+            del self._t2[key]
+            self._held[key] = False
+
     def on_release(self, key: bytes) -> None:
-        (self._t1 if key in self._t1 else self._t2).move_to_end(key)
+        if key in self._held:
+            in_t1 = self._held.pop(key)
+            self._held_t1 -= in_t1
+            (self._t1 if in_t1 else self._t2)[key] = None
+        else:
+            (self._t1 if key in self._t1 else self._t2).move_to_end(key)
 
     def on_remove(self, key: bytes) -> None:
-        if key in self._t1:
+        if key in self._held:
+            in_t1 = self._held.pop(key)
+            self._held_t1 -= in_t1
+            (self._b1 if in_t1 else self._b2)[key] = None
+        elif key in self._t1:
             del self._t1[key]
             self._b1[key] = None
         else:
@@ -85,7 +115,8 @@ class ARCPolicy(EvictionPolicy):
         self._trim_ghosts()
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
-        first, second = (self._t1, self._t2) if self._t1 and len(self._t1) > self.p else (self._t2, self._t1)
+        n1 = self._n1()
+        first, second = (self._t1, self._t2) if n1 and n1 > self.p else (self._t2, self._t1)
         for keys in (first, second):
             for key in keys:
                 if evictable(key):
@@ -94,16 +125,19 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         c = self.c
-        while self._b1 and len(self._t1) + len(self._b1) > c:
+        while self._b1 and self._n1() + len(self._b1) > c:
             self._b1.popitem(last=False)
-        total = len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2)
+        total = len(self) + len(self._b1) + len(self._b2)
         while total > 2 * c and (self._b2 or self._b1):
             (self._b2 if self._b2 else self._b1).popitem(last=False)
             total -= 1
 
     def lists(self) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
-        """T1, T2, B1, B2, each from LRU to MRU."""
-        return list(self._t1), list(self._t2), list(self._b1), list(self._b2)
+        """T1, T2, B1, B2, each from LRU to MRU (the held blocks last in theirs, in no order)."""
+        held = self._held
+        t1 = [*self._t1, *(k for k, in_t1 in held.items() if in_t1)]
+        t2 = [*self._t2, *(k for k, in_t1 in held.items() if not in_t1)]
+        return t1, t2, list(self._b1), list(self._b2)
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._held)

@@ -17,8 +17,9 @@ class EvictionPolicy(ABC):
     """Orders cached blocks for eviction. Keys are block hashes (bytes).
 
     Hooks, in the order a block sees them: `on_insert` when its KV is registered,
-    `on_hit` when a request reuses it, `on_release` when the last request using it
-    lets go (it becomes evictable), `on_remove` when it leaves the cache.
+    `on_hit` when a request reuses it, `on_use` when a request holds it (the device's
+    index only), `on_release` when the last request using it lets go (it becomes
+    evictable), `on_remove` when it leaves the cache.
     """
 
     __slots__ = ()
@@ -36,6 +37,9 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_hit(self, key: bytes) -> None:
         """A request matched this cached block."""
+
+    def on_use(self, key: bytes) -> None:  # noqa: B027 - optional hook, most policies ignore it
+        """A request took this cached block: it cannot be a victim until `on_release`. Default: no effect."""
 
     def on_release(self, key: bytes) -> None:  # noqa: B027 - optional hook, most policies ignore it
         """The last request holding this block released it. Default: no effect."""

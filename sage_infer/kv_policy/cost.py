@@ -89,6 +89,12 @@ class CostPolicy(EvictionPolicy):
         self._freq[key] += 1
         self._heap.update(key, self._priority(key))
 
+    def on_use(self, key: bytes) -> None:
+        self._heap.hold(key)
+
+    def on_release(self, key: bytes) -> None:
+        self._heap.unhold(key)
+
     def on_remove(self, key: bytes) -> None:
         h = self._heap.remove(key)[0]
         self.inflation = max(self.inflation, h)

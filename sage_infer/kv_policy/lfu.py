@@ -4,7 +4,8 @@ structure the heap-ordered policies (LFU, cost/PGDSF, OPT) share.
 Only leaves of the prefix tree can be evicted, so `LeafHeap` tracks the tree from
 `on_insert(parent=...)` / `on_remove` and keeps only leaves as candidates: an inner block
 joins the heap when its last child leaves. `victim` then only ever steps past keys that
-are in use, not past whole chains of parents.
+are evictable now: keys requests hold (`hold` .. `unhold`, from the policies' `on_use` and
+`on_release`) leave the heap meanwhile, since a full pool's running requests hold most of it.
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ class LeafHeap:
     """Min-heap of `(priority, key)` over the leaf keys of a prefix tree, with lazy deletion.
 
     `prio` holds every tracked key's current priority; a heap entry is live while it
-    matches `prio` and its key has no tracked children. Updates push a new entry and
+    matches `prio` and its key has no tracked children and is not held. Updates push a new entry and
     leave the old one to be discarded when it reaches the top; the heap is rebuilt once
     it holds more than twice as many entries as keys.
     """
 
-    __slots__ = ("prio", "parent", "children", "heap")
+    __slots__ = ("prio", "parent", "children", "heap", "held")
 
     def __init__(self) -> None:
         self.prio: dict[bytes, Priority] = {}
         self.parent: dict[bytes, bytes | None] = {}
         self.children: dict[bytes, int] = {}  # only keys with at least one tracked child
         self.heap: list[tuple[Priority, bytes]] = []
+        self.held: set[bytes] = set()  # keys requests hold: no candidates until released
 
     def __len__(self) -> int:
         return len(self.prio)
@@ -56,32 +58,45 @@ class LeafHeap:
 
     def update(self, key: bytes, prio: Priority) -> None:
         self.prio[key] = prio
-        if key not in self.children:
+        if key not in self.children and key not in self.held:
             self._push(key, prio)
+
+    def hold(self, key: bytes) -> None:
+        """A request holds `key`: it leaves the candidates (its heap entries go stale) until `unhold`."""
+        if key in self.prio:
+            self.held.add(key)
+
+    def unhold(self, key: bytes) -> None:
+        if key in self.held:
+            self.held.remove(key)
+            if key not in self.children:
+                self._push(key, self.prio[key])
 
     def remove(self, key: bytes) -> Priority:
         """Forget `key`; its parent becomes a candidate when this was its last child."""
         prio = self.prio.pop(key)
         parent = self.parent.pop(key)
         self.children.pop(key, None)
+        self.held.discard(key)
         if parent is not None:
             left = self.children[parent] - 1
             if left:
                 self.children[parent] = left
             else:
                 del self.children[parent]
-                self._push(parent, self.prio[parent])
+                if parent not in self.held:
+                    self._push(parent, self.prio[parent])
         return prio
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
         """The lowest-priority evictable leaf; entries of non-evictable keys are set aside and pushed back."""
-        heap, prio, children = self.heap, self.prio, self.children
+        heap, prio, children, held = self.heap, self.prio, self.children, self.held
         aside: list[tuple[Priority, bytes]] = []
         found = None
         while heap:
             entry_prio, key = heap[0]
-            if prio.get(key) != entry_prio or key in children:
-                heapq.heappop(heap)  # stale: updated since, removed, or no longer a leaf
+            if prio.get(key) != entry_prio or key in children or key in held:
+                heapq.heappop(heap)  # stale: updated since, removed, no longer a leaf, or held (`unhold` pushes)
             elif evictable(key):
                 found = key
                 break
@@ -94,7 +109,7 @@ class LeafHeap:
     def _push(self, key: bytes, prio: Priority) -> None:
         heapq.heappush(self.heap, (prio, key))
         if len(self.heap) > 2 * len(self.prio) + 1024:
-            self.heap = [(p, k) for k, p in self.prio.items() if k not in self.children]
+            self.heap = [(p, k) for k, p in self.prio.items() if k not in self.children and k not in self.held]
             heapq.heapify(self.heap)
 
 
@@ -119,7 +134,11 @@ class LFUPolicy(EvictionPolicy):
     def on_hit(self, key: bytes) -> None:
         self._heap.update(key, (self._heap.prio[key][0] + 1, next(self._clock)))
 
+    def on_use(self, key: bytes) -> None:
+        self._heap.hold(key)
+
     def on_release(self, key: bytes) -> None:
+        self._heap.held.discard(key)  # (the update pushes it back)
         self._heap.update(key, (self._heap.prio[key][0], next(self._clock)))
 
     def on_remove(self, key: bytes) -> None:

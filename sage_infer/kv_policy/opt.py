@@ -68,6 +68,12 @@ class OPTPolicy(EvictionPolicy):
     def on_hit(self, key: bytes) -> None:
         self._heap.update(key, (-self.next_use(key), -self._depth[key]))
 
+    def on_use(self, key: bytes) -> None:
+        self._heap.hold(key)
+
+    def on_release(self, key: bytes) -> None:
+        self._heap.unhold(key)
+
     def on_remove(self, key: bytes) -> None:
         self._heap.remove(key)
         del self._depth[key]

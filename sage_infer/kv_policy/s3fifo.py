@@ -17,8 +17,11 @@ the block cached. A promotion that overfills M hands the eviction to M, as the p
 evictS -> evictM does. Blocks that are not evictable are
 passed over: left in place in S, reinserted without decrement in M. A block takes its
 FIFO position when first released (when it becomes evictable), so a chain released
-leaf-first queues its leaves ahead of its parents. With `capacity` None the live block
-count stands in for the capacity.
+leaf-first queues its leaves ahead of its parents. Blocks requests hold (`on_use` ..
+`on_release`) leave their queue meanwhile (still counted in its size) and rejoin it at the
+newest end when released, as a new block would: a full pool's running requests hold most of
+its blocks, and passing over them made each eviction cost time in the pool's size. With
+`capacity` None the live block count stands in for the capacity.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ SMALL_RATIO = 0.1
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO: small probationary FIFO, main FIFO with 2-bit reinsertion, ghost FIFO."""
 
-    __slots__ = ("capacity", "_small", "_main", "_ghost", "_freq", "_fresh")
+    __slots__ = ("capacity", "_small", "_main", "_ghost", "_freq", "_fresh", "_held", "_held_small")
     uses_capacity = True
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -48,6 +51,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._freq: dict[bytes, int] = {}
         self._fresh: set[bytes] = set()  # inserted, not yet released
+        self._held: dict[bytes, bool] = {}  # held by requests: key -> whether it left S (else M)
+        self._held_small = 0  # how many of them left S
 
     @property
     def small_target(self) -> int:
@@ -75,25 +80,42 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_hit(self, key: bytes) -> None:
         self._freq[key] = min(self._freq[key] + 1, MAX_FREQ)
 
+    def on_use(self, key: bytes) -> None:
+        if key in self._small:
+            del self._small[key]
+            self._held[key] = True
+            self._held_small += 1
+        elif key in self._main:
+            del self._main[key]
+            self._held[key] = False
+
     def on_release(self, key: bytes) -> None:
-        if key in self._fresh:
+        if key in self._held:
+            self._fresh.discard(key)
+            in_small = self._held.pop(key)
+            self._held_small -= in_small
+            (self._small if in_small else self._main)[key] = None
+        elif key in self._fresh:
             self._fresh.discard(key)
             (self._small if key in self._small else self._main).move_to_end(key)
 
     def on_remove(self, key: bytes) -> None:
         del self._freq[key]
         self._fresh.discard(key)
-        if key in self._small:
-            del self._small[key]
+        in_small = self._held.pop(key) if key in self._held else None
+        if in_small is not None:
+            self._held_small -= in_small
+        if in_small or key in self._small:
+            self._small.pop(key, None)
             self._ghost[key] = None
             while len(self._ghost) > self.main_size:
                 self._ghost.popitem(last=False)
-        else:
+        elif in_small is None:
             del self._main[key]
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
         found = None
-        if len(self._small) >= self.small_target or not self._main:
+        if len(self._small) + self._held_small >= self.small_target or not self._main_size():
             found = self._evict_small(evictable)
         if found is None:
             found = self._evict_main(evictable)
@@ -112,7 +134,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 del small[key]
                 main[key] = None
                 freq[key] = 0
-                if len(main) > main_size:
+                if len(main) + len(self._held) - self._held_small > main_size:
                     break  # M is full: it evicts instead (evictS -> evictM)
             elif evictable(key):
                 found = key
@@ -140,9 +162,15 @@ class S3FIFOPolicy(EvictionPolicy):
                 passes += 1
         return None
 
+    def _main_size(self) -> int:
+        return len(self._main) + len(self._held) - self._held_small
+
     def queues(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
-        """S, M, G, each from oldest to newest."""
-        return list(self._small), list(self._main), list(self._ghost)
+        """S, M, G, each from oldest to newest (the held blocks last in theirs, in no order)."""
+        held = self._held
+        small = [*self._small, *(k for k, in_small in held.items() if in_small)]
+        main = [*self._main, *(k for k, in_small in held.items() if not in_small)]
+        return small, main, list(self._ghost)
 
     def frequency(self, key: bytes) -> int:
         return self._freq[key]

@@ -231,6 +231,7 @@ class PrefixReuseIndex:
             self.events.stored(block_hash, parent=parent_hash, token_ids=node.token_ids)
         if self._is_in_use is not None and self._is_in_use(block_id):
             self._set_active(node, in_use=True)
+            self.policy.on_use(block_hash)
         return block_hash, True
 
     def evict(self, is_unreferenced: Callable[[int], bool]) -> int | None:
@@ -298,7 +299,9 @@ class PrefixReuseIndex:
         if node is None or node.in_use == in_use:
             return
         self._set_active(node, in_use)
-        if not in_use:
+        if in_use:
+            self.policy.on_use(node.block_hash)
+        else:
             self.policy.on_release(node.block_hash)
 
     def _set_active(self, node: _Node, in_use: bool) -> None:
