@@ -14,6 +14,9 @@ mostly cancels (higher is better for all of them):
                                         unbounded pool's, on every turn of the Mooncake trace's first 16
                                         conversations of 3 or more turns (72 requests; no timing in it)
   prefix.ttft                           TTFT p50 of a prompt whose 2,048-token prefix is not cached ÷ one whose is
+  prefix.evict                          an allocation from the free list ÷ one that evicts a cached block while
+                                        running requests hold 90 % of a 20,000-block pool (bench/eviction_cost.py,
+                                        the default policy; the median of 3 pairs)
 One torch thread: with two on a shared 2-core machine any other runnable thread stalls every parallel region.
 A ratio below floor × (1 - tolerance) is measured once more (its check only) and fails the gate (exit 1) when the
 better of the two is still below; each tolerance comes from the run-to-run spread (`--runs`: 1.5 × the worst drop
@@ -124,10 +127,25 @@ def prefix_ratios(work: Path, trace: Path) -> dict[str, float]:
     from tests.tiny_models import make_tiny_model
 
     model_dir = str(make_tiny_model(work / "prefix", "llama", **PREFIX_SHAPE))
-    ratios = {"prefix.ttft": ttft_ratio(model_dir)}
+    ratios = {"prefix.ttft": ttft_ratio(model_dir), "prefix.evict": evict_ratio()}
     if trace.exists():
         ratios["prefix.hit"] = hit_ratio(model_dir, trace)
     return ratios
+
+
+def evict_ratio(blocks: int = 20_000, allocations: int = 1_000, pairs: int = 3) -> float:
+    from bench.eviction_cost import KEY, filled, per_allocation_us
+    from sage_infer.config.serve import PolicyConfig
+    from sage_infer.kv_runtime.block_manager import BlockManager
+
+    policy = PolicyConfig().eviction
+    ratios = []
+    for _ in range(pairs):
+        free = BlockManager(blocks + allocations + 1, 16)
+        free.allocate(blocks, KEY)
+        held = filled(policy, blocks, 0.1)
+        ratios.append(per_allocation_us(free, allocations) / per_allocation_us(held, allocations))
+    return statistics.median(ratios)
 
 
 def conversation_slice(requests: list[TraceRequest], conversations: int = 16, min_turns: int = 3) -> list[TraceRequest]:
