@@ -38,9 +38,11 @@ class LRUPolicy(EvictionPolicy):
             self._held.add(key)
 
     def on_release(self, key: bytes) -> None:
-        self._held.discard(key)
-        self._order[key] = None
-        self._order.move_to_end(key)
+        if key in self._held:
+            self._held.remove(key)
+            self._order[key] = None  # (a new key: the most recent end)
+        else:
+            self._order.move_to_end(key)
 
     def on_remove(self, key: bytes) -> None:
         if key in self._held:
