@@ -1,10 +1,13 @@
 """What an allocation that must evict costs, with running requests holding most of the pool, per eviction policy.
 
     python bench/eviction_cost.py --blocks 2000,20000,200000 --json out/eviction_cost.json
+    python bench/eviction_cost.py --retained 0.5 ...     # half the pool's chains retained conversations instead
 
 A pool of N blocks, every block registered in chains of 64 (sequences); the oldest `--cached` share of the chains
 finished (their blocks cached, evictable leaf first), the rest still running (held). Then `--allocations` blocks
-are allocated one at a time, each evicting a cached block, after one untimed such allocation (the heap-ordered
+are allocated one at a time, each evicting a cached block, after one untimed such allocation; with `--retained R`
+the newest R share of the chains are finished too and retained (`kv_runtime.retention`, as stored Responses API
+conversations are), evicted only when nothing else is left (the heap-ordered
 policies drop the stale entries of the keys taken since their last victim there, once per hold). The peer, in the
 same run: the same allocations from the free list of a pool with room (no eviction). Prints microseconds per
 allocation and the ratio; writes JSON.
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from sage_infer.kv_policy import POLICIES, make_policy
 from sage_infer.kv_runtime.block_manager import BlockManager
+from sage_infer.kv_runtime.retention import KVRetention
 from sage_infer.prefix_reuse import PrefixReuseIndex, make_extra_key
 
 KEY = make_extra_key("bench", "local", "bf16")
@@ -26,9 +30,12 @@ BS = 16
 CHAIN = 64
 
 
-def filled(policy: str, blocks: int, cached: float) -> BlockManager:
-    """A pool of `blocks`, all registered in chains; the oldest `cached` share released."""
+def filled(policy: str, blocks: int, cached: float, retained: float = 0.0) -> BlockManager:
+    """A pool of `blocks`, all registered in chains; the oldest `cached` share released, the newest `retained` share
+    released and retained."""
     manager = BlockManager(blocks, BS, PrefixReuseIndex(BS, make_policy(policy)))
+    if retained:
+        manager.retention = KVRetention(blocks)
     chains, token = [], 0
     for _ in range(blocks // CHAIN):
         ids, parent = manager.allocate(CHAIN, KEY), None
@@ -38,6 +45,9 @@ def filled(policy: str, blocks: int, cached: float) -> BlockManager:
         chains.append(ids)
     for ids in chains[: max(1, int(len(chains) * cached))]:
         manager.free(list(reversed(ids)))
+    for n, ids in enumerate(chains[len(chains) - int(len(chains) * retained):]):
+        manager.free(list(reversed(ids)))
+        manager.retention.retain(f"conversation {n}", [manager.index.hash_of(b) for b in ids], ttl_s=3600)
     return manager
 
 
@@ -54,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="2000,20000,200000")
     parser.add_argument("--policies", default=",".join(p for p in POLICIES if p != "opt"))
     parser.add_argument("--cached", type=float, default=0.1, help="share of the chains finished (cached)")
+    parser.add_argument("--retained", type=float, default=0.0, help="share of the chains finished and retained")
     parser.add_argument("--allocations", type=int, default=1000)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -65,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         peer.allocate(blocks, KEY)
         free_us = per_allocation_us(peer, n)
         for policy in args.policies.split(","):
-            us = per_allocation_us(filled(policy, blocks, args.cached), n)
+            us = per_allocation_us(filled(policy, blocks, args.cached, args.retained), n)
             rows.append({"policy": policy, "blocks": blocks, "allocations": n, "us_per_allocation": us,
                          "free_list_us": free_us, "ratio": us / free_us})
             print(f"{policy:8} {blocks:>8} {us:>10.1f} {free_us:>13.2f} {us / free_us:>8.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cached_share": args.cached, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"cached_share": args.cached, "retained_share": args.retained, "rows": rows},
+                                        indent=1))
     return 0
 
 

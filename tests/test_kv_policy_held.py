@@ -78,3 +78,35 @@ def test_an_eviction_asks_about_one_block_when_running_requests_hold_the_rest(na
         manager.allocate(1, KEY)  # each evicts one cached block: the finished chain's leaf
         assert len(asked) == n
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfu"])
+def test_retained_blocks_wait_outside_the_queue_and_go_last_oldest_retention_first(name, monkeypatch):
+    from sage_infer.kv_runtime.retention import KVRetention
+
+    index = PrefixReuseIndex(BS, make_policy(name))
+    manager = BlockManager(640, BS, index)
+    manager.retention = retention = KVRetention(640)
+    chains, token = [], 0
+    for _ in range(10):  # ten finished sequences of 64 cached blocks
+        ids, parent, hashes = manager.allocate(64, KEY), None, []
+        for i, block in enumerate(ids):
+            ids[i], parent = manager.cache_block(block, parent, list(range(token, token + BS)), KEY)
+            hashes.append(parent)
+            token += BS
+        manager.free(list(reversed(ids)))
+        chains.append((ids, hashes))
+    for n, (_, hashes) in enumerate(chains[:9]):  # nine conversations retained, the oldest first
+        assert retention.retain(f"c{n}", hashes, ttl_s=60) == 64
+    asked = []
+    victim = type(index.policy).victim
+    monkeypatch.setattr(type(index.policy), "victim",
+                        lambda self, evictable: victim(self, lambda key: asked.append(key) or evictable(key)))
+    kept = set(manager.allocate(64, KEY))  # the one unretained chain goes, asking about its blocks alone
+    assert kept == set(chains[9][0]) and len(asked) == 64 and retention.evicted_under_pressure == 0
+    taken = manager.allocate(3, KEY)  # then retained blocks: the oldest retention's, deepest first
+    assert taken == list(reversed(chains[0][0][-3:])) and retention.evicted_under_pressure == 3
+    retention.release("c1")  # an ended retention's blocks are ordinary cached blocks again, evicted before retained
+    before = retention.evicted_under_pressure
+    assert set(manager.allocate(64, KEY)) == set(chains[1][0]) and retention.evicted_under_pressure == before
+    manager.check_invariants()

@@ -74,7 +74,29 @@ class BlockManager:
         if index is not None:
             index.bind_in_use(self._is_in_use)
         self._owner: list[bytes | None] = [None] * num_blocks  # tenant of each block, counted with quotas
-        self.retention: KVRetention | None = None  # cached blocks evicted only when nothing else is left
+        self._retention: KVRetention | None = None
+
+    @property
+    def retention(self) -> KVRetention | None:
+        """Cached blocks evicted only when nothing else is left. Those no request holds wait outside the eviction
+        policy's queue (`on_use` .. `on_release`, as held blocks do), so an eviction never walks past them; when
+        only retained blocks are left, the oldest retention's deepest cached leaf goes first."""
+        return self._retention
+
+    @retention.setter
+    def retention(self, retention: KVRetention | None) -> None:
+        self._retention = retention
+        if retention is not None:
+            retention.on_change = self._retention_changed
+
+    def _retention_changed(self, hashes: list[bytes], retained: bool) -> None:
+        index = self.index
+        if index is None:
+            return
+        for block_hash in hashes:
+            block_id = index.block_of(block_hash)
+            if block_id is not None and self.ref_counts[block_id] == 0:  # (a held block: its release decides)
+                (index.policy.on_use if retained else index.policy.on_release)(block_hash)
 
     @property
     def quota(self) -> QuotaManager | None:
@@ -201,6 +223,11 @@ class BlockManager:
             self._num_filled_in_use -= self.num_tokens[block_id]
             if self.index is not None and self.index.is_registered(block_id):
                 self.index.set_in_use(block_id, False)
+                retention = self._retention
+                if retention is not None and retention.num_blocks:
+                    block_hash = self.index.hash_of(block_id)
+                    if retention.holds(block_hash):
+                        self.index.policy.on_use(block_hash)  # retained: back out of the policy's queue
             else:
                 self.num_tokens[block_id] = 0
                 self.free_block_ids.append(block_id)
@@ -254,7 +281,7 @@ class BlockManager:
     def _evict_one(self, tenant: bytes | None = None) -> EvictedBlock:
         """Unregister the policy's victim; its KV stays in the slot until the caller reuses it."""
         assert self.index is not None, "num_available_blocks counted evictable blocks without an index"
-        retention = self.retention
+        retention = self._retention
         evicted = None
         if retention is not None and retention.num_blocks:
             retention.expire()
@@ -262,12 +289,25 @@ class BlockManager:
             evicted = self.index.evict_block(
                 lambda b: self.ref_counts[b] == 0 and not retention.holds(hash_of(b)), tenant)
             if evicted is None:  # only retained blocks are left: the pool is never starved for them
-                retention.evicted_under_pressure += 1
+                victim = self._retained_victim(retention)
+                if victim is not None:
+                    retention.evicted_under_pressure += 1
+                    evicted = self.index.evict_leaf(victim)
         if evicted is None:
             evicted = self.index.evict_block(self._is_unreferenced, tenant)
         assert evicted is not None, "num_evictable_blocks promised an evictable block"
         self.num_tokens[evicted.block_id] = 0
         return evicted
+
+    def _retained_victim(self, retention: KVRetention) -> int | None:
+        """The oldest retention's deepest block that eviction can take (a cached leaf), else the next one's."""
+        index, refs = self.index, self.ref_counts
+        for chain in retention.chains():
+            for block_hash in reversed(chain):
+                block_id = index.block_of(block_hash)
+                if block_id is not None and refs[block_id] == 0 and index.is_leaf(block_id):
+                    return block_id
+        return None
 
     def get_utilization(self) -> float:
         """Blocks in use / num_blocks."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -42,6 +42,9 @@ class KVRetention:
         self._next_expiry = float("inf")
         self.evicted_under_pressure = 0  # retained blocks eviction took because nothing else was left
         self.dropped = 0  # retentions ended early to make room under max_blocks
+        # told of the hashes that became retained (True) or stopped being (False): the device's block manager keeps
+        # its retained cached blocks out of the eviction policy's queue (`BlockManager.retention`)
+        self.on_change: Callable[[list[bytes], bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -69,8 +72,11 @@ class KVRetention:
             new = {h for h in chain if h not in self._count}
         expires_at = self.clock() + ttl_s
         self._held[key] = _Held(chain, expires_at)
+        gained = [h for h in dict.fromkeys(chain) if h not in self._count]
         self._count.update(chain)
         self._next_expiry = min(self._next_expiry, expires_at)
+        if gained and self.on_change is not None:
+            self.on_change(gained, True)
         return len(chain)
 
     def release(self, key: str) -> bool:
@@ -94,9 +100,17 @@ class KVRetention:
     def _end(self, key: str) -> None:
         held = self._held.pop(key)
         self._count.subtract(held.hashes)
+        lost = []
         for block_hash in held.hashes:
-            if self._count[block_hash] <= 0:
+            if self._count.get(block_hash, 0) <= 0 and block_hash in self._count:
                 del self._count[block_hash]
+                lost.append(block_hash)
+        if lost and self.on_change is not None:
+            self.on_change(lost, False)
+
+    def chains(self) -> Iterator[tuple[bytes, ...]]:
+        """Each retention's blocks (root first), the oldest retention first."""
+        return (held.hashes for held in self._held.values())
 
     def stats(self) -> dict[str, int]:
         return {"retained_sessions": len(self._held), "retained_blocks": self.num_blocks,

@@ -257,9 +257,12 @@ class PrefixReuseIndex:
                 DEVICE, tenant,
                 lambda extra: self.policy.victim(evictable if extra is None else lambda h: evictable(h) and extra(h)),
                 lambda h: self._by_hash[h].extra_key)
-        if victim is None:
-            return None
-        node = self._by_hash[victim]
+        return None if victim is None else self.evict_leaf(self._by_hash[victim].block_id)
+
+    def evict_leaf(self, block_id: int) -> EvictedBlock:
+        """Unregister this registered leaf that no request holds and describe it (what `evict_block` does with the
+        policy's victim)."""
+        node = self._by_block[block_id]
         self._unlink(node)
         return EvictedBlock(node.block_id, node.block_hash, node.parent.block_hash if node.parent else None,
                             node.token_ids, node.extra_key, node.depth)
