@@ -27,7 +27,7 @@ the first, and then only a drop past `OTHER_MACHINE_TOLERANCE` fails (how fast a
 copy differs by machine: 0.44 on the Xeon VM, 0.15-0.19 on the EPYC VM). The table is printed and the report
 written to out/ci_gate.json.
 
-SAGE_GATE_SLOW=engine|tiers|prefix[:F] slows (or worsens) one measured path inside this process only, to show that
+SAGE_GATE_SLOW=engine|tiers|prefix|evict[:F] slows (or worsens) one measured path inside this process only, to show that
 the gate fails on it: bench/gate_slowdown.py.
 """
 

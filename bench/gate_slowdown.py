@@ -7,6 +7,8 @@ Read by the gate only. It patches classes inside the gate's own process; product
   engine   `LLMEngine.step` sleeps F times as long as the step took (F = 1 unless NAME:F)
   tiers    `HostTier` / `DiskTier` put, get_prefix, drain and flush do the same
   prefix   every request gets a cache salt of its own, so no request reuses another's blocks
+  evict    the eviction policies are not told which blocks requests hold (`EvictionPolicy.on_use` does nothing), so
+           every eviction walks past them again
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def _no_reuse(add_request: Callable) -> Callable:
 def apply_slowdown(spec: str) -> str:
     """Patch this process as SAGE_GATE_SLOW=`spec` asks; what was patched, for the report."""
     name, _, factor_text = spec.partition(":")
-    if name not in ("engine", "tiers", "prefix"):
-        raise SystemExit(f"gate: SAGE_GATE_SLOW={spec!r}: expected engine, tiers or prefix (optionally NAME:FACTOR)")
+    if name not in ("engine", "tiers", "prefix", "evict"):
+        raise SystemExit(f"gate: SAGE_GATE_SLOW={spec!r}: expected engine, tiers, prefix or evict (optionally "
+                         "NAME:FACTOR)")
     try:
         factor = float(factor_text or 1.0)
     except ValueError:
@@ -57,5 +60,11 @@ def apply_slowdown(spec: str) -> str:
                             (DiskTier, "get_prefix"), (DiskTier, "flush")):
             setattr(cls, method, _slower(getattr(cls, method), factor))
         return f"HostTier/DiskTier put, get_prefix, drain, flush + {factor:.0%}"
+    if name == "evict":
+        from sage_infer.kv_policy import POLICIES
+
+        for cls in POLICIES.values():
+            cls.on_use = lambda self, key: None
+        return "EvictionPolicy.on_use: holds not told"
     LLMEngine.add_request = _no_reuse(LLMEngine.add_request)
     return "LLMEngine.add_request: a cache salt per request"

@@ -80,3 +80,20 @@ def test_a_slowed_path_takes_one_plus_factor_times_as_long():
 def test_an_unknown_slowdown_is_refused_before_patching_anything(spec):
     with pytest.raises(SystemExit, match="SAGE_GATE_SLOW"):
         apply_slowdown(spec)
+
+
+def test_the_evict_slowdown_makes_every_eviction_walk_past_the_held_blocks_again(monkeypatch):
+    """`SAGE_GATE_SLOW=evict` undoes what `prefix.evict` guards: no policy hears of holds (restored after)."""
+    from bench.eviction_cost import KEY, filled
+    from sage_infer.kv_policy import POLICIES
+
+    for cls in POLICIES.values():
+        monkeypatch.setattr(cls, "on_use", cls.on_use)  # (so the patch below is undone)
+    assert apply_slowdown("evict") == "EvictionPolicy.on_use: holds not told"
+    manager = filled("lru", 640, 0.1)
+    asked = []
+    victim = POLICIES["lru"].victim
+    monkeypatch.setattr(POLICIES["lru"], "victim",
+                        lambda self, evictable: victim(self, lambda key: asked.append(key) or evictable(key)))
+    manager.allocate(1, KEY)
+    assert len(asked) > 500  # past the nine held chains' 576 blocks
