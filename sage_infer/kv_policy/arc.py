@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from sage_infer.kv_policy.base import EvictionPolicy, register_policy
+from sage_infer.kv_policy.base import EvictionPolicy, HeldKeys, register_policy
 
 
 @register_policy("arc")
 class ARCPolicy(EvictionPolicy):
     """ARC with T1/T2 (live) and B1/B2 (ghost) LRU lists and an adaptive T1 target `p`."""
 
-    __slots__ = ("capacity", "p", "_t1", "_t2", "_b1", "_b2", "_held", "_held_t1")
+    __slots__ = ("capacity", "p", "_t1", "_t2", "_b1", "_b2", "_held")
     uses_capacity = True
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -45,11 +45,10 @@ class ARCPolicy(EvictionPolicy):
         self._t2: OrderedDict[bytes, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
-        self._held: dict[bytes, bool] = {}  # held by requests: key -> whether it belongs to T1 (else T2)
-        self._held_t1 = 0  # how many of them belong to T1
+        self._held = HeldKeys()  # first: T1, second: T2
 
     def _n1(self) -> int:
-        return len(self._t1) + self._held_t1
+        return len(self._t1) + self._held.in_first
 
     @property
     def c(self) -> int:
@@ -75,9 +74,7 @@ class ARCPolicy(EvictionPolicy):
 
     def on_hit(self, key: bytes) -> None:  # case I
         if key in self._held:
-            if self._held[key]:
-                self._held[key] = False
-                self._held_t1 -= 1
+            self._held.to_second(key)
         elif key in self._t1:
             del self._t1[key]
             self._t2[key] = None
@@ -85,26 +82,18 @@ class ARCPolicy(EvictionPolicy):
             self._t2.move_to_end(key)
 
     def on_use(self, key: bytes) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._held[key] = True
-            self._held_t1 += 1
-        elif key in self._t2:
-            del self._t2[key]
-            self._held[key] = False
+        self._held.take(key, self._t1, self._t2)
 
     def on_release(self, key: bytes) -> None:
-        if key in self._held:
-            in_t1 = self._held.pop(key)
-            self._held_t1 -= in_t1
+        in_t1 = self._held.pop(key)
+        if in_t1 is not None:
             (self._t1 if in_t1 else self._t2)[key] = None
         else:
             (self._t1 if key in self._t1 else self._t2).move_to_end(key)
 
     def on_remove(self, key: bytes) -> None:
-        if key in self._held:
-            in_t1 = self._held.pop(key)
-            self._held_t1 -= in_t1
+        in_t1 = self._held.pop(key)
+        if in_t1 is not None:
             (self._b1 if in_t1 else self._b2)[key] = None
         elif key in self._t1:
             del self._t1[key]
@@ -134,9 +123,7 @@ class ARCPolicy(EvictionPolicy):
 
     def lists(self) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
         """T1, T2, B1, B2, each from LRU to MRU (the held blocks last in theirs, in no order)."""
-        held = self._held
-        t1 = [*self._t1, *(k for k, in_t1 in held.items() if in_t1)]
-        t2 = [*self._t2, *(k for k, in_t1 in held.items() if not in_t1)]
+        t1, t2 = [*self._t1, *self._held.keys(first=True)], [*self._t2, *self._held.keys(first=False)]
         return t1, t2, list(self._b1), list(self._b2)
 
     def __len__(self) -> int:

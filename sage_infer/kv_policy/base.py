@@ -56,6 +56,53 @@ class EvictionPolicy(ABC):
         """
 
 
+class HeldKeys:
+    """Keys requests hold, taken out of a two-queue policy's queues (`first`, `second`: ARC's T1 / T2, S3-FIFO's S / M)
+    until released, each remembering its queue; both queues' sizes still count them (`in_first`, `in_second`)."""
+
+    __slots__ = ("_queue", "in_first")
+
+    def __init__(self) -> None:
+        self._queue: dict[bytes, bool] = {}  # key -> whether it was taken from `first`
+        self.in_first = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._queue
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_second(self) -> int:
+        return len(self._queue) - self.in_first
+
+    def take(self, key: bytes, first: dict, second: dict) -> None:
+        """Out of whichever queue holds `key` (none: nothing happens)."""
+        if key in first:
+            del first[key]
+            self._queue[key] = True
+            self.in_first += 1
+        elif key in second:
+            del second[key]
+            self._queue[key] = False
+
+    def pop(self, key: bytes) -> bool | None:
+        """Forget a held key: whether it was taken from `first`; None when it is not held."""
+        in_first = self._queue.pop(key, None)
+        if in_first:
+            self.in_first -= 1
+        return in_first
+
+    def to_second(self, key: bytes) -> None:
+        """A held key now belongs to `second` (ARC: a hit moves a T1 block to T2)."""
+        if self._queue[key]:
+            self._queue[key] = False
+            self.in_first -= 1
+
+    def keys(self, first: bool) -> list[bytes]:
+        return [key for key, in_first in self._queue.items() if in_first == first]
+
+
 P = TypeVar("P", bound=type[EvictionPolicy])
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from sage_infer.kv_policy.base import EvictionPolicy, register_policy
+from sage_infer.kv_policy.base import EvictionPolicy, HeldKeys, register_policy
 
 MAX_FREQ = 3  # two bits
 SMALL_RATIO = 0.1
@@ -39,7 +39,7 @@ SMALL_RATIO = 0.1
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO: small probationary FIFO, main FIFO with 2-bit reinsertion, ghost FIFO."""
 
-    __slots__ = ("capacity", "_small", "_main", "_ghost", "_freq", "_fresh", "_held", "_held_small")
+    __slots__ = ("capacity", "_small", "_main", "_ghost", "_freq", "_fresh", "_held")
     uses_capacity = True
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -51,8 +51,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._freq: dict[bytes, int] = {}
         self._fresh: set[bytes] = set()  # inserted, not yet released
-        self._held: dict[bytes, bool] = {}  # held by requests: key -> whether it left S (else M)
-        self._held_small = 0  # how many of them left S
+        self._held = HeldKeys()  # first: S, second: M
 
     @property
     def small_target(self) -> int:
@@ -81,19 +80,12 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq[key] = min(self._freq[key] + 1, MAX_FREQ)
 
     def on_use(self, key: bytes) -> None:
-        if key in self._small:
-            del self._small[key]
-            self._held[key] = True
-            self._held_small += 1
-        elif key in self._main:
-            del self._main[key]
-            self._held[key] = False
+        self._held.take(key, self._small, self._main)
 
     def on_release(self, key: bytes) -> None:
-        if key in self._held:
+        in_small = self._held.pop(key)
+        if in_small is not None:
             self._fresh.discard(key)
-            in_small = self._held.pop(key)
-            self._held_small -= in_small
             (self._small if in_small else self._main)[key] = None
         elif key in self._fresh:
             self._fresh.discard(key)
@@ -102,9 +94,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_remove(self, key: bytes) -> None:
         del self._freq[key]
         self._fresh.discard(key)
-        in_small = self._held.pop(key) if key in self._held else None
-        if in_small is not None:
-            self._held_small -= in_small
+        in_small = self._held.pop(key)
         if in_small or key in self._small:
             self._small.pop(key, None)
             self._ghost[key] = None
@@ -115,7 +105,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
         found = None
-        if len(self._small) + self._held_small >= self.small_target or not self._main_size():
+        if len(self._small) + self._held.in_first >= self.small_target or not self._main_size():
             found = self._evict_small(evictable)
         if found is None:
             found = self._evict_main(evictable)
@@ -134,7 +124,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 del small[key]
                 main[key] = None
                 freq[key] = 0
-                if len(main) + len(self._held) - self._held_small > main_size:
+                if len(main) + self._held.in_second > main_size:
                     break  # M is full: it evicts instead (evictS -> evictM)
             elif evictable(key):
                 found = key
@@ -163,13 +153,11 @@ class S3FIFOPolicy(EvictionPolicy):
         return None
 
     def _main_size(self) -> int:
-        return len(self._main) + len(self._held) - self._held_small
+        return len(self._main) + self._held.in_second
 
     def queues(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """S, M, G, each from oldest to newest (the held blocks last in theirs, in no order)."""
-        held = self._held
-        small = [*self._small, *(k for k, in_small in held.items() if in_small)]
-        main = [*self._main, *(k for k, in_small in held.items() if not in_small)]
+        small, main = [*self._small, *self._held.keys(first=True)], [*self._main, *self._held.keys(first=False)]
         return small, main, list(self._ghost)
 
     def frequency(self, key: bytes) -> int:
