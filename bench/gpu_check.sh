@@ -8,6 +8,7 @@
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel moe engine prefill
 #                                                            # profile hf hf05
+#   LIMIT_tests=200 WORKLOADS=W3 STEPS="tests engine" ...    # a step's time limit (seconds), the engine's workloads
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -29,7 +30,8 @@ fi
 } 2>&1 | tee "$OUT/versions.txt"
 
 step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, its exit code noted
-    local name=$1 limit=$2
+    local name=$1 limit_var="LIMIT_$1"
+    local limit=${!limit_var:-$2}  # LIMIT_<name>=SECONDS overrides a step's limit (a lease's time is short)
     shift 2
     echo "== $name: $*"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1

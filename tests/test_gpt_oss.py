@@ -52,10 +52,20 @@ def gpt_oss(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpt-oss") / "model"
     hf.save_pretrained(directory)
     save_tokenizer(directory, CONFIG["vocab_size"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
-                                                           experts_implementation="eager").eval()
+    hf = hf_reference(directory)
     prompts = shared_prefix_prompts()
     return directory, prompts, hf_greedy(hf, prompts)
+
+
+def hf_reference(directory, **kwargs) -> transformers.PreTrainedModel:
+    """transformers' gpt-oss from `directory` (fp32, eager attention and experts), its experts' clamp the config's
+    ``swiglu_limit``: transformers 5.17 (a GPU machine's image) fixes it at 7.0 whatever the config says, a different
+    model with the limit of 0.6 here; 5.25, vLLM and sage read the config's."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                                           experts_implementation="eager", **kwargs).eval()
+    for layer in hf.model.layers:
+        layer.mlp.experts.limit = hf.config.swiglu_limit
+    return hf
 
 
 def check_gpt_oss(directory, prompts, want, path: str):
@@ -176,9 +186,7 @@ def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
     True)``: transformers runs MXFP4 only on a GPU, dequantized elsewhere)."""
     directory = tmp_path_factory.mktemp("gpt-oss-mxfp4") / "model"
     mxfp4_checkpoint(gpt_oss[0], directory)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    hf = hf_reference(directory, quantization_config=transformers.Mxfp4Config(dequantize=True))
     prompts = gpt_oss[1][1:3]
     want = hf_greedy(hf, prompts)
     assert want != gpt_oss[2][1:3]  # the experts are the MXFP4 ones, not the float checkpoint's

@@ -135,7 +135,7 @@ def test_gpt_oss_on_the_gpu_runs_every_kind_and_expert_in_triton_and_matches_tra
     from sage_infer import LLM
     from sage_infer.config.serve import ServeConfig
     from sage_infer.layers import triton_moe
-    from tests.test_gpt_oss import CONFIG, shared_prefix_prompts
+    from tests.test_gpt_oss import CONFIG, hf_reference, shared_prefix_prompts
     from tests.test_sliding_window import hf_greedy, sage_greedy
     from tests.tiny_models import save_tokenizer
 
@@ -149,9 +149,7 @@ def test_gpt_oss_on_the_gpu_runs_every_kind_and_expert_in_triton_and_matches_tra
                 param.normal_(0, 0.3)
     hf.save_pretrained(tmp_path / "model")
     save_tokenizer(tmp_path / "model", CONFIG["vocab_size"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
-                                                           attn_implementation="eager",
-                                                           experts_implementation="eager").eval()
+    hf = hf_reference(tmp_path / "model")
     prompts = shared_prefix_prompts()
     calls, kernel = [], triton_moe.clamped_swiglu_experts
     monkeypatch.setattr(triton_moe, "clamped_swiglu_experts", lambda *args: calls.append(1) or kernel(*args))
