@@ -3,11 +3,12 @@
 # kernels' (attention, its kinds, the grouped MoE experts), CUDA graphs' and speculative decoding's tests on CUDA,
 # speculative decoding against none (bench/spec_decode.py), the kernel against the PyTorch path
 # (bench/paged_decode_kernel.py --device cuda), the Triton MoE experts against the per-expert loop
-# (bench/triton_moe.py), and the engine's decode attention A/B on the 0.5B shape.
+# (bench/triton_moe.py), the engine's decode attention A/B on the 0.5B shape, and a tier hit loaded into the GPU's
+# pool against recomputing it (bench/load_vs_recompute.py --device cuda).
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel moe engine prefill
-#                                                            # profile hf hf05
+#                                                            # profile tiers hf hf05
 #   LIMIT_tests=200 WORKLOADS=W3 STEPS="tests engine" ...    # a step's time limit (seconds), the engine's workloads
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
@@ -40,10 +41,10 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile hf hf05}
+STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile tiers hf hf05}
 case " $STEPS " in *" tests "*)
     step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_triton_kinds.py \
-        tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py ;; esac
+        tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py tests/test_kv_tiers_cuda.py ;; esac
 case " $STEPS " in *" spec "*)  # n-gram speculation against none, the demo model in bf16 on the GPU
     step spec 120 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 4 \
         --json "$OUT/spec_decode_cuda.json" ;; esac
@@ -83,6 +84,11 @@ case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engi
             --device cuda --workload "$workload" --profile-steps 2 --ops 25 --model-cache /tmp/sage-models \
             --json "$OUT/profile_cuda_$workload.json"
     done ;;
+esac
+case " $STEPS " in *" tiers "*)  # a host / disk tier hit loaded into the GPU's pool against recomputing it
+    step tiers 200 python3 bench/load_vs_recompute.py --device cuda --model qwen2.5-0.5b-shape --dtype bf16 \
+        --lengths 256,1024,4096,16384 --tiers host,disk --repeats 3 --settle-s 0.2 --cache-dir /tmp/sage-models \
+        --json "$OUT/load_vs_recompute_cuda.json" ;;
 esac
 case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU
     step hf 200 python3 bench/engine_vs_hf.py --device cuda --dtype bf16 --threads 4 --repeats 2 \

@@ -3,10 +3,12 @@
     python bench/load_vs_recompute.py --json out/load_vs_recompute.json                 # 256 to 16K tokens
     python bench/load_vs_recompute.py --lengths 256,1024,4096,8192,16384,32768       # and 32K (~20 min, loaded)
     python bench/load_vs_recompute.py --lengths 256,1024 --repeats 1          # a quick look
+    python bench/load_vs_recompute.py --device cuda --model qwen2.5-0.5b-shape --dtype bf16   # a GPU's device pool
 
 Method
-  Model     bench/vllm_models.py's `qwen3-11m` shape (random weights, fp32, demo tokenizer's vocabulary) with
-            max_position_embeddings raised to the longest prompt, as bench/long_context.py scales its model.
+  Model     bench/vllm_models.py's `qwen3-11m` shape (`--model`; random weights, fp32 or `--dtype`, the demo
+            tokenizer's vocabulary) with max_position_embeddings raised to the longest prompt, as
+            bench/long_context.py scales its model; on `--device` (the device pool there, the tiers in host memory).
   Engine    one `LLM` per tier with that tier alone below the device (`host`, `disk` in a temp directory, and
             `redis` when a redis-server binary is installed: one is started on a loopback port), a device pool
             that holds the longest prompt, chunked prefill (`--budget` tokens a step), hot promotion off (a
@@ -53,9 +55,9 @@ FIRST_REGULAR_TOKEN = 5  # the demo tokenizer's special tokens are 0-4
 DEFAULT_LENGTHS = (256, 1024, 4096, 8192, 16384)  # 32768 too: `--lengths ...,32768` (about 2-7 min a tier more)
 
 
-def long_model(max_len: int, cache_dir: Path) -> Path:
-    """qwen3-11m with its context (max_position_embeddings) raised to hold `max_len` tokens and an answer."""
-    base = MODELS["qwen3-11m"]
+def long_model(max_len: int, cache_dir: Path, model: str = "qwen3-11m") -> Path:
+    """`model` with its context (max_position_embeddings) raised to hold `max_len` tokens and an answer."""
+    base = MODELS[model]
     context = max(4096, max_len + BLOCK)
     spec = dataclasses.replace(base, name=f"{base.name}-ctx{context}",
                                shape={**base.shape, "max_position_embeddings": context})
@@ -88,29 +90,31 @@ def start_redis() -> tuple[subprocess.Popen, str] | None:
     raise RuntimeError("redis-server did not answer PING within 20 s")
 
 
-def make_llm(model_dir: Path, tier: str, max_len: int, budget: int, workdir: Path, redis_url: str | None):
+def make_llm(model_dir: Path, tier: str, max_len: int, budget: int, workdir: Path, redis_url: str | None,
+             device: str = "cpu", dtype: str = "fp32"):
     from sage_infer import LLM
     from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
 
     blocks = 2 * (max_len // BLOCK) + 64  # the prompt and one more: nothing is evicted by the runs themselves
-    tier_bytes = 3 * (max_len // BLOCK + 8) * kv_bytes_per_block(model_dir)  # a prompt's blocks, three times
+    tier_bytes = 3 * (max_len // BLOCK + 8) * kv_bytes_per_block(model_dir, dtype)  # a prompt's blocks, three times
     tiers = {"host": dict(host_bytes=tier_bytes),
              "disk": dict(host_bytes=0, disk_path=str(workdir / "disk"), disk_bytes=tier_bytes),
              "redis": dict(host_bytes=0, remote_url=redis_url, remote_bytes=tier_bytes)}[tier]
     config = ServeConfig(
-        model=ModelConfig(path=str(model_dir), dtype="fp32", max_model_len=max_len + BLOCK),
+        model=ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=max_len + BLOCK),
         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget, enable_chunked_prefill=True),
         tiers=TierConfig(**tiers, load_timeout_s=120, hot_promote_after=0),
     )
-    return LLM(config=config, device="cpu")
+    return LLM(config=config, device=device)
 
 
-def kv_bytes_per_block(model_dir: Path) -> int:
+def kv_bytes_per_block(model_dir: Path, dtype: str = "fp32") -> int:
     import json
 
     c = json.loads((model_dir / "config.json").read_text())
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4 * BLOCK  # K and V, fp32
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * (4 if dtype == "fp32" else 2) * BLOCK
 
 
 class Probe:
@@ -212,10 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.05, help="decided/recompute above 1 + this fails")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "sage-bench-models")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="the device pool's device (cpu, cuda)")
+    parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    model_dir = long_model(max(lengths), args.cache_dir)
+    model_dir = long_model(max(lengths), args.cache_dir, args.model)
     vocab = 4096
     redis = start_redis() if "redis" in args.tiers.split(",") else None
     tiers = [t for t in args.tiers.split(",") if t != "redis" or redis is not None]
@@ -226,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for tier in tiers:
             with tempfile.TemporaryDirectory(prefix="sage-lvr-") as workdir:
-                llm = make_llm(model_dir, tier, max(lengths), args.budget, Path(workdir), redis and redis[1])
+                llm = make_llm(model_dir, tier, max(lengths), args.budget, Path(workdir), redis and redis[1],
+                               args.device, args.dtype)
                 probe = Probe(llm, args.settle_s)
                 probe.run([FIRST_REGULAR_TOKEN] * 64, forced=False)  # warm-up: first-call costs out of the way
                 rng = random.Random(args.seed)
@@ -245,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = worst[0] <= 1.0 + args.tolerance
     print(f"worst decided/recompute: {worst[0]:.3f} ({worst[1]}, {worst[2]} tokens) -> "
           f"{'PASS' if ok else 'FAIL'} (<= 1 + {args.tolerance})")
-    write_json(args.json, {"machine": platform.processor() or platform.machine(), "lengths": lengths,
+    machine = platform.processor() or platform.machine()
+    if args.device.startswith("cuda"):
+        import torch
+
+        machine = torch.cuda.get_device_name(0)
+    write_json(args.json, {"machine": machine, "device": args.device, "dtype": args.dtype, "lengths": lengths,
                            "repeats": args.repeats, "budget": args.budget, "model": str(model_dir),
                            "seconds": time.perf_counter() - started,
                            "tiers": {t: {str(n): row for n, row in rows.items()} for t, rows in results.items()},

@@ -60,6 +60,19 @@ def test_no_pinning_without_cuda():
         assert tier.pinned is torch.cuda.is_available()
 
 
+def test_a_pinned_slab_is_unpinned_before_it_is_unmapped(monkeypatch):
+    """CUDA keeps a registration past the munmap, and a later mapping at those addresses fails: close unregisters
+    first (on a GPU, tests/test_kv_tiers_cuda.py runs a second engine after a closed one)."""
+    from sage_infer.kv_runtime.tiers import host as host_module
+
+    calls = []
+    monkeypatch.setattr(host_module, "unpin_host_memory", lambda tensor: calls.append((tensor.data_ptr(), tier.arena)))
+    tier = HostTier(SCHEMA, BPB)
+    address, tier.pinned = tier.slab.data_ptr(), True  # as cudaHostRegister leaves it on a GPU machine
+    tier.close()
+    assert calls == [(address, tier.arena)] and not tier.pinned
+
+
 def test_checksums_are_taken_off_the_putting_thread_and_then_verified(monkeypatch):
     monkeypatch.setattr(rows, "_kernel", None)  # (where the one-pass kernel loads, a put checksums as it copies)
     keys, blocks = chain(4)

@@ -34,7 +34,7 @@ import torch
 
 from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.kv_runtime.tiers.base import KVTier
-from sage_infer.kv_runtime.tiers.pinned import pin_host_memory, pin_status
+from sage_infer.kv_runtime.tiers.pinned import pin_host_memory, pin_status, unpin_host_memory
 from sage_infer.kv_runtime.tiers.rows import (
     ChunkGather,
     Gather,
@@ -258,5 +258,8 @@ class HostTier(KVTier):
             self._pending.clear()
             self._slot_of.clear()
             self._free = []
+            if self.pinned:
+                unpin_host_memory(self.slab)
+                self.pinned = False
             del self.slab
             self.arena.close()

@@ -23,10 +23,17 @@ def pin_host_memory(tensor: torch.Tensor) -> bool:
 
     In place because the host tier's slab lives in a shared (memfd) arena the transport maps;
     `tensor.pin_memory()` would copy it elsewhere. Returns True when the memory is now pinned.
-    The registration lasts as long as the mapping (the process unmaps it at exit).
+    Whoever unmaps the memory calls `unpin_host_memory` first: CUDA keeps a registration past the munmap, and a
+    later mapping at the same addresses then fails (a second engine in the process could not load its model:
+    "CUDA error: resource already mapped").
     """
     if not torch.cuda.is_available() or tensor.numel() == 0:
         return False
     nbytes = tensor.numel() * tensor.element_size()
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     return int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+
+
+def unpin_host_memory(tensor: torch.Tensor) -> None:
+    """Undo `pin_host_memory` (cudaHostUnregister) before the memory is unmapped."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

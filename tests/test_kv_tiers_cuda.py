@@ -1,0 +1,64 @@
+"""Lower KV tiers under a device pool on a CUDA GPU: an evicted prompt's blocks go to host memory (page-locked
+staging) or disk and come back into the GPU's pool bit-exact, so its greedy tokens equal a cold run's. Skips
+without a CUDA GPU (bench/gpu_check.sh runs it on one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kv_tiers_engine import BLOCK, GREEDY, A, B, C
+
+DEVICE = "cuda"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a device pool on CUDA needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiers-cuda") / "model", "llama")
+
+
+def make_llm(model_dir, **tiers):
+    from sage_infer import LLM
+    from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
+
+    config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
+                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=8),
+                         scheduler=SchedulerConfig(max_num_seqs=1), tiers=TierConfig(**tiers))
+    return LLM(config=config, device=DEVICE)
+
+
+def run(llm, tokens):
+    [out] = llm.generate([tokens], GREEDY)
+    return out.outputs[0].token_ids, out.metrics.num_cached_tokens
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_evicted_prompt_comes_back_into_the_gpu_pool(model_dir, tier, tmp_path):
+    cold = run(make_llm(model_dir), A)[0]
+    tiers = {"host": dict(host_bytes=1 << 20), "disk": dict(host_bytes=0, disk_path=str(tmp_path),
+                                                            disk_bytes=64 << 20)}[tier]
+    llm = make_llm(model_dir, **tiers)
+    assert llm.engine.runner.pool.device.type == DEVICE
+    for tokens in (A, B, C):  # B and C need the pool: A's cached blocks are demoted
+        run(llm, tokens)
+    hierarchy = llm.engine.kv.source("tiers").hierarchy
+    assert hierarchy.stats.demoted_blocks >= 5
+    assert run(llm, A) == (cold, 5 * BLOCK)
+    assert hierarchy.stats.tiers[tier].loaded_blocks == 5
+    llm.engine.kv.block_manager.check_invariants()
+
+
+def test_a_closed_engine_unpins_its_host_tier_and_the_next_engine_runs(model_dir):
+    """The host tier's slab is page-locked in place (cudaHostRegister); closing it unregisters before unmapping, so
+    a second engine's allocations (which may land on the same addresses) work."""
+    cold = run(make_llm(model_dir), A)[0]
+    first = make_llm(model_dir, host_bytes=1 << 20)
+    assert first.engine.kv.source("tiers").hierarchy.stores[0].pinned
+    run(first, A)
+    first.close()
+    second = make_llm(model_dir, host_bytes=1 << 20)
+    assert second.engine.kv.source("tiers").hierarchy.stores[0].pinned
+    assert run(second, A) == (cold, 0)
