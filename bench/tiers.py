@@ -29,6 +29,9 @@ Method
              disk put+flush / get_prefix vs os.pwrite / os.preadv (page cache, no fsync), at the
              engine's block and at a Llama-3-8B-shaped block (bf16, 32 layers x 8 KV heads x 128).
              Also the engine's own demote / load time (HierarchyManager, timed from outside).
+  Prefetch   the engine's reads of a queued request's lower-tier blocks (`KVLoader`): issued, used (claimed by
+             their request), hit ratio = used / issued (goal >= 0.85), the bytes read and those read for nothing.
+             With `--max-num-seqs` prompts a call, a prompt queued behind others is the one a prefetch can serve.
   Simulator  `sim.tiered.replay_tiered` (LRU, the same MigrationPolicy) at the same capacities, on the
              replayed window and on the whole trace: the engine's hit rate should equal the first,
              and the second says what the capacity fractions give over the trace's full hour.
@@ -78,7 +81,7 @@ from tests.tiny_models import make_tiny_model  # noqa: E402
 TRACE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
 FIRST_REGULAR_TOKEN = 5  # tiny models reserve ids 0-4 for special tokens
 LLAMA8B_BLOCK = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # bf16, 2 MiB per 16-token block
-GOAL_HIT, GOAL_MIGRATION, GOAL_TTFT = 0.95, 0.85, 1.2
+GOAL_HIT, GOAL_MIGRATION, GOAL_TTFT, GOAL_PREFETCH = 0.95, 0.85, 1.2, 0.85
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -219,6 +222,7 @@ def run_setup(setup: Setup, model_dir: str, prompts: list[list[int]], args: argp
         "output_tok_s": generated / wall,
         "total_tok_s": (prompt_tokens + generated) / wall,
         "tiers": tiers,
+        "prefetch": prefetch_row(tier_source, block_bytes),
         "dropped_blocks": hierarchy.stats.dropped_blocks if hierarchy is not None else 0,
         "load_failures": hierarchy.stats.load_failures if hierarchy is not None else 0,
         # the engine's own migration: wall time inside HierarchyManager.on_evict / load; "blocks" are
@@ -230,6 +234,18 @@ def run_setup(setup: Setup, model_dir: str, prompts: list[list[int]], args: argp
     if hierarchy is not None:
         hierarchy.close()
     return row, [o.outputs[0].token_ids for o in outs]
+
+
+def prefetch_row(tier_source, block_bytes: int) -> dict | None:
+    """The engine's prefetches of queued requests' lower-tier blocks (`KVLoader`): issued, used (claimed with at least
+    one block), the hit ratio used ÷ issued, wasted ones by reason, and the blocks / bytes read and wasted."""
+    loader = getattr(tier_source, "loader", None)
+    if loader is None:
+        return None
+    stats = loader.stats
+    return {"issued": stats.issued, "used": stats.used, "hit_ratio": stats.hit_ratio, "wasted": dict(stats.wasted),
+            "blocks_read": stats.blocks_read, "blocks_wasted": stats.blocks_wasted,
+            "bytes_read": stats.blocks_read * block_bytes, "bytes_wasted": stats.blocks_wasted * block_bytes}
 
 
 # -- plan and report --------------------------------------------------------------------------
@@ -307,6 +323,13 @@ def print_report(report: dict) -> None:
               f"{r['ttft_p99_s'] * 1e3:>7.1f}ms {r['output_tok_s']:>9.1f} {r['total_tok_s']:>9.0f}  {tiers}")
     for name, reason in report["skipped"].items():
         print(f"{name:<17} skipped: {reason}")
+    print("\nprefetches of queued requests' lower-tier blocks (used = claimed by their request):")
+    for r in rows:
+        if pf := r.get("prefetch"):
+            wasted = ", ".join(f"{k} {v}" for k, v in pf["wasted"].items())
+            print(f"  {r['config']:<17} issued {pf['issued']:>6} used {pf['used']:>6} hit {pf['hit_ratio']:>7.2%}  "
+                  f"wasted: {wasted}; read {pf['bytes_read'] / 2**20:.1f} MiB, "
+                  f"wasted {pf['bytes_wasted'] / 2**20:.1f} MiB")
     print("\nengine migration (time inside HierarchyManager.on_evict / load):")
     for r in rows:
         for kind, m in r["engine_migration"].items():
@@ -337,6 +360,10 @@ def goals(rows: dict[str, dict], migration: list[dict]) -> list[dict]:
         out.append({"goal": "TTFT p50(device 5% + host 20%) / TTFT p50(unbounded) <= 1.2",
                     "value": rows["+ host"]["ttft_p50_ratio_to_unbounded"], "target": GOAL_TTFT,
                     "met": rows["+ host"]["ttft_p50_ratio_to_unbounded"] <= GOAL_TTFT})
+    for name, row in rows.items():
+        if (pf := row.get("prefetch")) and pf["issued"]:
+            out.append({"goal": f"prefetch hit ratio ({name}) >= 0.85", "value": pf["hit_ratio"],
+                        "target": GOAL_PREFETCH, "met": pf["hit_ratio"] >= GOAL_PREFETCH})
     for m in migration:
         if m["op"] in ("put", "get_prefix(out=)", "put + flush"):
             ratio = m["ratio_to_peer"]
