@@ -65,12 +65,13 @@ def test_a_pinned_slab_is_unpinned_before_it_is_unmapped(monkeypatch):
     first (on a GPU, tests/test_kv_tiers_cuda.py runs a second engine after a closed one)."""
     from sage_infer.kv_runtime.tiers import host as host_module
 
-    calls = []
-    monkeypatch.setattr(host_module, "unpin_host_memory", lambda tensor: calls.append((tensor.data_ptr(), tier.arena)))
+    calls = []  # (the address unpinned, whether the slab's mapping was still open then)
+    monkeypatch.setattr(host_module, "unpin_host_memory",
+                        lambda tensor: calls.append((tensor.data_ptr(), tier.arena.fd >= 0)))
     tier = HostTier(SCHEMA, BPB)
     address, tier.pinned = tier.slab.data_ptr(), True  # as cudaHostRegister leaves it on a GPU machine
     tier.close()
-    assert calls == [(address, tier.arena)] and not tier.pinned
+    assert calls == [(address, True)] and not tier.pinned and tier.arena.fd == -1
 
 
 def test_checksums_are_taken_off_the_putting_thread_and_then_verified(monkeypatch):
