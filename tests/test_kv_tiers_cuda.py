@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kv_tiers_engine import BLOCK, GREEDY, A, B, C
+from tests.test_kv_tiers_engine import BLOCK, A, B, C, make_llm, run
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a device pool on CUDA needs a CUDA GPU")
@@ -20,27 +20,12 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiers-cuda") / "model", "llama")
 
 
-def make_llm(model_dir, **tiers):
-    from sage_infer import LLM
-    from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
-
-    config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
-                         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=8),
-                         scheduler=SchedulerConfig(max_num_seqs=1), tiers=TierConfig(**tiers))
-    return LLM(config=config, device=DEVICE)
-
-
-def run(llm, tokens):
-    [out] = llm.generate([tokens], GREEDY)
-    return out.outputs[0].token_ids, out.metrics.num_cached_tokens
-
-
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_an_evicted_prompt_comes_back_into_the_gpu_pool(model_dir, tier, tmp_path):
-    cold = run(make_llm(model_dir), A)[0]
+    cold = run(make_llm(model_dir, DEVICE), A)[0]
     tiers = {"host": dict(host_bytes=1 << 20), "disk": dict(host_bytes=0, disk_path=str(tmp_path),
                                                             disk_bytes=64 << 20)}[tier]
-    llm = make_llm(model_dir, **tiers)
+    llm = make_llm(model_dir, DEVICE, **tiers)
     assert llm.engine.runner.pool.device.type == DEVICE
     for tokens in (A, B, C):  # B and C need the pool: A's cached blocks are demoted
         run(llm, tokens)
@@ -54,11 +39,11 @@ def test_an_evicted_prompt_comes_back_into_the_gpu_pool(model_dir, tier, tmp_pat
 def test_a_closed_engine_unpins_its_host_tier_and_the_next_engine_runs(model_dir):
     """The host tier's slab is page-locked in place (cudaHostRegister); closing it unregisters before unmapping, so
     a second engine's allocations (which may land on the same addresses) work."""
-    cold = run(make_llm(model_dir), A)[0]
-    first = make_llm(model_dir, host_bytes=1 << 20)
+    cold = run(make_llm(model_dir, DEVICE), A)[0]
+    first = make_llm(model_dir, DEVICE, host_bytes=1 << 20)
     assert first.engine.kv.source("tiers").hierarchy.stores[0].pinned
     run(first, A)
     first.close()
-    second = make_llm(model_dir, host_bytes=1 << 20)
+    second = make_llm(model_dir, DEVICE, host_bytes=1 << 20)
     assert second.engine.kv.source("tiers").hierarchy.stores[0].pinned
     assert run(second, A) == (cold, 0)

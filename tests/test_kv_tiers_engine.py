@@ -35,14 +35,14 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiers") / "model", "llama")
 
 
-def make_llm(model_dir, **tiers) -> LLM:
+def make_llm(model_dir, device: str = "cpu", **tiers) -> LLM:
     config = ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype="fp32"),
         kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=8),
         scheduler=SchedulerConfig(max_num_seqs=1),
         tiers=TierConfig(**tiers),
     )
-    return LLM(config=config, device="cpu")
+    return LLM(config=config, device=device)
 
 
 def run(llm: LLM, tokens: list[int]):
