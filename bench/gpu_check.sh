@@ -7,8 +7,8 @@
 # pool against recomputing it (bench/load_vs_recompute.py --device cuda).
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
-#   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests spec spec05 kernel moe engine prefill
-#                                                            # profile tiers hf hf05
+#   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kvtests spec spec05 kernel moe engine
+#                                                            # prefill profile tiers hf hf05
 #   LIMIT_tests=200 WORKLOADS=W3 STEPS="tests engine" ...    # a step's time limit (seconds), the engine's workloads
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
@@ -44,7 +44,11 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
 STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile tiers hf hf05}
 case " $STEPS " in *" tests "*)
     step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_triton_kinds.py \
-        tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py tests/test_kv_tiers_cuda.py ;; esac
+        tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py tests/test_kv_tiers_cuda.py \
+        tests/test_layer_loads.py ;; esac
+case " $STEPS " in *" kvtests "*)  # only the KV loads into the GPU's pool (tiers, whole and layer by layer)
+    step kvtests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers_cuda.py tests/test_layer_loads.py
+    ;; esac
 case " $STEPS " in *" spec "*)  # n-gram speculation against none, the demo model in bf16 on the GPU
     step spec 120 python3 bench/spec_decode.py --device cuda --dtype bf16 --batch 1 8 --k 4 \
         --json "$OUT/spec_decode_cuda.json" ;; esac

@@ -19,7 +19,10 @@ Method
                tier's background checksums and writes), P again with the load-or-compute decision replaced by
                "load every block found".
     decided    evicted again, P again with the engine's own decision (`kv_policy/load_or_compute.py`).
-  forced and decided alternate their order between repeats. Prompts of `--long-from` tokens or more are computed
+    whole      where the engine loads layer by layer (`--layer-loads`, kv_pool.layer_loads: on a CUDA pool by
+               default), forced once more with the load written whole before the step: `layered/whole` is the
+               forced TTFT ÷ this one.
+  The loaded runs rotate their order between repeats. Prompts of `--long-from` tokens or more are computed
   once (one fresh P; its prefill takes many seconds and varies little), then loaded `--repeats` times each way.
   TTFT is the engine's own (arrival to first token); the ratio is each median ÷ the recompute median of the same
   length in the same engine. The load time (the tier read, `sage:kv_tier_load_latency_seconds`) is reported
@@ -91,7 +94,7 @@ def start_redis() -> tuple[subprocess.Popen, str] | None:
 
 
 def make_llm(model_dir: Path, tier: str, max_len: int, budget: int, workdir: Path, redis_url: str | None,
-             device: str = "cpu", dtype: str = "fp32"):
+             device: str = "cpu", dtype: str = "fp32", layer_loads: str = "auto"):
     from sage_infer import LLM
     from sage_infer.config.serve import KVPoolConfig, ModelConfig, SchedulerConfig, ServeConfig, TierConfig
 
@@ -102,7 +105,7 @@ def make_llm(model_dir: Path, tier: str, max_len: int, budget: int, workdir: Pat
              "redis": dict(host_bytes=0, remote_url=redis_url, remote_bytes=tier_bytes)}[tier]
     config = ServeConfig(
         model=ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=max_len + BLOCK),
-        kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=blocks),
+        kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=blocks, layer_loads=layer_loads),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget, enable_chunked_prefill=True),
         tiers=TierConfig(**tiers, load_timeout_s=120, hot_promote_after=0),
     )
@@ -129,10 +132,14 @@ class Probe:
         self.hierarchy = llm.engine.kv.source("tiers").hierarchy
         self.rates = self.hierarchy.rates
         self.decide = self.rates.blocks_to_load  # the engine's decision, kept for `decided` runs
+        self.pool = llm.engine.runner.pool
+        self.layer_loads = self.pool.layer_loads  # None: the engine loads whole (kv_pool.layer_loads off)
 
-    def run(self, prompt: list[int], forced: bool) -> dict:
-        # forced: every block found below is loaded (the decision off); the rates keep learning either way
+    def run(self, prompt: list[int], forced: bool, whole: bool = False) -> dict:
+        # forced: every block found below is loaded (the decision off); the rates keep learning either way.
+        # whole: this run writes its load into the pool before the step even where the engine loads layer by layer
         self.rates.blocks_to_load = (lambda levels, first_block=0: len(levels)) if forced else self.decide
+        self.pool.layer_loads = None if whole else self.layer_loads
         latency = self.hierarchy.stats.load_latency
         load_before = latency.total
         recomputed_before = self.hierarchy.stats.failures["recompute"]
@@ -156,13 +163,17 @@ def measure_length(probe: Probe, length: int, repeats: int, recomputes: int, rng
     """`recomputes` fresh prompts, each computed once, then loaded `repeats` times in all (forced and decided
     alternating which goes first)."""
     runs: dict[str, list[dict]] = {"recompute": [], "forced": [], "decided": []}
+    modes = ["forced", "decided"]
+    if probe.layer_loads is not None:  # the engine loads layer by layer: also forced loads written whole, beside
+        modes.append("whole")
+        runs["whole"] = []
     for r in range(repeats):
         if r < recomputes:
             prompt = [rng.randrange(FIRST_REGULAR_TOKEN, vocab) for _ in range(length)]
             runs["recompute"].append(probe.run(prompt, forced=False))
             probe.evict()
-        for mode in (("forced", "decided") if r % 2 == 0 else ("decided", "forced")):
-            runs[mode].append(probe.run(prompt, forced=mode == "forced"))
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            runs[mode].append(probe.run(prompt, forced=mode != "decided", whole=mode == "whole"))
             probe.evict()
     row = {mode: {"ttft_s": statistics.median(x["ttft_s"] for x in rs),
                   "load_s": statistics.median(x["load_s"] for x in rs),
@@ -173,6 +184,8 @@ def measure_length(probe: Probe, length: int, repeats: int, recomputes: int, rng
     row["load_share"] = row["forced"]["load_s"] / row["forced"]["ttft_s"]  # of a loaded prompt's TTFT, the read
     row["forced_ratio"] = row["forced"]["ttft_s"] / base
     row["decided_ratio"] = row["decided"]["ttft_s"] / base
+    if "whole" in row:  # layer by layer ÷ whole before the step, both loading every block
+        row["layered_vs_whole"] = row["forced"]["ttft_s"] / row["whole"]["ttft_s"]
     rates = probe.rates
     row["rates"] = {"prefill_gflop_s": rates.prefill.per_s / 1e9 if rates.prefill.per_s is not None else None,
                     "read_gb_s": {level: r.per_s / 1e9 for level, r in rates.reads.items() if r.per_s}}
@@ -192,14 +205,18 @@ def crossover(rows: dict[int, dict]) -> str:
 
 
 def print_table(results: dict[str, dict[int, dict]]) -> None:
+    layered = any("whole" in row for rows in results.values() for row in rows.values())
     print(f"{'tier':<6} {'prompt':>7} {'recompute ms':>13} {'forced ms':>10} {'decided ms':>11} "
-          f"{'load ms':>8} {'load share':>10} {'forced/rec':>10} {'decided/rec':>11} {'loaded tok':>10}")
+          f"{'load ms':>8} {'load share':>10} {'forced/rec':>10} {'decided/rec':>11} {'loaded tok':>10}"
+          + ("  whole ms  layered/whole" if layered else ""))
     for tier, rows in results.items():
         for length, row in sorted(rows.items()):
+            whole = (f" {row['whole']['ttft_s'] * 1e3:>9.1f} {row['layered_vs_whole']:>14.3f}" if 'whole' in row
+                     else "")
             print(f"{tier:<6} {length:>7} {row['recompute']['ttft_s'] * 1e3:>13.1f} "
                   f"{row['forced']['ttft_s'] * 1e3:>10.1f} {row['decided']['ttft_s'] * 1e3:>11.1f} "
                   f"{row['forced']['load_s'] * 1e3:>8.1f} {row['load_share']:>10.2f} {row['forced_ratio']:>10.3f} "
-                  f"{row['decided_ratio']:>11.3f} {row['decided']['cached_tokens']:>10.0f}")
+                  f"{row['decided_ratio']:>11.3f} {row['decided']['cached_tokens']:>10.0f}{whole}")
         print(f"{tier:<6} crossover (loading faster from this length on): {crossover(rows)}")
 
 
@@ -219,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="the device pool's device (cpu, cuda)")
     parser.add_argument("--model", default="qwen3-11m", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--layer-loads", default="auto", choices=["auto", "on", "off"],
+                        help="kv_pool.layer_loads; where the engine loads layer by layer, a third loaded run per "
+                             "repeat writes the load whole before the step (`whole`), for the ratio between them")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
@@ -234,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         for tier in tiers:
             with tempfile.TemporaryDirectory(prefix="sage-lvr-") as workdir:
                 llm = make_llm(model_dir, tier, max(lengths), args.budget, Path(workdir), redis and redis[1],
-                               args.device, args.dtype)
+                               args.device, args.dtype, args.layer_loads)
                 probe = Probe(llm, args.settle_s)
                 probe.run([FIRST_REGULAR_TOKEN] * 64, forced=False)  # warm-up: first-call costs out of the way
                 rng = random.Random(args.seed)
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
         machine = torch.cuda.get_device_name(0)
     write_json(args.json, {"machine": machine, "device": args.device, "dtype": args.dtype, "lengths": lengths,
+                           "layer_loads": args.layer_loads,
                            "repeats": args.repeats, "budget": args.budget, "model": str(model_dir),
                            "seconds": time.perf_counter() - started,
                            "tiers": {t: {str(n): row for n, row in rows.items()} for t, rows in results.items()},

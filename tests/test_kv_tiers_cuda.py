@@ -20,19 +20,28 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiers-cuda") / "model", "llama")
 
 
+@pytest.mark.parametrize("layered", [True, False], ids=["layer-by-layer", "whole"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_an_evicted_prompt_comes_back_into_the_gpu_pool(model_dir, tier, tmp_path):
+def test_an_evicted_prompt_comes_back_into_the_gpu_pool(model_dir, tier, layered, tmp_path):
+    """kv_pool.layer_loads auto is on for a CUDA pool: the load goes through the copy stream and the Triton copy
+    (the page-locked staging rows read in place); `whole` turns it off for this engine's loads."""
     cold = run(make_llm(model_dir, DEVICE), A)[0]
     tiers = {"host": dict(host_bytes=1 << 20), "disk": dict(host_bytes=0, disk_path=str(tmp_path),
                                                             disk_bytes=64 << 20)}[tier]
     llm = make_llm(model_dir, DEVICE, **tiers)
-    assert llm.engine.runner.pool.device.type == DEVICE
+    pool = llm.engine.runner.pool
+    assert pool.device.type == DEVICE
+    loads = pool.layer_loads
+    assert loads is not None  # auto on a CUDA pool with Triton
+    if not layered:
+        pool.layer_loads = None
     for tokens in (A, B, C):  # B and C need the pool: A's cached blocks are demoted
         run(llm, tokens)
     hierarchy = llm.engine.kv.source("tiers").hierarchy
     assert hierarchy.stats.demoted_blocks >= 5
     assert run(llm, A) == (cold, 5 * BLOCK)
     assert hierarchy.stats.tiers[tier].loaded_blocks == 5
+    assert loads.loads == (1 if layered else 0) and not loads.pending
     llm.engine.kv.block_manager.check_invariants()
 
 

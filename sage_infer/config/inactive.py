@@ -50,6 +50,11 @@ CONDITIONAL: dict[str, tuple[Callable[[ServeConfig], bool], str]] = {
     **{f"kv_events.{name}": (lambda config: config.kv_events.publisher == "zmq",
                              "used only with kv_events.publisher=zmq")
        for name in ("endpoint", "replay_endpoint", "buffer_steps", "topic")},
+    "kv_pool.layer_loads": (
+        lambda config: bool(config.tiers.host_bytes or config.tiers.disk_path or config.tiers.remote_url)
+        or config.role != "both" or config.pd is not None,
+        "used only where KV is loaded at admission: a lower KV tier (tiers.*) or a decode instance's received "
+        "transfers (--role decode, --pd)"),
     "kv_transport.process_group": (lambda config: config.kv_transport.backend == "torchdist",
                                    "used only with kv_transport.backend=torchdist (the group its KV moves in)"),
     **{f"kv_transport.process_group.{name}": (

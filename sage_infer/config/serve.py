@@ -120,6 +120,13 @@ class KVPoolConfig(Strict):
         "auto", description="auto: the hardware preset's default unless the model or device cannot hold it."
     )
     enable_prefix_caching: bool = True
+    layer_loads: Literal["auto", "on", "off"] = Field(
+        "auto", description="How KV loaded at admission (a lower-tier hit, a received prefill/decode transfer) reaches "
+        "the pool. on: layer by layer, each layer's attention waiting only for its own layer: on a CUDA GPU the "
+        "copies run on a copy stream while earlier layers compute (a Triton kernel reading the page-locked rows); "
+        "on a CPU each layer's copy is made right before its attention. off: all of it before the step. auto: on "
+        "for a CUDA pool of a float KV dtype with Triton, off otherwise. A quantized KV dtype or a model with KV "
+        "groups (sliding-window layers) loads whole.")
 
     @field_validator("block_size")
     @classmethod

@@ -198,6 +198,8 @@ class EngineBuilder:
         self.decisions.extend(auto.values)
         self.host_bytes = host_bytes.value
         self.pool = make_kv_pool(self.schema, blocks.value, device=device, huge_pages=config.model.huge_pages)
+        if resolve_layer_loads(config.kv_pool.layer_loads, self.pool, self.kv_groups is not None):
+            self.pool.enable_layer_loads()
 
     def make_kv_cache(self) -> None:
         """The prefix index under the eviction policy, tenant quotas, the lower tiers and prefill/decode
@@ -377,6 +379,35 @@ def build_draft_proposer(config: ServeConfig, target: ArchConfig, tokenizer: Tok
                           f"blocks ({pool.nbytes / 2**20:.1f} MiB, as many as the target's: kv_pool.num_blocks)"))
     return DraftModelProposer(runner, BlockManager(blocks, block_size, None), spec.num_speculative_tokens,
                               spec.disable_by_batch_size, spec.adaptive)
+
+
+def resolve_layer_loads(choice: str, pool: KVPool, grouped: bool) -> bool:
+    """`kv_pool.layer_loads`: whether admission's loads reach `pool` layer by layer (`KVPool.enable_layer_loads`);
+    reported like the other decided values. ConfigError where `on` cannot be honoured."""
+    field = "kv_pool.layer_loads"
+    why = None
+    if pool.schema.dtype.is_quantized:
+        why = f"a {pool.schema.dtype.value} pool's codes and scales load whole"
+    elif grouped:
+        why = "a model with KV groups loads its groups' blocks whole"
+    elif pool.device.type == "cuda":
+        why = triton_unavailable(pool.device)
+    elif pool.device.type != "cpu":
+        why = f"layer-wise loads are built for CUDA and CPU pools (device is {pool.device.type})"
+    if choice == "on" and why is not None:
+        raise ConfigError(f"{field}: on: {why}", hint="leave kv_pool.layer_loads at auto")
+    if choice == "off":
+        _report(ResolvedValue(field, "off", "set: loads are written whole before the step"))
+        return False
+    if why is not None:
+        _report(ResolvedValue(field, "off", why))
+        return False
+    if choice == "auto" and pool.device.type == "cpu":
+        _report(ResolvedValue(field, "off", "auto on a CPU pool: the engine thread makes the copies either way"))
+        return False
+    where = "on a copy stream beside the compute" if pool.device.type == "cuda" else "before each layer's attention"
+    _report(ResolvedValue(field, "on", f"{choice}: loads are written layer by layer, {where}"))
+    return True
 
 
 def use_cpu_kernels() -> str | None:

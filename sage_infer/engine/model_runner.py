@@ -134,4 +134,7 @@ class ModelRunner:
         """Forward the step; returns logits [num_sampled, vocab] (float32) and the indices
         into `seqs` of the sequences they belong to (those whose chunk reached their end; a sequence with
         speculative proposals once per verify row)."""
-        return self.step.run(self, seqs, num_new_tokens)
+        try:
+            return self.step.run(self, seqs, num_new_tokens)
+        finally:
+            self.pool.settle_loads()  # admission's layer-wise loads: the step has read them; their rows go back

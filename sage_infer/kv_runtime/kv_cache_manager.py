@@ -227,8 +227,9 @@ class KVCacheManager:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
-            source.pool.write_rows(seq.block_table[first : first + staged.shape[0]], staged, engine_move_threads())
-            source.release(staged)
+            # written now, or layer by layer as the step's attention reaches each layer (`kv_pool.layer_loads`)
+            source.pool.load_rows(seq.block_table[first : first + staged.shape[0]], staged, source.release,
+                                  engine_move_threads())
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             if source.counts_as_lower_hit and not seq.admitted_once:
                 self.lower_hit_tokens += staged.shape[0] * self.block_size

@@ -8,7 +8,7 @@ storage tensor, so the layout (and later the encoding) can change here alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from sage_infer.core.kv_schema import KVCacheSchema
 from sage_infer.errors import ConfigError
 from sage_infer.hal.huge_pages import zeros_on_huge_pages
 from sage_infer.kv_runtime.block_rows import block_row_index, chunk_rows, gather_blocks, scatter_blocks
+from sage_infer.kv_runtime.layer_loads import LayerLoads
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool) -> torch.Tensor:
@@ -71,6 +72,7 @@ class KVPool:
 
     supports_block_views = True  # `block_views`: K/V blocks in one float dtype (a quantized pool: no)
     supports_int8_block_views = False  # `int8_block_views`: an int8 pool's codes and scales (`QuantizedKVPool`)
+    layer_loads: LayerLoads | None = None  # `enable_layer_loads`
 
     def __init__(
         self,
@@ -278,6 +280,7 @@ class KVPool:
         Each row is `block_nbytes` contiguous bytes. `out`, if given, must be a contiguous
         [n, *block_shape] tensor of the pool's dtype and device.
         """
+        self.finish_loads()
         ids = self._ids(block_ids)
         if self.device.type == "cpu":  # one gather straight into the rows (`block_rows`)
             rows = out if out is not None else torch.empty((ids.numel(), *self.block_shape), dtype=self.dtype)
@@ -296,6 +299,7 @@ class KVPool:
         (an accelerator, a quantized pool's codes and scales)."""
         if not self.supports_block_views or chunk_rows(self._kv) is None:
             return None
+        self.finish_loads()
         ids = self._ids(block_ids)
         source = self._kv.view(torch.uint8).view(2 * self.num_layers * self.num_blocks, -1)
         return source, block_row_index(ids, self.num_layers, self.num_blocks).reshape(ids.numel(), -1)
@@ -312,12 +316,52 @@ class KVPool:
                              f"[{ids.numel()}, *{self.block_shape}]")
         if src.dtype != self.dtype:  # a silent cast would not be bit-exact
             raise TypeError(f"write_blocks: src dtype {src.dtype} differs from the pool's {self.dtype}")
+        self.finish_loads()
         if not scatter_blocks(self._kv, ids, src, threads):  # one scatter from the rows on a CPU (`block_rows`)
             self._kv.index_copy_(2, ids, src.to(self.device).permute(2, 1, 0, 3, 4, 5))
 
     def write_rows(self, block_ids: BlockIds, rows: torch.Tensor, threads: int = 1) -> None:
         """`write_blocks` from raw rows, ``[n, block_nbytes]`` uint8 (what tiers and transfers carry)."""
         self.write_blocks(block_ids, rows.view(self.dtype).reshape(rows.shape[0], *self.block_shape), threads)
+
+    # -- loads at admission, layer by layer (`layer_loads`) ------------------------------------
+
+    def enable_layer_loads(self) -> None:
+        """Let `load_rows` write layer by layer (`sage_infer.kv_runtime.layer_loads`): on a CUDA pool on a copy stream
+        beside the compute, on a CPU pool right before each layer's attention."""
+        if type(self) is not KVPool:
+            raise ValueError(f"layer-wise loads write float blocks; a {self.schema.dtype.value} pool loads whole")
+        self.layer_loads = LayerLoads(self._kv, self.num_layers)
+
+    def load_rows(self, block_ids: Sequence[int], rows: torch.Tensor, release: Callable[[torch.Tensor], None],
+                  threads: int = 1) -> None:
+        """`write_rows` for a step about to attend to these blocks (admission's load of a lower-tier hit or a
+        received transfer); `release(rows)` once nothing reads them. With `layer_loads` the rows are written one
+        layer at a time, each before the attention of its layer reads the pool (`ready`); otherwise now."""
+        loads = self.layer_loads
+        if loads is None or not rows.shape[0] or not loads.takes(rows):
+            self.write_rows(block_ids, rows, threads)
+            release(rows)
+            return
+        if len(block_ids) != rows.shape[0] or rows.shape[1] != self.block_nbytes:
+            raise ValueError(f"load_rows: rows {tuple(rows.shape)} are not [{len(block_ids)}, {self.block_nbytes}]")
+        loads.add(block_ids, rows.view(self.dtype).view(rows.shape[0], *self.block_shape), rows, release)
+
+    def ready(self, layer: int) -> None:
+        """Layer `layer`'s loaded blocks are written for the next reader (attention calls it before it reads)."""
+        loads = self.layer_loads
+        if loads is not None and loads.pending:
+            loads.ready(layer)
+
+    def finish_loads(self) -> None:
+        """Every load is written (before a read of the whole pool, or a step that reads it outside attention)."""
+        if self.layer_loads is not None:
+            self.layer_loads.finish()
+
+    def settle_loads(self) -> None:
+        """After a step's forward: loads its attention did not wait for are completed; done rows are released."""
+        if self.layer_loads is not None:
+            self.layer_loads.settle()
 
     def __repr__(self) -> str:
         return (

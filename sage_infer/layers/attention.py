@@ -334,6 +334,7 @@ def paged_attention(
     """Store this step's K/V of `layer` in `pool`, then attend, as the step's backend does (the reference without
     one). q: [T, H, D]; k, v: [T, KvH, D] -> [T, H, D]. `kind`: the layer's sliding window and soft-capping
     (`sage_infer.layers.attention_kinds`; None: plain causal attention)."""
+    pool.ready(layer)  # a load admission queued layer by layer (`KVPool.load_rows`) has written this layer
     if meta.groups:  # the layer's KV group: its block tables, and its layer within the group's blocks
         group, layer = meta.layer_map[layer]
         meta = meta.groups[group]

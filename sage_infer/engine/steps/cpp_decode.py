@@ -41,6 +41,7 @@ class CppDecodeStep(StepExecutor):
             shared = meta.shared.block_ids if groups[0] is not None else None
         if any(group is None for group in groups):
             return super().forward(runner, batch, meta)
+        runner.pool.finish_loads()  # the C++ step reads the pool without `paged_attention`'s per-layer waits
         x, h, (cos, sin, *local) = runner.model.embed(batch.input_ids, batch.positions, self.ops)
         local_cos, local_sin = local or (None, None)
         return self.handle.run(h, x, cos, sin, local_cos, local_sin, [group_meta.slot_mapping for group_meta in metas],

@@ -133,5 +133,6 @@ class GraphStep(StepExecutor):
     def run(self, runner: ModelRunner, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[torch.Tensor,
                                                                                                     list[int]]:
         if self.graphs.fits(seqs, num_new_tokens):
+            runner.pool.finish_loads()  # the replay reads the pool without `paged_attention`'s per-layer waits
             return self.graphs.run(seqs), list(range(len(seqs)))
         return super().run(runner, seqs, num_new_tokens)
