@@ -23,6 +23,7 @@ step) call `finish` first, which completes every queued copy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -30,7 +31,13 @@ from functools import cache
 import torch
 
 from sage_infer.hal import streams
-from sage_infer.layers.triton_paged import interpreting, tl, triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: PyTorch's CUDA wheels bring it (`pip install triton` otherwise)
+    triton = None
+    tl = None
 
 COPY_TILE = 4096  # elements per program of the copy kernel (a block's K or V of one layer may take several)
 
@@ -61,7 +68,7 @@ def copy_layer_triton(kv: torch.Tensor, src: torch.Tensor, ids: torch.Tensor, la
     interpreter (the tests)."""
     if triton is None:
         raise RuntimeError("the layer-wise KV copy needs triton (PyTorch's CUDA wheels bring it)")
-    if kv.device.type == "cpu" and not interpreting():
+    if kv.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton KV copy takes CPU tensors only under TRITON_INTERPRET=1")
     n, num_layers = src.shape[0], kv.shape[1]
     elems = kv[0, 0, 0].numel()
