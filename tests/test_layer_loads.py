@@ -114,7 +114,7 @@ def make_llm(model_dir, layer_loads: str, decode_step: str = "auto", **tiers) ->
         scheduler=SchedulerConfig(max_num_seqs=1),
         tiers=TierConfig(**tiers),
     )
-    return LLM(config=config)
+    return LLM(config=config, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_auto_on_a_cpu_loads_whole_and_on_for_a_quantized_pool_is_refused(model_
     config = ServeConfig(model=ModelConfig(path=str(model_dir), dtype="fp32"),
                          kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=8, kv_dtype="int8", layer_loads="on"))
     with pytest.raises(ConfigError, match="kv_pool.layer_loads: on: a int8 pool"):
-        LLM(config=config)
+        LLM(config=config, device="cpu")
 
 
 def test_layer_loads_is_inactive_where_nothing_is_loaded_at_admission(tmp_path):
