@@ -39,8 +39,11 @@ $(KERNELS_STAMP): $(STAMP) $(KERNEL_INPUTS)
 	SAGE_KERNEL_LEVELS=$(KERNEL_LEVELS) $(PY) setup.py -q build_ext --inplace
 	touch $@
 
+# the suite on two pytest-xdist workers, a file's tests on one (its module fixtures built once): many tests wait
+# on servers and subprocesses, so two workers finish sooner even on 2 cores; TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 bench-gate: install
 	$(PY) bench/gate.py

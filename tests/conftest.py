@@ -12,7 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sage_infer.cli.main import main
+# rich fixes a console's width at its creation when COLUMNS is set (pytest-xdist's workers get the controller's
+# width that way): without it the width is read at each print, so the `sage` fixture's COLUMNS=200 holds
+os.environ.pop("COLUMNS", None)
+
+from sage_infer.cli.main import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

@@ -38,6 +38,6 @@ def current_waits(event: torch.cuda.Event) -> None:
     torch.cuda.current_stream().wait_event(event)
 
 
-def passed(event: torch.cuda.Event) -> bool:
-    """Whether the work before `event` has run (the host does not wait)."""
-    return event.query()
+def synchronize(event: torch.cuda.Event) -> None:
+    """The host waits until the work before `event` has run."""
+    event.synchronize()

@@ -16,7 +16,7 @@ layer's share of the rows is its own copy:
   the engine thread: the same bytes move, later, next to their first reader.
 
 The rows are released to their owner (the staging buffers a tier read lands in) once no copy reads them: after the
-step's forward (`settle`), when the copy stream's last event has passed. Whole-pool accesses (`KVPool.read_blocks`,
+step's forward (`settle`), once the copy stream's last event has passed. Whole-pool accesses (`KVPool.read_blocks`,
 `write_blocks`) and steps that read the pool outside `paged_attention` (a CUDA graph's replay, the C++ decode
 step) call `finish` first, which completes every queued copy.
 """
@@ -159,15 +159,16 @@ class LayerLoads:
         self.settle()
 
     def settle(self) -> None:
-        """After a step: release the rows whose copies are done (on a GPU, those past their last event; the rest
-        at a later call). Copies a step did not wait for are completed first (`finish`)."""
+        """After a step: the rows go back to their owner once their copies are done. Copies a step did not wait for
+        are completed first (`finish`). On a GPU the host waits for the copies' last event: the step's forward waits
+        for them too, and the engine waits for the forward's tokens next, so this costs nothing; a row buffer kept
+        past the step instead made the next load allocate (and page-lock) a new one, hundreds of ms for a long
+        prompt's (`bench/load_vs_recompute.py --device cuda`)."""
         if self.pending:
             self.finish()
             return
-        kept = []
         for held in self._held:
-            if held.done is not None and not streams.passed(held.done):
-                kept.append(held)
-                continue
+            if held.done is not None:
+                streams.synchronize(held.done)
             held.release(held.rows)
-        self._held = kept
+        self._held = []
