@@ -138,7 +138,7 @@ class Probe:
     def run(self, prompt: list[int], forced: bool, whole: bool = False) -> dict:
         # forced: every block found below is loaded (the decision off); the rates keep learning either way.
         # whole: this run writes its load into the pool before the step even where the engine loads layer by layer
-        self.rates.blocks_to_load = (lambda levels, first_block=0: len(levels)) if forced else self.decide
+        self.rates.blocks_to_load = (lambda levels, *_: len(levels)) if forced else self.decide
         self.pool.layer_loads = None if whole else self.layer_loads
         latency = self.hierarchy.stats.load_latency
         load_before = latency.total
@@ -187,8 +187,12 @@ def measure_length(probe: Probe, length: int, repeats: int, recomputes: int, rng
     if "whole" in row:  # layer by layer ÷ whole before the step, both loading every block
         row["layered_vs_whole"] = row["forced"]["ttft_s"] / row["whole"]["ttft_s"]
     rates = probe.rates
+    step, (load_fixed, load_per_block) = rates.steps.line(), rates.load_cost()
     row["rates"] = {"prefill_gflop_s": rates.prefill.per_s / 1e9 if rates.prefill.per_s is not None else None,
-                    "read_gb_s": {level: r.per_s / 1e9 for level, r in rates.reads.items() if r.per_s}}
+                    "read_gb_s": {level: r.per_s / 1e9 for level, r in rates.reads.items() if r.per_s},
+                    "step_fixed_ms": step[0] * 1e3 if step else None,  # the fitted step line (load_or_compute.py)
+                    "step_marginal_gflop_s": 1e-9 / step[1] if step else None,
+                    "load_fixed_ms": load_fixed * 1e3, "load_us_per_block": load_per_block * 1e6}
     return row
 
 

@@ -48,6 +48,47 @@ def test_a_step_below_the_minimum_prompt_tokens_is_not_a_prefill_rate():
     assert decide.prefill.per_s == 300
 
 
+def test_a_step_s_fixed_part_is_fitted_and_not_counted_as_what_loading_saves():
+    """Launch-bound steps (the H200's eager prefill: ~14 ms for 16 tokens, ~16 for 256): loading a short prompt
+    saves only the marginal part of a step, less than its read and the load's own cost, so it is computed."""
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=196_608, chunk_tokens=2048)
+    for tokens, seconds in [(16, 0.0140), (256, 0.0160), (1024, 0.0224), (2048, 0.0310), (16, 0.0141), (512, 0.0181)]:
+        decide.observe_prefill([(tokens, 0)], seconds)
+    fixed, per_token = decide.steps.line()
+    assert fixed == pytest.approx(0.0139, abs=2e-4) and per_token == pytest.approx(8.3e-6, rel=0.03)
+    assert decide.prefill_s(240, 0) == pytest.approx(240 * per_token)  # not 240 tokens at the average rate
+    assert decide.prefill_s(240, 0) < 0.3 * 240 / decide.prefill.per_s  # the average rate: 7.9 ms
+    decide.observe_read(1, 15 * 196_608, 0.0013)  # 15 blocks in 1.3 ms
+    assert decide.blocks_to_load([1] * 15, 0, 256) == 15  # 2.0 ms of compute saved for a 1.3 ms read
+    decide.observe_load(0.002, 15)  # a load's own engine time: 2 ms
+    assert decide.load_cost() == (0.002, 0.0)  # one size seen: a fixed cost
+    assert decide.blocks_to_load([1] * 15, 0, 256) == 0  # 0.7 ms saved does not pay for it
+    assert not decide.worth_reading([1] * 15, 240, 0)
+    # loads of several sizes: a fixed part and a part per block
+    for blocks, seconds in [(15, 0.002), (255, 0.006), (1023, 0.018), (63, 0.003)]:
+        decide.observe_load(seconds, blocks)
+    fixed, per_block = decide.load_cost()
+    assert 0.001 < fixed < 0.003 and per_block == pytest.approx(1.6e-5, rel=0.2)
+    assert decide.steps_spared(16_384, 1023 * 16) == 7 and decide.steps_spared(256, 240) == 0
+    assert decide.blocks_to_load([1] * 1023, 0, 16_384) == 1023
+    assert decide.blocks_to_load([1] * 15, 0, 256) == 0
+    # a 16K prompt (8 steps of 2,048 tokens) from a slower tier: its blocks' marginal compute (136 ms) is less than
+    # their read (130 ms) and the load's work (16 ms), but loading spares 7 steps' fixed part (97 ms); the blocks past
+    # the 7th step's end spare none, so the last 2,048 tokens are computed, in the one step left either way
+    decide.observe_read(2, 1023 * 196_608, 0.130)
+    assert decide.blocks_to_load([2] * 1023, 0, 16_384) == 896
+    decide.chunk_tokens = None  # one step either way: it does not pay
+    assert decide.blocks_to_load([2] * 1023, 0, 16_384) == 0
+
+
+def test_steps_of_one_size_tell_no_slope_and_the_average_rate_prices_a_block():
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
+    for _ in range(10):
+        decide.observe_prefill([(2048, 0)], 0.1)
+    assert decide.steps.line() is None
+    assert decide.prefill_s(16, 0) == pytest.approx(16 / 20_480)
+
+
 def test_with_a_model_shape_a_block_costs_what_its_position_costs():
     shape = ModelShape(num_layers=6, hidden=384, num_kv_heads=2, head_dim=64, dtype_bytes=4, num_params=11e6)
     decide = LoadOrCompute(block_tokens=16, block_nbytes=96 * 1024, shape=shape)

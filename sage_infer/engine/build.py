@@ -831,7 +831,9 @@ def build_hierarchy(config: ServeConfig, pool: KVPool, shape: ModelShape | None 
     hierarchy.write_policy = tiers.write_policy
     hierarchy.remote_write_through = tiers.remote_write_policy == "write_through"
     # a tier hit is loaded where that is faster; each tier's read speed measured now, before a request needs it
-    hierarchy.rates = LoadOrCompute(pool.block_size, pool.block_nbytes, shape)
+    scheduler = config.scheduler  # a prompt computed in chunks of this many tokens: a load spares steps
+    hierarchy.rates = LoadOrCompute(pool.block_size, pool.block_nbytes, shape,
+                                    scheduler.max_num_batched_tokens if scheduler.enable_chunked_prefill else None)
     reads = probe_reads(hierarchy)
     if reads:
         auto_log.info("tier reads measured at start: %s", ", ".join(f"{name} {rate / 1e9:.2f} GB/s"

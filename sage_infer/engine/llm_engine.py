@@ -319,13 +319,14 @@ class LLMEngine:
                 metrics.num_cached_tokens = seq.num_cached_tokens
         # structured outputs: the grammars' token masks are computed while the model runs
         masks = PendingMasks.start(batch.seqs, batch.num_new_tokens, self.runner.model.config.vocab_size)
+        # the prompt tokens this step computes (after how many), for the load-or-compute rates
+        prefill = [(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                   if n > 1 and not seq.draft_token_ids] if self.load_rates is not None else None
         started = time.perf_counter()
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
-        if self.load_rates is not None:  # the prompt tokens this step computed (after how many), and how long it took
-            self.load_rates.observe_prefill([(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs,
-                                             batch.num_new_tokens) if n > 1 and not seq.draft_token_ids],
-                                            time.perf_counter() - started)
         emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)
+        if prefill:  # timed to the sampled tokens: on a GPU the forward runs after its launch returns
+            self.load_rates.observe_prefill(prefill, time.perf_counter() - started)
         self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
                                            if seq.draft_token_ids})
         changed = self._append_outputs(emitted)

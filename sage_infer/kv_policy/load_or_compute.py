@@ -11,9 +11,21 @@ per token plus attention over every earlier token), so a block deep in a long pr
 before them, is priced at what it costs there, not at an average token's cost; without a model shape it is plain
 tokens per second. Steps that computed fewer than `MIN_PREFILL_TOKENS` prompt tokens are not counted.
 
-For a prompt whose next blocks sit below the device, it loads the longest leading run whose loading saves time
-overall and computes the rest: block i saves ``its prefill work / prefill rate - block bytes / its tier's read
-rate``. Until both rates are measured the blocks are loaded (what the engine did before it knew better).
+A step's time is not proportional to its work: it has a fixed part (launching the layers' kernels, the step's host
+work) that loading blocks does not save, since the loaded prompt still runs a step. On a GPU running eagerly the
+fixed part dominates short steps (the H200 took ~14 ms for 16 tokens and ~16 for 256 of a 0.5B model). So besides
+the average rate the steps are fitted with a line, ``seconds = fixed + work x per_work`` (`StepFit`, exponentially
+weighted least squares); once the steps seen differ enough in size to tell, a block is priced at the marginal part
+only, and the fixed part counts once per prefill step a load spares: a prompt computed in chunks of
+`chunk_tokens` (the scheduler's step budget) needs fewer steps when its leading blocks are loaded. Each load also
+costs engine time of its own (claiming the rows from the tiers, writing them into the pool), measured at admission
+(`observe_load`) and fitted the same way: a fixed part per load and a part per block.
+
+For a prompt whose next blocks sit below the device, it loads the leading run whose loading saves the most time
+and computes the rest: block i saves ``its prefill work x marginal seconds per work - block bytes / its tier's read
+rate - the load's cost per block``, a run also saves the fixed part of each step it spares, and a run is loaded
+only when what it saves exceeds a load's fixed cost. Until both rates are measured the blocks are loaded (what the
+engine did before it knew better).
 """
 
 from __future__ import annotations
@@ -27,6 +39,9 @@ from sage_infer.kv_policy.cost_benefit import ModelShape
 MIN_PREFILL_TOKENS = 256  # a step that computed fewer prompt tokens says more about its overheads than the rate
 MIN_READ_BYTES = 1 << 16  # likewise for a tier read
 WEIGHT = 0.2  # of the newest observation in a rate's moving average
+FIT_WEIGHT = 0.05  # of the newest step in the step-cost line (it needs steps of several sizes in its memory)
+FIT_MIN_STEPS = 4  # steps before the line is used
+FIT_MIN_SPREAD = 0.25  # the steps' work must spread at least this (std / mean) for a slope to mean anything
 
 
 @dataclass(slots=True)
@@ -42,18 +57,59 @@ class Rate:
         self.observations += 1
 
 
+@dataclass(slots=True)
+class StepFit:
+    """Prefill steps' seconds as ``fixed + work x per_work``: an exponentially weighted least-squares line through
+    (work, seconds) of the steps seen."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    observations: int = 0
+
+    def observe(self, work: float, seconds: float) -> None:
+        keep = 1.0 - FIT_WEIGHT
+        self.n = self.n * keep + 1.0
+        self.sx = self.sx * keep + work
+        self.sy = self.sy * keep + seconds
+        self.sxx = self.sxx * keep + work * work
+        self.sxy = self.sxy * keep + work * seconds
+        self.observations += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per unit of work); None until `FIT_MIN_STEPS` steps whose work spreads enough
+        to tell a slope (steps all of one size say nothing about it), or where the points fall on no rising line."""
+        if self.observations < FIT_MIN_STEPS:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        if var <= (FIT_MIN_SPREAD * mean_x) ** 2:
+            return None
+        slope = (self.sxy / self.n - mean_x * mean_y) / var
+        if slope <= 0:
+            return None
+        return max(0.0, mean_y - slope * mean_x), slope
+
+
 @dataclass
 class LoadOrCompute:
     """The measured prefill and tier read rates of one engine, and the decision they make (`blocks_to_load`).
     Observed on the engine thread (prefill, reads at admission) and a loader thread (prefetch reads).
 
-    `shape`: prices prefill work in FLOPs by position (None: every token costs the same)."""
+    `shape`: prices prefill work in FLOPs by position (None: every token costs the same). `chunk_tokens`: the most
+    prompt tokens a step computes (chunked prefill's budget; None: a prompt is one step, loads spare no step)."""
 
     block_tokens: int
     block_nbytes: int
     shape: ModelShape | None = None
+    chunk_tokens: int | None = None
     prefill: Rate = field(default_factory=Rate)  # FLOP/s with a shape, tokens/s without
+    steps: StepFit = field(default_factory=StepFit)  # step seconds as fixed + marginal work
     reads: dict[int, Rate] = field(default_factory=dict)  # tier level (1 = fastest lower tier) -> bytes per second
+    loads: StepFit = field(default_factory=StepFit)  # a load's own engine time as fixed + per block
+    load_s: float | None = None  # that time's moving average, a load's fixed cost until the line is known
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def work(self, tokens: int, context: int) -> float:
@@ -61,11 +117,44 @@ class LoadOrCompute:
         return float(tokens) if self.shape is None else self.shape.prefill_flops(tokens, context)
 
     def observe_prefill(self, spans: Sequence[tuple[int, int]], seconds: float) -> None:
-        """One step that computed prompt tokens: `spans` = (tokens, context before them) per sequence."""
-        if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS and seconds > 0:
-            work = sum(self.work(tokens, context) for tokens, context in spans)
-            with self._lock:
+        """One step that computed prompt tokens: `spans` = (tokens, context before them) per sequence, `seconds`
+        until its tokens were on the host (on a GPU the forward runs after its launch returns)."""
+        if not spans or seconds <= 0:
+            return
+        work = sum(self.work(tokens, context) for tokens, context in spans)
+        with self._lock:
+            self.steps.observe(work, seconds)  # every size: the short steps are what shows the fixed part
+            if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS:
                 self.prefill.observe(work, seconds)
+
+    def observe_load(self, seconds: float, blocks: int) -> None:
+        """One load of `blocks` blocks took `seconds` of the engine's time at admission (taking its rows from the
+        tiers, writing them into the pool)."""
+        if blocks > 0 and seconds > 0:
+            with self._lock:
+                self.loads.observe(blocks, seconds)
+                self.load_s = seconds if self.load_s is None else self.load_s + WEIGHT * (seconds - self.load_s)
+
+    def load_cost(self) -> tuple[float, float]:
+        """(fixed seconds of a load, seconds per block loaded) of the engine's time: the fitted line once the loads
+        seen differ enough in size, before that their average as a fixed cost; (0, 0) until one was seen."""
+        line = self.loads.line()
+        if line is not None:
+            return line
+        return (self.load_s or 0.0, 0.0)
+
+    def step_fixed_s(self) -> float:
+        """The fixed part of a prefill step (0 until the fitted line is known)."""
+        line = self.steps.line()
+        return line[0] if line is not None else 0.0
+
+    def steps_spared(self, compute_tokens: int | None, loaded_tokens: int) -> int:
+        """Prefill steps a prompt that would compute `compute_tokens` needs fewer with `loaded_tokens` of them loaded
+        (its last token is computed either way)."""
+        if compute_tokens is None or not self.chunk_tokens:
+            return 0
+        left = max(1, compute_tokens - loaded_tokens)
+        return -(-compute_tokens // self.chunk_tokens) - -(-left // self.chunk_tokens)
 
     def observe_read(self, level: int, nbytes: int, seconds: float) -> None:
         if nbytes >= MIN_READ_BYTES and seconds > 0:
@@ -73,9 +162,14 @@ class LoadOrCompute:
                 self.reads.setdefault(level, Rate()).observe(nbytes, seconds)
 
     def prefill_s(self, tokens: int, context: int) -> float | None:
-        """Expected seconds to compute `tokens` prompt tokens after `context` (None: not measured yet)."""
+        """Expected seconds that computing `tokens` prompt tokens after `context` adds to a step (None: not measured
+        yet): the fitted line's marginal part once it is known, else at the average rate."""
         rate = self.prefill.per_s
-        return None if rate is None else self.work(tokens, context) / rate
+        if rate is None:
+            return None
+        line = self.steps.line()
+        per_work = line[1] if line is not None else 1.0 / rate
+        return self.work(tokens, context) * per_work
 
     def saving_s(self, level: int, block: int = 0) -> float | None:
         """Seconds loading block number `block` of a prompt from tier `level` saves against computing it
@@ -93,7 +187,8 @@ class LoadOrCompute:
         compute = self.prefill_s(tokens, context)
         if compute is None:
             return True
-        seconds = 0.0
+        fixed, per_block = self.load_cost()
+        seconds = fixed + per_block * len(levels)
         for level in levels:
             read = self.reads.get(level)
             if read is None or read.per_s is None:
@@ -101,14 +196,20 @@ class LoadOrCompute:
             seconds += self.block_nbytes / read.per_s
         return seconds < compute
 
-    def blocks_to_load(self, levels: Sequence[int], first_block: int = 0) -> int:
+    def blocks_to_load(self, levels: Sequence[int], first_block: int = 0, compute_tokens: int | None = None) -> int:
         """Of a prompt's next blocks below the device (`levels[i]`: the tier holding block ``first_block + i``), how
         many leading ones to load: the run whose loading saves the most time in all (every one while a rate is
-        unmeasured)."""
+        unmeasured). `compute_tokens`: the prompt tokens it computes if nothing is loaded (for the steps a load
+        spares; None: none counted)."""
+        fixed_load, per_block = self.load_cost()
+        fixed_step = self.step_fixed_s()
         best = best_at = total = 0.0
         for i, level in enumerate(levels):
             saving = self.saving_s(level, first_block + i)
-            total += saving if saving is not None else float("inf")
-            if total >= best:
-                best, best_at = total, i + 1
+            total += saving - per_block if saving is not None else float("inf")
+            spared = fixed_step * self.steps_spared(compute_tokens, (i + 1) * self.block_tokens)
+            if total + spared >= best:
+                best, best_at = total + spared, i + 1
+        if best <= fixed_load:
+            return 0  # what the run saves does not pay for the load itself
         return int(best_at)

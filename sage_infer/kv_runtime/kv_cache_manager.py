@@ -210,6 +210,7 @@ class KVCacheManager:
             for source in self.sources:
                 source.on_hit(match)
         source = self._source_of(seq)
+        loading = time.perf_counter()
         staged = source.take(seq, match, now) if source is not None else None  # before allocating: see TierSource
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
@@ -230,6 +231,7 @@ class KVCacheManager:
             # written now, or layer by layer as the step's attention reaches each layer (`kv_pool.layer_loads`)
             source.pool.load_rows(seq.block_table[first : first + staged.shape[0]], staged, source.release,
                                   engine_move_threads())
+            source.observe_load(time.perf_counter() - loading, staged.shape[0])  # its engine time: load or compute
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             if source.counts_as_lower_hit and not seq.admitted_once:
                 self.lower_hit_tokens += staged.shape[0] * self.block_size

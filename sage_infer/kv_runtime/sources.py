@@ -69,6 +69,11 @@ class KVSource:
     def release(self, rows: torch.Tensor | None) -> None:
         return None
 
+    def observe_load(self, seconds: float, blocks: int) -> None:
+        """A load of `blocks` of this source's blocks took `seconds` of the engine's time at admission (taking and
+        writing its rows)."""
+        return None
+
     def on_hit(self, match: PrefixMatch) -> None:
         return None
 

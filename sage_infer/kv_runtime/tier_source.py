@@ -79,7 +79,8 @@ class TierSource(KVSource):
             levels = self.hierarchy.locate(keys)
             # the leading run worth loading; the rest is computed (measured faster than reading it back)
             rates = self.hierarchy.rates
-            load = rates.blocks_to_load(levels, device[0]) if rates is not None else len(levels)
+            load = (rates.blocks_to_load(levels, device[0], seq.num_tokens - device[0] * bs) if rates is not None
+                    else len(levels))
             keys = keys[:load]
             self._seen[seq.seq_id] = (now, device, keys)
             self._declined[seq.seq_id] = len(levels) - load
@@ -111,6 +112,11 @@ class TierSource(KVSource):
     def release(self, rows: torch.Tensor | None) -> None:
         """`take`'s rows are in the pool: their staging buffer serves the next load."""
         self.hierarchy.release(rows)
+
+    def observe_load(self, seconds: float, blocks: int) -> None:
+        """Load or compute weighs a load's own cost against what its blocks save."""
+        if self.hierarchy.rates is not None:
+            self.hierarchy.rates.observe_load(seconds, blocks)
 
     def on_hit(self, match: PrefixMatch) -> None:
         """The device served these blocks: the hot set and the write policy count the hit."""
