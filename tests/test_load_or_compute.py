@@ -81,6 +81,12 @@ def test_a_step_s_fixed_part_is_fitted_and_not_counted_as_what_loading_saves():
     assert decide.blocks_to_load([2] * 1023, 0, 16_384) == 0
 
 
+def test_a_step_with_decode_rows_is_not_a_point_of_the_line():
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
+    decide.observe_prefill([(512, 0)], 0.05, only_prefill=False)
+    assert decide.steps.observations == 0 and decide.prefill.per_s == 512 / 0.05
+
+
 def test_steps_of_one_size_tell_no_slope_and_the_average_rate_prices_a_block():
     decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
     for _ in range(10):

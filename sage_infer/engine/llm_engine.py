@@ -326,7 +326,7 @@ class LLMEngine:
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
         emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)
         if prefill:  # timed to the sampled tokens: on a GPU the forward runs after its launch returns
-            self.load_rates.observe_prefill(prefill, time.perf_counter() - started)
+            self.load_rates.observe_prefill(prefill, time.perf_counter() - started, len(prefill) == len(batch.seqs))
         self.scheduler.postprocess(batch, {seq: len(tokens) - 1 for seq, (tokens, _) in emitted.items()
                                            if seq.draft_token_ids})
         changed = self._append_outputs(emitted)

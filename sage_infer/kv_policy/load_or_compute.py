@@ -116,14 +116,16 @@ class LoadOrCompute:
         """Prefill work of `tokens` prompt tokens after `context` earlier ones: FLOPs with a shape, else tokens."""
         return float(tokens) if self.shape is None else self.shape.prefill_flops(tokens, context)
 
-    def observe_prefill(self, spans: Sequence[tuple[int, int]], seconds: float) -> None:
+    def observe_prefill(self, spans: Sequence[tuple[int, int]], seconds: float, only_prefill: bool = True) -> None:
         """One step that computed prompt tokens: `spans` = (tokens, context before them) per sequence, `seconds`
-        until its tokens were on the host (on a GPU the forward runs after its launch returns)."""
+        until its tokens were on the host (on a GPU the forward runs after its launch returns). `only_prefill`: the
+        step had no other rows (decode rows' time would read as the line's fixed part)."""
         if not spans or seconds <= 0:
             return
         work = sum(self.work(tokens, context) for tokens, context in spans)
         with self._lock:
-            self.steps.observe(work, seconds)  # every size: the short steps are what shows the fixed part
+            if only_prefill:  # every size: the short steps are what shows the fixed part
+                self.steps.observe(work, seconds)
             if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS:
                 self.prefill.observe(work, seconds)
 
