@@ -28,6 +28,8 @@ fi
     nvidia-smi -L
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    # the CPU kernels (the tiers' copy + checksum, host-side steps): which build loads here, or why none does
+    python3 -c "from sage_infer.layers import cpu_kernels as k; print('cpu kernels:', k.kernel_level() or k.kernel_unavailable())"
 } 2>&1 | tee "$OUT/versions.txt"
 
 step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, its exit code noted
