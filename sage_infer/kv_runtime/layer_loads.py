@@ -102,8 +102,9 @@ class LayerLoads:
         self.device = kv.device
         self.stream = streams.copy_stream(self.device) if self.device.type == "cuda" else None
         self._events: list[object | None] = [None] * num_layers  # CUDA: per layer, its latest copy's event
-        self._todo: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]  # CPU: per
-        self._held: list[_Held] = []  # layer, (src, ids) still to copy
+        # CPU: per layer, the (src, ids) still to copy into it
+        self._todo: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self._held: list[_Held] = []  # loads whose rows have not gone back yet
         self.pending = False  # copies queued or not yet made that a reader must wait for
         self.loads = 0
         self.layers_waited = 0
