@@ -210,8 +210,9 @@ class KVCacheManager:
             for source in self.sources:
                 source.on_hit(match)
         source = self._source_of(seq)
-        loading = time.perf_counter()
+        started = time.perf_counter()
         staged = source.take(seq, match, now) if source is not None else None  # before allocating: see TierSource
+        taking_s = time.perf_counter() - started  # (allocating below may demote: that is not the load's cost)
         seq.block_table = list(match.block_ids)
         seq.block_hashes = list(match.block_hashes)
         seq.num_computed_tokens = match.num_tokens
@@ -228,10 +229,12 @@ class KVCacheManager:
             seq.block_table.extend(self.block_manager.allocate(needed, seq.extra_key))
         if staged is not None and staged.shape[0]:
             first = len(match.block_ids)
+            started = time.perf_counter()
             # written now, or layer by layer as the step's attention reaches each layer (`kv_pool.layer_loads`)
             source.pool.load_rows(seq.block_table[first : first + staged.shape[0]], staged, source.release,
                                   engine_move_threads())
-            source.observe_load(time.perf_counter() - loading, staged.shape[0])  # its engine time: load or compute
+            # the load's own engine time (taking and writing its rows), for load or compute
+            source.observe_load(taking_s + time.perf_counter() - started, staged.shape[0])
             seq.num_computed_tokens += staged.shape[0] * self.block_size
             if source.counts_as_lower_hit and not seq.admitted_once:
                 self.lower_hit_tokens += staged.shape[0] * self.block_size
