@@ -8,7 +8,7 @@
 #
 #   OUT=out/gpu bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kvtests spec spec05 kernel moe engine
-#                                                            # prefill profile tiers hf hf05
+#                                                            # prefill profile kvcopy tiers hf hf05
 #   LIMIT_tests=200 WORKLOADS=W3 STEPS="tests engine" ...    # a step's time limit (seconds), the engine's workloads
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, i
     tail -n 25 "$OUT/$name.log"
 }
 
-STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile tiers hf hf05}
+STEPS=${STEPS:-tests spec spec05 kernel moe engine prefill profile kvcopy tiers hf hf05}
 case " $STEPS " in *" tests "*)
     step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_paged.py tests/test_triton_kinds.py \
         tests/test_triton_moe.py tests/test_cuda_graphs.py tests/test_spec_decode.py tests/test_kv_tiers_cuda.py \
@@ -91,6 +91,8 @@ case " $STEPS " in *" profile "*)  # where a GPU step's host time goes (the engi
             --json "$OUT/profile_cuda_$workload.json"
     done ;;
 esac
+case " $STEPS " in *" kvcopy "*)  # the layer-wise Triton copy from page-locked rows against one host-to-device copy
+    step kvcopy 90 python3 bench/layer_copy.py --json "$OUT/layer_copy_cuda.json" ;; esac
 case " $STEPS " in *" tiers "*)  # a host / disk tier hit loaded into the GPU's pool against recomputing it
     step tiers 200 python3 bench/load_vs_recompute.py --device cuda --model qwen2.5-0.5b-shape --dtype bf16 \
         --lengths 256,1024,4096,16384 --tiers host,disk --repeats 3 --settle-s 0.2 --cache-dir /tmp/sage-models \
