@@ -291,8 +291,9 @@ def test_llm_generate_warns_once_about_explicit_inactive_fields(sage, tiny):
                                                       "model.host_malloc", "cpu_kernels", "model.elementwise",
                                                       "device", "model.dtype", "kv_pool.kv_dtype",
                                                       "model.max_model_len", "kv_pool.num_blocks", "tiers.host_bytes",
-                                                      "kv_pool.layer_loads", "model.attention", "model.prefill_attention",
-                                                      "model.decode_step", "model.cuda_graphs"]
+                                                      "kv_pool.layer_loads", "model.attention",
+                                                      "model.prefill_attention", "model.decode_step",
+                                                      "model.cuda_graphs"]
     assert "sage: resolved model.cuda_graphs = off (auto: CUDA graphs need an NVIDIA CUDA device" in result.err
     assert "sage: resolved device = cpu (hardware preset cpu" in result.err
     assert "sage: resolved tiers.host_bytes = 0 (auto: the KV pool is in host memory already" in result.err

@@ -53,6 +53,21 @@ def run_until(engine: LLMEngine, done, timeout: float = 20.0) -> list:
     return outputs
 
 
+def hand_off(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams):
+    """`prompt` prefilled on `prefill` (its KV held), sent to `decode`, which continues it with `params`; both run
+    until idle. Returns the decode engine's finished output and how many blocks the send moved."""
+    digest = prefill.kv_schema_digest
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill.add(AddRequest("r1", prompt, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
+    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
+    decode.add(AddRequest("r1", prompt, params, kv_transfer=KVTransferParams(transfer_id="t-r1",
+                                                                             schema_digest=digest)))
+    sent = prefill.pd.send("r1", decode.pd.info().address, "t-r1")
+    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
+    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    return final, sent
+
+
 @pytest.fixture(scope="module")
 def colocated(model_dir):
     [out] = make_llm(model_dir).generate([PROMPT], GREEDY)
@@ -103,16 +118,8 @@ def test_a_decode_engine_with_speculation_verifies_over_received_kv_and_samples_
     [reference] = make_llm(model_dir).generate([prompt], sampled)
     prefill = make_llm(model_dir, role="prefill").engine
     decode = make_llm(model_dir, speculative={"method": "ngram", "prompt_lookup_min": 1}, role="decode").engine
-    address = decode.pd.info().address
-    digest = prefill.kv_schema_digest
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prefill.add(AddRequest("r1", prompt, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
-    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
-    decode.add(AddRequest("r1", prompt, sampled, kv_transfer=KVTransferParams(transfer_id="t-r1",
-                                                                              schema_digest=digest)))
-    assert prefill.pd.send("r1", address, "t-r1") == 5
-    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
-    run_until(prefill, lambda: not prefill.has_unfinished_requests())
+    final, sent = hand_off(prefill, decode, prompt, sampled)
+    assert sent == 5
     assert final.outputs[0].token_ids == reference.outputs[0].token_ids
     assert final.metrics.num_cached_tokens == 5 * BLOCK
     assert decode.spec_stats.num_accepted_tokens > 0

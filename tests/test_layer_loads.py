@@ -168,9 +168,8 @@ def test_a_decode_instance_writes_received_blocks_layer_by_layer_and_continues_t
     """A prefill/decode transfer lands through the same admission path: with layer loads on, the decode engine's
     received blocks are written one layer at a time and its tokens are the colocated engine's."""
     from sage_infer.config.transport import KVTransportConfig
-    from sage_infer.core.messages import AddRequest, KVTransferParams
     from sage_infer.core.sampling_params import SamplingParams
-    from tests.test_kv_transfer_engine import PROMPT, run_until
+    from tests.test_kv_transfer_engine import PROMPT, hand_off
 
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -184,19 +183,11 @@ def test_a_decode_instance_writes_received_blocks_layer_by_layer_and_continues_t
                                          kv_pool=KVPoolConfig(block_size=BLOCK, num_blocks=32)),
                       device="cpu").generate([PROMPT], greedy)
     prefill, decode = engine("prefill"), engine("decode", "on")
-    digest = prefill.kv_schema_digest
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prefill.add(AddRequest("r1", PROMPT, first, kv_transfer=KVTransferParams(hold=True, schema_digest=digest)))
-    run_until(prefill, lambda: not prefill.scheduler.has_unfinished())
-    decode.add(AddRequest("r1", PROMPT, greedy, kv_transfer=KVTransferParams(transfer_id="t-r1",
-                                                                             schema_digest=digest)))
-    assert prefill.pd.send("r1", decode.pd.info().address, "t-r1") == 5
-    [final] = [o for o in run_until(decode, lambda: not decode.has_unfinished_requests()) if o.finished]
-    assert final.outputs[0].token_ids == colocated.outputs[0].token_ids
+    final, sent = hand_off(prefill, decode, PROMPT, greedy)
+    assert sent == 5 and final.outputs[0].token_ids == colocated.outputs[0].token_ids
     assert final.metrics.num_cached_tokens == 5 * BLOCK
     loads = decode.runner.pool.layer_loads
     assert loads.loads == 1 and loads.layers_waited >= 1 and not loads.pending
-    run_until(prefill, lambda: not prefill.has_unfinished_requests())
     for each in (prefill, decode):
         each.kv.block_manager.check_invariants()
         each.shutdown()
