@@ -45,12 +45,12 @@ def test_each_layer_is_written_when_its_attention_asks_and_the_rows_go_back_afte
     pool.ready(2)
     assert torch.equal(pool._kv, expected._kv)
     assert pool.layer_loads.layers_waited == LAYERS and not released
-    pool.settle_loads()
+    pool.finish_loads()
     assert len(released) == 1 and released[0] is rows
     assert not pool.layer_loads.pending
 
 
-@pytest.mark.parametrize("reader", ["read_blocks", "write_blocks", "settle_loads"])
+@pytest.mark.parametrize("reader", ["read_blocks", "write_blocks", "finish_loads"])
 def test_a_whole_pool_access_or_a_step_that_never_asked_sees_every_layer(reader):
     pool, rows = pool_and_rows()
     expected = make_kv_pool(pool.schema, num_blocks=8)
@@ -64,8 +64,8 @@ def test_a_whole_pool_access_or_a_step_that_never_asked_sees_every_layer(reader)
         other = expected.read_blocks([0])
         pool.write_blocks([7], other)
         expected.write_blocks([7], other)
-    else:
-        pool.settle_loads()
+    else:  # after a step whose attention never asked
+        pool.finish_loads()
     assert torch.equal(pool._kv, expected._kv)
     assert released == [rows]  # and the rows went back: no copy reads them any more
 

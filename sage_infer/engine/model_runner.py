@@ -137,4 +137,4 @@ class ModelRunner:
         try:
             return self.step.run(self, seqs, num_new_tokens)
         finally:
-            self.pool.settle_loads()  # admission's layer-wise loads: the step has read them; their rows go back
+            self.pool.finish_loads()  # admission's layer-wise loads: the step has read them; their rows go back

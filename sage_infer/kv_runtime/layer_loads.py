@@ -15,17 +15,16 @@ layer's share of the rows is its own copy:
 - on a CPU pool (``kv_pool.layer_loads: on``), layer ``l``'s copy is made right before its attention reads it, on
   the engine thread: the same bytes move, later, next to their first reader.
 
-The rows are released to their owner (the staging buffers a tier read lands in) once no copy reads them: after the
-step's forward (`settle`), once the copy stream's last event has passed. Whole-pool accesses (`KVPool.read_blocks`,
-`write_blocks`) and steps that read the pool outside `paged_attention` (a CUDA graph's replay, the C++ decode
-step) call `finish` first, which completes every queued copy.
+`finish` completes every queued copy and releases the rows to their owner (the staging buffers a tier read lands
+in): after the step's forward, and before whole-pool accesses (`KVPool.read_blocks`, `write_blocks`) and steps that
+read the pool outside `paged_attention` (a CUDA graph's replay, the C++ decode step).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -86,12 +85,12 @@ def copy_layer_torch(kv: torch.Tensor, src: torch.Tensor, ids: torch.Tensor, lay
 class _Held:
     rows: torch.Tensor  # the staging rows the copies read (kept alive, and from their owner, until they are done)
     release: Callable[[torch.Tensor], None]
-    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the copy stream reads (the block ids)
-    done: object | None = None  # the copy stream's event after the load's last layer (CUDA)
+    ids: torch.Tensor | None = None  # CUDA: the block ids the copy stream reads
+    done: object | None = None  # CUDA: the copy stream's event after the load's last layer
 
 
 class LayerLoads:
-    """A pool's layer-wise loads: `add` at admission, `ready(layer)` in attention, `settle` after the step.
+    """A pool's layer-wise loads: `add` at admission, `ready(layer)` in attention, `finish` after the step.
 
     `loads` and `layers_waited` count what happened (tests and benches read them).
     """
@@ -123,8 +122,7 @@ class LayerLoads:
             for todo in self._todo:
                 todo.append((src, ids))
         else:
-            ids = torch.tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
-            held.keep.append(ids)
+            ids = held.ids = torch.tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
             streams.wait_for_current(self.stream)  # blocks the compute stream last used are written after it
             with streams.on(self.stream):
                 for layer in range(self.num_layers):
@@ -151,23 +149,15 @@ class LayerLoads:
         self.layers_waited += waited
 
     def finish(self) -> None:
-        """Every queued layer is in the pool (for the next reader on the compute stream), and rows no copy reads any
-        more go back to their owner."""
+        """Every queued layer is in the pool (for the next reader on the compute stream), and the rows go back to
+        their owner once their copies are done. On a GPU the host waits for the copies' last event: after a step the
+        forward waited for them too, and the engine waits for the forward's tokens next, so this costs nothing; a row
+        buffer kept past the step instead made the next load allocate (and page-lock) a new one, hundreds of ms for a
+        long prompt's (`bench/load_vs_recompute.py --device cuda`)."""
         if self.pending:
             for layer in range(self.num_layers):
                 self.ready(layer)
             self.pending = False
-        self.settle()
-
-    def settle(self) -> None:
-        """After a step: the rows go back to their owner once their copies are done. Copies a step did not wait for
-        are completed first (`finish`). On a GPU the host waits for the copies' last event: the step's forward waits
-        for them too, and the engine waits for the forward's tokens next, so this costs nothing; a row buffer kept
-        past the step instead made the next load allocate (and page-lock) a new one, hundreds of ms for a long
-        prompt's (`bench/load_vs_recompute.py --device cuda`)."""
-        if self.pending:
-            self.finish()
-            return
         for held in self._held:
             if held.done is not None:
                 streams.synchronize(held.done)

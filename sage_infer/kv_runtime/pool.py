@@ -354,14 +354,10 @@ class KVPool:
             loads.ready(layer)
 
     def finish_loads(self) -> None:
-        """Every load is written (before a read of the whole pool, or a step that reads it outside attention)."""
+        """Every load is written and its rows released (after a step's forward; before a read of the whole pool, or
+        a step that reads it outside attention)."""
         if self.layer_loads is not None:
             self.layer_loads.finish()
-
-    def settle_loads(self) -> None:
-        """After a step's forward: loads its attention did not wait for are completed; done rows are released."""
-        if self.layer_loads is not None:
-            self.layer_loads.settle()
 
     def __repr__(self) -> str:
         return (
