@@ -68,6 +68,8 @@ class StepFit:
     sxx: float = 0.0
     sxy: float = 0.0
     observations: int = 0
+    _line: tuple[float, float] | None = None  # `line`, solved once per observation (a decision prices every block)
+    _stale: bool = True
 
     def observe(self, work: float, seconds: float) -> None:
         keep = 1.0 - FIT_WEIGHT
@@ -77,10 +79,16 @@ class StepFit:
         self.sxx = self.sxx * keep + work * work
         self.sxy = self.sxy * keep + work * seconds
         self.observations += 1
+        self._stale = True
 
     def line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per unit of work); None until `FIT_MIN_STEPS` steps whose work spreads enough
         to tell a slope (steps all of one size say nothing about it), or where the points fall on no rising line."""
+        if self._stale:
+            self._line, self._stale = self._solve(), False
+        return self._line
+
+    def _solve(self) -> tuple[float, float] | None:
         if self.observations < FIT_MIN_STEPS:
             return None
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
