@@ -216,3 +216,15 @@ def test_first_use_compiles_go_under_sage_kernel_cache_when_set(monkeypatch, tmp
     monkeypatch.delenv("SAGE_KERNEL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert kernel_build.cache_root() == tmp_path / "xdg" / "sage_infer" / "kernels"
+
+
+@needs_compiler
+def test_a_failed_build_is_reported_by_the_compilers_error_not_ninjas_last_line(cache):
+    (cache / "tiny.cpp").write_text("#include <no_such_header.h>\n" + TINY)
+    failed = run_build(cache, "sage_tiny_broken")
+    assert failed.returncode != 0
+    assert "ninja: build stopped" in failed.stderr  # the output the reason is taken from
+    reason = kernel_build.build_error(failed.stderr)
+    assert "no_such_header.h" in reason and "error" in reason
+    assert kernel_build.build_error("x\nninja: build stopped: subcommand failed.\n") == \
+        "ninja: build stopped: subcommand failed."

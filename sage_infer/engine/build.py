@@ -26,6 +26,8 @@ from sage_infer.engine.draft import DraftModelProposer
 from sage_infer.engine.kv_transfer_role import KVTransferRole
 from sage_infer.engine.llm_engine import EngineParts, LLMEngine, kv_schema_digest
 from sage_infer.engine.model_runner import ModelRunner
+from sage_infer.engine.prefill_probe import describe as describe_probe
+from sage_infer.engine.prefill_probe import probe_prefill
 from sage_infer.engine.steps import step_executor
 from sage_infer.errors import ConfigError
 from sage_infer.hal.cpu import read_mem_available
@@ -317,6 +319,12 @@ class EngineBuilder:
             decisions=tuple(self.decisions),
             load_rates=self.load_rates,
         )
+        if self.load_rates is not None and not self.kv_groups:
+            # load-or-compute prices a prompt's blocks from the first request on (not from an average rate)
+            timed = probe_prefill(runner, self.kv.block_manager, self.load_rates,
+                                  min(config.scheduler.max_num_batched_tokens, self.auto.max_model_len - 1),
+                                  model.config.vocab_size)
+            auto_log.info("%s", describe_probe(timed, self.load_rates))
         return LLMEngine(parts)
 
 

@@ -25,6 +25,7 @@ import hashlib
 import importlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -178,9 +179,18 @@ def _compile_at_first_use(level: str, key: str) -> tuple[ModuleType | None, str]
                            [*level_flags(level), f"-DSAGE_BUILD_KEY={key}", f"-DSAGE_ISA_LEVEL={level}"],
                            f"the CPU kernels for {level}")
     except Exception as err:  # a compiler error, a missing header: the PyTorch path still works
-        text = str(err).strip()
-        return None, f"building the CPU kernels failed: {text.splitlines()[-1] if text else repr(err)}"
+        return None, f"building the CPU kernels failed: {build_error(str(err)) or repr(err)}"
     return module, f"compiled at first use in {directory}"
+
+
+def build_error(text: str) -> str:
+    """The line of a failed build's output that says why: the compiler's first error (ninja's own last line only
+    says that a command failed), else the last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\berror:", line, re.IGNORECASE):  # (not "CalledProcessError:" of a traceback)
+            return line
+    return lines[-1] if lines else ""
 
 
 def jit_build(directory: Path, name: str, sources: tuple[Path, ...], cflags: list[str], what: str) -> ModuleType:

@@ -83,7 +83,8 @@ class StepFit:
 
     def line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per unit of work); None until `FIT_MIN_STEPS` steps whose work spreads enough
-        to tell a slope (steps all of one size say nothing about it), or where the points fall on no rising line."""
+        to tell a slope (steps all of one size say nothing about it). Points on no rising line are flat: their
+        mean, and no cost per unit of work."""
         if self._stale:
             self._line, self._stale = self._solve(), False
         return self._line
@@ -96,8 +97,8 @@ class StepFit:
         if var <= (FIT_MIN_SPREAD * mean_x) ** 2:
             return None
         slope = (self.sxy / self.n - mean_x * mean_y) / var
-        if slope <= 0:
-            return None
+        if slope <= 0:  # steps of different sizes cost the same: their work adds nothing a load could save
+            return mean_y, 0.0
         return max(0.0, mean_y - slope * mean_x), slope
 
 

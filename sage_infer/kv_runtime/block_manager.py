@@ -233,6 +233,14 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
                 self._disown(block_id)
 
+    def unallocate(self, block_ids: Sequence[int]) -> None:
+        """Free blocks `allocate` just handed out from the free list, held by no one else and never registered,
+        back to the head of the free list in their order: as if they had never been taken (a start-up probe)."""
+        self.free(list(reversed(block_ids)))
+        for block_id in block_ids:
+            assert self.free_block_ids.pop() == block_id, "unallocate of a block that was shared or registered"
+        self.free_block_ids.extendleft(reversed(block_ids))
+
     def cache_block(
         self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes,
         block_hash: bytes | None = None,
