@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sage_infer.kv_policy.cost_benefit import ModelShape
-from sage_infer.kv_policy.load_or_compute import LoadOrCompute, Rate
+from sage_infer.kv_policy.load_or_compute import LoadOrCompute, Rate, StepFit
 from tests.test_kv_tiers_engine import BLOCK, A, B, C, cold, make_llm, model_dir, run  # noqa: F401 - fixtures
 
 MiB = 1 << 20
@@ -124,6 +124,7 @@ def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_sam
     hierarchy = llm.engine.kv.source("tiers").hierarchy
     assert hierarchy.rates is llm.engine.load_rates
     nbytes = hierarchy.pool.block_nbytes
+    hierarchy.rates.steps = StepFit()  # no line fitted (the engine's start fitted one): this rate prices a block
     hierarchy.rates.prefill = Rate(per_s=hierarchy.rates.work(BLOCK, 0) * 1000)  # about 1 ms a block
     hierarchy.rates.reads[1] = Rate(per_s=nbytes / 0.1)  # 100 ms a block from the host tier: a slow tier
     assert run(llm, A) == (cold, 0)  # computed again
@@ -135,3 +136,25 @@ def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_tokens_are_the_sam
     assert run(llm, A) == (cold, 5 * BLOCK)  # loaded
     assert hierarchy.stats.tiers["host"].loaded_blocks == 5
     llm.engine.kv.block_manager.check_invariants()
+
+
+def test_a_step_far_slower_than_the_line_is_left_out_unless_such_steps_keep_coming():
+    decide = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
+    for tokens in (16, 32, 64, 128, 256, 512):
+        decide.observe_prefill([(tokens, 0)], 0.010 + tokens * 1e-5)
+    line = decide.steps.line()
+    assert line == (pytest.approx(0.010), pytest.approx(1e-5))
+    rate = decide.prefill.per_s
+    decide.observe_prefill([(256, 0)], 0.393)  # a cold first request (a GPU compiled a kernel for its shape)
+    assert decide.steps.line() == line and decide.prefill.per_s == rate and decide.steps.outliers == 1
+    decide.observe_prefill([(256, 0)], 0.020)  # an ordinary step is fitted, and ends the run of outliers
+    assert decide.steps.observations == 7
+    for _ in range(3):  # the machine got slower for good: after three outliers in a row the line follows
+        decide.observe_prefill([(256, 0)], 0.2)
+    assert decide.steps.outliers == 4 and decide.steps.observations == 7
+    decide.observe_prefill([(256, 0)], 0.2)
+    assert decide.steps.observations == 8 and decide.steps.line()[0] > line[0]
+    # a load's cost: one 15 times slower than those before is left out too
+    decide.observe_load(0.002, 8)
+    decide.observe_load(0.030, 8)
+    assert decide.load_s == 0.002 and decide.loads.outliers == 1  # no line yet (one size): its average decides

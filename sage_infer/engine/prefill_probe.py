@@ -10,8 +10,8 @@ compiled, memory touched for the first time), and price blocks at the average ra
 So the engine times prefill steps of doubling size once at start: 16 tokens, 32, ... up to one chunked-prefill step's
 budget, until a step takes `PROBE_STEP_S` (or the steps `PROBE_TOTAL_S` in all). The prompts are random tokens in
 blocks taken from the free list and given back unregistered: nothing is cached, nothing reaches the tiers. A first
-step of the smallest size warms up and is not counted; a step under half `PROBE_STEP_S` runs twice, the faster
-counted. Real steps then move the line as the engine runs.
+step of the smallest size warms up and is not counted; a short step runs three times, the fastest counted. Real
+steps then move the line as the engine runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sage_infer.kv_runtime.block_manager import BlockManager
 FIRST_TOKENS = 16
 PROBE_STEP_S = 0.25  # a step this long already shows the slope; longer ones would only delay the start
 PROBE_TOTAL_S = 2.0
+SHORT_REPEATS = 3  # a step under half `PROBE_STEP_S` runs this many times, the fastest counted
 
 
 def probe_prefill(runner: ModelRunner, blocks: BlockManager, rates: LoadOrCompute, max_tokens: int,
@@ -49,7 +50,7 @@ def probe_prefill(runner: ModelRunner, blocks: BlockManager, rates: LoadOrComput
         if seconds is None:
             break  # the free blocks do not hold it
         spent += seconds
-        if seconds < PROBE_STEP_S / 2:  # the faster of two: one step's noise would tilt the line
+        for _ in range(SHORT_REPEATS - 1 if seconds < PROBE_STEP_S / 2 else 0):  # one step's noise would tilt the line
             again = _step(runner, blocks, token_ids)
             spent += again
             seconds = min(seconds, again)

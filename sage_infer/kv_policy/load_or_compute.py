@@ -19,7 +19,9 @@ weighted least squares); once the steps seen differ enough in size to tell, a bl
 only, and the fixed part counts once per prefill step a load spares: a prompt computed in chunks of
 `chunk_tokens` (the scheduler's step budget) needs fewer steps when its leading blocks are loaded. Each load also
 costs engine time of its own (claiming the rows from the tiers, writing them into the pool), measured at admission
-(`observe_load`) and fitted the same way: a fixed part per load and a part per block.
+(`observe_load`) and fitted the same way: a fixed part per load and a part per block. The engine fits the step line
+before its first request (`engine.prefill_probe` times steps of doubling size at start), and a step or load
+`OUTLIER` times slower than predicted (a first use: a kernel compiled, a buffer page-locked) is left out.
 
 For a prompt whose next blocks sit below the device, it loads the leading run whose loading saves the most time
 and computes the rest: block i saves ``its prefill work x marginal seconds per work - block bytes / its tier's read
@@ -42,6 +44,11 @@ WEIGHT = 0.2  # of the newest observation in a rate's moving average
 FIT_WEIGHT = 0.05  # of the newest step in the step-cost line (it needs steps of several sizes in its memory)
 FIT_MIN_STEPS = 4  # steps before the line is used
 FIT_MIN_SPREAD = 0.25  # the steps' work must spread at least this (std / mean) for a slope to mean anything
+# a step slower than this many times the line's prediction is left out of it (a kernel compiled for a new shape, a
+# buffer page-locked on first use: one such step bent a GPU's line tenfold), unless `MAX_OUTLIERS` came just before
+# it: then the machine changed (another load on it) and the line follows
+OUTLIER = 3.0
+MAX_OUTLIERS = 3
 
 
 @dataclass(slots=True)
@@ -68,10 +75,22 @@ class StepFit:
     sxx: float = 0.0
     sxy: float = 0.0
     observations: int = 0
+    outliers: int = 0  # left out in all
+    _in_a_row: int = 0
     _line: tuple[float, float] | None = None  # `line`, solved once per observation (a decision prices every block)
     _stale: bool = True
 
-    def observe(self, work: float, seconds: float) -> None:
+    def observe(self, work: float, seconds: float, expected: float | None = None) -> bool:
+        """Fit one step; False where it was left out as an outlier (`OUTLIER` times the line's prediction, or
+        `expected` until there is a line)."""
+        line = self.line()
+        if line is not None:
+            expected = line[0] + work * line[1]
+        if expected is not None and seconds > OUTLIER * expected and self._in_a_row < MAX_OUTLIERS:
+            self._in_a_row += 1
+            self.outliers += 1
+            return False
+        self._in_a_row = 0
         keep = 1.0 - FIT_WEIGHT
         self.n = self.n * keep + 1.0
         self.sx = self.sx * keep + work
@@ -80,6 +99,7 @@ class StepFit:
         self.sxy = self.sxy * keep + work * seconds
         self.observations += 1
         self._stale = True
+        return True
 
     def line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per unit of work); None until `FIT_MIN_STEPS` steps whose work spreads enough
@@ -133,8 +153,9 @@ class LoadOrCompute:
             return
         work = sum(self.work(tokens, context) for tokens, context in spans)
         with self._lock:
-            if only_prefill:  # every size: the short steps are what shows the fixed part
-                self.steps.observe(work, seconds)
+            # every size: the short steps are what shows the fixed part; an outlier moves neither the line nor the rate
+            if only_prefill and not self.steps.observe(work, seconds):
+                return
             if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS:
                 self.prefill.observe(work, seconds)
 
@@ -143,8 +164,8 @@ class LoadOrCompute:
         tiers, writing them into the pool)."""
         if blocks > 0 and seconds > 0:
             with self._lock:
-                self.loads.observe(blocks, seconds)
-                self.load_s = seconds if self.load_s is None else self.load_s + WEIGHT * (seconds - self.load_s)
+                if self.loads.observe(blocks, seconds, self.load_s):  # (an outlier moves neither)
+                    self.load_s = seconds if self.load_s is None else self.load_s + WEIGHT * (seconds - self.load_s)
 
     def load_cost(self) -> tuple[float, float]:
         """(fixed seconds of a load, seconds per block loaded) of the engine's time: the fitted line once the loads

@@ -57,7 +57,9 @@ def _copy_layer(src_ptr, dst_ptr, ids_ptr, layer, num_layers, num_blocks, ELEMS:
 
 @cache
 def _kernel():
-    return triton.jit(_copy_layer)
+    # `layer` unspecialized: Triton would compile a kernel for layer 1 and one for multiples of 16 besides the rest,
+    # each on the first load that reached it
+    return triton.jit(_copy_layer, do_not_specialize=["layer"])
 
 
 def copy_layer_triton(kv: torch.Tensor, src: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
@@ -107,6 +109,10 @@ class LayerLoads:
         self.pending = False  # copies queued or not yet made that a reader must wait for
         self.loads = 0
         self.layers_waited = 0
+        if self.stream is not None:  # compile the copy kernel now, not in the first request's load
+            src = torch.zeros((1, num_layers, 2, *kv.shape[3:]), dtype=kv.dtype, pin_memory=True)
+            copy_layer_triton(kv, src, torch.zeros(1, dtype=torch.long, device=self.device), 0)  # (zeros, as made)
+            torch.cuda.synchronize(self.device)
 
     def takes(self, rows: torch.Tensor) -> bool:
         """Whether `add` can take these rows: on a GPU, page-locked host rows (the kernel reads them in place)."""

@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -312,10 +311,14 @@ struct Mxfp4Row {
 };
 
 // 2^(e - 127) for each exponent byte, as torch.ldexp gives it in fp32: the exponent field itself (e = 0: the
-// denormal 2^-127; e = 255: infinity)
-constexpr std::array<float, 256> kE8m0 = [] {
+// denormal 2^-127; e = 255: infinity). Filled at load with memcpy, not std::bit_cast: torch before 2.12 builds
+// extensions as C++17
+const std::array<float, 256> kE8m0 = [] {
   std::array<float, 256> t{};
-  for (uint32_t e = 0; e < 256; ++e) t[e] = std::bit_cast<float>(e == 0 ? 0x00400000u : e << 23);
+  for (uint32_t e = 0; e < 256; ++e) {
+    const uint32_t bits = e == 0 ? 0x00400000u : e << 23;
+    std::memcpy(&t[e], &bits, sizeof bits);
+  }
   return t;
 }();
 
