@@ -89,7 +89,7 @@ GPU_WHEELS ?= pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 t
 	annotated-types==0.8.0 python-dotenv==1.2.4 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
 	crc32c==2.9.post0 typer==0.29.2 annotated-doc==0.0.7 typing-extensions==4.16.0 \
 	openai==3.57.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
-	llguidance==1.9.1 opentelemetry-api==1.45.2
+	llguidance==1.9.1 opentelemetry-api==1.45.2 ninja==1.13.2  # ninja: the CPU kernels compile there at first use
 
 gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
