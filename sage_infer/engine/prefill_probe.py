@@ -81,10 +81,13 @@ def _step(runner: ModelRunner, blocks: BlockManager, token_ids: list[int]) -> fl
 
 def describe(timed: list[tuple[int, float]], rates: LoadOrCompute) -> str:
     """The start-up line: each step's time, and the line fitted through them (or why none)."""
+    if not timed:
+        return (f"prefill steps timed at start: none (the free blocks or the context hold fewer than {FIRST_TOKENS} "
+                f"tokens); prices come from the requests' steps")
     steps = ", ".join(f"{tokens} tokens {seconds * 1e3:.1f} ms" for tokens, seconds in timed)
     line = rates.steps.line()
     if line is None:
-        return f"prefill steps timed at start: {steps}; no line fitted yet (too few sizes, or no rising slope)"
+        return f"prefill steps timed at start: {steps}; too few sizes for a line yet (the requests' steps add more)"
     if not line[1]:
         return f"prefill steps timed at start: {steps}; a step costs {line[0] * 1e3:.2f} ms whatever its size"
     unit = "GFLOP/s" if rates.shape is not None else "G tokens/s"
