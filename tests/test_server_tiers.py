@@ -77,6 +77,29 @@ def test_metrics_report_demotions_and_a_dead_redis_degrades_health_only(model_di
         redis.kill()
 
 
+def test_metrics_report_what_load_or_compute_measured(model_dir):
+    with running_server(model_dir, num_blocks=8, max_num_seqs=1, tiers=TierConfig(host_bytes=1 << 20)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        gauges = {s.name: s for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+                  for s in f.samples}
+        # measured at start, before any request: the host tier's read probe and the prefill steps of 16-128 tokens
+        read = gauges["sage:kv_tier_read_bytes_per_second"]
+        assert read.labels["tier"] == "host" and read.value > 0
+        assert gauges["sage:prefill_step_fixed_seconds"].value >= 0
+        assert gauges["sage:prefill_marginal_flops"].value > 0
+        assert "sage:kv_tier_load_fixed_seconds" not in gauges  # no load yet
+        for seed in (1, 2, 3, 1):  # 1's blocks went down to the host tier, then come back
+            assert complete(client, server.model, seed) == "length"
+        after = samples(server.url)
+        gauges = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+                  for s in f.samples}
+        loads = after.get(("sage:kv_tier_migrated_blocks_total", "host", "load"), 0)
+        recomputed = after.get(("sage:kv_tier_load_failures_total", "", "recompute"), 0)
+        assert loads + recomputed >= 5  # its 5 blocks: loaded, or measured cheaper to compute
+        if loads:  # a load's own engine time is measured once one happened
+            assert gauges["sage:kv_tier_load_fixed_seconds"] > 0 and gauges["sage:kv_tier_load_block_seconds"] >= 0
+
+
 def test_a_disk_tier_whose_directory_is_deleted_is_counted_rested_and_made_again(model_dir, tmp_path):
     """Deleting the disk tier's directory while serving: the next writes fail over to a new directory, and the
     loss shows in `sage:kv_tier_errors_total`, `sage:kv_tier_up` and /health."""

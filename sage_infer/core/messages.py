@@ -121,6 +121,12 @@ class EngineStats:
     tier_load_failure_reasons: tuple[tuple[str, int], ...] = ()  # (miss|corrupt|error|timeout, blocks)
     tier_load_latency: tuple[tuple[float, int], ...] = ()  # cumulative (upper bound s, reads), last +Inf
     tier_load_latency_sum: float = 0.0  # seconds, all reads
+    # load or compute (kv_policy/load_or_compute.py): what it measured; None where it has not yet
+    tier_read_bytes_per_s: tuple[tuple[str, float], ...] = ()  # (tier, its reads' moving average)
+    prefill_step_fixed_s: float | None = None  # the fitted prefill step line: fixed part, seconds
+    prefill_marginal_flops: float | None = None  # its slope as FLOP/s (tokens/s without a model shape; inf: flat)
+    tier_load_fixed_s: float | None = None  # a load's own engine time at admission: fixed part, seconds
+    tier_load_block_s: float | None = None  # and per block loaded, seconds
     hot_promoted: int = 0  # hot blocks loaded back into free device blocks ahead of need
     hot_used: int = 0  # of those, hit by a later request
     hot_wasted: int = 0  # of those, evicted again before any request hit them

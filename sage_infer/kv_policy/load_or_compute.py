@@ -175,6 +175,13 @@ class LoadOrCompute:
             return line
         return (self.load_s or 0.0, 0.0)
 
+    def measured(self) -> tuple[dict[int, float], tuple[float, float] | None, tuple[float, float] | None]:
+        """What it measured, read together (a scrape may run beside the engine thread): each tier level's read
+        rate in bytes per second, the fitted step line and the load cost (None where not measured yet)."""
+        with self._lock:
+            reads = {level: rate.per_s for level, rate in self.reads.items() if rate.per_s}
+            return reads, self.steps.line(), self.load_cost() if self.load_s is not None else None
+
     def step_fixed_s(self) -> float:
         """The fixed part of a prefill step (0 until the fitted line is known)."""
         line = self.steps.line()

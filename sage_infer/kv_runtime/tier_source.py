@@ -207,13 +207,29 @@ class TierSource(KVSource):
                 "tier_load_failure_reasons": tuple(stats.failures.items()),
                 "tier_load_latency": stats.load_latency.cumulative(), "tier_load_latency_sum": stats.load_latency.total,
                 "hot_promoted": hot.hot_promoted, "hot_used": hot.hot_used, "hot_wasted": hot.hot_wasted,
-                **prefetch_fields(loads, self.pool.block_nbytes)}
+                **prefetch_fields(loads, self.pool.block_nbytes), **rate_fields(hierarchy)}
 
     def close(self) -> None:
         """Stop the background reader and the tiers' work (the disk tier's writer finishes what it queued)."""
         if self.loader is not None:
             self.loader.close()
         self.hierarchy.close()
+
+
+def rate_fields(hierarchy: HierarchyManager) -> dict[str, object]:
+    """What load-or-compute measured (each tier's read rate, the fitted step and load lines) as `EngineStats`
+    fields; empty without it."""
+    if hierarchy.rates is None:
+        return {}
+    reads, step, load = hierarchy.rates.measured()
+    fields: dict[str, object] = {"tier_read_bytes_per_s": tuple(
+        (store.name, reads[level]) for level, store in enumerate(hierarchy.stores, 1) if level in reads)}
+    if step is not None:
+        fields["prefill_step_fixed_s"] = step[0]
+        fields["prefill_marginal_flops"] = 1.0 / step[1] if step[1] else float("inf")
+    if load is not None:
+        fields["tier_load_fixed_s"], fields["tier_load_block_s"] = load
+    return fields
 
 
 def prefetch_fields(loads: PrefetchStats | None, block_nbytes: int) -> dict[str, object]:

@@ -168,6 +168,7 @@ class _EngineCollector:
             prefetch.add_metric([*value, outcome], count)
         yield from (*families.values(), moved, moved_bytes, dropped, failures, latency, hot, prefetch)
         yield from _prefetch_families(stats, labels, value)
+        yield from _load_or_compute_families(stats, labels, value)
 
     @staticmethod
     def _quotas(stats, labels: list[str], value: list[str]):
@@ -189,6 +190,31 @@ class _EngineCollector:
             else:
                 violations.add_metric([*value, tier, tenant, kind], n)
         yield from (held, violations, own)
+
+
+def _load_or_compute_families(stats, labels: list[str], value: list[str]):
+    """What load-or-compute measured and prices a tier hit with (each only once measured): a tier's block is loaded
+    where reading it beats computing it at the step line's marginal rate."""
+    if stats.tier_read_bytes_per_s:
+        reads = GaugeMetricFamily("sage:kv_tier_read_bytes_per_second", "Measured speed of the tier's reads (a "
+                                  "moving average, probed at start).", labels=[*labels, "tier"])
+        for tier, rate in stats.tier_read_bytes_per_s:
+            reads.add_metric([*value, tier], rate)
+        yield reads
+    for name, help_text, measured in (
+        ("sage:prefill_step_fixed_seconds", "Fitted fixed part of a prefill step (launches, host work): loading a "
+         "prompt's blocks does not save it.", stats.prefill_step_fixed_s),
+        ("sage:prefill_marginal_flops", "Fitted rate of a prefill step's work beyond its fixed part, FLOP/s (tokens/s "
+         "without a model shape; +Inf: steps cost the same at every size).", stats.prefill_marginal_flops),
+        ("sage:kv_tier_load_fixed_seconds", "Fitted engine time of one lower-tier load at admission, fixed part.",
+         stats.tier_load_fixed_s),
+        ("sage:kv_tier_load_block_seconds", "Fitted engine time of one lower-tier load at admission, per block.",
+         stats.tier_load_block_s),
+    ):
+        if measured is not None:
+            gauge = GaugeMetricFamily(name, help_text, labels=labels)
+            gauge.add_metric(value, measured)
+            yield gauge
 
 
 def _transfer_families(stats, labels: list[str], value: list[str]):
