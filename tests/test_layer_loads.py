@@ -135,6 +135,12 @@ def test_a_host_tier_hit_loaded_layer_by_layer_gives_the_cold_tokens(model_dir, 
         run(llm, tokens)
     assert run(llm, A) == (cold, 5 * BLOCK)
     assert loads.loads == 1 and not loads.pending
+    for tokens in (B, C):
+        run(llm, tokens)
+    steps, before = llm.engine.load_rates.steps.observations, loads.loads
+    assert run(llm, A + list(range(7, 27)))[1] == 5 * BLOCK  # 5 blocks loaded, 21 tokens computed over them
+    # the step that waited for the copies is not fitted as compute (their time would read as the step's)
+    assert loads.loads == before + 1 and llm.engine.load_rates.steps.observations == steps
     assert loads.layers_waited >= 1  # the first step's attention asked (a C++ step finishes them all at once)
     decided = {value.field: value for value in llm.engine.decisions}["kv_pool.layer_loads"]
     assert decided.value == "on"

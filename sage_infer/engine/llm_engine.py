@@ -320,8 +320,10 @@ class LLMEngine:
         # structured outputs: the grammars' token masks are computed while the model runs
         masks = PendingMasks.start(batch.seqs, batch.num_new_tokens, self.runner.model.config.vocab_size)
         # the prompt tokens this step computes (after how many), for the load-or-compute rates
+        # (not a step that waits for layer-wise loads: their copies' time would read as the step's own)
         prefill = [(n, seq.num_computed_tokens) for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                   if n > 1 and not seq.draft_token_ids] if self.load_rates is not None else None
+                   if n > 1 and not seq.draft_token_ids] \
+            if self.load_rates is not None and not self.runner.pool.loads_pending else None
         started = time.perf_counter()
         logits, rows = self.runner.run(batch.seqs, batch.num_new_tokens)
         emitted = self._sample(logits, [batch.seqs[i] for i in rows], masks.for_rows(rows) if masks else None)

@@ -353,6 +353,11 @@ class KVPool:
         if loads is not None and loads.pending:
             loads.ready(layer)
 
+    @property
+    def loads_pending(self) -> bool:
+        """Admission queued layer-wise writes the next step's attention will wait for."""
+        return self.layer_loads is not None and self.layer_loads.pending
+
     def finish_loads(self) -> None:
         """Every load is written and its rows released (after a step's forward; before a read of the whole pool, or
         a step that reads it outside attention)."""
