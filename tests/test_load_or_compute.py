@@ -76,6 +76,7 @@ def test_a_step_s_fixed_part_is_fitted_and_not_counted_as_what_loading_saves():
     # their read (130 ms) and the load's work (16 ms), but loading spares 7 steps' fixed part (97 ms); the blocks past
     # the 7th step's end spare none, so the last 2,048 tokens are computed, in the one step left either way
     decide.observe_read(2, 1023 * 196_608, 0.130)
+    decide.observe_prefill([(2048, 14_336)], 0.031)  # a step that deep: the line now prices blocks that far in
     assert decide.blocks_to_load([2] * 1023, 0, 16_384) == 896
     decide.chunk_tokens = None  # one step either way: it does not pay
     assert decide.blocks_to_load([2] * 1023, 0, 16_384) == 0

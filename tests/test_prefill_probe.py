@@ -78,10 +78,20 @@ def test_steps_that_cost_the_same_at_every_size_compute_a_short_hit_and_load_a_l
     decide.reads[1] = Rate(per_s=3.4e9)
     decide.observe_load(0.0014, 64)
     assert decide.blocks_to_load([1] * 64, 0, 1024) == 0  # one step either way: a load only adds its read
-    # 2 steps -> 1: the first chunk's 128 blocks spare a step; loading more only adds reads
-    assert decide.blocks_to_load([1] * 255, 0, 4096) == 128
-    assert decide.blocks_to_load([1] * 1023, 0, 16384) == 7 * 128  # 8 steps -> 1
     assert not decide.worth_reading([1] * 4, 64, 0)  # a hybrid hit's blocks: all or none, none here
+    # past the 2,048 tokens the steps reached, the flat line says nothing (attention over a long context is not
+    # free): those blocks are priced at the average rate, and loading them pays
+    assert decide.blocks_to_load([1] * 255, 0, 4096) == 255
+    assert decide.blocks_to_load([1] * 1023, 0, 16384) == 1023
+    decide.chunk_tokens = None  # a prompt in one step: nothing spared, the deep blocks alone pay for the load
+    assert decide.blocks_to_load([1] * 127, 0, 2048) == 0
+    assert decide.blocks_to_load([1] * 1023, 0, 16384) == 1023
+    decide.chunk_tokens = 2048
+    for tokens in [16, 256, 2048] * 10:  # steps that deep, flat as well (launches still dominate): the line covers
+        decide.observe_prefill([(tokens, 16384 - tokens)], 0.014)  # them now
+    assert decide.fitted_to == 16384
+    assert decide.blocks_to_load([1] * 255, 0, 4096) == 128  # 2 steps -> 1: loading more only adds reads
+    assert decide.blocks_to_load([1] * 1023, 0, 16384) == 7 * 128  # 8 steps -> 1
 
 
 def test_the_start_up_line_says_what_was_timed_and_what_was_fitted():

@@ -21,7 +21,9 @@ only, and the fixed part counts once per prefill step a load spares: a prompt co
 costs engine time of its own (claiming the rows from the tiers, writing them into the pool), measured at admission
 (`observe_load`) and fitted the same way: a fixed part per load and a part per block. The engine fits the step line
 before its first request (`engine.prefill_probe` times steps of doubling size at start), and a step or load
-`OUTLIER` times slower than predicted (a first use: a kernel compiled, a buffer page-locked) is left out.
+`OUTLIER` times slower than predicted (a first use: a kernel compiled, a buffer page-locked) is left out. The line
+prices blocks only as far into a prompt as the steps it was fitted on reached (`fitted_to`); past that, the average
+rate does.
 
 For a prompt whose next blocks sit below the device, it loads the leading run whose loading saves the most time
 and computes the rest: block i saves ``its prefill work x marginal seconds per work - block bytes / its tier's read
@@ -139,6 +141,7 @@ class LoadOrCompute:
     reads: dict[int, Rate] = field(default_factory=dict)  # tier level (1 = fastest lower tier) -> bytes per second
     loads: StepFit = field(default_factory=StepFit)  # a load's own engine time as fixed + per block
     load_s: float | None = None  # that time's moving average, a load's fixed cost until the line is known
+    fitted_to: int = 0  # the furthest prompt position a fitted step computed (the line says nothing past it)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def work(self, tokens: int, context: int) -> float:
@@ -154,8 +157,10 @@ class LoadOrCompute:
         work = sum(self.work(tokens, context) for tokens, context in spans)
         with self._lock:
             # every size: the short steps are what shows the fixed part; an outlier moves neither the line nor the rate
-            if only_prefill and not self.steps.observe(work, seconds):
-                return
+            if only_prefill:
+                if not self.steps.observe(work, seconds):
+                    return
+                self.fitted_to = max(self.fitted_to, max(tokens + context for tokens, context in spans))
             if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS:
                 self.prefill.observe(work, seconds)
 
@@ -202,12 +207,14 @@ class LoadOrCompute:
 
     def prefill_s(self, tokens: int, context: int) -> float | None:
         """Expected seconds that computing `tokens` prompt tokens after `context` adds to a step (None: not measured
-        yet): the fitted line's marginal part once it is known, else at the average rate."""
+        yet): the fitted line's marginal part once it is known and the steps it was fitted on reached that far into a
+        prompt, else at the average rate (a line fitted on short steps, flat where launches dominate, would price the
+        attention over a long context at nothing)."""
         rate = self.prefill.per_s
         if rate is None:
             return None
         line = self.steps.line()
-        per_work = line[1] if line is not None else 1.0 / rate
+        per_work = line[1] if line is not None and context + tokens <= self.fitted_to else 1.0 / rate
         return self.work(tokens, context) * per_work
 
     def saving_s(self, level: int, block: int = 0) -> float | None:
