@@ -159,3 +159,10 @@ def test_a_step_far_slower_than_the_line_is_left_out_unless_such_steps_keep_comi
     decide.observe_load(0.002, 8)
     decide.observe_load(0.030, 8)
     assert decide.load_s == 0.002 and decide.loads.outliers == 1  # no line yet (one size): its average decides
+
+
+def test_a_hit_expected_to_lose_less_than_a_millisecond_is_kept_and_one_that_loses_more_is_computed():
+    decide = rates(16_000, level1=1 / 1.05e-3)  # a block computes in 1 ms and reads in 1.05 ms
+    assert decide.blocks_to_load([1] * 4) == 4  # 0.2 ms worse by the estimates: noise, the hit is kept
+    assert decide.blocks_to_load([1] * 40) == 0  # 2 ms worse: computed
+    assert decide.worth_reading([1] * 4, 64, 0) and not decide.worth_reading([1] * 40, 640, 0)

@@ -28,7 +28,8 @@ rate does.
 For a prompt whose next blocks sit below the device, it loads the leading run whose loading saves the most time
 and computes the rest: block i saves ``its prefill work x marginal seconds per work - block bytes / its tier's read
 rate - the load's cost per block``, a run also saves the fixed part of each step it spares, and a run is loaded
-only when what it saves exceeds a load's fixed cost. Until both rates are measured the blocks are loaded (what the
+only when what it saves exceeds a load's fixed cost (a hit expected to lose less than `DECLINE_MIN_S` by loading is
+loaded whole: the estimates cannot tell that apart). Until both rates are measured the blocks are loaded (what the
 engine did before it knew better).
 """
 
@@ -51,6 +52,9 @@ FIT_MIN_SPREAD = 0.25  # the steps' work must spread at least this (std / mean) 
 # it: then the machine changed (another load on it) and the line follows
 OUTLIER = 3.0
 MAX_OUTLIERS = 3
+# a hit is declined (computed instead) only where loading it is expected to cost at least this much more: below it
+# the estimates are noise (a small model's steps and reads of well under a millisecond), and the hit is kept
+DECLINE_MIN_S = 0.001
 
 
 @dataclass(slots=True)
@@ -240,7 +244,7 @@ class LoadOrCompute:
             if read is None or read.per_s is None:
                 return True
             seconds += self.block_nbytes / read.per_s
-        return seconds < compute
+        return seconds < compute + DECLINE_MIN_S
 
     def blocks_to_load(self, levels: Sequence[int], first_block: int = 0, compute_tokens: int | None = None) -> int:
         """Of a prompt's next blocks below the device (`levels[i]`: the tier holding block ``first_block + i``), how
@@ -249,13 +253,15 @@ class LoadOrCompute:
         spares; None: none counted)."""
         fixed_load, per_block = self.load_cost()
         fixed_step = self.step_fixed_s()
-        best = best_at = total = 0.0
+        best = best_at = total = spared = 0.0
         for i, level in enumerate(levels):
             saving = self.saving_s(level, first_block + i)
             total += saving - per_block if saving is not None else float("inf")
             spared = fixed_step * self.steps_spared(compute_tokens, (i + 1) * self.block_tokens)
             if total + spared >= best:
                 best, best_at = total + spared, i + 1
-        if best <= fixed_load:
-            return 0  # what the run saves does not pay for the load itself
-        return int(best_at)
+        if best > fixed_load:
+            return int(best_at)
+        # no run pays for the load itself: the hit is declined where loading it all is expected to lose more than
+        # the estimates can tell apart, else kept
+        return len(levels) if total + spared - fixed_load > -DECLINE_MIN_S else 0
