@@ -200,7 +200,10 @@ def measure_length(probe: Probe, length: int, repeats: int, recomputes: int, rng
                     "read_gb_s": {level: r.per_s / 1e9 for level, r in rates.reads.items() if r.per_s},
                     "step_fixed_ms": step[0] * 1e3 if step else None,  # the fitted step line (load_or_compute.py)
                     "step_marginal_gflop_s": 1e-9 / step[1] if step and step[1] else None,
-                    "load_fixed_ms": load_fixed * 1e3, "load_us_per_block": load_per_block * 1e6}
+                    "load_fixed_ms": load_fixed * 1e3, "load_us_per_block": load_per_block * 1e6,
+                    # how far into a prompt the line prices blocks; steps and loads left out of the fits as outliers
+                    "fitted_to": rates.fitted_to, "step_outliers": rates.steps.outliers,
+                    "load_outliers": rates.loads.outliers}
     return row
 
 

@@ -5,6 +5,8 @@ its measured prefill: the evicted prompt is computed (then loaded), its tokens t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from sage_infer.kv_policy.cost_benefit import ModelShape
@@ -148,6 +150,10 @@ def test_a_step_far_slower_than_the_line_is_left_out_unless_such_steps_keep_comi
     rate = decide.prefill.per_s
     decide.observe_prefill([(256, 0)], 0.393)  # a cold first request (a GPU compiled a kernel for its shape)
     assert decide.steps.line() == line and decide.prefill.per_s == rate and decide.steps.outliers == 1
+    probe = LoadOrCompute(block_tokens=16, block_nbytes=MiB)
+    probe.steps, probe.prefill = copy.deepcopy(decide.steps), Rate(rate, 1)
+    probe.observe_prefill([(256, 0)], 0.393, screen=False)  # timed on purpose (the start-up probe): always fitted
+    assert probe.steps.observations == decide.steps.observations + 1 and probe.steps.outliers == 1
     decide.observe_prefill([(256, 0)], 0.020)  # an ordinary step is fitted, and ends the run of outliers
     assert decide.steps.observations == 7
     for _ in range(3):  # the machine got slower for good: after three outliers in a row the line follows

@@ -54,7 +54,7 @@ def probe_prefill(runner: ModelRunner, blocks: BlockManager, rates: LoadOrComput
             again = _step(runner, blocks, token_ids)
             spent += again
             seconds = min(seconds, again)
-        rates.observe_prefill([(tokens, 0)], seconds)
+        rates.observe_prefill([(tokens, 0)], seconds, screen=False)  # (warm, the fastest of its runs: no outlier)
         timed.append((tokens, seconds))
         if seconds >= PROBE_STEP_S:
             break

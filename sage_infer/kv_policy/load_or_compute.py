@@ -86,13 +86,13 @@ class StepFit:
     _line: tuple[float, float] | None = None  # `line`, solved once per observation (a decision prices every block)
     _stale: bool = True
 
-    def observe(self, work: float, seconds: float, expected: float | None = None) -> bool:
+    def observe(self, work: float, seconds: float, expected: float | None = None, screen: bool = True) -> bool:
         """Fit one step; False where it was left out as an outlier (`OUTLIER` times the line's prediction, or
-        `expected` until there is a line)."""
-        line = self.line()
+        `expected` until there is a line; `screen=False`: never, a step timed on purpose)."""
+        line = self.line() if screen else None
         if line is not None:
             expected = line[0] + work * line[1]
-        if expected is not None and seconds > OUTLIER * expected and self._in_a_row < MAX_OUTLIERS:
+        if screen and expected is not None and seconds > OUTLIER * expected and self._in_a_row < MAX_OUTLIERS:
             self._in_a_row += 1
             self.outliers += 1
             return False
@@ -152,17 +152,19 @@ class LoadOrCompute:
         """Prefill work of `tokens` prompt tokens after `context` earlier ones: FLOPs with a shape, else tokens."""
         return float(tokens) if self.shape is None else self.shape.prefill_flops(tokens, context)
 
-    def observe_prefill(self, spans: Sequence[tuple[int, int]], seconds: float, only_prefill: bool = True) -> None:
+    def observe_prefill(self, spans: Sequence[tuple[int, int]], seconds: float, only_prefill: bool = True,
+                        screen: bool = True) -> None:
         """One step that computed prompt tokens: `spans` = (tokens, context before them) per sequence, `seconds`
         until its tokens were on the host (on a GPU the forward runs after its launch returns). `only_prefill`: the
-        step had no other rows (decode rows' time would read as the line's fixed part)."""
+        step had no other rows (decode rows' time would read as the line's fixed part). `screen=False`: a step timed
+        on purpose (the start-up probe's), never left out as an outlier."""
         if not spans or seconds <= 0:
             return
         work = sum(self.work(tokens, context) for tokens, context in spans)
         with self._lock:
             # every size: the short steps are what shows the fixed part; an outlier moves neither the line nor the rate
             if only_prefill:
-                if not self.steps.observe(work, seconds):
+                if not self.steps.observe(work, seconds, screen=screen):
                     return
                 self.fitted_to = max(self.fitted_to, max(tokens + context for tokens, context in spans))
             if sum(tokens for tokens, _ in spans) >= MIN_PREFILL_TOKENS:
