@@ -203,6 +203,7 @@ def measure_length(probe: Probe, length: int, repeats: int, recomputes: int, rng
                     "load_fixed_ms": load_fixed * 1e3, "load_us_per_block": load_per_block * 1e6,
                     # how far into a prompt the line prices blocks; steps and loads left out of the fits as outliers
                     "fitted_to": rates.fitted_to, "step_outliers": rates.steps.outliers,
+                    "probed_ms": {n: t * 1e3 for n, t in rates.probed},
                     "load_outliers": rates.loads.outliers}
     return row
 
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 llm = make_llm(model_dir, tier, max(lengths), args.budget, Path(workdir), redis and redis[1],
                                args.device, args.dtype, args.layer_loads)
                 probe = Probe(llm, args.settle_s)
+                print(f"  {tier}: prefill steps timed at start "
+                      + ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in probe.rates.probed), flush=True)
                 probe.run([FIRST_REGULAR_TOKEN] * 64, forced=False)  # warm-up: first-call costs out of the way
                 rng = random.Random(args.seed)
                 results[tier] = {}

@@ -38,6 +38,7 @@ def test_an_engine_with_tiers_fits_its_step_line_before_any_request_and_leaves_n
     fixed, per_work = rates.steps.line()  # 16, 32, ..., 512 tokens (the step budget), the fastest of three each
     assert fixed >= 0 and per_work >= 0 and rates.steps.observations >= 4  # (a loaded machine's line may be flat)
     assert rates.prefill.per_s > 0  # the 256- and 512-token steps
+    assert [tokens for tokens, _ in rates.probed] == [16, 32, 64, 128, 256, 512]
     line = next(r.getMessage() for r in caplog.records if "prefill steps timed at start" in r.getMessage())
     assert "16 tokens" in line and "a step costs" in line
     blocks = llm.engine.kv.block_manager

@@ -59,6 +59,7 @@ def probe_prefill(runner: ModelRunner, blocks: BlockManager, rates: LoadOrComput
         if seconds >= PROBE_STEP_S:
             break
         tokens *= 2
+    rates.probed = tuple(timed)
     return timed
 
 

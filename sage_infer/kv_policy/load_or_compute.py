@@ -146,6 +146,7 @@ class LoadOrCompute:
     loads: StepFit = field(default_factory=StepFit)  # a load's own engine time as fixed + per block
     load_s: float | None = None  # that time's moving average, a load's fixed cost until the line is known
     fitted_to: int = 0  # the furthest prompt position a fitted step computed (the line says nothing past it)
+    probed: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of the steps timed at start (`engine.prefill_probe`)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def work(self, tokens: int, context: int) -> float:
