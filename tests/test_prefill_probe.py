@@ -97,9 +97,10 @@ def test_steps_that_cost_the_same_at_every_size_compute_a_short_hit_and_load_a_l
 
 def test_the_start_up_line_says_what_was_timed_and_what_was_fitted():
     rates = LoadOrCompute(16, MiB)
-    assert "none (the free blocks or the context hold fewer than 16 tokens)" in prefill_probe.describe([], rates)
+    assert "none (the free blocks or the context hold fewer than 16 tokens)" in prefill_probe.describe(rates)
     rates.observe_prefill([(16, 0)], 0.3)
-    assert "16 tokens 300.0 ms; too few sizes for a line yet" in prefill_probe.describe([(16, 0.3)], rates)
+    rates.probed = ((16, 0.3),)
+    assert "16 tokens 300.0 ms; too few sizes for a line yet" in prefill_probe.describe(rates)
     for tokens in (32, 64, 128):
         rates.observe_prefill([(tokens, 0)], 0.3)
-    assert prefill_probe.describe([(16, 0.3)], rates).endswith("a step costs 300.00 ms whatever its size")
+    assert prefill_probe.describe(rates).endswith("a step costs 300.00 ms whatever its size")

@@ -321,10 +321,10 @@ class EngineBuilder:
         )
         if self.load_rates is not None and not self.kv_groups:
             # load-or-compute prices a prompt's blocks from the first request on (not from an average rate)
-            timed = probe_prefill(runner, self.kv.block_manager, self.load_rates,
-                                  min(config.scheduler.max_num_batched_tokens, self.auto.max_model_len - 1),
-                                  model.config.vocab_size)
-            auto_log.info("%s", describe_probe(timed, self.load_rates))
+            probe_prefill(runner, self.kv.block_manager, self.load_rates,
+                          min(config.scheduler.max_num_batched_tokens, self.auto.max_model_len - 1),
+                          model.config.vocab_size)
+            auto_log.info("%s", describe_probe(self.load_rates))
         return LLMEngine(parts)
 
 

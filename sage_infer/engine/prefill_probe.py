@@ -80,8 +80,10 @@ def _step(runner: ModelRunner, blocks: BlockManager, token_ids: list[int]) -> fl
         blocks.unallocate(seq.block_table)
 
 
-def describe(timed: list[tuple[int, float]], rates: LoadOrCompute) -> str:
-    """The start-up line: each step's time, and the line fitted through them (or why none)."""
+def describe(rates: LoadOrCompute) -> str:
+    """The start-up line: each step the probe timed (`rates.probed`), and the line fitted through them (or why
+    none)."""
+    timed = rates.probed
     if not timed:
         return (f"prefill steps timed at start: none (the free blocks or the context hold fewer than {FIRST_TOKENS} "
                 f"tokens); prices come from the requests' steps")
