@@ -10,6 +10,7 @@
 #   STEPS="tests spec" OUT=out/gpu bash bench/gpu_check.sh   # some of: tests kvtests spec spec05 kernel moe engine
 #                                                            # prefill profile kvcopy tiers hf hf05
 #   LIMIT_tests=200 WORKLOADS=W3 STEPS="tests engine" ...    # a step's time limit (seconds), the engine's workloads
+#   TIERS_REPEATS=5 STEPS=tiers ...                          # repeats per length of the tier-hit bench (3)
 #
 # Python packages the machine's image lacks are installed from wheels in .whl/ when that folder exists
 # (pip download ... -d .whl, see docs/benchmarks.md, "Triton paged decode attention on a GPU").
@@ -95,7 +96,7 @@ case " $STEPS " in *" kvcopy "*)  # the layer-wise Triton copy from page-locked 
     step kvcopy 90 python3 bench/layer_copy.py --json "$OUT/layer_copy_cuda.json" ;; esac
 case " $STEPS " in *" tiers "*)  # a host / disk tier hit loaded into the GPU's pool against recomputing it
     step tiers 200 python3 bench/load_vs_recompute.py --device cuda --model qwen2.5-0.5b-shape --dtype bf16 \
-        --lengths 256,1024,4096,16384 --tiers host,disk --repeats 3 --settle-s 0.2 --cache-dir /tmp/sage-models \
+        --lengths 256,1024,4096,16384 --tiers host,disk --repeats ${TIERS_REPEATS:-3} --settle-s 0.2 --cache-dir /tmp/sage-models \
         --json "$OUT/load_vs_recompute_cuda.json" ;;
 esac
 case " $STEPS " in *" hf "*)  # sage against transformers on the same GPU

@@ -104,3 +104,25 @@ def test_the_start_up_line_says_what_was_timed_and_what_was_fitted():
     for tokens in (32, 64, 128):
         rates.observe_prefill([(tokens, 0)], 0.3)
     assert prefill_probe.describe(rates).endswith("a step costs 300.00 ms whatever its size")
+
+
+def test_a_cold_step_far_slower_than_the_one_before_runs_again_and_its_warm_time_counts(monkeypatch):
+    # the H200: 16 tokens 28.5 ms, then 713 ms for 32 (a kernel compiled for the new size); counted, that one step
+    # ended the probe and set the line's fixed part to 117 ms
+    calls: list[int] = []
+
+    def step(runner, blocks, token_ids):
+        calls.append(len(token_ids))
+        cold = len(token_ids) == 32 and calls.count(32) == 1
+        return 0.713 if cold else 0.028
+
+    monkeypatch.setattr(prefill_probe, "_step", step)
+    rates = LoadOrCompute(16, MiB)
+    timed = prefill_probe.probe_prefill(None, None, rates, 128, 512)
+    assert timed == [(16, 0.028), (32, 0.028), (64, 0.028), (128, 0.028)]
+    assert calls == [16] + [16] * 3 + [32] * 4 + [64] * 3 + [128] * 3  # warm-up, then three each (+1 for cold 32)
+    assert rates.steps.line() == (pytest.approx(0.028), 0.0)
+    calls.clear()  # twice the time for twice the work is not cold: no extra run (128 tokens: long, once)
+    monkeypatch.setattr(prefill_probe, "_step", lambda runner, blocks, ids: calls.append(len(ids)) or len(ids) * 1e-3)
+    timed = prefill_probe.probe_prefill(None, None, LoadOrCompute(16, MiB), 128, 512)
+    assert [t for t, _ in timed] == [16, 32, 64, 128] and calls == [16] + [16] * 3 + [32] * 3 + [64] * 3 + [128]
