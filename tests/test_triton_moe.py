@@ -13,6 +13,7 @@ from sage_infer.layers.moe import FusedExperts, group_by_expert, route
 from sage_infer.layers.moe_swiglu import ClampedSwigluExperts
 from sage_infer.layers.triton_moe import align_blocks, block_rows, cuda_experts, triton_experts
 from sage_infer.layers.triton_paged import interpreting, triton
+from tests.triton_variants import compiled_variants
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -55,6 +56,22 @@ def test_swiglu_experts_equal_the_per_expert_loop(dtype, tokens, top_k):
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.cpu(), want, **TOLERANCE[dtype])
 
+
+
+@pytest.mark.skipif(not CUDA, reason="compiled kernels exist on a CUDA GPU only")
+def test_steps_of_any_size_reuse_the_compiled_kernels():
+    """1, 8, 5 and 3 tokens (2, 16, 10 and 6 pairs, blocks of 16): the pairs' count is not specialized on, so a
+    step of a new size never waits for a compile."""
+    from sage_infer.layers.triton_moe import _kernels
+
+    experts = FusedExperts(E, H, WIDTH).to(torch.bfloat16).to(DEVICE)
+    counts = []
+    for tokens in (1, 8, 5, 3):
+        x, weights, groups = routed(tokens, 2, torch.bfloat16, seed=tokens)
+        triton_experts(experts, x.to(DEVICE), weights.to(DEVICE), groups_on(groups))
+        torch.cuda.synchronize()
+        counts.append(tuple(compiled_variants(kernel) for kernel in _kernels()))
+    assert len(set(counts)) == 1, counts
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_clamped_swiglu_experts_with_biases_equal_the_per_expert_loop(dtype):

@@ -38,6 +38,7 @@ from sage_infer.layers.triton_paged import prefill_attention as prefill_attentio
 from tests import kv_fill
 from tests.kv_fill import LAYER
 from tests.tiny_models import greedy_tokens
+from tests.triton_variants import compiled_variants
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -255,6 +256,38 @@ def test_prefill_tiles_cover_every_query_once_longest_context_first():
     assert covered == [(i, m) for i, (_, n, _) in enumerate(spans) for m in range(n)]
     assert [span for span, _ in tiles] == [3, 3, 1, 1, 1, 2, 0]
     assert tiles[:2] == [(3, 64), (3, 0)]  # within a span, the tile whose queries see the most keys first
+
+
+
+@needs_gpu
+def test_tables_of_any_width_and_any_split_reuse_one_compiled_kernel():
+    """Block tables 1, 2, 16 and 17 blocks wide, 1 to 7 splits: the integers that vary between steps are not
+    specialized on (Triton compiles anew for an integer that turns 1 or a multiple of 16), so a request of a new
+    length never waits for a compile while serving."""
+    from sage_infer.layers.triton_paged import _kernels
+
+    partial, merge, prefill = _kernels()
+    counts, pads = [], set()
+    merged_before = compiled_variants(merge)
+    for blocks, splits in [(1, 1), (2, 1), (16, 3), (17, 7), (40, 3), (16, 1)]:
+        lens = [blocks * 16 - 3, blocks * 16]
+        used, per_split = num_splits(2, 2, blocks * 16, 1, splits)  # (the multiprocessors count only unwanted)
+        pads |= {triton.next_power_of_2(used)} if used > 1 else set()
+        pool, tables, _ = filled_pool(lens, 2, 32, 16, torch.bfloat16, seed=blocks)
+        q = torch.randn(len(lens), 8, 32, device=DEVICE).to(torch.bfloat16)
+        decode_attention(q, *pool.block_views(LAYER), padded(tables), torch.tensor(lens, device=DEVICE), 0.2,
+                         splits=splits)
+        run_prefill(torch.randn(lens[0], 8, 32, device=DEVICE).to(torch.bfloat16), pool, tables[:1],
+                    [(0, lens[0], lens[0])], 0.2)
+        torch.cuda.synchronize()
+        counts.append((compiled_variants(partial), compiled_variants(merge), compiled_variants(prefill), len(pads),
+                       per_split))
+    # (earlier tests may have compiled these shapes already: counted from the first call on) the decode and
+    # prefill kernels compile at most once; the merge kernel at most once per power-of-two padding of the splits
+    # (a constexpr)
+    assert len({c[0] for c in counts}) == 1 and len({c[2] for c in counts}) == 1, counts
+    assert counts[-1][1] - merged_before <= len(pads) and len(pads) == 3, counts
+    assert len({c[4] for c in counts}) == 3, counts  # tiles per split 1, 2 and 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

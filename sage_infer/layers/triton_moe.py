@@ -141,8 +141,10 @@ def _down(
 
 @cache
 def _kernels():
-    """Both kernels compiled for the GPU, or wrapped for the interpreter under ``TRITON_INTERPRET=1``."""
-    return triton.jit(_gate_up), triton.jit(_down)
+    """Both kernels compiled for the GPU, or wrapped for the interpreter under ``TRITON_INTERPRET=1``. The step's
+    count of (token, expert) pairs is not specialized on (Triton compiles anew for an integer that turns 1 or a
+    multiple of 16: steps of new sizes would wait for compiles while serving)."""
+    return triton.jit(_gate_up, do_not_specialize=["pairs"]), triton.jit(_down, do_not_specialize=["pairs"])
 
 
 def experts_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
