@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from sage_infer.quantization import kv_codec_kernel
+
 RESULT_KEYS = {"backend": str, "chunk_bytes": int, "dtype": str, "gbps": float, "baseline_gbps": float,
                "ratio_to_baseline": float, "p50_chunk_us": float, "p99_chunk_us": float}
 
@@ -35,6 +37,11 @@ def test_bench_runs_real_processes_and_writes_the_documented_json(sage, tmp_path
     assert int4["wire_bytes"] < fp16["wire_bytes"] / 3 and int4["convert_share"] > 0
     assert fp16["rel_rmse"] == 0 and 0 < int4["rel_rmse"] < 0.5
     assert fp16["ratio_to_as_stored"] == 1 and int4["ratio_to_as_stored"] == pytest.approx(int4["gbps"] / fp16["gbps"])
+    # shm's bound (the copies alone, in two processes) runs where the one-pass copy + CRC kernel loads
+    fused = kv_codec_kernel.fused_copy() is not None
+    for r in data["results"]:
+        assert (r["bound_gbps"] > 0) == (fused and r["backend"] == "shm"), r
+    assert ("shm's bound, the copies alone" in result.out) == fused
 
 
 def test_probe_uses_measured_transport_bandwidths(sage, tmp_path):

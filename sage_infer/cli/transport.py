@@ -195,6 +195,14 @@ def bench(
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}"
                   + (" (+ CRC32C: the same with a CRC of every chunk, as kv_transport.checksum=crc32c pays)"
                      if name == "shm" else ""))
+    bounds = {(r.chunk_bytes, r.zero_copy): r.bound_gbps for r in results if r.bound_gbps}
+    if bounds:
+        fp16 = {(r.chunk_bytes, r.zero_copy): r.gbps for r in results if r.bound_gbps and r.ratio_to_as_stored == 1}
+        out.print("  shm's bound, the copies alone (sender copy + CRC32C into the ring, receiver copy + CRC32C out; "
+                  "zero-copy: the sender's copy, the receiver's CRC) in two processes synchronised by spinning: "
+                  + ", ".join(f"{gbps:.2f} GB/s at {chunk >> 10} KiB{' zero-copy' if zc else ''}"
+                              + (f" (as stored ÷ bound {fp16[chunk, zc] / gbps:.2f})" if (chunk, zc) in fp16 else "")
+                              for (chunk, zc), gbps in bounds.items()))
     kv_memcpy = {r.chunk_bytes: r.kv_memcpy_gbps for r in results if r.kv_memcpy_gbps}
     if kv_memcpy:
         out.print("  the same memcpy from the transfer's own KV tensors (torch memory, no transparent huge pages): "

@@ -68,6 +68,8 @@ class BenchResult:
     # GB/s of KV as stored against the same transfer sent as stored (no conversion: same backend, chunk and
     # zero-copy mode, in this run); 0 when that was not run
     ratio_to_as_stored: float = 0.0
+    # shm with a CRC32C: the copies alone in two processes (`shm_bound_gbps`), what no per-chunk work could beat
+    bound_gbps: float = 0.0
 
 
 def kv_shape(total_bytes: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -230,6 +232,108 @@ def memcpy_to_shm_gbps(size: int, chunk: int, repeats: int = 4, crc: bool = Fals
     return size / statistics.median(times[1:]) / 1e9
 
 
+def _chunk_spans(lengths: list[int], chunk: int) -> list[tuple[int, int, int]]:
+    """(layer, offset in it, bytes) of every chunk of layers of these byte lengths, in sending order."""
+    return [(layer, off, min(chunk, n - off)) for layer, n in enumerate(lengths) for off in range(0, n, chunk)]
+
+
+def _bound_receiver(ring_name: str, ctl_name: str, lengths: list[int], chunk: int, slots: int, rounds: int,
+                    direct: bool) -> None:
+    from multiprocessing import shared_memory
+
+    from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array, crc32c_array
+
+    ring, ctl = shared_memory.SharedMemory(ring_name), shared_memory.SharedMemory(ctl_name)
+    try:
+        data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
+        dest = [np.zeros(n, np.uint8) for n in lengths]  # pre-faulted, like a receiver's registered buffers
+        spans = _chunk_spans(lengths, chunk)
+        got = 0
+        counters[8] = -1  # ready
+        for _ in range(rounds):
+            at = 0
+            for layer, off, n in spans:
+                while counters[0] <= got:  # spin: the bound has no synchronisation cost
+                    pass
+                if direct:  # zero-copy: the sender wrote the destination; only its CRC is checked
+                    crc32c_array(data[at : at + n])
+                    at += n
+                else:
+                    start = (got % slots) * chunk
+                    copy_crc32c_array(dest[layer][off : off + n], data[start : start + n])
+                got += 1
+                counters[8] = got
+        del data, counters
+    finally:
+        ring.close()
+        ctl.close()
+
+
+def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, ring_bytes: int = 8 << 20,
+                   direct: bool = False) -> float | None:
+    """The shm transport's bound: the copies a checksummed transfer of `layers` makes and nothing else, in two
+    processes. The sender copies each chunk of each layer into a ring of `ring_bytes` with its CRC32C in the same
+    pass (the one-pass kernel, streaming stores from 1 MiB, as the transport's), the receiver copies it out into its
+    buffer with its CRC32C, the two synchronised by spinning on counters in shared memory: no socket, no event
+    loop, no headers. `direct`: the zero-copy mode's work instead (the sender writes the destination, the receiver
+    only checksums it). None where the one-pass kernel does not load."""
+    from multiprocessing import shared_memory
+
+    from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
+
+    sources = [t.reshape(-1).view(torch.uint8).numpy() for t in layers]
+    lengths = [len(src) for src in sources]
+    size = sum(lengths)
+    spans = _chunk_spans(lengths, chunk)
+    slots = max(2, ring_bytes // chunk)
+    ring = shared_memory.SharedMemory(create=True, size=size if direct else slots * chunk)
+    ctl = shared_memory.SharedMemory(create=True, size=128)
+    data = counters = proc = None
+    try:
+        data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
+        data.fill(0)  # pre-faulted, as the transport's ring is
+        counters[:] = 0
+        if copy_crc32c_array(data[:1], sources[0][:1]) is None:
+            return None
+        proc = mp.get_context("spawn").Process(target=_bound_receiver, args=(ring.name, ctl.name, lengths, chunk,
+                                                                              slots, repeats + 1, direct))
+        proc.start()
+        deadline = time.monotonic() + 60
+        while counters[8] != -1:
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the bound's receiver process did not start")
+            time.sleep(0.01)
+        counters[8] = 0
+        sent, times = 0, []
+        for _ in range(repeats + 1):
+            start, at = time.perf_counter(), 0
+            for layer, off, n in spans:
+                if not direct:
+                    while sent - counters[8] >= slots:  # the ring is full: wait for the receiver
+                        pass
+                    at = (sent % slots) * chunk
+                copy_crc32c_array(data[at : at + n], sources[layer][off : off + n], 0, -1)
+                if direct:
+                    at += n
+                sent += 1
+                counters[0] = sent
+            while counters[8] < sent:
+                if not proc.is_alive():
+                    raise RuntimeError("the bound's receiver process died")
+            times.append(time.perf_counter() - start)
+        return size / statistics.median(times[1:]) / 1e9
+    finally:
+        if proc is not None:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        del data, counters
+        ring.close()
+        ring.unlink()
+        ctl.close()
+        ctl.unlink()
+
+
 def _socket_sink(port_q, size: int, chunk: int, repeats: int) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     port_q.put(server.getsockname()[1])
@@ -328,8 +432,10 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
         for chunk in chunks:
             baseline = BASELINES[backend](size, chunk, repeats)
             crc_baseline = memcpy_to_shm_gbps(size, chunk, repeats, crc=True) if backend == "shm" else 0.0
-            kv_memcpy = (memcpy_to_shm_gbps(size, chunk, repeats, layers=kv_layers(size, TORCH_OF[src_dtype]))
-                         if backend == "shm" else 0.0)
+            kv = kv_layers(size, TORCH_OF[src_dtype]) if backend == "shm" else None
+            kv_memcpy = memcpy_to_shm_gbps(size, chunk, repeats, layers=kv) if kv is not None else 0.0
+            bounds = ({zc: shm_bound_gbps(kv, chunk, repeats, direct=zc) or 0.0 for zc in modes}
+                      if kv is not None and checksum == "crc32c" else {})
             for wire in dtypes:
                 for zc in modes:
                     if progress:
@@ -339,7 +445,7 @@ def run_bench(backends, size: int, chunks, dtypes, *, src_dtype: str = "fp16", r
                         backend, chunk, wire, r["gbps"], baseline, r["gbps"] / baseline, r["p50_chunk_us"],
                         r["p99_chunk_us"], r["convert_share"], r["receiver_cpu_share"], r["wire_bytes"],
                         r["total_bytes"], r["retransmits"], zc, rel_rmse[wire], crc_baseline, kv_memcpy,
-                        r["sender_cpu_us_per_chunk"], r["receiver_cpu_us_per_chunk"],
+                        r["sender_cpu_us_per_chunk"], r["receiver_cpu_us_per_chunk"], 0.0, bounds.get(zc, 0.0),
                     ))  # fmt: skip
     as_stored = {(r.backend, r.chunk_bytes, r.zero_copy): r.gbps for r in results if r.dtype == src_dtype}
     for r in results:
