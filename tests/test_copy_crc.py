@@ -125,10 +125,15 @@ def test_the_python_entry_points_agree_with_and_without_the_kernel(with_kernel, 
     read_only = np.frombuffer(bytes(src.reshape(-1).numpy()), dtype=np.uint8)  # a sender's bytes
     target = np.zeros_like(read_only)
     got = kv_codec_kernel.copy_crc32c_array(target, read_only)
+    copy = kv_codec_kernel.array_copier()  # the same, the kernel chosen once (a transport connection's)
     if with_kernel:
         assert got == crc32c.crc32c(read_only) and np.array_equal(target, read_only)
+        again = np.zeros_like(read_only)
+        assert copy(again[3:], read_only[3:], 5, 1) == crc32c.crc32c(read_only[3:], 5)
+        assert np.array_equal(again[3:], read_only[3:]) and not again[:3].any()
     else:
         assert got is None and not target.any()  # the caller copies and checksums on its own
+        assert copy is None
 
 
 def bitwise_crc32c(data: bytes, crc: int = 0) -> int:

@@ -178,7 +178,7 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
     """Make the shm sender's copy into the ring come out wrong in one byte (`times` chunks, or every
     chunk when None); its CRC is of the sender's own bytes, so the receiver sees a chunk that fails."""
     left = {"n": times}
-    real, real_fused = shm.copy_piece, shm.copy_crc32c_array
+    real, real_copier = shm.copy_piece, shm.array_copier
 
     def flip(dest):
         if left["n"] is None or left["n"] > 0:
@@ -190,14 +190,20 @@ def corrupt_after_checksum(monkeypatch, times: int | None = 1) -> None:
         real(dest, src)
         flip(dest)
 
-    def fused_copy_then_flip(dest, src, *args):  # the one-pass copy + CRC32C, where its kernel loads
-        crc = real_fused(dest, src, *args)
-        if crc is not None:
+    def copier_that_flips():  # the one-pass copy + CRC32C, where its kernel loads (the sender takes it at start)
+        fused = real_copier()
+        if fused is None:
+            return None
+
+        def fused_copy_then_flip(dest, src, *args):
+            crc = fused(dest, src, *args)
             flip(dest)
-        return crc
+            return crc
+
+        return fused_copy_then_flip
 
     monkeypatch.setattr(shm, "copy_piece", copy_then_flip)
-    monkeypatch.setattr(shm, "copy_crc32c_array", fused_copy_then_flip)
+    monkeypatch.setattr(shm, "array_copier", copier_that_flips)
 
 
 def test_corrupt_chunk_is_resent_and_arrives_exact(monkeypatch):

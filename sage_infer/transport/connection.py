@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,18 +19,15 @@ if TYPE_CHECKING:
     from sage_infer.transport.engine import TransportEngine
 
 
-@dataclass(order=True, slots=True)
+@dataclass(slots=True)
 class _Job:
-    priority: int
-    deadline: float
-    arrival: int
-    chunk: KVChunk = field(compare=False)
-    layer: torch.Tensor = field(compare=False)
-    plan: TransportPlan = field(compare=False)
-    count: int = field(compare=False)
-    stats: TransferRecord = field(compare=False)
-    source: memoryview | None = field(compare=False)  # the layer's bytes on the host (None: made per chunk)
-    done: asyncio.Future = field(compare=False)  # -> seconds from send to verified ACK
+    chunk: KVChunk
+    layer: torch.Tensor
+    plan: TransportPlan
+    count: int
+    stats: TransferRecord
+    source: memoryview | None  # the layer's bytes on the host (None: made per chunk)
+    done: asyncio.Future  # -> seconds from send to verified ACK
 
 
 class Connection:
@@ -48,15 +45,17 @@ class Connection:
         self.inflight_gauge = engine.telemetry.inflight.labels(backend)
         self.seq = itertools.count()
         self._arrivals = itertools.count()
-        self._queue: list[_Job] = []
+        # (priority, deadline, arrival, job): compared as tuples, in C (a transfer queues every chunk at once, and a
+        # dataclass's generated comparisons cost a dozen Python calls per pop)
+        self._queue: list[tuple[int, float, int, _Job]] = []
         self._ready = asyncio.Event()
         self._pump = asyncio.get_running_loop().create_task(self._run())
 
     def submit(self, priority: int, deadline: float, chunk: KVChunk, layer: torch.Tensor, plan: TransportPlan,
                count: int, stats: TransferRecord, source: memoryview | None = None) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, _Job(priority, deadline, next(self._arrivals), chunk, layer, plan, count,
-                                         stats, source, done))
+        heapq.heappush(self._queue, (priority, deadline, next(self._arrivals),
+                                     _Job(chunk, layer, plan, count, stats, source, done)))
         self._ready.set()
         return done
 
@@ -64,29 +63,31 @@ class Connection:
         # (Preparing the next chunk's CRC on a worker thread while this one is on the wire was
         # tried and measured no gain (`sage transport bench`), so the pump stays one simple loop.)
         while True:
-            job = self._pop_live()
-            if job is None:
+            popped = self._pop_live()
+            if popped is None:
                 self._ready.clear()
                 await self._ready.wait()
                 continue
+            deadline, job = popped
             try:  # the channel settles job.done itself when the receiver acknowledges the chunk
-                await self.engine.send_kv_chunk(self, job.chunk, job.layer, job.plan, deadline=job.deadline,
+                await self.engine.send_kv_chunk(self, job.chunk, job.layer, job.plan, deadline=deadline,
                                                 count=job.count, stats=job.stats, source=job.source, acked=job.done,
                                                 ack_now=not self._queue)  # nothing queued: we wait for ACKs next
             except (TransportError, ValueError) as err:
                 if not job.done.done():
                     job.done.set_exception(err)
 
-    def _pop_live(self) -> _Job | None:
+    def _pop_live(self) -> tuple[float, _Job] | None:
+        """(deadline, job) of the next chunk to send."""
         while self._queue:
-            job = heapq.heappop(self._queue)
+            _, deadline, _, job = heapq.heappop(self._queue)
             if not job.done.done():  # skip chunks of transfers that gave up
-                return job
+                return deadline, job
         return None
 
     async def aclose(self) -> None:
         self._pump.cancel()
-        for job in self._queue:
+        for *_, job in self._queue:
             job.done.cancel()
         await self.channel.aclose()
 

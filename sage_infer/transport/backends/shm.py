@@ -38,7 +38,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
+from sage_infer.quantization.kv_codec_kernel import ArrayCopy, array_copier
 from sage_infer.transport.accept import AcceptingListener, OnRefused
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.auth import answer_challenge, socket_io
@@ -69,7 +69,7 @@ async def read_header(sock: socket.socket, buf: bytearray, what: str) -> ChunkHe
 
 
 PIECE = 256 * 1024  # copy, then checksum while the piece is still in L2
-# How the sender's one-pass copy stores (kv_codec_kernel.copy_crc32c_array): streaming from 1 MiB, into the ring
+# How the sender's one-pass copy stores (kv_codec_kernel.array_copier): streaming from 1 MiB, into the ring
 # too. Plain stores into the ring (so the receiver would read it from cache) cost the sender 120-129 µs of CPU per
 # 1 MiB chunk against 105-106 streamed, and the receiver, reading from another core, gained nothing (100-103 µs)
 RING_STREAM = -1
@@ -80,21 +80,20 @@ def copy_piece(dest: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dest, src)
 
 
-def copy_and_checksum(dest: np.ndarray, payload: memoryview | PendingEncode, algorithm, stream: int = -1) -> int:
-    """Copy `payload` into `dest` and checksum it: a CRC32C in one pass with the copy (`copy_crc32c_array`), else
-    piece by piece, checksumming each piece of the *source* right after (it is still in L2). A `PendingEncode` is
-    encoded into `dest` instead, its CRC32C taken in the same pass. The receiver checks its bytes against this
-    CRC, so a bad copy on either side is caught."""
+def copy_and_checksum(dest: np.ndarray, payload: memoryview | PendingEncode, algorithm, stream: int = -1,
+                      fused: ArrayCopy | None = None) -> int:
+    """Copy `payload` into `dest` and checksum it: a CRC32C in one pass with the copy (`fused`, the kernel's
+    `kv_codec_kernel.array_copier`, where it loads), else piece by piece, checksumming each piece of the *source*
+    right after (it is still in L2). A `PendingEncode` is encoded into `dest` instead, its CRC32C taken in the same
+    pass. The receiver checks its bytes against this CRC, so a bad copy on either side is caught."""
     if isinstance(payload, PendingEncode):  # (the engine sends no CRC32 chunk this way)
         return payload.write(torch.from_numpy(dest), algorithm is Checksum.CRC32C)
     src = np.frombuffer(payload, dtype=np.uint8)
     if algorithm is Checksum.NONE:  # one copy, nothing to interleave
         copy_piece(dest, src)
         return 0
-    if algorithm is Checksum.CRC32C:  # one pass where the kernel loads: each byte loaded once, copied and checksummed
-        crc = copy_crc32c_array(dest, src, 0, stream)
-        if crc is not None:
-            return crc
+    if algorithm is Checksum.CRC32C and fused is not None:  # one pass: each byte loaded once, copied and checksummed
+        return fused(dest, src, 0, stream)
     crc = 0
     for start in range(0, len(src), PIECE):
         piece = src[start : start + PIECE]
@@ -163,6 +162,7 @@ class ShmSendChannel(SendChannel):
         self._regions = _Regions(ring.nbytes)
         self._region_of: dict[int, int] = {}
         self._largest = 0  # the largest chunk staged in the ring so far
+        self._fused = array_copier()  # the one-pass copy + CRC32C, chosen once for the connection
         self._space = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read_control())
@@ -194,7 +194,7 @@ class ShmSendChannel(SendChannel):
                 self._space.clear()
                 await before(self._space.wait(), deadline, "waiting for room in the shm ring (receiver behind)")
         self._region_of[header.seq] = start
-        crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm, RING_STREAM)
+        crc = copy_and_checksum(self._ring_np[start : start + n], payload, header.algorithm, RING_STREAM, self._fused)
         self._largest = max(self._largest, n)
         if not self._regions.fits(self._largest):  # the next chunk may wait for room: regions must come back
             flags |= Flag.ACK_NOW
@@ -208,7 +208,8 @@ class ShmSendChannel(SendChannel):
                 f"shm: chunk {header.chunk_index} of layer {header.layer} falls outside the buffer the receiver placed"
             )
         start = int(place[header.layer, 0]) + header.offset
-        crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm, DIRECT_STREAM)
+        crc = copy_and_checksum(self.peer_arena.array[start : start + n], payload, header.algorithm, DIRECT_STREAM,
+                                self._fused)
         return header.pack(slot=start, crc=crc, flags=flags | Flag.DIRECT)
 
     async def _send(self, data: bytes, deadline: float) -> None:

@@ -21,7 +21,7 @@ import socket
 
 import numpy as np
 
-from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
+from sage_infer.quantization.kv_codec_kernel import ArrayCopy, array_copier
 from sage_infer.transport.arena import SharedArena
 from sage_infer.transport.base import Decoder, RecvChannel, Sink, before
 from sage_infer.transport.transport_errors import (
@@ -49,13 +49,12 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
 
 
 
-def copy_into(out: np.ndarray, ring: np.ndarray, algorithm: Checksum) -> int | None:
-    """Copy a chunk out of the ring; for a CRC32C chunk, where the one-pass kernel loads, also its CRC32C (the
-    copy's bytes, read once), else None (the caller checksums `out`)."""
-    if algorithm is Checksum.CRC32C:
-        crc = copy_crc32c_array(out, ring)
-        if crc is not None:
-            return crc
+def copy_into(out: np.ndarray, ring: np.ndarray, algorithm: Checksum, fused: ArrayCopy | None) -> int | None:
+    """Copy a chunk out of the ring; for a CRC32C chunk, where the one-pass kernel loads (`fused`,
+    `kv_codec_kernel.array_copier`), also its CRC32C (the copy's bytes, read once), else None (the caller
+    checksums `out`)."""
+    if algorithm is Checksum.CRC32C and fused is not None:
+        return fused(out, ring, 0, -1)
     np.copyto(out, ring)
     return None
 
@@ -80,6 +79,7 @@ class ShmRecvChannel(RecvChannel):
         self._run: list[int] | None = None  # [first seq, last seq, ring bytes] verified, not yet acknowledged
         self._flush_scheduled = False  # a flush waits for this task to yield
         self._out = bytearray()  # control messages the socket has not taken yet, in order
+        self._fused = array_copier()  # the one-pass copy + CRC32C, chosen once for the connection
 
     async def publish(self, request_id: str, regions: list[tuple[int, int]]) -> None:
         """Tell the sender where each layer of `request_id` lies in the arena (offset, bytes)."""
@@ -136,7 +136,7 @@ class ShmRecvChannel(RecvChannel):
             if self.arena is None or self.arena.offset_of(out) != header.slot:
                 raise ProtocolError(f"shm: chunk {header.chunk_index} was written outside its destination")
         else:
-            got = copy_into(out, self._region(header), header.algorithm)
+            got = copy_into(out, self._region(header), header.algorithm, self._fused)
         return out, got
 
     async def _next_header(self, deadline: float) -> ChunkHeader | None:
