@@ -269,10 +269,11 @@ class TransportEngine:
                     regions = buffers.placement(rid, channel.arena)
                     if regions is not None:
                         await before(channel.publish(rid, regions), deadline, f"placing {rid!r}")
-            while not all(buffers.complete(rid) for rid in wanted):
+            incomplete = {rid for rid in wanted if not buffers.complete(rid)}  # (only their own chunks complete them)
+            while incomplete:
                 got = await self.recv_kv_chunk(channel, buffers, deadline=deadline)
                 if got is None:
-                    missing = [rid for rid in wanted if not buffers.complete(rid)]
+                    missing = [rid for rid in wanted if rid in incomplete]
                     raise PeerClosedError(f"{backend}: the sender closed the connection before {missing} completed")
                 header, decode_s = got
                 s = stats.get(header.request_id)
@@ -283,8 +284,9 @@ class TransportEngine:
                 s.bytes += header.raw_length
                 s.wire_bytes += header.length
                 s.convert_seconds += decode_s
-                if buffers.complete(header.request_id):
+                if header.request_id in incomplete and buffers.complete(header.request_id):
                     s.seconds = loop.time() - started[header.request_id]
+                    incomplete.discard(header.request_id)
         except TransportError as err:
             self.telemetry.failures.labels(err.reason).inc()
             for rid in wanted:
