@@ -156,7 +156,7 @@ def bench(
     from rich.console import Console
 
     from sage_infer.transport.base import backend_availability
-    from sage_infer.transport.bench import BACKENDS, BASELINE_NAMES, results_json, run_bench
+    from sage_infer.transport.bench import BACKENDS, results_json, run_bench
     from sage_infer.transport.format.converter import WIRE_FORMATS
 
     backends = _names("--backend", backend, BACKENDS, BACKENDS)
@@ -191,6 +191,23 @@ def bench(
                     ["backend", "chunk", "wire dtype", "GB/s", "baseline GB/s", "+ CRC32C GB/s", "ratio",
                      "÷ as stored", "p50 chunk µs", "p99 chunk µs", "convert", "rel. RMSE", "receiver CPU",
                      "CPU µs/chunk send / recv"], rows))
+    _print_peers(out, backends, results)
+    if json_out is not None:
+        import json
+
+        data = results_json(results)
+        data["size_bytes"] = total
+        try:
+            json_out.write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as err:
+            raise UsageError(f"--json {json_out}: cannot write: {err.strerror}") from None
+        out.print(f"wrote {json_out}")
+
+
+def _print_peers(out, backends, results) -> None:
+    """The lines under the bench's table: each backend's baseline, shm's bound and the memcpy from the KV itself."""
+    from sage_infer.transport.bench import BASELINE_NAMES
+
     for name in backends:
         out.print(f"  baseline for {name}: {BASELINE_NAMES[name]}"
                   + (" (+ CRC32C: the same with a CRC of every chunk, as kv_transport.checksum=crc32c pays)"
@@ -207,16 +224,6 @@ def bench(
     if kv_memcpy:
         out.print("  the same memcpy from the transfer's own KV tensors (torch memory, no transparent huge pages): "
                   + ", ".join(f"{gbps:.2f} GB/s at {chunk >> 10} KiB" for chunk, gbps in kv_memcpy.items()))
-    if json_out is not None:
-        import json
-
-        data = results_json(results)
-        data["size_bytes"] = total
-        try:
-            json_out.write_text(json.dumps(data, indent=2) + "\n")
-        except OSError as err:
-            raise UsageError(f"--json {json_out}: cannot write: {err.strerror}") from None
-        out.print(f"wrote {json_out}")
 
 
 @app.command("backends")

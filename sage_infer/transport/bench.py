@@ -243,6 +243,7 @@ def _bound_receiver(ring_name: str, ctl_name: str, lengths: list[int], chunk: in
 
     from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array, crc32c_array
 
+    parent = os.getppid()
     ring, ctl = shared_memory.SharedMemory(ring_name), shared_memory.SharedMemory(ctl_name)
     try:
         data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
@@ -253,8 +254,11 @@ def _bound_receiver(ring_name: str, ctl_name: str, lengths: list[int], chunk: in
         for _ in range(rounds):
             at = 0
             for layer, off, n in spans:
+                spins = 0
                 while counters[0] <= got:  # spin: the bound has no synchronisation cost
-                    pass
+                    spins += 1
+                    if not spins & 0xFFFFF and os.getppid() != parent:
+                        return  # the sender is gone
                 if direct:  # zero-copy: the sender wrote the destination; only its CRC is checked
                     crc32c_array(data[at : at + n])
                     at += n
@@ -289,6 +293,7 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
     ring = shared_memory.SharedMemory(create=True, size=size if direct else slots * chunk)
     ctl = shared_memory.SharedMemory(create=True, size=128)
     data = counters = proc = None
+    finished = False
     try:
         data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
         data.fill(0)  # pre-faulted, as the transport's ring is
@@ -296,7 +301,7 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
         if copy_crc32c_array(data[:1], sources[0][:1]) is None:
             return None
         proc = mp.get_context("spawn").Process(target=_bound_receiver, args=(ring.name, ctl.name, lengths, chunk,
-                                                                              slots, repeats + 1, direct))
+                                                                              slots, repeats + 1, direct), daemon=True)
         proc.start()
         deadline = time.monotonic() + 60
         while counters[8] != -1:
@@ -309,8 +314,11 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
             start, at = time.perf_counter(), 0
             for layer, off, n in spans:
                 if not direct:
+                    spins = 0
                     while sent - counters[8] >= slots:  # the ring is full: wait for the receiver
-                        pass
+                        spins += 1
+                        if not spins & 0xFFFFF and not proc.is_alive():
+                            raise RuntimeError("the bound's receiver process died")
                     at = (sent % slots) * chunk
                 copy_crc32c_array(data[at : at + n], sources[layer][off : off + n], 0, -1)
                 if direct:
@@ -321,9 +329,12 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
                 if not proc.is_alive():
                     raise RuntimeError("the bound's receiver process died")
             times.append(time.perf_counter() - start)
+        finished = True
         return size / statistics.median(times[1:]) / 1e9
     finally:
         if proc is not None:
+            if not finished:  # it would spin on, waiting for chunks
+                proc.kill()
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()

@@ -95,12 +95,12 @@ GRANULARITIES = ("per_token", "per_channel")
 # Wire code -> member, looked up once per message instead of calling the enum (unpack is per chunk).
 _KINDS = {int(k): k for k in Kind}
 _FLAGS = {bits: Flag(bits) for bits in range(1 << len(Flag))}
+_CHECKSUMS = {int(c): c for c in Checksum}
 
 
 def _flag(bits: int) -> Flag:
     flag = _FLAGS.get(bits)
     return flag if flag is not None else Flag(bits)
-_CHECKSUMS = {int(c): c for c in Checksum}
 
 
 def _ack_body(seq: int, count: int) -> bytes:
