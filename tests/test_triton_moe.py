@@ -57,7 +57,6 @@ def test_swiglu_experts_equal_the_per_expert_loop(dtype, tokens, top_k):
     torch.testing.assert_close(got.cpu(), want, **TOLERANCE[dtype])
 
 
-
 @pytest.mark.skipif(not CUDA, reason="compiled kernels exist on a CUDA GPU only")
 def test_steps_of_any_size_reuse_the_compiled_kernels():
     """1, 8, 5 and 3 tokens (2, 16, 10 and 6 pairs, blocks of 16): the pairs' count is not specialized on, so a
@@ -72,6 +71,7 @@ def test_steps_of_any_size_reuse_the_compiled_kernels():
         torch.cuda.synchronize()
         counts.append(tuple(compiled_variants(kernel) for kernel in _kernels()))
     assert len(set(counts)) == 1, counts
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_clamped_swiglu_experts_with_biases_equal_the_per_expert_loop(dtype):

@@ -258,11 +258,10 @@ def test_prefill_tiles_cover_every_query_once_longest_context_first():
     assert tiles[:2] == [(3, 64), (3, 0)]  # within a span, the tile whose queries see the most keys first
 
 
-
 @needs_gpu
 def test_tables_of_any_width_and_any_split_reuse_one_compiled_kernel():
-    """Block tables 1, 2, 16 and 17 blocks wide, 1 to 7 splits: the integers that vary between steps are not
-    specialized on (Triton compiles anew for an integer that turns 1 or a multiple of 16), so a request of a new
+    """Block tables 1 to 40 blocks wide, 1 to 5 splits of 1 to 4 tiles: the integers that vary between steps are
+    not specialized on (Triton compiles anew for an integer that turns 1 or a multiple of 16), so a request of a new
     length never waits for a compile while serving."""
     from sage_infer.layers.triton_paged import _kernels
 

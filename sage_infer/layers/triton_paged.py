@@ -355,7 +355,6 @@ def decode_attention(
     return merged, merged_lse
 
 
-
 def prefill_tiles(spans: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """The prefill kernel's programs along its first axis: (span index, first query) for every tile of
     `PREFILL_ROWS` queries of each span (first row, queries, context tokens), longest spans' tiles first so

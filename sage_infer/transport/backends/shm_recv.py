@@ -48,7 +48,6 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-
 def copy_into(out: np.ndarray, ring: np.ndarray, algorithm: Checksum, fused: ArrayCopy | None) -> int | None:
     """Copy a chunk out of the ring; for a CRC32C chunk, where the one-pass kernel loads (`fused`,
     `kv_codec_kernel.array_copier`), also its CRC32C (the copy's bytes, read once), else None (the caller
@@ -57,6 +56,7 @@ def copy_into(out: np.ndarray, ring: np.ndarray, algorithm: Checksum, fused: Arr
         return fused(out, ring, 0, -1)
     np.copyto(out, ring)
     return None
+
 
 class ShmRecvChannel(RecvChannel):
     """Acknowledges verified chunks in runs: one ACK covers up to `ACK_EVERY` consecutive chunks, or
