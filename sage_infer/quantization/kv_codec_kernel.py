@@ -178,9 +178,7 @@ def crc32c_array(data: np.ndarray, value: int = 0) -> int | None:
     module = native_crc()
     if module is None:
         return None
-    with warnings.catch_warnings():  # (torch warns that a read-only array is shared; it is only read)
-        warnings.simplefilter("ignore", UserWarning)
-        return module.crc32c(torch.from_numpy(data), value)
+    return module.crc32c(_source(data), value)
 
 
 ArrayCopy = Callable[[np.ndarray, np.ndarray, int, int], int]

@@ -241,9 +241,10 @@ def _bound_receiver(ring_name: str, ctl_name: str, lengths: list[int], chunk: in
                     direct: bool) -> None:
     from multiprocessing import shared_memory
 
-    from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array, crc32c_array
+    from sage_infer.quantization.kv_codec_kernel import array_copier, crc32c_array
 
     parent = os.getppid()
+    copy_crc32c = array_copier()  # (chosen once, as a transport connection does)
     ring, ctl = shared_memory.SharedMemory(ring_name), shared_memory.SharedMemory(ctl_name)
     try:
         data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
@@ -264,7 +265,7 @@ def _bound_receiver(ring_name: str, ctl_name: str, lengths: list[int], chunk: in
                     at += n
                 else:
                     start = (got % slots) * chunk
-                    copy_crc32c_array(dest[layer][off : off + n], data[start : start + n])
+                    copy_crc32c(dest[layer][off : off + n], data[start : start + n], 0, -1)
                 got += 1
                 counters[8] = got
         del data, counters
@@ -283,8 +284,11 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
     only checksums it). None where the one-pass kernel does not load."""
     from multiprocessing import shared_memory
 
-    from sage_infer.quantization.kv_codec_kernel import copy_crc32c_array
+    from sage_infer.quantization.kv_codec_kernel import array_copier
 
+    copy_crc32c = array_copier()  # (chosen once, as a transport connection does)
+    if copy_crc32c is None:
+        return None
     sources = [t.reshape(-1).view(torch.uint8).numpy() for t in layers]
     lengths = [len(src) for src in sources]
     size = sum(lengths)
@@ -298,8 +302,6 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
         data, counters = np.ndarray((ring.size,), np.uint8, ring.buf), np.ndarray((16,), np.int64, ctl.buf)
         data.fill(0)  # pre-faulted, as the transport's ring is
         counters[:] = 0
-        if copy_crc32c_array(data[:1], sources[0][:1]) is None:
-            return None
         proc = mp.get_context("spawn").Process(target=_bound_receiver, args=(ring.name, ctl.name, lengths, chunk,
                                                                               slots, repeats + 1, direct), daemon=True)
         proc.start()
@@ -320,7 +322,7 @@ def shm_bound_gbps(layers: list[torch.Tensor], chunk: int, repeats: int = 4, rin
                         if not spins & 0xFFFFF and not proc.is_alive():
                             raise RuntimeError("the bound's receiver process died")
                     at = (sent % slots) * chunk
-                copy_crc32c_array(data[at : at + n], sources[layer][off : off + n], 0, -1)
+                copy_crc32c(data[at : at + n], sources[layer][off : off + n], 0, -1)
                 if direct:
                     at += n
                 sent += 1
